@@ -1,0 +1,1 @@
+"""tensorpar: tensor parallelism for PyTorch models."""
