@@ -69,6 +69,7 @@ def atomic_dir(dest: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.tmp-"))
     try:
         yield tmp
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is as readable as any download
         os.replace(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -76,19 +77,29 @@ def atomic_dir(dest: str | os.PathLike) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def atomic_file(dest: str | os.PathLike, mode: str = "wb") -> Iterator[BinaryIO]:
-    """Open a temporary file beside ``dest`` for writing; on success move it to ``dest``, on error delete it."""
+def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
+    """Yield a fresh temporary path beside ``dest`` for code that writes by file name (e.g. safetensors'
+    ``save_file``); on success move it to ``dest``, on error delete it.
+    """
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.tmp-")
+    os.close(fd)
     try:
-        with os.fdopen(fd, mode) as f:
-            yield f
+        yield Path(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is as readable as any download
         os.replace(tmp, dest)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+@contextlib.contextmanager
+def atomic_file(dest: str | os.PathLike, mode: str = "wb") -> Iterator[BinaryIO]:
+    """Open a temporary file beside ``dest`` for writing; on success move it to ``dest``, on error delete it."""
+    with atomic_path(dest) as tmp, open(tmp, mode) as f:
+        yield f
 
 
 def remove_tree(folder: str | os.PathLike) -> None:
