@@ -37,6 +37,11 @@ class TPAttention(nn.Module):
     Collectives: forward one all-reduce in ``o_proj`` (reduce-scatter with sequence parallelism,
     plus an all-gather at entry); backward one all-reduce at entry (reduce-scatter with
     sequence parallelism, plus an all-gather at ``o_proj``).
+
+    Training hooks (both ``None`` by default, which is the plain inference path):
+    ``attention_fn`` replaces the attention kernel (same call signature as transformers'
+    attention functions), ``output_dropout`` is applied to the output of ``o_proj``. Training
+    uses them for dropout masks that are the same at every tp (``tensorpar.train.dropout``).
     """
 
     def __init__(self, attn: nn.Module, tp: Group, layout: HeadLayout, *, sequence_parallel: bool = False):
@@ -57,6 +62,8 @@ class TPAttention(nn.Module):
         self.v_proj = ColumnParallelLinear.from_linear(attn.v_proj, tp, partition=layout.kv_rows)
         self.o_proj = RowParallelLinear.from_linear(attn.o_proj, tp, partition=layout.q_rows,
                                                     sequence_parallel=sequence_parallel)
+        self.attention_fn = None
+        self.output_dropout = None
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -74,12 +81,16 @@ class TPAttention(nn.Module):
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
         k = self.layout.expand_kv(k, self.tp.rank)  # [b, q_local, s_kv, d]
         v = self.layout.expand_kv(v, self.tp.rank)
-        fn = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._attn_default)
+        fn = self.attention_fn or ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                                         self._attn_default)
         extra = {"sliding_window": self.sliding_window} if self.sliding_window is not None else {}
         out, weights = fn(self, q, k, v, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,
                           scaling=self.scaling, **extra, **kwargs)
         out = out.reshape(b, s, -1).contiguous()  # [b, s, q_local * d]
-        return self.o_proj(out), weights
+        out = self.o_proj(out)
+        if self.output_dropout is not None:
+            out = self.output_dropout(out)
+        return out, weights
 
     def extra_repr(self) -> str:
         return f"tp={self.tp.size}, {self.layout.describe()}"
@@ -92,6 +103,7 @@ class TPGatedMLP(nn.Module):
     intermediate ``[b, s, f_r]`` with ``f_r = partition.sizes[tp_rank]``.
     Collectives: forward one all-reduce (reduce-scatter, plus an all-gather at entry, with
     sequence parallelism); backward one all-reduce (or reduce-scatter + all-gather).
+    ``output_dropout`` (``None`` by default) is applied to the output, as in :class:`TPAttention`.
     """
 
     def __init__(self, mlp: nn.Module, tp: Group, *, partition: Partition | None = None,
@@ -104,10 +116,12 @@ class TPGatedMLP(nn.Module):
         self.down_proj = RowParallelLinear.from_linear(mlp.down_proj, tp, partition=part,
                                                        sequence_parallel=sequence_parallel)
         self.act_fn = mlp.act_fn
+        self.output_dropout = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _enter(x, self.tp, self.sequence_parallel)
-        return self.down_proj(self.act_fn(self.gate_proj.forward_local(x)) * self.up_proj.forward_local(x))
+        y = self.down_proj(self.act_fn(self.gate_proj.forward_local(x)) * self.up_proj.forward_local(x))
+        return y if self.output_dropout is None else self.output_dropout(y)
 
     def extra_repr(self) -> str:
         return f"tp={self.tp.size}, intermediate local {self.gate_proj.out_features_local}"
