@@ -1,0 +1,1 @@
+"""Training with tensor and sequence parallelism: config, model, dropout, loop, checkpoints, export, CLI."""

@@ -1,0 +1,179 @@
+"""Training configuration: one frozen dataclass, model presets, and the checks made before any rank starts.
+
+Every check raises ``ValueError`` naming the setting, its value and what would work. The checks that need
+the model (heads, vocabulary, context length) are in :func:`check_against_model`, run once the model's
+config is known; :meth:`TrainConfig.__post_init__` checks everything that does not.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+# Llama-style architectures trained from scratch. vocab_size comes from the tokenizer, so it is not here.
+# num_key_value_heads < num_attention_heads everywhere: grouped-query attention is the case that needs care.
+PRESETS: dict[str, dict] = {
+    # a few seconds per 100 steps on a laptop core; what the CI trains
+    "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, tie_word_embeddings=True),
+    # ~3 M parameters besides the embedding: learns Shakespeare's spelling in a few hundred steps on a CPU
+    "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4, tie_word_embeddings=True),
+    # the benchmark model: heads and KV heads divisible by 2, untied, so torch's parallelize_module runs it too
+    "bench": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=6,
+                  num_key_value_heads=2, tie_word_embeddings=False),
+}
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything that defines a training run. Saved in every checkpoint (``state.json``).
+
+    Model and data:
+        model: a preset name (:data:`PRESETS`), a Hugging Face ``config.json`` path (trained from scratch),
+            a model folder, or ``"smollm2"`` (fine-tuned from its weights unless ``init="scratch"``).
+        init: ``"auto"`` (pretrained weights when ``model`` has them), ``"scratch"`` or ``"pretrained"``.
+        data: ``"shakespeare"`` or the path of a UTF-8 text file.
+        tokenizer: ``"auto"`` (the model folder's tokenizer if it has one, else bytes), ``"bytes"``,
+            ``"smollm2"`` or a model folder.
+        val_fraction: share of the text held out for the validation loss.
+    Parallelism:
+        tp: tensor-parallel degree. sequence_parallel: split activations between blocks along the sequence.
+    Optimisation:
+        seq_len, batch_size: tokens per step = ``seq_len * batch_size`` (the same at every tp).
+        steps: optimiser steps in total (a resumed run continues up to it).
+        lr, min_lr_ratio, warmup_steps: linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio``.
+        weight_decay, beta1, beta2, eps: AdamW (decoupled decay on matrices only; norms and biases undecayed).
+        grad_clip: clip the global gradient norm to this (0 = off).
+        label_smoothing: of the cross-entropy (Szegedy et al. 2016).
+        attention_dropout, hidden_dropout: dropout on attention probabilities and on each block's attention
+            and MLP outputs. Off by default: 0 makes the run deterministic and checkable against tp = 1.
+        dtype: ``"float32"``, or ``"bfloat16"`` for bf16 autocast (weights and optimizer stay fp32).
+        recompute: recompute each block's activations in backward instead of storing them.
+        seed: initial weights, data order and dropout masks all derive from it.
+    Output:
+        out_dir: metrics, plot and checkpoints go here.
+        eval_every, eval_batches: validation loss every N steps (0 = only at the end) on this many batches.
+        save_every: checkpoint every N steps (0 = only at the end). keep_checkpoints: how many to keep.
+        log_every: write a metrics line every N steps.
+    """
+
+    model: str = "tiny"
+    init: str = "auto"
+    data: str = "shakespeare"
+    tokenizer: str = "auto"
+    val_fraction: float = 0.05
+    tp: int = 1
+    sequence_parallel: bool = False
+    seq_len: int = 128
+    batch_size: int = 8
+    steps: int = 200
+    lr: float = 3e-3            # small models tolerate a large rate; use ~3e-4 to fine-tune a pretrained one
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95         # 0.95 rather than 0.999: steadier on short runs (as in GPT-3, LLaMA)
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    label_smoothing: float = 0.0
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    dtype: str = "float32"
+    recompute: bool = False
+    seed: int = 0
+    out_dir: str = "runs/train"
+    eval_every: int = 50
+    eval_batches: int = 8
+    save_every: int = 0
+    keep_checkpoints: int = 2
+    log_every: int = 1
+    extra: dict = field(default_factory=dict, compare=False)  # free-form notes stored with the run
+
+    def __post_init__(self):
+        def bad(name, why):
+            raise ValueError(f"{name}={getattr(self, name)!r}: {why}")
+
+        for name in ("tp", "seq_len", "batch_size", "steps", "eval_batches", "keep_checkpoints", "log_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                bad(name, "must be a positive integer")
+        for name in ("warmup_steps", "eval_every", "save_every", "seed"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                bad(name, "must be a non-negative integer (0 = off where it is a period)")
+        if self.init not in ("auto", "scratch", "pretrained"):
+            bad("init", "use 'auto', 'scratch' or 'pretrained'")
+        if self.dtype not in DTYPES:
+            bad("dtype", f"use one of {', '.join(DTYPES)} (bfloat16 = bf16 autocast, fp32 weights)")
+        if not self.lr > 0:
+            bad("lr", "must be positive")
+        for name in ("min_lr_ratio", "beta1", "beta2"):
+            if not 0 <= getattr(self, name) <= 1:
+                bad(name, "must be in [0, 1]")
+        for name in ("attention_dropout", "hidden_dropout"):
+            if not 0 <= getattr(self, name) < 1:
+                bad(name, "must be in [0, 1)")
+        if not 0 <= self.label_smoothing <= 1:
+            bad("label_smoothing", "must be in [0, 1]")
+        if self.weight_decay < 0 or self.grad_clip < 0 or not self.eps > 0:
+            raise ValueError(f"weight_decay={self.weight_decay}, grad_clip={self.grad_clip} must be >= 0 and "
+                             f"eps={self.eps} > 0")
+        if not 0 < self.val_fraction < 0.5:
+            bad("val_fraction", "must be in (0, 0.5): a validation split is always held out")
+        if self.sequence_parallel and self.seq_len % self.tp:
+            ok = self.seq_len - self.seq_len % self.tp
+            raise ValueError(f"seq_len={self.seq_len} is not divisible by tp={self.tp}, which sequence parallelism "
+                             f"needs (each rank keeps seq_len / tp positions); use seq_len={ok} or "
+                             f"{ok + self.tp}, or turn sequence_parallel off")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.batch_size
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        """Inverse of :meth:`to_dict`; unknown keys raise ValueError naming them."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown training settings {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+    def replace(self, **changes) -> "TrainConfig":
+        d = self.to_dict()
+        d.update(changes)
+        return TrainConfig(**d)
+
+
+def preset_config(name: str, vocab_size: int, seq_len: int, *, attention_dropout: float = 0.0):
+    """A ``LlamaConfig`` for preset ``name`` with the tokenizer's vocabulary.
+
+    Raises ValueError for an unknown preset, listing the known ones.
+    """
+    from transformers import LlamaConfig
+
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(PRESETS)} (or give a config.json "
+                         f"path, a model folder, or smollm2)")
+    p = PRESETS[name]
+    return LlamaConfig(vocab_size=vocab_size, max_position_embeddings=max(seq_len, 256), rms_norm_eps=1e-5,
+                       rope_theta=10000.0, attention_dropout=attention_dropout, **p)
+
+
+def check_against_model(cfg: TrainConfig, model_config, vocab_size: int) -> None:
+    """Checks that need the model's config (after :func:`tensorpar.hf.plan.make_plan`'s own).
+
+    Raises ValueError when the sequence is longer than the model's context, or when the tokenizer can
+    emit ids that the model's embedding does not have.
+    """
+    limit = getattr(model_config, "max_position_embeddings", None)
+    if limit is not None and cfg.seq_len > limit:
+        raise ValueError(f"seq_len={cfg.seq_len} exceeds the model's max_position_embeddings={limit}; use "
+                         f"seq_len <= {limit}")
+    if vocab_size > model_config.vocab_size:
+        raise ValueError(f"the tokenizer has {vocab_size} ids but the model's vocab_size is "
+                         f"{model_config.vocab_size}; use the model's own tokenizer (tokenizer='auto')")
