@@ -1,0 +1,125 @@
+"""The model being trained: a transformers Llama-style ``*ForCausalLM``, sharded by the inference plan.
+
+From scratch every rank initialises the *full* model from the run's seed and keeps its slices
+(:func:`tensorpar.hf.apply.parallelize`), so the model is the same function at every tp. From pretrained
+weights every rank reads only its slices (:func:`tensorpar.hf.load.build_parallel_model`).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from tensorpar.comm import Group
+from tensorpar.train.config import PRESETS, TrainConfig, check_against_model, preset_config
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the model comes from.
+
+    Attributes:
+        config: the transformers config (global sizes).
+        weights: a folder with safetensors to start from, or ``None`` to initialise from the seed.
+        folder: the model folder ``--model`` named (its tokenizer may be used), or ``None``.
+    """
+
+    config: object
+    weights: Path | None
+    folder: Path | None
+
+
+def resolve_source(cfg: TrainConfig, vocab_size: int | None = None, *, progress: bool = True) -> ModelSource:
+    """Turn ``cfg.model``/``cfg.init`` into a :class:`ModelSource`.
+
+    ``vocab_size`` (the tokenizer's) sizes a preset's vocabulary; it is required for presets only.
+    Raises ValueError for an unknown preset or a config file that is not a causal-LM config, and
+    ``init="pretrained"`` with a model spec that has no weights.
+    """
+    from transformers import AutoConfig
+
+    spec = cfg.model
+    if spec in PRESETS:
+        if cfg.init == "pretrained":
+            raise ValueError(f"init='pretrained' but model={spec!r} is a preset without weights; use init='scratch' "
+                             f"or a model folder / smollm2")
+        if vocab_size is None:
+            raise ValueError("a preset model needs the tokenizer's vocab_size")
+        c = preset_config(spec, vocab_size, cfg.seq_len, attention_dropout=cfg.attention_dropout)
+        return ModelSource(c, None, None)
+    path = Path(spec).expanduser()
+    if path.suffix == ".json" and path.is_file():
+        d = json.loads(path.read_text())
+        if "model_type" not in d:
+            raise ValueError(f"{path} has no 'model_type'; expected a Hugging Face config.json")
+        if cfg.init == "pretrained":
+            raise ValueError(f"init='pretrained' but {path} is a bare config (no weights); use init='scratch'")
+        return ModelSource(AutoConfig.for_model(d.pop("model_type"), **d), None, None)
+    from tensorpar.hub import resolve_model
+
+    folder = resolve_model(spec, progress=progress)
+    c = AutoConfig.from_pretrained(folder)
+    return ModelSource(c, None if cfg.init == "scratch" else folder, folder)
+
+
+def build_model(cfg: TrainConfig, source: ModelSource, tp: Group, vocab_size: int, *, device=None):
+    """Build, shard and prepare the model for training; returns ``(model, plan)``.
+
+    fp32 weights on ``device`` (autocast provides bf16), SDPA attention, no KV cache, per-block
+    recomputation when ``cfg.recompute``. Raises the ValueErrors of :func:`tensorpar.hf.plan.make_plan`
+    and of :func:`check_against_model` before any weight is made.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from tensorpar.hf.apply import parallelize
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.hf.plan import make_plan
+
+    config = source.config
+    config.use_cache = False
+    config.attention_dropout = cfg.attention_dropout
+    check_against_model(cfg, config, vocab_size)
+    plan = make_plan(config, tp.size, sequence_parallel=cfg.sequence_parallel)  # validates before any weight
+    if source.weights is not None:
+        model, plan = build_parallel_model(source.weights, tp, sequence_parallel=cfg.sequence_parallel,
+                                           dtype=torch.float32, device=device)
+        model.config.use_cache = False
+    else:
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(cfg.seed)  # the full model's init; every rank draws the same weights
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        parallelize(model, plan, tp)
+        if device is not None:
+            model.to(device)
+    if cfg.recompute:
+        recompute_blocks(model)
+    return model.train(), plan
+
+
+def recompute_blocks(model: nn.Module) -> None:
+    """Recompute each decoder block's activations in backward (``torch.utils.checkpoint``, non-reentrant).
+
+    Only a block's input is kept; its forward, collectives included, runs again during backward, so each
+    block costs one extra forward. Dropout masks are keyed by step (:mod:`tensorpar.train.dropout`), so the
+    replay draws the same masks. In eval or under ``no_grad`` the block runs as is.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in model.model.layers:
+        inner = layer.forward  # may be the sequence-parallel entry wrapper of block 0: it is replayed too
+
+        def forward(*args, _inner=inner, _layer=layer, **kwargs):
+            if not (_layer.training and torch.is_grad_enabled()):
+                return _inner(*args, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = forward
+        layer._tensorpar_recompute = True
+
+
+def named_unique_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` pairs, a tied parameter once under its first name (``model.embed_tokens.weight``)."""
+    return list(model.named_parameters(remove_duplicate=True))
