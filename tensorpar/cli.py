@@ -12,6 +12,7 @@ import sys
 
 COMMANDS = {
     "generate": ("tensorpar.generate", "generate text with a model sharded over --tp ranks"),
+    "train": ("tensorpar.train.cli", "train or fine-tune a decoder with tensor (and sequence) parallelism"),
 }
 
 
