@@ -145,10 +145,14 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
 
 def _rank_main(cfg: TrainConfig, resume, export, progress, timeout) -> int:
     from tensorpar.launch import rank0_print
-    from tensorpar.parallel import ParallelConfig, init_parallel
+    from tensorpar.parallel import ParallelConfig, ParallelContext, init_parallel, set_rank_threads
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    ctx = init_parallel(ParallelConfig(tp=world), timeout_s=timeout)
+    if world == 1:  # one process: no process group (and no port) needed
+        set_rank_threads(1)
+        ctx = ParallelContext.single()
+    else:
+        ctx = init_parallel(ParallelConfig(tp=world), timeout_s=timeout)
     try:
         s = run(cfg, ctx, resume=resume, export=export, progress=progress)
         rank0_print(f"done: step {s['step']}, train loss {s['loss']}, val loss {s['val_loss']:.4f}; "
