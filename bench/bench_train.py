@@ -1,0 +1,270 @@
+"""Training-step benchmark: tensorpar at tp = 1 (1 and 2 threads) and tp = 2 (with and without sequence
+parallelism), and PyTorch's own ``parallelize_module`` (ColwiseParallel / RowwiseParallel, loss_parallel)
+on the same transformers Llama, in the same run.
+
+    python bench/bench_train.py            # writes bench/results/train.json and bench/results/train.md
+
+Measured per variant: median wall time of a full training step (forward, vocab-parallel loss, backward,
+gradient completion, clipping, AdamW) over ``--steps`` steps after ``--warmup``; tokens/s; and activation
+memory per rank: the bytes autograd keeps for backward during one forward (every saved tensor's storage
+counted once, parameters excluded), measured with ``torch.autograd.graph.saved_tensors_hooks``.
+
+tp = 2 runs two gloo ranks with one thread each on this host, so "tp = 2" and "tp = 1 with 2 threads" use
+the same two cores. Numbers from a shared machine are noisy: the load average at start is recorded.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tensorpar.parallel import ParallelContext  # noqa: E402
+from tensorpar.testing import WorkerPool  # noqa: E402
+from tensorpar.train.config import PRESETS, TrainConfig  # noqa: E402
+from tensorpar.train.data import TrainData  # noqa: E402
+
+
+def _data(vocab: int) -> TrainData:
+    g = torch.Generator().manual_seed(0)
+    return TrainData.from_tokens(torch.randint(0, vocab, (400_000,), generator=g), vocab, val_fraction=0.05)
+
+
+class SavedBytes:
+    """Sum of the storages autograd saves for backward (each storage once), parameters excluded."""
+
+    def __init__(self, params):
+        self.skip = {self._key(p)[0] for p in params}
+        self.seen: dict = {}
+
+    @staticmethod
+    def _key(t):
+        from torch.distributed.tensor import DTensor
+        t = t._local_tensor if isinstance(t, DTensor) else t
+        while type(t) is not torch.Tensor and hasattr(t, "elem"):  # functional-collective wrapper tensors
+            t = t.elem
+        try:
+            s = t.untyped_storage()
+            return s.data_ptr(), s.nbytes()
+        except RuntimeError:  # a wrapper subclass without real storage: count its own bytes
+            return ("id", id(t)), t.numel() * t.element_size()
+
+    def pack(self, t):
+        key, nbytes = self._key(t)
+        if key not in self.skip and t.device.type != "meta":
+            self.seen[key] = nbytes
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self.seen.values())
+
+
+def _time_steps(step_fn, warmup: int, steps: int) -> list[float]:
+    for _ in range(warmup):
+        step_fn()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step_fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def job_tensorpar(ctx, cfg: TrainConfig, warmup: int, steps: int) -> dict:
+    """tensorpar's trainer; every rank returns its step times and activation bytes."""
+    from tensorpar.train.loop import Trainer
+    from tensorpar.train.model import build_model, resolve_source
+
+    data = _data(256)
+    model, plan = build_model(cfg, resolve_source(cfg, 256), ctx.tp, 256)
+    tr = Trainer(cfg, ctx.tp, model, plan, data)
+    meter = SavedBytes(tr.params)
+    x, y = next(tr.batches)
+    with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t):
+        loss = tr.loss(x, y)
+    loss.backward()
+    tr.optimizer.zero_grad(set_to_none=True)
+    times = _time_steps(tr.train_step, warmup, steps)
+    return {"times": times, "activation_bytes": meter.total}
+
+
+def job_torch_tp(ctx, cfg: TrainConfig, warmup: int, steps: int) -> dict:
+    """The same model and step with torch.distributed.tensor.parallel (DTensor) instead of tensorpar."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
+                                                   parallelize_module)
+    from transformers import AutoModelForCausalLM
+
+    from tensorpar.train.config import preset_config
+
+    mesh = init_device_mesh("cpu", (ctx.tp.size,), mesh_dim_names=("tp",))
+    config = preset_config(cfg.model, 256, cfg.seq_len)
+    config._attn_implementation = "sdpa"
+    config.use_cache = False
+    torch.manual_seed(cfg.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    block = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+             "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+             "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, block)
+    parallelize_module(model, mesh, {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+    model.train()
+    # foreach=False: the norms stay plain tensors while the linears hold DTensors, and foreach kernels refuse
+    # the mix (as torch.nn.utils.clip_grad_norm_ does; see _clip below)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                            weight_decay=cfg.weight_decay, foreach=False)
+    batches = _data(256).train_batches(batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
+
+    def loss_of(x, y):
+        logits = model(input_ids=x, use_cache=False).logits            # DTensor sharded over the vocabulary
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    def step():
+        x, y = next(batches)
+        with loss_parallel():
+            loss = loss_of(x, y)
+            loss.backward()
+        _clip(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    meter = SavedBytes(list(model.parameters()))
+    x, y = next(batches)
+    with loss_parallel():
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t):
+            loss = loss_of(x, y)
+        loss.backward()
+    opt.zero_grad(set_to_none=True)
+    return {"times": _time_steps(step, warmup, steps), "activation_bytes": meter.total}
+
+
+def _clip(params, max_norm: float) -> torch.Tensor:
+    """Global-norm clipping for a mix of DTensor (sharded) and plain (replicated) gradients.
+
+    ``torch.nn.utils.clip_grad_norm_`` raises on the mix; a DTensor's norm is reduced over its mesh,
+    a replicated tensor's is counted once.
+    """
+    from torch.distributed.tensor import DTensor
+    grads = [p.grad for p in params if p.grad is not None]
+    sq = torch.zeros(())
+    for g in grads:
+        n = torch.linalg.vector_norm(g)
+        sq = sq + (n.full_tensor() if isinstance(n, DTensor) else n) ** 2
+    total = sq.sqrt()
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(scale)
+    return total
+
+
+def _summary(name: str, per_rank: list[dict], tokens: int, threads: int, tp: int) -> dict:
+    times = [max(ts) for ts in zip(*[r["times"] for r in per_rank])]      # a step ends when its slowest rank does
+    med = statistics.median(times)
+    return {"variant": name, "tp": tp, "threads_per_rank": threads, "step_s_median": med,
+            "step_s_all": times, "tokens_per_s": tokens / med,
+            "activation_mib_per_rank": max(r["activation_bytes"] for r in per_rank) / 2**20}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="bench")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = ap.parse_args(argv)
+    cfg = TrainConfig(model=args.preset, data="synthetic", seq_len=args.seq_len, batch_size=args.batch_size,
+                      steps=1000, warmup_steps=10)
+    tokens = cfg.tokens_per_step
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    rows = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        r = job_tensorpar(ParallelContext.single(), cfg, args.warmup, args.steps)
+        rows.append(_summary(f"tensorpar tp=1 ({threads} thread{'s' if threads > 1 else ''})", [r], tokens,
+                             threads, 1))
+        print(rows[-1]["variant"], f"{rows[-1]['step_s_median']:.3f} s/step", flush=True)
+    torch.set_num_threads(1)
+    with WorkerPool(2, job_timeout_s=1800) as pool:
+        for name, fn, c in (("tensorpar tp=2", job_tensorpar, cfg.replace(tp=2)),
+                            ("tensorpar tp=2 + sequence parallel", job_tensorpar,
+                             cfg.replace(tp=2, sequence_parallel=True)),
+                            ("torch parallelize_module tp=2", job_torch_tp, cfg.replace(tp=2))):
+            rows.append(_summary(name, pool.run(fn, c, args.warmup, args.steps), tokens, 1, 2))
+            print(rows[-1]["variant"], f"{rows[-1]['step_s_median']:.3f} s/step", flush=True)
+    base1, base2 = rows[0], rows[1]
+    by = {r["variant"]: r for r in rows}
+    for r in rows:
+        r["speedup_vs_tp1_1thread"] = base1["step_s_median"] / r["step_s_median"]
+        r["speedup_vs_tp1_2threads"] = base2["step_s_median"] / r["step_s_median"]
+        r["activation_vs_tp1"] = r["activation_mib_per_rank"] / base1["activation_mib_per_rank"]
+    torch_row = by["torch parallelize_module tp=2"]
+    ratios = {name: torch_row["step_s_median"] / by[name]["step_s_median"]
+              for name in ("tensorpar tp=2", "tensorpar tp=2 + sequence parallel")}
+    result = {
+        "model": {"preset": args.preset, **PRESETS[args.preset], "vocab_size": 256},
+        "seq_len": args.seq_len, "batch_size": args.batch_size, "tokens_per_step": tokens,
+        "steps": args.steps, "warmup": args.warmup, "rows": rows,
+        "torch_step_time_over_tensorpar": ratios,
+        "environment": {"torch": torch.__version__, "python": platform.python_version(),
+                        "cpus": os.cpu_count(), "load_average_1min_at_start": load,
+                        "date": datetime.now(timezone.utc).isoformat(timespec="seconds")},
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _atomic_write(out / "train.json", json.dumps(result, indent=1))
+    _atomic_write(out / "train.md", render_markdown(result))
+    print(render_markdown(result))
+    return 0
+
+
+def render_markdown(res: dict) -> str:
+    m = res["model"]
+    env = res["environment"]
+    lines = [
+        f"Model: Llama preset `{m['preset']}` (hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, "
+        f"{m['num_attention_heads']} heads / {m['num_key_value_heads']} KV heads, MLP {m['intermediate_size']}, "
+        f"vocab {m['vocab_size']}), fp32, AdamW, batch {res['batch_size']} x seq {res['seq_len']} = "
+        f"{res['tokens_per_step']} tokens/step; median of {res['steps']} steps after {res['warmup']} warm-up.",
+        f"Machine: {env['cpus']} CPUs, torch {env['torch']}, load average {env['load_average_1min_at_start']:.1f} "
+        f"at start ({env['date']}). **Noisy if the load average exceeds the core count.**",
+        "",
+        "| variant | step (s) | tokens/s | vs tp=1 (1 thread) | vs tp=1 (2 threads) | activation MiB/rank | "
+        "activation vs tp=1 |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in res["rows"]:
+        lines.append(f"| {r['variant']} | {r['step_s_median']:.3f} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['speedup_vs_tp1_1thread']:.2f}x | {r['speedup_vs_tp1_2threads']:.2f}x | "
+                     f"{r['activation_mib_per_rank']:.1f} | {r['activation_vs_tp1']:.2f} |")
+    lines.append("")
+    for name, ratio in res["torch_step_time_over_tensorpar"].items():
+        lines.append(f"- torch `parallelize_module` step time / {name} step time: **{ratio:.2f}**")
+    return "\n".join(lines) + "\n"
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
