@@ -193,7 +193,7 @@ def main(argv=None) -> int:
     cfg = TrainConfig(model=args.preset, data="synthetic", seq_len=args.seq_len, batch_size=args.batch_size,
                       steps=1000, warmup_steps=10)
     tokens = cfg.tokens_per_step
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    load = os.getloadavg()[0]
     rows = []
     for threads in (1, 2):
         torch.set_num_threads(threads)
@@ -225,6 +225,7 @@ def main(argv=None) -> int:
         "torch_step_time_over_tensorpar": ratios,
         "environment": {"torch": torch.__version__, "python": platform.python_version(),
                         "cpus": os.cpu_count(), "load_average_1min_at_start": load,
+                        "load_average_1min_at_end": os.getloadavg()[0],
                         "date": datetime.now(timezone.utc).isoformat(timespec="seconds")},
     }
     out = Path(args.out)
@@ -243,8 +244,10 @@ def render_markdown(res: dict) -> str:
         f"{m['num_attention_heads']} heads / {m['num_key_value_heads']} KV heads, MLP {m['intermediate_size']}, "
         f"vocab {m['vocab_size']}), fp32, AdamW, batch {res['batch_size']} x seq {res['seq_len']} = "
         f"{res['tokens_per_step']} tokens/step; median of {res['steps']} steps after {res['warmup']} warm-up.",
-        f"Machine: {env['cpus']} CPUs, torch {env['torch']}, load average {env['load_average_1min_at_start']:.1f} "
-        f"at start ({env['date']}). **Noisy if the load average exceeds the core count.**",
+        f"Machine: {env['cpus']} CPUs, torch {env['torch']}, 1-min load average {env['load_average_1min_at_start']:.1f} "
+        f"at start and {env['load_average_1min_at_end']:.1f} at the end ({env['date']}). **Step times are noisy "
+        f"when the load average exceeds the core count** (other processes share the cores); the activation "
+        f"memory column is exact.",
         "",
         "| variant | step (s) | tokens/s | vs tp=1 (1 thread) | vs tp=1 (2 threads) | activation MiB/rank | "
         "activation vs tp=1 |",

@@ -6,7 +6,7 @@ config is known; :meth:`TrainConfig.__post_init__` checks everything that does n
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 # Llama-style architectures trained from scratch. vocab_size comes from the tokenizer, so it is not here.
 # num_key_value_heads < num_attention_heads everywhere: grouped-query attention is the case that needs care.
@@ -88,7 +88,6 @@ class TrainConfig:
     save_every: int = 0
     keep_checkpoints: int = 2
     log_every: int = 1
-    extra: dict = field(default_factory=dict, compare=False)  # free-form notes stored with the run
 
     def __post_init__(self):
         def bad(name, why):
