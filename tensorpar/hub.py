@@ -67,8 +67,10 @@ BUILTIN_MODELS = {SMOLLM2.alias: SMOLLM2}
 def resolve_model(spec: str, *, cache_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:
     """Turn ``--model SPEC`` into a checked local model folder, fetching/converting it once if needed.
 
-    ``spec`` is a built-in alias (see ``BUILTIN_MODELS``), a ``.gguf`` file, or a Hugging Face-format
-    folder. Returns the folder's absolute path.
+    ``spec`` is a built-in alias (see ``BUILTIN_MODELS``; an existing path of the same name wins), a
+    ``.gguf`` file, or a Hugging Face-format folder. Returns the folder's absolute path. The first
+    ``"smollm2"`` takes about a minute on 2 cores (download ~4 s, conversion ~45 s); later calls only
+    check the cached folder's headers (milliseconds).
 
     Raises ``FileNotFoundError`` for a path that does not exist (and is no alias), ``ValueError`` for a
     folder that is not a model folder, a file that is not GGUF, or a corrupt safetensors file, and
