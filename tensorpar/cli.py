@@ -12,6 +12,8 @@ import sys
 
 COMMANDS = {
     "demo": ("tensorpar.demo", "run a transformer block at tp=N and print its difference from one device"),
+    "plan": ("tensorpar.planner.cli", "choose tp, pp, dp, sequence parallelism, micro-batch and recomputation "
+                                      "for a model on a cluster, from a cost model"),
 }
 
 

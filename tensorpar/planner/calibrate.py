@@ -1,0 +1,165 @@
+"""``tensorpar plan --calibrate``: measure this machine instead of trusting datasheets.
+
+* Matmul throughput: square matmuls timed with torch (bf16 on a GPU, fp32 on a CPU), 2 n^3 FLOPs each.
+* Collective latency and bandwidth: two processes on this host, gloo over loopback, all-reduce of growing
+  sizes; a least-squares fit of ``time = latency + wire_bytes / bandwidth`` (ring all-reduce on 2 ranks
+  sends ``2 (g-1)/g = 1`` x the payload).
+
+Also: :func:`saved_activation_bytes`, the bytes autograd keeps for backward while a function runs, which
+the tests compare with the activation model.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+
+COLLECTIVE_SIZES = tuple(2 ** k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB payloads
+
+
+@dataclass(frozen=True)
+class Calibration:
+    backend: str
+    matmul: list[dict]  # {"n", "dtype", "tflops"}
+    matmul_tflops: float  # best measured
+    collective: dict  # {"backend", "world_size", "samples": [{"bytes", "seconds"}], "latency_us", "bandwidth_gbps"}
+    device: dict  # DeviceSpec fields, for --device-file
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def measure_matmul(sizes: tuple[int, ...] | None = None, min_seconds: float = 0.2) -> tuple[str, list[dict]]:
+    """(device description, [{"n", "dtype", "tflops"}]) for square n x n matmuls."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    sizes = sizes or ((2048, 4096, 8192) if cuda else (256, 512, 1024))
+    out = []
+    for n in sizes:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        for _ in range(2):  # warm-up: kernel selection, caches
+            a @ b
+        iters = 1
+        while True:  # double the repetitions until one timing lasts min_seconds
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(iters):
+                a @ b
+            if cuda:
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_seconds:
+                break
+            iters *= 2
+        out.append({"n": n, "dtype": str(dtype).removeprefix("torch."), "tflops": 2 * n ** 3 * iters / elapsed / 1e12})
+    name = torch.cuda.get_device_name(0) if cuda else f"cpu ({torch.get_num_threads()} threads)"
+    return name, out
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _collective_worker(rank: int, world: int, port: int, sizes: tuple[int, ...], queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=30))
+    try:
+        samples = []
+        for nbytes in sizes:
+            x = torch.ones(nbytes // 4, dtype=torch.float32)
+            for _ in range(2):
+                dist.all_reduce(x)
+            iters = max(3, min(50, (1 << 22) // nbytes))
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(iters):
+                dist.all_reduce(x)
+            samples.append({"bytes": nbytes, "seconds": (time.perf_counter() - start) / iters})
+        if rank == 0:
+            queue.put(samples)
+    finally:
+        dist.destroy_process_group()
+
+
+def fit_alpha_beta(samples: list[dict], world: int) -> tuple[float, float]:
+    """Least-squares (latency s, bandwidth bytes/s) of ``t = latency + 2 (g-1)/g bytes / bandwidth``."""
+    xs = [2 * (world - 1) / world * s["bytes"] for s in samples]
+    ys = [s["seconds"] for s in samples]
+    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    latency = max(0.0, my - slope * mx)
+    return latency, (1 / slope if slope > 0 else float("inf"))
+
+
+def measure_collectives(sizes: tuple[int, ...] = COLLECTIVE_SIZES, timeout_s: float = 60.0) -> dict:
+    """All-reduce timings of 2 gloo processes on loopback, and their alpha-beta fit."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue, world, port = ctx.Queue(), 2, _free_port()
+    procs = [ctx.Process(target=_collective_worker, args=(r, world, port, sizes, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        samples = queue.get(timeout=timeout_s)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+    latency, bandwidth = fit_alpha_beta(samples, world)
+    return {"backend": "gloo", "world_size": world, "samples": samples,
+            "latency_us": latency * 1e6, "bandwidth_gbps": bandwidth / 1e9}
+
+
+def _memory_gib() -> float:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory / 2 ** 30
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+
+
+def calibrate() -> Calibration:
+    """Measure matmul throughput and loopback collectives. The ``device`` it returns uses the *measured*
+    matmul rate as its peak, so plan with it at ``--efficiency 1``, and the loopback link for both tiers."""
+    name, matmul = measure_matmul()
+    coll = measure_collectives()
+    best = max(m["tflops"] for m in matmul)
+    device = {"name": f"calibrated {name}", "memory_gib": round(_memory_gib(), 2), "peak_tflops": best,
+              "intra_node_gbps": coll["bandwidth_gbps"], "inter_node_gbps": coll["bandwidth_gbps"],
+              "intra_node_latency_us": coll["latency_us"], "inter_node_latency_us": coll["latency_us"]}
+    return Calibration(backend=name, matmul=matmul, matmul_tflops=best, collective=coll, device=device)
+
+
+def saved_activation_bytes(fn, params=()) -> tuple[object, int]:
+    """Run ``fn()`` and return (its result, bytes of the distinct storages autograd saves for backward
+    while it runs), leaving out the storages of ``params`` (a linear layer saves a view of its weight)."""
+    import torch
+
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            storages[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = fn()
+    return result, sum(storages.values())

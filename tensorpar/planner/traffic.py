@@ -1,0 +1,143 @@
+"""The collectives a layout issues, with their sizes, so that their bytes can be both timed and checked
+against a communication counter.
+
+Sizes are those of the *full* tensor a collective produces (all-reduce, all-gather) or consumes
+(reduce-scatter). Bytes each rank sends under the ring algorithm ("wire bytes") for a group of g ranks
+and a full tensor of B bytes: all-reduce ``2 (g-1)/g B``, all-gather and reduce-scatter ``(g-1)/g B``.
+
+Tensor parallelism, per layer and micro-batch of b sequences of s tokens (Shoeybi et al. 2019, section 3;
+Korthikanti et al. 2022, section 4.2.2): the forward pass all-reduces the outputs of the attention and MLP
+blocks and the backward pass the gradients of their inputs, four all-reduces of bsh elements, so each rank
+sends ``4 * 2 (t-1)/t * bsh = 8 bsh (t-1)/t`` elements. Sequence parallelism replaces each all-reduce by a
+reduce-scatter and an all-gather of the same total size, and re-gathers the two saved sequence shards in
+backward (two more all-gathers), which is what lets it store ``34/t`` rather than ``10 + 24/t``. Megatron
+overlaps that re-gather with the input-gradient matmul; it is marked ``hidden`` and not timed, but it is
+counted in the bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tensorpar.planner.layout import Assumptions, Layout, Workload
+from tensorpar.planner.model_spec import ModelSpec
+from tensorpar.planner.partition import max_vocab_rows
+
+_RING_FACTOR = {"all_reduce": lambda g: 2 * (g - 1) / g, "all_gather": lambda g: (g - 1) / g,
+                "reduce_scatter": lambda g: (g - 1) / g, "send": lambda g: 1.0}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """``calls`` collectives of one kind over a group of ``group`` ranks, each on a full tensor of
+    ``elements`` elements of ``bytes_per_element`` bytes."""
+
+    kind: str
+    site: str
+    calls: float
+    elements: float
+    bytes_per_element: int
+    group: int
+    hidden: bool = False  # overlapped with computation: counted in bytes, not in time
+
+    @property
+    def payload_bytes(self) -> float:
+        return self.calls * self.elements * self.bytes_per_element
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each rank sends for all ``calls`` under the ring algorithm."""
+        return _RING_FACTOR[self.kind](self.group) * self.payload_bytes
+
+    def seconds(self, bandwidth: float, latency: float) -> float:
+        """alpha-beta time of all calls: ``calls * latency + wire_bytes / bandwidth``."""
+        return self.calls * latency + self.wire_bytes / bandwidth
+
+
+def tp_collectives(model: ModelSpec, layout: Layout, work: Workload, assume: Assumptions, *,
+                   layers: int, first_stage: bool, last_stage: bool) -> list[Collective]:
+    """Tensor-parallel collectives of one micro-batch on one pipeline stage (empty at tp=1).
+
+    Outside the layers: the vocabulary-parallel embedding sums its partial lookups (an all-reduce, or a
+    reduce-scatter under sequence parallelism whose backward is an all-gather); the output layer's input
+    is copied to every rank (all-reduce of its gradient in backward; all-gather forward and reduce-scatter
+    backward under sequence parallelism, plus the re-gather); the vocabulary-parallel cross-entropy
+    all-reduces three fp32 values per token (max logit, sum of exponentials, target logit).
+    """
+    t = layout.tp
+    if t == 1:
+        return []
+    bsh = layout.micro_batch * work.seq_len * model.hidden_size
+    e = assume.activation_bytes
+    rerun = 1 if layout.recompute == "full" else 0
+    out: list[Collective] = []
+
+    def add(kind: str, site: str, calls: float, elements: float = bsh, nbytes: int = e, hidden: bool = False) -> None:
+        if calls:
+            out.append(Collective(kind, site, calls, elements, nbytes, t, hidden))
+
+    if layout.sequence_parallel:
+        add("all_gather", "layer forward", 2 * layers * (1 + rerun))
+        add("reduce_scatter", "layer forward", 2 * layers * (1 + rerun))
+        add("reduce_scatter", "layer backward", 2 * layers)
+        add("all_gather", "layer backward", 2 * layers)
+        add("all_gather", "layer backward: re-gather saved shards", 2 * layers, hidden=True)
+    else:
+        add("all_reduce", "layer forward", 2 * layers * (1 + rerun))
+        add("all_reduce", "layer backward", 2 * layers)
+    if first_stage:
+        if layout.sequence_parallel:
+            add("reduce_scatter", "embedding forward", 1)
+            add("all_gather", "embedding backward", 1)
+        else:
+            add("all_reduce", "embedding forward", 1)
+    if last_stage:
+        if layout.sequence_parallel:
+            add("all_gather", "output layer forward", 1)
+            add("reduce_scatter", "output layer backward", 1)
+            add("all_gather", "output layer backward: re-gather saved shard", 1, hidden=True)
+        else:
+            add("all_reduce", "output layer backward", 1)
+        add("all_reduce", "cross-entropy forward", 3, layout.micro_batch * work.seq_len, 4)
+    return out
+
+
+def layer_tp_wire_elements(micro_batch: int, seq: int, hidden: int, tp: int) -> float:
+    """The per-layer, per-micro-batch TP traffic of the issue statement: ``8 bsh (t-1)/t`` elements each
+    rank sends (four ring all-reduces of bsh elements, forward and backward)."""
+    return 8 * micro_batch * seq * hidden * (tp - 1) / tp
+
+
+def pipeline_sends(model: ModelSpec, layout: Layout, work: Workload, assume: Assumptions) -> list[Collective]:
+    """Point-to-point traffic of one stage per micro-batch: the activation forward and its gradient
+    backward across each of the stage's ``v`` chunk boundaries. Megatron's scatter/gather optimisation
+    (Narayanan et al. 2021, section 4.1) sends ``1/t`` of the [s, b, h] tensor from each TP rank."""
+    if layout.pp == 1:
+        return []
+    elements = layout.micro_batch * work.seq_len * model.hidden_size / layout.tp
+    return [Collective("send", "pipeline activations and gradients", 2 * layout.virtual_stages, elements,
+                       assume.activation_bytes, 2)]
+
+
+def dp_collectives(stage_params: float, layout: Layout, assume: Assumptions) -> list[Collective]:
+    """Data-parallel traffic of one device per step.
+
+    Plain data parallelism all-reduces the gradients, ``2 (d-1)/d`` x the gradient bytes on the wire.
+    The distributed optimizer (ZeRO stage 1, Rajbhandari et al. 2020) reduce-scatters the gradients and
+    all-gathers the updated weights, ``(d-1)/d`` x each.
+    """
+    d = layout.dp
+    if d == 1:
+        return []
+    if layout.distributed_optimizer:
+        return [Collective("reduce_scatter", "gradients", 1, stage_params, assume.grad_bytes, d),
+                Collective("all_gather", "updated weights", 1, stage_params, assume.param_bytes, d)]
+    return [Collective("all_reduce", "gradients", 1, stage_params, assume.grad_bytes, d)]
+
+
+def tied_embedding_collectives(model: ModelSpec, layout: Layout, assume: Assumptions) -> list[Collective]:
+    """With pipeline parallelism and tied embeddings, the first and last stages all-reduce the gradient
+    of their two copies of the embedding shard once per step (as Megatron does)."""
+    if not (model.tied_embeddings and layout.pp > 1):
+        return []
+    rows = model.embedding_params(max_vocab_rows(model.vocab_size, layout.tp))
+    return [Collective("all_reduce", "tied embedding gradients", 1, rows, assume.grad_bytes, 2)]
