@@ -14,13 +14,17 @@ from types import MappingProxyType
 MLP_KINDS = ("gelu", "swiglu")
 NORM_KINDS = ("layernorm", "rmsnorm")
 KERNEL_KINDS = ("megatron", "hf")
+# Hugging Face model types whose MLP has two matrices (up, down); the other Llama-like configs
+# (llama, mistral, qwen2, gemma, ...) use a gated MLP with three, whatever the activation.
+UNGATED_MODEL_TYPES = frozenset({"gpt_neox", "gptj", "phi", "falcon", "opt", "bloom", "starcoder2", "gpt_bigcode"})
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     """Global dimensions of a decoder-only transformer.
 
-    ``mlp``: "gelu" has two matrices (h->ffn->h), "swiglu" three (gate, up, down).
+    ``mlp``: "gelu" has two matrices (h->ffn->h), "swiglu" is a gated MLP with three (gate, up, down;
+    also stands for GeGLU, which has the same shapes).
     ``kernels``: whose code runs the model, which decides what autograd stores for backward:
     "megatron" (fused LayerNorm/softmax kernels; activations exactly as Korthikanti et al. 2022,
     Table 2) or "hf" (Hugging Face modeling code: RMSNorm upcast to fp32, fp32 softmax).
@@ -171,25 +175,24 @@ def from_hf_config(config: dict | str | Path, name: str | None = None) -> ModelS
             tied_embeddings=config.get("tie_word_embeddings", True),
             learned_positions=config.get("n_positions", 0),
         )
-    try:
-        heads = config["num_attention_heads"]
-        act = config.get("hidden_act", "silu")
-        return ModelSpec(
-            name=name, num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
-            num_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads,
-            ffn_hidden_size=config["intermediate_size"], vocab_size=config["vocab_size"],
-            head_dim=config.get("head_dim") or 0,
-            mlp="swiglu" if act in ("silu", "swish") else "gelu",
-            bias=bool(config.get("attention_bias", False)),
-            dropout=bool(config.get("attention_dropout", 0.0)),
-            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-        )
-    except KeyError as missing:
+    required = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+    missing = [key for key in required if key not in config]
+    if missing:
         raise ValueError(
-            f"config.json of {name!r} lacks {missing}; the planner reads Llama-like configs "
-            "(num_hidden_layers, hidden_size, num_attention_heads, intermediate_size, vocab_size) "
-            "or GPT-2-like ones (n_layer, n_embd, n_head)"
-        ) from None
+            f"config.json of {name!r} lacks {', '.join(missing)}; the planner reads Llama-like configs "
+            f"({', '.join(required)}) or GPT-2-like ones (n_layer, n_embd, n_head, vocab_size)"
+        )
+    heads = config["num_attention_heads"]
+    return ModelSpec(
+        name=name, num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
+        num_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads,
+        ffn_hidden_size=config["intermediate_size"], vocab_size=config["vocab_size"],
+        head_dim=config.get("head_dim") or 0,
+        mlp="gelu" if config.get("model_type") in UNGATED_MODEL_TYPES else "swiglu",
+        bias=bool(config.get("attention_bias", False)),
+        dropout=bool(config.get("attention_dropout", 0.0)),
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+    )
 
 
 def from_dims(*, layers: int, hidden: int, heads: int, kv_heads: int | None = None, ffn: int | None = None,
