@@ -1,0 +1,377 @@
+"""All communication of tensorpar: a group handle, raw collectives, and autograd collectives.
+
+Every collective here takes its :class:`Group` explicitly and is a no-op when the group has
+one rank, so ``tp_size == 1`` runs exactly the single-device computation.
+
+The autograd collectives are the conjugate pairs of Megatron-LM (Shoeybi et al. 2019, the
+``f`` and ``g`` operators of Fig. 3; Korthikanti et al. 2022, ``g`` and ``g-bar`` of Fig. 5 for
+sequence parallelism). Contract of each, forward / backward:
+
+======================================  =================================  =================================
+function                                forward                            backward
+======================================  =================================  =================================
+copy_to_tp_region                       identity                           all-reduce (sum)
+reduce_from_tp_region                   all-reduce (sum)                   identity
+scatter_to_tp_region                    split last dim, keep own shard     all-gather last dim
+gather_from_tp_region                   all-gather last dim                split last dim
+scatter_to_sequence_region              split ``dim``, keep own shard      all-gather ``dim``
+gather_from_sequence_region             all-gather ``dim``                 reduce-scatter ``dim``
+reduce_scatter_to_sequence_region       reduce-scatter ``dim``             all-gather ``dim``
+======================================  =================================  =================================
+
+Unequal shard sizes work everywhere: pass the :class:`~tensorpar.shard.Partition` (or its
+sizes) of the split dimension; all-gather and reduce-scatter pad to the largest shard on the
+wire and trim afterwards (gloo needs equal sizes).
+
+Counting: each :class:`Group` owns a :class:`CommCounter`, off by default; switch it on with
+``with counting(group) as c:`` to record calls, elements, payload bytes and ring wire bytes of
+each collective kind.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from tensorpar.shard import Partition
+
+SizesLike = Partition | Sequence[int] | None
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names the collective, group and tensor."""
+
+
+@dataclass
+class CommCounter:
+    """Per-kind tallies of the collectives issued on one group while ``enabled``.
+
+    For a logical tensor of ``B`` bytes (all-reduce: the input; all-gather: the gathered
+    output; reduce-scatter: the full input; broadcast: the tensor) on ``t`` ranks:
+
+    * ``calls[kind]`` - number of collectives;
+    * ``elements[kind]`` - elements of the logical tensor, summed over calls;
+    * ``bytes[kind]`` - ``B``, summed over calls;
+    * ``wire_bytes[kind]`` - bytes each rank sends under the ring algorithm: all-reduce
+      ``2(t-1)/t * B``, all-gather and reduce-scatter ``(t-1)/t * B``, broadcast ``B`` from the
+      source (Patarasuk & Yuan 2009, bandwidth-optimal all-reduce); a float.
+    """
+
+    enabled: bool = False
+    calls: Counter = field(default_factory=Counter)
+    elements: Counter = field(default_factory=Counter)
+    bytes: Counter = field(default_factory=Counter)
+    wire_bytes: Counter = field(default_factory=Counter)
+
+    def record(self, kind: str, numel: int, element_size: int, group_size: int) -> None:
+        if not self.enabled:
+            return
+        b = numel * element_size
+        t = group_size
+        wire = {"all_reduce": 2 * (t - 1) / t * b, "all_gather": (t - 1) / t * b,
+                "reduce_scatter": (t - 1) / t * b}.get(kind, float(b))
+        self.calls[kind] += 1
+        self.elements[kind] += numel
+        self.bytes[kind] += b
+        self.wire_bytes[kind] += wire
+
+    def reset(self) -> None:
+        for c in (self.calls, self.elements, self.bytes, self.wire_bytes):
+            c.clear()
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """``{kind: {"calls", "elements", "bytes", "wire_bytes"}}`` for every kind seen."""
+        return {k: {"calls": self.calls[k], "elements": self.elements[k], "bytes": self.bytes[k],
+                    "wire_bytes": self.wire_bytes[k]} for k in sorted(self.calls)}
+
+
+@dataclass(eq=False)
+class Group:
+    """A communication group as the layers see it: process group, this rank, size, counter.
+
+    Attributes:
+        pg: the torch.distributed process group, or ``None`` for a group of one rank.
+        rank: this process's rank within the group.
+        size: number of ranks in the group.
+        name: the mesh axis it spans (``"tp"``, ``"dp"``, ``"pp"``), used in messages.
+        counter: tallies of collectives, see :class:`CommCounter`.
+        fast: optional same-host communicator used for CPU tensors instead of ``pg`` (it must
+            offer ``all_reduce``, ``all_gather``, ``reduce_scatter`` and ``broadcast`` with the
+            signatures of this module's raw collectives, minus the group).
+    """
+
+    pg: Any
+    rank: int
+    size: int
+    name: str = "tp"
+    counter: CommCounter = field(default_factory=CommCounter)
+    fast: Any = None
+
+    @classmethod
+    def single(cls, name: str = "tp") -> "Group":
+        """A one-rank group: every collective is the identity."""
+        return cls(pg=None, rank=0, size=1, name=name)
+
+    @classmethod
+    def from_pg(cls, pg, name: str = "tp") -> "Group":
+        return cls(pg=pg, rank=dist.get_rank(pg), size=dist.get_world_size(pg), name=name)
+
+    def partition(self, n: int, *, weights=None, unit: int = 1, what: str = "dimension") -> Partition:
+        return Partition.make(n, self.size, weights=weights, unit=unit, name=what)
+
+    def __repr__(self) -> str:
+        return f"Group({self.name}, rank={self.rank}, size={self.size})"
+
+
+@contextlib.contextmanager
+def counting(group: Group, reset: bool = True) -> Iterator[CommCounter]:
+    """Enable ``group.counter`` for the ``with`` body and yield it."""
+    c = group.counter
+    if reset:
+        c.reset()
+    prev, c.enabled = c.enabled, True
+    try:
+        yield c
+    finally:
+        c.enabled = prev
+
+
+def _sizes(sizes: SizesLike, group: Group, n: int, dim_name: str) -> list[int]:
+    if sizes is None:
+        if n % group.size:
+            raise ValueError(f"{dim_name} of size {n} is not divisible by {group.name} size {group.size}; "
+                             f"pass the Partition of the uneven split")
+        return [n // group.size] * group.size
+    s = list(sizes.sizes if isinstance(sizes, Partition) else sizes)
+    if len(s) != group.size:
+        raise ValueError(f"{len(s)} shard sizes given for a {group.name} group of size {group.size}")
+    return s
+
+
+def _run(kind: str, group: Group, t: torch.Tensor, fn):
+    try:
+        return fn()
+    except (RuntimeError, dist.DistError) as e:  # gloo timeouts and peer failures land here
+        raise CollectiveError(
+            f"{kind} on {group.name} group (rank {group.rank} of {group.size}, tensor {tuple(t.shape)} "
+            f"{t.dtype}) failed: {e}"
+        ) from e
+
+
+def _use_fast(group: Group, t: torch.Tensor) -> bool:
+    return group.fast is not None and t.device.type == "cpu"
+
+
+# ---------------------------------------------------------------- raw collectives (no autograd)
+
+def all_reduce(x: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
+    """Sum (or ``op="max"``) of ``x`` over the group; returns a new tensor of ``x``'s shape."""
+    if group.size == 1:
+        return x
+    group.counter.record("all_reduce", x.numel(), x.element_size(), group.size)
+    if _use_fast(group, x):
+        return group.fast.all_reduce(x, op=op)
+    y = x.contiguous().clone()
+    rop = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+    _run("all_reduce", group, y, lambda: dist.all_reduce(y, op=rop, group=group.pg))
+    return y
+
+
+def all_gather(x: torch.Tensor, group: Group, dim: int = -1, sizes: SizesLike = None) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` in rank order.
+
+    Shapes: local ``[..., sizes[rank], ...]`` -> global ``[..., sum(sizes), ...]``.
+    """
+    if group.size == 1:
+        return x
+    dim = dim % x.dim()
+    s = list(sizes.sizes if isinstance(sizes, Partition) else sizes) if sizes is not None else [x.shape[dim]] * group.size
+    if len(s) != group.size or s[group.rank] != x.shape[dim]:
+        raise ValueError(f"all_gather on {group.name}: local size {x.shape[dim]} along dim {dim} does not match "
+                         f"shard sizes {s} at rank {group.rank}")
+    group.counter.record("all_gather", x.numel() // max(x.shape[dim], 1) * sum(s), x.element_size(), group.size)
+    if _use_fast(group, x):
+        return group.fast.all_gather(x, dim=dim, sizes=s)
+    m = max(s)
+    xm = x.movedim(dim, 0)
+    if xm.shape[0] < m:
+        xm = torch.cat([xm, xm.new_zeros((m - xm.shape[0],) + xm.shape[1:])])
+    xm = xm.contiguous()
+    out = xm.new_empty((group.size * m,) + xm.shape[1:])
+    _run("all_gather", group, xm, lambda: dist.all_gather_into_tensor(out, xm, group=group.pg))
+    parts = [out[r * m: r * m + s[r]] for r in range(group.size)]
+    return torch.cat(parts).movedim(0, dim)
+
+
+def reduce_scatter(x: torch.Tensor, group: Group, dim: int = -1, sizes: SizesLike = None) -> torch.Tensor:
+    """Sum ``x`` over the group and keep this rank's shard along ``dim``.
+
+    Shapes: global ``[..., sum(sizes), ...]`` -> local ``[..., sizes[rank], ...]``.
+    """
+    if group.size == 1:
+        return x
+    dim = dim % x.dim()
+    s = _sizes(sizes, group, x.shape[dim], f"dim {dim}")
+    if sum(s) != x.shape[dim]:
+        raise ValueError(f"reduce_scatter on {group.name}: dim {dim} has size {x.shape[dim]} but shard sizes {s} "
+                         f"sum to {sum(s)}")
+    group.counter.record("reduce_scatter", x.numel(), x.element_size(), group.size)
+    if _use_fast(group, x):
+        return group.fast.reduce_scatter(x, dim=dim, sizes=s)
+    m = max(s)
+    xm = x.movedim(dim, 0)
+    chunks = list(torch.split(xm, s))
+    padded = [c if c.shape[0] == m else torch.cat([c, c.new_zeros((m - c.shape[0],) + c.shape[1:])]) for c in chunks]
+    inp = torch.cat(padded).contiguous()
+    out = inp.new_empty((m,) + inp.shape[1:])
+    _run("reduce_scatter", group, inp, lambda: dist.reduce_scatter_tensor(out, inp, group=group.pg))
+    return out[: s[group.rank]].movedim(0, dim).contiguous()
+
+
+def broadcast(x: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:
+    """Every rank gets group-rank ``src``'s ``x`` (same shape and dtype on all ranks)."""
+    if group.size == 1:
+        return x
+    group.counter.record("broadcast", x.numel(), x.element_size(), group.size)
+    if _use_fast(group, x):
+        return group.fast.broadcast(x, src=src)
+    y = x.contiguous().clone()
+    gsrc = dist.get_global_rank(group.pg, src)
+    _run("broadcast", group, y, lambda: dist.broadcast(y, src=gsrc, group=group.pg))
+    return y
+
+
+def split(x: torch.Tensor, group: Group, dim: int = -1, sizes: SizesLike = None) -> torch.Tensor:
+    """This rank's shard of ``x`` along ``dim`` (no communication)."""
+    if group.size == 1:
+        return x
+    dim = dim % x.dim()
+    s = _sizes(sizes, group, x.shape[dim], f"dim {dim}")
+    if sum(s) != x.shape[dim]:
+        raise ValueError(f"split on {group.name}: dim {dim} has size {x.shape[dim]} but shard sizes {s} sum to {sum(s)}")
+    start = sum(s[: group.rank])
+    return x.narrow(dim, start, s[group.rank]).contiguous()
+
+
+# ---------------------------------------------------------------- autograd collectives
+
+class _CopyToTP(torch.autograd.Function):
+    """forward: identity; backward: all-reduce."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_reduce(g, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """forward: all-reduce; backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _Scatter(torch.autograd.Function):
+    """forward: split ``dim``; backward: all-gather ``dim``."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim, sizes):
+        ctx.group, ctx.dim, ctx.sizes = group, dim, sizes
+        return split(x, group, dim, sizes)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather(g, ctx.group, ctx.dim, ctx.sizes), None, None, None
+
+
+class _Gather(torch.autograd.Function):
+    """forward: all-gather ``dim``; backward: split ``dim``."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim, sizes):
+        ctx.group, ctx.dim, ctx.sizes = group, dim, sizes
+        return all_gather(x, group, dim, sizes)
+
+    @staticmethod
+    def backward(ctx, g):
+        return split(g, ctx.group, ctx.dim, ctx.sizes), None, None, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    """forward: all-gather ``dim``; backward: reduce-scatter ``dim``."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim, sizes):
+        ctx.group, ctx.dim, ctx.sizes = group, dim, sizes
+        return all_gather(x, group, dim, sizes)
+
+    @staticmethod
+    def backward(ctx, g):
+        return reduce_scatter(g, ctx.group, ctx.dim, ctx.sizes), None, None, None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    """forward: reduce-scatter ``dim``; backward: all-gather ``dim``."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim, sizes):
+        ctx.group, ctx.dim, ctx.sizes = group, dim, sizes
+        return reduce_scatter(x, group, dim, sizes)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather(g, ctx.group, ctx.dim, ctx.sizes), None, None, None
+
+
+def copy_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Enter a tensor-parallel region with a replicated input. fwd identity / bwd all-reduce."""
+    return x if group.size == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum partial results of a tensor-parallel region. fwd all-reduce / bwd identity."""
+    return x if group.size == 1 else _ReduceFromTP.apply(x, group)
+
+
+def scatter_to_tp_region(x: torch.Tensor, group: Group, sizes: SizesLike = None) -> torch.Tensor:
+    """Keep this rank's slice of the last dim. fwd split / bwd all-gather. ``[.., n] -> [.., sizes[r]]``."""
+    return x if group.size == 1 else _Scatter.apply(x, group, -1, sizes)
+
+
+def gather_from_tp_region(x: torch.Tensor, group: Group, sizes: SizesLike = None) -> torch.Tensor:
+    """Concatenate last-dim shards. fwd all-gather / bwd split. ``[.., sizes[r]] -> [.., n]``."""
+    return x if group.size == 1 else _Gather.apply(x, group, -1, sizes)
+
+
+def scatter_to_sequence_region(x: torch.Tensor, group: Group, dim: int = 1, sizes: SizesLike = None) -> torch.Tensor:
+    """Enter a sequence-parallel region from a replicated tensor. fwd split ``dim`` / bwd all-gather."""
+    return x if group.size == 1 else _Scatter.apply(x, group, dim, sizes)
+
+
+def gather_from_sequence_region(x: torch.Tensor, group: Group, dim: int = 1, sizes: SizesLike = None) -> torch.Tensor:
+    """Leave a sequence-parallel region into a tensor-parallel one (Korthikanti et al. 2022, ``g``).
+
+    fwd all-gather ``dim`` / bwd reduce-scatter ``dim``. ``[b, s_r, h] -> [b, s, h]`` for ``dim=1``.
+    """
+    return x if group.size == 1 else _GatherSeq.apply(x, group, dim, sizes)
+
+
+def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Group, dim: int = 1, sizes: SizesLike = None) -> torch.Tensor:
+    """Sum partial results into a sequence-parallel region (Korthikanti et al. 2022, ``g-bar``).
+
+    fwd reduce-scatter ``dim`` / bwd all-gather ``dim``. ``[b, s, h] -> [b, s_r, h]`` for ``dim=1``.
+    """
+    return x if group.size == 1 else _ReduceScatterSeq.apply(x, group, dim, sizes)

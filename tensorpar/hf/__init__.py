@@ -1,0 +1,1 @@
+"""Hugging Face integration: plans, tensor-parallel modules, sharded loading."""

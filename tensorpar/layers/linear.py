@@ -1,0 +1,198 @@
+"""Column- and row-parallel linear layers (Shoeybi et al. 2019, Megatron-LM, Sec. 3).
+
+A linear ``y = x W^T + b`` with ``W: [out, in]`` is split either
+
+* by output rows (:class:`ColumnParallelLinear`): rank ``r`` holds ``W[out_r, :]`` and ``b[out_r]``
+  and produces ``y[..., out_r]``; no reduction is needed, or
+* by input columns (:class:`RowParallelLinear`): rank ``r`` holds ``W[:, in_r]`` and produces a
+  partial sum that is all-reduced (or reduce-scattered under sequence parallelism); the bias is
+  replicated and added once, after the reduction.
+
+Column followed by row (the MLP, or attention's QKV then output projection) needs one
+all-reduce in forward and one in backward.
+
+Every sharded parameter carries ``tp_dim`` (the dim it is split along) and ``tp_partition``
+(a :class:`~tensorpar.shard.Partition`); replicated parameters that receive only a
+sequence shard's gradient carry ``sequence_parallel = True``. Checkpointing, grad-norm and
+gradient synchronisation read these attributes.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tensorpar import comm
+from tensorpar.comm import Group
+from tensorpar.shard import Partition, UnitSelection
+
+
+def mark_sharded(param: nn.Parameter, dim: int, partition: Partition | UnitSelection) -> nn.Parameter:
+    """Record that ``param`` holds this rank's slice of ``dim`` under ``partition``."""
+    param.tp_dim = dim
+    param.tp_partition = partition  # a Partition, or a UnitSelection (overlapping units)
+    return param
+
+
+def mark_sequence_parallel(param: nn.Parameter) -> nn.Parameter:
+    """Record that ``param`` is replicated but sees only this rank's sequence shard in backward,
+    so its gradient must be summed over the tp group (:func:`tensorpar.grads.sync_sequence_parallel_grads`)."""
+    param.sequence_parallel = True
+    return param
+
+
+def _slice(t: torch.Tensor, dim: int, partition: Partition | UnitSelection, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s part of ``t`` along ``dim`` (a narrow view, or gathered units for a selection)."""
+    if isinstance(partition, Partition):
+        start, stop = partition.range(rank)
+        return t.narrow(dim, start, stop - start)
+    if t.device.type == "meta":
+        shape = list(t.shape)
+        shape[dim] = partition.sizes[rank]
+        return t.new_empty(shape)
+    return t.index_select(dim, torch.tensor(partition.indices(rank), device=t.device))
+
+
+class ColumnParallelLinear(nn.Module):
+    """Linear layer with its output features split over the tp group.
+
+    Shapes (``n_r = partition.sizes[tp_rank]``):
+        input: ``[*, in_features]`` (replicated), or ``[b, s_r, in_features]`` with ``sequence_parallel``;
+        weight: ``[n_r, in_features]``; bias: ``[n_r]``;
+        output: ``[*, n_r]``, or ``[*, out_features]`` with ``gather_output``.
+
+    Collectives: forward all-gather of the sequence dim if ``sequence_parallel``, all-gather of
+    the output if ``gather_output``; backward all-reduce of the input gradient (reduce-scatter
+    with ``sequence_parallel``), split of the output gradient with ``gather_output``.
+
+    Args:
+        in_features, out_features: global sizes.
+        tp: the tensor-parallel group.
+        bias: whether to add a (sharded) bias.
+        gather_output: all-gather the output so every rank has ``[*, out_features]``.
+        sequence_parallel: the input is split along ``seq_dim``; gather it first.
+        partition: explicit split of ``out_features``; else built from ``split_weights`` and ``unit``.
+        split_weights, unit: see :func:`tensorpar.shard.split_sizes`.
+
+    Raises:
+        ValueError: from the split (too few rows for tp, bad weights).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, tp: Group, bias: bool = True,
+                 gather_output: bool = False, sequence_parallel: bool = False, seq_dim: int = 1,
+                 partition: Partition | UnitSelection | None = None, split_weights=None, unit: int = 1,
+                 device=None, dtype=None, _full: nn.Linear | None = None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.tp, self.gather_output = tp, gather_output
+        if gather_output and partition is not None and not partition.is_disjoint:
+            raise ValueError("gather_output needs a disjoint partition of out_features, not overlapping units")
+        self.sequence_parallel, self.seq_dim = sequence_parallel, seq_dim
+        self.partition = partition or tp.partition(out_features, weights=split_weights, unit=unit, what="out_features")
+        if self.partition.n != out_features or self.partition.tp_size != tp.size:
+            raise ValueError(f"partition {self.partition.sizes} does not split out_features={out_features} "
+                             f"over tp_size={tp.size}")
+        # Initialise the full weight and slice it, so the layer is the same function at every tp.
+        full = _full if _full is not None else nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        w = _slice(full.weight.detach(), 0, self.partition, tp.rank).clone()
+        self.weight = mark_sharded(nn.Parameter(w, requires_grad=full.weight.requires_grad), 0, self.partition)
+        if full.bias is not None:
+            b = _slice(full.bias.detach(), 0, self.partition, tp.rank).clone()
+            self.bias = mark_sharded(nn.Parameter(b, requires_grad=full.bias.requires_grad), 0, self.partition)
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, tp: Group, **kwargs) -> "ColumnParallelLinear":
+        """Shard an existing ``nn.Linear`` (its weight rows are sliced; the original is not modified)."""
+        return cls(linear.in_features, linear.out_features, tp=tp, bias=linear.bias is not None, _full=linear, **kwargs)
+
+    @property
+    def out_features_local(self) -> int:
+        return self.partition.sizes[self.tp.rank]
+
+    def forward_local(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W_r^T + b_r`` with no communication: for callers that already entered the tp region."""
+        return F.linear(x, self.weight, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = comm.gather_from_sequence_region(x, self.tp, self.seq_dim)
+        else:
+            x = comm.copy_to_tp_region(x, self.tp)
+        y = F.linear(x, self.weight, self.bias)
+        if self.gather_output:
+            y = comm.gather_from_tp_region(y, self.tp, self.partition)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} (local {self.out_features_local}), "
+                f"tp={self.tp.size}, gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """Linear layer with its input features split over the tp group.
+
+    Shapes (``k_r = partition.sizes[tp_rank]``):
+        input: ``[*, k_r]`` if ``input_is_parallel`` else ``[*, in_features]``;
+        weight: ``[out_features, k_r]``; bias: ``[out_features]`` (replicated);
+        output: ``[*, out_features]`` (replicated), or ``[b, s_r, out_features]`` with ``sequence_parallel``.
+
+    Collectives: forward all-reduce of the partial products (reduce-scatter along ``seq_dim``
+    with ``sequence_parallel``), and a split of the input if not ``input_is_parallel``;
+    backward identity (all-gather with ``sequence_parallel``) and an all-gather of the input
+    gradient if not ``input_is_parallel``.
+
+    The bias is added after the reduction, so it is counted once, not ``tp`` times.
+
+    Raises:
+        ValueError: from the split (too few columns for tp, bad weights).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, tp: Group, bias: bool = True,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False, seq_dim: int = 1,
+                 partition: Partition | None = None, split_weights=None, unit: int = 1,
+                 device=None, dtype=None, _full: nn.Linear | None = None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.tp, self.input_is_parallel = tp, input_is_parallel
+        self.sequence_parallel, self.seq_dim = sequence_parallel, seq_dim
+        self.partition = partition or tp.partition(in_features, weights=split_weights, unit=unit, what="in_features")
+        if self.partition.n != in_features or self.partition.tp_size != tp.size:
+            raise ValueError(f"partition {self.partition.sizes} does not split in_features={in_features} "
+                             f"over tp_size={tp.size}")
+        full = _full if _full is not None else nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        w = _slice(full.weight.detach(), 1, self.partition, tp.rank).clone()
+        self.weight = mark_sharded(nn.Parameter(w, requires_grad=full.weight.requires_grad), 1, self.partition)
+        if full.bias is not None:
+            self.bias = nn.Parameter(full.bias.detach().clone(), requires_grad=full.bias.requires_grad)
+            if sequence_parallel:
+                mark_sequence_parallel(self.bias)
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, tp: Group, **kwargs) -> "RowParallelLinear":
+        """Shard an existing ``nn.Linear`` (its weight columns are sliced; the original is not modified)."""
+        return cls(linear.in_features, linear.out_features, tp=tp, bias=linear.bias is not None, _full=linear, **kwargs)
+
+    @property
+    def in_features_local(self) -> int:
+        return self.partition.sizes[self.tp.rank]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = comm.scatter_to_tp_region(x, self.tp, self.partition)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = comm.reduce_scatter_to_sequence_region(y, self.tp, self.seq_dim)
+        else:
+            y = comm.reduce_from_tp_region(y, self.tp)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (local {self.in_features_local}), out_features={self.out_features}, "
+                f"tp={self.tp.size}, input_is_parallel={self.input_is_parallel}, "
+                f"sequence_parallel={self.sequence_parallel}")

@@ -1,0 +1,186 @@
+"""Parallel context: process groups for the (dp, pp, tp) rank grid, built once and passed explicitly.
+
+Ranks are laid out as ``arange(world_size).view(dp, pp, tp)`` (tp fastest), so the ranks of one
+tensor-parallel group are consecutive and, under torchrun, on one host whenever
+``tp <= nproc_per_node``. Nothing here is stored in module globals: :func:`init_parallel`
+returns a :class:`ParallelContext` and callers hand it (or its ``tp`` group) to whatever needs it.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from tensorpar.comm import Group
+
+AXES = ("dp", "pp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Degrees of each parallel axis; their product must equal the world size.
+
+    Attributes:
+        tp: tensor-parallel degree (ranks sharing one layer's weights).
+        pp: pipeline-parallel degree (stages).
+        dp: data-parallel degree (model replicas).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+    def __post_init__(self):
+        for axis in AXES:
+            v = getattr(self, axis)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{axis} must be a positive integer, got {v!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def validate(self, world_size: int) -> None:
+        """Raise ValueError unless ``dp * pp * tp == world_size``, listing every degree."""
+        if self.world_size != world_size:
+            raise ValueError(
+                f"world size {world_size} is not the product of the parallel degrees "
+                f"dp={self.dp} x pp={self.pp} x tp={self.tp} = {self.world_size}; choose degrees whose product is "
+                f"{world_size}"
+            )
+
+    @classmethod
+    def infer(cls, world_size: int, *, tp: int | None = None, pp: int = 1, dp: int | None = None) -> "ParallelConfig":
+        """Fill in the one missing degree (dp by default, else tp) from the world size."""
+        if tp is None and dp is None:
+            tp = world_size // pp
+        if dp is None:
+            dp = max(world_size // (tp * pp), 1)
+        if tp is None:
+            tp = max(world_size // (dp * pp), 1)
+        cfg = cls(tp=tp, pp=pp, dp=dp)
+        cfg.validate(world_size)
+        return cfg
+
+
+@dataclass(eq=False)
+class ParallelContext:
+    """Process groups of this rank on every axis, plus the rank grid.
+
+    Attributes:
+        config: the degrees.
+        rank, world_size: global rank and world size.
+        device: the device this rank computes on (``cpu`` or ``cuda:<local_rank>``).
+        tp, pp, dp: :class:`~tensorpar.comm.Group` handles for this rank's groups on each axis.
+        grid: ``LongTensor[dp, pp, tp]`` of global ranks.
+    """
+
+    config: ParallelConfig
+    rank: int
+    world_size: int
+    device: torch.device
+    tp: Group
+    pp: Group
+    dp: Group
+    grid: torch.Tensor
+    _mesh: object = field(default=None, repr=False)
+
+    @property
+    def mesh(self):
+        """A ``DeviceMesh`` over the same groups, named ("dp", "pp", "tp"), for FSDP2/DDP/pipelining."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+            groups = [g.pg if g.pg is not None else _singleton_pg(self, axis) for axis, g in
+                      (("dp", self.dp), ("pp", self.pp), ("tp", self.tp))]
+            self._mesh = DeviceMesh.from_group(groups, self.device.type, mesh=self.grid, mesh_dim_names=AXES)
+        return self._mesh
+
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu") -> "ParallelContext":
+        """A one-process context (tp = pp = dp = 1) that runs without torch.distributed."""
+        return cls(config=ParallelConfig(), rank=0, world_size=1, device=torch.device(device),
+                   tp=Group.single("tp"), pp=Group.single("pp"), dp=Group.single("dp"),
+                   grid=torch.zeros(1, 1, 1, dtype=torch.long))
+
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def destroy(self) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _singleton_pg(ctx: ParallelContext, axis: str):
+    raise ValueError(f"DeviceMesh needs a process group on every axis; {axis} has size 1 here. Build the mesh "
+                     f"with torch.distributed.device_mesh.init_device_mesh if you need size-1 axes")
+
+
+def set_rank_threads(local_world_size: int, *, cores: int | None = None) -> int:
+    """Give each of ``local_world_size`` ranks on this host an equal share of its cores (>= 1).
+
+    Returns the thread count set with ``torch.set_num_threads``. ``TENSORPAR_THREADS`` overrides.
+    """
+    env = os.environ.get("TENSORPAR_THREADS")
+    if env:
+        n = int(env)
+    else:
+        if cores is None:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        n = max(1, cores // max(local_world_size, 1))
+    torch.set_num_threads(n)
+    return n
+
+
+def init_parallel(
+    config: ParallelConfig | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    init_method: str | None = None,
+    timeout_s: float = 120.0,
+    backend: str | None = None,
+    set_threads: bool = True,
+) -> ParallelContext:
+    """Initialise torch.distributed (if needed) and build the (dp, pp, tp) groups.
+
+    Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT`` (torchrun's environment) unless ``rank``/``world_size``/``init_method``
+    are given. The backend is NCCL when CUDA is available, else gloo; ``backend`` overrides.
+    ``timeout_s`` bounds every collective, so a rank that never arrives fails the others
+    within it instead of hanging.
+
+    Raises:
+        ValueError: the degrees do not multiply to the world size.
+    """
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    config = config or ParallelConfig.infer(world_size)
+    config.validate(world_size)
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = torch.device(f"cuda:{local_rank}") if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if set_threads and device.type == "cpu":
+        set_rank_threads(local_world)
+    timeout = _dt.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        if init_method is None and "MASTER_ADDR" not in os.environ:
+            init_method = "tcp://127.0.0.1:29500"
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
+    grid = torch.arange(world_size).view(config.dp, config.pp, config.tp)
+    groups: dict[str, Group] = {}
+    for axis_i, axis in enumerate(AXES):
+        # Every rank must create every group, in the same order.
+        lines = grid.movedim(axis_i, -1).reshape(-1, grid.shape[axis_i])
+        for line in lines.tolist():
+            pg = dist.new_group(line, timeout=timeout) if len(line) > 1 else None
+            if rank in line:
+                groups[axis] = (Group(pg=pg, rank=line.index(rank), size=len(line), name=axis) if pg is not None
+                                else Group.single(axis))
+    return ParallelContext(config=config, rank=rank, world_size=world_size, device=device, grid=grid, **groups)
