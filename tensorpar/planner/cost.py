@@ -10,8 +10,9 @@ Model of one optimizer step (each assumption is a choice; docs/planner.md lists 
 * TP collectives are on the critical path except a fraction ``tp_overlap`` (and the backward re-gather of
   sequence parallelism, which Megatron overlaps with the input-gradient matmul); pipeline sends are not
   hidden.
-* The data-parallel gradient reduction runs once after the last backward, hidden except a fraction
-  ``1 - dp_overlap``; stages reduce in parallel, so the slowest stage's reduction counts.
+* Once per step, after the last backward: the per-step TP collectives (sequence-parallel norm
+  gradients, duplicated KV-head gradients, the gradient norm) and the data-parallel gradient reduction
+  (hidden except a fraction ``1 - dp_overlap``); stages do this in parallel, so the slowest stage counts.
 * The optimizer update itself, embedding lookups and other bandwidth-bound work outside the matmuls are
   folded into ``efficiency``.
 
@@ -27,7 +28,8 @@ from tensorpar.planner.layout import Assumptions, Layout, Workload
 from tensorpar.planner.memory import stage_params
 from tensorpar.planner.model_spec import ModelSpec
 from tensorpar.planner.partition import busiest_heads, max_vocab_rows, stage_layers
-from tensorpar.planner.traffic import dp_collectives, pipeline_sends, tied_embedding_collectives, tp_collectives
+from tensorpar.planner.traffic import (dp_collectives, pipeline_sends, tied_embedding_collectives, tp_collectives,
+                                      tp_step_collectives)
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,9 @@ def _collective_seconds(collectives, cluster: ClusterSpec, span: int) -> float:
 
 
 def step_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Workload, assume: Assumptions) -> Cost:
+    """Step time of ``layout``. Ranks form tensorpar's grid ``arange(N).view(dp, pp, tp)``: a TP group is
+    ``tp`` consecutive ranks, a pipeline spans ``tp * pp`` and a DP group all ``N`` ranks; a group whose
+    span fits in a node uses the intra-node links (see :meth:`ClusterSpec.link`)."""
     t, p, d, v = layout.tp, layout.pp, layout.dp, layout.virtual_stages
     m = layout.num_micro_batches(work.global_batch)
     tokens = layout.micro_batch * work.seq_len
@@ -81,25 +86,26 @@ def step_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Work
         layer, layout.recompute, assume.attention)
     logits_flops = 3 * logit_forward_flops(model, max_vocab_rows(model.vocab_size, t), tokens)
     flop_rate = cluster.device.peak_tflops * 1e12 * assume.efficiency
-    sends = pipeline_sends(model, layout, work, assume)
-    p2p = _collective_seconds(sends, cluster, t * d * p) if sends else 0.0
+    p2p = _collective_seconds(pipeline_sends(model, layout, work, assume), cluster, t * p)
+    tied = _collective_seconds(tied_embedding_collectives(model, layout, assume), cluster, t * p)
 
-    per_stage = []
-    for i, layers in enumerate(stage_layers(model.num_layers, p, v)):
-        last = i == p - 1
+    per_stage, after_backward = [], []
+    for i, (layers, params) in enumerate(zip(stage_layers(model.num_layers, p, v), stage_params(model, layout))):
+        first, last = i == 0, i == p - 1
         compute = (layers * layer_flops + (logits_flops if last else 0.0)) / flop_rate
         tp = _collective_seconds(
-            tp_collectives(model, layout, work, assume, layers=layers, first_stage=i == 0, last_stage=last),
+            tp_collectives(model, layout, work, assume, layers=layers, first_stage=first, last_stage=last),
             cluster, t) * (1 - assume.tp_overlap)
         per_stage.append((compute + tp + p2p, compute, tp))
+        tp_once = _collective_seconds(tp_step_collectives(model, layout, assume, layers=layers, last_stage=last),
+                                      cluster, t) * (1 - assume.tp_overlap)
+        dp = (_collective_seconds(dp_collectives(params, layout, assume), cluster, t * p * d)
+              + (tied if first or last else 0.0)) * (1 - assume.dp_overlap)
+        after_backward.append((tp_once + dp, tp_once, dp))
     slowest = max(range(p), key=lambda i: (per_stage[i][0], -i))
     micro, compute, tp = per_stage[slowest]
-
-    tied = _collective_seconds(tied_embedding_collectives(model, layout, assume), cluster, t * d * p)
-    dp = max(
-        _collective_seconds(dp_collectives(params, layout, assume), cluster, t * d) + (tied if i in (0, p - 1) else 0.0)
-        for i, params in enumerate(stage_params(model, layout))
-    ) * (1 - assume.dp_overlap)
-    step = StepTime(compute=m * compute, tp_comm=m * tp, pp_comm=m * p2p, bubble=(p - 1) / v * micro, dp_comm=dp)
+    _, tp_once, dp = max(after_backward)
+    step = StepTime(compute=m * compute, tp_comm=m * tp + tp_once, pp_comm=m * p2p,
+                    bubble=(p - 1) / v * micro, dp_comm=dp)
     return Cost(step=step, model_flops=model_flops(model, work.global_batch * work.seq_len, work.seq_len),
                 num_devices=layout.num_devices, peak_tflops=cluster.device.peak_tflops, bottleneck_stage=slowest)

@@ -68,26 +68,30 @@ def layer_activation_terms(model: ModelSpec, heads: RankHeads, *, micro_batch: i
                            sequence_parallel: bool, recompute: str, assume: Assumptions) -> dict[str, float]:
     """Bytes one layer stores for one micro-batch on a rank holding ``heads``, by tensor.
 
-    Replicated regions (norms, the inputs of the column-parallel linears, residual dropout) are split
-    ``tp`` ways only under sequence parallelism; the attention and MLP interiors are split by heads and
-    ffn columns. Eager attention materialises K and V repeated to the query heads (GQA) and stores the
-    score matrix; a fused kernel ("sdpa") stores compact K/V and a logsumexp per head and row.
+    Replicated regions (norms, residual dropout) are split ``tp`` ways under sequence parallelism. The
+    inputs of the column-parallel linears are split too with Megatron kernels, which keep the sequence
+    shard and all-gather it again in backward (Korthikanti et al. 2022, section 4.2.2); tensorpar keeps
+    the gathered input instead, full size. The attention and MLP interiors are split by heads and ffn
+    columns. Eager attention stores the score matrix; a fused kernel ("sdpa") a logsumexp per head and
+    row. K and V are stored at the rank's query-head count: eager HF attention repeats grouped KV heads,
+    and tensorpar expands them to the local query heads before any attention kernel.
     """
     e, s, b, h, d = assume.activation_bytes, seq_len, micro_batch, model.hidden_size, model.head_dim
     tokens = b * s
-    rep = tokens * h / (tp if sequence_parallel else 1)  # elements of one replicated [s, b, h] tensor
-    rep_tokens = tokens / (tp if sequence_parallel else 1)
+    split = tp if sequence_parallel else 1
+    rep = tokens * h / split  # elements of one replicated [s, b, h] tensor on this rank
     if recompute == "full":  # only the layer input is kept; the layer is re-run in backward
         return {"layer input (checkpoint)": e * rep}
 
     hf = model.kernels == "hf"
-    kv_width = heads.q if assume.attention == "eager" else heads.kv
+    linear_in = rep if not hf else tokens * h  # input of the column-parallel linears, as saved
     ffn = model.ffn_hidden_size / tp
     mlp_tensors = 2 if model.mlp == "gelu" else (4 if hf else 3)
+    kv_width = heads.q if (hf or assume.attention == "eager") else heads.kv
     terms = {
-        "norm inputs": 2 * (_norm_bytes_per_element(model, e) * rep + _norm_stats_bytes(model, rep_tokens)),
-        "attention input": e * rep,
-        "mlp input": e * rep,
+        "norm inputs": 2 * (_norm_bytes_per_element(model, e) * rep + _norm_stats_bytes(model, tokens / split)),
+        "attention input": e * linear_in,
+        "mlp input": e * linear_in,
         "q, k, v": e * tokens * d * (heads.q + 2 * kv_width),
         "attention output": e * tokens * d * heads.q,
         # GeLU: fc1 output and GeLU output; SwiGLU: gate and up outputs (+ silu output and product in HF)
@@ -95,6 +99,8 @@ def layer_activation_terms(model: ModelSpec, heads: RankHeads, *, micro_batch: i
     }
     if model.dropout:
         terms["residual dropout masks"] = 2 * rep
+    if hf and heads.kv < heads.q:  # tensorpar's KV expansion keeps its int64 head index, for K and for V
+        terms["kv expansion index"] = 2 * 8 * heads.q
     if assume.attention == "eager":
         softmax = (4 + (e if e != 4 else 0)) if hf else e  # HF: fp32 softmax, then a copy in e bytes
         dropout = (1 + e) if model.dropout else 0  # mask and dropped-out probabilities
@@ -107,31 +113,32 @@ def layer_activation_terms(model: ModelSpec, heads: RankHeads, *, micro_batch: i
 
 def embedding_activation_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, tp: int,
                                sequence_parallel: bool, assume: Assumptions) -> dict[str, float]:
-    """First-stage bytes per micro-batch outside the layers: the embedding dropout mask (Korthikanti
-    section 4.4, sbh/t with sequence parallelism) and, for HF code, the token ids and rotary tables."""
+    """First-stage bytes per micro-batch outside the layers: the token ids the embedding keeps and the
+    embedding dropout mask (Korthikanti section 4.4, sbh/t with sequence parallelism)."""
     tokens = micro_batch * seq_len
-    terms = {}
+    terms = {"token ids": 8 * tokens} if model.kernels == "hf" else {}
     if model.dropout:
         terms["embedding dropout mask"] = tokens * model.hidden_size / (tp if sequence_parallel else 1)
-    if model.kernels == "hf":
-        terms["token ids"] = 8 * tokens
     return terms
 
 
 def output_activation_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, tp: int,
                             sequence_parallel: bool, assume: Assumptions) -> dict[str, float]:
     """Last-stage bytes per micro-batch after the layers: final norm input, output-layer input and the
-    fp32 logits kept by the cross-entropy, 4sbh/t (1 + V/h) in Korthikanti section 4.4 (with SP)."""
+    fp32 softmax kept by the vocabulary-parallel cross-entropy, 4sbh/t (1 + V/h) in Korthikanti section
+    4.4 (with sequence parallelism). tensorpar's cross-entropy also keeps per-token target indices (int64)
+    and two boolean masks, and its output layer keeps the gathered, full-size input."""
     e, tokens = assume.activation_bytes, micro_batch * seq_len
-    rep = tokens * model.hidden_size / (tp if sequence_parallel else 1)
-    rep_tokens = tokens / (tp if sequence_parallel else 1)
+    split = tp if sequence_parallel else 1
+    rep = tokens * model.hidden_size / split
+    hf = model.kernels == "hf"
     terms = {
-        "final norm input": _norm_bytes_per_element(model, e) * rep + _norm_stats_bytes(model, rep_tokens),
-        "output layer input": e * rep,
+        "final norm input": _norm_bytes_per_element(model, e) * rep + _norm_stats_bytes(model, tokens / split),
+        "output layer input": e * (tokens * model.hidden_size if hf else rep),
         "logits (fp32)": 4 * tokens * max_vocab_rows(model.vocab_size, tp),
     }
-    if model.kernels == "hf":
-        terms["labels"] = 8 * tokens
+    if hf:
+        terms["cross-entropy targets"] = (8 + 2) * tokens
     return terms
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from tensorpar.planner.layout import Assumptions, Layout, Workload
 from tensorpar.planner.model_spec import ModelSpec
-from tensorpar.planner.partition import max_vocab_rows
+from tensorpar.planner.partition import head_partition, max_vocab_rows
 
 _RING_FACTOR = {"all_reduce": lambda g: 2 * (g - 1) / g, "all_gather": lambda g: (g - 1) / g,
                 "reduce_scatter": lambda g: (g - 1) / g, "send": lambda g: 1.0}
@@ -57,17 +57,26 @@ def tp_collectives(model: ModelSpec, layout: Layout, work: Workload, assume: Ass
                    layers: int, first_stage: bool, last_stage: bool) -> list[Collective]:
     """Tensor-parallel collectives of one micro-batch on one pipeline stage (empty at tp=1).
 
-    Outside the layers: the vocabulary-parallel embedding sums its partial lookups (an all-reduce, or a
-    reduce-scatter under sequence parallelism whose backward is an all-gather); the output layer's input
-    is copied to every rank (all-reduce of its gradient in backward; all-gather forward and reduce-scatter
-    backward under sequence parallelism, plus the re-gather); the vocabulary-parallel cross-entropy
+    Layers: as in the module docstring; full recomputation re-runs the forward collectives. Megatron
+    kernels re-gather the saved sequence shards in backward; tensorpar keeps the gathered input instead.
+
+    Outside the layers, Megatron (``kernels="megatron"``): the vocabulary-parallel embedding sums its
+    partial lookups (all-reduce; reduce-scatter under sequence parallelism, all-gather in backward); the
+    output layer's input is copied to every rank (all-reduce of its gradient in backward; all-gather
+    forward, reduce-scatter backward and the re-gather under sequence parallelism); the cross-entropy
     all-reduces three fp32 values per token (max logit, sum of exponentials, target logit).
+
+    tensorpar (``kernels="hf"``): the embedding always all-reduces, and under sequence parallelism the
+    first block splits its input (all-gather of the gradient in backward); the output layer as above
+    without the re-gather; the cross-entropy all-reduces the max logit and then three fp32 sums per token
+    in one call.
     """
     t = layout.tp
     if t == 1:
         return []
-    bsh = layout.micro_batch * work.seq_len * model.hidden_size
-    e = assume.activation_bytes
+    tokens = layout.micro_batch * work.seq_len
+    bsh = tokens * model.hidden_size
+    e, sp, megatron = assume.activation_bytes, layout.sequence_parallel, model.kernels == "megatron"
     rerun = 1 if layout.recompute == "full" else 0
     out: list[Collective] = []
 
@@ -75,29 +84,67 @@ def tp_collectives(model: ModelSpec, layout: Layout, work: Workload, assume: Ass
         if calls:
             out.append(Collective(kind, site, calls, elements, nbytes, t, hidden))
 
-    if layout.sequence_parallel:
+    if sp:
         add("all_gather", "layer forward", 2 * layers * (1 + rerun))
         add("reduce_scatter", "layer forward", 2 * layers * (1 + rerun))
         add("reduce_scatter", "layer backward", 2 * layers)
         add("all_gather", "layer backward", 2 * layers)
-        add("all_gather", "layer backward: re-gather saved shards", 2 * layers, hidden=True)
+        if megatron:
+            add("all_gather", "layer backward: re-gather saved shards", 2 * layers, hidden=True)
     else:
         add("all_reduce", "layer forward", 2 * layers * (1 + rerun))
         add("all_reduce", "layer backward", 2 * layers)
     if first_stage:
-        if layout.sequence_parallel:
+        if sp and megatron:
             add("reduce_scatter", "embedding forward", 1)
             add("all_gather", "embedding backward", 1)
         else:
             add("all_reduce", "embedding forward", 1)
+            if sp:
+                add("all_gather", "sequence split backward", 1)
     if last_stage:
-        if layout.sequence_parallel:
+        if sp:
             add("all_gather", "output layer forward", 1)
             add("reduce_scatter", "output layer backward", 1)
-            add("all_gather", "output layer backward: re-gather saved shard", 1, hidden=True)
+            if megatron:
+                add("all_gather", "output layer backward: re-gather saved shard", 1, hidden=True)
         else:
             add("all_reduce", "output layer backward", 1)
-        add("all_reduce", "cross-entropy forward", 3, layout.micro_batch * work.seq_len, 4)
+        if megatron:
+            add("all_reduce", "cross-entropy forward", 3, tokens, 4)
+        else:
+            add("all_reduce", "cross-entropy forward: max", 1, tokens, 4)
+            add("all_reduce", "cross-entropy forward: sums", 1, 3 * tokens, 4)
+    return out
+
+
+def tp_step_collectives(model: ModelSpec, layout: Layout, assume: Assumptions, *, layers: int,
+                        last_stage: bool) -> list[Collective]:
+    """Tensor-parallel collectives once per step, after the last backward (empty at tp=1).
+
+    * Sequence parallelism: the gradients of norm weights (and row-parallel biases), which saw only a
+      sequence shard, are summed over tp in one flattened all-reduce (Korthikanti et al. 2022, 4.2.2).
+    * tensorpar with a KV head held by several ranks (a straddling GQA group, or tp > KV heads): the
+      full-shape gradient of each k/v projection is all-reduced (one call per parameter).
+    * Gradient clipping: one fp32 all-reduce of the sharded parameters' sum of squares.
+    """
+    t = layout.tp
+    if t == 1:
+        return []
+    g = assume.grad_bytes
+    out = []
+    if layout.sequence_parallel:
+        per_layer = 2 * model.norm_params() + (2 * model.hidden_size if model.bias else 0)
+        elements = layers * per_layer + (model.norm_params() if last_stage else 0)
+        out.append(Collective("all_reduce", "sequence-parallel norm gradients", 1, elements, g, t))
+    held = sum(r.kv for r in head_partition(model.num_heads, model.num_kv_heads, t))
+    if model.kernels == "hf" and held > model.num_kv_heads and layers:
+        kv_rows = model.num_kv_heads * model.head_dim
+        out.append(Collective("all_reduce", "duplicated KV head gradients", 2 * layers,
+                              kv_rows * model.hidden_size, g, t))
+        if model.bias:
+            out.append(Collective("all_reduce", "duplicated KV head bias gradients", 2 * layers, kv_rows, g, t))
+    out.append(Collective("all_reduce", "gradient norm", 1, 1, 4, t))
     return out
 
 
