@@ -110,5 +110,26 @@ def test_tp_traffic_equals_counter(pools, tp, sequence_parallel, shape):
         assert sorted(rank_counts) == sorted(predicted)
         for kind, want in predicted.items():
             got = rank_counts[kind]
-            assert (got["calls"], got["elements"], got["bytes"]) == (want["calls"], want["elements"], want["bytes"]), kind
+            counted_sizes = (got["calls"], got["elements"], got["bytes"])
+            assert counted_sizes == (want["calls"], want["elements"], want["bytes"]), kind
             assert got["wire_bytes"] == pytest.approx(want["wire_bytes"], rel=1e-12), kind
+
+
+def test_calibrate_collectives_and_device_file(tmp_path):
+    """Two gloo processes on loopback time all-reduces; the fit feeds a device file the planner reads."""
+    import json
+
+    from tensorpar.planner.calibrate import measure_collectives, measure_matmul
+    from tensorpar.planner.cluster import device_from_file
+
+    coll = measure_collectives(sizes=(4096, 1 << 16, 1 << 20))
+    assert [s["bytes"] for s in coll["samples"]] == [4096, 1 << 16, 1 << 20]
+    assert all(s["seconds"] > 0 for s in coll["samples"])
+    assert coll["bandwidth_gbps"] > 0 and coll["latency_us"] >= 0
+    _, matmul = measure_matmul(sizes=(128,), min_seconds=0.01)
+    device = {"name": "here", "memory_gib": 16, "peak_tflops": matmul[0]["tflops"],
+              "intra_node_gbps": coll["bandwidth_gbps"], "inter_node_gbps": coll["bandwidth_gbps"],
+              "intra_node_latency_us": coll["latency_us"], "inter_node_latency_us": coll["latency_us"]}
+    path = tmp_path / "device.json"
+    path.write_text(json.dumps({"device": device}))
+    assert device_from_file(path).peak_tflops == matmul[0]["tflops"]

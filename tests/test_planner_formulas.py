@@ -176,3 +176,12 @@ def test_hand_worked_step_time():
     assert cost.step.total == pytest.approx(1.51609732e-3, rel=1e-12)
     assert cost.model_flops == 2_003_828_736
     assert cost.mfu == pytest.approx(2_003_828_736 / (1.51609732e-3 * 8 * 1e12), rel=1e-12)
+
+
+def test_alpha_beta_fit_recovers_latency_and_bandwidth():
+    from tensorpar.planner.calibrate import fit_alpha_beta
+
+    samples = [{"bytes": n, "seconds": 25e-6 + n / 12e9} for n in (4096, 65536, 1 << 20, 1 << 24)]
+    latency, bandwidth = fit_alpha_beta(samples, world=2)  # ring all-reduce on 2 ranks: wire = payload
+    assert latency == pytest.approx(25e-6, rel=1e-9)
+    assert bandwidth == pytest.approx(12e9, rel=1e-9)

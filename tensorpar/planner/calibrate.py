@@ -105,8 +105,14 @@ def fit_alpha_beta(samples: list[dict], world: int) -> tuple[float, float]:
     return latency, (1 / slope if slope > 0 else float("inf"))
 
 
-def measure_collectives(sizes: tuple[int, ...] = COLLECTIVE_SIZES, timeout_s: float = 60.0) -> dict:
-    """All-reduce timings of 2 gloo processes on loopback, and their alpha-beta fit."""
+def measure_collectives(sizes: tuple[int, ...] = COLLECTIVE_SIZES, timeout_s: float = 120.0) -> dict:
+    """All-reduce timings of 2 gloo processes on loopback, and their alpha-beta fit.
+
+    Raises:
+        RuntimeError: a worker died or no timings arrived within ``timeout_s`` (names the exit codes).
+    """
+    import queue as queue_module
+
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -114,8 +120,16 @@ def measure_collectives(sizes: tuple[int, ...] = COLLECTIVE_SIZES, timeout_s: fl
     procs = [ctx.Process(target=_collective_worker, args=(r, world, port, sizes, queue)) for r in range(world)]
     for p in procs:
         p.start()
+    deadline, samples = time.monotonic() + timeout_s, None
     try:
-        samples = queue.get(timeout=timeout_s)
+        while samples is None:
+            try:
+                samples = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    raise RuntimeError(f"collective calibration failed: worker exit codes "
+                                       f"{[p.exitcode for p in procs]} after {timeout_s:.0f} s at most") from None
     finally:
         for p in procs:
             p.join(timeout=10)

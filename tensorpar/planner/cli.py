@@ -117,6 +117,9 @@ def main(args) -> int:
     except ValueError as err:
         print(f"tensorpar plan: error: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:  # calibration: a worker process failed
+        print(f"tensorpar plan: {err}", file=sys.stderr)
+        return 1
 
 
 def _calibrate(args) -> int:

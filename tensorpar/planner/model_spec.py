@@ -25,9 +25,10 @@ class ModelSpec:
 
     ``mlp``: "gelu" has two matrices (h->ffn->h), "swiglu" is a gated MLP with three (gate, up, down;
     also stands for GeGLU, which has the same shapes).
-    ``kernels``: whose code runs the model, which decides what autograd stores for backward:
-    "megatron" (fused LayerNorm/softmax kernels; activations exactly as Korthikanti et al. 2022,
-    Table 2) or "hf" (Hugging Face modeling code: RMSNorm upcast to fp32, fp32 softmax).
+    ``kernels``: whose code runs the model, which decides what autograd stores and which collectives run:
+    "megatron" (Megatron-LM's fused LayerNorm/softmax kernels; activations exactly as Korthikanti et al.
+    2022, Table 2) or "hf" (Hugging Face modeling code sharded by tensorpar.hf: RMSNorm upcast to fp32,
+    fp32 softmax, KV heads expanded per rank, tensorpar's collectives).
     ``learned_positions``: rows of a learned absolute position table (GPT); 0 for rotary.
     """
 

@@ -9,10 +9,12 @@ Tensor parallelism, per layer and micro-batch of b sequences of s tokens (Shoeyb
 Korthikanti et al. 2022, section 4.2.2): the forward pass all-reduces the outputs of the attention and MLP
 blocks and the backward pass the gradients of their inputs, four all-reduces of bsh elements, so each rank
 sends ``4 * 2 (t-1)/t * bsh = 8 bsh (t-1)/t`` elements. Sequence parallelism replaces each all-reduce by a
-reduce-scatter and an all-gather of the same total size, and re-gathers the two saved sequence shards in
-backward (two more all-gathers), which is what lets it store ``34/t`` rather than ``10 + 24/t``. Megatron
-overlaps that re-gather with the input-gradient matmul; it is marked ``hidden`` and not timed, but it is
-counted in the bytes.
+reduce-scatter and an all-gather of the same total size. Megatron also re-gathers the two saved sequence
+shards in backward (two more all-gathers), which is what lets it store ``34/t`` rather than ``10 + 24/t``;
+it overlaps them with the input-gradient matmul, so they are marked ``hidden``: counted in bytes, not in
+time. tensorpar keeps the gathered input instead (more memory, no re-gather).
+
+tests/test_planner_calibration.py checks these lists against tensorpar's collective counter, exactly.
 """
 from __future__ import annotations
 
