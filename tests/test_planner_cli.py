@@ -11,10 +11,8 @@ GPT3 = ["--model", "gpt3-175b", "--gpus", "1024", "--gpus-per-node", "8", "--dev
 
 
 @pytest.fixture
-def plan(monkeypatch, capsys):
-    """Run ``tensorpar plan ARGS`` through tensorpar.cli.main; return (exit code, stdout, stderr).
-    Only the plan command is registered, so that the test does not depend on the other commands."""
-    monkeypatch.setattr(cli, "COMMANDS", {"plan": cli.COMMANDS["plan"]})
+def plan(capsys):
+    """Run ``tensorpar plan ARGS`` through tensorpar.cli.main; return (exit code, stdout, stderr)."""
 
     def run(*args):
         code = cli.main(["plan", *args])
@@ -33,6 +31,17 @@ def test_gpt3_175b_ranked_table_under_10_s(plan):
     assert "gpt3-175b on 1024 x a100-80gb" in out
     assert "#1 tp=" in out and "Ruled out:" in out
     assert "needs" in out and "GiB usable" in out  # at least one value is explained by memory
+
+
+def test_plan_command_does_not_import_torch():
+    """Planning needs no torch: the dispatcher imports only the command it runs."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from tensorpar import cli; "
+            f"cli.main(['plan', *{GPT3!r}, '--json', '--top', '1']); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().endswith("False")
 
 
 def test_json_is_a_ranked_list_in_the_schema(plan):

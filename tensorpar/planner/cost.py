@@ -89,19 +89,25 @@ def step_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Work
     p2p = _collective_seconds(pipeline_sends(model, layout, work, assume), cluster, t * p)
     tied = _collective_seconds(tied_embedding_collectives(model, layout, assume), cluster, t * p)
 
-    per_stage, after_backward = [], []
-    for i, (layers, params) in enumerate(zip(stage_layers(model.num_layers, p, v), stage_params(model, layout))):
-        first, last = i == 0, i == p - 1
+    def stage_times(layers: int, params: int, first: bool, last: bool) -> tuple[tuple, tuple]:
         compute = (layers * layer_flops + (logits_flops if last else 0.0)) / flop_rate
         tp = _collective_seconds(
             tp_collectives(model, layout, work, assume, layers=layers, first_stage=first, last_stage=last),
             cluster, t) * (1 - assume.tp_overlap)
-        per_stage.append((compute + tp + p2p, compute, tp))
         tp_once = _collective_seconds(tp_step_collectives(model, layout, assume, layers=layers, last_stage=last),
                                       cluster, t) * (1 - assume.tp_overlap)
         dp = (_collective_seconds(dp_collectives(params, layout, assume), cluster, t * p * d)
               + (tied if first or last else 0.0)) * (1 - assume.dp_overlap)
-        after_backward.append((tp_once + dp, tp_once, dp))
+        return (compute + tp + p2p, compute, tp), (tp_once + dp, tp_once, dp)
+
+    seen: dict[tuple, tuple] = {}  # stages of equal shape cost the same; a 64-stage pipeline has ~3 shapes
+    per_stage, after_backward = [], []
+    for i, (layers, params) in enumerate(zip(stage_layers(model.num_layers, p, v), stage_params(model, layout))):
+        key = (layers, params, i == 0, i == p - 1)
+        if key not in seen:
+            seen[key] = stage_times(*key)
+        per_stage.append(seen[key][0])
+        after_backward.append(seen[key][1])
     slowest = max(range(p), key=lambda i: (per_stage[i][0], -i))
     micro, compute, tp = per_stage[slowest]
     _, tp_once, dp = max(after_backward)

@@ -185,48 +185,62 @@ def stage_params(model: ModelSpec, layout: Layout) -> list[int]:
     return out
 
 
+class _Stages:
+    """Per-stage memory of one layout; the per-layer and per-micro-batch terms are computed once."""
+
+    def __init__(self, model: ModelSpec, layout: Layout, work: Workload, assume: Assumptions) -> None:
+        t, self.p, self.v = layout.tp, layout.pp, layout.virtual_stages
+        heads = busiest_heads(model.num_heads, model.num_kv_heads, t)
+        self.m = layout.num_micro_batches(work.global_batch)
+        shape = dict(micro_batch=layout.micro_batch, seq_len=work.seq_len, tp=t,
+                     sequence_parallel=layout.sequence_parallel)
+        self.per_layer = layer_activation_terms(model, heads, recompute=layout.recompute, assume=assume, **shape)
+        self.working_set = 0.0
+        if layout.recompute == "full":  # one layer's activations are rebuilt at a time during backward
+            self.working_set = sum(layer_activation_terms(model, heads, recompute="none", assume=assume,
+                                                          **shape).values())
+        self.first = embedding_activation_bytes(model, assume=assume, **shape)
+        self.last = output_activation_bytes(model, assume=assume, **shape)
+        self.rotary = rotary_bytes(model, seq_len=work.seq_len, assume=assume)
+        self.layers = stage_layers(model.num_layers, self.p, self.v)
+        self.params = stage_params(model, layout)
+        share = layout.dp if layout.distributed_optimizer else 1
+        self.state_bytes = (assume.param_bytes, assume.grad_bytes, assume.optimizer_bytes / share)
+        self.sums = (sum(self.per_layer.values()), sum(self.first.values()), sum(self.last.values()))
+
+    def total(self, i: int) -> float:
+        flight = in_flight(i, self.p, self.v, self.m)
+        layer, first, last = self.sums
+        activations = (flight * (self.layers[i] * layer + self.rotary + (first if i == 0 else 0.0))
+                       + self.working_set + (last if i == self.p - 1 else 0.0))
+        return self.params[i] * sum(self.state_bytes) + activations
+
+    def breakdown(self, i: int) -> MemoryBreakdown:
+        flight = in_flight(i, self.p, self.v, self.m)
+        terms = {name: flight * self.layers[i] * value for name, value in self.per_layer.items()}
+        if self.working_set:
+            terms["recompute working set"] = self.working_set
+        if self.rotary:
+            terms["rotary tables"] = flight * self.rotary
+        if i == 0:
+            terms.update({name: flight * value for name, value in self.first.items()})
+        if i == self.p - 1:
+            terms.update(self.last)  # 1F1B: the last stage finishes each micro-batch before the next
+        w, g, o = (self.params[i] * b for b in self.state_bytes)
+        return MemoryBreakdown(weights=w, gradients=g, optimizer=o, activations=sum(terms.values()), stage=i,
+                               activation_terms=terms)
+
+
 def stage_memory(model: ModelSpec, layout: Layout, work: Workload, assume: Assumptions) -> list[MemoryBreakdown]:
     """Memory of the busiest tensor-parallel rank of every pipeline stage."""
-    t, p, v = layout.tp, layout.pp, layout.virtual_stages
-    heads = busiest_heads(model.num_heads, model.num_kv_heads, t)
-    m = layout.num_micro_batches(work.global_batch)
-    shape = dict(micro_batch=layout.micro_batch, seq_len=work.seq_len, tp=t,
-                 sequence_parallel=layout.sequence_parallel)
-    per_layer = layer_activation_terms(model, heads, recompute=layout.recompute, assume=assume, **shape)
-    layer_bytes = sum(per_layer.values())
-    working_set = 0.0
-    if layout.recompute == "full":  # one layer's activations are rebuilt at a time during backward
-        working_set = sum(layer_activation_terms(model, heads, recompute="none", assume=assume, **shape).values())
-    first = embedding_activation_bytes(model, assume=assume, **shape)
-    last = output_activation_bytes(model, assume=assume, **shape)
-    rotary = rotary_bytes(model, seq_len=work.seq_len, assume=assume)
-
-    opt_share = layout.dp if layout.distributed_optimizer else 1
-    stages = []
-    params_of = stage_params(model, layout)
-    for i, layers in enumerate(stage_layers(model.num_layers, p, v)):
-        flight = in_flight(i, p, v, m)
-        params = params_of[i]
-        terms = {name: flight * layers * value for name, value in per_layer.items()}
-        if working_set:
-            terms["recompute working set"] = working_set
-        if rotary:
-            terms["rotary tables"] = flight * rotary
-        if i == 0:
-            terms.update({name: flight * value for name, value in first.items()})
-        if i == p - 1:
-            terms.update(last)  # 1F1B: the last stage finishes each micro-batch before the next
-        stages.append(MemoryBreakdown(
-            weights=params * assume.param_bytes, gradients=params * assume.grad_bytes,
-            optimizer=params * assume.optimizer_bytes / opt_share, activations=sum(terms.values()),
-            stage=i, activation_terms=terms,
-        ))
-    return stages
+    stages = _Stages(model, layout, work, assume)
+    return [stages.breakdown(i) for i in range(layout.pp)]
 
 
 def memory_per_device(model: ModelSpec, layout: Layout, work: Workload, assume: Assumptions) -> MemoryBreakdown:
     """The breakdown of the stage that needs the most memory (ties: the earliest stage)."""
-    return max(stage_memory(model, layout, work, assume), key=lambda s: (s.total, -s.stage))
+    stages = _Stages(model, layout, work, assume)
+    return stages.breakdown(max(range(layout.pp), key=lambda i: (stages.total(i), -i)))
 
 
 def usable_bytes(memory_gib: float, assume: Assumptions) -> float:

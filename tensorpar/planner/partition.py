@@ -15,6 +15,7 @@ The planner costs a layout at its busiest rank, so these functions also give the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 
 def split_sizes(total: int, parts: int) -> list[int]:
@@ -50,6 +51,12 @@ def head_partition(num_heads: int, num_kv_heads: int, tp: int) -> list[RankHeads
         ranks.append(RankHeads(q=size, kv=(stop - 1) // group - start // group + 1))
         start = stop
     return ranks
+
+
+@lru_cache(maxsize=None)
+def kv_heads_duplicated(num_heads: int, num_kv_heads: int, tp: int) -> bool:
+    """Whether some KV head is held by more than one rank (a straddling group, or tp > KV heads)."""
+    return sum(r.kv for r in head_partition(num_heads, num_kv_heads, tp)) > num_kv_heads
 
 
 def busiest_heads(num_heads: int, num_kv_heads: int, tp: int) -> RankHeads:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from tensorpar.planner.layout import Assumptions, Layout, Workload
 from tensorpar.planner.model_spec import ModelSpec
-from tensorpar.planner.partition import head_partition, max_vocab_rows
+from tensorpar.planner.partition import kv_heads_duplicated, max_vocab_rows
 
 _RING_FACTOR = {"all_reduce": lambda g: 2 * (g - 1) / g, "all_gather": lambda g: (g - 1) / g,
                 "reduce_scatter": lambda g: (g - 1) / g, "send": lambda g: 1.0}
@@ -139,8 +139,7 @@ def tp_step_collectives(model: ModelSpec, layout: Layout, assume: Assumptions, *
         per_layer = 2 * model.norm_params() + (2 * model.hidden_size if model.bias else 0)
         elements = layers * per_layer + (model.norm_params() if last_stage else 0)
         out.append(Collective("all_reduce", "sequence-parallel norm gradients", 1, elements, g, t))
-    held = sum(r.kv for r in head_partition(model.num_heads, model.num_kv_heads, t))
-    if model.kernels == "hf" and held > model.num_kv_heads and layers:
+    if model.kernels == "hf" and layers and kv_heads_duplicated(model.num_heads, model.num_kv_heads, t):
         kv_rows = model.num_kv_heads * model.head_dim
         out.append(Collective("all_reduce", "duplicated KV head gradients", 2 * layers,
                               kv_rows * model.hidden_size, g, t))
