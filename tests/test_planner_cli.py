@@ -114,3 +114,10 @@ def test_errors_name_the_setting(plan):
     assert code == 2 and "--model 'gpt-5' is not a preset" in err
     code, _, err = plan(*GPT3, "--efficiency", "1.5")
     assert code == 2 and "--efficiency (1.5) must be in (0, 1]" in err
+    code, _, err = plan(*GPT3, "--top", "-1")
+    assert code == 2 and "--top (-1) must be >= 0" in err
+
+
+def test_unwritable_plot_path_is_an_error(plan, tmp_path):
+    code, _, err = plan(*GPT3, "--plot", str(tmp_path / "missing-folder" / "memory.png"))
+    assert code == 2 and "--plot" in err and "cannot write it" in err

@@ -1,8 +1,8 @@
 """``tensorpar plan --calibrate``: measure this machine instead of trusting datasheets.
 
 * Matmul throughput: square matmuls timed with torch (bf16 on a GPU, fp32 on a CPU), 2 n^3 FLOPs each.
-* Collective latency and bandwidth: two processes on this host, gloo over loopback, all-reduce of growing
-  sizes; a least-squares fit of ``time = latency + wire_bytes / bandwidth`` (ring all-reduce on 2 ranks
+* Collective latency and bandwidth: two ranks on this host (tensorpar's worker pool, gloo over loopback),
+  tensorpar's all-reduce of growing sizes; a least-squares fit of ``time = latency + wire_bytes / bandwidth`` (ring all-reduce on 2 ranks
   sends ``2 (g-1)/g = 1`` x the payload).
 
 Also: :func:`saved_activation_bytes`, the bytes autograd keeps for backward while a function runs, which
@@ -11,10 +11,8 @@ the tests compare with the activation model.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 
 COLLECTIVE_SIZES = tuple(2 ** k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB payloads
 
@@ -63,35 +61,25 @@ def measure_matmul(sizes: tuple[int, ...] | None = None, min_seconds: float = 0.
     return name, out
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _collective_worker(rank: int, world: int, port: int, sizes: tuple[int, ...], queue) -> None:
+def _time_all_reduce(ctx, sizes: tuple[int, ...]) -> list[dict]:
+    """Job for :class:`tensorpar.testing.WorkerPool`: mean seconds of ``comm.all_reduce`` (tensorpar's
+    own path, clone included) over the tp group, for fp32 payloads of each size in bytes."""
     import torch
-    import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=30))
-    try:
-        samples = []
-        for nbytes in sizes:
-            x = torch.ones(nbytes // 4, dtype=torch.float32)
-            for _ in range(2):
-                dist.all_reduce(x)
-            iters = max(3, min(50, (1 << 22) // nbytes))
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(iters):
-                dist.all_reduce(x)
-            samples.append({"bytes": nbytes, "seconds": (time.perf_counter() - start) / iters})
-        if rank == 0:
-            queue.put(samples)
-    finally:
-        dist.destroy_process_group()
+    from tensorpar import comm
+
+    samples = []
+    for nbytes in sizes:
+        x = torch.ones(nbytes // 4, dtype=torch.float32)
+        for _ in range(2):  # warm-up: connection set-up, buffer allocation
+            comm.all_reduce(x, ctx.tp)
+        iters = max(3, min(50, (1 << 22) // nbytes))
+        comm.all_reduce(torch.zeros(1), ctx.tp)  # line the ranks up
+        start = time.perf_counter()
+        for _ in range(iters):
+            comm.all_reduce(x, ctx.tp)
+        samples.append({"bytes": nbytes, "seconds": (time.perf_counter() - start) / iters})
+    return samples
 
 
 def fit_alpha_beta(samples: list[dict], world: int) -> tuple[float, float]:
@@ -106,35 +94,19 @@ def fit_alpha_beta(samples: list[dict], world: int) -> tuple[float, float]:
 
 
 def measure_collectives(sizes: tuple[int, ...] = COLLECTIVE_SIZES, timeout_s: float = 120.0) -> dict:
-    """All-reduce timings of 2 gloo processes on loopback, and their alpha-beta fit.
+    """All-reduce timings of 2 gloo ranks on this host (tensorpar's worker pool), and their alpha-beta fit.
 
     Raises:
-        RuntimeError: a worker died or no timings arrived within ``timeout_s`` (names the exit codes).
+        RuntimeError: a rank failed or gave no answer within ``timeout_s`` (with its traceback).
     """
-    import queue as queue_module
+    from tensorpar.testing import RankFailure, WorkerPool
 
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue, world, port = ctx.Queue(), 2, _free_port()
-    procs = [ctx.Process(target=_collective_worker, args=(r, world, port, sizes, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline, samples = time.monotonic() + timeout_s, None
+    world = 2
     try:
-        while samples is None:
-            try:
-                samples = queue.get(timeout=1.0)
-            except queue_module.Empty:
-                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if failed or time.monotonic() > deadline:
-                    raise RuntimeError(f"collective calibration failed: worker exit codes "
-                                       f"{[p.exitcode for p in procs]} after {timeout_s:.0f} s at most") from None
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
+        with WorkerPool(world, collective_timeout_s=30.0, job_timeout_s=timeout_s) as pool:
+            samples = pool.run(_time_all_reduce, tuple(sizes))[0]
+    except RankFailure as err:
+        raise RuntimeError(f"collective calibration failed: {err}") from None
     latency, bandwidth = fit_alpha_beta(samples, world)
     return {"backend": "gloo", "world_size": world, "samples": samples,
             "latency_us": latency * 1e6, "bandwidth_gbps": bandwidth / 1e9}

@@ -150,6 +150,8 @@ def _plan(args) -> int:
     from tensorpar.planner.explain import explain, memory_verdict
 
     start = time.perf_counter()
+    if args.top < 0:
+        raise ValueError(f"--top ({args.top}) must be >= 0 (0 shows every fitting plan)")
     model, hw = build_model(args), build_cluster(args)
     if args.global_batch is None or args.seq is None:
         raise ValueError("give --global-batch and --seq")
@@ -183,7 +185,10 @@ def _plan(args) -> int:
     if args.plot:
         from tensorpar.planner.plot import plot_memory
 
-        plot_memory(shown, args.plot, capacity_gib=hw.device.memory_gib, title=title)
+        try:
+            plot_memory(shown, args.plot, capacity_gib=hw.device.memory_gib, title=title)
+        except OSError as err:
+            raise ValueError(f"--plot {args.plot}: cannot write it ({err.strerror or err})") from None
     if args.json:
         from tensorpar.planner.report import plans_json
 

@@ -15,7 +15,6 @@ The planner costs a layout at its busiest rank, so these functions also give the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 
 def split_sizes(total: int, parts: int) -> list[int]:
@@ -53,7 +52,6 @@ def head_partition(num_heads: int, num_kv_heads: int, tp: int) -> list[RankHeads
     return ranks
 
 
-@lru_cache(maxsize=None)
 def kv_heads_duplicated(num_heads: int, num_kv_heads: int, tp: int) -> bool:
     """Whether some KV head is held by more than one rank (a straddling group, or tp > KV heads)."""
     return sum(r.kv for r in head_partition(num_heads, num_kv_heads, tp)) > num_kv_heads

@@ -35,9 +35,14 @@ def plan_table(plans: list[Plan], title: str, first_rank: int = 1):
             "on" if lay.distributed_optimizer else "off",
             mem_cell, f"{mem['weights'] + mem['gradients']:.1f}", f"{mem['optimizer']:.1f}",
             f"{mem['activations']:.1f}", f"{step.total:.3f}", f"{100 * step.bubble / step.total:.1f}%",
-            f"{plan.cost.tflops_per_device:.1f}", f"{100 * plan.cost.mfu:.1f}%",
+            _tflops(plan.cost.tflops_per_device), f"{100 * plan.cost.mfu:.1f}%",
         )
     return table
+
+
+def _tflops(value: float) -> str:
+    """One decimal for cluster-scale rates, three significant digits for small (calibrated CPU) ones."""
+    return f"{value:.1f}" if value >= 10 else f"{value:.3g}"
 
 
 def plans_json(plans: list[Plan], first_rank: int | None = 1) -> str:
