@@ -1,5 +1,5 @@
 """Matmul FLOPs of a training step, after Narayanan et al. 2021, "Efficient Large-Scale Language Model
-Training on GPU Clusters Using Megatron-LM", section 5.1, eq. 3.
+Training on GPU Clusters Using Megatron-LM", eq. 3.
 
 One layer's forward pass on B sequences of s tokens does ``24 B s h^2 + 4 B s^2 h`` FLOPs in a GPT
 (QKV, attention output and two MLP matmuls; the two score matmuls), and the logit layer ``2 B s V h``.

@@ -73,8 +73,9 @@ def layer_activation_terms(model: ModelSpec, heads: RankHeads, *, micro_batch: i
     shard and all-gather it again in backward (Korthikanti et al. 2022, section 4.2.2); tensorpar keeps
     the gathered input instead, full size. The attention and MLP interiors are split by heads and ffn
     columns. Eager attention stores the score matrix; a fused kernel ("sdpa") a logsumexp per head and
-    row. K and V are stored at the rank's query-head count: eager HF attention repeats grouped KV heads,
-    and tensorpar expands them to the local query heads before any attention kernel.
+    row. K and V are stored at the rank's query-head count (eager HF attention repeats grouped KV heads,
+    and tensorpar expands them to the local query heads before any attention kernel), except for Megatron
+    kernels with a fused attention kernel, which keep them compact.
     """
     e, s, b, h, d = assume.activation_bytes, seq_len, micro_batch, model.hidden_size, model.head_dim
     tokens = b * s
