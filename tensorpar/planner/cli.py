@@ -147,7 +147,7 @@ def _calibrate(args) -> int:
 
 def _plan(args) -> int:
     from tensorpar.planner.enumerate import score, search
-    from tensorpar.planner.explain import explain, memory_verdict
+    from tensorpar.planner.explain import explain, memory_verdict, versus
 
     start = time.perf_counter()
     if args.top < 0:
@@ -156,11 +156,11 @@ def _plan(args) -> int:
     if args.global_batch is None or args.seq is None:
         raise ValueError("give --global-batch and --seq")
     work, assume = Workload(args.global_batch, args.seq), build_assumptions(args, model)
+    layout = parse_layout(args.evaluate, hw.num_devices) if args.evaluate else None
     found = search(model, hw, work, assume)
     title = (f"{model.name} on {hw.num_devices} x {hw.device.name} ({hw.devices_per_node} per node), "
              f"global batch {work.global_batch} x {work.seq_len} tokens, attention={assume.attention}")
-    if args.evaluate:
-        layout = parse_layout(args.evaluate, hw.num_devices)
+    if layout is not None:
         broken = problems(layout, model, hw, work, assume)
         if broken:
             raise ValueError(f"--evaluate {layout.short()} is invalid: " + "; ".join(p.message for p in broken))
@@ -168,13 +168,10 @@ def _plan(args) -> int:
         rank = next((i + 1 for i, p in enumerate(found.ranked) if p.layout == layout), None)
         shown, first = [plan], rank or 0
         notes = [f"{layout.short()}: " + (f"rank {rank} of {len(found.ranked)} fitting layouts"
-                                          if rank else memory_verdict(plan))]
+                                          if rank else memory_verdict(plan)) + "."]
         if found.ranked and rank != 1:
-            from tensorpar.planner.explain import versus
-
-            notes.append(f"the best layout, {found.ranked[0].layout.short()}, is "
-                         f"{'faster' if plan.cost.step.total > found.ranked[0].cost.step.total else 'no slower'}"
-                         f"; this one is {versus(plan, found.ranked[0])}.")
+            best = found.ranked[0]
+            notes.append(f"#1 is {best.layout.short()}; against it this layout is {versus(plan, best)}.")
     else:
         shown = found.ranked if args.top == 0 else found.ranked[: args.top]
         first = 1
