@@ -116,6 +116,15 @@ def test_errors_name_the_setting(plan):
     assert code == 2 and "--efficiency (1.5) must be in (0, 1]" in err
     code, _, err = plan(*GPT3, "--top", "-1")
     assert code == 2 and "--top (-1) must be >= 0" in err
+    code, _, err = plan(*GPT3, "--device-file", "/nonexistent/device.json")
+    assert code == 2 and "--device-file /nonexistent/device.json: cannot read" in err
+
+
+def test_unreadable_config_json_is_an_error(plan, tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    code, _, err = plan("--model", str(bad), "--gpus", "8", "--global-batch", "8", "--seq", "128")
+    assert code == 2 and f"--model {bad}: cannot read a config.json" in err
 
 
 def test_unwritable_plot_path_is_an_error(plan, tmp_path):

@@ -92,7 +92,10 @@ def device_preset(name: str) -> DeviceSpec:
 def device_from_file(path: str | Path) -> DeviceSpec:
     """A device described by a JSON object with the fields of :class:`DeviceSpec` (for example the
     ``device`` object that ``tensorpar plan --calibrate --json`` prints)."""
-    data = json.loads(Path(path).read_text())
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--device-file {path}: cannot read a JSON device spec ({err})") from None
     data = data.get("device", data)
     try:
         return DeviceSpec(**data)

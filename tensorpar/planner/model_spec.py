@@ -163,7 +163,10 @@ def from_hf_config(config: dict | str | Path, name: str | None = None) -> ModelS
     """Read a Hugging Face ``config.json`` (a dict or a path) of a Llama-like or GPT-2-like model."""
     if not isinstance(config, dict):
         path = Path(config)
-        config = json.loads(path.read_text())
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"--model {path}: cannot read a config.json ({err})") from None
         name = name or path.parent.name or path.stem
     name = name or config.get("_name_or_path") or config.get("model_type", "hf-model")
     if "n_embd" in config:  # GPT-2 family naming
