@@ -119,7 +119,8 @@ def test_dp_traffic():
 
 
 def test_head_partition_uneven_and_gqa():
-    assert head_partition(9, 3, 2) == [RankHeads(5, 2), RankHeads(4, 2)]  # group 1 straddles: duplicated
+    # group 1 straddles: duplicated, and local groups are unequal ([3, 2] and [1, 3])
+    assert head_partition(9, 3, 2) == [RankHeads(5, 2, uniform=False), RankHeads(4, 2, uniform=False)]
     assert head_partition(32, 8, 16) == [RankHeads(2, 1)] * 16
     assert head_partition(8, 2, 8) == [RankHeads(1, 1)] * 8  # tp > kv heads: replicated
     assert [r.q for r in head_partition(9, 3, 4)] == [3, 2, 2, 2]

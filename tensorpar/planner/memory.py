@@ -73,9 +73,9 @@ def layer_activation_terms(model: ModelSpec, heads: RankHeads, *, micro_batch: i
     shard and all-gather it again in backward (Korthikanti et al. 2022, section 4.2.2); tensorpar keeps
     the gathered input instead, full size. The attention and MLP interiors are split by heads and ffn
     columns. Eager attention stores the score matrix; a fused kernel ("sdpa") a logsumexp per head and
-    row. K and V are stored at the rank's query-head count (eager HF attention repeats grouped KV heads,
-    and tensorpar expands them to the local query heads before any attention kernel), except for Megatron
-    kernels with a fused attention kernel, which keep them compact.
+    row. K and V are stored at the rank's query-head count when eager HF attention repeats grouped KV
+    heads, or when a GQA group straddles ranks (tensorpar then gathers KV heads per query head); with a
+    fused kernel and uniform local groups they stay compact (sdpa's ``enable_gqa``).
     """
     e, s, b, h, d = assume.activation_bytes, seq_len, micro_batch, model.hidden_size, model.head_dim
     tokens = b * s
@@ -88,7 +88,10 @@ def layer_activation_terms(model: ModelSpec, heads: RankHeads, *, micro_batch: i
     linear_in = rep if not hf else tokens * h  # input of the column-parallel linears, as saved
     ffn = model.ffn_hidden_size / tp
     mlp_tensors = 2 if model.mlp == "gelu" else (4 if hf else 3)
-    kv_width = heads.q if (hf or assume.attention == "eager") else heads.kv
+    if hf:  # HF eager repeats KV heads; sdpa broadcasts them (enable_gqa) unless tensorpar gathered them per head
+        kv_width = heads.kv if (assume.attention != "eager" and heads.uniform) else heads.q
+    else:
+        kv_width = heads.q if assume.attention == "eager" else heads.kv
     terms = {
         "norm inputs": 2 * (_norm_bytes_per_element(model, e) * rep + _norm_stats_bytes(model, tokens / split)),
         "attention input": e * linear_in,
@@ -100,7 +103,7 @@ def layer_activation_terms(model: ModelSpec, heads: RankHeads, *, micro_batch: i
     }
     if model.dropout:
         terms["residual dropout masks"] = 2 * rep
-    if hf and heads.kv < heads.q:  # tensorpar's KV expansion keeps its int64 head index, for K and for V
+    if hf and heads.kv < heads.q and not heads.uniform:  # tensorpar's per-head KV gather keeps its int64 index
         terms["kv expansion index"] = 2 * 8 * heads.q
     if assume.attention == "eager":
         softmax = (4 + (e if e != 4 else 0)) if hf else e  # HF: fp32 softmax, then a copy in e bytes

@@ -27,10 +27,15 @@ def split_sizes(total: int, parts: int) -> list[int]:
 
 @dataclass(frozen=True)
 class RankHeads:
-    """Heads held by one tensor-parallel rank: ``q`` query heads reading ``kv`` key/value heads."""
+    """Heads held by one tensor-parallel rank: ``q`` query heads reading ``kv`` key/value heads.
+
+    ``uniform``: every local KV head serves the same number of local query heads (then the
+    attention kernel broadcasts KV heads; otherwise tensorpar gathers them per query head).
+    """
 
     q: int
     kv: int
+    uniform: bool = True
 
 
 def head_partition(num_heads: int, num_kv_heads: int, tp: int) -> list[RankHeads]:
@@ -47,7 +52,9 @@ def head_partition(num_heads: int, num_kv_heads: int, tp: int) -> list[RankHeads
     ranks, start = [], 0
     for size in split_sizes(num_heads, tp):
         stop = start + size
-        ranks.append(RankHeads(q=size, kv=(stop - 1) // group - start // group + 1))
+        counts = [min(stop, (k + 1) * group) - max(start, k * group)
+                  for k in range(start // group, (stop - 1) // group + 1)]
+        ranks.append(RankHeads(q=size, kv=len(counts), uniform=len(set(counts)) == 1))
         start = stop
     return ranks
 
