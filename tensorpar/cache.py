@@ -111,6 +111,22 @@ def remove_tree(folder: str | os.PathLike) -> None:
         shutil.rmtree(aside, ignore_errors=True)
 
 
+def remove_leftovers(folder: str | os.PathLike, prefix: str) -> None:
+    """Delete entries of ``folder`` whose names start with ``prefix``: temporaries of a killed run.
+
+    Only call it while holding the ``file_lock`` that every writer of such temporaries holds, so none
+    of them can still be in use.
+    """
+    folder = Path(folder)
+    if folder.is_dir():
+        for entry in folder.iterdir():
+            if entry.name.startswith(prefix):
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+
+
 def pip_download(requirement: str, dest_dir: str | os.PathLike, *, sdist: bool = False,
                  progress: bool = True) -> Path:
     """``pip download --no-deps REQUIREMENT`` into ``dest_dir``; returns the one archive it saved.

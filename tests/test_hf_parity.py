@@ -17,7 +17,12 @@ from tests._ranks import run_tp
 
 
 def tiny_llama_config(**kw):
-    from transformers import LlamaConfig
+    from transformers import GPT2Config, LlamaConfig
+    if kw.pop("model_type", "llama") == "gpt2":
+        cfg = GPT2Config(vocab_size=37, n_embd=24, n_layer=2, n_head=6, n_positions=64, resid_pdrop=0.0,
+                         embd_pdrop=0.0, attn_pdrop=0.0, **kw)  # dropout off: parity is exact math
+        cfg._attn_implementation = "sdpa"
+        return cfg
     base = dict(vocab_size=37, hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=6,
                 num_key_value_heads=2, head_dim=4, max_position_embeddings=64, tie_word_embeddings=True,
                 rms_norm_eps=1e-5)
@@ -54,8 +59,8 @@ def job_llama(ctx, cfg_kw, sequence_parallel, label_smoothing):
     d += compare_grads(par, ref, tp.rank)
     d.append(assert_parity("grad norm", grad_norm(par.parameters(), tp),
                            torch.cat([p.grad.flatten() for p in ref.parameters()]).norm()))
-    if cfg.tie_word_embeddings:
-        assert par.lm_head.weight is par.model.embed_tokens.weight    # tied: still one parameter
+    if cfg.tie_word_embeddings:                             # tied: still one parameter
+        assert par.lm_head.weight is par.get_input_embeddings().weight
     return max(x.max_abs for x in d), len(d), counter.summary()
 
 
@@ -76,6 +81,11 @@ def test_llama_smollm2_head_shape_tp3(pools):
     # SmolLM2's 9 query / 3 KV heads shape, untied head, uneven vocab over 3 ranks
     run_tp(pools, 3, job_llama, dict(num_attention_heads=9, num_key_value_heads=3, hidden_size=36,
                                      tie_word_embeddings=False, vocab_size=41), False, 0.1)
+
+
+@pytest.mark.parametrize("tp", [3])
+def test_gpt2_parity_fused_qkv_conv1d(pools, tp):
+    run_tp(pools, tp, job_llama, {"model_type": "gpt2"}, False, 0.1)
 
 
 def test_plan_is_printable_and_validates():

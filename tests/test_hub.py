@@ -72,6 +72,25 @@ def test_tiny_gguf_converts_to_the_same_model(tiny):
     assert converted.lm_head.weight.data_ptr() == converted.model.embed_tokens.weight.data_ptr()
 
 
+def test_hf_tokenizer_of_a_converted_folder(tiny, tmp_path):
+    import shutil
+
+    from tensorpar.data import HFTokenizer, load_tokenizer
+
+    _, _, folder = tiny
+    tok = load_tokenizer(str(folder))
+    assert isinstance(tok, HFTokenizer)
+    text = "the south house\n\nin a tout"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text and max(ids) < tok.vocab_size == 264
+    assert tok.eos_token_id == 263 and tok.encode("x") == [ord("x")]  # no BOS added
+    assert HFTokenizer(folder).identity == tok.identity
+    edited = shutil.copytree(folder, tmp_path / "edited")
+    config = json.loads((edited / "tokenizer_config.json").read_text())
+    (edited / "tokenizer_config.json").write_text(json.dumps({**config, "note": "changed"}))
+    assert HFTokenizer(edited).identity != tok.identity  # the token cache is keyed by the files
+
+
 def test_second_resolve_reuses_the_folder(tiny, monkeypatch):
     gguf_path, cache, folder = tiny
 
@@ -88,6 +107,7 @@ def test_folder_without_marker_is_rebuilt(tiny, tmp_path):
     first = hub.ensure_gguf_converted(gguf_path, cache_dir=cache, progress=False)
     (first / hub.MARKER_NAME).unlink()
     (first / "model.safetensors").write_bytes(b"half written")  # what a killed run might have left
+    (first.parent / f".{first.name}.tmp-killed").mkdir()  # the temporary folder of a killed conversion
     again = hub.ensure_gguf_converted(gguf_path, cache_dir=cache, progress=False)
     assert again == first and (again / hub.MARKER_NAME).is_file()
     assert hub.check_safetensors(again)
@@ -208,3 +228,10 @@ def test_smollm2_fetch_convert_and_answer():
     answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:])
     print(f"greedy answer: {answer!r}")
     assert "Paris" in answer
+
+    from tensorpar.data import load_tokenizer
+
+    tok = load_tokenizer("smollm2")  # the same folder, now from the cache
+    line = "To be, or not to be: that is the question"
+    assert tok.decode(tok.encode(line)) == line
+    assert (tok.vocab_size, tok.eos_token_id) == (49152, 2)

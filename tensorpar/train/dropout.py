@@ -86,8 +86,9 @@ class HeadKeyedAttention:
     """Attention kernel with dropout masks keyed by global head index; set as ``TPAttention.attention_fn``.
 
     Call signature of transformers' attention functions: ``(module, q, k, v, attention_mask, dropout,
-    scaling, **kw)`` with ``q, k, v`` ``[b, heads_r, s, d]`` (KV already expanded to the local query heads);
-    returns ``([b, s, heads_r, d], None)``. Softmax in fp32. With ``dropout == 0`` (or in eval) it is plain
+    scaling, **kw)`` with ``q`` ``[b, heads_r, s, d]`` and ``k, v`` either expanded to the local query heads
+    or ``[b, kv_r, s_kv, d]`` with each KV head serving ``heads_r / kv_r`` consecutive query heads (the
+    uniform-group case of :class:`~tensorpar.hf.modules.TPAttention`); returns ``([b, s, heads_r, d], None)``. Softmax in fp32. With ``dropout == 0`` (or in eval) it is plain
     causal attention. Head ``j`` of rank ``r`` is global head ``module.layout.q_heads.range(r)[0] + j``.
     """
 
@@ -96,6 +97,9 @@ class HeadKeyedAttention:
 
     def __call__(self, module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
         b, nh, s, d = query.shape
+        if key.shape[1] != nh:  # grouped KV heads: give each query head its KV head
+            key = key.repeat_interleave(nh // key.shape[1], dim=1)
+            value = value.repeat_interleave(nh // value.shape[1], dim=1)
         s_kv = key.shape[2]
         scaling = d ** -0.5 if scaling is None else scaling
         scores = torch.matmul(query, key.transpose(2, 3)) * scaling                       # [b, h_r, s, s_kv]
