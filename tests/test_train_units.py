@@ -101,6 +101,13 @@ def test_attention_dropout_masks_keyed_by_global_head():
             parts.append(fn(_Attn(layout, r, tp), q[:, a:b], k[:, a:b], v[:, a:b], None, dropout=0.4,
                             scaling=0.5)[0])
         torch.testing.assert_close(torch.cat(parts, dim=2), full, rtol=1e-6, atol=1e-6)
+    # grouped KV heads left unexpanded (each serves 3 consecutive query heads): the same result
+    kv_heads = [0, 3, 6]
+    grouped, _ = fn(_Attn(HeadLayout.make(9, 3, 4, 1), 0, 1), q, k[:, kv_heads], v[:, kv_heads], None,
+                    dropout=0.4, scaling=0.5)
+    expanded, _ = fn(_Attn(HeadLayout.make(9, 3, 4, 1), 0, 1), q, k[:, kv_heads].repeat_interleave(3, 1),
+                     v[:, kv_heads].repeat_interleave(3, 1), None, dropout=0.4, scaling=0.5)
+    assert torch.equal(grouped, expanded)
 
 
 def test_no_dropout_attention_equals_sdpa():

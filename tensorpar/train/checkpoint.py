@@ -245,17 +245,18 @@ def load_checkpoint(ckpt: str | os.PathLike, *, named_params: list[tuple[str, nn
 
     Raises:
         ValueError: a tensor is missing or extra, or its stored shape differs from the model's full shape
-            (the message names the tensor), e.g. resuming from a checkpoint of another model size.
+            (the message names the tensor), e.g. resuming from a checkpoint of another model size; a
+            truncated or corrupt file (naming it).
         CheckpointError: the folder is not a tensorpar checkpoint.
     """
     from safetensors import safe_open
 
-    from tensorpar.hf.load import _check_file
+    from tensorpar.hub import check_safetensors
 
     ckpt = Path(ckpt)
     state = read_state(ckpt)
     names = [n for n, _ in named_params]
-    _check_file(ckpt / MODEL_FILE)
+    check_safetensors(ckpt)  # headers only: a truncated or corrupt file fails here, naming it
     with safe_open(str(ckpt / MODEL_FILE), framework="pt") as h:
         stored = set(h.keys())
         missing = [n for n in names if n not in stored]
@@ -268,7 +269,7 @@ def load_checkpoint(ckpt: str | os.PathLike, *, named_params: list[tuple[str, nn
             for name, p in named_params:
                 _read_into(h, name, p, p.data, tp)
     if optimizer is not None and state.get("optimizer_step", 0) > 0:
-        _check_file(ckpt / OPTIM_FILE)
+        check_safetensors(ckpt / OPTIM_FILE.rsplit("/", 1)[0])
         with safe_open(str(ckpt / OPTIM_FILE), framework="pt") as h, torch.no_grad():
             stored = set(h.keys())
             for name, p in named_params:
