@@ -4,8 +4,9 @@ on the same transformers Llama, in the same run.
 
     python bench/bench_train.py            # writes bench/results/train.json and bench/results/train.md
 
-Measured per variant: median wall time of a full training step (forward, vocab-parallel loss, backward,
-gradient completion, clipping, AdamW) over ``--steps`` steps after ``--warmup``; tokens/s; and activation
+Measured per variant, in ``--rounds`` interleaved rounds: the wall time of a full training step (forward,
+vocab-parallel loss, backward, gradient completion, clipping, AdamW), best and median over all timed
+steps (the best is the least disturbed by other processes); tokens/s from the best; and activation
 memory per rank: the bytes autograd keeps for backward during one forward (every saved tensor's storage
 counted once, parameters excluded), measured with ``torch.autograd.graph.saved_tensors_hooks``.
 
@@ -173,12 +174,22 @@ def _clip(params, max_norm: float) -> torch.Tensor:
     return total
 
 
-def _summary(name: str, per_rank: list[dict], tokens: int, threads: int, tp: int) -> dict:
-    times = [max(ts) for ts in zip(*[r["times"] for r in per_rank])]      # a step ends when its slowest rank does
-    med = statistics.median(times)
-    return {"variant": name, "tp": tp, "threads_per_rank": threads, "step_s_median": med,
-            "step_s_all": times, "tokens_per_s": tokens / med,
-            "activation_mib_per_rank": max(r["activation_bytes"] for r in per_rank) / 2**20}
+def _summary(name: str, runs: list[list[dict]], tokens: int, threads: int, tp: int) -> dict:
+    """``runs``: per round, the per-rank results. A step ends when its slowest rank does."""
+    times = [max(ts) for per_rank in runs for ts in zip(*[r["times"] for r in per_rank])]
+    best, med = min(times), statistics.median(times)
+    return {"variant": name, "tp": tp, "threads_per_rank": threads, "step_s_best": best, "step_s_median": med,
+            "step_s_all": times, "tokens_per_s": tokens / best,
+            "activation_mib_per_rank": max(r["activation_bytes"] for r in runs[0]) / 2**20}
+
+
+VARIANTS = (  # name, tp, threads per rank, job, config changes
+    ("tensorpar tp=1 (1 thread)", 1, 1, "tensorpar", {}),
+    ("tensorpar tp=1 (2 threads)", 1, 2, "tensorpar", {}),
+    ("tensorpar tp=2", 2, 1, "tensorpar", dict(tp=2)),
+    ("tensorpar tp=2 + sequence parallel", 2, 1, "tensorpar", dict(tp=2, sequence_parallel=True)),
+    ("torch parallelize_module tp=2", 2, 1, "torch", dict(tp=2)),
+)
 
 
 def main(argv=None) -> int:
@@ -186,42 +197,45 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="bench")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per variant per round")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over all variants (interleaved, so that a "
+                                                          "burst of load from elsewhere hits every variant)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args(argv)
     cfg = TrainConfig(model=args.preset, data="synthetic", seq_len=args.seq_len, batch_size=args.batch_size,
                       steps=1000, warmup_steps=10)
     tokens = cfg.tokens_per_step
     load = os.getloadavg()[0]
-    rows = []
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        r = job_tensorpar(ParallelContext.single(), cfg, args.warmup, args.steps)
-        rows.append(_summary(f"tensorpar tp=1 ({threads} thread{'s' if threads > 1 else ''})", [r], tokens,
-                             threads, 1))
-        print(rows[-1]["variant"], f"{rows[-1]['step_s_median']:.3f} s/step", flush=True)
-    torch.set_num_threads(1)
+    jobs = {"tensorpar": job_tensorpar, "torch": job_torch_tp}
+    results: dict[str, list] = {v[0]: [] for v in VARIANTS}
     with WorkerPool(2, job_timeout_s=1800) as pool:
-        for name, fn, c in (("tensorpar tp=2", job_tensorpar, cfg.replace(tp=2)),
-                            ("tensorpar tp=2 + sequence parallel", job_tensorpar,
-                             cfg.replace(tp=2, sequence_parallel=True)),
-                            ("torch parallelize_module tp=2", job_torch_tp, cfg.replace(tp=2))):
-            rows.append(_summary(name, pool.run(fn, c, args.warmup, args.steps), tokens, 1, 2))
-            print(rows[-1]["variant"], f"{rows[-1]['step_s_median']:.3f} s/step", flush=True)
+        for rnd in range(args.rounds):
+            for name, tp, threads, job, change in VARIANTS:
+                c = cfg.replace(**change)
+                if tp == 1:
+                    torch.set_num_threads(threads)
+                    per_rank = [jobs[job](ParallelContext.single(), c, args.warmup, args.steps)]
+                    torch.set_num_threads(1)
+                else:
+                    per_rank = pool.run(jobs[job], c, args.warmup, args.steps)
+                results[name].append(per_rank)
+                print(f"round {rnd + 1}: {name}: {[round(max(t), 3) for t in zip(*[r['times'] for r in per_rank])]}"
+                      f" s/step", flush=True)
+    rows = [_summary(name, results[name], tokens, threads, tp) for name, tp, threads, _, _ in VARIANTS]
     base1, base2 = rows[0], rows[1]
     by = {r["variant"]: r for r in rows}
     for r in rows:
-        r["speedup_vs_tp1_1thread"] = base1["step_s_median"] / r["step_s_median"]
-        r["speedup_vs_tp1_2threads"] = base2["step_s_median"] / r["step_s_median"]
+        r["speedup_vs_tp1_1thread"] = base1["step_s_best"] / r["step_s_best"]
+        r["speedup_vs_tp1_2threads"] = base2["step_s_best"] / r["step_s_best"]
         r["activation_vs_tp1"] = r["activation_mib_per_rank"] / base1["activation_mib_per_rank"]
     torch_row = by["torch parallelize_module tp=2"]
-    ratios = {name: torch_row["step_s_median"] / by[name]["step_s_median"]
+    ratios = {name: torch_row["step_s_best"] / by[name]["step_s_best"]
               for name in ("tensorpar tp=2", "tensorpar tp=2 + sequence parallel")}
     result = {
         "model": {"preset": args.preset, **PRESETS[args.preset], "vocab_size": 256},
         "seq_len": args.seq_len, "batch_size": args.batch_size, "tokens_per_step": tokens,
-        "steps": args.steps, "warmup": args.warmup, "rows": rows,
+        "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "rows": rows,
         "torch_step_time_over_tensorpar": ratios,
         "environment": {"torch": torch.__version__, "python": platform.python_version(),
                         "cpus": os.cpu_count(), "load_average_1min_at_start": load,
@@ -243,18 +257,19 @@ def render_markdown(res: dict) -> str:
         f"Model: Llama preset `{m['preset']}` (hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, "
         f"{m['num_attention_heads']} heads / {m['num_key_value_heads']} KV heads, MLP {m['intermediate_size']}, "
         f"vocab {m['vocab_size']}), fp32, AdamW, batch {res['batch_size']} x seq {res['seq_len']} = "
-        f"{res['tokens_per_step']} tokens/step; median of {res['steps']} steps after {res['warmup']} warm-up.",
+        f"{res['tokens_per_step']} tokens/step; {res['rounds']} interleaved rounds of {res['steps']} timed steps "
+        f"(after {res['warmup']} warm-up) per variant; step time = best step (tokens/s from it), median beside it.",
         f"Machine: {env['cpus']} CPUs, torch {env['torch']}, 1-min load average {env['load_average_1min_at_start']:.1f} "
         f"at start and {env['load_average_1min_at_end']:.1f} at the end ({env['date']}). **Step times are noisy "
         f"when the load average exceeds the core count** (other processes share the cores); the activation "
         f"memory column is exact.",
         "",
-        "| variant | step (s) | tokens/s | vs tp=1 (1 thread) | vs tp=1 (2 threads) | activation MiB/rank | "
-        "activation vs tp=1 |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| variant | step (s), best | median | tokens/s | vs tp=1 (1 thread) | vs tp=1 (2 threads) | "
+        "activation MiB/rank | activation vs tp=1 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["rows"]:
-        lines.append(f"| {r['variant']} | {r['step_s_median']:.3f} | {r['tokens_per_s']:,.0f} | "
+        lines.append(f"| {r['variant']} | {r['step_s_best']:.3f} | {r['step_s_median']:.3f} | {r['tokens_per_s']:,.0f} | "
                      f"{r['speedup_vs_tp1_1thread']:.2f}x | {r['speedup_vs_tp1_2threads']:.2f}x | "
                      f"{r['activation_mib_per_rank']:.1f} | {r['activation_vs_tp1']:.2f} |")
     lines.append("")

@@ -113,3 +113,8 @@ def test_keeps_the_newest_checkpoints(tmp_path):
     assert latest_checkpoint(tmp_path).name == "step_000004"
     state = load_checkpoint(latest_checkpoint(tmp_path), named_params=tr.named_params, optimizer=None, tp=ctx.tp)
     assert state["step"] == 4 and state["optimizer_step"] == 4 and state["tp_size_at_save"] == 1
+    # a run resumed from an older step saves below the newest one: the new checkpoint is never pruned
+    tr.step = 2
+    tr.save(tmp_path)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000002", "step_000004"]
+    assert latest_checkpoint(tmp_path).name == "step_000002"

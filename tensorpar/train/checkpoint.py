@@ -123,7 +123,8 @@ def _publish(root: Path, tmp: Path, final: Path, keep: int) -> None:
     _fsync(root)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    for stale in list_checkpoints(root)[:-keep]:
+    others = [c for c in list_checkpoints(root) if c.name != final.name]  # the new one is never pruned
+    for stale in others[:max(len(others) - (keep - 1), 0)]:
         shutil.rmtree(stale, ignore_errors=True)
 
 
