@@ -259,8 +259,9 @@ def render_markdown(res: dict) -> str:
         f"vocab {m['vocab_size']}), fp32, AdamW, batch {res['batch_size']} x seq {res['seq_len']} = "
         f"{res['tokens_per_step']} tokens/step; {res['rounds']} interleaved rounds of {res['steps']} timed steps "
         f"(after {res['warmup']} warm-up) per variant; step time = best step (tokens/s from it), median beside it.",
-        f"Machine: {env['cpus']} CPUs, torch {env['torch']}, 1-min load average {env['load_average_1min_at_start']:.1f} "
-        f"at start and {env['load_average_1min_at_end']:.1f} at the end ({env['date']}). **Step times are noisy "
+        f"Machine: {env['cpus']} CPUs, torch {env['torch']}, 1-min load average "
+        f"{env['load_average_1min_at_start']:.1f} at start and {env['load_average_1min_at_end']:.1f} at the end "
+        f"({env['date']}). **Step times are noisy "
         f"when the load average exceeds the core count** (other processes share the cores); the activation "
         f"memory column is exact.",
         "",
@@ -269,7 +270,8 @@ def render_markdown(res: dict) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["rows"]:
-        lines.append(f"| {r['variant']} | {r['step_s_best']:.3f} | {r['step_s_median']:.3f} | {r['tokens_per_s']:,.0f} | "
+        lines.append(f"| {r['variant']} | {r['step_s_best']:.3f} | {r['step_s_median']:.3f} | "
+                     f"{r['tokens_per_s']:,.0f} | "
                      f"{r['speedup_vs_tp1_1thread']:.2f}x | {r['speedup_vs_tp1_2threads']:.2f}x | "
                      f"{r['activation_mib_per_rank']:.1f} | {r['activation_vs_tp1']:.2f} |")
     lines.append("")

@@ -88,8 +88,9 @@ class HeadKeyedAttention:
     Call signature of transformers' attention functions: ``(module, q, k, v, attention_mask, dropout,
     scaling, **kw)`` with ``q`` ``[b, heads_r, s, d]`` and ``k, v`` either expanded to the local query heads
     or ``[b, kv_r, s_kv, d]`` with each KV head serving ``heads_r / kv_r`` consecutive query heads (the
-    uniform-group case of :class:`~tensorpar.hf.modules.TPAttention`); returns ``([b, s, heads_r, d], None)``. Softmax in fp32. With ``dropout == 0`` (or in eval) it is plain
-    causal attention. Head ``j`` of rank ``r`` is global head ``module.layout.q_heads.range(r)[0] + j``.
+    uniform-group case of :class:`~tensorpar.hf.modules.TPAttention`); returns ``([b, s, heads_r, d], None)``.
+    Softmax in fp32. With ``dropout == 0`` (or in eval) it is plain causal attention. Head ``j`` of rank
+    ``r`` is global head ``module.layout.q_heads.range(r)[0] + j``.
     """
 
     def __init__(self, rng: DropoutRNG):
