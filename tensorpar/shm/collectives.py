@@ -52,7 +52,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.in
 DTYPE_CODES = types.MappingProxyType({dt: i + 1 for i, dt in enumerate(_DTYPES)})
 _NUMEL_BITS = 40
 _ALIGN_ELEMS = 64          # two-shot portions start on a 64-element boundary (whole cache lines)
-_MAX_CACHED_VIEWS = 256
+_MAX_CACHED_PLANS = 256   # distinct call signatures remembered (prefill lengths vary; decode repeats)
 
 
 def _dtype_code(dt: torch.dtype) -> int:
@@ -135,7 +135,7 @@ class ShmCommunicator:
         self._spin_ns = int(self.policy.spin_us * 1e3)
         self._seq = self._ctl[self._me + W_ARRIVED]
         self._calls = 0
-        self._views: dict = {}
+        self._plans: dict = {}                    # call signature -> metadata words and slot views
         self._broken: str | None = None
         self._waiting_for = -1                     # peer of the current slow wait, for abort messages
         self._memmove = ctypes.memmove
@@ -214,15 +214,6 @@ class ShmCommunicator:
 
     # ------------------------------------------------------------ building blocks
 
-    def _views_for(self, key, p: int, dtype: torch.dtype, numels: list[int], shapes: list) -> list[torch.Tensor]:
-        views = self._views.get(key)
-        if views is None:
-            if len(self._views) >= _MAX_CACHED_VIEWS:
-                self._views.clear()
-            views = [self._slots[p][r].view(dtype)[: numels[r]].view(shapes[r]) for r in range(self.size)]
-            self._views[key] = views
-        return views
-
     def _rs_flat(self, flat: torch.Tensor, ranges: list[tuple[int, int]], opc: int, a: int, b: int,
                  kind: int) -> torch.Tensor:
         """Reduce ``flat`` over the ranks; return this rank's ``flat[lo:hi]`` of the sum (``ranges[rank]``)."""
@@ -277,23 +268,33 @@ class ShmCommunicator:
 
         Shapes: ``x`` any shape, same on every rank -> new tensor of that shape and dtype.
         """
-        return self._run(K_AR, self._all_reduce, x, op)
+        # The body of _run, inlined: this is the decode hot path, where every call layer costs.
+        if self._broken is not None:
+            self._check_usable(K_AR)
+        self._calls += 1
+        try:
+            return self._all_reduce(x, op)
+        except ValueError:
+            raise
+        except BaseException as e:
+            self._break(e, K_AR)
+            raise
 
     def _all_reduce(self, x: torch.Tensor, op: str) -> torch.Tensor:
         if not x.is_contiguous():
             x = x.contiguous()
-        n = x.numel()
-        nbytes = n * x.element_size()
-        opc = OPS.get(op, OP_INVALID)
-        a = _meta(K_AR, opc, x.dtype, n)
-        shape = x.shape
-        b = hash(shape)
-        if nbytes > self.oneshot_bytes or opc == OP_INVALID:
-            flat = x.view(-1)
-            res = self._rs_flat(flat, self._even_ranges(n), opc, a, b, K_AR)
-            return self._ag_flat(res, [hi - lo for lo, hi in self._even_ranges(n)], a, b, K_AR).view(shape)
+        key = (K_AR, x.dtype, x.shape, op)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan_all_reduce(key, x, op)
+        nbytes, a, b, opc, views = plan
+        if views is None:                              # large (or invalid op): two-shot, chunked
+            n = x.numel()
+            ranges = self._even_ranges(n)
+            res = self._rs_flat(x.view(-1), ranges, opc, a, b, K_AR)
+            return self._ag_flat(res, [hi - lo for lo, hi in ranges], a, b, K_AR).view(x.shape)
         p = self._seq & 1
-        views = self._views_for((p, x.dtype, shape), p, x.dtype, [n] * self.size, [shape] * self.size)
+        views = views[p]
         self._memmove(self._addr[p], x.data_ptr(), nbytes)
         self._arrive(p, a, b, K_AR)
         if opc == 1:
@@ -306,34 +307,64 @@ class ShmCommunicator:
                 torch.maximum(out, v, out=out)
         return out
 
+    def _plan_all_reduce(self, key, x: torch.Tensor, op: str):
+        """``(nbytes, meta a, meta b, op code, per-parity slot views or None)`` for this call signature."""
+        n, opc = x.numel(), OPS.get(op, OP_INVALID)
+        nbytes = n * x.element_size()
+        views = None
+        if nbytes <= self.oneshot_bytes and opc != OP_INVALID:
+            views = [[s.view(x.dtype)[:n].view(x.shape) for s in self._slots[p]] for p in (0, 1)]
+        plan = (nbytes, _meta(K_AR, opc, x.dtype, n), hash(x.shape), opc, views)
+        return self._remember(key, plan)
+
+    def _remember(self, key, plan):
+        if len(self._plans) >= _MAX_CACHED_PLANS:
+            self._plans.clear()
+        self._plans[key] = plan
+        return plan
+
     def all_gather(self, x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
         """Concatenate every rank's ``x`` along ``dim`` in rank order.
 
         Shapes: rank r's ``x`` is ``[..., sizes[r], ...]`` (other dims equal) -> ``[..., sum(sizes), ...]``.
         """
-        return self._run(K_AG, self._all_gather, x, dim, list(sizes))
+        return self._run(K_AG, self._all_gather, x, dim, sizes)
 
     def _all_gather(self, x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
         if not x.is_contiguous():
             x = x.contiguous()
         dim %= x.dim()
-        shape = x.shape
-        unit = x.numel() // shape[dim] if shape[dim] else math.prod(shape[:dim] + shape[dim + 1:])
-        counts = [s * unit for s in sizes]
-        a = _meta(K_AG, 0, x.dtype, sum(counts))
-        b = hash((tuple(sizes), dim, tuple(shape[:dim]), tuple(shape[dim + 1:])))
-        shapes = [shape[:dim] + (s,) + shape[dim + 1:] for s in sizes]
-        if max(counts) * x.element_size() <= self.slot_bytes:
+        key = (K_AG, x.dtype, x.shape, tuple(sizes), dim)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan_all_gather(key, x, dim, list(sizes))
+        nbytes, a, b, counts, views = plan
+        if views is not None:                          # every shard fits a slot: one step
             p = self._seq & 1
-            views = self._views_for((p, K_AG, x.dtype, shape, tuple(sizes), dim), p, x.dtype, counts, shapes)
-            self._memmove(self._addr[p], x.data_ptr(), counts[self.rank] * x.element_size())
+            self._memmove(self._addr[p], x.data_ptr(), nbytes)
             self._arrive(p, a, b, K_AG)
-            return torch.cat(views, dim)
+            return torch.cat(views[p], dim)
+        shape = x.shape
         flat = self._ag_flat(x.view(-1), counts, a, b, K_AG)
         if math.prod(shape[:dim]) == 1:
             return flat.view(shape[:dim] + (sum(sizes),) + shape[dim + 1:])
         offs = [sum(counts[:r]) for r in range(self.size)]
-        return torch.cat([flat[o: o + c].view(s) for o, c, s in zip(offs, counts, shapes)], dim)
+        return torch.cat([flat[o: o + c].view(shape[:dim] + (s,) + shape[dim + 1:])
+                          for o, c, s in zip(offs, counts, sizes)], dim)
+
+    def _plan_all_gather(self, key, x: torch.Tensor, dim: int, sizes: list[int]):
+        """``(own nbytes, meta a, meta b, elements per rank, per-parity slot views or None)``."""
+        shape = x.shape
+        unit = math.prod(shape[:dim] + shape[dim + 1:])
+        counts = [s * unit for s in sizes]
+        a = _meta(K_AG, 0, x.dtype, sum(counts))
+        b = hash((tuple(sizes), dim, tuple(shape[:dim]), tuple(shape[dim + 1:])))
+        views = None
+        if max(counts) * x.element_size() <= self.slot_bytes:
+            shapes = [shape[:dim] + (s,) + shape[dim + 1:] for s in sizes]
+            views = [[self._slots[p][r].view(x.dtype)[: counts[r]].view(shapes[r]) for r in range(self.size)]
+                     for p in (0, 1)]
+        return self._remember(key, (counts[self.rank] * x.element_size(), a, b, counts, views))
 
     def reduce_scatter(self, x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
         """Sum ``x`` over the ranks (rank order) and keep this rank's shard along ``dim``.
@@ -393,7 +424,7 @@ class ShmCommunicator:
             return
         if self._broken is None:
             self._ctl[self._me + W_STATE] = STATE_CLOSED
-        self._views.clear()
+        self._plans.clear()
         self._slots = None
         self._ctl = None
         seg, self.segment = self.segment, None
