@@ -67,7 +67,8 @@ def enable_fast_collectives(group: Group, mode: str = "auto", *, host_id: str | 
             A multiple of 4096.
         oneshot_bytes: all-reduces up to this size are summed by every rank (one step);
             larger ones are reduce-scattered then all-gathered (two-shot).
-        policy: the spin / yield / sleep schedule (:class:`WaitPolicy`).
+        policy: the spin / yield / sleep schedule; default :meth:`WaitPolicy.for_ranks` of the
+            number of ranks on this host (short spinning when they outnumber the cores).
 
     Returns:
         True if ``group.fast`` is now set.

@@ -119,6 +119,7 @@ def build_host_communicator(pg, members: list[Member], *, group_name: str, slot_
     peers = [Peer(rank=i, pid=members[r].pid,
                   start_time=members[r].start_time if process_start_time(members[r].pid) == members[r].start_time
                   else None) for i, r in enumerate(mine)]
+    policy = policy or WaitPolicy.for_ranks(len(mine))
     return ShmCommunicator(seg, local_rank, len(mine), peers, group_name=group_name, timeout_s=timeout_s,
                            policy=policy, oneshot_bytes=oneshot_bytes), ""
 

@@ -138,6 +138,7 @@ class ShmCommunicator:
         self._plans: dict = {}                    # call signature -> metadata words and slot views
         self._broken: str | None = None
         self._waiting_for = -1                     # peer of the current slow wait, for abort messages
+        self._deadline_ns = 0
         self._memmove = ctypes.memmove
         self._ctl[self._me + W_STATE] = STATE_ACTIVE
 
@@ -156,6 +157,7 @@ class ShmCommunicator:
         seq = self._seq + 1
         self._seq = seq
         ctl[me] = seq                                  # W_ARRIVED == 0: the release store
+        self._deadline_ns = 0                          # set by the first slow wait of this step
         for r, line in self._others:
             if ctl[line] < seq:
                 self._wait(r, line, seq, kind)
@@ -169,8 +171,9 @@ class ShmCommunicator:
         end = time.perf_counter_ns() + self._spin_ns
         while ctl[line] < target:
             if time.perf_counter_ns() > end:
-                wait_slow(ctl, line, target, self.peers[r], self.policy,
-                          time.monotonic_ns() + int(self.timeout_s * 1e9), self._what(kind))
+                if not self._deadline_ns:              # one deadline per step, however many peers are late
+                    self._deadline_ns = time.monotonic_ns() + int(self.timeout_s * 1e9)
+                wait_slow(ctl, line, target, self.peers[r], self.policy, self._deadline_ns, self._what(kind))
                 return
 
     def _what(self, kind: int) -> str:

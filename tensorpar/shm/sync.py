@@ -50,6 +50,17 @@ class WaitPolicy:
             if getattr(self, k) < 0:
                 raise ValueError(f"WaitPolicy.{k} must be >= 0, got {getattr(self, k)}")
 
+    @classmethod
+    def for_ranks(cls, ranks_on_host: int, cores: int | None = None) -> "WaitPolicy":
+        """The default schedule, with spinning cut to 2 us when ranks outnumber this process's cores.
+
+        Oversubscribed, the peer a rank waits for is usually waiting for a core, quite possibly
+        the one we would spin on; handing it over at once is then the fast choice.
+        """
+        if cores is None:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return cls() if ranks_on_host <= cores else cls(spin_us=2.0)
+
 
 @dataclass(frozen=True)
 class Peer:
