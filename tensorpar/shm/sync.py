@@ -88,10 +88,10 @@ def wait_slow(ctl, line: int, target: int, peer: Peer, policy: WaitPolicy, deadl
     """
     now = time.monotonic_ns()
     yield_end = now + int(policy.yield_us * 1e3)
-    next_check = now
+    check_ns = int(policy.check_ms * 1e6)
+    next_check = now + check_ns            # not at once: most slow waits end within microseconds
     sleep_s = 20e-6
     max_sleep_s = policy.max_sleep_us * 1e-6
-    check_ns = int(policy.check_ms * 1e6)
     arrived = line + W_ARRIVED
     while ctl[arrived] < target:
         now = time.monotonic_ns()
