@@ -11,7 +11,7 @@ import importlib
 import sys
 
 COMMANDS = {
-    "demo": ("tensorpar.demo", "run a transformer block at tp=N and print its difference from one device"),
+    "generate": ("tensorpar.generate", "generate text with a model sharded over --tp ranks"),
 }
 
 

@@ -162,6 +162,11 @@ def _run(kind: str, group: Group, t: torch.Tensor, fn):
         ) from e
 
 
+# torch >= 2.10 renamed the tensor forms of all-gather and reduce-scatter; use whichever exists.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _use_fast(group: Group, t: torch.Tensor) -> bool:
     return group.fast is not None and t.is_cpu
 
@@ -215,7 +220,7 @@ def _pg_all_gather(x: torch.Tensor, group: Group, dim: int, s: list[int]) -> tor
         xm = torch.cat([xm, xm.new_zeros((m - xm.shape[0],) + xm.shape[1:])])
     xm = xm.contiguous()
     out = xm.new_empty((group.size * m,) + xm.shape[1:])
-    _run("all_gather", group, xm, lambda: dist.all_gather_into_tensor(out, xm, group=group.pg))
+    _run("all_gather", group, xm, lambda: _ALL_GATHER(out, xm, group=group.pg))
     parts = [out[r * m: r * m + s[r]] for r in range(group.size)]
     return torch.cat(parts).movedim(0, dim)
 
@@ -245,7 +250,7 @@ def _pg_reduce_scatter(x: torch.Tensor, group: Group, dim: int, s: list[int]) ->
     padded = [c if c.shape[0] == m else torch.cat([c, c.new_zeros((m - c.shape[0],) + c.shape[1:])]) for c in chunks]
     inp = torch.cat(padded).contiguous()
     out = inp.new_empty((m,) + inp.shape[1:])
-    _run("reduce_scatter", group, inp, lambda: dist.reduce_scatter_tensor(out, inp, group=group.pg))
+    _run("reduce_scatter", group, inp, lambda: _REDUCE_SCATTER(out, inp, group=group.pg))
     return out[: s[group.rank]].movedim(0, dim).contiguous()
 
 

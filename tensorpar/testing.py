@@ -147,8 +147,9 @@ class WorkerPool:
                     q.put(None)
                 except Exception:
                     pass
+        deadline = time.monotonic() + 3.0
         for p in self._procs:
-            p.join(timeout=5)
+            p.join(timeout=max(deadline - time.monotonic(), 0.05))
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)

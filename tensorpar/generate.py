@@ -1,0 +1,312 @@
+"""``tensorpar generate``: text generation with a Hugging Face decoder sharded over tp ranks.
+
+Each rank holds its query heads, the KV heads they read (the KV cache holds only those), its
+slice of every MLP and of the vocabulary. Per new token a rank runs two all-reduces per block
+(attention and MLP outputs), one for the embedding, then picks the token:
+
+* greedy: a vocab-parallel argmax (each rank's best logit and its global index, all-gathered:
+  ``2 * b`` floats instead of the ``b * V`` logits), ties broken to the lowest index like
+  ``torch.argmax``;
+* sampling: the last position's logits are all-gathered, rank 0 samples with its own seeded
+  generator, and broadcasts the tokens.
+
+The stop decision (EOS on every row, or the token budget) is broadcast from rank 0 together
+with the tokens, so every rank stops at the same step.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tensorpar import comm
+from tensorpar.comm import Group
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How to pick tokens. ``temperature == 0`` means greedy.
+
+    Attributes:
+        max_new_tokens: token budget per prompt (>= 1).
+        temperature: softmax temperature; 0 for greedy.
+        top_k: keep the k most likely tokens (0 = off).
+        top_p: keep the smallest set of tokens with cumulative probability >= p (1.0 = off).
+        seed: seed of rank 0's sampling generator.
+    """
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def vocab_parallel_argmax(logits: torch.Tensor, tp: Group, vocab_start: int) -> torch.Tensor:
+    """Global argmax over vocab-sharded logits ``[b, V_r] -> [b]`` (int64), lowest index on ties.
+
+    Collectives: one all-gather of ``[b, 2]`` (float64, so token ids up to 2^53 are exact).
+    """
+    val, idx = logits.float().max(dim=-1)
+    if tp.size == 1:
+        return idx
+    pair = torch.stack([val.double(), (idx + vocab_start).double()], dim=-1)          # [b, 2]
+    allp = comm.all_gather(pair.unsqueeze(0), tp, dim=0)                              # [tp, b, 2]
+    best = allp[..., 0].argmax(dim=0)          # first (lowest-rank, hence lowest-index) maximum
+    return allp[..., 1].gather(0, best.unsqueeze(0)).squeeze(0).long()
+
+
+def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator) -> torch.Tensor:
+    """Sample ``[b, V] -> [b]`` with temperature, top-k and top-p (Holtzman et al. 2020)."""
+    x = logits.float() / cfg.temperature
+    if cfg.top_k:
+        kth = x.topk(min(cfg.top_k, x.shape[-1]), dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        srt, order = x.sort(dim=-1, descending=True)
+        cum = srt.softmax(-1).cumsum(-1)
+        drop = cum - srt.softmax(-1) >= cfg.top_p            # keep the first token that crosses p
+        x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return torch.multinomial(x.softmax(-1), 1, generator=gen).squeeze(-1)
+
+
+def _is_eos(tokens: torch.Tensor, eos: set[int]) -> torch.Tensor:
+    return torch.tensor([int(t) in eos for t in tokens.tolist()], dtype=torch.bool)
+
+
+@dataclass
+class GenerationResult:
+    """Tokens and timings of one :func:`generate_tokens` call.
+
+    Attributes:
+        tokens: ``[b, n]`` new token ids (rows that stopped early are padded with ``pad_id``).
+        ttft_s: seconds from the start of prefill to the first token being known on every rank.
+        decode_s: seconds spent on the remaining ``n - 1`` steps.
+    """
+
+    tokens: torch.Tensor
+    ttft_s: float
+    decode_s: float
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = self.tokens.shape[1] - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else float("nan")
+
+
+@torch.no_grad()
+def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                    sampling: SamplingConfig = SamplingConfig(), eos_token_id: int | list[int] | None = None,
+                    pad_id: int = 0, on_token=None) -> GenerationResult:
+    """Generate from a model sharded by :func:`tensorpar.hf.apply.parallelize`.
+
+    Args:
+        model: the sharded ``*ForCausalLM`` (its logits are vocab-sharded ``[b, s, V_r]``).
+        tp: its tensor-parallel group.
+        input_ids: ``[b, s]`` prompt ids, left-padded; identical on every rank.
+        attention_mask: ``[b, s]`` 1 for tokens, 0 for left padding (default all ones).
+        sampling: greedy or sampling settings.
+        eos_token_id: id(s) that end a row.
+        on_token: optional callback ``f(step, tokens[b])`` called on every rank after each step.
+
+    Returns:
+        :class:`GenerationResult`.
+
+    Raises:
+        ValueError: the prompt plus the token budget exceeds ``max_position_embeddings``.
+    """
+    from transformers import DynamicCache
+
+    cfg = model.config
+    b, s = input_ids.shape
+    limit = getattr(cfg, "max_position_embeddings", None)
+    if limit is not None and s + sampling.max_new_tokens > limit:
+        raise ValueError(f"prompt of {s} tokens plus max_new_tokens={sampling.max_new_tokens} exceeds the model's "
+                         f"max_position_embeddings={limit}; shorten the prompt or lower --max-new-tokens")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    plan = model.tensorpar_plan
+    vocab_start = plan.vocab.range(tp.rank)[0]
+    gen = torch.Generator().manual_seed(sampling.seed)
+    cache = DynamicCache(config=cfg)
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    done = torch.zeros(b, dtype=torch.bool)
+    input_ids = input_ids.to(torch.long)
+    out = []
+    t0 = time.perf_counter()
+    ttft = 0.0
+    ids, pos, mask = input_ids, position_ids, attention_mask
+    for step in range(sampling.max_new_tokens):
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                       logits_to_keep=1).logits[:, -1]                                # [b, V_r]
+        if sampling.temperature == 0:
+            nxt = vocab_parallel_argmax(logits, tp, vocab_start)
+        else:
+            full = comm.all_gather(logits.contiguous(), tp, -1, plan.vocab)          # [b, V]
+            nxt = sample(full, sampling, gen) if tp.rank == 0 else torch.zeros(b, dtype=torch.long)
+        nxt = nxt.cpu()
+        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+        ended = done | _is_eos(nxt, eos)
+        last = step == sampling.max_new_tokens - 1 or bool(ended.all())
+        # Rank 0 decides; one broadcast carries the tokens and the stop flag to every rank.
+        msg = comm.broadcast(torch.cat([nxt.cpu(), torch.tensor([int(last)])]).to(ids.device), tp, src=0)
+        nxt, last = msg[:b].cpu(), bool(msg[b])
+        done = done | _is_eos(nxt, eos)
+        out.append(nxt)
+        if step == 0:
+            ttft = time.perf_counter() - t0
+        if on_token is not None:
+            on_token(step, nxt)
+        if last:
+            break
+        ids = nxt.unsqueeze(-1).to(input_ids.device)
+        mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=mask.device)], dim=-1)
+        pos = pos[:, -1:] + 1
+    total = time.perf_counter() - t0
+    return GenerationResult(torch.stack(out, dim=1), ttft, total - ttft)
+
+
+# ---------------------------------------------------------------- command line
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2' (built in, fetched and converted once), a Hugging Face-format folder, or a .gguf file")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (local ranks started here; "
+                                                     "under torchrun the world size is used)")
+    p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch (default: a sample prompt)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--print-plan", action="store_true", help="print the sharding plan and exit")
+    p.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds")
+    p.add_argument("--fast-collectives", choices=["auto", "on", "off"], default="auto",
+                   help="same-host shared-memory collectives for CPU tensors")
+
+
+def _resolve(spec: str):
+    from tensorpar.hub import resolve_model
+    return resolve_model(spec)
+
+
+def _encode(tok, prompts: list[str], chat: bool):
+    if chat:
+        prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True) for p in prompts]
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def _rank_main(folder: str, args: argparse.Namespace) -> int:
+    import os
+
+    from transformers import AutoTokenizer
+
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.launch import rank0_print
+    from tensorpar.parallel import ParallelConfig, init_parallel
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ctx = init_parallel(ParallelConfig(tp=world), timeout_s=args.timeout)
+    try:
+        _maybe_fast(ctx, args.fast_collectives)
+        dtype = getattr(torch, args.dtype)
+        model, plan = build_parallel_model(folder, ctx.tp, dtype=dtype, device=ctx.device)
+        tok = AutoTokenizer.from_pretrained(folder)
+        prompts = args.prompt or ["The capital of France is"]
+        ids, mask = _encode(tok, prompts, args.chat)
+        sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+        streamed: list[int] = []
+        shown = [""]
+
+        def stream(step, nxt):
+            if len(prompts) == 1 and ctx.rank == 0:
+                streamed.append(int(nxt[0]))
+                text = tok.decode(streamed, skip_special_tokens=True)
+                print(text[len(shown[0]):], end="", flush=True)
+                shown[0] = text
+
+        if len(prompts) == 1:
+            rank0_print(prompts[0], end="")
+        res = generate_tokens(model, ctx.tp, ids.to(ctx.device), mask.to(ctx.device), sampling=sampling,
+                              eos_token_id=tok.eos_token_id, pad_id=tok.pad_token_id, on_token=stream)
+        if len(prompts) == 1:
+            rank0_print()
+        else:
+            for p, row in zip(prompts, res.tokens):
+                rank0_print(f"{p}{tok.decode(row, skip_special_tokens=True)}")
+        rank0_print(f"[tp={ctx.tp.size}] time to first token {res.ttft_s * 1e3:.1f} ms, "
+                    f"decode {res.decode_tokens_per_s:.1f} tokens/s ({res.tokens.shape[1]} tokens)")
+    finally:
+        ctx.destroy()
+    return 0
+
+
+def _maybe_fast(ctx, mode: str) -> None:
+    if mode == "off" or ctx.tp.size == 1:
+        return
+    try:
+        from tensorpar.shm import enable_fast_collectives
+    except ImportError:
+        if mode == "on":
+            raise ValueError("--fast-collectives on: the shared-memory path is not available in this build")
+        return
+    enable_fast_collectives(ctx.tp, mode)
+
+
+def validate(args: argparse.Namespace):
+    """Checks made once, before any rank starts: model path, architecture, plan, prompt length."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from tensorpar.hf.plan import make_plan
+
+    SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+    folder = _resolve(args.model)
+    config = AutoConfig.from_pretrained(folder)
+    plan = make_plan(config, args.tp)
+    tok = AutoTokenizer.from_pretrained(folder)
+    ids, _ = _encode(tok, args.prompt or ["The capital of France is"], args.chat)
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and ids.shape[1] + args.max_new_tokens > limit:
+        raise ValueError(f"prompt of {ids.shape[1]} tokens plus --max-new-tokens {args.max_new_tokens} exceeds the "
+                         f"model's max_position_embeddings={limit}")
+    return folder, plan
+
+
+def main(args: argparse.Namespace) -> int:
+    import os
+    import sys
+
+    from tensorpar.launch import run_ranks, under_torchrun
+
+    if under_torchrun():
+        args.tp = int(os.environ["WORLD_SIZE"])
+    try:
+        folder, plan = validate(args)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"tensorpar generate: error: {e}", file=sys.stderr)
+        return 2
+    if args.print_plan:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(plan)
+        return 0
+    return run_ranks(_rank_main, args.tp, str(folder), args)

@@ -1,0 +1,74 @@
+"""`tensorpar generate` end to end through the elastic launcher, and its bad-input errors."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_generate import make_model_folder
+
+
+def _cli(*args, timeout=240):
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), TENSORPAR_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "tensorpar", "generate", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tmp_path_factory):
+    """A random llama with the SmolLM2-style byte-level BPE tokenizer of a tiny vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    folder = make_model_folder(tmp_path_factory.mktemp("cli") / "tiny", "llama")
+    vocab = {chr(ord("a") + i): i for i in range(26)} | {" ": 26, ".": 27, "<eos>": 28}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<eos>").save_pretrained(folder)
+    return str(folder)
+
+
+def test_generate_tp2_runs_and_exits_clean(tiny_with_tokenizer):
+    r = _cli("--model", tiny_with_tokenizer, "--tp", "2", "--prompt", "the cat", "--max-new-tokens", "5",
+             "--fast-collectives", "off")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "time to first token" in r.stdout and "tokens/s" in r.stdout
+
+
+def test_print_plan(tiny_with_tokenizer):
+    r = _cli("--model", tiny_with_tokenizer, "--tp", "3", "--print-plan")
+    assert r.returncode == 0, r.stderr
+    assert "ShardingPlan(llama, tp_size=3" in r.stdout and "9 q heads -> [3, 3, 3]" in r.stdout
+
+
+def test_missing_path():
+    r = _cli("--model", "/nonexistent/model", "--tp", "2")
+    assert r.returncode != 0 and "no such file or folder" in r.stderr
+
+
+def test_unsupported_architecture(tmp_path):
+    from transformers import GPTNeoXConfig
+    GPTNeoXConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=1,
+                  vocab_size=50).save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
+    r = _cli("--model", str(tmp_path), "--tp", "2")
+    assert r.returncode != 0 and "unsupported architecture" in r.stderr and "llama" in r.stderr
+
+
+def test_truncated_safetensors(tiny_with_tokenizer, tmp_path):
+    import shutil
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_with_tokenizer, bad)
+    f = bad / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    r = _cli("--model", str(bad), "--tp", "2")
+    assert r.returncode != 0 and "model.safetensors" in r.stderr
+
+
+def test_tp_larger_than_heads(tiny_with_tokenizer):
+    r = _cli("--model", tiny_with_tokenizer, "--tp", "10", "--print-plan")
+    assert r.returncode != 0 and "tp_size (10) exceeds the number of attention heads (9)" in r.stderr
+
+
+def test_prompt_longer_than_positions(tiny_with_tokenizer):
+    r = _cli("--model", tiny_with_tokenizer, "--tp", "2", "--prompt", "a" * 200)
+    assert r.returncode != 0 and "max_position_embeddings=128" in r.stderr
