@@ -86,14 +86,15 @@ def job_gather_scatter_broadcast(ctx, slot_bytes):
             sizes = [(3 * i + 1) % 5 for i in range(n)]
             for dim, shape in ((0, (None, 3, 70)), (1, (2, None, 300)), (2, (4, 33, None))):
                 shp = tuple(sizes[r] if d is None else d for d in shape)
-                x = _x(r, 0, dtype).new_empty(shp).copy_(torch.randn(shp, generator=torch.Generator().manual_seed(r)))
+                x = torch.randn(shp, generator=torch.Generator().manual_seed(r)).to(dtype)
                 assert torch.equal(comm.all_gather(x, g, dim=dim, sizes=sizes),
                                    comm.all_gather(x, plain, dim=dim, sizes=sizes)), f"all_gather {dtype} dim {dim}"
                 full = list(shp)
                 full[dim] = sum(sizes)
                 y = torch.randn(full, generator=torch.Generator().manual_seed(10 + r)).to(dtype)
                 rs = comm.reduce_scatter(y, g, dim=dim, sizes=sizes)
-                _compare(f"reduce_scatter {dtype} dim {dim}", rs, comm.reduce_scatter(y, plain, dim=dim, sizes=sizes), n)
+                ref = comm.reduce_scatter(y, plain, dim=dim, sizes=sizes)
+                _compare(f"reduce_scatter {dtype} dim {dim}", rs, ref, n)
             for src in range(n):
                 x = _x(r, 5000 + src, dtype).view(-1, 1)
                 b = comm.broadcast(x, g, src=src)
@@ -168,7 +169,8 @@ def job_mismatches(ctx):
 def test_mismatched_tensors_raise_value_error_on_every_rank(pools):
     for msgs, ok in pools(2).run(job_mismatches):
         assert ok
-        assert "rank 0: all_reduce(op=sum, 8 x torch.float32); rank 1: all_reduce(op=sum, 9 x torch.float32)" in msgs["numel"]
+        assert ("rank 0: all_reduce(op=sum, 8 x torch.float32); rank 1: all_reduce(op=sum, 9 x torch.float32)"
+                in msgs["numel"])
         assert "100000 x" in msgs["numel_large"] and "200000 x" in msgs["numel_large"]
         assert "torch.bfloat16" in msgs["dtype"] and "torch.float32" in msgs["dtype"]
         assert "other shape" in msgs["shape"]
