@@ -152,6 +152,8 @@ def job_mismatches(ctx):
         msgs = {
             "numel": _error_of(lambda: comm.all_reduce(torch.ones(8 + r), g)),
             "numel_large": _error_of(lambda: comm.all_reduce(torch.ones(100_000 * (1 + r)), g)),
+            # one-shot on rank 0, two-shot on rank 1: still one step each before the check
+            "numel_mixed": _error_of(lambda: comm.all_reduce(torch.ones(1000 if r == 0 else 100_000), g)),
             "dtype": _error_of(lambda: comm.all_reduce(torch.ones(8, dtype=(torch.float32, torch.bfloat16)[r % 2]), g)),
             "shape": _error_of(lambda: comm.all_reduce(torch.ones((2, 4) if r else (4, 2)), g)),
             "op": _error_of(lambda: comm.all_reduce(torch.ones(8), g, op="min")),
@@ -172,6 +174,7 @@ def test_mismatched_tensors_raise_value_error_on_every_rank(pools):
         assert ("rank 0: all_reduce(op=sum, 8 x torch.float32); rank 1: all_reduce(op=sum, 9 x torch.float32)"
                 in msgs["numel"])
         assert "100000 x" in msgs["numel_large"] and "200000 x" in msgs["numel_large"]
+        assert "1000 x" in msgs["numel_mixed"] and "100000 x" in msgs["numel_mixed"]
         assert "torch.bfloat16" in msgs["dtype"] and "torch.float32" in msgs["dtype"]
         assert "other shape" in msgs["shape"]
         assert "op must be one of" in msgs["op"]

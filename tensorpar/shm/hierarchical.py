@@ -17,6 +17,10 @@ they differ from the flat all-reduce only in summation order (within the harness
 tolerance).
 
 All-gather, reduce-scatter and broadcast on such a group keep the flat torch.distributed path.
+
+Bad input: ranks of one host that disagree on dtype or size get the shared-memory
+``ValueError``; hosts that disagree with each other reach the leaders' gloo all-reduce, which
+does not check (an extra cross-host round trip per call would be the price of checking).
 """
 from __future__ import annotations
 
