@@ -32,8 +32,9 @@ class WaitPolicy:
             common case at decode) without a system call. Kept short: on an idle core the yield
             phase polls almost as fast (``sched_yield`` returns at once when nothing else is
             runnable), and on a busy core spinning only delays the peer we wait for. On the
-            shared 2-core development machine, 4 KB all-reduce medians rose with the spin
-            (2 ranks: ~65 us at 0-2 us of spin, ~105 us at 30 us, ~180 us at 100 us).
+            shared 2-core development machine (load average ~4), 2-rank 4 KB all-reduce medians
+            rose with the spin: ~65 us at 0 us, ~75 at 5, ~100 at 30, ~135 at 60 (noisy; on an
+            idle machine the spin length should hardly matter).
         yield_us: then poll with ``os.sched_yield()`` between reads for this long: a peer that
             shares our core gets it at once, and we still react within a scheduler slice.
         max_sleep_us: then sleep between polls, doubling from 20 us up to this: waits of
