@@ -12,16 +12,21 @@ import sys
 
 COMMANDS = {
     "generate": ("tensorpar.generate", "generate text with a model sharded over --tp ranks"),
+    "plan": ("tensorpar.planner.cli", "choose tp, pp, dp, sequence parallelism, micro-batch and recomputation "
+                                      "for a model on a cluster, from a cost model"),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="tensorpar", description="Tensor parallelism for PyTorch models.")
     sub = parser.add_subparsers(dest="command", required=True)
+    chosen = next((a for a in argv if not a.startswith("-")), None)  # the top level takes no options but -h
     for name, (modname, helptext) in COMMANDS.items():
         p = sub.add_parser(name, help=helptext, description=helptext)
         p.set_defaults(_module=modname)
-        importlib.import_module(modname).add_arguments(p)
+        if name == chosen:  # only the command being run is imported (torch takes seconds to import)
+            importlib.import_module(modname).add_arguments(p)
     args = parser.parse_args(argv)
     return int(importlib.import_module(args._module).main(args) or 0)
 

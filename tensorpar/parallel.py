@@ -90,11 +90,23 @@ class ParallelContext:
 
     @property
     def mesh(self):
-        """A ``DeviceMesh`` over the same groups, named ("dp", "pp", "tp"), for FSDP2/DDP/pipelining."""
+        """A ``DeviceMesh`` over the same groups, named ("dp", "pp", "tp"), for FSDP2/DDP/pipelining.
+
+        Built on first use; every rank must access it (it creates process groups for size-1 axes).
+        """
         if self._mesh is None:
             from torch.distributed.device_mesh import DeviceMesh
-            groups = [g.pg if g.pg is not None else _singleton_pg(self, axis) for axis, g in
-                      (("dp", self.dp), ("pp", self.pp), ("tp", self.tp))]
+            groups = []
+            for axis in AXES:
+                g = getattr(self, axis)
+                if g.pg is None:  # size-1 axis: one single-rank group per rank, created by all ranks in order
+                    mine = None
+                    for r in range(self.world_size):
+                        pg = dist.new_group([r])
+                        mine = pg if r == self.rank else mine
+                    groups.append(mine)
+                else:
+                    groups.append(g.pg)
             self._mesh = DeviceMesh.from_group(groups, self.device.type, mesh=self.grid, mesh_dim_names=AXES)
         return self._mesh
 
@@ -111,11 +123,6 @@ class ParallelContext:
     def destroy(self) -> None:
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _singleton_pg(ctx: ParallelContext, axis: str):
-    raise ValueError(f"DeviceMesh needs a process group on every axis; {axis} has size 1 here. Build the mesh "
-                     f"with torch.distributed.device_mesh.init_device_mesh if you need size-1 axes")
 
 
 def set_rank_threads(local_world_size: int, *, cores: int | None = None) -> int:

@@ -78,3 +78,11 @@ def test_unit_selection():
     s = UnitSelection(3, 2, ((0, 1), (1, 2)))
     assert s.indices(1) == [2, 3, 4, 5]
     assert s.sizes == (4, 4) and not s.is_disjoint and s.n == 6
+
+
+def test_uniform_groups_are_detected():
+    assert HeadLayout.make(9, 3, 64, 1).uniform_group(0) == 3
+    lay = HeadLayout.make(9, 3, 64, 3)
+    assert [lay.uniform_group(r) for r in range(3)] == [3, 3, 3]
+    lay = HeadLayout.make(9, 3, 64, 2)                      # [0,0,0,1,1] and [0,1,1,1]: gathered per head
+    assert [lay.uniform_group(r) for r in range(2)] == [None, None]

@@ -49,7 +49,10 @@ class TPAttention(nn.Module):
         self.attention_dropout = getattr(attn, "attention_dropout", 0.0)
         self.sliding_window = getattr(attn, "sliding_window", None)
         self.is_causal = True
-        self.num_key_value_groups = 1  # KV heads are expanded to the local query heads before the kernel
+        # Uniform local groups: the attention kernel broadcasts each KV head to its g query heads
+        # (HF's sdpa/eager paths); otherwise (a group straddling ranks) KV heads are gathered per query head.
+        self._group = layout.uniform_group(tp.rank)
+        self.num_key_value_groups = self._group or 1
         self._rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         self._attn_default = sys.modules[type(attn).__module__].eager_attention_forward
         self.q_proj = ColumnParallelLinear.from_linear(attn.q_proj, tp, partition=layout.q_rows)
@@ -72,8 +75,9 @@ class TPAttention(nn.Module):
         q, k = self._rope(q, k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
-        k = self.layout.expand_kv(k, self.tp.rank)  # [b, q_local, s_kv, d]
-        v = self.layout.expand_kv(v, self.tp.rank)
+        if self._group is None:
+            k = self.layout.expand_kv(k, self.tp.rank)  # [b, q_local, s_kv, d]
+            v = self.layout.expand_kv(v, self.tp.rank)
         fn = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._attn_default)
         extra = {"sliding_window": self.sliding_window} if self.sliding_window is not None else {}
         out, weights = fn(self, q, k, v, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,

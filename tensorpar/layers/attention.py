@@ -82,6 +82,16 @@ class HeadLayout:
         local = {h: i for i, h in enumerate(self.kv_heads.units[rank])}
         return [local[h // group] for h in range(start, stop)]
 
+    def uniform_group(self, rank: int) -> int | None:
+        """``g`` if local query heads read local KV heads in equal consecutive groups of ``g``
+        (then attention kernels can broadcast KV heads instead of copying them), else ``None``."""
+        idx = self.kv_index(rank)
+        n_kv = self.local_kv_heads(rank)
+        if len(idx) % n_kv:
+            return None
+        g = len(idx) // n_kv
+        return g if idx == [i // g for i in range(len(idx))] else None
+
     def expand_kv(self, kv: torch.Tensor, rank: int) -> torch.Tensor:
         """``[b, kv_local, s, d] -> [b, q_local, s, d]``: give each local query head its KV head."""
         idx = self.kv_index(rank)

@@ -1,0 +1,191 @@
+"""``tensorpar plan --calibrate``: measure this machine instead of trusting datasheets.
+
+* Matmul throughput: square matmuls timed with torch (bf16 on a GPU, fp32 on a CPU), 2 n^3 FLOPs each.
+* Collective latency and bandwidth: two ranks on this host (tensorpar's worker pool, gloo over loopback),
+  tensorpar's all-reduce of growing sizes; a least-squares fit of ``time = latency + wire_bytes / bandwidth`` (ring all-reduce on 2 ranks
+  sends ``2 (g-1)/g = 1`` x the payload).
+
+Also: :func:`saved_activation_bytes`, the bytes autograd keeps for backward while a function runs, which
+the tests compare with the activation model.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass
+
+COLLECTIVE_SIZES = tuple(2 ** k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB payloads
+
+
+@dataclass(frozen=True)
+class Calibration:
+    backend: str
+    matmul: list[dict]  # {"n", "dtype", "tflops"}
+    matmul_tflops: float  # best measured
+    collective: dict  # {"backend", "world_size", "samples": [{"bytes", "seconds"}], "latency_us", "bandwidth_gbps"}
+    device: dict  # DeviceSpec fields, for --device-file
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def measure_matmul(sizes: tuple[int, ...] | None = None, min_seconds: float = 0.2) -> tuple[str, list[dict]]:
+    """(device description, [{"n", "dtype", "tflops"}]) for square n x n matmuls."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    sizes = sizes or ((2048, 4096, 8192) if cuda else (256, 512, 1024))
+    out = []
+    for n in sizes:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        for _ in range(2):  # warm-up: kernel selection, caches
+            a @ b
+        iters = 1
+        while True:  # double the repetitions until one timing lasts min_seconds
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(iters):
+                a @ b
+            if cuda:
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_seconds:
+                break
+            iters *= 2
+        out.append({"n": n, "dtype": str(dtype).removeprefix("torch."), "tflops": 2 * n ** 3 * iters / elapsed / 1e12})
+    name = torch.cuda.get_device_name(0) if cuda else f"cpu ({torch.get_num_threads()} threads)"
+    return name, out
+
+
+def _time_all_reduce(ctx, sizes: tuple[int, ...]) -> list[dict]:
+    """Job for :class:`tensorpar.testing.WorkerPool`: mean seconds of ``comm.all_reduce`` (tensorpar's
+    own path, clone included) over the tp group, for fp32 payloads of each size in bytes."""
+    import torch
+
+    from tensorpar import comm
+
+    samples = []
+    for nbytes in sizes:
+        x = torch.ones(nbytes // 4, dtype=torch.float32)
+        for _ in range(2):  # warm-up: connection set-up, buffer allocation
+            comm.all_reduce(x, ctx.tp)
+        iters = max(3, min(50, (1 << 22) // nbytes))
+        comm.all_reduce(torch.zeros(1), ctx.tp)  # line the ranks up
+        start = time.perf_counter()
+        for _ in range(iters):
+            comm.all_reduce(x, ctx.tp)
+        samples.append({"bytes": nbytes, "seconds": (time.perf_counter() - start) / iters})
+    return samples
+
+
+def fit_alpha_beta(samples: list[dict], world: int) -> tuple[float, float]:
+    """Least-squares (latency s, bandwidth bytes/s) of ``t = latency + 2 (g-1)/g bytes / bandwidth``."""
+    xs = [2 * (world - 1) / world * s["bytes"] for s in samples]
+    ys = [s["seconds"] for s in samples]
+    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    latency = max(0.0, my - slope * mx)
+    return latency, (1 / slope if slope > 0 else float("inf"))
+
+
+def measure_collectives(sizes: tuple[int, ...] = COLLECTIVE_SIZES, timeout_s: float = 120.0) -> dict:
+    """All-reduce timings of 2 gloo ranks on this host (tensorpar's worker pool), and their alpha-beta fit.
+
+    Raises:
+        RuntimeError: a rank failed or gave no answer within ``timeout_s`` (with its traceback).
+    """
+    from tensorpar.testing import RankFailure, WorkerPool
+
+    world = 2
+    try:
+        with WorkerPool(world, collective_timeout_s=30.0, job_timeout_s=timeout_s) as pool:
+            samples = pool.run(_time_all_reduce, tuple(sizes))[0]
+    except RankFailure as err:
+        raise RuntimeError(f"collective calibration failed: {err}") from None
+    latency, bandwidth = fit_alpha_beta(samples, world)
+    return {"backend": "gloo", "world_size": world, "samples": samples,
+            "latency_us": latency * 1e6, "bandwidth_gbps": bandwidth / 1e9}
+
+
+def _memory_gib() -> float:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory / 2 ** 30
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+
+
+def calibrate() -> Calibration:
+    """Measure matmul throughput and loopback collectives. The ``device`` it returns uses the *measured*
+    matmul rate as its peak, so plan with it at ``--efficiency 1``, and the loopback link for both tiers."""
+    name, matmul = measure_matmul()
+    coll = measure_collectives()
+    best = max(m["tflops"] for m in matmul)
+    device = {"name": f"calibrated {name}", "memory_gib": round(_memory_gib(), 2), "peak_tflops": best,
+              "intra_node_gbps": coll["bandwidth_gbps"], "inter_node_gbps": coll["bandwidth_gbps"],
+              "intra_node_latency_us": coll["latency_us"], "inter_node_latency_us": coll["latency_us"]}
+    return Calibration(backend=name, matmul=matmul, matmul_tflops=best, collective=coll, device=device)
+
+
+def saved_activation_bytes(fn, params=()) -> tuple[object, int]:
+    """Run ``fn()`` and return (its result, bytes of the distinct storages autograd saves for backward
+    while it runs), leaving out the storages of ``params`` (a linear layer saves a view of its weight)."""
+    import torch
+
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            storages[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = fn()
+    return result, sum(storages.values())
+
+
+def peak_memory_bytes(fn, baseline=()) -> tuple[object, int]:
+    """Run ``fn()`` and return (its result, the peak bytes of live tensor storages while it ran, above
+    those of ``baseline`` tensors, e.g. the parameters). Works on CPU, where torch keeps no allocator
+    statistics: every operator's outputs are recorded through a dispatch mode and dropped once their
+    storage is freed. Slow (a Python call per operator); meant for small models in tests."""
+    import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class LiveStorages(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
+            self.current = self.peak = 0
+
+        def track(self, tensors) -> None:
+            for t in tensors:
+                if isinstance(t, torch.Tensor):
+                    st = t.untyped_storage()
+                    if st.data_ptr() and st.data_ptr() not in self.refs:
+                        self.refs[st.data_ptr()] = (StorageWeakRef(st), st.nbytes())
+                        self.current += st.nbytes()
+            self.peak = max(self.peak, self.current)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for key in [k for k, (ref, _) in self.refs.items() if ref.expired()]:
+                self.current -= self.refs.pop(key)[1]  # freed before the outputs reuse its address
+            self.track(tree_flatten(out)[0])
+            return out
+
+    mode = LiveStorages()
+    mode.track(baseline)
+    start = mode.current
+    with mode:
+        result = fn()
+    return result, mode.peak - start

@@ -1,0 +1,203 @@
+"""``tensorpar plan``: choose tp, pp, dp, sequence parallelism, micro-batch, recomputation and the
+distributed optimizer for a model on a cluster, from a cost model (no GPU needed).
+
+    tensorpar plan --model gpt3-175b --gpus 1024 --gpus-per-node 8 --device a100-80gb \\
+                   --global-batch 1536 --seq 2048
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from tensorpar.planner import cluster as cl
+from tensorpar.planner import model_spec as ms
+from tensorpar.planner.layout import ATTENTION, Assumptions, Workload, parse_layout, problems
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model (a preset, a config.json, or explicit dimensions)")
+    model.add_argument("--model", help=f"preset ({', '.join([*ms.PRESETS, *ms.ALIASES])}) or path to a config.json")
+    for flag, helptext in (("--layers", "number of layers"), ("--hidden", "hidden size"),
+                           ("--heads", "query heads"), ("--kv-heads", "key/value heads (default: --heads)"),
+                           ("--ffn", "MLP inner size (default 4 x hidden)"), ("--vocab", "vocabulary size")):
+        model.add_argument(flag, type=int, help=helptext)
+    model.add_argument("--mlp", choices=ms.MLP_KINDS, help="MLP kind for explicit dimensions (default swiglu)")
+    model.add_argument("--kernels", choices=ms.KERNEL_KINDS,
+                       help="whose code runs the model; decides stored activations (preset default)")
+
+    hw = parser.add_argument_group("cluster")
+    hw.add_argument("--gpus", type=int, help="number of devices")
+    hw.add_argument("--gpus-per-node", type=int, default=8)
+    hw.add_argument("--device", default="a100-80gb", help=f"device preset: {', '.join(cl.DEVICES)}")
+    hw.add_argument("--device-file", help="JSON device spec (e.g. the 'device' of --calibrate --json)")
+    hw.add_argument("--memory-gb", type=float, help="override device memory, GiB")
+    hw.add_argument("--peak-tflops", type=float, help="override dense 16-bit peak, TFLOP/s")
+    hw.add_argument("--intra-node-bw", type=float, help="override intra-node bandwidth, GB/s per direction")
+    hw.add_argument("--inter-node-bw", type=float, help="override inter-node bandwidth per device, GB/s")
+    hw.add_argument("--intra-node-latency-us", type=float)
+    hw.add_argument("--inter-node-latency-us", type=float)
+
+    work = parser.add_argument_group("workload and assumptions")
+    work.add_argument("--global-batch", type=int, help="sequences per optimizer step")
+    work.add_argument("--seq", type=int, help="sequence length, tokens")
+    work.add_argument("--efficiency", type=float, default=Assumptions.efficiency,
+                      help="fraction of peak the matmuls reach (default %(default)s)")
+    work.add_argument("--attention", choices=ATTENTION, default=None,
+                      help="eager: scores stored (Korthikanti); sdpa: fused kernel (default: eager for "
+                           "megatron kernels, sdpa for hf)")
+    work.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="weights and activations")
+    work.add_argument("--grad-dtype", choices=("bf16", "fp32"), default="bf16",
+                      help="gradient buffers: bf16 (16 B/param with Adam) or fp32 main grads (18 B/param)")
+    work.add_argument("--tp-overlap", type=float, default=0.0, help="fraction of TP communication hidden")
+    work.add_argument("--dp-overlap", type=float, default=0.0, help="fraction of DP communication hidden")
+    work.add_argument("--reserve-gb", type=float, default=Assumptions.reserve_gib,
+                      help="GiB per device not available to the model (default %(default)s)")
+    work.add_argument("--max-micro-batch", type=int, default=Assumptions.max_micro_batch)
+    work.add_argument("--virtual-stages", default="1", help="interleaving degrees to try, e.g. 1,2,4")
+    work.add_argument("--allow-cross-node-tp", action="store_true", help="let tensor-parallel groups span nodes")
+
+    out = parser.add_argument_group("output")
+    out.add_argument("--top", type=int, default=10, help="plans to show (0: all)")
+    out.add_argument("--json", action="store_true", help="print a JSON list of plans instead of a table")
+    out.add_argument("--evaluate", metavar="SPEC", help="score one layout, e.g. tp=8,pp=4,dp=32,micro_batch=2")
+    out.add_argument("--plot", metavar="FILE.png", help="draw the memory breakdown of the shown plans")
+    out.add_argument("--calibrate", action="store_true", help="measure matmul and collective speed here")
+
+
+def build_model(args) -> ms.ModelSpec:
+    dims = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab")}
+    if any(v is not None for v in dims.values()):
+        missing = [f"--{k}" for k, v in dims.items() if v is None]
+        if missing:
+            raise ValueError(f"explicit dimensions need {', '.join(missing)} as well")
+        options = {"mlp": args.mlp} if args.mlp else {}
+        model = ms.from_dims(**dims, kv_heads=args.kv_heads, ffn=args.ffn, name=args.model or "custom", **options)
+    elif args.model is None:
+        raise ValueError("give --model (a preset or a config.json) or --layers/--hidden/--heads/--vocab")
+    elif Path(args.model).is_file():
+        model = ms.from_hf_config(args.model)
+    else:
+        model = ms.preset(args.model)
+    return ms.with_kernels(model, args.kernels) if args.kernels else model
+
+
+def build_cluster(args) -> cl.ClusterSpec:
+    if args.gpus is None:
+        raise ValueError("give --gpus (the number of devices)")
+    device = cl.device_from_file(args.device_file) if args.device_file else cl.device_preset(args.device)
+    device = cl.override(device, memory_gib=args.memory_gb, peak_tflops=args.peak_tflops,
+                         intra_node_gbps=args.intra_node_bw, inter_node_gbps=args.inter_node_bw,
+                         intra_node_latency_us=args.intra_node_latency_us,
+                         inter_node_latency_us=args.inter_node_latency_us)
+    return cl.ClusterSpec(device=device, num_devices=args.gpus, devices_per_node=args.gpus_per_node)
+
+
+def build_assumptions(args, model: ms.ModelSpec) -> Assumptions:
+    try:
+        virtual = tuple(int(v) for v in args.virtual_stages.split(","))
+    except ValueError:
+        raise ValueError(f"--virtual-stages ({args.virtual_stages!r}) must be integers like 1,2,4") from None
+    attention = args.attention or ("eager" if model.kernels == "megatron" else "sdpa")
+    size = {"bf16": 2, "fp32": 4}
+    return Assumptions(activation_bytes=size[args.dtype], param_bytes=size[args.dtype],
+                       grad_bytes=size[args.grad_dtype], attention=attention, efficiency=args.efficiency,
+                       tp_overlap=args.tp_overlap, dp_overlap=args.dp_overlap, reserve_gib=args.reserve_gb,
+                       allow_cross_node_tp=args.allow_cross_node_tp, max_micro_batch=args.max_micro_batch,
+                       virtual_stages=virtual)
+
+
+def main(args) -> int:
+    try:
+        if args.calibrate:
+            return _calibrate(args)
+        return _plan(args)
+    except ValueError as err:
+        print(f"tensorpar plan: error: {err}", file=sys.stderr)
+        return 2
+    except RuntimeError as err:  # calibration: a worker process failed
+        print(f"tensorpar plan: {err}", file=sys.stderr)
+        return 1
+
+
+def _calibrate(args) -> int:
+    from tensorpar.planner.calibrate import calibrate
+
+    result = calibrate()
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return 0
+    from tensorpar.planner.report import console
+
+    con = console()
+    con.print(f"[bold]matmul[/bold] on {result.backend}:")
+    for m in result.matmul:
+        con.print(f"  n={m['n']:>5} {m['dtype']}: {m['tflops']:.3f} TFLOP/s")
+    c = result.collective
+    con.print(f"[bold]all-reduce[/bold], {c['world_size']} {c['backend']} processes on loopback: "
+              f"latency {c['latency_us']:.1f} us, bandwidth {c['bandwidth_gbps']:.2f} GB/s")
+    for s in c["samples"]:
+        con.print(f"  {s['bytes']:>9} B: {s['seconds'] * 1e6:9.1f} us")
+    con.print("Save the 'device' object of --calibrate --json to a file and plan with "
+              "--device-file FILE --efficiency 1 (its peak is the measured matmul rate).")
+    return 0
+
+
+def _plan(args) -> int:
+    from tensorpar.planner.enumerate import score, search
+    from tensorpar.planner.explain import explain, memory_verdict, versus
+
+    start = time.perf_counter()
+    if args.top < 0:
+        raise ValueError(f"--top ({args.top}) must be >= 0 (0 shows every fitting plan)")
+    model, hw = build_model(args), build_cluster(args)
+    if args.global_batch is None or args.seq is None:
+        raise ValueError("give --global-batch and --seq")
+    work, assume = Workload(args.global_batch, args.seq), build_assumptions(args, model)
+    layout = parse_layout(args.evaluate, hw.num_devices) if args.evaluate else None
+    found = search(model, hw, work, assume)
+    title = (f"{model.name} on {hw.num_devices} x {hw.device.name} ({hw.devices_per_node} per node), "
+             f"global batch {work.global_batch} x {work.seq_len} tokens, attention={assume.attention}")
+    if layout is not None:
+        broken = problems(layout, model, hw, work, assume)
+        if broken:
+            raise ValueError(f"--evaluate {layout.short()} is invalid: " + "; ".join(p.message for p in broken))
+        plan = score(layout, model, hw, work, assume)
+        rank = next((i + 1 for i, p in enumerate(found.ranked) if p.layout == layout), None)
+        shown, first = [plan], rank or 0
+        notes = [f"{layout.short()}: " + (f"rank {rank} of {len(found.ranked)} fitting layouts"
+                                          if rank else memory_verdict(plan)) + "."]
+        if found.ranked and rank != 1:
+            best = found.ranked[0]
+            notes.append(f"#1 is {best.layout.short()}; against it this layout is {versus(plan, best)}.")
+    else:
+        shown = found.ranked if args.top == 0 else found.ranked[: args.top]
+        first = 1
+        if not shown:  # nothing fits: show the smallest instead, marked as not fitting
+            shown, first = found.too_big[: args.top or None], 0
+        notes = explain(found)
+    elapsed = time.perf_counter() - start
+    if args.plot:
+        from tensorpar.planner.plot import plot_memory
+
+        try:
+            plot_memory(shown, args.plot, capacity_gib=hw.device.memory_gib, title=title)
+        except OSError as err:
+            raise ValueError(f"--plot {args.plot}: cannot write it ({err.strerror or err})") from None
+    if args.json:
+        from tensorpar.planner.report import plans_json
+
+        print(plans_json(shown, first_rank=first or None))
+        return 0
+    from tensorpar.planner.report import console, plan_table
+
+    con = console()
+    con.print(plan_table(shown, title, first_rank=first))
+    for line in notes:
+        con.print(line, highlight=False)
+    con.print(f"[dim]{len(found.ranked)} layouts fit, {len(found.too_big)} need too much memory, "
+              f"{len(found.rejected)} break a rule; planned in {elapsed:.2f} s"
+              + (f"; plot written to {args.plot}" if args.plot else "") + "[/dim]")
+    return 0

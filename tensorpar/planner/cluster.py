@@ -1,0 +1,108 @@
+"""The machine a plan runs on: device memory and speed, and the two network tiers (inside a node and
+between nodes). Presets use vendor datasheet numbers; ``tensorpar plan --calibrate`` measures the
+machine it runs on instead.
+
+Units: memory in GiB (2**30 bytes, as ``nvidia-smi`` and ``torch.cuda`` report), compute in dense
+16-bit TFLOP/s (1e12 FLOP/s), bandwidth in GB/s (1e9 bytes/s) *per device and per direction*, latency
+in microseconds.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from types import MappingProxyType
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator and its links, per device."""
+
+    name: str
+    memory_gib: float
+    peak_tflops: float  # dense bf16/fp16 matmul peak
+    intra_node_gbps: float  # NVLink-class bandwidth, per direction
+    inter_node_gbps: float  # network bandwidth available to this device (its share of the node's NICs)
+    intra_node_latency_us: float = 10.0
+    inter_node_latency_us: float = 20.0
+
+    def __post_init__(self) -> None:
+        for knob in ("memory_gib", "peak_tflops", "intra_node_gbps", "inter_node_gbps"):
+            if not getattr(self, knob) > 0:
+                raise ValueError(f"device {knob} ({getattr(self, knob)!r}) must be > 0")
+        for knob in ("intra_node_latency_us", "inter_node_latency_us"):
+            if getattr(self, knob) < 0:
+                raise ValueError(f"device {knob} ({getattr(self, knob)!r}) must be >= 0")
+
+
+# Datasheet numbers. Latencies are order-of-magnitude NCCL small-message figures, not datasheet values.
+DEVICES = MappingProxyType({
+    # A100 SXM4 80GB: 312 TFLOP/s bf16 dense; NVLink3 600 GB/s total = 300 GB/s per direction;
+    # DGX A100: eight 200 Gb/s HDR InfiniBand NICs, one per GPU = 25 GB/s.
+    "a100-80gb": DeviceSpec("a100-80gb", 80.0, 312.0, 300.0, 25.0),
+    # H100 SXM5 80GB: 989 TFLOP/s bf16 dense; NVLink4 900 GB/s total = 450 GB/s per direction;
+    # DGX H100: eight 400 Gb/s NDR NICs = 50 GB/s per GPU. 81559 MiB usable = 79.6 GiB.
+    "h100-80gb": DeviceSpec("h100-80gb", 79.6, 989.0, 450.0, 50.0),
+    # H200 SXM 141GB: same compute and links as H100; 143771 MiB usable = 140.4 GiB.
+    "h200": DeviceSpec("h200", 140.4, 989.0, 450.0, 50.0),
+})
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """``num_devices`` identical devices, ``devices_per_node`` to a node."""
+
+    device: DeviceSpec
+    num_devices: int
+    devices_per_node: int
+
+    def __post_init__(self) -> None:
+        if self.num_devices < 1:
+            raise ValueError(f"--gpus ({self.num_devices}) must be >= 1")
+        if self.devices_per_node < 1:
+            raise ValueError(f"--gpus-per-node ({self.devices_per_node}) must be >= 1")
+        if self.num_devices > self.devices_per_node and self.num_devices % self.devices_per_node:
+            raise ValueError(
+                f"--gpus ({self.num_devices}) is not a whole number of nodes of --gpus-per-node "
+                f"({self.devices_per_node}); use a multiple of {self.devices_per_node}"
+            )
+
+    def link(self, span: int) -> tuple[float, float]:
+        """(bytes/s, seconds latency) of a collective over ``span`` consecutive ranks.
+
+        A group whose ranks fit in one node uses the intra-node links; a ring that leaves the node is
+        limited by each device's share of the inter-node network.
+        """
+        d = self.device
+        if span <= self.devices_per_node:
+            return d.intra_node_gbps * 1e9, d.intra_node_latency_us * 1e-6
+        return d.inter_node_gbps * 1e9, d.inter_node_latency_us * 1e-6
+
+    def to_dict(self) -> dict:
+        return {"device": asdict(self.device), "num_devices": self.num_devices,
+                "devices_per_node": self.devices_per_node}
+
+
+def device_preset(name: str) -> DeviceSpec:
+    if name not in DEVICES:
+        raise ValueError(f"--device {name!r} is not a preset; use one of {', '.join(DEVICES)}, or --device-file")
+    return DEVICES[name]
+
+
+def device_from_file(path: str | Path) -> DeviceSpec:
+    """A device described by a JSON object with the fields of :class:`DeviceSpec` (for example the
+    ``device`` object that ``tensorpar plan --calibrate --json`` prints)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--device-file {path}: cannot read a JSON device spec ({err})") from None
+    data = data.get("device", data)
+    try:
+        return DeviceSpec(**data)
+    except TypeError as err:
+        raise ValueError(f"--device-file {path}: {err}; expected the fields of DeviceSpec") from None
+
+
+def override(device: DeviceSpec, **changes) -> DeviceSpec:
+    """The device with the given fields replaced (``None`` values keep the preset)."""
+    return replace(device, **{k: v for k, v in changes.items() if v is not None})

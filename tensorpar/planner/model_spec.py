@@ -1,0 +1,212 @@
+"""What the planner needs to know about a decoder-only transformer: its dimensions and the few
+architectural choices that change parameter counts, FLOPs or stored activations.
+
+A :class:`ModelSpec` comes from a preset name, a Hugging Face ``config.json`` or explicit dimensions.
+All sizes here are *global* (whole model); per-rank sizes come from :mod:`tensorpar.planner.partition`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from types import MappingProxyType
+
+MLP_KINDS = ("gelu", "swiglu")
+NORM_KINDS = ("layernorm", "rmsnorm")
+KERNEL_KINDS = ("megatron", "hf")
+# Hugging Face model types whose MLP has two matrices (up, down); the other Llama-like configs
+# (llama, mistral, qwen2, gemma, ...) use a gated MLP with three, whatever the activation.
+UNGATED_MODEL_TYPES = frozenset({"gpt_neox", "gptj", "phi", "falcon", "opt", "bloom", "starcoder2", "gpt_bigcode"})
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Global dimensions of a decoder-only transformer.
+
+    ``mlp``: "gelu" has two matrices (h->ffn->h), "swiglu" is a gated MLP with three (gate, up, down;
+    also stands for GeGLU, which has the same shapes).
+    ``kernels``: whose code runs the model, which decides what autograd stores and which collectives run:
+    "megatron" (Megatron-LM's fused LayerNorm/softmax kernels; activations exactly as Korthikanti et al.
+    2022, Table 2) or "hf" (Hugging Face modeling code sharded by tensorpar.hf: RMSNorm upcast to fp32,
+    fp32 softmax, KV heads expanded per rank, tensorpar's collectives).
+    ``learned_positions``: rows of a learned absolute position table (GPT); 0 for rotary.
+    """
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    mlp: str = "swiglu"
+    norm: str = "rmsnorm"
+    bias: bool = False
+    dropout: bool = False
+    tied_embeddings: bool = False
+    learned_positions: int = 0
+    kernels: str = "hf"
+
+    def __post_init__(self) -> None:
+        for knob in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size"):
+            value = getattr(self, knob)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"model {knob} ({value!r}) must be a positive integer")
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(
+                    f"model hidden_size ({self.hidden_size}) is not divisible by num_heads ({self.num_heads}); "
+                    "give head_dim explicitly"
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.num_kv_heads > self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads}) "
+                "(grouped-query attention needs whole groups)"
+            )
+        for knob, allowed in (("mlp", MLP_KINDS), ("norm", NORM_KINDS), ("kernels", KERNEL_KINDS)):
+            if getattr(self, knob) not in allowed:
+                raise ValueError(f"model {knob} ({getattr(self, knob)!r}) must be one of {', '.join(allowed)}")
+
+    # ---- parameter counts (elements) -------------------------------------------------------------
+    @property
+    def mlp_matrices(self) -> int:
+        """Weight matrices of size hidden x ffn in one MLP: 2 for GeLU, 3 for SwiGLU."""
+        return 3 if self.mlp == "swiglu" else 2
+
+    def norm_params(self) -> int:
+        """Parameters of one norm layer: weight and bias for LayerNorm, weight for RMSNorm."""
+        return 2 * self.hidden_size if self.norm == "layernorm" else self.hidden_size
+
+    def layer_params(self, q_heads: int | None = None, kv_heads: int | None = None, ffn: int | None = None) -> int:
+        """Parameters of one transformer layer as held by one tensor-parallel rank.
+
+        With no arguments: the whole layer. A rank holds ``q_heads`` query heads, ``kv_heads`` key/value
+        heads and ``ffn`` columns of the MLP; norms and the biases of the two row-parallel linears
+        (attention output, MLP down projection) are replicated on every rank.
+        """
+        h, d = self.hidden_size, self.head_dim
+        q = self.num_heads if q_heads is None else q_heads
+        kv = self.num_kv_heads if kv_heads is None else kv_heads
+        f = self.ffn_hidden_size if ffn is None else ffn
+        qkv = h * d * (q + 2 * kv)  # column-parallel
+        out = q * d * h  # row-parallel
+        mlp = self.mlp_matrices * h * f
+        total = qkv + out + mlp + 2 * self.norm_params()
+        if self.bias:
+            gate_up = (self.mlp_matrices - 1) * f
+            total += d * (q + 2 * kv) + h + gate_up + h
+        return total
+
+    def embedding_params(self, vocab_rows: int | None = None) -> int:
+        """Word-embedding parameters for ``vocab_rows`` rows (all rows by default)."""
+        return (self.vocab_size if vocab_rows is None else vocab_rows) * self.hidden_size
+
+    def total_params(self) -> int:
+        """Whole-model parameter count: layers, embeddings (twice when untied), positions, final norm."""
+        heads = self.num_layers * self.layer_params()
+        emb = self.embedding_params() * (1 if self.tied_embeddings else 2)
+        return heads + emb + self.learned_positions * self.hidden_size + self.norm_params()
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _gpt3_175b() -> ModelSpec:
+    # Brown et al. 2020, Table 2.1; vocabulary padded to 51200 as in Narayanan et al. 2021.
+    return ModelSpec(
+        name="gpt3-175b", num_layers=96, hidden_size=12288, num_heads=96, num_kv_heads=96,
+        ffn_hidden_size=4 * 12288, vocab_size=51200, mlp="gelu", norm="layernorm", bias=True,
+        dropout=True, tied_embeddings=True, learned_positions=2048, kernels="megatron",
+    )
+
+
+def _llama3(name: str, layers: int, hidden: int, heads: int, ffn: int) -> ModelSpec:
+    # Llama 3 herd paper (Dubey et al. 2024), Table 3: 8 KV heads, vocabulary 128256, untied.
+    return ModelSpec(
+        name=name, num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=8,
+        ffn_hidden_size=ffn, vocab_size=128256,
+    )
+
+
+def _smollm2(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int) -> ModelSpec:
+    # HuggingFaceTB/SmolLM2-* config.json: Llama architecture, vocabulary 49152, tied embeddings.
+    return ModelSpec(
+        name=name, num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv,
+        ffn_hidden_size=ffn, vocab_size=49152, tied_embeddings=True,
+    )
+
+
+PRESETS = MappingProxyType({
+    "gpt3-175b": _gpt3_175b(),
+    "llama3-8b": _llama3("llama3-8b", 32, 4096, 32, 14336),
+    "llama3-70b": _llama3("llama3-70b", 80, 8192, 64, 28672),
+    "llama3-405b": _llama3("llama3-405b", 126, 16384, 128, 53248),
+    "smollm2-135m": _smollm2("smollm2-135m", 30, 576, 9, 3, 1536),
+    "smollm2-360m": _smollm2("smollm2-360m", 32, 960, 15, 5, 2560),
+    "smollm2-1.7b": _smollm2("smollm2-1.7b", 24, 2048, 32, 32, 8192),
+})
+# "smollm2" names the smallest member, the one the library's tests shard (9 heads, 3 KV heads).
+ALIASES = MappingProxyType({"smollm2": "smollm2-135m"})
+
+
+def preset(name: str) -> ModelSpec:
+    key = ALIASES.get(name, name)
+    if key not in PRESETS:
+        known = ", ".join(sorted([*PRESETS, *ALIASES]))
+        raise ValueError(f"--model {name!r} is not a preset; use one of {known}, or a path to a config.json")
+    return PRESETS[key]
+
+
+def from_hf_config(config: dict | str | Path, name: str | None = None) -> ModelSpec:
+    """Read a Hugging Face ``config.json`` (a dict or a path) of a Llama-like or GPT-2-like model."""
+    if not isinstance(config, dict):
+        path = Path(config)
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"--model {path}: cannot read a config.json ({err})") from None
+        name = name or path.parent.name or path.stem
+    name = name or config.get("_name_or_path") or config.get("model_type", "hf-model")
+    if "n_embd" in config:  # GPT-2 family naming
+        hidden = config["n_embd"]
+        return ModelSpec(
+            name=name, num_layers=config["n_layer"], hidden_size=hidden, num_heads=config["n_head"],
+            num_kv_heads=config["n_head"], ffn_hidden_size=config.get("n_inner") or 4 * hidden,
+            vocab_size=config["vocab_size"], mlp="gelu", norm="layernorm", bias=True,
+            dropout=any(config.get(k, 0) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")),
+            tied_embeddings=config.get("tie_word_embeddings", True),
+            learned_positions=config.get("n_positions", 0),
+        )
+    required = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+    missing = [key for key in required if key not in config]
+    if missing:
+        raise ValueError(
+            f"config.json of {name!r} lacks {', '.join(missing)}; the planner reads Llama-like configs "
+            f"({', '.join(required)}) or GPT-2-like ones (n_layer, n_embd, n_head, vocab_size)"
+        )
+    heads = config["num_attention_heads"]
+    return ModelSpec(
+        name=name, num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
+        num_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads,
+        ffn_hidden_size=config["intermediate_size"], vocab_size=config["vocab_size"],
+        head_dim=config.get("head_dim") or 0,
+        mlp="gelu" if config.get("model_type") in UNGATED_MODEL_TYPES else "swiglu",
+        bias=bool(config.get("attention_bias", False)),
+        dropout=bool(config.get("attention_dropout", 0.0)),
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+    )
+
+
+def from_dims(*, layers: int, hidden: int, heads: int, kv_heads: int | None = None, ffn: int | None = None,
+              vocab: int, name: str = "custom", **options) -> ModelSpec:
+    """A Llama-like model from explicit dimensions; ``ffn`` defaults to 4 x hidden (GPT convention)."""
+    return ModelSpec(
+        name=name, num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads or heads,
+        ffn_hidden_size=ffn or 4 * hidden, vocab_size=vocab, **options,
+    )
+
+
+def with_kernels(model: ModelSpec, kernels: str) -> ModelSpec:
+    return replace(model, kernels=kernels)

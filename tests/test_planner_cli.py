@@ -1,0 +1,132 @@
+"""``tensorpar plan`` end to end through the command dispatcher (no process group, no GPU)."""
+import json
+import time
+
+import pytest
+
+from tensorpar import cli
+
+GPT3 = ["--model", "gpt3-175b", "--gpus", "1024", "--gpus-per-node", "8", "--device", "a100-80gb",
+        "--global-batch", "1536", "--seq", "2048"]
+
+
+@pytest.fixture
+def plan(capsys):
+    """Run ``tensorpar plan ARGS`` through tensorpar.cli.main; return (exit code, stdout, stderr)."""
+
+    def run(*args):
+        code = cli.main(["plan", *args])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
+
+
+def test_gpt3_175b_ranked_table_under_10_s(plan):
+    start = time.perf_counter()
+    code, out, _ = plan(*GPT3)
+    elapsed = time.perf_counter() - start
+    assert code == 0
+    assert elapsed < 10, f"planning took {elapsed:.1f} s"
+    assert "gpt3-175b on 1024 x a100-80gb" in out
+    assert "#1 tp=" in out and "Ruled out:" in out
+    assert "needs" in out and "GiB usable" in out  # at least one value is explained by memory
+
+
+def test_plan_command_does_not_import_torch():
+    """Planning needs no torch: the dispatcher imports only the command it runs."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from tensorpar import cli; "
+            f"cli.main(['plan', *{GPT3!r}, '--json', '--top', '1']); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().endswith("False")
+
+
+def test_json_is_a_ranked_list_in_the_schema(plan):
+    code, out, _ = plan(*GPT3, "--json", "--top", "5")
+    plans = json.loads(out)
+    assert code == 0 and len(plans) == 5
+    assert [p["rank"] for p in plans] == [1, 2, 3, 4, 5]
+    times = [p["step_time_s"] for p in plans]
+    assert times == sorted(times)
+    for p in plans:
+        assert {"tp", "pp", "dp", "micro_batch", "sequence_parallel", "recompute", "distributed_optimizer",
+                "memory_gb", "step_time_s", "tflops_per_device", "mfu"} <= set(p)
+        assert p["tp"] * p["pp"] * p["dp"] == 1024 and p["fits"]
+        assert p["memory_gb"]["total"] <= 80 - 4
+
+
+def test_evaluate_scores_one_layout_in_the_same_schema(plan):
+    code, out, _ = plan(*GPT3, "--json", "--evaluate", "tp=8,pp=4,dp=32,micro_batch=2,recompute=selective")
+    (only,) = json.loads(out)
+    assert code == 0
+    assert (only["tp"], only["pp"], only["dp"], only["micro_batch"], only["recompute"]) == (8, 4, 32, 2, "selective")
+    assert only["sequence_parallel"] is False and only["distributed_optimizer"] is False
+    code, out, _ = plan(*GPT3, "--evaluate", "tp=8,pp=4,dp=32,micro_batch=2")
+    assert code == 0 and "needs" in out  # 126 GiB: does not fit, and the note says so
+
+
+def test_evaluate_rejects_an_invalid_layout_naming_the_setting(plan):
+    code, _, err = plan(*GPT3, "--evaluate", "tp=16,pp=4")
+    assert code == 2
+    assert "tp (16) must divide --gpus-per-node (8)" in err
+
+
+def test_plot_writes_a_png(plan, tmp_path):
+    path = tmp_path / "memory.png"
+    code, out, _ = plan(*GPT3, "--top", "4", "--plot", str(path))
+    assert code == 0 and "plot written to" in out
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_config_json_and_explicit_dimensions(plan, tmp_path):
+    cfg = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 24,
+           "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 49152, "tie_word_embeddings": True}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    common = ["--gpus", "16", "--device", "h100-80gb", "--global-batch", "64", "--seq", "4096", "--json",
+              "--evaluate", "tp=2,pp=1"]
+    _, from_file, _ = plan("--model", str(path), *common)
+    _, from_preset, _ = plan("--model", "smollm2-1.7b", *common)
+    _, explicit, _ = plan("--layers", "24", "--hidden", "2048", "--heads", "32", "--ffn", "8192", "--vocab", "49152",
+                          *common)
+    (file_plan,), (preset_plan,), (explicit_plan,) = map(json.loads, (from_file, from_preset, explicit))
+    assert file_plan == preset_plan
+    # Explicit dimensions default to an untied output layer: one more vocabulary shard of
+    # 24576 rows x 2048 x 2 bytes = 0.09375 GiB of weights.
+    extra = explicit_plan["memory_gb"]["weights"] - file_plan["memory_gb"]["weights"]
+    assert extra == pytest.approx(0.09375, abs=2e-3)
+
+
+def test_nothing_fits_is_explained(plan):
+    code, out, _ = plan("--model", "llama3-405b", "--gpus", "8", "--device", "h100-80gb", "--global-batch", "8",
+                        "--seq", "8192")
+    assert code == 0
+    assert "No layout fits" in out and "GiB usable" in out
+
+
+def test_errors_name_the_setting(plan):
+    code, _, err = plan("--model", "gpt3-175b", "--global-batch", "8", "--seq", "2048")
+    assert code == 2 and "--gpus" in err
+    code, _, err = plan("--model", "gpt-5", "--gpus", "8", "--global-batch", "8", "--seq", "2048")
+    assert code == 2 and "--model 'gpt-5' is not a preset" in err
+    code, _, err = plan(*GPT3, "--efficiency", "1.5")
+    assert code == 2 and "--efficiency (1.5) must be in (0, 1]" in err
+    code, _, err = plan(*GPT3, "--top", "-1")
+    assert code == 2 and "--top (-1) must be >= 0" in err
+    code, _, err = plan(*GPT3, "--device-file", "/nonexistent/device.json")
+    assert code == 2 and "--device-file /nonexistent/device.json: cannot read" in err
+
+
+def test_unreadable_config_json_is_an_error(plan, tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    code, _, err = plan("--model", str(bad), "--gpus", "8", "--global-batch", "8", "--seq", "128")
+    assert code == 2 and f"--model {bad}: cannot read a config.json" in err
+
+
+def test_unwritable_plot_path_is_an_error(plan, tmp_path):
+    code, _, err = plan(*GPT3, "--plot", str(tmp_path / "missing-folder" / "memory.png"))
+    assert code == 2 and "--plot" in err and "cannot write it" in err
