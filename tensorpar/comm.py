@@ -168,10 +168,15 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 def _use_fast(group: Group, t: torch.Tensor) -> bool:
-    return group.fast is not None and t.device.type == "cpu"
+    return group.fast is not None and t.is_cpu
 
 
 # ---------------------------------------------------------------- raw collectives (no autograd)
+#
+# Each public collective validates, records on the counter, then runs either ``group.fast`` (CPU
+# tensors, when set) or the torch.distributed implementation ``_pg_*`` below. The ``_pg_*``
+# functions take already-validated arguments and are also used by ``tensorpar.shm`` for the
+# collectives its hierarchical communicator does not replace.
 
 def all_reduce(x: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
     """Sum (or ``op="max"``) of ``x`` over the group; returns a new tensor of ``x``'s shape."""
@@ -180,6 +185,10 @@ def all_reduce(x: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
     group.counter.record("all_reduce", x.numel(), x.element_size(), group.size)
     if _use_fast(group, x):
         return group.fast.all_reduce(x, op=op)
+    return _pg_all_reduce(x, group, op)
+
+
+def _pg_all_reduce(x: torch.Tensor, group: Group, op: str) -> torch.Tensor:
     y = x.contiguous().clone()
     rop = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
     _run("all_reduce", group, y, lambda: dist.all_reduce(y, op=rop, group=group.pg))
@@ -201,6 +210,10 @@ def all_gather(x: torch.Tensor, group: Group, dim: int = -1, sizes: SizesLike = 
     group.counter.record("all_gather", x.numel() // max(x.shape[dim], 1) * sum(s), x.element_size(), group.size)
     if _use_fast(group, x):
         return group.fast.all_gather(x, dim=dim, sizes=s)
+    return _pg_all_gather(x, group, dim, s)
+
+
+def _pg_all_gather(x: torch.Tensor, group: Group, dim: int, s: list[int]) -> torch.Tensor:
     m = max(s)
     xm = x.movedim(dim, 0)
     if xm.shape[0] < m:
@@ -227,6 +240,10 @@ def reduce_scatter(x: torch.Tensor, group: Group, dim: int = -1, sizes: SizesLik
     group.counter.record("reduce_scatter", x.numel(), x.element_size(), group.size)
     if _use_fast(group, x):
         return group.fast.reduce_scatter(x, dim=dim, sizes=s)
+    return _pg_reduce_scatter(x, group, dim, s)
+
+
+def _pg_reduce_scatter(x: torch.Tensor, group: Group, dim: int, s: list[int]) -> torch.Tensor:
     m = max(s)
     xm = x.movedim(dim, 0)
     chunks = list(torch.split(xm, s))
@@ -244,6 +261,10 @@ def broadcast(x: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:
     group.counter.record("broadcast", x.numel(), x.element_size(), group.size)
     if _use_fast(group, x):
         return group.fast.broadcast(x, src=src)
+    return _pg_broadcast(x, group, src)
+
+
+def _pg_broadcast(x: torch.Tensor, group: Group, src: int) -> torch.Tensor:
     y = x.contiguous().clone()
     gsrc = dist.get_global_rank(group.pg, src)
     _run("broadcast", group, y, lambda: dist.broadcast(y, src=gsrc, group=group.pg))

@@ -226,9 +226,8 @@ def _rank_main(folder: str, args: argparse.Namespace) -> int:
     from tensorpar.parallel import ParallelConfig, init_parallel
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    ctx = init_parallel(ParallelConfig(tp=world), timeout_s=args.timeout)
+    ctx = init_parallel(ParallelConfig(tp=world), timeout_s=args.timeout, fast_collectives=args.fast_collectives)
     try:
-        _maybe_fast(ctx, args.fast_collectives)
         dtype = getattr(torch, args.dtype)
         model, plan = build_parallel_model(folder, ctx.tp, dtype=dtype, device=ctx.device)
         tok = AutoTokenizer.from_pretrained(folder)
@@ -259,18 +258,6 @@ def _rank_main(folder: str, args: argparse.Namespace) -> int:
     finally:
         ctx.destroy()
     return 0
-
-
-def _maybe_fast(ctx, mode: str) -> None:
-    if mode == "off" or ctx.tp.size == 1:
-        return
-    try:
-        from tensorpar.shm import enable_fast_collectives
-    except ImportError:
-        if mode == "on":
-            raise ValueError("--fast-collectives on: the shared-memory path is not available in this build")
-        return
-    enable_fast_collectives(ctx.tp, mode)
 
 
 def validate(args: argparse.Namespace):

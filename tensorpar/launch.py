@@ -37,6 +37,7 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args) -> int:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         rc = fn(*args)
         return int(rc or 0)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -54,7 +55,7 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args) -> int:
         print(f"tensorpar: rank {first.local_rank} failed: {msg.strip().splitlines()[-1] if msg else e}",
               file=sys.stderr, flush=True)
         return 1
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SignalException):  # the agent stops every rank before this is raised
         print("tensorpar: interrupted; all ranks stopped", file=sys.stderr)
         return 130
     return max(int(r or 0) for r in results.values())

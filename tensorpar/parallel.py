@@ -121,6 +121,11 @@ class ParallelContext:
         return self.rank == 0
 
     def destroy(self) -> None:
+        """Close the shared-memory communicators (peers still waiting fail at once) and the process groups."""
+        for g in (self.tp, self.pp, self.dp):
+            if g.fast is not None:
+                from tensorpar.shm import disable_fast_collectives
+                disable_fast_collectives(g)
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -150,6 +155,7 @@ def init_parallel(
     timeout_s: float = 120.0,
     backend: str | None = None,
     set_threads: bool = True,
+    fast_collectives: str = "off",
 ) -> ParallelContext:
     """Initialise torch.distributed (if needed) and build the (dp, pp, tp) groups.
 
@@ -157,11 +163,16 @@ def init_parallel(
     ``MASTER_PORT`` (torchrun's environment) unless ``rank``/``world_size``/``init_method``
     are given. The backend is NCCL when CUDA is available, else gloo; ``backend`` overrides.
     ``timeout_s`` bounds every collective, so a rank that never arrives fails the others
-    within it instead of hanging.
+    within it instead of hanging. ``fast_collectives`` ("off", "auto", "on") installs the
+    same-host shared-memory path (:mod:`tensorpar.shm`) on every group of more than one rank,
+    used for CPU tensors; "auto" uses it only when all of a group's ranks share a host.
 
     Raises:
-        ValueError: the degrees do not multiply to the world size.
+        ValueError: the degrees do not multiply to the world size; ``fast_collectives="on"`` for a
+            group whose ranks are on several hosts.
     """
+    if fast_collectives not in ("off", "auto", "on"):
+        raise ValueError(f"fast_collectives must be 'off', 'auto' or 'on', got {fast_collectives!r}")
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
     config = config or ParallelConfig.infer(world_size)
@@ -190,4 +201,8 @@ def init_parallel(
             if rank in line:
                 groups[axis] = (Group(pg=pg, rank=line.index(rank), size=len(line), name=axis) if pg is not None
                                 else Group.single(axis))
+    if fast_collectives != "off":
+        from tensorpar.shm import enable_fast_collectives
+        for axis in AXES:
+            enable_fast_collectives(groups[axis], fast_collectives, timeout_s=timeout_s)
     return ParallelContext(config=config, rank=rank, world_size=world_size, device=device, grid=grid, **groups)

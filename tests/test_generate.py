@@ -73,7 +73,7 @@ def job_generate(ctx, folder, ids, mask, n):
     return res.tokens, logits
 
 
-@pytest.mark.parametrize("arch,tps", [("llama", [1, 2, 3, 4]), ("qwen2", [2, 3]), ("mistral", [4]), ("gpt2", [4])])
+@pytest.mark.parametrize("arch,tps", [("llama", [1, 2, 3, 4, 9]), ("qwen2", [2, 3]), ("mistral", [4]), ("gpt2", [4])])
 def test_greedy_equals_transformers(pools, model_dirs, arch, tps):
     folder = model_dirs[arch]
     ids, mask = prompts(ARCHS[arch]["vocab_size"])

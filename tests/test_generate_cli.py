@@ -72,3 +72,28 @@ def test_tp_larger_than_heads(tiny_with_tokenizer):
 def test_prompt_longer_than_positions(tiny_with_tokenizer):
     r = _cli("--model", tiny_with_tokenizer, "--tp", "2", "--prompt", "a" * 200)
     assert r.returncode != 0 and "max_position_embeddings=128" in r.stderr
+
+
+def test_ctrl_c_stops_every_rank(tiny_with_tokenizer):
+    import signal
+    import time
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), TENSORPAR_THREADS="1")
+    p = subprocess.Popen([sys.executable, "-m", "tensorpar", "generate", "--model", tiny_with_tokenizer, "--tp", "2",
+                          "--prompt", "the cat", "--max-new-tokens", "100", "--fast-collectives", "off"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)
+    deadline = time.monotonic() + 120
+    out = ""
+    while "the cat" not in out and time.monotonic() < deadline:   # wait until rank 0 is generating
+        out += p.stdout.read(1) or ""
+    p.send_signal(signal.SIGINT)
+    rc = p.wait(timeout=60)
+    err = p.stderr.read()
+    assert rc != 0 and "interrupted" in err, err[-2000:]
+    # nothing of this session is left running (allow a few seconds for processes to finish exiting)
+    for _ in range(40):
+        left = subprocess.run(["pgrep", "-a", "-s", str(p.pid)], capture_output=True, text=True).stdout.strip()
+        if not left:
+            break
+        time.sleep(0.25)
+    assert left == "", left

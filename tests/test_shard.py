@@ -86,3 +86,13 @@ def test_uniform_groups_are_detected():
     assert [lay.uniform_group(r) for r in range(3)] == [3, 3, 3]
     lay = HeadLayout.make(9, 3, 64, 2)                      # [0,0,0,1,1] and [0,1,1,1]: gathered per head
     assert [lay.uniform_group(r) for r in range(2)] == [None, None]
+
+
+@pytest.mark.parametrize("tp", range(1, 10))
+def test_smollm2_heads_on_any_tp_up_to_9(tp):
+    lay = HeadLayout.make(9, 3, 64, tp)
+    assert sum(lay.q_heads.sizes) == 9 and max(lay.q_heads.sizes) - min(lay.q_heads.sizes) <= 1
+    for r in range(tp):  # every local query head finds its own KV head among the rank's KV heads
+        s, _ = lay.q_heads.range(r)
+        kv = lay.kv_heads.units[r]
+        assert [kv[i] for i in lay.kv_index(r)] == [h // 3 for h in range(s, s + lay.q_heads.sizes[r])]

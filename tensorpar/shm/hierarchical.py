@@ -1,0 +1,120 @@
+"""Two-level all-reduce for a group that spans hosts: shared memory inside a host, leaders across.
+
+For a group of ``N`` ranks on ``h`` hosts with ``k = N / h`` ranks each, one all-reduce of a
+tensor of ``B`` bytes runs as
+
+1. reduce to the host's leader (its lowest rank) through the host's shared segment (rank order);
+2. all-reduce among the ``h`` leaders over their own torch.distributed group (gloo ring);
+3. broadcast from the leader through the segment.
+
+Only step 2 crosses hosts. Each leader sends ``2 (h - 1) / h * B`` (ring), so the whole group
+puts ``2 (h - 1) B`` on the network instead of the flat ring's ``2 (N - 1) B``; the tensor
+bytes handed to inter-host collectives (the counter's ``bytes``) fall from ``N B`` to ``h B``,
+i.e. to ``1 / k``. The leaders' :class:`~tensorpar.comm.Group` has its own
+:class:`~tensorpar.comm.CommCounter`, so ``with comm.counting(h.leaders):`` measures exactly
+what crossed hosts. Every rank gets the leader's bits, so results are identical on all ranks;
+they differ from the flat all-reduce only in summation order (within the harness's ``close``
+tolerance).
+
+All-gather, reduce-scatter and broadcast on such a group keep the flat torch.distributed path.
+
+Bad input: ranks of one host that disagree on dtype or size get the shared-memory
+``ValueError``; hosts that disagree with each other reach the leaders' gloo all-reduce, which
+does not check (an extra cross-host round trip per call would be the price of checking).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+
+import torch
+import torch.distributed as dist
+
+from tensorpar import comm
+from tensorpar.comm import CommCounter, Group
+from tensorpar.shm.bootstrap import Member, build_host_communicator, hosts_of
+from tensorpar.shm.collectives import ShmCommunicator
+from tensorpar.shm.sync import WaitPolicy
+
+
+class HierarchicalComm:
+    """The ``fast`` object of a multi-host group: hierarchical all-reduce, flat everything else.
+
+    Build it with :func:`make_hierarchical` (or ``enable_fast_collectives(group, "hierarchical")``).
+
+    Attributes:
+        group: the flat group it serves.
+        hosts: group ranks per host, e.g. ``[[0, 1], [2, 3]]``.
+        intra: this host's :class:`ShmCommunicator`, or None if this rank is alone on its host.
+        leaders: the leaders' group (own counter) on leader ranks, None on the others.
+    """
+
+    def __init__(self, group: Group, hosts: list[list[int]], intra: ShmCommunicator | None, leaders: Group | None):
+        self.group, self.hosts, self.intra, self.leaders = group, hosts, intra, leaders
+
+    @property
+    def is_leader(self) -> bool:
+        return self.leaders is not None
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce in the host, all-reduce among leaders, broadcast in the host. Same shape, new tensor."""
+        if op not in ("sum", "max"):
+            raise ValueError(f"all_reduce on {self.group.name} group: op must be 'sum' or 'max', got {op!r}")
+        y = x if self.intra is None else self.intra.reduce(x, dst=0, op=op)
+        if self.leaders is not None:
+            y = comm.all_reduce(y, self.leaders, op=op)        # identity for a one-host group
+        if self.intra is None:
+            return y if y is not x else x.clone()
+        return self.intra.broadcast(y if self.is_leader else x, src=0)
+
+    def all_gather(self, x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+        return comm._pg_all_gather(x, self.group, dim, sizes)
+
+    def reduce_scatter(self, x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+        return comm._pg_reduce_scatter(x, self.group, dim, sizes)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        return comm._pg_broadcast(x, self.group, src)
+
+    def close(self) -> None:
+        """Unmap the host segment and destroy the leaders' process group. Idempotent."""
+        if self.intra is not None:
+            self.intra.close()
+            self.intra = None
+        if self.leaders is not None and self.leaders.pg is not None:
+            dist.destroy_process_group(self.leaders.pg)
+        self.leaders = None
+
+    def __repr__(self) -> str:
+        return f"HierarchicalComm({self.group.name}, hosts={self.hosts}, leader={self.is_leader})"
+
+
+def make_hierarchical(group: Group, members: list[Member], *, slot_bytes: int, timeout_s: float,
+                      policy: WaitPolicy | None = None, oneshot_bytes: int = 256 * 1024) -> HierarchicalComm:
+    """Build the host segments and the leaders' group for ``group``. Collective over ``group``'s ranks.
+
+    Args:
+        group: a group whose ranks may span hosts.
+        members: every rank's host and process identity, from
+            :func:`tensorpar.shm.bootstrap.exchange_members` (host ids may be simulated).
+        slot_bytes, timeout_s, policy, oneshot_bytes: as for the shared-memory communicator.
+
+    The leaders' group is created with ``use_local_synchronization=True``, so only the leaders
+    (not every rank of the world) take part in creating it.
+
+    Raises:
+        CollectiveError: a host's ranks could not share a segment.
+    """
+    hosts = hosts_of(members)
+    intra, err = build_host_communicator(group.pg, members, group_name=f"{group.name}.host", slot_bytes=slot_bytes,
+                                         timeout_s=timeout_s, policy=policy, oneshot_bytes=oneshot_bytes)
+    if err:
+        raise comm.CollectiveError(f"hierarchical all-reduce on {group.name} group: {err}")
+    leader_ranks = [h[0] for h in hosts]
+    leaders = None
+    if group.rank in leader_ranks:
+        globals_ = [members[r].global_rank for r in leader_ranks]
+        pg = (dist.new_group(globals_, timeout=_dt.timedelta(seconds=timeout_s), use_local_synchronization=True)
+              if len(globals_) > 1 else None)
+        leaders = Group(pg=pg, rank=leader_ranks.index(group.rank), size=len(leader_ranks),
+                        name=f"{group.name}.leaders", counter=CommCounter())
+    return HierarchicalComm(group, hosts, intra, leaders)
