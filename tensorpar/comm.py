@@ -362,29 +362,44 @@ class _ReduceScatterSeq(torch.autograd.Function):
         return all_gather(g, ctx.group, ctx.dim, ctx.sizes), None, None, None
 
 
+def _needs_grad(x: torch.Tensor) -> bool:
+    # Without autograd (inference) the raw collective runs directly: Function.apply costs ~15 us.
+    return torch.is_grad_enabled() and x.requires_grad
+
+
 def copy_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Enter a tensor-parallel region with a replicated input. fwd identity / bwd all-reduce."""
-    return x if group.size == 1 else _CopyToTP.apply(x, group)
+    if group.size == 1 or not _needs_grad(x):
+        return x
+    return _CopyToTP.apply(x, group)
 
 
 def reduce_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Sum partial results of a tensor-parallel region. fwd all-reduce / bwd identity."""
-    return x if group.size == 1 else _ReduceFromTP.apply(x, group)
+    if group.size == 1:
+        return x
+    return _ReduceFromTP.apply(x, group) if _needs_grad(x) else all_reduce(x, group)
 
 
 def scatter_to_tp_region(x: torch.Tensor, group: Group, sizes: SizesLike = None) -> torch.Tensor:
     """Keep this rank's slice of the last dim. fwd split / bwd all-gather. ``[.., n] -> [.., sizes[r]]``."""
-    return x if group.size == 1 else _Scatter.apply(x, group, -1, sizes)
+    if group.size == 1:
+        return x
+    return _Scatter.apply(x, group, -1, sizes) if _needs_grad(x) else split(x, group, -1, sizes)
 
 
 def gather_from_tp_region(x: torch.Tensor, group: Group, sizes: SizesLike = None) -> torch.Tensor:
     """Concatenate last-dim shards. fwd all-gather / bwd split. ``[.., sizes[r]] -> [.., n]``."""
-    return x if group.size == 1 else _Gather.apply(x, group, -1, sizes)
+    if group.size == 1:
+        return x
+    return _Gather.apply(x, group, -1, sizes) if _needs_grad(x) else all_gather(x, group, -1, sizes)
 
 
 def scatter_to_sequence_region(x: torch.Tensor, group: Group, dim: int = 1, sizes: SizesLike = None) -> torch.Tensor:
     """Enter a sequence-parallel region from a replicated tensor. fwd split ``dim`` / bwd all-gather."""
-    return x if group.size == 1 else _Scatter.apply(x, group, dim, sizes)
+    if group.size == 1:
+        return x
+    return _Scatter.apply(x, group, dim, sizes) if _needs_grad(x) else split(x, group, dim, sizes)
 
 
 def gather_from_sequence_region(x: torch.Tensor, group: Group, dim: int = 1, sizes: SizesLike = None) -> torch.Tensor:
@@ -392,7 +407,9 @@ def gather_from_sequence_region(x: torch.Tensor, group: Group, dim: int = 1, siz
 
     fwd all-gather ``dim`` / bwd reduce-scatter ``dim``. ``[b, s_r, h] -> [b, s, h]`` for ``dim=1``.
     """
-    return x if group.size == 1 else _GatherSeq.apply(x, group, dim, sizes)
+    if group.size == 1:
+        return x
+    return _GatherSeq.apply(x, group, dim, sizes) if _needs_grad(x) else all_gather(x, group, dim, sizes)
 
 
 def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Group, dim: int = 1, sizes: SizesLike = None) -> torch.Tensor:
@@ -400,4 +417,7 @@ def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Group, dim: int = 
 
     fwd reduce-scatter ``dim`` / bwd all-gather ``dim``. ``[b, s, h] -> [b, s_r, h]`` for ``dim=1``.
     """
-    return x if group.size == 1 else _ReduceScatterSeq.apply(x, group, dim, sizes)
+    if group.size == 1:
+        return x
+    return (_ReduceScatterSeq.apply(x, group, dim, sizes) if _needs_grad(x)
+            else reduce_scatter(x, group, dim, sizes))
