@@ -6,8 +6,10 @@ tp = 1 (1 and 2 threads), tp = 2 (one thread per rank; gloo, and the shared-memo
 available) and tp = 4 (memory). Greedy, fp32, the same prompt, 32 new tokens (EOS ignored).
 
 Where the time goes at tp > 1: every rank counts its collectives per token and times the same
-all-reduce (one token's hidden state) 200 times; ``comm_ms_per_token = all-reduces per token x
-median all-reduce latency``, the rest is compute and Python.
+all-reduce (one token's hidden state) 200 times (``comm ms/token (loop x median)``: collectives
+per token x median latency), and also times every collective of the real run, waits for the
+slower rank included (``comm ms/token in the run``). The last row runs the same 30 layers with
+tiny matrices: the per-token floor of Python and framework work that every rank pays.
 
     python bench/bench_generate.py [--model smollm2] [--tokens 32] [--out bench/results]
 
@@ -72,8 +74,26 @@ def job_tp(ctx, folder, n, threads, fast):
     ids = tok(PROMPT, return_tensors="pt")["input_ids"]
     cfg = SamplingConfig(max_new_tokens=n)
     generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=2))  # warm-up
-    with comm.counting(ctx.tp) as c:
-        res = generate_tokens(model, ctx.tp, ids, sampling=cfg)
+    spent = [0.0]
+    originals = {k: getattr(comm, k) for k in ("all_reduce", "all_gather", "broadcast")}
+
+    def timed(fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[0] += time.perf_counter() - t0
+        return wrapper
+
+    for k, fn in originals.items():  # time every collective of the real run, waits for the peer included
+        setattr(comm, k, timed(fn))
+    try:
+        with comm.counting(ctx.tp) as c:
+            res = generate_tokens(model, ctx.tp, ids, sampling=cfg)
+    finally:
+        for k, fn in originals.items():
+            setattr(comm, k, fn)
     calls = sum(c.calls.values())
     lat = []
     if ctx.tp.size > 1:
@@ -90,7 +110,27 @@ def job_tp(ctx, folder, n, threads, fast):
     return {"ttft_ms": res.ttft_s * 1e3, "decode_tok_s": res.decode_tokens_per_s, "peak_rss_mb": _rss_mb(),
             "weights_rss_mb": rss_loaded - rss0, "collectives_per_token": per_token,
             "allreduce_median_us": med * 1e6, "comm_ms_per_token": per_token * med * 1e3,
+            "comm_ms_per_token_in_run": spent[0] / res.tokens.shape[1] * 1e3,
             "step_ms": step_ms, "text": tok.decode(res.tokens[0])}
+
+
+def job_overhead(ctx, folder, n):
+    """Step time of the same architecture with tiny matrices: the per-token Python/framework floor."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tensorpar.generate import SamplingConfig, generate_tokens
+    from tensorpar.hf.apply import parallelize
+    from tensorpar.hf.plan import make_plan
+    torch.set_num_threads(1)
+    cfg = AutoConfig.from_pretrained(folder)
+    cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.vocab_size = 72, 64, 8, 256
+    cfg._attn_implementation = "sdpa"
+    model = parallelize(AutoModelForCausalLM.from_config(cfg).eval(), make_plan(cfg, ctx.tp.size), ctx.tp)
+    ids = torch.tensor([[1, 5, 7, 9, 11, 13]])
+    generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=2))
+    res = generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=n))
+    return {"ttft_ms": res.ttft_s * 1e3, "decode_tok_s": res.decode_tokens_per_s, "peak_rss_mb": _rss_mb(),
+            "step_ms": 1e3 / res.decode_tokens_per_s, "text": ""}
 
 
 def run(folder: str, n: int, fast_available: bool) -> list[dict]:
@@ -114,6 +154,7 @@ def run(folder: str, n: int, fast_available: bool) -> list[dict]:
     if fast_available:
         one("tensorpar tp=2, 1 thread/rank, shm", 2, job_tp, folder, n, 1, True)
     one("tensorpar tp=4, 1 thread/rank, gloo", 4, job_tp, folder, min(n, 8), 1, False)
+    one("same 30 layers, tiny matrices, tp=1 (overhead)", 1, job_overhead, folder, n)
     return rows
 
 
@@ -128,13 +169,15 @@ def write(rows: list[dict], out: Path, n: int) -> None:
     lines = [f"Greedy decode of {n} tokens, fp32, prompt {PROMPT!r}; {meta['machine']}, torch {meta['torch']}, "
              f"{meta['date']}.", "",
              "| configuration | TTFT ms | decode tok/s | vs tp=1 (1 thread) | peak RSS per rank MB | "
-             "collectives/token | all-reduce median µs | comm ms/token | step ms |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "collectives/token | all-reduce median µs | comm ms/token (loop x median) | comm ms/token in the run "
+             "| step ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['config']} | {r['ttft_ms']:.1f} | {r['decode_tok_s']:.1f} | "
                      f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x | {r['peak_rss_mb_per_rank']} | "
                      f"{r.get('collectives_per_token', 0):.0f} | {r.get('allreduce_median_us', 0):.0f} | "
-                     f"{r.get('comm_ms_per_token', 0):.1f} | {r.get('step_ms', 1e3 / r['decode_tok_s']):.1f} |")
+                     f"{r.get('comm_ms_per_token', 0):.1f} | {r.get('comm_ms_per_token_in_run', 0):.1f} | "
+                     f"{r.get('step_ms', 1e3 / r['decode_tok_s']):.1f} |")
     tmp = out / "generate.md.tmp"
     tmp.write_text("\n".join(lines) + "\n")
     os.replace(tmp, out / "generate.md")
