@@ -44,14 +44,26 @@ def job_hf(ctx, folder, n, threads):
     tok = AutoTokenizer.from_pretrained(folder)
     ids = tok(PROMPT, return_tensors="pt")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    from transformers.generation.streamers import BaseStreamer
+
+    class Stamps(BaseStreamer):  # time stamps of every new token, from inside the same generate call
+        def __init__(self):
+            self.t = []
+
+        def put(self, value):
+            self.t.append(time.perf_counter())
+
+        def end(self):
+            pass
+
     with torch.no_grad():
         model.generate(**ids, max_new_tokens=2, do_sample=False)                 # warm-up
+        stamps = Stamps()
         t0 = time.perf_counter()
-        model.generate(**ids, max_new_tokens=1, do_sample=False, min_new_tokens=1)
-        ttft = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        out = model.generate(**ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None)
-        total = time.perf_counter() - t0
+        out = model.generate(**ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                             streamer=stamps)
+    ttft = stamps.t[1] - t0              # put() #0 is the prompt, #1 the first new token
+    total = stamps.t[-1] - t0
     assert out.shape[1] - ids["input_ids"].shape[1] == n
     return {"ttft_ms": ttft * 1e3, "decode_tok_s": (n - 1) / max(total - ttft, 1e-9), "peak_rss_mb": _rss_mb(),
             "text": tok.decode(out[0, ids["input_ids"].shape[1]:])}
