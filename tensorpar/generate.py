@@ -266,6 +266,12 @@ def validate(args: argparse.Namespace):
 
     from tensorpar.hf.plan import make_plan
 
+    if args.tp < 1:
+        raise ValueError(f"--tp must be a positive integer (ranks to start), got {args.tp}")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if args.prompt is not None and any(not p.strip() for p in args.prompt):
+        raise ValueError("--prompt must not be empty; give the text to continue")
     SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
     folder = _resolve(args.model)
     config = AutoConfig.from_pretrained(folder)

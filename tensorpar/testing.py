@@ -50,6 +50,10 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world: int, config: ParallelConfig, init_method: str, timeout_s: float, jobs, results):
+    import signal
+
+    # A runner that starts jobs in the background may ignore SIGINT; ranks must see Ctrl-C as usual.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:

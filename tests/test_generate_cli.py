@@ -97,3 +97,11 @@ def test_ctrl_c_stops_every_rank(tiny_with_tokenizer):
             break
         time.sleep(0.25)
     assert left == "", left
+
+
+@pytest.mark.parametrize("args,msg", [(["--tp", "0"], "--tp must be a positive integer"),
+                                      (["--timeout", "0"], "--timeout must be a positive"),
+                                      (["--prompt", ""], "--prompt must not be empty")])
+def test_bad_options_fail_before_launch(tiny_with_tokenizer, args, msg):
+    r = _cli("--model", tiny_with_tokenizer, *args)
+    assert r.returncode == 2 and msg in r.stderr, r.stderr[-2000:]
