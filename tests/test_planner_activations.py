@@ -51,7 +51,7 @@ def saved(model):
 
     def forward():
         logits = model(input_ids=ids).logits
-        return vocab_parallel_cross_entropy(logits, targets, Group.single())
+        return vocab_parallel_cross_entropy(logits, targets, Group.single(), partition=logits.shape[-1])
 
     return saved_activation_bytes(forward, params=model.parameters())[1]
 

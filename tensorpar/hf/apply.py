@@ -1,80 +1,133 @@
-"""Apply a :class:`~tensorpar.hf.plan.ShardingPlan` to a Hugging Face model, in place."""
+"""Apply a :class:`~tensorpar.hf.plan.ShardingPlan` to a Hugging Face model, in place, generically.
+
+:func:`parallelize` walks ``model.named_modules()`` once, top down; a module whose name matches a plan entry is
+handed to that entry's style, which returns its replacement (a module it owns; its children are not visited
+again) or shards it in place. Nothing here knows an architecture: the plan is the whole description.
+
+Dropout is made tp-invariant here, whatever the entry point (training loop or a user's own loop): every
+``nn.Dropout`` left in the model becomes a :class:`~tensorpar.train.dropout.KeyedDropout` keyed by its module
+name, and attention modules with attention dropout get the head-keyed kernel, so masks are the same on every
+rank for replicated activations and gather to the tp = 1 masks for sharded ones. Each training-mode forward of
+the root model draws new masks (:meth:`~tensorpar.train.dropout.DropoutRNG.next_forward`); the seed is
+``dropout_seed`` or rank 0's ``torch.initial_seed()`` (broadcast once, only when the model has dropout).
+"""
 from __future__ import annotations
 
+import contextlib
+
+import torch
 import torch.nn as nn
 
 from tensorpar.comm import Group
-from tensorpar.hf.modules import TPAttention, TPConv1D, TPGatedMLP, sequence_parallel_entry
-from tensorpar.shard import UnitSelection
 from tensorpar.hf.plan import ShardingPlan
-from tensorpar.layers.embedding import VocabParallelEmbedding
-from tensorpar.layers.linear import ColumnParallelLinear, mark_sequence_parallel
+from tensorpar.hf.styles import ApplyContext
 
 
-def parallelize(model: nn.Module, plan: ShardingPlan, tp: Group) -> nn.Module:
-    """Replace the modules of ``model`` (a ``*ForCausalLM``) by their tensor-parallel versions.
+def parallelize(model: nn.Module, plan: ShardingPlan, tp: Group, *, dropout_seed: int | None = None) -> nn.Module:
+    """Replace the modules of ``model`` (a ``*ForCausalLM``) by their tensor-parallel versions, as ``plan`` says.
 
-    Weights are sliced from the modules being replaced (which may live on the meta device, for
-    a sharded load afterwards). Parameter names are unchanged. Returns ``model``.
+    Weights are sliced from the modules being replaced (which may live on the meta device, for a sharded
+    load afterwards). Parameter names are unchanged. Returns ``model``, with ``model.tensorpar_plan``,
+    ``model.tp_group`` and ``model.tensorpar_dropout_rng`` set.
 
-    After this, ``model(input_ids).logits`` holds this rank's vocabulary slice
-    ``[b, s, V_r]`` (``V_r = plan.vocab.sizes[tp_rank]``); use
-    :func:`~tensorpar.layers.vocab_parallel_cross_entropy` for the loss, or gather the logits.
+    After this, ``model(input_ids).logits`` holds this rank's vocabulary slice ``[b, s, V_r]``
+    (``V_r = plan.vocab.sizes[tp_rank]``); use :func:`~tensorpar.layers.vocab_parallel_cross_entropy` with
+    ``partition=model`` (or ``plan.vocab``) for the loss, or gather the logits.
+
+    Under sequence parallelism a forward whose sequence length tp does not divide is refused before any
+    computation (ValueError naming the length, tp and the nearest lengths that work).
 
     Raises:
-        ValueError: ``plan.tp_size`` differs from the group's size, or the model's type from the plan's.
+        ValueError: ``plan.tp_size`` differs from the group's size, the model's type from the plan's, or the
+            plan leaves a parameter or buffer of the model unclaimed (names listed).
     """
+    from tensorpar.train.dropout import DropoutRNG, HeadKeyedAttention, KeyedDropout
+
     if plan.tp_size != tp.size:
         raise ValueError(f"plan was made for tp_size={plan.tp_size} but the tp group has {tp.size} ranks")
     if model.config.model_type != plan.model_type:
         raise ValueError(f"plan is for {plan.model_type!r} but the model is {model.config.model_type!r}")
-    if plan.model_type == "gpt2":
-        return _parallelize_gpt2(model, plan, tp)
-    sp = plan.sequence_parallel
-    inner = model.model
-    inner.embed_tokens = VocabParallelEmbedding.from_embedding(inner.embed_tokens, tp, partition=plan.vocab)
-    for i, layer in enumerate(inner.layers):
-        layer.self_attn = TPAttention(layer.self_attn, tp, plan.heads, sequence_parallel=sp)
-        layer.mlp = TPGatedMLP(layer.mlp, tp, partition=plan.intermediate, sequence_parallel=sp)
-        if sp:
-            mark_sequence_parallel(layer.input_layernorm.weight)
-            mark_sequence_parallel(layer.post_attention_layernorm.weight)
-        if sp and i == 0:
-            sequence_parallel_entry(layer, tp)
-    if sp:
-        mark_sequence_parallel(inner.norm.weight)
-    head = ColumnParallelLinear.from_linear(model.lm_head, tp, partition=plan.vocab, sequence_parallel=sp)
-    if plan.tie_word_embeddings:
-        head.weight = inner.embed_tokens.weight
-    model.lm_head = head
-    model.tensorpar_plan = plan
-    model.tp_group = tp
+    plan.check(model)
+    ctx = ApplyContext(tp, model, plan)
+    replaced: list[str] = []
+    for name, module in list(model.named_modules()):
+        if any(name.startswith(r + ".") for r in replaced):
+            continue
+        entry = plan.match(name)
+        if entry is None:
+            continue
+        new = entry.style.apply(module, name, ctx)
+        if new is not module:
+            _set_submodule(model, name, new)
+            replaced.append(name)
+    model.tensorpar_plan, model.tp_group = plan, tp
+    # ---- dropout: keyed masks, whichever loop trains the model
+    blocks = [n for n, _ in plan.block_modules(model)]
+    dropouts = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
+    attn = [m for _, m in model.named_modules() if getattr(m, "attention_dropout", 0) > 0 and hasattr(m, "attention_fn")]
+    rng = DropoutRNG(dropout_seed if dropout_seed is not None else
+                     (_rank0_seed(tp) if (dropouts or attn) else 0))
+    for n, m in dropouts:
+        in_block = any(n.startswith(b + ".") for b in blocks)
+        _set_submodule(model, n, KeyedDropout(m.p, rng, n, tp, sequence_parallel=plan.sequence_parallel and in_block))
+    for m in attn:
+        m.attention_fn = HeadKeyedAttention(rng)
+    model.tensorpar_dropout_rng = rng
+    model.tensorpar_sequence_parallel = plan.sequence_parallel
+    model.register_forward_pre_hook(_before_forward, with_kwargs=True)
     return model
 
 
-def _parallelize_gpt2(model: nn.Module, plan: ShardingPlan, tp: Group) -> nn.Module:
-    """GPT-2: keep HF's attention and MLP classes; replace their Conv1D layers and local sizes."""
-    tr = model.transformer
-    tr.wte = VocabParallelEmbedding.from_embedding(tr.wte, tp, partition=plan.vocab)
-    lay = plan.heads
-    nh, hd = lay.num_heads, lay.head_dim
-    s, e = lay.q_heads.range(tp.rank)
-    # this rank's q heads, then the same heads' k and v, in c_attn's [q | k | v] column order
-    qkv = UnitSelection(3 * nh, hd, tuple(tuple(k * nh + u for k in range(3) for u in range(*lay.q_heads.range(r)))
-                                          for r in range(tp.size)))
-    for block in tr.h:
-        attn = block.attn
-        attn.c_attn = TPConv1D(attn.c_attn, tp, "column", qkv)
-        attn.c_proj = TPConv1D(attn.c_proj, tp, "row", lay.q_rows)
-        attn.split_size = (e - s) * hd        # q|k|v of the local heads
-        attn.num_heads = e - s
-        attn.embed_dim = (e - s) * hd
-        block.mlp.c_fc = TPConv1D(block.mlp.c_fc, tp, "column", plan.intermediate)
-        block.mlp.c_proj = TPConv1D(block.mlp.c_proj, tp, "row", plan.intermediate)
-    head = ColumnParallelLinear.from_linear(model.lm_head, tp, partition=plan.vocab)
-    if plan.tie_word_embeddings:
-        head.weight = tr.wte.weight
-    model.lm_head = head
-    model.tensorpar_plan = plan
-    model.tp_group = tp
-    return model
+def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, new)
+
+
+def _rank0_seed(tp: Group) -> int:
+    """Rank 0's ``torch.initial_seed()``, the same on every rank (one broadcast; none at tp = 1)."""
+    seed = torch.initial_seed() & ((1 << 62) - 1)
+    if tp.size == 1:
+        return seed
+    import torch.distributed as dist
+    box = [seed]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(tp.pg, 0), group=tp.pg)
+    return int(box[0])
+
+
+def _before_forward(model: nn.Module, args, kwargs):
+    """Root pre-hook: new dropout masks for each training forward; refuse a sequence that SP cannot split."""
+    if model.training and torch.is_grad_enabled():
+        model.tensorpar_dropout_rng.next_forward()
+    if model.tensorpar_sequence_parallel:
+        x = kwargs.get("input_ids", args[0] if args else None)
+        if x is None:
+            x = kwargs.get("inputs_embeds")
+        tp = model.tp_group.size
+        if x is not None and x.dim() >= 2 and x.shape[1] % tp:
+            s = x.shape[1]
+            lo, hi = s - s % tp, s + tp - s % tp
+            raise ValueError(f"sequence length {s} is not divisible by tp={tp} under sequence parallelism; pad or "
+                             f"cut the batch to {hi}" + (f" or {lo}" if lo else "") + " tokens, or shard the model "
+                             f"with sequence_parallel=False")
+
+
+@contextlib.contextmanager
+def sequence_parallel_off(model: nn.Module):
+    """Run a sequence-parallel model as plain tensor parallelism inside the block (generation, decode steps).
+
+    Every module that splits or gathers along the sequence is switched to the replicated path and restored on
+    exit; the math is the same, only where the activations live changes. A no-op for other models.
+    """
+    if not getattr(model, "tensorpar_sequence_parallel", False):
+        yield model
+        return
+    mods = [m for m in model.modules() if getattr(m, "sequence_parallel", False) is True]
+    for m in mods:
+        m.sequence_parallel = False
+    model.tensorpar_sequence_parallel = False
+    try:
+        yield model
+    finally:
+        for m in mods:
+            m.sequence_parallel = True
+        model.tensorpar_sequence_parallel = True

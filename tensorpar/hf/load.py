@@ -125,7 +125,8 @@ def load_sharded(model: nn.Module, folder: str | Path, tp: Group, *, device=None
 
 
 def build_parallel_model(folder: str | Path, tp: Group, *, sequence_parallel: bool = False, dtype=torch.float32,
-                         device=None, attn_implementation: str = "sdpa") -> tuple[nn.Module, ShardingPlan]:
+                         device=None, attn_implementation: str = "sdpa",
+                         dropout_seed: int | None = None) -> tuple[nn.Module, ShardingPlan]:
     """Meta-initialise the model of ``folder``, shard it by its plan, load this rank's slices.
 
     Returns ``(model, plan)``; the model is in eval mode. Raises the ValueErrors of
@@ -140,6 +141,6 @@ def build_parallel_model(folder: str | Path, tp: Group, *, sequence_parallel: bo
     config._attn_implementation = attn_implementation
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    parallelize(model, plan, tp)
+    parallelize(model, plan, tp, dropout_seed=dropout_seed)
     load_sharded(model, folder, tp, device=device, dtype=dtype)
     return model.eval(), plan

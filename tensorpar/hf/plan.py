@@ -1,46 +1,37 @@
-"""Sharding plans for unmodified Hugging Face decoders: a printable map from module name to style.
+"""Sharding plans for unmodified Hugging Face models: a printable map from module-name pattern to style object.
 
-A :class:`ShardingPlan` is made from a model config alone (no process group, no weights), so
-it can be printed, tested and validated before anything is loaded; every user error is a
-ValueError raised here, at plan time. The same plan then drives
+A :class:`ShardingPlan` is made from a model config alone (no process group, no weights), so it can be printed,
+tested and validated before anything is loaded; every user error is a ValueError raised here, at plan time.
+The plan is the code that runs: :func:`tensorpar.hf.apply.parallelize` walks ``model.named_modules()`` and calls
+the style of the first entry whose pattern matches (:mod:`tensorpar.hf.styles`). The same plan drives
 
-* module replacement (:func:`tensorpar.hf.apply.parallelize`),
-* weight slicing at load (the shard layout it attaches to each parameter), and
+* module replacement (each style builds its parallel module),
+* weight slicing at load (the ``tp_dim`` / ``tp_partition`` each sharded parameter carries), and
 * checkpoint resharding (which reads the same per-parameter layouts).
 
-Styles:
+A plan is exhaustive: every parameter and buffer of the original model is claimed by an entry (sharded,
+replicated or tied), or :meth:`ShardingPlan.check` raises a ValueError listing the unclaimed names; an entry
+whose pattern matches no module is an error too. Each architecture's table lives in
+:mod:`tensorpar.hf.families` (one file per family).
 
-=====================  ========================================================================
-``vocab_embedding``    :class:`~tensorpar.layers.VocabParallelEmbedding` (rows = vocabulary)
-``attention``          :class:`~tensorpar.hf.modules.TPAttention` (heads split per HeadLayout)
-``column(heads)``      q projection, rows split by whole query heads
-``column(kv heads)``   k/v projections, the KV heads the rank's query heads read (may duplicate)
-``row(heads)``         output projection, columns split by whole query heads
-``gated_mlp``          :class:`~tensorpar.hf.modules.TPGatedMLP`
-``column`` / ``row``   gate/up and down projections
-``lm_head``            column-parallel over the vocabulary, vocab-parallel cross-entropy
-``replicated``         norms (under sequence parallelism their gradients are summed over tp)
-``sp_entry``           the first block splits the sequence (sequence parallelism only)
-=====================  ========================================================================
+Patterns are dotted module names in which ``*`` stands for any run of characters inside one name segment
+(``model.layers.*.mlp`` matches every block's MLP, ``model.rotary_emb*`` both of Gemma 3's rotary tables).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
+import torch.nn as nn
+
+from tensorpar.hf.styles import Entry, Style
 from tensorpar.layers.attention import HeadLayout
 from tensorpar.shard import Partition
 
-LLAMA_LIKE = ("llama", "mistral", "qwen2")
-SUPPORTED = LLAMA_LIKE + ("gpt2",)
 
-
-@dataclass(frozen=True)
-class PlanEntry:
-    """One row of a plan: module-name pattern (``*`` = any layer index), style, and what it splits."""
-
-    pattern: str
-    style: str
-    detail: str = ""
+def pattern_regex(pattern: str) -> re.Pattern:
+    """``model.layers.*.mlp`` -> a regex where ``*`` matches inside one dotted segment."""
+    return re.compile("^" + re.escape(pattern).replace(r"\*", r"[^.]*") + "$")
 
 
 @dataclass
@@ -55,7 +46,10 @@ class ShardingPlan:
         vocab: :class:`Partition` of the vocabulary (embedding rows and LM-head rows).
         intermediate: :class:`Partition` of the MLP intermediate dim.
         tie_word_embeddings: the LM head shares the embedding's parameter.
-        entries: the rows shown by ``print(plan)``.
+        num_layers: decoder blocks.
+        blocks: pattern of the decoder blocks (``model.layers.*``): training finds blocks through it
+            (recomputation, dropout), never through a hard-coded attribute path.
+        entries: the rows, in the order they are matched.
     """
 
     model_type: str
@@ -66,19 +60,73 @@ class ShardingPlan:
     intermediate: Partition
     tie_word_embeddings: bool
     num_layers: int
-    entries: list[PlanEntry] = field(default_factory=list)
+    blocks: str
+    entries: list[Entry] = field(default_factory=list)
 
     def __str__(self) -> str:
-        w = max(len(e.pattern) for e in self.entries)
-        s = max(len(e.style) for e in self.entries)
+        rows = []
+        for e in self.entries:
+            rows.append((e.pattern, e.style.name, e.style.detail()))
+            rows += [(f"{e.pattern}.{suffix}", label, detail) for suffix, label, detail in e.style.rows()]
+        w = max(len(r[0]) for r in rows)
+        s = max(len(r[1]) for r in rows)
         head = (f"ShardingPlan({self.model_type}, tp_size={self.tp_size}, sequence_parallel={self.sequence_parallel}, "
                 f"layers={self.num_layers})")
-        lines = [head] + [f"  {e.pattern:<{w}}  {e.style:<{s}}  {e.detail}".rstrip() for e in self.entries]
-        return "\n".join(lines)
+        return "\n".join([head] + [f"  {p:<{w}}  {st:<{s}}  {d}".rstrip() for p, st, d in rows])
 
     def to_dict(self) -> dict:
         return {"model_type": self.model_type, "tp_size": self.tp_size, "sequence_parallel": self.sequence_parallel,
-                "entries": [{"module": e.pattern, "style": e.style, "detail": e.detail} for e in self.entries]}
+                "entries": [{"module": e.pattern, "style": e.style.name, "detail": e.style.detail()}
+                            for e in self.entries]}
+
+    def match(self, name: str) -> Entry | None:
+        """The first entry whose pattern matches module ``name``, or None."""
+        for e in self.entries:
+            if pattern_regex(e.pattern).match(name):
+                return e
+        return None
+
+    def modules(self, model: nn.Module, style: type[Style] | str) -> list[tuple[str, nn.Module]]:
+        """``(name, module)`` of ``model`` planned with a style of this class (or ``Style.name``), in order."""
+        out = []
+        for name, m in model.named_modules():
+            e = self.match(name)
+            if e is not None and (e.style.name == style if isinstance(style, str) else isinstance(e.style, style)):
+                out.append((name, m))
+        return out
+
+    def block_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The decoder blocks, matched by :attr:`blocks`."""
+        rx = pattern_regex(self.blocks)
+        return [(n, m) for n, m in model.named_modules() if rx.match(n)]
+
+    def check(self, model: nn.Module) -> None:
+        """Refuse a plan that does not claim every parameter and buffer of ``model`` (the unsharded model).
+
+        A module matched by an entry claims everything below it. Raises ValueError listing the unclaimed
+        names (at most 8), or the entries whose pattern matches no module.
+        """
+        matched: list[str] = []
+        used: set[str] = set()
+        for name, _ in model.named_modules():
+            if any(name == m or name.startswith(m + ".") for m in matched):
+                continue
+            e = self.match(name)
+            if e is not None:
+                used.add(e.pattern)
+                if e.style.claims:
+                    matched.append(name)
+        unused = [e.pattern for e in self.entries if e.pattern not in used]
+        if unused:
+            raise ValueError(f"{self.model_type} plan: entries match no module of the model: {', '.join(unused)}")
+        names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+        names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
+        unclaimed = [n for n in names if not any(n.startswith(m + ".") for m in matched)]
+        if unclaimed:
+            more = f" (and {len(unclaimed) - 8} more)" if len(unclaimed) > 8 else ""
+            raise ValueError(f"{self.model_type} plan leaves {len(unclaimed)} parameters/buffers unclaimed: "
+                             f"{', '.join(unclaimed[:8])}{more}; every tensor must be sharded, replicated or tied "
+                             f"by a plan entry")
 
 
 def _get(config, *names, default=None):
@@ -89,8 +137,14 @@ def _get(config, *names, default=None):
     return default
 
 
+def supported() -> tuple[str, ...]:
+    """The ``model_type`` values with a built-in table."""
+    from tensorpar.hf.families import FAMILIES
+    return tuple(FAMILIES)
+
+
 def make_plan(config, tp_size: int, *, sequence_parallel: bool = False, head_split_weights=None,
-              split_weights=None) -> ShardingPlan:
+              split_weights=None, check: bool = True) -> ShardingPlan:
     """Build and validate the plan of a Hugging Face causal-LM ``config`` for ``tp_size`` ranks.
 
     Args:
@@ -99,77 +153,41 @@ def make_plan(config, tp_size: int, *, sequence_parallel: bool = False, head_spl
         sequence_parallel: split activations along the sequence between blocks.
         head_split_weights: relative speeds per rank for the query-head split (default even).
         split_weights: relative speeds per rank for the MLP and vocabulary splits (default even).
+        check: build the model on the meta device (no memory) and check that the plan claims every
+            parameter and buffer (:meth:`ShardingPlan.check`).
 
     Raises:
         ValueError: unsupported architecture (listing the supported ones); ``tp_size`` < 1 or
             larger than the number of query heads (naming both); head counts that are not
-            multiples; split weights of the wrong length.
+            multiples; split weights of the wrong length; a plan that leaves tensors unclaimed.
     """
+    from tensorpar.hf.families import FAMILIES
+
     mt = getattr(config, "model_type", None)
-    if mt not in SUPPORTED:
-        raise ValueError(f"unsupported architecture model_type={mt!r}; tensorpar supports: {', '.join(SUPPORTED)}")
-    if not isinstance(tp_size, int) or tp_size < 1:
+    if mt not in FAMILIES:
+        raise ValueError(f"unsupported architecture model_type={mt!r}; tensorpar has plans for: "
+                         f"{', '.join(sorted(FAMILIES))}")
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}")
-    if mt == "gpt2":
-        return _gpt2_plan(config, tp_size, sequence_parallel, head_split_weights, split_weights)
+    plan = FAMILIES[mt](config, tp_size, sequence_parallel=sequence_parallel, head_split_weights=head_split_weights,
+                        split_weights=split_weights)
+    if check:
+        plan.check(meta_model(config))
+    return plan
+
+
+def meta_model(config) -> nn.Module:
+    """The ``*ForCausalLM`` of ``config`` on the meta device (shapes and names only, no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def head_layout(config, tp_size: int, weights=None) -> HeadLayout:
+    """The :class:`HeadLayout` of a decoder config (``head_dim`` may differ from ``hidden / heads``)."""
     nh = config.num_attention_heads
     nkv = _get(config, "num_key_value_heads", default=nh)
     hd = _get(config, "head_dim", default=config.hidden_size // nh)
-    heads = HeadLayout.make(nh, nkv, hd, tp_size, split_weights=head_split_weights)
-    vocab = Partition.make(config.vocab_size, tp_size, weights=split_weights, name="vocab_size")
-    inter = Partition.make(config.intermediate_size, tp_size, weights=split_weights, name="intermediate_size")
-    tie = bool(_get(config, "tie_word_embeddings", default=False))
-    L = config.num_hidden_layers
-    kv_desc = " ".join(f"r{r}:{list(u)}" for r, u in enumerate(heads.kv_heads.units))
-    e = [
-        PlanEntry("model.embed_tokens", "vocab_embedding", f"vocab {config.vocab_size} -> {list(vocab.sizes)}"),
-        PlanEntry("model.layers.*.self_attn", "attention",
-                  f"{nh} q heads -> {list(heads.q_heads.sizes)}, {nkv} kv heads -> {kv_desc}"),
-        PlanEntry("model.layers.*.self_attn.q_proj", "column(heads)", f"rows {nh}x{hd} by head"),
-        PlanEntry("model.layers.*.self_attn.k_proj", "column(kv heads)", f"rows {nkv}x{hd}, kv heads per rank"),
-        PlanEntry("model.layers.*.self_attn.v_proj", "column(kv heads)", f"rows {nkv}x{hd}, kv heads per rank"),
-        PlanEntry("model.layers.*.self_attn.o_proj", "row(heads)",
-                  "reduce-scatter over sequence" if sequence_parallel else "all-reduce"),
-        PlanEntry("model.layers.*.mlp", "gated_mlp", f"intermediate {config.intermediate_size} -> {list(inter.sizes)}"),
-        PlanEntry("model.layers.*.mlp.gate_proj", "column", ""),
-        PlanEntry("model.layers.*.mlp.up_proj", "column", ""),
-        PlanEntry("model.layers.*.mlp.down_proj", "row",
-                  "reduce-scatter over sequence" if sequence_parallel else "all-reduce"),
-        PlanEntry("model.layers.*.input_layernorm", "replicated",
-                  "sequence-parallel: grads summed over tp" if sequence_parallel else ""),
-        PlanEntry("model.layers.*.post_attention_layernorm", "replicated",
-                  "sequence-parallel: grads summed over tp" if sequence_parallel else ""),
-        PlanEntry("model.norm", "replicated", "sequence-parallel: grads summed over tp" if sequence_parallel else ""),
-        PlanEntry("lm_head", "lm_head", f"vocab {config.vocab_size} -> {list(vocab.sizes)}"
-                  + (", tied to model.embed_tokens" if tie else "")),
-    ]
-    if sequence_parallel:
-        e.insert(1, PlanEntry("model.layers.0", "sp_entry", "split sequence before the first block"))
-    return ShardingPlan(mt, tp_size, sequence_parallel, heads, vocab, inter, tie, L, e)
-
-
-def _gpt2_plan(config, tp_size, sequence_parallel, head_split_weights, split_weights) -> ShardingPlan:
-    if sequence_parallel:
-        raise ValueError("sequence_parallel=True is supported for llama, mistral and qwen2, not gpt2; "
-                         "run gpt2 with sequence_parallel=False")
-    nh, h = config.n_head, config.n_embd
-    if h % nh:
-        raise ValueError(f"n_embd ({h}) must be a multiple of n_head ({nh})")
-    heads = HeadLayout.make(nh, nh, h // nh, tp_size, split_weights=head_split_weights)
-    vocab = Partition.make(config.vocab_size, tp_size, weights=split_weights, name="vocab_size")
-    inner = config.n_inner or 4 * h
-    inter = Partition.make(inner, tp_size, weights=split_weights, name="n_inner")
-    tie = bool(_get(config, "tie_word_embeddings", default=True))
-    e = [
-        PlanEntry("transformer.wte", "vocab_embedding", f"vocab {config.vocab_size} -> {list(vocab.sizes)}"),
-        PlanEntry("transformer.wpe", "replicated", "position embeddings"),
-        PlanEntry("transformer.h.*.attn", "attention", f"{nh} heads -> {list(heads.q_heads.sizes)}"),
-        PlanEntry("transformer.h.*.attn.c_attn", "column(q|k|v heads)", "fused Conv1D [h, 3h]: each rank's q, k, v heads"),
-        PlanEntry("transformer.h.*.attn.c_proj", "row(heads)", "Conv1D, all-reduce"),
-        PlanEntry("transformer.h.*.mlp.c_fc", "column", f"Conv1D, {inner} -> {list(inter.sizes)}"),
-        PlanEntry("transformer.h.*.mlp.c_proj", "row", "Conv1D, all-reduce"),
-        PlanEntry("transformer.h.*.ln_1 / ln_2, transformer.ln_f", "replicated", ""),
-        PlanEntry("lm_head", "lm_head", f"vocab {config.vocab_size} -> {list(vocab.sizes)}"
-                  + (", tied to transformer.wte" if tie else "")),
-    ]
-    return ShardingPlan("gpt2", tp_size, False, heads, vocab, inter, tie, config.n_layer, e)
+    return HeadLayout.make(nh, nkv, hd, tp_size, split_weights=weights)

@@ -14,6 +14,13 @@ uses three; the two sums are fused here into one all-reduce of 3 floats per toke
 2. all-reduce(sum) of ``[sum_j exp(z_j - max), z_y - max, sum_j (z_j - max)]``.
 
 Backward needs no communication.
+
+The vocabulary partition is always explicit (:mod:`tensorpar.layers.vocab`): with an uneven split
+(37 over 2 ranks is [19, 18]) a rank cannot infer where its slice starts, and logits that were
+gathered already would give the true loss plus exactly ``ln(tp)``; both are refused.
+
+A ``"mean"`` over targets that are all ``ignore_index`` is ``0 / 0``: like torch, the value is NaN and
+every gradient is zero (never NaN), so such a batch cannot poison the weights through backward.
 """
 from __future__ import annotations
 
@@ -21,13 +28,18 @@ import torch
 
 from tensorpar import comm
 from tensorpar.comm import Group
-from tensorpar.shard import Partition
+from tensorpar.layers.vocab import check_local_width, resolve_vocab_partition
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype softmax statistics are computed in: fp32 for 16-bit inputs, the input's own if wider."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, start, vocab_size, ignore_index, eps):
-        z = logits.float()
+        z = logits.to(compute_dtype(logits.dtype))
         m = z.max(dim=-1).values
         m = comm.all_reduce(m, group, op="max")
         shifted = z - m.unsqueeze(-1)
@@ -60,12 +72,20 @@ class _VocabParallelCE(torch.autograd.Function):
         return grad.to(ctx.in_dtype), None, None, None, None, None, None
 
 
+def masked_mean(values: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``values.sum() / count`` where ``count`` may be 0: then the value is NaN (as torch's mean over no
+    element) but the gradient is zero, not NaN. No host synchronisation."""
+    total = values.sum()
+    nan_if_empty = torch.where(count == 0, float("nan"), 0.0).to(total.dtype)
+    return total / count.clamp(min=1).to(total.dtype) + nan_if_empty
+
+
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
     tp: Group,
     *,
-    partition: Partition | None = None,
+    partition,
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     reduction: str = "mean",
@@ -75,28 +95,30 @@ def vocab_parallel_cross_entropy(
     Shapes: ``logits`` ``[*, V_r]`` (this rank's vocabulary slice, ``V_r = partition.sizes[tp_rank]``),
     ``target`` ``[*]`` of global class ids or ``ignore_index``. Returns ``[*]`` with
     ``reduction="none"``, else a scalar (``"mean"`` divides by the number of non-ignored
-    targets, as torch does). Computed in fp32 whatever the logits' dtype.
+    targets, as torch does; NaN with zero gradients when there is none). Computed in fp32 for
+    16-bit logits, in the logits' dtype otherwise (float64 stays float64).
+
+    Args:
+        partition: the vocabulary split the logits come from (required): a Partition, the global
+            vocab size (near-even split), or the LM head / sharded model / plan that produced them.
 
     Collectives: forward one all-reduce(max) of ``[*]`` and one all-reduce(sum) of ``[*, 3]``;
     backward none.
 
     Raises:
         ValueError: ``reduction`` not in none/mean/sum, ``label_smoothing`` outside [0, 1], or
-            logits whose last dim does not match this rank's vocabulary slice.
+            logits whose last dim is not this rank's vocabulary slice (both widths named).
+        TypeError: ``partition`` of an unknown form.
     """
     if reduction not in ("none", "mean", "sum"):
         raise ValueError(f"reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if partition is None:
-        partition = Partition((logits.shape[-1],) * tp.size)
-    if partition.sizes[tp.rank] != logits.shape[-1]:
-        raise ValueError(f"logits have {logits.shape[-1]} vocabulary entries on tp rank {tp.rank} but the vocab "
-                         f"partition {partition.sizes} gives it {partition.sizes[tp.rank]}")
-    start, _ = partition.range(tp.rank)
-    loss = _VocabParallelCE.apply(logits, target, tp, start, partition.n, ignore_index, float(label_smoothing))
+    part = resolve_vocab_partition(partition, tp)
+    start, _ = check_local_width(logits.shape[-1], part, tp)
+    loss = _VocabParallelCE.apply(logits, target, tp, start, part.n, ignore_index, float(label_smoothing))
     if reduction == "none":
         return loss
     if reduction == "sum":
         return loss.sum()
-    return loss.sum() / (target != ignore_index).sum()
+    return masked_mean(loss, (target != ignore_index).sum())

@@ -26,7 +26,8 @@ class VocabParallelEmbedding(nn.Module):
         output: ``[*, h]`` replicated, or ``[b, s_r, h]`` with ``sequence_parallel``.
 
     Each rank looks up the ids it owns, writes zeros for the rest, and the partial results are
-    summed. Collectives: forward all-reduce (reduce-scatter along ``seq_dim`` with
+    summed. A source embedding with an ``embed_scale`` buffer (Gemma's ``ScaledWordEmbedding``) keeps
+    it: the output is multiplied by it, as the original module does. Collectives: forward all-reduce (reduce-scatter along ``seq_dim`` with
     ``sequence_parallel``); backward none (all-gather with ``sequence_parallel``).
 
     Raises:
@@ -49,6 +50,11 @@ class VocabParallelEmbedding(nn.Module):
                                                             device=device, dtype=dtype)
         w = _slice(full.weight.detach(), 0, self.partition, tp.rank).clone()
         self.weight = mark_sharded(nn.Parameter(w, requires_grad=full.weight.requires_grad), 0, self.partition)
+        scale = getattr(full, "embed_scale", None)  # Gemma's scaled embedding: output * sqrt(h), kept as a buffer
+        if scale is not None:
+            self.register_buffer("embed_scale", scale.detach().clone(), persistent=False)
+        else:
+            self.embed_scale = None
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, tp: Group, **kwargs) -> "VocabParallelEmbedding":
@@ -66,6 +72,8 @@ class VocabParallelEmbedding(nn.Module):
                 pad = self.padding_idx - self.vocab_start
             out = F.embedding(local, self.weight, pad)
             out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.embed_scale is not None:
+            out = out * self.embed_scale.to(out.dtype)
         if self.sequence_parallel:
             return comm.reduce_scatter_to_sequence_region(out, self.tp, self.seq_dim)
         return comm.reduce_from_tp_region(out, self.tp)

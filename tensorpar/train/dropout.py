@@ -16,6 +16,12 @@ site, unit)`` (:class:`DropoutRNG`), so
 * recomputation in backward draws the same masks again (the key does not change within a step), and a
   data loader or anything else that consumes global random numbers on some ranks cannot desynchronise
   the ranks.
+
+The same holds whichever loop trains the model: :func:`tensorpar.hf.apply.parallelize` replaces every
+``nn.Dropout`` by a :class:`KeyedDropout` (keyed by its module name) and gives attention modules the
+head-keyed kernel; each training-mode forward of the root model advances the generator's forward count
+(:meth:`DropoutRNG.next_forward`), so successive forwards of a user's own loop draw new masks while a
+recomputed block (which is not a root forward) draws the same ones.
 """
 from __future__ import annotations
 
@@ -39,13 +45,19 @@ class DropoutRNG:
         self.seed = int(seed)
         self.step = 0
         self.micro = 0
+        self.forward = 0
 
     def set_step(self, step: int, micro: int = 0) -> None:
-        self.step, self.micro = int(step), int(micro)
+        """Key the next masks by optimiser step and micro-batch (the trainer's way); resets the forward count."""
+        self.step, self.micro, self.forward = int(step), int(micro), 0
+
+    def next_forward(self) -> None:
+        """Called before each training-mode forward of the root model: the next masks are new ones."""
+        self.forward += 1
 
     def generator(self, device: torch.device, *key) -> torch.Generator:
-        """A fresh generator on ``device`` seeded from ``(seed, step, micro, *key)`` (same on every platform)."""
-        text = ":".join(str(k) for k in (self.seed, self.step, self.micro, *key))
+        """A fresh generator on ``device`` seeded from ``(seed, step, micro, forward, *key)`` (same on every platform)."""
+        text = ":".join(str(k) for k in (self.seed, self.step, self.micro, self.forward, *key))
         s = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & ((1 << 63) - 1)
         return torch.Generator(device=device).manual_seed(s)
 
@@ -55,31 +67,44 @@ def keep_mask(gen: torch.Generator, shape, p: float, device) -> torch.Tensor:
     return torch.rand(shape, generator=gen, device=device) >= p
 
 
-class HiddenDropout(nn.Module):
-    """Dropout on a block's attention or MLP output, before the residual add (Megatron's "hidden dropout").
+class KeyedDropout(nn.Module):
+    """Dropout whose mask is drawn from a generator keyed by ``key`` (a module name, or layer and site).
 
-    Shapes: ``[b, s, h]`` replicated, or ``[b, s_r, h]`` with ``sequence_parallel`` (``s_r = s / tp``, the
-    even split that :func:`tensorpar.comm.scatter_to_sequence_region` makes). No collectives.
+    Shapes: any ``[b, s, ...]`` replicated over tp (every rank draws the same mask), or ``[b, s_r, ...]``
+    with ``sequence_parallel`` (``s_r = s / tp``, the even split of
+    :func:`tensorpar.comm.scatter_to_sequence_region`: the full mask is drawn and the rank keeps its slice).
+    No collectives. Identity in eval.
     """
 
-    def __init__(self, p: float, rng: DropoutRNG, layer_idx: int, site: str, tp: Group, *,
-                 sequence_parallel: bool = False):
+    def __init__(self, p: float, rng: DropoutRNG, key, tp: Group, *, sequence_parallel: bool = False):
         super().__init__()
-        self.p, self.rng, self.layer_idx, self.site = p, rng, layer_idx, site
+        self.p, self.rng, self.key = p, rng, key if isinstance(key, tuple) else (key,)
         self.tp, self.sequence_parallel = tp, sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
             return x
-        b, s_local, h = x.shape
-        full = (b, s_local * self.tp.size if self.sequence_parallel else s_local, h)
-        mask = keep_mask(self.rng.generator(x.device, self.layer_idx, self.site), full, self.p, x.device)
+        full = list(x.shape)
         if self.sequence_parallel:
-            mask = mask.narrow(1, self.tp.rank * s_local, s_local)          # [b, s_r, h]
+            full[1] = x.shape[1] * self.tp.size
+        mask = keep_mask(self.rng.generator(x.device, *self.key), full, self.p, x.device)
+        if self.sequence_parallel:
+            mask = mask.narrow(1, self.tp.rank * x.shape[1], x.shape[1])
         return x * mask.to(x.dtype) / (1.0 - self.p)
 
     def extra_repr(self) -> str:
-        return f"p={self.p}, layer={self.layer_idx}, site={self.site}, sequence_parallel={self.sequence_parallel}"
+        return f"p={self.p}, key={self.key}, sequence_parallel={self.sequence_parallel}"
+
+
+class HiddenDropout(KeyedDropout):
+    """Dropout on a block's attention or MLP output, before the residual add (Megatron's "hidden dropout"),
+    keyed by ``(layer_idx, site)``. Shapes: ``[b, s, h]`` replicated, or ``[b, s_r, h]`` with
+    ``sequence_parallel``. No collectives."""
+
+    def __init__(self, p: float, rng: DropoutRNG, layer_idx: int, site: str, tp: Group, *,
+                 sequence_parallel: bool = False):
+        super().__init__(p, rng, (layer_idx, site), tp, sequence_parallel=sequence_parallel)
+        self.layer_idx, self.site = layer_idx, site
 
 
 class HeadKeyedAttention:
@@ -122,17 +147,28 @@ class HeadKeyedAttention:
 
 
 def install_dropout(model: nn.Module, rng: DropoutRNG, *, attention_dropout: float, hidden_dropout: float) -> None:
-    """Give every block of a model sharded by :func:`tensorpar.hf.apply.parallelize` tp-invariant dropout.
+    """Set the training loop's dropout on a model sharded by :func:`tensorpar.hf.apply.parallelize`.
 
-    Attention dropout replaces the attention kernel only when it is on (the default kernel, SDPA, is
-    faster); hidden dropout adds a :class:`HiddenDropout` after each attention and MLP output.
+    Blocks and their attention and MLP modules are found through the model's plan (``model.tensorpar_plan``),
+    not through an attribute path. Attention dropout uses the head-keyed kernel (in training only; eval runs
+    the configured kernel, e.g. SDPA); hidden dropout adds a :class:`HiddenDropout` after each attention and
+    MLP output. The model's keyed generator becomes ``rng``.
     """
-    for i, layer in enumerate(model.model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        attn.attention_dropout = attention_dropout
-        if attention_dropout > 0:
-            attn.attention_fn = HeadKeyedAttention(rng)
+    plan = model.tensorpar_plan
+    model.tensorpar_dropout_rng = rng
+    for m in model.modules():  # dropouts that parallelize keyed already now draw from this run's generator
+        if isinstance(m, KeyedDropout):
+            m.rng = rng
+    all_attn = plan.modules(model, "attention")
+    all_mlp = plan.modules(model, "gated_mlp") + plan.modules(model, "mlp")
+    for i, (bname, _) in enumerate(plan.block_modules(model)):
+        attn = [m for n, m in all_attn if n.startswith(bname + ".")]
+        mlp = [m for n, m in all_mlp if n.startswith(bname + ".")]
+        for a in attn:
+            a.attention_dropout = attention_dropout
+            a.attention_fn = HeadKeyedAttention(rng) if attention_dropout > 0 else None
         if hidden_dropout > 0:
-            sp = attn.sequence_parallel
-            attn.output_dropout = HiddenDropout(hidden_dropout, rng, i, "attn_out", attn.tp, sequence_parallel=sp)
-            mlp.output_dropout = HiddenDropout(hidden_dropout, rng, i, "mlp_out", mlp.tp, sequence_parallel=sp)
+            for site, mods in (("attn_out", attn), ("mlp_out", mlp)):
+                for m in mods:
+                    m.output_dropout = HiddenDropout(hidden_dropout, rng, i, site, m.tp,
+                                                     sequence_parallel=getattr(m, "sequence_parallel", False))

@@ -11,6 +11,10 @@ A step, on every tp rank with the same batch:
 5. clip by the global norm, counting replicated parameters once and summing the shards
    (:func:`tensorpar.grads.clip_grad_norm_`), so the clip scale is the tp = 1 one;
 6. AdamW on each rank's slices: element-wise, so it equals tp = 1 once the gradients are complete.
+
+A batch whose labels are all ``ignore_index`` has no target token: its mean loss is NaN (0 / 0, as in torch)
+and its gradients are zero. Such a step is reported (``StepResult.skipped``, one line on rank 0) and the
+optimizer is not stepped, so neither momentum nor weight decay moves the weights on a batch without data.
 """
 from __future__ import annotations
 
@@ -33,10 +37,15 @@ from tensorpar.train.data import TrainData
 from tensorpar.train.dropout import DropoutRNG, install_dropout
 from tensorpar.train.model import named_unique_parameters
 
+IGNORE_INDEX = -100  # labels that count for nothing (torch's default ignore_index)
+
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one optimiser step did. ``grad_norm`` is before clipping; ``step`` counts from 1."""
+    """What one optimiser step did. ``grad_norm`` is before clipping; ``step`` counts from 1.
+
+    ``skipped``: the batch had no target token (every label ``ignore_index``), so no update was made.
+    """
 
     step: int
     loss: float
@@ -44,6 +53,7 @@ class StepResult:
     lr: float
     tokens: int
     time_s: float
+    skipped: bool = False
 
     @property
     def tokens_per_s(self) -> float:
@@ -83,7 +93,7 @@ class Trainer:
         self.named_params = named_unique_parameters(model)
         self.params = [p for _, p in self.named_params]
         self.optimizer = make_optimizer(cfg, self.named_params)
-        self.rng = DropoutRNG(cfg.seed)
+        self.rng = DropoutRNG(cfg.seed)  # the run's keyed masks (the model's own generator is replaced)
         install_dropout(model, self.rng, attention_dropout=cfg.attention_dropout, hidden_dropout=cfg.hidden_dropout)
         self.batches = data.train_batches(batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
         self.step = 0  # optimiser steps done
@@ -121,6 +131,8 @@ class Trainer:
         """
         t0 = time.perf_counter()
         input_ids, labels = next(self.batches)
+        if not bool((labels != IGNORE_INDEX).any()):
+            return self._skip(input_ids, t0)
         loss = self.forward_backward(input_ids, labels)
         if self.cfg.grad_clip > 0:
             norm = clip_grad_norm_(self.params, self.cfg.grad_clip, self.tp)
@@ -135,6 +147,17 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return StepResult(self.step, float(loss), float(norm), lr, int(input_ids.numel()), time.perf_counter() - t0)
+
+    def _skip(self, input_ids: torch.Tensor, t0: float) -> StepResult:
+        """Account for a batch without any target token: no forward, no update; reported once on rank 0."""
+        from tensorpar.launch import rank0_print
+
+        lr = lr_at(self.cfg, self.step)
+        self.step += 1
+        rank0_print(f"tensorpar: warning: step {self.step}: every label is ignore_index (no target token); "
+                    f"optimizer step skipped")
+        return StepResult(self.step, float("nan"), 0.0, lr, int(input_ids.numel()), time.perf_counter() - t0,
+                          skipped=True)
 
     @torch.no_grad()
     def evaluate(self, max_batches: int | None = None) -> float:
@@ -151,6 +174,9 @@ class Trainer:
                 count += 1
         finally:
             self.model.train()
+        if count == 0:
+            raise ValueError("the validation split has no batch of batch_size x seq_len tokens; lower batch_size or "
+                             "seq_len, or raise val_fraction")
         return total / count
 
     # ------------------------------------------------------------ checkpoints

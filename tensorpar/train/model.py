@@ -85,13 +85,13 @@ def build_model(cfg: TrainConfig, source: ModelSource, tp: Group, vocab_size: in
     plan = make_plan(config, tp.size, sequence_parallel=cfg.sequence_parallel)  # validates before any weight
     if source.weights is not None:
         model, plan = build_parallel_model(source.weights, tp, sequence_parallel=cfg.sequence_parallel,
-                                           dtype=torch.float32, device=device)
+                                           dtype=torch.float32, device=device, dropout_seed=cfg.seed)
         model.config.use_cache = False
     else:
         config._attn_implementation = "sdpa"
         torch.manual_seed(cfg.seed)  # the full model's init; every rank draws the same weights
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        parallelize(model, plan, tp)
+        parallelize(model, plan, tp, dropout_seed=cfg.seed)
         if device is not None:
             model.to(device)
     if cfg.recompute:
@@ -108,7 +108,7 @@ def recompute_blocks(model: nn.Module) -> None:
     """
     from torch.utils.checkpoint import checkpoint
 
-    for layer in model.model.layers:
+    for _, layer in model.tensorpar_plan.block_modules(model):
         inner = layer.forward  # may be the sequence-parallel entry wrapper of block 0: it is replayed too
 
         def forward(*args, _inner=inner, _layer=layer, **kwargs):

@@ -1,0 +1,286 @@
+"""Sharding styles: each knows how to shard one module in place, what it claims, and how it prints.
+
+A :class:`~tensorpar.hf.plan.ShardingPlan` maps module-name patterns to these objects, and
+:func:`tensorpar.hf.apply.parallelize` does nothing but call :meth:`Style.apply` on every module whose name
+matches (the printed plan is the plan that runs, as torchtitan's ``parallelize_module`` plans are). A style
+claims every parameter and buffer below the module it is applied to; a plan whose entries leave some
+parameter of the model unclaimed is refused when it is made.
+
+========================  =====================================================================================
+style                     what it does (collectives: forward / backward)
+========================  =====================================================================================
+``VocabEmbedding``        :class:`~tensorpar.layers.VocabParallelEmbedding`, rows = vocabulary (all-reduce / -)
+``Attention``             :class:`~tensorpar.hf.modules.TPAttention`: query heads split, KV heads per rank
+                          (HeadLayout); separate or fused q/k/v projections (copy / all-reduce at entry,
+                          all-reduce / - at the output projection)
+``GatedMLP``, ``MLP``     column, (column,) row over the intermediate dim (all-reduce at the output / at entry)
+``Conv1DAttention``       GPT-2's fused ``c_attn`` (each rank's q, k and v heads) and ``c_proj``
+``LMHead``                column-parallel over the vocabulary, logits stay sharded; may be tied
+``Replicated``            left as is; under sequence parallelism its gradients are summed over tp
+========================  =====================================================================================
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+from tensorpar.comm import Group
+from tensorpar.layers.attention import HeadLayout
+from tensorpar.shard import Partition
+
+
+@dataclass(frozen=True)
+class ApplyContext:
+    """What a style needs besides its module: the tp group, the whole model (for ties), the plan."""
+
+    tp: Group
+    root: nn.Module
+    plan: object
+
+
+class Style:
+    """Base class. Subclasses set ``name`` and implement :meth:`apply`; ``rows`` adds printed sub-rows."""
+
+    name = "style"
+    #: whether the style owns everything below its module; a wrapper (the sequence-parallel entry) does not,
+    #: and the entries of its submodules still apply.
+    claims = True
+
+    def apply(self, module: nn.Module, fqn: str, ctx: ApplyContext) -> nn.Module:
+        """Return the module that replaces ``module`` (may be ``module`` itself, modified in place)."""
+        raise NotImplementedError
+
+    def detail(self) -> str:
+        return ""
+
+    def rows(self) -> list[tuple[str, str, str]]:
+        """Printed sub-rows ``(suffix, label, detail)`` for the submodules this style shards."""
+        return []
+
+    def __str__(self) -> str:
+        d = self.detail()
+        return f"{self.name}  {d}".rstrip()
+
+
+@dataclass
+class Replicated(Style):
+    """Keep the module; its parameters are the same on every rank.
+
+    ``sequence_parallel``: the module runs on a sequence shard (norms between blocks), so each rank's
+    gradient is a partial sum: its parameters are marked and summed over tp after backward
+    (:func:`tensorpar.grads.sync_sequence_parallel_grads`).
+    """
+
+    sequence_parallel: bool = False
+    why: str = ""
+    name = "replicated"
+
+    def apply(self, module, fqn, ctx):
+        if self.sequence_parallel:
+            from tensorpar.layers.linear import mark_sequence_parallel
+            for p in module.parameters():
+                mark_sequence_parallel(p)
+        return module
+
+    def detail(self):
+        return "sequence-parallel: grads summed over tp" if self.sequence_parallel else self.why
+
+
+@dataclass
+class VocabEmbedding(Style):
+    """Embedding rows split by vocabulary; keeps an ``embed_scale`` (Gemma's scaled embedding)."""
+
+    partition: Partition
+    name = "vocab_embedding"
+
+    def apply(self, module, fqn, ctx):
+        from tensorpar.layers.embedding import VocabParallelEmbedding
+        return VocabParallelEmbedding.from_embedding(module, ctx.tp, partition=self.partition)
+
+    def detail(self):
+        return f"vocab {self.partition.n} -> {list(self.partition.sizes)}"
+
+
+@dataclass
+class LMHead(Style):
+    """Column-parallel over the vocabulary; the logits stay sharded ``[b, s, V_r]`` for the vocab-parallel loss.
+
+    ``tied_to``: the embedding's module name when the weights are tied (the head then shares its parameter).
+    """
+
+    partition: Partition
+    tied_to: str | None = None
+    sequence_parallel: bool = False
+    name = "lm_head"
+
+    def apply(self, module, fqn, ctx):
+        from tensorpar.layers.linear import ColumnParallelLinear
+        head = ColumnParallelLinear.from_linear(module, ctx.tp, partition=self.partition,
+                                                sequence_parallel=self.sequence_parallel)
+        if self.tied_to is not None:
+            head.weight = ctx.root.get_submodule(self.tied_to).weight
+        return head
+
+    def detail(self):
+        return f"vocab {self.partition.n} -> {list(self.partition.sizes)}" + (
+            f", tied to {self.tied_to}" if self.tied_to else "")
+
+
+@dataclass
+class Attention(Style):
+    """Self-attention with whole query heads per rank (:class:`~tensorpar.hf.modules.TPAttention`).
+
+    ``projections``: ``"separate"`` (q_proj, k_proj, v_proj, o_proj) or the name of a fused projection whose
+    rows are ``[q heads | k heads | v heads]`` (``"qkv_proj"``, Phi-3). ``o_name``: the output projection.
+    """
+
+    layout: HeadLayout
+    sequence_parallel: bool = False
+    fused: str | None = None
+    o_name: str = "o_proj"
+    name = "attention"
+
+    def apply(self, module, fqn, ctx):
+        from tensorpar.hf.modules import TPAttention
+        return TPAttention(module, ctx.tp, self.layout, sequence_parallel=self.sequence_parallel, fused=self.fused,
+                           o_name=self.o_name)
+
+    def detail(self):
+        lay = self.layout
+        kv = " ".join(f"r{r}:{list(u)}" for r, u in enumerate(lay.kv_heads.units))
+        return f"{lay.num_heads} q heads -> {list(lay.q_heads.sizes)}, {lay.num_kv_heads} kv heads -> {kv}"
+
+    def rows(self):
+        lay = self.layout
+        out = "reduce-scatter over sequence" if self.sequence_parallel else "all-reduce"
+        if self.fused:
+            proj = [(self.fused, "column(q|k|v heads)",
+                     f"fused rows [{lay.num_heads}x{lay.head_dim} | {lay.num_kv_heads}x{lay.head_dim} x2]")]
+        else:
+            proj = [("q_proj", "column(heads)", f"rows {lay.num_heads}x{lay.head_dim} by head"),
+                    ("k_proj", "column(kv heads)", f"rows {lay.num_kv_heads}x{lay.head_dim}, kv heads per rank"),
+                    ("v_proj", "column(kv heads)", f"rows {lay.num_kv_heads}x{lay.head_dim}, kv heads per rank")]
+        return proj + [(self.o_name, "row(heads)", out)]
+
+
+@dataclass
+class GatedMLP(Style):
+    """``down(act(gate(x)) * up(x))``: gate/up column-parallel, down row-parallel.
+
+    ``fused``: the name of a fused ``[gate | up]`` projection (Phi-3's ``gate_up_proj``): each rank takes its
+    slice of gate and its slice of up, never one contiguous block.
+    """
+
+    partition: Partition
+    sequence_parallel: bool = False
+    fused: str | None = None
+    name = "gated_mlp"
+
+    def apply(self, module, fqn, ctx):
+        from tensorpar.hf.modules import TPGatedMLP
+        return TPGatedMLP(module, ctx.tp, partition=self.partition, sequence_parallel=self.sequence_parallel,
+                          fused=self.fused)
+
+    def detail(self):
+        return f"intermediate {self.partition.n} -> {list(self.partition.sizes)}"
+
+    def rows(self):
+        out = "reduce-scatter over sequence" if self.sequence_parallel else "all-reduce"
+        ins = [(self.fused, "column(gate|up)", "each rank's gate rows and up rows")] if self.fused else \
+            [("gate_proj", "column", ""), ("up_proj", "column", "")]
+        return ins + [("down_proj", "row", out)]
+
+
+@dataclass
+class MLP(Style):
+    """``down(act(up(x)))`` (non-gated): ``up`` column-parallel, ``down`` row-parallel.
+
+    ``up``/``down`` name the two projections (``c_fc``/``c_proj`` in StarCoder2, ``dense_h_to_4h``/...).
+    """
+
+    partition: Partition
+    up: str = "c_fc"
+    down: str = "c_proj"
+    sequence_parallel: bool = False
+    name = "mlp"
+
+    def apply(self, module, fqn, ctx):
+        from tensorpar.hf.modules import TPMLP
+        return TPMLP(module, ctx.tp, partition=self.partition, up=self.up, down=self.down,
+                     sequence_parallel=self.sequence_parallel)
+
+    def detail(self):
+        return f"intermediate {self.partition.n} -> {list(self.partition.sizes)}"
+
+    def rows(self):
+        return [(self.up, "column", ""), (self.down, "row", "all-reduce")]
+
+
+@dataclass
+class Conv1DAttention(Style):
+    """GPT-2 attention: the fused Conv1D ``c_attn`` ``[h, 3h]`` gives each rank its q, k and v heads;
+    ``c_proj`` is row-parallel. The module is replaced by :class:`~tensorpar.hf.modules.TPGPT2Attention`."""
+
+    layout: HeadLayout
+    name = "attention"
+
+    def apply(self, module, fqn, ctx):
+        from tensorpar.hf.modules import TPGPT2Attention
+        return TPGPT2Attention(module, ctx.tp, self.layout)
+
+    def detail(self):
+        return f"{self.layout.num_heads} heads -> {list(self.layout.q_heads.sizes)}"
+
+    def rows(self):
+        return [("c_attn", "column(q|k|v heads)", "fused Conv1D [h, 3h]: each rank's q, k, v heads"),
+                ("c_proj", "row(heads)", "Conv1D, all-reduce")]
+
+
+@dataclass
+class Conv1DMLP(Style):
+    """GPT-2 MLP: Conv1D ``c_fc`` column-parallel, ``c_proj`` row-parallel (in place; HF's forward is kept)."""
+
+    partition: Partition
+    name = "mlp"
+
+    def apply(self, module, fqn, ctx):
+        from tensorpar.hf.modules import TPConv1D
+        module.c_fc = TPConv1D(module.c_fc, ctx.tp, "column", self.partition)
+        module.c_proj = TPConv1D(module.c_proj, ctx.tp, "row", self.partition)
+        return module
+
+    def detail(self):
+        return f"intermediate {self.partition.n} -> {list(self.partition.sizes)}"
+
+    def rows(self):
+        return [("c_fc", "column", "Conv1D"), ("c_proj", "row", "Conv1D, all-reduce")]
+
+
+@dataclass
+class Entry:
+    """One row of a plan: a module-name pattern (``*`` = one name segment, e.g. a layer index) and its style."""
+
+    pattern: str
+    style: Style
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SequenceParallelEntry(Style):
+    """The first decoder block splits its input along the sequence (sequence parallelism only).
+
+    Forward split ``[b, s, h] -> [b, s_r, h]`` (no communication), backward all-gather; the block's
+    ``forward`` is wrapped on the instance (:func:`tensorpar.hf.modules.sequence_parallel_entry`).
+    """
+
+    name = "sp_entry"
+    claims = False
+
+    def apply(self, module, fqn, ctx):
+        from tensorpar.hf.modules import sequence_parallel_entry
+        sequence_parallel_entry(module, ctx.tp)
+        return module
+
+    def detail(self):
+        return "split sequence before the first block"
