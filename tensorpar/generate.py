@@ -16,6 +16,7 @@ with the tokens, so every rank stops at the same step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -54,11 +55,16 @@ class SamplingConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
-def vocab_parallel_argmax(logits: torch.Tensor, tp: Group, vocab_start: int) -> torch.Tensor:
+def vocab_parallel_argmax(logits: torch.Tensor, tp: Group, *, partition) -> torch.Tensor:
     """Global argmax over vocab-sharded logits ``[b, V_r] -> [b]`` (int64), lowest index on ties.
 
-    Collectives: one all-gather of ``[b, 2]`` (float64, so token ids up to 2^53 are exact).
+    ``partition``: the vocabulary split (a Partition, the vocab size, or the sharded model/LM head; see
+    :mod:`tensorpar.layers.vocab`). Collectives: one all-gather of ``[b, 2]`` (float64, so token ids up to
+    2^53 are exact). Raises ValueError for logits that are not this rank's slice.
     """
+    from tensorpar.layers.vocab import check_local_width, resolve_vocab_partition
+
+    vocab_start, _ = check_local_width(logits.shape[-1], resolve_vocab_partition(partition, tp), tp)
     val, idx = logits.float().max(dim=-1)
     if tp.size == 1:
         return idx
@@ -82,6 +88,64 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator) -> t
     return torch.multinomial(x.softmax(-1), 1, generator=gen).squeeze(-1)
 
 
+def tp_speed_warning(*, tp_size: int, collectives_per_token: int, latency_s: float, weight_bytes: float,
+                     bandwidth_bytes_per_s: float, path: str) -> str | None:
+    """A one-line warning when communication costs more per decoded token than tensor parallelism can save.
+
+    Decode is memory-bound: one rank reads all ``weight_bytes`` per token in about
+    ``weight_bytes / bandwidth`` seconds, and ``tp_size`` ranks can save at most the fraction
+    ``1 - 1/tp_size`` of that (Pope et al. 2022, "Efficiently Scaling Transformer Inference", Sec. 3.1:
+    small-batch decode time is the weight-loading time). Splitting costs ``collectives_per_token *
+    latency_s`` (small messages: latency-bound). When the cost exceeds the best-case saving, tp is slower
+    than one rank; the message gives the numbers and what to change. Returns ``None`` otherwise or at tp = 1.
+    """
+    if tp_size < 2:
+        return None
+    comm_s = collectives_per_token * latency_s
+    saving_s = weight_bytes / bandwidth_bytes_per_s * (1 - 1 / tp_size)
+    if comm_s <= saving_s:
+        return None
+    fix = ("use --fast-collectives on (shared memory, ranks on one host) or --tp 1" if path == "gloo"
+           else "use a smaller --tp, or --tp 1 for a model this small")
+    return (f"tensorpar: warning: tp={tp_size} is likely slower than one rank here: {collectives_per_token} "
+            f"collectives/token x {latency_s * 1e3:.3f} ms ({path}) = {comm_s * 1e3:.1f} ms/token of communication, "
+            f"more than the {saving_s * 1e3:.1f} ms/token that splitting {weight_bytes / 1e6:.0f} MB of weights over "
+            f"{tp_size} ranks can save at {bandwidth_bytes_per_s / 1e9:.0f} GB/s; {fix}")
+
+
+def _measure_speed(model, tp: Group, probe: torch.Tensor, per_token: int) -> str | None:
+    """Measure this run's small all-reduce latency and the memory bandwidth, then :func:`tp_speed_warning`.
+
+    Costs about 12 all-reduces of one decode step's activation (``probe``) and one 64 MB copy; the
+    latency is the max over ranks (every rank waits for the slowest), so all ranks reach the same verdict.
+    """
+    x = torch.zeros_like(probe)
+    for _ in range(2):
+        comm.all_reduce(x, tp)
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        comm.all_reduce(x, tp)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    lat = comm.all_reduce(torch.tensor([times[len(times) // 2]], dtype=torch.float64, device=probe.device), tp,
+                          op="max")
+    buf = torch.empty(16 * 2**20, dtype=torch.float32, device=probe.device)
+    dst = torch.empty_like(buf)
+    dst.copy_(buf)
+    t0 = time.perf_counter()
+    dst.copy_(buf)
+    if buf.is_cuda:
+        torch.cuda.synchronize()
+    bw = 2 * buf.numel() * 4 / max(time.perf_counter() - t0, 1e-9)      # read + write bytes per second
+    local = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = float(comm.all_reduce(torch.tensor([float(local)], dtype=torch.float64, device=probe.device), tp))
+    path = "shared memory" if tp.fast is not None and probe.is_cpu else (
+        "nccl" if probe.is_cuda else "gloo")
+    return tp_speed_warning(tp_size=tp.size, collectives_per_token=per_token, latency_s=float(lat),
+                            weight_bytes=weight_bytes, bandwidth_bytes_per_s=bw, path=path)
+
+
 def _is_eos(tokens: torch.Tensor, eos: set[int]) -> torch.Tensor:
     return torch.tensor([int(t) in eos for t in tokens.tolist()], dtype=torch.bool)
 
@@ -94,11 +158,14 @@ class GenerationResult:
         tokens: ``[b, n]`` new token ids (rows that stopped early are padded with ``pad_id``).
         ttft_s: seconds from the start of prefill to the first token being known on every rank.
         decode_s: seconds spent on the remaining ``n - 1`` steps.
+        speed_warning: with ``check_speed``, a one-line warning when tensor parallelism is likely slower
+            than one rank on this communication path (:func:`tp_speed_warning`), else ``None``.
     """
 
     tokens: torch.Tensor
     ttft_s: float
     decode_s: float
+    speed_warning: str | None = None
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -109,7 +176,7 @@ class GenerationResult:
 @torch.no_grad()
 def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                     sampling: SamplingConfig = SamplingConfig(), eos_token_id: int | list[int] | None = None,
-                    pad_id: int = 0, on_token=None) -> GenerationResult:
+                    pad_id: int = 0, on_token=None, check_speed: bool = False) -> GenerationResult:
     """Generate from a model sharded by :func:`tensorpar.hf.apply.parallelize`.
 
     Args:
@@ -120,6 +187,12 @@ def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: t
         sampling: greedy or sampling settings.
         eos_token_id: id(s) that end a row.
         on_token: optional callback ``f(step, tokens[b])`` called on every rank after each step.
+        check_speed: after the first decode step (whose collectives are counted), measure the collective
+            latency and memory bandwidth and set :attr:`GenerationResult.speed_warning` if tp is likely slower
+            than one rank (:func:`tp_speed_warning`); a few milliseconds, excluded from the timings.
+
+    A model built with sequence parallelism generates as plain tensor parallelism (the prompt and the
+    one-token decode steps are not split along the sequence; :func:`tensorpar.hf.apply.sequence_parallel_off`).
 
     Returns:
         :class:`GenerationResult`.
@@ -127,6 +200,13 @@ def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: t
     Raises:
         ValueError: the prompt plus the token budget exceeds ``max_position_embeddings``.
     """
+    from tensorpar.hf.apply import sequence_parallel_off
+
+    with sequence_parallel_off(model):
+        return _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_id, on_token, check_speed)
+
+
+def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_id, on_token, check_speed):
     from transformers import DynamicCache
 
     cfg = model.config
@@ -139,7 +219,6 @@ def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: t
         attention_mask = torch.ones_like(input_ids)
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     plan = model.tensorpar_plan
-    vocab_start = plan.vocab.range(tp.rank)[0]
     gen = torch.Generator().manual_seed(sampling.seed)
     cache = DynamicCache(config=cfg)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -149,11 +228,15 @@ def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: t
     t0 = time.perf_counter()
     ttft = 0.0
     ids, pos, mask = input_ids, position_ids, attention_mask
+    warning, paused = None, 0.0
     for step in range(sampling.max_new_tokens):
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
-                       logits_to_keep=1).logits[:, -1]                                # [b, V_r]
+        counting = check_speed and step == 1 and tp.size > 1
+        with comm.counting(tp, reset=False) if counting else _nothing() as counter:
+            before = sum(counter.calls.values()) if counting else 0
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                           logits_to_keep=1).logits[:, -1]                            # [b, V_r]
         if sampling.temperature == 0:
-            nxt = vocab_parallel_argmax(logits, tp, vocab_start)
+            nxt = vocab_parallel_argmax(logits, tp, partition=plan.vocab)
         else:
             full = comm.all_gather(logits.contiguous(), tp, -1, plan.vocab)          # [b, V]
             nxt = sample(full, sampling, gen) if tp.rank == 0 else torch.zeros(b, dtype=torch.long)
@@ -168,6 +251,11 @@ def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: t
         out.append(nxt)
         if step == 0:
             ttft = time.perf_counter() - t0
+        if counting:
+            t_pause = time.perf_counter()
+            per_token = sum(counter.calls.values()) - before + 1                    # + the token broadcast
+            warning = _measure_speed(model, tp, torch.zeros(b, cfg.hidden_size, device=ids.device), per_token)
+            paused += time.perf_counter() - t_pause
         if on_token is not None:
             on_token(step, nxt)
         if last:
@@ -175,8 +263,13 @@ def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: t
         ids = nxt.unsqueeze(-1).to(input_ids.device)
         mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=mask.device)], dim=-1)
         pos = pos[:, -1:] + 1
-    total = time.perf_counter() - t0
-    return GenerationResult(torch.stack(out, dim=1), ttft, total - ttft)
+    total = time.perf_counter() - t0 - paused
+    return GenerationResult(torch.stack(out, dim=1), ttft, total - ttft, warning)
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield None
 
 
 # ---------------------------------------------------------------- command line
@@ -218,6 +311,7 @@ def _encode(tok, prompts: list[str], chat: bool):
 
 def _rank_main(folder: str, args: argparse.Namespace) -> int:
     import os
+    import sys
 
     from transformers import AutoTokenizer
 
@@ -247,12 +341,15 @@ def _rank_main(folder: str, args: argparse.Namespace) -> int:
         if len(prompts) == 1:
             rank0_print(prompts[0], end="")
         res = generate_tokens(model, ctx.tp, ids.to(ctx.device), mask.to(ctx.device), sampling=sampling,
-                              eos_token_id=tok.eos_token_id, pad_id=tok.pad_token_id, on_token=stream)
+                              eos_token_id=tok.eos_token_id, pad_id=tok.pad_token_id, on_token=stream,
+                              check_speed=True)
         if len(prompts) == 1:
             rank0_print()
         else:
             for p, row in zip(prompts, res.tokens):
                 rank0_print(f"{p}{tok.decode(row, skip_special_tokens=True)}")
+        if res.speed_warning:
+            rank0_print(res.speed_warning, file=sys.stderr)
         rank0_print(f"[tp={ctx.tp.size}] time to first token {res.ttft_s * 1e3:.1f} ms, "
                     f"decode {res.decode_tokens_per_s:.1f} tokens/s ({res.tokens.shape[1]} tokens)")
     finally:

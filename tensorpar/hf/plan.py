@@ -178,11 +178,13 @@ def make_plan(config, tp_size: int, *, sequence_parallel: bool = False, head_spl
 
 def meta_model(config) -> nn.Module:
     """The ``*ForCausalLM`` of ``config`` on the meta device (shapes and names only, no memory)."""
+    import copy
+
     import torch
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+    with torch.device("meta"):  # eager: every family builds with it (names and shapes do not depend on it)
+        return AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager")
 
 
 def head_layout(config, tp_size: int, weights=None) -> HeadLayout:

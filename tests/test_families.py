@@ -1,0 +1,92 @@
+"""Every family with a built-in plan, sharded at tp = 1..4, against the unsharded transformers model:
+logits, loss, every gradient (slice by slice), grad norm, and 16 greedy tokens.
+
+Tolerance (tensorpar.testing): "close", fp32 1e-5 relative, because the row-parallel all-reduce and the
+cross-rank log-sum-exp add the same terms in another order; greedy tokens must be identical."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tensorpar import comm
+from tensorpar.generate import SamplingConfig, generate_tokens
+from tensorpar.grads import grad_norm, sync_duplicated_grads, sync_sequence_parallel_grads
+from tensorpar.hf.apply import parallelize
+from tensorpar.hf.plan import make_plan
+from tensorpar.layers import vocab_parallel_cross_entropy
+from tensorpar.testing import assert_parity, compare_grads
+from tests._ranks import run_tp
+from tests.families import FAMILIES, config
+
+
+def job_family(ctx, model_type):
+    from transformers import AutoModelForCausalLM
+    tp = ctx.tp
+    cfg = config(model_type)
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(cfg).float()
+    with torch.no_grad():               # random weights everywhere, norms too (Gemma's (1 + w) norms start at 0)
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    par = parallelize(copy.deepcopy(ref), make_plan(cfg, tp.size), tp)
+    ids = torch.randint(0, cfg.vocab_size, (2, 9))
+    logits_ref = ref(ids).logits
+    loss_ref = F.cross_entropy(logits_ref[:, :-1].reshape(-1, cfg.vocab_size), ids[:, 1:].reshape(-1))
+    loss_ref.backward()
+    logits = par(ids).logits
+    loss = vocab_parallel_cross_entropy(logits[:, :-1], ids[:, 1:], tp, partition=par)
+    loss.backward()
+    sync_sequence_parallel_grads(par.parameters(), tp)
+    sync_duplicated_grads(par.parameters(), tp)
+    d = [assert_parity("logits", comm.all_gather(logits.detach(), tp, -1, par.tensorpar_plan.vocab), logits_ref),
+         assert_parity("loss", loss, loss_ref)]
+    d += compare_grads(par, ref, tp.rank)
+    d.append(assert_parity("grad norm", grad_norm(par.parameters(), tp),
+                           torch.cat([p.grad.flatten() for p in ref.parameters()]).norm()))
+    # greedy decoding with the KV cache: 16 tokens equal to transformers' generate
+    par.eval(), ref.eval()
+    prompt = torch.randint(1, cfg.vocab_size, (2, 5))
+    want = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False,
+                        min_new_tokens=16, pad_token_id=0, eos_token_id=None)[:, 5:]
+    got = generate_tokens(par, tp, prompt, sampling=SamplingConfig(max_new_tokens=16)).tokens
+    assert torch.equal(got, want), f"greedy tokens differ:\n{got}\n{want}"
+    return max(x.max_abs for x in d), len(d)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3, 4])
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_family_parity(pools, model_type, tp):
+    diff, n = run_tp(pools, tp, job_family, model_type)[0]
+    assert n > 10
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_plan_claims_every_tensor(model_type):
+    from tensorpar.hf.plan import meta_model
+    plan = make_plan(config(model_type), 2)       # check=True: every parameter and buffer is claimed
+    model = meta_model(config(model_type))
+    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    claimed = {n for n in names if plan.match(n.rsplit(".", 1)[0]) is not None
+               or any(plan.match(".".join(n.split(".")[:k])) is not None for k in range(1, n.count(".") + 1))}
+    assert claimed == names
+
+
+def test_unclaimed_parameter_is_an_error():
+    from tensorpar.hf.plan import meta_model
+    cfg = config("llama")
+    plan = make_plan(cfg, 2)
+    plan.entries = [e for e in plan.entries if e.pattern != "model.norm"]
+    with pytest.raises(ValueError, match=r"leaves 1 parameters/buffers unclaimed: model.norm.weight"):
+        plan.check(meta_model(cfg))
+    plan = make_plan(cfg, 2)
+    from tensorpar.hf.styles import Entry, Replicated
+    plan.entries.append(Entry("model.nowhere", Replicated()))
+    with pytest.raises(ValueError, match="entries match no module of the model: model.nowhere"):
+        plan.check(meta_model(cfg))
+
+
+def test_unsupported_family_lists_the_supported_ones():
+    from transformers import BertConfig
+    with pytest.raises(ValueError, match=r"unsupported architecture model_type='bert'.*gemma2.*llama.*qwen3"):
+        make_plan(BertConfig(), 2)
