@@ -14,6 +14,7 @@ COMMANDS = {
     "generate": ("tensorpar.generate", "generate text with a model sharded over --tp ranks"),
     "plan": ("tensorpar.planner.cli", "choose tp, pp, dp, sequence parallelism, micro-batch and recomputation "
                                       "for a model on a cluster, from a cost model"),
+    "models": ("tensorpar.models", "list the model families tensorpar shards and what each supports"),
     "train": ("tensorpar.train.cli", "train or fine-tune a decoder with tensor (and sequence) parallelism"),
 }
 

@@ -74,7 +74,7 @@ def job_sp_generate(ctx):
     # after generation the model is sequence parallel again; a length tp does not divide is refused up front
     with comm.counting(tp) as c:
         try:
-            sp.train()(torch.randint(0, cfg.vocab_size, (1, 4 * tp + 1)))
+            sp.train()(torch.randint(0, cfg.vocab_size, (1, 4 * tp.size + 1)))
             err = None
         except ValueError as e:
             err = str(e)
@@ -119,3 +119,45 @@ def test_tiny_model_over_gloo_warns(pools):
     warnings = run_tp(pools, 2, job_speed_check)
     assert warnings[0] is not None and "(gloo)" in warnings[0] and warnings[1] is not None
     assert run_tp(pools, 1, job_speed_check)[0] is None
+
+
+# ---------------------------------------------------------------- training a non-Llama family
+
+def job_train_gpt2(ctx):
+    from dataclasses import replace
+
+    from tensorpar.train.loop import Trainer
+    from tensorpar.train.model import ModelSource, build_model
+    from tests._train_jobs import BASE, VOCAB, synthetic_data
+    from transformers import GPT2Config
+    cfg = replace(BASE, steps=3, tp=ctx.tp.size, hidden_dropout=0.0)
+    src = ModelSource(GPT2Config(vocab_size=VOCAB, n_embd=24, n_layer=2, n_head=6, n_positions=64,
+                                 bos_token_id=0, eos_token_id=0), None, None)
+    data = synthetic_data()
+    model, plan = build_model(cfg, src, ctx.tp, data.vocab_size)
+    tr = Trainer(cfg, ctx.tp, model, plan, data)
+    return [tr.train_step().loss for _ in range(3)]
+
+
+def test_gpt2_trains_through_the_trainer_at_tp1_and_tp2(pools):
+    # blocks, dropout and recomputation are found through the plan (no model.model.layers): GPT-2 trains
+    ref = run_tp(pools, 1, job_train_gpt2)[0]
+    got = run_tp(pools, 2, job_train_gpt2)[0]
+    assert got == pytest.approx(ref, rel=1e-5)
+
+
+def job_all_ignored_step(ctx):
+    from tests._train_jobs import BASE, make_trainer
+    tr = make_trainer(ctx, BASE)
+    before = {n: p.detach().clone() for n, p in tr.named_params}
+    x, y = next(tr.batches)
+    tr.batches = iter([(x, torch.full_like(y, -100))])
+    r = tr.train_step()
+    same = all(torch.equal(before[n], p.detach()) for n, p in tr.named_params)
+    return r.skipped, r.step, same
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_batch_without_targets_skips_the_update(pools, tp):
+    skipped, step, unchanged = run_tp(pools, tp, job_all_ignored_step)[0]
+    assert skipped and step == 1 and unchanged

