@@ -38,7 +38,11 @@ class TrainConfig:
             ``"smollm2"`` or a model folder.
         val_fraction: share of the text held out for the validation loss.
     Parallelism:
-        tp: tensor-parallel degree. sequence_parallel: split activations between blocks along the sequence.
+        tp, pp, dp: tensor-, pipeline- and data-parallel degrees (world size = tp x pp x dp; rank order tp fastest,
+            then pp, then dp). sequence_parallel: split activations between blocks along the sequence.
+        micro_batches: each data-parallel replica's rows are cut into this many micro-batches (gradient
+            accumulation; the pipeline's micro-batches). schedule: the pipeline schedule, ``gpipe``, ``1f1b`` or
+            ``interleaved-1f1b`` (two chunks per stage; micro_batches a multiple of pp).
     Optimisation:
         seq_len, batch_size: tokens per step = ``seq_len * batch_size`` (the same at every tp).
         steps: optimiser steps in total (a resumed run continues up to it).
@@ -64,6 +68,10 @@ class TrainConfig:
     tokenizer: str = "auto"
     val_fraction: float = 0.05
     tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batches: int = 1
+    schedule: str = "1f1b"
     sequence_parallel: bool = False
     seq_len: int = 128
     batch_size: int = 8
@@ -93,7 +101,8 @@ class TrainConfig:
         def bad(name, why):
             raise ValueError(f"{name}={getattr(self, name)!r}: {why}")
 
-        for name in ("tp", "seq_len", "batch_size", "steps", "eval_batches", "keep_checkpoints", "log_every"):
+        for name in ("tp", "pp", "dp", "micro_batches", "seq_len", "batch_size", "steps", "eval_batches",
+                     "keep_checkpoints", "log_every"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 bad(name, "must be a positive integer")
@@ -101,6 +110,11 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 bad(name, "must be a non-negative integer (0 = off where it is a period)")
+        if self.schedule not in ("gpipe", "1f1b", "interleaved-1f1b"):
+            bad("schedule", "use gpipe, 1f1b or interleaved-1f1b")
+        if self.batch_size % (self.dp * self.micro_batches):
+            raise ValueError(f"batch_size={self.batch_size} is not divisible by dp x micro_batches = {self.dp} x "
+                             f"{self.micro_batches}; use a multiple of {self.dp * self.micro_batches}")
         if self.init not in ("auto", "scratch", "pretrained"):
             bad("init", "use 'auto', 'scratch' or 'pretrained'")
         if self.dtype not in DTYPES:

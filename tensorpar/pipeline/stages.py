@@ -1,0 +1,109 @@
+"""Cut a decoder into pipeline stages by the planner's rule; each stage keeps Hugging Face parameter names.
+
+Stage balancing (one source of truth with the planner, :func:`tensorpar.planner.partition.stage_layers`):
+the ``num_layers`` blocks are cut into ``pp * virtual`` consecutive chunks whose sizes differ by at most one,
+the larger chunks last (the first stage also holds the embedding); rank ``i`` of the pipeline holds chunks
+``i, i + pp, i + 2 pp, ...`` (the interleaved assignment of Narayanan et al. 2021, Sec. 2.2.2). The first chunk
+holds the embedding, the last the final norm and the LM head; a tied LM head is a separate copy on the last
+stage whose gradient is summed with the embedding's (:class:`tensorpar.pipeline.trainer.PipelineTrainer`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from tensorpar.shard import split_sizes
+
+#: families whose blocks need only the plain causal mask and the shared rotary table (what a stage computes)
+PIPELINE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def chunk_ranges(num_layers: int, pp: int, virtual: int = 1) -> list[tuple[int, int]]:
+    """Half-open layer ranges of the ``pp * virtual`` chunks, in model order.
+
+    Raises:
+        ValueError: more chunks than layers (naming pp, virtual and num_layers).
+    """
+    chunks = pp * virtual
+    if chunks > num_layers:
+        raise ValueError(f"pp x virtual stages ({pp} x {virtual} = {chunks}) exceeds the model's {num_layers} layers; "
+                         f"every pipeline stage needs at least one layer: use pp <= {num_layers // virtual}")
+    sizes = split_sizes(num_layers, chunks)[::-1]
+    out, start = [], 0
+    for s in sizes:
+        out.append((start, start + s))
+        start += s
+    return out
+
+
+class _Shell(nn.Module):
+    """Holds the inner model's pieces under their original attribute names (``embed_tokens``, ``layers``, ...)."""
+
+
+class DecoderStage(nn.Module):
+    """One pipeline chunk of a (tensor-parallel) Llama-shaped decoder.
+
+    Parameter names are the full model's (``model.layers.5.mlp.down_proj.weight``, ``lm_head.weight``), so
+    checkpoints and the loader see the same names at every pp. Shapes: the first chunk takes token ids
+    ``[mb, s]``, the others hidden states ``[mb, s, h]`` (``[mb, s/tp, h]`` under sequence parallelism); the last
+    returns this rank's vocabulary slice of the logits ``[mb, s, V_r]``, the others hidden states.
+    Collectives: those of the blocks it holds (tp); the pipeline's point-to-point sends are the schedule's.
+    """
+
+    def __init__(self, model: nn.Module, layers: range, *, first: bool, last: bool):
+        super().__init__()
+        inner = model.model
+        self.config, self.first, self.last = model.config, first, last
+        self.tp = model.tp_group
+        self.sequence_parallel = model.tensorpar_plan.sequence_parallel
+        self.rng = model.tensorpar_dropout_rng
+        self.model = _Shell()
+        if first:
+            self.model.embed_tokens = inner.embed_tokens
+        self.model.layers = nn.ModuleDict({str(i): inner.layers[i] for i in layers})
+        self.model.rotary_emb = inner.rotary_emb
+        if last:
+            self.model.norm = inner.norm
+            self.lm_head = model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        if self.training and torch.is_grad_enabled():
+            self.rng.next_forward()
+        h = self.model.embed_tokens(x) if self.first else x
+        s = x.shape[1] if self.first or not self.sequence_parallel else x.shape[1] * self.tp.size
+        pos = torch.arange(s, device=h.device).unsqueeze(0).expand(h.shape[0], -1)
+        cos, sin = self.model.rotary_emb(h, pos)
+        probe = h if h.shape[1] == s else h.new_empty(h.shape[0], s, h.shape[-1])
+        mask = create_causal_mask(config=self.config, inputs_embeds=probe, attention_mask=None, cache=None,
+                                  position_ids=pos)
+        for layer in self.model.layers.values():
+            h = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=(cos, sin))
+        if self.last:
+            return self.lm_head(self.model.norm(h))
+        return h
+
+
+def cut_stages(model: nn.Module, pp_rank: int, pp: int, virtual: int = 1) -> list[DecoderStage]:
+    """The chunks that pipeline rank ``pp_rank`` holds (``virtual`` of them), each a :class:`DecoderStage`.
+
+    ``model`` is a model sharded by :func:`tensorpar.hf.apply.parallelize`; the rest of it is dropped by the
+    caller. Raises ValueError for a family whose blocks need more than the causal mask and one rotary table,
+    and for more chunks than layers.
+    """
+    plan = model.tensorpar_plan
+    if plan.model_type not in PIPELINE_FAMILIES:
+        raise ValueError(f"pipeline parallelism supports {', '.join(PIPELINE_FAMILIES)}, not {plan.model_type!r}; "
+                         f"use pp=1")
+    if getattr(model.config, "sliding_window", None) and getattr(model.config, "use_sliding_window", True) \
+            and plan.model_type == "mistral":
+        raise ValueError("pipeline parallelism needs full causal attention; this mistral config has "
+                         f"sliding_window={model.config.sliding_window}: use pp=1")
+    ranges = chunk_ranges(plan.num_layers, pp, virtual)
+    n = len(ranges)
+    out = []
+    for c in range(pp_rank, n, pp):
+        a, b = ranges[c]
+        out.append(DecoderStage(model, range(a, b), first=c == 0, last=c == n - 1))
+    return out

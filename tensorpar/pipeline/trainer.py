@@ -1,0 +1,203 @@
+"""Training steps on the (dp, pp, tp) grid: tensor parallelism inside a stage, torch's pipeline schedules across
+stages, data-parallel gradient averaging across replicas.
+
+One optimiser step, on every rank:
+
+1. the global batch ``[B, s]`` (the same on every rank: same seed) is cut into ``dp`` slices by rows; replica
+   ``d`` takes rows ``[d B/dp, (d+1) B/dp)``, and cuts them into ``M`` micro-batches;
+2. ``pp == 1``: each micro-batch's mean loss / ``M`` is back-propagated (gradient accumulation);
+   ``pp > 1``: ``torch.distributed.pipelining``'s schedule (GPipe, 1F1B or interleaved 1F1B) runs the
+   micro-batches through the stages with the vocab-parallel cross-entropy on the last stage; its
+   ``scale_grads`` divides the accumulated gradients by ``M``. With equal tokens per micro-batch the mean of
+   the micro-batch means is the whole batch's mean, so the gradients equal one step on the whole batch;
+3. gradients are completed: summed over tp for sequence-parallel norms and duplicated KV rows
+   (:mod:`tensorpar.grads`), summed between the first and last stage for a tied embedding/LM head (Megatron's
+   embedding group), and averaged over dp;
+4. the grad norm is the single-device one: the tp-aware norm of each stage's parameters, squares summed over
+   pp (the tied LM head counted once); clip; AdamW on each rank's own slices.
+
+The reported loss is the last stage's mean over micro-batches, broadcast over pp and averaged over dp.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from tensorpar import comm
+from tensorpar.grads import grad_norm, sync_duplicated_grads, sync_sequence_parallel_grads
+from tensorpar.layers import vocab_parallel_cross_entropy
+from tensorpar.pipeline.stages import cut_stages
+from tensorpar.train.dropout import DropoutRNG, install_dropout
+from tensorpar.train.loop import StepResult, lr_at, make_optimizer
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+class ParallelTrainer:
+    """Holds this rank's stage(s), optimizer and batch iterator for a (tp, pp, dp) run.
+
+    Args:
+        cfg: the run's :class:`~tensorpar.train.config.TrainConfig` (``micro_batches``, ``schedule`` used here).
+        ctx: the :class:`~tensorpar.parallel.ParallelContext` (its tp, pp and dp groups and rank grid).
+        model, plan: the whole model, sharded over tp (:func:`tensorpar.train.model.build_model`); only this
+            rank's stages are kept.
+        data: the token streams.
+
+    Raises:
+        ValueError: ``batch_size`` not divisible by ``dp * micro_batches``; an unknown schedule; a family or
+            layer count that the pipeline cannot cut (:func:`tensorpar.pipeline.stages.cut_stages`).
+    """
+
+    def __init__(self, cfg, ctx, model: nn.Module, plan, data):
+        self.cfg, self.ctx, self.plan, self.data = cfg, ctx, plan, data
+        tp, pp, dp = ctx.tp, ctx.pp, ctx.dp
+        m = cfg.micro_batches
+        if cfg.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={cfg.schedule!r}: use one of {', '.join(SCHEDULES)}")
+        if cfg.batch_size % (dp.size * m):
+            raise ValueError(f"batch_size={cfg.batch_size} is not divisible by dp x micro_batches = {dp.size} x {m}; "
+                             f"use a batch size that is a multiple of {dp.size * m}")
+        self.rng = DropoutRNG(cfg.seed)
+        install_dropout(model, self.rng, attention_dropout=cfg.attention_dropout, hidden_dropout=cfg.hidden_dropout)
+        self.tied = plan.tie_word_embeddings and pp.size > 1
+        if pp.size > 1:
+            virtual = 2 if cfg.schedule == "interleaved-1f1b" else 1
+            self.modules = cut_stages(model, pp.rank, pp.size, virtual)
+            self.schedule = self._schedule(virtual)
+        else:
+            self.modules, self.schedule = [model], None
+        for mod in self.modules:
+            mod.train()
+        seen: dict[int, tuple[str, nn.Parameter]] = {}
+        for mod in self.modules:
+            for n, p in mod.named_parameters():
+                seen.setdefault(id(p), (n, p))
+        self.named_params = list(seen.values())
+        self.params = [p for _, p in self.named_params]
+        self.optimizer = make_optimizer(cfg, self.named_params)
+        self.embed_group = self._embedding_group() if self.tied else None
+        self.batches = data.train_batches(batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
+        self.step = 0
+        self.device = ctx.device
+
+    # ------------------------------------------------------------ set-up
+
+    def _loss_fn(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, target, self.ctx.tp, partition=self.plan.vocab,
+                                            label_smoothing=self.cfg.label_smoothing)
+
+    def _schedule(self, virtual: int):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        pp = self.ctx.pp
+        n = pp.size * virtual
+        stages = [PipelineStage(mod, pp.rank + k * pp.size, n, self.ctx.device, group=pp.pg)
+                  for k, mod in enumerate(self.modules)]
+        m = self.cfg.micro_batches
+        if self.cfg.schedule == "interleaved-1f1b":
+            if m % pp.size:
+                raise ValueError(f"micro_batches={m} must be a multiple of pp={pp.size} for the interleaved 1F1B "
+                                 f"schedule; use micro_batches={m + pp.size - m % pp.size}")
+            return ScheduleInterleaved1F1B(stages, m, loss_fn=self._loss_fn)
+        cls = ScheduleGPipe if self.cfg.schedule == "gpipe" else Schedule1F1B
+        return cls(stages[0], m, loss_fn=self._loss_fn)
+
+    def _embedding_group(self):
+        """The 2-rank group of (first stage, last stage) for this rank's (dp, tp) position; every rank creates all."""
+        grid, mine = self.ctx.grid, None
+        for d in range(grid.shape[0]):
+            for t in range(grid.shape[2]):
+                ranks = [int(grid[d, 0, t]), int(grid[d, -1, t])]
+                g = dist.new_group(ranks)
+                if self.ctx.rank in ranks:
+                    mine = g
+        return mine
+
+    # ------------------------------------------------------------ one step
+
+    def _local_batch(self):
+        ids, labels = next(self.batches)
+        dp = self.ctx.dp
+        rows = ids.shape[0] // dp.size
+        sl = slice(dp.rank * rows, (dp.rank + 1) * rows)
+        return ids[sl].to(self.device), labels[sl].to(self.device)
+
+    def forward_backward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Loss of this replica's rows (mean over its micro-batches) and accumulated gradients."""
+        m = self.cfg.micro_batches
+        self.rng.set_step(self.step)
+        if self.schedule is None:
+            total = torch.zeros((), device=self.device)
+            for x, y in zip(ids.chunk(m), labels.chunk(m)):
+                loss = self._loss_fn(self.modules[0](input_ids=x, use_cache=False).logits, y) / m
+                loss.backward()
+                total = total + loss.detach()
+            return total
+        pp = self.ctx.pp
+        first, last = pp.rank == 0, pp.rank == pp.size - 1
+        losses: list[torch.Tensor] = []
+        args = (ids,) if first else ()
+        kw = {"target": labels, "losses": losses} if last else {}
+        self.schedule.step(*args, **kw)
+        mean = torch.stack(losses).mean().detach() if last else torch.zeros((), device=self.device)
+        return comm.broadcast(mean.reshape(1), pp, src=pp.size - 1)[0]
+
+    def complete_grads(self) -> None:
+        """Steps 3 of the module docstring: tp sums, tied first/last stage sum, dp average."""
+        tp, dp = self.ctx.tp, self.ctx.dp
+        sync_sequence_parallel_grads(self.params, tp)
+        sync_duplicated_grads(self.params, tp)
+        if self.embed_group is not None:
+            p = self._tied_param()
+            if p is not None:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=self.embed_group)
+        if dp.size > 1:
+            ps = [p for p in self.params if p.grad is not None]
+            flat = comm.all_reduce(torch.cat([p.grad.reshape(-1) for p in ps]), dp) / dp.size
+            off = 0
+            for p in ps:
+                p.grad.copy_(flat[off:off + p.numel()].view_as(p.grad))
+                off += p.numel()
+
+    def _tied_param(self):
+        names = dict(self.named_params)
+        return names.get("model.embed_tokens.weight", names.get("lm_head.weight"))
+
+    def global_grad_norm(self) -> torch.Tensor:
+        """The single-device grad norm: tp-aware within the stage, squares summed over pp, tied weight once."""
+        params = self.params
+        if self.tied and self.ctx.pp.rank == self.ctx.pp.size - 1 and self.ctx.pp.rank != 0:
+            tied = self._tied_param()
+            params = [p for p in params if p is not tied]
+        sq = grad_norm(params, self.ctx.tp) ** 2
+        return comm.all_reduce(sq.reshape(1), self.ctx.pp)[0].sqrt()
+
+    def train_step(self, inspect=None) -> StepResult:
+        """Take the next global batch and do one optimiser step; ``inspect(trainer)`` sees the complete grads."""
+        t0 = time.perf_counter()
+        ids, labels = self._local_batch()
+        loss = self.forward_backward(ids, labels)
+        if self.ctx.dp.size > 1:
+            loss = comm.all_reduce(loss.reshape(1), self.ctx.dp)[0] / self.ctx.dp.size
+        self.complete_grads()
+        norm = self.global_grad_norm()
+        if self.cfg.grad_clip > 0:
+            scale = (self.cfg.grad_clip / (norm + 1e-6)).clamp(max=1.0)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        if inspect is not None:
+            inspect(self)
+        lr = lr_at(self.cfg, self.step)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return StepResult(self.step, float(loss), float(norm), lr, self.cfg.batch_size * self.cfg.seq_len,
+                          time.perf_counter() - t0)
