@@ -69,7 +69,16 @@ def vocab_parallel_argmax(logits: torch.Tensor, tp: Group, vocab_start: int) -> 
 
 
 def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator) -> torch.Tensor:
-    """Sample ``[b, V] -> [b]`` with temperature, top-k and top-p (Holtzman et al. 2020)."""
+    """Sample ``[b, V] -> [b]`` (int64, on ``logits``' device) with temperature, top-k and top-p
+    (nucleus sampling, Holtzman et al. 2020).
+
+    ``gen`` must live on ``logits``' device (``torch.multinomial`` draws with it there; a CPU generator
+    cannot drive a CUDA draw). Raises ``ValueError`` naming both devices otherwise.
+    """
+    if gen.device.type != logits.device.type or (logits.device.index is not None
+                                                 and gen.device.index not in (None, logits.device.index)):
+        raise ValueError(f"sampling generator is on {gen.device} but the logits are on {logits.device}; "
+                         f"create it with torch.Generator(device=logits.device)")
     x = logits.float() / cfg.temperature
     if cfg.top_k:
         kth = x.topk(min(cfg.top_k, x.shape[-1]), dim=-1).values[..., -1:]
@@ -140,7 +149,7 @@ def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: t
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     plan = model.tensorpar_plan
     vocab_start = plan.vocab.range(tp.rank)[0]
-    gen = torch.Generator().manual_seed(sampling.seed)
+    gen = torch.Generator(device=input_ids.device).manual_seed(sampling.seed)  # the logits' device
     cache = DynamicCache(config=cfg)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     done = torch.zeros(b, dtype=torch.bool)
