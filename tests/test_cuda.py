@@ -13,8 +13,10 @@ References are the unsharded modules / transformers on the same device, as in th
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
+import time
 import traceback
 
 import pytest
@@ -63,7 +65,9 @@ def _rank_entry(rank, world, port, backend, devices, fn, args, results):
             out = fn(ctx, device, *args)
         finally:
             ctx.destroy()
-        results.put((rank, "ok", _to_cpu(out)))
+        # Plain pickle bytes: a tensor put on the queue as is would be shared through this process's
+        # resource socket, which is gone once this process exits, before the parent reads it.
+        results.put((rank, "ok", pickle.dumps(_to_cpu(out))))
     except BaseException:  # report every failure to the parent, which raises it
         results.put((rank, "error", traceback.format_exc()))
 
@@ -98,15 +102,25 @@ def run_cuda_ranks(setup: str, fn, *args, timeout_s: float = 300.0) -> list:
     for p in procs:
         p.start()
     out: dict[int, object] = {}
+    deadline = time.monotonic() + timeout_s
     try:
-        for _ in procs:
-            rank, status, value = results.get(timeout=timeout_s)
+        while len(out) < len(procs):
+            try:
+                rank, status, value = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = {r: p.exitcode for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)}
+                if dead:  # killed (e.g. out of memory) or crashed before it could report
+                    raise AssertionError(f"{setup}: rank(s) exited without a result, exit codes {dead}") from None
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"{setup}: ranks {sorted(set(range(len(procs))) - set(out))} gave no "
+                                         f"result within {timeout_s} s") from None
+                continue
+            except (OSError, EOFError) as e:
+                codes = {r: p.exitcode for r, p in enumerate(procs)}
+                raise AssertionError(f"{setup}: lost the result channel ({e!r}); rank exit codes {codes}") from e
             if status != "ok":
                 raise AssertionError(f"{setup}: rank {rank} failed:\n{value}")
-            out[rank] = value
-    except queue.Empty:
-        raise AssertionError(f"{setup}: ranks {sorted(set(range(len(devices))) - set(out))} gave no result "
-                             f"within {timeout_s} s") from None
+            out[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=30)
