@@ -25,9 +25,10 @@ REPEATS = 3
 
 
 def full_decode_each_step(tok, ids):
-    shown = ""
+    shown, pieces = "", []
     for k in range(1, len(ids) + 1):
         text = tok.decode(ids[:k], skip_special_tokens=True)
+        pieces.append(text[len(shown):])  # the old generate stream: printed even a partial character
         shown = text
 
 
