@@ -96,3 +96,25 @@ def test_bad_layouts_are_refused():
     with pytest.raises(ValueError, match="schedule='zb'"):
         replace(BASE, schedule="zb")
     assert chunk_ranges(5, 2) == [(0, 2), (2, 5)]        # larger chunks last: the first stage holds the embedding
+
+
+def job_eval(ctx, kw):
+    from tensorpar.pipeline.trainer import ParallelTrainer
+    from tensorpar.train.loop import Trainer
+    from tensorpar.train.model import ModelSource, build_model
+    c = ctx.config
+    cfg = replace(BASE, tp=c.tp, pp=c.pp, dp=c.dp, steps=STEPS, **kw)
+    data = synthetic_data()
+    model, plan = build_model(cfg, ModelSource(tiny_config(**MODEL), None, None), ctx.tp, data.vocab_size)
+    cls = Trainer if ctx.world_size == 1 else ParallelTrainer
+    tr = cls(cfg, ctx.tp, model, plan, data) if cls is Trainer else cls(cfg, ctx, model, plan, data)
+    tr.train_step()
+    return tr.evaluate(2)
+
+
+@pytest.mark.parametrize("config,kw", [LAYOUTS[0], LAYOUTS[2], LAYOUTS[5]],
+                         ids=["tp2-pp2", "pp2-dp2", "tp2-pp2-interleaved"])
+def test_validation_loss_equals_single_process(grid_pools, config, kw):
+    ref = job_eval(ParallelContext.single(), {})
+    for r, v in enumerate(grid_pools(config).run(job_eval, kw)):
+        assert v == pytest.approx(ref, rel=1e-5), f"rank {r}"

@@ -177,6 +177,69 @@ class ParallelTrainer:
         sq = grad_norm(params, self.ctx.tp) ** 2
         return comm.all_reduce(sq.reshape(1), self.ctx.pp)[0].sqrt()
 
+    # ------------------------------------------------------------ evaluation
+
+    @torch.no_grad()
+    def _forward_loss(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward only, chunk by chunk in model order; activations go to the next chunk's rank point-to-point.
+
+        Returns the loss (mean over this replica's rows), the same on every rank of the pipeline.
+        """
+        if self.schedule is None:
+            return self._loss_fn(self.modules[0](input_ids=ids, use_cache=False).logits, labels)
+        pp, grid = self.ctx.pp, self.ctx.grid
+        d, t = self.ctx.dp.rank, self.ctx.tp.rank
+        n = pp.size * len(self.modules)
+        h, loss = None, torch.zeros((), device=self.device)
+        for c in range(n):
+            owner = c % pp.size
+            if pp.rank == owner:
+                mod = self.modules[c // pp.size]
+                if c > 0 and owner != (c - 1) % pp.size:
+                    h = torch.empty(self._hidden_shape(ids), device=self.device)
+                    dist.recv(h, src=int(grid[d, (c - 1) % pp.size, t]), group=pp.pg)
+                out = mod(ids if c == 0 else h)
+                if c == n - 1:
+                    loss = self._loss_fn(out, labels)
+                else:
+                    h = out
+                    if (c + 1) % pp.size != owner:
+                        dist.send(h.contiguous(), dst=int(grid[d, (c + 1) % pp.size, t]), group=pp.pg)
+        return comm.broadcast(loss.reshape(1), pp, src=(n - 1) % pp.size)[0]
+
+    def _hidden_shape(self, ids: torch.Tensor) -> tuple[int, int, int]:
+        s = ids.shape[1] // self.ctx.tp.size if self.plan.sequence_parallel else ids.shape[1]
+        return ids.shape[0], s, self.modules[0].config.hidden_size
+
+    @torch.no_grad()
+    def evaluate(self, max_batches: int | None = None) -> float:
+        """Mean validation loss over the first ``max_batches`` (default ``cfg.eval_batches``) batches, no dropout;
+        each dp replica takes its rows of every batch, and the replicas' means are averaged."""
+        n = max_batches or self.cfg.eval_batches
+        for mod in self.modules:
+            mod.eval()
+        try:
+            total, count = 0.0, 0
+            dp = self.ctx.dp
+            for i, (x, y) in enumerate(self.data.val_batches(batch_size=self.cfg.batch_size,
+                                                             seq_len=self.cfg.seq_len)):
+                if i == n:
+                    break
+                rows = x.shape[0] // dp.size
+                sl = slice(dp.rank * rows, (dp.rank + 1) * rows)
+                loss = self._forward_loss(x[sl].to(self.device), y[sl].to(self.device))
+                if dp.size > 1:
+                    loss = comm.all_reduce(loss.reshape(1), dp)[0] / dp.size
+                total += float(loss)
+                count += 1
+        finally:
+            for mod in self.modules:
+                mod.train()
+        if count == 0:
+            raise ValueError("the validation split has no batch of batch_size x seq_len tokens; lower batch_size or "
+                             "seq_len, or raise val_fraction")
+        return total / count
+
     def train_step(self, inspect=None) -> StepResult:
         """Take the next global batch and do one optimiser step; ``inspect(trainer)`` sees the complete grads."""
         t0 = time.perf_counter()
