@@ -264,3 +264,35 @@ def test_attention_implementation_is_kept_after_sharding(folders, impl):
     assert (seen[0] is not None) == (impl == "eager")
     if impl == "eager":
         assert seen[0].shape == (1, 9, 4, 4)
+
+
+def test_checkpoint_without_the_base_model_prefix_loads(folders, tmp_path):
+    """Hub GPT-2 checkpoints name tensors ``h.0...`` for ``transformer.h.0...`` (transformers accepts both)."""
+    from safetensors.torch import save_file
+    import shutil
+    folder = tmp_path / "m"
+    shutil.copytree(folders["gpt2"], folder)
+    full = file_tensors(folder)
+    short = {k.removeprefix("transformer."): v for k, v in full.items()}
+    short["h.0.attn.bias"] = torch.ones(1, 1, 4, 4)  # the legacy causal-mask buffer transformers ignores
+    save_file(short, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    check_checkpoint(folder)
+    model, _ = build(folder, 1, 2)
+    for name, p in model.named_parameters():
+        key = "transformer.wte.weight" if name == "lm_head.weight" else name
+        assert torch.equal(p.data, expected_slice(full[key], p, 1)), name
+
+
+@pytest.mark.network
+def test_smollm2_config_of_20_layers_over_30_layers_of_weights_is_refused(tmp_path):
+    """The case of issue 14: headers only, so this takes about a second once SmolLM2 is cached."""
+    from transformers import AutoConfig
+
+    from tensorpar.hub import resolve_model
+    folder = resolve_model("smollm2", progress=False)
+    config = AutoConfig.from_pretrained(folder)
+    check_checkpoint(folder, config)
+    config.num_hidden_layers = 20
+    with pytest.raises(ValueError, match=r"num_hidden_layers=20\): 90 checkpoint tensors are not used by the model "
+                                         r"\(model\.layers\.20\.input_layernorm\.weight, "):
+        check_checkpoint(folder, config)
