@@ -73,8 +73,8 @@ def resolve_model(spec: str, *, cache_dir: str | os.PathLike | None = None, prog
 
     ``spec`` is a built-in alias (see ``BUILTIN_MODELS``; an existing path of the same name wins), a
     ``.gguf`` file, a Hugging Face-format folder, or a hub id (``owner/name``) whose snapshot is in
-    the local Hugging Face hub cache (an existing path of the same name wins). Returns the folder's absolute path. The first
-    ``"smollm2"`` takes about a minute on 2 cores (download ~4 s, conversion ~45 s); later calls only
+    the local Hugging Face hub cache (an existing path of the same name wins). Returns the folder's
+    absolute path. The first ``"smollm2"`` takes about a minute on 2 cores (download ~4 s, conversion ~45 s); later calls only
     check the cached folder's headers (milliseconds).
 
     Raises ``FileNotFoundError`` for a path that does not exist (and is no alias), or a hub id that is not
