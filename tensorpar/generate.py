@@ -285,7 +285,8 @@ def _nothing():
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
-                   help="'smollm2' (built in, fetched and converted once), a Hugging Face-format folder, or a .gguf file")
+                   help="'smollm2' (built in, fetched and converted once), a Hugging Face-format folder, a hub "
+                        "id already in the local Hugging Face cache, or a .gguf file")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (local ranks started here; "
                                                      "under torchrun the world size is used)")
     p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch (default: a sample prompt)")
@@ -365,6 +366,7 @@ def validate(args: argparse.Namespace):
     """Checks made once, before any rank starts: model path, architecture, plan, prompt length."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from tensorpar.hf.load import check_checkpoint
     from tensorpar.hf.plan import make_plan
 
     if args.tp < 1:
@@ -377,6 +379,7 @@ def validate(args: argparse.Namespace):
     folder = _resolve(args.model)
     config = AutoConfig.from_pretrained(folder)
     plan = make_plan(config, args.tp)
+    check_checkpoint(folder, config)  # headers vs config, both directions, before any rank starts
     tok = AutoTokenizer.from_pretrained(folder)
     ids, _ = _encode(tok, args.prompt or ["The capital of France is"], args.chat)
     limit = getattr(config, "max_position_embeddings", None)

