@@ -86,7 +86,7 @@ def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
 def _rank0_seed(tp: Group) -> int:
     """Rank 0's ``torch.initial_seed()``, the same on every rank (one broadcast; none at tp = 1)."""
     seed = torch.initial_seed() & ((1 << 62) - 1)
-    if tp.size == 1:
+    if tp.size == 1 or tp.pg is None:  # one process (or a group handle without a process group: nothing to ask)
         return seed
     import torch.distributed as dist
     box = [seed]
