@@ -25,26 +25,44 @@ class DeviceSpec:
     inter_node_gbps: float  # network bandwidth available to this device (its share of the node's NICs)
     intra_node_latency_us: float = 10.0
     inter_node_latency_us: float = 20.0
+    # Fraction of peak that a layer's matmuls reach. With hbm_gbps set, the elementwise kernels between
+    # them are costed separately (memory-bandwidth bound); without it they are folded in here.
+    matmul_efficiency: float = 0.6
+    hbm_gbps: float = 0.0  # device-memory bandwidth, GB/s; 0: elementwise kernels and optimizer not modelled
+    link_label: str = ""  # what the link fields measured, when not a datasheet (e.g. a calibration)
 
     def __post_init__(self) -> None:
         for knob in ("memory_gib", "peak_tflops", "intra_node_gbps", "inter_node_gbps"):
             if not getattr(self, knob) > 0:
                 raise ValueError(f"device {knob} ({getattr(self, knob)!r}) must be > 0")
+        if not 0 < self.matmul_efficiency <= 1:
+            raise ValueError(f"device matmul_efficiency ({self.matmul_efficiency!r}) must be in (0, 1]")
+        if self.hbm_gbps < 0:
+            raise ValueError(f"device hbm_gbps ({self.hbm_gbps!r}) must be >= 0 (0: not modelled)")
         for knob in ("intra_node_latency_us", "inter_node_latency_us"):
             if getattr(self, knob) < 0:
                 raise ValueError(f"device {knob} ({getattr(self, knob)!r}) must be >= 0")
 
 
-# Datasheet numbers. Latencies are order-of-magnitude NCCL small-message figures, not datasheet values.
+# Datasheet numbers, except matmul_efficiency. Latencies are order-of-magnitude NCCL small-message figures.
+# matmul_efficiency (A100): fitted, together with cost.ELEMENTWISE_TRAFFIC, to the one-layer timings of
+# Korthikanti et al. 2022, Table 4 (22B model, tp 8, five configurations, forward and backward); every
+# other published run of docs/planner.md "Accuracy" is then predicted with these values, not fitted.
+# H100/H200 reuse the A100 value (no published per-layer timings to fit them to): treat their
+# predictions as unvalidated.
+A100_MATMUL_EFFICIENCY = 0.61
 DEVICES = MappingProxyType({
-    # A100 SXM4 80GB: 312 TFLOP/s bf16 dense; NVLink3 600 GB/s total = 300 GB/s per direction;
-    # DGX A100: eight 200 Gb/s HDR InfiniBand NICs, one per GPU = 25 GB/s.
-    "a100-80gb": DeviceSpec("a100-80gb", 80.0, 312.0, 300.0, 25.0),
-    # H100 SXM5 80GB: 989 TFLOP/s bf16 dense; NVLink4 900 GB/s total = 450 GB/s per direction;
-    # DGX H100: eight 400 Gb/s NDR NICs = 50 GB/s per GPU. 81559 MiB usable = 79.6 GiB.
-    "h100-80gb": DeviceSpec("h100-80gb", 79.6, 989.0, 450.0, 50.0),
-    # H200 SXM 141GB: same compute and links as H100; 143771 MiB usable = 140.4 GiB.
-    "h200": DeviceSpec("h200", 140.4, 989.0, 450.0, 50.0),
+    # A100 SXM4 80GB: 312 TFLOP/s bf16 dense; HBM2e 2039 GB/s; NVLink3 600 GB/s total = 300 GB/s per
+    # direction; DGX A100: eight 200 Gb/s HDR InfiniBand NICs, one per GPU = 25 GB/s.
+    "a100-80gb": DeviceSpec("a100-80gb", 80.0, 312.0, 300.0, 25.0,
+                            matmul_efficiency=A100_MATMUL_EFFICIENCY, hbm_gbps=2039.0),
+    # H100 SXM5 80GB: 989 TFLOP/s bf16 dense; HBM3 3350 GB/s; NVLink4 900 GB/s total = 450 GB/s per
+    # direction; DGX H100: eight 400 Gb/s NDR NICs = 50 GB/s per GPU. 81559 MiB usable = 79.6 GiB.
+    "h100-80gb": DeviceSpec("h100-80gb", 79.6, 989.0, 450.0, 50.0,
+                            matmul_efficiency=A100_MATMUL_EFFICIENCY, hbm_gbps=3350.0),
+    # H200 SXM 141GB: same compute and links as H100; HBM3e 4800 GB/s; 143771 MiB usable = 140.4 GiB.
+    "h200": DeviceSpec("h200", 140.4, 989.0, 450.0, 50.0,
+                       matmul_efficiency=A100_MATMUL_EFFICIENCY, hbm_gbps=4800.0),
 })
 
 

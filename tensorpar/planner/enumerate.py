@@ -90,7 +90,7 @@ def candidate_layouts(model: ModelSpec, cluster: ClusterSpec, work: Workload,
             dp = n // (tp * pp)
             base = Layout(tp=tp, pp=pp, dp=dp, micro_batch=1)
             shape_problems = [pr for pr in problems(base, model, cluster, work, assume)
-                              if pr.rule in ("tp>heads", "ffn%tp", "tp-node", "pp>layers", "batch")]
+                              if pr.rule in ("tp>heads", "split", "tp-node", "pp>layers", "batch")]
             if shape_problems:
                 yield base, shape_problems
                 continue

@@ -13,7 +13,7 @@ from tensorpar.planner.enumerate import Plan, PlanSearch
 from tensorpar.planner.memory import GIB
 
 COMPONENTS = {"compute": "compute", "tp_comm": "TP communication", "pp_comm": "pipeline sends",
-              "bubble": "pipeline bubble", "dp_comm": "DP communication"}
+              "bubble": "pipeline bubble", "dp_comm": "DP communication", "optimizer": "optimizer step"}
 KNOBS = ("tp", "pp", "micro_batch", "sequence_parallel", "recompute", "distributed_optimizer")
 
 

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, fields
 
 from tensorpar.planner.cluster import ClusterSpec
 from tensorpar.planner.model_spec import ModelSpec
+from tensorpar.planner.partition import split_problems
 
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("eager", "sdpa")
@@ -71,8 +72,8 @@ class Assumptions:
     16 bytes per parameter of Rajbhandari et al. 2020 (ZeRO), section 3.1. ``grad_bytes=4`` gives
     Megatron's fp32 main gradients (18 bytes per parameter).
 
-    ``efficiency``: fraction of peak FLOP/s that a micro-batch's matmuls achieve, the elementwise kernels
-    between them folded in. ``tp_overlap``/``dp_overlap``: fraction of tensor-/data-parallel communication
+    ``efficiency``: fraction of peak FLOP/s that a micro-batch's matmuls achieve; ``None`` takes the
+    device's ``matmul_efficiency`` (see :mod:`tensorpar.planner.cluster`). ``tp_overlap``/``dp_overlap``: fraction of tensor-/data-parallel communication
     hidden behind compute (0: all of it is on the critical path). ``reserve_gib``: device memory not
     available to the model (CUDA context, communication buffers, allocator fragmentation).
     """
@@ -82,7 +83,7 @@ class Assumptions:
     grad_bytes: int = 2
     optimizer_bytes: int = 12
     attention: str = "eager"
-    efficiency: float = 0.6
+    efficiency: float | None = None
     tp_overlap: float = 0.0
     dp_overlap: float = 0.0
     reserve_gib: float = 4.0
@@ -93,7 +94,7 @@ class Assumptions:
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:
             raise ValueError(f"--attention ({self.attention!r}) must be one of {', '.join(ATTENTION)}")
-        if not 0 < self.efficiency <= 1:
+        if self.efficiency is not None and not 0 < self.efficiency <= 1:
             raise ValueError(f"--efficiency ({self.efficiency}) must be in (0, 1]; measure it with --calibrate")
         for knob in ("tp_overlap", "dp_overlap"):
             if not 0 <= getattr(self, knob) <= 1:
@@ -107,6 +108,11 @@ class Assumptions:
             raise ValueError(f"--max-micro-batch ({self.max_micro_batch}) must be >= 1")
         if not self.virtual_stages or min(self.virtual_stages) < 1:
             raise ValueError(f"--virtual-stages ({self.virtual_stages}) must list integers >= 1")
+
+
+    def matmul_efficiency(self, device) -> float:
+        """``efficiency`` if given, else the device's ``matmul_efficiency``."""
+        return device.matmul_efficiency if self.efficiency is None else self.efficiency
 
 
 @dataclass(frozen=True)
@@ -134,11 +140,9 @@ def problems(layout: Layout, model: ModelSpec, cluster: ClusterSpec, work: Workl
     if layout.num_devices != cluster.num_devices:
         bad("devices", f"tp x pp x dp = {t} x {p} x {d} = {layout.num_devices} must equal --gpus "
                        f"({cluster.num_devices}); try dp={cluster.num_devices // (t * p) or 1}")
-    if t > model.num_heads:
-        bad("tp>heads", f"tp ({t}) exceeds the {model.num_heads} query heads of {model.name}; "
-                        f"use tp <= {model.num_heads}")
-    if model.ffn_hidden_size % t:
-        bad("ffn%tp", f"tp ({t}) must divide ffn_hidden_size ({model.ffn_hidden_size})")
+    # The runtime's split rules (tensorpar.shard.split_sizes, as HeadLayout and the parallel linears use them).
+    for message in split_problems(model.num_heads, model.num_kv_heads, model.ffn_hidden_size, model.vocab_size, t):
+        bad("tp>heads" if "heads" in message else "split", f"tp ({t}) for {model.name}: {message}")
     if not assume.allow_cross_node_tp and (t > cluster.devices_per_node or cluster.devices_per_node % t):
         bad("tp-node", f"tp ({t}) must divide --gpus-per-node ({cluster.devices_per_node}) so that each "
                        "tensor-parallel group stays inside a node (or pass --allow-cross-node-tp)")

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from tensorpar.planner.layout import Assumptions, Layout, Workload
 from tensorpar.planner.model_spec import ModelSpec
-from tensorpar.planner.partition import RankHeads, busiest_heads, max_vocab_rows, stage_layers
+from tensorpar.planner.partition import RankHeads, busiest_heads, max_ffn_columns, max_vocab_rows, stage_layers
 
 GIB = 2 ** 30
 
@@ -86,7 +86,7 @@ def layer_activation_terms(model: ModelSpec, heads: RankHeads, *, micro_batch: i
 
     hf = model.kernels == "hf"
     linear_in = rep if not hf else tokens * h  # input of the column-parallel linears, as saved
-    ffn = model.ffn_hidden_size / tp
+    ffn = max_ffn_columns(model.ffn_hidden_size, tp)
     mlp_tensors = 2 if model.mlp == "gelu" else (4 if hf else 3)
     if hf:  # HF eager repeats KV heads; sdpa broadcasts them (enable_gqa) unless tensorpar gathered them per head
         kv_width = heads.kv if (assume.attention != "eager" and heads.uniform) else heads.q
@@ -176,7 +176,7 @@ def stage_params(model: ModelSpec, layout: Layout) -> list[int]:
     """
     t, p = layout.tp, layout.pp
     heads = busiest_heads(model.num_heads, model.num_kv_heads, t)
-    per_layer = model.layer_params(heads.q, heads.kv, model.ffn_hidden_size // t)
+    per_layer = model.layer_params(heads.q, heads.kv, max_ffn_columns(model.ffn_hidden_size, t))
     vocab = model.embedding_params(max_vocab_rows(model.vocab_size, t))
     out = []
     for i, layers in enumerate(stage_layers(model.num_layers, p, layout.virtual_stages)):
