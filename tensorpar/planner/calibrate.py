@@ -122,13 +122,17 @@ def _memory_gib() -> float:
 
 def calibrate() -> Calibration:
     """Measure matmul throughput and loopback collectives. The ``device`` it returns uses the *measured*
-    matmul rate as its peak, so plan with it at ``--efficiency 1``, and the loopback link for both tiers."""
+    matmul rate as its peak (``matmul_efficiency`` 1) and the measured link as ``local_link_*``, labelled as
+    this machine's local link; the NVLink and inter-node fields stay 0 (not measured)."""
     name, matmul = measure_matmul()
     coll = measure_collectives()
     best = max(m["tflops"] for m in matmul)
+    label = (f"this machine's local link: {coll['world_size']} {coll['backend']} processes on loopback, "
+             "measured (not NVLink, not a network)")
     device = {"name": f"calibrated {name}", "memory_gib": round(_memory_gib(), 2), "peak_tflops": best,
-              "intra_node_gbps": coll["bandwidth_gbps"], "inter_node_gbps": coll["bandwidth_gbps"],
-              "intra_node_latency_us": coll["latency_us"], "inter_node_latency_us": coll["latency_us"]}
+              "intra_node_gbps": 0.0, "inter_node_gbps": 0.0, "matmul_efficiency": 1.0,
+              "local_link_gbps": coll["bandwidth_gbps"], "local_link_latency_us": coll["latency_us"],
+              "local_link_label": label}
     return Calibration(backend=name, matmul=matmul, matmul_tflops=best, collective=coll, device=device)
 
 

@@ -17,12 +17,17 @@ from tensorpar.planner import model_spec as ms
 from tensorpar.planner.layout import ATTENTION, Assumptions, Workload, parse_layout, problems
 
 
+NO_FIT = 3  # exit status when no layout fits (2: bad input, 1: a calibration worker failed)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model (a preset, a config.json, or explicit dimensions)")
     model.add_argument("--model", help=f"preset ({', '.join([*ms.PRESETS, *ms.ALIASES])}) or path to a config.json")
     for flag, helptext in (("--layers", "number of layers"), ("--hidden", "hidden size"),
                            ("--heads", "query heads"), ("--kv-heads", "key/value heads (default: --heads)"),
-                           ("--ffn", "MLP inner size (default 4 x hidden)"), ("--vocab", "vocabulary size")):
+                           ("--ffn", "MLP inner size (default 4 x hidden)"), ("--vocab", "vocabulary size"),
+                           ("--head-dim", "size of one attention head (default hidden / heads)"),
+                           ("--max-positions", "longest sequence the model supports (default: not checked)")):
         model.add_argument(flag, type=int, help=helptext)
     model.add_argument("--mlp", choices=ms.MLP_KINDS, help="MLP kind for explicit dimensions (default swiglu)")
     model.add_argument("--kernels", choices=ms.KERNEL_KINDS,
@@ -44,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--global-batch", type=int, help="sequences per optimizer step")
     work.add_argument("--seq", type=int, help="sequence length, tokens")
     work.add_argument("--efficiency", type=float, default=Assumptions.efficiency,
-                      help="fraction of peak the matmuls reach (default %(default)s)")
+                      help="fraction of peak the matmuls reach (default: the device's matmul_efficiency)")
     work.add_argument("--attention", choices=ATTENTION, default=None,
                       help="eager: scores stored (Korthikanti); sdpa: fused kernel (default: eager for "
                            "megatron kernels, sdpa for hf)")
@@ -74,7 +79,12 @@ def build_model(args) -> ms.ModelSpec:
         if missing:
             raise ValueError(f"explicit dimensions need {', '.join(missing)} as well")
         options = {"mlp": args.mlp} if args.mlp else {}
-        model = ms.from_dims(**dims, kv_heads=args.kv_heads, ffn=args.ffn, name=args.model or "custom", **options)
+        if args.max_positions:
+            options["max_positions"] = args.max_positions
+        model = ms.from_dims(**dims, kv_heads=args.kv_heads, ffn=args.ffn, head_dim=args.head_dim,
+                             name=args.model or "custom", **options)
+    elif args.head_dim is not None or args.max_positions is not None:
+        raise ValueError("--head-dim and --max-positions go with explicit dimensions (--layers --hidden --heads --vocab)")
     elif args.model is None:
         raise ValueError("give --model (a preset or a config.json) or --layers/--hidden/--heads/--vocab")
     elif Path(args.model).is_file():
@@ -136,12 +146,13 @@ def _calibrate(args) -> int:
     for m in result.matmul:
         con.print(f"  n={m['n']:>5} {m['dtype']}: {m['tflops']:.3f} TFLOP/s")
     c = result.collective
-    con.print(f"[bold]all-reduce[/bold], {c['world_size']} {c['backend']} processes on loopback: "
+    con.print(f"[bold]all-reduce[/bold] on {result.device['local_link_label']}: "
               f"latency {c['latency_us']:.1f} us, bandwidth {c['bandwidth_gbps']:.2f} GB/s")
     for s in c["samples"]:
         con.print(f"  {s['bytes']:>9} B: {s['seconds'] * 1e6:9.1f} us")
-    con.print("Save the 'device' object of --calibrate --json to a file and plan with "
-              "--device-file FILE --efficiency 1 (its peak is the measured matmul rate).")
+    con.print("NVLink and inter-node links: not measured (the device file leaves them 0 and plans every group "
+              "on the local link). Save the 'device' object of --calibrate --json to a file and plan with "
+              "--device-file FILE (its peak is the measured matmul rate, matmul_efficiency 1).")
     return 0
 
 
@@ -156,10 +167,12 @@ def _plan(args) -> int:
     if args.global_batch is None or args.seq is None:
         raise ValueError("give --global-batch and --seq")
     work, assume = Workload(args.global_batch, args.seq), build_assumptions(args, model)
+    model.check_seq_len(work.seq_len)
     layout = parse_layout(args.evaluate, hw.num_devices) if args.evaluate else None
     found = search(model, hw, work, assume)
     title = (f"{model.name} on {hw.num_devices} x {hw.device.name} ({hw.devices_per_node} per node), "
-             f"global batch {work.global_batch} x {work.seq_len} tokens, attention={assume.attention}")
+             f"global batch {work.global_batch} x {work.seq_len} tokens, attention={assume.attention}"
+             + (f"; links: {hw.device.local_link_label}" if hw.device.local_link_gbps else ""))
     if layout is not None:
         broken = problems(layout, model, hw, work, assume)
         if broken:
@@ -190,7 +203,7 @@ def _plan(args) -> int:
         from tensorpar.planner.report import plans_json
 
         print(plans_json(shown, first_rank=first or None))
-        return 0
+        return 0 if (found.ranked or layout is not None) else NO_FIT
     from tensorpar.planner.report import console, plan_table
 
     con = console()
@@ -200,4 +213,4 @@ def _plan(args) -> int:
     con.print(f"[dim]{len(found.ranked)} layouts fit, {len(found.too_big)} need too much memory, "
               f"{len(found.rejected)} break a rule; planned in {elapsed:.2f} s"
               + (f"; plot written to {args.plot}" if args.plot else "") + "[/dim]")
-    return 0
+    return 0 if (found.ranked or layout is not None) else NO_FIT

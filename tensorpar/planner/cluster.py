@@ -29,12 +29,22 @@ class DeviceSpec:
     # them are costed separately (memory-bandwidth bound); without it they are folded in here.
     matmul_efficiency: float = 0.6
     hbm_gbps: float = 0.0  # device-memory bandwidth, GB/s; 0: elementwise kernels and optimizer not modelled
-    link_label: str = ""  # what the link fields measured, when not a datasheet (e.g. a calibration)
+    # This machine's local link, as ``tensorpar plan --calibrate`` measures it (processes on one host over
+    # loopback). When set, every group uses it, and the NVLink / inter-node fields may be 0 (not measured).
+    local_link_gbps: float = 0.0
+    local_link_latency_us: float = 0.0
+    local_link_label: str = ""
 
     def __post_init__(self) -> None:
-        for knob in ("memory_gib", "peak_tflops", "intra_node_gbps", "inter_node_gbps"):
+        links = ("intra_node_gbps", "inter_node_gbps")
+        for knob in ("memory_gib", "peak_tflops", *links):
+            if knob in links and self.local_link_gbps > 0 and getattr(self, knob) == 0:
+                continue  # not measured; the local link is used instead
             if not getattr(self, knob) > 0:
                 raise ValueError(f"device {knob} ({getattr(self, knob)!r}) must be > 0")
+        if self.local_link_gbps < 0 or self.local_link_latency_us < 0:
+            raise ValueError(f"device local_link_gbps ({self.local_link_gbps!r}) and local_link_latency_us "
+                             f"({self.local_link_latency_us!r}) must be >= 0")
         if not 0 < self.matmul_efficiency <= 1:
             raise ValueError(f"device matmul_efficiency ({self.matmul_efficiency!r}) must be in (0, 1]")
         if self.hbm_gbps < 0:
@@ -89,9 +99,12 @@ class ClusterSpec:
         """(bytes/s, seconds latency) of a collective over ``span`` consecutive ranks.
 
         A group whose ranks fit in one node uses the intra-node links; a ring that leaves the node is
-        limited by each device's share of the inter-node network.
+        limited by each device's share of the inter-node network. A device with a measured local link
+        (``--calibrate``) uses that link for every group.
         """
         d = self.device
+        if d.local_link_gbps > 0:  # a calibrated single host: every group uses the measured local link
+            return d.local_link_gbps * 1e9, d.local_link_latency_us * 1e-6
         if span <= self.devices_per_node:
             return d.intra_node_gbps * 1e9, d.intra_node_latency_us * 1e-6
         return d.inter_node_gbps * 1e9, d.inter_node_latency_us * 1e-6

@@ -115,6 +115,8 @@ def score(layout: Layout, model: ModelSpec, cluster: ClusterSpec, work: Workload
 
 
 def search(model: ModelSpec, cluster: ClusterSpec, work: Workload, assume: Assumptions) -> PlanSearch:
+    """Score every candidate layout. Raises ValueError when ``work.seq_len`` exceeds the model's positions."""
+    model.check_seq_len(work.seq_len)
     ranked, too_big, rejected = [], [], []
     for layout, found in candidate_layouts(model, cluster, work, assume):
         if found:

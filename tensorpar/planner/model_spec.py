@@ -47,6 +47,7 @@ class ModelSpec:
     tied_embeddings: bool = False
     learned_positions: int = 0
     kernels: str = "hf"
+    max_positions: int = 0  # longest sequence the model has positions for; 0: unknown (not checked)
 
     def __post_init__(self) -> None:
         for knob in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size"):
@@ -68,6 +69,12 @@ class ModelSpec:
         for knob, allowed in (("mlp", MLP_KINDS), ("norm", NORM_KINDS), ("kernels", KERNEL_KINDS)):
             if getattr(self, knob) not in allowed:
                 raise ValueError(f"model {knob} ({getattr(self, knob)!r}) must be one of {', '.join(allowed)}")
+
+    def check_seq_len(self, seq_len: int) -> None:
+        """Raises ValueError when ``seq_len`` exceeds the positions the model was built for."""
+        if self.max_positions and seq_len > self.max_positions:
+            raise ValueError(f"--seq ({seq_len}) is longer than the {self.max_positions} positions of {self.name}; "
+                             f"use --seq <= {self.max_positions}")
 
     # ---- parameter counts (elements) -------------------------------------------------------------
     @property
@@ -118,7 +125,7 @@ def _gpt3_175b() -> ModelSpec:
     return ModelSpec(
         name="gpt3-175b", num_layers=96, hidden_size=12288, num_heads=96, num_kv_heads=96,
         ffn_hidden_size=4 * 12288, vocab_size=51200, mlp="gelu", norm="layernorm", bias=True,
-        dropout=True, tied_embeddings=True, learned_positions=2048, kernels="megatron",
+        dropout=True, tied_embeddings=True, learned_positions=2048, kernels="megatron", max_positions=2048,
     )
 
 
@@ -126,7 +133,7 @@ def _llama3(name: str, layers: int, hidden: int, heads: int, ffn: int) -> ModelS
     # Llama 3 herd paper (Dubey et al. 2024), Table 3: 8 KV heads, vocabulary 128256, untied.
     return ModelSpec(
         name=name, num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=8,
-        ffn_hidden_size=ffn, vocab_size=128256,
+        ffn_hidden_size=ffn, vocab_size=128256, max_positions=8192,
     )
 
 
@@ -134,7 +141,7 @@ def _smollm2(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int)
     # HuggingFaceTB/SmolLM2-* config.json: Llama architecture, vocabulary 49152, tied embeddings.
     return ModelSpec(
         name=name, num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv,
-        ffn_hidden_size=ffn, vocab_size=49152, tied_embeddings=True,
+        ffn_hidden_size=ffn, vocab_size=49152, tied_embeddings=True, max_positions=8192,
     )
 
 
@@ -169,6 +176,7 @@ def from_hf_config(config: dict | str | Path, name: str | None = None) -> ModelS
             raise ValueError(f"--model {path}: cannot read a config.json ({err})") from None
         name = name or path.parent.name or path.stem
     name = name or config.get("_name_or_path") or config.get("model_type", "hf-model")
+    _refuse_non_decoder(config, name)
     if "n_embd" in config:  # GPT-2 family naming
         hidden = config["n_embd"]
         return ModelSpec(
@@ -177,7 +185,7 @@ def from_hf_config(config: dict | str | Path, name: str | None = None) -> ModelS
             vocab_size=config["vocab_size"], mlp="gelu", norm="layernorm", bias=True,
             dropout=any(config.get(k, 0) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")),
             tied_embeddings=config.get("tie_word_embeddings", True),
-            learned_positions=config.get("n_positions", 0),
+            learned_positions=config.get("n_positions", 0), max_positions=config.get("n_positions", 0),
         )
     required = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
     missing = [key for key in required if key not in config]
@@ -196,15 +204,37 @@ def from_hf_config(config: dict | str | Path, name: str | None = None) -> ModelS
         bias=bool(config.get("attention_bias", False)),
         dropout=bool(config.get("attention_dropout", 0.0)),
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        max_positions=int(config.get("max_position_embeddings") or 0),
     )
 
 
+# Hugging Face model types that are encoder-only (bidirectional, no causal LM head) or encoder-decoder.
+ENCODER_MODEL_TYPES = frozenset({
+    "bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2", "camembert",
+    "mpnet", "ernie", "nomic_bert", "modernbert", "vit", "dinov2", "siglip_vision_model", "clip_vision_model",
+    "t5", "mt5", "umt5", "bart", "mbart", "pegasus", "marian", "whisper", "longt5",
+})
+
+
+def _refuse_non_decoder(config: dict, name: str) -> None:
+    """The planner models decoder-only (causal) transformers; refuse encoder-only and encoder-decoder ones."""
+    kind = config.get("model_type", "")
+    archs = config.get("architectures") or []
+    causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+    if config.get("is_encoder_decoder") or kind in ENCODER_MODEL_TYPES or (archs and not causal
+                                                                           and config.get("is_decoder") is False):
+        raise ValueError(
+            f"--model {name}: model_type {kind!r} ({', '.join(archs) or 'no architectures'}) is encoder-only or "
+            "encoder-decoder; the planner plans decoder-only (causal LM) models such as llama, mistral, qwen2, gpt2"
+        )
+
+
 def from_dims(*, layers: int, hidden: int, heads: int, kv_heads: int | None = None, ffn: int | None = None,
-              vocab: int, name: str = "custom", **options) -> ModelSpec:
+              vocab: int, name: str = "custom", head_dim: int | None = None, **options) -> ModelSpec:
     """A Llama-like model from explicit dimensions; ``ffn`` defaults to 4 x hidden (GPT convention)."""
     return ModelSpec(
         name=name, num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads or heads,
-        ffn_hidden_size=ffn or 4 * hidden, vocab_size=vocab, **options,
+        ffn_hidden_size=ffn or 4 * hidden, vocab_size=vocab, head_dim=head_dim or 0, **options,
     )
 
 
