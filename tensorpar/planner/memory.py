@@ -99,7 +99,7 @@ def layer_activation_terms(model: ModelSpec, heads: RankHeads, *, micro_batch: i
         "q, k, v": e * tokens * d * (heads.q + 2 * kv_width),
         "attention output": e * tokens * d * heads.q,
         # GeLU: fc1 output and GeLU output; SwiGLU: gate and up outputs (+ silu output and product in HF)
-        "mlp interior": mlp_tensors * e * tokens * ffn,
+        "mlp interior": mlp_tensors * e * tokens * model.active_ffn(ffn),
     }
     if model.dropout:
         terms["residual dropout masks"] = 2 * rep

@@ -17,6 +17,9 @@ KERNEL_KINDS = ("megatron", "hf")
 # Hugging Face model types whose MLP has two matrices (up, down); the other Llama-like configs
 # (llama, mistral, qwen2, gemma, ...) use a gated MLP with three, whatever the activation.
 UNGATED_MODEL_TYPES = frozenset({"gpt_neox", "gptj", "phi", "falcon", "opt", "bloom", "starcoder2", "gpt_bigcode"})
+# ... and those whose norms are LayerNorm (weight and bias) rather than RMSNorm.
+LAYERNORM_MODEL_TYPES = frozenset({"gpt_neox", "gptj", "phi", "falcon", "opt", "bloom", "starcoder2", "gpt_bigcode",
+                                   "stablelm"})
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,11 @@ class ModelSpec:
     learned_positions: int = 0
     kernels: str = "hf"
     max_positions: int = 0  # longest sequence the model has positions for; 0: unknown (not checked)
+    # Mixture of experts: ``num_experts`` MLPs of ``ffn_hidden_size`` each, ``experts_per_token`` of them
+    # run per token (top-k), plus an always-on shared expert of ``shared_ffn`` (0: none). 0 experts: dense.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    shared_ffn: int = 0
 
     def __post_init__(self) -> None:
         for knob in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size"):
@@ -66,6 +74,12 @@ class ModelSpec:
                 f"model num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads}) "
                 "(grouped-query attention needs whole groups)"
             )
+        for knob in ("max_positions", "num_experts", "experts_per_token", "shared_ffn"):
+            if not isinstance(getattr(self, knob), int) or getattr(self, knob) < 0:
+                raise ValueError(f"model {knob} ({getattr(self, knob)!r}) must be an integer >= 0")
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(f"model experts_per_token ({self.experts_per_token}) must be in 1..num_experts "
+                             f"({self.num_experts})")
         for knob, allowed in (("mlp", MLP_KINDS), ("norm", NORM_KINDS), ("kernels", KERNEL_KINDS)):
             if getattr(self, knob) not in allowed:
                 raise ValueError(f"model {knob} ({getattr(self, knob)!r}) must be one of {', '.join(allowed)}")
@@ -81,6 +95,24 @@ class ModelSpec:
     def mlp_matrices(self) -> int:
         """Weight matrices of size hidden x ffn in one MLP: 2 for GeLU, 3 for SwiGLU."""
         return 3 if self.mlp == "swiglu" else 2
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def _shared_columns(self, ffn: float) -> float:
+        """Shared-expert columns on a rank holding ``ffn`` columns of each expert (split like them)."""
+        return self.shared_ffn * ffn / self.ffn_hidden_size
+
+    def held_ffn(self, ffn: float, ep: int = 1) -> float:
+        """MLP columns whose weights a rank holds: ``ffn`` of each of its ``num_experts / ep`` experts (of
+        the one MLP when dense), plus its share of the shared expert."""
+        return ffn * (self.num_experts / ep if self.is_moe else 1) + self._shared_columns(ffn)
+
+    def active_ffn(self, ffn: float) -> float:
+        """MLP columns one token passes through on a rank holding ``ffn`` columns per expert: top-k
+        experts (balanced routing, no capacity padding) plus the shared expert."""
+        return ffn * (self.experts_per_token if self.is_moe else 1) + self._shared_columns(ffn)
 
     def norm_params(self) -> int:
         """Parameters of one norm layer: weight and bias for LayerNorm, weight for RMSNorm."""
@@ -99,12 +131,12 @@ class ModelSpec:
         f = self.ffn_hidden_size if ffn is None else ffn
         qkv = h * d * (q + 2 * kv)  # column-parallel
         out = q * d * h  # row-parallel
-        mlp = self.mlp_matrices * h * f
+        mlp = self.mlp_matrices * h * self.held_ffn(f) + h * self.num_experts  # experts, shared expert, router
         total = qkv + out + mlp + 2 * self.norm_params()
         if self.bias:
-            gate_up = (self.mlp_matrices - 1) * f
+            gate_up = (self.mlp_matrices - 1) * self.held_ffn(f)
             total += d * (q + 2 * kv) + h + gate_up + h
-        return total
+        return int(total)
 
     def embedding_params(self, vocab_rows: int | None = None) -> int:
         """Word-embedding parameters for ``vocab_rows`` rows (all rows by default)."""
@@ -174,7 +206,7 @@ def from_hf_config(config: dict | str | Path, name: str | None = None) -> ModelS
             config = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as err:
             raise ValueError(f"--model {path}: cannot read a config.json ({err})") from None
-        name = name or path.parent.name or path.stem
+        name = name or (path.parent.name if path.name == "config.json" and path.parent.name else path.stem)
     name = name or config.get("_name_or_path") or config.get("model_type", "hf-model")
     _refuse_non_decoder(config, name)
     if "n_embd" in config:  # GPT-2 family naming
@@ -188,23 +220,33 @@ def from_hf_config(config: dict | str | Path, name: str | None = None) -> ModelS
             learned_positions=config.get("n_positions", 0), max_positions=config.get("n_positions", 0),
         )
     required = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
-    missing = [key for key in required if key not in config]
+    missing = [key for key in required if key not in config and not (key == "intermediate_size" and
+                                                                      "moe_intermediate_size" in config)]
     if missing:
         raise ValueError(
             f"config.json of {name!r} lacks {', '.join(missing)}; the planner reads Llama-like configs "
             f"({', '.join(required)}) or GPT-2-like ones (n_layer, n_embd, n_head, vocab_size)"
         )
+    kind = config.get("model_type", "")
     heads = config["num_attention_heads"]
+    experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)  # mixtral / qwen*_moe, olmoe
+    moe = dict(
+        num_experts=experts, experts_per_token=int(config.get("num_experts_per_tok") or 0) if experts else 0,
+        shared_ffn=int(config.get("shared_expert_intermediate_size") or 0) if experts else 0,
+    )
+    ffn = config.get("moe_intermediate_size") if experts and config.get("moe_intermediate_size") else None
     return ModelSpec(
         name=name, num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
         num_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads,
-        ffn_hidden_size=config["intermediate_size"], vocab_size=config["vocab_size"],
+        ffn_hidden_size=ffn or config["intermediate_size"], vocab_size=config["vocab_size"],
         head_dim=config.get("head_dim") or 0,
-        mlp="gelu" if config.get("model_type") in UNGATED_MODEL_TYPES else "swiglu",
-        bias=bool(config.get("attention_bias", False)),
+        mlp="gelu" if kind in UNGATED_MODEL_TYPES else "swiglu",
+        norm="layernorm" if kind in LAYERNORM_MODEL_TYPES else "rmsnorm",
+        bias=bool(config.get("attention_bias", False) or config.get("use_bias", False)),
         dropout=bool(config.get("attention_dropout", 0.0)),
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
         max_positions=int(config.get("max_position_embeddings") or 0),
+        **moe,
     )
 
 
