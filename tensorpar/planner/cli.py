@@ -42,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hw.add_argument("--peak-tflops", type=float, help="override dense 16-bit peak, TFLOP/s")
     hw.add_argument("--intra-node-bw", type=float, help="override intra-node bandwidth, GB/s per direction")
     hw.add_argument("--inter-node-bw", type=float, help="override inter-node bandwidth per device, GB/s")
+    hw.add_argument("--hbm-gbps", type=float, help="override device-memory bandwidth, GB/s")
     hw.add_argument("--intra-node-latency-us", type=float)
     hw.add_argument("--inter-node-latency-us", type=float)
 
@@ -63,6 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--max-micro-batch", type=int, default=Assumptions.max_micro_batch)
     work.add_argument("--virtual-stages", default="1", help="interleaving degrees to try, e.g. 1,2,4")
     work.add_argument("--allow-cross-node-tp", action="store_true", help="let tensor-parallel groups span nodes")
+
+    inf = parser.add_argument_group("inference (--inference): tp and replicas for generation")
+    inf.add_argument("--inference", action="store_true", help="plan generation instead of training")
+    inf.add_argument("--batch", type=int, help="sequences decoded together per replica")
+    inf.add_argument("--prompt-len", type=int, help="prompt tokens per sequence")
+    inf.add_argument("--max-new-tokens", type=int, help="tokens generated per sequence")
+    inf.add_argument("--latency-target-ms", type=float, help="largest acceptable decode time per token, ms")
 
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=int, default=10, help="plans to show (0: all)")
@@ -100,7 +108,7 @@ def build_cluster(args) -> cl.ClusterSpec:
     device = cl.device_from_file(args.device_file) if args.device_file else cl.device_preset(args.device)
     device = cl.override(device, memory_gib=args.memory_gb, peak_tflops=args.peak_tflops,
                          intra_node_gbps=args.intra_node_bw, inter_node_gbps=args.inter_node_bw,
-                         intra_node_latency_us=args.intra_node_latency_us,
+                         intra_node_latency_us=args.intra_node_latency_us, hbm_gbps=args.hbm_gbps,
                          inter_node_latency_us=args.inter_node_latency_us)
     return cl.ClusterSpec(device=device, num_devices=args.gpus, devices_per_node=args.gpus_per_node)
 
@@ -123,6 +131,8 @@ def main(args) -> int:
     try:
         if args.calibrate:
             return _calibrate(args)
+        if args.inference:
+            return _plan_inference(args)
         return _plan(args)
     except ValueError as err:
         print(f"tensorpar plan: error: {err}", file=sys.stderr)
@@ -154,6 +164,48 @@ def _calibrate(args) -> int:
               "on the local link). Save the 'device' object of --calibrate --json to a file and plan with "
               "--device-file FILE (its peak is the measured matmul rate, matmul_efficiency 1).")
     return 0
+
+
+def _plan_inference(args) -> int:
+    from tensorpar.planner.inference import InferenceWorkload, explain_inference, plan_inference
+
+    missing = [flag for flag, v in (("--batch", args.batch), ("--prompt-len", args.prompt_len),
+                                    ("--max-new-tokens", args.max_new_tokens)) if v is None]
+    if missing:
+        raise ValueError(f"--inference needs {', '.join(missing)}")
+    model, hw = build_model(args), build_cluster(args)
+    size = {"bf16": 2, "fp32": 4}[args.dtype]
+    work = InferenceWorkload(args.batch, args.prompt_len, args.max_new_tokens, weight_bytes=size, kv_bytes=size,
+                             latency_target_ms=args.latency_target_ms,
+                             reserve_gib=args.reserve_gb if args.reserve_gb != Assumptions.reserve_gib else 2.0)
+    plans = plan_inference(model, hw, work)
+    ok = bool(plans) and plans[0].fits
+    if args.json:
+        print(json.dumps([{**p.to_json(), "rank": i + 1} for i, p in enumerate(plans)], indent=2))
+        return 0 if ok else NO_FIT
+    from rich import box
+    from rich.table import Table
+
+    from tensorpar.planner.memory import GIB
+    from tensorpar.planner.report import console
+
+    title = (f"{model.name} inference on {hw.num_devices} x {hw.device.name}: batch {work.batch}, prompt "
+             f"{work.prompt_len}, {work.max_new_tokens} new tokens"
+             + (f", target {work.latency_target_ms:g} ms/token" if work.latency_target_ms else ""))
+    table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
+    for name in ("#", "tp", "replicas", "KV heads/rank", "weights GiB", "KV GiB", "total GiB", "TTFT ms",
+                 "decode ms/token", "tokens/s"):
+        table.add_column(name, justify="right")
+    for i, q in enumerate(plans):
+        total = f"{q.memory / GIB:.2f}" if q.fits else f"[red]{q.memory / GIB:.2f}[/red]"
+        decode = f"{q.decode * 1e3:.2f}" if q.meets(work.latency_target_ms) else f"[red]{q.decode * 1e3:.2f}[/red]"
+        table.add_row(str(i + 1), str(q.tp), str(q.replicas), str(q.kv_heads_per_rank), f"{q.weights / GIB:.2f}",
+                      f"{q.kv_cache / GIB:.2f}", total, f"{q.ttft * 1e3:.1f}", decode, f"{q.tokens_per_s:.0f}")
+    con = console()
+    con.print(table)
+    for line in explain_inference(plans, work):
+        con.print(line, highlight=False)
+    return 0 if ok else NO_FIT
 
 
 def _plan(args) -> int:
