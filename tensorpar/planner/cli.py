@@ -63,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="GiB per device not available to the model (default %(default)s)")
     work.add_argument("--max-micro-batch", type=int, default=Assumptions.max_micro_batch)
     work.add_argument("--virtual-stages", default="1", help="interleaving degrees to try, e.g. 1,2,4")
+    work.add_argument("--capacity-factor", type=float, default=Assumptions.capacity_factor,
+                      help="mixture of experts: tokens dispatched per expert over its balanced share (default %(default)s)")
     work.add_argument("--allow-cross-node-tp", action="store_true", help="let tensor-parallel groups span nodes")
 
     inf = parser.add_argument_group("inference (--inference): tp and replicas for generation")
@@ -124,6 +126,7 @@ def build_assumptions(args, model: ms.ModelSpec) -> Assumptions:
                        grad_bytes=size[args.grad_dtype], attention=attention, efficiency=args.efficiency,
                        tp_overlap=args.tp_overlap, dp_overlap=args.dp_overlap, reserve_gib=args.reserve_gb,
                        allow_cross_node_tp=args.allow_cross_node_tp, max_micro_batch=args.max_micro_batch,
+                       capacity_factor=args.capacity_factor,
                        virtual_stages=virtual)
 
 

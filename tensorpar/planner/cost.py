@@ -34,11 +34,11 @@ from dataclasses import dataclass, replace
 from tensorpar.planner.cluster import ClusterSpec
 from tensorpar.planner.flops import layer_forward_flops, logit_forward_flops, model_flops, recompute_forward_flops
 from tensorpar.planner.layout import Assumptions, Layout, Workload
-from tensorpar.planner.memory import layer_activation_terms, stage_params
+from tensorpar.planner.memory import layer_activation_terms, stage_expert_params, stage_params
 from tensorpar.planner.model_spec import ModelSpec
 from tensorpar.planner.partition import busiest_heads, max_ffn_columns, max_vocab_rows, stage_layers
-from tensorpar.planner.traffic import (dp_collectives, pipeline_sends, tied_embedding_collectives, tp_collectives,
-                                      tp_step_collectives)
+from tensorpar.planner.traffic import (dp_collectives, ep_collectives, pipeline_sends, tied_embedding_collectives,
+                                      tp_collectives, tp_step_collectives)
 
 # Bytes the elementwise kernels of a layer's forward pass read and write, per byte the layer stores for
 # backward. Every stored tensor is written once by the kernel that makes it and read by the next one;
@@ -67,13 +67,15 @@ class StepTime:
     bubble: float
     dp_comm: float
     optimizer: float = 0.0
+    ep_comm: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp_comm + self.pp_comm + self.bubble + self.dp_comm + self.optimizer
+        return (self.compute + self.tp_comm + self.ep_comm + self.pp_comm + self.bubble + self.dp_comm
+                + self.optimizer)
 
     def as_dict(self) -> dict:
-        return {"compute": self.compute, "tp_comm": self.tp_comm, "pp_comm": self.pp_comm,
+        return {"compute": self.compute, "tp_comm": self.tp_comm, "ep_comm": self.ep_comm, "pp_comm": self.pp_comm,
                 "bubble": self.bubble, "dp_comm": self.dp_comm, "optimizer": self.optimizer}
 
 
@@ -105,15 +107,22 @@ class LayerTime:
     backward_tp: float
     recompute_compute: float
     recompute_tp: float
+    forward_ep: float = 0.0  # expert-parallel all-to-alls (forward; backward with recomputation)
+    backward_ep: float = 0.0
 
     @property
     def forward(self) -> float:
-        return self.forward_compute + self.forward_tp
+        return self.forward_compute + self.forward_tp + self.forward_ep
 
     @property
     def backward(self) -> float:
         """Backward including recomputation (as Korthikanti et al. 2022, Table 4 reports it)."""
-        return self.backward_compute + self.backward_tp + self.recompute_compute + self.recompute_tp
+        return (self.backward_compute + self.backward_tp + self.recompute_compute + self.recompute_tp
+                + self.backward_ep)
+
+    @property
+    def ep(self) -> float:
+        return self.forward_ep + self.backward_ep
 
     @property
     def total(self) -> float:
@@ -161,6 +170,10 @@ def layer_times(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Wo
     bwd = [c for c in collectives if c.site == "layer backward"]
     bwd_tp = 0.0 if model.kernels == "megatron" else keep * _collective_seconds(bwd, cluster, t)
 
+    ep_calls = ep_collectives(model, layout, work, assume, layers=1)
+    span = t * layout.pp * layout.ep  # an expert-parallel group: ep dp replicas of the same (pp, tp) rank
+    fwd_ep = _collective_seconds([c for c in ep_calls if "backward" not in c.site], cluster, span)
+    bwd_ep = _collective_seconds([c for c in ep_calls if "backward" in c.site], cluster, span)
     rec_compute = rec_tp = 0.0
     if layout.recompute == "full":
         rec_compute, rec_tp = forward_matmul + forward_ew, fwd_tp
@@ -168,18 +181,22 @@ def layer_times(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Wo
         rec_compute = flops["attention"] / rate + _elementwise_seconds(stored - kept, cluster)
     return LayerTime(forward_compute=forward_matmul + forward_ew, forward_tp=fwd_tp,
                      backward_compute=2 * forward_matmul + sdpa_extra + BACKWARD_TRAFFIC * forward_ew,
-                     backward_tp=bwd_tp, recompute_compute=rec_compute, recompute_tp=rec_tp)
+                     backward_tp=bwd_tp, recompute_compute=rec_compute, recompute_tp=rec_tp,
+                     forward_ep=fwd_ep / (2 if layout.recompute == "full" else 1),
+                     backward_ep=bwd_ep + (fwd_ep / 2 if layout.recompute == "full" else 0.0))
 
 
-def optimizer_seconds(params: float, layout: Layout, cluster: ClusterSpec, assume: Assumptions) -> float:
-    """Adam update of the ``params`` a rank holds (1/dp of them with the distributed optimizer), at the
-    device-memory bandwidth; 0 when the device gives no ``hbm_gbps``."""
+def optimizer_seconds(params: float, layout: Layout, cluster: ClusterSpec, assume: Assumptions,
+                      expert_params: float = 0.0) -> float:
+    """Adam update of the ``params`` a rank holds (with the distributed optimizer 1/dp of the dense ones and
+    ``ep/dp`` of the ``expert_params`` among them), at the device-memory bandwidth; 0 when the device
+    gives no ``hbm_gbps``."""
     hbm = cluster.device.hbm_gbps
     if not hbm:
         return 0.0
-    share = layout.dp if layout.distributed_optimizer else 1
+    dense, expert = (layout.dp, layout.dp // layout.ep) if layout.distributed_optimizer else (1, 1)
     per_param = OPTIMIZER_STATE_TRAFFIC + 2 * assume.grad_bytes + assume.param_bytes
-    return params / share * per_param / (hbm * 1e9)
+    return ((params - expert_params) / dense + expert_params / expert) * per_param / (hbm * 1e9)
 
 
 def step_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Workload, assume: Assumptions) -> Cost:
@@ -196,29 +213,31 @@ def step_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Work
     tied = _collective_seconds(tied_embedding_collectives(model, layout, assume), cluster, t * p)
     keep = 1 - assume.tp_overlap
 
-    def stage_times(layers: int, params: int, first: bool, last: bool) -> tuple[tuple, tuple]:
+    def stage_times(layers: int, params: int, experts: float, first: bool, last: bool) -> tuple[tuple, tuple]:
         compute = layers * layer.compute + (logits_seconds if last else 0.0)
         tp = layers * layer.tp + keep * _collective_seconds(
             tp_collectives(model, layout, work, assume, layers=0, first_stage=first, last_stage=last), cluster, t)
         tp_once = _collective_seconds(tp_step_collectives(model, layout, assume, layers=layers, last_stage=last),
                                       cluster, t) * keep
-        dp = (_collective_seconds(dp_collectives(params, layout, assume), cluster, t * p * d)
+        dp = (_collective_seconds(dp_collectives(params, layout, assume, experts), cluster, t * p * d)
               + (tied if first or last else 0.0)) * (1 - assume.dp_overlap)
-        opt = optimizer_seconds(params, layout, cluster, assume)
-        return (compute + tp + p2p, compute, tp), (tp_once + dp + opt, tp_once, dp, opt)
+        opt = optimizer_seconds(params, layout, cluster, assume, experts)
+        ep = layers * layer.ep
+        return (compute + tp + ep + p2p, compute, tp, ep), (tp_once + dp + opt, tp_once, dp, opt)
 
     seen: dict[tuple, tuple] = {}  # stages of equal shape cost the same; a 64-stage pipeline has ~3 shapes
     per_stage, after_backward = [], []
-    for i, (layers, params) in enumerate(zip(stage_layers(model.num_layers, p, v), stage_params(model, layout))):
-        key = (layers, params, i == 0, i == p - 1)
+    shapes = zip(stage_layers(model.num_layers, p, v), stage_params(model, layout), stage_expert_params(model, layout))
+    for i, (layers, params, experts) in enumerate(shapes):
+        key = (layers, params, experts, i == 0, i == p - 1)
         if key not in seen:
             seen[key] = stage_times(*key)
         per_stage.append(seen[key][0])
         after_backward.append(seen[key][1])
     slowest = max(range(p), key=lambda i: (per_stage[i][0], -i))
-    micro, compute, tp = per_stage[slowest]
+    micro, compute, tp, ep = per_stage[slowest]
     _, tp_once, dp, opt = max(after_backward)
     step = StepTime(compute=m * compute, tp_comm=m * tp + tp_once, pp_comm=m * p2p,
-                    bubble=(p - 1) / v * micro, dp_comm=dp, optimizer=opt)
+                    bubble=(p - 1) / v * micro, dp_comm=dp, optimizer=opt, ep_comm=m * ep)
     return Cost(step=step, model_flops=model_flops(model, work.global_batch * work.seq_len, work.seq_len),
                 num_devices=layout.num_devices, peak_tflops=cluster.device.peak_tflops, bottleneck_stage=slowest)

@@ -29,6 +29,7 @@ class Layout:
     recompute: str = "none"
     distributed_optimizer: bool = False
     virtual_stages: int = 1
+    ep: int = 1  # expert parallelism (mixture of experts): experts split over ep of the dp replicas
 
     @property
     def num_devices(self) -> int:
@@ -47,6 +48,8 @@ class Layout:
                  f"distopt={'on' if self.distributed_optimizer else 'off'}"]
         if self.virtual_stages > 1:
             parts.append(f"v={self.virtual_stages}")
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
         return " ".join(parts)
 
 
@@ -90,6 +93,7 @@ class Assumptions:
     allow_cross_node_tp: bool = False
     max_micro_batch: int = 8
     virtual_stages: tuple[int, ...] = (1,)
+    capacity_factor: float = 1.0  # mixture of experts: dispatched tokens per expert / its balanced share
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:
@@ -106,6 +110,8 @@ class Assumptions:
             raise ValueError(f"--reserve-gb ({self.reserve_gib}) must be >= 0")
         if self.max_micro_batch < 1:
             raise ValueError(f"--max-micro-batch ({self.max_micro_batch}) must be >= 1")
+        if not self.capacity_factor > 0:
+            raise ValueError(f"--capacity-factor ({self.capacity_factor}) must be > 0 (1: no padding)")
         if not self.virtual_stages or min(self.virtual_stages) < 1:
             raise ValueError(f"--virtual-stages ({self.virtual_stages}) must list integers >= 1")
 
@@ -132,7 +138,7 @@ def problems(layout: Layout, model: ModelSpec, cluster: ClusterSpec, work: Workl
     def bad(rule: str, message: str) -> None:
         out.append(Problem(rule, message))
 
-    for knob in ("tp", "pp", "dp", "micro_batch", "virtual_stages"):
+    for knob in ("tp", "pp", "dp", "micro_batch", "virtual_stages", "ep"):
         if getattr(layout, knob) < 1:
             bad("positive", f"{knob} ({getattr(layout, knob)}) must be >= 1")
     if out:
@@ -165,6 +171,13 @@ def problems(layout: Layout, model: ModelSpec, cluster: ClusterSpec, work: Workl
     elif layout.recompute == "selective" and assume.attention == "sdpa":
         bad("no-op", "recompute=selective has no effect with --attention sdpa (a fused attention kernel "
                      "stores no score matrix); use recompute=none")
+    if layout.ep > 1:
+        if not model.is_moe:
+            bad("no-op", f"ep ({layout.ep}) needs a mixture-of-experts model; {model.name} is dense; set ep=1")
+        elif model.num_experts % layout.ep:
+            bad("ep", f"ep ({layout.ep}) must divide the {model.num_experts} experts of {model.name}")
+        if d % layout.ep:
+            bad("ep", f"ep ({layout.ep}) must divide dp ({d}): expert-parallel groups are made of dp replicas")
     if layout.distributed_optimizer and d == 1:
         bad("no-op", "distributed_optimizer has no effect at dp=1; set distributed_optimizer=false")
     return out

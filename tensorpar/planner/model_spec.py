@@ -109,6 +109,14 @@ class ModelSpec:
         the one MLP when dense), plus its share of the shared expert."""
         return ffn * (self.num_experts / ep if self.is_moe else 1) + self._shared_columns(ffn)
 
+    def expert_params(self, ffn: float, ep: int = 1) -> float:
+        """Parameters of the routed experts of one layer on a rank holding ``ffn`` columns of each of its
+        ``num_experts / ep`` experts (0 for a dense model): these are data-parallel over ``dp / ep`` ranks."""
+        if not self.is_moe:
+            return 0.0
+        per_expert = self.mlp_matrices * self.hidden_size * ffn + (self.mlp_matrices - 1) * ffn * self.bias
+        return self.num_experts / ep * per_expert
+
     def active_ffn(self, ffn: float) -> float:
         """MLP columns one token passes through on a rank holding ``ffn`` columns per expert: top-k
         experts (balanced routing, no capacity padding) plus the shared expert."""
@@ -118,7 +126,8 @@ class ModelSpec:
         """Parameters of one norm layer: weight and bias for LayerNorm, weight for RMSNorm."""
         return 2 * self.hidden_size if self.norm == "layernorm" else self.hidden_size
 
-    def layer_params(self, q_heads: int | None = None, kv_heads: int | None = None, ffn: int | None = None) -> int:
+    def layer_params(self, q_heads: int | None = None, kv_heads: int | None = None, ffn: int | None = None,
+                     ep: int = 1) -> int:
         """Parameters of one transformer layer as held by one tensor-parallel rank.
 
         With no arguments: the whole layer. A rank holds ``q_heads`` query heads, ``kv_heads`` key/value
@@ -131,10 +140,10 @@ class ModelSpec:
         f = self.ffn_hidden_size if ffn is None else ffn
         qkv = h * d * (q + 2 * kv)  # column-parallel
         out = q * d * h  # row-parallel
-        mlp = self.mlp_matrices * h * self.held_ffn(f) + h * self.num_experts  # experts, shared expert, router
+        mlp = self.mlp_matrices * h * self.held_ffn(f, ep) + h * self.num_experts  # experts, shared expert, router
         total = qkv + out + mlp + 2 * self.norm_params()
         if self.bias:
-            gate_up = (self.mlp_matrices - 1) * self.held_ffn(f)
+            gate_up = (self.mlp_matrices - 1) * self.held_ffn(f, ep)
             total += d * (q + 2 * kv) + h + gate_up + h
         return int(total)
 
