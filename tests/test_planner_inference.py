@@ -40,16 +40,21 @@ def test_hand_worked_latencies():
     weights = weight_params_per_rank(TINY, 2) * 2
     kv_mean = kv_cache_bytes(TINY, 2, 1, 150)
     assert q.decode_memory == pytest.approx((weights + kv_mean) / 100e9, rel=1e-12)
-    # decode all-reduces: 2 per layer of 64 bf16 values over 2 ranks, latency 10 us + 128 B / 10 GB/s;
-    # logits gather: 10 us + 1000/2 fp32 values / 10 GB/s.
-    comm = 2 * 2 * (10e-6 + 128 / 10e9) + (10e-6 + 2000 / 10e9)
+    # decode all-reduces: 2 per layer and the embedding's, of 64 bf16 values over 2 ranks, latency 10 us +
+    # 128 B / 10 GB/s; logits gather: 10 us + 1000/2 fp32 values / 10 GB/s.
+    comm = 5 * (10e-6 + 128 / 10e9) + (10e-6 + 2000 / 10e9)
     assert q.decode_comm == pytest.approx(comm, rel=1e-12)
     assert q.decode == pytest.approx(max(q.decode_memory, q.decode_compute) + comm, rel=1e-12)
     assert q.tokens_per_s == pytest.approx(1 / q.decode)
     # prefill FLOPs: per layer 2*100*(64*8*6 + 4*8*64 + 3*64*64) + 4*100*100*4*8, 2 layers, logits 2*64*500.
     flops = 2 * (2 * 100 * (64 * 8 * 6 + 4 * 8 * 64 + 3 * 64 * 64) + 4 * 100 * 100 * 4 * 8) + 2 * 64 * 500
-    prefill_comm = 2 * 2 * (10e-6 + 100 * 64 * 2 / 10e9) + (10e-6 + 2000 / 10e9)
+    prefill_comm = 5 * (10e-6 + 100 * 64 * 2 / 10e9) + (10e-6 + 2000 / 10e9)
     assert q.ttft == pytest.approx(max(flops / 0.5e12, weights / 100e9) + prefill_comm, rel=1e-12)
+    # A measured per-layer overhead adds 2 layers x 300 us to both.
+    from dataclasses import replace
+
+    slow = plan_one(TINY, 2, ClusterSpec(replace(DEVICE, layer_overhead_us=300.0), 2, 2), work)
+    assert slow.decode - q.decode == pytest.approx(600e-6) and slow.ttft - q.ttft == pytest.approx(600e-6)
 
 
 def test_latency_target_picks_the_highest_throughput_that_meets_it():

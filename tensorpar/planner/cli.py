@@ -158,6 +158,7 @@ def _calibrate(args) -> int:
     con.print(f"[bold]matmul[/bold] on {result.backend}:")
     for m in result.matmul:
         con.print(f"  n={m['n']:>5} {m['dtype']}: {m['tflops']:.3f} TFLOP/s")
+    con.print(f"[bold]memory bandwidth[/bold] (copy, read + write): {result.device['hbm_gbps']:.1f} GB/s")
     c = result.collective
     con.print(f"[bold]all-reduce[/bold] on {result.device['local_link_label']}: "
               f"latency {c['latency_us']:.1f} us, bandwidth {c['bandwidth_gbps']:.2f} GB/s")

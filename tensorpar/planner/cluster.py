@@ -34,6 +34,9 @@ class DeviceSpec:
     local_link_gbps: float = 0.0
     local_link_latency_us: float = 0.0
     local_link_label: str = ""
+    # Fixed time per layer per forward pass that no byte or FLOP count explains (Python, framework, kernel
+    # launches), microseconds; used by inference planning. 0: not modelled (the presets: unmeasured).
+    layer_overhead_us: float = 0.0
 
     def __post_init__(self) -> None:
         links = ("intra_node_gbps", "inter_node_gbps")
@@ -42,6 +45,8 @@ class DeviceSpec:
                 continue  # not measured; the local link is used instead
             if not getattr(self, knob) > 0:
                 raise ValueError(f"device {knob} ({getattr(self, knob)!r}) must be > 0")
+        if self.layer_overhead_us < 0:
+            raise ValueError(f"device layer_overhead_us ({self.layer_overhead_us!r}) must be >= 0")
         if self.local_link_gbps < 0 or self.local_link_latency_us < 0:
             raise ValueError(f"device local_link_gbps ({self.local_link_gbps!r}) and local_link_latency_us "
                              f"({self.local_link_latency_us!r}) must be >= 0")

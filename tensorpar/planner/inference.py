@@ -16,6 +16,9 @@ Model (one replica of ``tp`` ranks, batch B, prompt P, N new tokens; all per ran
 * decode, per token: memory-bandwidth bound: the weights and the KV cache (at the mean context
   ``P + N/2``) read once from device memory at ``hbm_gbps`` (or the matmuls, if slower), plus two TP
   all-reduces of ``B x h`` per layer and the logits gather: at small batch these are latency, not bytes;
+* the vocabulary-parallel embedding all-reduces its ``B x h`` lookup once per forward (tp > 1);
+* every layer of every forward pass also pays the device's ``layer_overhead_us`` (Python, framework and
+  kernel launches; 0 unless measured, e.g. by ``bench/bench_plan_inference.py``);
 * throughput: ``replicas x B / decode seconds per token``, replicas = devices // tp.
 
 The winner: among layouts that fit (and meet ``latency_target_ms`` per decoded token, when given), the
@@ -65,7 +68,7 @@ class InferencePlan:
     usable: float
     ttft: float  # seconds
     decode: float  # seconds per token (one step for the whole batch)
-    decode_memory: float  # parts of ``decode``: device-memory reads, compute, TP collectives
+    decode_memory: float  # parts of ``decode``: device-memory reads, compute, TP collectives, fixed overhead
     decode_compute: float
     decode_comm: float
     kv_heads_per_rank: int
@@ -137,11 +140,13 @@ def plan_one(model: ModelSpec, tp: int, cluster: ClusterSpec, work: InferenceWor
     vocab_rows = max_vocab_rows(model.vocab_size, tp)
     # The logits of the sharded output layer are gathered (all-gather of B x V fp32 ~ one all-reduce's bytes / 2).
     logits_comm = _all_reduce_seconds(b * model.vocab_size / 2, 4, tp, cluster)
+    overhead = model.num_layers * dev.layer_overhead_us * 1e-6
 
     layer = layer_forward_flops(model, heads, ffn, b * p, p)
     prefill_flops = model.num_layers * (layer["linear"] + layer["attention"]) + logit_forward_flops(model, vocab_rows, b)
-    prefill_comm = model.num_layers * 2 * _all_reduce_seconds(b * p * model.hidden_size, e, tp, cluster) + logits_comm
-    ttft = max(prefill_flops / rate, weights / hbm) + prefill_comm
+    prefill_comm = ((2 * model.num_layers + 1) * _all_reduce_seconds(b * p * model.hidden_size, e, tp, cluster)
+                    + logits_comm)
+    ttft = max(prefill_flops / rate, weights / hbm) + prefill_comm + overhead
 
     context = p + n / 2  # mean context length over the generated tokens
     decode_layer = layer_forward_flops(model, heads, ffn, b, context)
@@ -149,8 +154,8 @@ def plan_one(model: ModelSpec, tp: int, cluster: ClusterSpec, work: InferenceWor
         logit_forward_flops(model, vocab_rows, b)
     decode_memory = (weights + kv_cache_bytes(model, tp, b, context, work.kv_bytes)) / hbm
     decode_compute = decode_flops / rate
-    decode_comm = model.num_layers * 2 * _all_reduce_seconds(b * model.hidden_size, e, tp, cluster) + logits_comm
-    decode = max(decode_memory, decode_compute) + decode_comm
+    decode_comm = (2 * model.num_layers + 1) * _all_reduce_seconds(b * model.hidden_size, e, tp, cluster) + logits_comm
+    decode = max(decode_memory, decode_compute) + decode_comm + overhead
     return InferencePlan(tp=tp, replicas=cluster.num_devices // tp, weights=weights, kv_cache=kv_total,
                          working_set=working, usable=(dev.memory_gib - work.reserve_gib) * GIB, ttft=ttft,
                          decode=decode, decode_memory=decode_memory, decode_compute=decode_compute,
