@@ -59,3 +59,21 @@ def test_zero3_rows():
     table = accuracy.rows(ZERO3)
     print("\n" + accuracy.format_table(table))
     assert max(abs(r.error) for r in table) <= 0.20
+
+
+@pytest.mark.parametrize("row", ["1T, present work", "175B, full recompute", "530B, present work, dp 8"])
+def test_evaluate_on_the_command_line_reproduces_a_row(row, capsys):
+    """The table's numbers are what `tensorpar plan --evaluate` prints for the published layout."""
+    import json
+
+    from tensorpar import cli
+    from tensorpar.planner.published import MODELS
+
+    run = next(r for r in PTD if r.row == row)
+    spec = ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in run.layout.items())
+    code = cli.main(["plan", "--model", MODELS[run.model].name, "--gpus", str(run.gpus), "--device", "a100-80gb",
+                     "--global-batch", str(run.global_batch), "--seq", "2048", "--grad-dtype", "fp32",
+                     "--reserve-gb", "0", "--evaluate", spec, "--json"])
+    plan = json.loads(capsys.readouterr().out)[0]
+    assert code == 0
+    assert plan["step_time_s"] == pytest.approx(accuracy.predict(run), rel=1e-5)

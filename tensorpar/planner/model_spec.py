@@ -161,11 +161,13 @@ class ModelSpec:
         return asdict(self)
 
 
-def _gpt3_175b() -> ModelSpec:
-    # Brown et al. 2020, Table 2.1; vocabulary padded to 51200 as in Narayanan et al. 2021.
+def _megatron_gpt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
+    """A GPT as Megatron-LM trains it in Narayanan et al. 2021 and Korthikanti et al. 2022: GeLU MLP of 4h,
+    LayerNorm, biases, dropout, tied embeddings, learned positions for s = 2048, vocabulary padded to
+    51200, Megatron kernels."""
     return ModelSpec(
-        name="gpt3-175b", num_layers=96, hidden_size=12288, num_heads=96, num_kv_heads=96,
-        ffn_hidden_size=4 * 12288, vocab_size=51200, mlp="gelu", norm="layernorm", bias=True,
+        name=name, num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=heads,
+        ffn_hidden_size=4 * hidden, vocab_size=51200, mlp="gelu", norm="layernorm", bias=True,
         dropout=True, tied_embeddings=True, learned_positions=2048, kernels="megatron", max_positions=2048,
     )
 
@@ -187,7 +189,11 @@ def _smollm2(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int)
 
 
 PRESETS = MappingProxyType({
-    "gpt3-175b": _gpt3_175b(),
+    # Brown et al. 2020, Table 2.1 (GPT-3 175B); the other three: Korthikanti et al. 2022, Table 3.
+    "gpt3-175b": _megatron_gpt("gpt3-175b", 96, 12288, 96),
+    "gpt-22b": _megatron_gpt("gpt-22b", 48, 6144, 64),
+    "gpt-530b": _megatron_gpt("gpt-530b", 105, 20480, 128),
+    "gpt-1t": _megatron_gpt("gpt-1t", 128, 25600, 160),
     "llama3-8b": _llama3("llama3-8b", 32, 4096, 32, 14336),
     "llama3-70b": _llama3("llama3-70b", 80, 8192, 64, 28672),
     "llama3-405b": _llama3("llama3-405b", 126, 16384, 128, 53248),

@@ -19,27 +19,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tensorpar.planner.model_spec import ModelSpec
+from tensorpar.planner.model_spec import preset
 
 KORTHIKANTI = "Korthikanti et al. 2022 (arXiv 2205.05198)"
 NARAYANAN = "Narayanan et al. 2021 (arXiv 2104.04473)"
 
 
-def megatron_gpt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
-    """A GPT as both papers train it: GeLU MLP of 4h, LayerNorm, biases, dropout, tied embeddings, learned
-    positions for s = 2048, vocabulary 51200, Megatron kernels."""
-    return ModelSpec(name=name, num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=heads,
-                     ffn_hidden_size=4 * hidden, vocab_size=51200, mlp="gelu", norm="layernorm", bias=True,
-                     dropout=True, tied_embeddings=True, learned_positions=2048, kernels="megatron")
-
-
-# Korthikanti et al. 2022, Table 3 (Narayanan et al. 2021 Table 1 gives the same shapes for 175B and 530B).
-MODELS = {
-    "22B": megatron_gpt("gpt-22b", 48, 6144, 64),
-    "175B": megatron_gpt("gpt-175b", 96, 12288, 96),
-    "530B": megatron_gpt("gpt-530b", 105, 20480, 128),
-    "1T": megatron_gpt("gpt-1t", 128, 25600, 160),
-}
+# Korthikanti et al. 2022, Table 3 (Narayanan et al. 2021 Table 1 gives the same shapes for 175B and 530B):
+# the presets of tensorpar.planner.model_spec, so that `tensorpar plan --model gpt-1t ... --evaluate ...`
+# reproduces a row.
+MODELS = {"22B": preset("gpt-22b"), "175B": preset("gpt3-175b"), "530B": preset("gpt-530b"), "1T": preset("gpt-1t")}
 
 
 @dataclass(frozen=True)
