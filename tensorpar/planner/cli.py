@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tensorpar.planner import cluster as cl
 from tensorpar.planner import model_spec as ms
+from tensorpar.planner.inference import InferenceWorkload
 from tensorpar.planner.layout import ATTENTION, Assumptions, Workload, parse_layout, problems
 
 
@@ -59,8 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="gradient buffers: bf16 (16 B/param with Adam) or fp32 main grads (18 B/param)")
     work.add_argument("--tp-overlap", type=float, default=0.0, help="fraction of TP communication hidden")
     work.add_argument("--dp-overlap", type=float, default=0.0, help="fraction of DP communication hidden")
-    work.add_argument("--reserve-gb", type=float, default=Assumptions.reserve_gib,
-                      help="GiB per device not available to the model (default %(default)s)")
+    work.add_argument("--reserve-gb", type=float, default=None,
+                      help=f"GiB per device not available to the model (default {Assumptions.reserve_gib} for "
+                           f"training, {InferenceWorkload.reserve_gib} with --inference)")
     work.add_argument("--max-micro-batch", type=int, default=Assumptions.max_micro_batch)
     work.add_argument("--virtual-stages", default="1", help="interleaving degrees to try, e.g. 1,2,4")
     work.add_argument("--capacity-factor", type=float, default=Assumptions.capacity_factor,
@@ -124,7 +126,8 @@ def build_assumptions(args, model: ms.ModelSpec) -> Assumptions:
     size = {"bf16": 2, "fp32": 4}
     return Assumptions(activation_bytes=size[args.dtype], param_bytes=size[args.dtype],
                        grad_bytes=size[args.grad_dtype], attention=attention, efficiency=args.efficiency,
-                       tp_overlap=args.tp_overlap, dp_overlap=args.dp_overlap, reserve_gib=args.reserve_gb,
+                       tp_overlap=args.tp_overlap, dp_overlap=args.dp_overlap,
+                       reserve_gib=Assumptions.reserve_gib if args.reserve_gb is None else args.reserve_gb,
                        allow_cross_node_tp=args.allow_cross_node_tp, max_micro_batch=args.max_micro_batch,
                        capacity_factor=args.capacity_factor,
                        virtual_stages=virtual)
@@ -181,7 +184,7 @@ def _plan_inference(args) -> int:
     size = {"bf16": 2, "fp32": 4}[args.dtype]
     work = InferenceWorkload(args.batch, args.prompt_len, args.max_new_tokens, weight_bytes=size, kv_bytes=size,
                              latency_target_ms=args.latency_target_ms,
-                             reserve_gib=args.reserve_gb if args.reserve_gb != Assumptions.reserve_gib else 2.0)
+                             reserve_gib=InferenceWorkload.reserve_gib if args.reserve_gb is None else args.reserve_gb)
     plans = plan_inference(model, hw, work)
     ok = bool(plans) and plans[0].fits
     if args.json:
