@@ -17,7 +17,8 @@ ATTENTION = ("eager", "sdpa")
 
 @dataclass(frozen=True, order=True)
 class Layout:
-    """tp x pp x dp devices; each data-parallel replica runs ``global_batch / (dp * micro_batch)``
+    """tp x pp x dp devices (for a mixture of experts, ``ep`` of the dp replicas share out the experts);
+    each data-parallel replica runs ``global_batch / (dp * micro_batch)``
     micro-batches of ``micro_batch`` sequences per step through a 1F1B pipeline schedule
     (interleaved over ``virtual_stages`` model chunks per stage when > 1)."""
 
@@ -76,8 +77,8 @@ class Assumptions:
     Megatron's fp32 main gradients (18 bytes per parameter).
 
     ``efficiency``: fraction of peak FLOP/s that a micro-batch's matmuls achieve; ``None`` takes the
-    device's ``matmul_efficiency`` (see :mod:`tensorpar.planner.cluster`). ``tp_overlap``/``dp_overlap``: fraction of tensor-/data-parallel communication
-    hidden behind compute (0: all of it is on the critical path). ``reserve_gib``: device memory not
+    device's ``matmul_efficiency`` (see :mod:`tensorpar.planner.cluster`). ``tp_overlap``/``dp_overlap``:
+    fraction of tensor-/data-parallel communication hidden behind compute (0: all of it is on the critical path). ``reserve_gib``: device memory not
     available to the model (CUDA context, communication buffers, allocator fragmentation).
     """
 
@@ -114,7 +115,6 @@ class Assumptions:
             raise ValueError(f"--capacity-factor ({self.capacity_factor}) must be > 0 (1: no padding)")
         if not self.virtual_stages or min(self.virtual_stages) < 1:
             raise ValueError(f"--virtual-stages ({self.virtual_stages}) must list integers >= 1")
-
 
     def matmul_efficiency(self, device) -> float:
         """``efficiency`` if given, else the device's ``matmul_efficiency``."""
