@@ -133,3 +133,23 @@ def test_calibrate_collectives_and_device_file(tmp_path):
     path = tmp_path / "device.json"
     path.write_text(json.dumps({"device": device}))
     assert device_from_file(path).peak_tflops == matmul[0]["tflops"]
+
+
+def test_memory_bandwidth_and_calibrated_device_fields(tmp_path):
+    """--calibrate's device: measured copy bandwidth as hbm_gbps, the link as a labelled local link, the
+    NVLink and inter-node fields left 0 (not measured), read back by --device-file."""
+    import json
+
+    from tensorpar.planner.calibrate import measure_memory_bandwidth
+    from tensorpar.planner.cluster import ClusterSpec, device_from_file
+
+    bandwidth = measure_memory_bandwidth(nbytes=1 << 22, min_seconds=0.01)
+    assert bandwidth > 0
+    device = {"name": "calibrated cpu", "memory_gib": 16, "peak_tflops": 0.01, "intra_node_gbps": 0.0,
+              "inter_node_gbps": 0.0, "matmul_efficiency": 1.0, "hbm_gbps": bandwidth, "local_link_gbps": 1.0,
+              "local_link_latency_us": 100.0, "local_link_label": "this machine's local link: measured"}
+    path = tmp_path / "device.json"
+    path.write_text(json.dumps({"device": device}))
+    spec = device_from_file(path)
+    assert spec.hbm_gbps == bandwidth and spec.intra_node_gbps == 0.0
+    assert ClusterSpec(spec, 2, 8).link(2) == pytest.approx((1e9, 100e-6))

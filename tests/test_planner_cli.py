@@ -103,8 +103,11 @@ def test_config_json_and_explicit_dimensions(plan, tmp_path):
 def test_nothing_fits_is_explained(plan):
     code, out, _ = plan("--model", "llama3-405b", "--gpus", "8", "--device", "h100-80gb", "--global-batch", "8",
                         "--seq", "8192")
-    assert code == 0
+    assert code == 3  # non-zero: nothing to run (issue 14.11)
     assert "No layout fits" in out and "GiB usable" in out
+    code, out, _ = plan("--model", "llama3-405b", "--gpus", "8", "--device", "h100-80gb", "--global-batch", "8",
+                        "--seq", "8192", "--json")
+    assert code == 3 and json.loads(out)[0]["fits"] is False
 
 
 def test_errors_name_the_setting(plan):
@@ -130,3 +133,63 @@ def test_unreadable_config_json_is_an_error(plan, tmp_path):
 def test_unwritable_plot_path_is_an_error(plan, tmp_path):
     code, _, err = plan(*GPT3, "--plot", str(tmp_path / "missing-folder" / "memory.png"))
     assert code == 2 and "--plot" in err and "cannot write it" in err
+
+
+@pytest.mark.parametrize("config", [
+    {"model_type": "bert", "architectures": ["BertForMaskedLM"], "num_hidden_layers": 12, "hidden_size": 768,
+     "num_attention_heads": 12, "intermediate_size": 3072, "vocab_size": 30522, "max_position_embeddings": 512},
+    {"model_type": "t5", "is_encoder_decoder": True, "architectures": ["T5ForConditionalGeneration"],
+     "num_layers": 6, "d_model": 512, "num_heads": 8, "d_ff": 2048, "vocab_size": 32128},
+])
+def test_encoder_configs_are_refused(plan, tmp_path, config):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    code, out, err = plan("--model", str(path), "--gpus", "8", "--global-batch", "8", "--seq", "128")
+    assert code == 2 and out == ""
+    assert "encoder-only or encoder-decoder" in err and config["model_type"] in err
+
+
+def test_sequence_longer_than_positions_is_refused(plan, tmp_path):
+    code, _, err = plan(*GPT3[:-1], "4096")
+    assert code == 2 and "--seq (4096) is longer than the 2048 positions of gpt3-175b; use --seq <= 2048" in err
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2,
+              "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100,
+              "max_position_embeddings": 512}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    code, _, err = plan("--model", str(path), "--gpus", "2", "--global-batch", "2", "--seq", "1024")
+    assert code == 2 and "--seq (1024) is longer than the 512 positions" in err
+    code, _, _ = plan("--model", str(path), "--gpus", "2", "--global-batch", "2", "--seq", "512")
+    assert code == 0
+
+
+def test_head_dim_flag(plan):
+    dims = ["--layers", "2", "--hidden", "64", "--heads", "6", "--vocab", "100", "--gpus", "2",
+            "--global-batch", "2", "--seq", "64"]
+    code, _, err = plan(*dims)
+    assert code == 2 and "give head_dim explicitly" in err  # 64 is not divisible by 6
+    code, out, _ = plan(*dims, "--head-dim", "16", "--json")
+    assert code == 0 and json.loads(out)
+    from tensorpar.planner.model_spec import from_dims
+
+    assert from_dims(layers=2, hidden=64, heads=6, vocab=100, head_dim=16).layer_params() > \
+        from_dims(layers=2, hidden=64, heads=4, vocab=100).layer_params()
+    code, _, err = plan("--model", "gpt3-175b", "--head-dim", "64", *GPT3[2:])
+    assert code == 2 and "--head-dim" in err
+
+
+def test_calibrated_device_uses_a_labelled_local_link(plan, tmp_path):
+    """--calibrate's device leaves the NVLink / inter-node fields unmeasured (0) and plans every group on
+    the measured local link, which the output names."""
+    from tensorpar.planner.cluster import ClusterSpec, device_from_file
+
+    device = {"name": "calibrated cpu", "memory_gib": 24.0, "peak_tflops": 0.1, "intra_node_gbps": 0.0,
+              "inter_node_gbps": 0.0, "matmul_efficiency": 1.0, "local_link_gbps": 2.0,
+              "local_link_latency_us": 50.0, "local_link_label": "this machine's local link: 2 gloo processes"}
+    path = tmp_path / "device.json"
+    path.write_text(json.dumps({"device": device}))
+    spec = device_from_file(path)
+    assert ClusterSpec(spec, 16, 8).link(16) == pytest.approx((2e9, 50e-6)) == ClusterSpec(spec, 16, 8).link(2)
+    code, out, _ = plan("--model", "smollm2", "--gpus", "2", "--device-file", str(path), "--global-batch", "2",
+                        "--seq", "256")
+    assert code == 0 and "links: this machine's local link: 2 gloo processes" in " ".join(out.split())

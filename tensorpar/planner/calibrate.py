@@ -82,6 +82,31 @@ def _time_all_reduce(ctx, sizes: tuple[int, ...]) -> list[dict]:
     return samples
 
 
+def measure_memory_bandwidth(nbytes: int = 1 << 28, min_seconds: float = 0.2) -> float:
+    """Device-memory bandwidth, GB/s: bytes read plus bytes written per second by ``dst.copy_(src)`` of
+    ``nbytes`` fp32 tensors (on the GPU when there is one, else in host memory with torch's threads)."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up: page faults, allocation
+    iters = 1
+    while True:
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(iters):
+            dst.copy_(src)
+        if cuda:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_seconds:
+            return 2 * nbytes * iters / elapsed / 1e9
+        iters *= 2
+
+
 def fit_alpha_beta(samples: list[dict], world: int) -> tuple[float, float]:
     """Least-squares (latency s, bandwidth bytes/s) of ``t = latency + 2 (g-1)/g bytes / bandwidth``."""
     xs = [2 * (world - 1) / world * s["bytes"] for s in samples]
@@ -121,14 +146,21 @@ def _memory_gib() -> float:
 
 
 def calibrate() -> Calibration:
-    """Measure matmul throughput and loopback collectives. The ``device`` it returns uses the *measured*
-    matmul rate as its peak, so plan with it at ``--efficiency 1``, and the loopback link for both tiers."""
+    """Measure matmul throughput, memory bandwidth and loopback collectives. The ``device`` it returns uses
+    the *measured* matmul rate as its peak (``matmul_efficiency`` 1), the measured copy bandwidth as
+    ``hbm_gbps`` and the measured link as ``local_link_*``, labelled as
+    this machine's local link; the NVLink and inter-node fields stay 0 (not measured)."""
     name, matmul = measure_matmul()
+    bandwidth = measure_memory_bandwidth()
     coll = measure_collectives()
     best = max(m["tflops"] for m in matmul)
+    label = (f"this machine's local link: {coll['world_size']} {coll['backend']} processes on loopback, "
+             "measured (not NVLink, not a network)")
     device = {"name": f"calibrated {name}", "memory_gib": round(_memory_gib(), 2), "peak_tflops": best,
-              "intra_node_gbps": coll["bandwidth_gbps"], "inter_node_gbps": coll["bandwidth_gbps"],
-              "intra_node_latency_us": coll["latency_us"], "inter_node_latency_us": coll["latency_us"]}
+              "intra_node_gbps": 0.0, "inter_node_gbps": 0.0, "matmul_efficiency": 1.0,
+              "hbm_gbps": round(bandwidth, 3),
+              "local_link_gbps": coll["bandwidth_gbps"], "local_link_latency_us": coll["latency_us"],
+              "local_link_label": label}
     return Calibration(backend=name, matmul=matmul, matmul_tflops=best, collective=coll, device=device)
 
 

@@ -14,7 +14,11 @@ from pathlib import Path
 
 from tensorpar.planner import cluster as cl
 from tensorpar.planner import model_spec as ms
+from tensorpar.planner.inference import InferenceWorkload
 from tensorpar.planner.layout import ATTENTION, Assumptions, Workload, parse_layout, problems
+
+
+NO_FIT = 3  # exit status when no layout fits (2: bad input, 1: a calibration worker failed)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model", help=f"preset ({', '.join([*ms.PRESETS, *ms.ALIASES])}) or path to a config.json")
     for flag, helptext in (("--layers", "number of layers"), ("--hidden", "hidden size"),
                            ("--heads", "query heads"), ("--kv-heads", "key/value heads (default: --heads)"),
-                           ("--ffn", "MLP inner size (default 4 x hidden)"), ("--vocab", "vocabulary size")):
+                           ("--ffn", "MLP inner size (default 4 x hidden)"), ("--vocab", "vocabulary size"),
+                           ("--head-dim", "size of one attention head (default hidden / heads)"),
+                           ("--max-positions", "longest sequence the model supports (default: not checked)")):
         model.add_argument(flag, type=int, help=helptext)
     model.add_argument("--mlp", choices=ms.MLP_KINDS, help="MLP kind for explicit dimensions (default swiglu)")
     model.add_argument("--kernels", choices=ms.KERNEL_KINDS,
@@ -37,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hw.add_argument("--peak-tflops", type=float, help="override dense 16-bit peak, TFLOP/s")
     hw.add_argument("--intra-node-bw", type=float, help="override intra-node bandwidth, GB/s per direction")
     hw.add_argument("--inter-node-bw", type=float, help="override inter-node bandwidth per device, GB/s")
+    hw.add_argument("--hbm-gbps", type=float, help="override device-memory bandwidth, GB/s")
     hw.add_argument("--intra-node-latency-us", type=float)
     hw.add_argument("--inter-node-latency-us", type=float)
 
@@ -44,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--global-batch", type=int, help="sequences per optimizer step")
     work.add_argument("--seq", type=int, help="sequence length, tokens")
     work.add_argument("--efficiency", type=float, default=Assumptions.efficiency,
-                      help="fraction of peak the matmuls reach (default %(default)s)")
+                      help="fraction of peak the matmuls reach (default: the device's matmul_efficiency)")
     work.add_argument("--attention", choices=ATTENTION, default=None,
                       help="eager: scores stored (Korthikanti); sdpa: fused kernel (default: eager for "
                            "megatron kernels, sdpa for hf)")
@@ -53,11 +60,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="gradient buffers: bf16 (16 B/param with Adam) or fp32 main grads (18 B/param)")
     work.add_argument("--tp-overlap", type=float, default=0.0, help="fraction of TP communication hidden")
     work.add_argument("--dp-overlap", type=float, default=0.0, help="fraction of DP communication hidden")
-    work.add_argument("--reserve-gb", type=float, default=Assumptions.reserve_gib,
-                      help="GiB per device not available to the model (default %(default)s)")
+    work.add_argument("--reserve-gb", type=float, default=None,
+                      help=f"GiB per device not available to the model (default {Assumptions.reserve_gib} for "
+                           f"training, {InferenceWorkload.reserve_gib} with --inference)")
     work.add_argument("--max-micro-batch", type=int, default=Assumptions.max_micro_batch)
     work.add_argument("--virtual-stages", default="1", help="interleaving degrees to try, e.g. 1,2,4")
+    work.add_argument("--capacity-factor", type=float, default=Assumptions.capacity_factor,
+                      help="mixture of experts: tokens dispatched per expert over its balanced share (default %(default)s)")
     work.add_argument("--allow-cross-node-tp", action="store_true", help="let tensor-parallel groups span nodes")
+
+    inf = parser.add_argument_group("inference (--inference): tp and replicas for generation")
+    inf.add_argument("--inference", action="store_true", help="plan generation instead of training")
+    inf.add_argument("--batch", type=int, help="sequences decoded together per replica")
+    inf.add_argument("--prompt-len", type=int, help="prompt tokens per sequence")
+    inf.add_argument("--max-new-tokens", type=int, help="tokens generated per sequence")
+    inf.add_argument("--latency-target-ms", type=float, help="largest acceptable decode time per token, ms")
 
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=int, default=10, help="plans to show (0: all)")
@@ -74,7 +91,12 @@ def build_model(args) -> ms.ModelSpec:
         if missing:
             raise ValueError(f"explicit dimensions need {', '.join(missing)} as well")
         options = {"mlp": args.mlp} if args.mlp else {}
-        model = ms.from_dims(**dims, kv_heads=args.kv_heads, ffn=args.ffn, name=args.model or "custom", **options)
+        if args.max_positions:
+            options["max_positions"] = args.max_positions
+        model = ms.from_dims(**dims, kv_heads=args.kv_heads, ffn=args.ffn, head_dim=args.head_dim,
+                             name=args.model or "custom", **options)
+    elif args.head_dim is not None or args.max_positions is not None:
+        raise ValueError("--head-dim and --max-positions go with explicit dimensions (--layers --hidden --heads --vocab)")
     elif args.model is None:
         raise ValueError("give --model (a preset or a config.json) or --layers/--hidden/--heads/--vocab")
     elif Path(args.model).is_file():
@@ -90,7 +112,7 @@ def build_cluster(args) -> cl.ClusterSpec:
     device = cl.device_from_file(args.device_file) if args.device_file else cl.device_preset(args.device)
     device = cl.override(device, memory_gib=args.memory_gb, peak_tflops=args.peak_tflops,
                          intra_node_gbps=args.intra_node_bw, inter_node_gbps=args.inter_node_bw,
-                         intra_node_latency_us=args.intra_node_latency_us,
+                         intra_node_latency_us=args.intra_node_latency_us, hbm_gbps=args.hbm_gbps,
                          inter_node_latency_us=args.inter_node_latency_us)
     return cl.ClusterSpec(device=device, num_devices=args.gpus, devices_per_node=args.gpus_per_node)
 
@@ -104,8 +126,10 @@ def build_assumptions(args, model: ms.ModelSpec) -> Assumptions:
     size = {"bf16": 2, "fp32": 4}
     return Assumptions(activation_bytes=size[args.dtype], param_bytes=size[args.dtype],
                        grad_bytes=size[args.grad_dtype], attention=attention, efficiency=args.efficiency,
-                       tp_overlap=args.tp_overlap, dp_overlap=args.dp_overlap, reserve_gib=args.reserve_gb,
+                       tp_overlap=args.tp_overlap, dp_overlap=args.dp_overlap,
+                       reserve_gib=Assumptions.reserve_gib if args.reserve_gb is None else args.reserve_gb,
                        allow_cross_node_tp=args.allow_cross_node_tp, max_micro_batch=args.max_micro_batch,
+                       capacity_factor=args.capacity_factor,
                        virtual_stages=virtual)
 
 
@@ -113,6 +137,8 @@ def main(args) -> int:
     try:
         if args.calibrate:
             return _calibrate(args)
+        if args.inference:
+            return _plan_inference(args)
         return _plan(args)
     except ValueError as err:
         print(f"tensorpar plan: error: {err}", file=sys.stderr)
@@ -135,14 +161,58 @@ def _calibrate(args) -> int:
     con.print(f"[bold]matmul[/bold] on {result.backend}:")
     for m in result.matmul:
         con.print(f"  n={m['n']:>5} {m['dtype']}: {m['tflops']:.3f} TFLOP/s")
+    con.print(f"[bold]memory bandwidth[/bold] (copy, read + write): {result.device['hbm_gbps']:.1f} GB/s")
     c = result.collective
-    con.print(f"[bold]all-reduce[/bold], {c['world_size']} {c['backend']} processes on loopback: "
+    con.print(f"[bold]all-reduce[/bold] on {result.device['local_link_label']}: "
               f"latency {c['latency_us']:.1f} us, bandwidth {c['bandwidth_gbps']:.2f} GB/s")
     for s in c["samples"]:
         con.print(f"  {s['bytes']:>9} B: {s['seconds'] * 1e6:9.1f} us")
-    con.print("Save the 'device' object of --calibrate --json to a file and plan with "
-              "--device-file FILE --efficiency 1 (its peak is the measured matmul rate).")
+    con.print("NVLink and inter-node links: not measured (the device file leaves them 0 and plans every group "
+              "on the local link). Save the 'device' object of --calibrate --json to a file and plan with "
+              "--device-file FILE (its peak is the measured matmul rate, matmul_efficiency 1).")
     return 0
+
+
+def _plan_inference(args) -> int:
+    from tensorpar.planner.inference import InferenceWorkload, explain_inference, plan_inference
+
+    missing = [flag for flag, v in (("--batch", args.batch), ("--prompt-len", args.prompt_len),
+                                    ("--max-new-tokens", args.max_new_tokens)) if v is None]
+    if missing:
+        raise ValueError(f"--inference needs {', '.join(missing)}")
+    model, hw = build_model(args), build_cluster(args)
+    size = {"bf16": 2, "fp32": 4}[args.dtype]
+    work = InferenceWorkload(args.batch, args.prompt_len, args.max_new_tokens, weight_bytes=size, kv_bytes=size,
+                             latency_target_ms=args.latency_target_ms,
+                             reserve_gib=InferenceWorkload.reserve_gib if args.reserve_gb is None else args.reserve_gb)
+    plans = plan_inference(model, hw, work)
+    ok = bool(plans) and plans[0].fits
+    if args.json:
+        print(json.dumps([{**p.to_json(), "rank": i + 1} for i, p in enumerate(plans)], indent=2))
+        return 0 if ok else NO_FIT
+    from rich import box
+    from rich.table import Table
+
+    from tensorpar.planner.memory import GIB
+    from tensorpar.planner.report import console
+
+    title = (f"{model.name} inference on {hw.num_devices} x {hw.device.name}: batch {work.batch}, prompt "
+             f"{work.prompt_len}, {work.max_new_tokens} new tokens"
+             + (f", target {work.latency_target_ms:g} ms/token" if work.latency_target_ms else ""))
+    table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
+    for name in ("#", "tp", "replicas", "KV heads/rank", "weights GiB", "KV GiB", "total GiB", "TTFT ms",
+                 "decode ms/token", "tokens/s"):
+        table.add_column(name, justify="right")
+    for i, q in enumerate(plans):
+        total = f"{q.memory / GIB:.2f}" if q.fits else f"[red]{q.memory / GIB:.2f}[/red]"
+        decode = f"{q.decode * 1e3:.2f}" if q.meets(work.latency_target_ms) else f"[red]{q.decode * 1e3:.2f}[/red]"
+        table.add_row(str(i + 1), str(q.tp), str(q.replicas), str(q.kv_heads_per_rank), f"{q.weights / GIB:.2f}",
+                      f"{q.kv_cache / GIB:.2f}", total, f"{q.ttft * 1e3:.1f}", decode, f"{q.tokens_per_s:.0f}")
+    con = console()
+    con.print(table)
+    for line in explain_inference(plans, work):
+        con.print(line, highlight=False)
+    return 0 if ok else NO_FIT
 
 
 def _plan(args) -> int:
@@ -156,10 +226,12 @@ def _plan(args) -> int:
     if args.global_batch is None or args.seq is None:
         raise ValueError("give --global-batch and --seq")
     work, assume = Workload(args.global_batch, args.seq), build_assumptions(args, model)
+    model.check_seq_len(work.seq_len)
     layout = parse_layout(args.evaluate, hw.num_devices) if args.evaluate else None
     found = search(model, hw, work, assume)
     title = (f"{model.name} on {hw.num_devices} x {hw.device.name} ({hw.devices_per_node} per node), "
-             f"global batch {work.global_batch} x {work.seq_len} tokens, attention={assume.attention}")
+             f"global batch {work.global_batch} x {work.seq_len} tokens, attention={assume.attention}"
+             + (f"; links: {hw.device.local_link_label}" if hw.device.local_link_gbps else ""))
     if layout is not None:
         broken = problems(layout, model, hw, work, assume)
         if broken:
@@ -190,7 +262,7 @@ def _plan(args) -> int:
         from tensorpar.planner.report import plans_json
 
         print(plans_json(shown, first_rank=first or None))
-        return 0
+        return 0 if (found.ranked or layout is not None) else NO_FIT
     from tensorpar.planner.report import console, plan_table
 
     con = console()
@@ -200,4 +272,4 @@ def _plan(args) -> int:
     con.print(f"[dim]{len(found.ranked)} layouts fit, {len(found.too_big)} need too much memory, "
               f"{len(found.rejected)} break a rule; planned in {elapsed:.2f} s"
               + (f"; plot written to {args.plot}" if args.plot else "") + "[/dim]")
-    return 0
+    return 0 if (found.ranked or layout is not None) else NO_FIT

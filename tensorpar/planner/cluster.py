@@ -25,26 +25,59 @@ class DeviceSpec:
     inter_node_gbps: float  # network bandwidth available to this device (its share of the node's NICs)
     intra_node_latency_us: float = 10.0
     inter_node_latency_us: float = 20.0
+    # Fraction of peak that a layer's matmuls reach. With hbm_gbps set, the elementwise kernels between
+    # them are costed separately (memory-bandwidth bound); without it they are folded in here.
+    matmul_efficiency: float = 0.6
+    hbm_gbps: float = 0.0  # device-memory bandwidth, GB/s; 0: elementwise kernels and optimizer not modelled
+    # This machine's local link, as ``tensorpar plan --calibrate`` measures it (processes on one host over
+    # loopback). When set, every group uses it, and the NVLink / inter-node fields may be 0 (not measured).
+    local_link_gbps: float = 0.0
+    local_link_latency_us: float = 0.0
+    local_link_label: str = ""
+    # Fixed time per layer per forward pass that no byte or FLOP count explains (Python, framework, kernel
+    # launches), microseconds; used by inference planning. 0: not modelled (the presets: unmeasured).
+    layer_overhead_us: float = 0.0
 
     def __post_init__(self) -> None:
-        for knob in ("memory_gib", "peak_tflops", "intra_node_gbps", "inter_node_gbps"):
+        links = ("intra_node_gbps", "inter_node_gbps")
+        for knob in ("memory_gib", "peak_tflops", *links):
+            if knob in links and self.local_link_gbps > 0 and getattr(self, knob) == 0:
+                continue  # not measured; the local link is used instead
             if not getattr(self, knob) > 0:
                 raise ValueError(f"device {knob} ({getattr(self, knob)!r}) must be > 0")
+        if self.layer_overhead_us < 0:
+            raise ValueError(f"device layer_overhead_us ({self.layer_overhead_us!r}) must be >= 0")
+        if self.local_link_gbps < 0 or self.local_link_latency_us < 0:
+            raise ValueError(f"device local_link_gbps ({self.local_link_gbps!r}) and local_link_latency_us "
+                             f"({self.local_link_latency_us!r}) must be >= 0")
+        if not 0 < self.matmul_efficiency <= 1:
+            raise ValueError(f"device matmul_efficiency ({self.matmul_efficiency!r}) must be in (0, 1]")
+        if self.hbm_gbps < 0:
+            raise ValueError(f"device hbm_gbps ({self.hbm_gbps!r}) must be >= 0 (0: not modelled)")
         for knob in ("intra_node_latency_us", "inter_node_latency_us"):
             if getattr(self, knob) < 0:
                 raise ValueError(f"device {knob} ({getattr(self, knob)!r}) must be >= 0")
 
 
-# Datasheet numbers. Latencies are order-of-magnitude NCCL small-message figures, not datasheet values.
+# Datasheet numbers, except matmul_efficiency. Latencies are order-of-magnitude NCCL small-message figures.
+# matmul_efficiency (A100): fitted, together with cost.ELEMENTWISE_TRAFFIC, to the one-layer timings of
+# Korthikanti et al. 2022, Table 4 (22B model, tp 8, five configurations, forward and backward); every
+# other published run of docs/planner.md "Accuracy" is then predicted with these values, not fitted.
+# H100/H200 reuse the A100 value (no published per-layer timings to fit them to): treat their
+# predictions as unvalidated.
+A100_MATMUL_EFFICIENCY = 0.61
 DEVICES = MappingProxyType({
-    # A100 SXM4 80GB: 312 TFLOP/s bf16 dense; NVLink3 600 GB/s total = 300 GB/s per direction;
-    # DGX A100: eight 200 Gb/s HDR InfiniBand NICs, one per GPU = 25 GB/s.
-    "a100-80gb": DeviceSpec("a100-80gb", 80.0, 312.0, 300.0, 25.0),
-    # H100 SXM5 80GB: 989 TFLOP/s bf16 dense; NVLink4 900 GB/s total = 450 GB/s per direction;
-    # DGX H100: eight 400 Gb/s NDR NICs = 50 GB/s per GPU. 81559 MiB usable = 79.6 GiB.
-    "h100-80gb": DeviceSpec("h100-80gb", 79.6, 989.0, 450.0, 50.0),
-    # H200 SXM 141GB: same compute and links as H100; 143771 MiB usable = 140.4 GiB.
-    "h200": DeviceSpec("h200", 140.4, 989.0, 450.0, 50.0),
+    # A100 SXM4 80GB: 312 TFLOP/s bf16 dense; HBM2e 2039 GB/s; NVLink3 600 GB/s total = 300 GB/s per
+    # direction; DGX A100: eight 200 Gb/s HDR InfiniBand NICs, one per GPU = 25 GB/s.
+    "a100-80gb": DeviceSpec("a100-80gb", 80.0, 312.0, 300.0, 25.0,
+                            matmul_efficiency=A100_MATMUL_EFFICIENCY, hbm_gbps=2039.0),
+    # H100 SXM5 80GB: 989 TFLOP/s bf16 dense; HBM3 3350 GB/s; NVLink4 900 GB/s total = 450 GB/s per
+    # direction; DGX H100: eight 400 Gb/s NDR NICs = 50 GB/s per GPU. 81559 MiB usable = 79.6 GiB.
+    "h100-80gb": DeviceSpec("h100-80gb", 79.6, 989.0, 450.0, 50.0,
+                            matmul_efficiency=A100_MATMUL_EFFICIENCY, hbm_gbps=3350.0),
+    # H200 SXM 141GB: same compute and links as H100; HBM3e 4800 GB/s; 143771 MiB usable = 140.4 GiB.
+    "h200": DeviceSpec("h200", 140.4, 989.0, 450.0, 50.0,
+                       matmul_efficiency=A100_MATMUL_EFFICIENCY, hbm_gbps=4800.0),
 })
 
 
@@ -71,9 +104,12 @@ class ClusterSpec:
         """(bytes/s, seconds latency) of a collective over ``span`` consecutive ranks.
 
         A group whose ranks fit in one node uses the intra-node links; a ring that leaves the node is
-        limited by each device's share of the inter-node network.
+        limited by each device's share of the inter-node network. A device with a measured local link
+        (``--calibrate``) uses that link for every group.
         """
         d = self.device
+        if d.local_link_gbps > 0:  # a calibrated single host: every group uses the measured local link
+            return d.local_link_gbps * 1e9, d.local_link_latency_us * 1e-6
         if span <= self.devices_per_node:
             return d.intra_node_gbps * 1e9, d.intra_node_latency_us * 1e-6
         return d.inter_node_gbps * 1e9, d.inter_node_latency_us * 1e-6

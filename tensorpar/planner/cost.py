@@ -1,35 +1,60 @@
 """Step time and model FLOPs utilisation of a layout.
 
-Model of one optimizer step (each assumption is a choice; docs/planner.md lists them):
+Model of one optimizer step (each assumption is a choice; docs/planner.md lists them with their sources):
 
-* A micro-batch on pipeline stage i takes ``T_i = compute_i + exposed TP communication_i + p2p_i``;
-  compute is the stage's executed matmul FLOPs (forward, 2x backward, recomputation; see flops.py) at
-  ``efficiency`` x peak, on its busiest tensor-parallel rank.
+* One layer, one micro-batch, on the busiest tensor-parallel rank (:func:`layer_times`):
+  - matmuls: the layer's FLOPs (flops.py) at ``matmul_efficiency x peak`` of the device;
+  - elementwise kernels (norms, dropout, GeLU, softmax, residual adds): memory-bandwidth bound. Their
+    forward traffic is ``ELEMENTWISE_TRAFFIC`` bytes per byte the layer stores for backward (the
+    Korthikanti et al. 2022 count of memory.py), at the device's ``hbm_gbps``; backward moves
+    ``BACKWARD_TRAFFIC`` times that. Only when the device gives ``hbm_gbps``; otherwise folded into
+    ``matmul_efficiency``;
+  - TP collectives: forward ones on the critical path; the backward ones of Megatron kernels are
+    overlapped with the weight-gradient matmuls (Korthikanti et al. 2022, section 6.2), tensorpar's are not;
+    ``tp_overlap`` hides a further fraction of all of them;
+  - backward = 2 x the forward matmuls and ``BACKWARD_TRAFFIC`` x its elementwise traffic; full
+    recomputation re-runs the forward (with its collectives), selective recomputation the score matmuls
+    and the softmax/dropout traffic on the score matrix.
+* A micro-batch on pipeline stage i takes ``T_i`` = its layers + the embedding (first stage) or output
+  layer and loss (last stage) + the pipeline sends (not hidden).
 * The pipeline runs at the pace of its slowest stage, ``T = max_i T_i``. 1F1B over m micro-batches takes
   ``(m + (p-1)/v) T``: the bubble is ``(p-1)/(v m)`` of the ideal time (Narayanan et al. 2021, section 2.2).
-* TP collectives are on the critical path except a fraction ``tp_overlap`` (and the backward re-gather of
-  sequence parallelism, which Megatron overlaps with the input-gradient matmul); pipeline sends are not
-  hidden.
-* Once per step, after the last backward: the per-step TP collectives (sequence-parallel norm
-  gradients, duplicated KV-head gradients, the gradient norm) and the data-parallel gradient reduction
-  (hidden except a fraction ``1 - dp_overlap``); stages do this in parallel, so the slowest stage counts.
-* The optimizer update itself, embedding lookups and other bandwidth-bound work outside the matmuls are
-  folded into ``efficiency``.
+* Once per step, after the last backward: the per-step TP collectives, the data-parallel gradient
+  reduction (hidden except a fraction ``1 - dp_overlap``; Megatron does not overlap it by default,
+  Korthikanti et al. 2022 section 6.3) and the optimizer update, memory-bandwidth bound
+  (``OPTIMIZER_TRAFFIC`` bytes per parameter the rank updates). Stages do this in parallel, so the
+  slowest stage counts.
 
 ``mfu = model FLOPs per step / (step time x devices x peak)``, with model FLOPs excluding recomputation.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tensorpar.planner.cluster import ClusterSpec
 from tensorpar.planner.flops import layer_forward_flops, logit_forward_flops, model_flops, recompute_forward_flops
 from tensorpar.planner.layout import Assumptions, Layout, Workload
-from tensorpar.planner.memory import stage_params
+from tensorpar.planner.memory import layer_activation_terms, stage_expert_params, stage_params
 from tensorpar.planner.model_spec import ModelSpec
-from tensorpar.planner.partition import busiest_heads, max_vocab_rows, stage_layers
-from tensorpar.planner.traffic import (dp_collectives, pipeline_sends, tied_embedding_collectives, tp_collectives,
-                                      tp_step_collectives)
+from tensorpar.planner.partition import busiest_heads, max_ffn_columns, max_vocab_rows, stage_layers
+from tensorpar.planner.traffic import (dp_collectives, ep_collectives, pipeline_sends, tied_embedding_collectives,
+                                      tp_collectives, tp_step_collectives)
+
+# Bytes the elementwise kernels of a layer's forward pass read and write, per byte the layer stores for
+# backward. Every stored tensor is written once by the kernel that makes it and read by the next one;
+# a LayerNorm or softmax reads its input twice (statistics, then normalisation), and the fused
+# bias-dropout-add reads the residual. Fitted once, with the A100's matmul_efficiency (cluster.py), to
+# Korthikanti et al. 2022, Table 4 (the 22B layer's forward and backward times in five configurations;
+# sequence parallelism and selective recomputation change only this traffic and the score matmuls);
+# see docs/planner.md, "Accuracy".
+ELEMENTWISE_TRAFFIC = 2.0
+# Backward traffic over forward traffic of an elementwise op: it reads its saved input and the output
+# gradient and writes the input gradient (3 tensors against the forward's 2).
+BACKWARD_TRAFFIC = 1.5
+# Bytes an Adam step moves per parameter it updates: read and write the fp32 master weight, momentum and
+# variance (24), read the gradient (``grad_bytes``), write the 16-bit weight (``param_bytes``), and read
+# the gradient once more for the gradient norm (``grad_bytes``).
+OPTIMIZER_STATE_TRAFFIC = 24
 
 
 @dataclass(frozen=True)
@@ -41,14 +66,17 @@ class StepTime:
     pp_comm: float
     bubble: float
     dp_comm: float
+    optimizer: float = 0.0
+    ep_comm: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp_comm + self.pp_comm + self.bubble + self.dp_comm
+        return (self.compute + self.tp_comm + self.ep_comm + self.pp_comm + self.bubble + self.dp_comm
+                + self.optimizer)
 
     def as_dict(self) -> dict:
-        return {"compute": self.compute, "tp_comm": self.tp_comm, "pp_comm": self.pp_comm,
-                "bubble": self.bubble, "dp_comm": self.dp_comm}
+        return {"compute": self.compute, "tp_comm": self.tp_comm, "ep_comm": self.ep_comm, "pp_comm": self.pp_comm,
+                "bubble": self.bubble, "dp_comm": self.dp_comm, "optimizer": self.optimizer}
 
 
 @dataclass(frozen=True)
@@ -68,9 +96,107 @@ class Cost:
         return self.tflops_per_device / self.peak_tflops
 
 
+@dataclass(frozen=True)
+class LayerTime:
+    """Seconds of one layer on one micro-batch (busiest TP rank): ``compute`` (matmuls and elementwise
+    kernels) and exposed ``tp_comm`` of the forward pass, of the backward pass, and of recomputation."""
+
+    forward_compute: float
+    forward_tp: float
+    backward_compute: float
+    backward_tp: float
+    recompute_compute: float
+    recompute_tp: float
+    forward_ep: float = 0.0  # expert-parallel all-to-alls (forward; backward with recomputation)
+    backward_ep: float = 0.0
+
+    @property
+    def forward(self) -> float:
+        return self.forward_compute + self.forward_tp + self.forward_ep
+
+    @property
+    def backward(self) -> float:
+        """Backward including recomputation (as Korthikanti et al. 2022, Table 4 reports it)."""
+        return (self.backward_compute + self.backward_tp + self.recompute_compute + self.recompute_tp
+                + self.backward_ep)
+
+    @property
+    def ep(self) -> float:
+        return self.forward_ep + self.backward_ep
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward
+
+    @property
+    def compute(self) -> float:
+        return self.forward_compute + self.backward_compute + self.recompute_compute
+
+    @property
+    def tp(self) -> float:
+        return self.forward_tp + self.backward_tp + self.recompute_tp
+
+
 def _collective_seconds(collectives, cluster: ClusterSpec, span: int) -> float:
     bandwidth, latency = cluster.link(span)
     return sum(c.seconds(bandwidth, latency) for c in collectives if not c.hidden)
+
+
+def _elementwise_seconds(nbytes: float, cluster: ClusterSpec) -> float:
+    hbm = cluster.device.hbm_gbps
+    return ELEMENTWISE_TRAFFIC * nbytes / (hbm * 1e9) if hbm else 0.0
+
+
+def layer_times(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Workload,
+                assume: Assumptions) -> LayerTime:
+    """Forward, backward and recomputation time of one layer on one micro-batch (see module docstring)."""
+    t = layout.tp
+    tokens = layout.micro_batch * work.seq_len
+    heads = busiest_heads(model.num_heads, model.num_kv_heads, t)
+    flops = layer_forward_flops(model, heads, max_ffn_columns(model.ffn_hidden_size, t), tokens, work.seq_len)
+    rate = cluster.device.peak_tflops * 1e12 * assume.matmul_efficiency(cluster.device)
+    shape = dict(micro_batch=layout.micro_batch, seq_len=work.seq_len, tp=t,
+                 sequence_parallel=layout.sequence_parallel, assume=assume)
+    stored = sum(layer_activation_terms(model, heads, recompute="none", **shape).values())
+    kept = sum(layer_activation_terms(model, heads, recompute="selective", **shape).values())
+    forward_matmul = (flops["linear"] + flops["attention"]) / rate
+    forward_ew = _elementwise_seconds(stored, cluster)
+    sdpa_extra = recompute_forward_flops(flops, "none", assume.attention) / rate  # fused-kernel backward
+
+    collectives = tp_collectives(model, replace(layout, recompute="none"), work, assume, layers=1,
+                                 first_stage=False, last_stage=False)
+    keep = 1 - assume.tp_overlap
+    fwd_tp = keep * _collective_seconds([c for c in collectives if c.site == "layer forward"], cluster, t)
+    bwd = [c for c in collectives if c.site == "layer backward"]
+    bwd_tp = 0.0 if model.kernels == "megatron" else keep * _collective_seconds(bwd, cluster, t)
+
+    ep_calls = ep_collectives(model, layout, work, assume, layers=1)
+    span = t * layout.pp * layout.ep  # an expert-parallel group: ep dp replicas of the same (pp, tp) rank
+    fwd_ep = _collective_seconds([c for c in ep_calls if "backward" not in c.site], cluster, span)
+    bwd_ep = _collective_seconds([c for c in ep_calls if "backward" in c.site], cluster, span)
+    rec_compute = rec_tp = 0.0
+    if layout.recompute == "full":
+        rec_compute, rec_tp = forward_matmul + forward_ew, fwd_tp
+    elif layout.recompute == "selective":
+        rec_compute = flops["attention"] / rate + _elementwise_seconds(stored - kept, cluster)
+    return LayerTime(forward_compute=forward_matmul + forward_ew, forward_tp=fwd_tp,
+                     backward_compute=2 * forward_matmul + sdpa_extra + BACKWARD_TRAFFIC * forward_ew,
+                     backward_tp=bwd_tp, recompute_compute=rec_compute, recompute_tp=rec_tp,
+                     forward_ep=fwd_ep / (2 if layout.recompute == "full" else 1),
+                     backward_ep=bwd_ep + (fwd_ep / 2 if layout.recompute == "full" else 0.0))
+
+
+def optimizer_seconds(params: float, layout: Layout, cluster: ClusterSpec, assume: Assumptions,
+                      expert_params: float = 0.0) -> float:
+    """Adam update of the ``params`` a rank holds (with the distributed optimizer 1/dp of the dense ones and
+    ``ep/dp`` of the ``expert_params`` among them), at the device-memory bandwidth; 0 when the device
+    gives no ``hbm_gbps``."""
+    hbm = cluster.device.hbm_gbps
+    if not hbm:
+        return 0.0
+    dense, expert = (layout.dp, layout.dp // layout.ep) if layout.distributed_optimizer else (1, 1)
+    per_param = OPTIMIZER_STATE_TRAFFIC + 2 * assume.grad_bytes + assume.param_bytes
+    return ((params - expert_params) / dense + expert_params / expert) * per_param / (hbm * 1e9)
 
 
 def step_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Workload, assume: Assumptions) -> Cost:
@@ -80,38 +206,38 @@ def step_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Work
     t, p, d, v = layout.tp, layout.pp, layout.dp, layout.virtual_stages
     m = layout.num_micro_batches(work.global_batch)
     tokens = layout.micro_batch * work.seq_len
-    heads = busiest_heads(model.num_heads, model.num_kv_heads, t)
-    layer = layer_forward_flops(model, heads, model.ffn_hidden_size / t, tokens, work.seq_len)
-    layer_flops = 3 * (layer["linear"] + layer["attention"]) + recompute_forward_flops(
-        layer, layout.recompute, assume.attention)
-    logits_flops = 3 * logit_forward_flops(model, max_vocab_rows(model.vocab_size, t), tokens)
-    flop_rate = cluster.device.peak_tflops * 1e12 * assume.efficiency
+    layer = layer_times(model, layout, cluster, work, assume)
+    rate = cluster.device.peak_tflops * 1e12 * assume.matmul_efficiency(cluster.device)
+    logits_seconds = 3 * logit_forward_flops(model, max_vocab_rows(model.vocab_size, t), tokens) / rate
     p2p = _collective_seconds(pipeline_sends(model, layout, work, assume), cluster, t * p)
     tied = _collective_seconds(tied_embedding_collectives(model, layout, assume), cluster, t * p)
+    keep = 1 - assume.tp_overlap
 
-    def stage_times(layers: int, params: int, first: bool, last: bool) -> tuple[tuple, tuple]:
-        compute = (layers * layer_flops + (logits_flops if last else 0.0)) / flop_rate
-        tp = _collective_seconds(
-            tp_collectives(model, layout, work, assume, layers=layers, first_stage=first, last_stage=last),
-            cluster, t) * (1 - assume.tp_overlap)
+    def stage_times(layers: int, params: int, experts: float, first: bool, last: bool) -> tuple[tuple, tuple]:
+        compute = layers * layer.compute + (logits_seconds if last else 0.0)
+        tp = layers * layer.tp + keep * _collective_seconds(
+            tp_collectives(model, layout, work, assume, layers=0, first_stage=first, last_stage=last), cluster, t)
         tp_once = _collective_seconds(tp_step_collectives(model, layout, assume, layers=layers, last_stage=last),
-                                      cluster, t) * (1 - assume.tp_overlap)
-        dp = (_collective_seconds(dp_collectives(params, layout, assume), cluster, t * p * d)
+                                      cluster, t) * keep
+        dp = (_collective_seconds(dp_collectives(params, layout, assume, experts), cluster, t * p * d)
               + (tied if first or last else 0.0)) * (1 - assume.dp_overlap)
-        return (compute + tp + p2p, compute, tp), (tp_once + dp, tp_once, dp)
+        opt = optimizer_seconds(params, layout, cluster, assume, experts)
+        ep = layers * layer.ep
+        return (compute + tp + ep + p2p, compute, tp, ep), (tp_once + dp + opt, tp_once, dp, opt)
 
     seen: dict[tuple, tuple] = {}  # stages of equal shape cost the same; a 64-stage pipeline has ~3 shapes
     per_stage, after_backward = [], []
-    for i, (layers, params) in enumerate(zip(stage_layers(model.num_layers, p, v), stage_params(model, layout))):
-        key = (layers, params, i == 0, i == p - 1)
+    shapes = zip(stage_layers(model.num_layers, p, v), stage_params(model, layout), stage_expert_params(model, layout))
+    for i, (layers, params, experts) in enumerate(shapes):
+        key = (layers, params, experts, i == 0, i == p - 1)
         if key not in seen:
             seen[key] = stage_times(*key)
         per_stage.append(seen[key][0])
         after_backward.append(seen[key][1])
     slowest = max(range(p), key=lambda i: (per_stage[i][0], -i))
-    micro, compute, tp = per_stage[slowest]
-    _, tp_once, dp = max(after_backward)
+    micro, compute, tp, ep = per_stage[slowest]
+    _, tp_once, dp, opt = max(after_backward)
     step = StepTime(compute=m * compute, tp_comm=m * tp + tp_once, pp_comm=m * p2p,
-                    bubble=(p - 1) / v * micro, dp_comm=dp)
+                    bubble=(p - 1) / v * micro, dp_comm=dp, optimizer=opt, ep_comm=m * ep)
     return Cost(step=step, model_flops=model_flops(model, work.global_batch * work.seq_len, work.seq_len),
                 num_devices=layout.num_devices, peak_tflops=cluster.device.peak_tflops, bottleneck_stage=slowest)

@@ -3,7 +3,8 @@
 For each tp dividing the device count and pp dividing the rest (dp = devices / (tp pp)), each micro-batch
 size dividing the per-replica batch (up to ``max_micro_batch``), sequence parallelism on/off (only at
 tp > 1), recomputation none/selective/full, distributed optimizer on/off (only at dp > 1), and each
-interleaving degree in ``Assumptions.virtual_stages``. A combination that breaks a rule of
+interleaving degree in ``Assumptions.virtual_stages``, and for a mixture of experts each expert-parallel
+degree ep dividing both dp and the expert count. A combination that breaks a rule of
 :func:`tensorpar.planner.layout.problems` is kept as a rejection (with its reasons) for the explanation;
 one that is valid is scored, and it fits when its busiest device needs no more than the usable memory.
 
@@ -51,6 +52,7 @@ class Plan:
             "tflops_per_device": round(self.cost.tflops_per_device, 3),
             "mfu": round(self.cost.mfu, 5),
             "virtual_stages": lay.virtual_stages,
+            "ep": lay.ep,
             "num_micro_batches": self.num_micro_batches,
             "fits": self.fits,
             "memory_stage": self.memory.stage,
@@ -90,11 +92,12 @@ def candidate_layouts(model: ModelSpec, cluster: ClusterSpec, work: Workload,
             dp = n // (tp * pp)
             base = Layout(tp=tp, pp=pp, dp=dp, micro_batch=1)
             shape_problems = [pr for pr in problems(base, model, cluster, work, assume)
-                              if pr.rule in ("tp>heads", "ffn%tp", "tp-node", "pp>layers", "batch")]
+                              if pr.rule in ("tp>heads", "split", "tp-node", "pp>layers", "batch")]
             if shape_problems:
                 yield base, shape_problems
                 continue
             per_replica = work.global_batch // dp
+            expert_parallel = [e for e in divisors(dp) if model.num_experts % e == 0] if model.is_moe else [1]
             for mb in (k for k in divisors(per_replica) if k <= assume.max_micro_batch):
                 for sp in ((False, True) if tp > 1 else (False,)):
                     for rc in RECOMPUTE:
@@ -102,8 +105,9 @@ def candidate_layouts(model: ModelSpec, cluster: ClusterSpec, work: Workload,
                             continue  # identical to "none" with a fused attention kernel
                         for do in ((False, True) if dp > 1 else (False,)):
                             for v in (assume.virtual_stages if pp > 1 else (1,)):
-                                lay = Layout(tp, pp, dp, mb, sp, rc, do, v)
-                                yield lay, problems(lay, model, cluster, work, assume)
+                                for ep in expert_parallel:
+                                    lay = Layout(tp, pp, dp, mb, sp, rc, do, v, ep)
+                                    yield lay, problems(lay, model, cluster, work, assume)
 
 
 def score(layout: Layout, model: ModelSpec, cluster: ClusterSpec, work: Workload, assume: Assumptions) -> Plan:
@@ -115,6 +119,8 @@ def score(layout: Layout, model: ModelSpec, cluster: ClusterSpec, work: Workload
 
 
 def search(model: ModelSpec, cluster: ClusterSpec, work: Workload, assume: Assumptions) -> PlanSearch:
+    """Score every candidate layout. Raises ValueError when ``work.seq_len`` exceeds the model's positions."""
+    model.check_seq_len(work.seq_len)
     ranked, too_big, rejected = [], [], []
     for layout, found in candidate_layouts(model, cluster, work, assume):
         if found:

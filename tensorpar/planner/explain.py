@@ -12,9 +12,10 @@ from collections import Counter
 from tensorpar.planner.enumerate import Plan, PlanSearch
 from tensorpar.planner.memory import GIB
 
-COMPONENTS = {"compute": "compute", "tp_comm": "TP communication", "pp_comm": "pipeline sends",
-              "bubble": "pipeline bubble", "dp_comm": "DP communication"}
-KNOBS = ("tp", "pp", "micro_batch", "sequence_parallel", "recompute", "distributed_optimizer")
+COMPONENTS = {"compute": "compute", "tp_comm": "TP communication", "ep_comm": "expert all-to-all",
+              "pp_comm": "pipeline sends",
+              "bubble": "pipeline bubble", "dp_comm": "DP communication", "optimizer": "optimizer step"}
+KNOBS = ("tp", "pp", "ep", "micro_batch", "sequence_parallel", "recompute", "distributed_optimizer")
 
 
 def _value(knob: str, value) -> str:

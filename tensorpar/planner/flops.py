@@ -24,10 +24,13 @@ def narayanan_eq3(batch: int, seq: int, layers: int, hidden: int, vocab: int) ->
 def layer_forward_flops(model: ModelSpec, heads: RankHeads, ffn: float, tokens: float, seq: int) -> dict[str, float]:
     """Forward matmul FLOPs of one layer on ``tokens`` tokens (sequences of ``seq``) for a rank holding
     ``heads`` and ``ffn`` MLP columns: 2 FLOPs per multiply-add of every linear, plus the two score
-    matmuls QK^T and PV, 2 * tokens * seq * (q d) each (causal masking not discounted, as in eq. 3)."""
+    matmuls QK^T and PV, 2 * tokens * seq * (q d) each (causal masking not discounted, as in eq. 3).
+    A mixture of experts runs each token through its top-k experts and the shared expert
+    (:meth:`ModelSpec.active_ffn`) after the router's ``h x num_experts`` matmul."""
     h, d = model.hidden_size, model.head_dim
     return {
-        "linear": 2 * tokens * (h * d * (heads.q + 2 * heads.kv) + heads.q * d * h + model.mlp_matrices * h * ffn),
+        "linear": 2 * tokens * (h * d * (heads.q + 2 * heads.kv) + heads.q * d * h
+                                + model.mlp_matrices * h * model.active_ffn(ffn) + h * model.num_experts),
         "attention": 4 * tokens * seq * heads.q * d,
     }
 

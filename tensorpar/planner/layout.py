@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, fields
 
 from tensorpar.planner.cluster import ClusterSpec
 from tensorpar.planner.model_spec import ModelSpec
+from tensorpar.planner.partition import split_problems
 
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("eager", "sdpa")
@@ -16,7 +17,8 @@ ATTENTION = ("eager", "sdpa")
 
 @dataclass(frozen=True, order=True)
 class Layout:
-    """tp x pp x dp devices; each data-parallel replica runs ``global_batch / (dp * micro_batch)``
+    """tp x pp x dp devices (for a mixture of experts, ``ep`` of the dp replicas share out the experts);
+    each data-parallel replica runs ``global_batch / (dp * micro_batch)``
     micro-batches of ``micro_batch`` sequences per step through a 1F1B pipeline schedule
     (interleaved over ``virtual_stages`` model chunks per stage when > 1)."""
 
@@ -28,6 +30,7 @@ class Layout:
     recompute: str = "none"
     distributed_optimizer: bool = False
     virtual_stages: int = 1
+    ep: int = 1  # expert parallelism (mixture of experts): experts split over ep of the dp replicas
 
     @property
     def num_devices(self) -> int:
@@ -46,6 +49,8 @@ class Layout:
                  f"distopt={'on' if self.distributed_optimizer else 'off'}"]
         if self.virtual_stages > 1:
             parts.append(f"v={self.virtual_stages}")
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
         return " ".join(parts)
 
 
@@ -71,9 +76,9 @@ class Assumptions:
     16 bytes per parameter of Rajbhandari et al. 2020 (ZeRO), section 3.1. ``grad_bytes=4`` gives
     Megatron's fp32 main gradients (18 bytes per parameter).
 
-    ``efficiency``: fraction of peak FLOP/s that a micro-batch's matmuls achieve, the elementwise kernels
-    between them folded in. ``tp_overlap``/``dp_overlap``: fraction of tensor-/data-parallel communication
-    hidden behind compute (0: all of it is on the critical path). ``reserve_gib``: device memory not
+    ``efficiency``: fraction of peak FLOP/s that a micro-batch's matmuls achieve; ``None`` takes the
+    device's ``matmul_efficiency`` (see :mod:`tensorpar.planner.cluster`). ``tp_overlap``/``dp_overlap``:
+    fraction of tensor-/data-parallel communication hidden behind compute (0: all of it is on the critical path). ``reserve_gib``: device memory not
     available to the model (CUDA context, communication buffers, allocator fragmentation).
     """
 
@@ -82,18 +87,19 @@ class Assumptions:
     grad_bytes: int = 2
     optimizer_bytes: int = 12
     attention: str = "eager"
-    efficiency: float = 0.6
+    efficiency: float | None = None
     tp_overlap: float = 0.0
     dp_overlap: float = 0.0
     reserve_gib: float = 4.0
     allow_cross_node_tp: bool = False
     max_micro_batch: int = 8
     virtual_stages: tuple[int, ...] = (1,)
+    capacity_factor: float = 1.0  # mixture of experts: dispatched tokens per expert / its balanced share
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:
             raise ValueError(f"--attention ({self.attention!r}) must be one of {', '.join(ATTENTION)}")
-        if not 0 < self.efficiency <= 1:
+        if self.efficiency is not None and not 0 < self.efficiency <= 1:
             raise ValueError(f"--efficiency ({self.efficiency}) must be in (0, 1]; measure it with --calibrate")
         for knob in ("tp_overlap", "dp_overlap"):
             if not 0 <= getattr(self, knob) <= 1:
@@ -105,8 +111,14 @@ class Assumptions:
             raise ValueError(f"--reserve-gb ({self.reserve_gib}) must be >= 0")
         if self.max_micro_batch < 1:
             raise ValueError(f"--max-micro-batch ({self.max_micro_batch}) must be >= 1")
+        if not self.capacity_factor > 0:
+            raise ValueError(f"--capacity-factor ({self.capacity_factor}) must be > 0 (1: no padding)")
         if not self.virtual_stages or min(self.virtual_stages) < 1:
             raise ValueError(f"--virtual-stages ({self.virtual_stages}) must list integers >= 1")
+
+    def matmul_efficiency(self, device) -> float:
+        """``efficiency`` if given, else the device's ``matmul_efficiency``."""
+        return device.matmul_efficiency if self.efficiency is None else self.efficiency
 
 
 @dataclass(frozen=True)
@@ -126,7 +138,7 @@ def problems(layout: Layout, model: ModelSpec, cluster: ClusterSpec, work: Workl
     def bad(rule: str, message: str) -> None:
         out.append(Problem(rule, message))
 
-    for knob in ("tp", "pp", "dp", "micro_batch", "virtual_stages"):
+    for knob in ("tp", "pp", "dp", "micro_batch", "virtual_stages", "ep"):
         if getattr(layout, knob) < 1:
             bad("positive", f"{knob} ({getattr(layout, knob)}) must be >= 1")
     if out:
@@ -134,11 +146,9 @@ def problems(layout: Layout, model: ModelSpec, cluster: ClusterSpec, work: Workl
     if layout.num_devices != cluster.num_devices:
         bad("devices", f"tp x pp x dp = {t} x {p} x {d} = {layout.num_devices} must equal --gpus "
                        f"({cluster.num_devices}); try dp={cluster.num_devices // (t * p) or 1}")
-    if t > model.num_heads:
-        bad("tp>heads", f"tp ({t}) exceeds the {model.num_heads} query heads of {model.name}; "
-                        f"use tp <= {model.num_heads}")
-    if model.ffn_hidden_size % t:
-        bad("ffn%tp", f"tp ({t}) must divide ffn_hidden_size ({model.ffn_hidden_size})")
+    # The runtime's split rules (tensorpar.shard.split_sizes, as HeadLayout and the parallel linears use them).
+    for message in split_problems(model.num_heads, model.num_kv_heads, model.ffn_hidden_size, model.vocab_size, t):
+        bad("tp>heads" if "heads" in message else "split", f"tp ({t}) for {model.name}: {message}")
     if not assume.allow_cross_node_tp and (t > cluster.devices_per_node or cluster.devices_per_node % t):
         bad("tp-node", f"tp ({t}) must divide --gpus-per-node ({cluster.devices_per_node}) so that each "
                        "tensor-parallel group stays inside a node (or pass --allow-cross-node-tp)")
@@ -161,6 +171,13 @@ def problems(layout: Layout, model: ModelSpec, cluster: ClusterSpec, work: Workl
     elif layout.recompute == "selective" and assume.attention == "sdpa":
         bad("no-op", "recompute=selective has no effect with --attention sdpa (a fused attention kernel "
                      "stores no score matrix); use recompute=none")
+    if layout.ep > 1:
+        if not model.is_moe:
+            bad("no-op", f"ep ({layout.ep}) needs a mixture-of-experts model; {model.name} is dense; set ep=1")
+        elif model.num_experts % layout.ep:
+            bad("ep", f"ep ({layout.ep}) must divide the {model.num_experts} experts of {model.name}")
+        if d % layout.ep:
+            bad("ep", f"ep ({layout.ep}) must divide dp ({d}): expert-parallel groups are made of dp replicas")
     if layout.distributed_optimizer and d == 1:
         bad("no-op", "distributed_optimizer has no effect at dp=1; set distributed_optimizer=false")
     return out

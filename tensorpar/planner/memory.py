@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from tensorpar.planner.layout import Assumptions, Layout, Workload
 from tensorpar.planner.model_spec import ModelSpec
-from tensorpar.planner.partition import RankHeads, busiest_heads, max_vocab_rows, stage_layers
+from tensorpar.planner.partition import RankHeads, busiest_heads, max_ffn_columns, max_vocab_rows, stage_layers
 
 GIB = 2 ** 30
 
@@ -86,7 +86,7 @@ def layer_activation_terms(model: ModelSpec, heads: RankHeads, *, micro_batch: i
 
     hf = model.kernels == "hf"
     linear_in = rep if not hf else tokens * h  # input of the column-parallel linears, as saved
-    ffn = model.ffn_hidden_size / tp
+    ffn = max_ffn_columns(model.ffn_hidden_size, tp)
     mlp_tensors = 2 if model.mlp == "gelu" else (4 if hf else 3)
     if hf:  # HF eager repeats KV heads; sdpa broadcasts them (enable_gqa) unless tensorpar gathered them per head
         kv_width = heads.kv if (assume.attention != "eager" and heads.uniform) else heads.q
@@ -99,7 +99,7 @@ def layer_activation_terms(model: ModelSpec, heads: RankHeads, *, micro_batch: i
         "q, k, v": e * tokens * d * (heads.q + 2 * kv_width),
         "attention output": e * tokens * d * heads.q,
         # GeLU: fc1 output and GeLU output; SwiGLU: gate and up outputs (+ silu output and product in HF)
-        "mlp interior": mlp_tensors * e * tokens * ffn,
+        "mlp interior": mlp_tensors * e * tokens * model.active_ffn(ffn),
     }
     if model.dropout:
         terms["residual dropout masks"] = 2 * rep
@@ -176,7 +176,7 @@ def stage_params(model: ModelSpec, layout: Layout) -> list[int]:
     """
     t, p = layout.tp, layout.pp
     heads = busiest_heads(model.num_heads, model.num_kv_heads, t)
-    per_layer = model.layer_params(heads.q, heads.kv, model.ffn_hidden_size // t)
+    per_layer = model.layer_params(heads.q, heads.kv, max_ffn_columns(model.ffn_hidden_size, t), layout.ep)
     vocab = model.embedding_params(max_vocab_rows(model.vocab_size, t))
     out = []
     for i, layers in enumerate(stage_layers(model.num_layers, p, layout.virtual_stages)):
@@ -187,6 +187,12 @@ def stage_params(model: ModelSpec, layout: Layout) -> list[int]:
             params += model.norm_params() + (vocab if (not model.tied_embeddings or p > 1) else 0)
         out.append(params)
     return out
+
+
+def stage_expert_params(model: ModelSpec, layout: Layout) -> list[float]:
+    """Routed-expert parameters (part of :func:`stage_params`) of the busiest rank of each stage."""
+    per_layer = model.expert_params(max_ffn_columns(model.ffn_hidden_size, layout.tp), layout.ep)
+    return [layers * per_layer for layers in stage_layers(model.num_layers, layout.pp, layout.virtual_stages)]
 
 
 class _Stages:
@@ -208,8 +214,12 @@ class _Stages:
         self.rotary = rotary_bytes(model, seq_len=work.seq_len, assume=assume)
         self.layers = stage_layers(model.num_layers, self.p, self.v)
         self.params = stage_params(model, layout)
-        share = layout.dp if layout.distributed_optimizer else 1
-        self.state_bytes = (assume.param_bytes, assume.grad_bytes, assume.optimizer_bytes / share)
+        self.experts = stage_expert_params(model, layout)
+        # The distributed optimizer shards dense state over dp and expert state over the dp / ep replicas
+        # that hold the same experts.
+        dense_share, expert_share = ((layout.dp, layout.dp // layout.ep) if layout.distributed_optimizer else (1, 1))
+        self.state_bytes = (assume.param_bytes, assume.grad_bytes)
+        self.optimizer_shares = (assume.optimizer_bytes / dense_share, assume.optimizer_bytes / expert_share)
         self.sums = (sum(self.per_layer.values()), sum(self.first.values()), sum(self.last.values()))
 
     def total(self, i: int) -> float:
@@ -217,7 +227,11 @@ class _Stages:
         layer, first, last = self.sums
         activations = (flight * (self.layers[i] * layer + self.rotary + (first if i == 0 else 0.0))
                        + self.working_set + (last if i == self.p - 1 else 0.0))
-        return self.params[i] * sum(self.state_bytes) + activations
+        return self.params[i] * sum(self.state_bytes) + self.optimizer(i) + activations
+
+    def optimizer(self, i: int) -> float:
+        dense, expert = self.optimizer_shares
+        return (self.params[i] - self.experts[i]) * dense + self.experts[i] * expert
 
     def breakdown(self, i: int) -> MemoryBreakdown:
         flight = in_flight(i, self.p, self.v, self.m)
@@ -230,7 +244,8 @@ class _Stages:
             terms.update({name: flight * value for name, value in self.first.items()})
         if i == self.p - 1:
             terms.update(self.last)  # 1F1B: the last stage finishes each micro-batch before the next
-        w, g, o = (self.params[i] * b for b in self.state_bytes)
+        w, g = (self.params[i] * b for b in self.state_bytes)
+        o = self.optimizer(i)
         return MemoryBreakdown(weights=w, gradients=g, optimizer=o, activations=sum(terms.values()), stage=i,
                                activation_terms=terms)
 

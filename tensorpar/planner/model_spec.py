@@ -17,6 +17,9 @@ KERNEL_KINDS = ("megatron", "hf")
 # Hugging Face model types whose MLP has two matrices (up, down); the other Llama-like configs
 # (llama, mistral, qwen2, gemma, ...) use a gated MLP with three, whatever the activation.
 UNGATED_MODEL_TYPES = frozenset({"gpt_neox", "gptj", "phi", "falcon", "opt", "bloom", "starcoder2", "gpt_bigcode"})
+# ... and those whose norms are LayerNorm (weight and bias) rather than RMSNorm.
+LAYERNORM_MODEL_TYPES = frozenset({"gpt_neox", "gptj", "phi", "falcon", "opt", "bloom", "starcoder2", "gpt_bigcode",
+                                   "stablelm"})
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,12 @@ class ModelSpec:
     tied_embeddings: bool = False
     learned_positions: int = 0
     kernels: str = "hf"
+    max_positions: int = 0  # longest sequence the model has positions for; 0: unknown (not checked)
+    # Mixture of experts: ``num_experts`` MLPs of ``ffn_hidden_size`` each, ``experts_per_token`` of them
+    # run per token (top-k), plus an always-on shared expert of ``shared_ffn`` (0: none). 0 experts: dense.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    shared_ffn: int = 0
 
     def __post_init__(self) -> None:
         for knob in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size"):
@@ -65,9 +74,21 @@ class ModelSpec:
                 f"model num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads}) "
                 "(grouped-query attention needs whole groups)"
             )
+        for knob in ("max_positions", "num_experts", "experts_per_token", "shared_ffn"):
+            if not isinstance(getattr(self, knob), int) or getattr(self, knob) < 0:
+                raise ValueError(f"model {knob} ({getattr(self, knob)!r}) must be an integer >= 0")
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(f"model experts_per_token ({self.experts_per_token}) must be in 1..num_experts "
+                             f"({self.num_experts})")
         for knob, allowed in (("mlp", MLP_KINDS), ("norm", NORM_KINDS), ("kernels", KERNEL_KINDS)):
             if getattr(self, knob) not in allowed:
                 raise ValueError(f"model {knob} ({getattr(self, knob)!r}) must be one of {', '.join(allowed)}")
+
+    def check_seq_len(self, seq_len: int) -> None:
+        """Raises ValueError when ``seq_len`` exceeds the positions the model was built for."""
+        if self.max_positions and seq_len > self.max_positions:
+            raise ValueError(f"--seq ({seq_len}) is longer than the {self.max_positions} positions of {self.name}; "
+                             f"use --seq <= {self.max_positions}")
 
     # ---- parameter counts (elements) -------------------------------------------------------------
     @property
@@ -75,11 +96,38 @@ class ModelSpec:
         """Weight matrices of size hidden x ffn in one MLP: 2 for GeLU, 3 for SwiGLU."""
         return 3 if self.mlp == "swiglu" else 2
 
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def _shared_columns(self, ffn: float) -> float:
+        """Shared-expert columns on a rank holding ``ffn`` columns of each expert (split like them)."""
+        return self.shared_ffn * ffn / self.ffn_hidden_size
+
+    def held_ffn(self, ffn: float, ep: int = 1) -> float:
+        """MLP columns whose weights a rank holds: ``ffn`` of each of its ``num_experts / ep`` experts (of
+        the one MLP when dense), plus its share of the shared expert."""
+        return ffn * (self.num_experts / ep if self.is_moe else 1) + self._shared_columns(ffn)
+
+    def expert_params(self, ffn: float, ep: int = 1) -> float:
+        """Parameters of the routed experts of one layer on a rank holding ``ffn`` columns of each of its
+        ``num_experts / ep`` experts (0 for a dense model): these are data-parallel over ``dp / ep`` ranks."""
+        if not self.is_moe:
+            return 0.0
+        per_expert = self.mlp_matrices * self.hidden_size * ffn + (self.mlp_matrices - 1) * ffn * self.bias
+        return self.num_experts / ep * per_expert
+
+    def active_ffn(self, ffn: float) -> float:
+        """MLP columns one token passes through on a rank holding ``ffn`` columns per expert: top-k
+        experts (balanced routing, no capacity padding) plus the shared expert."""
+        return ffn * (self.experts_per_token if self.is_moe else 1) + self._shared_columns(ffn)
+
     def norm_params(self) -> int:
         """Parameters of one norm layer: weight and bias for LayerNorm, weight for RMSNorm."""
         return 2 * self.hidden_size if self.norm == "layernorm" else self.hidden_size
 
-    def layer_params(self, q_heads: int | None = None, kv_heads: int | None = None, ffn: int | None = None) -> int:
+    def layer_params(self, q_heads: int | None = None, kv_heads: int | None = None, ffn: int | None = None,
+                     ep: int = 1) -> int:
         """Parameters of one transformer layer as held by one tensor-parallel rank.
 
         With no arguments: the whole layer. A rank holds ``q_heads`` query heads, ``kv_heads`` key/value
@@ -92,12 +140,12 @@ class ModelSpec:
         f = self.ffn_hidden_size if ffn is None else ffn
         qkv = h * d * (q + 2 * kv)  # column-parallel
         out = q * d * h  # row-parallel
-        mlp = self.mlp_matrices * h * f
+        mlp = self.mlp_matrices * h * self.held_ffn(f, ep) + h * self.num_experts  # experts, shared expert, router
         total = qkv + out + mlp + 2 * self.norm_params()
         if self.bias:
-            gate_up = (self.mlp_matrices - 1) * f
+            gate_up = (self.mlp_matrices - 1) * self.held_ffn(f, ep)
             total += d * (q + 2 * kv) + h + gate_up + h
-        return total
+        return int(total)
 
     def embedding_params(self, vocab_rows: int | None = None) -> int:
         """Word-embedding parameters for ``vocab_rows`` rows (all rows by default)."""
@@ -113,12 +161,14 @@ class ModelSpec:
         return asdict(self)
 
 
-def _gpt3_175b() -> ModelSpec:
-    # Brown et al. 2020, Table 2.1; vocabulary padded to 51200 as in Narayanan et al. 2021.
+def _megatron_gpt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
+    """A GPT as Megatron-LM trains it in Narayanan et al. 2021 and Korthikanti et al. 2022: GeLU MLP of 4h,
+    LayerNorm, biases, dropout, tied embeddings, learned positions for s = 2048, vocabulary padded to
+    51200, Megatron kernels."""
     return ModelSpec(
-        name="gpt3-175b", num_layers=96, hidden_size=12288, num_heads=96, num_kv_heads=96,
-        ffn_hidden_size=4 * 12288, vocab_size=51200, mlp="gelu", norm="layernorm", bias=True,
-        dropout=True, tied_embeddings=True, learned_positions=2048, kernels="megatron",
+        name=name, num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=heads,
+        ffn_hidden_size=4 * hidden, vocab_size=51200, mlp="gelu", norm="layernorm", bias=True,
+        dropout=True, tied_embeddings=True, learned_positions=2048, kernels="megatron", max_positions=2048,
     )
 
 
@@ -126,7 +176,7 @@ def _llama3(name: str, layers: int, hidden: int, heads: int, ffn: int) -> ModelS
     # Llama 3 herd paper (Dubey et al. 2024), Table 3: 8 KV heads, vocabulary 128256, untied.
     return ModelSpec(
         name=name, num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=8,
-        ffn_hidden_size=ffn, vocab_size=128256,
+        ffn_hidden_size=ffn, vocab_size=128256, max_positions=8192,
     )
 
 
@@ -134,12 +184,16 @@ def _smollm2(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int)
     # HuggingFaceTB/SmolLM2-* config.json: Llama architecture, vocabulary 49152, tied embeddings.
     return ModelSpec(
         name=name, num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv,
-        ffn_hidden_size=ffn, vocab_size=49152, tied_embeddings=True,
+        ffn_hidden_size=ffn, vocab_size=49152, tied_embeddings=True, max_positions=8192,
     )
 
 
 PRESETS = MappingProxyType({
-    "gpt3-175b": _gpt3_175b(),
+    # Brown et al. 2020, Table 2.1 (GPT-3 175B); the other three: Korthikanti et al. 2022, Table 3.
+    "gpt3-175b": _megatron_gpt("gpt3-175b", 96, 12288, 96),
+    "gpt-22b": _megatron_gpt("gpt-22b", 48, 6144, 64),
+    "gpt-530b": _megatron_gpt("gpt-530b", 105, 20480, 128),
+    "gpt-1t": _megatron_gpt("gpt-1t", 128, 25600, 160),
     "llama3-8b": _llama3("llama3-8b", 32, 4096, 32, 14336),
     "llama3-70b": _llama3("llama3-70b", 80, 8192, 64, 28672),
     "llama3-405b": _llama3("llama3-405b", 126, 16384, 128, 53248),
@@ -167,8 +221,9 @@ def from_hf_config(config: dict | str | Path, name: str | None = None) -> ModelS
             config = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as err:
             raise ValueError(f"--model {path}: cannot read a config.json ({err})") from None
-        name = name or path.parent.name or path.stem
+        name = name or (path.parent.name if path.name == "config.json" and path.parent.name else path.stem)
     name = name or config.get("_name_or_path") or config.get("model_type", "hf-model")
+    _refuse_non_decoder(config, name)
     if "n_embd" in config:  # GPT-2 family naming
         hidden = config["n_embd"]
         return ModelSpec(
@@ -177,34 +232,66 @@ def from_hf_config(config: dict | str | Path, name: str | None = None) -> ModelS
             vocab_size=config["vocab_size"], mlp="gelu", norm="layernorm", bias=True,
             dropout=any(config.get(k, 0) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")),
             tied_embeddings=config.get("tie_word_embeddings", True),
-            learned_positions=config.get("n_positions", 0),
+            learned_positions=config.get("n_positions", 0), max_positions=config.get("n_positions", 0),
         )
     required = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
-    missing = [key for key in required if key not in config]
+    missing = [key for key in required if key not in config and not (key == "intermediate_size" and
+                                                                      "moe_intermediate_size" in config)]
     if missing:
         raise ValueError(
             f"config.json of {name!r} lacks {', '.join(missing)}; the planner reads Llama-like configs "
             f"({', '.join(required)}) or GPT-2-like ones (n_layer, n_embd, n_head, vocab_size)"
         )
+    kind = config.get("model_type", "")
     heads = config["num_attention_heads"]
+    experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)  # mixtral / qwen*_moe, olmoe
+    moe = dict(
+        num_experts=experts, experts_per_token=int(config.get("num_experts_per_tok") or 0) if experts else 0,
+        shared_ffn=int(config.get("shared_expert_intermediate_size") or 0) if experts else 0,
+    )
+    ffn = config.get("moe_intermediate_size") if experts and config.get("moe_intermediate_size") else None
     return ModelSpec(
         name=name, num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
         num_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads,
-        ffn_hidden_size=config["intermediate_size"], vocab_size=config["vocab_size"],
+        ffn_hidden_size=ffn or config["intermediate_size"], vocab_size=config["vocab_size"],
         head_dim=config.get("head_dim") or 0,
-        mlp="gelu" if config.get("model_type") in UNGATED_MODEL_TYPES else "swiglu",
-        bias=bool(config.get("attention_bias", False)),
+        mlp="gelu" if kind in UNGATED_MODEL_TYPES else "swiglu",
+        norm="layernorm" if kind in LAYERNORM_MODEL_TYPES else "rmsnorm",
+        bias=bool(config.get("attention_bias", False) or config.get("use_bias", False)),
         dropout=bool(config.get("attention_dropout", 0.0)),
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        max_positions=int(config.get("max_position_embeddings") or 0),
+        **moe,
     )
 
 
+# Hugging Face model types that are encoder-only (bidirectional, no causal LM head) or encoder-decoder.
+ENCODER_MODEL_TYPES = frozenset({
+    "bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2", "camembert",
+    "mpnet", "ernie", "nomic_bert", "modernbert", "vit", "dinov2", "siglip_vision_model", "clip_vision_model",
+    "t5", "mt5", "umt5", "bart", "mbart", "pegasus", "marian", "whisper", "longt5",
+})
+
+
+def _refuse_non_decoder(config: dict, name: str) -> None:
+    """The planner models decoder-only (causal) transformers; refuse encoder-only and encoder-decoder ones."""
+    kind = config.get("model_type", "")
+    archs = config.get("architectures") or []
+    causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+    if config.get("is_encoder_decoder") or kind in ENCODER_MODEL_TYPES or (archs and not causal
+                                                                           and config.get("is_decoder") is False):
+        raise ValueError(
+            f"--model {name}: model_type {kind!r} ({', '.join(archs) or 'no architectures'}) is encoder-only or "
+            "encoder-decoder; the planner plans decoder-only (causal LM) models such as llama, mistral, qwen2, gpt2"
+        )
+
+
 def from_dims(*, layers: int, hidden: int, heads: int, kv_heads: int | None = None, ffn: int | None = None,
-              vocab: int, name: str = "custom", **options) -> ModelSpec:
+              vocab: int, name: str = "custom", head_dim: int | None = None, **options) -> ModelSpec:
     """A Llama-like model from explicit dimensions; ``ffn`` defaults to 4 x hidden (GPT convention)."""
     return ModelSpec(
         name=name, num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads or heads,
-        ffn_hidden_size=ffn or 4 * hidden, vocab_size=vocab, **options,
+        ffn_hidden_size=ffn or 4 * hidden, vocab_size=vocab, head_dim=head_dim or 0, **options,
     )
 
 

@@ -25,7 +25,7 @@ from tensorpar.planner.model_spec import ModelSpec
 from tensorpar.planner.partition import kv_heads_duplicated, max_vocab_rows
 
 _RING_FACTOR = {"all_reduce": lambda g: 2 * (g - 1) / g, "all_gather": lambda g: (g - 1) / g,
-                "reduce_scatter": lambda g: (g - 1) / g, "send": lambda g: 1.0}
+                "reduce_scatter": lambda g: (g - 1) / g, "all_to_all": lambda g: (g - 1) / g, "send": lambda g: 1.0}
 
 
 @dataclass(frozen=True)
@@ -166,20 +166,45 @@ def pipeline_sends(model: ModelSpec, layout: Layout, work: Workload, assume: Ass
                        assume.activation_bytes, 2)]
 
 
-def dp_collectives(stage_params: float, layout: Layout, assume: Assumptions) -> list[Collective]:
+def ep_collectives(model: ModelSpec, layout: Layout, work: Workload, assume: Assumptions, *,
+                   layers: int) -> list[Collective]:
+    """Expert-parallel all-to-alls of one micro-batch on one stage (empty unless ep > 1).
+
+    Per MoE layer the forward pass dispatches each token's hidden state to its top-k experts and combines
+    the results (two all-to-alls of ``tokens x k x capacity_factor x h`` elements), and the backward pass
+    does the same for the gradients; full recomputation repeats the forward two. Each rank keeps ``1/ep``
+    of what it dispatches (Lepikhin et al. 2020, GShard; Fedus et al. 2021, Switch Transformer).
+    """
+    if layout.ep == 1 or not model.is_moe:
+        return []
+    tokens = layout.micro_batch * work.seq_len / (layout.tp if layout.sequence_parallel else 1)
+    elements = tokens * model.experts_per_token * assume.capacity_factor * model.hidden_size
+    rerun = 1 if layout.recompute == "full" else 0
+    return [Collective("all_to_all", "expert dispatch and combine forward", 2 * layers * (1 + rerun), elements,
+                       assume.activation_bytes, layout.ep),
+            Collective("all_to_all", "expert dispatch and combine backward", 2 * layers, elements,
+                       assume.activation_bytes, layout.ep)]
+
+
+def dp_collectives(stage_params: float, layout: Layout, assume: Assumptions, expert_params: float = 0.0) -> list[Collective]:
     """Data-parallel traffic of one device per step.
 
     Plain data parallelism all-reduces the gradients, ``2 (d-1)/d`` x the gradient bytes on the wire.
     The distributed optimizer (ZeRO stage 1, Rajbhandari et al. 2020) reduce-scatters the gradients and
-    all-gathers the updated weights, ``(d-1)/d`` x each.
+    all-gathers the updated weights, ``(d-1)/d`` x each. Routed-expert parameters (``expert_params`` of
+    ``stage_params``) are reduced over the ``dp / ep`` replicas that hold the same experts.
     """
-    d = layout.dp
-    if d == 1:
-        return []
-    if layout.distributed_optimizer:
-        return [Collective("reduce_scatter", "gradients", 1, stage_params, assume.grad_bytes, d),
-                Collective("all_gather", "updated weights", 1, stage_params, assume.param_bytes, d)]
-    return [Collective("all_reduce", "gradients", 1, stage_params, assume.grad_bytes, d)]
+    out = []
+    groups = ((stage_params - expert_params, layout.dp, ""), (expert_params, layout.dp // layout.ep, "expert "))
+    for params, d, what in groups:
+        if d == 1 or not params:
+            continue
+        if layout.distributed_optimizer:
+            out += [Collective("reduce_scatter", f"{what}gradients", 1, params, assume.grad_bytes, d),
+                    Collective("all_gather", f"updated {what}weights", 1, params, assume.param_bytes, d)]
+        else:
+            out.append(Collective("all_reduce", f"{what}gradients", 1, params, assume.grad_bytes, d))
+    return out
 
 
 def tied_embedding_collectives(model: ModelSpec, layout: Layout, assume: Assumptions) -> list[Collective]:

@@ -1,0 +1,206 @@
+"""Inference planning: for each tensor-parallel degree, the memory per rank (weights and KV cache), the
+time to first token and the per-token decode latency of a batch, and how many replicas the devices hold.
+
+Model (one replica of ``tp`` ranks, batch B, prompt P, N new tokens; all per rank, busiest rank):
+
+* weights: the layers at the rank's heads and MLP columns, its vocabulary shards of the embedding and
+  of the output layer (one shared copy when tied), the norms, at ``weight_bytes`` per parameter;
+* KV cache: ``2 x layers x B x (P + N) x kv_heads_on_rank x head_dim x kv_bytes``. A rank holds every KV
+  head its query heads read, so with tp > KV heads each KV head is replicated (its cache with it), and a
+  GQA group split between two ranks has its KV head on both (:mod:`tensorpar.planner.partition`);
+* prefill working set: the largest transient of one layer on the prompt (the rank's q/k/v and MLP
+  interior for B x P tokens) and the last position's fp32 logits;
+* time to first token: prefill is compute bound: forward matmul FLOPs of the prompt at
+  ``matmul_efficiency x peak`` (at least one read of the weights from device memory), plus two TP
+  all-reduces of ``B x P x h`` per layer and the logits gather;
+* decode, per token: memory-bandwidth bound: the weights and the KV cache (at the mean context
+  ``P + N/2``) read once from device memory at ``hbm_gbps`` (or the matmuls, if slower), plus two TP
+  all-reduces of ``B x h`` per layer and the logits gather: at small batch these are latency, not bytes;
+* the vocabulary-parallel embedding all-reduces its ``B x h`` lookup once per forward (tp > 1);
+* every layer of every forward pass also pays the device's ``layer_overhead_us`` (Python, framework and
+  kernel launches; 0 unless measured, e.g. by ``bench/bench_plan_inference.py``);
+* throughput: ``replicas x B / decode seconds per token``, replicas = devices // tp.
+
+The winner: among layouts that fit (and meet ``latency_target_ms`` per decoded token, when given), the
+highest decode throughput; ties go to the lower latency.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tensorpar.planner.cluster import ClusterSpec
+from tensorpar.planner.enumerate import divisors
+from tensorpar.planner.flops import layer_forward_flops, logit_forward_flops
+from tensorpar.planner.memory import GIB
+from tensorpar.planner.model_spec import ModelSpec
+from tensorpar.planner.partition import busiest_heads, max_ffn_columns, max_vocab_rows, split_problems
+
+
+@dataclass(frozen=True)
+class InferenceWorkload:
+    """``batch`` sequences of ``prompt_len`` prompt tokens, each generating ``max_new_tokens``."""
+
+    batch: int
+    prompt_len: int
+    max_new_tokens: int
+    weight_bytes: int = 2
+    kv_bytes: int = 2
+    latency_target_ms: float | None = None
+    reserve_gib: float = 2.0
+
+    def __post_init__(self) -> None:
+        for knob, flag in (("batch", "--batch"), ("prompt_len", "--prompt-len"), ("max_new_tokens", "--max-new-tokens")):
+            if getattr(self, knob) < 1:
+                raise ValueError(f"{flag} ({getattr(self, knob)}) must be >= 1")
+        if self.latency_target_ms is not None and not self.latency_target_ms > 0:
+            raise ValueError(f"--latency-target-ms ({self.latency_target_ms}) must be > 0")
+        if self.reserve_gib < 0:
+            raise ValueError(f"--reserve-gb ({self.reserve_gib}) must be >= 0")
+
+
+@dataclass(frozen=True)
+class InferencePlan:
+    tp: int
+    replicas: int
+    weights: float  # bytes per rank
+    kv_cache: float
+    working_set: float
+    usable: float
+    ttft: float  # seconds
+    decode: float  # seconds per token (one step for the whole batch)
+    decode_memory: float  # parts of ``decode``: device-memory reads, compute, TP collectives, fixed overhead
+    decode_compute: float
+    decode_comm: float
+    kv_heads_per_rank: int
+    batch: int
+
+    @property
+    def memory(self) -> float:
+        return self.weights + self.kv_cache + self.working_set
+
+    @property
+    def fits(self) -> bool:
+        return self.memory <= self.usable
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.replicas * self.batch / self.decode
+
+    def meets(self, target_ms: float | None) -> bool:
+        return target_ms is None or self.decode * 1e3 <= target_ms
+
+    def to_json(self) -> dict:
+        return {"tp": self.tp, "replicas": self.replicas, "fits": self.fits,
+                "memory_gb": {k: round(v / GIB, 3) for k, v in (("weights", self.weights), ("kv_cache", self.kv_cache),
+                                                                ("working_set", self.working_set),
+                                                                ("total", self.memory))},
+                "kv_heads_per_rank": self.kv_heads_per_rank, "ttft_ms": round(self.ttft * 1e3, 4),
+                "decode_ms_per_token": round(self.decode * 1e3, 4),
+                "decode_breakdown_ms": {"memory": round(self.decode_memory * 1e3, 4),
+                                        "compute": round(self.decode_compute * 1e3, 4),
+                                        "tp_comm": round(self.decode_comm * 1e3, 4)},
+                "tokens_per_s": round(self.tokens_per_s, 2)}
+
+
+def weight_params_per_rank(model: ModelSpec, tp: int) -> float:
+    """Parameters the busiest rank holds for inference (no pipeline)."""
+    heads = busiest_heads(model.num_heads, model.num_kv_heads, tp)
+    layers = model.num_layers * model.layer_params(heads.q, heads.kv, max_ffn_columns(model.ffn_hidden_size, tp))
+    vocab = model.embedding_params(max_vocab_rows(model.vocab_size, tp)) * (1 if model.tied_embeddings else 2)
+    return layers + vocab + model.learned_positions * model.hidden_size + model.norm_params()
+
+
+def kv_cache_bytes(model: ModelSpec, tp: int, batch: int, tokens: int, kv_bytes: int = 2) -> float:
+    """K and V of every layer for ``batch x tokens`` positions, for the KV heads the busiest rank holds."""
+    kv = busiest_heads(model.num_heads, model.num_kv_heads, tp).kv
+    return 2 * model.num_layers * batch * tokens * kv * model.head_dim * kv_bytes
+
+
+def _all_reduce_seconds(elements: float, nbytes: int, tp: int, cluster: ClusterSpec) -> float:
+    if tp == 1:
+        return 0.0
+    bandwidth, latency = cluster.link(tp)
+    return latency + 2 * (tp - 1) / tp * elements * nbytes / bandwidth
+
+
+def plan_one(model: ModelSpec, tp: int, cluster: ClusterSpec, work: InferenceWorkload) -> InferencePlan:
+    dev = cluster.device
+    if not dev.hbm_gbps:
+        raise ValueError(f"device {dev.name} has no hbm_gbps (device-memory bandwidth), which decode time needs; "
+                         "give --hbm-gbps")
+    heads = busiest_heads(model.num_heads, model.num_kv_heads, tp)
+    ffn = max_ffn_columns(model.ffn_hidden_size, tp)
+    b, p, n, e = work.batch, work.prompt_len, work.max_new_tokens, work.weight_bytes
+    weights = weight_params_per_rank(model, tp) * e
+    kv_total = kv_cache_bytes(model, tp, b, p + n, work.kv_bytes)
+    working = (b * p * (model.head_dim * (heads.q + 2 * heads.kv) + 3 * model.active_ffn(ffn) + 2 * model.hidden_size) * e
+               + 4 * b * max_vocab_rows(model.vocab_size, tp) * (1 + (tp > 1)))
+    rate = dev.peak_tflops * 1e12 * dev.matmul_efficiency
+    hbm = dev.hbm_gbps * 1e9
+    vocab_rows = max_vocab_rows(model.vocab_size, tp)
+    # The logits of the sharded output layer are gathered (all-gather of B x V fp32 ~ one all-reduce's bytes / 2).
+    logits_comm = _all_reduce_seconds(b * model.vocab_size / 2, 4, tp, cluster)
+    overhead = model.num_layers * dev.layer_overhead_us * 1e-6
+
+    layer = layer_forward_flops(model, heads, ffn, b * p, p)
+    prefill_flops = model.num_layers * (layer["linear"] + layer["attention"]) + logit_forward_flops(model, vocab_rows, b)
+    prefill_comm = ((2 * model.num_layers + 1) * _all_reduce_seconds(b * p * model.hidden_size, e, tp, cluster)
+                    + logits_comm)
+    ttft = max(prefill_flops / rate, weights / hbm) + prefill_comm + overhead
+
+    context = p + n / 2  # mean context length over the generated tokens
+    decode_layer = layer_forward_flops(model, heads, ffn, b, context)
+    decode_flops = model.num_layers * (decode_layer["linear"] + decode_layer["attention"]) + \
+        logit_forward_flops(model, vocab_rows, b)
+    decode_memory = (weights + kv_cache_bytes(model, tp, b, context, work.kv_bytes)) / hbm
+    decode_compute = decode_flops / rate
+    decode_comm = (2 * model.num_layers + 1) * _all_reduce_seconds(b * model.hidden_size, e, tp, cluster) + logits_comm
+    decode = max(decode_memory, decode_compute) + decode_comm + overhead
+    return InferencePlan(tp=tp, replicas=cluster.num_devices // tp, weights=weights, kv_cache=kv_total,
+                         working_set=working, usable=(dev.memory_gib - work.reserve_gib) * GIB, ttft=ttft,
+                         decode=decode, decode_memory=decode_memory, decode_compute=decode_compute,
+                         decode_comm=decode_comm, kv_heads_per_rank=heads.kv, batch=b)
+
+
+def candidate_tps(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
+    """tp values dividing the device count, inside a node, that the layers can split the model over."""
+    return [t for t in divisors(cluster.num_devices)
+            if t <= cluster.devices_per_node and cluster.devices_per_node % t == 0
+            and not split_problems(model.num_heads, model.num_kv_heads, model.ffn_hidden_size, model.vocab_size, t)]
+
+
+def plan_inference(model: ModelSpec, cluster: ClusterSpec, work: InferenceWorkload) -> list[InferencePlan]:
+    """Every candidate tp, best first: fitting and meeting the latency target, by throughput, then latency."""
+    model.check_seq_len(work.prompt_len + work.max_new_tokens)
+    plans = [plan_one(model, t, cluster, work) for t in candidate_tps(model, cluster)]
+    return sorted(plans, key=lambda q: (not q.fits, not q.meets(work.latency_target_ms), -q.tokens_per_s, q.decode, q.tp))
+
+
+def explain_inference(plans: list[InferencePlan], work: InferenceWorkload) -> list[str]:
+    lines = []
+    best = plans[0] if plans else None
+    if best is None or not best.fits:
+        small = min(plans, key=lambda q: q.memory) if plans else None
+        lines.append("No tp fits" + (f": the smallest, tp={small.tp}, needs {small.memory / GIB:.1f} GiB > "
+                                     f"{small.usable / GIB:.1f} GiB usable" if small else "") + ".")
+        return lines
+    target = work.latency_target_ms
+    if not best.meets(target):
+        fastest = min((q for q in plans if q.fits), key=lambda q: q.decode)
+        lines.append(f"No tp meets {target:g} ms per token; the fastest is tp={fastest.tp} at "
+                     f"{fastest.decode * 1e3:.2f} ms.")
+    bound = "device-memory reads" if best.decode_memory >= best.decode_compute else "compute"
+    lines.append(f"tp={best.tp} x {best.replicas} replicas: {best.tokens_per_s:.0f} tokens/s, "
+                 f"{best.decode * 1e3:.2f} ms per token ({bound} {max(best.decode_memory, best.decode_compute) * 1e3:.2f}"
+                 f" + TP all-reduces {best.decode_comm * 1e3:.2f}), first token {best.ttft * 1e3:.1f} ms; "
+                 f"{best.memory / GIB:.1f} GiB per rank (weights {best.weights / GIB:.1f}, KV cache "
+                 f"{best.kv_cache / GIB:.1f} with {best.kv_heads_per_rank} KV heads per rank).")
+    for q in plans[1:]:
+        if not q.fits:
+            why = f"needs {q.memory / GIB:.1f} GiB > {q.usable / GIB:.1f} GiB usable"
+        elif not q.meets(target):
+            why = f"{q.decode * 1e3:.2f} ms per token misses the {target:g} ms target"
+        else:
+            why = f"{q.tokens_per_s:.0f} tokens/s at {q.decode * 1e3:.2f} ms per token"
+        lines.append(f"tp={q.tp}: {why}.")
+    return lines

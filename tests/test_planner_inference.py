@@ -1,0 +1,90 @@
+"""``tensorpar plan --inference`` (issue 15.3): memory per rank (weights, KV cache with GQA replication),
+time to first token, per-token decode latency and the choice of tp under a latency target. Numbers worked
+by hand on a made-up device; no process group, no torch."""
+import json
+
+import pytest
+
+from tensorpar import cli
+from tensorpar.planner.cluster import ClusterSpec, DeviceSpec
+from tensorpar.planner.inference import (InferenceWorkload, kv_cache_bytes, plan_inference, plan_one,
+                                         weight_params_per_rank)
+from tensorpar.planner.model_spec import ModelSpec, preset
+
+DEVICE = DeviceSpec("test", memory_gib=1.0, peak_tflops=1.0, intra_node_gbps=10.0, inter_node_gbps=1.0,
+                    intra_node_latency_us=10.0, matmul_efficiency=0.5, hbm_gbps=100.0)
+TINY = ModelSpec("tiny", num_layers=2, hidden_size=64, num_heads=8, num_kv_heads=2, ffn_hidden_size=128,
+                 vocab_size=1000, max_positions=256)
+
+
+def test_kv_cache_replicates_kv_heads_when_tp_exceeds_them():
+    # 2 KV heads of 8 dims: tp=1 holds both; tp=2 one each; tp=4 and 8 still one each (replicated).
+    per_head = 2 * 2 * 3 * 100 * 8 * 2  # K and V, 2 layers, batch 3, 100 positions, head_dim 8, bf16
+    assert [kv_cache_bytes(TINY, t, 3, 100) for t in (1, 2, 4, 8)] == [2 * per_head, per_head, per_head, per_head]
+    # smollm2 (9 heads, 3 KV heads) at tp=2: rank 0 holds heads 0-4, which read KV heads 0 and 1.
+    smol = preset("smollm2")
+    assert kv_cache_bytes(smol, 2, 1, 10) == 2 * 30 * 1 * 10 * 2 * 64 * 2
+
+
+def test_weights_per_rank():
+    assert weight_params_per_rank(TINY, 1) == TINY.total_params()
+    # tp=2: 4 q heads + 1 kv head of 8 dims, 64 MLP columns, 500 vocabulary rows (embedding and output).
+    layer = 64 * 8 * (4 + 2) + 4 * 8 * 64 + 3 * 64 * 64 + 2 * 64
+    assert weight_params_per_rank(TINY, 2) == 2 * layer + 2 * 500 * 64 + 64
+
+
+def test_hand_worked_latencies():
+    cluster = ClusterSpec(DEVICE, num_devices=2, devices_per_node=2)
+    work = InferenceWorkload(batch=1, prompt_len=100, max_new_tokens=100)
+    q = plan_one(TINY, 2, cluster, work)
+    weights = weight_params_per_rank(TINY, 2) * 2
+    kv_mean = kv_cache_bytes(TINY, 2, 1, 150)
+    assert q.decode_memory == pytest.approx((weights + kv_mean) / 100e9, rel=1e-12)
+    # decode all-reduces: 2 per layer and the embedding's, of 64 bf16 values over 2 ranks, latency 10 us +
+    # 128 B / 10 GB/s; logits gather: 10 us + 1000/2 fp32 values / 10 GB/s.
+    comm = 5 * (10e-6 + 128 / 10e9) + (10e-6 + 2000 / 10e9)
+    assert q.decode_comm == pytest.approx(comm, rel=1e-12)
+    assert q.decode == pytest.approx(max(q.decode_memory, q.decode_compute) + comm, rel=1e-12)
+    assert q.tokens_per_s == pytest.approx(1 / q.decode)
+    # prefill FLOPs: per layer 2*100*(64*8*6 + 4*8*64 + 3*64*64) + 4*100*100*4*8, 2 layers, logits 2*64*500.
+    flops = 2 * (2 * 100 * (64 * 8 * 6 + 4 * 8 * 64 + 3 * 64 * 64) + 4 * 100 * 100 * 4 * 8) + 2 * 64 * 500
+    prefill_comm = 5 * (10e-6 + 100 * 64 * 2 / 10e9) + (10e-6 + 2000 / 10e9)
+    assert q.ttft == pytest.approx(max(flops / 0.5e12, weights / 100e9) + prefill_comm, rel=1e-12)
+    # A measured per-layer overhead adds 2 layers x 300 us to both.
+    from dataclasses import replace
+
+    slow = plan_one(TINY, 2, ClusterSpec(replace(DEVICE, layer_overhead_us=300.0), 2, 2), work)
+    assert slow.decode - q.decode == pytest.approx(600e-6) and slow.ttft - q.ttft == pytest.approx(600e-6)
+
+
+def test_latency_target_picks_the_highest_throughput_that_meets_it():
+    cluster = ClusterSpec(DEVICE, num_devices=8, devices_per_node=8)
+    free = plan_inference(TINY, cluster, InferenceWorkload(4, 64, 64))
+    assert free[0].tokens_per_s == max(q.tokens_per_s for q in free)
+    slowest_ok = sorted(q.decode for q in free)[1] * 1e3  # a target that only the two fastest layouts meet
+    picked = plan_inference(TINY, cluster, InferenceWorkload(4, 64, 64, latency_target_ms=slowest_ok))[0]
+    assert picked.meets(slowest_ok)
+    assert picked.tokens_per_s == max(q.tokens_per_s for q in free if q.decode * 1e3 <= slowest_ok)
+
+
+def test_prompt_beyond_positions_is_refused():
+    cluster = ClusterSpec(DEVICE, num_devices=2, devices_per_node=2)
+    with pytest.raises(ValueError, match=r"--seq \(300\) is longer than the 256 positions"):
+        plan_inference(TINY, cluster, InferenceWorkload(1, 200, 100))
+
+
+def test_cli(capsys):
+    args = ["plan", "--inference", "--model", "llama3-70b", "--gpus", "8", "--device", "h100-80gb",
+            "--batch", "8", "--prompt-len", "2048", "--max-new-tokens", "512"]
+    assert cli.main([*args, "--latency-target-ms", "30"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "tokens/s" in out and "KV heads per rank" in out
+    assert cli.main([*args, "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)
+    assert {p["tp"] for p in plans} == {1, 2, 4, 8} and plans[0]["fits"]
+    assert next(p for p in plans if p["tp"] == 1)["fits"] is False  # 141 GiB of weights on one H100
+    assert cli.main(["plan", "--inference", "--model", "llama3-405b", "--gpus", "1", "--device", "h100-80gb",
+                     "--batch", "1", "--prompt-len", "16", "--max-new-tokens", "16"]) == 3
+    capsys.readouterr()
+    assert cli.main(["plan", "--inference", "--model", "llama3-8b", "--gpus", "1"]) == 2
+    assert "--inference needs --batch, --prompt-len, --max-new-tokens" in capsys.readouterr().err
