@@ -189,3 +189,26 @@ class UnitSelection:
             for u in us:
                 first.setdefault(u, r)
         return [first[u] == rank for u in self.units[rank] for _ in range(self.unit)]
+
+
+def pipeline_chunks(num_layers: int, pp: int, virtual: int = 1) -> list[tuple[int, int]]:
+    """Half-open layer ranges of the ``pp * virtual`` pipeline chunks, in model order.
+
+    The one stage-balancing rule of the runtime (:mod:`tensorpar.pipeline.stages`) and the planner
+    (:func:`tensorpar.planner.partition.stage_layers`): chunk sizes differ by at most one, the larger chunks
+    last (the first stage also holds the embedding); pipeline rank ``i`` holds chunks ``i, i + pp, ...``
+    (the interleaved assignment of Narayanan et al. 2021, Sec. 2.2.2).
+
+    Raises:
+        ValueError: more chunks than layers, naming pp, virtual and num_layers and the largest pp that works.
+    """
+    chunks = pp * virtual
+    if chunks > num_layers:
+        raise ValueError(f"pp x virtual stages ({pp} x {virtual} = {chunks}) exceeds the model's {num_layers} layers; "
+                         f"every pipeline stage needs at least one layer: use pp <= {max(num_layers // virtual, 1)}")
+    sizes = split_sizes(num_layers, chunks)[::-1]
+    out, start = [], 0
+    for s in sizes:
+        out.append((start, start + s))
+        start += s
+    return out

@@ -12,28 +12,15 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from tensorpar.shard import split_sizes
+from tensorpar.shard import pipeline_chunks
 
 #: families whose blocks need only the plain causal mask and the shared rotary table (what a stage computes)
 PIPELINE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def chunk_ranges(num_layers: int, pp: int, virtual: int = 1) -> list[tuple[int, int]]:
-    """Half-open layer ranges of the ``pp * virtual`` chunks, in model order.
-
-    Raises:
-        ValueError: more chunks than layers (naming pp, virtual and num_layers).
-    """
-    chunks = pp * virtual
-    if chunks > num_layers:
-        raise ValueError(f"pp x virtual stages ({pp} x {virtual} = {chunks}) exceeds the model's {num_layers} layers; "
-                         f"every pipeline stage needs at least one layer: use pp <= {num_layers // virtual}")
-    sizes = split_sizes(num_layers, chunks)[::-1]
-    out, start = [], 0
-    for s in sizes:
-        out.append((start, start + s))
-        start += s
-    return out
+    """Half-open layer ranges of the ``pp * virtual`` chunks (:func:`tensorpar.shard.pipeline_chunks`)."""
+    return pipeline_chunks(num_layers, pp, virtual)
 
 
 class _Shell(nn.Module):

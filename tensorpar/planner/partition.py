@@ -107,11 +107,7 @@ def stage_layers(num_layers: int, pp: int, virtual_stages: int = 1) -> list[int]
     The model is cut into ``pp * virtual_stages`` chunks; stage i holds chunks i, i + pp, i + 2 pp, ...
     (the interleaved assignment of Narayanan et al. 2021, section 2.2.2). Extra layers go to the last chunks.
     """
-    chunks = pp * virtual_stages
-    if chunks > num_layers:
-        raise ValueError(
-            f"pp x virtual_stages ({pp} x {virtual_stages} = {chunks}) exceeds num_layers ({num_layers}); "
-            "every pipeline chunk needs at least one layer"
-        )
-    sizes = split_sizes(num_layers, chunks)[::-1]
+    from tensorpar.shard import pipeline_chunks  # the runtime's rule (tensorpar.pipeline.stages uses it too)
+
+    sizes = [b - a for a, b in pipeline_chunks(num_layers, pp, virtual_stages)]
     return [sum(sizes[i::pp]) for i in range(pp)]
