@@ -42,7 +42,7 @@ def job_3d(ctx, cfg_kw):
 
 LAYOUTS = [
     (ParallelConfig(tp=2, pp=2), dict(micro_batches=2, schedule="1f1b")),
-    (ParallelConfig(tp=2, dp=2), dict(micro_batches=1)),
+    (ParallelConfig(tp=2, dp=2), dict(micro_batches=2)),          # DDP, no_sync on the first micro-batch
     (ParallelConfig(pp=2, dp=2), dict(micro_batches=2, schedule="gpipe")),
     (ParallelConfig(tp=2, pp=2), dict(micro_batches=2, schedule="gpipe", sequence_parallel=True)),
     (ParallelConfig(pp=4), dict(micro_batches=4, schedule="1f1b")),

@@ -12,7 +12,9 @@ One optimiser step, on every rank:
    the micro-batch means is the whole batch's mean, so the gradients equal one step on the whole batch;
 3. gradients are completed: summed over tp for sequence-parallel norms and duplicated KV rows
    (:mod:`tensorpar.grads`), summed between the first and last stage for a tied embedding/LM head (Megatron's
-   embedding group), and averaged over dp;
+   embedding group), and averaged over dp: by torch's ``DistributedDataParallel`` on the dp group when
+   ``pp == 1`` (overlapped with backward; earlier micro-batches under ``no_sync``), by one bucketed all-reduce
+   per step for pipeline stages;
 4. the grad norm is the single-device one: the tp-aware norm of each stage's parameters, squares summed over
    pp (the tied LM head counted once); clip; AdamW on each rank's own slices.
 
@@ -69,6 +71,12 @@ class ParallelTrainer:
             self.schedule = self._schedule(virtual)
         else:
             self.modules, self.schedule = [model], None
+        self.ddp = None
+        if pp.size == 1 and dp.size > 1:
+            # torch's DDP averages the gradients over the dp group (bucketed, overlapped with backward); the
+            # micro-batches before the last run under no_sync, so only the accumulated gradient is reduced
+            from torch.nn.parallel import DistributedDataParallel
+            self.ddp = DistributedDataParallel(model, process_group=dp.pg, broadcast_buffers=False)
         for mod in self.modules:
             mod.train()
         seen: dict[int, tuple[str, nn.Parameter]] = {}
@@ -130,10 +138,16 @@ class ParallelTrainer:
         m = self.cfg.micro_batches
         self.rng.set_step(self.step)
         if self.schedule is None:
+            import contextlib
+
+            net = self.ddp or self.modules[0]
             total = torch.zeros((), device=self.device)
-            for x, y in zip(ids.chunk(m), labels.chunk(m)):
-                loss = self._loss_fn(self.modules[0](input_ids=x, use_cache=False).logits, y) / m
-                loss.backward()
+            pairs = list(zip(ids.chunk(m), labels.chunk(m)))
+            for i, (x, y) in enumerate(pairs):
+                sync = self.ddp is None or i == len(pairs) - 1
+                with contextlib.nullcontext() if sync else self.ddp.no_sync():
+                    loss = self._loss_fn(net(input_ids=x, use_cache=False).logits, y) / m
+                    loss.backward()
                 total = total + loss.detach()
             return total
         pp = self.ctx.pp
@@ -156,7 +170,7 @@ class ParallelTrainer:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad, group=self.embed_group)
-        if dp.size > 1:
+        if dp.size > 1 and self.ddp is None:  # pipeline stages: one bucket, averaged over the replicas
             ps = [p for p in self.params if p.grad is not None]
             flat = comm.all_reduce(torch.cat([p.grad.reshape(-1) for p in ps]), dp) / dp.size
             off = 0
