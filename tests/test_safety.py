@@ -264,3 +264,27 @@ def test_missing_matplotlib_is_a_note_not_a_crash(tmp_path, text_file, monkeypat
     assert s["step"] == 2 and "plot" not in s and not (tmp_path / "run" / "loss.png").exists()
     err = capsys.readouterr().err
     assert "matplotlib is not installed" in err and err.count("\n") == 1
+
+
+# ---------------------------------------------------------------- item 9: waiting for another process
+
+def test_waiting_for_a_lock_names_the_holder_and_gives_up(tmp_path, capsys):
+    import subprocess
+
+    from tensorpar.cache import file_lock
+    lock = tmp_path / "locks" / "smollm2.lock"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom tensorpar.cache import file_lock\n"
+                               f"with file_lock({str(lock)!r}):\n    print('held', flush=True)\n    time.sleep(120)\n"],
+                              stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(TimeoutError, match=f"process {holder.pid} .*has held .*smollm2.lock for more than 1 s"):
+            with file_lock(lock, what="smollm2", timeout_s=1.0):
+                pass
+        err = capsys.readouterr().err
+        assert err.startswith(f"tensorpar: waiting for process {holder.pid} (") and "preparing smollm2" in err
+    finally:
+        holder.kill()
+        holder.wait()
+    with file_lock(lock, timeout_s=30):  # the holder is gone: the lock is free again
+        assert lock.read_text() == str(os.getpid())
