@@ -19,8 +19,10 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import socket
 import sys
+import tempfile
 import uuid
 from typing import Any, Callable
 
@@ -113,18 +115,53 @@ def _wake_stopped_siblings() -> None:
                 continue
 
 
-def _rank_entry(fn: Callable[..., Any], verbose: bool, *args) -> Any:
+def _rank_entry(fn: Callable[..., Any], verbose: bool, error_dir: str, *args) -> Any:
     """What the launcher runs on each rank: ``fn(*args)``, turning an error into a one-line :class:`RankError`.
 
+    The one-line message also goes to ``<error_dir>/rank<R>.json`` with the time it happened, so that the
+    launcher reports the rank that failed first (torch records only the first process it sees exit).
     Top level so that it pickles. With ``verbose`` the original exception (and traceback) passes through.
     """
+    import json
+    import time
+
     try:
         return fn(*args)
     except Exception as e:
+        line = one_line(e)
+        rank = os.environ.get("RANK", "?")
+        try:
+            tmp = os.path.join(error_dir, f".rank{rank}.tmp")
+            with open(tmp, "w") as f:
+                json.dump({"time": time.time(), "rank": rank, "message": line}, f)
+            os.replace(tmp, os.path.join(error_dir, f"rank{rank}.json"))
+        except OSError:
+            pass
         _wake_stopped_siblings()
         if verbose:
             raise
-        raise RankError(one_line(e)) from None
+        raise RankError(line) from None
+
+
+def _first_error(error_dir: str) -> str | None:
+    """``message (rank R)`` of the earliest error written by :func:`_rank_entry`, passing over the secondary
+    ones (a peer that lost its connection because the first rank exited); None if no rank wrote one."""
+    import glob
+    import json
+
+    found = []
+    for path in glob.glob(os.path.join(error_dir, "rank*.json")):
+        try:
+            with open(path) as f:
+                found.append(json.load(f))
+        except (OSError, ValueError):
+            continue
+    if not found:
+        return None
+    found.sort(key=lambda r: r["time"])
+    primary = [r for r in found if not _SECONDARY.search(r["message"])]
+    r = (primary or found)[0]
+    return f"{r['message']} (rank {r['rank']})"
 
 
 _SECONDARY = re.compile(r"connection closed by peer|connection reset by peer|remote worker crash|broken pipe|"
@@ -193,18 +230,20 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args, verbose: bool = False) 
             lg = logging.getLogger(name)
             saved[name] = lg.level
             lg.setLevel(logging.CRITICAL + 1)
+    error_dir = tempfile.mkdtemp(prefix="tensorpar-errors-")
     try:
-        results = elastic_launch(cfg, _rank_entry)(fn, verbose, *args)
+        results = elastic_launch(cfg, _rank_entry)(fn, verbose, error_dir, *args)
     except ChildFailedError as e:
         line, trace = _failure_line(e)
         if verbose and trace:
             print(trace, file=sys.stderr)
-        print(f"tensorpar: error: {line}", file=sys.stderr, flush=True)
+        print(f"tensorpar: error: {_first_error(error_dir) or line}", file=sys.stderr, flush=True)
         return 1
     except (KeyboardInterrupt, SignalException):  # the agent stops every rank before this is raised
         print("tensorpar: interrupted; all ranks stopped", file=sys.stderr)
         return 130
     finally:
+        shutil.rmtree(error_dir, ignore_errors=True)
         for name, level in saved.items():
             logging.getLogger(name).setLevel(level)
     return max(int(r or 0) for r in results.values())

@@ -26,6 +26,9 @@ def stop_rank1_before_all_reduce(timeout_s: float) -> int:
     ctx = init_parallel(ParallelConfig(tp=2), timeout_s=timeout_s, backend="gloo")
     comm.all_reduce(torch.ones(4), ctx.tp)  # both ranks arrive once
     if ctx.rank == 1:
+        if os.environ.get("TENSORPAR_STOP_FILE"):  # bench/bench_rank_failure.py times the exit from here
+            with open(os.environ["TENSORPAR_STOP_FILE"], "w") as f:
+                f.write(repr(time.time()))
         os.kill(os.getpid(), signal.SIGSTOP)  # a stopped rank: it never reaches the next collective
     comm.all_reduce(torch.ones(4), ctx.tp)
     ctx.destroy()
@@ -54,5 +57,6 @@ if __name__ == "__main__":
 
     job, nproc = sys.argv[1], int(sys.argv[2])
     verbose = "--verbose" in sys.argv
-    extra = {"raise_on_rank1": (), "stop_rank1_before_all_reduce": (3.0,), "port_of_run": (3.0,)}[job]
+    timeout = float(os.environ.get("TENSORPAR_JOB_TIMEOUT", "3"))
+    extra = {"raise_on_rank1": (), "stop_rank1_before_all_reduce": (timeout,), "port_of_run": (3.0,)}[job]
     sys.exit(run_ranks(globals()[job], nproc, *extra, verbose=verbose))
