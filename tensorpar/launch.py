@@ -202,7 +202,13 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args, verbose: bool = False) 
     within :data:`SHUTDOWN_TIMEOUT_S` seconds; its error is printed as one line (``tensorpar: error: ...
     (rank R)``, exit code 1), or with its traceback when ``verbose``. Ctrl-C stops every rank (exit 130).
     More ranks than usable cores is allowed (each rank then gets one thread) and prints a one-line warning.
+
+    Raises:
+        ValueError: ``TENSORPAR_THREADS`` is set but not a positive integer (before anything starts).
     """
+    threads = os.environ.get("TENSORPAR_THREADS", "")
+    if threads and not (threads.isdigit() and int(threads) >= 1):
+        raise ValueError(f"TENSORPAR_THREADS={threads!r}: must be a positive integer (torch threads per rank), or unset")
     if under_torchrun() or nproc == 1 and "RANK" not in os.environ:
         if not under_torchrun():
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
@@ -219,6 +225,8 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args, verbose: bool = False) 
     if nproc > cores and not os.environ.get("TENSORPAR_THREADS"):
         print(f"tensorpar: warning: {nproc} ranks on {cores} usable cores; ranks share cores (one thread each) "
               f"and run slower than with tp <= {cores}", file=sys.stderr, flush=True)
+    if sys.stderr.isatty():  # starting ranks takes seconds (each imports torch): say so on a terminal
+        print(f"tensorpar: starting {nproc} ranks ...", file=sys.stderr, flush=True)
     port = free_port()
     cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0,

@@ -262,3 +262,11 @@ def test_the_hf_extra_covers_everything_generate_imports(tiny_with_tokenizer):  
                        capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "time to first token" in p.stdout
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5"])
+def test_bad_thread_count_fails_before_launch(monkeypatch, value):
+    from tensorpar.launch import run_ranks
+    monkeypatch.setenv("TENSORPAR_THREADS", value)
+    with pytest.raises(ValueError, match=f"TENSORPAR_THREADS={value!r}: must be a positive integer"):
+        run_ranks(print, 2)
