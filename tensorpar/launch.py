@@ -84,17 +84,18 @@ class RankError(Exception):
     """Raised inside a rank, in place of the original exception, with the one-line message to show."""
 
 
-def _wake_stopped_siblings() -> None:
+def _wake_stopped_siblings() -> list[int]:
     """Continue (SIGCONT) the other ranks of this launch that are stopped (state ``T``), so that the
     launcher's SIGTERM ends them at once: torch's process context otherwise waits 30 s for a stopped
-    process before it kills it. Linux only (``/proc``); ranks are the launcher's ``spawn_main`` children."""
+    process before it kills it. Linux only (``/proc``); ranks are the launcher's ``spawn_main`` children.
+    Returns the pids it continued."""
     import signal
 
-    ppid, me = os.getppid(), os.getpid()
+    ppid, me, woken = os.getppid(), os.getpid(), []
     try:
         tasks = os.listdir(f"/proc/{ppid}/task")
     except OSError:
-        return
+        return woken
     for tid in tasks:
         try:
             with open(f"/proc/{ppid}/task/{tid}/children") as f:
@@ -111,8 +112,10 @@ def _wake_stopped_siblings() -> None:
                     ours = b"spawn_main" in f.read()
                 if state == "T" and ours:
                     os.kill(pid, signal.SIGCONT)
+                    woken.append(pid)
             except (OSError, IndexError):
                 continue
+    return woken
 
 
 def _rank_entry(fn: Callable[..., Any], verbose: bool, error_dir: str, *args) -> Any:
@@ -125,11 +128,25 @@ def _rank_entry(fn: Callable[..., Any], verbose: bool, error_dir: str, *args) ->
     import json
     import time
 
+    rank = os.environ.get("RANK", "?")
+    try:
+        with open(os.path.join(error_dir, f"pid-{os.getpid()}"), "w") as f:  # who is who, for the error
+            f.write(rank)
+    except OSError:
+        pass
     try:
         return fn(*args)
     except Exception as e:
         line = one_line(e)
-        rank = os.environ.get("RANK", "?")
+        stopped = []
+        for pid in _wake_stopped_siblings():
+            try:
+                with open(os.path.join(error_dir, f"pid-{pid}")) as f:
+                    stopped.append(f"rank {f.read()}")
+            except OSError:
+                stopped.append(f"pid {pid}")
+        if stopped:
+            line += f"; {', '.join(sorted(stopped))} had been stopped (SIGSTOP / Ctrl-Z)"
         try:
             tmp = os.path.join(error_dir, f".rank{rank}.tmp")
             with open(tmp, "w") as f:
@@ -137,7 +154,6 @@ def _rank_entry(fn: Callable[..., Any], verbose: bool, error_dir: str, *args) ->
             os.replace(tmp, os.path.join(error_dir, f"rank{rank}.json"))
         except OSError:
             pass
-        _wake_stopped_siblings()
         if verbose:
             raise
         raise RankError(line) from None
@@ -181,7 +197,9 @@ def _failure_line(err) -> tuple[str, str]:
             trace = str(msg.get("extraInfo", {}).get("py_callstack", ""))
             msg = msg.get("message", "")
         msg = str(msg or "").strip()
-        if not msg:
+        if failure.exitcode < 0:  # killed by a signal: no Python error to show
+            msg = f"killed by signal {failure.signal_name()} (out of memory? killed by hand?)"
+        elif not msg or msg.startswith("To enable traceback"):  # exited without an error file
             msg = f"exited with code {failure.exitcode}"
         if msg.startswith("RankError: "):
             msg = msg[len("RankError: "):]

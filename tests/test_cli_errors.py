@@ -60,6 +60,7 @@ def test_stopped_rank_names_the_collective_and_ends_the_run():
     assert len(lines) == 1, p.stderr
     assert lines[0].startswith("tensorpar: error: all_reduce on tp group (rank 0 of 2") and "(rank 0)" in lines[0]
     assert "Timed out" in lines[0] and "another rank stopped, hung or died" in lines[0]
+    assert "; rank 1 had been stopped (SIGSTOP / Ctrl-Z) (rank 0)" in lines[0]
 
 
 def test_unexpected_error_in_the_launching_process_is_one_line(monkeypatch, capsys):
@@ -270,3 +271,10 @@ def test_bad_thread_count_fails_before_launch(monkeypatch, value):
     monkeypatch.setenv("TENSORPAR_THREADS", value)
     with pytest.raises(ValueError, match=f"TENSORPAR_THREADS={value!r}: must be a positive integer"):
         run_ranks(print, 2)
+
+
+def test_rank_killed_by_a_signal_is_one_line():
+    p = _job("kill_rank1", "2")
+    assert p.returncode == 1
+    assert p.stderr.splitlines() == ["tensorpar: error: killed by signal SIGKILL (out of memory? killed by hand?) "
+                                     "(rank 1)"], p.stderr

@@ -47,7 +47,11 @@ class MetricsLog:
         while archive.exists():
             n += 1
             archive = self.path.with_name(f"{self.path.name}.until-step-{last}-{n}")
-        os.link(self.path, archive)  # the old file stays as it was, under a new name
+        try:
+            os.link(self.path, archive)  # the old file stays as it was, under a new name
+        except OSError:  # a file system without hard links
+            import shutil
+            shutil.copy2(self.path, archive)
         tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         with open(tmp, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)
