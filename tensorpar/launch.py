@@ -1,9 +1,11 @@
 """Start N local ranks through torch's elastic launcher, or run in place under torchrun.
 
 ``tensorpar generate --tp 2`` calls :func:`run_ranks`, which starts the ranks with
-``torch.distributed.launcher.api.elastic_launch`` (the machinery of torchrun) on loopback: the
-rendezvous store listens on ``127.0.0.1`` at a port the kernel picked free (never a fixed 29500), so
-two runs, or a run next to another torchrun job, do not collide and nothing listens on the network.
+``torch.distributed.launcher.api.elastic_launch`` (the machinery of torchrun): the rendezvous
+endpoint is ``127.0.0.1`` at a port the kernel picked free (never a fixed 29500), so two runs, or a
+run next to another torchrun job, do not collide; a one-rank run gets a free loopback port too.
+Limitation: torch's ``TCPStore`` server has no bind-address option reachable through the launcher and
+listens on the wildcard address, so its (random) port is open to the network while a run lasts.
 When the process already is a torchrun worker (``TORCHELASTIC_RUN_ID`` or ``RANK`` in the
 environment), the function runs directly: ``torchrun --nnodes M --nproc-per-node N -m
 tensorpar generate ...`` is the multi-machine path, unchanged (it binds what the user gave torchrun).
