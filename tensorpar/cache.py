@@ -81,14 +81,57 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     return Path.home() / ".cache" / "tensorpar"
 
 
+LOCK_TIMEOUT_ENV = "TENSORPAR_LOCK_TIMEOUT"
+LOCK_TIMEOUT_S = 1800.0  # converting a model takes minutes; a holder silent for 30 min is stuck
+
+
+def _holder(path: Path) -> str:
+    """``pid N (command line)`` of the process that wrote ``path`` (the lock holder), as far as known."""
+    try:
+        pid = int(path.read_text().strip() or 0)
+    except (OSError, ValueError):
+        return "another process"
+    try:
+        cmd = " ".join(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").split())
+    except OSError:
+        cmd = ""
+    return f"process {pid}" + (f" ({cmd[:120]})" if cmd else "")
+
+
 @contextlib.contextmanager
-def file_lock(path: str | os.PathLike) -> Iterator[None]:
-    """Hold an exclusive advisory lock (``flock``) on ``path``, created if needed, while the block runs."""
+def file_lock(path: str | os.PathLike, *, what: str | None = None, timeout_s: float | None = None) -> Iterator[None]:
+    """Hold an exclusive advisory lock (``flock``) on ``path``, created if needed, while the block runs.
+
+    The holder writes its pid into the file. When another process holds the lock, a one-line message
+    naming it and ``what`` it is preparing goes to stderr, and the wait is bounded: ``timeout_s``
+    (default ``$TENSORPAR_LOCK_TIMEOUT`` or :data:`LOCK_TIMEOUT_S`), then TimeoutError naming the holder.
+    """
+    import time
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if timeout_s is None:
+        timeout_s = float(os.environ.get(LOCK_TIMEOUT_ENV) or LOCK_TIMEOUT_S)
     with open(path, "a+") as f:
         if fcntl is not None:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            deadline, told = time.monotonic() + timeout_s, False
+            while True:
+                try:
+                    fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if not told:
+                        print(f"tensorpar: waiting for {_holder(path)}, which is preparing {what or path.stem} "
+                              f"(lock {path}); giving up after {timeout_s:.0f} s", file=sys.stderr, flush=True)
+                        told = True
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(f"{_holder(path)} has held {path} for more than {timeout_s:.0f} s while "
+                                           f"preparing {what or path.stem}; stop it, or raise ${LOCK_TIMEOUT_ENV}")
+                    time.sleep(0.25)
+            f.seek(0)
+            f.truncate()
+            f.write(str(os.getpid()))
+            f.flush()
         try:
             yield
         finally:

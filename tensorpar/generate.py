@@ -284,23 +284,26 @@ def _nothing():
 # ---------------------------------------------------------------- command line
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from tensorpar.launch import DEFAULT_TIMEOUT_S, DEFAULT_TP
+
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (built in, fetched and converted once), a Hugging Face-format folder, a hub "
                         "id already in the local Hugging Face cache, or a .gguf file")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (local ranks started here; "
-                                                     "under torchrun the world size is used)")
+    p.add_argument("--tp", type=int, default=DEFAULT_TP, help="tensor-parallel degree (local ranks started here; "
+                                                              "under torchrun the world size is used)")
     p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch (default: a sample prompt)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="token budget per prompt (>= 1)")
+    p.add_argument("--temperature", type=float, default=0.0, help="softmax temperature; 0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (rank 0)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and compute dtype")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--print-plan", action="store_true", help="print the sharding plan and exit")
-    p.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="collective timeout in seconds")
     p.add_argument("--fast-collectives", choices=["auto", "on", "off"], default="auto",
                    help="same-host shared-memory collectives for CPU tensors")
+    p.add_argument("--verbose", action="store_true", help="show full tracebacks of errors")
 
 
 def _resolve(spec: str):
@@ -369,16 +372,41 @@ def validate(args: argparse.Namespace):
     from tensorpar.hf.load import check_checkpoint
     from tensorpar.hf.plan import make_plan
 
+    import math
+
     if args.tp < 1:
         raise ValueError(f"--tp must be a positive integer (ranks to start), got {args.tp}")
-    if not args.timeout > 0:
-        raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    if args.prompt is not None and any(not p.strip() for p in args.prompt):
-        raise ValueError("--prompt must not be empty; give the text to continue")
-    SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+    if not (math.isfinite(args.timeout) and 0 < args.timeout <= 10 ** 8):
+        raise ValueError(f"--timeout must be a positive, finite number of seconds, got {args.timeout}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
+        raise ValueError(f"--top-p must be in (0, 1] (1 = off), got {args.top_p}")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.top_k < 0:
+        raise ValueError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
+    if not 0 <= args.seed < 2 ** 63:
+        raise ValueError(f"--seed must be in [0, 2**63), got {args.seed}")
+    for p in args.prompt or []:
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError as e:  # argv bytes that are not UTF-8 arrive as lone surrogates
+            raise ValueError(f"--prompt {p[:20]!r}... is not valid UTF-8 (character {e.start}); pass UTF-8 text") \
+                from None
+        if not p.strip():
+            raise ValueError("--prompt must not be empty; give the text to continue")
+    from tensorpar.train.config import check_model_config, config_error
+
     folder = _resolve(args.model)
-    config = AutoConfig.from_pretrained(folder)
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (FileNotFoundError, OSError):
+        raise
+    except Exception as e:  # transformers rejects the config (its own error types): one line, named
+        raise config_error(f"{folder}/config.json", e) from e
     plan = make_plan(config, args.tp)
+    check_model_config(config, f"{folder}/config.json")
     check_checkpoint(folder, config)  # headers vs config, both directions, before any rank starts
     tok = AutoTokenizer.from_pretrained(folder)
     ids, _ = _encode(tok, args.prompt or ["The capital of France is"], args.chat)
@@ -400,10 +428,10 @@ def main(args: argparse.Namespace) -> int:
     try:
         folder, plan = validate(args)
     except (ValueError, FileNotFoundError, OSError) as e:
-        print(f"tensorpar generate: error: {e}", file=sys.stderr)
+        print(f"tensorpar: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     if args.print_plan:
         if int(os.environ.get("RANK", "0")) == 0:
             print(plan)
         return 0
-    return run_ranks(_rank_main, args.tp, str(folder), args)
+    return run_ranks(_rank_main, args.tp, str(folder), args, verbose=getattr(args, "verbose", False))

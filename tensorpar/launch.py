@@ -1,17 +1,52 @@
 """Start N local ranks through torch's elastic launcher, or run in place under torchrun.
 
 ``tensorpar generate --tp 2`` calls :func:`run_ranks`, which starts the ranks with
-``torch.distributed.launcher.api.elastic_launch`` (the machinery of torchrun) on loopback.
+``torch.distributed.launcher.api.elastic_launch`` (the machinery of torchrun): the rendezvous
+endpoint is ``127.0.0.1`` at a port the kernel picked free (never a fixed 29500), so two runs, or a
+run next to another torchrun job, do not collide; a one-rank run gets a free loopback port too.
+Limitation: torch's ``TCPStore`` server has no bind-address option reachable through the launcher and
+listens on the wildcard address, so its (random) port is open to the network while a run lasts.
 When the process already is a torchrun worker (``TORCHELASTIC_RUN_ID`` or ``RANK`` in the
 environment), the function runs directly: ``torchrun --nnodes M --nproc-per-node N -m
-tensorpar generate ...`` is the multi-machine path, unchanged.
+tensorpar generate ...`` is the multi-machine path, unchanged (it binds what the user gave torchrun).
+
+Errors: a rank that raises reaches the user as one line, ``tensorpar: error: <message> (rank R)``,
+and the run exits 1; the launcher's log lines and the rank's traceback are shown only with
+``verbose``. A rank that stops or hangs makes its peers' next collective time out (the collective
+timeout of the command); the error names the collective, and the remaining ranks are stopped within
+a couple of seconds (:data:`SHUTDOWN_TIMEOUT_S`).
 """
 from __future__ import annotations
 
+import logging
 import os
+import re
+import shutil
+import socket
 import sys
+import tempfile
 import uuid
 from typing import Any, Callable
+
+# One default for every command (issue 14, item 7).
+DEFAULT_TP = 2
+DEFAULT_TIMEOUT_S = 300.0
+# Seconds the launcher waits, after SIGTERM, for the ranks left running when one failed before it
+# kills them (torch's default is 30 s, which a stopped rank always uses up).
+SHUTDOWN_TIMEOUT_S = 2
+
+_LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing",
+                     "torch.distributed.elastic.multiprocessing.api",
+                     "torch.distributed.elastic.agent.server.api",
+                     "torch.distributed.elastic.agent.server.local_elastic_agent",
+                     "torch.distributed.elastic.rendezvous.dynamic_rendezvous")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` (default loopback) that is free right now (the kernel picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def under_torchrun() -> bool:
@@ -26,36 +61,217 @@ def rank0_print(*args, **kwargs) -> None:
         print(*args, **kwargs)
 
 
-def run_ranks(fn: Callable[..., Any], nproc: int, *args) -> int:
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def one_line(e: BaseException) -> str:
+    """The message of ``e`` on one line: ``ValueError``/``OSError``/collective text as is, other types
+    prefixed with their name (an unexpected error should say what it is). A collective that timed out
+    gets a hint: a peer rank stopped, hung or died."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    text = re.sub(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\] ", "", text)  # C++ source locations of gloo / c10d
+    if type(e).__name__ == "CollectiveError":
+        if "timed out" in text.lower():
+            text += " - another rank stopped, hung or died before reaching this collective (a rank that is only " \
+                    "slow needs a larger --timeout)"
+        return text
+    if isinstance(e, (ValueError, OSError, KeyError)) and not isinstance(e, (TimeoutError, ConnectionError)):
+        return text
+    return f"{type(e).__name__}: {text}"
+
+
+class RankError(Exception):
+    """Raised inside a rank, in place of the original exception, with the one-line message to show."""
+
+
+def _wake_stopped_siblings() -> list[int]:
+    """Continue (SIGCONT) the other ranks of this launch that are stopped (state ``T``), so that the
+    launcher's SIGTERM ends them at once: torch's process context otherwise waits 30 s for a stopped
+    process before it kills it. Linux only (``/proc``); ranks are the launcher's ``spawn_main`` children.
+    Returns the pids it continued."""
+    import signal
+
+    ppid, me, woken = os.getppid(), os.getpid(), []
+    try:
+        tasks = os.listdir(f"/proc/{ppid}/task")
+    except OSError:
+        return woken
+    for tid in tasks:
+        try:
+            with open(f"/proc/{ppid}/task/{tid}/children") as f:
+                kids = [int(k) for k in f.read().split()]
+        except (OSError, ValueError):
+            continue
+        for pid in kids:
+            if pid == me:
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    ours = b"spawn_main" in f.read()
+                if state == "T" and ours:
+                    os.kill(pid, signal.SIGCONT)
+                    woken.append(pid)
+            except (OSError, IndexError):
+                continue
+    return woken
+
+
+def _rank_entry(fn: Callable[..., Any], verbose: bool, error_dir: str, *args) -> Any:
+    """What the launcher runs on each rank: ``fn(*args)``, turning an error into a one-line :class:`RankError`.
+
+    The one-line message also goes to ``<error_dir>/rank<R>.json`` with the time it happened, so that the
+    launcher reports the rank that failed first (torch records only the first process it sees exit).
+    Top level so that it pickles. With ``verbose`` the original exception (and traceback) passes through.
+    """
+    import json
+    import time
+
+    rank = os.environ.get("RANK", "?")
+    try:
+        with open(os.path.join(error_dir, f"pid-{os.getpid()}"), "w") as f:  # who is who, for the error
+            f.write(rank)
+    except OSError:
+        pass
+    try:
+        return fn(*args)
+    except Exception as e:
+        line = one_line(e)
+        stopped = []
+        for pid in _wake_stopped_siblings():
+            try:
+                with open(os.path.join(error_dir, f"pid-{pid}")) as f:
+                    stopped.append(f"rank {f.read()}")
+            except OSError:
+                stopped.append(f"pid {pid}")
+        if stopped:
+            line += f"; {', '.join(sorted(stopped))} had been stopped (SIGSTOP / Ctrl-Z)"
+        try:
+            tmp = os.path.join(error_dir, f".rank{rank}.tmp")
+            with open(tmp, "w") as f:
+                json.dump({"time": time.time(), "rank": rank, "message": line}, f)
+            os.replace(tmp, os.path.join(error_dir, f"rank{rank}.json"))
+        except OSError:
+            pass
+        if verbose:
+            raise
+        raise RankError(line) from None
+
+
+def _first_error(error_dir: str) -> str | None:
+    """``message (rank R)`` of the earliest error written by :func:`_rank_entry`, passing over the secondary
+    ones (a peer that lost its connection because the first rank exited); None if no rank wrote one."""
+    import glob
+    import json
+
+    found = []
+    for path in glob.glob(os.path.join(error_dir, "rank*.json")):
+        try:
+            with open(path) as f:
+                found.append(json.load(f))
+        except (OSError, ValueError):
+            continue
+    if not found:
+        return None
+    found.sort(key=lambda r: r["time"])
+    primary = [r for r in found if not _SECONDARY.search(r["message"])]
+    r = (primary or found)[0]
+    return f"{r['message']} (rank {r['rank']})"
+
+
+_SECONDARY = re.compile(r"connection closed by peer|connection reset by peer|remote worker crash|broken pipe|"
+                        r"signal \d+|sigterm|sigkill", re.IGNORECASE)
+
+
+def _failure_line(err) -> tuple[str, str]:
+    """``(one-line message, full traceback text)`` of the rank that failed first for its own reason.
+
+    When one rank fails, its peers fail too (their collectives lose the peer, or the launcher kills them),
+    sometimes within the same second (the error files' resolution): those secondary failures are passed
+    over in favour of a rank whose error is not one of them.
+    """
+    def text(failure):
+        msg, trace = failure.message, ""
+        if isinstance(msg, dict):
+            trace = str(msg.get("extraInfo", {}).get("py_callstack", ""))
+            msg = msg.get("message", "")
+        msg = str(msg or "").strip()
+        if failure.exitcode < 0:  # killed by a signal: no Python error to show
+            msg = f"killed by signal {failure.signal_name()} (out of memory? killed by hand?)"
+        elif not msg or msg.startswith("To enable traceback"):  # exited without an error file
+            msg = f"exited with code {failure.exitcode}"
+        if msg.startswith("RankError: "):
+            msg = msg[len("RankError: "):]
+        return " ".join(msg.split()), trace
+
+    order = sorted(err.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+    primary = [(r, f) for r, f in order if not _SECONDARY.search(text(f)[0])]
+    rank, failure = (primary or order)[0]
+    msg, trace = text(failure)
+    return f"{msg} (rank {rank})", trace
+
+
+def run_ranks(fn: Callable[..., Any], nproc: int, *args, verbose: bool = False) -> int:
     """Run ``fn(*args)`` on ``nproc`` local ranks; return a process exit code (0 = all ranks succeeded).
 
     ``fn`` must be a top-level function (it is pickled to spawned processes). Under torchrun it is
-    called once, in this process. A failing rank stops all others; its error is printed.
+    called once, in this process (errors then propagate to the caller). A failing rank stops all others
+    within :data:`SHUTDOWN_TIMEOUT_S` seconds; its error is printed as one line (``tensorpar: error: ...
+    (rank R)``, exit code 1), or with its traceback when ``verbose``. Ctrl-C stops every rank (exit 130).
+    More ranks than usable cores is allowed (each rank then gets one thread) and prints a one-line warning.
+
+    Raises:
+        ValueError: ``TENSORPAR_THREADS`` is set but not a positive integer (before anything starts).
     """
+    threads = os.environ.get("TENSORPAR_THREADS", "")
+    if threads and not (threads.isdigit() and int(threads) >= 1):
+        raise ValueError(f"TENSORPAR_THREADS={threads!r}: must be a positive integer (torch threads per rank), or unset")
     if under_torchrun() or nproc == 1 and "RANK" not in os.environ:
         if not under_torchrun():
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+            # a one-rank process group still needs a store: a free loopback port, never a fixed one
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
         rc = fn(*args)
         return int(rc or 0)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from tensorpar.testing import free_port
-
+    cores = usable_cores()
+    if nproc > cores and not os.environ.get("TENSORPAR_THREADS"):
+        print(f"tensorpar: warning: {nproc} ranks on {cores} usable cores; ranks share cores (one thread each) "
+              f"and run slower than with tp <= {cores}", file=sys.stderr, flush=True)
+    if sys.stderr.isatty():  # starting ranks takes seconds (each imports torch): say so on a terminal
+        print(f"tensorpar: starting {nproc} ranks ...", file=sys.stderr, flush=True)
     port = free_port()
     cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0,
-                       monitor_interval=0.1, start_method="spawn")
+                       monitor_interval=0.1, start_method="spawn", shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+                       rdzv_configs={"is_host": True})
+    saved = {}
+    if not verbose:  # the launcher logs every failure with a traceback; we print one line instead
+        for name in _LAUNCHER_LOGGERS:
+            lg = logging.getLogger(name)
+            saved[name] = lg.level
+            lg.setLevel(logging.CRITICAL + 1)
+    error_dir = tempfile.mkdtemp(prefix="tensorpar-errors-")
     try:
-        results = elastic_launch(cfg, fn)(*args)
+        results = elastic_launch(cfg, _rank_entry)(fn, verbose, error_dir, *args)
     except ChildFailedError as e:
-        first = next(iter(e.failures.values()))
-        msg = first.message if isinstance(first.message, str) else first.message.get("message", str(first.message))
-        print(f"tensorpar: rank {first.local_rank} failed: {msg.strip().splitlines()[-1] if msg else e}",
-              file=sys.stderr, flush=True)
+        line, trace = _failure_line(e)
+        if verbose and trace:
+            print(trace, file=sys.stderr)
+        print(f"tensorpar: error: {_first_error(error_dir) or line}", file=sys.stderr, flush=True)
         return 1
     except (KeyboardInterrupt, SignalException):  # the agent stops every rank before this is raised
         print("tensorpar: interrupted; all ranks stopped", file=sys.stderr)
         return 130
+    finally:
+        shutil.rmtree(error_dir, ignore_errors=True)
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)
     return max(int(r or 0) for r in results.values())

@@ -25,7 +25,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 
+from tensorpar.launch import free_port  # noqa: F401  (library helper, re-exported for the tests)
 from tensorpar.parallel import ParallelConfig, init_parallel
 
 RTOL = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -42,11 +42,6 @@ class RankFailure(AssertionError):
     """One or more ranks raised, or timed out; the message holds each failing rank's traceback."""
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, config: ParallelConfig, init_method: str, timeout_s: float, jobs, results):

@@ -226,9 +226,43 @@ def read_state(ckpt: str | os.PathLike) -> dict:
         state = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path} cannot be read as a tensorpar checkpoint state: {e}") from e
-    if state.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: format {state.get('format')!r}, expected {FORMAT!r}")
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        fmt = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(f"{path}: format {fmt!r}, expected {FORMAT!r}")
+    check_state(Path(ckpt), state)
     return state
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def check_state(ckpt: Path, state: dict) -> None:
+    """Reject a checkpoint state that does not describe its own folder (CheckpointError naming the field).
+
+    ``step`` and ``optimizer_step`` must be integers >= 0 with ``optimizer_step <= step``; a folder named
+    ``step_<N>`` must hold step ``N``; the tensor files must be there; ``tensors`` (name -> shape) must match
+    the model file's header when both are present.
+    """
+    path = ckpt / STATE_FILE
+    step = state.get("step")
+    if not _is_count(step):
+        raise CheckpointError(f"{path}: step={step!r} is not a non-negative integer; the checkpoint is damaged, "
+                              f"resume from another one")
+    opt = state.get("optimizer_step", 0)
+    if not _is_count(opt) or opt > step:
+        raise CheckpointError(f"{path}: optimizer_step={opt!r} must be an integer in [0, step={step}]; the "
+                              f"checkpoint is damaged, resume from another one")
+    name = ckpt.name
+    if name.startswith("step_") and name[5:].isdigit() and int(name[5:]) != step:
+        raise CheckpointError(f"{path}: step={step} but the folder is {name}; the checkpoint is damaged or was "
+                              f"renamed, resume from another one")
+    for f in (MODEL_FILE,) + ((OPTIM_FILE,) if opt > 0 else ()):
+        if not (ckpt / f).is_file():
+            raise CheckpointError(f"{ckpt}: {f} is missing (step {step}); the checkpoint is incomplete, resume "
+                                  f"from another one")
+    if not isinstance(state.get("data", {}), dict) or not isinstance(state.get("config", {}), dict):
+        raise CheckpointError(f"{path}: 'data' and 'config' must be JSON objects; the checkpoint is damaged")
 
 
 def _read_into(handle, key: str, param: nn.Parameter, dest: torch.Tensor, tp: Group) -> None:

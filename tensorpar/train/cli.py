@@ -19,9 +19,11 @@ from tensorpar.train.config import PRESETS, TrainConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from tensorpar.launch import DEFAULT_TIMEOUT_S, DEFAULT_TP
+
     d = TrainConfig()
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (local ranks started here; under "
-                                                     "torchrun the world size is used)")
+    p.add_argument("--tp", type=int, default=DEFAULT_TP, help="tensor-parallel degree (local ranks started "
+                                                              "here; under torchrun the world size is used)")
     p.add_argument("--sequence-parallel", action="store_true", help="split activations along the sequence "
                                                                      "between blocks (seq_len must divide by tp)")
     p.add_argument("--model", default=d.model, help=f"a preset ({', '.join(PRESETS)}), a config.json (from "
@@ -31,36 +33,56 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default=d.data, help="'shakespeare' or a UTF-8 .txt file")
     p.add_argument("--tokenizer", default=d.tokenizer, help="auto (the model's, else bytes), bytes, smollm2, "
                                                             "or a model folder")
-    p.add_argument("--val-fraction", type=float, default=d.val_fraction)
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--val-fraction", type=float, default=d.val_fraction, help="share of the text held out "
+                                                                              "for the validation loss, in (0, 0.5)")
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step (all tp ranks "
                                                                         "share one batch)")
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio)
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--steps", type=int, default=d.steps, help="optimiser steps in total (a resumed run "
+                                                              "continues up to it)")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (~3e-4 to fine-tune)")
+    p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="final lr / peak lr (cosine)")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="linear warm-up steps")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW decoupled decay (matrices)")
     p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="global gradient-norm clip (0 = off)")
-    p.add_argument("--label-smoothing", type=float, default=d.label_smoothing)
-    p.add_argument("--attention-dropout", type=float, default=d.attention_dropout)
-    p.add_argument("--hidden-dropout", type=float, default=d.hidden_dropout)
+    p.add_argument("--label-smoothing", type=float, default=d.label_smoothing, help="in [0, 1]")
+    p.add_argument("--attention-dropout", type=float, default=d.attention_dropout, help="in [0, 1)")
+    p.add_argument("--hidden-dropout", type=float, default=d.hidden_dropout, help="in [0, 1)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 weights and optimizer)")
     p.add_argument("--recompute", action="store_true", help="recompute each block's activations in backward")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--out", default=d.out_dir, help="output folder (metrics, plot, checkpoints)")
-    p.add_argument("--eval-every", type=int, default=d.eval_every)
-    p.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    p.add_argument("--seed", type=int, default=d.seed, help="weights, data order and dropout masks")
+    p.add_argument("--out", default=d.out_dir, help="output folder (metrics, plot, checkpoints); a fresh run "
+                                                    "needs a new or empty one")
+    p.add_argument("--eval-every", type=int, default=d.eval_every, help="validation period in steps (0 = at "
+                                                                        "the end only)")
+    p.add_argument("--eval-batches", type=int, default=d.eval_batches, help="validation batches per evaluation")
     p.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint period (0 = only at the end)")
-    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
+    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints, help="newest checkpoints kept")
     p.add_argument("--resume", nargs="?", const="auto", default=None,
                    help="continue from a checkpoint (folder, or a checkpoint root); bare --resume: <out>/checkpoints")
-    p.add_argument("--export", default=None, help="also write the final model as a Hugging Face folder here")
-    p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+    p.add_argument("--export", default=None, help="also write the final model as a Hugging Face folder here "
+                                                  "(new or empty, or a previous export with --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="let --export replace a previous tensorpar export")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="collective timeout in seconds")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--verbose", action="store_true", help="show full tracebacks of errors")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The :class:`TrainConfig` the flags describe (raises its ValueErrors)."""
+    """The :class:`TrainConfig` the flags describe (raises its ValueErrors, naming the flag)."""
+    try:
+        return _config_from_args(args)
+    except ValueError as e:
+        import re
+
+        m = re.match(r"(\w+)=(\S+): (.*)", str(e), re.S)  # TrainConfig's "name=value: why" -> "--flag value: why"
+        if m and m.group(1) in TrainConfig.__dataclass_fields__:
+            flag = {"out_dir": "--out", "dtype": "--bf16"}.get(m.group(1), "--" + m.group(1).replace("_", "-"))
+            raise ValueError(f"{flag} {m.group(2)}: {m.group(3)}") from None
+        raise
+
+
+def _config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(model=args.model, init=args.init, data=args.data, tokenizer=args.tokenizer,
                        val_fraction=args.val_fraction, tp=args.tp, sequence_parallel=args.sequence_parallel,
                        seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
@@ -79,14 +101,24 @@ def prepare(cfg: TrainConfig, *, progress: bool = True):
     Raises ValueError / FileNotFoundError naming the setting (plan, context length, vocabulary, data).
     """
     from tensorpar.hf.plan import make_plan
-    from tensorpar.train.config import check_against_model
+    from tensorpar.train.config import check_against_model, check_data_file, check_model_config, config_error
     from tensorpar.train.data import load_data, tokenizer_spec
     from tensorpar.train.model import resolve_source
 
-    folder_source = None if cfg.model in PRESETS or cfg.model.endswith(".json") else resolve_source(cfg)
+    def source_of(vocab=None):
+        try:
+            return resolve_source(cfg, vocab) if vocab is not None else resolve_source(cfg)
+        except (ValueError, FileNotFoundError):
+            raise
+        except Exception as e:  # transformers rejects the config (its own error types): one line, named
+            raise config_error(f"--model {cfg.model}", e) from e
+
+    check_data_file(cfg.data)
+    folder_source = None if cfg.model in PRESETS or cfg.model.endswith(".json") else source_of()
     tok = tokenizer_spec(cfg.tokenizer, folder_source.folder if folder_source else None)
     data = load_data(cfg.data, tok, val_fraction=cfg.val_fraction, progress=progress)
-    source = folder_source or resolve_source(cfg, data.vocab_size)
+    source = folder_source or source_of(data.vocab_size)
+    check_model_config(source.config, f"--model {cfg.model}")
     check_against_model(cfg, source.config, data.vocab_size)
     make_plan(source.config, cfg.tp, sequence_parallel=cfg.sequence_parallel)
     data.val_batches(batch_size=cfg.batch_size, seq_len=cfg.seq_len)  # at least one validation batch
@@ -94,8 +126,13 @@ def prepare(cfg: TrainConfig, *, progress: bool = True):
 
 
 def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None = None, progress: bool = True,
-        prepared=None) -> dict:
-    """Train on the ranks of ``ctx.tp`` until ``cfg.steps``; every rank calls it. Returns a summary dict."""
+        prepared=None, overwrite: bool = False) -> dict:
+    """Train on the ranks of ``ctx.tp`` until ``cfg.steps``; every rank calls it. Returns a summary dict.
+
+    ``export``: also write the final checkpoint as a Hugging Face folder there (``overwrite``: it may
+    replace a previous tensorpar export; see :func:`tensorpar.train.export.export_hf`).
+    Raises FileExistsError when starting afresh (no ``resume``) over an earlier run's metrics.
+    """
     from tqdm.auto import tqdm
 
     from tensorpar.train.loop import Trainer
@@ -111,7 +148,10 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
     if resume is not None:
         trainer.resume(ckroot if resume == "auto" else resume)
     metrics = MetricsLog(out / "metrics.jsonl", active=main)
-    metrics.start(trainer.step if resume is not None else None)
+    kept = metrics.start(trainer.step if resume is not None else None)
+    if kept is not None and progress:
+        print(f"tensorpar: note: {out / 'metrics.jsonl'} went past step {trainer.step}; the earlier file is kept "
+              f"as {kept}", file=sys.stderr, flush=True)
     bar = tqdm(total=cfg.steps, initial=trainer.step, disable=not (main and progress), unit="step",
                desc=f"train tp={ctx.tp.size}{' sp' if cfg.sequence_parallel else ''}")
     last = val = None
@@ -135,15 +175,19 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
     summary = {"step": trainer.step, "checkpoint": str(ckpt), "loss": last.loss if last else None,
                "val_loss": val, "metrics": str(out / "metrics.jsonl")}
     if main:
-        summary["plot"] = str(plot_losses(out / "metrics.jsonl", out / "loss.png",
-                                          title=f"{cfg.model} on {cfg.data}, tp={ctx.tp.size}"))
+        try:
+            summary["plot"] = str(plot_losses(out / "metrics.jsonl", out / "loss.png",
+                                              title=f"{cfg.model} on {cfg.data}, tp={ctx.tp.size}"))
+        except ImportError:  # matplotlib is optional (pip install tensorpar[plot])
+            print(f"tensorpar: note: matplotlib is not installed, so no loss.png (pip install 'tensorpar[plot]'); "
+                  f"the losses are in {out / 'metrics.jsonl'}", file=sys.stderr, flush=True)
         if export:
             from tensorpar.train.export import export_hf
-            summary["export"] = str(export_hf(ckpt, export, overwrite=True))
+            summary["export"] = str(export_hf(ckpt, export, overwrite=overwrite))
     return summary
 
 
-def _rank_main(cfg: TrainConfig, resume, export, progress, timeout) -> int:
+def _rank_main(cfg: TrainConfig, resume, export, progress, timeout, overwrite=False) -> int:
     from tensorpar.launch import rank0_print
     from tensorpar.parallel import ParallelConfig, ParallelContext, init_parallel, set_rank_threads
 
@@ -154,26 +198,63 @@ def _rank_main(cfg: TrainConfig, resume, export, progress, timeout) -> int:
     else:
         ctx = init_parallel(ParallelConfig(tp=world), timeout_s=timeout)
     try:
-        s = run(cfg, ctx, resume=resume, export=export, progress=progress)
-        rank0_print(f"done: step {s['step']}, train loss {s['loss']}, val loss {s['val_loss']:.4f}; "
+        s = run(cfg, ctx, resume=resume, export=export, progress=progress, overwrite=overwrite)
+        val = "n/a" if s["val_loss"] is None else f"{s['val_loss']:.4f}"
+        loss = "n/a" if s["loss"] is None else f"{s['loss']:.4f}"
+        rank0_print(f"done: step {s['step']}, train loss {loss}, val loss {val}; "
                     f"checkpoint {s['checkpoint']}" + (f"; exported {s['export']}" if "export" in s else ""))
     finally:
         ctx.destroy()
     return 0
 
 
+def check_timeout(timeout: float) -> None:
+    """``--timeout`` must be a finite number of seconds > 0 (timedelta's range)."""
+    import math
+
+    if not (math.isfinite(timeout) and 0 < timeout <= 10 ** 8):
+        raise ValueError(f"--timeout {timeout}: must be a positive, finite number of seconds (e.g. 300)")
+
+
+def check_resume(cfg: TrainConfig, resume: str) -> Path:
+    """Checks before resuming: a consistent checkpoint, ``--steps`` above its step, metrics that reach it.
+
+    Returns the checkpoint folder. Raises FileNotFoundError (no checkpoint), CheckpointError (a damaged
+    state, naming the field) or ValueError (``--steps``, metrics).
+    """
+    from tensorpar.train.checkpoint import latest_checkpoint, read_state
+    from tensorpar.train.metrics import check_metrics
+
+    ckpt = latest_checkpoint(Path(cfg.out_dir) / "checkpoints" if resume == "auto" else resume)
+    step = read_state(ckpt)["step"]
+    if cfg.steps <= step:
+        raise ValueError(f"--steps {cfg.steps} is not above the checkpoint's step {step} ({ckpt}); pass --steps "
+                         f"greater than {step} to continue training")
+    check_metrics(Path(cfg.out_dir) / "metrics.jsonl", step, log_every=cfg.log_every)
+    return ckpt
+
+
 def main(args: argparse.Namespace) -> int:
     from tensorpar.launch import run_ranks, under_torchrun
+    from tensorpar.train.checkpoint import CheckpointError
+    from tensorpar.train.config import check_out_dir
+    from tensorpar.train.export import check_export_dir
 
     if under_torchrun():
         args.tp = int(os.environ["WORLD_SIZE"])
-    try:
+    try:  # every check that the launching process can make, cheapest first, before any rank starts
         cfg = config_from_args(args)
-        prepare(cfg, progress=not args.no_progress)  # fills the caches once; the ranks then read them
+        check_timeout(args.timeout)
+        check_out_dir(cfg.out_dir, resume=args.resume)
+        if args.export is not None:
+            if Path(args.export).absolute() == Path(cfg.out_dir).absolute():
+                raise ValueError(f"--export {args.export!r} is the --out folder; export into another folder")
+            check_export_dir(args.export, overwrite=getattr(args, "overwrite", False))
         if args.resume is not None:
-            from tensorpar.train.checkpoint import latest_checkpoint
-            latest_checkpoint(Path(cfg.out_dir) / "checkpoints" if args.resume == "auto" else args.resume)
-    except (ValueError, FileNotFoundError, OSError) as e:
-        print(f"tensorpar train: error: {e}", file=sys.stderr)
+            check_resume(cfg, args.resume)
+        prepare(cfg, progress=not args.no_progress)  # fills the caches once; the ranks then read them
+    except (ValueError, FileNotFoundError, OSError, CheckpointError) as e:
+        print(f"tensorpar: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    return run_ranks(_rank_main, cfg.tp, cfg, args.resume, args.export, not args.no_progress, args.timeout)
+    return run_ranks(_rank_main, cfg.tp, cfg, args.resume, args.export, not args.no_progress, args.timeout,
+                     getattr(args, "overwrite", False), verbose=getattr(args, "verbose", False))

@@ -6,7 +6,10 @@ config is known; :meth:`TrainConfig.__post_init__` checks everything that does n
 """
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 # Llama-style architectures trained from scratch. vocab_size comes from the tokenizer, so it is not here.
 # num_key_value_heads < num_attention_heads everywhere: grouped-query attention is the case that needs care.
@@ -101,6 +104,13 @@ class TrainConfig:
         def bad(name, why):
             raise ValueError(f"{name}={getattr(self, name)!r}: {why}")
 
+        for name, f in self.__dataclass_fields__.items():  # nan and inf pass every comparison below
+            v = getattr(self, name)
+            if isinstance(v, float) and not math.isfinite(v):
+                bad(name, "must be a finite number")
+            if isinstance(v, str) and not v.strip():
+                bad(name, "must not be empty")
+
         for name in ("tp", "pp", "dp", "micro_batches", "seq_len", "batch_size", "steps", "eval_batches",
                      "keep_checkpoints", "log_every"):
             v = getattr(self, name)
@@ -129,9 +139,11 @@ class TrainConfig:
                 bad(name, "must be in [0, 1)")
         if not 0 <= self.label_smoothing <= 1:
             bad("label_smoothing", "must be in [0, 1]")
-        if self.weight_decay < 0 or self.grad_clip < 0 or not self.eps > 0:
-            raise ValueError(f"weight_decay={self.weight_decay}, grad_clip={self.grad_clip} must be >= 0 and "
-                             f"eps={self.eps} > 0")
+        for name in ("weight_decay", "grad_clip"):
+            if not getattr(self, name) >= 0:
+                bad(name, "must be >= 0" + (" (0 = off)" if name == "grad_clip" else ""))
+        if not self.eps > 0:
+            bad("eps", "must be > 0")
         if not 0 < self.val_fraction < 0.5:
             bad("val_fraction", "must be in (0, 0.5): a validation split is always held out")
         if self.sequence_parallel and self.seq_len % self.tp:
@@ -190,3 +202,77 @@ def check_against_model(cfg: TrainConfig, model_config, vocab_size: int) -> None
     if vocab_size > model_config.vocab_size:
         raise ValueError(f"the tokenizer has {vocab_size} ids but the model's vocab_size is "
                          f"{model_config.vocab_size}; use the model's own tokenizer (tokenizer='auto')")
+
+
+def check_data_file(data: str) -> None:
+    """Check ``--data`` before anything is tokenised: ``"shakespeare"``, or a non-empty UTF-8 text file.
+
+    Raises ValueError naming the path: a folder, an empty file, a file that is not UTF-8 (with the byte
+    offset of the first bad byte), or a path that does not exist (FileNotFoundError).
+    """
+    if data == "shakespeare":
+        return
+    import codecs
+
+    path = Path(os.path.expanduser(data))
+    if path.is_dir():
+        raise ValueError(f"--data {data!r} is a folder; give a UTF-8 .txt file (or 'shakespeare')")
+    if not path.exists():
+        if path.suffix != ".txt":
+            raise ValueError(f"--data {data!r}: use 'shakespeare' or the path of a UTF-8 .txt file")
+        raise FileNotFoundError(f"--data {data!r}: no such file")
+    if not path.is_file():
+        raise ValueError(f"--data {data!r} is not a regular file; give a UTF-8 .txt file")
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset, text_seen = 0, False
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 20)
+            try:
+                text = decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as e:
+                raise ValueError(f"--data {data!r} is not UTF-8 text (byte {offset + e.start}: {e.reason}); "
+                                 f"convert it, e.g. iconv -t UTF-8") from None
+            text_seen = text_seen or bool(text.strip())
+            if not chunk:
+                break
+            offset += len(chunk)
+    if not text_seen:
+        raise ValueError(f"--data {data!r} is empty (no text to train on)")
+
+
+def check_out_dir(out_dir: str, *, resume: str | None) -> None:
+    """``--out`` must be a folder we may write: new, empty, or (with ``resume``) a previous run's.
+
+    A fresh run into a folder that already holds files would truncate its ``metrics.jsonl`` and prune its
+    checkpoints, so it is refused (ValueError naming ``--out``). An ``--out`` that is a file is refused.
+    """
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out_dir!r} is a file, not a folder; choose a folder for the run's outputs")
+    if resume is None and out.is_dir() and any(out.iterdir()):
+        raise ValueError(f"--out {out_dir!r} already holds files (an earlier run?); continue it with --resume, "
+                         f"or choose another --out folder")
+
+
+def config_error(source: str, e: Exception) -> ValueError:
+    """A one-line ValueError for a model config that transformers rejects (the innermost reason, named)."""
+    cause = e
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    return ValueError(f"model config {source} is invalid: {' '.join(str(cause).split())}")
+
+
+def check_model_config(config, source: str) -> None:
+    """Build the model on the meta device (no memory, no weights): what transformers rejects fails here.
+
+    Raises ValueError naming ``source`` and transformers' reason.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(config)
+    except Exception as e:  # transformers raises ValueError, KeyError, AttributeError, its own errors, ...
+        raise config_error(source, e) from e
