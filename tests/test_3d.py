@@ -118,3 +118,35 @@ def test_validation_loss_equals_single_process(grid_pools, config, kw):
     ref = job_eval(ParallelContext.single(), {})
     for r, v in enumerate(grid_pools(config).run(job_eval, kw)):
         assert v == pytest.approx(ref, rel=1e-5), f"rank {r}"
+
+
+def job_save_resume(ctx, kw, root, stop):
+    """Train ``stop`` steps and save (any layout), or resume from ``root`` and train to STEPS."""
+    from tensorpar.pipeline.trainer import ParallelTrainer
+    from tensorpar.train.loop import Trainer
+    from tensorpar.train.model import ModelSource, build_model
+    c = ctx.config
+    cfg = replace(BASE, tp=c.tp, pp=c.pp, dp=c.dp, steps=STEPS, **kw)
+    data = synthetic_data()
+    model, plan = build_model(cfg, ModelSource(tiny_config(**MODEL), None, None), ctx.tp, data.vocab_size)
+    tr = Trainer(cfg, ctx.tp, model, plan, data) if ctx.world_size == 1 else ParallelTrainer(cfg, ctx, model, plan,
+                                                                                             data)
+    if stop:
+        for _ in range(stop):
+            tr.train_step()
+        tr.save(root)
+        return None
+    tr.resume(root)
+    return [tr.train_step().loss for _ in range(STEPS - tr.step)]
+
+
+@pytest.mark.parametrize("config,kw", [LAYOUTS[0], LAYOUTS[2]], ids=["tp2-pp2", "pp2-dp2"])
+def test_checkpoint_resumes_on_one_process(grid_pools, reference, tmp_path, config, kw):
+    grid_pools(config).run(job_save_resume, kw, str(tmp_path), 2)
+    rest = job_save_resume(ParallelContext.single(), {}, str(tmp_path), 0)    # tp = pp = dp = 1
+    assert rest == pytest.approx(reference[0][2:], rel=1e-5)
+    # and back onto the grid: a single-process checkpoint resumes at (tp 2, pp 2)
+    single = tmp_path / "single"
+    job_save_resume(ParallelContext.single(), {}, str(single), 2)
+    again = grid_pools(config).run(job_save_resume, kw, str(single), 0)
+    assert again[0] == pytest.approx(reference[0][2:], rel=1e-5)

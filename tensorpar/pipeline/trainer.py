@@ -87,6 +87,9 @@ class ParallelTrainer:
         self.params = [p for _, p in self.named_params]
         self.optimizer = make_optimizer(cfg, self.named_params)
         self.embed_group = self._embedding_group() if self.tied else None
+        self._leaders = None
+        if pp.size > 1:
+            self._pp_leaders()  # created now, in the same order on every rank
         self.batches = data.train_batches(batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
         self.step = 0
         self.device = ctx.device
@@ -253,6 +256,72 @@ class ParallelTrainer:
             raise ValueError("the validation split has no batch of batch_size x seq_len tokens; lower batch_size or "
                              "seq_len, or raise val_fraction")
         return total / count
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save(self, root):
+        """Checkpoint in the layout-independent format of :mod:`tensorpar.train.checkpoint` (every rank calls).
+
+        Each stage's tensors are assembled at full shape over tp; the first replica's stages send theirs to
+        global rank 0, which writes the one checkpoint folder atomically (so it resumes at any tp, pp, dp,
+        tp = 1 on one process included). Collectives: all-gathers over tp, one gather over pp, one broadcast of
+        the outcome over all ranks. Raises CheckpointError on every rank if the write failed.
+        """
+        from pathlib import Path
+
+        from tensorpar.train.checkpoint import CheckpointError, gather_full_state, write_checkpoint
+
+        ctx = self.ctx
+        model_t, optim_t, opt_step = gather_full_state(self._checkpoint_names(), self.optimizer, ctx.tp)
+        error = ""
+        if ctx.dp.rank == 0 and ctx.tp.rank == 0:
+            parts = [None] * ctx.pp.size if ctx.pp.rank == 0 else None
+            if ctx.pp.size > 1:
+                dist.gather_object((model_t, optim_t), parts, dst=int(ctx.grid[0, 0, 0]),
+                                   group=self._pp_leaders())
+            else:
+                parts = [(model_t, optim_t)]
+            if ctx.rank == 0:
+                for m, o in parts[1:]:
+                    model_t.update(m)
+                    optim_t.update(o)
+                state = {"config": self.cfg.to_dict(), "data": self.batches.state_dict(),
+                         "tokenizer": self.data.tokenizer, "data_source": self.data.source,
+                         "tp_size_at_save": ctx.tp.size, "pp_size_at_save": ctx.pp.size,
+                         "dp_size_at_save": ctx.dp.size}
+                error = write_checkpoint(root, model_t, optim_t, state, step=self.step, optimizer_step=opt_step,
+                                         config_json=self.modules[0].config.to_json_string(),
+                                         keep=self.cfg.keep_checkpoints)
+        box = [error]
+        if ctx.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        final = Path(root) / f"step_{self.step:06d}"
+        if box[0]:
+            raise CheckpointError(box[0])
+        return final
+
+    def _checkpoint_names(self):
+        """Parameters under their checkpoint names: a tied LM head on the last stage is the embedding (stored once)."""
+        if not self.tied:
+            return self.named_params
+        return [("model.embed_tokens.weight" if n == "lm_head.weight" else n, p) for n, p in self.named_params]
+
+    def _pp_leaders(self):
+        """The group of pipeline ranks at (dp 0, tp 0); every rank creates it (once)."""
+        if getattr(self, "_leaders", None) is None:
+            self._leaders = dist.new_group([int(r) for r in self.ctx.grid[0, :, 0]])
+        return self._leaders
+
+    def resume(self, path) -> dict:
+        """Continue from a checkpoint saved at any (tp, pp, dp): each rank reads its stage's slices."""
+        from tensorpar.train.checkpoint import latest_checkpoint, load_checkpoint
+
+        ckpt = latest_checkpoint(path)
+        state = load_checkpoint(ckpt, named_params=self._checkpoint_names(), optimizer=self.optimizer,
+                                tp=self.ctx.tp, part=self.ctx.pp.size > 1)
+        self.batches.load_state_dict(state["data"])
+        self.step = int(state["step"])
+        return state
 
     def train_step(self, inspect=None) -> StepResult:
         """Take the next global batch and do one optimiser step; ``inspect(trainer)`` sees the complete grads."""

@@ -147,8 +147,26 @@ def save_checkpoint(root: str | os.PathLike, *, named_params: list[tuple[str, nn
         CheckpointError: the write failed on rank 0 (disk full, permissions, ...), on every rank; the
             partial folder is removed and the previous checkpoint and ``latest`` are untouched.
     """
-    root = Path(root)
-    final = root / f"step_{step:06d}"
+    model_t, optim_t, opt_step = gather_full_state(named_params, optimizer, tp)
+    error = ""
+    if tp.rank == 0:
+        error = write_checkpoint(root, model_t, optim_t, dict(state, tp_size_at_save=tp.size), step=step,
+                                 optimizer_step=opt_step, config_json=config_json, keep=keep)
+    flag = comm.broadcast(torch.tensor([0 if not error else 1]), tp, src=0)
+    final = Path(root) / f"step_{step:06d}"
+    if int(flag[0]):
+        raise CheckpointError(error or f"saving checkpoint {final} failed on tp rank 0 (see its error)")
+    return final
+
+
+def gather_full_state(named_params: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer,
+                      tp: Group) -> tuple[dict, dict, int]:
+    """Full-shape parameters and AdamW moments (``exp_avg/<name>``, ...) of ``named_params``, and the optimizer's
+    step count. Collectives: one all-gather over tp per sharded tensor.
+
+    Raises:
+        CheckpointError: the parameters' optimizer states are at different steps.
+    """
     model_t: dict[str, torch.Tensor] = {}
     optim_t: dict[str, torch.Tensor] = {}
     steps = set()
@@ -162,27 +180,31 @@ def save_checkpoint(root: str | os.PathLike, *, named_params: list[tuple[str, nn
             steps.add(float(st["step"]))
     if len(steps) > 1:
         raise CheckpointError(f"optimizer parameters are at different steps {sorted(steps)}; cannot store one count")
-    full_state = dict(state, format=FORMAT, step=step, optimizer_step=int(steps.pop()) if steps else 0,
-                      tp_size_at_save=tp.size, tensors={n: list(t.shape) for n, t in model_t.items()})
-    error = ""
-    if tp.rank == 0:
-        tmp = root / f".tmp-{final.name}-{os.getpid()}"
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            for leftover in root.glob(".tmp-*"):  # from a killed save
-                shutil.rmtree(leftover, ignore_errors=True)
-            _write_folder(tmp, model_t, optim_t, full_state, config_json)
-            _publish(root, tmp, final, keep)
-        except Exception as e:  # OSError, SafetensorError (disk full), ...
-            shutil.rmtree(tmp, ignore_errors=True)
-            prev = latest_checkpoint(root, missing_ok=True)
-            error = (f"saving checkpoint {final} failed ({type(e).__name__}: {e}); "
-                     f"{'the previous checkpoint ' + str(prev) + ' is intact' if prev else 'no previous checkpoint'}"
-                     f". Free disk space or choose another out_dir")
-    flag = comm.broadcast(torch.tensor([0 if not error else 1]), tp, src=0)
-    if int(flag[0]):
-        raise CheckpointError(error or f"saving checkpoint {final} failed on tp rank 0 (see its error)")
-    return final
+    return model_t, optim_t, int(steps.pop()) if steps else 0
+
+
+def write_checkpoint(root: str | os.PathLike, model_t: dict, optim_t: dict, state: dict, *, step: int,
+                     optimizer_step: int, config_json: str | None, keep: int) -> str:
+    """Write full-shape tensors as ``<root>/step_<step>`` atomically (one process calls it); return ``""`` on
+    success, else the one-line error (the partial folder removed, the previous checkpoint intact)."""
+    root = Path(root)
+    final = root / f"step_{step:06d}"
+    full_state = dict(state, format=FORMAT, step=step, optimizer_step=optimizer_step,
+                      tensors={n: list(t.shape) for n, t in model_t.items()})
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        for leftover in root.glob(".tmp-*"):  # from a killed save
+            shutil.rmtree(leftover, ignore_errors=True)
+        _write_folder(tmp, model_t, optim_t, full_state, config_json)
+        _publish(root, tmp, final, keep)
+    except Exception as e:  # OSError, SafetensorError (disk full), ...
+        shutil.rmtree(tmp, ignore_errors=True)
+        prev = latest_checkpoint(root, missing_ok=True)
+        return (f"saving checkpoint {final} failed ({type(e).__name__}: {e}); "
+                f"{'the previous checkpoint ' + str(prev) + ' is intact' if prev else 'no previous checkpoint'}"
+                f". Free disk space or choose another out_dir")
+    return ""
 
 
 # ---------------------------------------------------------------- finding and loading
@@ -272,11 +294,12 @@ def _read_into(handle, key: str, param: nn.Parameter, dest: torch.Tensor, tp: Gr
 
 
 def load_checkpoint(ckpt: str | os.PathLike, *, named_params: list[tuple[str, nn.Parameter]],
-                    optimizer: torch.optim.Optimizer | None, tp: Group) -> dict:
+                    optimizer: torch.optim.Optimizer | None, tp: Group, part: bool = False) -> dict:
     """Fill this rank's parameter slices (and AdamW state) from a checkpoint saved at any tp; return its state.
 
     No collectives: each rank reads its own slices (``safe_open`` maps the file; only those bytes are
-    copied). Parameters are updated in place, so the optimizer keeps its references.
+    copied). Parameters are updated in place, so the optimizer keeps its references. ``part``: the
+    parameters are one pipeline stage's, so the checkpoint's other tensors are expected, not extra.
 
     Raises:
         ValueError: a tensor is missing or extra, or its stored shape differs from the model's full shape
@@ -295,7 +318,7 @@ def load_checkpoint(ckpt: str | os.PathLike, *, named_params: list[tuple[str, nn
     with safe_open(str(ckpt / MODEL_FILE), framework="pt") as h:
         stored = set(h.keys())
         missing = [n for n in names if n not in stored]
-        extra = sorted(stored - set(names))
+        extra = [] if part else sorted(stored - set(names))
         if missing or extra:
             raise ValueError(f"checkpoint {ckpt} does not match the model: tensors missing from it {missing[:5]}, "
                              f"tensors the model lacks {extra[:5]}; resume with the model the checkpoint was "
