@@ -72,6 +72,23 @@ class DecoderStage(nn.Module):
         return h
 
 
+def check_pipeline(config, pp: int, virtual: int, micro_batches: int, schedule: str) -> None:
+    """Checks made in the launching process for ``pp > 1``: a family the stages can run, enough layers for
+    ``pp * virtual`` chunks, micro-batches a multiple of pp for the interleaved schedule. Raises ValueError
+    naming the setting and what would work."""
+    mt = getattr(config, "model_type", None)
+    if mt not in PIPELINE_FAMILIES:
+        raise ValueError(f"--pp {pp}: pipeline parallelism supports {', '.join(PIPELINE_FAMILIES)}, not {mt!r}; "
+                         f"use --pp 1")
+    if mt == "mistral" and getattr(config, "sliding_window", None):
+        raise ValueError(f"--pp {pp}: this mistral config has sliding_window={config.sliding_window}; pipeline "
+                         f"stages need full causal attention: use --pp 1")
+    chunk_ranges(config.num_hidden_layers, pp, virtual)
+    if schedule == "interleaved-1f1b" and micro_batches % pp:
+        raise ValueError(f"--micro-batches {micro_batches} must be a multiple of --pp {pp} for the interleaved "
+                         f"1F1B schedule; use {micro_batches + pp - micro_batches % pp}")
+
+
 def cut_stages(model: nn.Module, pp_rank: int, pp: int, virtual: int = 1) -> list[DecoderStage]:
     """The chunks that pipeline rank ``pp_rank`` holds (``virtual`` of them), each a :class:`DecoderStage`.
 

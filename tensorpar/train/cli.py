@@ -24,6 +24,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = TrainConfig()
     p.add_argument("--tp", type=int, default=DEFAULT_TP, help="tensor-parallel degree (local ranks started "
                                                               "here; under torchrun the world size is used)")
+    p.add_argument("--pp", type=int, default=d.pp, help="pipeline-parallel degree (stages; torch.distributed."
+                                                        "pipelining)")
+    p.add_argument("--dp", type=int, default=d.dp, help="data-parallel degree (replicas; world size = tp x pp x "
+                                                        "dp, rank order tp fastest, then pp, then dp)")
+    p.add_argument("--micro-batches", type=int, default=d.micro_batches, help="micro-batches per replica and step "
+                                                                              "(gradient accumulation)")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"], default=d.schedule,
+                   help="pipeline schedule (pp > 1)")
     p.add_argument("--sequence-parallel", action="store_true", help="split activations along the sequence "
                                                                      "between blocks (seq_len must divide by tp)")
     p.add_argument("--model", default=d.model, help=f"a preset ({', '.join(PRESETS)}), a config.json (from "
@@ -84,7 +92,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def _config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(model=args.model, init=args.init, data=args.data, tokenizer=args.tokenizer,
-                       val_fraction=args.val_fraction, tp=args.tp, sequence_parallel=args.sequence_parallel,
+                       val_fraction=args.val_fraction, tp=args.tp, pp=args.pp, dp=args.dp,
+                       micro_batches=args.micro_batches, schedule=args.schedule,
+                       sequence_parallel=args.sequence_parallel,
                        seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
                        min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup_steps,
                        weight_decay=args.weight_decay, grad_clip=args.grad_clip,
@@ -121,6 +131,10 @@ def prepare(cfg: TrainConfig, *, progress: bool = True):
     check_model_config(source.config, f"--model {cfg.model}")
     check_against_model(cfg, source.config, data.vocab_size)
     make_plan(source.config, cfg.tp, sequence_parallel=cfg.sequence_parallel)
+    if cfg.pp > 1:
+        from tensorpar.pipeline.stages import check_pipeline
+        check_pipeline(source.config, cfg.pp, 2 if cfg.schedule == "interleaved-1f1b" else 1, cfg.micro_batches,
+                       cfg.schedule)
     data.val_batches(batch_size=cfg.batch_size, seq_len=cfg.seq_len)  # at least one validation batch
     return source, data
 
@@ -141,7 +155,11 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
 
     source, data = prepared or prepare(cfg, progress=progress and ctx.rank == 0)
     model, plan = build_model(cfg, source, ctx.tp, data.vocab_size, device=ctx.device)
-    trainer = Trainer(cfg, ctx.tp, model, plan, data)
+    if cfg.pp == cfg.dp == cfg.micro_batches == 1:
+        trainer = Trainer(cfg, ctx.tp, model, plan, data)
+    else:
+        from tensorpar.pipeline.trainer import ParallelTrainer
+        trainer = ParallelTrainer(cfg, ctx, model, plan, data)
     out = Path(cfg.out_dir)
     ckroot = out / "checkpoints"
     main = ctx.rank == 0
@@ -153,7 +171,8 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
         print(f"tensorpar: note: {out / 'metrics.jsonl'} went past step {trainer.step}; the earlier file is kept "
               f"as {kept}", file=sys.stderr, flush=True)
     bar = tqdm(total=cfg.steps, initial=trainer.step, disable=not (main and progress), unit="step",
-               desc=f"train tp={ctx.tp.size}{' sp' if cfg.sequence_parallel else ''}")
+               desc=f"train tp={ctx.tp.size} pp={ctx.pp.size} dp={ctx.dp.size}"
+                    f"{' sp' if cfg.sequence_parallel else ''}")
     last = val = None
     while trainer.step < cfg.steps:
         r = trainer.train_step()
@@ -196,7 +215,7 @@ def _rank_main(cfg: TrainConfig, resume, export, progress, timeout, overwrite=Fa
         set_rank_threads(1)
         ctx = ParallelContext.single()
     else:
-        ctx = init_parallel(ParallelConfig(tp=world), timeout_s=timeout)
+        ctx = init_parallel(ParallelConfig(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp), timeout_s=timeout)
     try:
         s = run(cfg, ctx, resume=resume, export=export, progress=progress, overwrite=overwrite)
         val = "n/a" if s["val_loss"] is None else f"{s['val_loss']:.4f}"
@@ -240,10 +259,12 @@ def main(args: argparse.Namespace) -> int:
     from tensorpar.train.config import check_out_dir
     from tensorpar.train.export import check_export_dir
 
-    if under_torchrun():
-        args.tp = int(os.environ["WORLD_SIZE"])
     try:  # every check that the launching process can make, cheapest first, before any rank starts
         cfg = config_from_args(args)
+        if under_torchrun() and cfg.tp * cfg.pp * cfg.dp != int(os.environ["WORLD_SIZE"]):
+            raise ValueError(f"--tp {cfg.tp} x --pp {cfg.pp} x --dp {cfg.dp} = {cfg.tp * cfg.pp * cfg.dp}, but "
+                             f"torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']} ranks; choose degrees whose "
+                             f"product is {os.environ['WORLD_SIZE']}")
         check_timeout(args.timeout)
         check_out_dir(cfg.out_dir, resume=args.resume)
         if args.export is not None:
@@ -256,5 +277,5 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, OSError, CheckpointError) as e:
         print(f"tensorpar: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    return run_ranks(_rank_main, cfg.tp, cfg, args.resume, args.export, not args.no_progress, args.timeout,
+    return run_ranks(_rank_main, cfg.tp * cfg.pp * cfg.dp, cfg, args.resume, args.export, not args.no_progress, args.timeout,
                      getattr(args, "overwrite", False), verbose=getattr(args, "verbose", False))
