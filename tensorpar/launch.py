@@ -228,7 +228,8 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args, verbose: bool = False) 
     """
     threads = os.environ.get("TENSORPAR_THREADS", "")
     if threads and not (threads.isdigit() and int(threads) >= 1):
-        raise ValueError(f"TENSORPAR_THREADS={threads!r}: must be a positive integer (torch threads per rank), or unset")
+        raise ValueError(f"TENSORPAR_THREADS={threads!r}: must be a positive integer (torch threads per rank), "
+                         f"or unset")
     if under_torchrun() or nproc == 1 and "RANK" not in os.environ:
         if not under_torchrun():
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")

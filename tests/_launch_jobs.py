@@ -65,5 +65,6 @@ if __name__ == "__main__":
     job, nproc = sys.argv[1], int(sys.argv[2])
     verbose = "--verbose" in sys.argv
     timeout = float(os.environ.get("TENSORPAR_JOB_TIMEOUT", "3"))
-    extra = {"raise_on_rank1": (), "kill_rank1": (), "stop_rank1_before_all_reduce": (timeout,), "port_of_run": (3.0,)}[job]
+    extra = {"raise_on_rank1": (), "kill_rank1": (), "stop_rank1_before_all_reduce": (timeout,),
+             "port_of_run": (3.0,)}[job]
     sys.exit(run_ranks(globals()[job], nproc, *extra, verbose=verbose))

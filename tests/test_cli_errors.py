@@ -71,7 +71,8 @@ def test_unexpected_error_in_the_launching_process_is_one_line(monkeypatch, caps
 
     monkeypatch.setattr(gen, "validate", boom)
     assert main(["generate", "--prompt", "hi"]) == 1
-    assert capsys.readouterr().err == "tensorpar: error: RuntimeError: boom second line (--verbose shows the traceback)\n"
+    assert capsys.readouterr().err == ("tensorpar: error: RuntimeError: boom second line "
+                                       "(--verbose shows the traceback)\n")
     with pytest.raises(RuntimeError, match="boom"):
         main(["generate", "--prompt", "hi", "--verbose"])
 

@@ -288,3 +288,22 @@ def test_waiting_for_a_lock_names_the_holder_and_gives_up(tmp_path, capsys):
         holder.wait()
     with file_lock(lock, timeout_s=30):  # the holder is gone: the lock is free again
         assert lock.read_text() == str(os.getpid())
+
+
+def test_data_position_that_is_not_the_step_is_refused(finished_run, tmp_path, text_file, capsys):
+    out = _copy_run(finished_run, tmp_path)
+    ck = out / "checkpoints" / "step_000006"
+    state = json.loads((ck / "trainer_state.json").read_text())
+    assert state["data"]["batch_in_epoch"] + state["data"]["epoch"] > 0
+    state["data"]["batch_in_epoch"] += 2  # two batches past step 6: a step beyond what was saved
+    (ck / "trainer_state.json").write_text(json.dumps(state))
+    assert _train("--steps", "8", "--out", str(out), "--resume", text_file=text_file) == 2
+    assert "does not match step 6" in capsys.readouterr().err
+
+
+def test_resume_with_other_data_settings_fails_before_launch(finished_run, tmp_path, text_file, capsys):
+    out = _copy_run(finished_run, tmp_path)
+    rc = main(["train", "--tp", "1", "--model", "tiny", "--data", text_file, "--seq-len", "8", "--batch-size", "2",
+               "--eval-batches", "1", "--warmup-steps", "1", "--no-progress", "--steps", "8", "--out", str(out),
+               "--resume"])
+    assert rc == 2 and "seq_len: saved 16, now 8" in capsys.readouterr().err

@@ -118,7 +118,7 @@ def prepare(cfg: TrainConfig, *, progress: bool = True):
     def source_of(vocab=None):
         try:
             return resolve_source(cfg, vocab) if vocab is not None else resolve_source(cfg)
-        except (ValueError, FileNotFoundError):
+        except (ValueError, OSError, RuntimeError):  # ours, missing files, downloads: already clear
             raise
         except Exception as e:  # transformers rejects the config (its own error types): one line, named
             raise config_error(f"--model {cfg.model}", e) from e
@@ -253,6 +253,25 @@ def check_resume(cfg: TrainConfig, resume: str) -> Path:
     return ckpt
 
 
+def check_resume_data(cfg: TrainConfig, data, ckpt: Path) -> None:
+    """The checkpoint's data position fits this data and these settings, and matches its step.
+
+    Every optimiser step takes one batch, so the position (``epoch * batches_per_epoch + batch_in_epoch``)
+    equals the step. Raises ValueError (settings or corpus differ; a position that is not the step's)
+    or CheckpointError.
+    """
+    from tensorpar.train.checkpoint import CheckpointError, read_state
+
+    state = read_state(ckpt)
+    batches = data.train_batches(batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
+    batches.load_state_dict(state.get("data", {}))
+    pos = batches.epoch * batches.batches_per_epoch + batches.batch_in_epoch
+    if pos != state["step"]:
+        raise CheckpointError(f"{ckpt}: the data position (epoch {batches.epoch}, batch {batches.batch_in_epoch}, "
+                              f"i.e. {pos} batches) does not match step {state['step']}; the checkpoint is "
+                              f"damaged, resume from another one")
+
+
 def main(args: argparse.Namespace) -> int:
     from tensorpar.launch import run_ranks, under_torchrun
     from tensorpar.train.checkpoint import CheckpointError
@@ -276,9 +295,10 @@ def main(args: argparse.Namespace) -> int:
             if Path(args.export).absolute() == Path(cfg.out_dir).absolute():
                 raise ValueError(f"--export {args.export!r} is the --out folder; export into another folder")
             check_export_dir(args.export, overwrite=getattr(args, "overwrite", False))
-        if args.resume is not None:
-            check_resume(cfg, args.resume)
-        prepare(cfg, progress=not args.no_progress)  # fills the caches once; the ranks then read them
+        ckpt = check_resume(cfg, args.resume) if args.resume is not None else None
+        _, data = prepare(cfg, progress=not args.no_progress)  # fills the caches once; the ranks then read them
+        if ckpt is not None:
+            check_resume_data(cfg, data, ckpt)
     except (ValueError, FileNotFoundError, OSError, CheckpointError) as e:
         print(f"tensorpar: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
