@@ -60,3 +60,100 @@ def job_family(ctx, name):
 def test_family_parity(pools, name, tp):
     diff, n = run_tp(pools, tp, job_family, name)[0]
     assert n > 10
+
+
+def _random_model(cfg):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(cfg).float()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return ref
+
+
+def job_load(ctx, folder):
+    """Sharded load from a safetensors folder: every parameter is exactly its slice of the checkpoint's tensor
+    (fused interleaved qkv rows, norm rows of duplicated KV heads, uneven vocabulary rows), logits as transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.testing import local_slice
+    tp = ctx.tp
+    ref = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa", dtype=torch.float32).eval()
+    par, plan = build_parallel_model(folder, tp)
+    full = dict(ref.named_parameters())
+    n = 0
+    for name, p in par.named_parameters():
+        want = local_slice(full[name].detach(), p, tp.rank)
+        assert p.shape == want.shape and torch.equal(p.detach(), want), f"{name}: loaded slice differs"
+        n += 1
+    ids = torch.randint(0, ref.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = comm.all_gather(par(ids).logits, tp, -1, plan.vocab)
+        assert_parity("logits", got, ref(ids).logits)
+    return n
+
+
+@pytest.mark.parametrize("name", ["starcoder2", "gpt_neox", "olmo2"])
+def test_sharded_load_from_checkpoint(pools, tmp_path, name):
+    ref = _random_model(config(name))
+    ref.save_pretrained(tmp_path)
+    n = run_tp(pools, 3, job_load, str(tmp_path))
+    assert all(k == n[0] for k in n) and n[0] > 10
+
+
+def job_starcoder2_dropout(ctx):
+    """StarCoder2's functional residual and embedding dropouts become keyed: train-mode logits and loss at tp = N
+    equal those of the tp = 1 sharded model with the same dropout seed, and differ from eval mode."""
+    from tensorpar.hf.styles import KeyedEmbeddingDropout  # noqa: F401  (the style under test)
+    from tensorpar.parallel import ParallelContext
+    from tensorpar.train.dropout import KeyedDropout
+    tp = ctx.tp
+    cfg = config("starcoder2")
+    cfg.residual_dropout, cfg.embedding_dropout = 0.3, 0.3
+    ref = _random_model(cfg)
+    one = ParallelContext.single().tp
+    base = parallelize(copy.deepcopy(ref), make_plan(cfg, 1), one, dropout_seed=7).train()
+    par = parallelize(copy.deepcopy(ref), make_plan(cfg, tp.size), tp, dropout_seed=7).train()
+    assert par.model.embedding_dropout == 0.0 and isinstance(par.model.embed_tokens.output_dropout, KeyedDropout)
+    for layer in par.model.layers:
+        assert isinstance(layer.self_attn.output_dropout, KeyedDropout)
+        assert isinstance(layer.mlp.output_dropout, KeyedDropout)
+    ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    want = base(ids).logits
+    got = comm.all_gather(par(ids).logits.detach(), tp, -1, par.tensorpar_plan.vocab)
+    assert_parity("train-mode logits", got, want)
+    with torch.no_grad():
+        plain = ref.eval()(ids).logits
+    assert (want - plain).abs().max() > 1e-2, "dropout had no effect"
+    # each dropout site on its own changes the output (the embedding hook and both residual dropouts run)
+    for site in ("embedding", "residual"):
+        m = parallelize(copy.deepcopy(ref), make_plan(cfg, 1), one, dropout_seed=7).train()
+        for mod in m.modules():
+            if isinstance(mod, KeyedDropout) and (mod.key[0].endswith("embed_tokens.output_dropout")) == (site != "embedding"):
+                mod.p = 0.0
+        assert (m(ids).logits - plain).abs().max() > 1e-2, f"{site} dropout had no effect"
+    return True
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_starcoder2_dropout_is_keyed(pools, tp):
+    assert all(run_tp(pools, tp, job_starcoder2_dropout))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_plan_claims_every_tensor(name):
+    from tensorpar.hf.plan import meta_model
+    cfg = config(name)
+    plan = make_plan(cfg, 3)                     # check=True: every parameter and buffer is claimed
+    names = {n for n, _ in meta_model(cfg).named_parameters(remove_duplicate=False)}
+    claimed = {n for n in names if any(plan.match(".".join(n.split(".")[:k])) is not None
+                                       for k in range(1, n.count(".") + 1))}
+    assert claimed == names
+
+
+@pytest.mark.parametrize("name", ["gpt_neox", "olmo2", "starcoder2"])
+def test_sequence_parallel_refused(name):
+    with pytest.raises(ValueError, match=rf"sequence_parallel=True is not supported for {name}"):
+        make_plan(config(name), 2, sequence_parallel=True)

@@ -84,6 +84,26 @@ def read_shard(handle, name: str, param: nn.Parameter, tp_rank: int) -> torch.Te
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
+def _checkpoint_names(model: nn.Module, keys) -> dict[str, str]:
+    """Parameter name -> checkpoint key for the checkpoint keys that transformers renames when it loads
+    (its ``WeightRenaming`` table for the model, e.g. GPT-NeoX's ``embed_out.*`` -> ``lm_head.*``, as the
+    Pythia checkpoints and transformers' own ``save_pretrained`` write it). Keys that need a conversion
+    beyond a rename are not mapped (the parameter is then reported missing). ``{}`` if this transformers
+    has no such table."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+    except ImportError:
+        return {}
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    out: dict[str, str] = {}
+    for key in keys:
+        new, _ = rename_source_key(key, renamings, [])
+        if new != key:
+            out.setdefault(new, key)
+    return out
+
+
 def load_sharded(model: nn.Module, folder: str | Path, tp: Group, *, device=None, dtype=torch.float32) -> nn.Module:
     """Fill every parameter of a sharded ``model`` (meta or real) with its slice from ``folder``.
 
@@ -96,9 +116,10 @@ def load_sharded(model: nn.Module, folder: str | Path, tp: Group, *, device=None
     wmap = weight_map(folder)
     handles: dict[Path, object] = {}
     new: dict[int, nn.Parameter] = {}
+    renamed = _checkpoint_names(model, wmap)
     try:
         for name, p in model.named_parameters():
-            key = name if name in wmap else None
+            key = name if name in wmap else renamed.get(name)
             if key is None:
                 raise ValueError(f"tensor {name!r} is missing from the checkpoint in {folder}")
             f = wmap[key]
