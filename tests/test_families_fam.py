@@ -20,8 +20,9 @@ from tests._ranks import run_tp
 from tests.families_fam import FAMILIES, config
 
 
-def job_family(ctx, name):
-    """tests.test_families.job_family on a config of tests/families_fam.py (``name`` may carry a variant)."""
+def job_family(ctx, name, sequence_parallel=False):
+    """tests.test_families.job_family on a config of tests/families_fam.py (``name`` may carry a variant),
+    optionally with sequence parallelism (12 tokens: divisible by tp = 2, 3, 4)."""
     from transformers import AutoModelForCausalLM
     tp = ctx.tp
     cfg = config(name)
@@ -30,14 +31,17 @@ def job_family(ctx, name):
     with torch.no_grad():               # random weights everywhere, norms and biases too
         for p in ref.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    par = parallelize(copy.deepcopy(ref), make_plan(cfg, tp.size), tp)
-    ids = torch.randint(0, cfg.vocab_size, (2, 9))
+    par = parallelize(copy.deepcopy(ref), make_plan(cfg, tp.size, sequence_parallel=sequence_parallel), tp)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12 if sequence_parallel else 9))
     logits_ref = ref(ids).logits
     loss_ref = F.cross_entropy(logits_ref[:, :-1].reshape(-1, cfg.vocab_size), ids[:, 1:].reshape(-1))
     loss_ref.backward()
     logits = par(ids).logits
     loss = vocab_parallel_cross_entropy(logits[:, :-1], ids[:, 1:], tp, partition=par)
-    loss.backward()
+    with comm.counting(tp) as counter:
+        loss.backward()
+    if sequence_parallel and tp.size > 1:   # the sequence really was split: SP's backward collectives ran
+        assert counter.summary()["reduce_scatter"]["calls"] > 0 and counter.summary()["all_gather"]["calls"] > 0
     sync_sequence_parallel_grads(par.parameters(), tp)
     sync_duplicated_grads(par.parameters(), tp)
     d = [assert_parity("logits", comm.all_gather(logits.detach(), tp, -1, par.tensorpar_plan.vocab), logits_ref),
@@ -103,7 +107,7 @@ def test_sharded_load_from_checkpoint(pools, tmp_path, name):
     assert all(k == n[0] for k in n) and n[0] > 10
 
 
-def job_starcoder2_dropout(ctx):
+def job_starcoder2_dropout(ctx, sequence_parallel):
     """StarCoder2's functional residual and embedding dropouts become keyed: train-mode logits and loss at tp = N
     equal those of the tp = 1 sharded model with the same dropout seed, and differ from eval mode."""
     from tensorpar.hf.styles import KeyedEmbeddingDropout  # noqa: F401  (the style under test)
@@ -115,12 +119,13 @@ def job_starcoder2_dropout(ctx):
     ref = _random_model(cfg)
     one = ParallelContext.single().tp
     base = parallelize(copy.deepcopy(ref), make_plan(cfg, 1), one, dropout_seed=7).train()
-    par = parallelize(copy.deepcopy(ref), make_plan(cfg, tp.size), tp, dropout_seed=7).train()
+    par = parallelize(copy.deepcopy(ref), make_plan(cfg, tp.size, sequence_parallel=sequence_parallel), tp,
+                      dropout_seed=7).train()
     assert par.model.embedding_dropout == 0.0 and isinstance(par.model.embed_tokens.output_dropout, KeyedDropout)
     for layer in par.model.layers:
         assert isinstance(layer.self_attn.output_dropout, KeyedDropout)
         assert isinstance(layer.mlp.output_dropout, KeyedDropout)
-    ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     want = base(ids).logits
     got = comm.all_gather(par(ids).logits.detach(), tp, -1, par.tensorpar_plan.vocab)
     assert_parity("train-mode logits", got, want)
@@ -137,9 +142,10 @@ def job_starcoder2_dropout(ctx):
     return True
 
 
-@pytest.mark.parametrize("tp", [2, 3])
-def test_starcoder2_dropout_is_keyed(pools, tp):
-    assert all(run_tp(pools, tp, job_starcoder2_dropout))
+@pytest.mark.parametrize("tp,sequence_parallel", [(2, False), (3, False), (3, True)])
+def test_starcoder2_dropout_is_keyed(pools, tp, sequence_parallel):
+    # with sequence parallelism each rank draws the full mask of a block's dropout and keeps its sequence slice
+    assert all(run_tp(pools, tp, job_starcoder2_dropout, sequence_parallel))
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -153,7 +159,8 @@ def test_plan_claims_every_tensor(name):
     assert claimed == names
 
 
-@pytest.mark.parametrize("name", ["gpt_neox", "olmo2", "starcoder2"])
-def test_sequence_parallel_refused(name):
-    with pytest.raises(ValueError, match=rf"sequence_parallel=True is not supported for {name}"):
-        make_plan(config(name), 2, sequence_parallel=True)
+@pytest.mark.parametrize("tp", [2, 3, 4])
+@pytest.mark.parametrize("name", ["starcoder2", "gpt_neox", "olmo2"])
+def test_family_parity_sequence_parallel(pools, name, tp):
+    diff, n = run_tp(pools, tp, job_family, name, True)[0]
+    assert n > 10

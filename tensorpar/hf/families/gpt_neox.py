@@ -9,15 +9,13 @@ computed on replicated tensors.
 from __future__ import annotations
 
 from tensorpar.hf.plan import ShardingPlan, _get
-from tensorpar.hf.styles import MLP, Entry, LMHead, NeoXAttention, Replicated, VocabEmbedding
+from tensorpar.hf.styles import (MLP, Entry, LMHead, NeoXAttention, Replicated, SequenceParallelEntry,
+                                 VocabEmbedding)
 from tensorpar.layers.attention import HeadLayout
 from tensorpar.shard import Partition
 
 
 def plan(config, tp_size, *, sequence_parallel, head_split_weights, split_weights) -> ShardingPlan:
-    if sequence_parallel:
-        raise ValueError("sequence_parallel=True is not supported for gpt_neox yet (not covered by the parity "
-                         "tests); run gpt_neox with sequence_parallel=False")
     nh, h = config.num_attention_heads, config.hidden_size
     if h % nh:
         raise ValueError(f"hidden_size ({h}) must be a multiple of num_attention_heads ({nh}) for gpt_neox")
@@ -25,13 +23,16 @@ def plan(config, tp_size, *, sequence_parallel, head_split_weights, split_weight
     vocab = Partition.make(config.vocab_size, tp_size, weights=split_weights, name="vocab_size")
     inter = Partition.make(config.intermediate_size, tp_size, weights=split_weights, name="intermediate_size")
     tie = bool(_get(config, "tie_word_embeddings", default=False))
-    e = [Entry("gpt_neox.embed_in", VocabEmbedding(vocab)),
-         Entry("gpt_neox.layers.*.attention", NeoXAttention(heads)),
-         Entry("gpt_neox.layers.*.mlp", MLP(inter, up="dense_h_to_4h", down="dense_4h_to_h")),
-         Entry("gpt_neox.layers.*.input_layernorm", Replicated()),
-         Entry("gpt_neox.layers.*.post_attention_layernorm", Replicated()),
-         Entry("gpt_neox.final_layer_norm", Replicated()),
-         Entry("gpt_neox.rotary_emb", Replicated(why="rotary tables (buffers)")),
-         Entry("lm_head", LMHead(vocab, tied_to="gpt_neox.embed_in" if tie else None))]
-    return ShardingPlan(config.model_type, tp_size, False, heads, vocab, inter, tie, config.num_hidden_layers,
+    sp = sequence_parallel
+    e = [Entry("gpt_neox.embed_in", VocabEmbedding(vocab))]
+    if sp:
+        e.append(Entry("gpt_neox.layers.0", SequenceParallelEntry()))
+    e += [Entry("gpt_neox.layers.*.attention", NeoXAttention(heads, sequence_parallel=sp)),
+          Entry("gpt_neox.layers.*.mlp", MLP(inter, up="dense_h_to_4h", down="dense_4h_to_h", sequence_parallel=sp)),
+          Entry("gpt_neox.layers.*.input_layernorm", Replicated(sequence_parallel=sp)),
+          Entry("gpt_neox.layers.*.post_attention_layernorm", Replicated(sequence_parallel=sp)),
+          Entry("gpt_neox.final_layer_norm", Replicated(sequence_parallel=sp)),
+          Entry("gpt_neox.rotary_emb", Replicated(why="rotary tables (buffers)")),
+          Entry("lm_head", LMHead(vocab, tied_to="gpt_neox.embed_in" if tie else None, sequence_parallel=sp))]
+    return ShardingPlan(config.model_type, tp_size, sp, heads, vocab, inter, tie, config.num_hidden_layers,
                         "gpt_neox.layers.*", e)

@@ -13,12 +13,9 @@ from tensorpar.hf.styles import FullWidthQKNormAttention
 
 
 def plan(config, tp_size, *, sequence_parallel, **kw):
-    if sequence_parallel:
-        raise ValueError("sequence_parallel=True is not supported for olmo2 yet (not covered by the parity "
-                         "tests); run olmo2 with sequence_parallel=False")
-    p = decoder_plan(config, tp_size, sequence_parallel=False,
+    p = decoder_plan(config, tp_size, sequence_parallel=sequence_parallel,
                      norms=("post_attention_layernorm", "post_feedforward_layernorm"), **kw)
     for e in p.entries:
         if e.pattern == "model.layers.*.self_attn":
-            e.style = FullWidthQKNormAttention(p.heads)
+            e.style = FullWidthQKNormAttention(p.heads, sequence_parallel=sequence_parallel)
     return p

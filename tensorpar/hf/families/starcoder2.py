@@ -15,9 +15,6 @@ from tensorpar.hf.styles import KeyedEmbeddingDropout, ResidualDropoutMLP, Starc
 
 
 def plan(config, tp_size, *, sequence_parallel, **kw):
-    if sequence_parallel:
-        raise ValueError("sequence_parallel=True is not supported for starcoder2 yet (not covered by the parity "
-                         "tests); run starcoder2 with sequence_parallel=False")
     p = decoder_plan(config, tp_size, sequence_parallel=sequence_parallel,
                      norms=("input_layernorm", "post_attention_layernorm"), **kw)
     for e in p.entries:
