@@ -164,3 +164,32 @@ def test_plan_claims_every_tensor(name):
 def test_family_parity_sequence_parallel(pools, name, tp):
     diff, n = run_tp(pools, tp, job_family, name, True)[0]
     assert n > 10
+
+
+def job_train(ctx, name, sequence_parallel):
+    """Four training steps of the training loop (AdamW, clipping, per-block recomputation, attention and
+    hidden dropout) on a family of this file: losses and grad norms per step."""
+    from tensorpar.train.loop import Trainer
+    from tensorpar.train.model import ModelSource, build_model
+    from tests._train_jobs import BASE, synthetic_data
+    cfg = BASE.replace(tp=ctx.tp.size, steps=4, sequence_parallel=sequence_parallel, recompute=True,
+                       attention_dropout=0.1, hidden_dropout=0.1)
+    data = synthetic_data(vocab=37)
+    model, plan = build_model(cfg, ModelSource(config(name), None, None), ctx.tp, data.vocab_size)
+    tr = Trainer(cfg, ctx.tp, model, plan, data)
+    out = []
+    while tr.step < cfg.steps:
+        r = tr.train_step()
+        out.append((r.loss, r.grad_norm))
+    return out
+
+
+@pytest.mark.parametrize("name", ["starcoder2", "gpt_neox", "olmo2"])
+def test_training_loop_same_at_tp1_and_tp2(pools, name):
+    # keyed dropout and recomputation included: the same losses and grad norms at tp 1 and tp 2 (+ SP)
+    ref = run_tp(pools, 1, job_train, name, False)[0]
+    for sp in (False, True):
+        got = run_tp(pools, 2, job_train, name, sp)[0]
+        for step, ((loss, norm), (loss1, norm1)) in enumerate(zip(got, ref)):
+            assert loss == pytest.approx(loss1, rel=1e-5), f"step {step + 1} loss (sequence_parallel={sp})"
+            assert norm == pytest.approx(norm1, rel=1e-5), f"step {step + 1} grad norm (sequence_parallel={sp})"
