@@ -16,14 +16,17 @@ def config(name: str):
     if model_type == "starcoder2":
         # 10 q heads / 2 kv heads (groups of 5): at tp = 3 and 4 a KV head straddles two ranks; biases on;
         # a sliding window shorter than the test sequence
+        # (":nobias": use_bias=False)
         c = T.Starcoder2Config(hidden_size=40, intermediate_size=46, num_attention_heads=10, num_key_value_heads=2,
-                               sliding_window=5, use_bias=True, residual_dropout=0.0, embedding_dropout=0.0,
+                               sliding_window=5, use_bias=variant != "nobias", residual_dropout=0.0, embedding_dropout=0.0,
                                attention_dropout=0.0, **common)
     elif model_type == "gpt_neox":
-        # 5 heads of 8, rotary on a quarter of each head (2 of 8 dims), parallel residual (or not: ":seq")
+        # 5 heads of 8, rotary on a quarter of each head (2 of 8 dims), parallel residual (or not: ":seq");
+        # ":tied": LM head tied to embed_in, no attention biases
         c = T.GPTNeoXConfig(hidden_size=40, intermediate_size=46, num_attention_heads=5, rotary_pct=0.25,
                             use_parallel_residual=variant != "seq", hidden_dropout=0.0, attention_dropout=0.0,
-                            **common)
+                            attention_bias=variant != "tied", **common)
+        c.tie_word_embeddings = variant == "tied"
     elif model_type == "olmo2":
         # default: 10 q heads / 2 kv heads (a KV head duplicated on two ranks at tp = 3, 4);
         # ":kv1": 5 q heads / 1 kv head (the KV head, and its k_norm rows, replicated on every rank)
@@ -37,3 +40,5 @@ def config(name: str):
 
 
 FAMILIES = ["starcoder2", "gpt_neox", "gpt_neox:seq", "olmo2", "olmo2:kv1"]
+# tested at tp = 3 only
+VARIANTS = ["starcoder2:nobias", "gpt_neox:tied"]

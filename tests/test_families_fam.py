@@ -17,7 +17,7 @@ from tensorpar.hf.plan import make_plan
 from tensorpar.layers import vocab_parallel_cross_entropy
 from tensorpar.testing import assert_parity, compare_grads
 from tests._ranks import run_tp
-from tests.families_fam import FAMILIES, config
+from tests.families_fam import FAMILIES, VARIANTS, config
 
 
 def job_family(ctx, name, sequence_parallel=False):
@@ -63,6 +63,12 @@ def job_family(ctx, name, sequence_parallel=False):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_family_parity(pools, name, tp):
     diff, n = run_tp(pools, tp, job_family, name)[0]
+    assert n > 10
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_variant_parity_tp3(pools, name):
+    diff, n = run_tp(pools, 3, job_family, name)[0]
     assert n > 10
 
 
@@ -148,7 +154,7 @@ def test_starcoder2_dropout_is_keyed(pools, tp, sequence_parallel):
     assert all(run_tp(pools, tp, job_starcoder2_dropout, sequence_parallel))
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", FAMILIES + VARIANTS)
 def test_plan_claims_every_tensor(name):
     from tensorpar.hf.plan import meta_model
     cfg = config(name)
