@@ -18,7 +18,8 @@ def config(name: str):
         # a sliding window shorter than the test sequence
         # (":nobias": use_bias=False)
         c = T.Starcoder2Config(hidden_size=40, intermediate_size=46, num_attention_heads=10, num_key_value_heads=2,
-                               sliding_window=5, use_bias=variant != "nobias", residual_dropout=0.0, embedding_dropout=0.0,
+                               sliding_window=5, use_bias=variant != "nobias", residual_dropout=0.0,
+                               embedding_dropout=0.0,
                                attention_dropout=0.0, **common)
     elif model_type == "gpt_neox":
         # 5 heads of 8, rotary on a quarter of each head (2 of 8 dims), parallel residual (or not: ":seq");

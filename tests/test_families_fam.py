@@ -142,7 +142,8 @@ def job_starcoder2_dropout(ctx, sequence_parallel):
     for site in ("embedding", "residual"):
         m = parallelize(copy.deepcopy(ref), make_plan(cfg, 1), one, dropout_seed=7).train()
         for mod in m.modules():
-            if isinstance(mod, KeyedDropout) and (mod.key[0].endswith("embed_tokens.output_dropout")) == (site != "embedding"):
+            is_embedding = isinstance(mod, KeyedDropout) and mod.key[0].endswith("embed_tokens.output_dropout")
+            if isinstance(mod, KeyedDropout) and is_embedding == (site != "embedding"):
                 mod.p = 0.0
         assert (m(ids).logits - plain).abs().max() > 1e-2, f"{site} dropout had no effect"
     return True
