@@ -93,15 +93,16 @@ def _checkpoint_names(model: nn.Module, keys) -> dict[str, str]:
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightRenaming, rename_source_key
-    except ImportError:
+
+        renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+        out: dict[str, str] = {}
+        for key in keys:
+            new, _ = rename_source_key(key, renamings, [])
+            if new != key:
+                out.setdefault(new, key)
+        return out
+    except (ImportError, AttributeError, TypeError):  # a transformers without (this form of) the table
         return {}
-    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
-    out: dict[str, str] = {}
-    for key in keys:
-        new, _ = rename_source_key(key, renamings, [])
-        if new != key:
-            out.setdefault(new, key)
-    return out
 
 
 def load_sharded(model: nn.Module, folder: str | Path, tp: Group, *, device=None, dtype=torch.float32) -> nn.Module:
@@ -116,10 +117,13 @@ def load_sharded(model: nn.Module, folder: str | Path, tp: Group, *, device=None
     wmap = weight_map(folder)
     handles: dict[Path, object] = {}
     new: dict[int, nn.Parameter] = {}
-    renamed = _checkpoint_names(model, wmap)
+    renamed = None  # checkpoint names under transformers' renamings, looked up only if a name is missing
     try:
         for name, p in model.named_parameters():
-            key = name if name in wmap else renamed.get(name)
+            key = name if name in wmap else None
+            if key is None:
+                renamed = _checkpoint_names(model, wmap) if renamed is None else renamed
+                key = renamed.get(name)
             if key is None:
                 raise ValueError(f"tensor {name!r} is missing from the checkpoint in {folder}")
             f = wmap[key]
