@@ -200,3 +200,37 @@ def test_training_loop_same_at_tp1_and_tp2(pools, name):
         for step, ((loss, norm), (loss1, norm1)) in enumerate(zip(got, ref)):
             assert loss == pytest.approx(loss1, rel=1e-5), f"step {step + 1} loss (sequence_parallel={sp})"
             assert norm == pytest.approx(norm1, rel=1e-5), f"step {step + 1} grad norm (sequence_parallel={sp})"
+
+
+def job_tp_rmsnorm(ctx):
+    """TPRMSNorm on its own, with rows duplicated across ranks (units (0,), (0, 1), (1, 2) at tp = 3): outputs and
+    the gradients of input and weight equal transformers' Olmo2RMSNorm over the full dimension."""
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    from tensorpar.hf.modules import TPRMSNorm
+    from tensorpar.shard import UnitSelection
+    tp = ctx.tp
+    g = torch.Generator().manual_seed(3)
+    ref = Olmo2RMSNorm(12, eps=1e-6)
+    with torch.no_grad():
+        ref.weight.add_(torch.randn(12, generator=g) * 0.3)
+    x = torch.randn(2, 5, 12, generator=g, requires_grad=True)
+    w_out = torch.randn(2, 5, 12, generator=g)
+    (ref(x) * w_out).sum().backward()
+    rows = UnitSelection(3, 4, {1: ((0, 1, 2),), 3: ((0,), (0, 1), (1, 2))}[tp.size])
+    norm = TPRMSNorm(ref, tp, rows)
+    idx = torch.tensor(rows.indices(tp.rank))
+    own = torch.tensor(rows.owner_mask(tp.rank))
+    xl = x.detach().index_select(-1, idx).requires_grad_(True)
+    y = norm(xl)
+    assert_parity("output", y, ref(x).detach().index_select(-1, idx))
+    (y * w_out.index_select(-1, idx) * own).sum().backward()     # each output row counted once, on its owner
+    assert_parity("input grad (owned rows)", xl.grad[..., own], x.grad.index_select(-1, idx)[..., own])
+    wg = comm.all_reduce(torch.zeros(12).index_add_(0, idx, norm.weight.grad * own), tp)
+    assert_parity("weight grad", wg, ref.weight.grad)
+    return True
+
+
+@pytest.mark.parametrize("tp", [1, 3])
+def test_tp_rmsnorm_duplicated_rows(pools, tp):
+    assert all(run_tp(pools, tp, job_tp_rmsnorm))

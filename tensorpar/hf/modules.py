@@ -478,24 +478,34 @@ class TPRMSNorm(nn.Module):
         own = rows.owner_mask(tp.rank)
         self._owned = None if all(own) else tuple(i for i, o in enumerate(own) if o)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        sq = x.pow(2)
+    def local_sum_of_squares(self, x: torch.Tensor) -> torch.Tensor:
+        """``[*, n_r] -> [*, 1]`` fp32: the sum of squares over the rows this rank owns (no communication)."""
+        sq = x.float().pow(2)
         if self._owned is not None:
             sq = sq.index_select(-1, torch.tensor(self._owned, dtype=torch.long, device=x.device))
-        ss = sq.sum(-1, keepdim=True)                                              # [*, 1] this rank's part
-        if self.tp.size > 1:
-            ss = _AllReduceSum.apply(ss, self.tp) if _needs_grad(ss) else comm.all_reduce(ss, self.tp)
-        x = x * torch.rsqrt(ss / self.n + self.variance_epsilon)
-        return (self.weight * x).to(dtype)
+        return sq.sum(-1, keepdim=True)
+
+    def normalize(self, x: torch.Tensor, sum_of_squares: torch.Tensor) -> torch.Tensor:
+        """``w * x / sqrt(sum_of_squares / n + eps)`` given the global sum of squares ``[*, 1]`` (fp32)."""
+        y = x.float() * torch.rsqrt(sum_of_squares / self.n + self.variance_epsilon)
+        return (self.weight * y).to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.normalize(x, all_reduce_sum(self.local_sum_of_squares(x), self.tp))
 
     def extra_repr(self) -> str:
         return f"local {tuple(self.weight.shape)} of {self.n}, eps={self.variance_epsilon}, tp={self.tp.size}"
 
 
-def _needs_grad(x: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and x.requires_grad
+def all_reduce_sum(x: torch.Tensor, tp: Group) -> torch.Tensor:
+    """Sum of ``x`` over tp, differentiable: forward all-reduce, backward all-reduce (every rank uses the sum on
+    its own data, so each rank's gradient is a part of the total). Identity at tp = 1; a plain all-reduce when
+    no gradient is needed."""
+    if tp.size == 1:
+        return x
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _AllReduceSum.apply(x, tp)
+    return comm.all_reduce(x, tp)
 
 
 class TPOlmo2Attention(TPAttention):
@@ -506,8 +516,8 @@ class TPOlmo2Attention(TPAttention):
     ``k_proj``'s rows (``layout.q_rows``, ``layout.kv_rows``); KV heads duplicated on several ranks (a group
     straddling two ranks, or tp > kv heads) count once in the sum of squares.
 
-    Shapes as :class:`TPAttention`. Collectives: those of :class:`TPAttention`, plus per norm one all-reduce of
-    ``[b, s, 1]`` fp32 in forward and one in backward.
+    Shapes as :class:`TPAttention`. Collectives: those of :class:`TPAttention`, plus one all-reduce of
+    ``[b, s, 2]`` fp32 (both norms' sums of squares together) in forward and one in backward.
     """
 
     def __init__(self, attn: nn.Module, tp: Group, layout: HeadLayout, *, sequence_parallel: bool = False):
@@ -517,7 +527,8 @@ class TPOlmo2Attention(TPAttention):
 
     def _qkv(self, x: torch.Tensor):
         b, s = x.shape[:2]
-        q = self.q_norm(self.q_proj.forward_local(x))
-        k = self.k_norm(self.k_proj.forward_local(x))
-        v = self.v_proj.forward_local(x)
+        q, k, v = self.q_proj.forward_local(x), self.k_proj.forward_local(x), self.v_proj.forward_local(x)
+        ss = all_reduce_sum(torch.cat([self.q_norm.local_sum_of_squares(q), self.k_norm.local_sum_of_squares(k)], -1),
+                            self.tp)                                                   # [b, s, 2] global sums
+        q, k = self.q_norm.normalize(q, ss[..., :1]), self.k_norm.normalize(k, ss[..., 1:])
         return tuple(t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
