@@ -287,6 +287,27 @@ def read_shard(handle, name: str, param: nn.Parameter, tp_rank: int, *, out: tor
     return t.to(dtype=dtype or t.dtype, device=device or t.device)
 
 
+def _checkpoint_names(model: nn.Module, keys) -> dict[str, str]:
+    """Parameter name -> checkpoint key for the checkpoint keys that transformers renames when it loads
+    (its ``WeightRenaming`` table for the model, e.g. GPT-NeoX's ``embed_out.*`` -> ``lm_head.*``, as the
+    Pythia checkpoints and transformers' own ``save_pretrained`` write it). Keys that need a conversion
+    beyond a rename are not mapped (the parameter is then reported missing). ``{}`` if this transformers
+    has no such table."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+        renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+        out: dict[str, str] = {}
+        for key in keys:
+            new, _ = rename_source_key(key, renamings, [])
+            if new != key:
+                out.setdefault(new, key)
+        return out
+    except (ImportError, AttributeError, TypeError):  # a transformers without (this form of) the table
+        return {}
+
+
 # ------------------------------------------------------------------------------------------- checks
 
 def _natural(name: str):
@@ -332,16 +353,21 @@ class _Expected:
         self.buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
         self.ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
         self.prefix = getattr(model, "base_model_prefix", "") or ""
+        self._model, self._renamed = model, None
 
     def key(self, name: str, stored) -> str | None:
-        """The checkpoint key holding model tensor ``name``: itself, or without the base-model prefix."""
+        """The checkpoint key holding model tensor ``name``: itself, without the base-model prefix, or the key
+        transformers renames to it when loading (GPT-NeoX's ``embed_out.weight`` for ``lm_head.weight``)."""
         if name in stored:
             return name
         if self.prefix and name.startswith(self.prefix + "."):
             short = name[len(self.prefix) + 1:]
             if short in stored:
                 return short
-        return None
+        if self._renamed is None:
+            self._renamed = _checkpoint_names(self._model, stored)
+        key = self._renamed.get(name)
+        return key if key in stored else None
 
     def model_name(self, key: str) -> str:
         if key in self.shape or key in self.buffers or not self.prefix:
@@ -435,10 +461,14 @@ def load_sharded(model: nn.Module, folder: str | Path, tp: Group, *, device=None
     expected = _Expected(model)
     readers: dict[Path, SafetensorsReader] = {}
     new: dict[int, nn.Parameter] = {}
+    renamed = None  # checkpoint names under transformers' renamings, looked up only if a name is missing
     try:
         for name, p in model.named_parameters():
             names = expected.groups[id(p)]
             key = next((k for k in (expected.key(n, wmap) for n in names) if k is not None), None)
+            if key is None:
+                renamed = _checkpoint_names(model, wmap) if renamed is None else renamed
+                key = renamed.get(name)
             if key is None:
                 raise ValueError(f"tensor {name!r} is missing from the checkpoint in {folder}")
             f = wmap[key]

@@ -330,3 +330,205 @@ class TPConv1D(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.style}, local weight {tuple(self.weight.shape)}, tp={self.tp.size}"
+
+
+# ---------------------------------------------------------------- StarCoder2, GPT-NeoX, OLMo 2
+
+
+class TPStarcoder2Attention(TPAttention):
+    """StarCoder2 self-attention: :class:`TPAttention` (separate q/k/v/o projections, biased) plus what
+    StarCoder2's module adds to Llama's.
+
+    * The sliding window is read from the config (``config.sliding_window``; StarCoder2's attention has no
+      ``sliding_window`` attribute) and passed to the kernel as the original module does.
+    * The residual dropout (a functional ``nn.functional.dropout`` after ``o_proj`` in transformers) becomes an
+      ``nn.Dropout`` in ``output_dropout`` when ``residual_dropout > 0``, which
+      :func:`tensorpar.hf.apply.parallelize` turns into a keyed dropout: the same mask on every rank, and the same
+      at every tp (not the mask torch's global generator would have drawn).
+
+    Shapes and collectives: as :class:`TPAttention`.
+    """
+
+    def __init__(self, attn: nn.Module, tp: Group, layout: HeadLayout, *, sequence_parallel: bool = False):
+        super().__init__(attn, tp, layout, sequence_parallel=sequence_parallel)
+        self.sliding_window = getattr(attn.config, "sliding_window", None)
+        p = float(getattr(attn, "residual_dropout", 0.0) or 0.0)
+        self.output_dropout = nn.Dropout(p) if p > 0 else None
+
+
+class TPGPTNeoXAttention(nn.Module):
+    """GPT-NeoX (Pythia) self-attention with whole heads per rank.
+
+    The fused ``query_key_value`` projection ``[3 h, h]`` is laid out per head, interleaved:
+    rows ``[h0: q, k, v | h1: q, k, v | ...]`` (``3 * head_dim`` rows per head), so each rank's heads' q, k and v
+    triples are one contiguous block of ``3 * head_dim * heads_r`` rows (``layout.q_heads`` scaled by
+    ``3 * head_dim``), bias included. Rotary embeddings act on the first ``rotary_ndims`` of each head
+    (partial rotary) through transformers' own ``apply_rotary_pos_emb``. ``dense`` is row-parallel (bias added
+    once, after the reduction). The parallel residual lives in the block, which is left unchanged.
+
+    Shapes: input ``[b, s, h]`` (``[b, s_r, h]`` with sequence parallelism); local heads
+    ``[b, heads_r, s, d]`` (what the KV cache stores); output ``[b, s, h]`` replicated (``[b, s_r, h]``).
+
+    Collectives: forward one all-reduce in ``dense`` (reduce-scatter, plus an all-gather at entry, with
+    sequence parallelism); backward one all-reduce at entry (reduce-scatter, plus an all-gather).
+
+    Dropout: ``attention_fn`` (the head-keyed kernel, set by :func:`tensorpar.hf.apply.parallelize` when the
+    config has attention dropout) in training; the block's own ``nn.Dropout`` modules stay where they are.
+
+    Raises:
+        ValueError: the layout has fewer KV heads than query heads (GPT-NeoX has none of its own).
+    """
+
+    def __init__(self, attn: nn.Module, tp: Group, layout: HeadLayout, *, sequence_parallel: bool = False):
+        super().__init__()
+        if layout.num_kv_heads != layout.num_heads:
+            raise ValueError(f"GPT-NeoX attention has one KV head per query head, got a layout with "
+                             f"{layout.num_kv_heads} KV heads for {layout.num_heads} heads")
+        self.tp, self.layout, self.sequence_parallel = tp, layout, sequence_parallel
+        self.config, self.layer_idx = attn.config, attn.layer_idx
+        self.head_dim = self.head_size = layout.head_dim
+        self.rotary_ndims = attn.rotary_ndims
+        self.scaling = attn.scaling
+        self.attention_dropout = getattr(attn, "attention_dropout", 0.0)
+        self.is_causal = True
+        self.num_key_value_groups = 1
+        self._group = 1
+        rows = layout.q_heads.scaled(3 * layout.head_dim)
+        self.query_key_value = ColumnParallelLinear.from_linear(attn.query_key_value, tp, partition=rows)
+        self.dense = RowParallelLinear.from_linear(attn.dense, tp, partition=layout.q_rows,
+                                                   sequence_parallel=sequence_parallel)
+        family = sys.modules[type(attn).__module__]
+        self._rope = family.apply_rotary_pos_emb
+        self._attn_default = family.eager_attention_forward
+        self.attention_fn = None
+        self.output_dropout = None
+
+    def forward(self, hidden_states, attention_mask=None, layer_past=None, position_embeddings=None, **kwargs):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        cache = layer_past
+        for key in ("cache", "past_key_values"):
+            c = kwargs.pop(key, None)
+            cache = cache if cache is not None else c
+        x = _enter(hidden_states, self.tp, self.sequence_parallel)
+        b, s = x.shape[:2]
+        qkv = self.query_key_value.forward_local(x).view(b, s, -1, 3 * self.head_dim).transpose(1, 2)
+        q, k, v = qkv.chunk(3, dim=-1)                                                    # [b, heads_r, s, d]
+        cos, sin = position_embeddings
+        q, k = self._rope(q, k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        keyed = self.training and self.attention_fn is not None
+        fn = self.attention_fn if keyed else ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, self._attn_default)
+        out, weights = fn(self, q, k, v, attention_mask, scaling=self.scaling,
+                          dropout=0.0 if not self.training else self.attention_dropout, **kwargs)
+        out = self.dense(out.reshape(b, s, -1).contiguous())
+        if self.output_dropout is not None:
+            out = self.output_dropout(out)
+        return out, weights
+
+    def extra_repr(self) -> str:
+        return f"tp={self.tp.size}, {self.layout.describe()}"
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """forward: all-reduce (sum); backward: all-reduce (sum). For a partial sum that every rank then uses
+    on its own, different, data (so each rank's gradient is only its own part of the total)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return comm.all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return comm.all_reduce(g.contiguous(), ctx.group), None
+
+
+class TPRMSNorm(nn.Module):
+    """RMSNorm over a dimension whose features are split (or selected, with duplicates) across tp ranks.
+
+    ``y = w * x / sqrt(mean(x^2) + eps)`` where the mean runs over all ``n`` features of the unsharded
+    dimension (OLMo 2's q/k norms act on the full ``heads * head_dim`` projection, not per head). Each rank
+    holds ``rows.indices(tp_rank)`` of the features and the same rows of ``w`` (sharded with its heads: a
+    :class:`Partition` for query heads, a :class:`UnitSelection` for KV heads, which may be held by several
+    ranks). The sum of squares is taken on each rank over the rows it *owns* (the lowest rank holding a
+    duplicated row owns it, :meth:`UnitSelection.owner_mask`), so an all-reduce gives the exact global sum
+    however KV heads are duplicated or replicated. The arithmetic is fp32, then cast back to the input
+    dtype, as transformers' ``Olmo2RMSNorm``/``LlamaRMSNorm`` do (Zhang & Sennrich 2019, "Root Mean Square
+    Layer Normalization").
+
+    Shapes: input and output ``[*, n_r]`` with ``n_r = rows.sizes[tp_rank]``; weight ``[n_r]``.
+
+    Collectives: forward one all-reduce of ``[*, 1]`` fp32 (the sums of squares); backward one all-reduce of
+    the same shape (each rank's gradient of the shared sum covers its own rows only). The weight's gradient is
+    this rank's rows; duplicated rows are summed by :func:`tensorpar.grads.sync_duplicated_grads`.
+    """
+
+    def __init__(self, norm: nn.Module, tp: Group, rows: Partition | UnitSelection):
+        super().__init__()
+        from tensorpar.layers.linear import _slice, mark_sharded
+
+        if norm.weight.shape[0] != rows.n:
+            raise ValueError(f"norm weight has {norm.weight.shape[0]} features but the row split covers {rows.n}")
+        self.tp, self.rows, self.n = tp, rows, rows.n
+        self.variance_epsilon = norm.variance_epsilon
+        self.weight = mark_sharded(nn.Parameter(_slice(norm.weight.detach(), 0, rows, tp.rank).clone()), 0, rows)
+        own = rows.owner_mask(tp.rank)
+        self._owned = None if all(own) else tuple(i for i, o in enumerate(own) if o)
+
+    def local_sum_of_squares(self, x: torch.Tensor) -> torch.Tensor:
+        """``[*, n_r] -> [*, 1]`` fp32: the sum of squares over the rows this rank owns (no communication)."""
+        sq = x.float().pow(2)
+        if self._owned is not None:
+            sq = sq.index_select(-1, torch.tensor(self._owned, dtype=torch.long, device=x.device))
+        return sq.sum(-1, keepdim=True)
+
+    def normalize(self, x: torch.Tensor, sum_of_squares: torch.Tensor) -> torch.Tensor:
+        """``w * x / sqrt(sum_of_squares / n + eps)`` given the global sum of squares ``[*, 1]`` (fp32)."""
+        y = x.float() * torch.rsqrt(sum_of_squares / self.n + self.variance_epsilon)
+        return (self.weight * y).to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.normalize(x, all_reduce_sum(self.local_sum_of_squares(x), self.tp))
+
+    def extra_repr(self) -> str:
+        return f"local {tuple(self.weight.shape)} of {self.n}, eps={self.variance_epsilon}, tp={self.tp.size}"
+
+
+def all_reduce_sum(x: torch.Tensor, tp: Group) -> torch.Tensor:
+    """Sum of ``x`` over tp, differentiable: forward all-reduce, backward all-reduce (every rank uses the sum on
+    its own data, so each rank's gradient is a part of the total). Identity at tp = 1; a plain all-reduce when
+    no gradient is needed."""
+    if tp.size == 1:
+        return x
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _AllReduceSum.apply(x, tp)
+    return comm.all_reduce(x, tp)
+
+
+class TPOlmo2Attention(TPAttention):
+    """OLMo 2 self-attention: :class:`TPAttention` whose q/k RMSNorms normalise the whole projection
+    (``[heads * head_dim]`` and ``[kv_heads * head_dim]``) before the split into heads.
+
+    ``q_norm`` and ``k_norm`` become :class:`TPRMSNorm` with their weights sharded like ``q_proj``'s and
+    ``k_proj``'s rows (``layout.q_rows``, ``layout.kv_rows``); KV heads duplicated on several ranks (a group
+    straddling two ranks, or tp > kv heads) count once in the sum of squares.
+
+    Shapes as :class:`TPAttention`. Collectives: those of :class:`TPAttention`, plus one all-reduce of
+    ``[b, s, 2]`` fp32 (both norms' sums of squares together) in forward and one in backward.
+    """
+
+    def __init__(self, attn: nn.Module, tp: Group, layout: HeadLayout, *, sequence_parallel: bool = False):
+        super().__init__(attn, tp, layout, sequence_parallel=sequence_parallel)
+        self.q_norm = TPRMSNorm(attn.q_norm, tp, layout.q_rows)
+        self.k_norm = TPRMSNorm(attn.k_norm, tp, layout.kv_rows)
+
+    def _qkv(self, x: torch.Tensor):
+        b, s = x.shape[:2]
+        q, k, v = self.q_proj.forward_local(x), self.k_proj.forward_local(x), self.v_proj.forward_local(x)
+        ss = all_reduce_sum(torch.cat([self.q_norm.local_sum_of_squares(q), self.k_norm.local_sum_of_squares(k)], -1),
+                            self.tp)                                                   # [b, s, 2] global sums
+        q, k = self.q_norm.normalize(q, ss[..., :1]), self.k_norm.normalize(k, ss[..., 1:])
+        return tuple(t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]

@@ -2,7 +2,7 @@
 
 A builder is ``f(config, tp_size, *, sequence_parallel, head_split_weights, split_weights) -> ShardingPlan``.
 """
-from tensorpar.hf.families import gemma, gpt2, llama, phi3
+from tensorpar.hf.families import gemma, gpt2, gpt_neox, llama, olmo2, phi3, starcoder2
 
 FAMILIES = {
     "llama": llama.plan,
@@ -14,4 +14,7 @@ FAMILIES = {
     "gemma3_text": gemma.plan,
     "phi3": phi3.plan,
     "gpt2": gpt2.plan,
+    "starcoder2": starcoder2.plan,
+    "gpt_neox": gpt_neox.plan,
+    "olmo2": olmo2.plan,
 }
