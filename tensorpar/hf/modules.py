@@ -330,3 +330,86 @@ class TPConv1D(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.style}, local weight {tuple(self.weight.shape)}, tp={self.tp.size}"
+
+
+class TPExperts(nn.Module):
+    """Mixture-of-experts experts with tensor parallelism inside every expert (transformers 5 stacked layout).
+
+    Replaces the ``*Experts`` module of a sparse MoE block (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), whose weights
+    are stacked over experts: ``gate_up_proj [E, 2f, h]`` (rows ``[gate | up]`` of every expert) and
+    ``down_proj [E, h, f]``. Rank ``r`` holds ``gate_up_proj [E, 2 f_r, h]`` (its gate rows, then its up rows:
+    column-parallel, never one contiguous block of ``2f``) and ``down_proj [E, h, f_r]`` (row-parallel), with
+    ``f_r = partition.sizes[tp_rank]``; the router stays replicated outside this module.
+
+    The expert math is transformers' own: the forward of the original class is called on this module (so the
+    experts implementation the config selects, ``eager``, ``grouped_mm`` or ``batched_mm``, runs unchanged on
+    the local weights); it yields each token's routing-weighted sum of its experts' partial outputs, and the
+    partial sums of all experts are added over tp once, after the combine. ``grouped_mm`` needs rows of a
+    multiple of 16 bytes: a rank whose ``f_r`` rows are not (e.g. ``f_r = 5`` in fp32) runs the class's eager
+    loop instead (same math; the other ranks are unaffected).
+
+    Shapes: ``hidden_states [T, h]`` (tokens flattened, replicated), ``top_k_index [T, k]`` (int),
+    ``top_k_weights [T, k]`` (replicated) -> ``[T, h]`` replicated.
+
+    Collectives: forward one all-reduce of ``[T, h]`` per MoE layer (not one per expert); backward one
+    all-reduce of the input gradient ``[T, h]`` and one of the routing-weight gradient ``[T, k]`` (each rank's
+    weight gradient is a partial sum over its ``f_r`` intermediate rows, so the router receives the full one).
+    A step in which some expert receives no token is the same on every rank (routing is replicated), so no
+    rank waits on another.
+
+    Raises:
+        ValueError: an experts layout this class does not shard (biases, transposed or interleaved gate/up
+            weights, a post-expert norm, ungated experts), naming the attribute.
+    """
+
+    def __init__(self, experts: nn.Module, tp: Group, *, partition: Partition):
+        super().__init__()
+        from tensorpar.layers.linear import _slice, mark_sharded
+
+        for attr, bad in (("has_bias", True), ("is_transposed", True), ("is_concatenated", False),
+                          ("has_post_expert_norm", True), ("has_gate", False)):
+            if getattr(experts, attr, not bad) == bad:
+                raise ValueError(f"{type(experts).__name__}.{attr}={bad} is not supported by tensorpar's expert "
+                                 f"tensor parallelism (it shards stacked, concatenated [gate | up] weights without "
+                                 f"biases or post-expert norms)")
+        e, two_f, h = experts.gate_up_proj.shape
+        f = two_f // 2
+        if partition.n != f or partition.tp_size != tp.size or tuple(experts.down_proj.shape) != (e, h, f):
+            raise ValueError(f"expert partition {list(partition.sizes)} does not split the experts' intermediate "
+                             f"size {f} (gate_up_proj {tuple(experts.gate_up_proj.shape)}, down_proj "
+                             f"{tuple(experts.down_proj.shape)}) over tp_size={tp.size}")
+        self.tp, self.partition = tp, partition
+        self._hf_forward = type(experts).forward
+        self._hf_eager = getattr(self._hf_forward, "__wrapped__", self._hf_forward)  # the class's own loop
+        for k, v in vars(experts).items():        # plain attributes the transformers kernels read
+            if not k.startswith("_") and k != "training":
+                setattr(self, k, v)
+        for k in ("_is_expert_parallel",):
+            if hasattr(experts, k):
+                setattr(self, k, getattr(experts, k))
+        for k, m in experts.named_children():     # act_fn
+            setattr(self, k, m)
+        if hasattr(type(experts), "_apply_gate"):
+            self._apply_gate = type(experts)._apply_gate.__get__(self)
+        self.intermediate_dim = partition.sizes[tp.rank]
+        rows = UnitSelection(2 * f, 1, tuple(tuple(partition.indices(r)) + tuple(f + i for i in partition.indices(r))
+                                             for r in range(tp.size)))
+        gu = _slice(experts.gate_up_proj.detach(), 1, rows, tp.rank).clone()
+        dn = _slice(experts.down_proj.detach(), 2, partition, tp.rank).clone()
+        self.gate_up_proj = mark_sharded(nn.Parameter(gu, requires_grad=experts.gate_up_proj.requires_grad), 1, rows)
+        self.down_proj = mark_sharded(nn.Parameter(dn, requires_grad=experts.down_proj.requires_grad), 2, partition)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        x = comm.copy_to_tp_region(hidden_states, self.tp)
+        w = comm.copy_to_tp_region(top_k_weights, self.tp)
+        fn = self._hf_forward
+        if getattr(self.config, "_experts_implementation", None) == "grouped_mm" and \
+                (self.intermediate_dim * self.down_proj.element_size()) % 16:
+            fn = self._hf_eager   # torch._grouped_mm needs 16-byte strides; this rank's f_r rows do not have them
+        partial = fn(self, x, top_k_index, w)                    # [T, h], this rank's f_r rows of every expert
+        return comm.reduce_from_tp_region(partial, self.tp)
+
+    def extra_repr(self) -> str:
+        return (f"tp={self.tp.size}, experts={self.num_experts}, intermediate local {self.intermediate_dim} "
+                f"of {self.partition.n}")

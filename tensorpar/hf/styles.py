@@ -284,3 +284,26 @@ class SequenceParallelEntry(Style):
 
     def detail(self):
         return "split sequence before the first block"
+
+
+@dataclass
+class MoEExperts(Style):
+    """The stacked experts of a sparse MoE block, tensor-parallel inside every expert
+    (:class:`~tensorpar.hf.modules.TPExperts`): each expert's gate/up rows column-parallel, its down
+    projection row-parallel over ``partition`` (the expert intermediate size), one all-reduce per MoE layer
+    after the routing-weighted combine. The router (``gate``) is a separate, replicated entry."""
+
+    partition: Partition
+    num_experts: int = 0
+    name = "moe_experts"
+
+    def apply(self, module, fqn, ctx):
+        from tensorpar.hf.modules import TPExperts
+        return TPExperts(module, ctx.tp, partition=self.partition)
+
+    def detail(self):
+        return f"{self.num_experts} experts, intermediate {self.partition.n} -> {list(self.partition.sizes)} in each"
+
+    def rows(self):
+        return [("gate_up_proj", "column(gate|up)", "[E, 2f, h]: each rank's gate rows and up rows of every expert"),
+                ("down_proj", "row", "[E, h, f]; all-reduce once after the combine")]

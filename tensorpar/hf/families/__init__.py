@@ -2,7 +2,7 @@
 
 A builder is ``f(config, tp_size, *, sequence_parallel, head_split_weights, split_weights) -> ShardingPlan``.
 """
-from tensorpar.hf.families import gemma, gpt2, llama, phi3
+from tensorpar.hf.families import gemma, gpt2, llama, moe, phi3
 
 FAMILIES = {
     "llama": llama.plan,
@@ -14,4 +14,7 @@ FAMILIES = {
     "gemma3_text": gemma.plan,
     "phi3": phi3.plan,
     "gpt2": gpt2.plan,
+    "mixtral": moe.plan,
+    "qwen2_moe": moe.plan,
+    "qwen3_moe": moe.plan,
 }
