@@ -148,3 +148,100 @@ def test_experts_refuse_unsupported_layouts():
     experts = MixtralExperts(config("mixtral"))
     with pytest.raises(ValueError, match=r"does not split the experts' intermediate size 12"):
         TPExperts(experts, tp, partition=tp.partition(14))
+
+
+# ---------------------------------------------------------------- expert parallelism (experts whole over ep ranks)
+
+
+def _ep_step(cfg, ref, par, ep, ids, lo, hi):
+    """LM loss (mean over the whole batch) + coef * aux loss; this rank runs rows [lo, hi) of ``ids``."""
+    from tensorpar.hf.modules import ep_load_balancing_loss
+    coef = cfg.router_aux_loss_coef
+    for m in (ref, par):
+        m.zero_grad(set_to_none=True)
+    out_ref = ref(ids, output_router_logits=True)
+    n = ids[:, 1:].numel()
+    loss_ref = F.cross_entropy(out_ref.logits[:, :-1].reshape(-1, cfg.vocab_size), ids[:, 1:].reshape(-1)) \
+        + coef * out_ref.aux_loss
+    loss_ref.backward()
+    out = par(ids[lo:hi], output_router_logits=True)
+    ce = F.cross_entropy(out.logits[:, :-1].reshape(-1, cfg.vocab_size), ids[lo:hi, 1:].reshape(-1),
+                         reduction="sum") / n
+    aux = ep_load_balancing_loss(par, out.router_logits, ep)
+    (ce + coef * aux).backward()
+    for p in par.parameters():          # replicated outside the experts: sum the data-parallel gradients over ep
+        if getattr(p, "tp_dim", None) is None and p.grad is not None:
+            p.grad.copy_(comm.all_reduce(p.grad, ep))
+    d = [assert_parity("logits", out.logits, out_ref.logits[lo:hi]),
+         assert_parity("aux loss", aux, out_ref.aux_loss),
+         assert_parity("loss", comm.all_reduce(ce.detach(), ep) + coef * aux, loss_ref)]
+    ref_p = dict(ref.named_parameters())
+    idle = []
+    for name, p in par.named_parameters():
+        want = ref_p[name].grad
+        if getattr(p, "tp_dim", None) is not None:
+            want = want[p.tp_partition.range(ep.rank)[0]:p.tp_partition.range(ep.rank)[1]]
+        got = p.grad if p.grad is not None else torch.zeros_like(p)   # None: no token reached these experts
+        if getattr(p, "tp_dim", None) is not None and not got.any():
+            idle.append(name)
+        d.append(assert_parity(f"grad {name}", got, want))
+    d.append(assert_parity("grad norm", grad_norm(par.parameters(), ep),
+                           torch.cat([p.grad.flatten() for p in ref.parameters() if p.grad is not None]).norm()))
+    return d, idle
+
+
+def job_ep(ctx, model_type):
+    from tensorpar.hf.modules import EPExperts, expert_parallelize
+    from tensorpar.shard import Partition
+    ep = ctx.tp                          # the pool's ranks form the expert-parallel group (tp = 1)
+    cfg = config(model_type)
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+    ref = AutoModelForCausalLM.from_config(cfg).float()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    par = copy.deepcopy(ref)
+    names = expert_parallelize(par, ep)
+    full = sum(ref.get_submodule(n).gate_up_proj.numel() + ref.get_submodule(n).down_proj.numel() for n in names)
+    mine = sum(par.get_submodule(n).gate_up_proj.numel() + par.get_submodule(n).down_proj.numel() for n in names)
+    assert all(isinstance(par.get_submodule(n), EPExperts) for n in names)
+    b = 2 * ep.size
+    lo, hi = Partition.make(b, ep.size).range(ep.rank)
+    torch.manual_seed(1)
+    d, _ = _ep_step(cfg, ref, par, ep, torch.randint(0, cfg.vocab_size, (b, 9)), lo, hi)
+    # one sequence of 2 tokens per rank, chosen (from all V*V pairs, one batched forward) so that in the first
+    # MoE layer no token is routed to the last rank's experts
+    ids = torch.randint(0, cfg.vocab_size, (ep.size, 2))
+    if ep.size > 1:
+        e_last = Partition.make(ref.get_submodule(names[0]).num_experts, ep.size).range(ep.size - 1)
+        layer0 = int(names[0].split(".")[2])
+        pairs = torch.cartesian_prod(torch.arange(cfg.vocab_size), torch.arange(cfg.vocab_size))    # [V*V, 2]
+        with torch.no_grad():
+            chosen = ref(pairs, output_router_logits=True).router_logits[layer0].topk(cfg.num_experts_per_tok, -1)
+        hits = ((chosen.indices >= e_last[0]) & (chosen.indices < e_last[1])).any(-1).view(-1, 2).any(-1)
+        ok = pairs[~hits]
+        assert len(ok) >= ep.size, "no token pairs leave the last rank's experts idle"
+        ids = ok[:ep.size]
+    d2, idle = _ep_step(cfg, ref, par, ep, ids, ep.rank, ep.rank + 1)
+    d += d2
+    # greedy decoding with the KV cache: one sequence per rank, one token per rank per decode step
+    par.eval(), ref.eval()
+    prompt = torch.randint(1, cfg.vocab_size, (ep.size, 5))
+    kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None)
+    want = ref.generate(prompt, attention_mask=torch.ones_like(prompt), **kw)[ep.rank:ep.rank + 1, 5:]
+    p = prompt[ep.rank:ep.rank + 1]
+    got = par.generate(p, attention_mask=torch.ones_like(p), **kw)[:, 5:]
+    assert torch.equal(got, want), f"greedy tokens differ:\n{got}\n{want}"
+    return max(x.max_abs for x in d), len(d), idle, mine, full
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_moe_expert_parallel_parity(pools, model_type, ep):
+    out = run_tp(pools, ep, job_ep, model_type)
+    assert all(n > 20 for _, n, _, _, _ in out)
+    if ep > 1:                           # the last rank's experts (first MoE layer) got no token in the second step
+        assert out[-1][2], "the last rank's experts were meant to be idle"
+    full = out[0][4]                     # per-rank expert parameters: 1/ep of all experts (4 experts, ep | 4)
+    assert [mine for *_, mine, _ in out] == [full // ep] * ep

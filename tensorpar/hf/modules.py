@@ -332,6 +332,40 @@ class TPConv1D(nn.Module):
         return f"{self.style}, local weight {tuple(self.weight.shape)}, tp={self.tp.size}"
 
 
+def _check_expert_layout(experts: nn.Module) -> None:
+    for attr, bad in (("has_bias", True), ("is_transposed", True), ("is_concatenated", False),
+                      ("has_post_expert_norm", True), ("has_gate", False)):
+        if getattr(experts, attr, not bad) == bad:
+            raise ValueError(f"{type(experts).__name__}.{attr}={bad} is not supported by tensorpar's sharded experts "
+                             f"(they shard stacked, concatenated [gate | up] weights without biases or post-expert "
+                             f"norms)")
+
+
+def _take_expert_attrs(new: nn.Module, experts: nn.Module) -> None:
+    """Give ``new`` what transformers' experts kernels read from ``self``: the plain attributes of ``experts``
+    (config, sizes, layout flags), its ``act_fn``, its ``_apply_gate``, and its class's forward
+    (``_hf_forward``: the dispatching one; ``_hf_eager``: the class's own loop)."""
+    new._hf_forward = type(experts).forward
+    new._hf_eager = getattr(new._hf_forward, "__wrapped__", new._hf_forward)
+    for k, v in vars(experts).items():
+        if not k.startswith("_") and k != "training":
+            setattr(new, k, v)
+    if hasattr(experts, "_is_expert_parallel"):
+        new._is_expert_parallel = experts._is_expert_parallel
+    for k, m in experts.named_children():
+        setattr(new, k, m)
+    if hasattr(type(experts), "_apply_gate"):
+        new._apply_gate = type(experts)._apply_gate.__get__(new)
+
+
+def _experts_fn(mod: nn.Module, rows: int):
+    """The kernel to run: the config's, unless it is ``grouped_mm`` and ``rows`` (elements) are not 16 bytes."""
+    if getattr(mod.config, "_experts_implementation", None) == "grouped_mm" and \
+            (rows * mod.down_proj.element_size()) % 16:
+        return mod._hf_eager
+    return mod._hf_forward
+
+
 class TPExperts(nn.Module):
     """Mixture-of-experts experts with tensor parallelism inside every expert (transformers 5 stacked layout).
 
@@ -366,12 +400,7 @@ class TPExperts(nn.Module):
         super().__init__()
         from tensorpar.layers.linear import _slice, mark_sharded
 
-        for attr, bad in (("has_bias", True), ("is_transposed", True), ("is_concatenated", False),
-                          ("has_post_expert_norm", True), ("has_gate", False)):
-            if getattr(experts, attr, not bad) == bad:
-                raise ValueError(f"{type(experts).__name__}.{attr}={bad} is not supported by tensorpar's expert "
-                                 f"tensor parallelism (it shards stacked, concatenated [gate | up] weights without "
-                                 f"biases or post-expert norms)")
+        _check_expert_layout(experts)
         e, two_f, h = experts.gate_up_proj.shape
         f = two_f // 2
         if partition.n != f or partition.tp_size != tp.size or tuple(experts.down_proj.shape) != (e, h, f):
@@ -379,18 +408,7 @@ class TPExperts(nn.Module):
                              f"size {f} (gate_up_proj {tuple(experts.gate_up_proj.shape)}, down_proj "
                              f"{tuple(experts.down_proj.shape)}) over tp_size={tp.size}")
         self.tp, self.partition = tp, partition
-        self._hf_forward = type(experts).forward
-        self._hf_eager = getattr(self._hf_forward, "__wrapped__", self._hf_forward)  # the class's own loop
-        for k, v in vars(experts).items():        # plain attributes the transformers kernels read
-            if not k.startswith("_") and k != "training":
-                setattr(self, k, v)
-        for k in ("_is_expert_parallel",):
-            if hasattr(experts, k):
-                setattr(self, k, getattr(experts, k))
-        for k, m in experts.named_children():     # act_fn
-            setattr(self, k, m)
-        if hasattr(type(experts), "_apply_gate"):
-            self._apply_gate = type(experts)._apply_gate.__get__(self)
+        _take_expert_attrs(self, experts)
         self.intermediate_dim = partition.sizes[tp.rank]
         rows = UnitSelection(2 * f, 1, tuple(tuple(partition.indices(r)) + tuple(f + i for i in partition.indices(r))
                                              for r in range(tp.size)))
@@ -403,13 +421,165 @@ class TPExperts(nn.Module):
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         x = comm.copy_to_tp_region(hidden_states, self.tp)
         w = comm.copy_to_tp_region(top_k_weights, self.tp)
-        fn = self._hf_forward
-        if getattr(self.config, "_experts_implementation", None) == "grouped_mm" and \
-                (self.intermediate_dim * self.down_proj.element_size()) % 16:
-            fn = self._hf_eager   # torch._grouped_mm needs 16-byte strides; this rank's f_r rows do not have them
-        partial = fn(self, x, top_k_index, w)                    # [T, h], this rank's f_r rows of every expert
+        # torch._grouped_mm needs 16-byte strides; where this rank's f_r rows do not have them, the eager loop
+        partial = _experts_fn(self, self.intermediate_dim)(self, x, top_k_index, w)                    # [T, h], this rank's f_r rows of every expert
         return comm.reduce_from_tp_region(partial, self.tp)
 
     def extra_repr(self) -> str:
         return (f"tp={self.tp.size}, experts={self.num_experts}, intermediate local {self.intermediate_dim} "
                 f"of {self.partition.n}")
+
+
+class _AllToAll(torch.autograd.Function):
+    """``dist.all_to_all_single`` with row splits; backward is the all-to-all with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, group, send: list[int], recv: list[int]):
+        import torch.distributed as dist
+        ctx.group, ctx.send, ctx.recv = group, send, recv
+        out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group.pg)
+        group.counter.record("all_to_all", x.numel(), x.element_size(), group.size)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return _AllToAll.apply(g.contiguous(), ctx.group, ctx.recv, ctx.send), None, None, None
+
+
+class EPExperts(nn.Module):
+    """Mixture-of-experts experts distributed whole over an expert-parallel group, tokens moved by all-to-all.
+
+    Rank ``r`` of ``ep`` holds experts ``[lo_r, hi_r)`` of ``partition`` (the ``E`` experts split over
+    ``ep_size``, unevenly if need be): ``gate_up_proj [E_r, 2f, h]``, ``down_proj [E_r, h, f]``, marked
+    ``tp_dim = 0`` over ``partition`` so checkpoints, loading and :func:`tensorpar.grads.grad_norm` treat them as
+    shards when they are given the ``ep`` group. Each rank brings its own tokens (the batch is split over ``ep``,
+    as in data parallelism; the router and everything outside the experts are replicated and their gradients
+    must be summed over ``ep`` after backward, as data parallelism does).
+
+    Forward, per MoE layer: each (token, choice) pair is sent to the rank that owns its expert (one all-to-all of
+    the send counts, one of the ``[N, h]`` token rows, one of their expert ids), transformers' own experts kernel
+    runs on the received rows with weight 1 (each row goes to one local expert), the outputs return by a second
+    all-to-all ``[N, h]``, and each rank combines its tokens' ``k`` outputs with its routing weights.
+    Backward: the two row all-to-alls in reverse. A rank whose experts receive no token sends and receives
+    empty splits (no rank waits: every rank joins every all-to-all); its expert parameters then get a zero
+    gradient in that step (or none, ``grad is None``, with a kernel that skips idle experts entirely).
+
+    Shapes: ``hidden_states [T_r, h]`` (this rank's tokens), ``top_k_index [T_r, k]``, ``top_k_weights
+    [T_r, k]`` -> ``[T_r, h]``.
+
+    Not done: expert parallelism combined with tensor parallelism inside the experts (an ``ep x tp`` mesh);
+    capacity limits / token dropping (none: every token reaches its experts, as in transformers).
+
+    Raises:
+        ValueError: fewer experts than ``ep`` ranks, or an unsupported experts layout (as :class:`TPExperts`).
+    """
+
+    def __init__(self, experts: nn.Module, ep: Group, *, partition: Partition | None = None):
+        super().__init__()
+        from tensorpar.layers.linear import mark_sharded
+
+        _check_expert_layout(experts)
+        e = experts.gate_up_proj.shape[0]
+        self.ep = ep
+        self.partition = partition or Partition.make(e, ep.size, name="num_experts")
+        if self.partition.n != e or self.partition.tp_size != ep.size:
+            raise ValueError(f"expert partition {list(self.partition.sizes)} does not split num_experts={e} over "
+                             f"ep_size={ep.size}")
+        _take_expert_attrs(self, experts)
+        self.num_experts_total = e
+        lo, hi = self.partition.range(ep.rank)
+        self.first_expert = lo
+        self.num_experts = hi - lo                       # the kernel sees only this rank's experts
+        owner = torch.repeat_interleave(torch.arange(ep.size), torch.tensor(self.partition.sizes))
+        self.register_buffer("owner", owner, persistent=False)     # [E] expert -> ep rank
+        for name in ("gate_up_proj", "down_proj"):
+            p = getattr(experts, name)
+            w = p.detach()[lo:hi].clone() if p.device.type != "meta" else p.new_empty((hi - lo,) + tuple(p.shape[1:]))
+            setattr(self, name, mark_sharded(nn.Parameter(w, requires_grad=p.requires_grad), 0, self.partition))
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        t, k = top_k_index.shape
+        h = hidden_states.shape[-1]
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)                       # grouped by expert, hence by owner rank
+        experts_sorted = flat[order]
+        rows = hidden_states[order // k]                                # [T_r k, h]
+        if self.ep.size == 1:
+            got, got_experts = rows, experts_sorted
+        else:
+            send_counts = torch.bincount(self.owner[experts_sorted], minlength=self.ep.size)
+            recv_counts = torch.empty_like(send_counts)
+            dist.all_to_all_single(recv_counts, send_counts, group=self.ep.pg)
+            send, recv = send_counts.tolist(), recv_counts.tolist()
+            got = _AllToAll.apply(rows, self.ep, send, recv)          # [N_r, h] rows for this rank's experts
+            got_experts = experts_sorted.new_empty(sum(recv))
+            dist.all_to_all_single(got_experts, experts_sorted, recv, send, group=self.ep.pg)
+        local = (got_experts - self.first_expert).unsqueeze(1)         # [N_r, 1]
+        ones = torch.ones(local.shape, dtype=top_k_weights.dtype, device=local.device)
+        out = _experts_fn(self, self.intermediate_dim)(self, got, local, ones)   # [N_r, h]
+        if self.ep.size > 1:
+            out = _AllToAll.apply(out, self.ep, recv, send)            # back to the tokens' rank, [T_r k, h]
+        back = torch.empty_like(out)
+        back[order] = out
+        y = back.view(t, k, h) * top_k_weights.unsqueeze(-1).to(out.dtype)
+        return y.sum(1).to(hidden_states.dtype)
+
+    def extra_repr(self) -> str:
+        lo = self.first_expert
+        return f"ep={self.ep.size}, experts [{lo}, {lo + self.num_experts}) of {self.num_experts_total}"
+
+
+def expert_parallelize(model: nn.Module, ep: Group) -> list[str]:
+    """Replace every stacked-experts module of an unsharded MoE ``*ForCausalLM`` by :class:`EPExperts` over ``ep``.
+
+    The modules are those the model's built-in plan shards with the ``moe_experts`` style
+    (:mod:`tensorpar.hf.families.moe`); everything else is left replicated. Returns their names.
+    Use it on a model that is not tensor-parallel (tp = 1): the ``ep`` ranks split the batch between them, and
+    the gradients of every parameter without ``tp_dim`` must be summed over ``ep`` after backward.
+
+    Raises:
+        ValueError: the model has no MoE plan, or an experts module cannot be split (see :class:`EPExperts`).
+    """
+    from tensorpar.hf.plan import make_plan
+    from tensorpar.hf.styles import MoEExperts
+
+    plan = make_plan(model.config, 1, check=False)
+    names = [n for n, _ in plan.modules(model, MoEExperts)]
+    if not names:
+        raise ValueError(f"model_type={model.config.model_type!r} has no mixture-of-experts layers in its plan; "
+                         f"expert parallelism needs one of mixtral, qwen2_moe, qwen3_moe")
+    for n in names:
+        parent, _, child = n.rpartition(".")
+        setattr(model.get_submodule(parent), child, EPExperts(model.get_submodule(n), ep))
+    return names
+
+
+def ep_load_balancing_loss(model: nn.Module, router_logits, ep: Group) -> torch.Tensor:
+    """The load-balancing auxiliary loss of the whole batch when the batch is split over ``ep`` ranks.
+
+    ``router_logits``: this rank's per-layer router logits (``output.router_logits``, each ``[T_r, E]``).
+    Each layer's logits are all-gathered over ``ep`` (rows of every rank, ``[T, E]``) and passed to the model's
+    own ``load_balancing_loss_func`` (transformers; Switch Transformer, Fedus et al. 2021, eq. 4), so the value is
+    the one the unsharded model computes on the whole batch (it averages over all rows, so their order does not
+    matter; no padding mask). Every rank returns the same value; backward splits the gradient of the gathered
+    logits, so each rank's router receives the gradient of its own rows, and summing the router's gradient over
+    ``ep`` (as for every replicated parameter) gives the unsharded one.
+
+    Collectives: forward one all-gather of the row counts and one all-gather per layer of ``[T_r, E]``; backward
+    none (a split).
+    """
+    import sys
+
+    cfg = model.config
+    fn = sys.modules[type(model).__module__].load_balancing_loss_func
+    num_experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    logits = list(router_logits)
+    if ep.size > 1:
+        rows = torch.tensor([logits[0].shape[0]], device=logits[0].device)
+        sizes = comm.all_gather(rows, ep, dim=0).tolist()
+        logits = [comm._Gather.apply(x, ep, 0, sizes) for x in logits]
+    return fn(tuple(logits), num_experts, cfg.num_experts_per_tok, None)
