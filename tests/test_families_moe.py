@@ -245,3 +245,71 @@ def test_moe_expert_parallel_parity(pools, model_type, ep):
         assert out[-1][2], "the last rank's experts were meant to be idle"
     full = out[0][4]                     # per-rank expert parameters: 1/ep of all experts (4 experts, ep | 4)
     assert [mine for *_, mine, _ in out] == [full // ep] * ep
+
+
+# ---------------------------------------------------------------- sharded load of per-expert checkpoints
+
+
+def _save_random(model_type, folder):
+    from transformers import AutoModelForCausalLM
+    cfg = config(model_type)
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(cfg).float()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    ref.save_pretrained(folder)
+
+
+def job_load(ctx, folder, ep_mode):
+    from transformers import AutoModelForCausalLM
+
+    from tensorpar.hf.load import load_sharded
+    from tensorpar.hf.modules import expert_parallelize
+    from tensorpar.testing import local_slice
+    tp = ctx.tp
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)   # transformers' own conversion
+    if ep_mode:
+        from accelerate import init_empty_weights
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(ref.config)
+        expert_parallelize(model, tp)
+        load_sharded(model, folder, tp)
+    else:
+        from tensorpar.hf.load import build_parallel_model
+        model, _ = build_parallel_model(folder, tp)
+    refp = dict(ref.named_parameters())
+    n = 0
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), local_slice(refp[name].detach(), p, tp.rank)), name
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("model_type,tp,ep_mode", [("mixtral", 3, False), ("qwen2_moe", 2, False),
+                                                    ("qwen3_moe", 4, False), ("mixtral", 2, True)])
+def test_moe_sharded_load_reads_per_expert_checkpoint(pools, tmp_path, model_type, tp, ep_mode):
+    """transformers writes experts one tensor each; every rank's stacked slice equals transformers' own load."""
+    from tensorpar.hf.load import weight_map
+    _save_random(model_type, tmp_path)
+    assert any(".experts.0." in k for k in weight_map(tmp_path))     # the per-expert layout, not the stacked one
+    counts = run_tp(pools, tp, job_load, str(tmp_path), ep_mode)
+    assert counts[0] > 10
+
+
+def test_read_shard_slices_any_dim(tmp_path):
+    """A stacked ``[E, h, f]`` tensor split along dim 2 (down_proj under expert TP) reads the rank's columns."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from tensorpar.hf.load import read_shard
+    from tensorpar.layers.linear import mark_sharded
+    from tensorpar.shard import Partition
+    full = torch.randn(4, 6, 10)
+    save_file({"w": full}, str(tmp_path / "w.safetensors"))
+    part = Partition.make(10, 3)
+    with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as h:
+        for r in range(3):
+            a, b = part.range(r)
+            p = mark_sharded(torch.nn.Parameter(torch.empty(4, 6, b - a)), 2, part)
+            assert torch.equal(read_shard(h, "w", p, r), full[:, :, a:b])

@@ -80,7 +80,7 @@ def read_shard(handle, name: str, param: nn.Parameter, tp_rank: int) -> torch.Te
         return sl[:]
     parts = []
     for a, b in _runs(param.tp_partition.indices(tp_rank)):
-        parts.append(sl[a:b] if dim == 0 else sl[:, a:b])
+        parts.append(sl[(slice(None),) * dim + (slice(a, b),)])
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
@@ -97,14 +97,25 @@ def load_sharded(model: nn.Module, folder: str | Path, tp: Group, *, device=None
     handles: dict[Path, object] = {}
     new: dict[int, nn.Parameter] = {}
     try:
-        for name, p in model.named_parameters():
-            key = name if name in wmap else None
-            if key is None:
-                raise ValueError(f"tensor {name!r} is missing from the checkpoint in {folder}")
+        def get_slice(key):
             f = wmap[key]
             if f not in handles:
                 handles[f] = safe_open(str(f), framework="pt").__enter__()
-            t = read_shard(handles[f], key, p, tp.rank).to(device=device, dtype=dtype)
+            return handles[f].get_slice(key)
+
+        for name, p in model.named_parameters():
+            if name in wmap:
+                f = wmap[name]
+                if f not in handles:
+                    handles[f] = safe_open(str(f), framework="pt").__enter__()
+                t = read_shard(handles[f], name, p, tp.rank)
+            else:  # MoE experts stacked in the model, one tensor per expert in the checkpoint
+                from tensorpar.hf.moe_checkpoint import read_moe_shard
+                t = read_moe_shard(getattr(getattr(model, "config", None), "model_type", None), name, p, tp.rank,
+                                   wmap, get_slice)
+                if t is None:
+                    raise ValueError(f"tensor {name!r} is missing from the checkpoint in {folder}")
+            t = t.to(device=device, dtype=dtype)
             q = nn.Parameter(t, requires_grad=p.requires_grad)
             for a in _META_ATTRS:
                 if hasattr(p, a):
