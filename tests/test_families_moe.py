@@ -93,25 +93,23 @@ def test_moe_family_parity(pools, model_type, tp):
 
 
 def job_one_allreduce(ctx, model_type):
-    """All-reduces in the forward of one experts module, with every expert receiving tokens."""
+    """All-reduces in the forward of one MoE block (Qwen2-MoE: routed and shared experts), every expert used."""
     tp = ctx.tp
     cfg, ref, par = _models(tp, model_type)
-    experts = par.model.layers[0].mlp.experts
     torch.manual_seed(2)
-    x = torch.randn(12, cfg.hidden_size, requires_grad=True)
-    _, w, idx = ref.model.layers[0].mlp.gate(x)
-    assert len(idx.unique()) == experts.num_experts
+    x = torch.randn(1, 12, cfg.hidden_size, requires_grad=True)
+    _, w, idx = ref.model.layers[0].mlp.gate(x.view(-1, cfg.hidden_size))
+    assert len(idx.unique()) == ref.model.layers[0].mlp.experts.num_experts
     with comm.counting(tp) as c:
-        y = experts(x, idx, w)
+        y = par.model.layers[0].mlp(x)
     fwd = dict(c.calls)
-    want = ref.model.layers[0].mlp.experts(x, idx, w)
-    assert_parity("experts output", y, want)
+    assert_parity("MoE block output", y, ref.model.layers[0].mlp(x))
     return fwd
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_experts_one_allreduce_per_layer(pools, tp):
-    calls = run_tp(pools, tp, job_one_allreduce, "mixtral")
+@pytest.mark.parametrize("model_type,tp", [("mixtral", 2), ("mixtral", 4), ("qwen2_moe", 3)])
+def test_moe_block_one_allreduce(pools, model_type, tp):
+    calls = run_tp(pools, tp, job_one_allreduce, model_type)
     assert all(c == {"all_reduce": 1} for c in calls), calls
 
 
@@ -123,7 +121,7 @@ def test_moe_plan_claims_every_tensor(model_type):
     claimed = {n for n in names if any(plan.match(".".join(n.split(".")[:k])) is not None
                                        for k in range(1, n.count(".") + 1))}
     assert claimed == names
-    assert "moe_experts" in str(plan)
+    assert ("moe_block" if model_type == "qwen2_moe" else "moe_experts") in str(plan)
 
 
 def test_moe_refuses_sequence_parallel_and_router_jitter():

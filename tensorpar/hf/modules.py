@@ -396,11 +396,13 @@ class TPExperts(nn.Module):
             weights, a post-expert norm, ungated experts), naming the attribute.
     """
 
-    def __init__(self, experts: nn.Module, tp: Group, *, partition: Partition):
+    def __init__(self, experts: nn.Module, tp: Group, *, partition: Partition, region: bool = True):
         super().__init__()
         from tensorpar.layers.linear import _slice, mark_sharded
 
         _check_expert_layout(experts)
+        #: False inside :class:`TPSharedExpertMoE`, which enters and leaves the tp region once for the whole block
+        self.region = region
         e, two_f, h = experts.gate_up_proj.shape
         f = two_f // 2
         if partition.n != f or partition.tp_size != tp.size or tuple(experts.down_proj.shape) != (e, h, f):
@@ -419,11 +421,11 @@ class TPExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        x = comm.copy_to_tp_region(hidden_states, self.tp)
-        w = comm.copy_to_tp_region(top_k_weights, self.tp)
+        x = comm.copy_to_tp_region(hidden_states, self.tp) if self.region else hidden_states
+        w = comm.copy_to_tp_region(top_k_weights, self.tp) if self.region else top_k_weights
         # torch._grouped_mm needs 16-byte strides; where this rank's f_r rows do not have them, the eager loop
-        partial = _experts_fn(self, self.intermediate_dim)(self, x, top_k_index, w)                    # [T, h], this rank's f_r rows of every expert
-        return comm.reduce_from_tp_region(partial, self.tp)
+        partial = _experts_fn(self, self.intermediate_dim)(self, x, top_k_index, w)  # [T, h]: this rank's f_r rows
+        return comm.reduce_from_tp_region(partial, self.tp) if self.region else partial
 
     def extra_repr(self) -> str:
         return (f"tp={self.tp.size}, experts={self.num_experts}, intermediate local {self.intermediate_dim} "
@@ -536,8 +538,8 @@ class EPExperts(nn.Module):
 def expert_parallelize(model: nn.Module, ep: Group) -> list[str]:
     """Replace every stacked-experts module of an unsharded MoE ``*ForCausalLM`` by :class:`EPExperts` over ``ep``.
 
-    The modules are those the model's built-in plan shards with the ``moe_experts`` style
-    (:mod:`tensorpar.hf.families.moe`); everything else is left replicated. Returns their names.
+    The modules are the experts of the MoE blocks of the model's built-in plan (:mod:`tensorpar.hf.families.moe`);
+    everything else (routers, Qwen2-MoE's shared expert) is left replicated. Returns their names.
     Use it on a model that is not tensor-parallel (tp = 1): the ``ep`` ranks split the batch between them, and
     the gradients of every parameter without ``tp_dim`` must be summed over ``ep`` after backward.
 
@@ -545,10 +547,11 @@ def expert_parallelize(model: nn.Module, ep: Group) -> list[str]:
         ValueError: the model has no MoE plan, or an experts module cannot be split (see :class:`EPExperts`).
     """
     from tensorpar.hf.plan import make_plan
-    from tensorpar.hf.styles import MoEExperts
+    from tensorpar.hf.styles import MoEExperts, SharedExpertMoE
 
     plan = make_plan(model.config, 1, check=False)
     names = [n for n, _ in plan.modules(model, MoEExperts)]
+    names += [f"{n}.experts" for n, _ in plan.modules(model, SharedExpertMoE)]   # the shared expert stays replicated
     if not names:
         raise ValueError(f"model_type={model.config.model_type!r} has no mixture-of-experts layers in its plan; "
                          f"expert parallelism needs one of mixtral, qwen2_moe, qwen3_moe")
@@ -583,3 +586,57 @@ def ep_load_balancing_loss(model: nn.Module, router_logits, ep: Group) -> torch.
         sizes = comm.all_gather(rows, ep, dim=0).tolist()
         logits = [comm._Gather.apply(x, ep, 0, sizes) for x in logits]
     return fn(tuple(logits), num_experts, cfg.num_experts_per_tok, None)
+
+
+class TPSharedExpertMoE(nn.Module):
+    """Qwen2-MoE's sparse block with one all-reduce: routed experts and the shared expert add their partial sums
+    before a single reduction.
+
+    ``y = experts(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x)`` (transformers'
+    ``Qwen2MoeSparseMoeBlock``). The router ``gate`` ``[E, h]`` and ``shared_expert_gate`` ``[1, h]`` are
+    replicated (kept as the original modules, so transformers still records the router logits); the routed
+    experts are :class:`TPExperts` over ``expert_partition``; the shared expert's ``gate_proj``/``up_proj`` are
+    column-parallel and its ``down_proj`` row-parallel over ``shared_partition``. Both produce partial sums over
+    this rank's intermediate rows; the per-token sigmoid gate scales the shared part (linear, so it may act on
+    the partial sum), and the sum is all-reduced once.
+
+    Shapes: ``[b, s, h]`` -> ``[b, s, h]``, replicated. Collectives: forward one all-reduce ``[b s, h]``; backward
+    one all-reduce of the input gradient ``[b s, h]`` and one of the routing weights' and shared gate's gradients
+    together ``[b s, k + 1]`` (they scale partial sums, so each rank's gradient is partial).
+
+    Raises:
+        ValueError: a shared expert with biases, or the errors of :class:`TPExperts`.
+    """
+
+    def __init__(self, block: nn.Module, tp: Group, *, expert_partition: Partition, shared_partition: Partition):
+        super().__init__()
+        se = block.shared_expert
+        if any(getattr(se, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
+            raise ValueError("a shared expert with biases is not supported by tensorpar's one-reduction MoE block")
+        self.tp = tp
+        self.gate = block.gate
+        self.experts = TPExperts(block.experts, tp, partition=expert_partition, region=False)
+        self.shared_expert = TPGatedMLP(se, tp, partition=shared_partition)
+        self.shared_expert_gate = block.shared_expert_gate
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        b, s, h = hidden_states.shape
+        flat = hidden_states.reshape(-1, h)
+        _, routing_weights, selected = self.gate(flat)
+        g = torch.sigmoid(self.shared_expert_gate(flat))                                # [b s, 1] replicated
+        k = routing_weights.shape[-1]
+        # the weights multiply partial sums, so their gradients are partial: enter the region (one all-reduce
+        # in backward for the routing weights and the shared gate together)
+        wg = comm.copy_to_tp_region(torch.cat([routing_weights.to(g.dtype), g], -1), self.tp)
+        x = comm.copy_to_tp_region(flat, self.tp)
+        routed = self.experts(x, selected, wg[:, :k])                                   # [b s, h] partial
+        se = self.shared_expert
+        shared = F.linear(se.act_fn(se.gate_proj.forward_local(x)) * se.up_proj.forward_local(x),
+                          se.down_proj.weight)                                          # [b s, h] partial
+        y = routed + wg[:, k:] * shared
+        return comm.reduce_from_tp_region(y, self.tp).reshape(b, s, h)
+
+    def extra_repr(self) -> str:
+        return f"tp={self.tp.size}, one all-reduce for routed and shared experts"

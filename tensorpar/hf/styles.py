@@ -307,3 +307,31 @@ class MoEExperts(Style):
     def rows(self):
         return [("gate_up_proj", "column(gate|up)", "[E, 2f, h]: each rank's gate rows and up rows of every expert"),
                 ("down_proj", "row", "[E, h, f]; all-reduce once after the combine")]
+
+
+@dataclass
+class SharedExpertMoE(Style):
+    """Qwen2-MoE's whole sparse block (:class:`~tensorpar.hf.modules.TPSharedExpertMoE`): router and shared-expert
+    gate replicated, routed experts split inside every expert over ``partition``, the shared expert column/row over
+    ``shared``; routed and shared partial sums share one all-reduce."""
+
+    partition: Partition
+    shared: Partition
+    num_experts: int = 0
+    name = "moe_block"
+
+    def apply(self, module, fqn, ctx):
+        from tensorpar.hf.modules import TPSharedExpertMoE
+        return TPSharedExpertMoE(module, ctx.tp, expert_partition=self.partition, shared_partition=self.shared)
+
+    def detail(self):
+        return (f"{self.num_experts} experts, intermediate {self.partition.n} -> {list(self.partition.sizes)} in each; "
+                f"shared expert {self.shared.n} -> {list(self.shared.sizes)}; one all-reduce")
+
+    def rows(self):
+        return [("gate", "replicated", "router: every rank routes every token"),
+                ("experts.gate_up_proj", "column(gate|up)", "[E, 2f, h]: each rank's gate rows and up rows of every expert"),
+                ("experts.down_proj", "row", "[E, h, f], partial sum"),
+                ("shared_expert.gate_proj", "column", ""), ("shared_expert.up_proj", "column", ""),
+                ("shared_expert.down_proj", "row", "partial sum"),
+                ("shared_expert_gate", "replicated", "sigmoid gate; routed + shared all-reduced once")]

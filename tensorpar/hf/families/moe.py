@@ -3,8 +3,10 @@
 Each MoE block: the router ``mlp.gate`` (``[E, h]``) is replicated, so every rank routes every token the same
 way; the stacked experts ``mlp.experts`` (``gate_up_proj [E, 2f, h]``, ``down_proj [E, h, f]``) are split inside
 every expert over the expert intermediate size ``f`` (:class:`~tensorpar.hf.styles.MoEExperts`): one all-reduce
-per MoE layer after the routing-weighted combine. Qwen2-MoE's shared expert is a gated MLP (column, row: its own
-all-reduce) and its sigmoid gate ``shared_expert_gate`` (``[1, h]``) is replicated. Dense layers
+per MoE layer after the routing-weighted combine. Qwen2-MoE's block is replaced whole
+(:class:`~tensorpar.hf.styles.SharedExpertMoE`): its shared expert is a gated MLP (column, row) whose partial sum
+joins the routed experts' before the one all-reduce, and its sigmoid gate ``shared_expert_gate`` (``[1, h]``) is
+replicated. Dense layers
 (``mlp_only_layers``, ``decoder_sparse_step``) get the gated-MLP entry by layer index. Attention, norms,
 embedding and LM head are as in the llama table.
 
@@ -14,7 +16,8 @@ and expert parallelism (experts distributed whole over ranks).
 from __future__ import annotations
 
 from tensorpar.hf.plan import ShardingPlan, _get, head_layout
-from tensorpar.hf.styles import Attention, Entry, GatedMLP, LMHead, MoEExperts, Replicated, VocabEmbedding
+from tensorpar.hf.styles import (Attention, Entry, GatedMLP, LMHead, MoEExperts, Replicated, SharedExpertMoE,
+                                  VocabEmbedding)
 from tensorpar.shard import Partition
 
 
@@ -52,14 +55,14 @@ def plan(config, tp_size, *, sequence_parallel, head_split_weights, split_weight
 
     e = [Entry("model.embed_tokens", VocabEmbedding(vocab)),
          Entry("model.layers.*.self_attn", Attention(heads))]
+    shared_f = getattr(config, "shared_expert_intermediate_size", None)
     for i in sel:
-        e += [Entry(f"model.layers.{i}.mlp.gate", Replicated(why="router: every rank routes every token")),
-              Entry(f"model.layers.{i}.mlp.experts", MoEExperts(expert, num_experts))]
-        if getattr(config, "shared_expert_intermediate_size", None):
-            shared = Partition.make(config.shared_expert_intermediate_size, tp_size, weights=split_weights,
-                                    name="shared_expert_intermediate_size")
-            e += [Entry(f"model.layers.{i}.mlp.shared_expert", GatedMLP(shared)),
-                  Entry(f"model.layers.{i}.mlp.shared_expert_gate", Replicated(why="shared-expert gate"))]
+        if shared_f:                       # Qwen2-MoE: the whole block, so routed and shared share one all-reduce
+            shared = Partition.make(shared_f, tp_size, weights=split_weights, name="shared_expert_intermediate_size")
+            e.append(Entry(f"model.layers.{i}.mlp", SharedExpertMoE(expert, shared, num_experts)))
+        else:
+            e += [Entry(f"model.layers.{i}.mlp.gate", Replicated(why="router: every rank routes every token")),
+                  Entry(f"model.layers.{i}.mlp.experts", MoEExperts(expert, num_experts))]
     if dense:
         inter = Partition.make(config.intermediate_size, tp_size, weights=split_weights, name="intermediate_size")
         e += [Entry(f"model.layers.{i}.mlp", GatedMLP(inter)) for i in dense]
