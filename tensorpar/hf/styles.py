@@ -16,6 +16,9 @@ style                     what it does (collectives: forward / backward)
 ``GatedMLP``, ``MLP``     column, (column,) row over the intermediate dim (all-reduce at the output / at entry)
 ``Conv1DAttention``       GPT-2's fused ``c_attn`` (each rank's q, k and v heads) and ``c_proj``
 ``LMHead``                column-parallel over the vocabulary, logits stay sharded; may be tied
+``MoEExperts``            stacked MoE experts split inside every expert (gate/up rows column, down row); one
+                          all-reduce per MoE layer after the combine (:class:`~tensorpar.hf.modules.TPExperts`)
+``SharedExpertMoE``       Qwen2-MoE's whole block: routed + shared experts, one all-reduce
 ``Replicated``            left as is; under sequence parallelism its gradients are summed over tp
 ========================  =====================================================================================
 """
