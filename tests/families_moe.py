@@ -25,10 +25,14 @@ def config(model_type: str):
     elif model_type == "qwen3_moe":
         c = T.Qwen3MoeConfig(**common, moe_intermediate_size=16, intermediate_size=22, num_experts=4,
                              norm_topk_prob=True, mlp_only_layers=[1])
+    elif model_type == "olmoe":
+        # q_norm / k_norm span all heads; 5 q heads and 1 KV head (replicated on every rank: its k_norm rows
+        # are counted on their owner only)
+        c = T.OlmoeConfig(**{**common, "num_key_value_heads": 1}, intermediate_size=12, num_experts=4)
     else:
         raise KeyError(model_type)
     c._attn_implementation = "sdpa"
     return c
 
 
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]

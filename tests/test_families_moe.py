@@ -1,4 +1,4 @@
-"""Mixture-of-experts families (mixtral, qwen2_moe, qwen3_moe) sharded at tp = 1..4 with expert tensor
+"""Mixture-of-experts families (mixtral, qwen2_moe, qwen3_moe, olmoe) sharded at tp = 1..4 with expert tensor
 parallelism, against the unsharded transformers model: logits, the load-balancing auxiliary loss
 (``output_router_logits``), the total loss, every gradient (slice by slice), grad norm; a one-token step in
 which some experts receive no token; 16 greedy tokens with the KV cache for a batch of 2 and for a batch of 1
@@ -131,6 +131,21 @@ def test_moe_refuses_sequence_parallel_and_router_jitter():
     cfg.router_jitter_noise = 0.1
     with pytest.raises(ValueError, match=r"router_jitter_noise=0.1 is not supported.*set router_jitter_noise=0.0"):
         make_plan(cfg, 2)
+
+
+def test_olmoe_refuses_clip_qkv():
+    from transformers import AutoModelForCausalLM
+
+    from tensorpar.hf.modules import TPOlmoeAttention
+    from tensorpar.parallel import ParallelContext
+    cfg = config("olmoe")
+    cfg.clip_qkv = 8.0
+    attn = AutoModelForCausalLM.from_config(cfg).model.layers[0].self_attn
+    tp = ParallelContext.single().tp
+    with pytest.raises(ValueError, match=r"clip_qkv=8.0 is not supported.*clip_qkv=None"):
+        make_plan(cfg, 2)                                   # at plan time, before any rank starts
+    with pytest.raises(ValueError, match=r"clip_qkv=8.0 is not supported.*clip_qkv=None"):
+        TPOlmoeAttention(attn, tp, make_plan(config("olmoe"), 1).heads)
 
 
 def test_experts_refuse_unsupported_layouts():
@@ -285,7 +300,8 @@ def job_load(ctx, folder, ep_mode):
 
 
 @pytest.mark.parametrize("model_type,tp,ep_mode", [("mixtral", 3, False), ("qwen2_moe", 2, False),
-                                                    ("qwen3_moe", 4, False), ("mixtral", 2, True)])
+                                                    ("qwen3_moe", 4, False), ("olmoe", 3, False),
+                                                    ("mixtral", 2, True)])
 def test_moe_sharded_load_reads_per_expert_checkpoint(pools, tmp_path, model_type, tp, ep_mode):
     """transformers writes experts one tensor each; every rank's stacked slice equals transformers' own load."""
     from tensorpar.hf.load import weight_map

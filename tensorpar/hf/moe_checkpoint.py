@@ -21,6 +21,7 @@ LAYOUTS = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "olmoe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 
 _STACKED = re.compile(r"^(?P<pre>.*)\.mlp\.experts\.(?P<w>gate_up_proj|down_proj)$")

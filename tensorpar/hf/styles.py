@@ -338,3 +338,20 @@ class SharedExpertMoE(Style):
                 ("shared_expert.gate_proj", "column", ""), ("shared_expert.up_proj", "column", ""),
                 ("shared_expert.down_proj", "row", "partial sum"),
                 ("shared_expert_gate", "replicated", "sigmoid gate; routed + shared all-reduced once")]
+
+
+@dataclass
+class OlmoeAttention(Attention):
+    """OLMoE attention (:class:`~tensorpar.hf.modules.TPOlmoeAttention`): as :class:`Attention`, with q/k norms
+    that span all heads, each rank normalising its own rows with a cross-rank mean of squares."""
+
+    def apply(self, module, fqn, ctx):
+        from tensorpar.hf.modules import TPOlmoeAttention
+        return TPOlmoeAttention(module, ctx.tp, self.layout)
+
+    def rows(self):
+        lay = self.layout
+        return super().rows() + [
+            ("q_norm", "sharded(q rows)", f"RMSNorm over {lay.num_heads}x{lay.head_dim}: sum of squares all-reduced"),
+            ("k_norm", "sharded(kv rows)", f"RMSNorm over {lay.num_kv_heads}x{lay.head_dim}: owned rows' squares "
+                                           f"all-reduced")]

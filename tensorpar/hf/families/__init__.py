@@ -17,4 +17,5 @@ FAMILIES = {
     "mixtral": moe.plan,
     "qwen2_moe": moe.plan,
     "qwen3_moe": moe.plan,
+    "olmoe": moe.plan,
 }

@@ -1,4 +1,5 @@
-"""Sparse mixture-of-experts decoders: mixtral, qwen2_moe (shared expert, QKV bias), qwen3_moe (per-head q/k norm).
+"""Sparse mixture-of-experts decoders: mixtral, qwen2_moe (shared expert, QKV bias), qwen3_moe (per-head q/k norm),
+olmoe (q/k norms over all heads: each rank normalises its rows with an all-reduced mean of squares).
 
 Each MoE block: the router ``mlp.gate`` (``[E, h]``) is replicated, so every rank routes every token the same
 way; the stacked experts ``mlp.experts`` (``gate_up_proj [E, 2f, h]``, ``down_proj [E, h, f]``) are split inside
@@ -11,13 +12,14 @@ replicated. Dense layers
 embedding and LM head are as in the llama table.
 
 Not supported (ValueError at plan time): sequence parallelism, Mixtral's router jitter noise (random per rank),
-and expert parallelism (experts distributed whole over ranks).
+OLMoE's ``clip_qkv``. Expert parallelism (experts whole over an ep group) is the Python API
+:func:`tensorpar.hf.modules.expert_parallelize`, not a plan entry.
 """
 from __future__ import annotations
 
 from tensorpar.hf.plan import ShardingPlan, _get, head_layout
-from tensorpar.hf.styles import (Attention, Entry, GatedMLP, LMHead, MoEExperts, Replicated, SharedExpertMoE,
-                                  VocabEmbedding)
+from tensorpar.hf.styles import (Attention, Entry, GatedMLP, LMHead, MoEExperts, OlmoeAttention, Replicated,
+                                  SharedExpertMoE, VocabEmbedding)
 from tensorpar.shard import Partition
 
 
@@ -40,6 +42,10 @@ def plan(config, tp_size, *, sequence_parallel, head_split_weights, split_weight
     if jitter:
         raise ValueError(f"router_jitter_noise={jitter} is not supported: the noise is drawn independently on each "
                          f"rank and would route tokens differently; set router_jitter_noise=0.0")
+    clip = getattr(config, "clip_qkv", None)
+    if clip is not None:
+        raise ValueError(f"clip_qkv={clip} is not supported by tensorpar's {mt} attention; use a config with "
+                         f"clip_qkv=None")
     heads = head_layout(config, tp_size, head_split_weights)
     vocab = Partition.make(config.vocab_size, tp_size, weights=split_weights, name="vocab_size")
     f = _get(config, "moe_intermediate_size", "intermediate_size")
@@ -54,7 +60,7 @@ def plan(config, tp_size, *, sequence_parallel, head_split_weights, split_weight
     sel = ["*"] if len(sparse) == n else [str(i) for i in sparse]
 
     e = [Entry("model.embed_tokens", VocabEmbedding(vocab)),
-         Entry("model.layers.*.self_attn", Attention(heads))]
+         Entry("model.layers.*.self_attn", (OlmoeAttention if mt == "olmoe" else Attention)(heads))]
     shared_f = getattr(config, "shared_expert_intermediate_size", None)
     for i in sel:
         if shared_f:                       # Qwen2-MoE: the whole block, so routed and shared share one all-reduce
