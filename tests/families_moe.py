@@ -1,10 +1,11 @@
 """Small random-weight configs of the mixture-of-experts families with a built-in plan, for the parity tests.
 
-5 query heads and 5 or 1 KV heads (tp = 3, 4 split them unevenly or replicate the KV head), 4 experts with
-top-2 routing and expert intermediate sizes 12, 20, 16: multiples of 4, as transformers' default ``grouped_mm``
-experts kernel needs 16-byte rows; their splits at tp = 2..4 give ranks on both the ``grouped_mm`` path and
-the eager fallback of :class:`tensorpar.hf.modules.TPExperts`, and uneven splits (20 and 16 at tp = 3), vocabulary 37 (divisible by none of
-2, 3, 4), dropout off. qwen3_moe has one dense layer (``mlp_only_layers``) to cover the mixed table."""
+5 query heads and 5 or 1 KV heads (tp = 3, 4 split them unevenly or replicate the KV head); 4 experts with
+top-2 routing; expert intermediate sizes 12, 20, 16, 12: multiples of 4, as transformers' default
+``grouped_mm`` experts kernel needs 16-byte rows for the unsharded model, while their splits at tp = 2..4 put
+ranks on both the ``grouped_mm`` path and the eager fallback of :class:`tensorpar.hf.modules.TPExperts`, some
+unevenly (20 and 16 at tp = 3); vocabulary 37 (divisible by none of 2, 3, 4); dropout off. qwen3_moe has one
+dense layer (``mlp_only_layers``) to cover the mixed table."""
 from __future__ import annotations
 
 V = 37

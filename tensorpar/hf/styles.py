@@ -333,7 +333,8 @@ class SharedExpertMoE(Style):
 
     def rows(self):
         return [("gate", "replicated", "router: every rank routes every token"),
-                ("experts.gate_up_proj", "column(gate|up)", "[E, 2f, h]: each rank's gate rows and up rows of every expert"),
+                ("experts.gate_up_proj", "column(gate|up)",
+                 "[E, 2f, h]: each rank's gate rows and up rows of every expert"),
                 ("experts.down_proj", "row", "[E, h, f], partial sum"),
                 ("shared_expert.gate_proj", "column", ""), ("shared_expert.up_proj", "column", ""),
                 ("shared_expert.down_proj", "row", "partial sum"),
