@@ -327,3 +327,62 @@ def test_read_shard_slices_any_dim(tmp_path):
             a, b = part.range(r)
             p = mark_sharded(torch.nn.Parameter(torch.empty(4, 6, b - a)), 2, part)
             assert torch.equal(read_shard(h, "w", p, r), full[:, :, a:b])
+
+
+# ---------------------------------------------------------------- expert parallelism x tensor parallelism
+
+
+def job_ep_tp(ctx, model_type):
+    """tp = 2 (attention, vocabulary, and inside every expert) x ep = 2 (the dp axis: whole experts, own rows)."""
+    from tensorpar.hf.modules import ep_load_balancing_loss, expert_parallelize
+    from tensorpar.shard import Partition
+    from tensorpar.testing import local_slice
+    tp, ep = ctx.tp, ctx.dp
+    cfg, ref, par = _models(tp, model_type)
+    names = expert_parallelize(par, ep)
+    b = 2 * ep.size
+    lo, hi = Partition.make(b, ep.size).range(ep.rank)
+    torch.manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (b, 9))
+    coef = cfg.router_aux_loss_coef
+    out_ref = ref(ids, output_router_logits=True)
+    loss_ref = F.cross_entropy(out_ref.logits[:, :-1].reshape(-1, cfg.vocab_size), ids[:, 1:].reshape(-1)) \
+        + coef * out_ref.aux_loss
+    loss_ref.backward()
+    out = par(ids[lo:hi], output_router_logits=True)
+    mine = ids[lo:hi, 1:].numel() / ids[:, 1:].numel()
+    ce = vocab_parallel_cross_entropy(out.logits[:, :-1], ids[lo:hi, 1:], tp, partition=par) * mine
+    aux = ep_load_balancing_loss(par, out.router_logits, ep)
+    (ce + coef * aux).backward()
+    sync_sequence_parallel_grads(par.parameters(), tp)
+    sync_duplicated_grads(par.parameters(), tp)
+    for p in par.parameters():          # everything but the experts is replicated over ep: sum its gradients
+        if getattr(p, "ep_dim", None) is None and p.grad is not None:
+            p.grad.copy_(comm.all_reduce(p.grad, ep))
+    d = [assert_parity("logits", comm.all_gather(out.logits.detach(), tp, -1, par.tensorpar_plan.vocab),
+                       out_ref.logits[lo:hi]),
+         assert_parity("aux loss", aux, out_ref.aux_loss),
+         assert_parity("loss", comm.all_reduce(ce.detach(), ep) + coef * aux, loss_ref)]
+    ref_p = dict(ref.named_parameters())
+    for name, p in par.named_parameters():
+        want = local_slice(ref_p[name].grad, p, tp.rank)
+        if getattr(p, "ep_dim", None) is not None:
+            a, z = p.ep_partition.range(ep.rank)
+            want = want[a:z]
+        got = p.grad if p.grad is not None else torch.zeros_like(p)
+        d.append(assert_parity(f"grad {name}", got, want))
+    assert all(getattr(par.get_submodule(n), "ep", None) is ep for n in names)
+    per_rank = sum(par.get_submodule(n).gate_up_proj.numel() + par.get_submodule(n).down_proj.numel() for n in names)
+    full = sum(ref.get_submodule(n).gate_up_proj.numel() + ref.get_submodule(n).down_proj.numel() for n in names)
+    return len(d), per_rank, full
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
+def test_moe_expert_parallel_times_tensor_parallel(model_type):
+    from tensorpar.parallel import ParallelConfig
+    from tensorpar.testing import WorkerPool
+    with WorkerPool(4, ParallelConfig(tp=2, dp=2), collective_timeout_s=60.0) as pool:
+        out = pool.run(job_ep_tp, model_type)
+    assert all(n > 20 for n, _, _ in out)
+    full = out[0][2]                    # each rank: half the experts, half of each expert's rows
+    assert all(per_rank == full // 4 for _, per_rank, _ in out), out

@@ -470,8 +470,14 @@ class EPExperts(nn.Module):
     Shapes: ``hidden_states [T_r, h]`` (this rank's tokens), ``top_k_index [T_r, k]``, ``top_k_weights
     [T_r, k]`` -> ``[T_r, h]``.
 
-    Not done: expert parallelism combined with tensor parallelism inside the experts (an ``ep x tp`` mesh);
-    capacity limits / token dropping (none: every token reaches its experts, as in transformers).
+    Combined with tensor parallelism (``ep x tp``): built from a :class:`TPExperts` (the model parallelized over
+    ``tp`` first), each expert keeps its tp split (``tp_dim``/``tp_partition`` as before; the ep split is
+    recorded as ``ep_dim = 0``/``ep_partition``); ``ep`` is then the group of ranks with the same tp rank, the
+    rows travel within it, and the partial outputs are all-reduced over tp once after the combine (backward:
+    input and routing-weight gradients all-reduced over tp, as in :class:`TPExperts`). In that mode
+    :func:`tensorpar.grads.grad_norm` over tp does not add the experts of the other ep ranks (sum those over ep).
+
+    Not done: capacity limits / token dropping (none: every token reaches its experts, as in transformers).
 
     Raises:
         ValueError: fewer experts than ``ep`` ranks, or an unsupported experts layout (as :class:`TPExperts`).
@@ -483,12 +489,17 @@ class EPExperts(nn.Module):
 
         _check_expert_layout(experts)
         e = experts.gate_up_proj.shape[0]
+        _take_expert_attrs(self, experts)
+        inner = experts if isinstance(experts, TPExperts) else None
+        if inner is not None:             # experts already split over tp inside each one: keep that, add ep
+            self._hf_forward, self._hf_eager = inner._hf_forward, inner._hf_eager
+        self.tp = inner.tp if inner is not None else None
+        self.region = inner.region if inner is not None else True
         self.ep = ep
         self.partition = partition or Partition.make(e, ep.size, name="num_experts")
         if self.partition.n != e or self.partition.tp_size != ep.size:
             raise ValueError(f"expert partition {list(self.partition.sizes)} does not split num_experts={e} over "
                              f"ep_size={ep.size}")
-        _take_expert_attrs(self, experts)
         self.num_experts_total = e
         lo, hi = self.partition.range(ep.rank)
         self.first_expert = lo
@@ -498,12 +509,22 @@ class EPExperts(nn.Module):
         for name in ("gate_up_proj", "down_proj"):
             p = getattr(experts, name)
             w = p.detach()[lo:hi].clone() if p.device.type != "meta" else p.new_empty((hi - lo,) + tuple(p.shape[1:]))
-            setattr(self, name, mark_sharded(nn.Parameter(w, requires_grad=p.requires_grad), 0, self.partition))
+            q = nn.Parameter(w, requires_grad=p.requires_grad)
+            if inner is None:
+                mark_sharded(q, 0, self.partition)
+            else:                         # tp layout as before; the ep split recorded beside it
+                mark_sharded(q, p.tp_dim, p.tp_partition)
+                q.ep_dim, q.ep_partition = 0, self.partition
+            setattr(self, name, q)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
+        tp_region = self.tp is not None and self.tp.size > 1 and self.region
+        if tp_region:
+            hidden_states = comm.copy_to_tp_region(hidden_states, self.tp)
+            top_k_weights = comm.copy_to_tp_region(top_k_weights, self.tp)
         t, k = top_k_index.shape
         h = hidden_states.shape[-1]
         flat = top_k_index.reshape(-1)
@@ -527,8 +548,8 @@ class EPExperts(nn.Module):
             out = _AllToAll.apply(out, self.ep, recv, send)            # back to the tokens' rank, [T_r k, h]
         back = torch.empty_like(out)
         back[order] = out
-        y = back.view(t, k, h) * top_k_weights.unsqueeze(-1).to(out.dtype)
-        return y.sum(1).to(hidden_states.dtype)
+        y = (back.view(t, k, h) * top_k_weights.unsqueeze(-1).to(out.dtype)).sum(1).to(hidden_states.dtype)
+        return comm.reduce_from_tp_region(y, self.tp) if tp_region else y
 
     def extra_repr(self) -> str:
         lo = self.first_expert
@@ -540,8 +561,11 @@ def expert_parallelize(model: nn.Module, ep: Group) -> list[str]:
 
     The modules are the experts of the MoE blocks of the model's built-in plan (:mod:`tensorpar.hf.families.moe`);
     everything else (routers, Qwen2-MoE's shared expert) is left replicated. Returns their names.
-    Use it on a model that is not tensor-parallel (tp = 1): the ``ep`` ranks split the batch between them, and
-    the gradients of every parameter without ``tp_dim`` must be summed over ``ep`` after backward.
+    The ``ep`` ranks split the batch between them, and the gradients of every parameter that is not an expert
+    (no ``tp_dim``, or a tp-sharded one without ``ep_dim``) must be summed over ``ep`` after backward. On a model
+    already parallelized over tp (:func:`tensorpar.hf.apply.parallelize`), ``ep`` must be the group of ranks with
+    the same tp rank (the ``dp`` axis of a :class:`~tensorpar.parallel.ParallelContext`), and each expert keeps
+    its tp split.
 
     Raises:
         ValueError: the model has no MoE plan, or an experts module cannot be split (see :class:`EPExperts`).
