@@ -280,7 +280,7 @@ def read_shard(handle, name: str, param: nn.Parameter, tp_rank: int, *, out: tor
     if dim is None:
         t = sl[:]
     else:
-        parts = [sl[a:b] if dim == 0 else sl[:, a:b] for a, b in _runs(indices)]
+        parts = [sl[(slice(None),) * dim + (slice(a, b),)] for a, b in _runs(indices)]
         t = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
     if out is not None:
         return out.copy_(t)
@@ -402,6 +402,11 @@ def _check(folder: Path, expected: _Expected, config, wmap: dict[str, Path]) -> 
         if n in expected.buffers or any(p.search(k) for p in expected.ignore):
             continue  # buffers (rotary inv_freq, attention masks) are rebuilt from the config
         unused.append(k)
+    from tensorpar.hf.moe_checkpoint import LAYOUTS as MOE_LAYOUTS
+    if getattr(config, "model_type", None) in MOE_LAYOUTS and any(".experts." in k for k in stored):
+        # stacked experts in the model, one tensor per expert in the file: read_moe_shard maps them when loading
+        missing = [n for n in missing if ".experts." not in n]
+        unused = [k for k in unused if ".experts." not in k]
     problems = []
     if missing:
         problems.append(f"{len(missing)} tensors the model needs are missing ({_few(missing)})")
@@ -445,6 +450,15 @@ def check_checkpoint(folder: str | Path, config=None) -> None:
 
 # -------------------------------------------------------------------------------------------- load
 
+def _moe_handle(handles: dict, f: Path):
+    """A ``safe_open`` handle of ``f``, opened once (per-expert MoE tensors are read through its ``get_slice``)."""
+    from safetensors import safe_open
+
+    if f not in handles:
+        handles[f] = safe_open(str(f), framework="pt").__enter__()
+    return handles[f]
+
+
 def load_sharded(model: nn.Module, folder: str | Path, tp: Group, *, device=None, dtype=torch.float32) -> nn.Module:
     """Fill every parameter of a sharded ``model`` (meta or real) with its slice from ``folder``.
 
@@ -460,6 +474,7 @@ def load_sharded(model: nn.Module, folder: str | Path, tp: Group, *, device=None
     wmap = weight_map(folder)
     expected = _Expected(model)
     readers: dict[Path, SafetensorsReader] = {}
+    moe_handles: dict[Path, object] = {}
     new: dict[int, nn.Parameter] = {}
     renamed = None  # checkpoint names under transformers' renamings, looked up only if a name is missing
     try:
@@ -469,13 +484,19 @@ def load_sharded(model: nn.Module, folder: str | Path, tp: Group, *, device=None
             if key is None:
                 renamed = _checkpoint_names(model, wmap) if renamed is None else renamed
                 key = renamed.get(name)
-            if key is None:
-                raise ValueError(f"tensor {name!r} is missing from the checkpoint in {folder}")
-            f = wmap[key]
-            if f not in readers:
-                readers[f] = SafetensorsReader(f)
-            t = torch.empty(p.shape, dtype=dtype, device=device)
-            read_shard(readers[f], key, p, tp.rank, out=t)
+            if key is None:  # MoE experts stacked in the model, one tensor per expert in the checkpoint
+                from tensorpar.hf.moe_checkpoint import read_moe_shard
+                t = read_moe_shard(getattr(getattr(model, "config", None), "model_type", None), name, p, tp.rank,
+                                   wmap, lambda k: _moe_handle(moe_handles, wmap[k]).get_slice(k))
+                if t is None:
+                    raise ValueError(f"tensor {name!r} is missing from the checkpoint in {folder}")
+                t = t.to(device=device, dtype=dtype)
+            else:
+                f = wmap[key]
+                if f not in readers:
+                    readers[f] = SafetensorsReader(f)
+                t = torch.empty(p.shape, dtype=dtype, device=device)
+                read_shard(readers[f], key, p, tp.rank, out=t)
             q = nn.Parameter(t, requires_grad=p.requires_grad)
             for a in _META_ATTRS:
                 if hasattr(p, a):
@@ -484,6 +505,8 @@ def load_sharded(model: nn.Module, folder: str | Path, tp: Group, *, device=None
     finally:
         for r in readers.values():
             r.close()
+        for h in moe_handles.values():
+            h.__exit__(None, None, None)
     for m in model.modules():
         for pn, p in list(m._parameters.items()):
             if p is not None and id(p) in new:

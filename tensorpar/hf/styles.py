@@ -16,6 +16,9 @@ style                     what it does (collectives: forward / backward)
 ``GatedMLP``, ``MLP``     column, (column,) row over the intermediate dim (all-reduce at the output / at entry)
 ``Conv1DAttention``       GPT-2's fused ``c_attn`` (each rank's q, k and v heads) and ``c_proj``
 ``LMHead``                column-parallel over the vocabulary, logits stay sharded; may be tied
+``MoEExperts``            stacked MoE experts split inside every expert (gate/up rows column, down row); one
+                          all-reduce per MoE layer after the combine (:class:`~tensorpar.hf.modules.TPExperts`)
+``SharedExpertMoE``       Qwen2-MoE's whole block: routed + shared experts, one all-reduce
 ``Replicated``            left as is; under sequence parallelism its gradients are summed over tp
 ========================  =====================================================================================
 """
@@ -379,3 +382,72 @@ class FullWidthQKNormAttention(Attention):
             ("q_norm", "sharded(heads)", f"RMSNorm over {lay.num_heads}x{lay.head_dim}: sum of squares all-reduced"),
             ("k_norm", "sharded(kv heads)",
              f"RMSNorm over {lay.num_kv_heads}x{lay.head_dim}: owned rows' sum of squares all-reduced")]
+
+
+@dataclass
+class MoEExperts(Style):
+    """The stacked experts of a sparse MoE block, tensor-parallel inside every expert
+    (:class:`~tensorpar.hf.modules.TPExperts`): each expert's gate/up rows column-parallel, its down
+    projection row-parallel over ``partition`` (the expert intermediate size), one all-reduce per MoE layer
+    after the routing-weighted combine. The router (``gate``) is a separate, replicated entry."""
+
+    partition: Partition
+    num_experts: int = 0
+    name = "moe_experts"
+
+    def apply(self, module, fqn, ctx):
+        from tensorpar.hf.modules import TPExperts
+        return TPExperts(module, ctx.tp, partition=self.partition)
+
+    def detail(self):
+        return f"{self.num_experts} experts, intermediate {self.partition.n} -> {list(self.partition.sizes)} in each"
+
+    def rows(self):
+        return [("gate_up_proj", "column(gate|up)", "[E, 2f, h]: each rank's gate rows and up rows of every expert"),
+                ("down_proj", "row", "[E, h, f]; all-reduce once after the combine")]
+
+
+@dataclass
+class SharedExpertMoE(Style):
+    """Qwen2-MoE's whole sparse block (:class:`~tensorpar.hf.modules.TPSharedExpertMoE`): router and shared-expert
+    gate replicated, routed experts split inside every expert over ``partition``, the shared expert column/row over
+    ``shared``; routed and shared partial sums share one all-reduce."""
+
+    partition: Partition
+    shared: Partition
+    num_experts: int = 0
+    name = "moe_block"
+
+    def apply(self, module, fqn, ctx):
+        from tensorpar.hf.modules import TPSharedExpertMoE
+        return TPSharedExpertMoE(module, ctx.tp, expert_partition=self.partition, shared_partition=self.shared)
+
+    def detail(self):
+        return (f"{self.num_experts} experts, intermediate {self.partition.n} -> {list(self.partition.sizes)} in each; "
+                f"shared expert {self.shared.n} -> {list(self.shared.sizes)}; one all-reduce")
+
+    def rows(self):
+        return [("gate", "replicated", "router: every rank routes every token"),
+                ("experts.gate_up_proj", "column(gate|up)",
+                 "[E, 2f, h]: each rank's gate rows and up rows of every expert"),
+                ("experts.down_proj", "row", "[E, h, f], partial sum"),
+                ("shared_expert.gate_proj", "column", ""), ("shared_expert.up_proj", "column", ""),
+                ("shared_expert.down_proj", "row", "partial sum"),
+                ("shared_expert_gate", "replicated", "sigmoid gate; routed + shared all-reduced once")]
+
+
+@dataclass
+class OlmoeAttention(Attention):
+    """OLMoE attention (:class:`~tensorpar.hf.modules.TPOlmoeAttention`): as :class:`Attention`, with q/k norms
+    that span all heads, each rank normalising its own rows with a cross-rank mean of squares."""
+
+    def apply(self, module, fqn, ctx):
+        from tensorpar.hf.modules import TPOlmoeAttention
+        return TPOlmoeAttention(module, ctx.tp, self.layout)
+
+    def rows(self):
+        lay = self.layout
+        return super().rows() + [
+            ("q_norm", "sharded(q rows)", f"RMSNorm over {lay.num_heads}x{lay.head_dim}: sum of squares all-reduced"),
+            ("k_norm", "sharded(kv rows)", f"RMSNorm over {lay.num_kv_heads}x{lay.head_dim}: owned rows' squares "
+                                           f"all-reduced")]

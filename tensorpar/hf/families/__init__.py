@@ -2,7 +2,7 @@
 
 A builder is ``f(config, tp_size, *, sequence_parallel, head_split_weights, split_weights) -> ShardingPlan``.
 """
-from tensorpar.hf.families import gemma, gpt2, gpt_neox, llama, olmo2, phi3, starcoder2
+from tensorpar.hf.families import gemma, gpt2, gpt_neox, llama, moe, olmo2, phi3, starcoder2
 
 FAMILIES = {
     "llama": llama.plan,
@@ -17,4 +17,8 @@ FAMILIES = {
     "starcoder2": starcoder2.plan,
     "gpt_neox": gpt_neox.plan,
     "olmo2": olmo2.plan,
+    "mixtral": moe.plan,
+    "qwen2_moe": moe.plan,
+    "qwen3_moe": moe.plan,
+    "olmoe": moe.plan,
 }
