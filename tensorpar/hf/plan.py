@@ -177,14 +177,18 @@ def make_plan(config, tp_size: int, *, sequence_parallel: bool = False, head_spl
 
 
 def meta_model(config) -> nn.Module:
-    """The ``*ForCausalLM`` of ``config`` on the meta device (shapes and names only, no memory)."""
+    """The model of ``config`` on the meta device (shapes and names only, no memory): the ``*ForCausalLM``, or the
+    auto class its family names in :data:`tensorpar.hf.families.MODEL_CLASSES` (``*ForImageClassification``)."""
     import copy
 
     import torch
-    from transformers import AutoModelForCausalLM
+    import transformers
 
+    from tensorpar.hf.families import MODEL_CLASSES
+
+    auto = getattr(transformers, MODEL_CLASSES.get(getattr(config, "model_type", None), "AutoModelForCausalLM"))
     with torch.device("meta"):  # eager: every family builds with it (names and shapes do not depend on it)
-        return AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager")
+        return auto.from_config(copy.deepcopy(config), attn_implementation="eager")
 
 
 def head_layout(config, tp_size: int, weights=None) -> HeadLayout:

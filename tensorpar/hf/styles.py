@@ -284,3 +284,26 @@ class SequenceParallelEntry(Style):
 
     def detail(self):
         return "split sequence before the first block"
+
+
+@dataclass
+class EncoderAttention(Style):
+    """Bidirectional self-attention (ViT, DINOv2): whole heads per rank, q/k/v column-parallel by head
+    (``heads x head_dim`` rows, ``head_dim`` may differ from ``hidden / heads``), ``o_proj`` row-parallel.
+    The module is replaced by :class:`~tensorpar.hf.modules.TPEncoderAttention`."""
+
+    layout: HeadLayout
+    name = "encoder_attention"
+
+    def apply(self, module, fqn, ctx):
+        from tensorpar.hf.modules import TPEncoderAttention
+        return TPEncoderAttention(module, ctx.tp, self.layout)
+
+    def detail(self):
+        lay = self.layout
+        return f"{lay.num_heads} heads x {lay.head_dim} -> {list(lay.q_heads.sizes)} (non-causal)"
+
+    def rows(self):
+        lay = self.layout
+        return [(p, "column(heads)", f"rows {lay.num_heads}x{lay.head_dim} by head") for p in
+                ("q_proj", "k_proj", "v_proj")] + [("o_proj", "row(heads)", "all-reduce")]

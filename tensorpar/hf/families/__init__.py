@@ -2,7 +2,7 @@
 
 A builder is ``f(config, tp_size, *, sequence_parallel, head_split_weights, split_weights) -> ShardingPlan``.
 """
-from tensorpar.hf.families import gemma, gpt2, llama, phi3
+from tensorpar.hf.families import gemma, gpt2, llama, phi3, vit
 
 FAMILIES = {
     "llama": llama.plan,
@@ -14,4 +14,13 @@ FAMILIES = {
     "gemma3_text": gemma.plan,
     "phi3": phi3.plan,
     "gpt2": gpt2.plan,
+    "vit": vit.vit_plan,
+    "dinov2": vit.dinov2_plan,
+}
+
+#: The transformers auto class a family's plan is written for (names of its modules); the default is
+#: ``AutoModelForCausalLM``. :func:`tensorpar.hf.plan.meta_model` builds this class.
+MODEL_CLASSES = {
+    "vit": "AutoModelForImageClassification",
+    "dinov2": "AutoModelForImageClassification",
 }

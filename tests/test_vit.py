@@ -1,0 +1,107 @@
+"""Vision transformers (transformers' ViT and DINOv2 image classifiers) sharded at tp = 1..4 against the
+unsharded model: classification logits, loss, every gradient (slice by slice) and the grad norm.
+
+Configs: 5 heads (divisible by neither 3 nor 4: uneven head splits), ``head_dim`` different from
+``hidden / heads``, an MLP size that 3 does not divide; dropout off (parity is exact math)."""
+import copy
+
+import pytest
+import torch
+
+from tensorpar.grads import grad_norm, sync_duplicated_grads
+from tensorpar.hf.apply import parallelize
+from tensorpar.hf.plan import make_plan, meta_model
+from tensorpar.testing import assert_parity, compare_grads
+from tests._ranks import run_tp
+
+MODELS = ["vit", "dinov2", "dinov2_swiglu"]
+
+
+def config(name: str):
+    import transformers as T
+
+    common = dict(hidden_size=40, num_hidden_layers=2, num_attention_heads=5, image_size=16, patch_size=4,
+                  num_labels=7, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    if name == "vit":
+        c = T.ViTConfig(intermediate_size=44, **common)
+        c.head_dim = 12                        # q/k/v are 5 x 12 = 60 rows, hidden is 40
+        c._attn_implementation = "sdpa"
+    elif name == "dinov2":
+        c = T.Dinov2Config(mlp_ratio=1, layerscale_value=0.5, **common)   # MLP 40 (3 does not divide it)
+        c.head_dim = 6
+        c._attn_implementation = "eager"
+    elif name == "dinov2_swiglu":
+        c = T.Dinov2Config(mlp_ratio=2, use_swiglu_ffn=True, **common)   # SwiGLU hidden 56
+        c._attn_implementation = "sdpa"
+    else:
+        raise KeyError(name)
+    return c
+
+
+def job_classifier(ctx, name):
+    from transformers import AutoModelForImageClassification
+    tp = ctx.tp
+    cfg = config(name)
+    torch.manual_seed(0)
+    ref = AutoModelForImageClassification.from_config(cfg).float()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    par = parallelize(copy.deepcopy(ref), make_plan(cfg, tp.size), tp)
+    pixels = torch.randn(3, 3, 16, 16)
+    labels = torch.tensor([1, 6, 3])
+    out_ref = ref(pixel_values=pixels, labels=labels)
+    out_ref.loss.backward()
+    out = par(pixel_values=pixels, labels=labels)
+    out.loss.backward()
+    sync_duplicated_grads(par.parameters(), tp)
+    # DINOv2's mask token is used only for masked-image modelling: no gradient in either model; zero both
+    unused = [n for n, p in ref.named_parameters() if p.grad is None]
+    assert unused == (["dinov2.embeddings.mask_token"] if name.startswith("dinov2") else []), unused
+    for m in (ref, par):
+        for n in unused:
+            m.get_parameter(n).grad = torch.zeros_like(m.get_parameter(n))
+    d = [assert_parity("logits", out.logits, out_ref.logits), assert_parity("loss", out.loss, out_ref.loss)]
+    d += compare_grads(par, ref, tp.rank)
+    d.append(assert_parity("grad norm", grad_norm(par.parameters(), tp),
+                           torch.cat([p.grad.flatten() for p in ref.parameters()]).norm()))
+    local = par.get_submodule(par.tensorpar_plan.entries[1].pattern.replace("*", "0")).q_proj.weight.shape
+    return max(x.max_abs for x in d), len(d), tuple(local)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3, 4])
+@pytest.mark.parametrize("name", MODELS)
+def test_classifier_parity(pools, name, tp):
+    res = run_tp(pools, tp, job_classifier, name)
+    cfg = config(name)
+    hd = getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
+    plan = make_plan(cfg, tp)
+    for r, (_, n, shape) in enumerate(res):
+        assert n > 20
+        assert shape == (plan.heads.q_heads.sizes[r] * hd, cfg.hidden_size)   # whole heads on every rank
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_plan_claims_every_tensor(name):
+    cfg = config(name)
+    plan = make_plan(cfg, 3)
+    model = meta_model(cfg)
+    assert type(model).__name__.endswith("ForImageClassification")
+    assert plan.vocab is None and plan.heads.q_heads.sizes == (2, 2, 1)
+    text = str(plan)
+    assert "encoder_attention" in text and "q_proj" in text
+
+
+def test_vit_tp_larger_than_heads_is_an_error():
+    with pytest.raises(ValueError, match=r"tp_size \(6\) exceeds the number of attention heads \(5\)"):
+        make_plan(config("vit"), 6)
+
+
+def test_vit_sequence_parallel_is_refused():
+    with pytest.raises(ValueError, match="sequence_parallel=True is not supported for vit"):
+        make_plan(config("vit"), 2, sequence_parallel=True)
+
+
+def test_decoders_still_build_causal_lms():
+    from tests.families import config as decoder_config
+    assert type(meta_model(decoder_config("llama"))).__name__ == "LlamaForCausalLM"
