@@ -105,3 +105,28 @@ def test_vit_sequence_parallel_is_refused():
 def test_decoders_still_build_causal_lms():
     from tests.families import config as decoder_config
     assert type(meta_model(decoder_config("llama"))).__name__ == "LlamaForCausalLM"
+
+
+def job_example(ctx, spec, image):
+    from examples.classify_vit import classify
+    logits, diff = classify(ctx, spec, image)
+    return logits, diff
+
+
+def test_example_classifies_an_image_like_the_unsharded_model(pools, tmp_path):
+    """examples/classify_vit.py at tp = 3: a random-weight ViT (checked in the job) and a saved DINOv2 folder
+    loaded from safetensors (checked here against the unsharded model on the same pixels)."""
+    from transformers import AutoModelForImageClassification
+
+    from examples.classify_vit import load_image, tiny_config
+    logits, diff = run_tp(pools, 3, job_example, "vit", None)[0]
+    assert logits.shape == (1, 10) and diff < 1e-5
+    torch.manual_seed(1)
+    ref = AutoModelForImageClassification.from_config(tiny_config("dinov2")).eval()
+    ref.save_pretrained(tmp_path)
+    res = run_tp(pools, 3, job_example, str(tmp_path), None)
+    with torch.no_grad():
+        want = ref(pixel_values=load_image(None, 32)).logits
+    for logits, diff in res:
+        assert diff is None
+        assert_parity("logits from folder", logits, want)
