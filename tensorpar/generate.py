@@ -288,6 +288,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--print-plan", action="store_true", help="print the sharding plan and exit")
+    p.add_argument("--plan-file", default=None, help="a .json/.yaml sharding plan that overrides or extends the "
+                                                     "built-in table, or shards an architecture without one "
+                                                     "(docs/plans.md)")
     p.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds")
     p.add_argument("--fast-collectives", choices=["auto", "on", "off"], default="auto",
                    help="same-host shared-memory collectives for CPU tensors")
@@ -323,7 +326,8 @@ def _rank_main(folder: str, args: argparse.Namespace) -> int:
     ctx = init_parallel(ParallelConfig(tp=world), timeout_s=args.timeout, fast_collectives=args.fast_collectives)
     try:
         dtype = getattr(torch, args.dtype)
-        model, plan = build_parallel_model(folder, ctx.tp, dtype=dtype, device=ctx.device)
+        model, plan = build_parallel_model(folder, ctx.tp, dtype=dtype, device=ctx.device,
+                                           user_plan=getattr(args, "plan_file", None))
         tok = AutoTokenizer.from_pretrained(folder)
         prompts = args.prompt or ["The capital of France is"]
         ids, mask = _encode(tok, prompts, args.chat)
@@ -358,7 +362,9 @@ def _rank_main(folder: str, args: argparse.Namespace) -> int:
 
 
 def validate(args: argparse.Namespace):
-    """Checks made once, before any rank starts: model path, architecture, plan, prompt length."""
+    """Checks made once, before any rank starts: model path, architecture, plan (and plan file), prompt length."""
+    import os
+
     from transformers import AutoConfig, AutoTokenizer
 
     from tensorpar.hf.plan import make_plan
@@ -372,7 +378,9 @@ def validate(args: argparse.Namespace):
     SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
     folder = _resolve(args.model)
     config = AutoConfig.from_pretrained(folder)
-    plan = make_plan(config, args.tp)
+    if getattr(args, "plan_file", None) is not None:
+        args.plan_file = os.path.abspath(args.plan_file)   # the ranks read the same file
+    plan = make_plan(config, args.tp, user_plan=getattr(args, "plan_file", None))
     tok = AutoTokenizer.from_pretrained(folder)
     ids, _ = _encode(tok, args.prompt or ["The capital of France is"], args.chat)
     limit = getattr(config, "max_position_embeddings", None)

@@ -126,9 +126,10 @@ def load_sharded(model: nn.Module, folder: str | Path, tp: Group, *, device=None
 
 def build_parallel_model(folder: str | Path, tp: Group, *, sequence_parallel: bool = False, dtype=torch.float32,
                          device=None, attn_implementation: str = "sdpa",
-                         dropout_seed: int | None = None) -> tuple[nn.Module, ShardingPlan]:
+                         dropout_seed: int | None = None, user_plan=None) -> tuple[nn.Module, ShardingPlan]:
     """Meta-initialise the model of ``folder``, shard it by its plan, load this rank's slices.
 
+    ``user_plan``: a plan file path or dict merged into the built-in table (:mod:`tensorpar.hf.user_plan`).
     Returns ``(model, plan)``; the model is in eval mode. Raises the ValueErrors of
     :func:`~tensorpar.hf.plan.make_plan` (at plan time, before any weight is read) and of
     :func:`load_sharded`.
@@ -137,7 +138,7 @@ def build_parallel_model(folder: str | Path, tp: Group, *, sequence_parallel: bo
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(folder)
-    plan = make_plan(config, tp.size, sequence_parallel=sequence_parallel)
+    plan = make_plan(config, tp.size, sequence_parallel=sequence_parallel, user_plan=user_plan)
     config._attn_implementation = attn_implementation
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
