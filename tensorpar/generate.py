@@ -378,6 +378,10 @@ def validate(args: argparse.Namespace):
     SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
     folder = _resolve(args.model)
     config = AutoConfig.from_pretrained(folder)
+    from tensorpar.hf.families import is_causal_lm
+    if not is_causal_lm(getattr(config, "model_type", None)):
+        raise ValueError(f"{folder}: model_type={config.model_type!r} is an image classifier, not a text generator; "
+                         f"run it with examples/classify_vit.py")
     if getattr(args, "plan_file", None) is not None:
         args.plan_file = os.path.abspath(args.plan_file)   # the ranks read the same file
     plan = make_plan(config, args.tp, user_plan=getattr(args, "plan_file", None))

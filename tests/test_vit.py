@@ -130,3 +130,21 @@ def test_example_classifies_an_image_like_the_unsharded_model(pools, tmp_path):
     for logits, diff in res:
         assert diff is None
         assert_parity("logits from folder", logits, want)
+
+
+def test_models_table_and_generate_know_vision_families(tmp_path):
+    """`tensorpar models` lists vit/dinov2 without text generation or training, and `tensorpar generate`
+    refuses an image classifier before any rank starts, pointing to the example."""
+    import argparse
+
+    from transformers import AutoModelForImageClassification
+
+    from tensorpar.generate import validate
+    from tensorpar.models import rows
+    table = {r["model_type"]: r for r in rows()}
+    assert not table["vit"]["generate"] and not table["dinov2"]["train"] and table["llama"]["generate"]
+    AutoModelForImageClassification.from_config(config("vit")).save_pretrained(tmp_path)
+    args = argparse.Namespace(tp=2, timeout=10.0, prompt=None, max_new_tokens=4, temperature=0.0, top_k=0,
+                              top_p=1.0, seed=0, model=str(tmp_path), chat=False, plan_file=None)
+    with pytest.raises(ValueError, match="model_type='vit' is an image classifier.*examples/classify_vit.py"):
+        validate(args)

@@ -24,3 +24,8 @@ MODEL_CLASSES = {
     "vit": "AutoModelForImageClassification",
     "dinov2": "AutoModelForImageClassification",
 }
+
+
+def is_causal_lm(model_type: str) -> bool:
+    """Whether the family's plan is for a ``*ForCausalLM`` (text generation and training), not a classifier."""
+    return MODEL_CLASSES.get(model_type, "AutoModelForCausalLM") == "AutoModelForCausalLM"
