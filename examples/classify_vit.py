@@ -4,15 +4,16 @@
     PYTHONPATH=. python examples/classify_vit.py --tp 2 --model dinov2 --image photo.png
     PYTHONPATH=. python examples/classify_vit.py --tp 4 --model /path/to/vit-folder   # ViT/DINOv2 classifier
 
-``--model`` is ``vit`` or ``dinov2`` (a small random-weight classifier, 5 heads, built identically on every rank
-from ``--seed``) or a Hugging Face folder of a ``ViTForImageClassification`` / ``Dinov2ForImageClassification``
-(config.json + safetensors; each rank loads it with transformers, then keeps only its slices). The image is ``--image`` or, by default,
-matplotlib's logo when matplotlib is installed, else a synthetic gradient; it is resized to the model's
-``image_size`` and normalised with mean = std = 0.5 per channel (or the folder's image processor).
+``--model`` is ``vit``, ``dinov2`` or ``siglip`` (a small random-weight classifier, 5 heads, built identically on
+every rank from ``--seed``) or a Hugging Face folder of a ``ViTForImageClassification`` /
+``Dinov2ForImageClassification`` / ``SiglipForImageClassification`` (config.json + safetensors; each rank loads
+it with transformers, then keeps only its slices). The image is ``--image`` or, by default, matplotlib's logo
+when matplotlib is installed, else a synthetic gradient; it is resized to the model's ``image_size`` and
+normalised with mean = std = 0.5 per channel (the model's own image processor is not applied).
 
 Each rank runs the whole encoder on its heads and MLP slice; the logits ``[1, num_labels]`` are replicated.
-Rank 0 prints the top-5 classes and, for the random-weight models (``--check``), the largest difference
-from the unsharded model's logits.
+Rank 0 prints the top-5 classes and, for the random-weight models, the largest difference from the unsharded
+model's logits.
 """
 from __future__ import annotations
 
@@ -33,7 +34,13 @@ def tiny_config(name: str, image_size: int = 32):
         return T.ViTConfig(intermediate_size=88, **common)
     if name == "dinov2":
         return T.Dinov2Config(mlp_ratio=2, **common)
-    raise ValueError(f"--model {name!r}: expected 'vit', 'dinov2' or a model folder")
+    if name == "siglip":   # SiglipForImageClassification runs only the vision tower
+        vision = {k: v for k, v in common.items() if k != "num_labels"}
+        return T.SiglipConfig(vision_config=dict(intermediate_size=88, **vision), num_labels=10,
+                              text_config=dict(hidden_size=40, num_hidden_layers=1, num_attention_heads=5,
+                                               intermediate_size=88, vocab_size=37, bos_token_id=0,
+                                               eos_token_id=1, pad_token_id=1))
+    raise ValueError(f"--model {name!r}: expected 'vit', 'dinov2', 'siglip' or a model folder")
 
 
 def load_image(path: str | None, size: int) -> torch.Tensor:
@@ -47,7 +54,8 @@ def load_image(path: str | None, size: int) -> torch.Tensor:
             path = None
     if path is not None:
         img = Image.open(path).convert("RGB").resize((size, size))
-        x = torch.tensor(list(img.getdata()), dtype=torch.float32).view(size, size, 3).permute(2, 0, 1) / 255.0
+        import numpy as np
+        x = torch.from_numpy(np.asarray(img, dtype=np.float32)).permute(2, 0, 1) / 255.0      # [3, size, size]
     else:
         g = torch.linspace(0, 1, size)
         x = torch.stack([g.view(1, -1).expand(size, size), g.view(-1, 1).expand(size, size),
@@ -77,7 +85,8 @@ def classify(ctx, model_spec: str, image: str | None, seed: int = 0, check: bool
         torch.manual_seed(seed)                           # the same full weights on every rank
         ref = AutoModelForImageClassification.from_config(config).eval()
         model = parallelize(copy.deepcopy(ref), plan, tp)
-    size = config.image_size if isinstance(config.image_size, int) else config.image_size[0]
+    size = getattr(config, "vision_config", config).image_size
+    size = size if isinstance(size, int) else size[0]
     pixels = load_image(image, size).to(ctx.device)
     with torch.no_grad():
         logits = model.eval()(pixel_values=pixels).logits                 # [1, num_labels], same on every rank
@@ -107,7 +116,7 @@ def main(argv=None) -> int:
     from tensorpar.launch import run_ranks
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="vit", help="'vit', 'dinov2' (tiny random weights) or a model folder")
+    p.add_argument("--model", default="vit", help="'vit', 'dinov2', 'siglip' (tiny random weights) or a model folder")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--image", default=None, help="image file (default: matplotlib's logo or a gradient)")
     p.add_argument("--seed", type=int, default=0)

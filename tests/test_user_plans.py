@@ -197,6 +197,7 @@ def test_sequence_parallel_user_plan_without_table_is_refused():
         make_plan(granite_config(), 2, sequence_parallel=True, user_plan=yaml_entries())
 
 
+@pytest.mark.slow
 def test_generate_with_plan_file(tmp_path):
     """`tensorpar generate --plan-file granite.yaml` at tp = 2 on a saved Granite folder; without the file it
     stops before launching, pointing to --plan-file."""

@@ -14,7 +14,7 @@ from tensorpar.hf.plan import make_plan, meta_model
 from tensorpar.testing import assert_parity, compare_grads
 from tests._ranks import run_tp
 
-MODELS = ["vit", "dinov2", "dinov2_swiglu"]
+MODELS = ["vit", "dinov2", "dinov2_swiglu", "siglip"]
 
 
 def config(name: str):
@@ -32,6 +32,14 @@ def config(name: str):
         c._attn_implementation = "eager"
     elif name == "dinov2_swiglu":
         c = T.Dinov2Config(mlp_ratio=2, use_swiglu_ffn=True, **common)   # SwiGLU hidden 56
+        c._attn_implementation = "sdpa"
+    elif name == "siglip":   # the vision tower of SiglipForImageClassification (5 heads of 8, MLP 44)
+        vision = {k: v for k, v in common.items() if k not in ("num_labels", "hidden_dropout_prob",
+                                                                 "attention_probs_dropout_prob")}
+        c = T.SiglipConfig(vision_config=dict(intermediate_size=44, **vision), num_labels=7,
+                           text_config=dict(hidden_size=40, num_hidden_layers=1, num_attention_heads=5,
+                                            intermediate_size=44, vocab_size=37, bos_token_id=0, eos_token_id=1,
+                                            pad_token_id=1))
         c._attn_implementation = "sdpa"
     else:
         raise KeyError(name)
@@ -55,9 +63,13 @@ def job_classifier(ctx, name):
     out = par(pixel_values=pixels, labels=labels)
     out.loss.backward()
     sync_duplicated_grads(par.parameters(), tp)
-    # DINOv2's mask token is used only for masked-image modelling: no gradient in either model; zero both
+    # DINOv2's mask token (masked-image modelling) and SigLIP's attention-pooling head are not used by the
+    # classifier: no gradient in either model; zero both
     unused = [n for n, p in ref.named_parameters() if p.grad is None]
-    assert unused == (["dinov2.embeddings.mask_token"] if name.startswith("dinov2") else []), unused
+    assert [n for n, p in par.named_parameters() if p.grad is None] == unused
+    want = {"dinov2": ["dinov2.embeddings.mask_token"], "dinov2_swiglu": ["dinov2.embeddings.mask_token"],
+            "siglip": [n for n, _ in ref.named_parameters() if n.startswith("vision_model.head.")]}
+    assert unused == want.get(name, []), unused
     for m in (ref, par):
         for n in unused:
             m.get_parameter(n).grad = torch.zeros_like(m.get_parameter(n))
@@ -74,11 +86,12 @@ def job_classifier(ctx, name):
 def test_classifier_parity(pools, name, tp):
     res = run_tp(pools, tp, job_classifier, name)
     cfg = config(name)
-    hd = getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
+    vc = getattr(cfg, "vision_config", cfg)
+    hd = getattr(vc, "head_dim", vc.hidden_size // vc.num_attention_heads)
     plan = make_plan(cfg, tp)
     for r, (_, n, shape) in enumerate(res):
         assert n > 20
-        assert shape == (plan.heads.q_heads.sizes[r] * hd, cfg.hidden_size)   # whole heads on every rank
+        assert shape == (plan.heads.q_heads.sizes[r] * hd, vc.hidden_size)   # whole heads on every rank
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -335,8 +335,9 @@ class TPConv1D(nn.Module):
 class TPEncoderAttention(nn.Module):
     """Bidirectional self-attention of a vision (or any encoder) block with whole heads per rank.
 
-    Replaces transformers' ``ViTAttention`` / ``Dinov2Attention`` (separate ``q_proj``, ``k_proj``, ``v_proj``,
-    ``o_proj``; no rotary embedding, no KV cache, ``is_causal = False``) and keeps their call signature
+    Replaces transformers' ``ViTAttention`` / ``Dinov2Attention`` / ``SiglipAttention`` (separate ``q_proj``,
+    ``k_proj``, ``v_proj`` and the output projection ``o_name``: ``o_proj``, SigLIP's ``out_proj``; no rotary
+    embedding, no KV cache, ``is_causal = False``) and keeps their call signature
     ``(hidden_states, attention_mask=None, **kwargs) -> (output, weights)``.
 
     Shapes (``heads_r = layout.q_heads.sizes[tp_rank]``, ``d = layout.head_dim``, which may differ from
@@ -352,20 +353,21 @@ class TPEncoderAttention(nn.Module):
     (sdpa, eager) runs, non-causal, as in the original module.
     """
 
-    def __init__(self, attn: nn.Module, tp: Group, layout: HeadLayout):
+    def __init__(self, attn: nn.Module, tp: Group, layout: HeadLayout, *, o_name: str = "o_proj"):
         super().__init__()
         if layout.num_kv_heads != layout.num_heads:
             raise ValueError(f"encoder attention has one KV head per query head; got {layout.num_heads} heads and "
                              f"{layout.num_kv_heads} KV heads")
         self.tp, self.layout, self.config = tp, layout, attn.config
         self.head_dim = layout.head_dim
-        self.scaling = getattr(attn, "scaling", layout.head_dim ** -0.5)
+        self.scaling = getattr(attn, "scaling", getattr(attn, "scale", layout.head_dim ** -0.5))
         self.attention_dropout = getattr(attn, "attention_dropout", 0.0)
         self.is_causal = False
         self.q_proj = ColumnParallelLinear.from_linear(attn.q_proj, tp, partition=layout.q_rows)
         self.k_proj = ColumnParallelLinear.from_linear(attn.k_proj, tp, partition=layout.q_rows)
         self.v_proj = ColumnParallelLinear.from_linear(attn.v_proj, tp, partition=layout.q_rows)
-        self.o_proj = RowParallelLinear.from_linear(attn.o_proj, tp, partition=layout.q_rows)
+        self.o_name = o_name
+        setattr(self, o_name, RowParallelLinear.from_linear(getattr(attn, o_name), tp, partition=layout.q_rows))
         self._attn_default = sys.modules[type(attn).__module__].eager_attention_forward
         self.attention_fn = None
 
@@ -385,7 +387,7 @@ class TPEncoderAttention(nn.Module):
             fn = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._attn_default)
         out, weights = fn(self, q, k, v, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
                           scaling=self.scaling, **kwargs)
-        return self.o_proj(out.reshape(b, s, -1).contiguous()), weights
+        return getattr(self, self.o_name)(out.reshape(b, s, -1).contiguous()), weights
 
     def extra_repr(self) -> str:
         return f"tp={self.tp.size}, {self.layout.describe()}"

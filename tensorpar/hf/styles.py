@@ -290,14 +290,16 @@ class SequenceParallelEntry(Style):
 class EncoderAttention(Style):
     """Bidirectional self-attention (ViT, DINOv2): whole heads per rank, q/k/v column-parallel by head
     (``heads x head_dim`` rows, ``head_dim`` may differ from ``hidden / heads``), ``o_proj`` row-parallel.
-    The module is replaced by :class:`~tensorpar.hf.modules.TPEncoderAttention`."""
+    The module is replaced by :class:`~tensorpar.hf.modules.TPEncoderAttention`; ``o_name`` names the output
+    projection (SigLIP's ``out_proj``)."""
 
     layout: HeadLayout
+    o_name: str = "o_proj"
     name = "encoder_attention"
 
     def apply(self, module, fqn, ctx):
         from tensorpar.hf.modules import TPEncoderAttention
-        return TPEncoderAttention(module, ctx.tp, self.layout)
+        return TPEncoderAttention(module, ctx.tp, self.layout, o_name=self.o_name)
 
     def detail(self):
         lay = self.layout
@@ -306,4 +308,4 @@ class EncoderAttention(Style):
     def rows(self):
         lay = self.layout
         return [(p, "column(heads)", f"rows {lay.num_heads}x{lay.head_dim} by head") for p in
-                ("q_proj", "k_proj", "v_proj")] + [("o_proj", "row(heads)", "all-reduce")]
+                ("q_proj", "k_proj", "v_proj")] + [(self.o_name, "row(heads)", "all-reduce")]

@@ -188,12 +188,13 @@ def _attention(entry, mod, config, tp_size, args, ctx):
 
 
 def _encoder_attention(entry, mod, config, tp_size, args, ctx):
+    o_name = args.pop("o_name", "o_proj")
     lay = _heads(entry, config, tp_size, args, ctx["head_split_weights"], encoder=True)
     for p in ("q_proj", "k_proj", "v_proj"):
         _rows_check(entry, mod, _out(mod, p, "projection", entry), lay.num_heads * lay.head_dim,
                     "heads x head_dim", lay)
-    _out(mod, "o_proj", "output projection", entry)
-    return EncoderAttention(lay)
+    _out(mod, o_name, "output projection", entry)
+    return EncoderAttention(lay, o_name=o_name)
 
 
 def _not_attention(entry, mod, style):

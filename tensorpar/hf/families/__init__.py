@@ -16,6 +16,7 @@ FAMILIES = {
     "gpt2": gpt2.plan,
     "vit": vit.vit_plan,
     "dinov2": vit.dinov2_plan,
+    "siglip": vit.siglip_plan,
 }
 
 #: The transformers auto class a family's plan is written for (names of its modules); the default is
@@ -23,6 +24,7 @@ FAMILIES = {
 MODEL_CLASSES = {
     "vit": "AutoModelForImageClassification",
     "dinov2": "AutoModelForImageClassification",
+    "siglip": "AutoModelForImageClassification",
 }
 
 

@@ -1,5 +1,7 @@
-"""Vision transformers for image classification: transformers' ViT (``ViTForImageClassification``) and DINOv2
-(``Dinov2ForImageClassification``).
+"""Vision transformers for image classification: transformers' ViT (``ViTForImageClassification``), DINOv2
+(``Dinov2ForImageClassification``) and SigLIP's vision tower (``SiglipForImageClassification``, model_type
+``siglip``: the vision config is ``config.vision_config``; the attention-pooling head, which the classifier
+does not use, is replicated).
 
 Each encoder block: bidirectional attention split by whole heads (q/k/v column-parallel, ``heads x head_dim``
 rows, ``head_dim`` may differ from ``hidden / heads``; ``o_proj`` row-parallel), MLP column -> row (``fc1`` /
@@ -59,3 +61,21 @@ def dinov2_plan(config, tp_size, *, sequence_parallel, head_split_weights, split
          Entry("classifier", Replicated(why=_HEAD))]
     return ShardingPlan("dinov2", tp_size, False, heads, None, inter, False, config.num_hidden_layers,
                         "dinov2.encoder.layer.*", e)
+
+
+def siglip_plan(config, tp_size, *, sequence_parallel, head_split_weights, split_weights) -> ShardingPlan:
+    _check(sequence_parallel, "siglip")
+    vc = config.vision_config
+    heads = head_layout(vc, tp_size, head_split_weights)
+    inter = Partition.make(vc.intermediate_size, tp_size, weights=split_weights, name="intermediate_size")
+    p = "vision_model"
+    e = [Entry(f"{p}.embeddings", Replicated(why="patch conv, position embeddings")),
+         Entry(f"{p}.encoder.layers.*.self_attn", EncoderAttention(heads, o_name="out_proj")),
+         Entry(f"{p}.encoder.layers.*.mlp", MLP(inter, up="fc1", down="fc2")),
+         Entry(f"{p}.encoder.layers.*.layer_norm*", Replicated()),
+         Entry(f"{p}.post_layernorm", Replicated())]
+    if getattr(vc, "vision_use_head", True):
+        e.append(Entry(f"{p}.head", Replicated(why="attention-pooling head (not used by the classifier)")))
+    e.append(Entry("classifier", Replicated(why=_HEAD)))
+    return ShardingPlan("siglip", tp_size, False, heads, None, inter, False, vc.num_hidden_layers,
+                        f"{p}.encoder.layers.*", e)
