@@ -161,3 +161,42 @@ def test_models_table_and_generate_know_vision_families(tmp_path):
                               top_p=1.0, seed=0, model=str(tmp_path), chat=False, plan_file=None)
     with pytest.raises(ValueError, match="model_type='vit' is an image classifier.*examples/classify_vit.py"):
         validate(args)
+
+
+def job_dropout(ctx, name):
+    """Training-mode logits with attention and hidden dropout on, keyed masks (seed 7): returned to compare
+    across tp; and, with the dropout probabilities set to 0 but the keyed kernel still selected, equal to the
+    unsharded model (the keyed kernel must not apply its causal default to an encoder)."""
+    import transformers as T
+
+    from tensorpar.hf.modules import TPEncoderAttention
+    tp = ctx.tp
+    cfg = config(name)
+    cfg.attention_probs_dropout_prob, cfg.hidden_dropout_prob = 0.3, 0.2
+    torch.manual_seed(0)
+    ref = T.AutoModelForImageClassification.from_config(cfg).float()
+    par = parallelize(copy.deepcopy(ref), make_plan(cfg, tp.size), tp, dropout_seed=7)
+    attn = [m for m in par.modules() if isinstance(m, TPEncoderAttention)]
+    assert attn and all(m.attention_fn is not None for m in attn)
+    pixels = torch.randn(2, 3, 16, 16)
+    par.train()
+    with torch.no_grad():
+        dropped = par(pixel_values=pixels).logits
+        for m in attn:
+            m.attention_dropout = 0.0
+        for m in par.modules():
+            if hasattr(m, "p") and isinstance(getattr(m, "p"), float):
+                m.p = 0.0
+        no_drop = par(pixel_values=pixels).logits
+        want = ref.eval()(pixel_values=pixels).logits
+    assert_parity("keyed kernel without dropout vs unsharded", no_drop, want)
+    return dropped, no_drop
+
+
+def test_attention_dropout_is_keyed_and_non_causal(pools):
+    """Dropout masks keyed by global head: tp = 3 gives the tp = 1 training logits exactly (up to summation
+    order), and they differ from the no-dropout logits (dropout really ran)."""
+    one, plain = run_tp(pools, 1, job_dropout, "vit")[0]
+    assert (one - plain).abs().max() > 1e-3
+    for t, _ in run_tp(pools, 3, job_dropout, "vit"):
+        assert_parity("dropout logits tp=3 vs tp=1", t, one)

@@ -349,11 +349,12 @@ class TPEncoderAttention(nn.Module):
 
     Dropout: in training, when :func:`tensorpar.hf.apply.parallelize` has set ``attention_fn`` (the head-keyed
     kernel, masks keyed by global head so they are the same at every tp), it runs with an explicit all-true
-    mask so the kernel does not apply its causal default; otherwise the kernel the model was configured with
+    mask so the kernel does not apply its causal default (masks keyed by ``key``, the module's name, and the
+    global head index); otherwise the kernel the model was configured with
     (sdpa, eager) runs, non-causal, as in the original module.
     """
 
-    def __init__(self, attn: nn.Module, tp: Group, layout: HeadLayout, *, o_name: str = "o_proj"):
+    def __init__(self, attn: nn.Module, tp: Group, layout: HeadLayout, *, o_name: str = "o_proj", key: str = ""):
         super().__init__()
         if layout.num_kv_heads != layout.num_heads:
             raise ValueError(f"encoder attention has one KV head per query head; got {layout.num_heads} heads and "
@@ -363,6 +364,7 @@ class TPEncoderAttention(nn.Module):
         self.scaling = getattr(attn, "scaling", getattr(attn, "scale", layout.head_dim ** -0.5))
         self.attention_dropout = getattr(attn, "attention_dropout", 0.0)
         self.is_causal = False
+        self.layer_idx = getattr(attn, "layer_idx", None) if key == "" else key   # the dropout masks' key
         self.q_proj = ColumnParallelLinear.from_linear(attn.q_proj, tp, partition=layout.q_rows)
         self.k_proj = ColumnParallelLinear.from_linear(attn.k_proj, tp, partition=layout.q_rows)
         self.v_proj = ColumnParallelLinear.from_linear(attn.v_proj, tp, partition=layout.q_rows)

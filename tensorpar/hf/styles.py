@@ -299,7 +299,7 @@ class EncoderAttention(Style):
 
     def apply(self, module, fqn, ctx):
         from tensorpar.hf.modules import TPEncoderAttention
-        return TPEncoderAttention(module, ctx.tp, self.layout, o_name=self.o_name)
+        return TPEncoderAttention(module, ctx.tp, self.layout, o_name=self.o_name, key=fqn)
 
     def detail(self):
         lay = self.layout
