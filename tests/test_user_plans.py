@@ -73,7 +73,7 @@ def _parity(ctx, cfg, user_plan, generate=True):
                             min_new_tokens=16, pad_token_id=0, eos_token_id=None)[:, 5:]
         got = generate_tokens(par, tp, prompt, sampling=SamplingConfig(max_new_tokens=16)).tokens
         assert torch.equal(got, want), f"greedy tokens differ:\n{got}\n{want}"
-    return len(d), {n: tuple(p.shape) for n, p in par.named_parameters()}
+    return len(d), {n: tuple(p.shape) for n, p in par.named_parameters()}, max(x.max_abs for x in d)
 
 
 def job_granite(ctx, plan_path):
@@ -86,7 +86,7 @@ def test_granite_worked_example_parity(pools, tmp_path, tp):
     path.write_text(granite_yaml())
     res = run_tp(pools, tp, job_granite, str(path))
     plan = make_plan(granite_config(), tp, user_plan=str(path))
-    for r, (n, shapes) in enumerate(res):
+    for r, (n, shapes, _) in enumerate(res):
         assert n > 10
         assert shapes["model.layers.0.self_attn.q_proj.weight"] == (plan.heads.q_heads.sizes[r] * 4, 40)
         assert shapes["model.layers.0.mlp.gate_proj.weight"] == (plan.intermediate.sizes[r], 40)
@@ -109,7 +109,7 @@ def test_override_keeps_one_mlp_whole(pools):
     1's stays split; the llama table's own pattern is replaced in place; parity at tp = 3."""
     res = run_tp(pools, 3, job_override)
     cfg = family_config("llama")
-    for _, shapes in res:
+    for _, shapes, _ in res:
         assert shapes["model.layers.0.mlp.gate_proj.weight"] == (cfg.intermediate_size, cfg.hidden_size)
         assert shapes["model.layers.1.mlp.gate_proj.weight"][0] < cfg.intermediate_size
     plan = make_plan(cfg, 3, user_plan={"model.layers.0.mlp": "replicated"})
