@@ -227,3 +227,15 @@ def test_generate_with_plan_file(tmp_path):
             "--fast-collectives", "off")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "time to first token" in r.stdout
+
+
+def test_user_plan_on_a_vision_table():
+    """encoder_attention in a user plan over the ViT table: the documented heads x head_dim are accepted, a
+    head_dim that would cut heads (ViT's q_proj has 5 x 12 = 60 rows) is refused naming the entry."""
+    from tests.test_vit import config as vit_config
+    cfg = vit_config("vit")
+    plan = make_plan(cfg, 2, user_plan={"vit.layers.*.attention": {"style": "encoder_attention", "heads": 5,
+                                                                   "head_dim": 12}})
+    assert plan.match("vit.layers.1.attention").style.layout.q_heads.sizes == (3, 2)
+    _err({"vit.layers.*.attention": {"style": "encoder_attention", "head_dim": 8}},
+         r"plan entry 'vit.layers.\*.attention': heads x head_dim = 40 rows but ViTAttention has 60", cfg=cfg)
