@@ -300,6 +300,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and compute dtype")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--print-plan", action="store_true", help="print the sharding plan and exit")
+    p.add_argument("--plan-file", default=None, help="a .json/.yaml sharding plan that overrides or extends the "
+                                                     "built-in table, or shards an architecture without one "
+                                                     "(docs/plans.md)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="collective timeout in seconds")
     p.add_argument("--fast-collectives", choices=["auto", "on", "off"], default="auto",
                    help="same-host shared-memory collectives for CPU tensors")
@@ -337,7 +340,8 @@ def _rank_main(folder: str, args: argparse.Namespace) -> int:
     ctx = init_parallel(ParallelConfig(tp=world), timeout_s=args.timeout, fast_collectives=args.fast_collectives)
     try:
         dtype = getattr(torch, args.dtype)
-        model, plan = build_parallel_model(folder, ctx.tp, dtype=dtype, device=ctx.device)
+        model, plan = build_parallel_model(folder, ctx.tp, dtype=dtype, device=ctx.device,
+                                           user_plan=getattr(args, "plan_file", None))
         tok = AutoTokenizer.from_pretrained(folder)
         prompts = args.prompt or ["The capital of France is"]
         ids, mask = _encode(tok, prompts, args.chat)
@@ -366,7 +370,9 @@ def _rank_main(folder: str, args: argparse.Namespace) -> int:
 
 
 def validate(args: argparse.Namespace):
-    """Checks made once, before any rank starts: model path, architecture, plan, prompt length."""
+    """Checks made once, before any rank starts: model path, architecture, plan (and plan file), prompt length."""
+    import os
+
     from transformers import AutoConfig, AutoTokenizer
 
     from tensorpar.hf.load import check_checkpoint
@@ -405,7 +411,13 @@ def validate(args: argparse.Namespace):
         raise
     except Exception as e:  # transformers rejects the config (its own error types): one line, named
         raise config_error(f"{folder}/config.json", e) from e
-    plan = make_plan(config, args.tp)
+    from tensorpar.hf.families import is_causal_lm
+    if not is_causal_lm(getattr(config, "model_type", None)):
+        raise ValueError(f"{folder}: model_type={config.model_type!r} is an image classifier, not a text generator; "
+                         f"run it with examples/classify_vit.py")
+    if getattr(args, "plan_file", None) is not None:
+        args.plan_file = os.path.abspath(args.plan_file)   # the ranks read the same file
+    plan = make_plan(config, args.tp, user_plan=getattr(args, "plan_file", None))
     check_model_config(config, f"{folder}/config.json")
     check_checkpoint(folder, config)  # headers vs config, both directions, before any rank starts
     tok = AutoTokenizer.from_pretrained(folder)

@@ -19,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def rows() -> list[dict]:
     """One dict per family: ``model_type``, ``generate``, ``train``, ``sequence_parallel``, ``tp_proven``."""
-    from tensorpar.hf.families import FAMILIES
+    from tensorpar.hf.families import FAMILIES, is_causal_lm
 
     out = []
     for mt, builder in sorted(FAMILIES.items()):
@@ -30,7 +30,8 @@ def rows() -> list[dict]:
             sp = False
         except Exception:
             sp = True
-        out.append({"model_type": mt, "generate": True, "train": True, "sequence_parallel": sp,
+        text = is_causal_lm(mt)   # vision families (vit, dinov2) classify images: examples/classify_vit.py
+        out.append({"model_type": mt, "generate": text, "train": text, "sequence_parallel": sp,
                     "pipeline_stages": False, "expert_parallel": False, "tp_proven": list(PROVEN_TP)})
     return out
 
@@ -60,5 +61,6 @@ def main(args: argparse.Namespace) -> int:
         print(f"{r['model_type']:<12} {yn(r['generate']):<9} {yn(r['train']):<6} {yn(r['sequence_parallel']):<8} "
               f"{yn(r['pipeline_stages']):<9} {yn(r['expert_parallel']):<8} {', '.join(map(str, r['tp_proven']))}")
     print("every family: logits, loss, every gradient, grad norm and 16 greedy tokens equal to the unsharded "
-          "transformers model (tests/test_families.py)")
+          "transformers model (tests/test_families.py); vit, dinov2: classification logits, loss, every gradient "
+          "and grad norm (tests/test_vit.py)")
     return 0

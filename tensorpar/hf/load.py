@@ -520,7 +520,7 @@ def load_sharded(model: nn.Module, folder: str | Path, tp: Group, *, device=None
 
 def build_parallel_model(folder: str | Path, tp: Group, *, sequence_parallel: bool = False, dtype=torch.float32,
                          device=None, attn_implementation: str = "sdpa",
-                         dropout_seed: int | None = None) -> tuple[nn.Module, ShardingPlan]:
+                         dropout_seed: int | None = None, user_plan=None) -> tuple[nn.Module, ShardingPlan]:
     """Meta-initialise the model of ``folder``, check the checkpoint, shard it by its plan, load this rank's slices.
 
     ``attn_implementation`` (``"sdpa"``, ``"eager"``, or any name transformers' attention registry
@@ -531,7 +531,7 @@ def build_parallel_model(folder: str | Path, tp: Group, *, sequence_parallel: bo
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(folder)
-    plan = make_plan(config, tp.size, sequence_parallel=sequence_parallel)
+    plan = make_plan(config, tp.size, sequence_parallel=sequence_parallel, user_plan=user_plan)
     config._attn_implementation = attn_implementation
     model = _meta_model(config, dtype)
     _check(Path(folder), _Expected(model), config, weight_map(folder))  # = check_checkpoint, on this meta model

@@ -933,3 +933,66 @@ class TPOlmoeAttention(TPAttention):
         super().__init__(attn, tp, layout, **kw)
         self.q_norm = TPSpanningRMSNorm(q_norm, tp, layout.q_rows)
         self.k_norm = TPSpanningRMSNorm(k_norm, tp, layout.kv_rows)
+
+
+class TPEncoderAttention(nn.Module):
+    """Bidirectional self-attention of a vision (or any encoder) block with whole heads per rank.
+
+    Replaces transformers' ``ViTAttention`` / ``Dinov2Attention`` / ``SiglipAttention`` (separate ``q_proj``,
+    ``k_proj``, ``v_proj`` and the output projection ``o_name``: ``o_proj``, SigLIP's ``out_proj``; no rotary
+    embedding, no KV cache, ``is_causal = False``) and keeps their call signature
+    ``(hidden_states, attention_mask=None, **kwargs) -> (output, weights)``.
+
+    Shapes (``heads_r = layout.q_heads.sizes[tp_rank]``, ``d = layout.head_dim``, which may differ from
+    ``hidden / heads``): input ``[b, s, h]`` replicated; q/k/v weights ``[heads_r * d, h]`` (the rows of this
+    rank's heads, biases sliced with them); local heads ``[b, heads_r, s, d]``; ``o_proj`` weight
+    ``[h, heads_r * d]``; output ``[b, s, h]`` replicated, the ``o_proj`` bias added once after the reduction.
+
+    Collectives: forward one all-reduce (``o_proj``); backward one all-reduce (input gradient at entry).
+
+    Dropout: in training, when :func:`tensorpar.hf.apply.parallelize` has set ``attention_fn`` (the head-keyed
+    kernel, masks keyed by global head so they are the same at every tp), it runs with an explicit all-true
+    mask so the kernel does not apply its causal default (masks keyed by ``key``, the module's name, and the
+    global head index); otherwise the kernel the model was configured with
+    (sdpa, eager) runs, non-causal, as in the original module.
+    """
+
+    def __init__(self, attn: nn.Module, tp: Group, layout: HeadLayout, *, o_name: str = "o_proj", key: str = ""):
+        super().__init__()
+        if layout.num_kv_heads != layout.num_heads:
+            raise ValueError(f"encoder attention has one KV head per query head; got {layout.num_heads} heads and "
+                             f"{layout.num_kv_heads} KV heads")
+        self.tp, self.layout, self.config = tp, layout, attn.config
+        self.head_dim = layout.head_dim
+        self.scaling = getattr(attn, "scaling", getattr(attn, "scale", layout.head_dim ** -0.5))
+        self.attention_dropout = getattr(attn, "attention_dropout", 0.0)
+        self.is_causal = False
+        self.layer_idx = getattr(attn, "layer_idx", None) if key == "" else key   # the dropout masks' key
+        self.q_proj = ColumnParallelLinear.from_linear(attn.q_proj, tp, partition=layout.q_rows)
+        self.k_proj = ColumnParallelLinear.from_linear(attn.k_proj, tp, partition=layout.q_rows)
+        self.v_proj = ColumnParallelLinear.from_linear(attn.v_proj, tp, partition=layout.q_rows)
+        self.o_name = o_name
+        setattr(self, o_name, RowParallelLinear.from_linear(getattr(attn, o_name), tp, partition=layout.q_rows))
+        self._attn_default = sys.modules[type(attn).__module__].eager_attention_forward
+        self.attention_fn = None
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        x = comm.copy_to_tp_region(hidden_states, self.tp)
+        b, s = x.shape[:2]
+        q, k, v = (p.forward_local(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))                       # [b, heads_r, s, d]
+        keyed = self.training and self.attention_fn is not None
+        if keyed:
+            fn = self.attention_fn
+            if attention_mask is None:   # the keyed kernel is causal by default; an encoder sees every position
+                attention_mask = torch.ones(s, s, dtype=torch.bool, device=x.device)
+        else:
+            fn = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._attn_default)
+        out, weights = fn(self, q, k, v, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
+                          scaling=self.scaling, **kwargs)
+        return getattr(self, self.o_name)(out.reshape(b, s, -1).contiguous()), weights
+
+    def extra_repr(self) -> str:
+        return f"tp={self.tp.size}, {self.layout.describe()}"

@@ -50,6 +50,8 @@ class ShardingPlan:
         blocks: pattern of the decoder blocks (``model.layers.*``): training finds blocks through it
             (recomputation, dropout), never through a hard-coded attribute path.
         entries: the rows, in the order they are matched.
+        implicit_replicated: tensors no entry claims that a user plan replicates because they are small
+            (:mod:`tensorpar.hf.user_plan`); built-in tables leave it empty.
     """
 
     model_type: str
@@ -62,6 +64,7 @@ class ShardingPlan:
     num_layers: int
     blocks: str
     entries: list[Entry] = field(default_factory=list)
+    implicit_replicated: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         rows = []
@@ -72,7 +75,11 @@ class ShardingPlan:
         s = max(len(r[1]) for r in rows)
         head = (f"ShardingPlan({self.model_type}, tp_size={self.tp_size}, sequence_parallel={self.sequence_parallel}, "
                 f"layers={self.num_layers})")
-        return "\n".join([head] + [f"  {p:<{w}}  {st:<{s}}  {d}".rstrip() for p, st, d in rows])
+        lines = [head] + [f"  {p:<{w}}  {st:<{s}}  {d}".rstrip() for p, st, d in rows]
+        if self.implicit_replicated:
+            lines.append(f"  (replicated, in no entry: {len(self.implicit_replicated)} small tensors, e.g. "
+                         f"{', '.join(self.implicit_replicated[:3])})")
+        return "\n".join(lines)
 
     def to_dict(self) -> dict:
         return {"model_type": self.model_type, "tp_size": self.tp_size, "sequence_parallel": self.sequence_parallel,
@@ -121,7 +128,8 @@ class ShardingPlan:
             raise ValueError(f"{self.model_type} plan: entries match no module of the model: {', '.join(unused)}")
         names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
         names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
-        unclaimed = [n for n in names if not any(n.startswith(m + ".") for m in matched)]
+        unclaimed = [n for n in names if not any(n.startswith(m + ".") for m in matched)
+                     and n not in self.implicit_replicated]
         if unclaimed:
             more = f" (and {len(unclaimed) - 8} more)" if len(unclaimed) > 8 else ""
             raise ValueError(f"{self.model_type} plan leaves {len(unclaimed)} parameters/buffers unclaimed: "
@@ -144,7 +152,7 @@ def supported() -> tuple[str, ...]:
 
 
 def make_plan(config, tp_size: int, *, sequence_parallel: bool = False, head_split_weights=None,
-              split_weights=None, check: bool = True) -> ShardingPlan:
+              split_weights=None, check: bool = True, user_plan=None) -> ShardingPlan:
     """Build and validate the plan of a Hugging Face causal-LM ``config`` for ``tp_size`` ranks.
 
     Args:
@@ -155,6 +163,9 @@ def make_plan(config, tp_size: int, *, sequence_parallel: bool = False, head_spl
         split_weights: relative speeds per rank for the MLP and vocabulary splits (default even).
         check: build the model on the meta device (no memory) and check that the plan claims every
             parameter and buffer (:meth:`ShardingPlan.check`).
+        user_plan: a dict, a :class:`~tensorpar.hf.user_plan.UserPlan` or a .json/.yaml path that overrides or
+            extends the built-in table (or is the whole plan of an architecture without one):
+            :mod:`tensorpar.hf.user_plan`; always checked against the meta-device model.
 
     Raises:
         ValueError: unsupported architecture (listing the supported ones); ``tp_size`` < 1 or
@@ -164,11 +175,20 @@ def make_plan(config, tp_size: int, *, sequence_parallel: bool = False, head_spl
     from tensorpar.hf.families import FAMILIES
 
     mt = getattr(config, "model_type", None)
-    if mt not in FAMILIES:
+    if mt not in FAMILIES and user_plan is None:
         raise ValueError(f"unsupported architecture model_type={mt!r}; tensorpar has plans for: "
-                         f"{', '.join(sorted(FAMILIES))}")
+                         f"{', '.join(sorted(FAMILIES))}; for another architecture give a plan file "
+                         f"(--plan-file, or make_plan(..., user_plan=...)): see docs/plans.md")
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}")
+    if user_plan is not None:
+        from tensorpar.hf.user_plan import load_user_plan, merge_user_plan
+        user = load_user_plan(user_plan)
+        base = None if mt not in FAMILIES else FAMILIES[mt](
+            config, tp_size, sequence_parallel=sequence_parallel, head_split_weights=head_split_weights,
+            split_weights=split_weights)
+        return merge_user_plan(base, user, config, meta_model(config), tp_size, sequence_parallel=sequence_parallel,
+                               head_split_weights=head_split_weights, split_weights=split_weights)
     plan = FAMILIES[mt](config, tp_size, sequence_parallel=sequence_parallel, head_split_weights=head_split_weights,
                         split_weights=split_weights)
     if check:
@@ -177,14 +197,18 @@ def make_plan(config, tp_size: int, *, sequence_parallel: bool = False, head_spl
 
 
 def meta_model(config) -> nn.Module:
-    """The ``*ForCausalLM`` of ``config`` on the meta device (shapes and names only, no memory)."""
+    """The model of ``config`` on the meta device (shapes and names only, no memory): the ``*ForCausalLM``, or the
+    auto class its family names in :data:`tensorpar.hf.families.MODEL_CLASSES` (``*ForImageClassification``)."""
     import copy
 
     import torch
-    from transformers import AutoModelForCausalLM
+    import transformers
 
+    from tensorpar.hf.families import MODEL_CLASSES
+
+    auto = getattr(transformers, MODEL_CLASSES.get(getattr(config, "model_type", None), "AutoModelForCausalLM"))
     with torch.device("meta"):  # eager: every family builds with it (names and shapes do not depend on it)
-        return AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager")
+        return auto.from_config(copy.deepcopy(config), attn_implementation="eager")
 
 
 def head_layout(config, tp_size: int, weights=None) -> HeadLayout:

@@ -451,3 +451,28 @@ class OlmoeAttention(Attention):
             ("q_norm", "sharded(q rows)", f"RMSNorm over {lay.num_heads}x{lay.head_dim}: sum of squares all-reduced"),
             ("k_norm", "sharded(kv rows)", f"RMSNorm over {lay.num_kv_heads}x{lay.head_dim}: owned rows' squares "
                                            f"all-reduced")]
+
+
+@dataclass
+class EncoderAttention(Style):
+    """Bidirectional self-attention (ViT, DINOv2): whole heads per rank, q/k/v column-parallel by head
+    (``heads x head_dim`` rows, ``head_dim`` may differ from ``hidden / heads``), ``o_proj`` row-parallel.
+    The module is replaced by :class:`~tensorpar.hf.modules.TPEncoderAttention`; ``o_name`` names the output
+    projection (SigLIP's ``out_proj``)."""
+
+    layout: HeadLayout
+    o_name: str = "o_proj"
+    name = "encoder_attention"
+
+    def apply(self, module, fqn, ctx):
+        from tensorpar.hf.modules import TPEncoderAttention
+        return TPEncoderAttention(module, ctx.tp, self.layout, o_name=self.o_name, key=fqn)
+
+    def detail(self):
+        lay = self.layout
+        return f"{lay.num_heads} heads x {lay.head_dim} -> {list(lay.q_heads.sizes)} (non-causal)"
+
+    def rows(self):
+        lay = self.layout
+        return [(p, "column(heads)", f"rows {lay.num_heads}x{lay.head_dim} by head") for p in
+                ("q_proj", "k_proj", "v_proj")] + [(self.o_name, "row(heads)", "all-reduce")]
