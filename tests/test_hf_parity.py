@@ -96,6 +96,6 @@ def test_plan_is_printable_and_validates():
     assert "9 q heads -> [5, 4]" in text and "r0:[0, 1] r1:[1, 2]" in text
     with pytest.raises(ValueError, match=r"tp_size \(10\) exceeds the number of attention heads \(9\)"):
         make_plan(cfg, 10)
-    from transformers import GPTNeoXConfig
-    with pytest.raises(ValueError, match="unsupported architecture model_type='gpt_neox'.*llama"):
-        make_plan(GPTNeoXConfig(), 2)
+    from transformers import BloomConfig
+    with pytest.raises(ValueError, match="unsupported architecture model_type='bloom'.*llama"):
+        make_plan(BloomConfig(), 2)
