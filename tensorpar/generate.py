@@ -283,6 +283,10 @@ def _nothing():
 
 # ---------------------------------------------------------------- command line
 
+#: prompt tokens (batch x length) from which the command line says that it is prefilling
+LONG_PREFILL_TOKENS = 512
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from tensorpar.launch import DEFAULT_TIMEOUT_S, DEFAULT_TP
 
@@ -349,6 +353,9 @@ def _rank_main(folder: str, args: argparse.Namespace) -> int:
         eos = eos_token_ids(folder, tok)  # every end-of-sequence id of generation_config.json stops a row
         single = len(prompts) == 1
         printer = TokenPrinter(tok) if single and ctx.rank == 0 else None
+        if ids.numel() >= LONG_PREFILL_TOKENS:  # a long prefill takes seconds on a CPU: say what is happening
+            rank0_print(f"tensorpar: prefilling {ids.shape[0]} x {ids.shape[1]} prompt tokens on tp={ctx.tp.size} "
+                        f"ranks...", file=sys.stderr)
         if single:
             rank0_print(chat_header(prompts[0]) if args.chat else prompts[0], end="")
         res = generate_tokens(model, ctx.tp, ids.to(ctx.device), mask.to(ctx.device), sampling=sampling,

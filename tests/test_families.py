@@ -20,7 +20,7 @@ from tests._ranks import run_tp
 from tests.families import FAMILIES, config
 
 
-def job_family(ctx, model_type):
+def job_family(ctx, model_type, sequence_parallel=False):
     from transformers import AutoModelForCausalLM
     tp = ctx.tp
     cfg = config(model_type)
@@ -29,8 +29,8 @@ def job_family(ctx, model_type):
     with torch.no_grad():               # random weights everywhere, norms too (Gemma's (1 + w) norms start at 0)
         for p in ref.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    par = parallelize(copy.deepcopy(ref), make_plan(cfg, tp.size), tp)
-    ids = torch.randint(0, cfg.vocab_size, (2, 9))
+    par = parallelize(copy.deepcopy(ref), make_plan(cfg, tp.size, sequence_parallel=sequence_parallel), tp)
+    ids = torch.randint(0, cfg.vocab_size, (2, 8 if sequence_parallel else 9))
     logits_ref = ref(ids).logits
     loss_ref = F.cross_entropy(logits_ref[:, :-1].reshape(-1, cfg.vocab_size), ids[:, 1:].reshape(-1))
     loss_ref.backward()
@@ -58,6 +58,13 @@ def job_family(ctx, model_type):
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_family_parity(pools, model_type, tp):
     diff, n = run_tp(pools, tp, job_family, model_type)[0]
+    assert n > 10
+
+
+@pytest.mark.parametrize("model_type", [f for f in FAMILIES if f != "gpt2"])
+def test_family_parity_sequence_parallel(pools, model_type):
+    # the sequence split between blocks (norms on a sequence shard, reduce-scatter / all-gather) at tp = 2
+    diff, n = run_tp(pools, 2, job_family, model_type, True)[0]
     assert n > 10
 
 
@@ -90,3 +97,12 @@ def test_unsupported_family_lists_the_supported_ones():
     from transformers import BertConfig
     with pytest.raises(ValueError, match=r"unsupported architecture model_type='bert'.*gemma2.*llama.*qwen3"):
         make_plan(BertConfig(), 2)
+
+
+def test_models_table_lists_every_family():
+    from tensorpar.hf.families import FAMILIES
+    from tensorpar.models import rows
+    table = {r["model_type"]: r for r in rows()}
+    assert set(table) == set(FAMILIES)
+    assert table["llama"]["pipeline_stages"] and not table["gpt2"]["sequence_parallel"]
+    assert table["mixtral"]["expert_parallel"] and not table["vit"]["generate"]

@@ -105,3 +105,12 @@ def test_ctrl_c_stops_every_rank(tiny_with_tokenizer):
 def test_bad_options_fail_before_launch(tiny_with_tokenizer, args, msg):
     r = _cli("--model", tiny_with_tokenizer, *args)
     assert r.returncode == 2 and msg in r.stderr, r.stderr[-2000:]
+
+
+def test_long_prefill_says_what_it_does(tiny_with_tokenizer):
+    prompts = []
+    for i in range(10):                       # >= 512 prompt tokens in all (10 prompts of >= 60 tokens)
+        prompts += ["--prompt", f"p{i} " + "x y " * 30]
+    r = _cli("--model", tiny_with_tokenizer, "--tp", "2", "--max-new-tokens", "2", *prompts)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "tensorpar: prefilling 10 x" in r.stderr and "prompt tokens on tp=2 ranks" in r.stderr
