@@ -868,51 +868,21 @@ class TPSharedExpertMoE(nn.Module):
         return f"tp={self.tp.size}, one all-reduce for routed and shared experts"
 
 
-class _AllReduceBoth(torch.autograd.Function):
-    """Sum over tp in forward, and in backward (every rank uses the sum, so its gradient is summed too)."""
+class TPSpanningRMSNorm(TPRMSNorm):
+    """:class:`TPRMSNorm` for a norm applied after the split into heads (OLMoE's ``q_norm [heads * d]`` /
+    ``k_norm [kv_heads * d]``): input and output ``[b, s, heads_r, d]``, normalised over all heads' features.
 
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return comm.all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return comm.all_reduce(g.contiguous(), ctx.group), None
-
-
-class TPSpanningRMSNorm(nn.Module):
-    """An RMSNorm over all heads' features (OLMoE's ``q_norm [heads * d]`` / ``k_norm [kv_heads * d]``), applied to
-    this rank's heads only.
-
-    Input ``[b, s, heads_r, d]`` (this rank's rows of the normalised vector); weight ``[rows_r]``, this rank's
-    slice of the norm's weight (``rows``: a :class:`Partition` or :class:`UnitSelection` of its ``n`` features).
-    The mean of squares is over all ``n`` features: each rank sums the squares of the rows it owns (a row held by
-    several ranks, a duplicated KV head, is counted on its owner only), and the sums are all-reduced.
-    Formula: ``y = w * x / sqrt(sum_all(x^2) / n + eps)`` in fp32, as transformers' ``OlmoeRMSNorm``.
-
-    Collectives: forward one all-reduce of ``[b, s, 1]``; backward one all-reduce of its gradient.
+    As ``OlmoeRMSNorm``, the normalised value is cast to the input dtype before the weight multiplies it.
+    Collectives: those of :class:`TPRMSNorm` (one all-reduce of ``[b, s, 1]`` in forward and in backward).
     """
 
-    def __init__(self, norm: nn.Module, tp: Group, rows: Partition | UnitSelection):
-        super().__init__()
-        from tensorpar.layers.linear import _slice, mark_sharded
-
-        self.tp, self.n, self.eps = tp, rows.n, norm.variance_epsilon
-        if norm.weight.shape[0] != rows.n:
-            raise ValueError(f"norm of {norm.weight.shape[0]} features does not match the {rows.n} rows it normalises")
-        w = _slice(norm.weight.detach(), 0, rows, tp.rank).clone()
-        self.weight = mark_sharded(nn.Parameter(w, requires_grad=norm.weight.requires_grad), 0, rows)
-        self.register_buffer("owned", torch.tensor(rows.owner_mask(tp.rank), dtype=torch.bool), persistent=False)
+    def normalize(self, x: torch.Tensor, sum_of_squares: torch.Tensor) -> torch.Tensor:
+        y = x.float() * torch.rsqrt(sum_of_squares / self.n + self.variance_epsilon)
+        return self.weight * y.to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape, dtype = x.shape, x.dtype
-        xf = x.reshape(*shape[:-2], -1).float()                                  # [b, s, rows_r]
-        sq = (xf.pow(2) * self.owned.to(xf.device)).sum(-1, keepdim=True)
-        if self.tp.size > 1:
-            sq = _AllReduceBoth.apply(sq, self.tp)
-        y = xf * torch.rsqrt(sq / self.n + self.eps)
-        return (self.weight * y.to(dtype)).view(shape)
+        shape = x.shape
+        return super().forward(x.reshape(*shape[:-2], -1)).view(shape)
 
 
 class TPOlmoeAttention(TPAttention):

@@ -28,17 +28,9 @@ _STACKED = re.compile(r"^(?P<pre>.*)\.mlp\.experts\.(?P<w>gate_up_proj|down_proj
 _ROUTER = re.compile(r"^(?P<pre>.*)\.mlp\.gate\.weight$")
 
 
-def _runs(indices: list[int]) -> list[tuple[int, int]]:
-    runs: list[tuple[int, int]] = []
-    for i in indices:
-        if runs and runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], i + 1)
-        else:
-            runs.append((i, i + 1))
-    return runs
-
-
 def _rows(sl, idx: list[int], dim: int) -> torch.Tensor:
+    from tensorpar.hf.load import _runs
+
     parts = [sl[a:b] if dim == 0 else sl[:, a:b] for a, b in _runs(idx)]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
