@@ -300,3 +300,50 @@ def test_zz_sigint_stops_every_rank_with_exit_0(server):
     rc, left = stop_server(server["proc"])
     assert rc == 0, server["proc"].stderr.read()[-3000:]
     assert left == ""
+
+
+class _FakeEngine:
+    """Records plans; the 'model' returns token = slot * 100 + position of the next token."""
+
+    def __init__(self, max_batch=2, max_len=32):
+        self.max_batch, self.max_len, self.plans = max_batch, max_len, []
+
+    def exchange(self, plan):
+        return plan
+
+    def step(self, plan, samplers):
+        from tensorpar.serve.engine import StepResult
+        self.plans.append(plan)
+        toks = [r.slot * 100 + r.start + len(r.tokens) for r in plan.rows]
+        return StepResult(toks, [None] * len(toks), [None] * len(toks))
+
+
+def test_scheduler_slots_waiting_and_queue_limit():
+    """Iteration-level scheduling: a request joins at the next step, waits while no slot is free, leaves when
+    done; beyond max_waiting, submit refuses."""
+    from tensorpar.serve.scheduler import QueueFull, Request, Scheduler
+    eng = _FakeEngine(max_batch=2)
+    s = Scheduler(eng, eos=set(), max_waiting=3, heartbeat_s=0.01)
+    events = {i: [] for i in range(4)}
+    reqs = [Request(prompt=[7] * (i + 1), max_tokens=2 + i, emit=events[i].append) for i in range(3)]
+    for r in reqs:
+        s.submit(r)
+    with pytest.raises(QueueFull):
+        s.submit(Request(prompt=[1], max_tokens=1, emit=events[3].append))
+    steps = 0
+    while any(not e or e[-1][0] != "done" for e in list(events.values())[:3]):
+        s._drain(block=False)
+        plan, order = s._plan()
+        res = eng.step(plan, None)
+        for i, req in enumerate(order):
+            s._deliver(req, res.tokens[i], None, None, 0.0)
+        steps += 1
+    first = eng.plans[0].rows
+    assert [(r.slot, r.start, len(r.tokens)) for r in first] == [(0, 0, 1), (1, 0, 2)]   # two prefills, one waits
+    # request 0 (2 tokens) ends after step 2; request 2 takes its slot at step 3 (prefill next to a decode)
+    third = eng.plans[2].rows
+    assert sorted((r.slot, r.start) for r in third) == [(0, 0), (1, 3)]
+    assert [e[1] for e in events[0] if e[0] == "token"] == [1, 2]          # slot 0: positions 1, 2
+    assert [e[1] for e in events[2] if e[0] == "token"] == [3, 4, 5, 6]     # slot 0 again, its own positions
+    assert all(e[-1] == ("done", "length") for e in list(events.values())[:3])
+    assert s.running == {} and s._pending == 0
