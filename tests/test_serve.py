@@ -347,3 +347,26 @@ def test_scheduler_slots_waiting_and_queue_limit():
     assert [e[1] for e in events[2] if e[0] == "token"] == [3, 4, 5, 6]     # slot 0 again, its own positions
     assert all(e[-1] == ("done", "length") for e in list(events.values())[:3])
     assert s.running == {} and s._pending == 0
+
+
+@pytest.mark.parametrize("args,msg", [(["--tp", "0"], "--tp must be a positive integer"),
+                                      (["--host", "foo"], "--host must be an IP address"),
+                                      (["--port", "70000"], "--port must be in [0, 65535]"),
+                                      (["--max-batch", "0"], "--max-batch must be >= 1"),
+                                      (["--max-model-len", "1000"], "--max-model-len must be in [2, 128]")])
+def test_bad_options_refused_before_launch(tmp_path_factory, args, msg):
+    import argparse
+
+    from tensorpar.serve import cli
+    folder = make_folder(tmp_path_factory.mktemp("opts") / "tiny")
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    with pytest.raises(ValueError, match=msg.replace("[", r"\[").replace("]", r"\]")):
+        cli.validate(p.parse_args(["--model", folder, *args]))
+
+
+def test_bad_option_exit_code_2(tmp_path_factory):
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    r = subprocess.run([sys.executable, "-m", "tensorpar", "serve", "--model", "/nonexistent/model"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("tensorpar serve: error:"), r.stderr[-2000:]
