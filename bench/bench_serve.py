@@ -163,6 +163,7 @@ def atomic_write(path: Path, text: str):
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
     with os.fdopen(fd, "w") as f:
         f.write(text)
+    os.chmod(tmp, 0o644)
     os.replace(tmp, path)
 
 
@@ -210,8 +211,10 @@ def main():
             if not wait_ready(base, proc, 600):
                 rows.append(dict(backend=f"tensorpar tp={tp}", error=f"did not start: {proc.stderr.read()[-500:]}"))
                 continue
+            la = os.getloadavg()[0]
             res, wall = run_load(base, "m", args, {"return_token_ids": True})
             rows.append(summarize(f"tensorpar tp={tp}", res, wall, ref_ids, ref_text, tok))
+            rows[-1]["loadavg"] = (la, os.getloadavg()[0])
             print(rows[-1], flush=True)
         finally:
             stop(proc)
@@ -226,8 +229,10 @@ def main():
                 err = proc.stderr.read()[-800:] if proc.poll() is not None else "no /health within 600 s"
                 rows.append(dict(backend="transformers serve --continuous-batching", error=err))
             else:
+                la = os.getloadavg()[0]
                 res, wall = run_load(base, folder, args, {})
                 rows.append(summarize("transformers serve --continuous-batching", res, wall, ref_ids, ref_text, tok))
+                rows[-1]["loadavg"] = (la, os.getloadavg()[0])
                 print(rows[-1], flush=True)
         finally:
             stop(proc)
@@ -243,15 +248,16 @@ def main():
              f"--max-batch {args.max_batch}; {meta['cpus']} CPUs; load average {load0[0]:.1f} at start, "
              f"{load1[0]:.1f} at end (other jobs share the machine).", "",
              "| backend | requests | errors | req/s | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
-             "greedy equal to offline |", "|---|---|---|---|---|---|---|---|"]
+             "greedy equal to offline | load avg before / after |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['backend']} | - | did not run: {r['error'].strip().splitlines()[-1][:200]} |"
-                         " | | | | |")
+                         " | | | | | |")
             continue
         lines.append(f"| {r['backend']} | {r['requests']} | {r['errors']} | {r['req_per_s']:.2f} | "
                      f"{r['out_tok_per_s']:.1f} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
-                     f"{r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} | {r['greedy_equal']}/{r['greedy_checked']} |")
+                     f"{r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} | {r['greedy_equal']}/{r['greedy_checked']} | "
+                     f"{r['loadavg'][0]:.1f} / {r['loadavg'][1]:.1f} |")
     atomic_write(out.with_suffix(".md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
 
