@@ -23,6 +23,8 @@ COMMANDS = {
                                       "for a model on a cluster, from a cost model"),
     "models": ("tensorpar.models", "list the model families tensorpar shards and what each supports"),
     "train": ("tensorpar.train.cli", "train or fine-tune a decoder with tensor (and sequence) parallelism"),
+    "serve": ("tensorpar.serve.cli", "serve a model sharded over --tp ranks through an OpenAI-compatible HTTP API, "
+                                     "with continuous batching"),
 }
 
 

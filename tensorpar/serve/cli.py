@@ -1,0 +1,164 @@
+"""``tensorpar serve``: start the tp ranks, load the model sharded, serve the OpenAI API from rank 0.
+
+Rank 0 runs uvicorn (FastAPI) in a thread and the scheduler on its main thread; ranks 1.. follow rank 0's
+broadcast plans (:func:`tensorpar.serve.engine.follow`). SIGINT/SIGTERM on any rank's launcher stops the
+scheduler, which ends in-flight requests, broadcasts ``"stop"``, and every rank exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import signal
+import sys
+import threading
+
+DEFAULT_MAX_MODEL_LEN = 1024
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2' (built in), a Hugging Face-format folder, or a .gguf file")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (under torchrun: the world size)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the URL is printed)")
+    p.add_argument("--max-batch", type=int, default=16, help="slots: requests decoded together")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help=f"prompt + generated tokens per request (KV cache length per slot; default "
+                        f"min(max_position_embeddings, {DEFAULT_MAX_MODEL_LEN}))")
+    p.add_argument("--max-waiting", type=int, default=256, help="requests allowed to wait for a slot (then 429)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--served-model-name", default=None, help="model id in the API (default: --model)")
+    p.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds")
+    p.add_argument("--fast-collectives", choices=["auto", "on", "off"], default="auto",
+                   help="same-host shared-memory collectives for CPU tensors")
+
+
+def validate(args: argparse.Namespace):
+    """Checks made once, before any rank starts; returns ``(folder, max_model_len)``. Raises ValueError."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from tensorpar.hf.plan import make_plan
+    from tensorpar.hub import resolve_model
+
+    if args.tp < 1:
+        raise ValueError(f"--tp must be a positive integer (ranks to start), got {args.tp}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535] (0 = any free port), got {args.port}")
+    try:
+        ipaddress.ip_address(args.host)
+    except ValueError:
+        if args.host != "localhost":
+            raise ValueError(f"--host must be an IP address such as 127.0.0.1 or 0.0.0.0, got {args.host!r}") from None
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.max_waiting < 0:
+        raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    folder = resolve_model(args.model)
+    config = AutoConfig.from_pretrained(folder)
+    make_plan(config, args.tp)
+    limit = getattr(config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
+    n = args.max_model_len if args.max_model_len is not None else min(limit, DEFAULT_MAX_MODEL_LEN)
+    if not 2 <= n <= limit:
+        raise ValueError(f"--max-model-len must be in [2, {limit}] (the model's max_position_embeddings), got {n}")
+    sw = getattr(config, "sliding_window", None)
+    if sw and getattr(config, "use_sliding_window", True) is not False and sw < n:
+        raise ValueError(f"the model uses sliding_window={sw}, which tensorpar serve does not implement; "
+                         f"use --max-model-len {sw} or less")
+    AutoTokenizer.from_pretrained(folder)
+    return folder, n
+
+
+def _rank_main(folder: str, max_len: int, args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoTokenizer
+
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.parallel import ParallelConfig, init_parallel
+    from tensorpar.serve.engine import Engine, follow
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ctx = init_parallel(ParallelConfig(tp=world), timeout_s=args.timeout, fast_collectives=args.fast_collectives)
+    holder: dict = {"sched": None, "stop": False}
+
+    def on_signal(signum, frame):      # rank 0 stops the scheduler; the other ranks wait for its "stop"
+        holder["stop"] = True
+        if holder["sched"] is not None:
+            holder["sched"].stop()
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, on_signal)
+    try:
+        model, _ = build_parallel_model(folder, ctx.tp, dtype=getattr(torch, args.dtype), device=ctx.device)
+        engine = Engine(model, ctx.tp, max_batch=args.max_batch, max_len=max_len)
+        if ctx.tp.rank != 0:
+            follow(engine)
+            rc = 0
+        else:
+            rc = _serve(engine, AutoTokenizer.from_pretrained(folder), max_len, args, holder)
+    finally:
+        ctx.destroy()
+    if holder["stop"] and "TORCHELASTIC_RUN_ID" in os.environ:
+        # The launcher's agent is shutting down on the same signal and waits for this process to exit, while
+        # torch's worker wrapper would wait for the agent after we return: exit here, the stop being complete.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
+
+
+def _serve(engine, tok, max_len: int, args: argparse.Namespace, holder: dict) -> int:
+    import time
+
+    import uvicorn
+
+    from tensorpar.serve.api import Api, build_app
+    from tensorpar.serve.metrics import ServeMetrics
+    from tensorpar.serve.scheduler import Scheduler
+
+    eos = tok.eos_token_id
+    metrics = ServeMetrics()
+    sched = Scheduler(engine, eos={eos} if eos is not None else set(), metrics=metrics, max_waiting=args.max_waiting)
+    holder["sched"] = sched
+    if holder["stop"]:
+        sched.stop()
+    name = args.served_model_name or args.model
+    api = Api(sched, tok, name, max_len, metrics)
+    server = uvicorn.Server(uvicorn.Config(build_app(api), host=args.host, port=args.port, log_level="warning",
+                                           lifespan="off"))
+    thread = threading.Thread(target=server.run, name="tensorpar-http", daemon=True)
+    thread.start()
+    while not server.started and thread.is_alive():
+        time.sleep(0.02)
+    if not thread.is_alive():
+        sched.stop()
+        sched.run()                        # tells the other ranks to stop
+        print(f"tensorpar serve: error: cannot listen on {args.host}:{args.port}", file=sys.stderr, flush=True)
+        return 2
+    port = server.servers[0].sockets[0].getsockname()[1]
+    kv = engine.cache.nbytes() / 2**20
+    print(f"tensorpar serve: {name} at tp={engine.tp.size}, {engine.max_batch} slots x {max_len} tokens "
+          f"(KV cache {kv:.0f} MiB on rank 0); ready at http://{args.host}:{port}/v1", flush=True)
+    try:
+        sched.run()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    print("tensorpar serve: stopped", flush=True)
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    from tensorpar.launch import run_ranks, under_torchrun
+
+    if under_torchrun():
+        args.tp = int(os.environ["WORLD_SIZE"])
+    try:
+        folder, max_len = validate(args)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"tensorpar serve: error: {e}", file=sys.stderr)
+        return 2
+    rc = run_ranks(_rank_main, args.tp, str(folder), max_len, args)
+    return 0 if rc == 130 else rc       # SIGINT/SIGTERM is how a server is stopped: every rank exited
