@@ -204,8 +204,10 @@ def pipeline_chunks(num_layers: int, pp: int, virtual: int = 1) -> list[tuple[in
     """
     chunks = pp * virtual
     if chunks > num_layers:
+        fix = (f"use pp <= {num_layers // virtual}" if num_layers // virtual >= 2 or virtual == 1 else
+               "use a schedule without interleaving (1f1b or gpipe) or a model with more layers")
         raise ValueError(f"pp x virtual stages ({pp} x {virtual} = {chunks}) exceeds the model's {num_layers} layers; "
-                         f"every pipeline stage needs at least one layer: use pp <= {max(num_layers // virtual, 1)}")
+                         f"every pipeline stage needs at least one layer: {fix}")
     sizes = split_sizes(num_layers, chunks)[::-1]
     out, start = [], 0
     for s in sizes:

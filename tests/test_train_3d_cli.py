@@ -19,7 +19,9 @@ def run_main(argv, monkeypatch=None):
 @pytest.mark.parametrize("argv,msg", [
     (["--tp", "2", "--pp", "3"], "exceeds the model's 2 layers; every pipeline stage needs at least one layer: use pp <= 2"),
     (["--pp", "2", "--micro-batches", "3"], "batch_size=8 is not divisible by dp x micro_batches = 1 x 3"),
-    (["--pp", "2", "--micro-batches", "2", "--schedule", "interleaved-1f1b"], "exceeds the model's 2 layers"),
+    (["--pp", "2", "--micro-batches", "1"], "micro_batches=1 is fewer than pp=2, which the 1f1b schedule needs"),
+    (["--pp", "2", "--micro-batches", "2", "--schedule", "interleaved-1f1b"],
+     "exceeds the model's 2 layers; every pipeline stage needs at least one layer: use a schedule without interleaving"),
     (["--pp", "2", "--model", "gpt2cfg"], None),
 ])
 def test_bad_layouts_fail_before_launch(tmp_path, capsys, argv, msg):
@@ -48,7 +50,7 @@ def test_tp2_pp2_run_then_resume_on_one_process(tmp_path):
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     common = ["--data", "shakespeare", "--seq-len", "32", "--batch-size", "4", "--out", str(out), "--no-progress"]
-    r = subprocess.run([sys.executable, "-m", "tensorpar", "train", "--tp", "2", "--pp", "2", "--micro-batches", "2",
+    r = subprocess.run([sys.executable, "-m", "tensorpar", "train", "--tp", "2", "--pp", "2",   # micro-batches = pp
                         "--steps", "3"] + common, capture_output=True, text=True, env=env, timeout=500)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "done: step 3" in r.stdout

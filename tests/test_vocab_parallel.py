@@ -132,3 +132,16 @@ def test_topk_rejects_bad_k():
     from tensorpar.comm import Group
     with pytest.raises(ValueError, match=r"k must be in \[1, 37\]"):
         vocab_parallel_topk_logprobs(torch.randn(2, V), 40, Group.single(), partition=V)
+
+
+@pytest.mark.parametrize("bad", [V, 150, -5])
+def test_out_of_range_targets_are_refused(bad):
+    from tensorpar.comm import Group
+    logits = torch.randn(3, V)
+    target = torch.tensor([1, bad, 2])
+    with pytest.raises(ValueError, match=rf"target id {bad} is outside the vocabulary \[0, {V}\)"):
+        vocab_parallel_cross_entropy(logits, target, Group.single(), partition=V)
+    with pytest.raises(ValueError, match=rf"target id {bad} is outside"):
+        vocab_parallel_logprobs(logits, target, Group.single(), partition=V)
+    with pytest.raises(IndexError):                       # torch refuses them too
+        F.cross_entropy(logits, target)

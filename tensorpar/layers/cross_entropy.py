@@ -72,6 +72,20 @@ class _VocabParallelCE(torch.autograd.Function):
         return grad.to(ctx.in_dtype), None, None, None, None, None, None
 
 
+def check_targets(target: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    """Refuse class ids outside ``[0, vocab_size)`` that are not ``ignore_index`` (torch raises too; without this
+    check a rank would read the target's logit as 0 and return a plausible but wrong loss). One host
+    synchronisation on the (small) target tensor.
+
+    Raises:
+        ValueError: naming the first bad id and the vocabulary size.
+    """
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
+    if bool(bad.any()):
+        raise ValueError(f"target id {int(target[bad].flatten()[0])} is outside the vocabulary [0, {vocab_size}) and "
+                         f"is not ignore_index={ignore_index}")
+
+
 def masked_mean(values: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """``values.sum() / count`` where ``count`` may be 0: then the value is NaN (as torch's mean over no
     element) but the gradient is zero, not NaN. No host synchronisation."""
@@ -116,6 +130,7 @@ def vocab_parallel_cross_entropy(
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     part = resolve_vocab_partition(partition, tp)
     start, _ = check_local_width(logits.shape[-1], part, tp)
+    check_targets(target, part.n, ignore_index)
     loss = _VocabParallelCE.apply(logits, target, tp, start, part.n, ignore_index, float(label_smoothing))
     if reduction == "none":
         return loss

@@ -21,7 +21,7 @@ import torch
 
 from tensorpar import comm
 from tensorpar.comm import Group
-from tensorpar.layers.cross_entropy import _VocabParallelCE, compute_dtype
+from tensorpar.layers.cross_entropy import _VocabParallelCE, check_targets, compute_dtype
 from tensorpar.layers.vocab import check_local_width, resolve_vocab_partition
 
 
@@ -98,6 +98,7 @@ def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor, tp: Grou
     """
     part = resolve_vocab_partition(partition, tp)
     start, _ = check_local_width(logits.shape[-1], part, tp)
+    check_targets(target, part.n, ignore_index)
     return -_VocabParallelCE.apply(logits, target, tp, start, part.n, ignore_index, 0.0)
 
 

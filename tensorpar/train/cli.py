@@ -28,7 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                         "pipelining)")
     p.add_argument("--dp", type=int, default=d.dp, help="data-parallel degree (replicas; world size = tp x pp x "
                                                         "dp, rank order tp fastest, then pp, then dp)")
-    p.add_argument("--micro-batches", type=int, default=d.micro_batches, help="micro-batches per replica and step "
+    p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per replica and step (default: "
+                                                                   "pp, so that every stage has work; 1 without pp) "
                                                                               "(gradient accumulation)")
     p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"], default=d.schedule,
                    help="pipeline schedule (pp > 1)")
@@ -76,6 +77,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", action="store_true", help="show full tracebacks of errors")
 
 
+def default_micro_batches(pp: int, dp: int, batch_size: int) -> int:
+    """Without pp, 1; with pp, the smallest count >= pp that divides each replica's rows (so every pipeline stage
+    has a micro-batch in flight), else pp (and the batch-size check names the problem)."""
+    if pp <= 1:
+        return 1
+    rows = batch_size // dp if dp >= 1 and batch_size % dp == 0 else 0
+    return next((m for m in range(pp, rows + 1) if rows % m == 0), pp)
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The :class:`TrainConfig` the flags describe (raises its ValueErrors, naming the flag)."""
     try:
@@ -93,7 +103,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def _config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(model=args.model, init=args.init, data=args.data, tokenizer=args.tokenizer,
                        val_fraction=args.val_fraction, tp=args.tp, pp=args.pp, dp=args.dp,
-                       micro_batches=args.micro_batches, schedule=args.schedule,
+                       micro_batches=args.micro_batches or default_micro_batches(args.pp, args.dp, args.batch_size),
+                       schedule=args.schedule,
                        sequence_parallel=args.sequence_parallel,
                        seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
                        min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup_steps,

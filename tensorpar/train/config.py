@@ -122,6 +122,10 @@ class TrainConfig:
                 bad(name, "must be a non-negative integer (0 = off where it is a period)")
         if self.schedule not in ("gpipe", "1f1b", "interleaved-1f1b"):
             bad("schedule", "use gpipe, 1f1b or interleaved-1f1b")
+        if self.pp > 1 and self.schedule != "gpipe" and self.micro_batches < self.pp:
+            raise ValueError(f"micro_batches={self.micro_batches} is fewer than pp={self.pp}, which the {self.schedule} "
+                             f"schedule needs (every stage must have a micro-batch in flight); use micro_batches >= "
+                             f"{self.pp} or schedule='gpipe'")
         if self.batch_size % (self.dp * self.micro_batches):
             raise ValueError(f"batch_size={self.batch_size} is not divisible by dp x micro_batches = {self.dp} x "
                              f"{self.micro_batches}; use a multiple of {self.dp * self.micro_batches}")
