@@ -307,3 +307,12 @@ def test_resume_with_other_data_settings_fails_before_launch(finished_run, tmp_p
                "--eval-batches", "1", "--warmup-steps", "1", "--no-progress", "--steps", "8", "--out", str(out),
                "--resume"])
     assert rc == 2 and "seq_len: saved 16, now 8" in capsys.readouterr().err
+
+
+def test_resume_with_another_model_fails_before_launch(finished_run, tmp_path, text_file, capsys):
+    out = _copy_run(finished_run, tmp_path)
+    rc = main(["train", "--tp", "1", "--model", "small", "--data", text_file, "--seq-len", "16", "--batch-size", "2",
+               "--eval-batches", "1", "--warmup-steps", "1", "--no-progress", "--steps", "8", "--out", str(out),
+               "--resume"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "is of another model than --model" in err and len(err.strip().splitlines()) == 1, err

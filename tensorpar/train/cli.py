@@ -246,6 +246,28 @@ def check_timeout(timeout: float) -> None:
         raise ValueError(f"--timeout {timeout}: must be a positive, finite number of seconds (e.g. 300)")
 
 
+def check_resume_model(model_config, ckpt: Path) -> None:
+    """The checkpoint holds the tensors of the model being trained (names and full shapes, from its
+    ``trainer_state.json``; the unsharded model is built on the meta device). Raises ValueError naming the first
+    differences, before any rank starts."""
+    from tensorpar.hf.plan import meta_model
+    from tensorpar.train.checkpoint import read_state
+
+    stored = {n: tuple(s) for n, s in (read_state(ckpt).get("tensors") or {}).items()}
+    if not stored:
+        return
+    model = {n: tuple(p.shape) for n, p in meta_model(model_config).named_parameters()}
+    missing = sorted(set(model) - set(stored))
+    extra = sorted(set(stored) - set(model))
+    shape = sorted(n for n in set(model) & set(stored) if model[n] != stored[n])
+    if missing or extra or shape:
+        parts = [f"{len(v)} {what} ({', '.join(v[:3])})" for v, what in
+                 ((missing, "tensors missing from it"), (extra, "tensors the model lacks"),
+                  (shape, "tensors of another shape")) if v]
+        raise ValueError(f"checkpoint {ckpt} is of another model than --model: {'; '.join(parts)}; resume with the "
+                         f"model it was trained with")
+
+
 def check_resume(cfg: TrainConfig, resume: str) -> Path:
     """Checks before resuming: a consistent checkpoint, ``--steps`` above its step, metrics that reach it.
 
@@ -307,9 +329,10 @@ def main(args: argparse.Namespace) -> int:
                 raise ValueError(f"--export {args.export!r} is the --out folder; export into another folder")
             check_export_dir(args.export, overwrite=getattr(args, "overwrite", False))
         ckpt = check_resume(cfg, args.resume) if args.resume is not None else None
-        _, data = prepare(cfg, progress=not args.no_progress)  # fills the caches once; the ranks then read them
+        source, data = prepare(cfg, progress=not args.no_progress)  # fills the caches once; ranks then read them
         if ckpt is not None:
             check_resume_data(cfg, data, ckpt)
+            check_resume_model(source.config, ckpt)
     except (ValueError, FileNotFoundError, OSError, CheckpointError) as e:
         print(f"tensorpar: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
