@@ -318,12 +318,12 @@ def _layer_of(param_name: str, plan) -> int | None:
 # ---------------------------------------------------------------- command line
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from tensorpar.launch import DEFAULT_TIMEOUT_S
+    from tensorpar.launch import DEFAULT_TIMEOUT_S, DEFAULT_TP
 
     p.add_argument("--model", default="smollm2",
                    help="a training preset (tiny, small, bench; random weights, seed 0), a Hugging Face-format "
                         "folder, or 'smollm2'")
-    p.add_argument("--tp", default="2", help="comma-separated tensor-parallel degrees to check, e.g. 2,3,4")
+    p.add_argument("--tp", default=str(DEFAULT_TP), help="comma-separated tensor-parallel degrees to check, e.g. 2,3,4")
     p.add_argument("--sequence-parallel", action="store_true", help="shard with sequence parallelism")
     p.add_argument("--train", action="store_true", help="also compare loss, every gradient and the grad norm")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and compute dtype")
