@@ -33,6 +33,15 @@ def job_skip(ctx):
         return "CollectiveError: " + str(e)
 
 
+def job_swap(ctx):
+    tp = ctx.tp
+    enable(tp, every=1, timeout_s=5.0)
+    comm.all_reduce(torch.ones(4), tp)
+    # the same 24 bytes, but rank 1 sends them as 3 float64 (a dtype bug): nothing hangs, the values are garbage
+    comm.broadcast(torch.ones(6) if tp.rank == 0 else torch.ones(3, dtype=torch.float64), tp)
+    return _run(ctx, lambda: check(tp))
+
+
 def job_inputs(ctx, what):
     from transformers import LlamaConfig, AutoModelForCausalLM
     from tensorpar.hf.apply import parallelize
@@ -61,6 +70,16 @@ def test_rank_that_skips_an_all_reduce_is_named():
                   "collectives (last here: #3 all_reduce of 4 elements x 4 bytes); the missing ranks are blocked in a "
                   "collective the others did not issue (a skipped or extra collective) or hung"), m1
     assert m0.startswith("CollectiveError: all_reduce on tp group (rank 0 of 2, tensor (6,)"), m0
+
+
+def test_first_differing_collective_is_named():
+    from tensorpar.testing import WorkerPool
+    with WorkerPool(2, collective_timeout_s=8.0) as pool:
+        msgs = pool.run(job_swap)
+    for m in msgs:
+        assert m == ("tp ranks issued different collectives at step 0: collective #2 differs (rank 0: broadcast of 6 "
+                     "elements x 4 bytes; rank 1: broadcast of 3 elements x 8 bytes); a rank skipped, reordered or "
+                     "changed a collective"), m
 
 
 @pytest.mark.parametrize("what,name", [("prompt", "prompt token ids"), ("seed", "sampling seed")])
