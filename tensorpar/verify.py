@@ -199,6 +199,7 @@ def compare_to_reference(ref: nn.Module, par: nn.Module, tp: Group, input_ids: t
     k = _reduction_len(ref)
     nl = plan.num_layers
     ref_out: dict[str, torch.Tensor] = {}
+    seen: set[str] = set()
     diffs: list[ModuleDiff] = []
 
     def depth(kind, layer):
@@ -222,8 +223,10 @@ def compare_to_reference(ref: nn.Module, par: nn.Module, tp: Group, input_ids: t
             if t is None or r is None:
                 return
             full = _to_full(t, r.shape, tp, plan.vocab)
-            if full.shape != r.shape:
-                return  # still split (a layout this check cannot gather): not compared
+            seen.add(name)
+            if full.shape != r.shape:   # a layout this check cannot gather: a failure, not a silent skip
+                diffs.append(ModuleDiff(name, layer, kind, math.inf, 0.0))
+                return
             diffs.append(_diff(name, layer, kind, full, r, tol_of, depth(kind, layer)))
         return hook
 
@@ -245,6 +248,11 @@ def compare_to_reference(ref: nn.Module, par: nn.Module, tp: Group, input_ids: t
     finally:
         for h in handles:
             h.remove()
+    # a watched module that ran in the reference but never in the sharded model (bypassed, replaced by a module
+    # that does not call it) is a failure too
+    for name, kind, layer in watched:
+        if name in ref_out and name not in seen:
+            diffs.append(ModuleDiff(name, layer, kind, math.inf, 0.0))
     full_logits = _to_full(logits, logits_ref.shape, tp, plan.vocab)
     diffs.append(_diff("logits", None, "logits", full_logits, logits_ref, tol_of, nl + 1))
     mismatch: list[str] = []
