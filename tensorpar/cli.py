@@ -22,6 +22,7 @@ COMMANDS = {
     "plan": ("tensorpar.planner.cli", "choose tp, pp, dp, sequence parallelism, micro-batch and recomputation "
                                       "for a model on a cluster, from a cost model"),
     "models": ("tensorpar.models", "list the model families tensorpar shards and what each supports"),
+    "verify": ("tensorpar.verify", "check a sharded model against the unsharded one, module by module, at each tp"),
     "train": ("tensorpar.train.cli", "train or fine-tune a decoder with tensor (and sequence) parallelism"),
     "serve": ("tensorpar.serve.cli", "serve a model sharded over --tp ranks through an OpenAI-compatible HTTP API, "
                                      "with continuous batching"),

@@ -66,8 +66,11 @@ class CommCounter:
     elements: Counter = field(default_factory=Counter)
     bytes: Counter = field(default_factory=Counter)
     wire_bytes: Counter = field(default_factory=Counter)
+    fingerprint: Any = None  # tensorpar.fingerprint.Fingerprint when collectives are checked, else None
 
     def record(self, kind: str, numel: int, element_size: int, group_size: int) -> None:
+        if self.fingerprint is not None:  # every collective passes here
+            self.fingerprint.record(kind, numel, element_size)
         if not self.enabled:
             return
         b = numel * element_size

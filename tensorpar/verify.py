@@ -1,0 +1,515 @@
+"""``tensorpar verify``: run the unsharded model and each sharded layout on the same inputs, module by module.
+
+For every tp degree asked for, ranks are started (:func:`tensorpar.launch.run_ranks`, like ``generate``); each
+rank builds the unsharded reference model and the sharded one from the same weights, runs both on the same
+token ids with forward hooks, and compares, in execution order:
+
+* the input embedding's output,
+* per decoder block: its norms, its attention output, its MLP (or MoE) output, and the block output,
+* the final norm, and the logits (gathered over the vocabulary);
+
+with ``--train`` also the loss, every parameter's gradient (each rank's slice against the same slice of the
+reference gradient), the global grad norm, and that every tp-replicated parameter (norm weights, replicated
+biases) has a bit-identical gradient on every rank. Sequence-parallel activations are gathered along the
+sequence before they are compared. Each rank compares what it holds; the reported difference is the maximum
+over ranks.
+
+Tolerance rule (:func:`tolerance`). Sharding changes only the order in which floating-point sums are added
+(row-parallel all-reduce, the vocabulary-parallel log-sum-exp, matmuls of other shapes), never the math. A
+reordered sum of ``K`` terms accumulated in fp32 errs by about ``u32 * sqrt(K)`` relative to its largest term
+(random-walk rounding, Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., sec. 3.1 / 4.2;
+``u32 = 2^-24``); a partial sum rounded to the compute dtype before the all-reduce adds ``u * sqrt(tp)``
+(``u``: the dtype's unit roundoff, ``2^-24`` for float32, ``2^-8`` for bfloat16). Each block passed feeds that
+error into the next, so the bound grows with the depth ``d`` (blocks passed, +1; twice that for gradients,
+which go forward and back). With a safety factor ``C = 8``::
+
+    tol = C * (u32 * sqrt(K) + u * sqrt(tp)) * (d + 1) * max(1, max|reference|)
+
+The loss is held to what the logits allow: ``|d loss| <= 2 * max|d logits|`` (the log-sum-exp and the target
+logit each move by at most the largest logit difference) plus the fp32 rule above with ``K = V`` and ``d = 0``
+for the vocabulary-parallel log-sum-exp. ``K`` is the longest reduction of the model (the largest ``in_features`` of its linear layers). A real
+sharding bug (a bias counted ``tp`` times, a missing all-reduce, a wrong slice) is off by the size of the
+weights themselves, orders of magnitude above this bound.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+
+from tensorpar import comm
+from tensorpar.comm import Group
+
+SAFETY = 8.0
+U_ACC = 2.0 ** -24  # fp32 accumulation (CPU and CUDA matmuls accumulate low-precision inputs in fp32)
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Half the machine epsilon of ``dtype`` (``2^-24`` for float32, ``2^-8`` for bfloat16)."""
+    return torch.finfo(dtype).eps / 2
+
+
+def tolerance(dtype: torch.dtype, reduction_len: int, depth: int, tp_size: int, scale: float) -> float:
+    """The largest difference sharding may cause (the rule of the module docstring).
+
+    Args:
+        dtype: compute dtype. reduction_len: ``K``, the longest sum of the model. depth: blocks passed before
+        the compared value (0 for the embedding). tp_size: ranks. scale: ``max|reference|`` of the value.
+    """
+    per = U_ACC * math.sqrt(max(reduction_len, 1)) + unit_roundoff(dtype) * math.sqrt(tp_size)
+    return SAFETY * per * (depth + 1) * max(1.0, scale)
+
+
+@dataclass
+class ModuleDiff:
+    """One compared value: module (or ``loss``, ``grad <param>``, ...), its block (None outside blocks), kind,
+    the largest absolute difference over ranks, and the tolerance."""
+
+    name: str
+    layer: int | None
+    kind: str
+    max_abs: float
+    tol: float
+
+    @property
+    def ok(self) -> bool:
+        return self.max_abs <= self.tol  # NaN is never ok
+
+
+@dataclass
+class LayoutReport:
+    """Every comparison of one sharded layout, in execution order (forward, then gradients).
+
+    ``replicated_mismatch``: tp-replicated parameters whose gradient is not bit-identical on every rank."""
+
+    tp_size: int
+    sequence_parallel: bool
+    dtype: str
+    diffs: list[ModuleDiff] = field(default_factory=list)
+    replicated_mismatch: list[str] = field(default_factory=list)
+
+    @property
+    def first_failure(self) -> ModuleDiff | None:
+        return next((d for d in self.diffs if not d.ok), None)
+
+    @property
+    def ok(self) -> bool:
+        return self.first_failure is None and not self.replicated_mismatch
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["ok"] = self.ok
+        for x, y in zip(d["diffs"], self.diffs):
+            x["ok"] = y.ok
+        return d
+
+
+def watched_modules(model: nn.Module, plan) -> list[tuple[str, str, int | None]]:
+    """``(name, kind, layer)`` of the modules whose outputs are compared, found in the unsharded ``model``.
+
+    Kinds: ``embedding`` (the input embedding), per block (``plan.blocks``) its direct children that are norms,
+    attention or MLP/MoE, and the block itself (``block``); ``final norm`` (a norm outside every block).
+    Outputs that sharding leaves split (q/k/v projections, intermediate activations) are not listed.
+    """
+    out: list[tuple[str, str, int | None]] = []
+    emb = model.get_input_embeddings()
+    emb_name = next(n for n, m in model.named_modules() if m is emb)
+    out.append((emb_name, "embedding", None))
+    blocks = [n for n, _ in plan.block_modules(model)]
+    for i, b in enumerate(blocks):
+        for child, m in model.get_submodule(b).named_children():
+            kind = _kind(child, m)
+            if kind is not None:
+                out.append((f"{b}.{child}", kind, i))
+        out.append((b, "block", i))
+    for n, m in model.named_modules():
+        if n and "norm" in type(m).__name__.lower() and not any(n == b or n.startswith(b + ".") for b in blocks):
+            out.append((n, "final norm", None))
+    return out
+
+
+def _kind(child: str, m: nn.Module) -> str | None:
+    low = child.lower()
+    if "norm" in type(m).__name__.lower() or low.startswith("ln") or "norm" in low:
+        return "norm"
+    if "attn" in low or "attention" in low:
+        return "attention"
+    if "mlp" in low or "moe" in low or "feed_forward" in low or "experts" in low:
+        return "mlp"
+    return None
+
+
+def _first_tensor(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)):
+        return next((o for o in out if isinstance(o, torch.Tensor)), None)
+    return getattr(out, "last_hidden_state", None)
+
+
+def _to_full(x: torch.Tensor, like_shape: torch.Size, tp: Group, vocab=None) -> torch.Tensor:
+    """Gather a sharded activation to the reference's shape: the sequence (dim 1, sequence parallelism), then the
+    last dim (the vocabulary of the logits). Collectives: one all-gather per split dim (none if already full)."""
+    x = x.detach()
+    if x.dim() >= 2 and len(like_shape) == x.dim() and x.shape[1] != like_shape[1] and tp.size > 1:
+        x = comm.all_gather(x.contiguous(), tp, 1)
+    if x.shape[-1] != like_shape[-1] and tp.size > 1:
+        x = comm.all_gather(x.contiguous(), tp, -1, vocab)
+    return x
+
+
+def _reduction_len(model: nn.Module) -> int:
+    k = 1
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            k = max(k, m.in_features)
+        elif type(m).__name__ == "Conv1D":  # GPT-2's transposed linear
+            k = max(k, m.weight.shape[0])
+    return k
+
+
+def compare_to_reference(ref: nn.Module, par: nn.Module, tp: Group, input_ids: torch.Tensor, *,
+                         train: bool = False) -> LayoutReport:
+    """Run ``ref`` (unsharded, the same weights on every rank) and ``par`` (its :func:`~tensorpar.hf.apply.parallelize`
+    d copy on this rank) on ``input_ids`` and compare them module by module (see the module docstring).
+
+    Args:
+        ref: the unsharded ``*ForCausalLM``. par: the sharded model (``par.tensorpar_plan`` set).
+        tp: the tp group of ``par``. input_ids: ``[b, s]`` token ids, the same on every rank (``s`` divisible by
+            tp under sequence parallelism).
+        train: also compare the loss (next-token cross-entropy), every gradient, the grad norm, and the
+            bit-equality of replicated parameters' gradients across ranks.
+
+    Collectives: those of ``par``'s forward (and backward), an all-gather per compared sharded activation and
+    per compared gradient-check, and one max all-reduce of all differences. Every rank returns the same report.
+    """
+    from tensorpar.grads import grad_norm, sync_duplicated_grads, sync_sequence_parallel_grads
+    from tensorpar.layers import vocab_parallel_cross_entropy
+    from tensorpar.testing import local_slice
+
+    plan = par.tensorpar_plan
+    watched = watched_modules(ref, plan)
+    dtype = next(ref.parameters()).dtype
+    k = _reduction_len(ref)
+    nl = plan.num_layers
+    ref_out: dict[str, torch.Tensor] = {}
+    seen: set[str] = set()
+    diffs: list[ModuleDiff] = []
+
+    def depth(kind, layer):
+        if kind == "embedding":
+            return 0
+        return nl + 1 if layer is None else layer + 1
+
+    def tol_of(scale, d):
+        return tolerance(dtype, k, d, tp.size, scale)
+
+    def ref_hook(name):
+        def hook(_m, _a, out):
+            t = _first_tensor(out)
+            if t is not None:
+                ref_out[name] = t.detach()
+        return hook
+
+    def par_hook(name, kind, layer):
+        def hook(_m, _a, out):
+            t, r = _first_tensor(out), ref_out.get(name)
+            if t is None or r is None:
+                return
+            full = _to_full(t, r.shape, tp, plan.vocab)
+            seen.add(name)
+            if full.shape != r.shape:   # a layout this check cannot gather: a failure, not a silent skip
+                diffs.append(ModuleDiff(name, layer, kind, math.inf, 0.0))
+                return
+            diffs.append(_diff(name, layer, kind, full, r, tol_of, depth(kind, layer)))
+        return hook
+
+    handles = []
+    try:
+        for name, kind, layer in watched:
+            handles.append(ref.get_submodule(name).register_forward_hook(ref_hook(name)))
+        ref.zero_grad(set_to_none=True)
+        with torch.set_grad_enabled(train):
+            logits_ref = ref(input_ids).logits
+        for h in handles:
+            h.remove()
+        handles = []
+        for name, kind, layer in watched:
+            handles.append(par.get_submodule(name).register_forward_hook(par_hook(name, kind, layer)))
+        par.zero_grad(set_to_none=True)
+        with torch.set_grad_enabled(train):
+            logits = par(input_ids).logits
+    finally:
+        for h in handles:
+            h.remove()
+    # a watched module that ran in the reference but never in the sharded model (bypassed, replaced by a module
+    # that does not call it) is a failure too
+    for name, kind, layer in watched:
+        if name in ref_out and name not in seen:
+            diffs.append(ModuleDiff(name, layer, kind, math.inf, 0.0))
+    full_logits = _to_full(logits, logits_ref.shape, tp, plan.vocab)
+    diffs.append(_diff("logits", None, "logits", full_logits, logits_ref, tol_of, nl + 1))
+    mismatch: list[str] = []
+    if train:
+        v = logits_ref.shape[-1]
+        loss_ref = nn.functional.cross_entropy(logits_ref[:, :-1].float().reshape(-1, v), input_ids[:, 1:].reshape(-1))
+        loss_ref.backward()
+        loss = vocab_parallel_cross_entropy(logits[:, :-1], input_ids[:, 1:], tp, partition=par)
+        loss.backward()
+        sync_sequence_parallel_grads(par.parameters(), tp)
+        sync_duplicated_grads(par.parameters(), tp)
+        back = 2 * (nl + 1)
+        # |d CE| <= 2 max|d logits| (log-sum-exp and the target logit each move by at most max|d logits|), plus
+        # the fp32 reordering of the vocabulary-parallel log-sum-exp (a sum of V terms)
+        dl = diffs[-1].max_abs
+        loss_d = _diff("loss", None, "loss", loss.detach().float(), loss_ref.detach().float(), tol_of, 0)
+        loss_d.tol = 2 * dl + tolerance(torch.float32, v, 0, tp.size, abs(loss_ref.item()))
+        diffs.append(loss_d)
+        refp = dict(ref.named_parameters())
+        for n, p in par.named_parameters():
+            rp = refp[n]
+            if p.grad is None or rp.grad is None:
+                diffs.append(ModuleDiff(f"grad {n}", _layer_of(n, plan), "grad", math.inf, 0.0))
+                continue
+            diffs.append(_diff(f"grad {n}", _layer_of(n, plan), "grad", p.grad, local_slice(rp.grad, p, tp.rank),
+                               tol_of, back))
+            if getattr(p, "tp_dim", None) is None and tp.size > 1:
+                g0 = comm.broadcast(p.grad.detach().contiguous(), tp, src=0)
+                if not torch.equal(g0, p.grad):
+                    mismatch.append(n)
+        gn_ref = torch.cat([p.grad.flatten().float() for p in ref.parameters() if p.grad is not None]).norm()
+        diffs.append(_diff("grad norm", None, "grad norm", grad_norm(par.parameters(), tp).float(), gn_ref, tol_of,
+                           back))
+    # the largest difference over ranks (a rank may hold a wrong slice the others do not see)
+    dev = input_ids.device
+    vals = torch.tensor([d.max_abs if not math.isnan(d.max_abs) else math.inf for d in diffs], dtype=torch.float64,
+                        device=dev)
+    vals = comm.all_reduce(vals, tp, op="max")
+    for d, x in zip(diffs, vals.tolist()):
+        d.max_abs = x
+    flags = comm.all_reduce(torch.tensor([float(bool(mismatch))], dtype=torch.float64, device=dev), tp, op="max")
+    if float(flags) and not mismatch:
+        mismatch = ["(on another rank)"]
+    return LayoutReport(tp.size, bool(plan.sequence_parallel), str(dtype).replace("torch.", ""), diffs, mismatch)
+
+
+def _diff(name, layer, kind, actual, expected, tol_of, depth) -> ModuleDiff:
+    a, b = actual.detach().double(), expected.detach().double()
+    if a.shape != b.shape:
+        return ModuleDiff(name, layer, kind, math.inf, 0.0)
+    m = (a - b).abs().max().item() if a.numel() else 0.0
+    if not math.isfinite(m) and torch.equal(a, b):
+        m = 0.0
+    scale = b.abs().max().item() if b.numel() else 0.0
+    return ModuleDiff(name, layer, kind, m, tol_of(scale, depth))
+
+
+def _layer_of(param_name: str, plan) -> int | None:
+    from tensorpar.hf.plan import pattern_regex
+    rx = pattern_regex(plan.blocks)
+    parts = param_name.split(".")
+    for i in range(1, len(parts)):
+        if rx.match(".".join(parts[:i])):
+            try:
+                return int(parts[i - 1])
+            except ValueError:
+                return None
+    return None
+
+
+# ---------------------------------------------------------------- command line
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from tensorpar.launch import DEFAULT_TIMEOUT_S, DEFAULT_TP
+
+    p.add_argument("--model", default="smollm2",
+                   help="a training preset (tiny, small, bench; random weights, seed 0), a Hugging Face-format "
+                        "folder, or 'smollm2'")
+    p.add_argument("--tp", default=str(DEFAULT_TP), help="comma-separated tensor-parallel degrees to check, e.g. 2,3,4")
+    p.add_argument("--sequence-parallel", action="store_true", help="shard with sequence parallelism")
+    p.add_argument("--train", action="store_true", help="also compare loss, every gradient and the grad norm")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and compute dtype")
+    p.add_argument("--seq-len", type=int, default=0,
+                   help="tokens per row (default: the smallest multiple of every tp that is >= 16)")
+    p.add_argument("--batch-size", type=int, default=2, help="rows of random token ids")
+    p.add_argument("--json", default=None, help="also write the full report to this file")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="collective timeout in seconds")
+
+
+def _parse_tp(text: str) -> list[int]:
+    try:
+        tps = [int(t) for t in str(text).split(",") if t.strip()]
+    except ValueError:
+        tps = []
+    if not tps or any(t < 1 for t in tps):
+        raise ValueError(f"--tp {text!r}: give comma-separated positive integers, e.g. --tp 2,3,4")
+    return tps
+
+
+def _model_config(spec: str, seq_len: int):
+    """``(config, folder or None)`` of ``--model``."""
+    from tensorpar.train.config import PRESETS, preset_config
+
+    if spec in PRESETS:
+        return preset_config(spec, PRESET_VOCAB, seq_len), None
+    from transformers import AutoConfig
+
+    from tensorpar.hub import resolve_model
+    folder = str(resolve_model(spec))
+    return AutoConfig.from_pretrained(folder), folder
+
+
+PRESET_VOCAB = 997  # prime: every tp > 1 splits it unevenly
+
+
+def validate(args: argparse.Namespace):
+    """Checks made once, before any rank starts. Returns ``(tps, seq_len, config, folder)``."""
+    from tensorpar.hf.families import is_causal_lm
+    from tensorpar.hf.plan import make_plan
+
+    tps = _parse_tp(args.tp)
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    lcm = math.lcm(*tps)
+    seq = args.seq_len or lcm * math.ceil(16 / lcm)
+    if seq < 2:
+        raise ValueError(f"--seq-len must be >= 2 (the loss needs a next token), got {seq}")
+    if args.sequence_parallel and seq % lcm:
+        raise ValueError(f"--seq-len {seq} is not divisible by every tp in {tps} (sequence parallelism needs it); "
+                         f"use a multiple of {lcm}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    config, folder = _model_config(args.model, seq)
+    if not is_causal_lm(getattr(config, "model_type", None)):
+        raise ValueError(f"{args.model}: model_type={config.model_type!r} is not a causal language model; verify "
+                         f"runs decoders")
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and seq > limit:
+        raise ValueError(f"--seq-len {seq} exceeds the model's max_position_embeddings={limit}")
+    for t in tps:
+        make_plan(config, t, sequence_parallel=args.sequence_parallel)  # unsupported model / tp: its ValueError
+    return tps, seq, config, folder
+
+
+def _rank_main(spec: str, folder: str | None, tp_size: int, seq: int, args: argparse.Namespace, out_path: str) -> int:
+    from tensorpar.parallel import ParallelConfig, init_parallel
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ctx = init_parallel(ParallelConfig(tp=world), timeout_s=args.timeout)
+    try:
+        dtype = getattr(torch, args.dtype)
+        ref, par = build_pair(spec, folder, ctx.tp, dtype=dtype, device=ctx.device, seq_len=seq,
+                              sequence_parallel=args.sequence_parallel)
+        g = torch.Generator().manual_seed(1234)
+        ids = torch.randint(0, ref.config.vocab_size, (args.batch_size, seq), generator=g).to(ctx.device)
+        rep = compare_to_reference(ref, par, ctx.tp, ids, train=args.train)
+        if ctx.rank == 0:
+            tmp = out_path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(rep.to_dict(), f)
+            os.replace(tmp, out_path)
+    finally:
+        ctx.destroy()
+    return 0
+
+
+def build_pair(spec: str, folder: str | None, tp: Group, *, dtype=torch.float32, device=None, seq_len: int = 16,
+               sequence_parallel: bool = False):
+    """``(reference, sharded)``: the unsharded model and this rank's sharded copy, same weights, eval mode.
+
+    A folder is loaded twice: whole (transformers) and sharded (:func:`~tensorpar.hf.load.build_parallel_model`,
+    the path ``generate`` and ``train`` use, so load bugs show). A preset gets random weights (seed 0, norms
+    perturbed too) on every rank."""
+    from transformers import AutoModelForCausalLM
+
+    from tensorpar.hf.apply import parallelize
+    from tensorpar.hf.plan import make_plan
+
+    if folder is not None:
+        from tensorpar.hf.load import build_parallel_model
+        ref = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype, attn_implementation="sdpa")
+        par, _ = build_parallel_model(folder, tp, sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+    else:
+        config, _ = _model_config(spec, seq_len)
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        ref = AutoModelForCausalLM.from_config(config).float()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        ref = ref.to(dtype)
+        par = parallelize(copy.deepcopy(ref), make_plan(config, tp.size, sequence_parallel=sequence_parallel), tp)
+    ref = ref.to(device).eval()
+    return ref, par.to(device).eval()
+
+
+def format_table(reports: list[dict]) -> str:
+    """One row per compared module kind and tp: the largest difference and its tolerance."""
+    lines = [f"{'tp':>3} {'module':<44} {'layer':>5} {'max |diff|':>11} {'tolerance':>11}  ok"]
+    for r in reports:
+        for d in r["diffs"]:
+            if d["kind"] == "grad":
+                continue
+            layer = "" if d["layer"] is None else str(d["layer"])
+            lines.append(f"{r['tp_size']:>3} {d['name'][:44]:<44} {layer:>5} {d['max_abs']:>11.3e} {d['tol']:>11.3e}"
+                         f"  {'yes' if d['ok'] else 'NO'}")
+        grads = [d for d in r["diffs"] if d["kind"] == "grad"]
+        if grads:
+            worst = max(grads, key=lambda d: d["max_abs"] / max(d["tol"], 1e-300))
+            lines.append(f"{r['tp_size']:>3} {'gradients: ' + str(len(grads)) + ' params, worst ' + worst['name'][5:]:<44}"
+                         f" {'':>5} {worst['max_abs']:>11.3e} {worst['tol']:>11.3e}  "
+                         f"{'yes' if all(d['ok'] for d in grads) else 'NO'}")
+            lines.append(f"{r['tp_size']:>3} {'replicated grads bit-identical across ranks':<44} {'':>5} {'':>11} "
+                         f"{'':>11}  {'NO' if r['replicated_mismatch'] else 'yes'}")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    import sys
+    import tempfile
+
+    from tensorpar.launch import run_ranks
+
+    try:
+        tps, seq, config, folder = validate(args)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"tensorpar: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    reports = []
+    with tempfile.TemporaryDirectory(prefix="tensorpar-verify-") as tmp:
+        for t in tps:
+            out = os.path.join(tmp, f"tp{t}.json")
+            rc = run_ranks(_rank_main, t, args.model, folder, t, seq, args, out, verbose=getattr(args, "verbose", False))
+            if rc:
+                return rc
+            with open(out) as f:
+                reports.append(json.load(f))
+    if args.json:
+        tmpf = args.json + ".tmp"
+        with open(tmpf, "w") as f:
+            json.dump({"model": args.model, "dtype": args.dtype, "seq_len": seq, "batch_size": args.batch_size,
+                       "train": args.train, "sequence_parallel": args.sequence_parallel, "layouts": reports}, f,
+                      indent=1)
+        os.replace(tmpf, args.json)
+    for r in reports:
+        first = next((d for d in r["diffs"] if not d["ok"]), None)
+        if first is not None:
+            where = "" if first["layer"] is None else f", layer {first['layer']}"
+            print(f"tensorpar verify: FAILED at tp={r['tp_size']}: {first['name']} ({first['kind']}{where}): "
+                  f"max |diff| {first['max_abs']:.3e} > tolerance {first['tol']:.3e}", file=sys.stderr)
+            return 1
+        if r["replicated_mismatch"]:
+            print(f"tensorpar verify: FAILED at tp={r['tp_size']}: gradients of tp-replicated parameters differ "
+                  f"between ranks: {', '.join(r['replicated_mismatch'][:8])}", file=sys.stderr)
+            return 1
+    print(format_table(reports))
+    print(f"tensorpar verify: OK: {args.model} at tp {','.join(map(str, tps))} ({args.dtype}"
+          f"{', sequence parallel' if args.sequence_parallel else ''}{', train' if args.train else ''}) matches the "
+          f"unsharded model within tolerance")
+    return 0

@@ -1,0 +1,183 @@
+"""`tensorpar verify`: clean layouts pass; injected sharding bugs are caught and the faulty module is named.
+
+Each fault is a real kind of tensor-parallel bug, injected into the sharded model after parallelize (the
+reference is the unsharded transformers model with the same weights):
+
+* a row-parallel bias added before the all-reduce (counted tp times) - layer 1's MLP;
+* a missing all-reduce after a row-parallel linear - layer 0's attention;
+* a dropped q/k norm (Qwen3) - layer 1's attention;
+* an unscaled embedding (Gemma multiplies by sqrt(hidden)) - the embedding;
+* embedding rows read at even offsets ``r * (V // tp)`` for a vocabulary tp does not divide - the embedding;
+* an MLP whose hooks never fire in the sharded run (called through ``.forward``) - reported, not skipped.
+"""
+import copy
+import json
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tensorpar import comm
+from tensorpar.hf.apply import parallelize
+from tensorpar.hf.plan import make_plan
+from tensorpar.verify import compare_to_reference, tolerance
+from tests._ranks import run_tp
+from tests.families import config
+
+
+def _pair(ctx, model_type, sequence_parallel=False, prepare=None):
+    from transformers import AutoModelForCausalLM
+    cfg = config(model_type)
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(cfg).float()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    if prepare is not None:
+        prepare(ref)
+    par = parallelize(copy.deepcopy(ref), make_plan(cfg, ctx.tp.size, sequence_parallel=sequence_parallel), ctx.tp)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    return ref, par, ids
+
+
+def _summary(rep):
+    f = rep.first_failure
+    return {"ok": rep.ok, "first": None if f is None else (f.name, f.layer, f.kind, f.max_abs, f.tol),
+            "n": len(rep.diffs), "names": [d.name for d in rep.diffs], "mismatch": rep.replicated_mismatch}
+
+
+def job_clean(ctx, model_type, sequence_parallel, train):
+    ref, par, ids = _pair(ctx, model_type, sequence_parallel)
+    return _summary(compare_to_reference(ref, par, ctx.tp, ids, train=train))
+
+
+def _row_forward_bias_before_reduce(self, x):
+    y = F.linear(x, self.weight, self.bias)                 # the bug: bias in every rank's partial sum
+    return comm.reduce_from_tp_region(y, self.tp)
+
+
+def _row_forward_no_reduce(self, x):
+    return F.linear(x, self.weight)                         # the bug: partial sums never all-reduced
+
+
+def _add_down_bias(ref):
+    d = ref.model.layers[1].mlp.down_proj
+    d.bias = nn.Parameter(torch.randn(d.out_features) * 0.1)
+
+
+class _NoHooks(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def __call__(self, *a, **k):
+        return self.inner.forward(*a, **k)
+
+
+def job_fault(ctx, fault):
+    prepare, model_type = None, {"qk_norm": "qwen3", "unscaled_embedding": "gemma3_text"}.get(fault, "llama")
+    if fault == "bias_every_rank":
+        prepare = _add_down_bias
+    ref, par, ids = _pair(ctx, model_type, prepare=prepare)
+    if fault == "bias_every_rank":
+        m = par.model.layers[1].mlp.down_proj
+        m.forward = types.MethodType(_row_forward_bias_before_reduce, m)
+    elif fault == "missing_all_reduce":
+        m = par.model.layers[0].self_attn.o_proj
+        m.forward = types.MethodType(_row_forward_no_reduce, m)
+    elif fault == "qk_norm":
+        a = par.model.layers[1].self_attn
+        a.q_norm, a.k_norm = nn.Identity(), nn.Identity()
+    elif fault == "unscaled_embedding":
+        assert par.model.embed_tokens.embed_scale is not None
+        par.model.embed_tokens.embed_scale = None
+    elif fault == "mlp_without_hooks":    # a module called by .forward (hooks bypassed): never compared
+        par.model.layers[1].mlp = _NoHooks(par.model.layers[1].mlp)
+    elif fault == "even_vocab_offsets":
+        emb = par.model.embed_tokens
+        full = ref.model.embed_tokens.weight.detach()
+        v, r, n = full.shape[0], ctx.tp.rank, emb.weight.shape[0]
+        assert v % ctx.tp.size  # the vocabulary is uneven: offsets r * (V // tp) are wrong for ranks > 0
+        with torch.no_grad():
+            emb.weight.copy_(full[r * (v // ctx.tp.size): r * (v // ctx.tp.size) + n])
+    else:
+        raise KeyError(fault)
+    return _summary(compare_to_reference(ref, par, ctx.tp, ids, train=False))
+
+
+@pytest.mark.parametrize("model_type,tp,sp,train", [("llama", 2, False, True), ("qwen3", 3, False, True),
+                                                    ("gpt2", 2, False, False), ("mistral", 2, True, True),
+                                                    ("gemma3_text", 1, False, False)])
+def test_clean_layout_passes(pools, model_type, tp, sp, train):
+    reps = run_tp(pools, tp, job_clean, model_type, sp, train)
+    for r in reps:
+        assert r["ok"], r["first"] or r["mismatch"]
+        assert r["names"] == reps[0]["names"]
+    names = reps[0]["names"]
+    assert names[-1 if not train else names.index("logits")] == "logits"
+    assert sum(".layers." in n or ".h." in n for n in names if not n.startswith("grad")) >= 8  # blocks, attn, mlp
+    if train:
+        assert {"loss", "grad norm"} <= set(names) and sum(n.startswith("grad ") for n in names) >= 10
+
+
+FAULTS = [("bias_every_rank", 2, "model.layers.1.mlp", 1), ("missing_all_reduce", 2, "model.layers.0.self_attn", 0),
+          ("qk_norm", 2, "model.layers.1.self_attn", 1), ("unscaled_embedding", 2, "model.embed_tokens", None),
+          ("even_vocab_offsets", 3, "model.embed_tokens", None),
+          ("mlp_without_hooks", 2, "model.layers.1.mlp", 1)]
+
+
+@pytest.mark.parametrize("fault,tp,module,layer", FAULTS)
+def test_fault_is_named(pools, fault, tp, module, layer):
+    reps = run_tp(pools, tp, job_fault, fault)
+    for r in reps:   # every rank reports the same (differences are max-reduced over ranks)
+        assert not r["ok"]
+        name, got_layer, _, max_abs, tol = r["first"]
+        assert (name, got_layer) == (module, layer), r["first"]
+        assert max_abs > 10 * tol   # (a module never seen in the sharded run: inf > 0)
+
+
+def test_tolerance_rule():
+    # fp32, K = 1024, tp = 2, 3 blocks deep, max|ref| = 10: 8 * (2^-24 * 32 + 2^-24 * sqrt 2) * 4 * 10
+    want = 8 * (2 ** -24 * 32 + 2 ** -24 * 2 ** 0.5) * 4 * 10
+    assert tolerance(torch.float32, 1024, 3, 2, 10.0) == pytest.approx(want)
+    assert tolerance(torch.bfloat16, 1024, 0, 2, 0.5) == pytest.approx(8 * (2 ** -24 * 32 + 2 ** -8 * 2 ** 0.5))
+
+
+def _cli(*argv):
+    return subprocess.run([sys.executable, "-m", "tensorpar", "verify", *argv], capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_cli_tiny_train_json(tmp_path):
+    out = tmp_path / "r.json"
+    p = _cli("--model", "tiny", "--tp", "2", "--train", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "tensorpar verify: OK" in p.stdout and "model.layers.1.mlp" in p.stdout
+    rep = json.loads(out.read_text())
+    lay = rep["layouts"][0]
+    assert lay["tp_size"] == 2 and lay["ok"] and not lay["replicated_mismatch"]
+    assert any(d["name"] == "grad model.layers.0.mlp.down_proj.weight" for d in lay["diffs"])
+
+
+@pytest.mark.parametrize("argv,match", [(["--tp", "0"], "--tp '0'"), (["--tp", "2,x"], "comma-separated"),
+                                        (["--model", "nope"], "nope"),
+                                        (["--tp", "2,3", "--sequence-parallel", "--seq-len", "8"], "multiple of 6"),
+                                        (["--tp", "5"], "tp")])
+def test_cli_bad_input(capsys, argv, match):
+    from tensorpar.cli import main
+    rc = main(["verify", *(["--model", "tiny"] if "--model" not in argv else []), *argv])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert match in err and err.count("\n") == 1 and err.startswith("tensorpar: error: "), err
+
+
+@pytest.mark.network
+@pytest.mark.slow
+def test_smollm2_tp_2_3():
+    p = _cli("--model", "smollm2", "--tp", "2,3")
+    assert p.returncode == 0, p.stderr
+    assert "model.layers.29" in p.stdout and "logits" in p.stdout
