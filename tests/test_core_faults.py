@@ -39,7 +39,7 @@ def job_dropout_api(ctx, model_type, seed):
     for _ in range(2):
         logits = par(ids).logits
         loss = vocab_parallel_cross_entropy(logits[:, :-1], ids[:, 1:], tp, partition=par)
-        out.append((float(loss), comm.all_gather(logits.detach(), tp, -1, par.tensorpar_plan.vocab), seen[-1]))
+        out.append((float(loss.detach()), comm.all_gather(logits.detach(), tp, -1, par.tensorpar_plan.vocab), seen[-1]))
     return out
 
 
