@@ -20,23 +20,30 @@ from tests._ranks import run_tp
 from tests.families import FAMILIES, config
 
 
-def job_family(ctx, model_type, sequence_parallel=False):
+def job_family(ctx, model_type, sequence_parallel=False, configs="tests.families"):
+    """Parity of one family at this tp (``configs``: the module whose ``config(name)`` builds the config).
+    With sequence parallelism, 12 tokens (divisible by tp = 2, 3, 4) and a check that the sequence was split."""
+    import importlib
+
     from transformers import AutoModelForCausalLM
     tp = ctx.tp
-    cfg = config(model_type)
+    cfg = importlib.import_module(configs).config(model_type)
     torch.manual_seed(0)
     ref = AutoModelForCausalLM.from_config(cfg).float()
     with torch.no_grad():               # random weights everywhere, norms too (Gemma's (1 + w) norms start at 0)
         for p in ref.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     par = parallelize(copy.deepcopy(ref), make_plan(cfg, tp.size, sequence_parallel=sequence_parallel), tp)
-    ids = torch.randint(0, cfg.vocab_size, (2, 8 if sequence_parallel else 9))
+    ids = torch.randint(0, cfg.vocab_size, (2, 12 if sequence_parallel else 9))
     logits_ref = ref(ids).logits
     loss_ref = F.cross_entropy(logits_ref[:, :-1].reshape(-1, cfg.vocab_size), ids[:, 1:].reshape(-1))
     loss_ref.backward()
     logits = par(ids).logits
     loss = vocab_parallel_cross_entropy(logits[:, :-1], ids[:, 1:], tp, partition=par)
-    loss.backward()
+    with comm.counting(tp) as counter:
+        loss.backward()
+    if sequence_parallel and tp.size > 1:   # the sequence really was split: SP's backward collectives ran
+        assert counter.summary()["reduce_scatter"]["calls"] > 0 and counter.summary()["all_gather"]["calls"] > 0
     sync_sequence_parallel_grads(par.parameters(), tp)
     sync_duplicated_grads(par.parameters(), tp)
     d = [assert_parity("logits", comm.all_gather(logits.detach(), tp, -1, par.tensorpar_plan.vocab), logits_ref),
