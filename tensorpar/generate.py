@@ -304,6 +304,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and compute dtype")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--print-plan", action="store_true", help="print the sharding plan and exit")
+    p.add_argument("--check-collectives", action="store_true",
+                   help="debug: fingerprint every collective and compare the tp ranks' fingerprints and prompts at "
+                        "the first step and every 50 steps (also TENSORPAR_CHECK_COLLECTIVES=1)")
     p.add_argument("--plan-file", default=None, help="a .json/.yaml sharding plan that overrides or extends the "
                                                      "built-in table, or shards an architecture without one "
                                                      "(docs/plans.md)")
@@ -330,6 +333,7 @@ def _encode(tok, prompts: list[str], chat: bool):
 
 
 def _rank_main(folder: str, args: argparse.Namespace) -> int:
+    from tensorpar import fingerprint
     import os
     import sys
 
@@ -353,13 +357,23 @@ def _rank_main(folder: str, args: argparse.Namespace) -> int:
         eos = eos_token_ids(folder, tok)  # every end-of-sequence id of generation_config.json stops a row
         single = len(prompts) == 1
         printer = TokenPrinter(tok) if single and ctx.rank == 0 else None
+        on_token = printer
+        if args.check_collectives or fingerprint.enable_from_env(ctx.tp) is not None:
+            fingerprint.enable(ctx.tp, timeout_s=min(args.timeout / 2, 60.0))
+            fingerprint.check(ctx.tp, {"prompt": ids, "attention_mask": mask, "seed": args.seed,
+                                       "temperature": args.temperature})
+
+            def on_token(step, nxt, _print=printer):  # every decode step; compares at step 0 and every 50
+                fingerprint.check(ctx.tp)
+                if _print is not None:
+                    _print(step, nxt)
         if ids.numel() >= LONG_PREFILL_TOKENS:  # a long prefill takes seconds on a CPU: say what is happening
             rank0_print(f"tensorpar: prefilling {ids.shape[0]} x {ids.shape[1]} prompt tokens on tp={ctx.tp.size} "
                         f"ranks...", file=sys.stderr)
         if single:
             rank0_print(chat_header(prompts[0]) if args.chat else prompts[0], end="")
         res = generate_tokens(model, ctx.tp, ids.to(ctx.device), mask.to(ctx.device), sampling=sampling,
-                              eos_token_id=eos, pad_id=tok.pad_token_id, on_token=printer, check_speed=True)
+                              eos_token_id=eos, pad_id=tok.pad_token_id, on_token=on_token, check_speed=True)
         if printer is not None:
             printer.close()  # the characters still held back (a multi-byte character split over tokens)
         if single:

@@ -114,3 +114,10 @@ def test_long_prefill_says_what_it_does(tiny_with_tokenizer):
     r = _cli("--model", tiny_with_tokenizer, "--tp", "2", "--max-new-tokens", "2", *prompts)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "tensorpar: prefilling 10 x" in r.stderr and "prompt tokens on tp=2 ranks" in r.stderr
+
+
+def test_check_collectives_flag_runs_clean(tiny_with_tokenizer):
+    # the fingerprint check runs at the first decode step (ranks agree: no error); mismatches are in test_fingerprint
+    r = _cli("--model", tiny_with_tokenizer, "--tp", "2", "--prompt", "the cat", "--max-new-tokens", "4",
+             "--check-collectives")
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -74,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="let --export replace a previous tensorpar export")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="collective timeout in seconds")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--check-collectives", action="store_true",
+                   help="debug: fingerprint every collective and compare the tp ranks' fingerprints and batches at "
+                        "step 0 and every 50 steps (also TENSORPAR_CHECK_COLLECTIVES=1)")
     p.add_argument("--verbose", action="store_true", help="show full tracebacks of errors")
 
 
@@ -151,7 +154,7 @@ def prepare(cfg: TrainConfig, *, progress: bool = True):
 
 
 def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None = None, progress: bool = True,
-        prepared=None, overwrite: bool = False) -> dict:
+        prepared=None, overwrite: bool = False, check_collectives: bool = False) -> dict:
     """Train on the ranks of ``ctx.tp`` until ``cfg.steps``; every rank calls it. Returns a summary dict.
 
     ``export``: also write the final checkpoint as a Hugging Face folder there (``overwrite``: it may
@@ -184,9 +187,15 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
     bar = tqdm(total=cfg.steps, initial=trainer.step, disable=not (main and progress), unit="step",
                desc=f"train tp={ctx.tp.size} pp={ctx.pp.size} dp={ctx.dp.size}"
                     f"{' sp' if cfg.sequence_parallel else ''}")
+    from tensorpar import fingerprint
+    fp_on = check_collectives or fingerprint.enable_from_env(ctx.tp) is not None
+    if fp_on:
+        fingerprint.enable(ctx.tp)
     last = val = None
     while trainer.step < cfg.steps:
         r = trainer.train_step()
+        if fp_on:  # the tp ranks issued the same collectives and agree on the loss (step 0, then every 50)
+            fingerprint.check(ctx.tp, {"step": r.step, "loss": r.loss})
         last = r
         if r.step % cfg.log_every == 0 or r.step == cfg.steps:
             metrics.write({"kind": "train", "step": r.step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr,
@@ -217,7 +226,7 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
     return summary
 
 
-def _rank_main(cfg: TrainConfig, resume, export, progress, timeout, overwrite=False) -> int:
+def _rank_main(cfg: TrainConfig, resume, export, progress, timeout, overwrite=False, check_collectives=False) -> int:
     from tensorpar.launch import rank0_print
     from tensorpar.parallel import ParallelConfig, ParallelContext, init_parallel, set_rank_threads
 
@@ -228,7 +237,8 @@ def _rank_main(cfg: TrainConfig, resume, export, progress, timeout, overwrite=Fa
     else:
         ctx = init_parallel(ParallelConfig(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp), timeout_s=timeout)
     try:
-        s = run(cfg, ctx, resume=resume, export=export, progress=progress, overwrite=overwrite)
+        s = run(cfg, ctx, resume=resume, export=export, progress=progress, overwrite=overwrite,
+                check_collectives=check_collectives)
         val = "n/a" if s["val_loss"] is None else f"{s['val_loss']:.4f}"
         loss = "n/a" if s["loss"] is None else f"{s['loss']:.4f}"
         rank0_print(f"done: step {s['step']}, train loss {loss}, val loss {val}; "
@@ -336,5 +346,6 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, OSError, CheckpointError) as e:
         print(f"tensorpar: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    return run_ranks(_rank_main, cfg.tp * cfg.pp * cfg.dp, cfg, args.resume, args.export, not args.no_progress, args.timeout,
-                     getattr(args, "overwrite", False), verbose=getattr(args, "verbose", False))
+    return run_ranks(_rank_main, cfg.tp * cfg.pp * cfg.dp, cfg, args.resume, args.export, not args.no_progress,
+                     args.timeout, getattr(args, "overwrite", False), getattr(args, "check_collectives", False),
+                     verbose=getattr(args, "verbose", False))
