@@ -51,6 +51,8 @@ class Fingerprint:
         log: records ``(seq, op, elements, element_size)`` since the last check that agreed.
         steps: :func:`check` calls so far.
         timeout_s: how long a check waits for the other ranks before naming those that did not arrive.
+        session: which :func:`enable` of this group this is (every rank counts the same), so that the store
+            keys of an earlier session on the same process group are never read as this one's.
     """
 
     every: int = 50
@@ -59,6 +61,7 @@ class Fingerprint:
     digest: bytes = b""
     log: list = field(default_factory=list)
     steps: int = 0
+    session: int = 0
 
     def record(self, kind: str, numel: int, element_size: int) -> None:
         """Called by every collective of the group (:meth:`tensorpar.comm.CommCounter.record`)."""
@@ -78,9 +81,16 @@ def enable(group: Group, every: int = 50, *, timeout_s: float = 60.0) -> Fingerp
         raise ValueError(f"fingerprint check interval every={every!r} must be a positive integer (steps)")
     if not timeout_s > 0:
         raise ValueError(f"fingerprint check timeout_s={timeout_s!r} must be a positive number of seconds")
-    fp = Fingerprint(every=every, timeout_s=float(timeout_s))
+    session = getattr(group.counter, "fingerprint_sessions", 0) + 1
+    group.counter.fingerprint_sessions = session
+    fp = Fingerprint(every=every, timeout_s=float(timeout_s), session=session)
     group.counter.fingerprint = fp
     return fp
+
+
+def disable(group: Group) -> None:
+    """Switch fingerprints off for ``group`` (its records are dropped); a no-op when they are off."""
+    group.counter.fingerprint = None
 
 
 def enable_from_env(group: Group, every: int = 50) -> Fingerprint | None:
@@ -104,10 +114,10 @@ def input_hash(x: Any) -> str:
     return h.hexdigest()
 
 
-def _store_key(group: Group, step: int, phase: str, rank: int) -> str:
+def _store_key(group: Group, session: int, step: int, phase: str, rank: int) -> str:
     import torch.distributed as dist
     first = min(dist.get_process_group_ranks(group.pg))  # tells apart groups of the same axis (3D meshes)
-    return f"tensorpar-fp/{group.name}/{first}/{step}/{phase}/{rank}"
+    return f"tensorpar-fp/{group.name}/{first}/{session}/{step}/{phase}/{rank}"
 
 
 def _exchange(obj, group: Group, fp: "Fingerprint", step: int, phase: str) -> list:
@@ -120,7 +130,7 @@ def _exchange(obj, group: Group, fp: "Fingerprint", step: int, phase: str) -> li
     from torch.distributed import distributed_c10d as c10d
 
     store = c10d._get_default_store()
-    keys = [_store_key(group, step, phase, r) for r in range(group.size)]
+    keys = [_store_key(group, fp.session, step, phase, r) for r in range(group.size)]
     store.set(keys[group.rank], pickle.dumps(obj))
     try:
         store.wait(keys, timedelta(seconds=fp.timeout_s))
@@ -136,7 +146,7 @@ def _exchange(obj, group: Group, fp: "Fingerprint", step: int, phase: str) -> li
     out = [pickle.loads(store.get(k)) for k in keys]
     if step >= 2 * fp.every:  # every rank has read the keys of two checks ago (it posted the next ones after)
         try:
-            store.delete_key(_store_key(group, step - 2 * fp.every, phase, group.rank))
+            store.delete_key(_store_key(group, fp.session, step - 2 * fp.every, phase, group.rank))
         except Exception:
             pass
     return out

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from tensorpar import comm
-from tensorpar.fingerprint import CollectiveMismatch, check, enable, enable_from_env
+from tensorpar.fingerprint import CollectiveMismatch, check, disable, enable, enable_from_env
 from tensorpar.generate import SamplingConfig, generate_tokens
 
 
@@ -12,6 +12,8 @@ def _run(ctx, fn):
         fn()
     except CollectiveMismatch as e:
         return str(e)
+    finally:
+        disable(ctx.tp)          # the pool's ranks run other tests' jobs next
     return None
 
 
