@@ -14,9 +14,11 @@ One optimiser step, on every rank:
    (:mod:`tensorpar.grads`), summed between the first and last stage for a tied embedding/LM head (Megatron's
    embedding group), and averaged over dp: by torch's ``DistributedDataParallel`` on the dp group when
    ``pp == 1`` (overlapped with backward; earlier micro-batches under ``no_sync``), by one bucketed all-reduce
-   per step for pipeline stages;
+   per step for pipeline stages; or, with ``dp_mode="fsdp"``, reduce-scattered by FSDP2 (``fully_shard`` on the
+   dp axis of the DeviceMesh, per decoder block and each stage's root), so that each dp rank holds 1/dp of every
+   gradient (torch.chunk's rows), of every parameter between steps and of the AdamW state;
 4. the grad norm is the single-device one: the tp-aware norm of each stage's parameters, squares summed over
-   pp (the tied LM head counted once); clip; AdamW on each rank's own slices.
+   pp (the tied LM head counted once) and, under FSDP, over dp; clip; AdamW on each rank's own slices.
 
 The reported loss is the last stage's mean over micro-batches, broadcast over pp and averaged over dp.
 """
@@ -29,13 +31,44 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tensorpar import comm
-from tensorpar.grads import grad_norm, sync_duplicated_grads, sync_sequence_parallel_grads
+from tensorpar.grads import grad_norm, is_dtensor, local_tensor, sync_duplicated_grads, sync_sequence_parallel_grads
 from tensorpar.layers import vocab_parallel_cross_entropy
 from tensorpar.pipeline.stages import cut_stages
 from tensorpar.train.dropout import DropoutRNG, install_dropout
 from tensorpar.train.loop import StepResult, lr_at, make_optimizer
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+def public_attrs(p: torch.Tensor) -> dict:
+    """A tensor's own attributes that carry meaning for us (``tp_dim``, ``tp_partition``, ``sequence_parallel``,
+    ``ep_dim``, ...): the public entries of its ``__dict__`` (torch's private ones, e.g. ``_is_param``, left out)."""
+    return {k: v for k, v in vars(p).items() if not k.startswith("_")}
+
+
+def fully_shard_dp(module: nn.Module, mesh) -> nn.Module:
+    """Apply FSDP2 (``torch.distributed.fsdp.fully_shard``) over the 1-D dp ``mesh``: each decoder block
+    (``module.model.layers``, a list or a pipeline stage's dict) is one unit, the rest (embedding, final norm, LM
+    head) the root's. Returns ``module`` (now an ``FSDPModule``).
+
+    Shapes: every parameter becomes a DTensor of its tp-local shape, ``Shard(0)`` over dp (each dp rank holds
+    ``ceil(rows / dp)`` rows, the last fewer); the tp attributes (``tp_dim``, ``tp_partition``,
+    ``sequence_parallel``, ...) are copied onto the new parameters by name, so :mod:`tensorpar.grads` and the
+    checkpoint code still see them. Collectives (FSDP's): all-gather over dp before each unit's forward and
+    backward, reduce-scatter (average) of its gradients after backward.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    attrs = {n: public_attrs(p) for n, p in module.named_parameters()}
+    layers = module.model.layers
+    for block in (layers.values() if isinstance(layers, nn.ModuleDict) else layers):
+        fully_shard(block, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    for n, p in module.named_parameters():
+        for k, v in attrs.get(n, {}).items():
+            if not hasattr(p, k):
+                setattr(p, k, v)
+    return module
 
 
 class ParallelTrainer:
@@ -51,6 +84,9 @@ class ParallelTrainer:
     Raises:
         ValueError: ``batch_size`` not divisible by ``dp * micro_batches``; an unknown schedule; a family or
             layer count that the pipeline cannot cut (:func:`tensorpar.pipeline.stages.cut_stages`).
+
+    ``cfg.dp_mode == "fsdp"`` with ``dp > 1``: every stage module is sharded over dp by :func:`fully_shard_dp`
+    (instead of DDP or the per-step all-reduce); at ``dp == 1`` it changes nothing.
     """
 
     def __init__(self, cfg, ctx, model: nn.Module, plan, data):
@@ -65,14 +101,18 @@ class ParallelTrainer:
         self.rng = DropoutRNG(cfg.seed)
         install_dropout(model, self.rng, attention_dropout=cfg.attention_dropout, hidden_dropout=cfg.hidden_dropout)
         self.tied = plan.tie_word_embeddings and pp.size > 1
+        self.fsdp = getattr(cfg, "dp_mode", "ddp") == "fsdp" and dp.size > 1
+        dp_mesh = ctx.mesh["dp"] if self.fsdp else None
         if pp.size > 1:
             virtual = 2 if cfg.schedule == "interleaved-1f1b" else 1
             self.modules = cut_stages(model, pp.rank, pp.size, virtual)
+            if self.fsdp:
+                self.modules = [fully_shard_dp(mod, dp_mesh) for mod in self.modules]
             self.schedule = self._schedule(virtual)
         else:
-            self.modules, self.schedule = [model], None
+            self.modules, self.schedule = [fully_shard_dp(model, dp_mesh) if self.fsdp else model], None
         self.ddp = None
-        if pp.size == 1 and dp.size > 1:
+        if pp.size == 1 and dp.size > 1 and not self.fsdp:
             # torch's DDP averages the gradients over the dp group (bucketed, overlapped with backward); the
             # micro-batches before the last run under no_sync, so only the accumulated gradient is reduced
             from torch.nn.parallel import DistributedDataParallel
@@ -148,6 +188,8 @@ class ParallelTrainer:
             pairs = list(zip(ids.chunk(m), labels.chunk(m)))
             for i, (x, y) in enumerate(pairs):
                 sync = self.ddp is None or i == len(pairs) - 1
+                if self.fsdp:  # as DDP's no_sync: FSDP reduce-scatters the accumulated gradient once, at the last
+                    net.set_requires_gradient_sync(i == len(pairs) - 1)
                 with contextlib.nullcontext() if sync else self.ddp.no_sync():
                     loss = self._loss_fn(net(input_ids=x, use_cache=False).logits, y) / m
                     loss.backward()
@@ -172,8 +214,8 @@ class ParallelTrainer:
             if p is not None:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=self.embed_group)
-        if dp.size > 1 and self.ddp is None:  # pipeline stages: one bucket, averaged over the replicas
+                dist.all_reduce(local_tensor(p.grad), group=self.embed_group)  # FSDP: same dp rows on both stages
+        if dp.size > 1 and self.ddp is None and not self.fsdp:  # pipeline stages: one bucket, replicas' average
             ps = [p for p in self.params if p.grad is not None]
             flat = comm.all_reduce(torch.cat([p.grad.reshape(-1) for p in ps]), dp) / dp.size
             off = 0
@@ -191,7 +233,7 @@ class ParallelTrainer:
         if self.tied and self.ctx.pp.rank == self.ctx.pp.size - 1 and self.ctx.pp.rank != 0:
             tied = self._tied_param()
             params = [p for p in params if p is not tied]
-        sq = grad_norm(params, self.ctx.tp) ** 2
+        sq = grad_norm(params, self.ctx.tp, self.ctx.dp if self.fsdp else None) ** 2
         return comm.all_reduce(sq.reshape(1), self.ctx.pp)[0].sqrt()
 
     # ------------------------------------------------------------ evaluation
@@ -272,7 +314,7 @@ class ParallelTrainer:
         from tensorpar.train.checkpoint import CheckpointError, gather_full_state, write_checkpoint
 
         ctx = self.ctx
-        model_t, optim_t, opt_step = gather_full_state(self._checkpoint_names(), self.optimizer, ctx.tp)
+        model_t, optim_t, opt_step = gather_full_state(*self._tp_local_state(), ctx.tp)
         error = ""
         if ctx.dp.rank == 0 and ctx.tp.rank == 0:
             parts = [None] * ctx.pp.size if ctx.pp.rank == 0 else None
@@ -300,6 +342,59 @@ class ParallelTrainer:
             raise CheckpointError(box[0])
         return final
 
+    def tp_local(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (a parameter, gradient or optimizer state of this rank) at its tp-local shape, whole over dp.
+
+        FSDP2 DTensors (``dp_mode="fsdp"``) are gathered: ``t.full_tensor()``, one all-gather over dp, so every dp
+        rank must call it for the same tensors in the same order. Anything else is returned as is. This is the one
+        place where the checkpoint code learns how dp holds a tensor.
+        """
+        return t.full_tensor() if is_dtensor(t) else t
+
+    def _tp_local_state(self, *, gather: bool = True):
+        """``(named_params, optimizer)`` for the tp-level checkpoint code (:func:`gather_full_state`,
+        :func:`load_checkpoint`): without FSDP the parameters and optimizer themselves; under FSDP plain tensors of
+        the tp-local shapes carrying the parameters' tp attributes (with ``gather``: their values, via
+        :meth:`tp_local`; without: uninitialised, to be read into) and an object whose ``state`` maps them to
+        the AdamW state, gathered likewise. :meth:`_set_tp_local_state` copies such tensors back."""
+        import types
+
+        named = self._checkpoint_names()
+        if not self.fsdp:
+            return named, self.optimizer
+        out, state = [], {}
+        with torch.no_grad():
+            for n, p in named:
+                t = (self.tp_local(p.detach()).clone() if gather
+                     else torch.empty(p.shape, dtype=p.dtype, device=local_tensor(p.detach()).device))
+                for k, v in public_attrs(p).items():
+                    setattr(t, k, v)
+                st = self.optimizer.state.get(p)
+                if gather and st:
+                    state[t] = {k: self.tp_local(v) if torch.is_tensor(v) else v for k, v in st.items()}
+                out.append((n, t))
+        return out, types.SimpleNamespace(state=state)
+
+    def _set_tp_local_state(self, named, optim) -> None:
+        """Under FSDP, keep this dp rank's rows of tp-local tensors read by :meth:`_tp_local_state` (no collectives):
+        into the parameters, and as the AdamW state (DTensors laid out like their parameter)."""
+        if not self.fsdp:
+            return
+        from torch.distributed.tensor import DTensor
+
+        from tensorpar.grads import dp_rows
+
+        with torch.no_grad():
+            for (_, p), (_, t) in zip(self._checkpoint_names(), named):
+                start, n = dp_rows(p)
+                local_tensor(p.detach()).copy_(t.narrow(0, start, n))
+                st = optim.state.get(t)
+                if st:
+                    self.optimizer.state[p] = {
+                        k: (DTensor.from_local(v.narrow(0, start, n).clone(), p.device_mesh, p.placements,
+                                               shape=p.shape, stride=p.stride())
+                            if torch.is_tensor(v) and v.shape == t.shape else v) for k, v in st.items()}
+
     def _checkpoint_names(self):
         """Parameters under their checkpoint names: a tied LM head on the last stage is the embedding (stored once)."""
         if not self.tied:
@@ -317,11 +412,19 @@ class ParallelTrainer:
         from tensorpar.train.checkpoint import latest_checkpoint, load_checkpoint
 
         ckpt = latest_checkpoint(path)
-        state = load_checkpoint(ckpt, named_params=self._checkpoint_names(), optimizer=self.optimizer,
-                                tp=self.ctx.tp, part=self.ctx.pp.size > 1)
+        named, optim = self._tp_local_state(gather=False)
+        state = load_checkpoint(ckpt, named_params=named, optimizer=optim, tp=self.ctx.tp, part=self.ctx.pp.size > 1)
+        self._set_tp_local_state(named, optim)
         self.batches.load_state_dict(state["data"])
         self.step = int(state["step"])
         return state
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of the AdamW moments (``exp_avg``, ``exp_avg_sq``; the scalar step counts left out) that this rank
+        holds: its dp rows under FSDP (the dp ranks' parts add up to DDP's, ~1/dp each), every tensor whole under
+        DDP. 0 before the first step (the state is created lazily)."""
+        return sum(local_tensor(v).numel() * v.element_size() for st in self.optimizer.state.values()
+                   for k, v in st.items() if k != "step" and torch.is_tensor(v))
 
     def train_step(self, inspect=None) -> StepResult:
         """Take the next global batch and do one optimiser step; ``inspect(trainer)`` sees the complete grads."""
@@ -336,7 +439,7 @@ class ParallelTrainer:
             scale = (self.cfg.grad_clip / (norm + 1e-6)).clamp(max=1.0)
             for p in self.params:
                 if p.grad is not None:
-                    p.grad.mul_(scale)
+                    local_tensor(p.grad).mul_(scale)
         if inspect is not None:
             inspect(self)
         lr = lr_at(self.cfg, self.step)

@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from tensorpar.train.config import PRESETS, TrainConfig
+from tensorpar.train.config import DP_MODES, PRESETS, TrainConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,6 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                                               "(gradient accumulation)")
     p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"], default=d.schedule,
                    help="pipeline schedule (pp > 1)")
+    p.add_argument("--dp-mode", choices=list(DP_MODES), default=d.dp_mode,
+                   help="data parallelism: ddp (whole replicas, gradients all-reduced) or fsdp (FSDP2 fully_shard on "
+                        "the dp axis: parameters, gradients and AdamW state sharded 1/dp, the planner's distributed "
+                        "optimizer); a no-op at --dp 1")
     p.add_argument("--sequence-parallel", action="store_true", help="split activations along the sequence "
                                                                      "between blocks (seq_len must divide by tp)")
     p.add_argument("--model", default=d.model, help=f"a preset ({', '.join(PRESETS)}), a config.json (from "
@@ -107,7 +111,7 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(model=args.model, init=args.init, data=args.data, tokenizer=args.tokenizer,
                        val_fraction=args.val_fraction, tp=args.tp, pp=args.pp, dp=args.dp,
                        micro_batches=args.micro_batches or default_micro_batches(args.pp, args.dp, args.batch_size),
-                       schedule=args.schedule,
+                       schedule=args.schedule, dp_mode=args.dp_mode,
                        sequence_parallel=args.sequence_parallel,
                        seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
                        min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup_steps,

@@ -26,6 +26,8 @@ PRESETS: dict[str, dict] = {
 }
 
 DTYPES = ("float32", "bfloat16")
+#: data-parallel modes: torch's DDP, or FSDP2 (fully_shard) on the dp mesh axis
+DP_MODES = ("ddp", "fsdp")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +48,10 @@ class TrainConfig:
         micro_batches: each data-parallel replica's rows are cut into this many micro-batches (gradient
             accumulation; the pipeline's micro-batches). schedule: the pipeline schedule, ``gpipe``, ``1f1b`` or
             ``interleaved-1f1b`` (two chunks per stage; micro_batches a multiple of pp).
+        dp_mode: how the dp replicas hold the model: ``"ddp"`` (torch's DistributedDataParallel without pp: every
+            replica keeps whole parameters and AdamW state, gradients all-reduced) or ``"fsdp"`` (FSDP2's
+            ``fully_shard`` on the dp axis, per decoder block and the root: parameters, gradients and AdamW state
+            sharded 1/dp; the planner's "distributed optimizer"). At dp = 1 both are the same (nothing to shard).
     Optimisation:
         seq_len, batch_size: tokens per step = ``seq_len * batch_size`` (the same at every tp).
         steps: optimiser steps in total (a resumed run continues up to it).
@@ -75,6 +81,7 @@ class TrainConfig:
     dp: int = 1
     micro_batches: int = 1
     schedule: str = "1f1b"
+    dp_mode: str = "ddp"
     sequence_parallel: bool = False
     seq_len: int = 128
     batch_size: int = 8
@@ -122,6 +129,8 @@ class TrainConfig:
                 bad(name, "must be a non-negative integer (0 = off where it is a period)")
         if self.schedule not in ("gpipe", "1f1b", "interleaved-1f1b"):
             bad("schedule", "use gpipe, 1f1b or interleaved-1f1b")
+        if self.dp_mode not in DP_MODES:
+            bad("dp_mode", f"use one of {', '.join(DP_MODES)}")
         if self.pp > 1 and self.schedule != "gpipe" and self.micro_batches < self.pp:
             raise ValueError(f"micro_batches={self.micro_batches} is fewer than pp={self.pp}, which the {self.schedule} "
                              f"schedule needs (every stage must have a micro-batch in flight); use micro_batches >= "
