@@ -37,8 +37,8 @@ def as_layout(ctx, layout: str):
 
 
 def job_fsdp(ctx, layout, cfg_kw):
-    """Train STEPS steps; return losses, grad norms, AdamW state bytes on this rank, and (pp) whether the tied
-    embedding is identical on the first and last stage."""
+    """Train STEPS steps; return losses, grad norms, AdamW state bytes on this rank, (pp) whether the tied
+    embedding is identical on the first and last stage, and the validation loss after training."""
     import torch.distributed as dist
 
     from tensorpar.grads import local_tensor
@@ -58,7 +58,7 @@ def job_fsdp(ctx, layout, cfg_kw):
         dist.all_reduce(other, group=tr.embed_group)
         tied_same = torch.equal(other, 2 * p)
     return dict(loss=[r.loss for r in out], norm=[r.grad_norm for r in out], state_bytes=tr.optimizer_state_bytes(),
-                tied_same=tied_same, dtensor=type(tr.params[0]).__name__)
+                tied_same=tied_same, dtensor=type(tr.params[0]).__name__, val=tr.evaluate(2))
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +94,7 @@ def test_fsdp_equals_single_process_and_ddp(pool, reference, layout, kw):
             assert f["loss"] == pytest.approx(other, rel=1e-5), f"rank {r}: losses {f['loss']} vs {what} {other}"
         for other, what in ((ref_norm, "single process"), (d["norm"], "DDP")):
             assert f["norm"] == pytest.approx(other, rel=1e-5), f"rank {r}: grad norms {f['norm']} vs {what} {other}"
+        assert f["val"] == pytest.approx(d["val"], rel=1e-5), f"rank {r}: validation loss {f['val']} vs {d['val']}"
         if f["tied_same"] is not None:
             assert f["tied_same"], f"rank {r}: tied embedding differs between first and last stage"
     # the distributed optimizer: the dp replicas of one tp/pp position hold disjoint parts of DDP's AdamW state
@@ -127,3 +128,12 @@ def test_dp_mode_is_checked():
         p.parse_args(["--dp-mode", "zero"])
     assert config_from_args(p.parse_args(["--dp", "2", "--dp-mode", "fsdp"])).dp_mode == "fsdp"
     assert config_from_args(p.parse_args([])).dp_mode == "ddp"
+
+
+def test_plan_names_fsdp_for_the_distributed_optimizer(capsys):
+    """``tensorpar plan``'s dist-opt column is run by ``--dp-mode fsdp``; the table says so when it shows one."""
+    from tensorpar import cli
+    from tests.test_planner_cli import GPT3
+    assert cli.main(["plan", *GPT3, "--top", "3"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "distopt=on" in out and "dist-opt on = `tensorpar train --dp-mode fsdp`" in out

@@ -101,7 +101,7 @@ class ParallelTrainer:
         self.rng = DropoutRNG(cfg.seed)
         install_dropout(model, self.rng, attention_dropout=cfg.attention_dropout, hidden_dropout=cfg.hidden_dropout)
         self.tied = plan.tie_word_embeddings and pp.size > 1
-        self.fsdp = getattr(cfg, "dp_mode", "ddp") == "fsdp" and dp.size > 1
+        self.fsdp = cfg.dp_mode == "fsdp" and dp.size > 1
         dp_mesh = ctx.mesh["dp"] if self.fsdp else None
         if pp.size > 1:
             virtual = 2 if cfg.schedule == "interleaved-1f1b" else 1

@@ -21,6 +21,12 @@ from tensorpar.planner.layout import ATTENTION, Assumptions, Workload, parse_lay
 NO_FIT = 3  # exit status when no layout fits (2: bad input, 1: a calibration worker failed)
 
 
+#: how a plan's distributed optimizer is run by ``tensorpar train`` (printed under tables that use it)
+DISTOPT_NOTE = ("dist-opt on = `tensorpar train --dp-mode fsdp`: FSDP2 (fully_shard on the dp axis) shards the AdamW "
+                "state 1/dp, and the gradients and weights too (ZeRO-3), so it needs less memory than the dist-opt "
+                "column and moves more (weights all-gathered in forward and again in backward).")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model (a preset, a config.json, or explicit dimensions)")
     model.add_argument("--model", help=f"preset ({', '.join([*ms.PRESETS, *ms.ALIASES])}) or path to a config.json")
@@ -269,6 +275,8 @@ def _plan(args) -> int:
     con.print(plan_table(shown, title, first_rank=first))
     for line in notes:
         con.print(line, highlight=False)
+    if any(p.layout.distributed_optimizer for p in shown):
+        con.print(DISTOPT_NOTE, highlight=False)
     con.print(f"[dim]{len(found.ranked)} layouts fit, {len(found.too_big)} need too much memory, "
               f"{len(found.rejected)} break a rule; planned in {elapsed:.2f} s"
               + (f"; plot written to {args.plot}" if args.plot else "") + "[/dim]")
