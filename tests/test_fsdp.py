@@ -23,7 +23,9 @@ GRID = ParallelConfig(tp=2, dp=2)
 def as_layout(ctx, layout: str):
     """A context for ``layout`` on the ranks of the (tp 2, dp 2) ``ctx``: "tp2-dp2" is ``ctx``; "dp2": tp = 1, so
     the two tp columns run as two independent dp-2 jobs; "pp2-dp2": the tp pairs are pipelines. The dp groups (and
-    the mesh's dp axis) are ``ctx``'s in every case."""
+    the mesh's dp axis) are ``ctx``'s in every case. "one": ``ctx`` is the one-process context, kept."""
+    if layout == "one":
+        return ctx
     mesh = ctx.mesh  # every rank builds it (collective group creation) before any trainer asks for it
     if layout == "tp2-dp2":
         return ctx
@@ -101,6 +103,13 @@ def test_fsdp_equals_single_process_and_ddp(pool, reference, layout, kw):
     # (ranks r and r + 2 are the two dp replicas of one position on the tp2 x dp2 grid)
     for r in range(2):
         assert fsdp[r]["state_bytes"] + fsdp[r + 2]["state_bytes"] == ddp[r]["state_bytes"] > 0, f"rank {r}"
+
+
+def test_fsdp_at_dp1_changes_nothing(reference):
+    """--dp-mode fsdp at dp = 1 is accepted and is a no-op: plain parameters, the reference losses."""
+    res = job_fsdp(ParallelContext.single(), "one", dict(micro_batches=2, dp_mode="fsdp"))
+    assert res["dtensor"] == "Parameter"
+    assert res["loss"] == pytest.approx(reference[0], rel=1e-5) and res["norm"] == pytest.approx(reference[1], rel=1e-5)
 
 
 def test_fsdp_checkpoint_resumes_on_one_process(pool, reference, tmp_path):

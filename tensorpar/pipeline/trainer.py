@@ -365,7 +365,7 @@ class ParallelTrainer:
         out, state = [], {}
         with torch.no_grad():
             for n, p in named:
-                t = (self.tp_local(p.detach()).clone() if gather
+                t = (self.tp_local(p.detach()) if gather
                      else torch.empty(p.shape, dtype=p.dtype, device=local_tensor(p.detach()).device))
                 for k, v in public_attrs(p).items():
                     setattr(t, k, v)
