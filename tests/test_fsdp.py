@@ -105,6 +105,37 @@ def test_fsdp_equals_single_process_and_ddp(pool, reference, layout, kw):
         assert fsdp[r]["state_bytes"] + fsdp[r + 2]["state_bytes"] == ddp[r]["state_bytes"] > 0, f"rank {r}"
 
 
+def job_clip(ctx):
+    """One fsdp step at (tp 2, dp 2); on its complete DTensor gradients, grads.clip_grad_norm_ returns the trainer's
+    global norm and leaves grad_norm at the limit; grad_norm without the dp group refuses DTensor gradients."""
+    from tensorpar import grads
+    from tensorpar.pipeline.trainer import ParallelTrainer
+    from tensorpar.train.model import ModelSource, build_model
+    cfg = replace(BASE, tp=2, dp=2, steps=STEPS, dp_mode="fsdp", grad_clip=0.0)
+    data = synthetic_data()
+    model, plan = build_model(cfg, ModelSource(tiny_config(**MODEL), None, None), ctx.tp, data.vocab_size)
+    tr = ParallelTrainer(cfg, ctx, model, plan, data)
+    seen = {}
+
+    def inspect(t):
+        seen["trainer"] = float(t.global_grad_norm())
+        seen["clip"] = float(grads.clip_grad_norm_(t.params, 0.25, t.ctx.tp, t.ctx.dp))
+        seen["after"] = float(grads.grad_norm(t.params, t.ctx.tp, t.ctx.dp))
+        try:
+            grads.grad_norm(t.params, t.ctx.tp)
+        except ValueError as e:
+            seen["error"] = str(e)
+    tr.train_step(inspect=inspect)
+    return seen
+
+
+def test_clip_grad_norm_on_fsdp_gradients(pool):
+    for r, s in enumerate(pool.run(job_clip)):
+        assert s["clip"] == pytest.approx(s["trainer"], rel=1e-6) and s["trainer"] > 0.25, f"rank {r}: {s}"
+        assert s["after"] == pytest.approx(0.25, rel=1e-5), f"rank {r}: {s}"
+        assert "pass the dp group" in s.get("error", ""), f"rank {r}: {s}"
+
+
 def test_fsdp_at_dp1_changes_nothing(reference):
     """--dp-mode fsdp at dp = 1 is accepted and is a no-op: plain parameters, the reference losses."""
     res = job_fsdp(ParallelContext.single(), "one", dict(micro_batches=2, dp_mode="fsdp"))
