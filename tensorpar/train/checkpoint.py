@@ -285,16 +285,22 @@ def stored_shapes(folder: str | os.PathLike) -> dict[str, tuple[int, ...]]:
 
 def read_pieces(folder: str | os.PathLike, ps: list[Piece]) -> None:
     """Fill ``ps`` (views of local tensors) from the safetensors pieces in ``folder`` with ``dcp.load``
-    (``no_dist``: no collective; reads only the stored boxes that overlap)."""
+    (``no_dist``: no collective; reads only the stored boxes that overlap). Raises ValueError if a read fails."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     if not ps:
         return
     _, LoadPieces = _planners()
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist is intended
-        dcp.load({}, storage_reader=HuggingFaceStorageReader(str(folder)), planner=LoadPieces(ps), no_dist=True)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist is intended
+            dcp.load({}, storage_reader=HuggingFaceStorageReader(str(folder)), planner=LoadPieces(ps), no_dist=True)
+    except CheckpointException as e:  # a BaseException: one line instead
+        raise ValueError(f"reading {folder} failed ({_first_error(e)}); the checkpoint is damaged, resume from "
+                         f"another one") from None
 
 
 def read_full(folder: str | os.PathLike, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
@@ -423,6 +429,7 @@ def save_pieces(root: str | os.PathLike, ps: list[Piece], *, step: int, state: d
             overlap or leave holes, ...); the previous checkpoint and ``latest`` are untouched.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     root = Path(root)
     final = root / f"step_{step:06d}"
@@ -445,8 +452,8 @@ def save_pieces(root: str | os.PathLike, ps: list[Piece], *, step: int, state: d
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: intended
             dcp.save({}, storage_writer=_dcp_writer(tmp), planner=planner, process_group=pg, no_dist=single)
-    except Exception as e:  # CheckpointException (any rank's failure, raised on all), OSError, ...
-        error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    except (Exception, CheckpointException) as e:  # DCP's (a BaseException): any rank's failure, raised on all
+        error = _first_error(e)
     if not _agree(not error, pg, device):  # every rank finished writing, or the save is abandoned
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -468,6 +475,17 @@ def save_pieces(root: str | os.PathLike, ps: list[Piece], *, step: int, state: d
     if not _agree(not error, pg, device):
         raise CheckpointError(_failed(root, final, error or "publishing failed on rank 0"))
     return final
+
+
+def _first_error(e: BaseException) -> str:
+    """One line for a failed ``dcp.save``: the first rank's underlying exception (DCP's CheckpointException holds
+    a traceback per failing rank), else the exception itself."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, inner = sorted(failures.items())[0]
+        inner = inner[0] if isinstance(inner, tuple) else inner  # (exception, traceback summary)
+        return f"rank {rank}: {type(inner).__name__}: {inner}"
+    return f"{type(e).__name__}: {e}".splitlines()[0]
 
 
 def _failed(root: Path, final: Path, why: str) -> str:
