@@ -69,7 +69,7 @@ import torch.nn as nn
 
 from tensorpar import comm
 from tensorpar.comm import Group
-from tensorpar.shard import Partition
+from tensorpar.shard import Partition, UnitSelection
 
 FORMAT = "tensorpar-train-v2"
 FORMAT_V1 = "tensorpar-train-v1"   # full-shape files written by rank 0 (still loaded)
@@ -158,18 +158,30 @@ def pieces(key: str, t: torch.Tensor, param: torch.Tensor, tp_rank: int, *, owne
         if owned and tp_rank != 0:
             return []
         return [Piece(key, t, (0,) * t.dim(), size)]
-    idx = part.indices(tp_rank)
-    keep = part.owner_mask(tp_rank) if owned else [True] * len(idx)
-    out, start = [], None
-    for i in range(len(idx) + 1):
-        cont = (i < len(idx) and keep[i] and start is not None and idx[i] == idx[i - 1] + 1)
-        if start is not None and not cont:  # close the run [start, i)
-            off = [0] * t.dim()
-            off[dim] = idx[start]
-            out.append(Piece(key, t.narrow(dim, start, i - start), tuple(off), size))
-            start = None
-        if start is None and i < len(idx) and keep[i]:
-            start = i
+    if isinstance(part, Partition):  # one contiguous range, owned by its only holder
+        runs = [(0, part.offsets[tp_rank], part.sizes[tp_rank])]
+    elif isinstance(part, UnitSelection):  # walk its units (heads, not rows); owner: the lowest holding rank
+        first: dict[int, int] = {}
+        for r, us in enumerate(part.units):
+            for u in us:
+                first.setdefault(u, r)
+        runs = []  # (local row, global row, rows)
+        for i, u in enumerate(part.units[tp_rank]):
+            if owned and first[u] != tp_rank:
+                continue
+            lo, go = i * part.unit, u * part.unit
+            if runs and runs[-1][0] + runs[-1][2] == lo and runs[-1][1] + runs[-1][2] == go:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + part.unit)
+            else:
+                runs.append((lo, go, part.unit))
+    else:
+        raise TypeError(f"{key}: tp_partition of type {type(part).__name__} cannot be checkpointed; expected a "
+                        f"Partition or a UnitSelection")
+    out = []
+    for lo, go, n in runs:
+        off = [0] * t.dim()
+        off[dim] = go
+        out.append(Piece(key, t.narrow(dim, lo, n), tuple(off), size))
     return out
 
 
