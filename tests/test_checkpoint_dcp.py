@@ -171,6 +171,21 @@ def test_dcp_save_and_resume_at_other_layouts(reference, tmp_path):
     # tp = 1 on one process (the tp-only Trainer), nothing unpickled
     for root in (root_pp, root_dp):
         assert job_resume(ParallelContext.single(), {}, root) == tail, root
+    # --export from the 4-rank checkpoint: the full tensors equal what a tp = 1 resume reads (tied LM head too)
+    from transformers import AutoModelForCausalLM
+
+    from tensorpar.train.export import export_hf
+    one = _trainer(ParallelContext.single(), {})
+    one.resume(root_pp)
+    hf = AutoModelForCausalLM.from_pretrained(export_hf(root_pp, tmp_path / "hf")).state_dict()
+    for n, p in one.named_params:
+        assert torch.equal(hf[n], p.detach()), n
+    assert torch.equal(hf["lm_head.weight"], hf["model.embed_tokens.weight"])
+    # a missing shard file (tp rank 1's pieces of the (tp2, dp2) checkpoint) is refused, never read as zeros
+    (Path(root_dp) / f"step_{SAVE_AT:06d}" / "model" / "shard-00002-00001.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"tensor 'model.embed_tokens.weight' is incomplete: its stored pieces hold "
+                                         r"1360 of the 2680 elements"):
+        job_resume(ParallelContext.single(), {}, root_dp)
     st = read_state(Path(root_pp) / f"step_{SAVE_AT:06d}")
     assert (st["tp_size_at_save"], st["pp_size_at_save"], st["dp_size_at_save"]) == (2, 2, 1)
     assert st["tensors"]["model.layers.0.self_attn.q_proj.weight"] == [40, 40]

@@ -283,15 +283,37 @@ def _planners():
     return SavePieces, LoadPieces
 
 
-def stored_shapes(folder: str | os.PathLike) -> dict[str, tuple[int, ...]]:
-    """Key -> full shape of every tensor in a folder of safetensors files (headers only: DCP's
-    ``HuggingFaceStorageReader`` metadata; nothing is unpickled). Raises ValueError for a corrupt file."""
+def _metadata(folder: str | os.PathLike, expect: dict | None = None):
+    """DCP's metadata of a folder of safetensors pieces, rebuilt from their headers (JSON; nothing unpickled),
+    after checking that the pieces of every key fill its full shape (``expect[key]`` where given: a missing
+    last piece would otherwise shrink the inferred shape).
+
+    Raises:
+        ValueError: a truncated or corrupt file (naming it); a key whose pieces do not fill it (a shard file
+            missing), naming the key and the element counts.
+    """
+    import math
+
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     from tensorpar.hub import check_safetensors
 
     check_safetensors(folder)  # a truncated or corrupt file fails here, naming it
     md = HuggingFaceStorageReader(str(folder)).read_metadata()
+    for key, v in md.state_dict_metadata.items():
+        size = tuple((expect or {}).get(key) or v.size)
+        held = sum(math.prod(c.sizes) for c in v.chunks)
+        if held != math.prod(size):
+            raise ValueError(f"{folder}: tensor {key!r} is incomplete: its stored pieces hold {held} of the "
+                             f"{math.prod(size)} elements of its shape {_shape(size)}; a shard file is missing or "
+                             f"damaged, resume from another checkpoint")
+    return md
+
+
+def stored_shapes(folder: str | os.PathLike, expect: dict | None = None) -> dict[str, tuple[int, ...]]:
+    """Key -> full shape of every tensor in a folder of safetensors pieces (headers only). Raises the
+    ValueErrors of :func:`_metadata` (corrupt file, pieces that do not fill a tensor)."""
+    md = _metadata(folder, expect)
     return {k: tuple(v.size) for k, v in md.state_dict_metadata.items()}
 
 
@@ -315,15 +337,12 @@ def read_pieces(folder: str | os.PathLike, ps: list[Piece]) -> None:
                          f"another one") from None
 
 
-def read_full(folder: str | os.PathLike, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
+def read_full(folder: str | os.PathLike, keys: list[str] | None = None,
+              expect: dict | None = None) -> dict[str, torch.Tensor]:
     """Whole tensors (CPU, stored dtype) of ``keys`` (default all) from a folder of pieces, assembled by DCP on
-    this process (for export: a one-off that holds the full model)."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-
-    from tensorpar.hub import check_safetensors
-
-    check_safetensors(folder)
-    md = HuggingFaceStorageReader(str(folder)).read_metadata()
+    this process (for export: a one-off that holds the full model). ``expect``: key -> full shape (the
+    checkpoint's ``tensors``). Raises the ValueErrors of :func:`_metadata`."""
+    md = _metadata(folder, expect)
     out = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
            if keys is None or k in keys}
     read_pieces(folder, [Piece(k, t, (0,) * t.dim(), tuple(t.shape)) for k, t in out.items()])
@@ -646,7 +665,8 @@ def load_checkpoint(ckpt: str | os.PathLike, *, named_params: list[tuple[str, nn
     ckpt = Path(ckpt)
     state = read_state(ckpt)
     model_dir, optim_dir = tensor_dirs(ckpt, state)
-    stored = stored_shapes(model_dir)
+    shapes = state.get("tensors") if isinstance(state.get("tensors"), dict) else {}
+    stored = stored_shapes(model_dir, shapes)
     names = [n for n, _ in named_params]
     missing = [n for n in names if n not in stored]
     extra = [] if part else sorted(set(stored) - set(names))
@@ -661,7 +681,7 @@ def load_checkpoint(ckpt: str | os.PathLike, *, named_params: list[tuple[str, nn
                              f"the checkpoint was trained with")
     read_pieces(model_dir, [pc for name, p in named_params for pc in pieces(name, p.data, p, tp.rank, owned=False)])
     if optimizer is not None and state.get("optimizer_step", 0) > 0:
-        have = stored_shapes(optim_dir)
+        have = stored_shapes(optim_dir, {f"{k}/{n}": s for n, s in shapes.items() for k in OPTIM_KEYS})
         ps = []
         for name, p in named_params:
             if f"{OPTIM_KEYS[0]}/{name}" not in have:  # never updated (no gradient yet): no state

@@ -103,7 +103,7 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, overwrite: boo
     config = AutoConfig.from_pretrained(ckpt)
     config.use_cache = True
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = read_full(tensor_dirs(ckpt, state)[0])
+    tensors = read_full(tensor_dirs(ckpt, state)[0], expect=state.get("tensors") or None)
     result = model.load_state_dict(tensors, strict=False)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     missing = [k for k in result.missing_keys if k not in tied]
