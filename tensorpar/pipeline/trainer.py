@@ -272,12 +272,13 @@ class ParallelTrainer:
         from tensorpar.train.checkpoint import optimizer_step, save_pieces, state_pieces
 
         ctx = self.ctx
-        mine = []
-        if ctx.dp.rank == 0:
-            mine = self._checkpoint_names()
-            if self.tied and ctx.pp.rank != 0:  # the tied LM head is the embedding: stored by the first stage
-                mine = [(n, p) for n, p in mine if n != "model.embed_tokens.weight"]
+        mine = self._checkpoint_names()
+        if self.tied and ctx.pp.rank != 0:  # the tied LM head is the embedding: stored by the first stage
+            mine = [(n, p) for n, p in mine if n != "model.embed_tokens.weight"]
+        # every replica asks _tp_local for the same tensors (a dp-sharded mode may gather there); replica 0 writes
         ps = state_pieces(mine, self.optimizer, ctx.tp.rank, local=self._tp_local)
+        if ctx.dp.rank != 0:
+            ps = []
         state = {"config": self.cfg.to_dict(), "data": self.batches.state_dict(),
                  "tokenizer": self.data.tokenizer, "data_source": self.data.source,
                  "tp_size_at_save": ctx.tp.size, "pp_size_at_save": ctx.pp.size, "dp_size_at_save": ctx.dp.size}
@@ -290,7 +291,8 @@ class ParallelTrainer:
         """The tp-local tensor a checkpoint stores for ``param`` (``t``: its data or an AdamW moment).
 
         Shape: ``param``'s tp-local shape. With DDP every replica holds it whole, so it is ``t``; a dp mode that
-        shards over dp returns its dp-complete tensor here (e.g. ``t.full_tensor()``).
+        shards over dp returns its dp-complete tensor here (e.g. ``t.full_tensor()``). Called on every rank, for
+        the same parameters in the same order, so it may run a collective over dp.
         """
         return t
 
