@@ -668,6 +668,9 @@ def load_checkpoint(ckpt: str | os.PathLike, *, named_params: list[tuple[str, nn
     shapes = state.get("tensors") if isinstance(state.get("tensors"), dict) else {}
     stored = stored_shapes(model_dir, shapes)
     names = [n for n, _ in named_params]
+    if len(set(names)) != len(names):
+        raise ValueError(f"named_params lists {sorted({n for n in names if names.count(n) > 1})[:3]} more than once; "
+                         f"pass each (tied) parameter once")
     missing = [n for n in names if n not in stored]
     extra = [] if part else sorted(set(stored) - set(names))
     if missing or extra:
