@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from tensorpar.parallel import ParallelContext
-from tensorpar.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, read_state
+from tensorpar.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, read_full, read_state
 from tests._train_jobs import BASE, make_trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,8 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 def _check_whole(ckpt: Path) -> int:
     """Load a checkpoint written by tests/_ckpt_writer.py and check every element; return its step."""
     step = read_state(ckpt)["filled_with"]
-    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as h:
-        w = h.get_tensor("weight")
+    w = read_full(ckpt / "model")["weight"]
     assert torch.all(w == step), f"{ckpt}: weight not uniformly {step}"
     return step
 
@@ -38,7 +36,7 @@ def test_kill_9_during_save_leaves_previous_loadable(tmp_path):
         assert proc.stdout.readline().strip() == "SAVED", proc.stderr.read()
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:   # wait until a save is half-written, then kill
-            if any((d / "model.safetensors").exists() for d in root.glob(".tmp-*")):
+            if any(list((d / "model").glob("*.safetensors")) for d in root.glob(".tmp-*")):
                 proc.kill()
                 break
             time.sleep(0.001)
@@ -88,7 +86,8 @@ def test_loading_never_unpickles(tmp_path, monkeypatch):
     tr.train_step()
     ckpt = tr.save(tmp_path)
     files = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file())
-    assert files == ["config.json", "model.safetensors", "optimizer/state.safetensors", "trainer_state.json"]
+    assert files == ["config.json", "model/shard-00001-00001.safetensors", "optimizer/shard-00001-00001.safetensors",
+                     "trainer_state.json"]
 
     def refuse(*a, **k):
         raise AssertionError("checkpoint loading unpickled something")

@@ -304,43 +304,39 @@ class ParallelTrainer:
     def save(self, root):
         """Checkpoint in the layout-independent format of :mod:`tensorpar.train.checkpoint` (every rank calls).
 
-        Each stage's tensors are assembled at full shape over tp; the first replica's stages send theirs to
-        global rank 0, which writes the one checkpoint folder atomically (so it resumes at any tp, pp, dp,
-        tp = 1 on one process included). Collectives: all-gathers over tp, one gather over pp, one broadcast of
-        the outcome over all ranks. Raises CheckpointError on every rank if the write failed.
+        Every rank writes the pieces it owns, in parallel, with ``torch.distributed.checkpoint``: data-parallel
+        replica 0 only, each pipeline stage its own layers (a tied embedding / LM head on the first stage), each
+        tp rank its rows (:func:`~tensorpar.train.checkpoint.state_pieces`); no rank gathers parameters or
+        optimizer state. Rank 0 publishes the folder once all ranks have written. It resumes at any (tp, pp,
+        dp), tp = 1 on one process included. Collectives: DCP's plan exchange and three one-element
+        all-reduces over all ranks. Raises CheckpointError on every rank if any rank's write failed.
         """
-        from pathlib import Path
-
-        from tensorpar.train.checkpoint import CheckpointError, gather_full_state, write_checkpoint
+        from tensorpar.train.checkpoint import optimizer_step, save_pieces, state_pieces
 
         ctx = self.ctx
-        model_t, optim_t, opt_step = gather_full_state(*self._tp_local_state(), ctx.tp)
-        error = ""
-        if ctx.dp.rank == 0 and ctx.tp.rank == 0:
-            parts = [None] * ctx.pp.size if ctx.pp.rank == 0 else None
-            if ctx.pp.size > 1:
-                dist.gather_object((model_t, optim_t), parts, dst=int(ctx.grid[0, 0, 0]),
-                                   group=self._pp_leaders())
-            else:
-                parts = [(model_t, optim_t)]
-            if ctx.rank == 0:
-                for m, o in parts[1:]:
-                    model_t.update(m)
-                    optim_t.update(o)
-                state = {"config": self.cfg.to_dict(), "data": self.batches.state_dict(),
-                         "tokenizer": self.data.tokenizer, "data_source": self.data.source,
-                         "tp_size_at_save": ctx.tp.size, "pp_size_at_save": ctx.pp.size,
-                         "dp_size_at_save": ctx.dp.size}
-                error = write_checkpoint(root, model_t, optim_t, state, step=self.step, optimizer_step=opt_step,
-                                         config_json=self.modules[0].config.to_json_string(),
-                                         keep=self.cfg.keep_checkpoints)
-        box = [error]
-        if ctx.world_size > 1:
-            dist.broadcast_object_list(box, src=0)
-        final = Path(root) / f"step_{self.step:06d}"
-        if box[0]:
-            raise CheckpointError(box[0])
-        return final
+        mine = self._checkpoint_names()
+        if self.tied and ctx.pp.rank != 0:  # the tied LM head is the embedding: stored by the first stage
+            mine = [(n, p) for n, p in mine if n != "model.embed_tokens.weight"]
+        # every replica asks _tp_local for the same tensors (a dp-sharded mode may gather there); replica 0 writes
+        ps = state_pieces(mine, self.optimizer, ctx.tp.rank, local=self._tp_local)
+        if ctx.dp.rank != 0:
+            ps = []
+        state = {"config": self.cfg.to_dict(), "data": self.batches.state_dict(),
+                 "tokenizer": self.data.tokenizer, "data_source": self.data.source,
+                 "tp_size_at_save": ctx.tp.size, "pp_size_at_save": ctx.pp.size, "dp_size_at_save": ctx.dp.size}
+        return save_pieces(root, ps, step=self.step, state=state,
+                           optimizer_step=optimizer_step(self.named_params, self.optimizer),
+                           config_json=self.modules[0].config.to_json_string(), keep=self.cfg.keep_checkpoints,
+                           pg=None, rank=ctx.rank, device=ctx.device)
+
+    def _tp_local(self, param: nn.Parameter, t: torch.Tensor) -> torch.Tensor:
+        """The tp-local tensor a checkpoint stores for ``param`` (``t``: its data or an AdamW moment).
+
+        Shape: ``param``'s tp-local shape. With DDP every replica holds it whole, so it is ``t``; under FSDP2 it is
+        gathered over dp by :meth:`tp_local` (one all-gather over dp). Called on every rank, for the same
+        parameters in the same order.
+        """
+        return self.tp_local(t)
 
     def tp_local(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (a parameter, gradient or optimizer state of this rank) at its tp-local shape, whole over dp.
@@ -408,7 +404,9 @@ class ParallelTrainer:
         return self._leaders
 
     def resume(self, path) -> dict:
-        """Continue from a checkpoint saved at any (tp, pp, dp): each rank reads its stage's slices."""
+        """Continue from a checkpoint saved at any (tp, pp, dp): each rank reads the stored pieces that overlap its
+        stage's rows (no collective). Raises the ValueErrors of :func:`tensorpar.train.checkpoint.load_checkpoint`
+        (e.g. a checkpoint of another model shape, naming the tensor and both shapes)."""
         from tensorpar.train.checkpoint import latest_checkpoint, load_checkpoint
 
         ckpt = latest_checkpoint(path)

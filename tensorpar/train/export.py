@@ -1,9 +1,11 @@
 """Export a training checkpoint as a Hugging Face model folder (``from_pretrained`` loads it).
 
-A checkpoint already stores full-shape weights under the model's own parameter names, so export is:
-build the transformers model from the checkpoint's ``config.json``, load ``model.safetensors`` into it
-(strictly: only a tied LM head may be absent), ``save_pretrained`` into a new temporary folder next to
-the destination, add the tokenizer files and a marker (:data:`MARKER`, listing every file written),
+A checkpoint stores its weights under the model's own parameter names at full-shape coordinates, in the
+pieces the ranks wrote (any layout), so export is: build the transformers model from the checkpoint's
+``config.json``, assemble each full tensor on this process with ``torch.distributed.checkpoint``
+(:func:`tensorpar.train.checkpoint.read_full`; export is a one-off that may hold the whole model), load them
+into the model (strictly: only a tied LM head may be absent), ``save_pretrained`` into a new temporary
+folder next to the destination, add the tokenizer files and a marker (:data:`MARKER`, listing every file written),
 and move the result into place.
 
 The destination is never emptied: it must be new, an empty folder, or a previous tensorpar export
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from tensorpar.train.checkpoint import MODEL_FILE, latest_checkpoint, read_state
+from tensorpar.train.checkpoint import latest_checkpoint, read_full, read_state, tensor_dirs
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "chat_template.jinja")
@@ -92,7 +94,6 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, overwrite: boo
         FileExistsError: see :func:`check_export_dir` (nothing is written in that case).
         ValueError: the checkpoint's tensors do not fit its config (naming them).
     """
-    from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     ckpt = latest_checkpoint(ckpt)
@@ -102,7 +103,7 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, overwrite: boo
     config = AutoConfig.from_pretrained(ckpt)
     config.use_cache = True
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_file(str(ckpt / MODEL_FILE))
+    tensors = read_full(tensor_dirs(ckpt, state)[0], expect=state.get("tensors") or None)
     result = model.load_state_dict(tensors, strict=False)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     missing = [k for k in result.missing_keys if k not in tied]

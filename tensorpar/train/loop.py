@@ -182,7 +182,8 @@ class Trainer:
     # ------------------------------------------------------------ checkpoints
 
     def save(self, root) -> Path:
-        """Checkpoint the model, AdamW state, step and data position (every rank calls; rank 0 writes).
+        """Checkpoint the model, AdamW state, step and data position (every tp rank calls and writes the rows it
+        owns with DCP, in parallel; rank 0 publishes the folder once all have written).
 
         See :func:`tensorpar.train.checkpoint.save_checkpoint` for the format and its errors.
         """
@@ -193,7 +194,8 @@ class Trainer:
                                keep=self.cfg.keep_checkpoints)
 
     def resume(self, path) -> dict:
-        """Continue from the checkpoint at ``path`` (a checkpoint folder, or a root: its ``latest``), saved at any tp.
+        """Continue from the checkpoint at ``path`` (a checkpoint folder, or a root: its ``latest``), saved at any
+        (tp, pp, dp).
 
         Restores parameters, AdamW moments and step count, the data position and the step counter; the
         learning rate and dropout masks are functions of the step, so nothing else is needed. Raises the
