@@ -22,12 +22,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from tensorpar.launch import DEFAULT_TIMEOUT_S, DEFAULT_TP
 
     d = TrainConfig()
-    p.add_argument("--tp", type=int, default=DEFAULT_TP, help="tensor-parallel degree (local ranks started "
-                                                              "here; under torchrun the world size is used)")
-    p.add_argument("--pp", type=int, default=d.pp, help="pipeline-parallel degree (stages; torch.distributed."
-                                                        "pipelining)")
-    p.add_argument("--dp", type=int, default=d.dp, help="data-parallel degree (replicas; world size = tp x pp x "
-                                                        "dp, rank order tp fastest, then pp, then dp)")
+    p.add_argument("--tp", type=int, default=None, help=f"tensor-parallel degree (default {DEFAULT_TP}; world "
+                                                          f"size = tp x pp x dp)")
+    p.add_argument("--pp", type=int, default=None, help=f"pipeline-parallel degree (default {d.pp}; stages, "
+                                                        f"torch.distributed.pipelining)")
+    p.add_argument("--dp", type=int, default=None, help=f"data-parallel degree (default {d.dp}; replicas; rank order "
+                                                        f"tp fastest, then pp, then dp)")
+    p.add_argument("--plan", default=None, metavar="auto|PLAN.json",
+                   help="take tp, pp, dp, micro-batches, schedule, sequence parallelism and recomputation from the "
+                        "planner: 'auto' (the fastest layout of --nproc ranks on this machine, measured once and "
+                        "cached) or a file saved by 'tensorpar plan --json'; prints predicted vs measured at the end")
+    p.add_argument("--nproc", type=int, default=None, help="ranks to start with --plan (under torchrun: its "
+                                                           "WORLD_SIZE)")
     p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per replica and step (default: "
                                                                    "pp, so that every stage has work; 1 without pp) "
                                                                               "(gradient accumulation)")
@@ -103,10 +109,20 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise
 
 
+def _degrees(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(tp, pp, dp) from the flags, with their defaults (``--tp`` etc. default to None so that ``--plan`` can tell
+    an explicit degree from a default one)."""
+    from tensorpar.launch import DEFAULT_TP
+
+    tp, pp, dp = (getattr(args, k, None) for k in ("tp", "pp", "dp"))
+    return (DEFAULT_TP if tp is None else tp, 1 if pp is None else pp, 1 if dp is None else dp)
+
+
 def _config_from_args(args: argparse.Namespace) -> TrainConfig:
+    tp, pp, dp = _degrees(args)
     return TrainConfig(model=args.model, init=args.init, data=args.data, tokenizer=args.tokenizer,
-                       val_fraction=args.val_fraction, tp=args.tp, pp=args.pp, dp=args.dp,
-                       micro_batches=args.micro_batches or default_micro_batches(args.pp, args.dp, args.batch_size),
+                       val_fraction=args.val_fraction, tp=tp, pp=pp, dp=dp,
+                       micro_batches=args.micro_batches or default_micro_batches(pp, dp, args.batch_size),
                        schedule=args.schedule,
                        sequence_parallel=args.sequence_parallel,
                        seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
@@ -154,11 +170,15 @@ def prepare(cfg: TrainConfig, *, progress: bool = True):
 
 
 def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None = None, progress: bool = True,
-        prepared=None, overwrite: bool = False, check_collectives: bool = False) -> dict:
+        prepared=None, overwrite: bool = False, check_collectives: bool = False, tensor_peak: bool = False) -> dict:
     """Train on the ranks of ``ctx.tp`` until ``cfg.steps``; every rank calls it. Returns a summary dict.
 
     ``export``: also write the final checkpoint as a Hugging Face folder there (``overwrite``: it may
     replace a previous tensorpar export; see :func:`tensorpar.train.export.export_hf`).
+    ``tensor_peak``: on a CPU, run the first step under :func:`tensorpar.planner.calibrate.peak_memory_bytes` and
+    report its peak of live tensors plus this rank's parameters as ``summary["tensor_peak_bytes"]`` (slower; the
+    first step is left out of the step times' median anyway). The summary also holds every step's seconds
+    (``step_times_s``) and the resident-set growth of this rank (``peak_memory_bytes``, :class:`PeakMemory`).
     Raises FileExistsError when starting afresh (no ``resume``) over an earlier run's metrics.
     """
     from tqdm.auto import tqdm
@@ -168,12 +188,15 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
     from tensorpar.train.model import build_model
 
     source, data = prepared or prepare(cfg, progress=progress and ctx.rank == 0)
+    from tensorpar.train.autoplan import PeakMemory
+    peak = PeakMemory(ctx.device)  # this rank's memory from here on (model, optimizer, activations)
     model, plan = build_model(cfg, source, ctx.tp, data.vocab_size, device=ctx.device)
     if cfg.pp == cfg.dp == cfg.micro_batches == 1:
         trainer = Trainer(cfg, ctx.tp, model, plan, data)
     else:
         from tensorpar.pipeline.trainer import ParallelTrainer
         trainer = ParallelTrainer(cfg, ctx, model, plan, data)
+    del model  # a pipeline stage keeps only its chunks; the other layers are freed here
     out = Path(cfg.out_dir)
     ckroot = out / "checkpoints"
     main = ctx.rank == 0
@@ -192,8 +215,15 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
     if fp_on:
         fingerprint.enable(ctx.tp)
     last = val = None
+    step_times: list[float] = []
+    tensor_peak_bytes = None
     while trainer.step < cfg.steps:
-        r = trainer.train_step()
+        if tensor_peak and not step_times and ctx.device.type == "cpu":
+            from tensorpar.train.autoplan import step_with_tensor_peak
+            r, tensor_peak_bytes = step_with_tensor_peak(trainer)
+        else:
+            r = trainer.train_step()
+        step_times.append(r.time_s)
         if fp_on:  # the tp ranks issued the same collectives and agree on the loss (step 0, then every 50)
             fingerprint.check(ctx.tp, {"step": r.step, "loss": r.loss})
         last = r
@@ -210,9 +240,12 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
         if cfg.save_every and r.step % cfg.save_every == 0 and r.step != cfg.steps:
             trainer.save(ckroot)
     bar.close()
+    peak_bytes = peak.peak_bytes()  # before the checkpoint (which assembles full tensors)
     ckpt = trainer.save(ckroot)
     summary = {"step": trainer.step, "checkpoint": str(ckpt), "loss": last.loss if last else None,
-               "val_loss": val, "metrics": str(out / "metrics.jsonl")}
+               "val_loss": val, "metrics": str(out / "metrics.jsonl"), "step_times_s": step_times,
+               "peak_memory_bytes": peak_bytes, "peak_memory_method": peak.method,
+               "tensor_peak_bytes": tensor_peak_bytes}
     if main:
         try:
             summary["plot"] = str(plot_losses(out / "metrics.jsonl", out / "loss.png",
@@ -226,7 +259,8 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
     return summary
 
 
-def _rank_main(cfg: TrainConfig, resume, export, progress, timeout, overwrite=False, check_collectives=False) -> int:
+def _rank_main(cfg: TrainConfig, resume, export, progress, timeout, overwrite=False, check_collectives=False,
+               prediction=None) -> int:
     from tensorpar.launch import rank0_print
     from tensorpar.parallel import ParallelConfig, ParallelContext, init_parallel, set_rank_threads
 
@@ -238,11 +272,16 @@ def _rank_main(cfg: TrainConfig, resume, export, progress, timeout, overwrite=Fa
         ctx = init_parallel(ParallelConfig(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp), timeout_s=timeout)
     try:
         s = run(cfg, ctx, resume=resume, export=export, progress=progress, overwrite=overwrite,
-                check_collectives=check_collectives)
+                check_collectives=check_collectives, tensor_peak=prediction is not None)
         val = "n/a" if s["val_loss"] is None else f"{s['val_loss']:.4f}"
         loss = "n/a" if s["loss"] is None else f"{s['loss']:.4f}"
         rank0_print(f"done: step {s['step']}, train loss {loss}, val loss {val}; "
                     f"checkpoint {s['checkpoint']}" + (f"; exported {s['export']}" if "export" in s else ""))
+        if prediction is not None:  # --plan: the planner's prediction next to what this run measured
+            from tensorpar.train.autoplan import comparison_line, gather_measurements
+            medians, counted, peaks = gather_measurements(ctx, s["step_times_s"], s["peak_memory_bytes"],
+                                                          s["tensor_peak_bytes"])
+            rank0_print(comparison_line(prediction, medians, counted, peaks))
     finally:
         ctx.destroy()
     return 0
@@ -328,6 +367,12 @@ def main(args: argparse.Namespace) -> int:
             args.resume = "auto"
     try:  # every check that the launching process can make, cheapest first, before any rank starts
         cfg = config_from_args(args)
+        choice = None
+        if getattr(args, "plan", None) is not None:
+            cfg, choice = plan_config(args, cfg)
+        elif getattr(args, "nproc", None) is not None:
+            raise ValueError(f"--nproc {args.nproc} goes with --plan (auto or a plan file); without --plan the ranks "
+                             f"are --tp x --pp x --dp")
         if under_torchrun() and cfg.tp * cfg.pp * cfg.dp != int(os.environ["WORLD_SIZE"]):
             raise ValueError(f"--tp {cfg.tp} x --pp {cfg.pp} x --dp {cfg.dp} = {cfg.tp * cfg.pp * cfg.dp}, but "
                              f"torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']} ranks; choose degrees whose "
@@ -348,4 +393,46 @@ def main(args: argparse.Namespace) -> int:
         return 2
     return run_ranks(_rank_main, cfg.tp * cfg.pp * cfg.dp, cfg, args.resume, args.export, not args.no_progress,
                      args.timeout, getattr(args, "overwrite", False), getattr(args, "check_collectives", False),
-                     verbose=getattr(args, "verbose", False))
+                     choice.prediction() if choice is not None else None, verbose=getattr(args, "verbose", False))
+
+
+def plan_config(args: argparse.Namespace, cfg: TrainConfig):
+    """``--plan auto | FILE``: the :class:`TrainConfig` of the planner's layout and the
+    :class:`~tensorpar.train.autoplan.Choice`; prints the choice in one line (rank 0 under torchrun).
+
+    Raises ValueError naming the setting: --plan together with --tp/--pp/--dp (or the other flags the plan
+    sets), a rank count that is missing or differs from torchrun's, a plan that does not fit the ranks or model.
+    """
+    from tensorpar.launch import rank0_print
+    from tensorpar.train import autoplan
+
+    set_here = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k in ("tp", "pp", "dp", "micro_batches")
+                if getattr(args, k, None) is not None]
+    set_here += [f"--{k.replace('_', '-')}" for k in ("sequence_parallel", "recompute") if getattr(args, k, False)]
+    if set_here:
+        raise ValueError(f"--plan {args.plan} and {' '.join(set_here)} both set the layout; drop "
+                         f"{' '.join(s.split()[0] for s in set_here)} (the plan sets them) or drop --plan")
+    world, local = autoplan.env_nproc()
+    nproc, source = args.nproc, "--nproc"
+    if nproc is not None and nproc < 1:
+        raise ValueError(f"--nproc {nproc}: must be a positive number of ranks")
+    if world is not None:
+        if nproc is not None and nproc != world:
+            raise ValueError(f"--nproc {nproc} differs from torchrun's WORLD_SIZE={world}; drop --nproc under "
+                             f"torchrun")
+        nproc, source = world, f"torchrun's WORLD_SIZE={world}"
+    if args.plan == "auto" and nproc is None:
+        raise ValueError("--plan auto needs the number of ranks to plan for: add --nproc N (or launch with torchrun)")
+    plan_ranks = nproc if args.plan == "auto" else autoplan.check_plan_file(args.plan, nproc, source).num_devices
+    source_cfg, _ = prepare(cfg.replace(tp=1, pp=1, dp=1, micro_batches=1, sequence_parallel=False),
+                            progress=not args.no_progress)
+    cal, path, cached = autoplan.cached_calibration(log=lambda m: rank0_print(f"tensorpar: {m}", file=sys.stderr))
+    note = autoplan.describe_device_source(path, cached)
+    device = autoplan.rank_device(cal, plan_ranks, local or plan_ranks)
+    if args.plan == "auto":
+        choice = autoplan.choose_auto(cfg, source_cfg.config, device, nproc, local, note=note)
+    else:
+        choice = autoplan.choose_from_file(args.plan, cfg, source_cfg.config, device, nproc, local,
+                                           nproc_source=source, note=note)
+    rank0_print(choice.summary())
+    return choice.cfg, choice
