@@ -105,6 +105,18 @@ def test_auto_takes_the_planners_fastest_runnable_layout():
     assert autoplan.rank_device(FAKE, 1).train_layer_overhead_us == 2000.0
 
 
+def test_other_users_load_shares_the_cores():
+    """Processor sharing: calibrated at load 3 on 2 cores (2 other runnable threads: a thread got 2/3 of a core),
+    4 ranks started at load 5 (4 others: 2 / 8 of a core each): fixed times x (2/3) / (1/4), rate x (1/4) / (2/3)."""
+    cal = {**FAKE, "loadavg_1min": 3.0}
+    dev = autoplan.rank_device(cal, 4, load_now=5.0)
+    assert dev.train_layer_overhead_us == pytest.approx(2000.0 * (2 / 3) / 0.25)
+    assert dev.peak_tflops == pytest.approx(0.02 / (2 / 3) * 0.25)
+    assert "at load 5.0" in dev.name
+    # an idle machine: the 4 ranks alone on 2 cores
+    assert autoplan.rank_device(cal | {"loadavg_1min": 1.0}, 4, load_now=1.0).train_layer_overhead_us == 4000.0
+
+
 def test_calibrated_overhead_enters_the_step_time():
     """The fixed per-layer and per-micro-batch times add m x (layers x per-layer + per-micro-batch) on one rank."""
     from tensorpar.planner.enumerate import score

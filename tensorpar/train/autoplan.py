@@ -15,11 +15,13 @@ file to measure again. The key names the host, its usable cores, torch's version
 From the calibration the planner gets one rank's share of the machine (:func:`rank_device`):
 
 * CUDA: one GPU per rank: the measured matmul rate, copy bandwidth and memory as they are;
-* CPU: the ranks share the host. Matmuls and the fixed overheads are measured on one thread; a rank runs
-  ``max(1, cores // nproc)`` threads (:func:`tensorpar.parallel.set_rank_threads`) but never more than its
-  share ``cores / nproc`` of the cores, so its rate is ``rate_1thread * min(threads, cores / nproc)``; the copy
-  bandwidth (measured with all threads) and the RAM are divided by ``nproc``, and the fixed per-layer and
-  per-micro-batch times (:func:`measure_train_overhead`) multiplied by ``1 / min(1, cores / nproc)``.
+* CPU: the ranks share the host, and on a shared machine with other users' processes. Matmuls and the fixed
+  overheads (:func:`measure_train_overhead`) are measured on one thread; a rank runs ``max(1, cores // nproc)``
+  threads (:func:`tensorpar.parallel.set_rank_threads`), and every runnable thread gets an equal share of the
+  cores (processor sharing): ``min(1, cores / runnable threads)``, where the other users' threads are estimated
+  by the 1-minute load average minus one (the measuring process), at calibration and again before the ranks
+  start (:func:`rank_device`). The copy bandwidth (measured with all threads) and the RAM are divided by
+  ``nproc``.
 
 Training is fp32 AdamW here (``dtype=float32``; bf16 autocast keeps fp32 weights): 4-byte weights and
 gradients, 8 bytes of optimizer state per parameter (momentum and variance, no master copy), 4-byte
@@ -38,7 +40,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-CALIBRATION_VERSION = 2
+CALIBRATION_VERSION = 4
 WARMUP_STEPS = 2  # steps left out of the measured median (first-call allocation, pipeline set-up)
 CPU_RESERVE_GIB = 0.5  # per rank on a CPU host: interpreter, torch and its libraries, process-group buffers
 
@@ -74,6 +76,7 @@ def quick_calibration() -> dict:
 
     cuda = torch.cuda.is_available()
     threads = torch.get_num_threads()
+    load_start = _loadavg()
     if not cuda:
         torch.set_num_threads(1)
     try:
@@ -88,17 +91,20 @@ def quick_calibration() -> dict:
         overhead = measure_train_overhead()
     finally:
         torch.set_num_threads(threads)
-    return {**overhead, "version": CALIBRATION_VERSION, "backend": name, "matmul": matmul,
+    return {**overhead, "loadavg_1min": (load_start + _loadavg()) / 2, "version": CALIBRATION_VERSION,
+            "backend": name, "matmul": matmul,
             "matmul_tflops": max(m["tflops"] for m in matmul), "matmul_threads": 0 if cuda else 1,
             "hbm_gbps": hbm, "collective": coll, "cores": usable_cores(), "cuda": cuda,
             "memory_gib": _machine_memory_gib()}
 
 
-def measure_train_overhead(reps: int = 15) -> dict:
+def measure_train_overhead(reps: int = 25) -> dict:
     """Fixed time of a training step that no FLOP or byte count explains, on this process's threads.
 
     Forward, vocabulary-parallel cross-entropy and backward of tensorpar's tp = 1 model of a tiny Llama (hidden
-    32, 8 tokens: the arithmetic is negligible) with 1 and with 3 layers; the median times give, by difference,
+    32, 8 tokens: the arithmetic is negligible) with 1 and with 4 layers; the median of ``reps`` steps (on a
+    shared machine, the time a step takes under the load of the moment, like the steps it predicts) give, by
+    difference,
     ``train_layer_overhead_us`` (per layer, forward + backward) and ``train_micro_batch_overhead_us`` (the rest:
     embedding, final norm, LM head, loss), in microseconds.
     """
@@ -115,8 +121,8 @@ def measure_train_overhead(reps: int = 15) -> dict:
     ctx = ParallelContext.single()
     cfg = TrainConfig(model="calibration", seq_len=8, batch_size=1)
     ids = torch.arange(8).view(1, 8) % 64
-    median = {}
-    for layers in (1, 3):
+    best = {}
+    for layers in (1, 4):
         config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
                              tie_word_embeddings=True)
@@ -129,10 +135,18 @@ def measure_train_overhead(reps: int = 15) -> dict:
             loss.backward()
             if i >= 3:
                 samples.append(time.perf_counter() - start)
-        median[layers] = statistics.median(samples)
-    per_layer = max(0.0, (median[3] - median[1]) / 2)
+        best[layers] = statistics.median(samples)
+    per_layer = max(0.0, (best[4] - best[1]) / 3)
     return {"train_layer_overhead_us": per_layer * 1e6,
-            "train_micro_batch_overhead_us": max(0.0, median[1] - per_layer) * 1e6}
+            "train_micro_batch_overhead_us": max(0.0, best[1] - per_layer) * 1e6}
+
+
+def _loadavg() -> float:
+    """The 1-minute load average (runnable processes), 0 where the OS has none."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return 0.0
 
 
 def _machine_memory_gib() -> float:
@@ -164,8 +178,16 @@ def cached_calibration(cache_dir=None, *, log=None) -> tuple[dict, Path, bool]:
     return data, path, False
 
 
-def rank_device(cal: dict, nproc: int, local_nproc: int | None = None):
-    """One rank's :class:`~tensorpar.planner.cluster.DeviceSpec` from a calibration (module docstring)."""
+def rank_device(cal: dict, nproc: int, local_nproc: int | None = None, load_now: float | None = None):
+    """One rank's :class:`~tensorpar.planner.cluster.DeviceSpec` from a calibration (module docstring).
+
+    ``load_now``: the 1-minute load average before the ranks start (None: an idle machine). On a CPU the cores
+    are time-shared among the runnable threads; the calibration ran with ``ext_cal = loadavg - 1`` other
+    runnable threads (its record), the ranks will run with ``ext_now = load_now - 1``, so a thread gets
+    ``s = min(1, cores / (runnable))`` of a core: ``s_cal`` with 1 + ext_cal runnable, ``s_now`` with
+    nproc x threads + ext_now. Rate per rank = measured 1-thread rate / s_cal x threads x s_now; fixed
+    (single-threaded) times x s_cal / s_now.
+    """
     from tensorpar.planner.cluster import DeviceSpec
 
     local = local_nproc or nproc
@@ -179,13 +201,16 @@ def rank_device(cal: dict, nproc: int, local_nproc: int | None = None):
                           matmul_efficiency=1.0, hbm_gbps=cal["hbm_gbps"], **overhead, **link)
     cores = cal["cores"]
     threads = max(1, cores // local)
-    share = min(threads, cores / local)
-    slow = 1 / min(1.0, cores / local)  # Python overhead runs on one core, of which a rank gets this share
-    return DeviceSpec(f"calibrated {cal['backend'].split(' (')[0]}, 1 of {local} ranks on {cores} cores",
-                      cal["memory_gib"] / local, cal["matmul_tflops"] * share, 0.0, 0.0, matmul_efficiency=1.0,
-                      hbm_gbps=cal["hbm_gbps"] / local,
-                      train_layer_overhead_us=cal["train_layer_overhead_us"] * slow,
-                      train_micro_batch_overhead_us=cal["train_micro_batch_overhead_us"] * slow, **link)
+    ext_cal = max(0.0, cal.get("loadavg_1min", 0.0) - 1)
+    ext_now = max(0.0, (load_now or 0.0) - 1)
+    s_cal = min(1.0, cores / (1 + ext_cal))
+    s_now = min(1.0, cores / (local * threads + ext_now))
+    load = f" at load {load_now:.1f}" if load_now is not None else ""
+    return DeviceSpec(f"calibrated {cal['backend'].split(' (')[0]}, 1 of {local} ranks on {cores} cores{load}",
+                      cal["memory_gib"] / local, cal["matmul_tflops"] / s_cal * threads * s_now, 0.0, 0.0,
+                      matmul_efficiency=1.0, hbm_gbps=cal["hbm_gbps"] / local,
+                      train_layer_overhead_us=cal["train_layer_overhead_us"] * s_cal / s_now,
+                      train_micro_batch_overhead_us=cal["train_micro_batch_overhead_us"] * s_cal / s_now, **link)
 
 
 # ---------------------------------------------------------------- the planner's view of a training run
