@@ -22,12 +22,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from tensorpar.launch import DEFAULT_TIMEOUT_S, DEFAULT_TP
 
     d = TrainConfig()
-    p.add_argument("--tp", type=int, default=None, help=f"tensor-parallel degree (default {DEFAULT_TP}; world "
-                                                          f"size = tp x pp x dp)")
-    p.add_argument("--pp", type=int, default=None, help=f"pipeline-parallel degree (default {d.pp}; stages, "
-                                                        f"torch.distributed.pipelining)")
-    p.add_argument("--dp", type=int, default=None, help=f"data-parallel degree (default {d.dp}; replicas; rank order "
-                                                        f"tp fastest, then pp, then dp)")
+    p.add_argument("--tp", type=int, default=DEFAULT_TP, action=_Explicit,
+                   help="tensor-parallel degree (world size = tp x pp x dp)")
+    p.add_argument("--pp", type=int, default=d.pp, action=_Explicit, help="pipeline-parallel degree (stages; "
+                                                                          "torch.distributed.pipelining)")
+    p.add_argument("--dp", type=int, default=d.dp, action=_Explicit, help="data-parallel degree (replicas; rank "
+                                                                          "order tp fastest, then pp, then dp)")
     p.add_argument("--plan", default=None, metavar="auto|PLAN.json",
                    help="take tp, pp, dp, micro-batches, schedule, sequence parallelism and recomputation from the "
                         "planner: 'auto' (the fastest layout of --nproc ranks on this machine, measured once and "
@@ -86,6 +86,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", action="store_true", help="show full tracebacks of errors")
 
 
+class _Explicit(argparse.Action):
+    """Stores the value and records the flag in ``namespace.explicit_flags`` (so ``--plan`` can tell a degree the
+    user gave from a default)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        explicit = set(getattr(namespace, "explicit_flags", None) or ())
+        namespace.explicit_flags = explicit | {self.dest}
+
+
 def default_micro_batches(pp: int, dp: int, batch_size: int) -> int:
     """Without pp, 1; with pp, the smallest count >= pp that divides each replica's rows (so every pipeline stage
     has a micro-batch in flight), else pp (and the batch-size check names the problem)."""
@@ -109,20 +119,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise
 
 
-def _degrees(args: argparse.Namespace) -> tuple[int, int, int]:
-    """(tp, pp, dp) from the flags, with their defaults (``--tp`` etc. default to None so that ``--plan`` can tell
-    an explicit degree from a default one)."""
-    from tensorpar.launch import DEFAULT_TP
-
-    tp, pp, dp = (getattr(args, k, None) for k in ("tp", "pp", "dp"))
-    return (DEFAULT_TP if tp is None else tp, 1 if pp is None else pp, 1 if dp is None else dp)
-
-
 def _config_from_args(args: argparse.Namespace) -> TrainConfig:
-    tp, pp, dp = _degrees(args)
     return TrainConfig(model=args.model, init=args.init, data=args.data, tokenizer=args.tokenizer,
-                       val_fraction=args.val_fraction, tp=tp, pp=pp, dp=dp,
-                       micro_batches=args.micro_batches or default_micro_batches(pp, dp, args.batch_size),
+                       val_fraction=args.val_fraction, tp=args.tp, pp=args.pp, dp=args.dp,
+                       micro_batches=args.micro_batches or default_micro_batches(args.pp, args.dp, args.batch_size),
                        schedule=args.schedule,
                        sequence_parallel=args.sequence_parallel,
                        seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
@@ -406,8 +406,10 @@ def plan_config(args: argparse.Namespace, cfg: TrainConfig):
     from tensorpar.launch import rank0_print
     from tensorpar.train import autoplan
 
-    set_here = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k in ("tp", "pp", "dp", "micro_batches")
-                if getattr(args, k, None) is not None]
+    explicit = set(getattr(args, "explicit_flags", None) or ())
+    set_here = [f"--{k} {getattr(args, k)}" for k in ("tp", "pp", "dp") if k in explicit]
+    if getattr(args, "micro_batches", None) is not None:
+        set_here.append(f"--micro-batches {args.micro_batches}")
     set_here += [f"--{k.replace('_', '-')}" for k in ("sequence_parallel", "recompute") if getattr(args, k, False)]
     if set_here:
         raise ValueError(f"--plan {args.plan} and {' '.join(set_here)} both set the layout; drop "
