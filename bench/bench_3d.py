@@ -228,7 +228,8 @@ def main() -> None:
     }
     meta = {"date": started, "machine": f"{os.cpu_count()} CPUs, {platform.machine()}", "torch": torch.__version__,
             "loadavg_start": [round(v, 2) for v in load_start], "loadavg_end": [round(v, 2) for v in load_end],
-            "wall_s": round(wall, 1), "rounds": a.rounds, "steps": a.steps, "warmup": a.warmup, "batch": a.batch, "seq": a.seq,
+            "wall_s": round(wall, 1), "rounds": a.rounds, "steps": a.steps, "warmup": a.warmup, "batch": a.batch,
+            "seq": a.seq,
             "model": "small preset (hidden 256, 4 layers, 8 heads / 4 KV, MLP 688, tied, vocab 256), fp32 AdamW",
             "calibration": {k: v for k, v in cal.items() if k not in ("matmul", "collective")} | {
                 "allreduce_latency_us": cal["collective"]["latency_us"],
@@ -266,7 +267,8 @@ def render(p: dict) -> str:
     lines = [
         "# 3D layouts of 4 ranks: measured vs the planner (bench/bench_3d.py)", "",
         f"Model: {m['model']}; batch {m['batch']} x seq {m['seq']} = {m['batch'] * m['seq']} tokens/step; "
-        f"{m['steps']} steps per run, the first {m['warmup']} not timed, {m['rounds']} rounds; all runs in one launch of 4 gloo ranks "
+        f"{m['steps']} steps per run, the first {m['warmup']} not timed, {m['rounds']} rounds; all runs in one "
+        f"launch of 4 gloo ranks "
         f"(1 thread each) on {m['machine']}, torch {m['torch']}; {m['date']}, {m['wall_s']} s.",
         f"**Load average (1, 5, 15 min) {m['loadavg_start']} at start, {m['loadavg_end']} at the end**: 4 ranks "
         f"share 2 cores that other users also use, so step times are noisy (several x when the load is high).",
@@ -276,7 +278,8 @@ def render(p: dict) -> str:
         f"{d['name']}; {d['peak_tflops'] * 1e3:.1f} GFLOP/s, copy {d['hbm_gbps']:.2f} GB/s, "
         f"{d['memory_gib']:.1f} GiB, fixed {d['train_layer_overhead_us'] / 1e3:.2f} ms per layer and "
         f"{d['train_micro_batch_overhead_us'] / 1e3:.2f} ms per micro-batch (forward + backward); all-reduce "
-        f"{m['calibration']['allreduce_latency_us']:.0f} us + bytes / {m['calibration']['allreduce_bandwidth_gbps']:.2f} "
+        f"{m['calibration']['allreduce_latency_us']:.0f} us + bytes / "
+        f"{m['calibration']['allreduce_bandwidth_gbps']:.2f} "
         f"GB/s.",
         "",
         "Memory: *tensors* = peak of live tensors during the first step plus the parameters (dispatch-mode tracking; "

@@ -390,7 +390,8 @@ def choose_from_file(path: str, cfg, model_config, device, nproc: int | None, lo
     plan = score(lay, model, cluster, work, assume)
     if not plan.fits:
         raise ValueError(f"--plan {path}: {lay.short()} needs {plan.memory.total / 2 ** 30:.2f} GiB per rank, more "
-                         f"than the {plan.usable_bytes / 2 ** 30:.2f} GiB usable here; use more ranks or a smaller batch")
+                         f"than the {plan.usable_bytes / 2 ** 30:.2f} GiB usable here; use more ranks or a smaller "
+                         f"batch")
     run_cfg = layout_config(cfg, lay, work.global_batch)
     why = runtime_problem(run_cfg, model_config)
     if why:
