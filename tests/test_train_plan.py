@@ -46,12 +46,17 @@ def test_plan_flags_conflicts(tmp_path, text, capsys, extra, msg):
                                                         "(--nproc)"),
     ([], None, "the list of plans is empty"),
     ({"tp": 2, "pp": 1}, None, "the plan lacks dp, micro_batch"),
+    ([{"tp": 2, "pp": 1, "dp": 1, "micro_batch": 1}, {"tp": 2}], None, "plan #2 lacks pp, dp, micro_batch"),
     ({"tp": 1, "pp": 1, "dp": 2, "micro_batch": 1, "distributed_optimizer": True}, None,
      "cannot run distributed_optimizer=true"),
+    ([{"tp": 1, "pp": 1, "dp": 2, "micro_batch": 1, "recompute": "selective"},
+      {"tp": 1, "pp": 1, "dp": 2, "micro_batch": 1, "ep": 2}], None,
+     "cannot run recompute=selective (the trainer recomputes whole blocks: use recompute=full or none) (nor can it the "
+     "other 1 plans of the file)"),
     ({"tp": 1, "pp": 4, "dp": 1, "micro_batch": 1}, None, "does not fit --model tiny with --batch-size 8 --seq-len 32: "
                                                           "pp x virtual_stages (4 x 1) exceeds the 2 layers"),
     ({"tp": 1, "pp": 1, "dp": 2, "micro_batch": 3}, None, "dp x micro_batch (2 x 3) must divide --global-batch (8)"),
-    ({"tp": "2", "pp": 1, "dp": 1, "micro_batch": 1}, None, "tp='2' must be a positive integer"),
+    ({"tp": "2", "pp": 1, "dp": 1, "micro_batch": 1}, None, "the plan: tp='2' must be a positive integer"),
     ("not json", None, "not JSON"),
 ])
 def test_bad_plan_files_fail_before_launch(tmp_path, text, capsys, plan, nproc, msg):
@@ -137,6 +142,26 @@ def test_measured_step_time_and_error():
     assert autoplan.relative_error(0.9, 1.0) == pytest.approx(-0.1)
     with pytest.raises(ValueError, match="device train_layer_overhead_us"):
         DeviceSpec("x", 1, 1, 1, 1, train_layer_overhead_us=-1)
+
+
+def test_first_runnable_plan_of_a_tensorpar_plan_file(tmp_path):
+    """`tensorpar plan --json` ranks layouts the trainer cannot run (distributed optimizer) first; --plan takes the
+    first one it can, and says which."""
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    r = subprocess.run([sys.executable, "-m", "tensorpar", "plan", "--layers", "2", "--hidden", "64", "--heads", "4",
+                        "--kv-heads", "2", "--ffn", "176", "--vocab", "256", "--gpus", "4", "--gpus-per-node", "4",
+                        "--global-batch", "8", "--seq", "32", "--top", "0", "--json"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    path = tmp_path / "plan.json"
+    path.write_text(r.stdout)
+    plans = json.loads(r.stdout)
+    first = next(i for i, p in enumerate(plans) if not p["distributed_optimizer"] and p["recompute"] != "selective"
+                 and p["ep"] == 1)
+    lay, position = autoplan.check_plan_file(str(path), 4)
+    assert position == first + 1
+    assert (lay.tp, lay.pp, lay.dp, lay.micro_batch, lay.sequence_parallel) == tuple(
+        plans[first][k] for k in ("tp", "pp", "dp", "micro_batch", "sequence_parallel"))
 
 
 def test_plan_auto_on_one_process(tmp_path, text):

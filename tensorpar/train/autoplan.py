@@ -5,8 +5,9 @@
   :func:`tensorpar.planner.calibrate.calibrate` (matmul rate, memory bandwidth, loopback all-reduce), keeps the
   layouts that ``tensorpar train`` runs (no distributed optimizer, no selective recomputation, no expert
   parallelism; the trainer's own checks pass) and takes the fastest that fits in memory.
-* ``--plan FILE`` runs the first plan of a ``tensorpar plan --json`` file (a list) or one plan object, after
-  checking that its degrees multiply to the ranks given and that it is valid and fits for the model trained.
+* ``--plan FILE`` runs the first plan of a ``tensorpar plan --json`` file (a list) that the trainer runs, or the
+  one plan object of a file, after checking that its degrees multiply to the ranks given and that it is valid
+  and fits for the model trained.
 
 The calibration is cached in ``<cache>/calibration/<machine key>.json`` (written atomically, under a file lock
 so that torchrun's ranks measure once and then read the same file, and so choose the same layout). Delete the
@@ -329,11 +330,10 @@ PLAN_KEYS = ("tp", "pp", "dp", "micro_batch", "sequence_parallel", "recompute", 
              "virtual_stages", "ep")
 
 
-def read_plan_file(path: str):
-    """The :class:`~tensorpar.planner.layout.Layout` of a ``tensorpar plan --json`` file: its first plan (the
-    best ranked), or the one object the file holds. Raises ValueError naming the file and the field."""
-    from tensorpar.planner.layout import Layout
-
+def read_plan_file(path: str) -> list:
+    """``[(position, Layout)]`` of every plan of a ``tensorpar plan --json`` file, in its order (best ranked first,
+    positions from 1), or ``[(0, Layout)]`` for a file holding one plan object. Raises ValueError naming the file
+    and the field."""
     try:
         data = json.loads(Path(path).read_text())
     except OSError as e:
@@ -343,33 +343,47 @@ def read_plan_file(path: str):
     if isinstance(data, list):
         if not data:
             raise ValueError(f"--plan {path}: the list of plans is empty (no layout fitted when it was made)")
-        data = data[0]
+        return [(i + 1, _plan_layout(path, d, i + 1)) for i, d in enumerate(data)]
+    return [(0, _plan_layout(path, data, 0))]
+
+
+def _plan_layout(path: str, data, position: int):
+    from tensorpar.planner.layout import Layout
+
+    where = f"plan #{position}" if position else "the plan"
     if not isinstance(data, dict):
         raise ValueError(f"--plan {path}: expected a plan object or the list that tensorpar plan --json prints")
     missing = [k for k in ("tp", "pp", "dp", "micro_batch") if k not in data]
     if missing:
-        raise ValueError(f"--plan {path}: the plan lacks {', '.join(missing)}; save one with tensorpar plan --json")
+        raise ValueError(f"--plan {path}: {where} lacks {', '.join(missing)}; save one with tensorpar plan --json")
     values = {k: data[k] for k in PLAN_KEYS if k in data}
     for k in ("tp", "pp", "dp", "micro_batch", "virtual_stages", "ep"):
         if k in values and (not isinstance(values[k], int) or isinstance(values[k], bool) or values[k] < 1):
-            raise ValueError(f"--plan {path}: {k}={values[k]!r} must be a positive integer")
+            raise ValueError(f"--plan {path}: {where}: {k}={values[k]!r} must be a positive integer")
     for k in ("sequence_parallel", "distributed_optimizer"):
         if k in values and not isinstance(values[k], bool):
-            raise ValueError(f"--plan {path}: {k}={values[k]!r} must be true or false")
+            raise ValueError(f"--plan {path}: {where}: {k}={values[k]!r} must be true or false")
     return Layout(**values)
 
 
 def check_plan_file(path: str, nproc: int | None, nproc_source: str = "--nproc"):
-    """The layout of ``path`` (:func:`read_plan_file`) if its degrees multiply to ``nproc`` (when given) and the
-    trainer runs its options; else ValueError naming ``--plan``, the degrees and the ranks given."""
-    lay = read_plan_file(path)
+    """``(layout, position)``: the first plan of ``path`` (:func:`read_plan_file`; position 1-based, 0 for a lone
+    object) that the trainer runs (no distributed optimizer, selective recomputation or expert parallelism), if
+    its degrees multiply to ``nproc`` (when given); else ValueError naming ``--plan``, the setting and the ranks."""
+    plans = read_plan_file(path)
+    skipped = []
+    for position, lay in plans:
+        why = unsupported(lay)
+        if why is None:
+            break
+        skipped.append(why)
+    else:
+        more = f" (nor can it the other {len(plans) - 1} plans of the file)" if len(plans) > 1 else ""
+        raise ValueError(f"--plan {path}: tensorpar train cannot run {skipped[0]}{more}")
     if nproc is not None and lay.num_devices != nproc:
         raise ValueError(f"--plan {path}: tp x pp x dp = {lay.tp} x {lay.pp} x {lay.dp} = {lay.num_devices}, but "
                          f"{nproc} ranks were given ({nproc_source}); make a plan for --gpus {nproc}")
-    why = unsupported(lay)
-    if why:
-        raise ValueError(f"--plan {path}: tensorpar train cannot run {why}")
-    return lay
+    return lay, position
 
 
 def choose_from_file(path: str, cfg, model_config, device, nproc: int | None, local_nproc: int | None = None,
@@ -379,7 +393,10 @@ def choose_from_file(path: str, cfg, model_config, device, nproc: int | None, lo
     from tensorpar.planner.enumerate import score
     from tensorpar.planner.layout import problems
 
-    lay = check_plan_file(path, nproc, nproc_source)
+    lay, position = check_plan_file(path, nproc, nproc_source)
+    if position > 1:
+        note = (f"plan #{position} of the file: the ones before it need what tensorpar train does not run"
+                + (f"; {note}" if note else ""))
     nproc = lay.num_devices
     model, cluster, work, assume = planner_inputs(cfg, model_config, device, nproc,
                                                   local_nproc if local_nproc and nproc % local_nproc == 0 else None)

@@ -425,7 +425,7 @@ def plan_config(args: argparse.Namespace, cfg: TrainConfig):
         nproc, source = world, f"torchrun's WORLD_SIZE={world}"
     if args.plan == "auto" and nproc is None:
         raise ValueError("--plan auto needs the number of ranks to plan for: add --nproc N (or launch with torchrun)")
-    plan_ranks = nproc if args.plan == "auto" else autoplan.check_plan_file(args.plan, nproc, source).num_devices
+    plan_ranks = nproc if args.plan == "auto" else autoplan.check_plan_file(args.plan, nproc, source)[0].num_devices
     source_cfg, _ = prepare(cfg.replace(tp=1, pp=1, dp=1, micro_batches=1, sequence_parallel=False),
                             progress=not args.no_progress)
     cal, path, cached = autoplan.cached_calibration(log=lambda m: rank0_print(f"tensorpar: {m}", file=sys.stderr))
