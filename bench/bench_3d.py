@@ -10,9 +10,10 @@ preset (hidden 256, 4 layers, 8 heads / 4 KV heads, tied embedding, byte vocabul
 seq 128, random tokens (the data does not change the step time). Per layout and rank:
 
 * step time: median of the timed steps after warm-up (the slowest rank's median); tokens/s from it;
-* peak memory per rank, two ways: the live tensors of the first step tracked by a dispatch mode
+* peak memory per rank, two ways: the live tensors of the second step tracked by a dispatch mode
   (:func:`tensorpar.train.autoplan.step_with_tensor_peak`: weights, gradients, optimizer state, activations,
-  pipeline buffers; what the planner's memory model counts) and the resident-set growth since the model was
+  pipeline buffers; the second step is the first that holds AdamW's state during backward; what the planner's
+  memory model counts) and the resident-set growth since the model was
   built (``VmHWM`` reset at the layout's start; includes the allocator's retained pages and library buffers);
 * the planner's prediction for the same layout (micro-batch = batch / (dp M), no recomputation, v = 2 for the
   interleaved schedule) on the calibrated device of ``tensorpar train --plan auto`` (cached calibration of this
@@ -112,8 +113,9 @@ def job(ctx, run_list, steps: int, warmup: int):
                 fb.append(time.perf_counter() - t0)
                 return out
             tr.forward_backward = timed
-        first, tensor_peak = step_with_tensor_peak(tr)
-        times = [first.time_s] + [tr.train_step().time_s for _ in range(steps - 1)]
+        first = tr.train_step()
+        second, tensor_peak = step_with_tensor_peak(tr)   # holds the optimizer state made by the first step
+        times = [first.time_s, second.time_s] + [tr.train_step().time_s for _ in range(steps - 2)]
         results.append({"step_times": times, "fb_times": fb, "tensor_peak": tensor_peak,
                         "rss_growth": peak.peak_bytes(), "loss": first.loss})
         del tr
@@ -282,8 +284,9 @@ def render(p: dict) -> str:
         f"{m['calibration']['allreduce_bandwidth_gbps']:.2f} "
         f"GB/s.",
         "",
-        "Memory: *tensors* = peak of live tensors during the first step plus the parameters (dispatch-mode tracking; "
-        "what the planner models); *RSS* = resident-set high-water growth since the model was built (VmHWM).",
+        "Memory: *tensors* = peak of live tensors during the second step (the first that holds AdamW's state) plus "
+        "the parameters and optimizer state (dispatch-mode tracking; what the planner models); *RSS* = resident-set "
+        "high-water growth since the model was built (VmHWM).",
         "",
         "Step time: per round, the median of the timed steps of the slowest rank; the table gives the median over "
         "the rounds and, in brackets, each round's value (their spread is the noise of this machine).",

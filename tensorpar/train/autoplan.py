@@ -486,7 +486,7 @@ def relative_error(predicted: float, measured: float) -> float:
 
 def comparison_line(prediction: dict, medians: list[float], counted: int, peaks: list[tuple]) -> str:
     """Predicted vs measured step time (each rank's median after warm-up; the slowest rank's) and peak memory per
-    rank (the largest): the tensors' peak where measured (CUDA allocator, or the first step's live tensors on a
+    rank (the largest): the tensors' peak where measured (CUDA allocator, or the second step's live tensors on a
     CPU), else the resident-set growth. ``peaks``: per rank ``(bytes, method)``."""
     t, n = max(medians), counted
     mem, method = max(peaks, key=lambda p: p[0]) if peaks else (0, "not measured")
@@ -504,7 +504,7 @@ def gather_measurements(ctx, step_times: list[float], rss_peak: int, tensor_peak
     import torch.distributed as dist
 
     med, n = measured_step_time(step_times)
-    how = ("live tensors of the first step + parameters" if tensor_peak is not None else
+    how = ("live tensors of the second step, parameters and optimizer state" if tensor_peak is not None else
            "resident-set growth since the model was built" if ctx.device.type == "cpu" else
            "torch.cuda.max_memory_allocated")
     mine = (med, (tensor_peak if tensor_peak is not None else rss_peak, how))
@@ -518,14 +518,19 @@ def gather_measurements(ctx, step_times: list[float], rss_peak: int, tensor_peak
 def step_with_tensor_peak(trainer):
     """``(trainer.train_step(), peak bytes)``: the step runs under
     :func:`tensorpar.planner.calibrate.peak_memory_bytes` (every operator's outputs tracked until freed), and the
-    peak of live tensors above the parameters is added to the parameters' bytes: weights, gradients, optimizer
-    state and activations, what the planner's memory model counts. Slower than a plain step."""
+    peak of live tensors above the parameters and the optimizer state is added to their bytes: weights,
+    gradients, optimizer state and activations, what the planner's memory model counts. Run it on a step after
+    the first (AdamW makes its state in the first step, so only later steps hold it during backward). Slower
+    than a plain step."""
+    import torch
+
     from tensorpar.planner.calibrate import peak_memory_bytes
 
-    params = list(trainer.params)
-    weights = sum(p.untyped_storage().nbytes() for p in {p.untyped_storage().data_ptr(): p for p in params}.values())
-    r, above = peak_memory_bytes(trainer.train_step, baseline=params)
-    return r, weights + above
+    held = list(trainer.params) + [t for st in trainer.optimizer.state.values() for t in st.values()
+                                   if isinstance(t, torch.Tensor)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
+    r, above = peak_memory_bytes(trainer.train_step, baseline=held)
+    return r, sum(storages.values()) + above
 
 
 def describe_device_source(path: Path, cached: bool) -> str:

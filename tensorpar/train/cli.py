@@ -175,9 +175,10 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
 
     ``export``: also write the final checkpoint as a Hugging Face folder there (``overwrite``: it may
     replace a previous tensorpar export; see :func:`tensorpar.train.export.export_hf`).
-    ``tensor_peak``: on a CPU, run the first step under :func:`tensorpar.planner.calibrate.peak_memory_bytes` and
-    report its peak of live tensors plus this rank's parameters as ``summary["tensor_peak_bytes"]`` (slower; the
-    first step is left out of the step times' median anyway). The summary also holds every step's seconds
+    ``tensor_peak``: on a CPU, run the second step (the first if there is only one) under
+    :func:`tensorpar.planner.calibrate.peak_memory_bytes` and report its peak of live tensors plus this rank's
+    parameters and optimizer state as ``summary["tensor_peak_bytes"]`` (slower; the warm-up steps are left out of
+    the step times' median anyway). The summary also holds every step's seconds
     (``step_times_s``) and the resident-set growth of this rank (``peak_memory_bytes``, :class:`PeakMemory`).
     Raises FileExistsError when starting afresh (no ``resume``) over an earlier run's metrics.
     """
@@ -217,8 +218,9 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
     last = val = None
     step_times: list[float] = []
     tensor_peak_bytes = None
+    peak_at = 1 if cfg.steps - trainer.step >= 2 else 0  # a step that holds the optimizer state (not the first)
     while trainer.step < cfg.steps:
-        if tensor_peak and not step_times and ctx.device.type == "cpu":
+        if tensor_peak and len(step_times) == peak_at and ctx.device.type == "cpu":
             from tensorpar.train.autoplan import step_with_tensor_peak
             r, tensor_peak_bytes = step_with_tensor_peak(trainer)
         else:
