@@ -105,9 +105,8 @@ def measure_train_overhead(reps: int = 25) -> dict:
     Forward, vocabulary-parallel cross-entropy and backward of tensorpar's tp = 1 model of a tiny Llama (hidden
     32, 8 tokens: the arithmetic is negligible) with 1 and with 4 layers; the median of ``reps`` steps (on a
     shared machine, the time a step takes under the load of the moment, like the steps it predicts) give, by
-    difference,
-    ``train_layer_overhead_us`` (per layer, forward + backward) and ``train_micro_batch_overhead_us`` (the rest:
-    embedding, final norm, LM head, loss), in microseconds.
+    difference, ``train_layer_overhead_us`` (per layer, forward + backward) and ``train_micro_batch_overhead_us``
+    (the rest: embedding, final norm, LM head, loss), in microseconds.
     """
     import time
 
@@ -122,7 +121,7 @@ def measure_train_overhead(reps: int = 25) -> dict:
     ctx = ParallelContext.single()
     cfg = TrainConfig(model="calibration", seq_len=8, batch_size=1)
     ids = torch.arange(8).view(1, 8) % 64
-    best = {}
+    median = {}
     for layers in (1, 4):
         config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
@@ -136,10 +135,10 @@ def measure_train_overhead(reps: int = 25) -> dict:
             loss.backward()
             if i >= 3:
                 samples.append(time.perf_counter() - start)
-        best[layers] = statistics.median(samples)
-    per_layer = max(0.0, (best[4] - best[1]) / 3)
+        median[layers] = statistics.median(samples)
+    per_layer = max(0.0, (median[4] - median[1]) / 3)
     return {"train_layer_overhead_us": per_layer * 1e6,
-            "train_micro_batch_overhead_us": max(0.0, best[1] - per_layer) * 1e6}
+            "train_micro_batch_overhead_us": max(0.0, median[1] - per_layer) * 1e6}
 
 
 def _loadavg() -> float:
@@ -234,9 +233,13 @@ def planner_inputs(cfg, model_config, device, nproc: int, local_nproc: int | Non
 
 
 def layout_config(cfg, layout, global_batch: int):
-    """The :class:`TrainConfig` that runs planner ``layout`` (raises the config's ValueError if it cannot)."""
+    """The :class:`TrainConfig` that runs planner ``layout`` (raises the config's ValueError if it cannot). The
+    schedule: interleaved 1F1B for ``virtual_stages`` 2, else the run's (1F1B unless ``--schedule gpipe``)."""
     m = layout.num_micro_batches(global_batch)
-    schedule = "interleaved-1f1b" if layout.virtual_stages > 1 else cfg.schedule
+    if layout.virtual_stages > 1:
+        schedule = "interleaved-1f1b"
+    else:
+        schedule = "1f1b" if cfg.schedule == "interleaved-1f1b" else cfg.schedule
     return cfg.replace(tp=layout.tp, pp=layout.pp, dp=layout.dp, micro_batches=m, schedule=schedule,
                        sequence_parallel=layout.sequence_parallel, recompute=layout.recompute == "full")
 
