@@ -91,7 +91,8 @@ def job_shakespeare_layouts(ctx, layouts, root):
 
 
 # The equality layouts of the issue, and the interleaved schedule, in two launches: the first (tp, pp, dp,
-# sequence parallelism, a tied embedding across stages) runs in CI, the second is marked slow.
+# sequence parallelism, a tied embedding across stages) runs in CI, the second is marked slow. Each launch takes
+# ~30 s on 2 cores at load 8, mostly starting 4 ranks (imports, corpus); a layout adds 2-3 s.
 SHAKESPEARE_LAYOUTS = {
     "ci": [
         ("tp2-pp2-dp1-sp", ParallelConfig(tp=2, pp=2, dp=1), dict(micro_batches=2, schedule="1f1b",
