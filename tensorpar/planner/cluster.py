@@ -37,6 +37,11 @@ class DeviceSpec:
     # Fixed time per layer per forward pass that no byte or FLOP count explains (Python, framework, kernel
     # launches), microseconds; used by inference planning. 0: not modelled (the presets: unmeasured).
     layer_overhead_us: float = 0.0
+    # The same for training, measured by ``tensorpar train --plan auto``'s calibration: fixed time per layer per
+    # micro-batch for its forward and backward together, and per micro-batch for the embedding, LM head and loss
+    # (charged to the last stage), microseconds. 0: not modelled (the presets).
+    train_layer_overhead_us: float = 0.0
+    train_micro_batch_overhead_us: float = 0.0
 
     def __post_init__(self) -> None:
         links = ("intra_node_gbps", "inter_node_gbps")
@@ -45,8 +50,9 @@ class DeviceSpec:
                 continue  # not measured; the local link is used instead
             if not getattr(self, knob) > 0:
                 raise ValueError(f"device {knob} ({getattr(self, knob)!r}) must be > 0")
-        if self.layer_overhead_us < 0:
-            raise ValueError(f"device layer_overhead_us ({self.layer_overhead_us!r}) must be >= 0")
+        for knob in ("layer_overhead_us", "train_layer_overhead_us", "train_micro_batch_overhead_us"):
+            if getattr(self, knob) < 0:
+                raise ValueError(f"device {knob} ({getattr(self, knob)!r}) must be >= 0")
         if self.local_link_gbps < 0 or self.local_link_latency_us < 0:
             raise ValueError(f"device local_link_gbps ({self.local_link_gbps!r}) and local_link_latency_us "
                              f"({self.local_link_latency_us!r}) must be >= 0")

@@ -15,6 +15,9 @@ Model of one optimizer step (each assumption is a choice; docs/planner.md lists 
   - backward = 2 x the forward matmuls and ``BACKWARD_TRAFFIC`` x its elementwise traffic; full
     recomputation re-runs the forward (with its collectives), selective recomputation the score matmuls
     and the softmax/dropout traffic on the score matrix.
+* A device calibrated by ``tensorpar train --plan auto`` adds its measured fixed time per layer and micro-batch
+  (``train_layer_overhead_us``: Python and framework work that no FLOP or byte count explains, which dominates
+  small models on a CPU) and per micro-batch on the last stage (``train_micro_batch_overhead_us``); presets: 0.
 * A micro-batch on pipeline stage i takes ``T_i`` = its layers + the embedding (first stage) or output
   layer and loss (last stage) + the pipeline sends (not hidden).
 * The pipeline runs at the pace of its slowest stage, ``T = max_i T_i``. 1F1B over m micro-batches takes
@@ -179,8 +182,13 @@ def layer_times(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Wo
         rec_compute, rec_tp = forward_matmul + forward_ew, fwd_tp
     elif layout.recompute == "selective":
         rec_compute = flops["attention"] / rate + _elementwise_seconds(stored - kept, cluster)
-    return LayerTime(forward_compute=forward_matmul + forward_ew, forward_tp=fwd_tp,
-                     backward_compute=2 * forward_matmul + sdpa_extra + BACKWARD_TRAFFIC * forward_ew,
+    # fixed per-layer time (Python, framework, kernel launches) where calibrated: a third forward, two backward
+    overhead = cluster.device.train_layer_overhead_us * 1e-6
+    if layout.recompute == "full":
+        rec_compute += overhead / 3
+    return LayerTime(forward_compute=forward_matmul + forward_ew + overhead / 3, forward_tp=fwd_tp,
+                     backward_compute=2 * forward_matmul + sdpa_extra + BACKWARD_TRAFFIC * forward_ew
+                     + 2 * overhead / 3,
                      backward_tp=bwd_tp, recompute_compute=rec_compute, recompute_tp=rec_tp,
                      forward_ep=fwd_ep / (2 if layout.recompute == "full" else 1),
                      backward_ep=bwd_ep + (fwd_ep / 2 if layout.recompute == "full" else 0.0))
@@ -209,6 +217,7 @@ def step_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Work
     layer = layer_times(model, layout, cluster, work, assume)
     rate = cluster.device.peak_tflops * 1e12 * assume.matmul_efficiency(cluster.device)
     logits_seconds = 3 * logit_forward_flops(model, max_vocab_rows(model.vocab_size, t), tokens) / rate
+    logits_seconds += cluster.device.train_micro_batch_overhead_us * 1e-6  # embedding, head, loss: fixed part
     p2p = _collective_seconds(pipeline_sends(model, layout, work, assume), cluster, t * p)
     tied = _collective_seconds(tied_embedding_collectives(model, layout, assume), cluster, t * p)
     keep = 1 - assume.tp_overlap

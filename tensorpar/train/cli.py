@@ -22,12 +22,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from tensorpar.launch import DEFAULT_TIMEOUT_S, DEFAULT_TP
 
     d = TrainConfig()
-    p.add_argument("--tp", type=int, default=DEFAULT_TP, help="tensor-parallel degree (local ranks started "
-                                                              "here; under torchrun the world size is used)")
-    p.add_argument("--pp", type=int, default=d.pp, help="pipeline-parallel degree (stages; torch.distributed."
-                                                        "pipelining)")
-    p.add_argument("--dp", type=int, default=d.dp, help="data-parallel degree (replicas; world size = tp x pp x "
-                                                        "dp, rank order tp fastest, then pp, then dp)")
+    p.add_argument("--tp", type=int, default=DEFAULT_TP, action=_Explicit,
+                   help="tensor-parallel degree (world size = tp x pp x dp)")
+    p.add_argument("--pp", type=int, default=d.pp, action=_Explicit, help="pipeline-parallel degree (stages; "
+                                                                          "torch.distributed.pipelining)")
+    p.add_argument("--dp", type=int, default=d.dp, action=_Explicit, help="data-parallel degree (replicas; rank "
+                                                                          "order tp fastest, then pp, then dp)")
+    p.add_argument("--plan", default=None, metavar="auto|PLAN.json",
+                   help="take tp, pp, dp, micro-batches, schedule, sequence parallelism and recomputation from the "
+                        "planner: 'auto' (the fastest layout of --nproc ranks on this machine, measured once and "
+                        "cached) or a file saved by 'tensorpar plan --json'; prints predicted vs measured at the end")
+    p.add_argument("--nproc", type=int, default=None, help="ranks to start with --plan (under torchrun: its "
+                                                           "WORLD_SIZE)")
     p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per replica and step (default: "
                                                                    "pp, so that every stage has work; 1 without pp) "
                                                                               "(gradient accumulation)")
@@ -82,6 +88,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="debug: fingerprint every collective and compare the tp ranks' fingerprints and batches at "
                         "step 0 and every 50 steps (also TENSORPAR_CHECK_COLLECTIVES=1)")
     p.add_argument("--verbose", action="store_true", help="show full tracebacks of errors")
+
+
+class _Explicit(argparse.Action):
+    """Stores the value and records the flag in ``namespace.explicit_flags`` (so ``--plan`` can tell a degree the
+    user gave from a default)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        explicit = set(getattr(namespace, "explicit_flags", None) or ())
+        namespace.explicit_flags = explicit | {self.dest}
 
 
 def default_micro_batches(pp: int, dp: int, batch_size: int) -> int:
@@ -158,11 +174,16 @@ def prepare(cfg: TrainConfig, *, progress: bool = True):
 
 
 def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None = None, progress: bool = True,
-        prepared=None, overwrite: bool = False, check_collectives: bool = False) -> dict:
+        prepared=None, overwrite: bool = False, check_collectives: bool = False, tensor_peak: bool = False) -> dict:
     """Train on the ranks of ``ctx.tp`` until ``cfg.steps``; every rank calls it. Returns a summary dict.
 
     ``export``: also write the final checkpoint as a Hugging Face folder there (``overwrite``: it may
     replace a previous tensorpar export; see :func:`tensorpar.train.export.export_hf`).
+    ``tensor_peak``: on a CPU, run the second step (the first if there is only one) under
+    :func:`tensorpar.planner.calibrate.peak_memory_bytes` and report its peak of live tensors plus this rank's
+    parameters and optimizer state as ``summary["tensor_peak_bytes"]`` (slower; the warm-up steps are left out of
+    the step times' median anyway). The summary also holds every step's seconds
+    (``step_times_s``) and the resident-set growth of this rank (``peak_memory_bytes``, :class:`PeakMemory`).
     Raises FileExistsError when starting afresh (no ``resume``) over an earlier run's metrics.
     """
     from tqdm.auto import tqdm
@@ -172,12 +193,15 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
     from tensorpar.train.model import build_model
 
     source, data = prepared or prepare(cfg, progress=progress and ctx.rank == 0)
+    from tensorpar.train.autoplan import PeakMemory
+    peak = PeakMemory(ctx.device)  # this rank's memory from here on (model, optimizer, activations)
     model, plan = build_model(cfg, source, ctx.tp, data.vocab_size, device=ctx.device)
     if cfg.pp == cfg.dp == cfg.micro_batches == 1:
         trainer = Trainer(cfg, ctx.tp, model, plan, data)
     else:
         from tensorpar.pipeline.trainer import ParallelTrainer
         trainer = ParallelTrainer(cfg, ctx, model, plan, data)
+    del model  # a pipeline stage keeps only its chunks; the other layers are freed here
     out = Path(cfg.out_dir)
     ckroot = out / "checkpoints"
     main = ctx.rank == 0
@@ -196,8 +220,16 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
     if fp_on:
         fingerprint.enable(ctx.tp)
     last = val = None
+    step_times: list[float] = []
+    tensor_peak_bytes = None
+    peak_at = 1 if cfg.steps - trainer.step >= 2 else 0  # a step that holds the optimizer state (not the first)
     while trainer.step < cfg.steps:
-        r = trainer.train_step()
+        if tensor_peak and len(step_times) == peak_at and ctx.device.type == "cpu":
+            from tensorpar.train.autoplan import step_with_tensor_peak
+            r, tensor_peak_bytes = step_with_tensor_peak(trainer)
+        else:
+            r = trainer.train_step()
+        step_times.append(r.time_s)
         if fp_on:  # the tp ranks issued the same collectives and agree on the loss (step 0, then every 50)
             fingerprint.check(ctx.tp, {"step": r.step, "loss": r.loss})
         last = r
@@ -214,9 +246,12 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
         if cfg.save_every and r.step % cfg.save_every == 0 and r.step != cfg.steps:
             trainer.save(ckroot)
     bar.close()
+    peak_bytes = peak.peak_bytes()  # before the checkpoint (which assembles full tensors)
     ckpt = trainer.save(ckroot)
     summary = {"step": trainer.step, "checkpoint": str(ckpt), "loss": last.loss if last else None,
-               "val_loss": val, "metrics": str(out / "metrics.jsonl")}
+               "val_loss": val, "metrics": str(out / "metrics.jsonl"), "step_times_s": step_times,
+               "peak_memory_bytes": peak_bytes, "peak_memory_method": peak.method,
+               "tensor_peak_bytes": tensor_peak_bytes}
     if main:
         try:
             summary["plot"] = str(plot_losses(out / "metrics.jsonl", out / "loss.png",
@@ -230,7 +265,8 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
     return summary
 
 
-def _rank_main(cfg: TrainConfig, resume, export, progress, timeout, overwrite=False, check_collectives=False) -> int:
+def _rank_main(cfg: TrainConfig, resume, export, progress, timeout, overwrite=False, check_collectives=False,
+               prediction=None) -> int:
     from tensorpar.launch import rank0_print
     from tensorpar.parallel import ParallelConfig, ParallelContext, init_parallel, set_rank_threads
 
@@ -242,11 +278,16 @@ def _rank_main(cfg: TrainConfig, resume, export, progress, timeout, overwrite=Fa
         ctx = init_parallel(ParallelConfig(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp), timeout_s=timeout)
     try:
         s = run(cfg, ctx, resume=resume, export=export, progress=progress, overwrite=overwrite,
-                check_collectives=check_collectives)
+                check_collectives=check_collectives, tensor_peak=prediction is not None)
         val = "n/a" if s["val_loss"] is None else f"{s['val_loss']:.4f}"
         loss = "n/a" if s["loss"] is None else f"{s['loss']:.4f}"
         rank0_print(f"done: step {s['step']}, train loss {loss}, val loss {val}; "
                     f"checkpoint {s['checkpoint']}" + (f"; exported {s['export']}" if "export" in s else ""))
+        if prediction is not None:  # --plan: the planner's prediction next to what this run measured
+            from tensorpar.train.autoplan import comparison_line, gather_measurements
+            medians, counted, peaks = gather_measurements(ctx, s["step_times_s"], s["peak_memory_bytes"],
+                                                          s["tensor_peak_bytes"])
+            rank0_print(comparison_line(prediction, medians, counted, peaks))
     finally:
         ctx.destroy()
     return 0
@@ -332,6 +373,12 @@ def main(args: argparse.Namespace) -> int:
             args.resume = "auto"
     try:  # every check that the launching process can make, cheapest first, before any rank starts
         cfg = config_from_args(args)
+        choice = None
+        if getattr(args, "plan", None) is not None:
+            cfg, choice = plan_config(args, cfg)
+        elif getattr(args, "nproc", None) is not None:
+            raise ValueError(f"--nproc {args.nproc} goes with --plan (auto or a plan file); without --plan the ranks "
+                             f"are --tp x --pp x --dp")
         if under_torchrun() and cfg.tp * cfg.pp * cfg.dp != int(os.environ["WORLD_SIZE"]):
             raise ValueError(f"--tp {cfg.tp} x --pp {cfg.pp} x --dp {cfg.dp} = {cfg.tp * cfg.pp * cfg.dp}, but "
                              f"torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']} ranks; choose degrees whose "
@@ -352,4 +399,48 @@ def main(args: argparse.Namespace) -> int:
         return 2
     return run_ranks(_rank_main, cfg.tp * cfg.pp * cfg.dp, cfg, args.resume, args.export, not args.no_progress,
                      args.timeout, getattr(args, "overwrite", False), getattr(args, "check_collectives", False),
-                     verbose=getattr(args, "verbose", False))
+                     choice.prediction() if choice is not None else None, verbose=getattr(args, "verbose", False))
+
+
+def plan_config(args: argparse.Namespace, cfg: TrainConfig):
+    """``--plan auto | FILE``: the :class:`TrainConfig` of the planner's layout and the
+    :class:`~tensorpar.train.autoplan.Choice`; prints the choice in one line (rank 0 under torchrun).
+
+    Raises ValueError naming the setting: --plan together with --tp/--pp/--dp (or the other flags the plan
+    sets), a rank count that is missing or differs from torchrun's, a plan that does not fit the ranks or model.
+    """
+    from tensorpar.launch import rank0_print
+    from tensorpar.train import autoplan
+
+    explicit = set(getattr(args, "explicit_flags", None) or ())
+    set_here = [f"--{k} {getattr(args, k)}" for k in ("tp", "pp", "dp") if k in explicit]
+    if getattr(args, "micro_batches", None) is not None:
+        set_here.append(f"--micro-batches {args.micro_batches}")
+    set_here += [f"--{k.replace('_', '-')}" for k in ("sequence_parallel", "recompute") if getattr(args, k, False)]
+    if set_here:
+        raise ValueError(f"--plan {args.plan} and {' '.join(set_here)} both set the layout; drop "
+                         f"{' '.join(s.split()[0] for s in set_here)} (the plan sets them) or drop --plan")
+    world, local = autoplan.env_nproc()
+    nproc, source = args.nproc, "--nproc"
+    if nproc is not None and nproc < 1:
+        raise ValueError(f"--nproc {nproc}: must be a positive number of ranks")
+    if world is not None:
+        if nproc is not None and nproc != world:
+            raise ValueError(f"--nproc {nproc} differs from torchrun's WORLD_SIZE={world}; drop --nproc under "
+                             f"torchrun")
+        nproc, source = world, f"torchrun's WORLD_SIZE={world}"
+    if args.plan == "auto" and nproc is None:
+        raise ValueError("--plan auto needs the number of ranks to plan for: add --nproc N (or launch with torchrun)")
+    plan_ranks = nproc if args.plan == "auto" else autoplan.check_plan_file(args.plan, nproc, source)[0].num_devices
+    source_cfg, _ = prepare(cfg.replace(tp=1, pp=1, dp=1, micro_batches=1, sequence_parallel=False),
+                            progress=not args.no_progress)
+    cal, path, cached = autoplan.cached_calibration(log=lambda m: rank0_print(f"tensorpar: {m}", file=sys.stderr))
+    note = autoplan.describe_device_source(path, cached)
+    device = autoplan.rank_device(cal, plan_ranks, local or plan_ranks, load_now=autoplan._loadavg())
+    if args.plan == "auto":
+        choice = autoplan.choose_auto(cfg, source_cfg.config, device, nproc, local, note=note)
+    else:
+        choice = autoplan.choose_from_file(args.plan, cfg, source_cfg.config, device, nproc, local,
+                                           nproc_source=source, note=note)
+    rank0_print(choice.summary())
+    return choice.cfg, choice
