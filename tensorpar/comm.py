@@ -106,9 +106,14 @@ class CommCounter:
             c.clear()
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """``{kind: {"calls", "elements", "bytes", "wire_bytes", "seconds"}}`` for every kind seen."""
+        """``{kind: {"calls", "elements", "bytes", "wire_bytes"}}`` for every kind seen (sizes only, so
+        equal on every run; the times are in :meth:`exposed_seconds`)."""
         return {k: {"calls": self.calls[k], "elements": self.elements[k], "bytes": self.bytes[k],
-                    "wire_bytes": self.wire_bytes[k], "seconds": self.seconds[k]} for k in sorted(self.calls)}
+                    "wire_bytes": self.wire_bytes[k]} for k in sorted(self.calls)}
+
+    def exposed_seconds(self) -> dict[str, float]:
+        """``{kind: seconds}``: wall time the calling thread spent blocked in each kind of collective."""
+        return {k: self.seconds[k] for k in sorted(self.seconds)}
 
 
 @dataclass(eq=False)
