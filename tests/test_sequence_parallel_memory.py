@@ -7,7 +7,8 @@ One job per tp degree checks, against the unsharded model and tensorpar at tp = 
 * the bytes autograd saves per rank (counted storage by storage, deterministic) are below tp = 1's and
   equal the planner's prediction for the same shapes;
 * the overlapped backward (input-gradient collective running while the weight gradients are computed)
-  gives exactly the gradients of the synchronous one.
+  gives exactly the gradients of the synchronous one, and the asynchronous raw collectives (uneven shard
+  sizes too) exactly the synchronous ones.
 """
 import copy
 
@@ -87,7 +88,20 @@ def job_sp_memory(ctx, seq):
                                   Workload(SHAPE["batch"], seq),
                                   Assumptions(activation_bytes=4, param_bytes=4, grad_bytes=4, attention="sdpa"))
     return dict(n_compared=len(diffs), bytes_tp1=bytes_tp1, bytes_sp=bytes_sp, predicted=predicted.activations,
-                overlap_equals_sync=same, backward_counts=backward_counts)
+                overlap_equals_sync=same, backward_counts=backward_counts, async_equals_sync=_async_collectives(tp))
+
+
+def _async_collectives(tp):
+    """The asynchronous raw collectives give exactly the synchronous ones, with uneven shard sizes too."""
+    sizes = [tp.size + 1 - r for r in range(tp.size)]                       # e.g. [3, 2] at tp = 2
+    gen = torch.Generator().manual_seed(10 + tp.rank)
+    local = torch.randn(2, sizes[tp.rank], 5, generator=gen)                 # [b, s_r, h], s_r uneven
+    full = torch.randn(2, sum(sizes), 5, generator=gen)
+    checks = [torch.equal(comm.all_gather_async(local, tp, 1, sizes).wait(), comm.all_gather(local, tp, 1, sizes)),
+              torch.equal(comm.reduce_scatter_async(full.clone(), tp, 1, sizes).wait(),
+                          comm.reduce_scatter(full, tp, 1, sizes)),
+              torch.equal(comm.all_reduce_async(full.clone(), tp).wait(), comm.all_reduce(full, tp))]
+    return all(checks)
 
 
 @pytest.mark.parametrize("tp,seq", [(2, 16), (3, 12)])
@@ -97,6 +111,7 @@ def test_sequence_parallel_saves_memory_and_matches_tp1(pools, tp, seq):
     for r in results:
         assert r["n_compared"] > 20
         assert r["overlap_equals_sync"]
+        assert r["async_equals_sync"]
         assert r["bytes_sp"] < r["bytes_tp1"], r
         # backward re-gathers the saved shards: one all-gather per column-parallel entry (2 per layer + head)
         # on top of the all-gathers that are the transposes of the forward reduce-scatters (2 per layer)
