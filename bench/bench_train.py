@@ -6,9 +6,14 @@ on the same transformers Llama, in the same run.
 
 Measured per variant, in ``--rounds`` interleaved rounds: the wall time of a full training step (forward,
 vocab-parallel loss, backward, gradient completion, clipping, AdamW), best and median over all timed
-steps (the best is the least disturbed by other processes); tokens/s from the best; and activation
+steps (the best is the least disturbed by other processes); tokens/s from the best; activation
 memory per rank: the bytes autograd keeps for backward during one forward (every saved tensor's storage
-counted once, parameters excluded), measured with ``torch.autograd.graph.saved_tensors_hooks``.
+counted once, parameters excluded), measured with ``torch.autograd.graph.saved_tensors_hooks``, beside the
+planner's prediction for the same shapes (``tensorpar.planner.memory``); and, for tensorpar at tp = 2, the
+exposed communication per step: the seconds the rank's main thread spends blocked in collectives
+(``CommCounter.exposed_seconds``), with the column-parallel backward overlapping its input-gradient
+collective with the weight gradients (the default) and with it synchronous ("sync backward").
+bf16 rows run the same step under bf16 autocast (fp32 weights and optimizer).
 
 tp = 2 runs two gloo ranks with one thread each on this host, so "tp = 2" and "tp = 1 with 2 threads" use
 the same two cores. Numbers from a shared machine are noisy: the load average at start is recorded.
@@ -82,13 +87,17 @@ def _time_steps(step_fn, warmup: int, steps: int) -> list[float]:
     return times
 
 
-def job_tensorpar(ctx, cfg: TrainConfig, warmup: int, steps: int) -> dict:
-    """tensorpar's trainer; every rank returns its step times and activation bytes."""
+def job_tensorpar(ctx, cfg: TrainConfig, warmup: int, steps: int, overlap: bool = True) -> dict:
+    """tensorpar's trainer; every rank returns its step times, activation bytes and exposed communication
+    (seconds blocked in collectives) of each of ``steps`` extra steps run with the counter on."""
+    from tensorpar import comm
+    from tensorpar.layers.linear import set_grad_comm_overlap
     from tensorpar.train.loop import Trainer
     from tensorpar.train.model import build_model, resolve_source
 
     data = _data(256)
     model, plan = build_model(cfg, resolve_source(cfg, 256), ctx.tp, 256)
+    set_grad_comm_overlap(model, overlap)
     tr = Trainer(cfg, ctx.tp, model, plan, data)
     meter = SavedBytes(tr.params)
     x, y = next(tr.batches)
@@ -97,7 +106,12 @@ def job_tensorpar(ctx, cfg: TrainConfig, warmup: int, steps: int) -> dict:
     loss.backward()
     tr.optimizer.zero_grad(set_to_none=True)
     times = _time_steps(tr.train_step, warmup, steps)
-    return {"times": times, "activation_bytes": meter.total}
+    exposed = []
+    for _ in range(steps if ctx.tp.size > 1 else 0):
+        with comm.counting(ctx.tp) as c:
+            tr.train_step()
+        exposed.append(c.exposed_seconds())
+    return {"times": times, "activation_bytes": meter.total, "exposed": exposed}
 
 
 def job_torch_tp(ctx, cfg: TrainConfig, warmup: int, steps: int) -> dict:
@@ -178,17 +192,46 @@ def _summary(name: str, runs: list[list[dict]], tokens: int, threads: int, tp: i
     """``runs``: per round, the per-rank results. A step ends when its slowest rank does."""
     times = [max(ts) for per_rank in runs for ts in zip(*[r["times"] for r in per_rank])]
     best, med = min(times), statistics.median(times)
-    return {"variant": name, "tp": tp, "threads_per_rank": threads, "step_s_best": best, "step_s_median": med,
-            "step_s_all": times, "tokens_per_s": tokens / best,
-            "activation_mib_per_rank": max(r["activation_bytes"] for r in runs[0]) / 2**20}
+    row = {"variant": name, "tp": tp, "threads_per_rank": threads, "step_s_best": best, "step_s_median": med,
+           "step_s_all": times, "tokens_per_s": tokens / best,
+           "activation_mib_per_rank": max(r["activation_bytes"] for r in runs[0]) / 2**20}
+    # exposed communication of a step: the rank blocked longest in collectives (median over the counted steps)
+    per_step = [max(sum(e.values()) for e in es) for per_rank in runs
+                for es in zip(*[r.get("exposed", []) for r in per_rank])]
+    if per_step:
+        row["exposed_comm_s_median"] = statistics.median(per_step)
+        row["exposed_comm_s_min"] = min(per_step)
+    return row
 
 
-VARIANTS = (  # name, tp, threads per rank, job, config changes
-    ("tensorpar tp=1 (1 thread)", 1, 1, "tensorpar", {}),
-    ("tensorpar tp=1 (2 threads)", 1, 2, "tensorpar", {}),
-    ("tensorpar tp=2", 2, 1, "tensorpar", dict(tp=2)),
-    ("tensorpar tp=2 + sequence parallel", 2, 1, "tensorpar", dict(tp=2, sequence_parallel=True)),
-    ("torch parallelize_module tp=2", 2, 1, "torch", dict(tp=2)),
+def planner_activation_mib(preset: str, batch: int, seq: int, tp: int, sequence_parallel: bool) -> float:
+    """The planner's activation bytes per rank (fp32, sdpa attention, Hugging Face kernels) for the bench model."""
+    from tensorpar.planner.layout import Assumptions, Layout, Workload
+    from tensorpar.planner.memory import memory_per_device
+    from tensorpar.planner.model_spec import from_dims
+
+    p = PRESETS[preset]
+    spec = from_dims(layers=p["num_hidden_layers"], hidden=p["hidden_size"], heads=p["num_attention_heads"],
+                     kv_heads=p["num_key_value_heads"], ffn=p["intermediate_size"], vocab=256,
+                     tied_embeddings=p["tie_word_embeddings"])
+    m = memory_per_device(spec, Layout(tp, 1, 1, batch, sequence_parallel=sequence_parallel), Workload(batch, seq),
+                          Assumptions(activation_bytes=4, param_bytes=4, grad_bytes=4, attention="sdpa"))
+    return m.activations / 2**20
+
+
+BF16 = dict(dtype="bfloat16")
+VARIANTS = (  # name, tp, threads per rank, job, config changes, job options
+    ("tensorpar tp=1 (1 thread)", 1, 1, "tensorpar", {}, {}),
+    ("tensorpar tp=1 (2 threads)", 1, 2, "tensorpar", {}, {}),
+    ("tensorpar tp=2", 2, 1, "tensorpar", dict(tp=2), {}),
+    ("tensorpar tp=2, sync backward", 2, 1, "tensorpar", dict(tp=2), dict(overlap=False)),
+    ("tensorpar tp=2 + sequence parallel", 2, 1, "tensorpar", dict(tp=2, sequence_parallel=True), {}),
+    ("tensorpar tp=2 + sequence parallel, sync backward", 2, 1, "tensorpar", dict(tp=2, sequence_parallel=True),
+     dict(overlap=False)),
+    ("torch parallelize_module tp=2", 2, 1, "torch", dict(tp=2), {}),
+    ("tensorpar tp=1 (2 threads) bf16", 1, 2, "tensorpar", BF16, {}),
+    ("tensorpar tp=2 bf16", 2, 1, "tensorpar", dict(tp=2, **BF16), {}),
+    ("tensorpar tp=2 + sequence parallel bf16", 2, 1, "tensorpar", dict(tp=2, sequence_parallel=True, **BF16), {}),
 )
 
 
@@ -211,32 +254,43 @@ def main(argv=None) -> int:
     results: dict[str, list] = {v[0]: [] for v in VARIANTS}
     with WorkerPool(2, job_timeout_s=1800) as pool:
         for rnd in range(args.rounds):
-            for name, tp, threads, job, change in VARIANTS:
+            for name, tp, threads, job, change, opts in VARIANTS:
                 c = cfg.replace(**change)
                 if tp == 1:
                     torch.set_num_threads(threads)
-                    per_rank = [jobs[job](ParallelContext.single(), c, args.warmup, args.steps)]
+                    per_rank = [jobs[job](ParallelContext.single(), c, args.warmup, args.steps, **opts)]
                     torch.set_num_threads(1)
                 else:
-                    per_rank = pool.run(jobs[job], c, args.warmup, args.steps)
+                    per_rank = pool.run(jobs[job], c, args.warmup, args.steps, *opts.values())
                 results[name].append(per_rank)
                 print(f"round {rnd + 1}: {name}: {[round(max(t), 3) for t in zip(*[r['times'] for r in per_rank])]}"
                       f" s/step", flush=True)
-    rows = [_summary(name, results[name], tokens, threads, tp) for name, tp, threads, _, _ in VARIANTS]
+    rows = [_summary(name, results[name], tokens, threads, tp) for name, tp, threads, _, _, _ in VARIANTS]
     base1, base2 = rows[0], rows[1]
     by = {r["variant"]: r for r in rows}
-    for r in rows:
+    for r, (_, tp, _, job, change, _) in zip(rows, VARIANTS):
         r["speedup_vs_tp1_1thread"] = base1["step_s_best"] / r["step_s_best"]
         r["speedup_vs_tp1_2threads"] = base2["step_s_best"] / r["step_s_best"]
         r["activation_vs_tp1"] = r["activation_mib_per_rank"] / base1["activation_mib_per_rank"]
+        if job == "tensorpar" and change.get("dtype", "float32") == "float32":
+            r["planner_activation_mib_per_rank"] = planner_activation_mib(
+                args.preset, args.batch_size, args.seq_len, tp, change.get("sequence_parallel", False))
     torch_row = by["torch parallelize_module tp=2"]
-    ratios = {name: torch_row["step_s_best"] / by[name]["step_s_best"]
-              for name in ("tensorpar tp=2", "tensorpar tp=2 + sequence parallel")}
+    tp2 = ("tensorpar tp=2", "tensorpar tp=2 + sequence parallel")
+    ratios = {name: torch_row["step_s_best"] / by[name]["step_s_best"] for name in tp2}
+    targets = {  # issue 13, items 5 and 7: step-time ratios from the best steps, memory from exact counts
+        "tp2 step / tp1 2-thread step (target <= 1.0)": {n: by[n]["step_s_best"] / base2["step_s_best"] for n in tp2},
+        "tp2 step / torch parallelize_module step (target <= 0.9)": {n: 1 / ratios[n] for n in tp2},
+        "tp2+SP activation / tp1 activation (target <= 0.55)": by[tp2[1]]["activation_vs_tp1"],
+        "bf16: tp2 step / tp1 2-thread bf16 step": {
+            n: by[n]["step_s_best"] / by["tensorpar tp=1 (2 threads) bf16"]["step_s_best"]
+            for n in ("tensorpar tp=2 bf16", "tensorpar tp=2 + sequence parallel bf16")},
+    }
     result = {
         "model": {"preset": args.preset, **PRESETS[args.preset], "vocab_size": 256},
         "seq_len": args.seq_len, "batch_size": args.batch_size, "tokens_per_step": tokens,
         "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "rows": rows,
-        "torch_step_time_over_tensorpar": ratios,
+        "torch_step_time_over_tensorpar": ratios, "targets": targets,
         "environment": {"torch": torch.__version__, "python": platform.python_version(),
                         "cpus": os.cpu_count(), "load_average_1min_at_start": load,
                         "load_average_1min_at_end": os.getloadavg()[0],
@@ -266,17 +320,24 @@ def render_markdown(res: dict) -> str:
         f"memory column is exact.",
         "",
         "| variant | step (s), best | median | tokens/s | vs tp=1 (1 thread) | vs tp=1 (2 threads) | "
-        "activation MiB/rank | activation vs tp=1 |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "activation MiB/rank | activation vs tp=1 | planner MiB/rank | exposed comm s/step (median) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["rows"]:
+        planner = r.get("planner_activation_mib_per_rank")
+        exposed = r.get("exposed_comm_s_median")
         lines.append(f"| {r['variant']} | {r['step_s_best']:.3f} | {r['step_s_median']:.3f} | "
                      f"{r['tokens_per_s']:,.0f} | "
                      f"{r['speedup_vs_tp1_1thread']:.2f}x | {r['speedup_vs_tp1_2threads']:.2f}x | "
-                     f"{r['activation_mib_per_rank']:.1f} | {r['activation_vs_tp1']:.2f} |")
+                     f"{r['activation_mib_per_rank']:.1f} | {r['activation_vs_tp1']:.2f} | "
+                     f"{'' if planner is None else f'{planner:.1f}'} | "
+                     f"{'' if exposed is None else f'{exposed:.3f}'} |")
     lines.append("")
     for name, ratio in res["torch_step_time_over_tensorpar"].items():
         lines.append(f"- torch `parallelize_module` step time / {name} step time: **{ratio:.2f}**")
+    for what, v in res.get("targets", {}).items():
+        vals = ", ".join(f"{n}: {x:.2f}" for n, x in v.items()) if isinstance(v, dict) else f"{v:.2f}"
+        lines.append(f"- {what}: {vals}")
     return "\n".join(lines) + "\n"
 
 

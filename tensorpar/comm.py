@@ -19,17 +19,25 @@ gather_from_sequence_region             all-gather ``dim``                 reduc
 reduce_scatter_to_sequence_region       reduce-scatter ``dim``             all-gather ``dim``
 ======================================  =================================  =================================
 
+The column-parallel entry that fuses the collective with the matmuls (saving only the sequence shard
+under sequence parallelism, and overlapping the input-gradient collective with the weight-gradient
+matmuls) is :func:`tensorpar.layers.linear.column_parallel_linears`; it uses the asynchronous raw
+collectives :func:`all_reduce_async`, :func:`all_gather_async` and :func:`reduce_scatter_async`.
+
 Unequal shard sizes work everywhere: pass the :class:`~tensorpar.shard.Partition` (or its
 sizes) of the split dimension; all-gather and reduce-scatter pad to the largest shard on the
 wire and trim afterwards (gloo needs equal sizes).
 
 Counting: each :class:`Group` owns a :class:`CommCounter`, off by default; switch it on with
 ``with counting(group) as c:`` to record calls, elements, payload bytes and ring wire bytes of
-each collective kind.
+each collective kind, and the seconds the calling thread spent blocked in them (``seconds``: the
+whole call of a synchronous collective, only the ``wait()`` of an asynchronous one, so the exposed
+communication time).
 """
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
@@ -58,7 +66,9 @@ class CommCounter:
     * ``bytes[kind]`` - ``B``, summed over calls;
     * ``wire_bytes[kind]`` - bytes each rank sends under the ring algorithm: all-reduce
       ``2(t-1)/t * B``, all-gather and reduce-scatter ``(t-1)/t * B``, broadcast ``B`` from the
-      source (Patarasuk & Yuan 2009, bandwidth-optimal all-reduce); a float.
+      source (Patarasuk & Yuan 2009, bandwidth-optimal all-reduce); a float;
+    * ``seconds[kind]`` - wall seconds the calling thread spent blocked in the collective (exposed
+      communication; an asynchronous collective counts only its ``wait()``).
     """
 
     enabled: bool = False
@@ -66,6 +76,7 @@ class CommCounter:
     elements: Counter = field(default_factory=Counter)
     bytes: Counter = field(default_factory=Counter)
     wire_bytes: Counter = field(default_factory=Counter)
+    seconds: Counter = field(default_factory=Counter)
     fingerprint: Any = None  # tensorpar.fingerprint.Fingerprint when collectives are checked, else None
 
     def record(self, kind: str, numel: int, element_size: int, group_size: int) -> None:
@@ -82,14 +93,27 @@ class CommCounter:
         self.bytes[kind] += b
         self.wire_bytes[kind] += wire
 
+    def blocked(self, kind: str, t0: float | None) -> None:
+        """Add the time since ``t0`` (a ``time.perf_counter()``, ``None`` when counting is off) to ``seconds``."""
+        if t0 is not None:
+            self.seconds[kind] += time.perf_counter() - t0
+
+    def start(self) -> float | None:
+        return time.perf_counter() if self.enabled else None
+
     def reset(self) -> None:
-        for c in (self.calls, self.elements, self.bytes, self.wire_bytes):
+        for c in (self.calls, self.elements, self.bytes, self.wire_bytes, self.seconds):
             c.clear()
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """``{kind: {"calls", "elements", "bytes", "wire_bytes"}}`` for every kind seen."""
+        """``{kind: {"calls", "elements", "bytes", "wire_bytes"}}`` for every kind seen (sizes only, so
+        equal on every run; the times are in :meth:`exposed_seconds`)."""
         return {k: {"calls": self.calls[k], "elements": self.elements[k], "bytes": self.bytes[k],
                     "wire_bytes": self.wire_bytes[k]} for k in sorted(self.calls)}
+
+    def exposed_seconds(self) -> dict[str, float]:
+        """``{kind: seconds}``: wall time the calling thread spent blocked in each kind of collective."""
+        return {k: self.seconds[k] for k in sorted(self.seconds)}
 
 
 @dataclass(eq=False)
@@ -186,9 +210,10 @@ def all_reduce(x: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
     if group.size == 1:
         return x
     group.counter.record("all_reduce", x.numel(), x.element_size(), group.size)
-    if _use_fast(group, x):
-        return group.fast.all_reduce(x, op=op)
-    return _pg_all_reduce(x, group, op)
+    t0 = group.counter.start()
+    y = group.fast.all_reduce(x, op=op) if _use_fast(group, x) else _pg_all_reduce(x, group, op)
+    group.counter.blocked("all_reduce", t0)
+    return y
 
 
 def _pg_all_reduce(x: torch.Tensor, group: Group, op: str) -> torch.Tensor:
@@ -211,9 +236,10 @@ def all_gather(x: torch.Tensor, group: Group, dim: int = -1, sizes: SizesLike = 
         raise ValueError(f"all_gather on {group.name}: local size {x.shape[dim]} along dim {dim} does not match "
                          f"shard sizes {s} at rank {group.rank}")
     group.counter.record("all_gather", x.numel() // max(x.shape[dim], 1) * sum(s), x.element_size(), group.size)
-    if _use_fast(group, x):
-        return group.fast.all_gather(x, dim=dim, sizes=s)
-    return _pg_all_gather(x, group, dim, s)
+    t0 = group.counter.start()
+    y = group.fast.all_gather(x, dim=dim, sizes=s) if _use_fast(group, x) else _pg_all_gather(x, group, dim, s)
+    group.counter.blocked("all_gather", t0)
+    return y
 
 
 def _pg_all_gather(x: torch.Tensor, group: Group, dim: int, s: list[int]) -> torch.Tensor:
@@ -241,9 +267,11 @@ def reduce_scatter(x: torch.Tensor, group: Group, dim: int = -1, sizes: SizesLik
         raise ValueError(f"reduce_scatter on {group.name}: dim {dim} has size {x.shape[dim]} but shard sizes {s} "
                          f"sum to {sum(s)}")
     group.counter.record("reduce_scatter", x.numel(), x.element_size(), group.size)
-    if _use_fast(group, x):
-        return group.fast.reduce_scatter(x, dim=dim, sizes=s)
-    return _pg_reduce_scatter(x, group, dim, s)
+    t0 = group.counter.start()
+    y = (group.fast.reduce_scatter(x, dim=dim, sizes=s) if _use_fast(group, x)
+         else _pg_reduce_scatter(x, group, dim, s))
+    group.counter.blocked("reduce_scatter", t0)
+    return y
 
 
 def _pg_reduce_scatter(x: torch.Tensor, group: Group, dim: int, s: list[int]) -> torch.Tensor:
@@ -284,6 +312,94 @@ def split(x: torch.Tensor, group: Group, dim: int = -1, sizes: SizesLike = None)
         raise ValueError(f"split on {group.name}: dim {dim} has size {x.shape[dim]} but shard sizes {s} sum to {sum(s)}")
     start = sum(s[: group.rank])
     return x.narrow(dim, start, s[group.rank]).contiguous()
+
+
+# ---------------------------------------------------------------- asynchronous raw collectives
+
+
+class Pending:
+    """A collective that was issued and may still be running; :meth:`wait` returns its result.
+
+    The process-group path issues the collective with ``async_op=True``, so the caller can compute while
+    it runs (gloo runs it on its own thread; NCCL on its stream). ``group.fast`` (a same-host
+    communicator) and one-rank groups complete at issue. Each pending collective must be waited for once,
+    in the same order on every rank.
+    """
+
+    def __init__(self, kind: str, group: Group, t: torch.Tensor, work=None, finish=None, result=None):
+        self._kind, self._group, self._t = kind, group, t
+        self._work, self._finish, self._result = work, finish, result
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            t0 = self._group.counter.start()
+            work, self._work = self._work, None
+            _run(self._kind, self._group, self._t, work.wait)
+            self._group.counter.blocked(self._kind, t0)
+            self._result = self._finish()
+        return self._result
+
+
+def _async_ok(group: Group, x: torch.Tensor) -> bool:
+    return group.size > 1 and group.pg is not None and not _use_fast(group, x)
+
+
+def all_reduce_async(x: torch.Tensor, group: Group) -> Pending:
+    """Start the sum of ``x`` over the group; ``.wait()`` returns it. ``x`` (contiguous) is overwritten
+    with the sum: pass a tensor nobody else reads. Falls back to :func:`all_reduce` (complete at issue)
+    on one rank or on ``group.fast``."""
+    if not _async_ok(group, x) or not x.is_contiguous():
+        return Pending("all_reduce", group, x, result=all_reduce(x, group))
+    group.counter.record("all_reduce", x.numel(), x.element_size(), group.size)
+    work = _run("all_reduce", group, x, lambda: dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group.pg,
+                                                              async_op=True))
+    return Pending("all_reduce", group, x, work, lambda: x)
+
+
+def all_gather_async(x: torch.Tensor, group: Group, dim: int = -1, sizes: SizesLike = None) -> Pending:
+    """Start :func:`all_gather` (same shapes, unequal ``sizes`` allowed); ``.wait()`` returns the result."""
+    if not _async_ok(group, x):
+        return Pending("all_gather", group, x, result=all_gather(x, group, dim, sizes))
+    dim = dim % x.dim()
+    s = list(sizes.sizes if isinstance(sizes, Partition) else sizes) if sizes is not None else [x.shape[dim]] * group.size
+    if len(s) != group.size or s[group.rank] != x.shape[dim]:
+        raise ValueError(f"all_gather on {group.name}: local size {x.shape[dim]} along dim {dim} does not match "
+                         f"shard sizes {s} at rank {group.rank}")
+    group.counter.record("all_gather", x.numel() // max(x.shape[dim], 1) * sum(s), x.element_size(), group.size)
+    m = max(s)
+    xm = x.movedim(dim, 0)
+    if xm.shape[0] < m:
+        xm = torch.cat([xm, xm.new_zeros((m - xm.shape[0],) + xm.shape[1:])])
+    xm = xm.contiguous()
+    out = xm.new_empty((group.size * m,) + xm.shape[1:])
+    work = _run("all_gather", group, xm, lambda: _ALL_GATHER(out, xm, group=group.pg, async_op=True))
+
+    def finish():
+        return torch.cat([out[r * m: r * m + s[r]] for r in range(group.size)]).movedim(0, dim)
+    return Pending("all_gather", group, xm, work, finish)
+
+
+def reduce_scatter_async(x: torch.Tensor, group: Group, dim: int = -1, sizes: SizesLike = None) -> Pending:
+    """Start :func:`reduce_scatter` (same shapes, unequal ``sizes`` allowed); ``.wait()`` returns the shard."""
+    if not _async_ok(group, x):
+        return Pending("reduce_scatter", group, x, result=reduce_scatter(x, group, dim, sizes))
+    dim = dim % x.dim()
+    s = _sizes(sizes, group, x.shape[dim], f"dim {dim}")
+    if sum(s) != x.shape[dim]:
+        raise ValueError(f"reduce_scatter on {group.name}: dim {dim} has size {x.shape[dim]} but shard sizes {s} "
+                         f"sum to {sum(s)}")
+    group.counter.record("reduce_scatter", x.numel(), x.element_size(), group.size)
+    m = max(s)
+    xm = x.movedim(dim, 0)
+    if dim == 0 and all(n == m for n in s):
+        inp = xm.contiguous()
+    else:
+        chunks = list(torch.split(xm, s))
+        inp = torch.cat([c if c.shape[0] == m else torch.cat([c, c.new_zeros((m - c.shape[0],) + c.shape[1:])])
+                         for c in chunks]).contiguous()
+    out = inp.new_empty((m,) + inp.shape[1:])
+    work = _run("reduce_scatter", group, inp, lambda: _REDUCE_SCATTER(out, inp, group=group.pg, async_op=True))
+    return Pending("reduce_scatter", group, inp, work, lambda: out[: s[group.rank]].movedim(0, dim).contiguous())
 
 
 # ---------------------------------------------------------------- autograd collectives

@@ -16,14 +16,17 @@ import torch.nn as nn
 from tensorpar import comm
 from tensorpar.comm import Group
 from tensorpar.layers.attention import HeadLayout
-from tensorpar.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tensorpar.layers.linear import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
 from tensorpar.shard import Partition, UnitSelection
 
 
-def _enter(x: torch.Tensor, tp: Group, sequence_parallel: bool) -> torch.Tensor:
-    if sequence_parallel:
-        return comm.gather_from_sequence_region(x, tp, dim=1)
-    return comm.copy_to_tp_region(x, tp)
+def _project(mod: nn.Module, x: torch.Tensor, *linears: nn.Module) -> list[torch.Tensor]:
+    """Enter ``mod``'s tp region with ``x`` and apply the column-parallel ``linears`` that share it
+    (:func:`tensorpar.layers.linear.column_parallel_linears`): under sequence parallelism only the sequence
+    shard is kept for backward, and the input-gradient collective overlaps the weight gradients while
+    ``mod.overlap_grad_comm``."""
+    return column_parallel_linears(x, linears, mod.tp, sequence_parallel=getattr(mod, "sequence_parallel", False),
+                                   seq_dim=1, overlap=getattr(mod, "overlap_grad_comm", True))
 
 
 def _head_rows(layout: HeadLayout, rank_units, q_first: int, kv_first: int, v_first: int):
@@ -102,13 +105,16 @@ class TPAttention(nn.Module):
             setattr(self, norm, m)
         self.attention_fn = None
         self.output_dropout = None
+        self.overlap_grad_comm = True
 
-    def _qkv(self, x: torch.Tensor):
-        b, s = x.shape[:2]
+    def _qkv(self, hidden_states: torch.Tensor):
+        """Enter the tp region (``[b, s_r, h]`` under sequence parallelism) and project: q, k, v ``[b, heads, s, d]``."""
         if self.fused:
-            q, k, v = getattr(self, self.fused).forward_local(x).split([self._n_q, self._n_kv, self._n_kv], -1)
+            (qkv,) = _project(self, hidden_states, getattr(self, self.fused))
+            q, k, v = qkv.split([self._n_q, self._n_kv, self._n_kv], -1)
         else:
-            q, k, v = self.q_proj.forward_local(x), self.k_proj.forward_local(x), self.v_proj.forward_local(x)
+            q, k, v = _project(self, hidden_states, self.q_proj, self.k_proj, self.v_proj)
+        b, s = q.shape[:2]
         q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))                      # [b, s, heads, d]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -119,9 +125,8 @@ class TPAttention(nn.Module):
 
         cache = cache if cache is not None else kwargs.pop("past_key_values", None)
         kwargs.pop("past_key_values", None)
-        x = _enter(hidden_states, self.tp, self.sequence_parallel)
-        b, s = x.shape[:2]
-        q, k, v = self._qkv(x)
+        q, k, v = self._qkv(hidden_states)                                                # [b, heads, s, d]
+        b, s = q.shape[0], q.shape[2]
         if position_embeddings is not None and self._rope is not None:
             cos, sin = position_embeddings
             q, k = self._rope(q, k, cos, sin)
@@ -185,13 +190,13 @@ class TPGatedMLP(nn.Module):
                                                        sequence_parallel=sequence_parallel)
         self.act_fn = _act(mlp)
         self.output_dropout = None
+        self.overlap_grad_comm = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _enter(x, self.tp, self.sequence_parallel)
         if self.fused:
-            gate, up = getattr(self, self.fused).forward_local(x).chunk(2, dim=-1)
+            gate, up = _project(self, x, getattr(self, self.fused))[0].chunk(2, dim=-1)
         else:
-            gate, up = self.gate_proj.forward_local(x), self.up_proj.forward_local(x)
+            gate, up = _project(self, x, self.gate_proj, self.up_proj)
         y = self.down_proj(self.act_fn(gate) * up)
         return y if self.output_dropout is None else self.output_dropout(y)
 
@@ -215,10 +220,11 @@ class TPMLP(nn.Module):
                                                           sequence_parallel=sequence_parallel))
         self.act_fn = _act(mlp)
         self.output_dropout = None
+        self.overlap_grad_comm = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _enter(x, self.tp, self.sequence_parallel)
-        y = getattr(self, self.down)(self.act_fn(getattr(self, self.up).forward_local(x)))
+        (h,) = _project(self, x, getattr(self, self.up))
+        y = getattr(self, self.down)(self.act_fn(h))
         return y if self.output_dropout is None else self.output_dropout(y)
 
 
@@ -402,6 +408,7 @@ class TPGPTNeoXAttention(nn.Module):
         self._attn_default = family.eager_attention_forward
         self.attention_fn = None
         self.output_dropout = None
+        self.overlap_grad_comm = True
 
     def forward(self, hidden_states, attention_mask=None, layer_past=None, position_embeddings=None, **kwargs):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -410,9 +417,9 @@ class TPGPTNeoXAttention(nn.Module):
         for key in ("cache", "past_key_values"):
             c = kwargs.pop(key, None)
             cache = cache if cache is not None else c
-        x = _enter(hidden_states, self.tp, self.sequence_parallel)
-        b, s = x.shape[:2]
-        qkv = self.query_key_value.forward_local(x).view(b, s, -1, 3 * self.head_dim).transpose(1, 2)
+        (qkv,) = _project(self, hidden_states, self.query_key_value)
+        b, s = qkv.shape[:2]
+        qkv = qkv.view(b, s, -1, 3 * self.head_dim).transpose(1, 2)
         q, k, v = qkv.chunk(3, dim=-1)                                                    # [b, heads_r, s, d]
         cos, sin = position_embeddings
         q, k = self._rope(q, k, cos, sin)
@@ -525,9 +532,9 @@ class TPOlmo2Attention(TPAttention):
         self.q_norm = TPRMSNorm(attn.q_norm, tp, layout.q_rows)
         self.k_norm = TPRMSNorm(attn.k_norm, tp, layout.kv_rows)
 
-    def _qkv(self, x: torch.Tensor):
-        b, s = x.shape[:2]
-        q, k, v = self.q_proj.forward_local(x), self.k_proj.forward_local(x), self.v_proj.forward_local(x)
+    def _qkv(self, hidden_states: torch.Tensor):
+        q, k, v = _project(self, hidden_states, self.q_proj, self.k_proj, self.v_proj)
+        b, s = q.shape[:2]
         ss = all_reduce_sum(torch.cat([self.q_norm.local_sum_of_squares(q), self.k_norm.local_sum_of_squares(k)], -1),
                             self.tp)                                                   # [b, s, 2] global sums
         q, k = self.q_norm.normalize(q, ss[..., :1]), self.k_norm.normalize(k, ss[..., 1:])

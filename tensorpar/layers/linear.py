@@ -53,6 +53,115 @@ def _slice(t: torch.Tensor, dim: int, partition: Partition | UnitSelection, rank
     return t.index_select(dim, torch.tensor(partition.indices(rank), device=t.device))
 
 
+class _ColumnLinears(torch.autograd.Function):
+    """Enter the tp region and apply ``k`` column-parallel linears that share one input.
+
+    forward: all-gather ``x`` along ``seq_dim`` under sequence parallelism, then ``y_i = x W_i^T + b_i``;
+    only ``x`` as given (the sequence shard) is saved.
+    backward: under sequence parallelism, start the all-gather of the saved shard; compute the input
+    gradient ``sum_i g_i W_i``; start its reduce-scatter (all-reduce without sequence parallelism); compute
+    the weight gradients ``g_i^T x`` while it runs; wait (Megatron-LM's overlap, Narayanan et al. 2021,
+    section 4.2; Korthikanti et al. 2022, section 4.2.2). With ``overlap=False`` each collective is waited
+    for as soon as it is issued (same results, bit for bit).
+    """
+
+    @staticmethod
+    def forward(ctx, x, tp, sequence_parallel, seq_dim, sizes, overlap, n, *params):
+        weights, biases = params[:n], params[n:]
+        total = comm.all_gather(x, tp, seq_dim, sizes) if sequence_parallel else x
+        outs = tuple(F.linear(total, w, b) for w, b in zip(weights, biases))
+        ctx.save_for_backward(x, *weights)
+        ctx.tp, ctx.sp, ctx.seq_dim, ctx.sizes, ctx.overlap, ctx.n = tp, sequence_parallel, seq_dim, sizes, overlap, n
+        ctx.has_bias = [b is not None for b in biases]
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        tp, n, overlap = ctx.tp, ctx.n, ctx.overlap
+        need = ctx.needs_input_grad
+        need_x = need[0]
+        need_w = [need[7 + i] for i in range(n)]
+        need_b = [need[7 + n + i] and ctx.has_bias[i] for i in range(n)]
+        cd = grads[0].dtype                                         # the compute dtype (bf16 under autocast)
+        g2 = [g.reshape(-1, g.shape[-1]) for g in grads]            # [N, out_i]
+        gather = None
+        if any(need_w):
+            gather = (comm.all_gather_async(x, tp, ctx.seq_dim, ctx.sizes) if ctx.sp
+                      else comm.Pending("all_gather", tp, x, result=x))
+            if not overlap:
+                gather.wait()
+        gx, pending = None, None
+        if need_x:
+            acc = None
+            for g, w in zip(g2, weights):
+                part = g.matmul(w.to(cd))                            # [N, in]
+                acc = part if acc is None else acc.add_(part)
+            acc = acc.to(x.dtype).view(*grads[0].shape[:-1], x.shape[-1])   # [b, s, in]: the gathered shape
+            pending = (comm.reduce_scatter_async(acc, tp, ctx.seq_dim, ctx.sizes) if ctx.sp
+                       else comm.all_reduce_async(acc, tp))
+            if not overlap:
+                gx = pending.wait()
+        gw, gb = [None] * n, [None] * n
+        if gather is not None:
+            total = gather.wait()
+            t2 = total.reshape(-1, total.shape[-1]).to(cd)          # [N, in]
+            for i in range(n):
+                if need_w[i]:
+                    gw[i] = g2[i].t().matmul(t2).to(weights[i].dtype)
+        for i in range(n):
+            if need_b[i]:
+                gb[i] = g2[i].sum(0)
+        if pending is not None and gx is None:
+            gx = pending.wait()
+        return (gx, None, None, None, None, None, None, *gw, *gb)
+
+
+def column_parallel_linears(x: torch.Tensor, linears, tp: Group, *, sequence_parallel: bool = False,
+                            seq_dim: int = 1, sizes=None, overlap: bool = True) -> list[torch.Tensor]:
+    """Enter the tensor-parallel region with ``x`` and apply column-parallel linears that share it.
+
+    Shapes: ``x`` ``[*, in]`` replicated, or ``[b, s_r, in]`` (the sequence shard along ``seq_dim``, of
+    ``sizes``, default equal) with ``sequence_parallel``; each linear ``i`` (anything with ``weight``
+    ``[n_i, in]`` and ``bias`` ``[n_i]`` or ``None``) gives ``[*, n_i]`` (``[b, s, n_i]`` under sequence
+    parallelism). Equal to ``F.linear(enter(x), W_i, b_i)`` for each ``i``, with ``enter`` =
+    :func:`~tensorpar.comm.copy_to_tp_region` or :func:`~tensorpar.comm.gather_from_sequence_region`.
+
+    Collectives: forward an all-gather of the sequence dim with ``sequence_parallel`` (else none);
+    backward an all-reduce of the input gradient (reduce-scatter with ``sequence_parallel``) that runs
+    while the weight gradients are computed when ``overlap``, and under sequence parallelism a second
+    all-gather of the saved shard: only the ``1/t`` shard of the input is kept for backward, not the
+    gathered input (Korthikanti et al. 2022, section 4.2.2). Without autograd (inference, or nothing
+    requiring a gradient) it is the plain all-gather and matmuls.
+
+    Raises:
+        ValueError: from :func:`~tensorpar.comm.all_gather` when the shard sizes do not match ``x``.
+    """
+    weights = [m.weight for m in linears]
+    biases = [m.bias for m in linears]
+    if tp.size == 1:
+        return [F.linear(x, w, b) for w, b in zip(weights, biases)]
+    grad = torch.is_grad_enabled() and (x.requires_grad or any(p is not None and p.requires_grad
+                                                               for p in (*weights, *biases)))
+    if not grad:
+        total = comm.all_gather(x, tp, seq_dim, sizes) if sequence_parallel else x
+        return [F.linear(total, w, b) for w, b in zip(weights, biases)]
+    return list(_ColumnLinears.apply(x, tp, sequence_parallel, seq_dim, sizes, overlap, len(linears),
+                                     *weights, *biases))
+
+
+def set_grad_comm_overlap(model: nn.Module, enabled: bool) -> int:
+    """Switch the overlap of the input-gradient collective with the weight-gradient matmuls (see
+    :func:`column_parallel_linears`) on or off in every tensor-parallel module of ``model`` that has it
+    (attribute ``overlap_grad_comm``); returns how many modules were set. Results are identical either way."""
+    count = 0
+    for m in model.modules():
+        if hasattr(m, "overlap_grad_comm"):
+            m.overlap_grad_comm = bool(enabled)
+            count += 1
+    return count
+
+
 class ColumnParallelLinear(nn.Module):
     """Linear layer with its output features split over the tp group.
 
@@ -63,7 +172,9 @@ class ColumnParallelLinear(nn.Module):
 
     Collectives: forward all-gather of the sequence dim if ``sequence_parallel``, all-gather of
     the output if ``gather_output``; backward all-reduce of the input gradient (reduce-scatter
-    with ``sequence_parallel``), split of the output gradient with ``gather_output``.
+    with ``sequence_parallel``, plus an all-gather of the saved sequence shard), overlapped with the
+    weight gradient while ``overlap_grad_comm`` (see :func:`column_parallel_linears`), and a split of
+    the output gradient with ``gather_output``.
 
     Args:
         in_features, out_features: global sizes.
@@ -101,6 +212,7 @@ class ColumnParallelLinear(nn.Module):
             self.bias = mark_sharded(nn.Parameter(b, requires_grad=full.bias.requires_grad), 0, self.partition)
         else:
             self.register_parameter("bias", None)
+        self.overlap_grad_comm = True
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, tp: Group, **kwargs) -> "ColumnParallelLinear":
@@ -116,11 +228,8 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = comm.gather_from_sequence_region(x, self.tp, self.seq_dim)
-        else:
-            x = comm.copy_to_tp_region(x, self.tp)
-        y = F.linear(x, self.weight, self.bias)
+        y = column_parallel_linears(x, [self], self.tp, sequence_parallel=self.sequence_parallel,
+                                    seq_dim=self.seq_dim, overlap=self.overlap_grad_comm)[0]
         if self.gather_output:
             y = comm.gather_from_tp_region(y, self.tp, self.partition)
         return y

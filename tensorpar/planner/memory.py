@@ -69,9 +69,9 @@ def layer_activation_terms(model: ModelSpec, heads: RankHeads, *, micro_batch: i
     """Bytes one layer stores for one micro-batch on a rank holding ``heads``, by tensor.
 
     Replicated regions (norms, residual dropout) are split ``tp`` ways under sequence parallelism. The
-    inputs of the column-parallel linears are split too with Megatron kernels, which keep the sequence
-    shard and all-gather it again in backward (Korthikanti et al. 2022, section 4.2.2); tensorpar keeps
-    the gathered input instead, full size. The attention and MLP interiors are split by heads and ffn
+    inputs of the column-parallel linears are split too: Megatron kernels and tensorpar
+    (:func:`tensorpar.layers.linear.column_parallel_linears`) keep the sequence shard and all-gather it
+    again in backward (Korthikanti et al. 2022, section 4.2.2). The attention and MLP interiors are split by heads and ffn
     columns. Eager attention stores the score matrix; a fused kernel ("sdpa") a logsumexp per head and
     row. K and V are stored at the rank's query-head count when eager HF attention repeats grouped KV
     heads, or when a GQA group straddles ranks (tensorpar then gathers KV heads per query head); with a
@@ -85,7 +85,7 @@ def layer_activation_terms(model: ModelSpec, heads: RankHeads, *, micro_batch: i
         return {"layer input (checkpoint)": e * rep}
 
     hf = model.kernels == "hf"
-    linear_in = rep if not hf else tokens * h  # input of the column-parallel linears, as saved
+    linear_in = rep  # input of the column-parallel linears, as saved: the sequence shard under SP
     ffn = max_ffn_columns(model.ffn_hidden_size, tp)
     mlp_tensors = 2 if model.mlp == "gelu" else (4 if hf else 3)
     if hf:  # HF eager repeats KV heads; sdpa broadcasts them (enable_gqa) unless tensorpar gathered them per head
@@ -131,14 +131,14 @@ def output_activation_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int,
     """Last-stage bytes per micro-batch after the layers: final norm input, output-layer input and the
     fp32 softmax kept by the vocabulary-parallel cross-entropy, 4sbh/t (1 + V/h) in Korthikanti section
     4.4 (with sequence parallelism). tensorpar's cross-entropy also keeps per-token target indices (int64)
-    and two boolean masks, and its output layer keeps the gathered, full-size input."""
+    and two boolean masks; its output layer, like Megatron's, keeps the sequence shard of its input."""
     e, tokens = assume.activation_bytes, micro_batch * seq_len
     split = tp if sequence_parallel else 1
     rep = tokens * model.hidden_size / split
     hf = model.kernels == "hf"
     terms = {
         "final norm input": _norm_bytes_per_element(model, e) * rep + _norm_stats_bytes(model, tokens / split),
-        "output layer input": e * (tokens * model.hidden_size if hf else rep),
+        "output layer input": e * rep,
         "logits (fp32)": 4 * tokens * max_vocab_rows(model.vocab_size, tp),
     }
     if hf:

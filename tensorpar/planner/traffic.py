@@ -12,7 +12,7 @@ sends ``4 * 2 (t-1)/t * bsh = 8 bsh (t-1)/t`` elements. Sequence parallelism rep
 reduce-scatter and an all-gather of the same total size. Megatron also re-gathers the two saved sequence
 shards in backward (two more all-gathers), which is what lets it store ``34/t`` rather than ``10 + 24/t``;
 it overlaps them with the input-gradient matmul, so they are marked ``hidden``: counted in bytes, not in
-time. tensorpar keeps the gathered input instead (more memory, no re-gather).
+time. tensorpar does the same (:func:`tensorpar.layers.linear.column_parallel_linears`).
 
 tests/test_planner_calibration.py checks these lists against tensorpar's collective counter, exactly.
 """
@@ -59,8 +59,8 @@ def tp_collectives(model: ModelSpec, layout: Layout, work: Workload, assume: Ass
                    layers: int, first_stage: bool, last_stage: bool) -> list[Collective]:
     """Tensor-parallel collectives of one micro-batch on one pipeline stage (empty at tp=1).
 
-    Layers: as in the module docstring; full recomputation re-runs the forward collectives. Megatron
-    kernels re-gather the saved sequence shards in backward; tensorpar keeps the gathered input instead.
+    Layers: as in the module docstring; full recomputation re-runs the forward collectives. Under sequence
+    parallelism both Megatron and tensorpar re-gather the saved sequence shards in backward.
 
     Outside the layers, Megatron (``kernels="megatron"``): the vocabulary-parallel embedding sums its
     partial lookups (all-reduce; reduce-scatter under sequence parallelism, all-gather in backward); the
@@ -69,8 +69,8 @@ def tp_collectives(model: ModelSpec, layout: Layout, work: Workload, assume: Ass
     all-reduces three fp32 values per token (max logit, sum of exponentials, target logit).
 
     tensorpar (``kernels="hf"``): the embedding always all-reduces, and under sequence parallelism the
-    first block splits its input (all-gather of the gradient in backward); the output layer as above
-    without the re-gather; the cross-entropy all-reduces the max logit and then three fp32 sums per token
+    first block splits its input (all-gather of the gradient in backward); the output layer as above;
+    the cross-entropy all-reduces the max logit and then three fp32 sums per token
     in one call.
     """
     t = layout.tp
@@ -91,8 +91,7 @@ def tp_collectives(model: ModelSpec, layout: Layout, work: Workload, assume: Ass
         add("reduce_scatter", "layer forward", 2 * layers * (1 + rerun))
         add("reduce_scatter", "layer backward", 2 * layers)
         add("all_gather", "layer backward", 2 * layers)
-        if megatron:
-            add("all_gather", "layer backward: re-gather saved shards", 2 * layers, hidden=True)
+        add("all_gather", "layer backward: re-gather saved shards", 2 * layers, hidden=True)
     else:
         add("all_reduce", "layer forward", 2 * layers * (1 + rerun))
         add("all_reduce", "layer backward", 2 * layers)
@@ -108,8 +107,7 @@ def tp_collectives(model: ModelSpec, layout: Layout, work: Workload, assume: Ass
         if sp:
             add("all_gather", "output layer forward", 1)
             add("reduce_scatter", "output layer backward", 1)
-            if megatron:
-                add("all_gather", "output layer backward: re-gather saved shard", 1, hidden=True)
+            add("all_gather", "output layer backward: re-gather saved shard", 1, hidden=True)
         else:
             add("all_reduce", "output layer backward", 1)
         if megatron:
