@@ -35,6 +35,13 @@ def _head_rows(layout: HeadLayout, rank_units, q_first: int, kv_first: int, v_fi
         for r in range(layout.tp_size)))
 
 
+def _lean_fused(owner: nn.Module, names: tuple[str, ...]):
+    if "_lean_fused" not in owner.__dict__:
+        return None
+    from tensorpar.lean import fused_weight
+    return fused_weight(owner, names)
+
+
 class TPAttention(nn.Module):
     """Self-attention with query heads split and KV heads selected per rank (:class:`HeadLayout`).
 
@@ -105,8 +112,11 @@ class TPAttention(nn.Module):
 
     def _qkv(self, x: torch.Tensor):
         b, s = x.shape[:2]
+        lean = None if self.fused or torch.is_grad_enabled() else _lean_fused(self, ("q_proj", "k_proj", "v_proj"))
         if self.fused:
             q, k, v = getattr(self, self.fused).forward_local(x).split([self._n_q, self._n_kv, self._n_kv], -1)
+        elif lean is not None:  # one matmul over the fused q/k/v rows (tensorpar.lean.fuse_projections)
+            q, k, v = torch.nn.functional.linear(x, *lean).split([self._n_q, self._n_kv, self._n_kv], -1)
         else:
             q, k, v = self.q_proj.forward_local(x), self.k_proj.forward_local(x), self.v_proj.forward_local(x)
         q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))                      # [b, s, heads, d]
@@ -188,8 +198,11 @@ class TPGatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _enter(x, self.tp, self.sequence_parallel)
+        lean = None if self.fused or torch.is_grad_enabled() else _lean_fused(self, ("gate_proj", "up_proj"))
         if self.fused:
             gate, up = getattr(self, self.fused).forward_local(x).chunk(2, dim=-1)
+        elif lean is not None:  # one matmul over the fused gate/up rows (tensorpar.lean.fuse_projections)
+            gate, up = torch.nn.functional.linear(x, *lean).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj.forward_local(x), self.up_proj.forward_local(x)
         y = self.down_proj(self.act_fn(gate) * up)
