@@ -144,7 +144,10 @@ def _profile(model, ctx, ids, n, path):
     steps = res.tokens.shape[1]
     wall_ms = (res.ttft_s + res.decode_s) * 1e3
     cats = {"matmul": 0.0, "attention": 0.0, "collectives": 0.0}
+    ops = 0
     for ev in prof.key_averages():
+        if ev.key.startswith("aten::"):
+            ops += ev.count
         name = ev.key
         t = ev.cpu_time_total / 1e3 if name == "tensorpar::all_reduce" else ev.self_cpu_time_total / 1e3
         if name == "tensorpar::all_reduce":
@@ -157,7 +160,9 @@ def _profile(model, ctx, ids, n, path):
     per = {k: v / steps for k, v in cats.items()}
     per["total"] = wall_ms / steps
     per["framework and other ops"] = per["total"] - per["matmul"] - per["attention"] - per["collectives"]
-    return {k: round(v, 3) for k, v in per.items()}
+    out = {k: round(v, 3) for k, v in per.items()}
+    out["aten ops per token"] = round(ops / steps)
+    return out
 
 
 def perplexity(folder: str, n_tokens: int, dtype: str, window: int = 256) -> tuple[float, str, int]:
@@ -223,7 +228,7 @@ def run(folder: str, n: int, mb: int) -> dict:
     row("transformers generate, 2 threads", 1, 2, job_hf, folder, n, 2, "float32")
     row("tensorpar tp=1, 1 thread, module path", 1, 1, job_tp, folder, n, "float32", "hf", 1)
     row("tensorpar tp=1, 1 thread, lean", 1, 1, job_tp, folder, n, "float32", "lean", 1)
-    row("tensorpar tp=2, 1 thread/rank, module path", 2, 1, job_tp, folder, n, "float32", "hf", 1)
+    row("tensorpar tp=2, 1 thread/rank, module path", 2, 1, job_tp, folder, n, "float32", "hf", 1, True)
     row("tensorpar tp=2, 1 thread/rank, lean", 2, 1, job_tp, folder, n, "float32", "lean", 1, True)
     row("tensorpar tp=1, 1 thread, lean, bf16", 1, 1, job_tp, folder, n, "bfloat16", "lean", 1, dtype="bfloat16")
     row("tensorpar tp=2, 1 thread/rank, lean, bf16", 2, 1, job_tp, folder, n, "bfloat16", "lean", 1,
@@ -278,12 +283,18 @@ def write(res: dict, out: Path, n: int) -> None:
               f"* bf16 tp=2 lean: {b2['decode_tok_s'] / t2['decode_tok_s']:.2f}x fp32 tp=2 lean (target >= 1.6).",
               f"* every fp32 batch-1 row's first-row tokens equal transformers': {same}.",
               f"* llama.cpp: {'imports but no row implemented' if res['llama_cpp'] else 'not installed (no row)'}."]
-    prof = t2.get("profile")
-    if prof:
-        lines += ["", "Where the time goes, tp=2 lean fp32, per token (torch.profiler CPU self time, rank 0; the "
-                  "profiler itself adds overhead):", "",
-                  "| " + " | ".join(prof) + " |", "|" + "---|" * len(prof),
-                  "| " + " | ".join(f"{v:.2f} ms" for v in prof.values()) + " |"]
+    profiled = [r for r in rows if r.get("profile")]
+    if profiled:
+        keys = list(profiled[0]["profile"])
+        lines += ["", "Where the time goes at tp=2, fp32, per token (torch.profiler over a second generate call, rank 0: "
+                  "self CPU time of the matmuls and attention kernels, the shared-memory all-reduces with their "
+                  "waits for the other rank, the rest is framework: Python and small ops; the profiler adds overhead "
+                  "of its own; aten ops counted with their nested calls):", "",
+                  "| path | " + " | ".join(f"{k} ms" if k != "aten ops per token" else k for k in keys) + " |",
+                  "|---|" + "---|" * len(keys)]
+        for r in profiled:
+            lines.append(f"| {r['config']} | " + " | ".join(f"{r['profile'][k]:.2f}" if k != "aten ops per token"
+                                                            else str(r["profile"][k]) for k in keys) + " |")
     p = res["perplexity"]
     lines += ["", f"Quality cost of bf16: perplexity of the lean path (tp=1) on {p['tokens']} held-out tokens of "
               f"Shakespeare ({p['work']}, the corpus' validation split): fp32 {p['float32']:.3f}, bf16 "

@@ -17,8 +17,8 @@ math directly on the rank's tensors:
   after the row-parallel projections), exactly those of the module path, through :func:`tensorpar.comm.all_reduce`
   (the shared-memory path when it is on).
 
-The math is the module path's: the same RMSNorm modules, the family's own ``apply_rotary_pos_emb`` and rotary
-embedding, ``scaled_dot_product_attention`` with the layer's scaling; only the order of operations inside a
+The math is the module path's: the same RMSNorm modules and rotary embedding, the rotary formula of the families'
+``apply_rotary_pos_emb`` (applied to the q and k heads in one go), ``scaled_dot_product_attention`` with the layer's scaling; only the order of operations inside a
 matmul may differ, so greedy tokens equal transformers' (tests/test_lean.py, tests/test_smollm2.py).
 
 Families: those whose blocks are ``x + attn(norm(x))``, ``x + gated_mlp(norm(x))`` with RMSNorm and a rotary
@@ -201,14 +201,19 @@ class LeanDecoder:
         x = self.embed(ids)                                                            # [b, s, h], all-reduced
         cos, sin = self.rotary(x, rope_pos)
         d = self.head_dim
-        rope, sdpa, linear = self.rope, F.scaled_dot_product_attention, F.linear
+        sdpa, linear = F.scaled_dot_product_attention, F.linear
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                                # [b, 1, s, d]
+        half = d // 2
         for i, L in enumerate(self.layers):
             r = L.ln1(x)
-            q, k, v = linear(r, L.wqkv, L.bqkv).split(L.split, -1)
-            q = q.view(b, s, -1, d).transpose(1, 2)                                   # [b, q_local, s, d]
-            k = k.view(b, s, -1, d).transpose(1, 2)                                   # [b, kv_local, s, d]
-            v = v.view(b, s, -1, d).transpose(1, 2)
-            q, k = rope(q, k, cos, sin)
+            nq, nkv = L.split[0], L.split[1]
+            qkv = linear(r, L.wqkv, L.bqkv)                                          # [b, s, (q + 2 kv) * d]
+            # rotary on the q and k heads together: q*cos + rotate_half(q)*sin, the family's formula
+            qk = qkv[..., :nq + nkv].view(b, s, -1, d).transpose(1, 2)               # [b, q_local + kv_local, s, d]
+            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+            nh = nq // d
+            q, k = qk[:, :nh], qk[:, nh:]                                            # [b, q_local | kv_local, s, d]
+            v = qkv[..., nq + nkv:].view(b, s, -1, d).transpose(1, 2)               # [b, kv_local, s, d]
             kc, vc = self.k[i], self.v[i]
             if slots is None:
                 kc[:b, :, start:start + s] = k
