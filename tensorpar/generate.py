@@ -185,7 +185,8 @@ class GenerationResult:
 @torch.no_grad()
 def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                     sampling: SamplingConfig = SamplingConfig(), eos_token_id: int | list[int] | None = None,
-                    pad_id: int = 0, on_token=None, check_speed: bool = False) -> GenerationResult:
+                    pad_id: int = 0, on_token=None, check_speed: bool = False,
+                    path: str = "auto") -> GenerationResult:
     """Generate from a model sharded by :func:`tensorpar.hf.apply.parallelize`.
 
     Args:
@@ -199,6 +200,9 @@ def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: t
         check_speed: after the first decode step (whose collectives are counted), measure the collective
             latency and memory bandwidth and set :attr:`GenerationResult.speed_warning` if tp is likely slower
             than one rank (:func:`tp_speed_warning`); a few milliseconds, excluded from the timings.
+        path: ``"auto"`` runs the lean decode path (:class:`tensorpar.lean.LeanDecoder`: fused projections,
+            static KV cache) when the family supports it and the Hugging Face module path otherwise;
+            ``"lean"`` requires it (ValueError naming why not); ``"hf"`` forces the module path.
 
     A model built with sequence parallelism generates as plain tensor parallelism (the prompt and the
     one-token decode steps are not split along the sequence; :func:`tensorpar.hf.apply.sequence_parallel_off`).
@@ -207,15 +211,33 @@ def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: t
         :class:`GenerationResult`.
 
     Raises:
-        ValueError: the prompt plus the token budget exceeds ``max_position_embeddings``.
+        ValueError: the prompt plus the token budget exceeds ``max_position_embeddings``; ``path`` is not one of
+            auto/lean/hf, or ``"lean"`` for a model the lean path does not run.
     """
     from tensorpar.hf.apply import sequence_parallel_off
 
+    if path not in ("auto", "lean", "hf"):
+        raise ValueError(f"path must be 'auto', 'lean' or 'hf', got {path!r}")
     with sequence_parallel_off(model):
-        return _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_id, on_token, check_speed)
+        return _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_id, on_token, check_speed,
+                         path)
 
 
-def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_id, on_token, check_speed):
+def _lean_for(model, tp, path: str, max_batch: int, max_len: int):
+    """A :class:`~tensorpar.lean.LeanDecoder` for ``path`` ("auto"/"lean"), or ``None`` for the module path."""
+    if path == "hf":
+        return None
+    from tensorpar.lean import LeanDecoder, lean_unsupported
+
+    why = lean_unsupported(model)
+    if why is not None:
+        if path == "lean":
+            raise ValueError(f"path='lean' cannot run this model: {why}; use path='auto' or 'hf'")
+        return None
+    return LeanDecoder(model, tp, max_batch=max_batch, max_len=max_len)
+
+
+def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_id, on_token, check_speed, path):
     from transformers import DynamicCache
 
     cfg = model.config
@@ -229,7 +251,8 @@ def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     plan = model.tensorpar_plan
     gen = torch.Generator(device=input_ids.device).manual_seed(sampling.seed)  # the logits' device
-    cache = DynamicCache(config=cfg)
+    lean = _lean_for(model, tp, path, b, s + sampling.max_new_tokens)
+    cache = DynamicCache(config=cfg) if lean is None else None
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     done = torch.zeros(b, dtype=torch.bool)
     input_ids = input_ids.to(torch.long)
@@ -242,8 +265,11 @@ def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_
         counting = check_speed and step == 1 and tp.size > 1
         with comm.counting(tp, reset=False) if counting else _nothing() as counter:
             before = sum(counter.calls.values()) if counting else 0
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
-                           logits_to_keep=1).logits[:, -1]                            # [b, V_r]
+            if lean is not None:
+                logits = (lean.prefill(ids, mask, pos) if step == 0 else lean.decode(ids, pos, s + step - 1))
+            else:
+                logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                               logits_to_keep=1).logits[:, -1]                        # [b, V_r]
         if sampling.temperature == 0:
             nxt = vocab_parallel_argmax(logits, tp, partition=plan.vocab)
         else:
@@ -270,7 +296,8 @@ def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_
         if last:
             break
         ids = nxt.unsqueeze(-1).to(input_ids.device)
-        mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=mask.device)], dim=-1)
+        if lean is None:
+            mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=mask.device)], dim=-1)
         pos = pos[:, -1:] + 1
     total = time.perf_counter() - t0 - paused
     return GenerationResult(torch.stack(out, dim=1), ttft, total - ttft, warning)

@@ -7,6 +7,8 @@ token ids with forward hooks, and compares, in execution order:
 * the input embedding's output,
 * per decoder block: its norms, its attention output, its MLP (or MoE) output, and the block output,
 * the final norm, and the logits (gathered over the vocabulary);
+* for the families of :mod:`tensorpar.lean`, the lean decode path that ``generate`` and ``serve`` run: the logits
+  of a prefill of the first ``s - 1`` tokens and of one decode step of the last one;
 
 with ``--train`` also the loss, every parameter's gradient (each rank's slice against the same slice of the
 reference gradient), the global grad norm, and that every tp-replicated parameter (norm weights, replicated
@@ -240,6 +242,8 @@ def compare_to_reference(ref: nn.Module, par: nn.Module, tp: Group, input_ids: t
         for h in handles:
             h.remove()
         handles = []
+        # before the sharded forward (whose autograd graph must not see the lean path fuse the projections)
+        lean_diffs = _lean_diffs(par, tp, input_ids, logits_ref.detach(), tol_of, nl + 1)
         for name, kind, layer in watched:
             handles.append(par.get_submodule(name).register_forward_hook(par_hook(name, kind, layer)))
         par.zero_grad(set_to_none=True)
@@ -253,6 +257,7 @@ def compare_to_reference(ref: nn.Module, par: nn.Module, tp: Group, input_ids: t
     for name, kind, layer in watched:
         if name in ref_out and name not in seen:
             diffs.append(ModuleDiff(name, layer, kind, math.inf, 0.0))
+    diffs.extend(lean_diffs)
     full_logits = _to_full(logits, logits_ref.shape, tp, plan.vocab)
     diffs.append(_diff("logits", None, "logits", full_logits, logits_ref, tol_of, nl + 1))
     mismatch: list[str] = []
@@ -297,6 +302,28 @@ def compare_to_reference(ref: nn.Module, par: nn.Module, tp: Group, input_ids: t
     if float(flags) and not mismatch:
         mismatch = ["(on another rank)"]
     return LayoutReport(tp.size, bool(plan.sequence_parallel), str(dtype).replace("torch.", ""), diffs, mismatch)
+
+
+def _lean_diffs(par, tp: Group, input_ids: torch.Tensor, logits_ref: torch.Tensor, tol_of, depth) -> list:
+    """The lean decode path (:mod:`tensorpar.lean`, what ``generate`` and ``serve`` run) against the reference:
+    a prefill of ``input_ids[:, :-1]`` and one decode step of the last token, their logits compared with the
+    reference's at positions ``s-2`` and ``s-1``. Empty when the model does not run that path."""
+    from tensorpar.lean import LeanDecoder, lean_unsupported
+
+    b, s = input_ids.shape
+    if s < 2 or lean_unsupported(par) is not None:
+        return []
+    lean = LeanDecoder(par, tp, max_batch=b, max_len=s)
+    pos = torch.arange(s, device=input_ids.device).expand(b, s)
+    with torch.no_grad():
+        first = lean.prefill(input_ids[:, :-1], torch.ones_like(input_ids[:, :-1]), pos[:, :-1])
+        step = lean.decode(input_ids[:, -1:], pos[:, -1:], s - 1)
+    out = []
+    for name, got, want in (("lean prefill logits", first, logits_ref[:, -2]), ("lean decode logits", step,
+                                                                                 logits_ref[:, -1])):
+        full = _to_full(got[:, None], want[:, None].shape, tp, par.tensorpar_plan.vocab)
+        out.append(_diff(name, None, "logits", full, want[:, None], tol_of, depth))
+    return out
 
 
 def _diff(name, layer, kind, actual, expected, tol_of, depth) -> ModuleDiff:

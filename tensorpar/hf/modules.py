@@ -38,6 +38,13 @@ def _head_rows(layout: HeadLayout, rank_units, q_first: int, kv_first: int, v_fi
         for r in range(layout.tp_size)))
 
 
+def _lean_fused(owner: nn.Module, names: tuple[str, ...]):
+    if "_lean_fused" not in owner.__dict__:
+        return None
+    from tensorpar.lean import fused_weight
+    return fused_weight(owner, names)
+
+
 class TPAttention(nn.Module):
     """Self-attention with query heads split and KV heads selected per rank (:class:`HeadLayout`).
 
@@ -108,10 +115,16 @@ class TPAttention(nn.Module):
         self.overlap_grad_comm = True
 
     def _qkv(self, hidden_states: torch.Tensor):
-        """Enter the tp region (``[b, s_r, h]`` under sequence parallelism) and project: q, k, v ``[b, heads, s, d]``."""
+        """Enter the tp region (``[b, s_r, h]`` under sequence parallelism) and project: q, k, v ``[b, heads, s, d]``.
+        Without autograd and sequence parallelism (decode) the region's entry is the identity and the lean path's
+        fused q/k/v rows (:func:`tensorpar.lean.fuse_projections`) run as one matmul."""
+        lean = None if (self.fused or torch.is_grad_enabled() or getattr(self, "sequence_parallel", False)) \
+            else _lean_fused(self, ("q_proj", "k_proj", "v_proj"))
         if self.fused:
             (qkv,) = _project(self, hidden_states, getattr(self, self.fused))
             q, k, v = qkv.split([self._n_q, self._n_kv, self._n_kv], -1)
+        elif lean is not None:
+            q, k, v = torch.nn.functional.linear(hidden_states, *lean).split([self._n_q, self._n_kv, self._n_kv], -1)
         else:
             q, k, v = _project(self, hidden_states, self.q_proj, self.k_proj, self.v_proj)
         b, s = q.shape[:2]
@@ -193,8 +206,12 @@ class TPGatedMLP(nn.Module):
         self.overlap_grad_comm = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lean = None if (self.fused or torch.is_grad_enabled() or self.sequence_parallel) \
+            else _lean_fused(self, ("gate_proj", "up_proj"))
         if self.fused:
             gate, up = _project(self, x, getattr(self, self.fused))[0].chunk(2, dim=-1)
+        elif lean is not None:  # one matmul over the fused gate/up rows (tensorpar.lean.fuse_projections)
+            gate, up = torch.nn.functional.linear(x, *lean).chunk(2, dim=-1)
         else:
             gate, up = _project(self, x, self.gate_proj, self.up_proj)
         y = self.down_proj(self.act_fn(gate) * up)

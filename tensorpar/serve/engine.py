@@ -113,7 +113,9 @@ class Engine:
         max_batch: number of slots.
         max_len: cache length per slot (prompt + generated tokens).
 
-    The cache is allocated and every kernel warmed by one 1-token prefill at construction.
+    The cache is allocated and every kernel warmed by one 1-token prefill at construction. Families that
+    :mod:`tensorpar.lean` supports run its :class:`~tensorpar.lean.LeanDecoder` (fused projections, a static
+    cache of this rank's KV heads); the others the model's modules with a :class:`SlotKVCache`.
 
     Raises:
         ValueError: a sliding-window attention model (the slot mask does not implement windows), or
@@ -132,7 +134,12 @@ class Engine:
         self.model, self.tp = model, tp
         self.vocab = model.tensorpar_plan.vocab
         self.device = next(model.parameters()).device
-        self.cache = SlotKVCache(max_batch, max_len)
+        from tensorpar.lean import LeanDecoder, lean_unsupported
+
+        # the lean decode path (fused projections, static cache) when the family has one; else the module path
+        self.lean = (LeanDecoder(model, tp, max_batch=max_batch, max_len=max_len)
+                     if lean_unsupported(model) is None else None)
+        self.cache = self.lean if self.lean is not None else SlotKVCache(max_batch, max_len)
         self.max_batch, self.max_len = max_batch, max_len
         self.step(StepPlan("step", [Row(0, [0], 0)]), samplers=None)          # allocate the cache, warm up
 
@@ -145,8 +152,12 @@ class Engine:
         ids_t = torch.tensor(ids, dtype=torch.long, device=dev)                               # [b, s]
         pos = torch.tensor(starts, dtype=torch.long, device=dev)[:, None] + torch.arange(s, device=dev)
         length = int(pos.max()) + 1
-        self.cache.bind(slot_t, pos, length)
         mask = pos[:, None, :, None] >= torch.arange(length, device=dev)                    # [b, 1, s, L]
+        if self.lean is not None:
+            if s == 1 and min(starts) == length - 1:     # every row attends to all of [0, length): no mask
+                mask = None
+            return self.lean.forward(ids_t, pos, mask, length=length, slots=slot_t, cache_pos=pos)
+        self.cache.bind(slot_t, pos, length)
         out = self.model(input_ids=ids_t, attention_mask=mask, position_ids=pos, cache=self.cache,
                          use_cache=False, logits_to_keep=1)
         return out.logits[:, -1]

@@ -1,0 +1,336 @@
+"""Decode against the memory-bandwidth roofline: the lean path vs the module path, fp32 vs bf16, batch 1/4/16.
+
+Small-batch decode reads every weight once per step, so its limit is ``bandwidth / weight bytes per token``
+(Pope et al. 2022, "Efficiently Scaling Transformer Inference", sec. 3.1). In the same run this script
+
+1. measures the memory bandwidth of 1 and of 2 processes (one thread each; each process streams its own
+   fp32 matrix through a GEMV ``W @ x`` of ``--gemv-mb`` MB, the decode access pattern, both processes at the
+   same time; the figure is both processes' bytes over the slower one's time, best of 30 repetitions);
+2. runs greedy decode of SmolLM2-135M (``--tokens`` new tokens, EOS ignored), each configuration in fresh
+   processes: transformers ``generate`` with 2 threads, tensorpar tp=1 (1 thread) and tp=2 (1 thread per rank,
+   shared-memory collectives), the module path (``path="hf"``) and the lean path (``path="lean"``), fp32 and
+   bf16, and the lean path at batch 1, 4 and 16 (tokens/s summed over the batch);
+3. prints each row's tokens/s and its fraction of the roofline: weight bytes per token (every parameter once:
+   the tied embedding is read by the LM head) / bandwidth, with the 1-process bandwidth for one process and the
+   2-process bandwidth for tp=2. Batch rows read the same weights for ``b`` tokens: their roofline is ``b`` times;
+4. profiles one lean tp=2 fp32 decode (torch.profiler over the decode steps): per token, the matmuls, attention,
+   collectives (shared-memory all-reduce, waits for the slower rank included) and the rest (framework: Python,
+   small ops);
+5. the quality cost of bf16: perplexity of the lean path (tp=1) at fp32 and bf16 on a held-out Shakespeare slice
+   (the first play of the corpus' validation split, ``--ppl-tokens`` tokens after its first 4000 characters, in
+   windows of 256);
+6. a llama.cpp row only if ``llama_cpp`` imports (it is not installed by this script).
+
+    python bench/bench_decode.py [--tokens 32] [--out bench/results]
+
+Writes ``decode.json`` and ``decode.md`` under ``--out``, with the load average at start and end (the machine
+is shared: rows measured under load are slower than the roofline says they could be).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PROMPT = "The capital of France is"
+
+
+def job_bandwidth(ctx, mb: int, reps: int):
+    """Bytes/s of all ranks together, each streaming its own ``mb`` MB fp32 matrix through one GEMV at the same
+    time: per repetition the ranks start together (an all-reduce as barrier) and the slowest one's time counts;
+    the best repetition is kept (the machine is shared: the best is the closest to what the memory can do)."""
+    from tensorpar import comm
+    torch.set_num_threads(1)
+    k = 2048
+    w = torch.randn(mb * 2**20 // 4 // k, k)
+    x = torch.randn(k)
+    for _ in range(2):
+        torch.mv(w, x)
+    times = []
+    for _ in range(reps):
+        comm.all_reduce(torch.zeros(1), ctx.tp)                  # start together
+        t0 = time.perf_counter()
+        torch.mv(w, x)
+        times.append(time.perf_counter() - t0)
+    slowest = comm.all_reduce(torch.tensor(times, dtype=torch.float64), ctx.tp, op="max")   # per repetition
+    best = float(slowest.min())
+    return {"bytes_per_s": w.numel() * 4 * ctx.tp.size / best, "best_s": best,
+            "median_s": float(slowest.median())}
+
+
+def _weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def job_hf(ctx, folder, n, threads, dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.generation.streamers import BaseStreamer
+    torch.set_num_threads(threads)
+    tok = AutoTokenizer.from_pretrained(folder)
+    ids = tok(PROMPT, return_tensors="pt")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+
+    class Stamps(BaseStreamer):
+        def __init__(self):
+            self.t = []
+
+        def put(self, value):
+            self.t.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    with torch.no_grad():
+        model.generate(**ids, max_new_tokens=2, do_sample=False)
+        stamps = Stamps()
+        t0 = time.perf_counter()
+        out = model.generate(**ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                             streamer=stamps)
+    ttft = stamps.t[1] - t0
+    best = min(b - a for a, b in zip(stamps.t[1:], stamps.t[2:]))
+    return {"decode_tok_s": (n - 1) / max(stamps.t[-1] - t0 - ttft, 1e-9), "best_step_tok_s": 1 / best,
+            "weight_bytes": _weight_bytes(model),
+            "tokens": out[0, ids["input_ids"].shape[1]:].tolist()}
+
+
+def job_tp(ctx, folder, n, dtype, path, batch, profile=False):
+    from transformers import AutoTokenizer
+
+    from tensorpar import comm
+    from tensorpar.generate import SamplingConfig, generate_tokens
+    from tensorpar.hf.load import build_parallel_model
+    torch.set_num_threads(1)
+    if ctx.tp.size > 1:
+        from tensorpar.shm import enable_fast_collectives
+        enable_fast_collectives(ctx.tp, "on")
+    model, _ = build_parallel_model(folder, ctx.tp, dtype=getattr(torch, dtype))
+    tok = AutoTokenizer.from_pretrained(folder)
+    ids = tok([PROMPT] * batch, return_tensors="pt")["input_ids"]
+    generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=3), path=path)     # warm-up
+    stamps = []
+    res = generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=n), path=path,
+                          on_token=lambda step, tok: stamps.append(time.perf_counter()))
+    best = min(b - a for a, b in zip(stamps, stamps[1:]))       # the fastest decode step (least disturbed)
+    local = _weight_bytes(model)
+    total = float(comm.all_reduce(torch.tensor([float(local)], dtype=torch.float64), ctx.tp))
+    out = {"decode_tok_s": res.decode_tokens_per_s * batch, "best_step_tok_s": batch / best, "weight_bytes": total,
+           "tokens": res.tokens[0].tolist()}
+    if profile:
+        out["profile"] = _profile(model, ctx, ids, n, path)
+    return out
+
+
+def _profile(model, ctx, ids, n, path):
+    """ms per token by category over one generate call's decode steps (torch.profiler, CPU self times)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from tensorpar import comm
+    from tensorpar.generate import SamplingConfig, generate_tokens
+    orig = comm.all_reduce
+
+    def traced(x, group, op="sum"):
+        with record_function("tensorpar::all_reduce"):
+            return orig(x, group, op)
+
+    comm.all_reduce = traced
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            res = generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=n), path=path)
+    finally:
+        comm.all_reduce = orig
+    steps = res.tokens.shape[1]
+    wall_ms = (res.ttft_s + res.decode_s) * 1e3
+    cats = {"matmul": 0.0, "attention": 0.0, "collectives": 0.0}
+    ops = 0
+    for ev in prof.key_averages():
+        if ev.key.startswith("aten::"):
+            ops += ev.count
+        name = ev.key
+        t = ev.cpu_time_total / 1e3 if name == "tensorpar::all_reduce" else ev.self_cpu_time_total / 1e3
+        if name == "tensorpar::all_reduce":
+            cats["collectives"] += t
+        elif name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv"):
+            cats["matmul"] += t
+        elif "scaled_dot_product" in name or "flash_attention" in name:
+            cats["attention"] += t
+    # the collective's children (the shm copies) are not counted twice: subtract nothing else from them
+    per = {k: v / steps for k, v in cats.items()}
+    per["total"] = wall_ms / steps
+    per["framework and other ops"] = per["total"] - per["matmul"] - per["attention"] - per["collectives"]
+    out = {k: round(v, 3) for k, v in per.items()}
+    out["aten ops per token"] = round(ops / steps)
+    return out
+
+
+def perplexity(folder: str, n_tokens: int, dtype: str, window: int = 256) -> tuple[float, str, int]:
+    """``(exp(mean next-token NLL), work, tokens scored)`` of the lean path (tp=1) on the held-out Shakespeare slice."""
+    from transformers import AutoTokenizer
+
+    from tensorpar.data.shakespeare import load_works, split_works
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.lean import LeanDecoder
+    from tensorpar.parallel import ParallelContext
+    _, val = split_works(load_works(progress=False), 0.05)
+    text = val[0].text[4000:4000 + 8 * n_tokens]
+    ids = AutoTokenizer.from_pretrained(folder)(text, return_tensors="pt")["input_ids"][:, :n_tokens]
+    ctx = ParallelContext.single()
+    model, _ = build_parallel_model(folder, ctx.tp, dtype=getattr(torch, dtype))
+    lean = LeanDecoder(model, ctx.tp, max_batch=1, max_len=window)
+    nll, count = 0.0, 0
+    for s in range(0, ids.shape[1] - 1, window):
+        chunk = ids[:, s:s + window]
+        if chunk.shape[1] < 2:
+            break
+        pos = torch.arange(chunk.shape[1])[None]
+        causal = torch.ones(chunk.shape[1], chunk.shape[1], dtype=torch.bool).tril()
+        logits = lean.forward(chunk, pos, causal, length=chunk.shape[1], start=0, last_only=False).float()
+        nll += torch.nn.functional.cross_entropy(logits[0, :-1], chunk[0, 1:], reduction="sum").item()
+        count += chunk.shape[1] - 1
+    return math.exp(nll / count), val[0].name, count
+
+
+def llama_cpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def run(folder: str, n: int, mb: int) -> dict:
+    from tensorpar.testing import WorkerPool
+
+    def pool_run(world, fn, *args):
+        with WorkerPool(world, collective_timeout_s=120, job_timeout_s=1200) as pool:
+            return pool.run(fn, *args)
+
+    load_start = os.getloadavg()
+    bw = {w: pool_run(w, job_bandwidth, mb, 30)[0]["bytes_per_s"] for w in (1, 2)}
+    print(f"bandwidth: 1 process {bw[1] / 1e9:.1f} GB/s, 2 processes {bw[2] / 1e9:.1f} GB/s", flush=True)
+    rows = []
+
+    def row(name, world, threads, fn, *args, batch=1, dtype="float32"):
+        res = pool_run(world, fn, *args)
+        r = dict(res[0])
+        tokens = [x.pop("tokens") for x in res]
+        r.update(config=name, ranks=world, threads=threads, batch=batch, dtype=dtype, tokens=tokens[0])
+        procs = world if world > 1 else 1
+        r["roofline_tok_s"] = bw[procs] / r["weight_bytes"] * batch
+        r["roofline_fraction"] = r["decode_tok_s"] / r["roofline_tok_s"]
+        r["best_step_roofline_fraction"] = r["best_step_tok_s"] / r["roofline_tok_s"]
+        rows.append(r)
+        print(f"{name:<48} {r['decode_tok_s']:7.1f} tok/s  {r['roofline_fraction']:.2f} of the roofline "
+              f"({r['roofline_tok_s']:.1f})", flush=True)
+        return r
+
+    row("transformers generate, 2 threads", 1, 2, job_hf, folder, n, 2, "float32")
+    row("tensorpar tp=1, 1 thread, module path", 1, 1, job_tp, folder, n, "float32", "hf", 1)
+    row("tensorpar tp=1, 1 thread, lean", 1, 1, job_tp, folder, n, "float32", "lean", 1)
+    row("tensorpar tp=2, 1 thread/rank, module path", 2, 1, job_tp, folder, n, "float32", "hf", 1, True)
+    row("tensorpar tp=2, 1 thread/rank, lean", 2, 1, job_tp, folder, n, "float32", "lean", 1, True)
+    row("tensorpar tp=1, 1 thread, lean, bf16", 1, 1, job_tp, folder, n, "bfloat16", "lean", 1, dtype="bfloat16")
+    row("tensorpar tp=2, 1 thread/rank, lean, bf16", 2, 1, job_tp, folder, n, "bfloat16", "lean", 1,
+        dtype="bfloat16")
+    for b in (4, 16):
+        for world in (1, 2):
+            row(f"tensorpar tp={world}, lean, batch {b}", world, 1, job_tp, folder, n, "float32", "lean", b, batch=b)
+    if llama_cpp_available():
+        print("llama_cpp imports, but its row is not implemented in this script", flush=True)
+    ppl = {}
+    for dt in ("float32", "bfloat16"):
+        ppl[dt], work, count = perplexity(folder, 1024, dt)
+        print(f"perplexity {dt}: {ppl[dt]:.3f} on {count} tokens of {work}", flush=True)
+    return {"bandwidth_bytes_per_s": {"1 process": bw[1], "2 processes": bw[2]}, "rows": rows,
+            "perplexity": {"work": work, "tokens": count, **ppl}, "load_start": load_start,
+            "load_end": os.getloadavg(), "llama_cpp": llama_cpp_available()}
+
+
+def write(res: dict, out: Path, n: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    rows = res["rows"]
+    by = {r["config"]: r for r in rows}
+    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
+            "new_tokens": n, "prompt": PROMPT, "date": time.strftime("%Y-%m-%d %H:%M")}
+    res = {"meta": meta, **res}
+    tmp = out / "decode.json.tmp"
+    tmp.write_text(json.dumps(res, indent=2))
+    os.replace(tmp, out / "decode.json")
+    bw = res["bandwidth_bytes_per_s"]
+    ls, le = res["load_start"], res["load_end"]
+    lines = [f"SmolLM2-135M greedy decode, {n} new tokens, prompt {PROMPT!r}; {meta['machine']}, torch "
+             f"{meta['torch']}, {meta['date']}. Load average at start {ls[0]:.2f} / {ls[1]:.2f} / {ls[2]:.2f}, "
+             f"at end {le[0]:.2f} / {le[1]:.2f} / {le[2]:.2f} (shared machine: 2 cores).", "",
+             f"Memory bandwidth (GEMV over a private fp32 matrix, 1 thread per process, best of 30): 1 process "
+             f"{bw['1 process'] / 1e9:.2f} GB/s, 2 processes {bw['2 processes'] / 1e9:.2f} GB/s.", "",
+             "tokens/s: the mean over the decode steps; best step: the fastest single step (the least disturbed by "
+             "the other processes on the machine), as tokens/s.", "",
+             "| configuration | dtype | batch | weight MB/token | tokens/s | best step tokens/s | roofline tokens/s "
+             "| fraction of roofline (mean / best step) | vs tp=1 lean (mean / best step) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    base = by["tensorpar tp=1, 1 thread, lean"]["decode_tok_s"]
+    base_best = by["tensorpar tp=1, 1 thread, lean"]["best_step_tok_s"]
+    for r in rows:
+        lines.append(f"| {r['config']} | {r['dtype']} | {r['batch']} | {r['weight_bytes'] / 1e6:.0f} | "
+                     f"{r['decode_tok_s']:.1f} | {r['best_step_tok_s']:.1f} | {r['roofline_tok_s']:.1f} | "
+                     f"{r['roofline_fraction']:.2f} / {r['best_step_roofline_fraction']:.2f} | "
+                     f"{r['decode_tok_s'] / base:.2f}x / {r['best_step_tok_s'] / base_best:.2f}x |")
+    t2 = by["tensorpar tp=2, 1 thread/rank, lean"]
+    hf2 = by["transformers generate, 2 threads"]
+    b2 = by["tensorpar tp=2, 1 thread/rank, lean, bf16"]
+    same = all(r["tokens"] == rows[0]["tokens"] for r in rows if r["dtype"] == "float32")
+    def ratio(a, b):
+        return f"{a['decode_tok_s'] / b['decode_tok_s']:.2f}x (best step {a['best_step_tok_s'] / b['best_step_tok_s']:.2f}x)"
+
+    lines += ["", "Targets (issue 13, item 3), this run:", "",
+              f"* fp32 tp=2 lean: {t2['roofline_fraction']:.2f} of the two-process roofline (best step "
+              f"{t2['best_step_roofline_fraction']:.2f}; target >= 0.50), {ratio(t2, by['tensorpar tp=1, 1 thread, lean'])} "
+              f"tp=1 lean (target >= 1.7), {ratio(t2, hf2)} transformers with 2 threads (target >= 2).",
+              f"* bf16 tp=2 lean: {ratio(b2, t2)} fp32 tp=2 lean (target >= 1.6).",
+              f"* every fp32 batch-1 row's first-row tokens equal transformers': {same}.",
+              f"* llama.cpp: {'imports but no row implemented' if res['llama_cpp'] else 'not installed (no row)'}."]
+    profiled = [r for r in rows if r.get("profile")]
+    if profiled:
+        keys = list(profiled[0]["profile"])
+        lines += ["", "Where the time goes at tp=2, fp32, per token (torch.profiler over a second generate call, rank 0: "
+                  "self CPU time of the matmuls and attention kernels, the shared-memory all-reduces with their "
+                  "waits for the other rank, the rest is framework: Python and small ops; the profiler adds overhead "
+                  "of its own; aten ops counted with their nested calls):", "",
+                  "| path | " + " | ".join(f"{k} ms" if k != "aten ops per token" else k for k in keys) + " |",
+                  "|---|" + "---|" * len(keys)]
+        for r in profiled:
+            lines.append(f"| {r['config']} | " + " | ".join(f"{r['profile'][k]:.2f}" if k != "aten ops per token"
+                                                            else str(r["profile"][k]) for k in keys) + " |")
+    p = res["perplexity"]
+    lines += ["", f"Quality cost of bf16: perplexity of the lean path (tp=1) on {p['tokens']} held-out tokens of "
+              f"Shakespeare ({p['work']}, the corpus' validation split): fp32 {p['float32']:.3f}, bf16 "
+              f"{p['bfloat16']:.3f} ({(p['bfloat16'] / p['float32'] - 1) * 100:+.2f}%)."]
+    tmp = out / "decode.md.tmp"
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, out / "decode.md")
+    print("\n".join(lines))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--gemv-mb", type=int, default=256, help="MB of the matrix each process streams")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    a = p.parse_args()
+    from tensorpar.hub import resolve_model
+    folder = str(resolve_model(a.model))
+    write(run(folder, a.tokens, a.gemv_mb), Path(a.out), a.tokens)
+
+
+if __name__ == "__main__":
+    main()

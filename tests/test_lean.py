@@ -1,0 +1,107 @@
+"""The lean decode path (tensorpar/lean.py) equals the module path and transformers, token for token.
+
+transformers' own greedy tokens for llama / qwen2 / mistral at tp 1-9 are checked by tests/test_generate.py
+(generate's default path is the lean one for these families), SmolLM2's by tests/test_smollm2.py and the serve
+engine's by tests/test_serve.py; here: lean == module path on the same sharded model, the fused projections share
+the parameters' memory, verify runs the lean path, and bf16 decode is the same at tp 1 and tp 2.
+"""
+import pytest
+import torch
+
+from tensorpar.generate import SamplingConfig, generate_tokens
+from tests._ranks import run_tp
+from tests.test_generate import ARCHS, hf_reference, make_model_folder, prompts
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lean")
+    return {a: make_model_folder(root / a, a) for a in ("llama", "qwen2")}
+
+
+def _storage_bytes(model) -> int:
+    seen = {}
+    for p in model.parameters():
+        st = p.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def job_lean_vs_module(ctx, folder, ids, mask, n):
+    from tensorpar.hf.load import build_parallel_model
+    model, _ = build_parallel_model(folder, ctx.tp)
+    before = _storage_bytes(model)
+    cfg = SamplingConfig(max_new_tokens=n)
+    module = generate_tokens(model, ctx.tp, ids, mask, sampling=cfg, path="hf").tokens
+    lean = generate_tokens(model, ctx.tp, ids, mask, sampling=cfg, path="lean").tokens
+    a = model.model.layers[0].self_attn
+    w = a.__dict__["_lean_fused"][0]
+    shared = (a.q_proj.weight.data_ptr() == w.data_ptr()
+              and a.k_proj.weight.untyped_storage().data_ptr() == w.untyped_storage().data_ptr())
+    after_module = generate_tokens(model, ctx.tp, ids, mask, sampling=cfg, path="hf").tokens  # fused module forward
+    return module, lean, after_module, shared, before, _storage_bytes(model)
+
+
+@pytest.mark.parametrize("arch,tp", [("llama", 2), ("llama", 3), ("qwen2", 2)])
+def test_lean_equals_module_path_without_extra_memory(pools, folders, arch, tp):
+    ids, mask = prompts(ARCHS[arch]["vocab_size"])
+    want, _ = hf_reference(folders[arch], ids, mask, 24)
+    for r, (module, lean, after, shared, before, now) in enumerate(run_tp(pools, tp, job_lean_vs_module,
+                                                                          folders[arch], ids, mask, 24)):
+        assert torch.equal(module, want), f"{arch} tp={tp} rank {r}: module path != transformers"
+        assert torch.equal(lean, want), f"{arch} tp={tp} rank {r}: lean path != transformers"
+        assert torch.equal(after, want), f"{arch} tp={tp} rank {r}: fused module path != transformers"
+        assert shared, "q/k/v parameters are not views of the fused weight"
+        assert now == before, f"parameter memory grew from {before} to {now} bytes after fusing"
+
+
+def test_lean_refuses_unsupported(pools, tmp_path):
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.parallel import ParallelContext
+    folder = make_model_folder(tmp_path / "gpt2", "gpt2")
+    ctx = ParallelContext.single()
+    model, _ = build_parallel_model(str(folder), ctx.tp)
+    ids, mask = prompts(53)
+    with pytest.raises(ValueError, match="lean.*gpt2"):
+        generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=2), path="lean")
+    with pytest.raises(ValueError, match="path must be"):
+        generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=2), path="fast")
+
+
+def job_verify(ctx):
+    from tensorpar.verify import compare_to_reference
+    from tests.test_verify import _pair
+    ref, par, ids = _pair(ctx, "llama")
+    rep = compare_to_reference(ref, par, ctx.tp, ids)
+    return {d.name: (d.max_abs, d.tol) for d in rep.diffs}
+
+
+def test_verify_runs_the_lean_path(pools):
+    for diffs in run_tp(pools, 2, job_verify):
+        for name in ("lean prefill logits", "lean decode logits"):
+            got, tol = diffs[name]
+            assert got <= tol, f"{name}: {got} > {tol}"
+
+
+def job_bf16(ctx, folder, ids, mask, n):
+    from tensorpar import comm
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.lean import LeanDecoder
+    model, plan = build_parallel_model(folder, ctx.tp, dtype=torch.bfloat16)
+    tokens = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=n)).tokens
+    lean = LeanDecoder(model, ctx.tp, max_batch=ids.shape[0], max_len=ids.shape[1])
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = comm.all_gather(lean.prefill(ids, mask, pos).float(), ctx.tp, -1, plan.vocab)
+    return tokens, logits
+
+
+def test_bf16_tp1_equals_tp2(pools, folders):
+    """bf16 decode at tp=2 gives tp=1's tokens; prefill logits within verify's bf16 tolerance rule."""
+    from tensorpar.verify import tolerance
+    ids, mask = prompts(53)
+    (t1, l1), = run_tp(pools, 1, job_bf16, folders["llama"], ids, mask, 16)
+    for t2, l2 in run_tp(pools, 2, job_bf16, folders["llama"], ids, mask, 16):
+        tol = tolerance(torch.bfloat16, ARCHS["llama"]["intermediate_size"], ARCHS["llama"]["num_hidden_layers"] + 1,
+                        2, float(l1.abs().max()))
+        assert (l2 - l1).abs().max() <= tol
+        assert torch.equal(t1, t2)
