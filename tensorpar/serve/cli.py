@@ -20,6 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (built in), a Hugging Face-format folder, or a .gguf file")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (under torchrun: the world size)")
+    from tensorpar.capacity import add_argument as add_tp_weights
+    add_tp_weights(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the URL is printed)")
     p.add_argument("--max-batch", type=int, default=16, help="slots: requests decoded together")
@@ -58,6 +60,8 @@ def validate(args: argparse.Namespace):
         raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     folder = resolve_model(args.model)
     config = AutoConfig.from_pretrained(folder)
+    from tensorpar.capacity import check_for_model
+    args.tp_weights = check_for_model(getattr(args, "tp_weights", None), args.tp, config)
     make_plan(config, args.tp)
     limit = getattr(config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
     n = args.max_model_len if args.max_model_len is not None else min(limit, DEFAULT_MAX_MODEL_LEN)
@@ -80,7 +84,8 @@ def _rank_main(folder: str, max_len: int, args: argparse.Namespace) -> int:
     from tensorpar.serve.engine import Engine, follow
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    ctx = init_parallel(ParallelConfig(tp=world), timeout_s=args.timeout, fast_collectives=args.fast_collectives)
+    ctx = init_parallel(ParallelConfig(tp=world, tp_weights=getattr(args, "tp_weights", None)),
+                        timeout_s=args.timeout, fast_collectives=args.fast_collectives)
     holder: dict = {"sched": None, "stop": False}
 
     def on_signal(signum, frame):      # rank 0 stops the scheduler; the other ranks wait for its "stop"
@@ -91,7 +96,11 @@ def _rank_main(folder: str, max_len: int, args: argparse.Namespace) -> int:
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, on_signal)
     try:
-        model, _ = build_parallel_model(folder, ctx.tp, dtype=getattr(torch, args.dtype), device=ctx.device)
+        from transformers import AutoConfig
+
+        from tensorpar.capacity import resolve_for_model
+        model, _ = build_parallel_model(folder, ctx.tp, dtype=getattr(torch, args.dtype), device=ctx.device,
+                                        tp_weights=resolve_for_model(ctx, AutoConfig.from_pretrained(folder)))
         engine = Engine(model, ctx.tp, max_batch=args.max_batch, max_len=max_len)
         if ctx.tp.rank != 0:
             follow(engine)
