@@ -211,3 +211,28 @@ def test_weighted_training_equals_tp1(train_runs, tp, name):
     for step in (1, 20):
         for pname, g in want["grads"][step].items():
             assert_parity(f"{name} step {step} grad {pname}", got["grads"][step][pname], g)
+
+
+# ---------------------------------------------------------------- the planner's --devices (same rule)
+
+def test_planner_devices_split_by_the_same_rule(capsys):
+    from tensorpar.cli import main
+    from tensorpar.planner import model_spec as ms
+    from tensorpar.planner.weighted import parse_devices, plan_weighted
+    devs = parse_devices("a100-80gb:2,v100-32gb")
+    assert [d.name for d in devs] == ["a100-80gb", "a100-80gb", "v100-32gb"]
+    assert [d.name for d in parse_devices('["h100-80gb", {"name": "slow", "memory_gib": 16, "peak_tflops": 50}]')] \
+        == ["h100-80gb", "slow"]
+    model = ms.preset("llama3-8b")
+    even, weighted = plan_weighted(model, devs)
+    w = [r.weight for r in weighted.ranks]
+    assert [r.heads for r in weighted.ranks] == split_sizes(model.num_heads, 3, weights=w)
+    assert [r.ffn for r in weighted.ranks] == split_sizes(model.ffn_hidden_size, 3, weights=w)
+    assert [r.vocab for r in weighted.ranks] == split_sizes(model.vocab_size, 3, weights=w)
+    assert [r.heads for r in even.ranks] == split_sizes(model.num_heads, 3)
+    # the slowest rank sets the pace: the even split is held back by the V100, the weighted one is near the bound
+    assert even.time_s == even.ranks[2].seconds_per_token and weighted.efficiency > 0.9 > even.efficiency
+    assert main(["plan", "--model", "llama3-8b", "--devices", "a100-80gb:4,v100-32gb:4", "--inference"]) == 0
+    assert "weighted 1,1,1,1,0.401" in capsys.readouterr().out
+    assert main(["plan", "--model", "llama3-8b", "--devices", "a100:2"]) == 2
+    assert "'a100' is not a device preset" in capsys.readouterr().err
