@@ -236,3 +236,31 @@ def test_planner_devices_split_by_the_same_rule(capsys):
     assert "weighted 1,1,1,1,0.401" in capsys.readouterr().out
     assert main(["plan", "--model", "llama3-8b", "--devices", "a100:2"]) == 2
     assert "'a100' is not a device preset" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- auto: measured in init_parallel, made usable
+
+def job_auto(ctx):
+    from tensorpar.hf.load import build_parallel_model  # noqa: F401  (the import a rank of generate does)
+    return ctx.tp_weights, capacity.resolve_for_model(ctx, tiny_llama_config())
+
+
+def test_auto_weights_measured_by_init_parallel():
+    from tensorpar.testing import WorkerPool
+    with WorkerPool(2, ParallelConfig(tp=2, tp_weights="auto")) as pool:
+        res = pool.run(job_auto)
+    (w0, r0), (w1, r1) = res
+    assert w0 == w1 and r0 == r1 and len(w0) == 2 and max(w0) == 1.0 and min(w0) > 0
+    assert min(split_sizes(6, 2, weights=r0)) >= 1
+
+
+def test_auto_weights_too_skewed_for_the_model_are_raised():
+    """A rank measured 100x slower still gets one head: auto weights are raised to the most skewed that work."""
+    from types import SimpleNamespace
+    ctx = SimpleNamespace(config=ParallelConfig(tp=2, tp_weights="auto"), tp_weights=(1.0, 0.01))
+    w = capacity.resolve_for_model(ctx, tiny_llama_config())          # 6 heads, vocab 37, intermediate 40
+    assert split_sizes(6, 2, weights=w) == [5, 1]
+    plan = make_plan(tiny_llama_config(), 2, tp_weights=w)
+    assert min(plan.heads.q_heads.sizes) == 1 and min(plan.vocab.sizes) >= 1
+    fixed = SimpleNamespace(config=ParallelConfig(tp=2, tp_weights=(3, 1)), tp_weights=(3.0, 1.0))
+    assert capacity.resolve_for_model(fixed, tiny_llama_config()) == (3.0, 1.0)      # user weights: as given

@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds")
     p.add_argument("--fast-collectives", choices=["auto", "on", "off"], default="auto",
                    help="same-host shared-memory collectives for CPU tensors")
+    p.add_argument("--check-collectives", action="store_true",
+                   help="debug: fingerprint every collective and compare the tp ranks' fingerprints and step plans "
+                        "at the first engine step and every 50 (also TENSORPAR_CHECK_COLLECTIVES=1)")
 
 
 def validate(args: argparse.Namespace):
@@ -102,6 +105,9 @@ def _rank_main(folder: str, max_len: int, args: argparse.Namespace) -> int:
         model, _ = build_parallel_model(folder, ctx.tp, dtype=getattr(torch, args.dtype), device=ctx.device,
                                         tp_weights=resolve_for_model(ctx, AutoConfig.from_pretrained(folder)))
         engine = Engine(model, ctx.tp, max_batch=args.max_batch, max_len=max_len)
+        from tensorpar import fingerprint
+        if getattr(args, "check_collectives", False) or fingerprint.enable_from_env(ctx.tp) is not None:
+            check_collectives(engine, ctx.tp, timeout_s=min(args.timeout / 2, 60.0))
         if ctx.tp.rank != 0:
             follow(engine)
             rc = 0
@@ -116,6 +122,24 @@ def _rank_main(folder: str, max_len: int, args: argparse.Namespace) -> int:
         sys.stderr.flush()
         os._exit(rc)
     return rc
+
+
+def check_collectives(engine, tp, *, every: int = 50, timeout_s: float = 60.0) -> None:
+    """Fingerprint ``engine``'s collectives on every rank (:mod:`tensorpar.fingerprint`): after each engine step
+    the tp ranks compare their collective hashes and the step plan they ran (at the first step and every
+    ``every``); a difference raises :class:`~tensorpar.fingerprint.CollectiveMismatch` naming it and the ranks.
+    Every rank must call it."""
+    from tensorpar import fingerprint
+
+    fingerprint.enable(tp, every, timeout_s=timeout_s)
+    inner = engine.step
+
+    def step(plan, samplers):
+        out = inner(plan, samplers)
+        fingerprint.check(tp, {"step plan": repr(plan)})
+        return out
+
+    engine.step = step
 
 
 def _serve(engine, tok, max_len: int, args: argparse.Namespace, holder: dict) -> int:
