@@ -264,3 +264,28 @@ def test_auto_weights_too_skewed_for_the_model_are_raised():
     assert min(plan.heads.q_heads.sizes) == 1 and min(plan.vocab.sizes) >= 1
     fixed = SimpleNamespace(config=ParallelConfig(tp=2, tp_weights=(3, 1)), tp_weights=(3.0, 1.0))
     assert capacity.resolve_for_model(fixed, tiny_llama_config()) == (3.0, 1.0)      # user weights: as given
+
+
+# ---------------------------------------------------------------- the command line, end to end
+
+from tests.test_generate_cli import tiny_with_tokenizer  # noqa: E402,F401  (the fixture: a model with a tokenizer)
+
+
+def test_generate_cli_weighted_and_auto_print_the_even_text(tiny_with_tokenizer):  # noqa: F811
+    import os
+    import subprocess
+    import sys
+    folder = tiny_with_tokenizer
+
+    def cli(*extra):
+        env = dict(os.environ, PYTHONPATH=os.getcwd(), TENSORPAR_THREADS="1")
+        r = subprocess.run([sys.executable, "-m", "tensorpar", "generate", "--model", folder, "--tp", "2", "--prompt",
+                            "the cat", "--max-new-tokens", "6", *extra], capture_output=True, text=True, timeout=400,
+                           env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r.stdout
+
+    plan = cli("--tp-weights", "3,1", "--print-plan")
+    assert "9 q heads -> [7, 2]" in plan, plan
+    text = [cli(*extra).splitlines()[0] for extra in ((), ("--tp-weights", "3,1"), ("--tp-weights", "auto"))]
+    assert text[0] == text[1] == text[2], text
