@@ -5,7 +5,8 @@
 Two tp ranks, one thread each (the machine has 2 cores), shared-memory collectives. Rank 1 is made a slower
 device by a *matmul throttle* that the bench installs and removes itself: a ``TorchDispatchMode`` on rank 1
 that times every matrix-product kernel (``mm``, ``addmm``, ``bmm``, ``baddbmm``, the CPU SDPA kernels, forward
-and backward) and then spins ``factor - 1`` times as long. Rank 1 thus computes matrix products ``factor``
+and backward) and then spins until its thread has used ``factor - 1`` times the CPU time the product used
+(CPU time, so that the slowdown does not depend on how loaded the shared machine is). Rank 1 thus computes matrix products ``factor``
 times slower and keeps its core busy meanwhile, as a slower device would be busy (a sleep would let other
 processes on this shared machine use the time, so the slowdown would depend on their load); the ``auto``
 measurement (a timed GEMM) sees it as any slow device would be seen. Matrix products are ~75% of a decode
@@ -14,10 +15,10 @@ step of this model on this CPU, the rest (norms, rotary, sampling, Python) runs 
 Why not a CPU quota (cgroup ``cpu.max``, or a SIGSTOP/SIGCONT duty cycle) as the issue suggests: no cgroup
 is writable here, and a duty cycle stops the whole process for milliseconds at a time, while the two ranks
 meet in an all-reduce every ~1 ms (two per layer); every stop then stalls both ranks whatever the split, so
-a duty-cycled rank is a stalling device, not a slower one, and no split can help it (measured with
-``--sigstop``: see the results file when run).
+a duty-cycled rank is a stalling device, not a slower one, and no split can help it (``--sigstop`` runs the
+same variants under such a duty cycle instead, for comparison).
 
-Variants, interleaved over ``--rounds`` rounds in the same processes: each rank alone with the whole model
+Variants, interleaved over ``--rounds`` rounds in the same processes (the order rotated every round): each rank alone with the whole model
 (tp = 1, both at once: rank 0 at full speed, rank 1 throttled; their speeds s0 and s1); tp = 2 even split
 without throttle; and with rank 1 throttled: even split, weighted ``factor,1``, and ``auto``
 (:func:`tensorpar.capacity.measure_tp_weights`, the function ``--tp-weights auto`` runs, measured with the
@@ -56,8 +57,10 @@ MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "_scaled_dot_produ
 
 
 class MatmulThrottle(TorchDispatchMode):
-    """Makes this process's matrix products ``factor`` times slower: after each one it spins (busy, on its own
-    core) ``(factor - 1) x`` the product's wall time, as a device ``factor`` times slower would be busy."""
+    """Makes this process's matrix products ``factor`` times slower: after each one it spins (busy) until its
+    thread has used ``(factor - 1) x`` the CPU time the product used, as a device ``factor`` times slower would
+    be busy. CPU time, not wall time: on a loaded machine the slowdown stays ``factor`` whatever share of a
+    core the scheduler gives the rank."""
 
     def __init__(self, factor: float):
         super().__init__()
@@ -67,11 +70,11 @@ class MatmulThrottle(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.overloadpacket.__name__ not in MATMUL_OPS:
             return func(*args, **kwargs)
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         out = func(*args, **kwargs)
-        t1 = time.perf_counter()
+        t1 = time.thread_time()
         end = t1 + (t1 - t0) * (self.factor - 1.0)
-        while time.perf_counter() < end:
+        while time.thread_time() < end:
             pass
         return out
 
@@ -146,8 +149,11 @@ def job(ctx, factor: float, rounds: int, tokens: int, sigstop: bool):
     prompt = torch.randint(0, cfg.vocab_size, (4, 16), generator=gen)
     batch = torch.randint(0, cfg.vocab_size, (1, 128), generator=gen)
     out = {n: {"decode_tok_s": [], "train_step_s": []} for n in variants}
+    names = list(variants)
     for r in range(rounds):
-        for name, (g, w, thr) in variants.items():
+        order = names[r % len(names):] + names[:r % len(names)]      # rotated each round: no variant always last
+        for name in order:
+            g, w, thr = variants[name]
             m = models[name]
             if g is tp:
                 torch.distributed.barrier(group=tp.pg)
@@ -193,6 +199,17 @@ def summarize(res: list[dict], tokens_per_step: int) -> dict:
             rows[name][stat] = {"decode_tok_s": d, "train_tok_s": t, "train_step_s": tokens_per_step / t,
                                 "of_summed_speed": {"decode": d / bound[stat]["decode_tok_s"],
                                                     "train": t / bound[stat]["train_tok_s"]}}
+    # Paired per round (the variants of one round ran back to back, so they saw about the same load): each
+    # variant's decode rate and training step time against the even split's of the same round.
+    ev = res[0]["variants"]["even"]
+    for name in rows:
+        v = res[0]["variants"][name]
+        dec = [a / b for a, b in zip(v["decode_tok_s"], ev["decode_tok_s"])]
+        trn = [b / a for a, b in zip(v["train_step_s"], ev["train_step_s"])]
+        rows[name]["vs_even_same_round"] = {"decode_speedup_median": statistics.median(dec),
+                                            "train_speedup_median": statistics.median(trn),
+                                            "decode_rounds_faster": sum(x > 1 for x in dec),
+                                            "train_rounds_faster": sum(x > 1 for x in trn), "rounds": len(dec)}
     return {"summed_speed": bound, "rows": rows, "auto_weights": res[0]["auto_weights"]}
 
 
@@ -221,6 +238,15 @@ def write_md(doc: dict, path: Path) -> None:
                      f"{m['of_summed_speed']['decode']:.0%} ({b['of_summed_speed']['decode']:.0%}) | "
                      f"{m['train_tok_s']:.0f} ({b['train_tok_s']:.0f}) | "
                      f"{m['of_summed_speed']['train']:.0%} ({b['of_summed_speed']['train']:.0%}) |")
+    lines += ["", "Paired by round (variants of one round ran back to back, under about the same load): speed-up "
+                  "against the even split of the same round, median over rounds, and rounds in which it was faster:",
+              "", "| tp = 2 variant | decode speed-up vs even | rounds faster | train speed-up vs even | rounds "
+                  "faster |", "|---|---:|---:|---:|---:|"]
+    for name, r in s["rows"].items():
+        p = r["vs_even_same_round"]
+        if name != "even":
+            lines.append(f"| {name} | {p['decode_speedup_median']:.2f}x | {p['decode_rounds_faster']}/{p['rounds']} | "
+                         f"{p['train_speedup_median']:.2f}x | {p['train_rounds_faster']}/{p['rounds']} |")
     lines += ["", "Target (issue 12): weighted >= 80% of the summed speed. `even, no throttle` is the same tp = 2 "
                   "run with rank 1 at full speed (its summed speed would be 2 x rank 0's): it shows what collectives "
                   "and per-token framework work leave of the ideal on this machine, throttle or not.", ""]
@@ -235,13 +261,20 @@ def main():
     ap.add_argument("--sigstop", action="store_true", help="throttle with a SIGSTOP/SIGCONT duty cycle (20 ms "
                                                            "period, running 1/factor of it) instead")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--resummarize", action="store_true", help="rebuild the .md and the summary from the .json's "
+                                                                 "raw samples (no new measurement)")
     a = ap.parse_args()
+    name = "weighted-sigstop" if a.sigstop else "weighted"
+    out = Path(a.out)
+    if a.resummarize:
+        doc = json.loads((out / f"{name}.json").read_text())
+        doc["summary"] = summarize(doc["raw"], doc["train_tokens"])
+        return _write(doc, out, name)
     from tensorpar.testing import WorkerPool
     load0 = os.getloadavg()
     t0 = time.time()
     with WorkerPool(2, collective_timeout_s=300, job_timeout_s=3000) as pool:
         res = pool.run(job, a.factor, a.rounds, a.tokens, a.sigstop, timeout_s=3000)
-    name = "weighted-sigstop" if a.sigstop else "weighted"
     doc = {"when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
            "throttle": (f"rank 1 stopped by SIGSTOP for {1 - 1 / a.factor:.0%} of every 20 ms" if a.sigstop else
@@ -250,7 +283,10 @@ def main():
            "factor": a.factor, "rounds": a.rounds, "tokens": a.tokens, "decode_batch": 4, "train_tokens": 128,
            "loadavg_start": load0, "loadavg_end": os.getloadavg(), "wall_s": time.time() - t0,
            "summary": summarize(res, 128), "raw": res}
-    out = Path(a.out)
+    _write(doc, out, name)
+
+
+def _write(doc: dict, out: Path, name: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for suffix, text in (("json", json.dumps(doc, indent=1)), ):
         tmp = out / f"{name}.{suffix}.tmp"

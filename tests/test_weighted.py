@@ -289,3 +289,26 @@ def test_generate_cli_weighted_and_auto_print_the_even_text(tiny_with_tokenizer)
     assert "9 q heads -> [7, 2]" in plan, plan
     text = [cli(*extra).splitlines()[0] for extra in ((), ("--tp-weights", "3,1"), ("--tp-weights", "auto"))]
     assert text[0] == text[1] == text[2], text
+
+
+def test_train_cli_auto_then_resume_at_other_weights(tmp_path):
+    """`tensorpar train --tp-weights auto` runs (weights measured in the ranks, saved in the checkpoint's config);
+    its checkpoint resumes under 1,3 (checkpoints are layout-independent)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), TENSORPAR_THREADS="1")
+    common = ["--tp", "2", "--data", "shakespeare", "--seq-len", "32", "--batch-size", "4", "--out", str(out),
+              "--no-progress", "--eval-batches", "1"]
+    r = subprocess.run([sys.executable, "-m", "tensorpar", "train", "--steps", "2", "--tp-weights", "auto"] + common,
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    state = json.loads((out / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
+    w = state["config"]["tp_weights"]
+    assert len(w) == 2 and max(w) == 1.0 and min(w) > 0, w          # measured numbers, not "auto"
+    r = subprocess.run([sys.executable, "-m", "tensorpar", "train", "--steps", "3", "--resume", "--tp-weights", "1,3"]
+                       + common, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "done: step 3" in r.stdout
