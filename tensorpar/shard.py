@@ -35,6 +35,18 @@ def _check_weights(weights: Sequence[float], tp_size: int, what: str) -> list[Fr
     return fr
 
 
+def _largest_remainder(units: int, fr: Sequence[Fraction]) -> list[int]:
+    """``units`` split in proportion to ``fr`` by the largest-remainder method, ties to the lower rank (may hold 0)."""
+    total = sum(fr)
+    exact = [units * w / total for w in fr]
+    sizes = [int(e) for e in exact]  # floor
+    short = units - sum(sizes)
+    order = sorted(range(len(fr)), key=lambda r: (-(exact[r] - sizes[r]), r))
+    for r in order[:short]:
+        sizes[r] += 1
+    return sizes
+
+
 def split_sizes(
     n: int,
     tp_size: int,
@@ -75,14 +87,7 @@ def split_sizes(
         base, extra = divmod(units, tp_size)
         sizes = [base + (1 if r < extra else 0) for r in range(tp_size)]
     else:
-        fr = _check_weights(weights, tp_size, name)
-        total = sum(fr)
-        exact = [units * w / total for w in fr]
-        sizes = [int(e) for e in exact]  # floor
-        short = units - sum(sizes)
-        order = sorted(range(tp_size), key=lambda r: (-(exact[r] - sizes[r]), r))
-        for r in order[:short]:
-            sizes[r] += 1
+        sizes = _largest_remainder(units, _check_weights(weights, tp_size, name))
         if min(sizes) == 0:
             raise ValueError(
                 f"split weights {list(weights)} leave a rank with no part of {name} ({units} units over "
@@ -113,12 +118,10 @@ def feasible_weights(weights: Sequence[float], units: int) -> tuple[float, ...]:
             digits = 1 - int(math.floor(math.log10(m)))
             out.append(math.ceil(m * 10 ** digits) / 10 ** digits)
     for _ in range(8):  # rounding can still leave a rank at zero: nudge the smallest up until every rank has one
-        try:
-            split_sizes(units, len(out), weights=out)
+        if min(_largest_remainder(units, [Fraction(x).limit_denominator(1 << 20) for x in out])) > 0:
             break
-        except ValueError:
-            lo = min(range(len(out)), key=lambda r: out[r])
-            out[lo] = out[lo] * 1.1
+        lo = min(range(len(out)), key=lambda r: out[r])
+        out[lo] = out[lo] * 1.1
     return tuple(float(f"{x:.3g}") for x in out)
 
 
