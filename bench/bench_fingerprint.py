@@ -1,6 +1,12 @@
 """Overhead of collective fingerprints (tensorpar.fingerprint) on decode and on a training step, tp = 2 gloo ranks.
 
     python bench/bench_fingerprint.py        # writes bench/results/fingerprint.json
+    python bench/bench_fingerprint.py --generate-cli   # end to end: writes bench/results/fingerprint-generate.json
+
+``--generate-cli``: the whole ``tensorpar generate --model smollm2 --tp 2`` command, alternately without and
+with ``--check-collectives`` over ``--rounds`` rounds (fresh ranks each run; the model is read from the cache),
+``--tokens`` greedy tokens; reported: the decode rate of its stats line and the command's wall time, medians,
+and the overhead of the medians.
 
 Model: the ``small`` training preset (Llama, 4 layers, hidden 256) with vocabulary 997, random weights.
 Variants, interleaved over ``--rounds`` rounds in the same run: fingerprints off; on with a check every
@@ -65,14 +71,56 @@ def job(ctx, rounds: int, tokens: int, steps: int, every: int):
     return out
 
 
+def generate_cli(a) -> None:
+    import re
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    rates: dict = {"off": [], "on": []}
+    walls: dict = {"off": [], "on": []}
+    load0 = os.getloadavg()
+    for _ in range(a.rounds):
+        for variant in ("off", "on"):
+            cmd = [sys.executable, "-m", "tensorpar", "generate", "--model", a.model, "--tp", "2",
+                   "--max-new-tokens", str(a.tokens), "--prompt", "Once upon a time there was"]
+            if variant == "on":
+                cmd.append("--check-collectives")
+            t0 = time.perf_counter()
+            p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+            walls[variant].append(time.perf_counter() - t0)
+            m = re.search(r"decode ([0-9.]+) tokens/s", p.stdout + p.stderr)
+            if p.returncode or not m:
+                raise SystemExit(f"generate failed (rc {p.returncode}): {(p.stdout + p.stderr)[-2000:]}")
+            rates[variant].append(float(m.group(1)))
+            print(variant, rates[variant][-1], "tok/s", f"{walls[variant][-1]:.1f} s", flush=True)
+    med = {v: statistics.median(rates[v]) for v in rates}
+    wall = {v: statistics.median(walls[v]) for v in walls}
+    doc = {"command": f"tensorpar generate --model {a.model} --tp 2 --max-new-tokens {a.tokens} "
+                      f"[--check-collectives]", "rounds": a.rounds, "decode_tok_s": rates, "wall_s": walls,
+           "median_decode_tok_s": med, "median_wall_s": wall,
+           "decode_overhead_of_median": med["off"] / med["on"] - 1, "wall_overhead_of_median": wall["on"] / wall["off"] - 1,
+           "loadavg_at_start": load0, "loadavg_at_end": os.getloadavg(),
+           "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    out = a.out if a.out.endswith("-generate.json") else str(ROOT / "bench" / "results" / "fingerprint-generate.json")
+    tmp = out + ".tmp"
+    Path(tmp).write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, out)
+    print(json.dumps({k: doc[k] for k in ("median_decode_tok_s", "decode_overhead_of_median", "median_wall_s",
+                                          "wall_overhead_of_median", "loadavg_at_start", "loadavg_at_end")}, indent=1))
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--generate-cli", action="store_true", help="time the whole tensorpar generate command instead")
+    ap.add_argument("--model", default="smollm2", help="--generate-cli: the model")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=50)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--every", type=int, default=50)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "fingerprint.json"))
     a = ap.parse_args()
+    if a.generate_cli:
+        return generate_cli(a)
     from tensorpar.testing import WorkerPool
     with WorkerPool(2) as pool:
         res = pool.run(job, a.rounds, a.tokens, a.steps, a.every, timeout_s=1800)

@@ -334,6 +334,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-collectives", action="store_true",
                    help="debug: fingerprint every collective and compare the tp ranks' fingerprints and prompts at "
                         "the first step and every 50 steps (also TENSORPAR_CHECK_COLLECTIVES=1)")
+    from tensorpar.capacity import add_argument as add_tp_weights
+    add_tp_weights(p)
     p.add_argument("--plan-file", default=None, help="a .json/.yaml sharding plan that overrides or extends the "
                                                      "built-in table, or shards an architecture without one "
                                                      "(docs/plans.md)")
@@ -372,11 +374,15 @@ def _rank_main(folder: str, args: argparse.Namespace) -> int:
     from tensorpar.streaming import TokenPrinter, chat_header, eos_token_ids, stats_line
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    ctx = init_parallel(ParallelConfig(tp=world), timeout_s=args.timeout, fast_collectives=args.fast_collectives)
+    ctx = init_parallel(ParallelConfig(tp=world, tp_weights=getattr(args, "tp_weights", None)),
+                        timeout_s=args.timeout, fast_collectives=args.fast_collectives)
     try:
+        from tensorpar.capacity import resolve_for_model
+        from transformers import AutoConfig
         dtype = getattr(torch, args.dtype)
         model, plan = build_parallel_model(folder, ctx.tp, dtype=dtype, device=ctx.device,
-                                           user_plan=getattr(args, "plan_file", None))
+                                           user_plan=getattr(args, "plan_file", None),
+                                           tp_weights=resolve_for_model(ctx, AutoConfig.from_pretrained(folder)))
         tok = AutoTokenizer.from_pretrained(folder)
         prompts = args.prompt or ["The capital of France is"]
         ids, mask = _encode(tok, prompts, args.chat)
@@ -465,7 +471,11 @@ def validate(args: argparse.Namespace):
                          f"run it with examples/classify_vit.py")
     if getattr(args, "plan_file", None) is not None:
         args.plan_file = os.path.abspath(args.plan_file)   # the ranks read the same file
-    plan = make_plan(config, args.tp, user_plan=getattr(args, "plan_file", None))
+    from tensorpar.capacity import check_for_model
+    args.tp_weights = check_for_model(getattr(args, "tp_weights", None), args.tp, config,
+                                      user_plan=getattr(args, "plan_file", None))
+    plan = make_plan(config, args.tp, user_plan=getattr(args, "plan_file", None),
+                     tp_weights=None if args.tp_weights == "auto" else args.tp_weights)
     check_model_config(config, f"{folder}/config.json")
     check_checkpoint(folder, config)  # headers vs config, both directions, before any rank starts
     tok = AutoTokenizer.from_pretrained(folder)

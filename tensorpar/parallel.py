@@ -27,17 +27,23 @@ class ParallelConfig:
         tp: tensor-parallel degree (ranks sharing one layer's weights).
         pp: pipeline-parallel degree (stages).
         dp: data-parallel degree (model replicas).
+        tp_weights: relative speed of each tp rank (one positive number per rank; ``"3,1"`` also accepted), or
+            ``"auto"`` (measured by :func:`init_parallel`), or ``None`` (even split). :mod:`tensorpar.capacity`.
     """
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    tp_weights: tuple[float, ...] | str | None = None
 
     def __post_init__(self):
         for axis in AXES:
             v = getattr(self, axis)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{axis} must be a positive integer, got {v!r}")
+        if self.tp_weights is not None:
+            from tensorpar.capacity import check_tp_weights
+            object.__setattr__(self, "tp_weights", check_tp_weights(self.tp_weights, self.tp))
 
     @property
     def world_size(self) -> int:
@@ -76,6 +82,8 @@ class ParallelContext:
         device: the device this rank computes on (``cpu`` or ``cuda:<local_rank>``).
         tp, pp, dp: :class:`~tensorpar.comm.Group` handles for this rank's groups on each axis.
         grid: ``LongTensor[dp, pp, tp]`` of global ranks.
+        tp_weights: the weights to shard with (``config.tp_weights``, measured when that is ``"auto"``), or
+            ``None`` for an even split; the same on every rank.
     """
 
     config: ParallelConfig
@@ -86,6 +94,7 @@ class ParallelContext:
     pp: Group
     dp: Group
     grid: torch.Tensor
+    tp_weights: tuple[float, ...] | None = None
     _mesh: object = field(default=None, repr=False)
 
     @property
@@ -163,7 +172,8 @@ def init_parallel(
     ``MASTER_PORT`` (torchrun's environment) unless ``rank``/``world_size``/``init_method``
     are given. The backend is NCCL when CUDA is available, else gloo; ``backend`` overrides.
     ``timeout_s`` bounds every collective, so a rank that never arrives fails the others
-    within it instead of hanging. ``fast_collectives`` ("off", "auto", "on") installs the
+    within it instead of hanging. ``config.tp_weights="auto"`` times a GEMM on every rank
+    (:func:`tensorpar.capacity.measure_tp_weights`: a barrier and an all-gather) and sets ``ctx.tp_weights``. ``fast_collectives`` ("off", "auto", "on") installs the
     same-host shared-memory path (:mod:`tensorpar.shm`) on every group of more than one rank,
     used for CPU tensors; "auto" uses it only when all of a group's ranks share a host.
 
@@ -205,4 +215,10 @@ def init_parallel(
         from tensorpar.shm import enable_fast_collectives
         for axis in AXES:
             enable_fast_collectives(groups[axis], fast_collectives, timeout_s=timeout_s)
-    return ParallelContext(config=config, rank=rank, world_size=world_size, device=device, grid=grid, **groups)
+    ctx = ParallelContext(config=config, rank=rank, world_size=world_size, device=device, grid=grid, **groups)
+    if config.tp_weights == "auto":  # a GEMM timed on every rank at once, gathered: the same weights everywhere
+        from tensorpar.capacity import measure_tp_weights
+        ctx.tp_weights = measure_tp_weights(ctx)
+    else:
+        ctx.tp_weights = config.tp_weights
+    return ctx

@@ -15,6 +15,7 @@ Units: with ``unit=u`` the split is computed over ``n / u`` whole units (an atte
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Sequence
@@ -32,6 +33,18 @@ def _check_weights(weights: Sequence[float], tp_size: int, what: str) -> list[Fr
             raise ValueError(f"{what}: split weights {list(weights)} must all be positive (got {w})")
         fr.append(Fraction(w).limit_denominator(1 << 20))
     return fr
+
+
+def _largest_remainder(units: int, fr: Sequence[Fraction]) -> list[int]:
+    """``units`` split in proportion to ``fr`` by the largest-remainder method, ties to the lower rank (may hold 0)."""
+    total = sum(fr)
+    exact = [units * w / total for w in fr]
+    sizes = [int(e) for e in exact]  # floor
+    short = units - sum(sizes)
+    order = sorted(range(len(fr)), key=lambda r: (-(exact[r] - sizes[r]), r))
+    for r in order[:short]:
+        sizes[r] += 1
+    return sizes
 
 
 def split_sizes(
@@ -74,20 +87,42 @@ def split_sizes(
         base, extra = divmod(units, tp_size)
         sizes = [base + (1 if r < extra else 0) for r in range(tp_size)]
     else:
-        fr = _check_weights(weights, tp_size, name)
-        total = sum(fr)
-        exact = [units * w / total for w in fr]
-        sizes = [int(e) for e in exact]  # floor
-        short = units - sum(sizes)
-        order = sorted(range(tp_size), key=lambda r: (-(exact[r] - sizes[r]), r))
-        for r in order[:short]:
-            sizes[r] += 1
+        sizes = _largest_remainder(units, _check_weights(weights, tp_size, name))
         if min(sizes) == 0:
             raise ValueError(
                 f"split weights {list(weights)} leave a rank with no part of {name} ({units} units over "
-                f"tp_size={tp_size}); use weights closer together or a smaller tp_size"
+                f"tp_size={tp_size}); use weights no more skewed than "
+                f"{','.join(f'{v:g}' for v in feasible_weights(weights, units))} or a smaller tp_size"
             )
     return [s * unit for s in sizes]
+
+
+def feasible_weights(weights: Sequence[float], units: int) -> tuple[float, ...]:
+    """The weights closest to ``weights`` that leave every rank at least one of ``units`` units: the smaller
+    weights are raised until each share is at least ``1 / units`` (then rounded up to 2 significant digits).
+    Used to say what would work when a split is refused, and to keep ``auto`` weights usable."""
+    w = [float(x) for x in weights]
+    if units < len(w):
+        return tuple(w)
+    m = sum(w) / units
+    for _ in range(100):  # fixed point of m = sum(max(w, m)) / units (converges: units > number of clamped)
+        m2 = sum(max(x, m) for x in w) / units
+        if abs(m2 - m) <= 1e-12 * m2:
+            break
+        m = m2
+    out = []
+    for x in w:
+        if x >= m:
+            out.append(x)
+        else:
+            digits = 1 - int(math.floor(math.log10(m)))
+            out.append(math.ceil(m * 10 ** digits) / 10 ** digits)
+    for _ in range(8):  # rounding can still leave a rank at zero: nudge the smallest up until every rank has one
+        if min(_largest_remainder(units, [Fraction(x).limit_denominator(1 << 20) for x in out])) > 0:
+            break
+        lo = min(range(len(out)), key=lambda r: out[r])
+        out[lo] = out[lo] * 1.1
+    return tuple(float(f"{x:.3g}") for x in out)
 
 
 @dataclass(frozen=True)

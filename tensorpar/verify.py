@@ -361,6 +361,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", default=str(DEFAULT_TP), help="comma-separated tensor-parallel degrees to check, e.g. 2,3,4")
     p.add_argument("--sequence-parallel", action="store_true", help="shard with sequence parallelism")
     p.add_argument("--train", action="store_true", help="also compare loss, every gradient and the grad norm")
+    from tensorpar.capacity import add_argument as add_tp_weights
+    add_tp_weights(p)  # numbers: applied to the --tp degree with as many ranks; auto: to every degree above 1
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and compute dtype")
     p.add_argument("--seq-len", type=int, default=0,
                    help="tokens per row (default: the smallest multiple of every tp that is >= 16)")
@@ -421,25 +423,45 @@ def validate(args: argparse.Namespace):
         raise ValueError(f"--seq-len {seq} exceeds the model's max_position_embeddings={limit}")
     for t in tps:
         make_plan(config, t, sequence_parallel=args.sequence_parallel)  # unsupported model / tp: its ValueError
+    w = getattr(args, "tp_weights", None)
+    if w is not None and str(w).strip().lower() != "auto":
+        from tensorpar.capacity import check_for_model
+        n = len(str(w).split(","))
+        if n not in tps:
+            raise ValueError(f"--tp-weights {w} has {n} entries but no --tp degree in {tps} has {n} ranks; give one "
+                             f"weight per rank of one of the degrees (or 'auto')")
+        args.tp_weights = check_for_model(w, n, config, sequence_parallel=args.sequence_parallel)
     return tps, seq, config, folder
+
+
+def _weights_for(args: argparse.Namespace, tp_size: int):
+    """The ``tp_weights`` a verify run at ``tp_size`` shards with (see ``--tp-weights``)."""
+    w = getattr(args, "tp_weights", None)
+    if w is None or tp_size == 1:
+        return None
+    if isinstance(w, str) and w.strip().lower() == "auto":
+        return "auto"
+    return tuple(w) if len(w) == tp_size else None
 
 
 def _rank_main(spec: str, folder: str | None, tp_size: int, seq: int, args: argparse.Namespace, out_path: str) -> int:
     from tensorpar.parallel import ParallelConfig, init_parallel
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    ctx = init_parallel(ParallelConfig(tp=world), timeout_s=args.timeout)
+    ctx = init_parallel(ParallelConfig(tp=world, tp_weights=_weights_for(args, world)), timeout_s=args.timeout)
     try:
+        from tensorpar.capacity import resolve_for_model
         dtype = getattr(torch, args.dtype)
+        weights = resolve_for_model(ctx, _model_config(spec, seq)[0]) if ctx.tp_weights is not None else None
         ref, par = build_pair(spec, folder, ctx.tp, dtype=dtype, device=ctx.device, seq_len=seq,
-                              sequence_parallel=args.sequence_parallel)
+                              sequence_parallel=args.sequence_parallel, tp_weights=weights)
         g = torch.Generator().manual_seed(1234)
         ids = torch.randint(0, ref.config.vocab_size, (args.batch_size, seq), generator=g).to(ctx.device)
         rep = compare_to_reference(ref, par, ctx.tp, ids, train=args.train)
         if ctx.rank == 0:
             tmp = out_path + ".tmp"
             with open(tmp, "w") as f:
-                json.dump(rep.to_dict(), f)
+                json.dump(dict(rep.to_dict(), tp_weights=list(weights) if weights else None), f)
             os.replace(tmp, out_path)
     finally:
         ctx.destroy()
@@ -447,8 +469,9 @@ def _rank_main(spec: str, folder: str | None, tp_size: int, seq: int, args: argp
 
 
 def build_pair(spec: str, folder: str | None, tp: Group, *, dtype=torch.float32, device=None, seq_len: int = 16,
-               sequence_parallel: bool = False):
+               sequence_parallel: bool = False, tp_weights=None):
     """``(reference, sharded)``: the unsharded model and this rank's sharded copy, same weights, eval mode.
+    ``tp_weights``: shard by these relative rank speeds (:mod:`tensorpar.capacity`; default even).
 
     A folder is loaded twice: whole (transformers) and sharded (:func:`~tensorpar.hf.load.build_parallel_model`,
     the path ``generate`` and ``train`` use, so load bugs show). A preset gets random weights (seed 0, norms
@@ -461,7 +484,8 @@ def build_pair(spec: str, folder: str | None, tp: Group, *, dtype=torch.float32,
     if folder is not None:
         from tensorpar.hf.load import build_parallel_model
         ref = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype, attn_implementation="sdpa")
-        par, _ = build_parallel_model(folder, tp, sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+        par, _ = build_parallel_model(folder, tp, sequence_parallel=sequence_parallel, dtype=dtype, device=device,
+                                      tp_weights=tp_weights)
     else:
         config, _ = _model_config(spec, seq_len)
         config._attn_implementation = "sdpa"
@@ -471,7 +495,8 @@ def build_pair(spec: str, folder: str | None, tp: Group, *, dtype=torch.float32,
             for p in ref.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
         ref = ref.to(dtype)
-        par = parallelize(copy.deepcopy(ref), make_plan(config, tp.size, sequence_parallel=sequence_parallel), tp)
+        par = parallelize(copy.deepcopy(ref), make_plan(config, tp.size, sequence_parallel=sequence_parallel,
+                                                        tp_weights=tp_weights), tp)
     ref = ref.to(device).eval()
     return ref, par.to(device).eval()
 
@@ -536,7 +561,9 @@ def main(args: argparse.Namespace) -> int:
                   f"between ranks: {', '.join(r['replicated_mismatch'][:8])}", file=sys.stderr)
             return 1
     print(format_table(reports))
-    print(f"tensorpar verify: OK: {args.model} at tp {','.join(map(str, tps))} ({args.dtype}"
+    wts = "".join(f", tp={r['tp_size']} weights {','.join(f'{v:g}' for v in r['tp_weights'])}" for r in reports
+                  if r.get("tp_weights"))
+    print(f"tensorpar verify: OK: {args.model} at tp {','.join(map(str, tps))} ({args.dtype}{wts}"
           f"{', sequence parallel' if args.sequence_parallel else ''}{', train' if args.train else ''}) matches the "
           f"unsharded model within tolerance")
     return 0

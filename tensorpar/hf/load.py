@@ -520,18 +520,20 @@ def load_sharded(model: nn.Module, folder: str | Path, tp: Group, *, device=None
 
 def build_parallel_model(folder: str | Path, tp: Group, *, sequence_parallel: bool = False, dtype=torch.float32,
                          device=None, attn_implementation: str = "sdpa",
-                         dropout_seed: int | None = None, user_plan=None) -> tuple[nn.Module, ShardingPlan]:
+                         dropout_seed: int | None = None, user_plan=None,
+                         tp_weights=None) -> tuple[nn.Module, ShardingPlan]:
     """Meta-initialise the model of ``folder``, check the checkpoint, shard it by its plan, load this rank's slices.
 
     ``attn_implementation`` (``"sdpa"``, ``"eager"``, or any name transformers' attention registry
-    knows) is the attention every sharded layer runs. Returns ``(model, plan)``; the model is in
+    knows) is the attention every sharded layer runs. ``tp_weights``: relative speed of each tp rank
+    (:mod:`tensorpar.capacity`; ``ctx.tp_weights``), ``None`` for an even split. Returns ``(model, plan)``; the model is in
     eval mode. Raises the ValueErrors of :func:`~tensorpar.hf.plan.make_plan` (at plan time, before
     any weight is read), of :func:`check_checkpoint` (headers only) and of :func:`load_sharded`.
     """
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(folder)
-    plan = make_plan(config, tp.size, sequence_parallel=sequence_parallel, user_plan=user_plan)
+    plan = make_plan(config, tp.size, sequence_parallel=sequence_parallel, user_plan=user_plan, tp_weights=tp_weights)
     config._attn_implementation = attn_implementation
     model = _meta_model(config, dtype)
     _check(Path(folder), _Expected(model), config, weight_map(folder))  # = check_checkpoint, on this meta model

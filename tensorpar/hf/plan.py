@@ -152,7 +152,7 @@ def supported() -> tuple[str, ...]:
 
 
 def make_plan(config, tp_size: int, *, sequence_parallel: bool = False, head_split_weights=None,
-              split_weights=None, check: bool = True, user_plan=None) -> ShardingPlan:
+              split_weights=None, check: bool = True, user_plan=None, tp_weights=None) -> ShardingPlan:
     """Build and validate the plan of a Hugging Face causal-LM ``config`` for ``tp_size`` ranks.
 
     Args:
@@ -161,6 +161,9 @@ def make_plan(config, tp_size: int, *, sequence_parallel: bool = False, head_spl
         sequence_parallel: split activations along the sequence between blocks.
         head_split_weights: relative speeds per rank for the query-head split (default even).
         split_weights: relative speeds per rank for the MLP and vocabulary splits (default even).
+        tp_weights: relative speed of each rank for every sharded dimension at once (query heads, MLP and expert
+            columns, vocabulary): sets both of the above (:mod:`tensorpar.capacity`); not ``"auto"``, which
+            :func:`~tensorpar.parallel.init_parallel` resolves to numbers (``ctx.tp_weights``).
         check: build the model on the meta device (no memory) and check that the plan claims every
             parameter and buffer (:meth:`ShardingPlan.check`).
         user_plan: a dict, a :class:`~tensorpar.hf.user_plan.UserPlan` or a .json/.yaml path that overrides or
@@ -182,6 +185,14 @@ def make_plan(config, tp_size: int, *, sequence_parallel: bool = False, head_spl
                          f"docs/plans.md")
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}")
+    if tp_weights is not None:
+        from tensorpar.capacity import AUTO, check_tp_weights
+        tp_weights = check_tp_weights(tp_weights, tp_size)
+        if tp_weights == AUTO:
+            raise ValueError("tp_weights='auto' must be measured first: pass ParallelConfig(tp_weights='auto') to "
+                             "init_parallel and make the plan with tp_weights=ctx.tp_weights")
+        head_split_weights = tp_weights if head_split_weights is None else head_split_weights
+        split_weights = tp_weights if split_weights is None else split_weights
     if user_plan is not None:
         from tensorpar.hf.user_plan import load_user_plan, merge_user_plan
         user = load_user_plan(user_plan)

@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hw.add_argument("--gpus", type=int, help="number of devices")
     hw.add_argument("--gpus-per-node", type=int, default=8)
     hw.add_argument("--device", default="a100-80gb", help=f"device preset: {', '.join(cl.DEVICES)}")
+    hw.add_argument("--devices", help="one tp group of unequal devices, e.g. a100-80gb:4,v100-32gb:4 or a JSON "
+                                      "list (inline or .json file) of presets / device objects: models the even "
+                                      "and the speed-weighted split (tensorpar --tp-weights)")
     hw.add_argument("--device-file", help="JSON device spec (e.g. the 'device' of --calibrate --json)")
     hw.add_argument("--memory-gb", type=float, help="override device memory, GiB")
     hw.add_argument("--peak-tflops", type=float, help="override dense 16-bit peak, TFLOP/s")
@@ -143,6 +146,8 @@ def main(args) -> int:
     try:
         if args.calibrate:
             return _calibrate(args)
+        if getattr(args, "devices", None):
+            return _plan_devices(args)
         if args.inference:
             return _plan_inference(args)
         return _plan(args)
@@ -219,6 +224,20 @@ def _plan_inference(args) -> int:
     for line in explain_inference(plans, work):
         con.print(line, highlight=False)
     return 0 if ok else NO_FIT
+
+
+def _plan_devices(args) -> int:
+    from tensorpar.planner.weighted import parse_devices, plan_weighted, report
+
+    model, devices = build_model(args), parse_devices(args.devices)
+    size = {"bf16": 2, "fp32": 4}
+    per_param = size[args.dtype] if args.inference else size[args.dtype] + size[args.grad_dtype] + 12
+    plans = plan_weighted(model, devices, bytes_per_param=per_param)
+    if args.json:
+        print(json.dumps([p.to_json() for p in plans], indent=2))
+    else:
+        print("\n".join(report(model, plans, per_param)))
+    return 0 if plans[-1].fits else NO_FIT
 
 
 def _plan(args) -> int:

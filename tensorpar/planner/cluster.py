@@ -84,6 +84,14 @@ DEVICES = MappingProxyType({
     # H200 SXM 141GB: same compute and links as H100; HBM3e 4800 GB/s; 143771 MiB usable = 140.4 GiB.
     "h200": DeviceSpec("h200", 140.4, 989.0, 450.0, 50.0,
                        matmul_efficiency=A100_MATMUL_EFFICIENCY, hbm_gbps=4800.0),
+    # For mixed groups (tensorpar plan --devices); same efficiency assumption, unvalidated.
+    # V100 SXM2 32GB: 125 TFLOP/s fp16 tensor cores; HBM2 900 GB/s; NVLink2 300 GB/s total = 150 per
+    # direction; DGX-1: 100 Gb/s EDR InfiniBand per two GPUs ~ 6.25 GB/s per GPU.
+    "v100-32gb": DeviceSpec("v100-32gb", 32.0, 125.0, 150.0, 6.25,
+                            matmul_efficiency=A100_MATMUL_EFFICIENCY, hbm_gbps=900.0),
+    # L4 24GB: 121 TFLOP/s fp16 dense (242 with sparsity); GDDR6 300 GB/s; PCIe Gen4 x16 ~ 32 GB/s per
+    # direction, no NVLink; 100 Gb/s Ethernet assumed = 12.5 GB/s.
+    "l4": DeviceSpec("l4", 22.5, 121.0, 32.0, 12.5, matmul_efficiency=A100_MATMUL_EFFICIENCY, hbm_gbps=300.0),
 })
 
 

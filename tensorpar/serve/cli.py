@@ -20,6 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (built in), a Hugging Face-format folder, or a .gguf file")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (under torchrun: the world size)")
+    from tensorpar.capacity import add_argument as add_tp_weights
+    add_tp_weights(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the URL is printed)")
     p.add_argument("--max-batch", type=int, default=16, help="slots: requests decoded together")
@@ -32,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds")
     p.add_argument("--fast-collectives", choices=["auto", "on", "off"], default="auto",
                    help="same-host shared-memory collectives for CPU tensors")
+    p.add_argument("--check-collectives", action="store_true",
+                   help="debug: fingerprint every collective and compare the tp ranks' fingerprints and step plans "
+                        "at the first engine step and every 50 (also TENSORPAR_CHECK_COLLECTIVES=1)")
 
 
 def validate(args: argparse.Namespace):
@@ -58,6 +63,8 @@ def validate(args: argparse.Namespace):
         raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     folder = resolve_model(args.model)
     config = AutoConfig.from_pretrained(folder)
+    from tensorpar.capacity import check_for_model
+    args.tp_weights = check_for_model(getattr(args, "tp_weights", None), args.tp, config)
     make_plan(config, args.tp)
     limit = getattr(config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
     n = args.max_model_len if args.max_model_len is not None else min(limit, DEFAULT_MAX_MODEL_LEN)
@@ -80,7 +87,8 @@ def _rank_main(folder: str, max_len: int, args: argparse.Namespace) -> int:
     from tensorpar.serve.engine import Engine, follow
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    ctx = init_parallel(ParallelConfig(tp=world), timeout_s=args.timeout, fast_collectives=args.fast_collectives)
+    ctx = init_parallel(ParallelConfig(tp=world, tp_weights=getattr(args, "tp_weights", None)),
+                        timeout_s=args.timeout, fast_collectives=args.fast_collectives)
     holder: dict = {"sched": None, "stop": False}
 
     def on_signal(signum, frame):      # rank 0 stops the scheduler; the other ranks wait for its "stop"
@@ -91,8 +99,15 @@ def _rank_main(folder: str, max_len: int, args: argparse.Namespace) -> int:
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, on_signal)
     try:
-        model, _ = build_parallel_model(folder, ctx.tp, dtype=getattr(torch, args.dtype), device=ctx.device)
+        from transformers import AutoConfig
+
+        from tensorpar.capacity import resolve_for_model
+        model, _ = build_parallel_model(folder, ctx.tp, dtype=getattr(torch, args.dtype), device=ctx.device,
+                                        tp_weights=resolve_for_model(ctx, AutoConfig.from_pretrained(folder)))
         engine = Engine(model, ctx.tp, max_batch=args.max_batch, max_len=max_len)
+        from tensorpar import fingerprint
+        if getattr(args, "check_collectives", False) or fingerprint.enable_from_env(ctx.tp) is not None:
+            check_collectives(engine, ctx.tp, timeout_s=min(args.timeout / 2, 60.0))
         if ctx.tp.rank != 0:
             follow(engine)
             rc = 0
@@ -107,6 +122,24 @@ def _rank_main(folder: str, max_len: int, args: argparse.Namespace) -> int:
         sys.stderr.flush()
         os._exit(rc)
     return rc
+
+
+def check_collectives(engine, tp, *, every: int = 50, timeout_s: float = 60.0) -> None:
+    """Fingerprint ``engine``'s collectives on every rank (:mod:`tensorpar.fingerprint`): after each engine step
+    the tp ranks compare their collective hashes and the step plan they ran (at the first step and every
+    ``every``); a difference raises :class:`~tensorpar.fingerprint.CollectiveMismatch` naming it and the ranks.
+    Every rank must call it."""
+    from tensorpar import fingerprint
+
+    fingerprint.enable(tp, every, timeout_s=timeout_s)
+    inner = engine.step
+
+    def step(plan, samplers):
+        out = inner(plan, samplers)
+        fingerprint.check(tp, {"step plan": repr(plan)})
+        return out
+
+    engine.step = step
 
 
 def _serve(engine, tok, max_len: int, args: argparse.Namespace, holder: dict) -> int:

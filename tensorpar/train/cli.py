@@ -45,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "optimizer); a no-op at --dp 1")
     p.add_argument("--sequence-parallel", action="store_true", help="split activations along the sequence "
                                                                      "between blocks (seq_len must divide by tp)")
+    from tensorpar.capacity import add_argument as add_tp_weights
+    add_tp_weights(p)
     p.add_argument("--model", default=d.model, help=f"a preset ({', '.join(PRESETS)}), a config.json (from "
                                                      f"scratch), a model folder or smollm2 (fine-tuned)")
     p.add_argument("--init", choices=["auto", "scratch", "pretrained"], default=d.init,
@@ -128,7 +130,7 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
                        val_fraction=args.val_fraction, tp=args.tp, pp=args.pp, dp=args.dp,
                        micro_batches=args.micro_batches or default_micro_batches(args.pp, args.dp, args.batch_size),
                        schedule=args.schedule, dp_mode=args.dp_mode,
-                       sequence_parallel=args.sequence_parallel,
+                       sequence_parallel=args.sequence_parallel, tp_weights=getattr(args, "tp_weights", None),
                        seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
                        min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup_steps,
                        weight_decay=args.weight_decay, grad_clip=args.grad_clip,
@@ -164,6 +166,9 @@ def prepare(cfg: TrainConfig, *, progress: bool = True):
     source = folder_source or source_of(data.vocab_size)
     check_model_config(source.config, f"--model {cfg.model}")
     check_against_model(cfg, source.config, data.vocab_size)
+    from tensorpar.capacity import check_for_model
+    check_for_model(cfg.tp_weights, cfg.tp, source.config, sequence_parallel=cfg.sequence_parallel,
+                    what="tp_weights")
     make_plan(source.config, cfg.tp, sequence_parallel=cfg.sequence_parallel)
     if cfg.pp > 1:
         from tensorpar.pipeline.stages import check_pipeline
@@ -193,6 +198,9 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
     from tensorpar.train.model import build_model
 
     source, data = prepared or prepare(cfg, progress=progress and ctx.rank == 0)
+    if cfg.tp_weights == "auto":  # measured by init_parallel (ParallelConfig(tp_weights="auto"))
+        from tensorpar.capacity import resolve_for_model
+        cfg = cfg.replace(tp_weights=resolve_for_model(ctx, source.config) if ctx.tp.size > 1 else None)
     from tensorpar.train.autoplan import PeakMemory
     peak = PeakMemory(ctx.device)  # this rank's memory from here on (model, optimizer, activations)
     model, plan = build_model(cfg, source, ctx.tp, data.vocab_size, device=ctx.device)
@@ -275,7 +283,8 @@ def _rank_main(cfg: TrainConfig, resume, export, progress, timeout, overwrite=Fa
         set_rank_threads(1)
         ctx = ParallelContext.single()
     else:
-        ctx = init_parallel(ParallelConfig(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp), timeout_s=timeout)
+        ctx = init_parallel(ParallelConfig(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, tp_weights=cfg.tp_weights),
+                            timeout_s=timeout)
     try:
         s = run(cfg, ctx, resume=resume, export=export, progress=progress, overwrite=overwrite,
                 check_collectives=check_collectives, tensor_peak=prediction is not None)

@@ -45,6 +45,8 @@ class TrainConfig:
     Parallelism:
         tp, pp, dp: tensor-, pipeline- and data-parallel degrees (world size = tp x pp x dp; rank order tp fastest,
             then pp, then dp). sequence_parallel: split activations between blocks along the sequence.
+        tp_weights: relative speed of each tp rank (its share of heads, MLP columns and vocabulary), ``"auto"``
+            (measured at start-up) or ``None`` (even); :mod:`tensorpar.capacity`.
         micro_batches: each data-parallel replica's rows are cut into this many micro-batches (gradient
             accumulation; the pipeline's micro-batches). schedule: the pipeline schedule, ``gpipe``, ``1f1b`` or
             ``interleaved-1f1b`` (two chunks per stage; micro_batches a multiple of pp).
@@ -83,6 +85,7 @@ class TrainConfig:
     schedule: str = "1f1b"
     dp_mode: str = "ddp"
     sequence_parallel: bool = False
+    tp_weights: tuple | str | None = None  # relative speed per tp rank, or "auto" (tensorpar.capacity)
     seq_len: int = 128
     batch_size: int = 8
     steps: int = 200
@@ -127,6 +130,9 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 bad(name, "must be a non-negative integer (0 = off where it is a period)")
+        if self.tp_weights is not None:  # lists (from JSON) become tuples; "3,1" and "auto" are accepted
+            from tensorpar.capacity import check_tp_weights
+            object.__setattr__(self, "tp_weights", check_tp_weights(self.tp_weights, self.tp))
         if self.schedule not in ("gpipe", "1f1b", "interleaved-1f1b"):
             bad("schedule", "use gpipe, 1f1b or interleaved-1f1b")
         if self.dp_mode not in DP_MODES:

@@ -82,10 +82,15 @@ def build_model(cfg: TrainConfig, source: ModelSource, tp: Group, vocab_size: in
     config.use_cache = False
     config.attention_dropout = cfg.attention_dropout
     check_against_model(cfg, config, vocab_size)
-    plan = make_plan(config, tp.size, sequence_parallel=cfg.sequence_parallel)  # validates before any weight
+    if cfg.tp_weights == "auto":
+        raise ValueError("tp_weights='auto' must be measured before the model is built: tensorpar.train.cli.run "
+                         "does it (cfg.replace(tp_weights=ctx.tp_weights) in a loop of your own)")
+    plan = make_plan(config, tp.size, sequence_parallel=cfg.sequence_parallel,  # validates before any weight
+                     tp_weights=cfg.tp_weights)
     if source.weights is not None:
         model, plan = build_parallel_model(source.weights, tp, sequence_parallel=cfg.sequence_parallel,
-                                           dtype=torch.float32, device=device, dropout_seed=cfg.seed)
+                                           dtype=torch.float32, device=device, dropout_seed=cfg.seed,
+                                           tp_weights=cfg.tp_weights)
         model.config.use_cache = False
     else:
         config._attn_implementation = "sdpa"

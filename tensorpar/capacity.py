@@ -1,0 +1,176 @@
+"""Capacity-weighted tensor parallelism: tp ranks of unequal speed get shares of the work in proportion to it.
+
+``tp_weights`` (``--tp-weights 3,1`` on generate, train, serve and verify; ``ParallelConfig(tp_weights=...)``
+in Python) gives rank ``r`` the share ``w_r / sum(w)`` of every sharded dimension: query heads (whole heads;
+the KV heads follow the query heads, a KV head whose group straddles two ranks is held by both), MLP
+intermediate columns, routed-expert intermediate columns and vocabulary rows. The one rule is
+:func:`tensorpar.shard.split_sizes` (largest remainder, ties to the lower rank, at least one unit per rank); the
+planner's ``--devices`` uses the same function. Results equal the unsharded model's exactly as for an even
+split: only the slice boundaries move. Checkpoints hold full tensors, so they load under any weights.
+
+``tp_weights="auto"`` times a GEMM on every rank at start-up (:func:`measure_matmul_gflops`, all ranks at
+once, so that ranks sharing a host compete as they will when running), gathers the speeds over the world and
+derives the weights (:func:`weights_from_speeds`); every rank computes the same weights from the same gathered
+numbers. Under data or pipeline parallelism a tp position takes the slowest speed measured at that position, so
+that every replica has the same shard shapes.
+
+Nothing here holds state; the parallel context carries the resolved weights (``ctx.tp_weights``).
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Sequence
+
+import torch
+
+from tensorpar.shard import feasible_weights, split_sizes  # noqa: F401  (feasible_weights re-exported)
+
+AUTO = "auto"
+
+
+def check_tp_weights(weights, tp_size: int, *, what: str = "tp_weights"):
+    """Normalise and check ``weights`` for ``tp_size`` ranks: ``None``, ``"auto"``, or one positive finite number
+    per rank (a sequence or a comma-separated string such as ``"3,1"``).
+
+    Returns ``None``, ``"auto"`` or a tuple of floats.
+
+    Raises:
+        ValueError: text that is not numbers, a count other than ``tp_size``, a weight that is zero, negative,
+            infinite or NaN; the message names the weights and what would work.
+    """
+    if weights is None:
+        return None
+    if isinstance(weights, str):
+        text = weights.strip()
+        if text.lower() == AUTO:
+            return AUTO
+        try:
+            weights = [float(x) for x in text.split(",")]
+        except ValueError:
+            raise ValueError(f"{what} {text!r}: give one positive number per tp rank separated by commas "
+                             f"(e.g. {','.join(['1'] * max(tp_size, 1))}) or 'auto'") from None
+    try:
+        vals = tuple(float(w) for w in weights)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} {weights!r}: give one positive number per tp rank or 'auto'") from None
+    shown = ",".join(f"{v:g}" for v in vals)
+    if len(vals) != tp_size:
+        raise ValueError(f"{what} {shown} has {len(vals)} entries but tp is {tp_size}; give one positive weight per "
+                         f"tensor-parallel rank (e.g. {','.join(['1'] * tp_size)}) or 'auto'")
+    bad = [v for v in vals if not (math.isfinite(v) and v > 0)]
+    if bad:
+        raise ValueError(f"{what} {shown}: every weight must be a positive finite number (got {bad[0]:g}); a rank "
+                         f"that should do less work gets a smaller positive weight")
+    return vals
+
+
+def weights_from_speeds(speeds: Sequence[float]) -> tuple[float, ...]:
+    """Weights proportional to measured ``speeds`` (any unit), the fastest rank 1.0, rounded to 2 decimals
+    (at least 0.01), so that every rank that computes them from the same numbers gets the same weights."""
+    top = max(speeds)
+    if not (top > 0 and all(math.isfinite(s) and s > 0 for s in speeds)):
+        raise ValueError(f"measured matmul speeds {list(speeds)} must be positive; cannot derive tp_weights")
+    return tuple(max(round(s / top, 2), 0.01) for s in speeds)
+
+
+def measure_matmul_gflops(device: torch.device | str = "cpu", *, dtype: torch.dtype = torch.float32,
+                          n: int | None = None, seconds: float = 0.5) -> float:
+    """This process's speed at a square GEMM ``[n, n] @ [n, n]`` on ``device``, in GFLOP/s (``2 n^3`` flops per
+    product), timed over at least ``seconds`` of wall clock after one warm-up product. ``n`` defaults to 384 on
+    CPU and 4096 on accelerators. The time is wall clock, so a rank that is descheduled or throttled measures
+    slower, as it will run."""
+    device = torch.device(device)
+    if n is None:
+        n = 384 if device.type == "cpu" else 4096
+    g = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    torch.matmul(a, b)
+    sync()
+    count, t0 = 0, time.perf_counter()
+    while True:
+        torch.matmul(a, b)
+        count += 1
+        if count % 4 == 0 or device.type == "cpu":
+            sync()
+            el = time.perf_counter() - t0
+            if el >= seconds:
+                break
+    return 2.0 * n ** 3 * count / el / 1e9
+
+
+def measure_tp_weights(ctx, *, seconds: float = 0.5, dtype: torch.dtype = torch.float32) -> tuple[float, ...]:
+    """``tp_weights`` from a GEMM timed on every rank of ``ctx`` at once (every rank must call it).
+
+    Collectives: one barrier and one all-gather of a float64 scalar per rank over the default (world) group.
+    A tp position's speed is the slowest of the replicas (dp, pp) at that position, so shard shapes agree
+    across replicas. Returns one weight per tp rank, the same on every rank (:func:`weights_from_speeds`)."""
+    import torch.distributed as dist
+
+    if ctx.world_size == 1 or not dist.is_initialized():
+        return (1.0,) * ctx.config.tp
+    dist.barrier()
+    speed = measure_matmul_gflops(ctx.device, dtype=dtype, seconds=seconds)
+    mine = torch.tensor([speed], dtype=torch.float64, device=ctx.device)
+    out = [torch.zeros_like(mine) for _ in range(ctx.world_size)]
+    dist.all_gather(out, mine)
+    speeds = torch.cat(out).cpu().view(ctx.config.dp, ctx.config.pp, ctx.config.tp)
+    per_tp = speeds.reshape(-1, ctx.config.tp).min(dim=0).values.tolist()
+    return weights_from_speeds(per_tp)
+
+
+def min_units(config) -> int:
+    """The fewest units any sharded dimension of a Hugging Face ``config`` has (query heads, MLP columns,
+    expert columns, vocabulary): a weighted split must give every rank one of each."""
+    from tensorpar.hf.plan import _get
+    c = getattr(config, "text_config", None) or getattr(config, "vision_config", None) or config
+    dims = [_get(c, "num_attention_heads", "n_head"), _get(c, "intermediate_size", "n_inner"),
+            _get(c, "moe_intermediate_size"), _get(c, "shared_expert_intermediate_size"), _get(c, "vocab_size")]
+    return min(int(d) for d in dims if isinstance(d, int) and d > 0)
+
+
+def resolve_for_model(ctx, model_config) -> tuple[float, ...] | None:
+    """The weights a rank shards ``model_config`` with: ``ctx.tp_weights``; when they were measured
+    (``tp_weights="auto"``), raised where needed so that every rank keeps at least one head / column
+    (:func:`feasible_weights`; every rank computes the same)."""
+    w = getattr(ctx, "tp_weights", None)
+    if w is None or getattr(ctx.config, "tp_weights", None) != AUTO:
+        return w
+    return feasible_weights(w, min_units(model_config))
+
+
+def check_for_model(weights, tp_size: int, model_config, *, sequence_parallel: bool = False, user_plan=None,
+                    what: str = "--tp-weights"):
+    """Launching-process check of weights against a model: the plan is built with them (no weights read); a
+    split that leaves a rank without a head or column is refused naming the weights and weights that work.
+    Returns the normalised weights (``None``, ``"auto"`` or a tuple)."""
+    from tensorpar.hf.plan import make_plan
+
+    weights = check_tp_weights(weights, tp_size, what=what)
+    if weights is None or weights == AUTO:
+        return weights
+    try:
+        make_plan(model_config, tp_size, sequence_parallel=sequence_parallel, tp_weights=weights,
+                  user_plan=user_plan)
+    except ValueError as e:
+        if "leave a rank with no part" not in str(e):
+            raise
+        fix = feasible_weights(weights, min_units(model_config))
+        raise ValueError(f"{what} {','.join(f'{v:g}' for v in weights)} leaves a tp rank with no part of a sharded "
+                         f"dimension ({str(e).split('no part of ', 1)[-1].split(';')[0]}); every rank needs at "
+                         f"least one head and one column: use weights no more skewed than "
+                         f"{','.join(f'{v:g}' for v in fix)}") from None
+    return weights
+
+
+def add_argument(p) -> None:
+    """``--tp-weights`` for an argparse parser (generate, train, serve, verify)."""
+    p.add_argument("--tp-weights", default=None, metavar="W0,W1,...|auto",
+                   help="relative speed of each tp rank (e.g. 3,1: rank 0 gets 3/4 of the heads, MLP columns and "
+                        "vocabulary); 'auto' times a matmul on every rank at start-up. Default: an even split")
