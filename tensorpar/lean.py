@@ -51,6 +51,10 @@ def lean_unsupported(model) -> str | None:
         return "not a decoder with model.embed_tokens / layers / norm / rotary_emb"
     if getattr(model.tensorpar_plan, "sequence_parallel", False):
         return "sequence parallelism"
+    # Mistral's / Qwen2's window lives in the config (applied through the mask), not on the attention module
+    window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+    if window is not None or any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ())):
+        return f"sliding_window={window}"
     for layer in base.layers:
         a, m = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if type(a) is not TPAttention or type(m) is not TPGatedMLP:
