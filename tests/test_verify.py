@@ -187,6 +187,10 @@ def test_reference_grad_norm_exact_on_large_gradients():
     assert got.dtype == torch.float64
     assert abs(got.item() - truth) <= 1e-12 * truth
     assert reference_grad_norm([nn.Parameter(torch.ones(2))]).item() == 0.0   # no gradients: 0, not an error
+    # the norm training clips with (float32 sums of squares per parameter) does not lose it
+    from tensorpar.grads import grad_norm
+    from tensorpar.parallel import ParallelContext
+    assert abs(grad_norm([big, small, big], ParallelContext.single().tp).item() - truth) <= 1e-6 * truth
 
 
 def test_tolerance_rule():
