@@ -1,8 +1,9 @@
 """Capacity-weighted tensor parallelism: tp ranks of unequal speed get shares of the work in proportion to it.
 
 ``tp_weights`` (``--tp-weights 3,1`` on generate, train, serve and verify; ``ParallelConfig(tp_weights=...)``
-in Python) gives rank ``r`` the share ``w_r / sum(w)`` of every sharded dimension: query heads (whole heads;
-the KV heads follow the query heads, a KV head whose group straddles two ranks is held by both), MLP
+in Python) gives rank ``r`` the share ``w_r / sum(w)`` of every sharded dimension: query heads (whole GQA groups
+where there are enough groups for the weights, else whole heads with a straddling group's KV head on both ranks;
+:meth:`tensorpar.layers.attention.HeadLayout.make`), MLP
 intermediate columns, routed-expert intermediate columns and vocabulary rows. The one rule is
 :func:`tensorpar.shard.split_sizes` (largest remainder, ties to the lower rank, at least one unit per rank); the
 planner's ``--devices`` uses the same function. Results equal the unsharded model's exactly as for an even

@@ -38,6 +38,24 @@ def test_every_dimension_splits_by_the_same_rule():
     assert make_plan(cfg, 2, tp_weights="1,1").vocab.sizes == make_plan(cfg, 2).vocab.sizes == (19, 18)
 
 
+def test_weighted_heads_keep_gqa_groups_whole():
+    from tensorpar.layers.attention import HeadLayout
+
+    # SmolLM2's 9 query / 3 KV heads: 3,1 gives rank 0 two whole groups and rank 1 one (6 + 3 heads, no KV head
+    # on two ranks), where a per-head split (7 + 2) would put KV head 2 on both ranks
+    lay = HeadLayout.make(9, 3, 64, 2, split_weights=(3, 1))
+    assert lay.q_heads.sizes == (6, 3) and lay.kv_heads.units == ((0, 1), (2,))
+    assert HeadLayout.make(32, 8, 64, 2, split_weights=(3, 1)).q_heads.sizes == (24, 8)
+    # as many groups as ranks: every rank one group, whatever the weights
+    assert HeadLayout.make(9, 3, 64, 3, split_weights=(2, 1, 1)).q_heads.sizes == (3, 3, 3)
+    # weights too skewed for whole groups (9,1 would leave rank 1 none): per head, group 2 on both ranks
+    lay = HeadLayout.make(9, 3, 64, 2, split_weights=(9, 1))
+    assert lay.q_heads.sizes == (8, 1) and lay.kv_heads.units == ((0, 1, 2), (2,))
+    # fewer groups than ranks (MQA-like): per head; the even split is unchanged (per head, balanced)
+    assert HeadLayout.make(6, 2, 8, 3, split_weights=(2, 1, 1)).q_heads.sizes == (3, 2, 1)
+    assert HeadLayout.make(9, 3, 64, 2).q_heads.sizes == (5, 4)
+
+
 def test_moe_expert_columns_split_by_the_weights():
     from tests.families_moe import config
     cfg = config("qwen2_moe")
@@ -182,7 +200,8 @@ def test_weighted_equals_unsharded_and_transformers(pools, llama_folder, weights
     ids, mask = prompts(53)
     want, _ = hf_reference(llama_folder, ids, mask, 24)
     res = run_tp(pools, len(weights), job_weighted, weights, llama_folder, 24)
-    assert [r["local_heads"] for r in res] == split_sizes(9, len(weights), weights=weights)
+    # 9 heads in 3 GQA groups, kept whole: 3,1 -> 2 + 1 groups; 2,1,1 -> one group each
+    assert [r["local_heads"] for r in res] == {(3, 1): [6, 3], (2, 1, 1): [3, 3, 3]}[weights]
     for r, got in enumerate(res):
         assert got["n"] > 40
         assert torch.equal(got["tokens"], want), f"weights {weights} rank {r}: greedy tokens differ from transformers"
@@ -226,7 +245,9 @@ def test_planner_devices_split_by_the_same_rule(capsys):
     model = ms.preset("llama3-8b")
     even, weighted = plan_weighted(model, devs)
     w = [r.weight for r in weighted.ranks]
-    assert [r.heads for r in weighted.ranks] == split_sizes(model.num_heads, 3, weights=w)
+    from tensorpar.layers.attention import HeadLayout
+    lay = HeadLayout.make(model.num_heads, model.num_kv_heads, model.head_dim, 3, split_weights=w)
+    assert [r.heads for r in weighted.ranks] == list(lay.q_heads.sizes) == [12, 12, 8]   # whole GQA groups of 4
     assert [r.ffn for r in weighted.ranks] == split_sizes(model.ffn_hidden_size, 3, weights=w)
     assert [r.vocab for r in weighted.ranks] == split_sizes(model.vocab_size, 3, weights=w)
     assert [r.heads for r in even.ranks] == split_sizes(model.num_heads, 3)

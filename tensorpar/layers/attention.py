@@ -36,6 +36,11 @@ class HeadLayout:
     def make(cls, num_heads: int, num_kv_heads: int, head_dim: int, tp_size: int, *, split_weights=None) -> "HeadLayout":
         """Lay out the heads over ``tp_size`` ranks.
 
+        Even split (``split_weights`` None): query heads as evenly as possible (``split_sizes``); a GQA group
+        that straddles two ranks has its KV head on both. Weighted split: query heads in proportion to the
+        weights in whole GQA groups (``unit`` = heads per KV head) when there are at least ``tp_size`` groups
+        and every rank still gets one; otherwise in whole heads, as the even split.
+
         Raises:
             ValueError: ``tp_size > num_heads`` (naming both), or ``num_heads`` not a multiple of
                 ``num_kv_heads``.
@@ -46,8 +51,15 @@ class HeadLayout:
         if num_kv_heads < 1 or num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads "
                              f"({num_kv_heads})")
-        q = Partition.make(num_heads, tp_size, weights=split_weights, name="num_attention_heads")
         group = num_heads // num_kv_heads
+        q = None
+        if split_weights is not None and group > 1 and num_kv_heads >= tp_size:
+            try:  # weighted: whole GQA groups per rank, so no KV head is held (and computed) by two ranks
+                q = Partition.make(num_heads, tp_size, weights=split_weights, unit=group, name="num_attention_heads")
+            except ValueError:  # too few groups for these weights: split the heads, a group may straddle two ranks
+                q = None
+        if q is None:
+            q = Partition.make(num_heads, tp_size, weights=split_weights, name="num_attention_heads")
         units = []
         for r in range(tp_size):
             start, stop = q.range(r)
