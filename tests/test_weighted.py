@@ -307,7 +307,7 @@ def test_generate_cli_weighted_and_auto_print_the_even_text(tiny_with_tokenizer)
         return r.stdout
 
     plan = cli("--tp-weights", "3,1", "--print-plan")
-    assert "9 q heads -> [7, 2]" in plan, plan
+    assert "9 q heads -> [6, 3], 3 kv heads -> r0:[0, 1] r1:[2]" in plan, plan
     text = [cli(*extra).splitlines()[0] for extra in ((), ("--tp-weights", "3,1"), ("--tp-weights", "auto"))]
     assert text[0] == text[1] == text[2], text
 
