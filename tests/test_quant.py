@@ -119,3 +119,24 @@ def test_quantize_refused_before_ranks_start(tmp_path):
     check_quantize("none", cfg, None)
     with pytest.raises(ValueError, match="sequence parallelism"):
         check_quantize("int8", AutoConfig.for_model("llama"), argparse.Namespace(sequence_parallel=True))
+
+
+def job_engine_int8(ctx, folder, prompt, n):
+    from tensorpar.generate import apply_quantize
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.serve.engine import Engine, Row, StepPlan
+    model, _ = build_parallel_model(folder, ctx.tp)
+    apply_quantize(model, ctx.tp, "int8")                   # what serve --quantize int8 does on every rank
+    engine = Engine(model, ctx.tp, max_batch=2, max_len=32)
+    out = engine.step(StepPlan("step", [Row(slot=1, tokens=prompt, start=0)]), None).tokens
+    for i in range(n - 1):
+        out += engine.step(StepPlan("step", [Row(slot=1, tokens=out[-1:], start=len(prompt) + i)]), None).tokens
+    return out, engine.lean.linear.__name__
+
+
+def test_serve_engine_int8_equals_quantized_reference(pools, folders):
+    ids, mask = prompts(ARCHS["llama"]["vocab_size"])
+    want, _ = fake_quant_reference(folders["llama"], ids[:1], mask[:1], 8)
+    for tokens, kernel in run_tp(pools, 2, job_engine_int8, folders["llama"], ids[0].tolist(), 8):
+        assert kernel == "int8_linear"
+        assert tokens == want[0].tolist()
