@@ -68,8 +68,16 @@ def job_bandwidth(ctx, mb: int, reps: int):
             "median_s": float(slowest.median())}
 
 
-def _weight_bytes(model) -> int:
+def _weight_bytes(model, quantize: str = "none") -> int:
+    if quantize == "int8":      # the int8 weights + scales the lean path reads, and the 1-D parameters (norms)
+        from tensorpar.quant import int8_weight_bytes
+        return int8_weight_bytes(model) + sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 1)
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _quantize(model, tp, quantize: str) -> None:
+    from tensorpar.generate import apply_quantize
+    apply_quantize(model, tp, quantize)
 
 
 def job_hf(ctx, folder, n, threads, dtype):
@@ -103,7 +111,7 @@ def job_hf(ctx, folder, n, threads, dtype):
             "tokens": out[0, ids["input_ids"].shape[1]:].tolist()}
 
 
-def job_tp(ctx, folder, n, dtype, path, batch, profile=False):
+def job_tp(ctx, folder, n, dtype, path, batch, profile=False, quantize="none"):
     from transformers import AutoTokenizer
 
     from tensorpar import comm
@@ -114,6 +122,7 @@ def job_tp(ctx, folder, n, dtype, path, batch, profile=False):
         from tensorpar.shm import enable_fast_collectives
         enable_fast_collectives(ctx.tp, "on")
     model, _ = build_parallel_model(folder, ctx.tp, dtype=getattr(torch, dtype))
+    _quantize(model, ctx.tp, quantize)
     tok = AutoTokenizer.from_pretrained(folder)
     ids = tok([PROMPT] * batch, return_tensors="pt")["input_ids"]
     generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=3), path=path)     # warm-up
@@ -121,7 +130,7 @@ def job_tp(ctx, folder, n, dtype, path, batch, profile=False):
     res = generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=n), path=path,
                           on_token=lambda step, tok: stamps.append(time.perf_counter()))
     best = min(b - a for a, b in zip(stamps, stamps[1:]))       # the fastest decode step (least disturbed)
-    local = _weight_bytes(model)
+    local = _weight_bytes(model, quantize)
     total = float(comm.all_reduce(torch.tensor([float(local)], dtype=torch.float64), ctx.tp))
     out = {"decode_tok_s": res.decode_tokens_per_s * batch, "best_step_tok_s": batch / best, "weight_bytes": total,
            "tokens": res.tokens[0].tolist()}
@@ -172,7 +181,8 @@ def _profile(model, ctx, ids, n, path):
     return out
 
 
-def perplexity(folder: str, n_tokens: int, dtype: str, window: int = 256) -> tuple[float, str, int]:
+def perplexity(folder: str, n_tokens: int, dtype: str, window: int = 256,
+               quantize: str = "none") -> tuple[float, str, int]:
     """``(exp(mean next-token NLL), work, tokens scored)`` of the lean path (tp=1) on the held-out Shakespeare slice."""
     from transformers import AutoTokenizer
 
@@ -185,6 +195,7 @@ def perplexity(folder: str, n_tokens: int, dtype: str, window: int = 256) -> tup
     ids = AutoTokenizer.from_pretrained(folder)(text, return_tensors="pt")["input_ids"][:, :n_tokens]
     ctx = ParallelContext.single()
     model, _ = build_parallel_model(folder, ctx.tp, dtype=getattr(torch, dtype))
+    _quantize(model, ctx.tp, quantize)
     lean = LeanDecoder(model, ctx.tp, max_batch=1, max_len=window)
     nll, count = 0.0, 0
     for s in range(0, ids.shape[1] - 1, window):

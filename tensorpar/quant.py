@@ -17,7 +17,7 @@ used, so no shard boundary can cut a group.
 Compute (:func:`int8_linear`): ``torch._weight_int8pack_mm(x, q, s)`` (gpt-fast's CPU int8 kernel) for bfloat16
 activations on CPU when ``in_features % 16 == 0`` (torch 2.13 segfaults otherwise); for float32 that kernel is
 slower than the fp32 matmul itself (bench/results/decode_int8.md), so float32 (and every other case, CUDA
-included) runs ``F.linear(x, q.to(x.dtype)) * s``.
+included) runs ``F.linear(x, q.to(x.dtype)) * s``, dequantizing at most 2M weights at a time.
 
 The model's floating-point weights are overwritten with the dequantized values ``q * s`` ("fake quantization"),
 so the module path (``path="hf"``) and :mod:`tensorpar.verify` see the same quantized model; the fp copies stay
@@ -32,6 +32,9 @@ import torch.nn.functional as F
 
 from tensorpar import comm
 from tensorpar.comm import Group
+
+#: weights dequantized per call of the float32 path (8 MB of fp32): a chunk stays in the allocator's reuse range
+_CHUNK_ELEMS = 2 ** 21
 
 #: values of ``--quantize``
 QUANTIZE_CHOICES = ("none", "int8")
@@ -49,7 +52,15 @@ def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None
         # torch 2.13's CPU kernel crashes (SIGSEGV, no error) unless in_features is a multiple of 16
         y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), w.q, w.scale).view(*x.shape[:-1], -1)
     else:
-        y = F.linear(x, w.q.to(x.dtype)) * w.scale
+        # dequantize at most _CHUNK_ELEMS weights at a time: a whole LM head (SmolLM2: 28M) dequantized at once
+        # is a fresh 113 MB buffer per call, page-faulted in every time (12x slower than fp32, measured)
+        step = max(1, _CHUNK_ELEMS // w.q.shape[1])
+        n = w.q.shape[0]
+        if n <= step:
+            y = F.linear(x, w.q.to(x.dtype))
+        else:
+            y = torch.cat([F.linear(x, w.q[c:c + step].to(x.dtype)) for c in range(0, n, step)], dim=-1)
+        y = y * w.scale
     return y if bias is None else y + bias
 
 

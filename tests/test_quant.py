@@ -93,8 +93,11 @@ def test_int8_bf16_same_tokens_at_tp_1_and_2(pools, folders):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k", [40, 48])     # bf16: 48 runs torch._weight_int8pack_mm, 40 the dequantizing matmul
-def test_int8_linear_matches_dequantized_matmul(dtype, k):
+@pytest.mark.parametrize("chunk", [2 ** 21, 100])   # 100: the dequantizing matmul runs in chunks of 2 rows
+def test_int8_linear_matches_dequantized_matmul(dtype, k, chunk, monkeypatch):
+    from tensorpar import quant
     from tensorpar.quant import _quantize, int8_linear
+    monkeypatch.setattr(quant, "_CHUNK_ELEMS", chunk)
     g = torch.Generator().manual_seed(0)
     w = torch.randn(48, k, generator=g).to(dtype)
     x = torch.randn(3, 5, k, generator=g).to(dtype)
