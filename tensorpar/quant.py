@@ -17,7 +17,9 @@ used, so no shard boundary can cut a group.
 Compute (:func:`int8_linear`): ``torch._weight_int8pack_mm(x, q, s)`` (gpt-fast's CPU int8 kernel) for bfloat16
 activations on CPU when ``in_features % 16 == 0`` (torch 2.13 segfaults otherwise); for float32 that kernel is
 slower than the fp32 matmul itself (bench/results/decode_int8.md), so float32 (and every other case, CUDA
-included) runs ``F.linear(x, q.to(x.dtype)) * s``, dequantizing at most 2M weights at a time.
+included) runs ``F.linear(x, q.to(x.dtype)) * s``, dequantizing at most 2M weights at a time. That path is
+correct but slower than fp32 decode on this CPU (the int8 -> fp32 conversion dominates; docs/quantize.md):
+int8 pays off with ``--dtype bfloat16``.
 
 The model's floating-point weights are overwritten with the dequantized values ``q * s`` ("fake quantization"),
 so the module path (``path="hf"``) and :mod:`tensorpar.verify` see the same quantized model; the fp copies stay

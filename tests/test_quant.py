@@ -143,3 +143,23 @@ def test_serve_engine_int8_equals_quantized_reference(pools, folders):
     for tokens, kernel in run_tp(pools, 2, job_engine_int8, folders["llama"], ids[0].tolist(), 8):
         assert kernel == "int8_linear"
         assert tokens == want[0].tolist()
+
+
+@pytest.mark.network
+@pytest.mark.slow
+def test_smollm2_int8_tp2_equals_quantized_reference(pools):
+    """SmolLM2-135M (9 q heads, 3 KV heads, tied embedding, vocab 49152): int8 at tp=2 gives the greedy tokens of
+    transformers' unsharded model quantized in plain PyTorch, and its prompt logits within 1e-3 (fp32; logits of
+    magnitude ~20)."""
+    from transformers import AutoTokenizer
+
+    from tensorpar.hub import resolve_model
+    folder = str(resolve_model("smollm2", progress=False))
+    ids = AutoTokenizer.from_pretrained(folder)(["The capital of France is"], return_tensors="pt")["input_ids"]
+    mask = torch.ones_like(ids)
+    want, want_logits = fake_quant_reference(folder, ids, mask, N_NEW)
+    for tokens, module, logits, kernel in run_tp(pools, 2, job_int8, folder, ids, mask, N_NEW, torch.float32):
+        assert kernel == "int8_linear"
+        assert torch.equal(tokens, want) and torch.equal(module, want)
+        err = (logits - want_logits).abs().max().item()
+        assert err < 1e-3, f"SmolLM2 int8 tp=2 logits differ from the quantized reference by {err}"
