@@ -9,7 +9,8 @@ Small-batch decode reads every weight once per step, so its limit is ``bandwidth
 2. runs greedy decode of SmolLM2-135M (``--tokens`` new tokens, EOS ignored), each configuration in fresh
    processes: transformers ``generate`` with 2 threads, tensorpar tp=1 (1 thread) and tp=2 (1 thread per rank,
    shared-memory collectives), the module path (``path="hf"``) and the lean path (``path="lean"``), fp32 and
-   bf16, and the lean path at batch 1, 4 and 16 (tokens/s summed over the batch);
+   bf16, int8 weights with bf16 activations (``--quantize int8``; its roofline counts the int8 bytes), and the
+   lean path at batch 1, 4 and 16 (tokens/s summed over the batch);
 3. prints each row's tokens/s and its fraction of the roofline: weight bytes per token (every parameter once:
    the tied embedding is read by the LM head) / bandwidth, with the 1-process bandwidth for one process and the
    2-process bandwidth for tp=2. Batch rows read the same weights for ``b`` tokens: their roofline is ``b`` times;
@@ -252,6 +253,9 @@ def run(folder: str, n: int, mb: int) -> dict:
     row("tensorpar tp=1, 1 thread, lean, bf16", 1, 1, job_tp, folder, n, "bfloat16", "lean", 1, dtype="bfloat16")
     row("tensorpar tp=2, 1 thread/rank, lean, bf16", 2, 1, job_tp, folder, n, "bfloat16", "lean", 1,
         dtype="bfloat16")
+    for world in (1, 2):    # int8 weight-only (tensorpar/quant.py) with bf16 activations: its fast kernel
+        row(f"tensorpar tp={world}, 1 thread/rank, lean, int8 + bf16", world, 1, job_tp, folder, n, "bfloat16",
+            "lean", 1, False, "int8", dtype="bfloat16")
     for b in (4, 16):
         for world in (1, 2):
             row(f"tensorpar tp={world}, lean, batch {b}", world, 1, job_tp, folder, n, "float32", "lean", b, batch=b)
