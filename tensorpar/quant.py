@@ -110,6 +110,15 @@ def quantize_int8(model, tp: Group) -> None:
     model.__dict__["_tensorpar_int8"] = q
 
 
+def quantize_reference_int8(model) -> None:
+    """The same quantization on an unsharded ``*ForCausalLM`` (the reference of :mod:`tensorpar.verify`), in plain
+    PyTorch: every ``nn.Linear`` under ``model.model.layers`` and the LM head get ``round(W / s) * s`` with
+    ``s = max|W[o, :]| / 127`` per output row, in place. No int8 tensors are kept; no collectives."""
+    linears = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    for m in linears + [model.lm_head]:
+        _quantize(m.weight, None)
+
+
 def int8_weights(model) -> dict | None:
     """The int8 tensors :func:`quantize_int8` stored on ``model`` (``None`` if it was not quantized)."""
     return model.__dict__.get("_tensorpar_int8")

@@ -163,3 +163,26 @@ def test_smollm2_int8_tp2_equals_quantized_reference(pools):
         assert torch.equal(tokens, want) and torch.equal(module, want)
         err = (logits - want_logits).abs().max().item()
         assert err < 1e-3, f"SmolLM2 int8 tp=2 logits differ from the quantized reference by {err}"
+
+
+def job_verify_int8(ctx, quantize_ref):
+    from tensorpar.quant import quantize_int8, quantize_reference_int8
+    from tensorpar.verify import compare_to_reference
+    from tests.test_verify import _pair
+    ref, par, ids = _pair(ctx, "llama")
+    quantize_int8(par, ctx.tp)
+    if quantize_ref:
+        quantize_reference_int8(ref)
+    rep = compare_to_reference(ref, par, ctx.tp, ids)
+    f = rep.first_failure
+    return (None if f is None else f.name), [d.name for d in rep.diffs]
+
+
+def test_verify_quantize_int8(pools):
+    """verify --quantize int8 quantizes both sides and passes (module and lean path); quantizing only the sharded
+    model is caught."""
+    for failure, names in run_tp(pools, 2, job_verify_int8, True):
+        assert failure is None, failure
+        assert any("lean" in n for n in names), names
+    for failure, _ in run_tp(pools, 2, job_verify_int8, False):
+        assert failure is not None
