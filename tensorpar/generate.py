@@ -148,6 +148,9 @@ def _measure_speed(model, tp: Group, probe: torch.Tensor, per_token: int) -> str
         torch.cuda.synchronize()
     bw = 2 * buf.numel() * 4 / max(time.perf_counter() - t0, 1e-9)      # read + write bytes per second
     local = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.__dict__.get("_tensorpar_int8") is not None:      # --quantize int8: the lean path reads int8 bytes
+        from tensorpar.quant import int8_weight_bytes
+        local = int8_weight_bytes(model)
     weight_bytes = float(comm.all_reduce(torch.tensor([float(local)], dtype=torch.float64, device=probe.device), tp))
     path = "shared memory" if tp.fast is not None and probe.is_cpu else (
         "nccl" if probe.is_cuda else "gloo")

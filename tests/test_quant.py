@@ -186,3 +186,17 @@ def test_verify_quantize_int8(pools):
         assert any("lean" in n for n in names), names
     for failure, _ in run_tp(pools, 2, job_verify_int8, False):
         assert failure is not None
+
+
+def test_int8_weight_bytes_counts_one_byte_per_weight_plus_scales(folders):
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.parallel import ParallelContext
+    from tensorpar.quant import int8_weight_bytes, quantize_int8
+    ctx = ParallelContext.single()
+    model, _ = build_parallel_model(folders["llama"], ctx.tp)
+    quantize_int8(model, ctx.tp)
+    lin = [p for n, p in model.named_parameters(remove_duplicate=False) if p.dim() == 2 and "embed" not in n]
+    assert len(lin) == 2 * 7 + 1                                   # q, k, v, o, gate, up, down per layer; LM head
+    assert int8_weight_bytes(model) == sum(w.numel() for w in lin) + 4 * sum(w.shape[0] for w in lin)
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_int8(model, ctx.tp)
