@@ -169,7 +169,7 @@ def _profile(model, ctx, ids, n, path):
         t = ev.cpu_time_total / 1e3 if name == "tensorpar::all_reduce" else ev.self_cpu_time_total / 1e3
         if name == "tensorpar::all_reduce":
             cats["collectives"] += t
-        elif name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv"):
+        elif name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv", "aten::_weight_int8pack_mm"):
             cats["matmul"] += t
         elif "scaled_dot_product" in name or "flash_attention" in name:
             cats["attention"] += t

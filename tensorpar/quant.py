@@ -43,7 +43,8 @@ QUANTIZE_CHOICES = ("none", "int8")
 
 
 class Int8Weight(NamedTuple):
-    """``q`` ``[out_local, in_local]`` int8 and ``scale`` ``[out_local]`` in the compute dtype; ``W ≈ q * scale[:, None]``."""
+    """``q`` ``[out_local, in_local]`` int8 and ``scale`` ``[out_local]`` in the compute dtype;
+    ``W ≈ q * scale[:, None]``."""
     q: torch.Tensor
     scale: torch.Tensor
 
