@@ -9,7 +9,8 @@ Small-batch decode reads every weight once per step, so its limit is ``bandwidth
 2. runs greedy decode of SmolLM2-135M (``--tokens`` new tokens, EOS ignored), each configuration in fresh
    processes: transformers ``generate`` with 2 threads, tensorpar tp=1 (1 thread) and tp=2 (1 thread per rank,
    shared-memory collectives), the module path (``path="hf"``) and the lean path (``path="lean"``), fp32 and
-   bf16, and the lean path at batch 1, 4 and 16 (tokens/s summed over the batch);
+   bf16, int8 weights with bf16 activations (``--quantize int8``; its roofline counts the int8 bytes), and the
+   lean path at batch 1, 4 and 16 (tokens/s summed over the batch);
 3. prints each row's tokens/s and its fraction of the roofline: weight bytes per token (every parameter once:
    the tied embedding is read by the LM head) / bandwidth, with the 1-process bandwidth for one process and the
    2-process bandwidth for tp=2. Batch rows read the same weights for ``b`` tokens: their roofline is ``b`` times;
@@ -68,8 +69,16 @@ def job_bandwidth(ctx, mb: int, reps: int):
             "median_s": float(slowest.median())}
 
 
-def _weight_bytes(model) -> int:
+def _weight_bytes(model, quantize: str = "none") -> int:
+    if quantize == "int8":      # the int8 weights + scales the lean path reads, and the 1-D parameters (norms)
+        from tensorpar.quant import int8_weight_bytes
+        return int8_weight_bytes(model) + sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 1)
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _quantize(model, tp, quantize: str) -> None:
+    from tensorpar.generate import apply_quantize
+    apply_quantize(model, tp, quantize)
 
 
 def job_hf(ctx, folder, n, threads, dtype):
@@ -103,7 +112,7 @@ def job_hf(ctx, folder, n, threads, dtype):
             "tokens": out[0, ids["input_ids"].shape[1]:].tolist()}
 
 
-def job_tp(ctx, folder, n, dtype, path, batch, profile=False):
+def job_tp(ctx, folder, n, dtype, path, batch, profile=False, quantize="none"):
     from transformers import AutoTokenizer
 
     from tensorpar import comm
@@ -114,6 +123,7 @@ def job_tp(ctx, folder, n, dtype, path, batch, profile=False):
         from tensorpar.shm import enable_fast_collectives
         enable_fast_collectives(ctx.tp, "on")
     model, _ = build_parallel_model(folder, ctx.tp, dtype=getattr(torch, dtype))
+    _quantize(model, ctx.tp, quantize)
     tok = AutoTokenizer.from_pretrained(folder)
     ids = tok([PROMPT] * batch, return_tensors="pt")["input_ids"]
     generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=3), path=path)     # warm-up
@@ -121,7 +131,7 @@ def job_tp(ctx, folder, n, dtype, path, batch, profile=False):
     res = generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=n), path=path,
                           on_token=lambda step, tok: stamps.append(time.perf_counter()))
     best = min(b - a for a, b in zip(stamps, stamps[1:]))       # the fastest decode step (least disturbed)
-    local = _weight_bytes(model)
+    local = _weight_bytes(model, quantize)
     total = float(comm.all_reduce(torch.tensor([float(local)], dtype=torch.float64), ctx.tp))
     out = {"decode_tok_s": res.decode_tokens_per_s * batch, "best_step_tok_s": batch / best, "weight_bytes": total,
            "tokens": res.tokens[0].tolist()}
@@ -159,7 +169,7 @@ def _profile(model, ctx, ids, n, path):
         t = ev.cpu_time_total / 1e3 if name == "tensorpar::all_reduce" else ev.self_cpu_time_total / 1e3
         if name == "tensorpar::all_reduce":
             cats["collectives"] += t
-        elif name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv"):
+        elif name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv", "aten::_weight_int8pack_mm"):
             cats["matmul"] += t
         elif "scaled_dot_product" in name or "flash_attention" in name:
             cats["attention"] += t
@@ -172,7 +182,8 @@ def _profile(model, ctx, ids, n, path):
     return out
 
 
-def perplexity(folder: str, n_tokens: int, dtype: str, window: int = 256) -> tuple[float, str, int]:
+def perplexity(folder: str, n_tokens: int, dtype: str, window: int = 256,
+               quantize: str = "none") -> tuple[float, str, int]:
     """``(exp(mean next-token NLL), work, tokens scored)`` of the lean path (tp=1) on the held-out Shakespeare slice."""
     from transformers import AutoTokenizer
 
@@ -185,6 +196,7 @@ def perplexity(folder: str, n_tokens: int, dtype: str, window: int = 256) -> tup
     ids = AutoTokenizer.from_pretrained(folder)(text, return_tensors="pt")["input_ids"][:, :n_tokens]
     ctx = ParallelContext.single()
     model, _ = build_parallel_model(folder, ctx.tp, dtype=getattr(torch, dtype))
+    _quantize(model, ctx.tp, quantize)
     lean = LeanDecoder(model, ctx.tp, max_batch=1, max_len=window)
     nll, count = 0.0, 0
     for s in range(0, ids.shape[1] - 1, window):
@@ -241,6 +253,9 @@ def run(folder: str, n: int, mb: int) -> dict:
     row("tensorpar tp=1, 1 thread, lean, bf16", 1, 1, job_tp, folder, n, "bfloat16", "lean", 1, dtype="bfloat16")
     row("tensorpar tp=2, 1 thread/rank, lean, bf16", 2, 1, job_tp, folder, n, "bfloat16", "lean", 1,
         dtype="bfloat16")
+    for world in (1, 2):    # int8 weight-only (tensorpar/quant.py) with bf16 activations: its fast kernel
+        row(f"tensorpar tp={world}, 1 thread/rank, lean, int8 + bf16", world, 1, job_tp, folder, n, "bfloat16",
+            "lean", 1, False, "int8", dtype="bfloat16")
     for b in (4, 16):
         for world in (1, 2):
             row(f"tensorpar tp={world}, lean, batch {b}", world, 1, job_tp, folder, n, "float32", "lean", b, batch=b)

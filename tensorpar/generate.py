@@ -148,6 +148,9 @@ def _measure_speed(model, tp: Group, probe: torch.Tensor, per_token: int) -> str
         torch.cuda.synchronize()
     bw = 2 * buf.numel() * 4 / max(time.perf_counter() - t0, 1e-9)      # read + write bytes per second
     local = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.__dict__.get("_tensorpar_int8") is not None:      # --quantize int8: the lean path reads int8 bytes
+        from tensorpar.quant import int8_weight_bytes
+        local = int8_weight_bytes(model)
     weight_bytes = float(comm.all_reduce(torch.tensor([float(local)], dtype=torch.float64, device=probe.device), tp))
     path = "shared memory" if tp.fast is not None and probe.is_cpu else (
         "nccl" if probe.is_cuda else "gloo")
@@ -329,6 +332,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (rank 0)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and compute dtype")
+    add_quantize_argument(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--print-plan", action="store_true", help="print the sharding plan and exit")
     p.add_argument("--check-collectives", action="store_true",
@@ -343,6 +347,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fast-collectives", choices=["auto", "on", "off"], default="auto",
                    help="same-host shared-memory collectives for CPU tensors")
     p.add_argument("--verbose", action="store_true", help="show full tracebacks of errors")
+
+
+def add_quantize_argument(p: argparse.ArgumentParser) -> None:
+    """``--quantize {none,int8}`` (generate, serve, verify)."""
+    from tensorpar.quant import QUANTIZE_CHOICES
+    p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none",
+                   help="int8: weight-only int8 with per-output-channel scales for every decoder Linear and the "
+                        "LM head (lean decode path; tensorpar/quant.py)")
+
+
+def check_quantize(quantize: str, config, plan) -> None:
+    """In the launching process: ValueError if ``--quantize int8`` cannot run this model (lean path only)."""
+    from tensorpar.lean import LEAN_FAMILIES
+    if quantize == "none":
+        return
+    mt = getattr(config, "model_type", None)
+    if mt not in LEAN_FAMILIES:
+        raise ValueError(f"--quantize {quantize} runs on the lean decode path, which supports model_type "
+                         f"{', '.join(LEAN_FAMILIES)}, not {mt!r}; use --quantize none")
+    if getattr(plan, "sequence_parallel", False):
+        raise ValueError(f"--quantize {quantize} cannot run with sequence parallelism (the lean path does not); "
+                         f"use a plan without it or --quantize none")
+
+
+def apply_quantize(model, tp: Group, quantize: str) -> None:
+    """On every rank, after loading: quantize ``model`` in place (:func:`tensorpar.quant.quantize_int8`)."""
+    if quantize == "int8":
+        from tensorpar.quant import quantize_int8
+        quantize_int8(model, tp)
 
 
 def _resolve(spec: str):
@@ -383,6 +416,7 @@ def _rank_main(folder: str, args: argparse.Namespace) -> int:
         model, plan = build_parallel_model(folder, ctx.tp, dtype=dtype, device=ctx.device,
                                            user_plan=getattr(args, "plan_file", None),
                                            tp_weights=resolve_for_model(ctx, AutoConfig.from_pretrained(folder)))
+        apply_quantize(model, ctx.tp, getattr(args, "quantize", "none"))
         tok = AutoTokenizer.from_pretrained(folder)
         prompts = args.prompt or ["The capital of France is"]
         ids, mask = _encode(tok, prompts, args.chat)
@@ -477,6 +511,7 @@ def validate(args: argparse.Namespace):
     plan = make_plan(config, args.tp, user_plan=getattr(args, "plan_file", None),
                      tp_weights=None if args.tp_weights == "auto" else args.tp_weights)
     check_model_config(config, f"{folder}/config.json")
+    check_quantize(getattr(args, "quantize", "none"), config, plan)
     check_checkpoint(folder, config)  # headers vs config, both directions, before any rank starts
     tok = AutoTokenizer.from_pretrained(folder)
     ids, _ = _encode(tok, args.prompt or ["The capital of France is"], args.chat)

@@ -180,9 +180,27 @@ class LeanDecoder:
             self.k.append(torch.zeros(max_batch, n_kv, max_len, d, dtype=w0.dtype, device=w0.device))
             self.v.append(torch.zeros(max_batch, n_kv, max_len, d, dtype=w0.dtype, device=w0.device))
         self.head_dim = a0.head_dim
+        self.linear = F.linear
+        self._use_int8(model)
         #: key validity per row and position (False: left padding); decode masks are views of it
         self.valid = torch.ones(max_batch, max_len, dtype=torch.bool, device=w0.device)
         self.padded = False
+
+    def _use_int8(self, model) -> None:
+        """Read the int8 weights of :func:`tensorpar.quant.quantize_int8` (if it ran) instead of the fp ones."""
+        from tensorpar.quant import int8_linear, int8_weights
+
+        q = int8_weights(model)
+        if q is None:
+            return
+        if q["dtype"] != self.lm_w.dtype:
+            raise ValueError(f"the model was quantized in {q['dtype']} and is now {self.lm_w.dtype}; "
+                             f"quantize after the .to(dtype)")
+        for layer, L in zip(model.model.layers, self.layers):
+            qa, qm = q[id(layer.self_attn)], q[id(layer.mlp)]
+            L.wqkv, L.wo, L.wgu, L.wd = qa["qkv"], qa["o"], qm["gu"], qm["down"]
+        self.lm_w = q["lm_head"]
+        self.linear = int8_linear
 
     def nbytes(self) -> int:
         """Bytes held by the KV cache."""
@@ -205,7 +223,7 @@ class LeanDecoder:
         x = self.embed(ids)                                                            # [b, s, h], all-reduced
         cos, sin = self.rotary(x, rope_pos)
         d = self.head_dim
-        sdpa, linear = F.scaled_dot_product_attention, F.linear
+        sdpa, linear = F.scaled_dot_product_attention, self.linear
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                                # [b, 1, s, d]
         half = d // 2
         for i, L in enumerate(self.layers):

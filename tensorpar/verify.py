@@ -382,6 +382,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from tensorpar.capacity import add_argument as add_tp_weights
     add_tp_weights(p)  # numbers: applied to the --tp degree with as many ranks; auto: to every degree above 1
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and compute dtype")
+    from tensorpar.generate import add_quantize_argument
+    add_quantize_argument(p)  # int8: both the reference (plain PyTorch) and the sharded model are quantized
     p.add_argument("--seq-len", type=int, default=0,
                    help="tokens per row (default: the smallest multiple of every tp that is >= 16)")
     p.add_argument("--batch-size", type=int, default=2, help="rows of random token ids")
@@ -440,7 +442,9 @@ def validate(args: argparse.Namespace):
     if limit is not None and seq > limit:
         raise ValueError(f"--seq-len {seq} exceeds the model's max_position_embeddings={limit}")
     for t in tps:
-        make_plan(config, t, sequence_parallel=args.sequence_parallel)  # unsupported model / tp: its ValueError
+        plan = make_plan(config, t, sequence_parallel=args.sequence_parallel)  # unsupported model / tp: ValueError
+        from tensorpar.generate import check_quantize
+        check_quantize(getattr(args, "quantize", "none"), config, plan)
     w = getattr(args, "tp_weights", None)
     if w is not None and str(w).strip().lower() != "auto":
         from tensorpar.capacity import check_for_model
@@ -473,6 +477,10 @@ def _rank_main(spec: str, folder: str | None, tp_size: int, seq: int, args: argp
         weights = resolve_for_model(ctx, _model_config(spec, seq)[0]) if ctx.tp_weights is not None else None
         ref, par = build_pair(spec, folder, ctx.tp, dtype=dtype, device=ctx.device, seq_len=seq,
                               sequence_parallel=args.sequence_parallel, tp_weights=weights)
+        if getattr(args, "quantize", "none") == "int8":
+            from tensorpar.quant import quantize_int8, quantize_reference_int8
+            quantize_reference_int8(ref)
+            quantize_int8(par, ctx.tp)
         g = torch.Generator().manual_seed(1234)
         ids = torch.randint(0, ref.config.vocab_size, (args.batch_size, seq), generator=g).to(ctx.device)
         rep = compare_to_reference(ref, par, ctx.tp, ids, train=args.train)

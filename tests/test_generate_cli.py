@@ -121,3 +121,22 @@ def test_check_collectives_flag_runs_clean(tiny_with_tokenizer):
     r = _cli("--model", tiny_with_tokenizer, "--tp", "2", "--prompt", "the cat", "--max-new-tokens", "4",
              "--check-collectives")
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_quantize_int8_tp2_text_equals_tp1(tiny_with_tokenizer):
+    outs = []
+    for tp in ("1", "2"):
+        r = _cli("--model", tiny_with_tokenizer, "--tp", tp, "--prompt", "the cat", "--max-new-tokens", "8",
+                 "--quantize", "int8")
+        assert r.returncode == 0, r.stderr[-3000:]
+        outs.append(r.stdout.splitlines()[0])
+    assert outs[0] == outs[1] and outs[0].startswith("the cat")
+
+
+def test_quantize_int8_refused_for_a_family_without_the_lean_path(tmp_path):
+    folder = make_model_folder(tmp_path / "gpt2", "gpt2")
+    r = _cli("--model", str(folder), "--tp", "2", "--quantize", "int8")
+    assert r.returncode == 2
+    ours = [line for line in r.stderr.splitlines() if line.startswith("tensorpar:")]   # (+ transformers' warnings)
+    assert len(ours) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "--quantize int8" in ours[0] and "'gpt2'" in ours[0] and "--quantize none" in ours[0]

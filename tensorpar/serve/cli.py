@@ -30,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"min(max_position_embeddings, {DEFAULT_MAX_MODEL_LEN}))")
     p.add_argument("--max-waiting", type=int, default=256, help="requests allowed to wait for a slot (then 429)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    from tensorpar.generate import add_quantize_argument
+    add_quantize_argument(p)
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: --model)")
     p.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds")
     p.add_argument("--fast-collectives", choices=["auto", "on", "off"], default="auto",
@@ -65,7 +67,9 @@ def validate(args: argparse.Namespace):
     config = AutoConfig.from_pretrained(folder)
     from tensorpar.capacity import check_for_model
     args.tp_weights = check_for_model(getattr(args, "tp_weights", None), args.tp, config)
-    make_plan(config, args.tp)
+    plan = make_plan(config, args.tp)
+    from tensorpar.generate import check_quantize
+    check_quantize(getattr(args, "quantize", "none"), config, plan)
     limit = getattr(config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
     n = args.max_model_len if args.max_model_len is not None else min(limit, DEFAULT_MAX_MODEL_LEN)
     if not 2 <= n <= limit:
@@ -104,6 +108,8 @@ def _rank_main(folder: str, max_len: int, args: argparse.Namespace) -> int:
         from tensorpar.capacity import resolve_for_model
         model, _ = build_parallel_model(folder, ctx.tp, dtype=getattr(torch, args.dtype), device=ctx.device,
                                         tp_weights=resolve_for_model(ctx, AutoConfig.from_pretrained(folder)))
+        from tensorpar.generate import apply_quantize
+        apply_quantize(model, ctx.tp, getattr(args, "quantize", "none"))
         engine = Engine(model, ctx.tp, max_batch=args.max_batch, max_len=max_len)
         from tensorpar import fingerprint
         if getattr(args, "check_collectives", False) or fingerprint.enable_from_env(ctx.tp) is not None:

@@ -1,0 +1,202 @@
+"""int8 weight-only quantization (tensorpar/quant.py): the quantized model at tp 1/2/3 equals the plain-PyTorch
+quantized unsharded model (per-output-channel absmax scales of the FULL weights), token for token."""
+import argparse
+
+import pytest
+import torch
+
+from tensorpar.generate import SamplingConfig, generate_tokens
+from tests._ranks import run_tp
+from tests.test_generate import ARCHS, make_model_folder, prompts
+
+N_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quant")
+    return {a: str(make_model_folder(root / a, a)) for a in ("llama", "qwen2")}
+
+
+def fake_quant_reference(folder, ids, mask, n, dtype=torch.float32):
+    """transformers' unsharded model with every decoder Linear and the LM head replaced, in plain PyTorch, by
+    ``round(W / s) * s``, ``s = max|W[o, :]| / 127`` per output row of the full weight; its greedy tokens and
+    all-position logits."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    linears = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    with torch.no_grad():
+        for m in linears + [model.lm_head]:
+            w = m.weight.float()
+            s = (w.abs().amax(1, keepdim=True) / 127).to(dtype).float()
+            m.weight.copy_((torch.round(w / s).clamp(-127, 127) * s).to(dtype))
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, min_new_tokens=n)
+        logits = model(ids[:1]).logits[0].float()
+    return out[:, ids.shape[1]:], logits
+
+
+def job_int8(ctx, folder, ids, mask, n, dtype, quantize=True):
+    from tensorpar import comm
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.lean import LeanDecoder
+    from tensorpar.quant import quantize_int8
+    model, plan = build_parallel_model(folder, ctx.tp, dtype=dtype)
+    if quantize:
+        quantize_int8(model, ctx.tp)
+    tokens = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=n), path="lean").tokens
+    module = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=n), path="hf").tokens
+    s = ids.shape[1]
+    lean = LeanDecoder(model, ctx.tp, max_batch=1, max_len=s)
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    local = lean.forward(ids[:1], torch.arange(s)[None], causal, length=s, start=0, last_only=False)[0]
+    logits = comm.all_gather(local.contiguous(), ctx.tp, -1, plan.vocab).float()           # [s, V]
+    return tokens, module, logits, lean.linear.__name__
+
+
+@pytest.mark.parametrize("arch,tp", [("llama", 1), ("llama", 2), ("llama", 3), ("qwen2", 2)])
+def test_int8_equals_quantized_unsharded_model(pools, folders, arch, tp):
+    ids, mask = prompts(ARCHS[arch]["vocab_size"])
+    want, want_logits = fake_quant_reference(folders[arch], ids, mask, N_NEW)
+    for r, (tokens, module, logits, kernel) in enumerate(run_tp(pools, tp, job_int8, folders[arch], ids, mask,
+                                                                 N_NEW, torch.float32)):
+        assert kernel == "int8_linear", "the lean path did not run the int8 matmul"
+        assert torch.equal(tokens, want), f"{arch} tp={tp} rank {r}: int8 lean tokens != quantized reference"
+        assert torch.equal(module, want), f"{arch} tp={tp} rank {r}: int8 module path tokens != quantized reference"
+        err = (logits - want_logits).abs().max().item()
+        assert err < 1e-4, f"{arch} tp={tp}: int8 logits differ from the quantized reference by {err}"
+
+
+def test_int8_changes_the_model(pools, folders):
+    """The quantization is real: the logits move away from the fp32 model's by more than the tolerance above."""
+    ids, mask = prompts(ARCHS["llama"]["vocab_size"])
+    (_, _, q, _), = run_tp(pools, 1, job_int8, folders["llama"], ids, mask, 2, torch.float32)
+    (_, _, fp, kernel), = run_tp(pools, 1, job_int8, folders["llama"], ids, mask, 2, torch.float32, False)
+    assert kernel == "linear"
+    assert (q - fp).abs().max().item() > 1e-3
+
+
+def test_int8_bf16_same_tokens_at_tp_1_and_2(pools, folders):
+    """bf16 activations run torch._weight_int8pack_mm; tp=2 gives tp=1's tokens and the logits stay within bf16
+    rounding of the fp32 quantized reference."""
+    ids, mask = prompts(ARCHS["llama"]["vocab_size"])
+    _, ref_logits = fake_quant_reference(folders["llama"], ids, mask, 1)
+    outs = [run_tp(pools, tp, job_int8, folders["llama"], ids, mask, N_NEW, torch.bfloat16) for tp in (1, 2)]
+    one = outs[0][0]
+    for tp, res in zip((1, 2), outs):
+        for tokens, _, logits, kernel in res:
+            assert kernel == "int8_linear"
+            assert torch.equal(tokens, one[0]), f"bf16 int8 tp={tp} tokens != tp=1"
+            err = (logits - ref_logits).abs().max().item()
+            assert err < 0.05, f"bf16 int8 tp={tp}: logits differ from the fp32 quantized reference by {err}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [40, 48])     # bf16: 48 runs torch._weight_int8pack_mm, 40 the dequantizing matmul
+@pytest.mark.parametrize("chunk", [2 ** 21, 100])   # 100: the dequantizing matmul runs in chunks of 2 rows
+def test_int8_linear_matches_dequantized_matmul(dtype, k, chunk, monkeypatch):
+    from tensorpar import quant
+    from tensorpar.quant import _quantize, int8_linear
+    monkeypatch.setattr(quant, "_CHUNK_ELEMS", chunk)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, k, generator=g).to(dtype)
+    x = torch.randn(3, 5, k, generator=g).to(dtype)
+    b = torch.randn(48, generator=g).to(dtype)
+    q = _quantize(w, None)                          # w now holds q * s
+    assert q.q.dtype == torch.int8 and q.q.abs().max() == 127
+    want = (x.double() @ (q.q.double() * q.scale.double()[:, None]).T + b.double())
+    got = int8_linear(x, q, b)
+    assert got.dtype == dtype and got.shape == (3, 5, 48)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7       # relative to the largest output; bf16: ~2 ulp
+    assert (got.double() - want).abs().max().item() < tol * want.abs().max().item()
+    assert torch.equal(w, (q.q.float() * q.scale.float()[:, None]).to(dtype))
+
+
+def test_quantize_refused_before_ranks_start(tmp_path):
+    from transformers import AutoConfig
+
+    from tensorpar.generate import check_quantize
+    cfg = AutoConfig.for_model("gpt2", n_embd=24, n_layer=2, n_head=6)
+    with pytest.raises(ValueError, match="--quantize int8.*'gpt2'.*--quantize none"):
+        check_quantize("int8", cfg, argparse.Namespace(sequence_parallel=False))
+    check_quantize("none", cfg, None)
+    with pytest.raises(ValueError, match="sequence parallelism"):
+        check_quantize("int8", AutoConfig.for_model("llama"), argparse.Namespace(sequence_parallel=True))
+
+
+def job_engine_int8(ctx, folder, prompt, n):
+    from tensorpar.generate import apply_quantize
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.serve.engine import Engine, Row, StepPlan
+    model, _ = build_parallel_model(folder, ctx.tp)
+    apply_quantize(model, ctx.tp, "int8")                   # what serve --quantize int8 does on every rank
+    engine = Engine(model, ctx.tp, max_batch=2, max_len=32)
+    out = engine.step(StepPlan("step", [Row(slot=1, tokens=prompt, start=0)]), None).tokens
+    for i in range(n - 1):
+        out += engine.step(StepPlan("step", [Row(slot=1, tokens=out[-1:], start=len(prompt) + i)]), None).tokens
+    return out, engine.lean.linear.__name__
+
+
+def test_serve_engine_int8_equals_quantized_reference(pools, folders):
+    ids, mask = prompts(ARCHS["llama"]["vocab_size"])
+    want, _ = fake_quant_reference(folders["llama"], ids[:1], mask[:1], 8)
+    for tokens, kernel in run_tp(pools, 2, job_engine_int8, folders["llama"], ids[0].tolist(), 8):
+        assert kernel == "int8_linear"
+        assert tokens == want[0].tolist()
+
+
+@pytest.mark.network
+@pytest.mark.slow
+def test_smollm2_int8_tp2_equals_quantized_reference(pools):
+    """SmolLM2-135M (9 q heads, 3 KV heads, tied embedding, vocab 49152): int8 at tp=2 gives the greedy tokens of
+    transformers' unsharded model quantized in plain PyTorch, and its prompt logits within 1e-3 (fp32; logits of
+    magnitude ~20)."""
+    from transformers import AutoTokenizer
+
+    from tensorpar.hub import resolve_model
+    folder = str(resolve_model("smollm2", progress=False))
+    ids = AutoTokenizer.from_pretrained(folder)(["The capital of France is"], return_tensors="pt")["input_ids"]
+    mask = torch.ones_like(ids)
+    want, want_logits = fake_quant_reference(folder, ids, mask, N_NEW)
+    for tokens, module, logits, kernel in run_tp(pools, 2, job_int8, folder, ids, mask, N_NEW, torch.float32):
+        assert kernel == "int8_linear"
+        assert torch.equal(tokens, want) and torch.equal(module, want)
+        err = (logits - want_logits).abs().max().item()
+        assert err < 1e-3, f"SmolLM2 int8 tp=2 logits differ from the quantized reference by {err}"
+
+
+def job_verify_int8(ctx, quantize_ref):
+    from tensorpar.quant import quantize_int8, quantize_reference_int8
+    from tensorpar.verify import compare_to_reference
+    from tests.test_verify import _pair
+    ref, par, ids = _pair(ctx, "llama")
+    quantize_int8(par, ctx.tp)
+    if quantize_ref:
+        quantize_reference_int8(ref)
+    rep = compare_to_reference(ref, par, ctx.tp, ids)
+    f = rep.first_failure
+    return (None if f is None else f.name), [d.name for d in rep.diffs]
+
+
+def test_verify_quantize_int8(pools):
+    """verify --quantize int8 quantizes both sides and passes (module and lean path); quantizing only the sharded
+    model is caught."""
+    for failure, names in run_tp(pools, 2, job_verify_int8, True):
+        assert failure is None, failure
+        assert any("lean" in n for n in names), names
+    for failure, _ in run_tp(pools, 2, job_verify_int8, False):
+        assert failure is not None
+
+
+def test_int8_weight_bytes_counts_one_byte_per_weight_plus_scales(folders):
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.parallel import ParallelContext
+    from tensorpar.quant import int8_weight_bytes, quantize_int8
+    ctx = ParallelContext.single()
+    model, _ = build_parallel_model(folders["llama"], ctx.tp)
+    quantize_int8(model, ctx.tp)
+    lin = [p for n, p in model.named_parameters(remove_duplicate=False) if p.dim() == 2 and "embed" not in n]
+    assert len(lin) == 2 * 7 + 1                                   # q, k, v, o, gate, up, down per layer; LM head
+    assert int8_weight_bytes(model) == sum(w.numel() for w in lin) + 4 * sum(w.shape[0] for w in lin)
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_int8(model, ctx.tp)
