@@ -117,3 +117,25 @@ def test_keeps_the_newest_checkpoints(tmp_path):
     tr.save(tmp_path)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000002", "step_000004"]
     assert latest_checkpoint(tmp_path).name == "step_000002"
+
+
+def test_damaged_latest_is_refused_not_skipped(tmp_path):
+    """``latest`` names a published checkpoint that lost its trainer_state.json: resuming from the older one would
+    repeat steps without a word, so it is refused naming both; a ``latest`` naming a folder that is gone falls
+    back to the newest complete checkpoint (nothing of it is left to resume from)."""
+    import json
+
+    from tensorpar.train.checkpoint import CheckpointError
+    root = tmp_path / "checkpoints"
+    for step in (3, 5):
+        (root / f"step_{step:06d}").mkdir(parents=True)
+        (root / f"step_{step:06d}" / "trainer_state.json").write_text("{}")
+    (root / "latest").write_text(json.dumps({"checkpoint": "step_000005"}))
+    assert latest_checkpoint(root) == root / "step_000005"
+    (root / "step_000005" / "trainer_state.json").unlink()
+    with pytest.raises(CheckpointError, match=r"step_000005.*damaged.*--resume .*step_000003"):
+        latest_checkpoint(root)
+    with pytest.raises(CheckpointError, match=r"step_000005 has no trainer_state.json"):
+        latest_checkpoint(root / "step_000005")
+    (root / "step_000005").rmdir()
+    assert latest_checkpoint(root) == root / "step_000003"

@@ -520,7 +520,10 @@ def _first_error(e: BaseException) -> str:
 
 
 def _failed(root: Path, final: Path, why: str) -> str:
-    prev = latest_checkpoint(root, missing_ok=True) if root.is_dir() else None
+    try:
+        prev = latest_checkpoint(root, missing_ok=True) if root.is_dir() else None
+    except CheckpointError:
+        prev = None
     return (f"saving checkpoint {final} failed ({why}); "
             f"{'the previous checkpoint ' + str(prev) + ' is intact' if prev else 'no previous checkpoint'}"
             f". Free disk space or choose another out_dir")
@@ -570,6 +573,10 @@ def latest_checkpoint(root: str | os.PathLike, *, missing_ok: bool = False) -> P
     root = Path(root)
     if (root / STATE_FILE).is_file():
         return root
+    if root.name.startswith("step_") and root.is_dir():
+        raise CheckpointError(f"{root} has no {STATE_FILE}: it is not a complete checkpoint (damaged, or not "
+                              f"written by tensorpar); resume from another checkpoint of {root.parent}")
+    name = None
     try:
         name = json.loads((root / LATEST).read_text())["checkpoint"]
         if (root / name / STATE_FILE).is_file():
@@ -577,6 +584,11 @@ def latest_checkpoint(root: str | os.PathLike, *, missing_ok: bool = False) -> P
     except (OSError, ValueError, KeyError, TypeError):
         pass
     found = list_checkpoints(root)
+    if isinstance(name, str) and (root / name).is_dir():  # published, then damaged: never resume from an older one
+        older = f"--resume {found[-1]}" if found else "a fresh run"
+        raise CheckpointError(f"{root / name} (named by {root / LATEST}) has no {STATE_FILE}: the latest "
+                              f"checkpoint is damaged; resuming silently from an older one would repeat steps, so "
+                              f"choose: {older}, or repair it")
     if found:
         return found[-1]
     if missing_ok:

@@ -378,7 +378,10 @@ def main(args: argparse.Namespace) -> int:
     if under_torchrun() and args.resume is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         # torchrun restarted the group after a rank died (--max-restarts): continue from the run's last checkpoint
         from tensorpar.train.checkpoint import latest_checkpoint
-        if latest_checkpoint(Path(args.out) / "checkpoints", missing_ok=True) is not None:
+        try:
+            if latest_checkpoint(Path(args.out) / "checkpoints", missing_ok=True) is not None:
+                args.resume = "auto"
+        except CheckpointError:  # damaged: the resume check below names it in one line
             args.resume = "auto"
     try:  # every check that the launching process can make, cheapest first, before any rank starts
         cfg = config_from_args(args)
