@@ -192,3 +192,12 @@ def test_plan_file_runs_its_pipeline_layout(tmp_path, text):
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"plan ({plan}): tp=1 pp=2 dp=1 micro-batches=4 schedule=1f1b sp=off recompute=off" in r.stdout
     assert "done: step 4" in r.stdout and "plan vs measured: step time predicted" in r.stdout
+
+
+def test_tp_weights_are_checked_against_the_plans_tp(tmp_path, text, capsys):
+    """--tp-weights with --plan FILE: the weights go with the plan's tp (2 here), not the default --tp 1."""
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"tp": 2, "pp": 1, "dp": 1, "micro_batch": 1}))
+    rc = run_main(["--plan", str(path), "--tp-weights", "3,1,1"] + common(tmp_path, text))
+    err = capsys.readouterr().err
+    assert rc == 2 and "has 3 entries but tp is 2" in err, err

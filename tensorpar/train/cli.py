@@ -130,7 +130,9 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
                        val_fraction=args.val_fraction, tp=args.tp, pp=args.pp, dp=args.dp,
                        micro_batches=args.micro_batches or default_micro_batches(args.pp, args.dp, args.batch_size),
                        schedule=args.schedule, dp_mode=args.dp_mode,
-                       sequence_parallel=args.sequence_parallel, tp_weights=getattr(args, "tp_weights", None),
+                       sequence_parallel=args.sequence_parallel,
+                       # under --plan, tp comes from the plan: the weights are checked once it is set (run())
+                       tp_weights=None if getattr(args, "plan", None) is not None else getattr(args, "tp_weights", None),
                        seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
                        min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup_steps,
                        weight_decay=args.weight_decay, grad_clip=args.grad_clip,
@@ -388,6 +390,8 @@ def main(args: argparse.Namespace) -> int:
         choice = None
         if getattr(args, "plan", None) is not None:
             cfg, choice = plan_config(args, cfg)
+            if getattr(args, "tp_weights", None) is not None:
+                cfg = cfg.replace(tp_weights=args.tp_weights)
         elif getattr(args, "nproc", None) is not None:
             raise ValueError(f"--nproc {args.nproc} goes with --plan (auto or a plan file); without --plan the ranks "
                              f"are --tp x --pp x --dp")
