@@ -143,7 +143,14 @@ def resolve_for_model(ctx, model_config) -> tuple[float, ...] | None:
     w = getattr(ctx, "tp_weights", None)
     if w is None or getattr(ctx.config, "tp_weights", None) != AUTO:
         return w
-    return feasible_weights(w, min_units(model_config))
+    used = feasible_weights(w, min_units(model_config))
+    if getattr(ctx, "rank", 0) == 0:  # the user asked for a measurement: say what it measured and what runs (stderr, one line)
+        import sys
+        fmt = ",".join
+        print(f"tp_weights auto: measured {fmt(f'{v:.3g}' for v in w)}"
+              + ("" if tuple(used) == tuple(w) else f", raised to {fmt(f'{v:.3g}' for v in used)} so every rank "
+                 f"keeps a head and a column"), file=sys.stderr, flush=True)
+    return used
 
 
 def check_for_model(weights, tp_size: int, model_config, *, sequence_parallel: bool = False, user_plan=None,
