@@ -378,8 +378,13 @@ def main(args: argparse.Namespace) -> int:
     if under_torchrun() and args.resume is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         # torchrun restarted the group after a rank died (--max-restarts): continue from the run's last checkpoint
         from tensorpar.train.checkpoint import latest_checkpoint
-        if latest_checkpoint(Path(args.out) / "checkpoints", missing_ok=True) is not None:
+        last = latest_checkpoint(Path(args.out) / "checkpoints", missing_ok=True)
+        if last is not None:
             args.resume = "auto"
+        from tensorpar.launch import rank0_print
+        rank0_print(f"tensorpar: torchrun restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: "
+                    + (f"resuming from {last}" if last is not None else "no checkpoint yet, starting afresh"),
+                    file=sys.stderr)
     try:  # every check that the launching process can make, cheapest first, before any rank starts
         cfg = config_from_args(args)
         choice = None
