@@ -94,6 +94,23 @@ def test_restart_ignores_the_previous_attempts_store_keys(tmp_path):
             enumerate(zip(procs, outs)))
 
 
+@pytest.mark.network
+def test_restart_after_the_final_checkpoint_is_complete(tmp_path):
+    """A rank that dies after the run's final checkpoint (while exiting) makes torchrun restart the group: the
+    restarted ranks find the run complete and exit 0, instead of failing on "--steps 2 is not above the
+    checkpoint's step 2"."""
+    run = [sys.executable, "-m", "tensorpar", "train", "--tp", "1", "--steps", "2", "--out", str(tmp_path / "r")]
+    first = subprocess.run(run + TRAIN, capture_output=True, text=True, env=env(), timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    before = (tmp_path / "r" / "metrics.jsonl").read_text()
+    restarted = dict(env(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", TORCHELASTIC_RUN_ID="t",
+                     TORCHELASTIC_RESTART_COUNT="1")              # what torchrun hands the restarted rank
+    again = subprocess.run(run + TRAIN, capture_output=True, text=True, env=restarted, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "torchrun restart 1: the run is complete" in again.stderr
+    assert (tmp_path / "r" / "metrics.jsonl").read_text() == before
+
+
 def _children(pid: int) -> list[int]:
     try:
         out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
