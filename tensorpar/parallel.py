@@ -155,6 +155,70 @@ def set_rank_threads(local_world_size: int, *, cores: int | None = None) -> int:
     return n
 
 
+def attempt_store(rank: int, world_size: int, timeout_s: float, store: dist.Store | None = None) -> dist.Store:
+    """A store for this launch attempt only: torchrun's agent store (``MASTER_ADDR:MASTER_PORT``) under a
+    prefix that every rank of this attempt agrees on and no earlier attempt used.
+
+    Why: with the c10d rendezvous, torchrun's agent hosts one TCPStore for the whole job and hands the same
+    address to every attempt (``--max-restarts``), and ``init_process_group`` writes its keys under fixed
+    names (``default_pg/0//cpu/rank_0`` ...). After a restart a rank could read rank 0's *previous* gloo
+    (or NCCL) address and fail with ``connectFullMesh ... Connection refused`` (pytorch/pytorch#135712,
+    #167288). ``TORCHELASTIC_RESTART_COUNT`` cannot name the attempt: each agent counts its own restarts,
+    so on several nodes the counts differ.
+
+    Handshake (only set/get/wait on the store): rank 0 writes a fresh random id ``A`` to
+    ``tensorpar/attempt``; every other rank r reads it, writes its own fresh nonce to ``tensorpar/A/ack/r``
+    and waits for rank 0 to echo that nonce in ``tensorpar/A/go/r``. A rank that read an id left by an
+    earlier attempt finds there no echo of its nonce (a key from before, or none within a second) and reads
+    again, so every rank ends on rank 0's current ``A``. Costs a few store round trips (milliseconds).
+    ``store`` (tests) replaces the agent store.
+
+    Raises:
+        TimeoutError: a rank did not take part within ``timeout_s`` seconds (names the ranks missing).
+    """
+    import time
+    import uuid
+
+    if store is None:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                              is_master=False, timeout=_dt.timedelta(seconds=timeout_s))
+    deadline = time.monotonic() + timeout_s
+
+    def poll(key: str) -> bool:  # check(), not wait(): a wait that times out logs a C++ warning
+        while not store.check([key]):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    if rank == 0:
+        attempt = uuid.uuid4().hex
+        store.set("tensorpar/attempt", attempt)
+        for r in range(1, world_size):
+            if not poll(f"tensorpar/{attempt}/ack/{r}"):
+                missing = [q for q in range(r, world_size) if not store.check([f"tensorpar/{attempt}/ack/{q}"])]
+                raise TimeoutError(f"ranks {missing} did not join the process group within --timeout "
+                                   f"{timeout_s:g} s")
+            store.set(f"tensorpar/{attempt}/go/{r}", store.get(f"tensorpar/{attempt}/ack/{r}"))
+    else:
+        mine = uuid.uuid4().hex
+        while True:
+            if not poll("tensorpar/attempt"):
+                raise TimeoutError(f"rank 0 did not start the process group within --timeout {timeout_s:g} s")
+            attempt = store.get("tensorpar/attempt").decode()
+            go = f"tensorpar/{attempt}/go/{rank}"
+            store.set(f"tensorpar/{attempt}/ack/{rank}", mine)
+            echo_by = time.monotonic() + 1.0  # an id of an earlier attempt is never echoed: read it again
+            while not store.check([go]) and time.monotonic() < min(echo_by, deadline):
+                time.sleep(0.02)
+            if store.check([go]) and store.get(go).decode() == mine:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank 0 did not start the process group within --timeout {timeout_s:g} s")
+            time.sleep(0.02)
+    return dist.PrefixStore(f"tensorpar/{attempt}/", store)
+
+
 def init_parallel(
     config: ParallelConfig | None = None,
     *,
@@ -200,7 +264,13 @@ def init_parallel(
     if not dist.is_initialized():
         if init_method is None and "MASTER_ADDR" not in os.environ:
             init_method = "tcp://127.0.0.1:29500"
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
+        if init_method is None and world_size > 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's agent store outlives a restart: keys of the attempt before must not be read
+            dist.init_process_group(backend, store=attempt_store(rank, world_size, timeout_s), rank=rank,
+                                    world_size=world_size, timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                    timeout=timeout)
     grid = torch.arange(world_size).view(config.dp, config.pp, config.tp)
     groups: dict[str, Group] = {}
     for axis_i, axis in enumerate(AXES):

@@ -379,12 +379,27 @@ def main(args: argparse.Namespace) -> int:
 
     if under_torchrun() and args.resume is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         # torchrun restarted the group after a rank died (--max-restarts): continue from the run's last checkpoint
-        from tensorpar.train.checkpoint import latest_checkpoint
+        from tensorpar.launch import rank0_print
+        from tensorpar.train.checkpoint import latest_checkpoint, read_state
+        note = f"tensorpar: torchrun restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: "
         try:
-            if latest_checkpoint(Path(args.out) / "checkpoints", missing_ok=True) is not None:
-                args.resume = "auto"
-        except CheckpointError:  # damaged: the resume check below names it in one line
+            last = latest_checkpoint(Path(args.out) / "checkpoints", missing_ok=True)
+        except CheckpointError:  # damaged: --resume below reports it in one line
+            last, args.resume = None, "auto"
+        try:
+            done = last is not None and args.export is None and read_state(last)["step"] >= args.steps
+        except (OSError, ValueError, KeyError, CheckpointError):  # damaged: --resume below reports it in one line
+            done = False
+        if done:
+            # a rank died after the final checkpoint (e.g. while exiting): the run is complete, nothing to redo
+            rank0_print(note + f"the run is complete ({last} is at --steps {args.steps}); nothing to do",
+                        file=sys.stderr)
+            return 0
+        if last is not None:
             args.resume = "auto"
+        if args.resume is None or last is not None:
+            rank0_print(note + (f"resuming from {last}" if last is not None else "no checkpoint yet, starting afresh"),
+                        file=sys.stderr)
     try:  # every check that the launching process can make, cheapest first, before any rank starts
         cfg = config_from_args(args)
         choice = None
