@@ -6,7 +6,7 @@ One ``torchrun --nproc-per-node 2 --max-restarts 1 --rdzv-backend c10d`` agent r
 (Shakespeare, seq 32, batch 4, checkpoint every 2 steps); once ``step_000002`` exists, one rank gets SIGKILL.
 Counts the runs that exit 0 and the runs whose log shows gloo's ``Connection refused`` (the restarted group
 reading the previous attempt's addresses from torchrun's shared store, pytorch/pytorch#135712), and records
-each run's final loss. Appends a section to bench/results/torchrun_restart.md.
+each run's final loss and whether the log shows the restarted group resuming from a checkpoint. Appends a section to bench/results/torchrun_restart.md.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ TRAIN = ["--data", "shakespeare", "--seq-len", "32", "--batch-size", "4", "--no-
          "--lr", "1e-2"]
 
 
-def once(d: Path, steps: int) -> tuple[int, bool, float | None, float]:
+def once(d: Path, steps: int) -> tuple[int, bool, bool, float | None, float]:
     from tensorpar.launch import free_port
 
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
@@ -49,7 +49,8 @@ def once(d: Path, steps: int) -> tuple[int, bool, float | None, float]:
         last = [r["loss"] for r in recs if r.get("kind") == "train"][-1]
     except (OSError, ValueError, IndexError):
         last = None
-    return a.returncode, "connection refused" in text.lower(), last, time.monotonic() - t0
+    restarted = "torchrun restart 1: resuming from" in text
+    return a.returncode, "connection refused" in text.lower(), restarted, last, time.monotonic() - t0
 
 
 def main() -> None:
@@ -61,15 +62,18 @@ def main() -> None:
     for i in range(args.runs):
         with tempfile.TemporaryDirectory() as d:
             rows.append(once(Path(d), args.steps))
-        rc, refused, last, wall = rows[-1]
-        print(f"run {i}: exit {rc}, connection refused {refused}, final loss {last}, {wall:.1f} s", flush=True)
+        rc, refused, restarted, last, wall = rows[-1]
+        print(f"run {i}: exit {rc}, connection refused {refused}, resumed {restarted}, final loss {last}, "
+              f"{wall:.1f} s", flush=True)
     ok = sum(r[0] == 0 for r in rows)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
     lines = [f"## {time.strftime('%Y-%m-%d %H:%M')} UTC, commit {commit}: {ok} of {len(rows)} runs exit 0", "",
              f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end.", "",
-             "| run | exit | connection refused | final loss | wall (s) |", "|---|---|---|---|---|"]
-    lines += [f"| {i} | {rc} | {ref} | {last} | {wall:.1f} |" for i, (rc, ref, last, wall) in enumerate(rows)]
+             "| run | exit | connection refused | restarted and resumed | final loss | wall (s) |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {i} | {rc} | {ref} | {res} | {last} | {wall:.1f} |" for i, (rc, ref, res, last, wall) in
+              enumerate(rows)]
     out = REPO / "bench" / "results" / "torchrun_restart.md"
     head = "" if out.exists() else ("# torchrun restart after a SIGKILLed rank (bench/bench_torchrun_restart.py)\n\n")
     with open(out, "a") as f:
