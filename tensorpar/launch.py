@@ -86,18 +86,14 @@ class RankError(Exception):
     """Raised inside a rank, in place of the original exception, with the one-line message to show."""
 
 
-def _wake_stopped_siblings() -> list[int]:
-    """Continue (SIGCONT) the other ranks of this launch that are stopped (state ``T``), so that the
-    launcher's SIGTERM ends them at once: torch's process context otherwise waits 30 s for a stopped
-    process before it kills it. Linux only (``/proc``); ranks are the launcher's ``spawn_main`` children.
-    Returns the pids it continued."""
-    import signal
-
-    ppid, me, woken = os.getppid(), os.getpid(), []
+def _stopped_siblings() -> list[int]:
+    """Pids of the other ranks of this launch that are stopped (state ``T``: SIGSTOP, a debugger, Ctrl-Z of one
+    process). Linux only (``/proc``); ranks are the launcher's ``spawn_main`` children."""
+    ppid, me, found = os.getppid(), os.getpid(), []
     try:
         tasks = os.listdir(f"/proc/{ppid}/task")
     except OSError:
-        return woken
+        return found
     for tid in tasks:
         try:
             with open(f"/proc/{ppid}/task/{tid}/children") as f:
@@ -113,11 +109,29 @@ def _wake_stopped_siblings() -> list[int]:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     ours = b"spawn_main" in f.read()
                 if state == "T" and ours:
-                    os.kill(pid, signal.SIGCONT)
-                    woken.append(pid)
+                    found.append(pid)
             except (OSError, IndexError):
                 continue
-    return woken
+    return found
+
+
+def _end_stopped(pids: list[int]) -> None:
+    """End stopped ranks at once: SIGTERM, then SIGCONT (what ``kill`` in a shell and systemd do to a stopped job).
+
+    A stopped process only queues SIGTERM, and torch's launcher would wait its whole shutdown timeout for it
+    (30 s by default). The SIGTERM is queued first so that the rank dies the moment it continues, without
+    running another line: continued alone, it went on with its program, ran into its next collective, failed
+    there once the first rank had exited, and exited through Python with its gloo process group still alive,
+    which now and then aborted in C++ ("terminate called without an active exception" and a stack on stderr,
+    after the one-line error; pytorch/pytorch#65231, #179291)."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGCONT):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
 
 
 def _rank_entry(fn: Callable[..., Any], verbose: bool, error_dir: str, *args) -> Any:
@@ -140,8 +154,8 @@ def _rank_entry(fn: Callable[..., Any], verbose: bool, error_dir: str, *args) ->
         return fn(*args)
     except Exception as e:
         line = one_line(e)
-        stopped = []
-        for pid in _wake_stopped_siblings():
+        stopped_pids, stopped = _stopped_siblings(), []
+        for pid in stopped_pids:
             try:
                 with open(os.path.join(error_dir, f"pid-{pid}")) as f:
                     stopped.append(f"rank {f.read()}")
@@ -156,6 +170,7 @@ def _rank_entry(fn: Callable[..., Any], verbose: bool, error_dir: str, *args) ->
             os.replace(tmp, os.path.join(error_dir, f"rank{rank}.json"))
         except OSError:
             pass
+        _end_stopped(stopped_pids)  # after the error is on record: the launcher reports this rank's error
         if verbose:
             raise
         raise RankError(line) from None
