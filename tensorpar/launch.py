@@ -82,6 +82,38 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}"
 
 
+def report_error(message: str, prog: str = "tensorpar") -> None:
+    """Print ``<prog>: error: <message>`` as one line on stderr; under torchrun also write it, in torch elastic's
+    error-file format, to ``TORCHELASTIC_ERROR_FILE``.
+
+    torchrun sets that variable for each worker and, when the worker exits non-zero, shows the file's
+    ``py_callstack`` (else its ``message``) in its ``ChildFailedError`` summary, the first failure by the file's
+    ``timestamp`` as the root cause (``torch.distributed.elastic.multiprocessing.errors``; ``@record`` writes the
+    same JSON with a Python traceback). Without the file that summary says only "To enable traceback see ...";
+    with it, the summary repeats this one line. The file is written atomically (temp + rename); a failure to
+    write it is ignored (the line on stderr is what matters).
+    """
+    import json
+    import time
+
+    line = f"{prog}: error: {' '.join(str(message).split())}"
+    print(line, file=sys.stderr, flush=True)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE") if under_torchrun() else None
+    if not path:
+        return
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
 class RankError(Exception):
     """Raised inside a rank, in place of the original exception, with the one-line message to show."""
 
