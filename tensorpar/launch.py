@@ -166,6 +166,34 @@ def _end_stopped(pids: list[int]) -> None:
                 pass
 
 
+def _release_process_group(timeout_s: float) -> None:
+    """Destroy torch.distributed's process groups, if this rank has any, while the interpreter is still whole;
+    wait at most ``timeout_s`` seconds.
+
+    A rank that exits with its gloo process group alive, after a collective failed or timed out, now and then
+    aborts in C++ while Python shuts down ("terminate called without an active exception", "Fatal Python error:
+    Aborted", on stderr next to the one-line error): the group's worker threads and pending work are torn down
+    with the interpreter (pytorch/pytorch#65231, #179291; the fix there is ``destroy_process_group`` before
+    exit). Bounded, in a helper thread: a group whose work still waits on a peer is left as it is after
+    ``timeout_s`` (the launcher ends the rank within :data:`SHUTDOWN_TIMEOUT_S` anyway). Errors are ignored.
+    """
+    import threading
+
+    dist = sys.modules.get("torch.distributed")  # never imported here just for this
+    if dist is None or not (dist.is_available() and dist.is_initialized()):
+        return
+
+    def destroy():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+    t = threading.Thread(target=destroy, name="tensorpar-destroy-process-group", daemon=True)
+    t.start()
+    t.join(timeout_s)
+
+
 def _rank_entry(fn: Callable[..., Any], verbose: bool, error_dir: str, *args) -> Any:
     """What the launcher runs on each rank: ``fn(*args)``, turning an error into a one-line :class:`RankError`.
 
@@ -203,6 +231,7 @@ def _rank_entry(fn: Callable[..., Any], verbose: bool, error_dir: str, *args) ->
         except OSError:
             pass
         _end_stopped(stopped_pids)  # after the error is on record: the launcher reports this rank's error
+        _release_process_group(SHUTDOWN_TIMEOUT_S)
         if verbose:
             raise
         raise RankError(line) from None
