@@ -198,7 +198,9 @@ def _rank_entry(fn: Callable[..., Any], verbose: bool, error_dir: str, *args) ->
     """What the launcher runs on each rank: ``fn(*args)``, turning an error into a one-line :class:`RankError`.
 
     The one-line message also goes to ``<error_dir>/rank<R>.json`` with the time it happened, so that the
-    launcher reports the rank that failed first (torch records only the first process it sees exit).
+    launcher reports the rank that failed first (torch records only the first process it sees exit). Then
+    the ranks of this launch that are stopped are ended (:func:`_end_stopped`) and this rank's process groups
+    destroyed (:func:`_release_process_group`), so that no rank aborts in C++ on its way out.
     Top level so that it pickles. With ``verbose`` the original exception (and traceback) passes through.
     """
     import json
