@@ -38,6 +38,32 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def _join_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``--opt -1,1`` -> ``--opt=-1,1`` for every option of ``parser`` that takes one value.
+
+    argparse takes a token that starts with ``-`` for an option unless it is a plain negative number, so a
+    value such as ``--tp-weights -1,1`` would end in a usage error instead of reaching the option's own check
+    (which names the setting and what would work). Only tokens that start with ``-`` and a digit or ``.`` are
+    joined; everything after ``--`` is left alone.
+    """
+    import re
+
+    takes_value = {s for a in parser._actions if a.nargs is None for s in a.option_strings if s.startswith("--")}
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            return out + argv[i:]
+        if a in takes_value and i + 1 < len(argv) and re.match(r"-[\d.]", argv[i + 1]):
+            out.append(f"{a}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="tensorpar", description="Tensor parallelism for PyTorch models.",
@@ -52,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             importlib.import_module(modname).add_arguments(p)
             if not any("--verbose" in a.option_strings for a in p._actions):
                 p.add_argument("--verbose", action="store_true", help="show full tracebacks of errors")
+            argv = _join_dash_values(p, argv)
     args = parser.parse_args(argv)
     try:
         return int(importlib.import_module(args._module).main(args) or 0)
@@ -61,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if getattr(args, "verbose", False):
             raise
-        from tensorpar.launch import one_line
-        print(f"tensorpar: error: {one_line(e)} (--verbose shows the traceback)", file=sys.stderr)
+        from tensorpar.launch import one_line, report_error
+        report_error(f"{one_line(e)} (--verbose shows the traceback)")
         return 1
 
 

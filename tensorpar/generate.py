@@ -533,7 +533,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         folder, plan = validate(args)
     except (ValueError, FileNotFoundError, OSError) as e:
-        print(f"tensorpar: error: {' '.join(str(e).split())}", file=sys.stderr)
+        from tensorpar.launch import report_error
+        report_error(str(e))
         return 2
     if args.print_plan:
         if int(os.environ.get("RANK", "0")) == 0:

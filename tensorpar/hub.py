@@ -277,21 +277,22 @@ def check_model_folder(folder: str | os.PathLike) -> Path:
     return folder.resolve()
 
 
-def check_safetensors(folder: str | os.PathLike) -> list[Path]:
+def check_safetensors(folder: str | os.PathLike, *, hint: str | None = None) -> list[Path]:
     """Validate the header of every ``*.safetensors`` file in ``folder``, without loading any tensor.
 
     Each file must start with an 8-byte little-endian header length and a JSON header whose tensors'
     ``data_offsets`` lie inside the file and add up to its size, and the ``safetensors`` library must
     open it. Also checks ``model.safetensors.index.json`` (if present) names only existing files.
-    Returns the files checked, sorted. Raises ``ValueError`` naming the first bad file.
+    Returns the files checked, sorted. Raises ``ValueError`` naming the first bad file and ending with
+    ``hint`` (default: delete the folder or download it again, right for a downloaded model).
     """
     from safetensors import safe_open
 
     folder = Path(folder)
     files = sorted(folder.glob("*.safetensors"))
+    hint = hint or f"the file is truncated or corrupt; delete {folder} (or re-download it) and try again"
     for path in files:
         size = path.stat().st_size
-        hint = f"the file is truncated or corrupt; delete {path.parent} (or re-download it) and try again"
         with open(path, "rb") as f:
             prefix = f.read(8)
             if len(prefix) < 8:

@@ -82,22 +82,50 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}"
 
 
+def report_error(message: str, prog: str = "tensorpar") -> None:
+    """Print ``<prog>: error: <message>`` as one line on stderr; under torchrun also write it, in torch elastic's
+    error-file format, to ``TORCHELASTIC_ERROR_FILE``.
+
+    torchrun sets that variable for each worker and, when the worker exits non-zero, shows the file's
+    ``py_callstack`` (else its ``message``) in its ``ChildFailedError`` summary, the first failure by the file's
+    ``timestamp`` as the root cause (``torch.distributed.elastic.multiprocessing.errors``; ``@record`` writes the
+    same JSON with a Python traceback). Without the file that summary says only "To enable traceback see ...";
+    with it, the summary repeats this one line. The file is written atomically (temp + rename); a failure to
+    write it is ignored (the line on stderr is what matters).
+    """
+    import json
+    import time
+
+    line = f"{prog}: error: {' '.join(str(message).split())}"
+    print(line, file=sys.stderr, flush=True)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE") if under_torchrun() else None
+    if not path:
+        return
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
 class RankError(Exception):
     """Raised inside a rank, in place of the original exception, with the one-line message to show."""
 
 
-def _wake_stopped_siblings() -> list[int]:
-    """Continue (SIGCONT) the other ranks of this launch that are stopped (state ``T``), so that the
-    launcher's SIGTERM ends them at once: torch's process context otherwise waits 30 s for a stopped
-    process before it kills it. Linux only (``/proc``); ranks are the launcher's ``spawn_main`` children.
-    Returns the pids it continued."""
-    import signal
-
-    ppid, me, woken = os.getppid(), os.getpid(), []
+def _stopped_siblings() -> list[int]:
+    """Pids of the other ranks of this launch that are stopped (state ``T``: SIGSTOP, a debugger, Ctrl-Z of one
+    process). Linux only (``/proc``); ranks are the launcher's ``spawn_main`` children."""
+    ppid, me, found = os.getppid(), os.getpid(), []
     try:
         tasks = os.listdir(f"/proc/{ppid}/task")
     except OSError:
-        return woken
+        return found
     for tid in tasks:
         try:
             with open(f"/proc/{ppid}/task/{tid}/children") as f:
@@ -113,18 +141,66 @@ def _wake_stopped_siblings() -> list[int]:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     ours = b"spawn_main" in f.read()
                 if state == "T" and ours:
-                    os.kill(pid, signal.SIGCONT)
-                    woken.append(pid)
+                    found.append(pid)
             except (OSError, IndexError):
                 continue
-    return woken
+    return found
+
+
+def _end_stopped(pids: list[int]) -> None:
+    """End stopped ranks at once: SIGTERM, then SIGCONT (what ``kill`` in a shell and systemd do to a stopped job).
+
+    A stopped process only queues SIGTERM, and torch's launcher would wait its whole shutdown timeout for it
+    (30 s by default). The SIGTERM is queued first so that the rank dies the moment it continues, without
+    running another line: continued alone, it went on with its program, ran into its next collective, failed
+    there once the first rank had exited, and exited through Python with its gloo process group still alive,
+    which now and then aborted in C++ ("terminate called without an active exception" and a stack on stderr,
+    after the one-line error; pytorch/pytorch#65231, #179291)."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGCONT):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+
+
+def _release_process_group(timeout_s: float) -> None:
+    """Destroy torch.distributed's process groups, if this rank has any, while the interpreter is still whole;
+    wait at most ``timeout_s`` seconds.
+
+    A rank that exits with its gloo process group alive, after a collective failed or timed out, now and then
+    aborts in C++ while Python shuts down ("terminate called without an active exception", "Fatal Python error:
+    Aborted", on stderr next to the one-line error): the group's worker threads and pending work are torn down
+    with the interpreter (pytorch/pytorch#65231, #179291; the fix there is ``destroy_process_group`` before
+    exit). Bounded, in a helper thread: a group whose work still waits on a peer is left as it is after
+    ``timeout_s`` (the launcher ends the rank within :data:`SHUTDOWN_TIMEOUT_S` anyway). Errors are ignored.
+    """
+    import threading
+
+    dist = sys.modules.get("torch.distributed")  # never imported here just for this
+    if dist is None or not (dist.is_available() and dist.is_initialized()):
+        return
+
+    def destroy():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+    t = threading.Thread(target=destroy, name="tensorpar-destroy-process-group", daemon=True)
+    t.start()
+    t.join(timeout_s)
 
 
 def _rank_entry(fn: Callable[..., Any], verbose: bool, error_dir: str, *args) -> Any:
     """What the launcher runs on each rank: ``fn(*args)``, turning an error into a one-line :class:`RankError`.
 
     The one-line message also goes to ``<error_dir>/rank<R>.json`` with the time it happened, so that the
-    launcher reports the rank that failed first (torch records only the first process it sees exit).
+    launcher reports the rank that failed first (torch records only the first process it sees exit). Then
+    the ranks of this launch that are stopped are ended (:func:`_end_stopped`) and this rank's process groups
+    destroyed (:func:`_release_process_group`), so that no rank aborts in C++ on its way out.
     Top level so that it pickles. With ``verbose`` the original exception (and traceback) passes through.
     """
     import json
@@ -140,8 +216,8 @@ def _rank_entry(fn: Callable[..., Any], verbose: bool, error_dir: str, *args) ->
         return fn(*args)
     except Exception as e:
         line = one_line(e)
-        stopped = []
-        for pid in _wake_stopped_siblings():
+        stopped_pids, stopped = _stopped_siblings(), []
+        for pid in stopped_pids:
             try:
                 with open(os.path.join(error_dir, f"pid-{pid}")) as f:
                     stopped.append(f"rank {f.read()}")
@@ -156,6 +232,8 @@ def _rank_entry(fn: Callable[..., Any], verbose: bool, error_dir: str, *args) ->
             os.replace(tmp, os.path.join(error_dir, f"rank{rank}.json"))
         except OSError:
             pass
+        _end_stopped(stopped_pids)  # after the error is on record: the launcher reports this rank's error
+        _release_process_group(SHUTDOWN_TIMEOUT_S)
         if verbose:
             raise
         raise RankError(line) from None

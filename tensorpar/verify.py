@@ -557,7 +557,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         tps, seq, config, folder = validate(args)
     except (ValueError, FileNotFoundError, OSError) as e:
-        print(f"tensorpar: error: {' '.join(str(e).split())}", file=sys.stderr)
+        from tensorpar.launch import report_error
+        report_error(str(e))
         return 2
     reports = []
     with tempfile.TemporaryDirectory(prefix="tensorpar-verify-") as tmp:

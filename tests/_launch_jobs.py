@@ -25,12 +25,19 @@ def kill_rank1() -> int:
 
 
 def stop_rank1_before_all_reduce(timeout_s: float) -> int:
+    import datetime
+
     import torch
+    import torch.distributed as dist
 
     from tensorpar import comm
     from tensorpar.parallel import ParallelConfig, init_parallel
 
-    ctx = init_parallel(ParallelConfig(tp=2), timeout_s=timeout_s, backend="gloo")
+    # joining may take far longer than timeout_s on a loaded machine (each rank imports torch): only the
+    # collectives of the tp group below have the short timeout under test
+    ctx = init_parallel(ParallelConfig(tp=2), timeout_s=120, backend="gloo")
+    ctx.tp = comm.Group(pg=dist.new_group([0, 1], timeout=datetime.timedelta(seconds=timeout_s)), rank=ctx.rank,
+                        size=2, name="tp")
     comm.all_reduce(torch.ones(4), ctx.tp)  # both ranks arrive once
     if ctx.rank == 1:
         if os.environ.get("TENSORPAR_STOP_FILE"):  # bench/bench_rank_failure.py times the exit from here

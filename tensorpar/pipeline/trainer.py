@@ -116,7 +116,8 @@ class ParallelTrainer:
             # torch's DDP averages the gradients over the dp group (bucketed, overlapped with backward); the
             # micro-batches before the last run under no_sync, so only the accumulated gradient is reduced
             from torch.nn.parallel import DistributedDataParallel
-            self.ddp = DistributedDataParallel(model, process_group=dp.pg, broadcast_buffers=False)
+            self.ddp = DistributedDataParallel(model, process_group=dp.pg,
+                                               **_no_forward_buffer_sync(DistributedDataParallel))
         for mod in self.modules:
             mod.train()
         seen: dict[int, tuple[str, nn.Parameter]] = {}
@@ -448,3 +449,16 @@ class ParallelTrainer:
         self.step += 1
         return StepResult(self.step, float(loss), float(norm), lr, self.cfg.batch_size * self.cfg.seq_len,
                           time.perf_counter() - t0)
+
+
+def _no_forward_buffer_sync(ddp_cls) -> dict:
+    """DDP's keyword that turns off the buffer broadcast before every forward (the model's buffers, RoPE
+    frequencies and constants such as an expert-owner map, are the same on every replica):
+    ``forward_sync_buffers=False`` since torch 2.13, where ``broadcast_buffers`` is deprecated (a FutureWarning
+    on every rank), ``broadcast_buffers=False`` before. The new keyword still broadcasts the buffers once at
+    construction, which changes nothing for equal buffers."""
+    import inspect
+
+    if "forward_sync_buffers" in inspect.signature(ddp_cls.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}

@@ -29,7 +29,9 @@ DISTOPT_NOTE = ("dist-opt on = `tensorpar train --dp-mode fsdp`: FSDP2 (fully_sh
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model (a preset, a config.json, or explicit dimensions)")
-    model.add_argument("--model", help=f"preset ({', '.join([*ms.PRESETS, *ms.ALIASES])}) or path to a config.json")
+    from tensorpar.train.config import PRESETS as TRAIN_PRESETS
+    model.add_argument("--model", help=f"preset ({', '.join([*ms.PRESETS, *ms.ALIASES])}; or the `tensorpar train` "
+                                       f"presets {', '.join(TRAIN_PRESETS)}, byte vocabulary) or path to a config.json")
     for flag, helptext in (("--layers", "number of layers"), ("--hidden", "hidden size"),
                            ("--heads", "query heads"), ("--kv-heads", "key/value heads (default: --heads)"),
                            ("--ffn", "MLP inner size (default 4 x hidden)"), ("--vocab", "vocabulary size"),
@@ -111,8 +113,28 @@ def build_model(args) -> ms.ModelSpec:
     elif Path(args.model).is_file():
         model = ms.from_hf_config(args.model)
     else:
-        model = ms.preset(args.model)
+        model = _preset(args.model, args.seq)
     return ms.with_kernels(model, args.kernels) if args.kernels else model
+
+
+def _preset(name: str, seq: int | None) -> ms.ModelSpec:
+    """A planner preset, or one of ``tensorpar train``'s (:data:`tensorpar.train.config.PRESETS`): the model train
+    builds for it (:func:`tensorpar.train.config.preset_config`) with train's default tokenizer for a preset, bytes
+    (vocabulary 256). Raises ValueError listing both sets of presets."""
+    from tensorpar.train.config import PRESETS as TRAIN_PRESETS
+
+    if name in TRAIN_PRESETS and name not in ms.PRESETS and name not in ms.ALIASES:
+        from tensorpar.data.tokenizers import ByteTokenizer
+        from tensorpar.train.config import preset_config
+
+        config = preset_config(name, ByteTokenizer.vocab_size, seq or 1)
+        return ms.from_hf_config(config.to_dict(), name=name)
+    try:
+        return ms.preset(name)
+    except ValueError:
+        known = ", ".join(sorted([*ms.PRESETS, *ms.ALIASES]))
+        raise ValueError(f"--model {name!r} is not a preset; use one of {known}, a `tensorpar train` preset "
+                         f"({', '.join(TRAIN_PRESETS)}), or a path to a config.json") from None
 
 
 def build_cluster(args) -> cl.ClusterSpec:

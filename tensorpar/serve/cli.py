@@ -197,7 +197,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         folder, max_len = validate(args)
     except (ValueError, FileNotFoundError, OSError) as e:
-        print(f"tensorpar serve: error: {e}", file=sys.stderr)
+        from tensorpar.launch import report_error
+        report_error(str(e), prog="tensorpar serve")
         return 2
     rc = run_ranks(_rank_main, args.tp, str(folder), max_len, args)
     return 0 if rc == 130 else rc       # SIGINT/SIGTERM is how a server is stopped: every rank exited

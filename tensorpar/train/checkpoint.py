@@ -298,7 +298,9 @@ def _metadata(folder: str | os.PathLike, expect: dict | None = None):
 
     from tensorpar.hub import check_safetensors
 
-    check_safetensors(folder)  # a truncated or corrupt file fails here, naming it
+    folder = Path(folder)
+    ckpt = folder if (folder / STATE_FILE).is_file() else folder.parent
+    check_safetensors(folder, hint=damaged_hint(ckpt))  # a truncated or corrupt file fails here, naming it
     md = HuggingFaceStorageReader(str(folder)).read_metadata()
     for key, v in md.state_dict_metadata.items():
         size = tuple((expect or {}).get(key) or v.size)
@@ -594,6 +596,34 @@ def latest_checkpoint(root: str | os.PathLike, *, missing_ok: bool = False) -> P
     if missing_ok:
         return None
     raise FileNotFoundError(f"no checkpoint in {root} (expected step_* folders with {STATE_FILE})")
+
+
+def damaged_hint(ckpt: str | os.PathLike) -> str:
+    """What to do about a damaged checkpoint ``ckpt``: resume from the newest complete checkpoint older than it
+    (named), or, when there is none, start afresh."""
+    ckpt = Path(ckpt)
+    older = [p for p in list_checkpoints(ckpt.parent) if p.name < ckpt.name]
+    if older:
+        return f"the checkpoint {ckpt} is damaged; resume from an older one: --resume {older[-1]}"
+    return (f"the checkpoint {ckpt} is damaged and {ckpt.parent} holds no older one; start a fresh run (a new "
+            f"--out)")
+
+
+def check_files(ckpt: str | os.PathLike, state: dict) -> None:
+    """The headers of the checkpoint's safetensors files are whole (:func:`tensorpar.hub.check_safetensors`; no
+    tensor is read), so that a truncated or corrupt shard is reported before any rank starts.
+
+    Raises:
+        CheckpointError: naming the file and what is wrong with it, and an older checkpoint to resume from.
+    """
+    from tensorpar.hub import check_safetensors
+
+    for folder in dict.fromkeys(tensor_dirs(Path(ckpt), state)):
+        if folder.is_dir():
+            try:
+                check_safetensors(folder, hint=damaged_hint(ckpt))
+            except ValueError as e:
+                raise CheckpointError(str(e)) from None
 
 
 def read_state(ckpt: str | os.PathLike) -> dict:

@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per replica and step (default: "
                                                                    "pp, so that every stage has work; 1 without pp) "
                                                                               "(gradient accumulation)")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"], default=d.schedule,
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"], default=d.schedule, action=_Explicit,
                    help="pipeline schedule (pp > 1)")
     p.add_argument("--dp-mode", choices=list(DP_MODES), default=d.dp_mode,
                    help="data parallelism: ddp (whole replicas, gradients all-reduced) or fsdp (FSDP2 fully_shard on "
@@ -111,6 +111,25 @@ def default_micro_batches(pp: int, dp: int, batch_size: int) -> int:
     return next((m for m in range(pp, rows + 1) if rows % m == 0), pp)
 
 
+def drop_no_ops(args: argparse.Namespace, cfg: TrainConfig) -> tuple[TrainConfig, list[str]]:
+    """Flags that do nothing at the degrees given: ``--sequence-parallel`` at tp 1 (nothing to split; it is turned
+    off, as Megatron-LM does with a warning) and ``--schedule`` without pp > 1 (nothing to schedule; ignored, as
+    torchtitan ignores its pipeline schedule at pp 1). Returns the config to run and one warning line per flag.
+
+    Warnings, not errors: the run computes the same thing either way, and a sweep over ``--tp``/``--pp`` that keeps
+    the other flags fixed keeps working. Degrees set by ``--plan`` are the planner's: nothing is reported then.
+    """
+    notes = []
+    if cfg.sequence_parallel and cfg.tp == 1:
+        cfg = cfg.replace(sequence_parallel=False)
+        notes.append("tensorpar: warning: --sequence-parallel has no effect at --tp 1 (it splits activations over "
+                     "the tp ranks); running without it (use --tp 2 or more for sequence parallelism)")
+    if "schedule" in (getattr(args, "explicit_flags", None) or ()) and cfg.pp == 1:
+        notes.append(f"tensorpar: warning: --schedule {args.schedule} has no effect at --pp 1 (it orders the "
+                     f"micro-batches of pipeline stages); ignored (use --pp 2 or more for a pipeline)")
+    return cfg, notes
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The :class:`TrainConfig` the flags describe (raises its ValueErrors, naming the flag)."""
     try:
@@ -122,6 +141,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         if m and m.group(1) in TrainConfig.__dataclass_fields__:
             flag = {"out_dir": "--out", "dtype": "--bf16"}.get(m.group(1), "--" + m.group(1).replace("_", "-"))
             raise ValueError(f"{flag} {m.group(2)}: {m.group(3)}") from None
+        if str(e).startswith("tp_weights "):  # tensorpar.capacity.check_tp_weights names the field: name the flag
+            raise ValueError(f"--tp-weights {str(e)[len('tp_weights '):]}") from None
         raise
 
 
@@ -271,7 +292,7 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
                   f"the losses are in {out / 'metrics.jsonl'}", file=sys.stderr, flush=True)
         if export:
             from tensorpar.train.export import export_hf
-            summary["export"] = str(export_hf(ckpt, export, overwrite=overwrite))
+            summary["export"] = str(export_hf(ckpt, export, overwrite=overwrite, progress=progress))
     return summary
 
 
@@ -338,13 +359,16 @@ def check_resume(cfg: TrainConfig, resume: str) -> Path:
     """Checks before resuming: a consistent checkpoint, ``--steps`` above its step, metrics that reach it.
 
     Returns the checkpoint folder. Raises FileNotFoundError (no checkpoint), CheckpointError (a damaged
-    state, naming the field) or ValueError (``--steps``, metrics).
+    state, naming the field; a truncated or corrupt tensor file, naming an older checkpoint) or ValueError
+    (``--steps``, metrics).
     """
-    from tensorpar.train.checkpoint import latest_checkpoint, read_state
+    from tensorpar.train.checkpoint import check_files, latest_checkpoint, read_state
     from tensorpar.train.metrics import check_metrics
 
     ckpt = latest_checkpoint(Path(cfg.out_dir) / "checkpoints" if resume == "auto" else resume)
-    step = read_state(ckpt)["step"]
+    state = read_state(ckpt)
+    check_files(ckpt, state)  # a truncated shard: one line now, not a failed rank later
+    step = state["step"]
     if cfg.steps <= step:
         raise ValueError(f"--steps {cfg.steps} is not above the checkpoint's step {step} ({ckpt}); pass --steps "
                          f"greater than {step} to continue training")
@@ -410,6 +434,11 @@ def main(args: argparse.Namespace) -> int:
         elif getattr(args, "nproc", None) is not None:
             raise ValueError(f"--nproc {args.nproc} goes with --plan (auto or a plan file); without --plan the ranks "
                              f"are --tp x --pp x --dp")
+        else:
+            from tensorpar.launch import rank0_print
+            cfg, notes = drop_no_ops(args, cfg)
+            for note in notes:
+                rank0_print(note, file=sys.stderr)
         if under_torchrun() and cfg.tp * cfg.pp * cfg.dp != int(os.environ["WORLD_SIZE"]):
             raise ValueError(f"--tp {cfg.tp} x --pp {cfg.pp} x --dp {cfg.dp} = {cfg.tp * cfg.pp * cfg.dp}, but "
                              f"torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']} ranks; choose degrees whose "
@@ -426,7 +455,8 @@ def main(args: argparse.Namespace) -> int:
             check_resume_data(cfg, data, ckpt)
             check_resume_model(source.config, ckpt)
     except (ValueError, FileNotFoundError, OSError, CheckpointError) as e:
-        print(f"tensorpar: error: {' '.join(str(e).split())}", file=sys.stderr)
+        from tensorpar.launch import report_error
+        report_error(str(e))
         return 2
     return run_ranks(_rank_main, cfg.tp * cfg.pp * cfg.dp, cfg, args.resume, args.export, not args.no_progress,
                      args.timeout, getattr(args, "overwrite", False), getattr(args, "check_collectives", False),

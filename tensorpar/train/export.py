@@ -14,6 +14,7 @@ Only files a previous export wrote (listed in its marker) are ever removed.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -69,6 +70,22 @@ def check_export_dir(out: str | os.PathLike, *, overwrite: bool = False) -> None
                               f"move them away or choose another folder")
 
 
+@contextlib.contextmanager
+def _progress_bars(on: bool):
+    """transformers' progress bars on or off (its module-wide switch) for the ``with`` block, then as before."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if on == was:
+        yield
+        return
+    (hf_logging.enable_progress_bar if on else hf_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+
+
 def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
@@ -81,14 +98,16 @@ def _write_marker(folder: Path, files: list[str], ckpt: Path) -> None:
     os.replace(tmp, folder / MARKER)
 
 
-def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False) -> Path:
+def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False,
+              progress: bool = True) -> Path:
     """Write the checkpoint at ``ckpt`` (or the latest one under it) as a Hugging Face folder ``out``.
 
     The weights are saved in fp32; the model's tokenizer files are copied when the run used a model
     folder's tokenizer (a byte-level run has none: ids are UTF-8 bytes). Everything is written into a
     new temporary sibling folder first; a new ``out`` is then one rename, an existing one (empty, or a
     previous export with ``overwrite``) gets each file by ``os.replace``, the marker last, and only then
-    loses the files of the previous export that the new one does not have. Returns ``out``.
+    loses the files of the previous export that the new one does not have. ``progress=False`` hides
+    transformers' "Writing model shards" bar. Returns ``out``.
 
     Raises:
         FileExistsError: see :func:`check_export_dir` (nothing is written in that case).
@@ -114,7 +133,8 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, overwrite: boo
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".tmp-export-{out.name or 'out'}-"))  # new: never someone's
     try:
-        model.save_pretrained(tmp)
+        with _progress_bars(progress):
+            model.save_pretrained(tmp)
         tok = state.get("tokenizer")
         if tok and tok != "bytes" and Path(tok).is_dir():
             for name in TOKENIZER_FILES:
