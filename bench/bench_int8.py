@@ -11,7 +11,14 @@ In one run this script
    processes): fp32 tp=1/2, int8 tp=1/2 (fp32 activations), bf16 tp=2, int8 with bf16 activations tp=1/2; each
    row's fraction of the roofline uses the bytes it reads per token (int8 rows: int8 weights + scales + norms);
 4. perplexity of the lean path (tp=1) on bench_decode.py's held-out Shakespeare slice for fp32, int8, bf16 and
-   int8 + bf16.
+   int8 + bf16;
+5. per-rank memory after loading SmolLM2 (fp32, int8 with fp32 activations, int8 with bf16 activations; tp 1 and
+   2; fresh processes per row): the bytes of the distinct storages the model holds
+   (:func:`tensorpar.quant.resident_weight_bytes`: parameters, buffers, fused and int8 tensors, each storage
+   once) and the process's resident set (``VmRSS`` of /proc/self/status) before loading, after loading (and
+   quantizing), after glibc's ``malloc_trim(0)`` (freed heap memory glibc had kept), after an 8-token generate,
+   and the peak (``VmHWM``);
+6. a torch.profiler breakdown per token (matmul, attention, collectives, the rest) of int8 + bf16 at tp 1 and 2.
 
     python bench/bench_int8.py [--tokens 32] [--out bench/results]
 
@@ -71,6 +78,62 @@ def kernels(n_weights: int = 90, reps: int = 5) -> dict:
     return out
 
 
+def _status_kb(key: str) -> int:
+    """``key`` (``VmRSS``, ``VmHWM``) of /proc/self/status, in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def job_memory(ctx, folder, dtype, quantize):
+    """This rank's weight bytes and RSS after loading (and quantizing) the model; see the module docstring."""
+    import ctypes
+    import gc
+
+    from tensorpar.generate import SamplingConfig, apply_quantize, generate_tokens
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.quant import resident_weight_bytes
+    torch.set_num_threads(1)
+    gc.collect()
+    out = {"rss_base": _status_kb("VmRSS")}
+    model, _ = build_parallel_model(folder, ctx.tp, dtype=getattr(torch, dtype))
+    apply_quantize(model, ctx.tp, quantize)
+    gc.collect()
+    out.update(weight_bytes=resident_weight_bytes(model), rss_loaded=_status_kb("VmRSS"))
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        out["rss_trimmed"] = _status_kb("VmRSS")
+    except OSError:         # not glibc
+        out["rss_trimmed"] = None
+    ids = torch.tensor([[504, 3458, 282, 4649, 314]])       # six SmolLM2 tokens (no tokenizer: it would add RSS)
+    generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=8), path="lean")
+    gc.collect()
+    out.update(rss_generated=_status_kb("VmRSS"), rss_peak=_status_kb("VmHWM"),
+               weight_bytes_generated=resident_weight_bytes(model))
+    return out
+
+
+def memory(folder: str) -> list[dict]:
+    """Rows of :func:`job_memory` for fp32 / int8 / int8 + bf16 at tp 1 and 2 (fresh processes each)."""
+    from tensorpar.testing import WorkerPool
+    rows = []
+    for world in (1, 2):
+        for name, dtype, q in [("fp32", "float32", "none"), ("int8", "float32", "int8"),
+                               ("int8 + bf16", "bfloat16", "int8")]:
+            with WorkerPool(world, collective_timeout_s=120, job_timeout_s=1200) as pool:
+                ranks = pool.run(job_memory, folder, dtype, q)
+            rows.append({"config": f"tp={world}, {name}", "ranks": world, "dtype": dtype, "quantize": q,
+                         "per_rank": ranks})
+            r0 = ranks[0]
+            print(f"memory tp={world} {name:<12} weights {r0['weight_bytes'] / 1e6:7.1f} MB  RSS base "
+                  f"{r0['rss_base'] / 1e6:.0f} loaded {r0['rss_loaded'] / 1e6:.0f} trimmed "
+                  f"{(r0['rss_trimmed'] or 0) / 1e6:.0f} after generate {r0['rss_generated'] / 1e6:.0f} peak "
+                  f"{r0['rss_peak'] / 1e6:.0f} MB (rank 0)", flush=True)
+    return rows
+
+
 def run(folder: str, n: int, mb: int) -> dict:
     from tensorpar.testing import WorkerPool
 
@@ -102,8 +165,13 @@ def run(folder: str, n: int, mb: int) -> dict:
                        ("int8 + bf16", "bfloat16", "int8")]:
         ppl[key], work, count = perplexity(folder, 1024, dt, quantize=q)
         print(f"perplexity {key}: {ppl[key]:.3f} on {count} tokens of {work}", flush=True)
+    prof = {}
+    for world in (1, 2):        # where the time goes per token, int8 + bf16 (bench_decode.py's profile categories)
+        prof[f"tp={world}"] = pool_run(world, job_tp, folder, n, "bfloat16", "lean", 1, True, "int8")[0]["profile"]
+        print(f"profile int8 + bf16 tp={world}: {prof[f'tp={world}']}", flush=True)
+    mem = memory(folder)
     return {"kernels_us": kern, "bandwidth_bytes_per_s": {"1 process": bw[1], "2 processes": bw[2]}, "rows": rows,
-            "perplexity": {"work": work, "tokens": count, **ppl}, "load_start": load_start,
+            "perplexity": {"work": work, "tokens": count, **ppl}, "profile": prof, "memory": mem, "load_start": load_start,
             "load_end": os.getloadavg()}
 
 
@@ -149,10 +217,40 @@ def write(res: dict, out: Path, n: int) -> None:
                                                                                           "int8 + bf16"))
     lines += [f"* Quality: perplexity of the lean path (tp=1) on {p['tokens']} held-out tokens of Shakespeare "
               f"({p['work']}, the corpus' validation split, as in decode.md): {ppl}."]
+    pr = res["profile"]
+    keys = list(pr["tp=1"])
+    lines += ["", "Where the time goes per token, int8 + bf16 (rank 0; torch.profiler over one generate call of the "
+              "same length, CPU self times, ms per token; bench_decode.py's categories: matmul = aten mm/addmm/"
+              "_weight_int8pack_mm, collectives = tensorpar's all-reduce incl. its shared-memory copies):", "",
+              "| | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+    lines += [f"| {k} | " + " | ".join(str(v[c]) for c in keys) + " |" for k, v in pr.items()]
+    lines += memory_lines(res["memory"])
     tmp = out / "decode_int8.md.tmp"
     tmp.write_text("\n".join(lines) + "\n")
     os.replace(tmp, out / "decode_int8.md")
     print("\n".join(lines))
+
+
+def memory_lines(mem: list[dict]) -> list[str]:
+    """The memory table of the results file (MB = 10^6 bytes; per rank, ranks separated by '/')."""
+    def col(r, key):
+        return " / ".join("n/a" if x[key] is None else f"{x[key] / 1e6:.0f}" for x in r["per_rank"])
+
+    fp = {r["ranks"]: r for r in mem if r["quantize"] == "none"}
+    lines = ["", "Memory per rank after loading SmolLM2-135M (fresh processes per row; MB = 10^6 bytes; ranks "
+             "separated by '/'). *Weights*: the distinct storages the model holds (parameters, buffers, the lean "
+             "path's fused tensors, int8 weights and scales; tensorpar.quant.resident_weight_bytes). *RSS*: VmRSS "
+             "of the rank's process: before loading (torch and the libraries), after loading and quantizing, after "
+             "glibc's malloc_trim(0), after an 8-token generate (KV cache, activations); *peak*: VmHWM.", "",
+             "| configuration | weights MB | weights / fp32 | RSS before load | RSS loaded | RSS after malloc_trim | "
+             "RSS after generate | peak RSS |", "|---|---|---|---|---|---|---|---|"]
+    for r in mem:
+        base = fp[r["ranks"]]["per_rank"]
+        ratio = " / ".join(f"{x['weight_bytes'] / b['weight_bytes']:.3f}" for x, b in zip(r["per_rank"], base))
+        lines.append(f"| {r['config']} | {col(r, 'weight_bytes')} | {ratio} | {col(r, 'rss_base')} | "
+                     f"{col(r, 'rss_loaded')} | {col(r, 'rss_trimmed')} | {col(r, 'rss_generated')} | "
+                     f"{col(r, 'rss_peak')} |")
+    return lines
 
 
 def main() -> None:
@@ -161,9 +259,13 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--gemv-mb", type=int, default=256, help="MB of the matrix each process streams")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    p.add_argument("--memory-only", action="store_true", help="print the memory table only (writes no files)")
     a = p.parse_args()
     from tensorpar.hub import resolve_model
     folder = str(resolve_model(a.model))
+    if a.memory_only:
+        print("\n".join(memory_lines(memory(folder))))
+        return
     write(run(folder, a.tokens, a.gemv_mb), Path(a.out), a.tokens)
 
 

@@ -99,6 +99,8 @@ def fused_weight(owner, names: tuple[str, ...]):
     if f is None:
         return None
     w = f[0]
+    if not isinstance(w, torch.Tensor):     # int8 (tensorpar.quant.quantize_int8): the fp weights were freed
+        return f
     first = getattr(owner, names[0]).weight
     if first.data_ptr() != w.data_ptr() or first.dtype != w.dtype or first.device != w.device:
         return None
@@ -149,10 +151,11 @@ class LeanDecoder:
         if why is not None:
             raise ValueError(f"the lean decode path cannot run this model: {why}")
         fuse_projections(model)
+        from tensorpar.quant import lean_weight     # int8: the Int8Weight of a Linear whose fp weight was freed
         base = model.model
         self.model, self.tp = model, tp
         self.embed, self.rotary, self.norm = base.embed_tokens, base.rotary_emb, base.norm
-        self.lm_w, self.lm_b = model.lm_head.weight, getattr(model.lm_head, "bias", None)
+        self.lm_w, self.lm_b = lean_weight(model.lm_head), getattr(model.lm_head, "bias", None)
         self.max_batch, self.max_len = max_batch, max_len
         self.layers: list[_Layer] = []
         self.k: list[torch.Tensor] = []
@@ -166,10 +169,10 @@ class LeanDecoder:
             L.ln1, L.ln2 = layer.input_layernorm, layer.post_attention_layernorm
             L.wqkv, L.bqkv = fused_weight(a, ("q_proj", "k_proj", "v_proj"))
             L.split = [a._n_q, a._n_kv, a._n_kv]
-            L.wo, L.bo = a.o_proj.weight, a.o_proj.bias
+            L.wo, L.bo = lean_weight(a.o_proj), a.o_proj.bias
             L.wgu, L.bgu = fused_weight(m, ("gate_proj", "up_proj"))
-            L.f = m.down_proj.weight.shape[1]
-            L.wd, L.bd = m.down_proj.weight, m.down_proj.bias
+            L.f = lean_weight(m.down_proj).shape[1]
+            L.wd, L.bd = lean_weight(m.down_proj), m.down_proj.bias
             L.act = m.act_fn
             L.gqa = a._group is not None and a._group > 1
             idx = a.layout.kv_index(tp.rank)
@@ -193,8 +196,8 @@ class LeanDecoder:
         q = int8_weights(model)
         if q is None:
             return
-        if q["dtype"] != self.lm_w.dtype:
-            raise ValueError(f"the model was quantized in {q['dtype']} and is now {self.lm_w.dtype}; "
+        if q["dtype"] != self.norm.weight.dtype:
+            raise ValueError(f"the model was quantized in {q['dtype']} and is now {self.norm.weight.dtype}; "
                              f"quantize after the .to(dtype)")
         for layer, L in zip(model.model.layers, self.layers):
             qa, qm = q[id(layer.self_attn)], q[id(layer.mlp)]

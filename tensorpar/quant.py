@@ -21,9 +21,18 @@ included) runs ``F.linear(x, q.to(x.dtype)) * s``, dequantizing at most 2M weigh
 correct but slower than fp32 decode on this CPU (the int8 -> fp32 conversion dominates; docs/quantize.md):
 int8 pays off with ``--dtype bfloat16``.
 
-The model's floating-point weights are overwritten with the dequantized values ``q * s`` ("fake quantization"),
-so the module path (``path="hf"``) and :mod:`tensorpar.verify` see the same quantized model; the fp copies stay
-resident (the memory saving is not taken; only the lean path reads the int8 tensors).
+Memory: the floating-point weights of every quantized Linear are freed (:func:`quantize_int8`): each such module
+loses its ``weight`` parameter and becomes :class:`Int8ColumnParallelLinear` / :class:`Int8RowParallelLinear`, whose
+``weight`` is a property that dequantizes ``q * s`` on access (the module path, ``path="hf"``, and
+:mod:`tensorpar.verify` compute with exactly the values the fake-quantized model had, one matrix at a time); the
+lean path's fused q/k/v and gate/up fp buffers are replaced by their int8 tensors (the per-projection modules hold
+row views of them). A tied embedding (SmolLM2) holds the LM head's dequantized values, so it becomes
+:class:`Int8VocabParallelEmbedding`, which looks up and dequantizes rows of the LM head's int8 tensor (bit-equal
+to the fake-quantized table); an untied embedding stays in its dtype, unquantized. Resident weights per rank:
+one byte per quantized weight, plus the scales, norms, biases and an untied embedding
+(:func:`resident_weight_bytes`; bench/results/decode_int8.md has the measured bytes and RSS).
+Not supported on a quantized model: training, ``.to(dtype/device)`` (quantize after it), saving a checkpoint (the
+quantized Linears have no ``weight`` parameter in ``state_dict``).
 """
 from __future__ import annotations
 
@@ -34,6 +43,8 @@ import torch.nn.functional as F
 
 from tensorpar import comm
 from tensorpar.comm import Group
+from tensorpar.layers.embedding import VocabParallelEmbedding
+from tensorpar.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 #: weights dequantized per call of the float32 path (8 MB of fp32): a chunk stays in the allocator's reuse range
 _CHUNK_ELEMS = 2 ** 21
@@ -44,9 +55,26 @@ QUANTIZE_CHOICES = ("none", "int8")
 
 class Int8Weight(NamedTuple):
     """``q`` ``[out_local, in_local]`` int8 and ``scale`` ``[out_local]`` in the compute dtype;
-    ``W ≈ q * scale[:, None]``."""
+    ``W ≈ q * scale[:, None]``. ``dtype``, ``device`` and ``shape`` are those of the weight it stands for."""
     q: torch.Tensor
     scale: torch.Tensor
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scale.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """``q * s`` ``[out_local, in_local]`` in the compute dtype (a new tensor): the values
+        :func:`_quantize` wrote into the fp weight, bit for bit."""
+        return (self.q.float() * self.scale.float()[:, None]).to(self.scale.dtype)
 
 
 def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -67,30 +95,152 @@ def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None
     return y if bias is None else y + bias
 
 
-def _quantize(w: torch.Tensor, tp: Group | None) -> Int8Weight:
-    """Quantize ``w`` ``[out, in_local]`` in place (its values become ``q * s``); ``tp``: all-reduce the row absmax
-    (row-parallel: the input dim is sharded), ``None``: the rows are whole."""
-    wf = w.detach().float()
-    amax = wf.abs().amax(dim=1)
+def _quantize(w: torch.Tensor, tp: Group | None, *, write: bool = True) -> Int8Weight:
+    """Quantize ``w`` ``[out, in_local]``; ``tp``: all-reduce the row absmax (row-parallel: the input dim is
+    sharded), ``None``: the rows are whole. ``write``: overwrite ``w`` in place with ``q * s``. Works on blocks of
+    at most ``_CHUNK_ELEMS`` weights, so its temporaries stay small (a whole fp32 LM head would need three
+    transient copies); the result is the same elementwise."""
+    rows = range(0, w.shape[0], max(1, _CHUNK_ELEMS // max(1, w.shape[1])))
+    step = rows.step
+    wd = w.detach()
+    amax = torch.cat([wd[r:r + step].float().abs().amax(dim=1) for r in rows])
     if tp is not None:
         amax = comm.all_reduce(amax, tp, op="max")
     scale = (amax.clamp_min(1e-12) / 127).to(w.dtype)        # the stored scale, in the compute dtype
     sf = scale.float()[:, None]
-    q = torch.round(wf / sf).clamp_(-127, 127).to(torch.int8)
-    with torch.no_grad():
-        w.copy_((q.float() * sf).to(w.dtype))
-    return Int8Weight(q.contiguous(), scale.contiguous())
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    for r in rows:
+        q[r:r + step] = torch.round(wd[r:r + step].float() / sf[r:r + step]).clamp_(-127, 127)
+    out = Int8Weight(q, scale.contiguous())
+    if write:
+        with torch.no_grad():
+            for r in rows:
+                w[r:r + step] = Int8Weight(q[r:r + step], out.scale[r:r + step]).dequantize()
+    return out
+
+
+def _release_freed_memory(device: torch.device) -> None:
+    """Give the freed fp weights back to the system: glibc keeps freed heap memory in its arenas (the process's
+    RSS does not drop; bench/results/decode_int8.md measured 955 MB before and 506 MB after for SmolLM2 int8 at
+    tp=1), ``malloc_trim(0)`` returns it; on CUDA the caching allocator's free blocks are released."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    else:
+        import ctypes
+        import ctypes.util
+        name = ctypes.util.find_library("c")
+        try:
+            libc = ctypes.CDLL(name) if name else None
+            if libc is not None and hasattr(libc, "malloc_trim"):      # glibc only
+                libc.malloc_trim(0)
+        except OSError:
+            pass
+
+
+class _Int8Weighted:
+    """Mixin of a Linear whose fp ``weight`` parameter was freed by :func:`quantize_int8`: ``weight`` dequantizes
+    ``_int8_weight`` (an :class:`Int8Weight`) on each access, so the module's own forward computes the quantized
+    model with a transient fp copy of this one matrix. Inference only (the dequantized tensor has no gradient)."""
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.__dict__["_int8_weight"].dequantize()
+
+
+class Int8ColumnParallelLinear(_Int8Weighted, ColumnParallelLinear):
+    """A :class:`~tensorpar.layers.linear.ColumnParallelLinear` quantized by :func:`quantize_int8` (shapes and
+    collectives unchanged; ``weight`` ``[n_r, in]`` is dequantized on access, see :class:`_Int8Weighted`)."""
+
+
+class Int8RowParallelLinear(_Int8Weighted, RowParallelLinear):
+    """A :class:`~tensorpar.layers.linear.RowParallelLinear` quantized by :func:`quantize_int8` (shapes and
+    collectives unchanged; ``weight`` ``[out, k_r]`` is dequantized on access, see :class:`_Int8Weighted`)."""
+
+
+class Int8VocabParallelEmbedding(VocabParallelEmbedding):
+    """A :class:`~tensorpar.layers.embedding.VocabParallelEmbedding` tied to a quantized LM head: its rows are
+    looked up in the head's int8 tensor and dequantized, ``q[id] * s[id]``, bit-equal to the fake-quantized table
+    the fp embedding held. Shapes: ids ``[*]`` -> ``[*, h]`` replicated. Collectives: forward one all-reduce (as
+    the fp module; sequence parallelism is refused by :func:`quantize_int8`). ``weight`` dequantizes the whole
+    table ``[V_r, h]`` on access (nothing in the forward reads it). Inference only."""
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.__dict__["_int8_weight"].dequantize()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.__dict__["_int8_weight"]
+        outside = None
+        if self.tp.size == 1:
+            local = ids
+        else:           # as VocabParallelEmbedding.forward: rows of other ranks are looked up as row 0, then zeroed
+            outside = (ids < self.vocab_start) | (ids >= self.vocab_stop)
+            local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = (w.q[local].float() * w.scale.float()[local].unsqueeze(-1)).to(w.scale.dtype)     # [*, h]
+        if outside is not None:
+            out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.embed_scale is not None:
+            out = out * self.embed_scale.to(out.dtype)
+        return comm.reduce_from_tp_region(out, self.tp)
+
+
+_INT8_CLASSES = ((ColumnParallelLinear, Int8ColumnParallelLinear), (RowParallelLinear, Int8RowParallelLinear),
+                 (VocabParallelEmbedding, Int8VocabParallelEmbedding))
+
+
+def _free_weight(mod: torch.nn.Module, w8: Int8Weight) -> None:
+    """Drop ``mod``'s fp ``weight`` parameter (its storage is freed once nothing else holds it) and make ``mod``
+    the Int8 class of its type, reading ``w8``."""
+    cls = next((q for fp, q in _INT8_CLASSES if type(mod) is fp), None)
+    if cls is None:
+        raise ValueError(f"--quantize int8 cannot free the weight of a {type(mod).__name__} (it quantizes "
+                         f"{', '.join(fp.__name__ for fp, _ in _INT8_CLASSES)}); use --quantize none")
+    del mod._parameters["weight"]
+    mod.__class__ = cls
+    mod.__dict__["_int8_weight"] = w8
+
+
+def _quantize_fused(owner, names: tuple[str, ...]) -> Int8Weight:
+    """Quantize the lean path's fused fp weight of ``owner``'s projections ``names`` (whole rows: no collective),
+    then free it: each projection module reads its row view of the int8 tensor, and ``owner``'s fused entry
+    (:func:`tensorpar.lean.fused_weight`) becomes ``(Int8Weight, fused fp bias or None)``."""
+    from tensorpar.lean import fused_weight
+
+    fw, fb = fused_weight(owner, names)
+    w8 = _quantize(fw, None, write=False)
+    del fw
+    off = 0
+    for n in names:
+        mod = getattr(owner, n)
+        rows = mod._parameters["weight"].shape[0]
+        _free_weight(mod, Int8Weight(w8.q[off:off + rows], w8.scale[off:off + rows]))
+        off += rows
+    owner.__dict__["_lean_fused"] = (w8, fb)
+    return w8
+
+
+def _quantize_linear(mod, tp: Group | None) -> Int8Weight:
+    """Quantize ``mod.weight`` (``tp``: row-parallel, see :func:`_quantize`) and free it."""
+    w8 = _quantize(mod._parameters["weight"], tp, write=False)
+    _free_weight(mod, w8)
+    return w8
 
 
 def quantize_int8(model, tp: Group) -> None:
     """Quantize the decoder's Linears and the LM head of ``model`` (sharded by
     :func:`tensorpar.hf.apply.parallelize`, a family the lean path runs) to int8 with per-output-channel scales,
-    in place; the int8 tensors are kept for :class:`tensorpar.lean.LeanDecoder` (see the module docstring).
+    in place, and free their floating-point weights (see the module docstring): the int8 tensors are read by
+    :class:`tensorpar.lean.LeanDecoder`, and the modules' own forwards dequantize one matrix at a time.
+
+    Per-rank resident weights afterwards (``h`` hidden, ``V_r`` this rank's vocabulary rows): one byte per
+    quantized weight, one scale (compute dtype) per local output row (row-parallel layers: per global output
+    row), the norms and biases in the compute dtype, and an untied embedding ``[V_r, h]`` in the compute dtype (a
+    tied one reads the LM head's int8 rows).
 
     Collectives: one all-reduce (max) of ``[h]`` per row-parallel layer (2 per decoder layer), in layer order on
     every rank. Raises ValueError if the model cannot run the lean path or is already quantized.
     """
-    from tensorpar.lean import fuse_projections, fused_weight, lean_unsupported
+    from tensorpar.lean import fuse_projections, lean_unsupported
 
     why = lean_unsupported(model)
     if why is not None:
@@ -99,16 +249,50 @@ def quantize_int8(model, tp: Group) -> None:
     if model.__dict__.get("_tensorpar_int8") is not None:
         raise ValueError("the model is already quantized (quantize_int8 was called twice)")
     fuse_projections(model)
-    q = {}
+    head, embed = model.lm_head, model.model.embed_tokens
+    tied = head._parameters.get("weight") is embed._parameters.get("weight")
+    q = {"dtype": head.weight.dtype}
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
-        q[id(a)] = {"qkv": _quantize(fused_weight(a, ("q_proj", "k_proj", "v_proj"))[0], None),
-                    "o": _quantize(a.o_proj.weight, tp)}
-        q[id(m)] = {"gu": _quantize(fused_weight(m, ("gate_proj", "up_proj"))[0], None),
-                    "down": _quantize(m.down_proj.weight, tp)}
-    q["lm_head"] = _quantize(model.lm_head.weight, None)
-    q["dtype"] = model.lm_head.weight.dtype
+        q[id(a)] = {"qkv": _quantize_fused(a, ("q_proj", "k_proj", "v_proj")), "o": _quantize_linear(a.o_proj, tp)}
+        q[id(m)] = {"gu": _quantize_fused(m, ("gate_proj", "up_proj")), "down": _quantize_linear(m.down_proj, tp)}
+    q["lm_head"] = _quantize_linear(head, None)
+    if tied:      # the shared table held the LM head's values: the embedding now reads the head's int8 rows
+        _free_weight(embed, q["lm_head"])
     model.__dict__["_tensorpar_int8"] = q
+    _release_freed_memory(q["lm_head"].device)
+
+
+def lean_weight(mod):
+    """What :class:`tensorpar.lean.LeanDecoder` multiplies by for the Linear ``mod``: its :class:`Int8Weight` when
+    :func:`quantize_int8` freed its fp weight, else ``mod.weight``."""
+    w8 = mod.__dict__.get("_int8_weight")
+    return mod.weight if w8 is None else w8
+
+
+def resident_weight_bytes(model) -> int:
+    """Bytes of the distinct storages behind ``model``'s tensors on this rank: parameters, buffers, and every
+    tensor a module holds outside them (the lean path's fused weights, the int8 weights and scales); a storage
+    shared by several tensors (views, tied weights) counts once, at its full size. No collectives."""
+    sizes: dict[int, int] = {}
+
+    def add(x, depth=0):
+        if isinstance(x, torch.Tensor):
+            try:
+                st = x.untyped_storage()
+            except (RuntimeError, NotImplementedError):      # no storage (meta, wrapper subclasses)
+                return
+            sizes[st.data_ptr()] = max(sizes.get(st.data_ptr(), 0), st.nbytes())
+        elif depth < 4 and isinstance(x, (tuple, list)):
+            for v in x:
+                add(v, depth + 1)
+        elif depth < 4 and isinstance(x, dict):
+            for v in x.values():
+                add(v, depth + 1)
+
+    for mod in model.modules():
+        add(mod.__dict__)
+    return sum(sizes.values())
 
 
 def quantize_reference_int8(model) -> None:

@@ -194,9 +194,73 @@ def test_int8_weight_bytes_counts_one_byte_per_weight_plus_scales(folders):
     from tensorpar.quant import int8_weight_bytes, quantize_int8
     ctx = ParallelContext.single()
     model, _ = build_parallel_model(folders["llama"], ctx.tp)
+    lin = [tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False) if p.dim() == 2
+           and "embed" not in n]
     quantize_int8(model, ctx.tp)
-    lin = [p for n, p in model.named_parameters(remove_duplicate=False) if p.dim() == 2 and "embed" not in n]
     assert len(lin) == 2 * 7 + 1                                   # q, k, v, o, gate, up, down per layer; LM head
-    assert int8_weight_bytes(model) == sum(w.numel() for w in lin) + 4 * sum(w.shape[0] for w in lin)
+    assert int8_weight_bytes(model) == sum(o * i for o, i in lin) + 4 * sum(o for o, _ in lin)
     with pytest.raises(ValueError, match="already quantized"):
         quantize_int8(model, ctx.tp)
+
+
+def _quantized_linears(model):
+    """``(name, module)`` of the Linears :func:`quantize_int8` quantizes: q/k/v/o, gate/up/down, the LM head."""
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    return [(n, m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in names] + [("lm_head", model.lm_head)]
+
+
+def job_memory(ctx, folder, ids, mask, n):
+    import gc
+    import weakref
+
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.lean import fuse_projections
+    from tensorpar.quant import quantize_int8, resident_weight_bytes
+    model, _ = build_parallel_model(folder, ctx.tp)
+    fuse_projections(model)            # the lean path's fused fp q/k/v and gate/up buffers, as after a generate call
+    lin = _quantized_linears(model)
+    fp = [weakref.ref(m.weight) for _, m in lin]
+    fp += [weakref.ref(m.__dict__["_lean_fused"][0]) for m in model.modules() if "_lean_fused" in m.__dict__]
+    n_q = sum(m.weight.numel() for _, m in lin)                      # this rank's quantized weights
+    n_rows = sum(m.weight.shape[0] for _, m in lin)                  # one fp32 scale per local output row
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    before = resident_weight_bytes(model)
+    quantize_int8(model, ctx.tp)
+    gc.collect()
+    alive = sum(r() is not None for r in fp)
+    float_2d = sorted(n for n, t in list(model.named_parameters()) + list(model.named_buffers())
+                      if t.is_floating_point() and t.dim() == 2)
+    after = resident_weight_bytes(model)
+    tokens = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=n), path="lean").tokens
+    module = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=n), path="hf").tokens
+    gc.collect()
+    return dict(alive=alive, n_fp=len(fp), float_2d=float_2d, before=before, after=after, n_q=n_q, n_rows=n_rows,
+                tied=tied, after_generate=resident_weight_bytes(model), tokens=tokens, module=module)
+
+
+@pytest.mark.parametrize("arch,tp", [("llama", 1), ("llama", 2), ("qwen2", 2)])
+def test_int8_frees_the_fp_weights(pools, folders, arch, tp):
+    """After quantize_int8 no fp copy of a quantized weight is alive (not the parameters, not the lean path's fused
+    buffers, not a tied embedding table), the model's storages shrink by exactly 3 bytes per quantized weight less
+    the scales (tp=1: the quantized count computed from the config), generating does not bring them back, and the
+    tokens (lean and module path) still equal the plain-PyTorch quantized reference. llama ties its embedding to
+    the LM head (the table then reads the head's int8 rows); qwen2 does not (its embedding stays fp32) and has
+    q/k/v biases."""
+    from transformers import AutoConfig
+    ids, mask = prompts(ARCHS[arch]["vocab_size"])
+    want, _ = fake_quant_reference(folders[arch], ids, mask, 8)
+    c = AutoConfig.from_pretrained(folders[arch])
+    L, h, f, V = c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size
+    nh, nkv = c.num_attention_heads, c.num_key_value_heads
+    d = getattr(c, "head_dim", None) or h // nh
+    n_q_full = L * (h * (nh + 2 * nkv) * d + nh * d * h + 3 * h * f) + V * h
+    for r, res in enumerate(run_tp(pools, tp, job_memory, folders[arch], ids, mask, 8)):
+        assert res["tied"] == (arch == "llama")
+        assert res["alive"] == 0, f"rank {r}: {res['alive']} of {res['n_fp']} fp weight tensors still alive"
+        assert res["float_2d"] == ([] if res["tied"] else ["model.embed_tokens.weight"]), res["float_2d"]
+        if tp == 1:
+            assert res["n_q"] == n_q_full
+        assert res["after"] == res["before"] - 3 * res["n_q"] + 4 * res["n_rows"], res
+        assert res["after"] < 0.5 * res["before"], res               # fp32: 4 bytes per weight before
+        assert res["after_generate"] == res["after"], "generating re-created fp weights"
+        assert torch.equal(res["tokens"], want) and torch.equal(res["module"], want), f"rank {r}: tokens changed"

@@ -42,7 +42,9 @@ def _lean_fused(owner: nn.Module, names: tuple[str, ...]):
     if "_lean_fused" not in owner.__dict__:
         return None
     from tensorpar.lean import fused_weight
-    return fused_weight(owner, names)
+    f = fused_weight(owner, names)
+    # int8 (tensorpar.quant): the projections' own (dequantizing) weights run; the lean path reads the int8 one
+    return f if f is None or isinstance(f[0], torch.Tensor) else None
 
 
 class TPAttention(nn.Module):
