@@ -123,25 +123,23 @@ def test_auto_takes_the_planners_fastest_runnable_layout():
 
 
 def test_other_users_load_shares_the_cores():
-    """Processor sharing: calibrated at load 3 on 2 cores (2 other runnable threads: the measuring thread got 2/3 of
-    a core, the 2 collective ranks 2/4), so alone a thread is 3/2 as fast: fixed times x 2/3, rate / (2/3), link
-    latency x 1/2 and bandwidth x 2; 4 ranks started at load 5: 4 other runnable threads, which the cost model shares
-    the cores with."""
+    """Processor sharing: calibrated (by wall clock) at load 3 on 2 cores (2 other runnable threads: the measuring
+    thread got 2/3 of a core), so alone a thread is 3/2 as fast: fixed times x 2/3, rate / (2/3); the collectives as
+    measured; 4 ranks started at load 5: 4 other runnable threads, which the cost model shares the cores with."""
     cal = {**FAKE, "loadavg_1min": 3.0}
     dev = autoplan.rank_device(cal, 4, load_now=5.0)
     assert dev.train_layer_overhead_us == pytest.approx(2000.0 * (2 / 3))
     assert dev.peak_tflops == pytest.approx(0.02 / (2 / 3))
-    assert (dev.local_link_latency_us, dev.local_link_gbps) == (pytest.approx(50.0), pytest.approx(1.0))
+    assert (dev.local_link_latency_us, dev.local_link_gbps) == (100.0, 0.5)
     assert dev.external_threads == 4.0 and "at load 5.0" in dev.name
     # an idle machine: no other users' threads
     idle = autoplan.rank_device(cal | {"loadavg_1min": 1.0}, 4, load_now=1.0)
     assert idle.train_layer_overhead_us == 2000.0 and idle.external_threads == 0.0
-    # timed by the thread's CPU time: no load correction of the rates; other users kept 1.5 cores busy while the
-    # collectives ran: the 2 ranks had 0.5 core, a quarter each: latency x 1/4, bandwidth x 4 alone
-    cpu = cal | {"clock": "thread_cpu", "collective": {**FAKE["collective"], "others_busy_cores": 1.5}}
+    # timed by the thread's CPU time: no load correction of the rates; the measured layer efficiency is the device's
+    cpu = cal | {"clock": "thread_cpu", "layer_matmul_efficiency": 0.7}
     dev = autoplan.rank_device(cpu, 4)
     assert dev.train_layer_overhead_us == 2000.0 and dev.peak_tflops == pytest.approx(0.02)
-    assert dev.local_link_latency_us == pytest.approx(25.0) and dev.local_link_gbps == pytest.approx(2.0)
+    assert dev.matmul_efficiency == 0.7
 
 
 def test_calibrated_overhead_enters_the_step_time():

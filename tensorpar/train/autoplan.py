@@ -415,11 +415,13 @@ def rank_device(cal: dict, nproc: int, local_nproc: int | None = None, load_now:
     are one rank's *alone* on the host (``threads = max(1, cores // ranks)`` threads, each on a core), and the
     planner shares the cores among the runnable threads itself (``host_cores``, ``threads_per_rank``,
     ``external_threads``: :mod:`tensorpar.planner.sharing`). The calibration ran with ``ext_cal = loadavg - 1``
-    other runnable threads (its record), so its single thread had ``s_cal = min(1, cores / (1 + ext_cal))`` of a
-    core (the 2-rank collectives ``min(1, cores / (2 + ext_cal))``): rate alone = measured rate / s_cal x
-    threads; fixed times and the optimizer's time per parameter x s_cal (/ threads for the optimizer); collective
-    latency x and bandwidth / the collectives' share. The other users' threads when the ranks run are
-    ``load_now - 1``. Copy bandwidth: measured on one thread, x threads / s_cal.
+    other runnable threads (its record); a calibration timed by wall clock (an older cache) had
+    ``s_cal = min(1, cores / (1 + ext_cal))`` of a core for its single thread: rate alone = measured rate / s_cal
+    x threads; fixed times and the optimizer's time per parameter x s_cal (/ threads for the optimizer). A
+    calibration timed by the thread's CPU time (``clock`` "thread_cpu", the current one) needs no correction
+    (s_cal = 1). The collectives' fit is used as measured. The other users' threads when the ranks run are
+    ``load_now - 1``. Copy bandwidth: measured on one thread, x threads / s_cal. The matmul efficiency is the
+    calibration's ``layer_matmul_efficiency`` (:func:`measure_layer_efficiency`; 1 where absent).
     """
     from tensorpar.planner.cluster import DeviceSpec
     from tensorpar.planner.sharing import thread_share
@@ -445,14 +447,12 @@ def rank_device(cal: dict, nproc: int, local_nproc: int | None = None, load_now:
     # timed by the thread's CPU time (clock "thread_cpu"): already the speed alone; by wall time (older caches): the
     # share of a core the measuring thread had
     s_cal = 1.0 if cal.get("clock") == "thread_cpu" else thread_share(1, cores, ext_cal)
-    if "others_busy_cores" in cal["collective"]:  # measured while the collectives ran (CompetitionSampler): the
-        # cores the other users kept busy were not the 2 ranks'
-        s_coll = thread_share(2, max(0.05, cores - cal["collective"]["others_busy_cores"]))
-    else:
-        s_coll = thread_share(2, cores, ext_cal)
 
     def link_of(f: dict) -> tuple[float, float]:
-        return f["bandwidth_gbps"] / s_coll, f["latency_us"] * s_coll
+        # as measured (wall clock, under the load of the moment): a collective's time is mostly waiting (wake-ups,
+        # the peer's turn on a core), which no share of a core converts to an idle machine's; the cores the
+        # other users kept busy meanwhile are recorded in the calibration (collective["others_busy_cores"])
+        return f["bandwidth_gbps"], f["latency_us"]
 
     gbps, lat = link_of(fit)
     link = dict(local_link_gbps=gbps, local_link_latency_us=lat, local_link_label=label.format(fit["backend"]))
