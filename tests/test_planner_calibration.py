@@ -122,10 +122,15 @@ def test_calibrate_collectives_and_device_file(tmp_path):
     from tensorpar.planner.calibrate import measure_collectives, measure_matmul
     from tensorpar.planner.cluster import device_from_file
 
-    coll = measure_collectives(sizes=(4096, 1 << 16, 1 << 20))
+    coll = measure_collectives(sizes=(4096, 1 << 16, 1 << 20), backends=("gloo", "shm"))
     assert [s["bytes"] for s in coll["samples"]] == [4096, 1 << 16, 1 << 20]
     assert all(s["seconds"] > 0 for s in coll["samples"])
     assert coll["bandwidth_gbps"] > 0 and coll["latency_us"] >= 0
+    assert coll["backend"] == "gloo" and sorted(coll["by_backend"]) == ["gloo", "shm"]
+    shm = coll["by_backend"]["shm"]
+    assert shm["backend"] == "shm" and all(s["seconds"] > 0 for s in shm["samples"]) and shm["bandwidth_gbps"] > 0
+    with pytest.raises(ValueError, match="collective backends"):
+        measure_collectives(backends=("nccl",))
     _, matmul = measure_matmul(sizes=(128,), min_seconds=0.01)
     device = {"name": "here", "memory_gib": 16, "peak_tflops": matmul[0]["tflops"],
               "intra_node_gbps": coll["bandwidth_gbps"], "inter_node_gbps": coll["bandwidth_gbps"],
@@ -145,6 +150,8 @@ def test_memory_bandwidth_and_calibrated_device_fields(tmp_path):
 
     bandwidth = measure_memory_bandwidth(nbytes=1 << 22, min_seconds=0.01)
     assert bandwidth > 0
+    from tensorpar.planner.calibrate import measure_optimizer
+    assert 0 < measure_optimizer(1 << 16, min_seconds=0.01) < 1e6   # ns per parameter of torch's AdamW
     device = {"name": "calibrated cpu", "memory_gib": 16, "peak_tflops": 0.01, "intra_node_gbps": 0.0,
               "inter_node_gbps": 0.0, "matmul_efficiency": 1.0, "hbm_gbps": bandwidth, "local_link_gbps": 1.0,
               "local_link_latency_us": 100.0, "local_link_label": "this machine's local link: measured"}

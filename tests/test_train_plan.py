@@ -95,7 +95,16 @@ def test_auto_takes_the_planners_fastest_runnable_layout():
     device = autoplan.rank_device(FAKE, 4)
     choice = autoplan.choose_auto(cfg, config, device, 4)
     found = search(*autoplan.planner_inputs(cfg, config, device, 4))
-    first = next(p for p in found.ranked if autoplan.unsupported(p.layout) is None)
+    def runnable(p):
+        if autoplan.unsupported(p.layout) is not None:
+            return False
+        try:   # the trainer's own config checks (1F1B needs micro-batches >= pp: such plans are skipped)
+            run = autoplan.layout_config(cfg, p.layout, 8)
+        except ValueError:
+            return False
+        return autoplan.runtime_problem(run, config) is None
+
+    first = next(p for p in found.ranked if runnable(p))
     assert choice.plan.layout == first.layout
     c, lay = choice.cfg, first.layout
     assert (c.tp, c.pp, c.dp, c.sequence_parallel) == (lay.tp, lay.pp, lay.dp, lay.sequence_parallel)
@@ -104,22 +113,33 @@ def test_auto_takes_the_planners_fastest_runnable_layout():
     line = choice.summary()
     assert line.startswith(f"plan (auto): tp={c.tp} pp={c.pp} dp={c.dp} micro-batches={c.micro_batches}")
     assert f"predicted step {first.cost.step.total * 1e3:.1f} ms" in line
-    # the per-rank share of a 2-core host: 4 ranks get half a core each, so the fixed times double
-    assert device.train_layer_overhead_us == 4000.0 and device.peak_tflops == pytest.approx(0.01)
+    # one rank alone on the 2-core host (1 thread: 2 cores // 4 ranks), the 4 ranks sharing the 2 cores in the
+    # cost model (tensorpar.planner.sharing); the RAM divided among the ranks
+    assert device.train_layer_overhead_us == 2000.0 and device.peak_tflops == pytest.approx(0.02)
+    assert (device.host_cores, device.threads_per_rank, device.external_threads) == (2.0, 1, 0.0)
     assert device.memory_gib == 4.0
-    assert autoplan.rank_device(FAKE, 1).train_layer_overhead_us == 2000.0
+    one = autoplan.rank_device(FAKE, 1)   # one rank: 2 threads
+    assert one.train_layer_overhead_us == 2000.0 and one.peak_tflops == pytest.approx(0.04)
 
 
 def test_other_users_load_shares_the_cores():
-    """Processor sharing: calibrated at load 3 on 2 cores (2 other runnable threads: a thread got 2/3 of a core),
-    4 ranks started at load 5 (4 others: 2 / 8 of a core each): fixed times x (2/3) / (1/4), rate x (1/4) / (2/3)."""
+    """Processor sharing: calibrated (by wall clock) at load 3 on 2 cores (2 other runnable threads: the measuring
+    thread got 2/3 of a core), so alone a thread is 3/2 as fast: fixed times x 2/3, rate / (2/3); the collectives as
+    measured; 4 ranks started at load 5: 4 other runnable threads, which the cost model shares the cores with."""
     cal = {**FAKE, "loadavg_1min": 3.0}
     dev = autoplan.rank_device(cal, 4, load_now=5.0)
-    assert dev.train_layer_overhead_us == pytest.approx(2000.0 * (2 / 3) / 0.25)
-    assert dev.peak_tflops == pytest.approx(0.02 / (2 / 3) * 0.25)
-    assert "at load 5.0" in dev.name
-    # an idle machine: the 4 ranks alone on 2 cores
-    assert autoplan.rank_device(cal | {"loadavg_1min": 1.0}, 4, load_now=1.0).train_layer_overhead_us == 4000.0
+    assert dev.train_layer_overhead_us == pytest.approx(2000.0 * (2 / 3))
+    assert dev.peak_tflops == pytest.approx(0.02 / (2 / 3))
+    assert (dev.local_link_latency_us, dev.local_link_gbps) == (100.0, 0.5)
+    assert dev.external_threads == 4.0 and "at load 5.0" in dev.name
+    # an idle machine: no other users' threads
+    idle = autoplan.rank_device(cal | {"loadavg_1min": 1.0}, 4, load_now=1.0)
+    assert idle.train_layer_overhead_us == 2000.0 and idle.external_threads == 0.0
+    # timed by the thread's CPU time: no load correction of the rates; the measured layer efficiency is the device's
+    cpu = cal | {"clock": "thread_cpu", "layer_matmul_efficiency": 0.7}
+    dev = autoplan.rank_device(cpu, 4)
+    assert dev.train_layer_overhead_us == 2000.0 and dev.peak_tflops == pytest.approx(0.02)
+    assert dev.matmul_efficiency == 0.7
 
 
 def test_calibrated_overhead_enters_the_step_time():

@@ -1,9 +1,11 @@
 """``tensorpar plan --calibrate``: measure this machine instead of trusting datasheets.
 
 * Matmul throughput: square matmuls timed with torch (bf16 on a GPU, fp32 on a CPU), 2 n^3 FLOPs each.
-* Collective latency and bandwidth: two ranks on this host (tensorpar's worker pool, gloo over loopback),
-  tensorpar's all-reduce of growing sizes; a least-squares fit of ``time = latency + wire_bytes / bandwidth`` (ring all-reduce on 2 ranks
-  sends ``2 (g-1)/g = 1`` x the payload).
+* Collective latency and bandwidth: two ranks on this host (tensorpar's worker pool, gloo over loopback, and
+  tensorpar's shared-memory collectives installed on the same ranks), tensorpar's all-reduce of growing sizes; a
+  least-squares fit of ``time = latency + wire_bytes / bandwidth`` per backend (ring all-reduce on 2 ranks sends
+  ``2 (g-1)/g = 1`` x the payload).
+* Optimizer: torch's AdamW step over 1 Mi fp32 parameters, nanoseconds per parameter.
 
 Also: :func:`saved_activation_bytes`, the bytes autograd keeps for backward while a function runs, which
 the tests compare with the activation model.
@@ -29,8 +31,10 @@ class Calibration:
         return asdict(self)
 
 
-def measure_matmul(sizes: tuple[int, ...] | None = None, min_seconds: float = 0.2) -> tuple[str, list[dict]]:
-    """(device description, [{"n", "dtype", "tflops"}]) for square n x n matmuls."""
+def measure_matmul(sizes: tuple[int, ...] | None = None, min_seconds: float = 0.2,
+                   clock=time.perf_counter) -> tuple[str, list[dict]]:
+    """(device description, [{"n", "dtype", "tflops"}]) for square n x n matmuls. ``clock``: wall time by default;
+    ``time.thread_time`` (CPU, one torch thread) gives the rate of the thread alone on a core, whatever else runs."""
     import torch
 
     cuda = torch.cuda.is_available()
@@ -47,12 +51,12 @@ def measure_matmul(sizes: tuple[int, ...] | None = None, min_seconds: float = 0.
         while True:  # double the repetitions until one timing lasts min_seconds
             if cuda:
                 torch.cuda.synchronize()
-            start = time.perf_counter()
+            start = clock()
             for _ in range(iters):
                 a @ b
             if cuda:
                 torch.cuda.synchronize()
-            elapsed = time.perf_counter() - start
+            elapsed = clock() - start
             if elapsed >= min_seconds:
                 break
             iters *= 2
@@ -61,13 +65,21 @@ def measure_matmul(sizes: tuple[int, ...] | None = None, min_seconds: float = 0.
     return name, out
 
 
-def _time_all_reduce(ctx, sizes: tuple[int, ...]) -> list[dict]:
+def _time_all_reduce(ctx, sizes: tuple[int, ...], backend: str = "gloo") -> list[dict]:
     """Job for :class:`tensorpar.testing.WorkerPool`: mean seconds of ``comm.all_reduce`` (tensorpar's
-    own path, clone included) over the tp group, for fp32 payloads of each size in bytes."""
+    own path, clone included) over the tp group, for fp32 payloads of each size in bytes. ``backend="shm"``
+    installs tensorpar's shared-memory collectives on the group for the measurement (and removes them after)."""
     import torch
 
     from tensorpar import comm
 
+    if backend == "shm":
+        from tensorpar.shm import disable_fast_collectives, enable_fast_collectives
+        enable_fast_collectives(ctx.tp, "on")
+        try:
+            return _time_all_reduce(ctx, sizes, "gloo")
+        finally:
+            disable_fast_collectives(ctx.tp)
     samples = []
     for nbytes in sizes:
         x = torch.ones(nbytes // 4, dtype=torch.float32)
@@ -82,9 +94,10 @@ def _time_all_reduce(ctx, sizes: tuple[int, ...]) -> list[dict]:
     return samples
 
 
-def measure_memory_bandwidth(nbytes: int = 1 << 28, min_seconds: float = 0.2) -> float:
+def measure_memory_bandwidth(nbytes: int = 1 << 28, min_seconds: float = 0.2, clock=time.perf_counter) -> float:
     """Device-memory bandwidth, GB/s: bytes read plus bytes written per second by ``dst.copy_(src)`` of
-    ``nbytes`` fp32 tensors (on the GPU when there is one, else in host memory with torch's threads)."""
+    ``nbytes`` fp32 tensors (on the GPU when there is one, else in host memory with torch's threads). ``clock``:
+    as :func:`measure_matmul`."""
     import torch
 
     cuda = torch.cuda.is_available()
@@ -96,12 +109,12 @@ def measure_memory_bandwidth(nbytes: int = 1 << 28, min_seconds: float = 0.2) ->
     while True:
         if cuda:
             torch.cuda.synchronize()
-        start = time.perf_counter()
+        start = clock()
         for _ in range(iters):
             dst.copy_(src)
         if cuda:
             torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
         if elapsed >= min_seconds:
             return 2 * nbytes * iters / elapsed / 1e9
         iters *= 2
@@ -118,23 +131,74 @@ def fit_alpha_beta(samples: list[dict], world: int) -> tuple[float, float]:
     return latency, (1 / slope if slope > 0 else float("inf"))
 
 
-def measure_collectives(sizes: tuple[int, ...] = COLLECTIVE_SIZES, timeout_s: float = 120.0) -> dict:
-    """All-reduce timings of 2 gloo ranks on this host (tensorpar's worker pool), and their alpha-beta fit.
+COLLECTIVE_BACKENDS = ("gloo", "shm")
+
+
+def measure_collectives(sizes: tuple[int, ...] = COLLECTIVE_SIZES, timeout_s: float = 120.0,
+                        backends: tuple[str, ...] = ("gloo",)) -> dict:
+    """All-reduce timings of 2 ranks on this host (tensorpar's worker pool), and their alpha-beta fit, for
+    each of ``backends``: ``"gloo"`` (torch.distributed over loopback) and ``"shm"`` (tensorpar's shared-memory
+    collectives, :mod:`tensorpar.shm`, installed on the same ranks). The first backend's fit is returned at the
+    top level (``backend``, ``samples``, ``latency_us``, ``bandwidth_gbps``); with several, ``by_backend`` holds
+    each one's.
 
     Raises:
+        ValueError: an unknown backend.
         RuntimeError: a rank failed or gave no answer within ``timeout_s`` (with its traceback).
     """
     from tensorpar.testing import RankFailure, WorkerPool
 
+    bad = [b for b in backends if b not in COLLECTIVE_BACKENDS]
+    if bad or not backends:
+        raise ValueError(f"collective backends {list(backends)!r}: use some of {', '.join(COLLECTIVE_BACKENDS)}")
     world = 2
+    fits = {}
     try:
         with WorkerPool(world, collective_timeout_s=30.0, job_timeout_s=timeout_s) as pool:
-            samples = pool.run(_time_all_reduce, tuple(sizes))[0]
+            for backend in backends:
+                samples = pool.run(_time_all_reduce, tuple(sizes), backend)[0]
+                latency, bandwidth = fit_alpha_beta(samples, world)
+                fits[backend] = {"backend": backend, "world_size": world, "samples": samples,
+                                 "latency_us": latency * 1e6, "bandwidth_gbps": bandwidth / 1e9}
     except RankFailure as err:
         raise RuntimeError(f"collective calibration failed: {err}") from None
-    latency, bandwidth = fit_alpha_beta(samples, world)
-    return {"backend": "gloo", "world_size": world, "samples": samples,
-            "latency_us": latency * 1e6, "bandwidth_gbps": bandwidth / 1e9}
+    out = dict(fits[backends[0]])
+    if len(backends) > 1:
+        out["by_backend"] = fits
+    return out
+
+
+def measure_optimizer(params: int = 1 << 20, min_seconds: float = 0.1, clock=time.perf_counter) -> float:
+    """Nanoseconds per parameter of one ``torch.optim.AdamW`` step (the trainer's optimizer, torch's default
+    implementation, fp32, weight decay on) over ``params`` parameters in 8 tensors, on this process's threads
+    (on the GPU when there is one): the median of repeated steps after two warm-up steps (which make the state).
+    ``clock``: as :func:`measure_matmul`.
+    """
+    import statistics
+
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ps = [torch.nn.Parameter(torch.randn(params // 8, device=device)) for _ in range(8)]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1)
+    samples: list[float] = []
+    total = 0.0
+    for i in range(200):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = clock()
+        opt.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        elapsed = clock() - start
+        if i >= 2:
+            samples.append(elapsed)
+            total += elapsed
+            if total >= min_seconds and len(samples) >= 5:
+                break
+    return statistics.median(samples) / (len(ps) * (params // 8)) * 1e9
 
 
 def _memory_gib() -> float:
@@ -146,19 +210,25 @@ def _memory_gib() -> float:
 
 
 def calibrate() -> Calibration:
-    """Measure matmul throughput, memory bandwidth and loopback collectives. The ``device`` it returns uses
+    """Measure matmul throughput, memory bandwidth, torch's AdamW step and loopback collectives (gloo, and
+    tensorpar's shared memory in ``collective["by_backend"]`` where it installs). The ``device`` it returns uses
     the *measured* matmul rate as its peak (``matmul_efficiency`` 1), the measured copy bandwidth as
-    ``hbm_gbps`` and the measured link as ``local_link_*``, labelled as
+    ``hbm_gbps``, the AdamW time as ``optimizer_ns_per_param`` and the measured gloo link as ``local_link_*``,
+    labelled as
     this machine's local link; the NVLink and inter-node fields stay 0 (not measured)."""
     name, matmul = measure_matmul()
     bandwidth = measure_memory_bandwidth()
-    coll = measure_collectives()
+    optimizer = measure_optimizer()
+    try:
+        coll = measure_collectives(backends=("gloo", "shm"))
+    except RuntimeError:  # no shared-memory collectives here (not x86, no /dev/shm): gloo only
+        coll = measure_collectives()
     best = max(m["tflops"] for m in matmul)
     label = (f"this machine's local link: {coll['world_size']} {coll['backend']} processes on loopback, "
              "measured (not NVLink, not a network)")
     device = {"name": f"calibrated {name}", "memory_gib": round(_memory_gib(), 2), "peak_tflops": best,
               "intra_node_gbps": 0.0, "inter_node_gbps": 0.0, "matmul_efficiency": 1.0,
-              "hbm_gbps": round(bandwidth, 3),
+              "hbm_gbps": round(bandwidth, 3), "optimizer_ns_per_param": round(optimizer, 3),
               "local_link_gbps": coll["bandwidth_gbps"], "local_link_latency_us": coll["latency_us"],
               "local_link_label": label}
     return Calibration(backend=name, matmul=matmul, matmul_tflops=best, collective=coll, device=device)

@@ -200,6 +200,11 @@ def _calibrate(args) -> int:
               f"latency {c['latency_us']:.1f} us, bandwidth {c['bandwidth_gbps']:.2f} GB/s")
     for s in c["samples"]:
         con.print(f"  {s['bytes']:>9} B: {s['seconds'] * 1e6:9.1f} us")
+    shm = c.get("by_backend", {}).get("shm")
+    if shm:
+        con.print(f"[bold]all-reduce[/bold] over tensorpar's shared-memory collectives (2 processes, not in the device "
+                  f"file's link): latency {shm['latency_us']:.1f} us, bandwidth {shm['bandwidth_gbps']:.2f} GB/s")
+    con.print(f"[bold]AdamW step[/bold] (torch, fp32): {result.device['optimizer_ns_per_param']:.2f} ns per parameter")
     con.print("NVLink and inter-node links: not measured (the device file leaves them 0 and plans every group "
               "on the local link). Save the 'device' object of --calibrate --json to a file and plan with "
               "--device-file FILE (its peak is the measured matmul rate, matmul_efficiency 1).")

@@ -42,6 +42,27 @@ class DeviceSpec:
     # (charged to the last stage), microseconds. 0: not modelled (the presets).
     train_layer_overhead_us: float = 0.0
     train_micro_batch_overhead_us: float = 0.0
+    # Ranks that share a host's CPU cores (tensorpar.planner.sharing). 0: every device computes on its own (a
+    # GPU; the presets). With host_cores > 0 the rates above are one rank's *alone* on the host (threads_per_rank
+    # threads, each on a core of its own), and a rank's speed is scaled by the share of a core that each of its
+    # threads gets while the other runnable threads (the node's busy ranks' threads and ``external_threads``,
+    # other users' runnable threads) compete for the ``host_cores`` cores: processor sharing.
+    host_cores: float = 0.0
+    threads_per_rank: int = 1
+    external_threads: float = 0.0
+    # Scheduling groups (Linux autogroup sessions or cgroups) that hold the external threads; 0: the kernel shares
+    # the cores thread by thread. With groups, the ranks (one launch, one group) get an equal share of the cores
+    # with each other group (tensorpar.planner.sharing.thread_share).
+    external_groups: float = 0.0
+    # Measured seconds of the optimizer step per parameter updated (torch's AdamW on this device), nanoseconds;
+    # 0: the memory-bound traffic model of cost.optimizer_seconds (the presets).
+    optimizer_ns_per_param: float = 0.0
+    # The tensor-parallel group's own measured link, where it uses another backend than the other groups (e.g.
+    # shared-memory collectives on one host while pipeline and data-parallel groups use gloo); 0: the local
+    # link (or the NVLink / inter-node fields) as for every group.
+    tp_link_gbps: float = 0.0
+    tp_link_latency_us: float = 0.0
+    tp_link_label: str = ""
 
     def __post_init__(self) -> None:
         links = ("intra_node_gbps", "inter_node_gbps")
@@ -50,9 +71,13 @@ class DeviceSpec:
                 continue  # not measured; the local link is used instead
             if not getattr(self, knob) > 0:
                 raise ValueError(f"device {knob} ({getattr(self, knob)!r}) must be > 0")
-        for knob in ("layer_overhead_us", "train_layer_overhead_us", "train_micro_batch_overhead_us"):
+        for knob in ("layer_overhead_us", "train_layer_overhead_us", "train_micro_batch_overhead_us", "host_cores",
+                     "external_threads", "external_groups", "optimizer_ns_per_param", "tp_link_gbps",
+                     "tp_link_latency_us"):
             if getattr(self, knob) < 0:
                 raise ValueError(f"device {knob} ({getattr(self, knob)!r}) must be >= 0")
+        if not (isinstance(self.threads_per_rank, int) and self.threads_per_rank >= 1):
+            raise ValueError(f"device threads_per_rank ({self.threads_per_rank!r}) must be an integer >= 1")
         if self.local_link_gbps < 0 or self.local_link_latency_us < 0:
             raise ValueError(f"device local_link_gbps ({self.local_link_gbps!r}) and local_link_latency_us "
                              f"({self.local_link_latency_us!r}) must be >= 0")
@@ -114,14 +139,17 @@ class ClusterSpec:
                 f"({self.devices_per_node}); use a multiple of {self.devices_per_node}"
             )
 
-    def link(self, span: int) -> tuple[float, float]:
+    def link(self, span: int, group: str = "") -> tuple[float, float]:
         """(bytes/s, seconds latency) of a collective over ``span`` consecutive ranks.
 
         A group whose ranks fit in one node uses the intra-node links; a ring that leaves the node is
         limited by each device's share of the inter-node network. A device with a measured local link
-        (``--calibrate``) uses that link for every group.
+        (``--calibrate``) uses that link for every group, except the tensor-parallel group (``group="tp"``)
+        when the device has a measured ``tp_link_gbps`` of its own (another backend for that group).
         """
         d = self.device
+        if group == "tp" and d.tp_link_gbps > 0 and span <= self.devices_per_node:
+            return d.tp_link_gbps * 1e9, d.tp_link_latency_us * 1e-6
         if d.local_link_gbps > 0:  # a calibrated single host: every group uses the measured local link
             return d.local_link_gbps * 1e9, d.local_link_latency_us * 1e-6
         if span <= self.devices_per_node:

@@ -18,6 +18,10 @@ Model of one optimizer step (each assumption is a choice; docs/planner.md lists 
 * A device calibrated by ``tensorpar train --plan auto`` adds its measured fixed time per layer and micro-batch
   (``train_layer_overhead_us``: Python and framework work that no FLOP or byte count explains, which dominates
   small models on a CPU) and per micro-batch on the last stage (``train_micro_batch_overhead_us``); presets: 0.
+* A device whose ranks share a host's CPU cores (``host_cores`` > 0: a CPU calibrated by ``tensorpar train --plan
+  auto``) runs the schedule through :mod:`tensorpar.planner.sharing` (processor sharing of the cores among the
+  runnable ranks' threads and other users'; a waiting stage frees its core) instead of the closed form below, and
+  a device with a measured ``optimizer_ns_per_param`` costs the optimizer step with it. The presets have neither.
 * A micro-batch on pipeline stage i takes ``T_i`` = its layers + the embedding (first stage) or output
   layer and loss (last stage) + the pipeline sends (not hidden).
 * The pipeline runs at the pace of its slowest stage, ``T = max_i T_i``. 1F1B over m micro-batches takes
@@ -140,8 +144,8 @@ class LayerTime:
         return self.forward_tp + self.backward_tp + self.recompute_tp
 
 
-def _collective_seconds(collectives, cluster: ClusterSpec, span: int) -> float:
-    bandwidth, latency = cluster.link(span)
+def _collective_seconds(collectives, cluster: ClusterSpec, span: int, group: str = "") -> float:
+    bandwidth, latency = cluster.link(span, group)
     return sum(c.seconds(bandwidth, latency) for c in collectives if not c.hidden)
 
 
@@ -169,9 +173,9 @@ def layer_times(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Wo
     collectives = tp_collectives(model, replace(layout, recompute="none"), work, assume, layers=1,
                                  first_stage=False, last_stage=False)
     keep = 1 - assume.tp_overlap
-    fwd_tp = keep * _collective_seconds([c for c in collectives if c.site == "layer forward"], cluster, t)
+    fwd_tp = keep * _collective_seconds([c for c in collectives if c.site == "layer forward"], cluster, t, "tp")
     bwd = [c for c in collectives if c.site == "layer backward"]
-    bwd_tp = 0.0 if model.kernels == "megatron" else keep * _collective_seconds(bwd, cluster, t)
+    bwd_tp = 0.0 if model.kernels == "megatron" else keep * _collective_seconds(bwd, cluster, t, "tp")
 
     ep_calls = ep_collectives(model, layout, work, assume, layers=1)
     span = t * layout.pp * layout.ep  # an expert-parallel group: ep dp replicas of the same (pp, tp) rank
@@ -197,14 +201,68 @@ def layer_times(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Wo
 def optimizer_seconds(params: float, layout: Layout, cluster: ClusterSpec, assume: Assumptions,
                       expert_params: float = 0.0) -> float:
     """Adam update of the ``params`` a rank holds (with the distributed optimizer 1/dp of the dense ones and
-    ``ep/dp`` of the ``expert_params`` among them), at the device-memory bandwidth; 0 when the device
-    gives no ``hbm_gbps``."""
+    ``ep/dp`` of the ``expert_params`` among them): the device's measured ``optimizer_ns_per_param`` per
+    parameter where it has one (a calibrated device), else ``OPTIMIZER_STATE_TRAFFIC + 2 grad_bytes +
+    param_bytes`` bytes per parameter at the device-memory bandwidth; 0 when the device gives neither."""
     hbm = cluster.device.hbm_gbps
-    if not hbm:
+    measured = cluster.device.optimizer_ns_per_param
+    if not hbm and not measured:
         return 0.0
     dense, expert = (layout.dp, layout.dp // layout.ep) if layout.distributed_optimizer else (1, 1)
+    updated = (params - expert_params) / dense + expert_params / expert
+    if measured:  # a calibrated device: torch's AdamW timed on it (tensorpar.planner.calibrate.measure_optimizer)
+        return updated * measured * 1e-9
     per_param = OPTIMIZER_STATE_TRAFFIC + 2 * assume.grad_bytes + assume.param_bytes
-    return ((params - expert_params) / dense + expert_params / expert) * per_param / (hbm * 1e9)
+    return updated * per_param / (hbm * 1e9)
+
+
+def _shared_core_step(per_stage: list[tuple], slowest: int, after: tuple, p2p: float, layout: Layout, m: int,
+                      cluster: ClusterSpec) -> StepTime:
+    """Step time when the ranks of a node share ``host_cores`` CPU cores (:mod:`tensorpar.planner.sharing`).
+
+    ``per_stage[i] = (micro-batch time, compute, tp, ep, forward part)`` at full speed (every thread alone on a
+    core). The schedule runs through :func:`~tensorpar.planner.sharing.pipeline_makespan` (pp = 1: ``m``
+    micro-batches back to back), each runnable stage at the share of a core its threads get among the runnable
+    ranks' threads and the host's other users' (``external_threads`` in ``external_groups`` scheduling groups:
+    :func:`~tensorpar.planner.sharing.thread_share`); the pipeline sends are delays between
+    ranks. The per-step work after the last backward (TP step collectives, DP reduction, optimizer) runs on
+    every rank at once. Reported: compute, TP and EP at the all-ranks-busy share, the sends, and as bubble what
+    the schedule adds to that (0 when the freed cores make up for it; then the other terms are scaled to the
+    schedule's time).
+    """
+    from tensorpar.planner.sharing import pipeline_makespan, schedule_order, thread_share
+
+    d = cluster.device
+    t, p, v = layout.tp, layout.pp, layout.virtual_stages
+    host_ranks = min(cluster.num_devices, cluster.devices_per_node)
+    per_stage_ranks = host_ranks / p  # the dp replicas of a stage run in step with it
+
+    def speed(running_stages: int) -> float:
+        return thread_share(running_stages * per_stage_ranks * d.threads_per_rank, d.host_cores,
+                            d.external_threads, d.external_groups)
+
+    full = speed(p)
+    hop = p2p / (2 * v)  # one send of the 2 v per micro-batch
+    fwd, bwd = [], []
+    for i, (micro, _c, _t, _e, forward) in enumerate(per_stage):
+        work = micro - p2p
+        f = [forward / v] * v
+        b = [(work - forward) / v] * v
+        fwd.append(f)
+        bwd.append(b)
+    schedule = "interleaved-1f1b" if v > 1 else "1f1b"
+    makespan = pipeline_makespan(schedule_order(schedule, p, v, m), fwd, bwd, hop if p > 1 else 0.0, speed)
+    _, compute, tp, ep, _ = per_stage[slowest]
+    parts = [m * compute / full, m * tp / full, m * ep / full, m * p2p]
+    nominal = sum(parts)
+    bubble = makespan - nominal
+    if bubble < 0:  # freed cores made the schedule faster than all ranks busy all the time
+        parts = [x * makespan / nominal for x in parts]
+    if bubble < 1e-9 * nominal:  # none (or rounding)
+        bubble = 0.0
+    tp_once, dp, opt = after
+    return StepTime(compute=parts[0], tp_comm=parts[1] + tp_once / full, ep_comm=parts[2], pp_comm=parts[3],
+                    bubble=bubble, dp_comm=dp / full, optimizer=opt / full)
 
 
 def step_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Workload, assume: Assumptions) -> Cost:
@@ -224,15 +282,20 @@ def step_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Work
 
     def stage_times(layers: int, params: int, experts: float, first: bool, last: bool) -> tuple[tuple, tuple]:
         compute = layers * layer.compute + (logits_seconds if last else 0.0)
-        tp = layers * layer.tp + keep * _collective_seconds(
-            tp_collectives(model, layout, work, assume, layers=0, first_stage=first, last_stage=last), cluster, t)
+        tp_edge = keep * _collective_seconds(
+            tp_collectives(model, layout, work, assume, layers=0, first_stage=first, last_stage=last), cluster, t,
+            "tp")
+        tp = layers * layer.tp + tp_edge
         tp_once = _collective_seconds(tp_step_collectives(model, layout, assume, layers=layers, last_stage=last),
-                                      cluster, t) * keep
+                                      cluster, t, "tp") * keep
         dp = (_collective_seconds(dp_collectives(params, layout, assume, experts), cluster, t * p * d)
               + (tied if first or last else 0.0)) * (1 - assume.dp_overlap)
         opt = optimizer_seconds(params, layout, cluster, assume, experts)
         ep = layers * layer.ep
-        return (compute + tp + ep + p2p, compute, tp, ep), (tp_once + dp + opt, tp_once, dp, opt)
+        # forward part of one micro-batch (for the shared-core schedule): the layers' forwards, the logits' third
+        # (forward of 1 + backward of 2), half of the embedding / output-layer collectives
+        forward = (layers * layer.forward + (logits_seconds / 3 if last else 0.0) + tp_edge / 2)
+        return (compute + tp + ep + p2p, compute, tp, ep, forward), (tp_once + dp + opt, tp_once, dp, opt)
 
     seen: dict[tuple, tuple] = {}  # stages of equal shape cost the same; a 64-stage pipeline has ~3 shapes
     per_stage, after_backward = [], []
@@ -244,9 +307,12 @@ def step_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Work
         per_stage.append(seen[key][0])
         after_backward.append(seen[key][1])
     slowest = max(range(p), key=lambda i: (per_stage[i][0], -i))
-    micro, compute, tp, ep = per_stage[slowest]
+    micro, compute, tp, ep, _ = per_stage[slowest]
     _, tp_once, dp, opt = max(after_backward)
-    step = StepTime(compute=m * compute, tp_comm=m * tp + tp_once, pp_comm=m * p2p,
-                    bubble=(p - 1) / v * micro, dp_comm=dp, optimizer=opt, ep_comm=m * ep)
+    if cluster.device.host_cores > 0:
+        step = _shared_core_step(per_stage, slowest, (tp_once, dp, opt), p2p, layout, m, cluster)
+    else:
+        step = StepTime(compute=m * compute, tp_comm=m * tp + tp_once, pp_comm=m * p2p,
+                        bubble=(p - 1) / v * micro, dp_comm=dp, optimizer=opt, ep_comm=m * ep)
     return Cost(step=step, model_flops=model_flops(model, work.global_batch * work.seq_len, work.seq_len),
                 num_devices=layout.num_devices, peak_tflops=cluster.device.peak_tflops, bottleneck_stage=slowest)

@@ -15,14 +15,19 @@ file to measure again. The key names the host, its usable cores, torch's version
 
 From the calibration the planner gets one rank's share of the machine (:func:`rank_device`):
 
-* CUDA: one GPU per rank: the measured matmul rate, copy bandwidth and memory as they are;
-* CPU: the ranks share the host, and on a shared machine with other users' processes. Matmuls and the fixed
-  overheads (:func:`measure_train_overhead`) are measured on one thread; a rank runs ``max(1, cores // nproc)``
-  threads (:func:`tensorpar.parallel.set_rank_threads`), and every runnable thread gets an equal share of the
-  cores (processor sharing): ``min(1, cores / runnable threads)``, where the other users' threads are estimated
-  by the 1-minute load average minus one (the measuring process), at calibration and again before the ranks
-  start (:func:`rank_device`). The copy bandwidth (measured with all threads) and the RAM are divided by
-  ``nproc``.
+* CUDA: one GPU per rank: the measured matmul rate, copy bandwidth, AdamW step and memory as they are;
+* CPU: the ranks share the host, and on a shared machine with other users' processes. Matmuls, copy bandwidth,
+  the AdamW step (:func:`tensorpar.planner.calibrate.measure_optimizer`) and the fixed overheads
+  (:func:`measure_train_overhead`) are measured on one thread; a rank runs ``max(1, cores // nproc)`` threads
+  (:func:`tensorpar.parallel.set_rank_threads`). The device holds one rank's rates *alone* on the host, and the
+  planner's cost model shares the cores among the runnable threads (processor sharing,
+  :mod:`tensorpar.planner.sharing`): ``min(1, cores / runnable threads)`` each, where the runnable threads are
+  the busy ranks' (a pipeline stage that waits frees its core) and the other users', estimated by the 1-minute
+  load average minus one (the measuring process), at calibration and again before the ranks start
+  (:func:`rank_device`). The RAM is divided by ``nproc``.
+* Collectives: the calibration measures 2-rank all-reduces over gloo and over tensorpar's shared-memory
+  collectives; the device gets the backend that the trainer's groups use (``rank_device(backend=,
+  tp_backend=)``; tensorpar train: gloo for every group unless shared memory is installed on the tp group).
 
 Training is fp32 AdamW here (``dtype=float32``; bf16 autocast keeps fp32 weights): 4-byte weights and
 gradients, 8 bytes of optimizer state per parameter (momentum and variance, no master copy), 4-byte
@@ -38,10 +43,11 @@ import json
 import os
 import platform
 import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-CALIBRATION_VERSION = 4
+CALIBRATION_VERSION = 5
 WARMUP_STEPS = 2  # steps left out of the measured median (first-call allocation, pipeline set-up)
 CPU_RESERVE_GIB = 0.5  # per rank on a CPU host: interpreter, torch and its libraries, process-group buffers
 
@@ -67,46 +73,62 @@ def calibration_path(cache_dir=None) -> Path:
 
 
 def quick_calibration() -> dict:
-    """A short calibration (a few seconds): 1-thread matmuls (CPU) or bf16 matmuls (CUDA), the copy bandwidth,
-    and all-reduces of 4 KiB to 4 MiB between two local ranks. Same fields as :class:`Calibration` plus
-    ``threads`` (the matmul thread count) and ``cores``."""
+    """A short calibration (a few seconds): 1-thread matmuls, copy bandwidth and AdamW step (CPU; bf16 matmuls and
+    the GPU's copy and AdamW on CUDA), all-reduces of 4 KiB to 4 MiB between two local ranks over gloo and over
+    tensorpar's shared-memory collectives (``collective["by_backend"]``; shm only where it installs), and the
+    fixed per-layer and per-micro-batch times. Same fields as :class:`Calibration` plus ``matmul_threads`` (the
+    thread count of the matmul, copy and optimizer measurements), ``optimizer_ns_per_param``, ``cores``."""
+    import time
+
     import torch
 
     from tensorpar.launch import usable_cores
-    from tensorpar.planner.calibrate import measure_collectives, measure_matmul, measure_memory_bandwidth
+    from tensorpar.planner.calibrate import (measure_collectives, measure_matmul, measure_memory_bandwidth,
+                                             measure_optimizer)
 
     cuda = torch.cuda.is_available()
     threads = torch.get_num_threads()
     load_start = _loadavg()
+    # CPU: one torch thread, timed by its CPU time (time.thread_time): the speed of a thread alone on a core, which
+    # other users' processes on a shared machine do not change (they change the wall time). CUDA: wall time.
+    clock = time.perf_counter if cuda else time.thread_time
     if not cuda:
         torch.set_num_threads(1)
     try:
-        name, matmul = measure_matmul(None if cuda else (128, 256, 512), min_seconds=0.1)
+        name, matmul = measure_matmul(None if cuda else (128, 256, 512), min_seconds=0.1, clock=clock)
+        hbm = measure_memory_bandwidth(1 << 26, min_seconds=0.1, clock=clock)
+        optimizer = measure_optimizer(1 << 20, min_seconds=0.1, clock=clock)
+        overhead = measure_train_overhead(clock=clock)
+        peak = max(m["tflops"] for m in matmul)
+        layer = ({} if cuda else
+                 measure_layer_efficiency(peak, hbm, overhead["train_layer_overhead_us"], clock=clock))
     finally:
         torch.set_num_threads(threads)
-    hbm = measure_memory_bandwidth(1 << 26, min_seconds=0.1)
-    coll = measure_collectives(tuple(2 ** k for k in range(12, 23, 2)))
-    if not cuda:
-        torch.set_num_threads(1)
-    try:
-        overhead = measure_train_overhead()
-    finally:
-        torch.set_num_threads(threads)
-    return {**overhead, "loadavg_1min": (load_start + _loadavg()) / 2, "version": CALIBRATION_VERSION,
+    # the collectives are timed by the wall clock (waiting is their cost): record the competition meanwhile
+    with CompetitionSampler(interval=0.05) as others:
+        try:
+            coll = measure_collectives(tuple(2 ** k for k in range(12, 23, 2)), backends=("gloo", "shm"))
+        except RuntimeError:  # shared memory not available here (not x86, no /dev/shm): gloo only
+            coll = measure_collectives(tuple(2 ** k for k in range(12, 23, 2)))
+    taken = others.others_cores_between()
+    if taken is not None:
+        coll["others_busy_cores"] = taken
+    return {**overhead, **layer, "loadavg_1min": (load_start + _loadavg()) / 2, "version": CALIBRATION_VERSION,
             "backend": name, "matmul": matmul,
             "matmul_tflops": max(m["tflops"] for m in matmul), "matmul_threads": 0 if cuda else 1,
-            "hbm_gbps": hbm, "collective": coll, "cores": usable_cores(), "cuda": cuda,
-            "memory_gib": _machine_memory_gib()}
+            "hbm_gbps": hbm, "optimizer_ns_per_param": optimizer, "collective": coll, "cores": usable_cores(),
+            "cuda": cuda, "memory_gib": _machine_memory_gib(), "clock": "wall" if cuda else "thread_cpu"}
 
 
-def measure_train_overhead(reps: int = 25) -> dict:
+def measure_train_overhead(reps: int = 25, clock=None) -> dict:
     """Fixed time of a training step that no FLOP or byte count explains, on this process's threads.
 
     Forward, vocabulary-parallel cross-entropy and backward of tensorpar's tp = 1 model of a tiny Llama (hidden
     32, 8 tokens: the arithmetic is negligible) with 1 and with 4 layers; the median of ``reps`` steps (on a
     shared machine, the time a step takes under the load of the moment, like the steps it predicts) give, by
     difference, ``train_layer_overhead_us`` (per layer, forward + backward) and ``train_micro_batch_overhead_us``
-    (the rest: embedding, final norm, LM head, loss), in microseconds.
+    (the rest: embedding, final norm, LM head, loss), in microseconds. ``clock``: ``time.perf_counter`` (wall time)
+    by default; ``time.thread_time`` (the thread's CPU time, with one torch thread) gives the time alone on a core.
     """
     import time
 
@@ -118,6 +140,7 @@ def measure_train_overhead(reps: int = 25) -> dict:
     from tensorpar.train.config import TrainConfig
     from tensorpar.train.model import ModelSource, build_model
 
+    clock = clock or time.perf_counter
     ctx = ParallelContext.single()
     cfg = TrainConfig(model="calibration", seq_len=8, batch_size=1)
     ids = torch.arange(8).view(1, 8) % 64
@@ -129,16 +152,206 @@ def measure_train_overhead(reps: int = 25) -> dict:
         model, plan = build_model(cfg, ModelSource(config, None, None), ctx.tp, 64)
         samples = []
         for i in range(reps + 3):  # 3 warm-up
-            start = time.perf_counter()
+            start = clock()
             loss = vocab_parallel_cross_entropy(model(input_ids=ids, use_cache=False).logits, ids, ctx.tp,
                                                 partition=plan.vocab)
             loss.backward()
             if i >= 3:
-                samples.append(time.perf_counter() - start)
+                samples.append(clock() - start)
         median[layers] = statistics.median(samples)
     per_layer = max(0.0, (median[4] - median[1]) / 3)
     return {"train_layer_overhead_us": per_layer * 1e6,
             "train_micro_batch_overhead_us": max(0.0, median[1] - per_layer) * 1e6}
+
+
+# The decoder layer that calibrates a CPU's layer efficiency (measure_layer_efficiency): a generic small Llama layer,
+# not any model trained here: hidden 384 (6 heads of 64, 2 KV heads), SwiGLU 1024, 2 sequences of 128 tokens.
+EFFICIENCY_LAYER = dict(hidden_size=384, intermediate_size=1024, num_attention_heads=6, num_key_value_heads=2,
+                        head_dim=64, batch=2, seq=128)
+
+
+def measure_layer_efficiency(peak_tflops: float, hbm_gbps: float, layer_overhead_us: float,
+                             reps: int = 3, clock=None) -> dict:
+    """The fraction of the square-matmul peak that a decoder layer's matmuls reach on this CPU, measured.
+
+    Forward and backward of tensorpar's tp = 1 model of :data:`EFFICIENCY_LAYER` with 1 and 2 layers (the median
+    of ``reps`` steps each, after one warm-up); the difference is one layer's time, ``T``. The planner's time of
+    that layer at ``matmul_efficiency`` ``e`` is
+    ``F / (e peak) + E + O`` (``F``: its matmul and attention FLOPs forward and backward, ``E``: its elementwise
+    traffic at ``hbm_gbps``, ``O``: the measured fixed ``layer_overhead_us``, :func:`tensorpar.planner.cost.
+    layer_times`), so ``e = F / (peak (T - E - O))``, clamped to [0.05, 1]. The counterpart of the A100's
+    ``matmul_efficiency``, which was fitted to measured layer times too (Korthikanti et al. 2022, Table 4): the
+    shapes of a layer's matmuls (skinny, batched attention) run below a large square matmul's rate.
+    Returns ``{"layer_matmul_efficiency", "layer_seconds", "layer_predicted_at_peak_seconds"}``.
+    """
+    import time
+    from dataclasses import replace
+
+    import torch
+    from transformers import LlamaConfig
+
+    from tensorpar.layers import vocab_parallel_cross_entropy
+    from tensorpar.parallel import ParallelContext
+    from tensorpar.planner.cluster import ClusterSpec, DeviceSpec
+    from tensorpar.planner.cost import layer_times
+    from tensorpar.planner.layout import Assumptions, Layout, Workload
+    from tensorpar.planner.model_spec import from_hf_config
+    from tensorpar.train.config import TrainConfig
+    from tensorpar.train.model import ModelSource, build_model
+
+    clock = clock or time.perf_counter
+    shape = dict(EFFICIENCY_LAYER)
+    batch, seq = shape.pop("batch"), shape.pop("seq")
+    ctx = ParallelContext.single()
+    cfg = TrainConfig(model="calibration", seq_len=seq, batch_size=batch)
+    ids = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(0))
+    median = {}
+    for layers in (1, 2):
+        config = LlamaConfig(vocab_size=256, num_hidden_layers=layers, max_position_embeddings=seq,
+                             tie_word_embeddings=True, **shape)
+        model, plan = build_model(cfg, ModelSource(config, None, None), ctx.tp, 256)
+        samples = []
+        for i in range(reps + 1):  # 1 warm-up
+            start = clock()
+            loss = vocab_parallel_cross_entropy(model(input_ids=ids, use_cache=False).logits, ids, ctx.tp,
+                                                partition=plan.vocab)
+            loss.backward()
+            if i >= 1:
+                samples.append(clock() - start)
+        median[layers] = statistics.median(samples)
+    measured = max(1e-9, median[2] - median[1])
+    spec = from_hf_config(config.to_dict(), name="calibration")
+    device = DeviceSpec("calibration", 1.0, peak_tflops, 0.0, 0.0, matmul_efficiency=1.0, hbm_gbps=hbm_gbps,
+                        local_link_gbps=1.0, train_layer_overhead_us=layer_overhead_us)
+    assume = Assumptions(activation_bytes=4, param_bytes=4, grad_bytes=4, optimizer_bytes=8, attention="sdpa")
+    lay = Layout(tp=1, pp=1, dp=1, micro_batch=batch)
+    work = Workload(batch, seq)
+    at_peak = layer_times(spec, lay, ClusterSpec(device, 1, 1), work, assume).total
+    no_matmul = layer_times(spec, lay, ClusterSpec(replace(device, peak_tflops=1e9), 1, 1), work, assume).total
+    flops_seconds = at_peak - no_matmul  # the matmul and attention FLOPs at the peak
+    efficiency = flops_seconds / max(1e-12, measured - no_matmul)
+    return {"layer_matmul_efficiency": min(1.0, max(0.05, efficiency)), "layer_seconds": measured,
+            "layer_predicted_at_peak_seconds": at_peak}
+
+
+def autogroup_enabled() -> bool:
+    """Whether this Linux kernel shares the CPU among sessions first (``/proc/sys/kernel/sched_autogroup_enabled``)."""
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return False
+
+
+class CompetitionSampler:
+    """Other users' competition for the cores, sampled every ``interval`` s in a background thread (Linux ``/proc``):
+    the runnable threads (state R in ``/proc/<pid>/task/<tid>/stat``) of every process but this one, ``pids()``
+    (e.g. the ranks it started) and, under autogroup, the processes of our own scheduling group (session), and the
+    distinct scheduling groups they are in (``/proc/<pid>/autogroup``).
+    Unlike the 1-minute load average it is not smoothed over a minute, does not count our own threads, and sees
+    the groups that the kernel shares the CPU among. A context manager; :meth:`mean_between` averages the samples
+    of a time window (``time.time()``). Where ``/proc`` is missing, there are no samples."""
+
+    def __init__(self, pids=lambda: [], interval: float = 0.1):
+        import threading
+
+        self.pids, self.interval = pids, interval
+        self.samples: list[tuple[float, int, int]] = []  # (time, other runnable threads, their groups)
+        self.cpu: list[tuple[float, float, float]] = []  # (time, busy core-seconds of the host, ours), cumulative
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    @staticmethod
+    def _read(path: str) -> str | None:
+        try:
+            with open(path) as f:
+                return f.read()
+        except OSError:
+            return None
+
+    def sample(self) -> tuple[int, int] | None:
+        """(other runnable threads, distinct groups holding them) now; None without ``/proc``."""
+        try:
+            procs = [d for d in os.listdir("/proc") if d.isdigit()]
+        except OSError:
+            return None
+        ours = {str(os.getpid()), *(str(p) for p in self.pids())}
+        group = self._group("self") if autogroup_enabled() else None
+        threads, groups = 0, set()
+        for pid in procs:
+            if pid in ours:
+                continue
+            theirs = self._group(pid)
+            if group is not None and theirs == group:
+                continue  # in our scheduling group (our session: e.g. the ranks we started)
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            running = 0
+            for tid in tids:
+                stat = self._read(f"/proc/{pid}/task/{tid}/stat")
+                if stat and stat.rsplit(")", 1)[-1].split()[:1] == ["R"]:
+                    running += 1
+            if running:
+                threads += running
+                groups.add(theirs or pid)
+        return threads, len(groups)
+
+    def _group(self, pid: str) -> str | None:
+        text = self._read(f"/proc/{pid}/autogroup")
+        return text.split(" ")[0] if text else None
+
+    def cpu_seconds(self) -> tuple[float, float] | None:
+        """(busy core-seconds of the whole host since boot, of this process and ``pids()``), from ``/proc/stat``
+        (user + nice + system + irq + softirq + steal) and ``/proc/<pid>/stat`` (utime + stime); None without /proc."""
+        hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        text = self._read("/proc/stat")
+        if not text:
+            return None
+        f = [int(x) for x in text.splitlines()[0].split()[1:]]
+        busy = sum(f[:3]) + sum(f[5:8])   # user nice system (idle iowait) irq softirq steal
+        ours = 0
+        for pid in [os.getpid(), *self.pids()]:
+            stat = self._read(f"/proc/{pid}/stat")
+            if stat:
+                rest = stat.rsplit(")", 1)[-1].split()
+                ours += int(rest[11]) + int(rest[12])   # utime, stime (fields 14 and 15)
+        return busy / hz, ours / hz
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            now = time.time()
+            cpu = self.cpu_seconds()
+            if cpu is not None:
+                self.cpu.append((now, *cpu))
+            got = self.sample()
+            if got is not None:
+                self.samples.append((now, *got))
+
+    def others_cores_between(self, start: float = 0.0, end: float = float("inf")) -> float | None:
+        """Cores the other processes of the host kept busy on average in ``[start, end]`` (busy host time minus ours,
+        over the wall time between the first and last sample inside); None with fewer than 2 samples."""
+        inside = [c for c in self.cpu if start <= c[0] <= end]
+        if len(inside) < 2:
+            return None
+        (t0, b0, o0), (t1, b1, o1) = inside[0], inside[-1]
+        return max(0.0, ((b1 - b0) - (o1 - o0)) / (t1 - t0))
+
+    def mean_between(self, start: float = 0.0, end: float = float("inf")) -> tuple[float, float] | None:
+        """Mean (other runnable threads, their groups) of the samples in ``[start, end]``; None if there are none."""
+        inside = [(n, g) for t, n, g in self.samples if start <= t <= end]
+        if not inside:
+            return None
+        return statistics.mean(x[0] for x in inside), statistics.mean(x[1] for x in inside)
 
 
 def _loadavg() -> float:
@@ -178,39 +391,83 @@ def cached_calibration(cache_dir=None, *, log=None) -> tuple[dict, Path, bool]:
     return data, path, False
 
 
-def rank_device(cal: dict, nproc: int, local_nproc: int | None = None, load_now: float | None = None):
+def collective_fit(cal: dict, backend: str) -> dict:
+    """The calibration's all-reduce fit (``latency_us``, ``bandwidth_gbps``, ``backend``) of ``backend`` ("gloo" or
+    "shm"). Raises ValueError when the calibration did not measure it."""
+    coll = cal["collective"]
+    fits = coll.get("by_backend") or {coll.get("backend", "gloo"): coll}
+    if backend not in fits:
+        raise ValueError(f"collective backend {backend!r} was not calibrated on this machine (measured: "
+                         f"{', '.join(fits)}); delete {calibration_path()} to measure again")
+    return fits[backend]
+
+
+def rank_device(cal: dict, nproc: int, local_nproc: int | None = None, load_now: float | None = None,
+                backend: str = "gloo", tp_backend: str | None = None):
     """One rank's :class:`~tensorpar.planner.cluster.DeviceSpec` from a calibration (module docstring).
 
-    ``load_now``: the 1-minute load average before the ranks start (None: an idle machine). On a CPU the cores
-    are time-shared among the runnable threads; the calibration ran with ``ext_cal = loadavg - 1`` other
-    runnable threads (its record), the ranks will run with ``ext_now = load_now - 1``, so a thread gets
-    ``s = min(1, cores / (runnable))`` of a core: ``s_cal`` with 1 + ext_cal runnable, ``s_now`` with
-    nproc x threads + ext_now. Rate per rank = measured 1-thread rate / s_cal x threads x s_now; fixed
-    (single-threaded) times x s_cal / s_now.
+    ``backend``: the collectives of the pipeline and data-parallel groups (the trainer's: gloo); ``tp_backend``:
+    those of the tensor-parallel group when it differs ("shm" where the trainer installs tensorpar.shm on it; None:
+    the same as ``backend``). Each is the calibration's measured fit of that backend, labelled as this machine's
+    local link.
+
+    ``load_now``: the 1-minute load average before the ranks start (None: an idle machine). On a CPU the rates
+    are one rank's *alone* on the host (``threads = max(1, cores // ranks)`` threads, each on a core), and the
+    planner shares the cores among the runnable threads itself (``host_cores``, ``threads_per_rank``,
+    ``external_threads``: :mod:`tensorpar.planner.sharing`). The calibration ran with ``ext_cal = loadavg - 1``
+    other runnable threads (its record); a calibration timed by wall clock (an older cache) had
+    ``s_cal = min(1, cores / (1 + ext_cal))`` of a core for its single thread: rate alone = measured rate / s_cal
+    x threads; fixed times and the optimizer's time per parameter x s_cal (/ threads for the optimizer). A
+    calibration timed by the thread's CPU time (``clock`` "thread_cpu", the current one) needs no correction
+    (s_cal = 1). The collectives' fit is used as measured. The other users' threads when the ranks run are
+    ``load_now - 1``. Copy bandwidth: measured on one thread, x threads / s_cal. The matmul efficiency is the
+    calibration's ``layer_matmul_efficiency`` (:func:`measure_layer_efficiency`; 1 where absent).
     """
     from tensorpar.planner.cluster import DeviceSpec
+    from tensorpar.planner.sharing import thread_share
 
     local = local_nproc or nproc
-    link = dict(local_link_gbps=cal["collective"]["bandwidth_gbps"],
-                local_link_latency_us=cal["collective"]["latency_us"],
-                local_link_label=f"this machine's local link: 2 {cal['collective']['backend']} processes on "
-                                 f"loopback, measured (not NVLink, not a network)")
+    fit = collective_fit(cal, backend)
+    tp_fit = collective_fit(cal, tp_backend) if tp_backend and tp_backend != backend else None
+    label = "this machine's local link: 2 {} processes on loopback, measured (not NVLink, not a network)"
     overhead = {k: cal[k] for k in ("train_layer_overhead_us", "train_micro_batch_overhead_us")}
     if cal["cuda"]:
+        link = dict(local_link_gbps=fit["bandwidth_gbps"], local_link_latency_us=fit["latency_us"],
+                    local_link_label=label.format(fit["backend"]))
+        if tp_fit:
+            link.update(tp_link_gbps=tp_fit["bandwidth_gbps"], tp_link_latency_us=tp_fit["latency_us"],
+                        tp_link_label=label.format(tp_fit["backend"]))
         return DeviceSpec(f"calibrated {cal['backend']}", cal["memory_gib"], cal["matmul_tflops"], 0.0, 0.0,
-                          matmul_efficiency=1.0, hbm_gbps=cal["hbm_gbps"], **overhead, **link)
+                          matmul_efficiency=1.0, hbm_gbps=cal["hbm_gbps"],
+                          optimizer_ns_per_param=cal.get("optimizer_ns_per_param", 0.0), **overhead, **link)
     cores = cal["cores"]
     threads = max(1, cores // local)
     ext_cal = max(0.0, cal.get("loadavg_1min", 0.0) - 1)
     ext_now = max(0.0, (load_now or 0.0) - 1)
-    s_cal = min(1.0, cores / (1 + ext_cal))
-    s_now = min(1.0, cores / (local * threads + ext_now))
+    # timed by the thread's CPU time (clock "thread_cpu"): already the speed alone; by wall time (older caches): the
+    # share of a core the measuring thread had
+    s_cal = 1.0 if cal.get("clock") == "thread_cpu" else thread_share(1, cores, ext_cal)
+
+    def link_of(f: dict) -> tuple[float, float]:
+        # as measured (wall clock, under the load of the moment): a collective's time is mostly waiting (wake-ups,
+        # the peer's turn on a core), which no share of a core converts to an idle machine's; the cores the
+        # other users kept busy meanwhile are recorded in the calibration (collective["others_busy_cores"])
+        return f["bandwidth_gbps"], f["latency_us"]
+
+    gbps, lat = link_of(fit)
+    link = dict(local_link_gbps=gbps, local_link_latency_us=lat, local_link_label=label.format(fit["backend"]))
+    if tp_fit:
+        gbps, lat = link_of(tp_fit)
+        link.update(tp_link_gbps=gbps, tp_link_latency_us=lat, tp_link_label=label.format(tp_fit["backend"]))
     load = f" at load {load_now:.1f}" if load_now is not None else ""
     return DeviceSpec(f"calibrated {cal['backend'].split(' (')[0]}, 1 of {local} ranks on {cores} cores{load}",
-                      cal["memory_gib"] / local, cal["matmul_tflops"] / s_cal * threads * s_now, 0.0, 0.0,
-                      matmul_efficiency=1.0, hbm_gbps=cal["hbm_gbps"] / local,
-                      train_layer_overhead_us=cal["train_layer_overhead_us"] * s_cal / s_now,
-                      train_micro_batch_overhead_us=cal["train_micro_batch_overhead_us"] * s_cal / s_now, **link)
+                      cal["memory_gib"] / local, cal["matmul_tflops"] / s_cal * threads, 0.0, 0.0,
+                      matmul_efficiency=cal.get("layer_matmul_efficiency", 1.0),
+                      hbm_gbps=cal["hbm_gbps"] / s_cal * threads,
+                      train_layer_overhead_us=cal["train_layer_overhead_us"] * s_cal,
+                      train_micro_batch_overhead_us=cal["train_micro_batch_overhead_us"] * s_cal,
+                      optimizer_ns_per_param=cal.get("optimizer_ns_per_param", 0.0) * s_cal / threads,
+                      host_cores=float(cores), threads_per_rank=threads, external_threads=ext_now, **link)
 
 
 # ---------------------------------------------------------------- the planner's view of a training run
@@ -314,8 +571,12 @@ def choose_auto(cfg, model_config, device, nproc: int, local_nproc: int | None =
     for plan in found.ranked:
         why = unsupported(plan.layout)
         if why is None:
-            run_cfg = layout_config(cfg, plan.layout, work.global_batch)
-            why = runtime_problem(run_cfg, model_config)
+            try:  # the trainer's config checks (e.g. 1F1B needs micro-batches >= pp)
+                run_cfg = layout_config(cfg, plan.layout, work.global_batch)
+            except ValueError as e:
+                why, run_cfg = " ".join(str(e).split()), None
+            if why is None:
+                why = runtime_problem(run_cfg, model_config)
             if why is None:
                 return Choice(plan, run_cfg, device, "auto", note)
         reasons.append(f"{plan.layout.short()}: {why}")
