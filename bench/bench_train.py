@@ -15,8 +15,11 @@ exposed communication per step: the seconds the rank's main thread spends blocke
 collective with the weight gradients (the default) and with it synchronous ("sync backward").
 bf16 rows run the same step under bf16 autocast (fp32 weights and optimizer).
 
-tp = 2 runs two gloo ranks with one thread each on this host, so "tp = 2" and "tp = 1 with 2 threads" use
-the same two cores. Numbers from a shared machine are noisy: the load average at start is recorded.
+tp = 2 runs two ranks with one thread each on this host, so "tp = 2" and "tp = 1 with 2 threads" use the same
+two cores. Each tp = 2 row names the transport of the tp group's collectives: "gloo" (torch.distributed over
+loopback TCP; the asynchronous collectives overlap with the weight gradients) or "shm" (tensorpar.shm's
+shared-memory collectives, what ``tensorpar train`` uses by default when the tp ranks share a host; they run
+synchronously). Numbers from a shared machine are noisy: the load average at start is recorded.
 """
 from __future__ import annotations
 
@@ -87,9 +90,90 @@ def _time_steps(step_fn, warmup: int, steps: int) -> list[float]:
     return times
 
 
-def job_tensorpar(ctx, cfg: TrainConfig, warmup: int, steps: int, overlap: bool = True) -> dict:
+def _with_kwargs(ctx, fn, args: tuple, kwargs: dict):
+    """Run ``fn(ctx, *args, **kwargs)`` on a rank (WorkerPool passes positional arguments only)."""
+    return fn(ctx, *args, **kwargs)
+
+
+def job_tensorpar(ctx, cfg: TrainConfig, warmup: int, steps: int, overlap: bool = True,
+                  shm_thread: bool = False) -> dict:
     """tensorpar's trainer; every rank returns its step times, activation bytes and exposed communication
-    (seconds blocked in collectives) of each of ``steps`` extra steps run with the counter on."""
+    (seconds blocked in collectives) of each of ``steps`` extra steps run with the counter on. The tp group's
+    collectives use shared memory when ``cfg.fast_collectives`` is "on" (installed here, removed at the end, as
+    ``tensorpar train`` does at start-up), else gloo. ``shm_thread`` (experiment): the column-parallel backward's
+    asynchronous collectives run the shared-memory collective on one helper thread (issue order kept), so they
+    overlap with the weight gradients as gloo's do; the library runs them synchronously."""
+    from tensorpar.shm import disable_fast_collectives
+    from tensorpar.train.cli import enable_tp_fast_collectives
+
+    if ctx.tp.size > 1:
+        enable_tp_fast_collectives(cfg, ctx, 120.0)
+    undo = _shm_on_helper_thread(ctx.tp) if shm_thread else None
+    try:
+        return _tensorpar_steps(ctx, cfg, warmup, steps, overlap)
+    finally:
+        if undo is not None:
+            undo()
+        disable_fast_collectives(ctx.tp)
+
+
+def _shm_on_helper_thread(group):
+    """Route ``comm.{all_reduce,all_gather,reduce_scatter}_async`` on ``group.fast`` to one helper thread (a
+    single-worker executor: the collectives run in issue order, one at a time, as ShmCommunicator needs; the
+    column-parallel backward issues no synchronous collective while one is pending). Returns the undo."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tensorpar import comm
+    from tensorpar.shard import Partition
+
+    ex = ThreadPoolExecutor(1, thread_name_prefix="shm-async")
+    orig = {k: getattr(comm, k) for k in ("all_reduce_async", "all_gather_async", "reduce_scatter_async")}
+
+    class _Fut:
+        def __init__(self, fut):
+            self.fut = fut
+
+        def wait(self):
+            self.fut.result()
+
+    def pending(kind, g, x, numel, fn, *args):
+        g.counter.record(kind, numel, x.element_size(), g.size)
+        fut = ex.submit(fn, *args)
+        return comm.Pending(kind, g, x, _Fut(fut), fut.result)
+
+    def sizes_of(g, x, dim, sizes):
+        return (list(sizes.sizes if isinstance(sizes, Partition) else sizes) if sizes is not None
+                else [x.shape[dim % x.dim()]] * g.size)
+
+    def all_reduce_async(x, g):
+        if g is not group or g.fast is None or not x.is_cpu:
+            return orig["all_reduce_async"](x, g)
+        return pending("all_reduce", g, x, x.numel(), g.fast.all_reduce, x)
+
+    def all_gather_async(x, g, dim=-1, sizes=None):
+        if g is not group or g.fast is None or not x.is_cpu:
+            return orig["all_gather_async"](x, g, dim, sizes)
+        s = sizes_of(g, x, dim, sizes)
+        return pending("all_gather", g, x, x.numel() // max(x.shape[dim], 1) * sum(s), g.fast.all_gather, x,
+                       dim % x.dim(), s)
+
+    def reduce_scatter_async(x, g, dim=-1, sizes=None):
+        if g is not group or g.fast is None or not x.is_cpu:
+            return orig["reduce_scatter_async"](x, g, dim, sizes)
+        s = sizes_of(g, x, dim, sizes) if sizes is not None else [x.shape[dim % x.dim()] // g.size] * g.size
+        return pending("reduce_scatter", g, x, x.numel(), g.fast.reduce_scatter, x, dim % x.dim(), s)
+
+    comm.all_reduce_async, comm.all_gather_async = all_reduce_async, all_gather_async
+    comm.reduce_scatter_async = reduce_scatter_async
+
+    def undo():
+        for k, f in orig.items():
+            setattr(comm, k, f)
+        ex.shutdown(wait=True)
+    return undo
+
+
+def _tensorpar_steps(ctx, cfg: TrainConfig, warmup: int, steps: int, overlap: bool) -> dict:
     from tensorpar import comm
     from tensorpar.layers.linear import set_grad_comm_overlap
     from tensorpar.train.loop import Trainer
@@ -220,19 +304,34 @@ def planner_activation_mib(preset: str, batch: int, seq: int, tp: int, sequence_
 
 
 BF16 = dict(dtype="bfloat16")
+GLOO = dict(fast_collectives="off")
+SHM = dict(fast_collectives="on")
+SP = dict(sequence_parallel=True)
 VARIANTS = (  # name, tp, threads per rank, job, config changes, job options
     ("tensorpar tp=1 (1 thread)", 1, 1, "tensorpar", {}, {}),
     ("tensorpar tp=1 (2 threads)", 1, 2, "tensorpar", {}, {}),
-    ("tensorpar tp=2", 2, 1, "tensorpar", dict(tp=2), {}),
-    ("tensorpar tp=2, sync backward", 2, 1, "tensorpar", dict(tp=2), dict(overlap=False)),
-    ("tensorpar tp=2 + sequence parallel", 2, 1, "tensorpar", dict(tp=2, sequence_parallel=True), {}),
-    ("tensorpar tp=2 + sequence parallel, sync backward", 2, 1, "tensorpar", dict(tp=2, sequence_parallel=True),
+    ("tensorpar tp=2, gloo", 2, 1, "tensorpar", dict(tp=2, **GLOO), {}),
+    ("tensorpar tp=2, gloo, sync backward", 2, 1, "tensorpar", dict(tp=2, **GLOO), dict(overlap=False)),
+    ("tensorpar tp=2, shm", 2, 1, "tensorpar", dict(tp=2, **SHM), {}),
+    ("tensorpar tp=2 + sequence parallel, gloo", 2, 1, "tensorpar", dict(tp=2, **SP, **GLOO), {}),
+    ("tensorpar tp=2 + sequence parallel, gloo, sync backward", 2, 1, "tensorpar", dict(tp=2, **SP, **GLOO),
      dict(overlap=False)),
+    ("tensorpar tp=2 + sequence parallel, shm", 2, 1, "tensorpar", dict(tp=2, **SP, **SHM), {}),
+    ("tensorpar tp=2, shm, overlap on a helper thread (experiment)", 2, 1, "tensorpar", dict(tp=2, **SHM),
+     dict(shm_thread=True)),
+    ("tensorpar tp=2 + sequence parallel, shm, overlap on a helper thread (experiment)", 2, 1, "tensorpar",
+     dict(tp=2, **SP, **SHM), dict(shm_thread=True)),
     ("torch parallelize_module tp=2", 2, 1, "torch", dict(tp=2), {}),
     ("tensorpar tp=1 (2 threads) bf16", 1, 2, "tensorpar", BF16, {}),
-    ("tensorpar tp=2 bf16", 2, 1, "tensorpar", dict(tp=2, **BF16), {}),
-    ("tensorpar tp=2 + sequence parallel bf16", 2, 1, "tensorpar", dict(tp=2, sequence_parallel=True, **BF16), {}),
+    ("tensorpar tp=2 bf16, gloo", 2, 1, "tensorpar", dict(tp=2, **BF16, **GLOO), {}),
+    ("tensorpar tp=2 bf16, shm", 2, 1, "tensorpar", dict(tp=2, **BF16, **SHM), {}),
+    ("tensorpar tp=2 + sequence parallel bf16, gloo", 2, 1, "tensorpar", dict(tp=2, **SP, **BF16, **GLOO), {}),
+    ("tensorpar tp=2 + sequence parallel bf16, shm", 2, 1, "tensorpar", dict(tp=2, **SP, **BF16, **SHM), {}),
 )
+TP2 = ("tensorpar tp=2, gloo", "tensorpar tp=2, shm", "tensorpar tp=2 + sequence parallel, gloo",
+       "tensorpar tp=2 + sequence parallel, shm")
+TP2_BF16 = ("tensorpar tp=2 bf16, gloo", "tensorpar tp=2 bf16, shm", "tensorpar tp=2 + sequence parallel bf16, gloo",
+            "tensorpar tp=2 + sequence parallel bf16, shm")
 
 
 def main(argv=None) -> int:
@@ -261,7 +360,7 @@ def main(argv=None) -> int:
                     per_rank = [jobs[job](ParallelContext.single(), c, args.warmup, args.steps, **opts)]
                     torch.set_num_threads(1)
                 else:
-                    per_rank = pool.run(jobs[job], c, args.warmup, args.steps, *opts.values())
+                    per_rank = pool.run(_with_kwargs, jobs[job], (c, args.warmup, args.steps), opts)
                 results[name].append(per_rank)
                 print(f"round {rnd + 1}: {name}: {[round(max(t), 3) for t in zip(*[r['times'] for r in per_rank])]}"
                       f" s/step", flush=True)
@@ -276,15 +375,17 @@ def main(argv=None) -> int:
             r["planner_activation_mib_per_rank"] = planner_activation_mib(
                 args.preset, args.batch_size, args.seq_len, tp, change.get("sequence_parallel", False))
     torch_row = by["torch parallelize_module tp=2"]
-    tp2 = ("tensorpar tp=2", "tensorpar tp=2 + sequence parallel")
-    ratios = {name: torch_row["step_s_best"] / by[name]["step_s_best"] for name in tp2}
-    targets = {  # issue 13, items 5 and 7: step-time ratios from the best steps, memory from exact counts
-        "tp2 step / tp1 2-thread step (target <= 1.0)": {n: by[n]["step_s_best"] / base2["step_s_best"] for n in tp2},
-        "tp2 step / torch parallelize_module step (target <= 0.9)": {n: 1 / ratios[n] for n in tp2},
-        "tp2+SP activation / tp1 activation (target <= 0.55)": by[tp2[1]]["activation_vs_tp1"],
-        "bf16: tp2 step / tp1 2-thread bf16 step": {
-            n: by[n]["step_s_best"] / by["tensorpar tp=1 (2 threads) bf16"]["step_s_best"]
-            for n in ("tensorpar tp=2 bf16", "tensorpar tp=2 + sequence parallel bf16")},
+    ratios = {name: torch_row["step_s_best"] / by[name]["step_s_best"] for name in TP2}
+
+    def both(n: str, ref: dict) -> dict:
+        return {"best": by[n]["step_s_best"] / ref["step_s_best"], "median": by[n]["step_s_median"] / ref["step_s_median"]}
+
+    targets = {  # issue 13, items 5 and 7: step-time ratios (of the best steps and of the medians), memory exact
+        "tp2 step / tp1 2-thread step (target <= 1.0)": {n: both(n, base2) for n in TP2},
+        "tp2 step / torch parallelize_module step (target <= 0.9)": {n: both(n, torch_row) for n in TP2},
+        "tp2+SP activation / tp1 activation (target <= 0.55)": by[TP2[2]]["activation_vs_tp1"],
+        "bf16: tp2 step / tp1 2-thread bf16 step": {n: both(n, by["tensorpar tp=1 (2 threads) bf16"])
+                                                    for n in TP2_BF16},
     }
     result = {
         "model": {"preset": args.preset, **PRESETS[args.preset], "vocab_size": 256},
@@ -336,7 +437,8 @@ def render_markdown(res: dict) -> str:
     for name, ratio in res["torch_step_time_over_tensorpar"].items():
         lines.append(f"- torch `parallelize_module` step time / {name} step time: **{ratio:.2f}**")
     for what, v in res.get("targets", {}).items():
-        vals = ", ".join(f"{n}: {x:.2f}" for n, x in v.items()) if isinstance(v, dict) else f"{v:.2f}"
+        vals = (", ".join(f"{n}: {x['best']:.2f} (medians: {x['median']:.2f})" for n, x in v.items())
+                if isinstance(v, dict) else f"{v:.2f}")
         lines.append(f"- {what}: {vals}")
     return "\n".join(lines) + "\n"
 

@@ -341,6 +341,13 @@ class Pending:
 
 
 def _async_ok(group: Group, x: torch.Tensor) -> bool:
+    # ``group.fast`` (tensorpar.shm) runs synchronously, on purpose. Its collectives are memcpy and adds done by
+    # the calling rank itself (no transport thread, unlike gloo), and ShmCommunicator takes one thread per rank.
+    # Running them on a helper thread (one at a time, in issue order) was measured in bench/bench_train.py
+    # ("overlap on a helper thread (experiment)" rows, bench/results/train*.md): 2-5% faster in the quietest
+    # run (load 3), faster in two louder runs and slower in one, so not yet adopted; with one core per rank
+    # the helper's copies and adds compete with the weight-gradient matmul for that core. A library version needs
+    # ShmCommunicator.close() to wait for an in-flight collective on the helper (close unmaps the segment).
     return group.size > 1 and group.pg is not None and not _use_fast(group, x)
 
 

@@ -85,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                   "(new or empty, or a previous export with --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="let --export replace a previous tensorpar export")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="collective timeout in seconds")
+    p.add_argument("--fast-collectives", choices=["auto", "on", "off"], default=d.fast_collectives,
+                   help="same-host shared-memory collectives for the tp group's CPU tensors (auto: when all tp "
+                        "ranks share a host)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--check-collectives", action="store_true",
                    help="debug: fingerprint every collective and compare the tp ranks' fingerprints and batches at "
@@ -161,7 +164,30 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
                        hidden_dropout=args.hidden_dropout, dtype="bfloat16" if args.bf16 else "float32",
                        recompute=args.recompute, seed=args.seed, out_dir=args.out, eval_every=args.eval_every,
                        eval_batches=args.eval_batches, save_every=args.save_every,
-                       keep_checkpoints=args.keep_checkpoints)
+                       keep_checkpoints=args.keep_checkpoints,
+                       fast_collectives=args.fast_collectives)
+
+
+def enable_tp_fast_collectives(cfg: TrainConfig, ctx, timeout_s: float) -> bool:
+    """Install the shared-memory collectives on ``ctx.tp`` as ``cfg.fast_collectives`` says (collective over the tp
+    group; every rank calls it right after ``init_parallel``). Returns whether they are on. Only the tp group: its
+    all-reduces are on the critical path of every layer; dp and pp keep torch.distributed (DDP/FSDP and the pipeline
+    use the process groups directly). Raises ValueError (``"on"`` with tp ranks on several hosts) or CollectiveError
+    (``"on"`` and no shared segment)."""
+    if ctx.tp.size == 1 or cfg.fast_collectives == "off":
+        return False
+    from tensorpar.shm import enable_fast_collectives
+    return enable_fast_collectives(ctx.tp, cfg.fast_collectives, timeout_s=timeout_s)
+
+
+def check_fast_collectives(cfg: TrainConfig) -> None:
+    """``--fast-collectives on`` needs the shared-memory protocol's x86 store ordering (checked before ranks start;
+    whether the tp ranks share a host is checked by the ranks at start-up). Raises ValueError."""
+    if cfg.fast_collectives == "on" and cfg.tp > 1:
+        from tensorpar.shm.bootstrap import ordering_supported
+        if not ordering_supported():
+            raise ValueError("--fast-collectives on: the shared-memory collectives rely on x86 store ordering and this "
+                             "machine is not x86; use --fast-collectives auto or off")
 
 
 def prepare(cfg: TrainConfig, *, progress: bool = True):
@@ -308,6 +334,7 @@ def _rank_main(cfg: TrainConfig, resume, export, progress, timeout, overwrite=Fa
     else:
         ctx = init_parallel(ParallelConfig(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, tp_weights=cfg.tp_weights),
                             timeout_s=timeout)
+        enable_tp_fast_collectives(cfg, ctx, timeout)
     try:
         s = run(cfg, ctx, resume=resume, export=export, progress=progress, overwrite=overwrite,
                 check_collectives=check_collectives, tensor_peak=prediction is not None)
@@ -444,6 +471,7 @@ def main(args: argparse.Namespace) -> int:
                              f"torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']} ranks; choose degrees whose "
                              f"product is {os.environ['WORLD_SIZE']}")
         check_timeout(args.timeout)
+        check_fast_collectives(cfg)
         check_out_dir(cfg.out_dir, resume=args.resume)
         if args.export is not None:
             if Path(args.export).absolute() == Path(cfg.out_dir).absolute():

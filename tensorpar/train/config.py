@@ -28,6 +28,8 @@ PRESETS: dict[str, dict] = {
 DTYPES = ("float32", "bfloat16")
 #: data-parallel modes: torch's DDP, or FSDP2 (fully_shard) on the dp mesh axis
 DP_MODES = ("ddp", "fsdp")
+#: transports of the tp group's collectives (see TrainConfig.fast_collectives)
+FAST_COLLECTIVES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +56,10 @@ class TrainConfig:
             replica keeps whole parameters and AdamW state, gradients all-reduced) or ``"fsdp"`` (FSDP2's
             ``fully_shard`` on the dp axis, per decoder block and the root: parameters, gradients and AdamW state
             sharded 1/dp; the planner's "distributed optimizer"). At dp = 1 both are the same (nothing to shard).
+        fast_collectives: the transport of the tp group's collectives for CPU tensors: ``"auto"`` (shared memory,
+            :mod:`tensorpar.shm`, when all tp ranks share an x86 host, else torch.distributed), ``"on"`` (shared
+            memory or an error at start-up) or ``"off"`` (torch.distributed: gloo on CPU). CUDA tensors always use
+            NCCL. Results are the same bits either way at tp = 2 (one addition per element, as gloo does).
     Optimisation:
         seq_len, batch_size: tokens per step = ``seq_len * batch_size`` (the same at every tp).
         steps: optimiser steps in total (a resumed run continues up to it).
@@ -86,6 +92,7 @@ class TrainConfig:
     dp_mode: str = "ddp"
     sequence_parallel: bool = False
     tp_weights: tuple | str | None = None  # relative speed per tp rank, or "auto" (tensorpar.capacity)
+    fast_collectives: str = "auto"
     seq_len: int = 128
     batch_size: int = 8
     steps: int = 200
@@ -135,6 +142,8 @@ class TrainConfig:
             object.__setattr__(self, "tp_weights", check_tp_weights(self.tp_weights, self.tp))
         if self.schedule not in ("gpipe", "1f1b", "interleaved-1f1b"):
             bad("schedule", "use gpipe, 1f1b or interleaved-1f1b")
+        if self.fast_collectives not in FAST_COLLECTIVES:
+            bad("fast_collectives", f"use one of {', '.join(FAST_COLLECTIVES)}")
         if self.dp_mode not in DP_MODES:
             bad("dp_mode", f"use one of {', '.join(DP_MODES)}")
         if self.pp > 1 and self.schedule != "gpipe" and self.micro_batches < self.pp:
