@@ -111,6 +111,9 @@ def test_fast_collectives_on_refused_before_ranks_start_on_non_x86(monkeypatch, 
     from tensorpar.train.cli import add_arguments, main
 
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    # an earlier in-process one-rank run (run_ranks(fn, 1)) leaves RANK/WORLD_SIZE set, which reads as torchrun
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
     p = argparse.ArgumentParser()
     add_arguments(p)
     args = p.parse_args(["--tp", "2", "--fast-collectives", "on", "--out", str(tmp_path / "run")])
