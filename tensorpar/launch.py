@@ -309,12 +309,24 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args, verbose: bool = False) 
         raise ValueError(f"TENSORPAR_THREADS={threads!r}: must be a positive integer (torch threads per rank), "
                          f"or unset")
     if under_torchrun() or nproc == 1 and "RANK" not in os.environ:
-        if not under_torchrun():
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-            # a one-rank process group still needs a store: a free loopback port, never a fixed one
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
-        rc = fn(*args)
+        if under_torchrun():
+            return int(fn(*args) or 0)
+        # one rank in this process: set the launch variables for fn, then restore them, so that later code in
+        # this process (or a child it starts) does not read the leftovers as a torchrun launch
+        names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        saved_env = {k: os.environ.get(k) for k in names}
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        # a one-rank process group still needs a store: a free loopback port, never a fixed one
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        try:
+            rc = fn(*args)
+        finally:
+            for k, v in saved_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         return int(rc or 0)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
