@@ -185,6 +185,11 @@ def requantized(python: str, src: Path, ftype: str, version: str) -> tuple[Path,
     return dst, info
 
 
+def _home(path) -> str:
+    """``path`` with the home folder written ``~``: results files carry no machine-specific absolute paths."""
+    return str(path).replace(str(Path.home()), "~", 1)
+
+
 def _bandwidth(pool_run, mb: int) -> dict:
     from bench_decode import job_bandwidth
     return {w: pool_run(w, job_bandwidth, mb, 30)[0]["bytes_per_s"] for w in (1, 2)}
@@ -300,7 +305,8 @@ def run(a: argparse.Namespace) -> dict:
             "bandwidth_start": {"1 process": bw_start[1], "2 processes": bw_start[2]},
             "bandwidth_end": {"1 process": bw_end[1], "2 processes": bw_end[2]},
             "rows": rows, "targets": targets, "profiles": profiles, "prompt": PROMPT, "prompt_ids": prompt_ids,
-            "llama": llama, "llama_python": a.llama_python, "source_gguf": str(src), "requantized": quant_info,
+            "llama": llama, "llama_python": _home(a.llama_python), "source_gguf": _home(src),
+            "requantized": quant_info,
             "rounds": a.rounds, "load_start": load_start, "load_end": os.getloadavg(),
             "llama_build": _build_info(a.llama_python)}
 

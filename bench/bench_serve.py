@@ -237,7 +237,8 @@ def main():
         finally:
             stop(proc)
     load1 = os.getloadavg()
-    meta = dict(model=folder, requests=args.requests, concurrency=args.concurrency, max_tokens=args.max_tokens,
+    meta = dict(model=folder.replace(str(Path.home()), "~", 1),  # no absolute machine paths in results
+                requests=args.requests, concurrency=args.concurrency, max_tokens=args.max_tokens,
                 max_batch=args.max_batch, cpus=os.cpu_count(), loadavg_start=load0, loadavg_end=load1,
                 date=time.strftime("%Y-%m-%d %H:%M:%S"))
     out = Path(args.out)

@@ -55,6 +55,22 @@ CPU_RESERVE_GIB = 0.5  # per rank on a CPU host: interpreter, torch and its libr
 # ---------------------------------------------------------------- calibration, cached
 
 
+
+def _median_step_s(model, plan, ids, ctx, clock, reps: int, warmup: int) -> float:
+    """Median seconds (by ``clock``) of ``reps`` training steps of ``model`` on ``ids`` ``[b, s]`` after ``warmup``
+    untimed ones: forward, vocabulary-parallel cross-entropy (:mod:`tensorpar.layers.cross_entropy`), backward."""
+    from tensorpar.layers import vocab_parallel_cross_entropy
+
+    samples = []
+    for i in range(reps + warmup):
+        start = clock()
+        loss = vocab_parallel_cross_entropy(model(input_ids=ids, use_cache=False).logits, ids, ctx.tp,
+                                            partition=plan.vocab)
+        loss.backward()
+        if i >= warmup:
+            samples.append(clock() - start)
+    return statistics.median(samples)
+
 def machine_key() -> str:
     """A file-name-safe key of this machine as a calibration depends on it: host, usable cores, torch, GPU."""
     import torch
@@ -135,7 +151,6 @@ def measure_train_overhead(reps: int = 25, clock=None) -> dict:
     import torch
     from transformers import LlamaConfig
 
-    from tensorpar.layers import vocab_parallel_cross_entropy
     from tensorpar.parallel import ParallelContext
     from tensorpar.train.config import TrainConfig
     from tensorpar.train.model import ModelSource, build_model
@@ -150,15 +165,7 @@ def measure_train_overhead(reps: int = 25, clock=None) -> dict:
                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
                              tie_word_embeddings=True)
         model, plan = build_model(cfg, ModelSource(config, None, None), ctx.tp, 64)
-        samples = []
-        for i in range(reps + 3):  # 3 warm-up
-            start = clock()
-            loss = vocab_parallel_cross_entropy(model(input_ids=ids, use_cache=False).logits, ids, ctx.tp,
-                                                partition=plan.vocab)
-            loss.backward()
-            if i >= 3:
-                samples.append(clock() - start)
-        median[layers] = statistics.median(samples)
+        median[layers] = _median_step_s(model, plan, ids, ctx, clock, reps, warmup=3)
     per_layer = max(0.0, (median[4] - median[1]) / 3)
     return {"train_layer_overhead_us": per_layer * 1e6,
             "train_micro_batch_overhead_us": max(0.0, median[1] - per_layer) * 1e6}
@@ -190,7 +197,6 @@ def measure_layer_efficiency(peak_tflops: float, hbm_gbps: float, layer_overhead
     import torch
     from transformers import LlamaConfig
 
-    from tensorpar.layers import vocab_parallel_cross_entropy
     from tensorpar.parallel import ParallelContext
     from tensorpar.planner.cluster import ClusterSpec, DeviceSpec
     from tensorpar.planner.cost import layer_times
@@ -210,15 +216,7 @@ def measure_layer_efficiency(peak_tflops: float, hbm_gbps: float, layer_overhead
         config = LlamaConfig(vocab_size=256, num_hidden_layers=layers, max_position_embeddings=seq,
                              tie_word_embeddings=True, **shape)
         model, plan = build_model(cfg, ModelSource(config, None, None), ctx.tp, 256)
-        samples = []
-        for i in range(reps + 1):  # 1 warm-up
-            start = clock()
-            loss = vocab_parallel_cross_entropy(model(input_ids=ids, use_cache=False).logits, ids, ctx.tp,
-                                                partition=plan.vocab)
-            loss.backward()
-            if i >= 1:
-                samples.append(clock() - start)
-        median[layers] = statistics.median(samples)
+        median[layers] = _median_step_s(model, plan, ids, ctx, clock, reps, warmup=1)
     measured = max(1e-9, median[2] - median[1])
     spec = from_hf_config(config.to_dict(), name="calibration")
     device = DeviceSpec("calibration", 1.0, peak_tflops, 0.0, 0.0, matmul_efficiency=1.0, hbm_gbps=hbm_gbps,
