@@ -8,6 +8,7 @@ returns a :class:`ParallelContext` and callers hand it (or its ``tp`` group) to 
 from __future__ import annotations
 
 import datetime as _dt
+import gc
 import os
 from dataclasses import dataclass, field
 
@@ -130,13 +131,31 @@ class ParallelContext:
         return self.rank == 0
 
     def destroy(self) -> None:
-        """Close the shared-memory communicators (peers still waiting fail at once) and the process groups."""
+        """Close the shared-memory communicators (peers still waiting fail at once) and the process groups.
+
+        The groups are unusable afterwards (``pg`` is ``None`` on ``tp``, ``pp`` and ``dp``, and on every
+        layer that shares these :class:`~tensorpar.comm.Group` objects).
+
+        Why the references are dropped here: ``dist.destroy_process_group`` unregisters the groups but does
+        not stop gloo's worker threads while Python objects still refer to the group. A worker thread
+        frees each finished collective's work, and with it the last C++ reference to the collective's
+        tensors, a moment after ``wait()`` has returned; that release takes the GIL. When the script ends
+        right after its last collective, under CPU contention the release can come while the interpreter is
+        finalizing: the thread cannot take the GIL, is unwound, and the process aborts ("terminate called
+        without an active exception", SIGABRT after all output was printed; seen in CI as rank 1 of
+        examples/generate_tp.py). Dropping the last reference destroys the group now, while the interpreter
+        is whole: its destructor releases the GIL and joins the worker threads once they are idle.
+        """
         for g in (self.tp, self.pp, self.dp):
             if g.fast is not None:
                 from tensorpar.shm import disable_fast_collectives
                 disable_fast_collectives(g)
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+        for g in (self.tp, self.pp, self.dp):
+            g.pg = None
+        self._mesh = None
+        gc.collect()  # a group held only through a reference cycle goes now, not at exit
 
 
 def set_rank_threads(local_world_size: int, *, cores: int | None = None) -> int:

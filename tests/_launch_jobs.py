@@ -66,6 +66,30 @@ def port_of_run(seconds: float) -> int:
     return 0
 
 
+def threads_after_destroy() -> int:
+    """Broadcast as generate's last step does, then ``ctx.destroy()``: the group's gloo threads must be gone
+    (a worker left running may take the GIL while Python finalizes, and the rank aborts after its output)."""
+    import torch
+
+    from tensorpar import comm
+    from tensorpar.parallel import ParallelConfig, init_parallel
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    start = threads()
+    ctx = init_parallel(ParallelConfig(tp=int(os.environ["WORLD_SIZE"])), timeout_s=60, backend="gloo",
+                        fast_collectives="off")
+    out = comm.broadcast(torch.arange(4.0) * (ctx.rank == 0), ctx.tp)
+    assert out.tolist() == [0.0, 1.0, 2.0, 3.0], out
+    before = threads()
+    ctx.destroy()
+    after = threads()
+    print(f"rank {ctx.rank} threads {start} -> {before} -> {after} pg {ctx.tp.pg}", flush=True)
+    assert ctx.tp.pg is None and after == start, (start, before, after)
+    return 0
+
+
 if __name__ == "__main__":
     from tensorpar.launch import run_ranks
 
@@ -73,5 +97,5 @@ if __name__ == "__main__":
     verbose = "--verbose" in sys.argv
     timeout = float(os.environ.get("TENSORPAR_JOB_TIMEOUT", "3"))
     extra = {"raise_on_rank1": (), "kill_rank1": (), "stop_rank1_before_all_reduce": (timeout,),
-             "port_of_run": (3.0,)}[job]
+             "port_of_run": (3.0,), "threads_after_destroy": ()}[job]
     sys.exit(run_ranks(globals()[job], nproc, *extra, verbose=verbose))

@@ -153,6 +153,15 @@ def test_two_concurrent_runs_next_to_another_job_on_29500():
     assert ports[0] != ports[1] and 29500 not in ports
 
 
+def test_destroy_stops_the_gloo_threads_before_exit():
+    """CI saw rank 1 of examples/generate_tp.py abort at exit (SIGABRT, "terminate called without an active
+    exception") after its last broadcast: a gloo worker still held that broadcast's tensors and took the GIL
+    while Python finalized. ``ParallelContext.destroy`` must leave no gloo thread of its groups behind."""
+    p = _job("threads_after_destroy", "2")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert p.stdout.count("pg None") == 2, p.stdout
+
+
 def test_one_rank_generate_does_not_use_29500(tiny_with_tokenizer):  # noqa: F811
     held = _hold_29500()
     try:
