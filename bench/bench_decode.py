@@ -14,7 +14,7 @@ Small-batch decode reads every weight once per step, so its limit is ``bandwidth
 3. prints each row's tokens/s and its fraction of the roofline: weight bytes per token (every parameter once:
    the tied embedding is read by the LM head) / bandwidth, with the 1-process bandwidth for one process and the
    2-process bandwidth for tp=2. Batch rows read the same weights for ``b`` tokens: their roofline is ``b`` times;
-4. profiles one lean tp=2 fp32 decode (torch.profiler over the decode steps): per token, the matmuls, attention,
+4. profiles the tp=2 decodes (module path and lean fp32, lean bf16; torch.profiler over the decode steps): per token, the matmuls, attention,
    collectives (shared-memory all-reduce, waits for the slower rank included) and the rest (framework: Python,
    small ops);
 5. the quality cost of bf16: perplexity of the lean path (tp=1) at fp32 and bf16 on a held-out Shakespeare slice
@@ -169,7 +169,8 @@ def _profile(model, ctx, ids, n, path):
         t = ev.cpu_time_total / 1e3 if name == "tensorpar::all_reduce" else ev.self_cpu_time_total / 1e3
         if name == "tensorpar::all_reduce":
             cats["collectives"] += t
-        elif name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv", "aten::_weight_int8pack_mm"):
+        elif name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv", "aten::_weight_int8pack_mm",
+                      "mkldnn::_linear_pointwise"):
             cats["matmul"] += t
         elif "scaled_dot_product" in name or "flash_attention" in name:
             cats["attention"] += t
@@ -251,7 +252,7 @@ def run(folder: str, n: int, mb: int) -> dict:
     row("tensorpar tp=2, 1 thread/rank, module path", 2, 1, job_tp, folder, n, "float32", "hf", 1, True)
     row("tensorpar tp=2, 1 thread/rank, lean", 2, 1, job_tp, folder, n, "float32", "lean", 1, True)
     row("tensorpar tp=1, 1 thread, lean, bf16", 1, 1, job_tp, folder, n, "bfloat16", "lean", 1, dtype="bfloat16")
-    row("tensorpar tp=2, 1 thread/rank, lean, bf16", 2, 1, job_tp, folder, n, "bfloat16", "lean", 1,
+    row("tensorpar tp=2, 1 thread/rank, lean, bf16", 2, 1, job_tp, folder, n, "bfloat16", "lean", 1, True,
         dtype="bfloat16")
     for world in (1, 2):    # int8 weight-only (tensorpar/quant.py) with bf16 activations: its fast kernel
         row(f"tensorpar tp={world}, 1 thread/rank, lean, int8 + bf16", world, 1, job_tp, folder, n, "bfloat16",
@@ -316,8 +317,8 @@ def write(res: dict, out: Path, n: int) -> None:
     profiled = [r for r in rows if r.get("profile")]
     if profiled:
         keys = list(profiled[0]["profile"])
-        lines += ["", "Where the time goes at tp=2, fp32, per token (torch.profiler over a second generate call, rank 0: "
-                  "self CPU time of the matmuls and attention kernels, the shared-memory all-reduces with their "
+        lines += ["", "Where the time goes at tp=2, per token (torch.profiler over a second generate call, rank 0: "
+                  "self CPU time of the matmuls (bf16: oneDNN's prepacked linear) and attention kernels, the shared-memory all-reduces with their "
                   "waits for the other rank, the rest is framework: Python and small ops; the profiler adds overhead "
                   "of its own; aten ops counted with their nested calls):", "",
                   "| path | " + " | ".join(f"{k} ms" if k != "aten ops per token" else k for k in keys) + " |",
