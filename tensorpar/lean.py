@@ -260,7 +260,7 @@ class LeanDecoder:
         self.perm = torch.cat([torch.arange(half, d), torch.arange(0, half)]).to(dev)
         self.sign = torch.cat([-torch.ones(half), torch.ones(d - half)]).to(dev, w0.dtype)
         self.lin = _mm
-        self.lm_lin = F.linear
+        self.linear = F.linear
         from tensorpar.quant import int8_weights
         self.packed = ((prepack if prepack is not None else _can_pack(w0)) and int8_weights(model) is None
                        and w0.device.type == "cpu" and torch.backends.mkldnn.is_available())
@@ -290,7 +290,7 @@ class LeanDecoder:
             L.wgu = _pack(m, "gu", fused_weight(m, ("gate_proj", "up_proj"))[0], (m.gate_proj.weight, m.up_proj.weight))
             L.wd = _pack(m, "down", m.down_proj.weight)
         self.lm_w = _pack(model.lm_head, "w", self.lm_w)
-        self.lin = self.lm_lin = _packed_linear
+        self.lin = self.linear = _packed_linear
 
     def _use_int8(self, model) -> None:
         """Read the int8 weights of :func:`tensorpar.quant.quantize_int8` (if it ran) instead of the fp ones."""
@@ -306,7 +306,7 @@ class LeanDecoder:
             qa, qm = q[id(layer.self_attn)], q[id(layer.mlp)]
             L.wqkv, L.wo, L.wgu, L.wd = qa["qkv"], qa["o"], qm["gu"], qm["down"]
         self.lm_w = q["lm_head"]
-        self.lin = self.lm_lin = int8_linear
+        self.lin = self.linear = int8_linear
 
     def nbytes(self) -> int:
         """Bytes held by the KV cache."""
@@ -382,7 +382,7 @@ class LeanDecoder:
         x = x.view(b, s, h)
         if last_only:
             x = x[:, -1:]
-        logits = self.lm_lin(self.norm(x), self.lm_w, self.lm_b)
+        logits = self.linear(self.norm(x), self.lm_w, self.lm_b)
         return logits[:, -1] if last_only else logits
 
     # -------------------------------------------------------------- generate's use: rows 0..b-1, common positions
