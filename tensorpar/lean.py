@@ -17,6 +17,9 @@ math directly on the rank's tensors:
 * as few framework calls per layer as the math allows (the per-token cost every rank pays, which caps the
   tensor-parallel speed-up): RMSNorm in five calls, the matmuls as ``torch.mm`` on ``[in, out]``
   views of the weights (``F.linear``'s own kernel call), the residual adds and the SiLU in place;
+* bf16 on a CPU (oneDNN with bf16 kernels): the matmuls run on weights reordered once into oneDNN's blocked
+  layout (:func:`_pack`, kept on the modules until a weight changes); ``F.linear`` calls the same oneDNN matmul
+  but reorders the weight on every call, which made bf16 GEMV 1.5x slower than it needs to be (same bits);
 * collectives: one all-reduce for the embedding (vocabulary-parallel), two per layer (attention and MLP outputs,
   after the row-parallel projections), exactly those of the module path, through :func:`tensorpar.comm.all_reduce`
   (the shared-memory path when it is on).
@@ -136,8 +139,9 @@ def fuse_projections(model) -> None:
 def _rms_norm(mod):
     """An RMSNorm bitwise equal to ``mod`` with fewer framework calls, or ``mod`` itself when a probe says it is not
     the families' formula ``weight * (x * rsqrt(mean(x^2) + eps))`` (normalised in fp32, the weight applied in the
-    weight's dtype: transformers' ``LlamaRMSNorm``). Five in-place-where-possible calls instead of seven plus the
-    module call (``F.rms_norm``'s C++ decomposition, measured slower: it copies twice)."""
+    weight's dtype: transformers' ``LlamaRMSNorm``; ``x*x`` is ``pow(x, 2)``'s own kernel). Six calls, in place where
+    possible, instead of the module call and its eight (``F.rms_norm``'s C++ decomposition measured slower: it
+    copies twice)."""
     w = getattr(mod, "weight", None)
     eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", None))
     if not isinstance(w, torch.Tensor) or w.dim() != 1 or not isinstance(eps, float):
