@@ -14,7 +14,7 @@ Small-batch decode reads every weight once per step, so its limit is ``bandwidth
 3. prints each row's tokens/s and its fraction of the roofline: weight bytes per token (every parameter once:
    the tied embedding is read by the LM head) / bandwidth, with the 1-process bandwidth for one process and the
    2-process bandwidth for tp=2. Batch rows read the same weights for ``b`` tokens: their roofline is ``b`` times;
-4. profiles one lean tp=2 fp32 decode (torch.profiler over the decode steps): per token, the matmuls, attention,
+4. profiles the tp=2 decodes (module path and lean fp32, lean bf16; torch.profiler over the decode steps): per token, the matmuls, attention,
    collectives (shared-memory all-reduce, waits for the slower rank included) and the rest (framework: Python,
    small ops);
 5. the quality cost of bf16: perplexity of the lean path (tp=1) at fp32 and bf16 on a held-out Shakespeare slice
@@ -169,7 +169,8 @@ def _profile(model, ctx, ids, n, path):
         t = ev.cpu_time_total / 1e3 if name == "tensorpar::all_reduce" else ev.self_cpu_time_total / 1e3
         if name == "tensorpar::all_reduce":
             cats["collectives"] += t
-        elif name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv", "aten::_weight_int8pack_mm"):
+        elif name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv", "aten::_weight_int8pack_mm",
+                      "mkldnn::_linear_pointwise"):
             cats["matmul"] += t
         elif "scaled_dot_product" in name or "flash_attention" in name:
             cats["attention"] += t
@@ -219,7 +220,10 @@ def llama_cpp_available() -> bool:
         return False
 
 
-def run(folder: str, n: int, mb: int) -> dict:
+def run(folder: str, n: int, mb: int, rounds: int = 1) -> dict:
+    """All rows, ``rounds`` times interleaved (round 1 runs every row, then round 2, ...): per row the round with
+    the highest mean tokens/s is kept and the best step is the fastest of all rounds (the machine is shared: the
+    least disturbed run is the closest to what the configuration can do); profiles run in the first round only."""
     from tensorpar.testing import WorkerPool
 
     def pool_run(world, fn, *args):
@@ -229,21 +233,10 @@ def run(folder: str, n: int, mb: int) -> dict:
     load_start = os.getloadavg()
     bw = {w: pool_run(w, job_bandwidth, mb, 30)[0]["bytes_per_s"] for w in (1, 2)}
     print(f"bandwidth: 1 process {bw[1] / 1e9:.1f} GB/s, 2 processes {bw[2] / 1e9:.1f} GB/s", flush=True)
-    rows = []
+    specs = []
 
     def row(name, world, threads, fn, *args, batch=1, dtype="float32"):
-        res = pool_run(world, fn, *args)
-        r = dict(res[0])
-        tokens = [x.pop("tokens") for x in res]
-        r.update(config=name, ranks=world, threads=threads, batch=batch, dtype=dtype, tokens=tokens[0])
-        procs = world if world > 1 else 1
-        r["roofline_tok_s"] = bw[procs] / r["weight_bytes"] * batch
-        r["roofline_fraction"] = r["decode_tok_s"] / r["roofline_tok_s"]
-        r["best_step_roofline_fraction"] = r["best_step_tok_s"] / r["roofline_tok_s"]
-        rows.append(r)
-        print(f"{name:<48} {r['decode_tok_s']:7.1f} tok/s  {r['roofline_fraction']:.2f} of the roofline "
-              f"({r['roofline_tok_s']:.1f})", flush=True)
-        return r
+        specs.append((name, world, threads, fn, args, batch, dtype))
 
     row("transformers generate, 2 threads", 1, 2, job_hf, folder, n, 2, "float32")
     row("tensorpar tp=1, 1 thread, module path", 1, 1, job_tp, folder, n, "float32", "hf", 1)
@@ -251,7 +244,7 @@ def run(folder: str, n: int, mb: int) -> dict:
     row("tensorpar tp=2, 1 thread/rank, module path", 2, 1, job_tp, folder, n, "float32", "hf", 1, True)
     row("tensorpar tp=2, 1 thread/rank, lean", 2, 1, job_tp, folder, n, "float32", "lean", 1, True)
     row("tensorpar tp=1, 1 thread, lean, bf16", 1, 1, job_tp, folder, n, "bfloat16", "lean", 1, dtype="bfloat16")
-    row("tensorpar tp=2, 1 thread/rank, lean, bf16", 2, 1, job_tp, folder, n, "bfloat16", "lean", 1,
+    row("tensorpar tp=2, 1 thread/rank, lean, bf16", 2, 1, job_tp, folder, n, "bfloat16", "lean", 1, True,
         dtype="bfloat16")
     for world in (1, 2):    # int8 weight-only (tensorpar/quant.py) with bf16 activations: its fast kernel
         row(f"tensorpar tp={world}, 1 thread/rank, lean, int8 + bf16", world, 1, job_tp, folder, n, "bfloat16",
@@ -259,6 +252,34 @@ def run(folder: str, n: int, mb: int) -> dict:
     for b in (4, 16):
         for world in (1, 2):
             row(f"tensorpar tp={world}, lean, batch {b}", world, 1, job_tp, folder, n, "float32", "lean", b, batch=b)
+    kept: dict[str, dict] = {}
+    for rnd in range(rounds):
+        for name, world, threads, fn, args, batch, dtype in specs:
+            if rnd > 0 and fn is job_tp and len(args) > 5 and args[5]:
+                args = args[:5] + (False,) + args[6:]          # profile in the first round only
+            res = pool_run(world, fn, *args)
+            r = dict(res[0])
+            tokens = [x.pop("tokens") for x in res]
+            r.update(config=name, ranks=world, threads=threads, batch=batch, dtype=dtype, tokens=tokens[0])
+            procs = world if world > 1 else 1
+            r["roofline_tok_s"] = bw[procs] / r["weight_bytes"] * batch
+            print(f"round {rnd + 1}: {name:<48} {r['decode_tok_s']:7.1f} tok/s (best step {r['best_step_tok_s']:.1f})",
+                  flush=True)
+            old = kept.get(name)
+            if old is None:
+                r["rounds_tok_s"] = [r["decode_tok_s"]]
+                kept[name] = r
+                continue
+            old["rounds_tok_s"].append(r["decode_tok_s"])
+            best_step = max(old["best_step_tok_s"], r["best_step_tok_s"])
+            if r["decode_tok_s"] > old["decode_tok_s"]:
+                for k in ("decode_tok_s", "weight_bytes", "tokens"):
+                    old[k] = r[k]
+            old["best_step_tok_s"] = best_step
+    rows = list(kept.values())
+    for r in rows:
+        r["roofline_fraction"] = r["decode_tok_s"] / r["roofline_tok_s"]
+        r["best_step_roofline_fraction"] = r["best_step_tok_s"] / r["roofline_tok_s"]
     if llama_cpp_available():
         print("llama_cpp imports, but its row is not implemented in this script", flush=True)
     ppl = {}
@@ -267,7 +288,7 @@ def run(folder: str, n: int, mb: int) -> dict:
         print(f"perplexity {dt}: {ppl[dt]:.3f} on {count} tokens of {work}", flush=True)
     return {"bandwidth_bytes_per_s": {"1 process": bw[1], "2 processes": bw[2]}, "rows": rows,
             "perplexity": {"work": work, "tokens": count, **ppl}, "load_start": load_start,
-            "load_end": os.getloadavg(), "llama_cpp": llama_cpp_available()}
+            "load_end": os.getloadavg(), "llama_cpp": llama_cpp_available(), "rounds": rounds}
 
 
 def write(res: dict, out: Path, n: int) -> None:
@@ -288,7 +309,8 @@ def write(res: dict, out: Path, n: int) -> None:
              f"Memory bandwidth (GEMV over a private fp32 matrix, 1 thread per process, best of 30): 1 process "
              f"{bw['1 process'] / 1e9:.2f} GB/s, 2 processes {bw['2 processes'] / 1e9:.2f} GB/s.", "",
              "tokens/s: the mean over the decode steps; best step: the fastest single step (the least disturbed by "
-             "the other processes on the machine), as tokens/s.", "",
+             f"the other processes on the machine), as tokens/s; {res.get('rounds', 1)} round(s) of all rows, "
+             "interleaved: per row the round with the highest mean, and the fastest step of all rounds.", "",
              "| configuration | dtype | batch | weight MB/token | tokens/s | best step tokens/s | roofline tokens/s "
              "| fraction of roofline (mean / best step) | vs tp=1 lean (mean / best step) |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -316,8 +338,8 @@ def write(res: dict, out: Path, n: int) -> None:
     profiled = [r for r in rows if r.get("profile")]
     if profiled:
         keys = list(profiled[0]["profile"])
-        lines += ["", "Where the time goes at tp=2, fp32, per token (torch.profiler over a second generate call, rank 0: "
-                  "self CPU time of the matmuls and attention kernels, the shared-memory all-reduces with their "
+        lines += ["", "Where the time goes at tp=2, per token (torch.profiler over a second generate call, rank 0: "
+                  "self CPU time of the matmuls (bf16: oneDNN's prepacked linear) and attention kernels, the shared-memory all-reduces with their "
                   "waits for the other rank, the rest is framework: Python and small ops; the profiler adds overhead "
                   "of its own; aten ops counted with their nested calls):", "",
                   "| path | " + " | ".join(f"{k} ms" if k != "aten ops per token" else k for k in keys) + " |",
@@ -341,10 +363,11 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--gemv-mb", type=int, default=256, help="MB of the matrix each process streams")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    p.add_argument("--rounds", type=int, default=1, help="times every row runs, interleaved (best round kept)")
     a = p.parse_args()
     from tensorpar.hub import resolve_model
     folder = str(resolve_model(a.model))
-    write(run(folder, a.tokens, a.gemv_mb), Path(a.out), a.tokens)
+    write(run(folder, a.tokens, a.gemv_mb, a.rounds), Path(a.out), a.tokens)
 
 
 if __name__ == "__main__":

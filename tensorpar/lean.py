@@ -9,17 +9,29 @@ math directly on the rank's tensors:
 * one fused QKV matmul and one fused gate-up matmul per layer (:func:`fuse_projections`: the rank's q/k/v rows,
   and its gate/up rows, concatenated once; the original parameters become views of the fused tensor, so no
   second copy is kept and parameter names / ``state_dict`` keys are unchanged);
-* a static KV cache allocated once, ``[max_batch, kv_local, max_len, d]`` per layer, holding only this rank's KV
-  heads; a step writes its new K/V in place and attends to a view of the first ``length`` entries;
+* a static KV cache allocated once, ``[num_layers, max_batch, kv_local, max_len, d]``, holding only this rank's
+  KV heads; a step takes the write and read views of all layers in one call each, writes its new K/V in place
+  and attends to a view of the first ``length`` entries;
 * the rotary tables computed once per step for all layers; the decode mask is a view of a preallocated
   ``[max_batch, max_len]`` key-validity buffer (``None`` when no row is padded);
+* as few framework calls per layer as the math allows (the per-token cost every rank pays, which caps the
+  tensor-parallel speed-up): RMSNorm in five calls, the matmuls as ``torch.mm`` on ``[in, out]``
+  views of the weights (``F.linear``'s own kernel call), the residual adds and the SiLU in place;
+* bf16 on a CPU (oneDNN with bf16 kernels): the matmuls run on weights reordered once into oneDNN's blocked
+  layout (:func:`_pack`, kept on the modules until a weight changes); ``F.linear`` calls the same oneDNN matmul
+  but reorders the weight on every call, which made bf16 GEMV 1.5x slower than it needs to be (same bits);
+* a model quantized by :func:`tensorpar.quant.quantize_int8` (its fp weights freed) runs every matmul as
+  :func:`tensorpar.quant.int8_linear` on the int8 ``[out, in]`` weights: no ``[in, out]`` views, no prepacking;
 * collectives: one all-reduce for the embedding (vocabulary-parallel), two per layer (attention and MLP outputs,
   after the row-parallel projections), exactly those of the module path, through :func:`tensorpar.comm.all_reduce`
   (the shared-memory path when it is on).
 
-The math is the module path's: the same RMSNorm modules and rotary embedding, the rotary formula of the families'
-``apply_rotary_pos_emb`` (applied to the q and k heads in one go), ``scaled_dot_product_attention`` with the layer's scaling; only the order of operations inside a
-matmul may differ, so greedy tokens equal transformers' (tests/test_lean.py, tests/test_smollm2.py).
+The math is the module path's, rounding for rounding except inside a matmul: RMSNorm by fewer calls only where
+a probe at construction shows it bitwise equal to the family's module (else the module runs), the rotary
+embedding module and the families' ``apply_rotary_pos_emb`` formula ``q*cos + rotate_half(q)*sin`` (applied to
+the q and k heads in one go, ``rotate_half(q)*sin`` computed exactly as ``q[..., perm] * (sign*sin)``),
+``scaled_dot_product_attention`` with the layer's scaling; only the order of operations inside a matmul may
+differ, so greedy tokens equal transformers' (tests/test_lean.py, tests/test_generate.py, tests/test_smollm2.py).
 
 Families: those whose blocks are ``x + attn(norm(x))``, ``x + gated_mlp(norm(x))`` with RMSNorm and a rotary
 :class:`~tensorpar.hf.modules.TPAttention` (llama, mistral, qwen2; :data:`LEAN_FAMILIES`), without sliding windows,
@@ -128,8 +140,69 @@ def fuse_projections(model) -> None:
             mod.__dict__["_lean_fused"] = _fuse([getattr(mod, n) for n in names], names)
 
 
+def _rms_norm(mod):
+    """An RMSNorm bitwise equal to ``mod`` with fewer framework calls, or ``mod`` itself when a probe says it is not
+    the families' formula ``weight * (x * rsqrt(mean(x^2) + eps))`` (normalised in fp32, the weight applied in the
+    weight's dtype: transformers' ``LlamaRMSNorm``; ``x*x`` is ``pow(x, 2)``'s own kernel). Six calls, in place where
+    possible, instead of the module call and its eight (``F.rms_norm``'s C++ decomposition measured slower: it
+    copies twice)."""
+    w = getattr(mod, "weight", None)
+    eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", None))
+    if not isinstance(w, torch.Tensor) or w.dim() != 1 or not isinstance(eps, float):
+        return mod
+    if w.dtype == torch.float32:
+        def fn(x):
+            return torch.mul(x, torch.mul(x, x).mean(-1, keepdim=True).add_(eps).rsqrt_()).mul_(w)
+    else:
+        def fn(x):
+            h = x.float()
+            return torch.mul(h, torch.mul(h, h).mean(-1, keepdim=True).add_(eps).rsqrt_()).to(w.dtype).mul_(w)
+    g = torch.Generator().manual_seed(0)
+    scale = torch.tensor([[0.01], [1.0], [30.0]])
+    with torch.no_grad():
+        for n in (3, 1):
+            probe = (torch.randn(n, w.shape[0], generator=g) * scale[:n]).to(w.device, w.dtype)
+            if not torch.equal(fn(probe), mod(probe)):
+                return mod
+    return fn
+
+
+def _is_silu(act, w: torch.Tensor) -> bool:
+    """Whether ``act`` computes ``F.silu`` (checked on a probe in ``w``'s dtype): then it runs in place."""
+    probe = torch.linspace(-8, 8, 64).to(w.device, w.dtype)
+    with torch.no_grad():
+        return torch.equal(act(probe), F.silu(probe))
+
+
+def _mm(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``x [n, in] @ wt [in, out] (+ b)``: ``F.linear(x, wt.t(), b)``'s own call for 2-D input, without its dispatch."""
+    return torch.mm(x, wt) if b is None else torch.addmm(b, x, wt)
+
+
+def _packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, W, b)`` with ``w`` = :func:`_pack` (W): oneDNN's matmul without its per-call weight reorder."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+def _can_pack(w: torch.Tensor) -> bool:
+    """Whether :func:`_pack` applies: a bf16 weight on a CPU whose oneDNN runs bf16 (what ``F.linear`` calls there)."""
+    return (w.dtype == torch.bfloat16 and w.device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _pack(owner, key: str, w: torch.Tensor, params=()) -> torch.Tensor:
+    """``w`` ``[out, in]`` reordered once into oneDNN's blocked layout, cached on ``owner`` until ``w`` changes
+    (its storage, or an in-place write to it or to ``params``, the parameters it is fused from: version counters)."""
+    cache = owner.__dict__.setdefault("_lean_packed", {})
+    tag = (w.data_ptr(), w._version, w.dtype, tuple(w.shape), tuple(p._version for p in params))
+    hit = cache.get(key)
+    if hit is None or hit[0] != tag:
+        hit = cache[key] = (tag, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1))
+    return hit[1]
+
+
 class _Layer:
-    __slots__ = ("ln1", "wqkv", "bqkv", "split", "wo", "bo", "ln2", "wgu", "bgu", "f", "wd", "bd", "act",
+    __slots__ = ("ln1", "wqkv", "bqkv", "wo", "bo", "ln2", "wgu", "bgu", "f", "wd", "bd", "act", "silu",
                  "kv_idx", "gqa", "scaling")
 
 
@@ -141,73 +214,106 @@ class LeanDecoder:
         tp: its tensor-parallel group.
         max_batch: rows (or serving slots) the cache holds.
         max_len: positions per row (prompt + new tokens).
+        prepack: run the matmuls on weights reordered once into oneDNN's blocked layout (bitwise the results
+            of ``F.linear``, which on a bf16 CPU weight reorders it on every call: 1.5x slower GEMV, measured in
+            bench/results/decode.md). ``None``: for bf16 weights on a CPU with oneDNN bf16. Never for a model
+            quantized by :func:`tensorpar.quant.quantize_int8` (its matmuls read the int8 weights).
 
     Memory: ``2 * num_layers * max_batch * kv_local * max_len * head_dim`` elements of the weights' dtype,
-    allocated here once. Raises ValueError if the model cannot run this path.
+    allocated here once; with ``prepack`` a second copy of the rank's matmul weights (kept on the modules and
+    reused by the next decoder until a weight changes). Raises ValueError if the model cannot run this path.
     """
 
-    def __init__(self, model, tp: Group, *, max_batch: int, max_len: int):
+    def __init__(self, model, tp: Group, *, max_batch: int, max_len: int, prepack: bool | None = None):
         why = lean_unsupported(model)
         if why is not None:
             raise ValueError(f"the lean decode path cannot run this model: {why}")
+        from tensorpar.quant import int8_linear, int8_weights, lean_weight
+        q8 = int8_weights(model)        # tensorpar.quant.quantize_int8 ran: its fp weights were freed
+        if q8 is not None and q8["dtype"] != model.model.norm.weight.dtype:
+            raise ValueError(f"the model was quantized in {q8['dtype']} and is now {model.model.norm.weight.dtype}; "
+                             f"quantize after the .to(dtype)")
+        int8 = q8 is not None
         fuse_projections(model)
-        from tensorpar.quant import lean_weight     # int8: the Int8Weight of a Linear whose fp weight was freed
         base = model.model
         self.model, self.tp = model, tp
-        self.embed, self.rotary, self.norm = base.embed_tokens, base.rotary_emb, base.norm
+        self.embed, self.rotary = base.embed_tokens, base.rotary_emb
+        self.norm = _rms_norm(base.norm)
         self.lm_w, self.lm_b = lean_weight(model.lm_head), getattr(model.lm_head, "bias", None)
         self.max_batch, self.max_len = max_batch, max_len
         self.layers: list[_Layer] = []
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
         a0 = base.layers[0].self_attn
         self.rope = a0._rope
         w0 = self.lm_w
+        dev = w0.device
         for layer in base.layers:
             a, m = layer.self_attn, layer.mlp
             L = _Layer()
-            L.ln1, L.ln2 = layer.input_layernorm, layer.post_attention_layernorm
-            L.wqkv, L.bqkv = fused_weight(a, ("q_proj", "k_proj", "v_proj"))
-            L.split = [a._n_q, a._n_kv, a._n_kv]
-            L.wo, L.bo = lean_weight(a.o_proj), a.o_proj.bias
-            L.wgu, L.bgu = fused_weight(m, ("gate_proj", "up_proj"))
-            L.f = lean_weight(m.down_proj).shape[1]
-            L.wd, L.bd = lean_weight(m.down_proj), m.down_proj.bias
+            L.ln1, L.ln2 = _rms_norm(layer.input_layernorm), _rms_norm(layer.post_attention_layernorm)
+            wqkv, L.bqkv = fused_weight(a, ("q_proj", "k_proj", "v_proj"))
+            wgu, L.bgu = fused_weight(m, ("gate_proj", "up_proj"))
+            wo, wd = lean_weight(a.o_proj), lean_weight(m.down_proj)
+            if int8:        # Int8Weights [out, in] (the fp weights were freed): int8_linear reads them as they are
+                L.wqkv, L.wo, L.wgu, L.wd = wqkv, wo, wgu, wd
+            else:           # [in, out] views of the [out, in] weights: torch.mm(x, w.t()) is F.linear's own call
+                L.wqkv, L.wo, L.wgu, L.wd = wqkv.t(), wo.t(), wgu.t(), wd.t()
+            L.bo, L.bd = a.o_proj.bias, m.down_proj.bias
+            L.f = wd.shape[1]
             L.act = m.act_fn
+            L.silu = _is_silu(m.act_fn, w0)
             L.gqa = a._group is not None and a._group > 1
             idx = a.layout.kv_index(tp.rank)
-            L.kv_idx = None if a._group is not None else torch.tensor(idx, device=w0.device)
+            L.kv_idx = None if a._group is not None else torch.tensor(idx, device=dev)
             L.scaling = a.scaling
             self.layers.append(L)
-            n_kv, d = a.layout.local_kv_heads(tp.rank), a.head_dim
-            self.k.append(torch.zeros(max_batch, n_kv, max_len, d, dtype=w0.dtype, device=w0.device))
-            self.v.append(torch.zeros(max_batch, n_kv, max_len, d, dtype=w0.dtype, device=w0.device))
-        self.head_dim = a0.head_dim
-        self.linear = F.linear
-        self._use_int8(model)
+        n_q, n_kv, d = a0.layout.local_heads(tp.rank), a0.layout.local_kv_heads(tp.rank), a0.head_dim
+        self.n_q, self.n_kv, self.head_dim = n_q, n_kv, d
+        # one cache tensor for all layers: a step takes its per-layer write and read views in one call
+        shape = (len(self.layers), max_batch, n_kv, max_len, d)
+        self.kcache = torch.zeros(shape, dtype=w0.dtype, device=dev)
+        self.vcache = torch.zeros(shape, dtype=w0.dtype, device=dev)
+        self.k, self.v = list(self.kcache.unbind(0)), list(self.vcache.unbind(0))
+        # rotate_half(x) * sin == x[..., perm] * sin_sign (the halves swapped, the sign moved onto sin: exact)
+        half = d // 2
+        self.perm = torch.cat([torch.arange(half, d), torch.arange(0, half)]).to(dev)
+        self.sign = torch.cat([-torch.ones(half), torch.ones(d - half)]).to(dev, w0.dtype)
+        # the matmuls: self.lin for the layers (2-D input), self.linear for the LM head
+        if int8:        # the int8 weights (lean_weight / fused_weight gave them above), dequantized on the fly
+            self.lin = self.linear = int8_linear
+        else:
+            self.lin, self.linear = _mm, F.linear
+        self.packed = (not int8 and (prepack if prepack is not None else _can_pack(w0))
+                       and w0.device.type == "cpu" and torch.backends.mkldnn.is_available())
+        if self.packed:
+            self._use_packed(model)
         #: key validity per row and position (False: left padding); decode masks are views of it
-        self.valid = torch.ones(max_batch, max_len, dtype=torch.bool, device=w0.device)
+        self.valid = torch.ones(max_batch, max_len, dtype=torch.bool, device=dev)
         self.padded = False
 
-    def _use_int8(self, model) -> None:
-        """Read the int8 weights of :func:`tensorpar.quant.quantize_int8` (if it ran) instead of the fp ones."""
-        from tensorpar.quant import int8_linear, int8_weights
-
-        q = int8_weights(model)
-        if q is None:
+    def _use_packed(self, model) -> None:
+        """Read oneDNN-prepacked copies of the matmul weights (:func:`_pack`), if a probe shows them bitwise
+        equal to ``F.linear`` on this machine; else keep the plain weights."""
+        base = model.model
+        a0 = base.layers[0].self_attn
+        w = fused_weight(a0, ("q_proj", "k_proj", "v_proj"))[0]
+        probe = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
+        if not torch.equal(_packed_linear(probe, _pack(a0, "qkv", w, (a0.q_proj.weight, a0.k_proj.weight,
+                                                                       a0.v_proj.weight)), None), F.linear(probe, w)):
+            self.packed = False
             return
-        if q["dtype"] != self.norm.weight.dtype:
-            raise ValueError(f"the model was quantized in {q['dtype']} and is now {self.norm.weight.dtype}; "
-                             f"quantize after the .to(dtype)")
-        for layer, L in zip(model.model.layers, self.layers):
-            qa, qm = q[id(layer.self_attn)], q[id(layer.mlp)]
-            L.wqkv, L.wo, L.wgu, L.wd = qa["qkv"], qa["o"], qm["gu"], qm["down"]
-        self.lm_w = q["lm_head"]
-        self.linear = int8_linear
+        for layer, L in zip(base.layers, self.layers):
+            a, m = layer.self_attn, layer.mlp
+            L.wqkv = _pack(a, "qkv", fused_weight(a, ("q_proj", "k_proj", "v_proj"))[0],
+                           (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight))
+            L.wo = _pack(a, "o", a.o_proj.weight)
+            L.wgu = _pack(m, "gu", fused_weight(m, ("gate_proj", "up_proj"))[0], (m.gate_proj.weight, m.up_proj.weight))
+            L.wd = _pack(m, "down", m.down_proj.weight)
+        self.lm_w = _pack(model.lm_head, "w", self.lm_w)
+        self.lin = self.linear = _packed_linear
 
     def nbytes(self) -> int:
         """Bytes held by the KV cache."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return self.kcache.numel() * self.kcache.element_size() * 2
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, rope_pos: torch.Tensor, mask: torch.Tensor | None, *, length: int,
@@ -224,50 +330,62 @@ class LeanDecoder:
         tp = self.tp
         b, s = ids.shape
         x = self.embed(ids)                                                            # [b, s, h], all-reduced
-        cos, sin = self.rotary(x, rope_pos)
-        d = self.head_dim
-        sdpa, linear = F.scaled_dot_product_attention, self.linear
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                                # [b, 1, s, d]
-        half = d // 2
+        h = x.shape[-1]
+        cos, sin = self.rotary(x, rope_pos)                                            # [b, s, d]
+        d, nq, nkv = self.head_dim, self.n_q, self.n_kv
+        cos = cos.unsqueeze(1)                                                         # [b, 1, s, d]
+        sin = (sin * self.sign).unsqueeze(1)
+        perm, sdpa, lin, all_reduce = self.perm, F.scaled_dot_product_attention, self.lin, comm.all_reduce
+        # the cache views of this step, for all layers at once: where the new K/V go, what attention reads
+        kw = vw = None
+        if slots is not None and b == 1:        # one serving slot: its rows as a contiguous range when it is one
+            j, p0 = int(slots[0]), int(cache_pos[0, 0])
+            if s == 1 or torch.equal(cache_pos[0], torch.arange(p0, p0 + s, device=cache_pos.device)):
+                kw, vw = self.kcache[:, j:j + 1, :, p0:p0 + s].unbind(0), self.vcache[:, j:j + 1, :, p0:p0 + s].unbind(0)
+            keys_all = self.kcache[:, j:j + 1, :, :length].unbind(0)
+            vals_all = self.vcache[:, j:j + 1, :, :length].unbind(0)
+        elif slots is None:
+            kw, vw = self.kcache[:, :b, :, start:start + s].unbind(0), self.vcache[:, :b, :, start:start + s].unbind(0)
+            keys_all = self.kcache[:, :b, :, :length].unbind(0)
+            vals_all = self.vcache[:, :b, :, :length].unbind(0)
+        x = x.reshape(b * s, h).clone()                                                # the residual stream, in place
         for i, L in enumerate(self.layers):
-            r = L.ln1(x)
-            nq, nkv = L.split[0], L.split[1]
-            qkv = linear(r, L.wqkv, L.bqkv)                                          # [b, s, (q + 2 kv) * d]
+            qkv = lin(L.ln1(x), L.wqkv, L.bqkv).view(b, s, nq + 2 * nkv, d).transpose(1, 2)   # [b, heads, s, d]
             # rotary on the q and k heads together: q*cos + rotate_half(q)*sin, the family's formula
-            qk = qkv[..., :nq + nkv].view(b, s, -1, d).transpose(1, 2)               # [b, q_local + kv_local, s, d]
-            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
-            nh = nq // d
-            q, k = qk[:, :nh], qk[:, nh:]                                            # [b, q_local | kv_local, s, d]
-            v = qkv[..., nq + nkv:].view(b, s, -1, d).transpose(1, 2)               # [b, kv_local, s, d]
-            kc, vc = self.k[i], self.v[i]
-            if slots is None:
-                kc[:b, :, start:start + s] = k
-                vc[:b, :, start:start + s] = v
-                keys, vals = kc[:b, :, :length], vc[:b, :, :length]
+            qk = qkv[:, :nq + nkv]
+            rot = qk.index_select(-1, perm).mul_(sin)
+            qk = torch.mul(qk, cos).add_(rot)                                          # [b, q_local + kv_local, s, d]
+            q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:]
+            if kw is not None:
+                kw[i].copy_(k)
+                vw[i].copy_(v)
             else:
+                kc, vc = self.k[i], self.v[i]
                 kc[slots[:, None], :, cache_pos] = k.transpose(1, 2)
                 vc[slots[:, None], :, cache_pos] = v.transpose(1, 2)
-                if b == 1:
-                    j = int(slots[0])
-                    keys, vals = kc[j:j + 1, :, :length], vc[j:j + 1, :, :length]
-                else:
-                    keys, vals = kc[:, :, :length].index_select(0, slots), vc[:, :, :length].index_select(0, slots)
+            if slots is None or b == 1:
+                keys, vals = keys_all[i], vals_all[i]
+            else:
+                keys = self.k[i][:, :, :length].index_select(0, slots)
+                vals = self.v[i][:, :, :length].index_select(0, slots)
             if L.kv_idx is not None:
                 keys, vals = keys.index_select(1, L.kv_idx), vals.index_select(1, L.kv_idx)
             o = sdpa(q, keys, vals, attn_mask=mask, scale=L.scaling, enable_gqa=L.gqa)   # [b, q_local, s, d]
-            o = linear(o.transpose(1, 2).reshape(b, s, -1), L.wo)
-            o = comm.all_reduce(o, tp)
+            o = all_reduce(lin(o.transpose(1, 2).reshape(b * s, -1), L.wo, None), tp)
             if L.bo is not None:
                 o = o + L.bo
-            x = x + o
-            g, u = linear(L.ln2(x), L.wgu, L.bgu).split(L.f, -1)
-            o = comm.all_reduce(linear(L.act(g) * u, L.wd), tp)
+            x.add_(o)
+            gu = lin(L.ln2(x), L.wgu, L.bgu)                                           # [b*s, 2 f]
+            g, u = gu[:, :L.f], gu[:, L.f:]
+            a = F.silu(g, inplace=True) if L.silu else L.act(g)
+            o = all_reduce(lin(a.mul_(u), L.wd, None), tp)
             if L.bd is not None:
                 o = o + L.bd
-            x = x + o
+            x.add_(o)
+        x = x.view(b, s, h)
         if last_only:
             x = x[:, -1:]
-        logits = linear(self.norm(x), self.lm_w, self.lm_b)
+        logits = self.linear(self.norm(x), self.lm_w, self.lm_b)
         return logits[:, -1] if last_only else logits
 
     # -------------------------------------------------------------- generate's use: rows 0..b-1, common positions

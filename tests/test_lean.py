@@ -105,3 +105,53 @@ def test_bf16_tp1_equals_tp2(pools, folders):
                         2, float(l1.abs().max()))
         assert (l2 - l1).abs().max() <= tol
         assert torch.equal(t1, t2)
+
+
+def test_rms_norm_fast_path_is_the_module_bitwise(folders):
+    """The lean path's RMSNorm (fewer framework calls) is taken for the families' norms, fp32 and bf16, and gives
+    the module's output bit for bit (including a one-row input, the decode shape)."""
+    from transformers import AutoModelForCausalLM
+
+    from tensorpar.lean import _rms_norm
+    for arch in ("llama", "qwen2"):
+        model = AutoModelForCausalLM.from_pretrained(folders[arch])
+        for dtype in (torch.float32, torch.bfloat16):
+            norm = model.model.layers[0].input_layernorm.to(dtype)
+            with torch.no_grad():
+                norm.weight.uniform_(0.5, 1.5)
+            fast = _rms_norm(norm)
+            assert fast is not norm, f"{arch} {dtype}: the fast RMSNorm was not taken"
+            for rows in (1, 5):
+                x = (torch.randn(rows, norm.weight.shape[0]) * 7).to(dtype)
+                with torch.no_grad():
+                    assert torch.equal(fast(x), norm(x)), f"{arch} {dtype} rows={rows}"
+
+
+def test_bf16_prepacked_equals_plain_and_follows_weight_updates(folders):
+    """bf16 on CPU: the oneDNN-prepacked matmuls give the plain ``F.linear`` path's logits bit for bit, and a weight
+    changed in place after a decoder was built is packed again by the next one (no stale copy)."""
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.lean import LeanDecoder, _can_pack
+    from tensorpar.parallel import ParallelContext
+    ctx = ParallelContext.single()
+    model, _ = build_parallel_model(folders["llama"], ctx.tp, dtype=torch.bfloat16)
+    if not _can_pack(model.lm_head.weight):
+        pytest.skip("this CPU's oneDNN has no bf16 kernels: the decoder does not prepack")
+    ids, mask = prompts(53)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+
+    def logits(prepack):
+        lean = LeanDecoder(model, ctx.tp, max_batch=3, max_len=ids.shape[1] + 1, prepack=prepack)
+        assert lean.packed is prepack
+        first = lean.prefill(ids, mask, pos)
+        step = lean.decode(first.argmax(-1, keepdim=True), pos[:, -1:] + 1, ids.shape[1])
+        return first, step
+
+    packed, plain = logits(True), logits(False)
+    assert torch.equal(packed[0], plain[0]) and torch.equal(packed[1], plain[1])
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(-1)
+        model.model.layers[1].self_attn.q_proj.weight.mul_(-1)     # a view of the fused QKV weight
+    packed2, plain2 = logits(True), logits(False)
+    assert torch.equal(packed2[0], plain2[0]) and torch.equal(packed2[1], plain2[1])
+    assert not torch.equal(packed2[0], packed[0]), "the weight change did not change the logits"

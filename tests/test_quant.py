@@ -264,3 +264,55 @@ def test_int8_frees_the_fp_weights(pools, folders, arch, tp):
         assert res["after"] < 0.5 * res["before"], res               # fp32: 4 bytes per weight before
         assert res["after_generate"] == res["after"], "generating re-created fp weights"
         assert torch.equal(res["tokens"], want) and torch.equal(res["module"], want), f"rank {r}: tokens changed"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_on_int8_reads_only_the_int8_weights(folders, monkeypatch, dtype):
+    """The lean decoder of a quantized model multiplies by the int8 tensors only: building it and decoding never
+    dequantizes a freed fp weight (no ``[in, out]`` view, no oneDNN prepack of one, even with ``prepack=True``),
+    nothing is cached on the modules and the resident bytes do not grow; the logits equal those of the same
+    decoder run without the check."""
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.lean import LeanDecoder
+    from tensorpar.parallel import ParallelContext
+    from tensorpar.quant import Int8Weight, int8_linear, quantize_int8, resident_weight_bytes
+    ctx = ParallelContext.single()
+    model, _ = build_parallel_model(folders["llama"], ctx.tp, dtype=dtype)
+    quantize_int8(model, ctx.tp)
+    ids, mask = prompts(ARCHS["llama"]["vocab_size"])
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+
+    def run(prepack):
+        lean = LeanDecoder(model, ctx.tp, max_batch=ids.shape[0], max_len=ids.shape[1] + 1, prepack=prepack)
+        first = lean.prefill(ids, mask, pos)
+        step = lean.decode(first.argmax(-1, keepdim=True), pos[:, -1:] + 1, ids.shape[1])
+        return lean, first, step
+
+    _, want_first, want_step = run(None)
+    before = resident_weight_bytes(model)
+
+    def no_dequantize(self):
+        raise AssertionError("the lean path dequantized a freed fp weight")
+    monkeypatch.setattr(Int8Weight, "dequantize", no_dequantize)
+    for prepack in (None, True):
+        lean, first, step = run(prepack)
+        assert lean.packed is False and lean.lin is int8_linear and lean.linear is int8_linear
+        assert all(isinstance(w, Int8Weight) for L in lean.layers for w in (L.wqkv, L.wo, L.wgu, L.wd))
+        assert torch.equal(first, want_first) and torch.equal(step, want_step)
+    assert not any("_lean_packed" in m.__dict__ for m in model.modules())
+    assert resident_weight_bytes(model) == before
+
+
+def test_lean_refuses_a_model_cast_after_quantizing(folders):
+    """quantize_int8, then .to(bfloat16): the lean decoder's error names both dtypes and says to quantize after
+    the cast (the fast RMSNorm of the lean path must not turn it into an AttributeError)."""
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.lean import LeanDecoder
+    from tensorpar.parallel import ParallelContext
+    from tensorpar.quant import quantize_int8
+    ctx = ParallelContext.single()
+    model, _ = build_parallel_model(folders["llama"], ctx.tp)
+    quantize_int8(model, ctx.tp)
+    model.to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"quantized in torch.float32 and is now torch.bfloat16; quantize after"):
+        LeanDecoder(model, ctx.tp, max_batch=1, max_len=8)
