@@ -5,10 +5,22 @@ needs a KV cache in which requests of different lengths live side by side and co
 each of ``max_batch`` *slots* owns a static region of every layer's cache, ``[kv_local, max_model_len, d]``,
 preallocated at start (only this rank's KV heads, so the cache memory per rank falls with tp). A step is
 
-* a prefill of every newly admitted request, one request per forward (``[1, s_prompt]``, causal mask), and
+* one prefill forward of the newly admitted requests together (:func:`prefill_groups` splits a burst into a few
+  forwards when the prompt lengths differ a lot or the batch would exceed :data:`PREFILL_TOKENS`), and
 * one decode forward of every running request together (``[b, 1]``): each row writes its new K/V at its own
   position in its own slot and attends to the first ``pos + 1`` entries of that slot (a padded boolean mask,
   ``[b, 1, 1, L]`` with ``L`` the longest row this step).
+
+A batched prefill pads the prompts to the longest, ``s``, *on the left of the sequence* but not in the cache
+(:func:`prefill_layout`): a row of ``n`` tokens is ``[pad] * (s - n) + prompt``, its real tokens go to cache
+positions (and rotary positions) ``0 .. n-1`` and its pads to ``n .. s-1``. Each query attends to the cache
+entries at or before its own position, so a real token sees only real tokens (the pads sit after it), every
+pad's output is finite (it sees real tokens and earlier pads), and the last position of every row is its last
+prompt token, whose logits are the ones kept. The pads' K/V are overwritten by the row's first decode (at
+position ``n``) and later ones before any query reads them (a decode at position ``p`` writes ``p`` and reads
+``[0, p]``). Decode rows are not merged into the prefill forward: padded to the prompt length they would cost
+``s`` times their compute (there is no variable-length attention kernel here), so a step is at most two
+forwards (more only for a split burst).
 
 Tokens are chosen as :func:`tensorpar.generate.generate_tokens` chooses them: greedy rows by the vocab-parallel
 argmax (no gathered logits), sampled rows by gathering their logits to rank 0, which samples with the
@@ -17,7 +29,9 @@ broadcasts the tokens. Log-probabilities are computed vocab-parallel
 (:func:`~tensorpar.layers.log_softmax.vocab_parallel_logprobs`, ``vocab_parallel_topk_logprobs``).
 
 Every rank runs :meth:`Engine.step` with the same :class:`StepPlan`; rank 0 makes the plans (the scheduler) and
-broadcasts each one in a single message (:meth:`Engine.exchange`); the other ranks run :func:`follow`.
+broadcasts each one as a small int64 tensor (:meth:`Engine.exchange`, :func:`encode_plan`), one broadcast of
+:data:`PLAN_WORDS` words per step when the plan fits (a second one for the rest of a longer plan), over the
+group's shared-memory communicator when it has one, else its process group; the other ranks run :func:`follow`.
 """
 from __future__ import annotations
 
@@ -75,7 +89,8 @@ class SlotKVCache:
 class Row:
     """One request's part of a step: feed ``tokens`` into ``slot`` at positions ``start ..``.
 
-    ``start == 0`` is a prefill (run as its own forward); otherwise ``tokens`` is the one last token (decode).
+    ``start == 0`` is a prefill (batched with the step's other prefills); otherwise a continuation, usually the
+    one last token (decode; continuations of equal token counts run together).
     ``sampled``: the token is sampled on rank 0 (else greedy). ``logprobs``: -1 none, 0 the chosen token's
     log-probability, k > 0 also the top-k.
     """
@@ -93,6 +108,91 @@ class StepPlan:
 
     op: str
     rows: list[Row] = field(default_factory=list)
+
+
+#: padded tokens (rows x longest prompt) one batched prefill forward may hold; a longer burst is split
+PREFILL_TOKENS = 4096
+#: a prefill group grows while its padded size stays within this factor of its real tokens, plus
+#: :data:`PREFILL_FREE_PAD` pad tokens (cheaper than another forward's fixed cost)
+PREFILL_PAD_SLACK = 1.5
+PREFILL_FREE_PAD = 64
+
+
+def prefill_groups(lengths: list[int], *, budget: int = PREFILL_TOKENS, slack: float = PREFILL_PAD_SLACK,
+                   free_pad: int = PREFILL_FREE_PAD) -> list[list[int]]:
+    """Split prefill rows of token counts ``lengths`` into groups run as one padded forward each.
+
+    Rows are taken longest first; a group of longest length ``s`` takes the next row while
+    ``(rows + 1) * s <= budget`` and ``(rows + 1) * s <= slack * real_tokens + free_pad`` (so padding adds
+    at most ``slack - 1`` of the real work, or ``free_pad`` tokens). A row longer than ``budget`` is a group of
+    its own. Returns the indices into ``lengths`` of each group (deterministic: every rank gets the same groups
+    from the same plan).
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    real = s = 0
+    for i in order:
+        n = lengths[i]
+        if groups and (len(groups[-1]) + 1) * s <= min(budget, slack * (real + n) + free_pad):
+            groups[-1].append(i)
+            real += n
+        else:
+            groups.append([i])
+            real = s = n
+    return groups
+
+
+def prefill_layout(prompts: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
+    """Token ids and positions ``[b, s]`` of a batched prefill (``s``: the longest prompt).
+
+    Row ``i`` of ``n`` tokens is ``[pad] * (s - n) + prompts[i]`` (the pad: its first token) at positions
+    ``[n, .., s-1, 0, .., n-1]``: the positions are both the cache entries written and the rotary positions, so
+    the prompt lands where a prefill alone puts it, and the last column is every row's last prompt token.
+    With the mask ``key_pos <= query_pos`` no prompt token attends to a pad (see the module docstring).
+    """
+    s = max(len(p) for p in prompts)
+    ids = [[p[0]] * (s - len(p)) + list(p) for p in prompts]
+    pos = [list(range(len(p), s)) + list(range(len(p))) for p in prompts]
+    return ids, pos
+
+
+# ---------------------------------------------------------------- the step plan as an int64 tensor
+#: words of the fixed-size plan message (8 KiB); a longer plan sends the rest in a second broadcast
+PLAN_WORDS = 1024
+_OPS = ("stop", "step", "noop")
+_MAGIC = 0x7470_5350                # "tpSP": a desynchronised message fails loudly instead of running garbage
+_HEAD = 5                           # magic, op, rows, tokens, total words
+_ROW = 5                            # slot, start, tokens, sampled, logprobs
+
+
+def encode_plan(plan: StepPlan) -> torch.Tensor:
+    """``plan`` as a 1-D int64 CPU tensor: a header ``[magic, op, rows, tokens, total words]``, then per row
+    ``[slot, start, len(tokens), sampled, logprobs]``, then every row's tokens in row order
+    (``5 + 5 * rows + tokens`` words; :func:`decode_plan` inverts it). Raises ValueError for an unknown op."""
+    if plan.op not in _OPS:
+        raise ValueError(f"StepPlan.op must be one of {_OPS}, got {plan.op!r}")
+    rows = plan.rows
+    ntok = sum(len(r.tokens) for r in rows)
+    words = [_MAGIC, _OPS.index(plan.op), len(rows), ntok, _HEAD + _ROW * len(rows) + ntok]
+    for r in rows:
+        words += (r.slot, r.start, len(r.tokens), int(r.sampled), r.logprobs)
+    for r in rows:
+        words += r.tokens
+    return torch.tensor(words, dtype=torch.int64)
+
+
+def decode_plan(t: torch.Tensor) -> StepPlan:
+    """The :class:`StepPlan` of :func:`encode_plan`'s tensor ``t`` (1-D int64, at least the header's total
+    words; trailing words are ignored). Raises ValueError on a bad magic word or op code."""
+    w = t.tolist()
+    if len(w) < _HEAD or w[0] != _MAGIC or not 0 <= w[1] < len(_OPS) or len(w) < w[4]:
+        raise ValueError(f"not a step plan message (header {w[:_HEAD]}): the tp ranks are out of step")
+    n, rows, off = w[2], [], _HEAD + _ROW * w[2]
+    for i in range(n):
+        slot, start, k, sampled, lp = w[_HEAD + _ROW * i:_HEAD + _ROW * (i + 1)]
+        rows.append(Row(slot, w[off:off + k], start, bool(sampled), lp))
+        off += k
+    return StepPlan(_OPS[w[1]], rows)
 
 
 @dataclass
@@ -144,21 +244,28 @@ class Engine:
         self.step(StepPlan("step", [Row(0, [0], 0)]), samplers=None)          # allocate the cache, warm up
 
     @torch.no_grad()
-    def _forward(self, slots: list[int], ids: list[list[int]], starts: list[int]) -> torch.Tensor:
-        """Logits of the last position of each row, ``[b, V_r]`` (rows of equal token counts)."""
+    def _forward(self, slots: list[int], ids: list[list[int]], pos: list[list[int]]) -> torch.Tensor:
+        """Logits of the last column of each row, ``[b, V_r]``.
+
+        ``ids`` and ``pos`` ``[b, s]``: token ids and their positions (cache entries written and rotary positions);
+        each query attends to its slot's entries at positions ``<= `` its own (``[b, 1, s, L]`` bool mask,
+        ``L = max(pos) + 1``; no mask for a decode in which every row is at ``L - 1``).
+        """
         dev = self.device
         s = len(ids[0])
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
         ids_t = torch.tensor(ids, dtype=torch.long, device=dev)                               # [b, s]
-        pos = torch.tensor(starts, dtype=torch.long, device=dev)[:, None] + torch.arange(s, device=dev)
-        length = int(pos.max()) + 1
-        mask = pos[:, None, :, None] >= torch.arange(length, device=dev)                    # [b, 1, s, L]
+        pos_t = torch.tensor(pos, dtype=torch.long, device=dev)                               # [b, s]
+        length = max(max(p) for p in pos) + 1
+        mask = None
+        if not (s == 1 and min(p[0] for p in pos) == length - 1):   # else every row attends to all of [0, L)
+            mask = pos_t[:, None, :, None] >= torch.arange(length, device=dev)              # [b, 1, s, L]
         if self.lean is not None:
-            if s == 1 and min(starts) == length - 1:     # every row attends to all of [0, length): no mask
-                mask = None
-            return self.lean.forward(ids_t, pos, mask, length=length, slots=slot_t, cache_pos=pos)
-        self.cache.bind(slot_t, pos, length)
-        out = self.model(input_ids=ids_t, attention_mask=mask, position_ids=pos, cache=self.cache,
+            return self.lean.forward(ids_t, pos_t, mask, length=length, slots=slot_t, cache_pos=pos_t)
+        if mask is None:
+            mask = torch.ones(len(slots), 1, 1, length, dtype=torch.bool, device=dev)
+        self.cache.bind(slot_t, pos_t, length)
+        out = self.model(input_ids=ids_t, attention_mask=mask, position_ids=pos_t, cache=self.cache,
                          use_cache=False, logits_to_keep=1)
         return out.logits[:, -1]
 
@@ -166,25 +273,40 @@ class Engine:
     def step(self, plan: StepPlan, samplers) -> StepResult:
         """Run ``plan`` (identical on every rank); return the tokens (the same on every rank).
 
+        Forwards: the prefill rows (``start == 0``) in the padded groups of :func:`prefill_groups` (one forward
+        for a typical burst; layout of :func:`prefill_layout`), then the other rows, those of equal token
+        counts together (one forward of every 1-token decode row).
+
         ``samplers`` (rank 0 only, ``None`` elsewhere): per row, ``None`` for greedy or a callable
         ``f(logits [1, V]) -> token`` (the request's seeded sampler). Collectives: per forward two all-reduces
         per block and one for the embedding; then one all-gather ``[b, 2]`` (argmax), plus for sampled rows an
         all-gather of their logits and a broadcast of the tokens, plus for log-probabilities all-reduces of
-        ``[b]`` and an all-gather of ``[b, tp*k]``.
+        ``[b]`` and an all-gather of ``[b, tp*k]``. Raises ValueError for a row outside the cache or with no
+        tokens, or two rows in one slot.
         """
         rows = plan.rows
         for r in rows:
-            if not 0 <= r.slot < self.max_batch or r.start + len(r.tokens) > self.max_len:
+            if not r.tokens or not 0 <= r.slot < self.max_batch or r.start + len(r.tokens) > self.max_len \
+                    or r.start < 0:
                 raise ValueError(f"row {r} does not fit the cache ({self.max_batch} slots x {self.max_len})")
+        if len({r.slot for r in rows}) != len(rows):
+            raise ValueError(f"a step plan uses a slot twice: slots {[r.slot for r in rows]}")
         parts: dict[int, torch.Tensor] = {}
-        decode = [i for i, r in enumerate(rows) if r.start > 0]
+        new = [i for i, r in enumerate(rows) if r.start == 0]
+        for group in prefill_groups([len(rows[i].tokens) for i in new]):
+            idx = [new[j] for j in group]
+            ids, pos = prefill_layout([rows[i].tokens for i in idx])
+            lg = self._forward([rows[i].slot for i in idx], ids, pos)
+            for j, i in enumerate(idx):
+                parts[i] = lg[j:j + 1]
+        by_count: dict[int, list[int]] = {}
         for i, r in enumerate(rows):
-            if r.start == 0:
-                parts[i] = self._forward([r.slot], [r.tokens], [0])
-        if decode:
-            lg = self._forward([rows[i].slot for i in decode], [rows[i].tokens for i in decode],
-                               [rows[i].start for i in decode])
-            for j, i in enumerate(decode):
+            if r.start > 0:
+                by_count.setdefault(len(r.tokens), []).append(i)
+        for n, idx in sorted(by_count.items()):
+            lg = self._forward([rows[i].slot for i in idx], [rows[i].tokens for i in idx],
+                               [list(range(rows[i].start, rows[i].start + n)) for i in idx])
+            for j, i in enumerate(idx):
                 parts[i] = lg[j:j + 1]
         logits = torch.cat([parts[i] for i in range(len(rows))])                           # [n, V_r]
         from tensorpar.generate import vocab_parallel_argmax
@@ -217,14 +339,34 @@ class Engine:
         return StepResult([int(t) for t in tokens], lps, top)
 
     def exchange(self, plan: StepPlan | None) -> StepPlan:
-        """Rank 0 sends ``plan`` to every tp rank (one object broadcast); every rank returns it."""
+        """Rank 0 sends ``plan`` to every tp rank; every rank returns it (rank 0: the same object).
+
+        The plan travels as :func:`encode_plan`'s int64 words in a fixed :data:`PLAN_WORDS`-word message (the
+        same shape every step, so the shared-memory communicator reuses its buffers and a decode step costs one
+        small broadcast); a plan longer than that sends its remaining words in a second broadcast whose length
+        the first message's header gives. Collectives: one or two :func:`tensorpar.comm.broadcast` on the tp
+        group (shared memory when the group has the fast path and the tensor is on the CPU; on CUDA the
+        message is a device tensor for NCCL). Raises :class:`~tensorpar.comm.CollectiveError` when a rank is
+        gone, ValueError if the message is not a plan (ranks out of step).
+        """
         if self.tp.size == 1:
             return plan
-        import torch.distributed as dist
-        box = [plan]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.tp.pg, 0), group=self.tp.pg,
-                                   device=self.device if self.device.type == "cuda" else None)
-        return box[0]
+        dev = self.device if self.device.type == "cuda" else torch.device("cpu")
+        msg = torch.zeros(PLAN_WORDS, dtype=torch.int64)
+        words = None
+        if self.tp.rank == 0:
+            words = encode_plan(plan)
+            msg[:min(len(words), PLAN_WORDS)] = words[:PLAN_WORDS]
+        got = comm.broadcast(msg.to(dev), self.tp, src=0).cpu()
+        if int(got[0]) != _MAGIC:
+            decode_plan(got)                        # raises: not a plan message
+        total = int(got[4])
+        if total > PLAN_WORDS:
+            rest = words[PLAN_WORDS:] if words is not None else torch.zeros(total - PLAN_WORDS, dtype=torch.int64)
+            got = torch.cat([got, comm.broadcast(rest.to(dev), self.tp, src=0).cpu()])
+        if self.tp.rank == 0:
+            return plan
+        return decode_plan(got)
 
 
 def follow(engine: Engine) -> None:
