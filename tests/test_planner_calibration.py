@@ -172,3 +172,5 @@ def test_measure_pipeline_send_cpu_and_link():
     assert all(s["seconds"] > 0 for s in got["p2p_samples"])
     assert got["p2p_latency_us"] >= 0 and got["p2p_bandwidth_gbps"] >= 0
     assert got["pipeline_p2p_op_cpu_us"] > 0 and len(got["pipeline_cpu_slopes_us"]) == 2
+    assert got["pipeline_p2p_op_cpu_shared_us"] > 0 and got["pipeline_shared_ranks"] >= 4
+    assert len(got["pipeline_shared_cpu_slopes_us"]) == got["pipeline_shared_ranks"]

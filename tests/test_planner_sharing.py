@@ -260,13 +260,25 @@ def test_pipeline_send_cpu_and_link_of_a_calibrated_device():
     assert _score(lay, link).pp_comm == pytest.approx(m * 2 * (2e-3 + 2 * 64 * 256 * 4 / 0.5e9), rel=1e-9)
     with pytest.raises(ValueError, match="device pipeline_p2p_op_cpu_us"):
         DeviceSpec("x", 1, 1, 1, 1, pipeline_p2p_op_cpu_us=-1)
+    # 4 ranks on 2 cores: the value measured with more ranks than cores is the one used (the other changes nothing)
+    shared = autoplan.rank_device(CAL, 4)
+    lay = Layout(tp=2, pp=2, dp=1, micro_batch=2)
+    both = dataclasses.replace(shared, pipeline_p2p_op_cpu_us=100.0, pipeline_p2p_op_cpu_shared_us=1000.0)
+    assert _score(lay, both).total == pytest.approx(
+        _score(lay, dataclasses.replace(both, pipeline_p2p_op_cpu_us=5000.0)).total)
+    assert _score(lay, both).total > _score(lay, dataclasses.replace(both, pipeline_p2p_op_cpu_shared_us=100.0)).total
+    # one device per rank (host_cores 0): the 2-rank value
+    alone = dataclasses.replace(both, host_cores=0.0)
+    assert _score(lay, alone).compute - _score(lay, plain).compute == pytest.approx(m * 2 * 1e-4, rel=1e-9)
 
 
 def test_rank_device_takes_the_pipeline_calibration():
     autoplan, _, _ = _small()
-    cal = dict(CAL, pipeline={"p2p_latency_us": 1500.0, "p2p_bandwidth_gbps": 0.0, "pipeline_p2p_op_cpu_us": 900.0})
+    cal = dict(CAL, pipeline={"p2p_latency_us": 1500.0, "p2p_bandwidth_gbps": 0.0, "pipeline_p2p_op_cpu_us": 300.0,
+                              "pipeline_p2p_op_cpu_shared_us": 900.0})
     d = autoplan.rank_device(cal, 4)
-    assert (d.p2p_link_latency_us, d.p2p_link_gbps, d.pipeline_p2p_op_cpu_us) == (1500.0, 0.0, 900.0)
+    assert (d.p2p_link_latency_us, d.p2p_link_gbps, d.pipeline_p2p_op_cpu_us, d.pipeline_p2p_op_cpu_shared_us) == (
+        1500.0, 0.0, 300.0, 900.0)
     assert autoplan.rank_device(CAL, 4).pipeline_p2p_op_cpu_us == 0.0  # an older calibration: not modelled
 
 

@@ -302,29 +302,45 @@ def measure_pipeline(timeout_s: float = 120.0, rounds: int = 2) -> dict:
       included) between 2 and 18 micro-batches, less the stage's own forward and backward without the pipeline,
       per micro-batch, divided by the 2 point-to-point operations each of the 2 stages does per micro-batch
       (stage 0 sends the activation and receives its gradient, stage 1 the reverse); the mean over both ranks and
-      ``rounds`` rounds. Timed by CPU time, so other users change it little (it varies 0.4-1.9 ms between single
-      measurements here; hence the mean).
+      ``rounds`` rounds. Timed by CPU time; single measurements vary (hence the mean).
+    * ``pipeline_p2p_op_cpu_shared_us``: the same with twice as many ranks as the host's cores (2-stage pipelines
+      side by side, ``pipeline_shared_ranks`` ranks, at most 16): a rank whose peer is not running waits longer
+      in gloo and spends more CPU on each operation (here 0.7-0.9 ms with 4 ranks on 2 cores against 0.2-0.35 ms
+      with 2). The cost model uses it when a host's ranks outnumber its cores.
 
     Raises RuntimeError when a rank fails or does not answer within ``timeout_s``.
     """
     import math
 
+    from tensorpar.launch import usable_cores
+    from tensorpar.parallel import ParallelConfig
     from tensorpar.testing import RankFailure, WorkerPool
 
+    lo, hi = PIPELINE_MICRO_BATCHES
+
+    def op_cpu(results: list[dict]) -> tuple[float, list[float]]:
+        slopes = [(r["cpu_s"][hi] - r["cpu_s"][lo]) / (hi - lo) - r["local_cpu_s"] for r in results]
+        return max(0.0, sum(slopes) / len(slopes)) / 2 * 1e6, [x * 1e6 for x in slopes]
+
+    # ranks that outnumber the cores: 2-stage pipelines side by side, twice as many ranks as cores (at most 16)
+    shared_world = max(4, min(16, 2 * usable_cores()) // 2 * 2)
     try:
         with WorkerPool(2, collective_timeout_s=30.0, job_timeout_s=timeout_s) as pool:
             p2p = pool.run(_time_p2p, P2P_SIZES)[0]
             pipe = [r for _ in range(rounds) for r in pool.run(_time_pipeline_overhead)]
+        with WorkerPool(shared_world, ParallelConfig(tp=2, dp=shared_world // 2), collective_timeout_s=60.0,
+                        job_timeout_s=timeout_s) as pool:
+            shared = [r for _ in range(rounds) for r in pool.run(_time_pipeline_overhead)]
     except RankFailure as err:
         raise RuntimeError(f"pipeline calibration failed: {err}") from None
     latency, bandwidth = fit_alpha_beta(p2p, 2)  # 2 (g-1)/g = 1 at g = 2: one-way bytes
-    lo, hi = PIPELINE_MICRO_BATCHES
-    slopes = [(r["cpu_s"][hi] - r["cpu_s"][lo]) / (hi - lo) - r["local_cpu_s"] for r in pipe]
+    alone, slopes = op_cpu(pipe)
+    oversubscribed, shared_slopes = op_cpu(shared)
     return {"p2p_samples": p2p, "p2p_latency_us": latency * 1e6,
             "p2p_bandwidth_gbps": bandwidth / 1e9 if math.isfinite(bandwidth) else 0.0,
-            "pipeline_p2p_op_cpu_us": max(0.0, sum(slopes) / len(slopes)) / 2 * 1e6,
-            "pipeline_cpu_slopes_us": [x * 1e6 for x in slopes],
-            "pipeline_wall_s": [r["wall_s"] for r in pipe]}
+            "pipeline_p2p_op_cpu_us": alone, "pipeline_p2p_op_cpu_shared_us": oversubscribed,
+            "pipeline_shared_ranks": shared_world, "pipeline_cpu_slopes_us": slopes,
+            "pipeline_shared_cpu_slopes_us": shared_slopes, "pipeline_wall_s": [r["wall_s"] for r in pipe]}
 
 
 def _memory_gib() -> float:
@@ -363,7 +379,8 @@ def calibrate() -> Calibration:
               "local_link_gbps": coll["bandwidth_gbps"], "local_link_latency_us": coll["latency_us"],
               "local_link_label": label, "link_measured_ranks": coll["world_size"], "p2p_link_gbps": pipeline.get("p2p_bandwidth_gbps", 0.0),
               "p2p_link_latency_us": pipeline.get("p2p_latency_us", 0.0),
-              "pipeline_p2p_op_cpu_us": pipeline.get("pipeline_p2p_op_cpu_us", 0.0)}
+              "pipeline_p2p_op_cpu_us": pipeline.get("pipeline_p2p_op_cpu_us", 0.0),
+              "pipeline_p2p_op_cpu_shared_us": pipeline.get("pipeline_p2p_op_cpu_shared_us", 0.0)}
     return Calibration(backend=name, matmul=matmul, matmul_tflops=best, collective=coll, device=device,
                        pipeline=pipeline)
 

@@ -76,6 +76,9 @@ class DeviceSpec:
     # schedule's Python, gloo's threads, the kernel's loopback), microseconds, measured by ``--calibrate`` on a
     # 2-stage pipeline of trivial stages (tensorpar.planner.calibrate.measure_pipeline); 0: not modelled (presets).
     pipeline_p2p_op_cpu_us: float = 0.0
+    # The same measured with twice as many ranks as cores (a rank whose peer is not running waits longer in gloo and
+    # spends more CPU per operation); used when a host's ranks' threads outnumber host_cores. 0: the value above.
+    pipeline_p2p_op_cpu_shared_us: float = 0.0
 
     def __post_init__(self) -> None:
         links = ("intra_node_gbps", "inter_node_gbps")
@@ -87,7 +90,7 @@ class DeviceSpec:
         for knob in ("layer_overhead_us", "train_layer_overhead_us", "train_micro_batch_overhead_us", "host_cores",
                      "external_threads", "external_groups", "optimizer_ns_per_param", "tp_link_gbps",
                      "tp_link_latency_us", "p2p_link_gbps", "p2p_link_latency_us",
-                     "pipeline_p2p_op_cpu_us"):
+                     "pipeline_p2p_op_cpu_us", "pipeline_p2p_op_cpu_shared_us"):
             if getattr(self, knob) < 0:
                 raise ValueError(f"device {knob} ({getattr(self, knob)!r}) must be >= 0")
         if not (isinstance(self.link_measured_ranks, int) and self.link_measured_ranks in (0,) + tuple(range(2, 1 << 20))):

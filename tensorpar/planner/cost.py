@@ -19,8 +19,9 @@ Model of one optimizer step (each assumption is a choice; docs/planner.md lists 
   (``train_layer_overhead_us``: Python and framework work that no FLOP or byte count explains, which dominates
   small models on a CPU) and per micro-batch on the last stage (``train_micro_batch_overhead_us``); presets: 0.
 * A calibrated device also gives the CPU of one pipeline send or receive (``pipeline_p2p_op_cpu_us``, the
-  schedule's Python included; per micro-batch ``4 v`` of them on a stage, 2 fewer on the first and on the last
-  stage, half in the forward), work of the stage, and the measured send/recv link of the pipeline's activations
+  schedule's Python included; ``pipeline_p2p_op_cpu_shared_us`` when the host's ranks outnumber its cores; per
+  micro-batch ``4 v`` of them on a stage, 2 fewer on the first and on the last stage, half in the forward), work
+  of the stage, and the measured send/recv link of the pipeline's activations
   (``p2p_link_*``, the delay between stages); presets: 0 and the group's link.
 * A device whose ranks share a host's CPU cores (``host_cores`` > 0: a CPU calibrated by ``tensorpar train --plan
   auto``) runs the schedule through :mod:`tensorpar.planner.sharing` (processor sharing of the cores among the
@@ -292,7 +293,11 @@ def step_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Work
     # CPU of the schedule's sends and receives (a calibrated device; presets: 0): per micro-batch, each chunk
     # receives its activation and sends its input's gradient (not the model's first chunk), and sends its output
     # and receives the output's gradient (not the last chunk): 4 v operations, 2 fewer on the first and last stage
-    op_cpu = cluster.device.pipeline_p2p_op_cpu_us * 1e-6 if p > 1 else 0.0
+    dev = cluster.device
+    host_threads = min(cluster.num_devices, cluster.devices_per_node) * dev.threads_per_rank
+    oversubscribed = dev.host_cores > 0 and host_threads > dev.host_cores and dev.pipeline_p2p_op_cpu_shared_us > 0
+    op_cpu = (dev.pipeline_p2p_op_cpu_shared_us if oversubscribed else dev.pipeline_p2p_op_cpu_us) * 1e-6 \
+        if p > 1 else 0.0
     tied = _collective_seconds(tied_embedding_collectives(model, layout, assume), cluster, t * p)
     keep = 1 - assume.tp_overlap
 

@@ -437,7 +437,8 @@ def rank_device(cal: dict, nproc: int, local_nproc: int | None = None, load_now:
     # the pipeline's measured send/recv link (wall clock, as the collectives) and schedule CPU (CPU time)
     overhead.update(p2p_link_gbps=pipe.get("p2p_bandwidth_gbps", 0.0),
                     p2p_link_latency_us=pipe.get("p2p_latency_us", 0.0),
-                    pipeline_p2p_op_cpu_us=pipe.get("pipeline_p2p_op_cpu_us", 0.0))
+                    pipeline_p2p_op_cpu_us=pipe.get("pipeline_p2p_op_cpu_us", 0.0),
+                    pipeline_p2p_op_cpu_shared_us=pipe.get("pipeline_p2p_op_cpu_shared_us", 0.0))
     if cal["cuda"]:
         link = dict(local_link_gbps=fit["bandwidth_gbps"], local_link_latency_us=fit["latency_us"],
                     local_link_label=label.format(fit["backend"]))
@@ -476,6 +477,7 @@ def rank_device(cal: dict, nproc: int, local_nproc: int | None = None, load_now:
                       train_micro_batch_overhead_us=cal["train_micro_batch_overhead_us"] * s_cal,
                       p2p_link_gbps=overhead["p2p_link_gbps"], p2p_link_latency_us=overhead["p2p_link_latency_us"],
                       pipeline_p2p_op_cpu_us=overhead["pipeline_p2p_op_cpu_us"],
+                      pipeline_p2p_op_cpu_shared_us=overhead["pipeline_p2p_op_cpu_shared_us"],
                       link_measured_ranks=fit.get("world_size", 2),
                       optimizer_ns_per_param=cal.get("optimizer_ns_per_param", 0.0) * s_cal / threads,
                       host_cores=float(cores), threads_per_rank=threads, external_threads=ext_now, **link)
