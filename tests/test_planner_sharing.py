@@ -280,23 +280,3 @@ def test_rank_device_takes_the_pipeline_calibration():
     assert (d.p2p_link_latency_us, d.p2p_link_gbps, d.pipeline_p2p_op_cpu_us, d.pipeline_p2p_op_cpu_shared_us) == (
         1500.0, 0.0, 300.0, 900.0)
     assert autoplan.rank_device(CAL, 4).pipeline_p2p_op_cpu_us == 0.0  # an older calibration: not modelled
-
-
-def test_a_link_measured_on_2_ranks_pays_its_latency_per_ring_step():
-    """A calibrated link (an all-reduce over 2 ranks: 2 ring steps) costs a g-rank all-reduce (g-1) times its
-    latency (2 (g-1) steps, Thakur, Rabenseifner and Gropp 2005); a send one latency; a preset (0) one per call."""
-    from tensorpar.planner.cost import _collective_seconds
-    from tensorpar.planner.traffic import Collective
-
-    autoplan, _, _ = _small()
-    d = autoplan.rank_device(CAL, 4)
-    assert d.link_measured_ranks == 2
-    ar = [Collective("all_reduce", "x", 1, 1, 4, 4)]
-    send = [Collective("send", "x", 1, 1, 4, 2)]
-    cl = ClusterSpec(d, 4, 4)
-    assert _collective_seconds(ar, cl, 4) == pytest.approx(3 * 100e-6 + 2 * 3 / 4 * 4 / 0.5e9)
-    assert _collective_seconds(send, cl, 4) == pytest.approx(100e-6 + 4 / 0.5e9)
-    preset = ClusterSpec(dataclasses.replace(d, link_measured_ranks=0), 4, 4)
-    assert _collective_seconds(ar, preset, 4) == pytest.approx(100e-6 + 2 * 3 / 4 * 4 / 0.5e9)
-    with pytest.raises(ValueError, match="device link_measured_ranks"):
-        DeviceSpec("x", 1, 1, 1, 1, link_measured_ranks=1)

@@ -377,7 +377,7 @@ def calibrate() -> Calibration:
               "intra_node_gbps": 0.0, "inter_node_gbps": 0.0, "matmul_efficiency": 1.0,
               "hbm_gbps": round(bandwidth, 3), "optimizer_ns_per_param": round(optimizer, 3),
               "local_link_gbps": coll["bandwidth_gbps"], "local_link_latency_us": coll["latency_us"],
-              "local_link_label": label, "link_measured_ranks": coll["world_size"], "p2p_link_gbps": pipeline.get("p2p_bandwidth_gbps", 0.0),
+              "local_link_label": label, "p2p_link_gbps": pipeline.get("p2p_bandwidth_gbps", 0.0),
               "p2p_link_latency_us": pipeline.get("p2p_latency_us", 0.0),
               "pipeline_p2p_op_cpu_us": pipeline.get("pipeline_p2p_op_cpu_us", 0.0),
               "pipeline_p2p_op_cpu_shared_us": pipeline.get("pipeline_p2p_op_cpu_shared_us", 0.0)}

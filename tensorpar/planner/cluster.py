@@ -63,10 +63,6 @@ class DeviceSpec:
     tp_link_gbps: float = 0.0
     tp_link_latency_us: float = 0.0
     tp_link_label: str = ""
-    # Ranks of the all-reduce that measured the links (--calibrate: 2). A collective over g ranks then pays the
-    # measured latency (g-1) / (measured - 1) times (ring steps, Thakur, Rabenseifner and Gropp 2005); 0: the latency
-    # is per call whatever the group (the presets' NCCL small-message figures).
-    link_measured_ranks: int = 0
     # Point-to-point (send/recv) link of the pipeline's activations and gradients where measured (``--calibrate``:
     # gloo ping-pong between 2 local ranks, tensorpar.planner.calibrate.measure_pipeline); 0: the group's link as
     # for collectives (the presets).
@@ -93,9 +89,6 @@ class DeviceSpec:
                      "pipeline_p2p_op_cpu_us", "pipeline_p2p_op_cpu_shared_us"):
             if getattr(self, knob) < 0:
                 raise ValueError(f"device {knob} ({getattr(self, knob)!r}) must be >= 0")
-        if not (isinstance(self.link_measured_ranks, int) and self.link_measured_ranks in (0,) + tuple(range(2, 1 << 20))):
-            raise ValueError(f"device link_measured_ranks ({self.link_measured_ranks!r}) must be 0 (not measured) or "
-                             f"an integer >= 2")
         if not (isinstance(self.threads_per_rank, int) and self.threads_per_rank >= 1):
             raise ValueError(f"device threads_per_rank ({self.threads_per_rank!r}) must be an integer >= 1")
         if self.local_link_gbps < 0 or self.local_link_latency_us < 0:

@@ -151,14 +151,7 @@ class LayerTime:
 
 def _collective_seconds(collectives, cluster: ClusterSpec, span: int, group: str = "") -> float:
     bandwidth, latency = cluster.link(span, group)
-    steps = cluster.device.link_measured_ranks - 1  # ring steps of the measured collective; presets: 0
-    if steps <= 0:  # a latency per call (the presets' NCCL figures)
-        return sum(c.seconds(bandwidth, latency) for c in collectives if not c.hidden)
-    # a link measured by an all-reduce over link_measured_ranks ranks: its latency is that many ranks' ring steps
-    # (2 (g-1) for an all-reduce, g-1 for an all-gather or reduce-scatter: Thakur, Rabenseifner and Gropp 2005);
-    # a collective over g ranks takes (g-1)/steps times it (a send: one step)
-    return sum(c.seconds(bandwidth, latency * (max(1, c.group - 1) / steps if c.kind != "send" else 1.0))
-               for c in collectives if not c.hidden)
+    return sum(c.seconds(bandwidth, latency) for c in collectives if not c.hidden)
 
 
 def _elementwise_seconds(nbytes: float, cluster: ClusterSpec) -> float:

@@ -447,8 +447,7 @@ def rank_device(cal: dict, nproc: int, local_nproc: int | None = None, load_now:
                         tp_link_label=label.format(tp_fit["backend"]))
         return DeviceSpec(f"calibrated {cal['backend']}", cal["memory_gib"], cal["matmul_tflops"], 0.0, 0.0,
                           matmul_efficiency=1.0, hbm_gbps=cal["hbm_gbps"],
-                          optimizer_ns_per_param=cal.get("optimizer_ns_per_param", 0.0),
-                          link_measured_ranks=fit.get("world_size", 2), **overhead, **link)
+                          optimizer_ns_per_param=cal.get("optimizer_ns_per_param", 0.0), **overhead, **link)
     cores = cal["cores"]
     threads = max(1, cores // local)
     ext_cal = max(0.0, cal.get("loadavg_1min", 0.0) - 1)
@@ -478,7 +477,6 @@ def rank_device(cal: dict, nproc: int, local_nproc: int | None = None, load_now:
                       p2p_link_gbps=overhead["p2p_link_gbps"], p2p_link_latency_us=overhead["p2p_link_latency_us"],
                       pipeline_p2p_op_cpu_us=overhead["pipeline_p2p_op_cpu_us"],
                       pipeline_p2p_op_cpu_shared_us=overhead["pipeline_p2p_op_cpu_shared_us"],
-                      link_measured_ranks=fit.get("world_size", 2),
                       optimizer_ns_per_param=cal.get("optimizer_ns_per_param", 0.0) * s_cal / threads,
                       host_cores=float(cores), threads_per_rank=threads, external_threads=ext_now, **link)
 
