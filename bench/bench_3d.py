@@ -149,6 +149,8 @@ def predict(r: dict, device, shared: bool = True) -> dict:
                                 hbm_gbps=device.hbm_gbps * f,
                                 train_layer_overhead_us=device.train_layer_overhead_us / f,
                                 train_micro_batch_overhead_us=device.train_micro_batch_overhead_us / f,
+                                pipeline_p2p_op_cpu_us=device.pipeline_p2p_op_cpu_us / f,
+                                pipeline_p2p_op_cpu_shared_us=device.pipeline_p2p_op_cpu_shared_us / f,
                                 optimizer_ns_per_param=device.optimizer_ns_per_param / f)
         inputs = (inputs[0], dataclasses.replace(inputs[1], device=d), *inputs[2:])
     lay = Layout(tp=r["tp"], pp=r["pp"], dp=r["dp"], micro_batch=r["batch"] // (r["dp"] * r["micro_batches"]),
@@ -308,7 +310,8 @@ def main() -> None:
             "device_per_rank": {**{k: getattr(idle, k) for k in (
                 "name", "memory_gib", "peak_tflops", "hbm_gbps", "train_layer_overhead_us",
                 "train_micro_batch_overhead_us", "optimizer_ns_per_param", "local_link_gbps",
-                "local_link_latency_us", "host_cores", "threads_per_rank")},
+                "local_link_latency_us", "host_cores", "threads_per_rank", "p2p_link_gbps", "p2p_link_latency_us",
+                "pipeline_p2p_op_cpu_us", "pipeline_p2p_op_cpu_shared_us")},
                 "external_threads_at_start": device.external_threads}}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -356,7 +359,11 @@ def render(p: dict) -> str:
         f"+ bytes / {d['local_link_gbps']:.2f} GB/s (2 ranks"
         + (f"; shared memory: {c['shm_latency_us']:.0f} us + bytes / {c['shm_bandwidth_gbps']:.2f} GB/s, not used "
            f"by this benchmark's groups" if c.get("shm_latency_us") is not None else "")
-        + f"). The 4 ranks share {d['host_cores']:.0f} cores: processor sharing in the planner "
+        + f"); pipeline send/recv over gloo {d.get('p2p_link_latency_us', 0):.0f} us + bytes / "
+        f"{d.get('p2p_link_gbps', 0):.2f} GB/s (0: the all-reduce's), and {d.get('pipeline_p2p_op_cpu_us', 0) / 1e3:.2f} "
+        f"ms CPU per pipeline send or receive ({d.get('pipeline_p2p_op_cpu_shared_us', 0) / 1e3:.2f} ms with twice as "
+        f"many ranks as cores, as here) "
+        f"(`tensorpar.planner.calibrate.measure_pipeline`; 0 = not measured). The 4 ranks share {d['host_cores']:.0f} cores: processor sharing in the planner "
         f"(`tensorpar.planner.sharing`: each runnable thread gets min(1, cores / runnable threads), a waiting "
         f"pipeline stage frees its core).",
         "",

@@ -160,3 +160,17 @@ def test_memory_bandwidth_and_calibrated_device_fields(tmp_path):
     spec = device_from_file(path)
     assert spec.hbm_gbps == bandwidth and spec.intra_node_gbps == 0.0
     assert ClusterSpec(spec, 2, 8).link(2) == pytest.approx((1e9, 100e-6))
+
+
+def test_measure_pipeline_send_cpu_and_link():
+    """Two gloo ranks: the ping-pong link fit and the CPU of a 1F1B schedule's send or receive are measured (> 0)
+    and land in --calibrate's device fields."""
+    from tensorpar.planner.calibrate import P2P_SIZES, measure_pipeline
+
+    got = measure_pipeline(rounds=1)
+    assert [s["bytes"] for s in got["p2p_samples"]] == list(P2P_SIZES)
+    assert all(s["seconds"] > 0 for s in got["p2p_samples"])
+    assert got["p2p_latency_us"] >= 0 and got["p2p_bandwidth_gbps"] >= 0
+    assert got["pipeline_p2p_op_cpu_us"] > 0 and len(got["pipeline_cpu_slopes_us"]) == 2
+    assert got["pipeline_p2p_op_cpu_shared_us"] > 0 and got["pipeline_shared_ranks"] >= 4
+    assert len(got["pipeline_shared_cpu_slopes_us"]) == got["pipeline_shared_ranks"]

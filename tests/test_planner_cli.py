@@ -1,6 +1,5 @@
 """``tensorpar plan`` end to end through the command dispatcher (no process group, no GPU)."""
 import json
-import time
 
 import pytest
 
@@ -22,12 +21,10 @@ def plan(capsys):
     return run
 
 
-def test_gpt3_175b_ranked_table_under_10_s(plan):
-    start = time.perf_counter()
+def test_gpt3_175b_ranked_table(plan):
+    """The ranked table for GPT-3 175B on 1024 A100s (its planning time is bench/bench_plan_time.py's, not a test's)."""
     code, out, _ = plan(*GPT3)
-    elapsed = time.perf_counter() - start
     assert code == 0
-    assert elapsed < 10, f"planning took {elapsed:.1f} s"
     assert "gpt3-175b on 1024 x a100-80gb" in out
     assert "#1 tp=" in out and "Ruled out:" in out
     assert "needs" in out and "GiB usable" in out  # at least one value is explained by memory

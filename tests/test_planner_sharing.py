@@ -214,3 +214,69 @@ def test_layer_efficiency_makes_the_planner_reproduce_the_measured_layer():
                     Workload(L["batch"], L["seq"]), assume).total
     if 0.05 < e < 1:
         assert t == pytest.approx(got["layer_seconds"], rel=1e-6)
+
+
+def test_pipeline_sends_are_a_tp_ranks_whole_hidden_state_in_tensorpar():
+    """tensorpar's stages send each tp rank's whole [b, s, h] hidden state (tensorpar.pipeline.stages); Megatron's
+    scatter/gather sends 1/t of it (Narayanan et al. 2021, 4.1), as does sequence parallelism ([b, s/t, h])."""
+    import dataclasses as dc
+
+    from tensorpar.planner.layout import Assumptions, Layout, Workload
+    from tensorpar.planner.model_spec import preset
+    from tensorpar.planner.traffic import pipeline_sends
+
+    model = preset("gpt3-175b")  # Megatron kernels
+    hf = dc.replace(model, kernels="hf")
+    work, assume = Workload(8, 2048), Assumptions()
+    lay = Layout(tp=8, pp=4, dp=1, micro_batch=1)
+    bsh = 2048 * model.hidden_size
+    (send,) = pipeline_sends(hf, lay, work, assume)
+    assert send.elements == bsh and send.calls == 2
+    assert pipeline_sends(model, lay, work, assume)[0].elements == bsh / 8
+    assert pipeline_sends(hf, dc.replace(lay, sequence_parallel=True), work, assume)[0].elements == bsh / 8
+
+
+def test_pipeline_send_cpu_and_link_of_a_calibrated_device():
+    """One device per rank (host_cores 0), pp = 2: each stage does 2 sends or receives per micro-batch at v = 1 and
+    6 at v = 2 (4 v, 2 fewer at either end of the model); each costs the measured pipeline_p2p_op_cpu_us of the
+    stage's compute. The sends' delay uses the measured point-to-point latency (bandwidth: the link's when the
+    fit did not resolve one)."""
+    from tensorpar.planner.layout import Layout
+
+    autoplan, _, _ = _small()
+    plain = dataclasses.replace(autoplan.rank_device(CAL, 4), host_cores=0.0)
+    op = dataclasses.replace(plain, pipeline_p2p_op_cpu_us=1000.0)
+    m = 4  # batch 8 / (dp 1 x micro-batch 2)
+    for v, ops in ((1, 2), (2, 6)):
+        lay = Layout(tp=2, pp=2, dp=1, micro_batch=2, virtual_stages=v)
+        a, b = _score(lay, plain), _score(lay, op)
+        assert b.compute - a.compute == pytest.approx(m * ops * 1e-3, rel=1e-9)
+    link = dataclasses.replace(plain, p2p_link_latency_us=2000.0)
+    assert ClusterSpec(link, 4, 4).p2p_link(4) == pytest.approx((0.5e9, 2e-3))
+    assert ClusterSpec(dataclasses.replace(link, p2p_link_gbps=3.0), 4, 4).p2p_link(4) == pytest.approx((3e9, 2e-3))
+    assert ClusterSpec(plain, 4, 4).p2p_link(4) == ClusterSpec(plain, 4, 4).link(4)
+    lay = Layout(tp=2, pp=2, dp=1, micro_batch=2)
+    # 2 sends per micro-batch of 2 x 64 x 256 fp32 (each tp rank's whole hidden state)
+    assert _score(lay, link).pp_comm == pytest.approx(m * 2 * (2e-3 + 2 * 64 * 256 * 4 / 0.5e9), rel=1e-9)
+    with pytest.raises(ValueError, match="device pipeline_p2p_op_cpu_us"):
+        DeviceSpec("x", 1, 1, 1, 1, pipeline_p2p_op_cpu_us=-1)
+    # 4 ranks on 2 cores: the value measured with more ranks than cores is the one used (the other changes nothing)
+    shared = autoplan.rank_device(CAL, 4)
+    lay = Layout(tp=2, pp=2, dp=1, micro_batch=2)
+    both = dataclasses.replace(shared, pipeline_p2p_op_cpu_us=100.0, pipeline_p2p_op_cpu_shared_us=1000.0)
+    assert _score(lay, both).total == pytest.approx(
+        _score(lay, dataclasses.replace(both, pipeline_p2p_op_cpu_us=5000.0)).total)
+    assert _score(lay, both).total > _score(lay, dataclasses.replace(both, pipeline_p2p_op_cpu_shared_us=100.0)).total
+    # one device per rank (host_cores 0): the 2-rank value
+    alone = dataclasses.replace(both, host_cores=0.0)
+    assert _score(lay, alone).compute - _score(lay, plain).compute == pytest.approx(m * 2 * 1e-4, rel=1e-9)
+
+
+def test_rank_device_takes_the_pipeline_calibration():
+    autoplan, _, _ = _small()
+    cal = dict(CAL, pipeline={"p2p_latency_us": 1500.0, "p2p_bandwidth_gbps": 0.0, "pipeline_p2p_op_cpu_us": 300.0,
+                              "pipeline_p2p_op_cpu_shared_us": 900.0})
+    d = autoplan.rank_device(cal, 4)
+    assert (d.p2p_link_latency_us, d.p2p_link_gbps, d.pipeline_p2p_op_cpu_us, d.pipeline_p2p_op_cpu_shared_us) == (
+        1500.0, 0.0, 300.0, 900.0)
+    assert autoplan.rank_device(CAL, 4).pipeline_p2p_op_cpu_us == 0.0  # an older calibration: not modelled

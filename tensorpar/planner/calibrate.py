@@ -6,6 +6,8 @@
   least-squares fit of ``time = latency + wire_bytes / bandwidth`` per backend (ring all-reduce on 2 ranks sends
   ``2 (g-1)/g = 1`` x the payload).
 * Optimizer: torch's AdamW step over 1 Mi fp32 parameters, nanoseconds per parameter.
+* Pipeline (:func:`measure_pipeline`): gloo send/recv latency and bandwidth between two ranks (ping-pong), and the
+  CPU of one send or receive of torch.distributed.pipelining's 1F1B schedule (trivial stages).
 
 Also: :func:`saved_activation_bytes`, the bytes autograd keeps for backward while a function runs, which
 the tests compare with the activation model.
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 COLLECTIVE_SIZES = tuple(2 ** k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB payloads
 
@@ -26,6 +28,7 @@ class Calibration:
     matmul_tflops: float  # best measured
     collective: dict  # {"backend", "world_size", "samples": [{"bytes", "seconds"}], "latency_us", "bandwidth_gbps"}
     device: dict  # DeviceSpec fields, for --device-file
+    pipeline: dict = field(default_factory=dict)  # measure_pipeline's (empty where it could not run)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -201,6 +204,145 @@ def measure_optimizer(params: int = 1 << 20, min_seconds: float = 0.1, clock=tim
     return statistics.median(samples) / (len(ps) * (params // 8)) * 1e9
 
 
+P2P_SIZES = tuple(2 ** k for k in range(12, 23, 2))  # 4 KiB .. 4 MiB messages
+PIPELINE_MICRO_BATCHES = (2, 18)  # the two schedules whose difference is 16 micro-batches' fixed time
+
+
+def _time_p2p(ctx, sizes: tuple[int, ...], reps: int = 20) -> list[dict]:
+    """Job for :class:`tensorpar.testing.WorkerPool` (2 ranks, the tp group): one-way seconds of a gloo
+    ``send``/``recv`` of fp32 payloads of each size in bytes, as half the median ping-pong round trip (rank 0 sends,
+    rank 1 receives and sends it back). Returned by every rank (the same list)."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    pg, me = ctx.tp.pg, ctx.tp.rank
+    peer = 1 - ctx.rank  # the pool's 2 ranks: global ranks 0 and 1
+    out = []
+    for nbytes in sizes:
+        x = torch.ones(nbytes // 4, dtype=torch.float32)
+        trips = []
+        for i in range(reps + 2):  # 2 warm-up round trips: connection and buffer set-up
+            start = time.perf_counter()
+            if me == 0:
+                dist.send(x, dst=peer, group=pg)
+                dist.recv(x, src=peer, group=pg)
+            else:
+                dist.recv(x, src=peer, group=pg)
+                dist.send(x, dst=peer, group=pg)
+            if i >= 2:
+                trips.append(time.perf_counter() - start)
+        out.append({"bytes": nbytes, "seconds": statistics.median(trips) / 2})
+    return out
+
+
+def _time_pipeline_overhead(ctx, micro_batches: tuple[int, ...] = PIPELINE_MICRO_BATCHES, hidden: int = 16,
+                            reps: int = 9) -> dict:
+    """Job for :class:`tensorpar.testing.WorkerPool` (2 ranks, the tp group used as a 2-stage pipeline): the fixed
+    CPU time that ``torch.distributed.pipelining``'s 1F1B schedule (the trainer's) adds per micro-batch and stage.
+
+    Each stage is a ``Linear(hidden, hidden)`` on one token (its arithmetic is negligible); the schedule runs with
+    each of ``micro_batches``; per step this rank's CPU time (``time.process_time``: all its threads, gloo's
+    included) and wall time, median of ``reps`` steps after one warm-up. The same stage's forward, loss and
+    backward without the pipeline, per micro-batch, is subtracted (the trainer's own fixed times cover that).
+    Returns ``{"cpu_s": {m: s}, "wall_s": {m: s}, "local_cpu_s": s per micro-batch}`` for this rank.
+    """
+    import statistics
+
+    import torch
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    torch.manual_seed(0)
+    pg, me = ctx.tp.pg, ctx.tp.rank
+    mod = torch.nn.Linear(hidden, hidden)
+
+    def loss_fn(y, target):
+        return ((y - target) ** 2).mean()
+
+    cpu, wall = {}, {}
+    for m in micro_batches:
+        stage = PipelineStage(mod, me, 2, torch.device("cpu"), group=pg)
+        sched = Schedule1F1B(stage, m, loss_fn=loss_fn)
+        x, t = torch.randn(m, 1, hidden), torch.randn(m, 1, hidden)
+        cs, ws = [], []
+        for i in range(reps + 1):
+            c0, w0 = time.process_time(), time.perf_counter()
+            if me == 0:
+                sched.step(x)
+            else:
+                sched.step(target=t, losses=[])
+            if i:
+                cs.append(time.process_time() - c0)
+                ws.append(time.perf_counter() - w0)
+            mod.zero_grad(set_to_none=True)
+        cpu[m], wall[m] = statistics.median(cs), statistics.median(ws)
+    # the stage's own work per micro-batch, without the pipeline: forward (+ loss on the last stage) and backward
+    x, t = torch.randn(1, 1, hidden), torch.randn(1, 1, hidden)
+    samples = []
+    for i in range(50):
+        c0 = time.process_time()
+        y = mod(x.requires_grad_(me == 1))
+        (loss_fn(y, t) if me == 1 else y.sum()).backward()
+        if i >= 5:
+            samples.append(time.process_time() - c0)
+    return {"cpu_s": cpu, "wall_s": wall, "local_cpu_s": statistics.median(samples)}
+
+
+def measure_pipeline(timeout_s: float = 120.0, rounds: int = 2) -> dict:
+    """Point-to-point link and the CPU of a pipeline send or receive on this host (2 gloo ranks).
+
+    * ``p2p_latency_us``, ``p2p_bandwidth_gbps``: least squares of ``one-way time = latency + bytes / bandwidth``
+      over the median gloo send/recv ping-pongs of 4 KiB to 4 MiB (:func:`_time_p2p`), the link a pipeline's
+      activations and gradients cross (wall clock: waiting is its cost). A bandwidth the fit cannot resolve (no
+      positive slope: the wake-up latency dominates every size) is 0: the planner then uses the collectives'.
+    * ``pipeline_p2p_op_cpu_us``: CPU microseconds of one send or receive of the pipeline schedule, the schedule's
+      Python included: torch.distributed.pipelining's 1F1B on 2 trivial stages (:func:`_time_pipeline_overhead`),
+      the slope of a rank's CPU time per step (``time.process_time``: gloo's threads and the kernel's loopback
+      included) between 2 and 18 micro-batches, less the stage's own forward and backward without the pipeline,
+      per micro-batch, divided by the 2 point-to-point operations each of the 2 stages does per micro-batch
+      (stage 0 sends the activation and receives its gradient, stage 1 the reverse); the mean over both ranks and
+      ``rounds`` rounds. Timed by CPU time; single measurements vary (hence the mean).
+    * ``pipeline_p2p_op_cpu_shared_us``: the same with twice as many ranks as the host's cores (2-stage pipelines
+      side by side, ``pipeline_shared_ranks`` ranks, at most 16): a rank whose peer is not running waits longer
+      in gloo and spends more CPU on each operation (here 0.7-0.9 ms with 4 ranks on 2 cores against 0.2-0.35 ms
+      with 2). The cost model uses it when a host's ranks outnumber its cores.
+
+    Raises RuntimeError when a rank fails or does not answer within ``timeout_s``.
+    """
+    import math
+
+    from tensorpar.launch import usable_cores
+    from tensorpar.parallel import ParallelConfig
+    from tensorpar.testing import RankFailure, WorkerPool
+
+    lo, hi = PIPELINE_MICRO_BATCHES
+
+    def op_cpu(results: list[dict]) -> tuple[float, list[float]]:
+        slopes = [(r["cpu_s"][hi] - r["cpu_s"][lo]) / (hi - lo) - r["local_cpu_s"] for r in results]
+        return max(0.0, sum(slopes) / len(slopes)) / 2 * 1e6, [x * 1e6 for x in slopes]
+
+    # ranks that outnumber the cores: 2-stage pipelines side by side, twice as many ranks as cores (at most 16)
+    shared_world = max(4, min(16, 2 * usable_cores()) // 2 * 2)
+    try:
+        with WorkerPool(2, collective_timeout_s=30.0, job_timeout_s=timeout_s) as pool:
+            p2p = pool.run(_time_p2p, P2P_SIZES)[0]
+            pipe = [r for _ in range(rounds) for r in pool.run(_time_pipeline_overhead)]
+        with WorkerPool(shared_world, ParallelConfig(tp=2, dp=shared_world // 2), collective_timeout_s=60.0,
+                        job_timeout_s=timeout_s) as pool:
+            shared = [r for _ in range(rounds) for r in pool.run(_time_pipeline_overhead)]
+    except RankFailure as err:
+        raise RuntimeError(f"pipeline calibration failed: {err}") from None
+    latency, bandwidth = fit_alpha_beta(p2p, 2)  # 2 (g-1)/g = 1 at g = 2: one-way bytes
+    alone, slopes = op_cpu(pipe)
+    oversubscribed, shared_slopes = op_cpu(shared)
+    return {"p2p_samples": p2p, "p2p_latency_us": latency * 1e6,
+            "p2p_bandwidth_gbps": bandwidth / 1e9 if math.isfinite(bandwidth) else 0.0,
+            "pipeline_p2p_op_cpu_us": alone, "pipeline_p2p_op_cpu_shared_us": oversubscribed,
+            "pipeline_shared_ranks": shared_world, "pipeline_cpu_slopes_us": slopes,
+            "pipeline_shared_cpu_slopes_us": shared_slopes, "pipeline_wall_s": [r["wall_s"] for r in pipe]}
+
+
 def _memory_gib() -> float:
     import torch
 
@@ -213,9 +355,10 @@ def calibrate() -> Calibration:
     """Measure matmul throughput, memory bandwidth, torch's AdamW step and loopback collectives (gloo, and
     tensorpar's shared memory in ``collective["by_backend"]`` where it installs). The ``device`` it returns uses
     the *measured* matmul rate as its peak (``matmul_efficiency`` 1), the measured copy bandwidth as
-    ``hbm_gbps``, the AdamW time as ``optimizer_ns_per_param`` and the measured gloo link as ``local_link_*``,
-    labelled as
-    this machine's local link; the NVLink and inter-node fields stay 0 (not measured)."""
+    ``hbm_gbps``, the AdamW time as ``optimizer_ns_per_param``, the measured gloo link as ``local_link_*``,
+    labelled as this machine's local link (the NVLink and inter-node fields stay 0: not measured), and the
+    pipeline's gloo send/recv link and the CPU of one of its sends or receives (:func:`measure_pipeline`) as
+    ``p2p_link_*`` and ``pipeline_p2p_op_cpu_us``."""
     name, matmul = measure_matmul()
     bandwidth = measure_memory_bandwidth()
     optimizer = measure_optimizer()
@@ -223,6 +366,10 @@ def calibrate() -> Calibration:
         coll = measure_collectives(backends=("gloo", "shm"))
     except RuntimeError:  # no shared-memory collectives here (not x86, no /dev/shm): gloo only
         coll = measure_collectives()
+    try:
+        pipeline = measure_pipeline()
+    except RuntimeError:  # not measured: the pipeline uses the collectives' link and no schedule overhead
+        pipeline = {}
     best = max(m["tflops"] for m in matmul)
     label = (f"this machine's local link: {coll['world_size']} {coll['backend']} processes on loopback, "
              "measured (not NVLink, not a network)")
@@ -230,8 +377,12 @@ def calibrate() -> Calibration:
               "intra_node_gbps": 0.0, "inter_node_gbps": 0.0, "matmul_efficiency": 1.0,
               "hbm_gbps": round(bandwidth, 3), "optimizer_ns_per_param": round(optimizer, 3),
               "local_link_gbps": coll["bandwidth_gbps"], "local_link_latency_us": coll["latency_us"],
-              "local_link_label": label}
-    return Calibration(backend=name, matmul=matmul, matmul_tflops=best, collective=coll, device=device)
+              "local_link_label": label, "p2p_link_gbps": pipeline.get("p2p_bandwidth_gbps", 0.0),
+              "p2p_link_latency_us": pipeline.get("p2p_latency_us", 0.0),
+              "pipeline_p2p_op_cpu_us": pipeline.get("pipeline_p2p_op_cpu_us", 0.0),
+              "pipeline_p2p_op_cpu_shared_us": pipeline.get("pipeline_p2p_op_cpu_shared_us", 0.0)}
+    return Calibration(backend=name, matmul=matmul, matmul_tflops=best, collective=coll, device=device,
+                       pipeline=pipeline)
 
 
 def saved_activation_bytes(fn, params=()) -> tuple[object, int]:

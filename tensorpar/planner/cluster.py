@@ -63,6 +63,18 @@ class DeviceSpec:
     tp_link_gbps: float = 0.0
     tp_link_latency_us: float = 0.0
     tp_link_label: str = ""
+    # Point-to-point (send/recv) link of the pipeline's activations and gradients where measured (``--calibrate``:
+    # gloo ping-pong between 2 local ranks, tensorpar.planner.calibrate.measure_pipeline); 0: the group's link as
+    # for collectives (the presets).
+    p2p_link_gbps: float = 0.0
+    p2p_link_latency_us: float = 0.0
+    # CPU time of one send or receive of the pipeline schedule (torch.distributed.pipelining over gloo: the
+    # schedule's Python, gloo's threads, the kernel's loopback), microseconds, measured by ``--calibrate`` on a
+    # 2-stage pipeline of trivial stages (tensorpar.planner.calibrate.measure_pipeline); 0: not modelled (presets).
+    pipeline_p2p_op_cpu_us: float = 0.0
+    # The same measured with twice as many ranks as cores (a rank whose peer is not running waits longer in gloo and
+    # spends more CPU per operation); used when a host's ranks' threads outnumber host_cores. 0: the value above.
+    pipeline_p2p_op_cpu_shared_us: float = 0.0
 
     def __post_init__(self) -> None:
         links = ("intra_node_gbps", "inter_node_gbps")
@@ -73,7 +85,8 @@ class DeviceSpec:
                 raise ValueError(f"device {knob} ({getattr(self, knob)!r}) must be > 0")
         for knob in ("layer_overhead_us", "train_layer_overhead_us", "train_micro_batch_overhead_us", "host_cores",
                      "external_threads", "external_groups", "optimizer_ns_per_param", "tp_link_gbps",
-                     "tp_link_latency_us"):
+                     "tp_link_latency_us", "p2p_link_gbps", "p2p_link_latency_us",
+                     "pipeline_p2p_op_cpu_us", "pipeline_p2p_op_cpu_shared_us"):
             if getattr(self, knob) < 0:
                 raise ValueError(f"device {knob} ({getattr(self, knob)!r}) must be >= 0")
         if not (isinstance(self.threads_per_rank, int) and self.threads_per_rank >= 1):
@@ -155,6 +168,15 @@ class ClusterSpec:
         if span <= self.devices_per_node:
             return d.intra_node_gbps * 1e9, d.intra_node_latency_us * 1e-6
         return d.inter_node_gbps * 1e9, d.inter_node_latency_us * 1e-6
+
+    def p2p_link(self, span: int) -> tuple[float, float]:
+        """(bytes/s, seconds latency) of a pipeline send between ranks ``span`` apart: the device's measured
+        point-to-point link where it has one, else :meth:`link`."""
+        d = self.device
+        bandwidth, latency = self.link(span)
+        if d.p2p_link_latency_us > 0 or d.p2p_link_gbps > 0:  # measured; a bandwidth it could not resolve: the link's
+            return (d.p2p_link_gbps * 1e9 if d.p2p_link_gbps > 0 else bandwidth), d.p2p_link_latency_us * 1e-6
+        return bandwidth, latency
 
     def to_dict(self) -> dict:
         return {"device": asdict(self.device), "num_devices": self.num_devices,

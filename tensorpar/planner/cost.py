@@ -18,6 +18,11 @@ Model of one optimizer step (each assumption is a choice; docs/planner.md lists 
 * A device calibrated by ``tensorpar train --plan auto`` adds its measured fixed time per layer and micro-batch
   (``train_layer_overhead_us``: Python and framework work that no FLOP or byte count explains, which dominates
   small models on a CPU) and per micro-batch on the last stage (``train_micro_batch_overhead_us``); presets: 0.
+* A calibrated device also gives the CPU of one pipeline send or receive (``pipeline_p2p_op_cpu_us``, the
+  schedule's Python included; ``pipeline_p2p_op_cpu_shared_us`` when the host's ranks outnumber its cores; per
+  micro-batch ``4 v`` of them on a stage, 2 fewer on the first and on the last stage, half in the forward), work
+  of the stage, and the measured send/recv link of the pipeline's activations
+  (``p2p_link_*``, the delay between stages); presets: 0 and the group's link.
 * A device whose ranks share a host's CPU cores (``host_cores`` > 0: a CPU calibrated by ``tensorpar train --plan
   auto``) runs the schedule through :mod:`tensorpar.planner.sharing` (processor sharing of the cores among the
   runnable ranks' threads and other users'; a waiting stage frees its core) instead of the closed form below, and
@@ -276,12 +281,22 @@ def step_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Work
     rate = cluster.device.peak_tflops * 1e12 * assume.matmul_efficiency(cluster.device)
     logits_seconds = 3 * logit_forward_flops(model, max_vocab_rows(model.vocab_size, t), tokens) / rate
     logits_seconds += cluster.device.train_micro_batch_overhead_us * 1e-6  # embedding, head, loss: fixed part
-    p2p = _collective_seconds(pipeline_sends(model, layout, work, assume), cluster, t * p)
+    bandwidth, latency = cluster.p2p_link(t * p)
+    p2p = sum(c.seconds(bandwidth, latency) for c in pipeline_sends(model, layout, work, assume))
+    # CPU of the schedule's sends and receives (a calibrated device; presets: 0): per micro-batch, each chunk
+    # receives its activation and sends its input's gradient (not the model's first chunk), and sends its output
+    # and receives the output's gradient (not the last chunk): 4 v operations, 2 fewer on the first and last stage
+    dev = cluster.device
+    host_threads = min(cluster.num_devices, cluster.devices_per_node) * dev.threads_per_rank
+    oversubscribed = dev.host_cores > 0 and host_threads > dev.host_cores and dev.pipeline_p2p_op_cpu_shared_us > 0
+    op_cpu = (dev.pipeline_p2p_op_cpu_shared_us if oversubscribed else dev.pipeline_p2p_op_cpu_us) * 1e-6 \
+        if p > 1 else 0.0
     tied = _collective_seconds(tied_embedding_collectives(model, layout, assume), cluster, t * p)
     keep = 1 - assume.tp_overlap
 
     def stage_times(layers: int, params: int, experts: float, first: bool, last: bool) -> tuple[tuple, tuple]:
-        compute = layers * layer.compute + (logits_seconds if last else 0.0)
+        schedule_overhead = op_cpu * (4 * v - 2 * first - 2 * last)
+        compute = layers * layer.compute + (logits_seconds if last else 0.0) + schedule_overhead
         tp_edge = keep * _collective_seconds(
             tp_collectives(model, layout, work, assume, layers=0, first_stage=first, last_stage=last), cluster, t,
             "tp")
@@ -294,7 +309,8 @@ def step_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Work
         ep = layers * layer.ep
         # forward part of one micro-batch (for the shared-core schedule): the layers' forwards, the logits' third
         # (forward of 1 + backward of 2), half of the embedding / output-layer collectives
-        forward = (layers * layer.forward + (logits_seconds / 3 if last else 0.0) + tp_edge / 2)
+        forward = (layers * layer.forward + (logits_seconds / 3 if last else 0.0) + tp_edge / 2
+                   + schedule_overhead / 2)
         return (compute + tp + ep + p2p, compute, tp, ep, forward), (tp_once + dp + opt, tp_once, dp, opt)
 
     seen: dict[tuple, tuple] = {}  # stages of equal shape cost the same; a 64-stage pipeline has ~3 shapes

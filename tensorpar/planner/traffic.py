@@ -156,10 +156,13 @@ def layer_tp_wire_elements(micro_batch: int, seq: int, hidden: int, tp: int) -> 
 def pipeline_sends(model: ModelSpec, layout: Layout, work: Workload, assume: Assumptions) -> list[Collective]:
     """Point-to-point traffic of one stage per micro-batch: the activation forward and its gradient
     backward across each of the stage's ``v`` chunk boundaries. Megatron's scatter/gather optimisation
-    (Narayanan et al. 2021, section 4.1) sends ``1/t`` of the [s, b, h] tensor from each TP rank."""
+    (Narayanan et al. 2021, section 4.1) sends ``1/t`` of the [s, b, h] tensor from each TP rank; tensorpar
+    (``kernels="hf"``) sends each TP rank's whole [b, s, h] hidden state to its counterpart on the next stage
+    (:mod:`tensorpar.pipeline.stages`), ``1/t`` of it only under sequence parallelism ([b, s/t, h])."""
     if layout.pp == 1:
         return []
-    elements = layout.micro_batch * work.seq_len * model.hidden_size / layout.tp
+    split = layout.tp if model.kernels == "megatron" or layout.sequence_parallel else 1
+    elements = layout.micro_batch * work.seq_len * model.hidden_size / split
     return [Collective("send", "pipeline activations and gradients", 2 * layout.virtual_stages, elements,
                        assume.activation_bytes, 2)]
 

@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-CALIBRATION_VERSION = 5
+CALIBRATION_VERSION = 6  # 6: the pipeline's send/recv link and per-micro-batch schedule CPU (measure_pipeline)
 WARMUP_STEPS = 2  # steps left out of the measured median (first-call allocation, pipeline set-up)
 CPU_RESERVE_GIB = 0.5  # per rank on a CPU host: interpreter, torch and its libraries, process-group buffers
 
@@ -100,7 +100,7 @@ def quick_calibration() -> dict:
 
     from tensorpar.launch import usable_cores
     from tensorpar.planner.calibrate import (measure_collectives, measure_matmul, measure_memory_bandwidth,
-                                             measure_optimizer)
+                                             measure_optimizer, measure_pipeline)
 
     cuda = torch.cuda.is_available()
     threads = torch.get_num_threads()
@@ -126,10 +126,14 @@ def quick_calibration() -> dict:
             coll = measure_collectives(tuple(2 ** k for k in range(12, 23, 2)), backends=("gloo", "shm"))
         except RuntimeError:  # shared memory not available here (not x86, no /dev/shm): gloo only
             coll = measure_collectives(tuple(2 ** k for k in range(12, 23, 2)))
+        try:  # the pipeline's send/recv link and the schedule's fixed CPU per micro-batch (2 gloo ranks)
+            pipeline = measure_pipeline()
+        except RuntimeError:  # leave them out (0: not modelled) rather than fail the plan
+            pipeline = {}
     taken = others.others_cores_between()
     if taken is not None:
         coll["others_busy_cores"] = taken
-    return {**overhead, **layer, "loadavg_1min": (load_start + _loadavg()) / 2, "version": CALIBRATION_VERSION,
+    return {**overhead, **layer, "pipeline": pipeline, "loadavg_1min": (load_start + _loadavg()) / 2, "version": CALIBRATION_VERSION,
             "backend": name, "matmul": matmul,
             "matmul_tflops": max(m["tflops"] for m in matmul), "matmul_threads": 0 if cuda else 1,
             "hbm_gbps": hbm, "optimizer_ns_per_param": optimizer, "collective": coll, "cores": usable_cores(),
@@ -429,6 +433,12 @@ def rank_device(cal: dict, nproc: int, local_nproc: int | None = None, load_now:
     tp_fit = collective_fit(cal, tp_backend) if tp_backend and tp_backend != backend else None
     label = "this machine's local link: 2 {} processes on loopback, measured (not NVLink, not a network)"
     overhead = {k: cal[k] for k in ("train_layer_overhead_us", "train_micro_batch_overhead_us")}
+    pipe = cal.get("pipeline") or {}
+    # the pipeline's measured send/recv link (wall clock, as the collectives) and schedule CPU (CPU time)
+    overhead.update(p2p_link_gbps=pipe.get("p2p_bandwidth_gbps", 0.0),
+                    p2p_link_latency_us=pipe.get("p2p_latency_us", 0.0),
+                    pipeline_p2p_op_cpu_us=pipe.get("pipeline_p2p_op_cpu_us", 0.0),
+                    pipeline_p2p_op_cpu_shared_us=pipe.get("pipeline_p2p_op_cpu_shared_us", 0.0))
     if cal["cuda"]:
         link = dict(local_link_gbps=fit["bandwidth_gbps"], local_link_latency_us=fit["latency_us"],
                     local_link_label=label.format(fit["backend"]))
@@ -464,6 +474,9 @@ def rank_device(cal: dict, nproc: int, local_nproc: int | None = None, load_now:
                       hbm_gbps=cal["hbm_gbps"] / s_cal * threads,
                       train_layer_overhead_us=cal["train_layer_overhead_us"] * s_cal,
                       train_micro_batch_overhead_us=cal["train_micro_batch_overhead_us"] * s_cal,
+                      p2p_link_gbps=overhead["p2p_link_gbps"], p2p_link_latency_us=overhead["p2p_link_latency_us"],
+                      pipeline_p2p_op_cpu_us=overhead["pipeline_p2p_op_cpu_us"],
+                      pipeline_p2p_op_cpu_shared_us=overhead["pipeline_p2p_op_cpu_shared_us"],
                       optimizer_ns_per_param=cal.get("optimizer_ns_per_param", 0.0) * s_cal / threads,
                       host_cores=float(cores), threads_per_rank=threads, external_threads=ext_now, **link)
 
