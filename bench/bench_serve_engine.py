@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.bench_serve import PROMPTS  # noqa: E402
+from bench.bench_serve import PROMPTS, atomic_write  # noqa: E402
 
 
 def _old_exchange(engine):
@@ -147,15 +147,6 @@ def _job(folder, args, modes, path):
         with open(path, "w") as f:
             json.dump(res, f)
     return 0
-
-
-def atomic_write(path: Path, text: str):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
 
 
 def main():
