@@ -1,17 +1,23 @@
 """`tensorpar plan --inference` against measured `tensorpar generate` on this machine (issue 15.3).
 
 Measures, in fresh worker processes with one thread per rank:
-1. this machine as the planner sees it: matmul rate, copy bandwidth (``hbm_gbps``), the loopback
-   all-reduce latency of a small message (gloo: the 4 KiB sample of ``measure_collectives``; the
-   shared-memory path: the median of 200 all-reduces of one hidden state), and the per-layer framework
-   floor: decode of the same model with tiny matrices at tp = 1 (``bench_generate.job_overhead``),
-   divided by its layers;
+1. this machine as the planner sees it, without running the model:
+   * matmul rate and copy bandwidth (``hbm_gbps``; reported, not used by decode once the read rate is measured);
+   * ``decode_read_gbps``: the one-row matmul (GEMV) read rate of the model's own tp = 1 weight shapes, one
+     process alone; ``decode_read_host_gbps``: the same at the tp = 2 rank's shapes with 2 processes reading at
+     once, times 2 (``calibrate.measure_decode_reads``: private random matrices, net of the per-call dispatch);
+   * ``decode_collective_us``: what one collective adds to the same GEMV passes when the decode step's
+     ``2 x layers + 3`` collectives are interleaved where the lean path runs them (gloo, and the shared-memory
+     collectives): latency, the wait for the slower rank and the reads it slows;
+   * ``layer_overhead_us``: greedy decode of the same architecture with 8-wide matrices on the lean path (the
+     path `tensorpar generate` runs for this model), tp = 1, divided by its layers;
+   * for reference, the idle loopback all-reduce latency (gloo's 4 KiB sample of ``measure_collectives``, the
+     median of 200 shared-memory all-reduces of one hidden state), the previous model's link latency;
 2. greedy decode ms/token of `tensorpar generate` (``bench_generate.job_tp``) at tp = 1 and at tp = 2
    over gloo and over the shared-memory collectives;
 
-then plans the same decode with those measured device numbers and prints predicted vs measured.
-The floor is measured on the same model with tiny matrices, so it is a calibration of the framework,
-not of the run being predicted. Noisy on a shared machine: the load average is recorded.
+then plans the same decode with those measured device numbers and prints predicted vs measured. No constant is
+taken from the runs being predicted. Noisy on a shared machine: the load average is recorded.
 
     python bench/bench_plan_inference.py [--model smollm2] [--tokens 32] [--out bench/results]
 
@@ -62,6 +68,26 @@ def _shm_latency_job(ctx, hidden):
     return statistics.median(times)
 
 
+def _floor_job(ctx, folder, n):
+    """``bench_generate.job_overhead`` on the lean path explicitly (ValueError if it cannot run it): the decode
+    step of the same architecture with 8-wide matrices (head_dim 8, MLP 64, vocabulary 256), 1 thread."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tensorpar.generate import SamplingConfig, generate_tokens
+    from tensorpar.hf.apply import parallelize
+    from tensorpar.hf.plan import make_plan
+    torch.set_num_threads(1)
+    cfg = AutoConfig.from_pretrained(folder)
+    cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.vocab_size = 72, 64, 8, 256
+    cfg._attn_implementation = "sdpa"
+    model = parallelize(AutoModelForCausalLM.from_config(cfg).eval(), make_plan(cfg, ctx.tp.size), ctx.tp)
+    ids = torch.tensor([[1, 5, 7, 9, 11, 13]])
+    generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=2), path="lean")
+    res = generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=n), path="lean")
+    return {"step_ms": 1e3 / res.decode_tokens_per_s, "path": "lean"}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
@@ -69,12 +95,12 @@ def main() -> None:
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     a = p.parse_args()
 
-    from bench_generate import PROMPT, job_overhead, job_tp
+    from bench_generate import PROMPT, job_tp
 
     from tensorpar.hub import resolve_model
-    from tensorpar.planner.calibrate import measure_collectives
+    from tensorpar.planner.calibrate import measure_collectives, measure_decode_reads
     from tensorpar.planner.cluster import ClusterSpec, DeviceSpec
-    from tensorpar.planner.inference import InferenceWorkload, plan_one
+    from tensorpar.planner.inference import InferenceWorkload, decode_matrices, plan_one
     from tensorpar.planner.model_spec import from_hf_config
     from tensorpar.testing import WorkerPool
 
@@ -89,23 +115,32 @@ def main() -> None:
     dev = one(1, _device_job)
     link = measure_collectives()
     shm_latency = one(2, _shm_latency_job, model.hidden_size)
-    floor = one(1, job_overhead, folder, a.tokens)
+    floor = one(1, _floor_job, folder, a.tokens)
+    reads = {}
+    for key, tp, procs, coll in (("alone_tp1", 1, 1, ""), ("shared_tp2", 2, 2, ""), ("gloo_tp2", 2, 2, "gloo"),
+                                 ("shm_tp2", 2, 2, "shm")):
+        layer, head = decode_matrices(model, tp)
+        reads[key] = measure_decode_reads(layer, model.num_layers, head, procs, coll)
+        reads[key].pop("ranks")
     measured = {("tp=1", 1): one(1, job_tp, folder, a.tokens, 1, False),
                 ("tp=2 gloo", 2): one(2, job_tp, folder, a.tokens, 1, False),
                 ("tp=2 shm", 2): one(2, job_tp, folder, a.tokens, 1, True)}
     load1 = os.getloadavg()[0]
 
     gloo_latency_us = link["samples"][0]["seconds"] * 1e6  # the smallest message: decode all-reduces are latency
-    links = {"tp=1": (gloo_latency_us, "gloo"), "tp=2 gloo": (gloo_latency_us, "gloo"),
-             "tp=2 shm": (shm_latency * 1e6, "shared memory")}
+    links = {"tp=1": (gloo_latency_us, "gloo", reads["gloo_tp2"]["collective_us"]),
+             "tp=2 gloo": (gloo_latency_us, "gloo", reads["gloo_tp2"]["collective_us"]),
+             "tp=2 shm": (shm_latency * 1e6, "shared memory", reads["shm_tp2"]["collective_us"])}
 
     def device_for(name: str) -> DeviceSpec:
-        latency, what = links[name]
+        latency, what, in_step = links[name]
         return DeviceSpec(
             name="this machine, 1 thread per rank", memory_gib=16.0, peak_tflops=dev["matmul_tflops"],
             intra_node_gbps=0.0, inter_node_gbps=0.0, matmul_efficiency=1.0, hbm_gbps=dev["hbm_gbps"],
             local_link_gbps=link["bandwidth_gbps"], local_link_latency_us=latency,
-            local_link_label=f"{what} loopback, measured", layer_overhead_us=floor["step_ms"] * 1e3 / model.num_layers)
+            local_link_label=f"{what} loopback, measured", layer_overhead_us=floor["step_ms"] * 1e3 / model.num_layers,
+            decode_read_gbps=reads["alone_tp1"]["gbps"], decode_read_host_gbps=reads["shared_tp2"]["host_gbps"],
+            decode_collective_us=in_step)
     from transformers import AutoTokenizer
 
     prompt_tokens = len(AutoTokenizer.from_pretrained(folder)(PROMPT)["input_ids"])
@@ -117,14 +152,16 @@ def main() -> None:
         rows.append({"config": name, "tp": tp, "link_latency_us": device.local_link_latency_us, "measured_ms": run["step_ms"], "predicted_ms": plan.decode * 1e3,
                      "error": plan.decode * 1e3 / run["step_ms"] - 1,
                      "predicted_parts_ms": {"memory": plan.decode_memory * 1e3, "compute": plan.decode_compute * 1e3,
-                                            "tp_comm": plan.decode_comm * 1e3,
-                                            "overhead": model.num_layers * device.layer_overhead_us * 1e-3},
-                     "measured_comm_ms_in_run": run["comm_ms_per_token_in_run"]})
+                                            "tp_comm": plan.decode_comm * 1e3, "overhead": plan.decode_overhead * 1e3},
+                     "measured_comm_ms_in_run": run["comm_ms_per_token_in_run"],
+                     "measured_collectives_per_token": run["collectives_per_token"]})
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "model": a.model, "new_tokens": a.tokens,
             "prompt": PROMPT, "dtype": "fp32", "date": time.strftime("%Y-%m-%d %H:%M"),
             "load_average_before_after": [round(load0, 1), round(load1, 1)],
             "device": asdict(device_for("tp=1")), "shm_allreduce_us": shm_latency * 1e6,
-            "gloo_allreduce_4kib_us": gloo_latency_us, "floor_step_ms": floor["step_ms"]}
+            "gloo_allreduce_4kib_us": gloo_latency_us, "floor_step_ms": floor["step_ms"], "floor_path": floor["path"],
+            "decode_reads": reads,
+            "devices_by_config": {name: asdict(device_for(name)) for name in links}}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "plan_inference.json.tmp"
@@ -136,17 +173,23 @@ def main() -> None:
              f"`tensorpar plan --inference` vs measured `tensorpar generate` (1 thread per rank, greedy, "
              f"{a.tokens} tokens, fp32, {a.model}); {meta['machine']}, {meta['date']}, load average "
              f"{load0:.1f} before, {load1:.1f} after.", "",
-             f"Measured device: matmul {dev['matmul_tflops'] * 1e3:.1f} GFLOP/s, copy bandwidth {dev['hbm_gbps']:.1f} GB/s, "
-             f"small all-reduce {gloo_latency_us:.0f} us (gloo), {shm_latency * 1e6:.0f} us (shared memory), "
-             f"framework floor {floor['step_ms']:.1f} ms/token = {floor['step_ms'] * 1e3 / model.num_layers:.0f} us "
-             "per layer.", "",
+             f"Measured device: matmul {dev['matmul_tflops'] * 1e3:.1f} GFLOP/s, copy bandwidth {dev['hbm_gbps']:.1f} GB/s "
+             "(not used by decode); one-row matmul reads at the model's shapes (net of "
+             f"{reads['alone_tp1']['dispatch_us']:.0f} us/token dispatch): {reads['alone_tp1']['gbps']:.1f} GB/s at "
+             f"tp=1 alone (`decode_read_gbps`), {reads['shared_tp2']['gbps']:.1f} GB/s per rank at tp=2 with 2 "
+             f"processes = {reads['shared_tp2']['host_gbps']:.1f} GB/s host (`decode_read_host_gbps`); one collective "
+             f"inside the decode step (`decode_collective_us`): {reads['gloo_tp2']['collective_us']:.0f} us gloo, "
+             f"{reads['shm_tp2']['collective_us']:.0f} us shared memory (idle loopback all-reduce: "
+             f"{gloo_latency_us:.0f} us gloo, {shm_latency * 1e6:.0f} us shared memory); framework floor of the lean "
+             f"path {floor['step_ms']:.1f} ms/token = {floor['step_ms'] * 1e3 / model.num_layers:.0f} us per layer "
+             "(`layer_overhead_us`).", "",
              "| configuration | measured ms/token | predicted ms/token | error | predicted: memory | compute | TP comm | "
-             "overhead | measured comm in run |", "|---|---|---|---|---|---|---|---|---|"]
+             "overhead | measured comm in run | collectives/token |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         q = r["predicted_parts_ms"]
         lines.append(f"| {r['config']} | {r['measured_ms']:.1f} | {r['predicted_ms']:.1f} | {100 * r['error']:+.1f}% | "
                      f"{q['memory']:.1f} | {q['compute']:.1f} | {q['tp_comm']:.1f} | {q['overhead']:.1f} | "
-                     f"{r['measured_comm_ms_in_run']:.1f} |")
+                     f"{r['measured_comm_ms_in_run']:.1f} | {r['measured_collectives_per_token']:.0f} |")
     tmp = out / "plan_inference.md.tmp"
     tmp.write_text("\n".join(lines) + "\n")
     os.replace(tmp, out / "plan_inference.md")

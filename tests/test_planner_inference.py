@@ -7,8 +7,8 @@ import pytest
 
 from tensorpar import cli
 from tensorpar.planner.cluster import ClusterSpec, DeviceSpec
-from tensorpar.planner.inference import (InferenceWorkload, kv_cache_bytes, plan_inference, plan_one,
-                                         weight_params_per_rank)
+from tensorpar.planner.inference import (InferenceWorkload, decode_collectives, decode_matrices, decode_read_gbps,
+                                         kv_cache_bytes, plan_inference, plan_one, weight_params_per_rank)
 from tensorpar.planner.model_spec import ModelSpec, preset
 
 DEVICE = DeviceSpec("test", memory_gib=1.0, peak_tflops=1.0, intra_node_gbps=10.0, inter_node_gbps=1.0,
@@ -41,20 +41,63 @@ def test_hand_worked_latencies():
     kv_mean = kv_cache_bytes(TINY, 2, 1, 150)
     assert q.decode_memory == pytest.approx((weights + kv_mean) / 100e9, rel=1e-12)
     # decode all-reduces: 2 per layer and the embedding's, of 64 bf16 values over 2 ranks, latency 10 us +
-    # 128 B / 10 GB/s; logits gather: 10 us + 1000/2 fp32 values / 10 GB/s.
-    comm = 5 * (10e-6 + 128 / 10e9) + (10e-6 + 2000 / 10e9)
+    # 128 B / 10 GB/s; greedy token pick: all-gather of one [1, 2] fp64 row from the other rank (16 B) and a
+    # broadcast of 2 int64 (16 B), 10 us each.
+    pick = 2 * 10e-6 + (16 + 16) / 10e9
+    comm = 5 * (10e-6 + 128 / 10e9) + pick
     assert q.decode_comm == pytest.approx(comm, rel=1e-12)
     assert q.decode == pytest.approx(max(q.decode_memory, q.decode_compute) + comm, rel=1e-12)
     assert q.tokens_per_s == pytest.approx(1 / q.decode)
     # prefill FLOPs: per layer 2*100*(64*8*6 + 4*8*64 + 3*64*64) + 4*100*100*4*8, 2 layers, logits 2*64*500.
     flops = 2 * (2 * 100 * (64 * 8 * 6 + 4 * 8 * 64 + 3 * 64 * 64) + 4 * 100 * 100 * 4 * 8) + 2 * 64 * 500
-    prefill_comm = 5 * (10e-6 + 100 * 64 * 2 / 10e9) + (10e-6 + 2000 / 10e9)
+    prefill_comm = 5 * (10e-6 + 100 * 64 * 2 / 10e9) + pick
     assert q.ttft == pytest.approx(max(flops / 0.5e12, weights / 100e9) + prefill_comm, rel=1e-12)
     # A measured per-layer overhead adds 2 layers x 300 us to both.
     from dataclasses import replace
 
     slow = plan_one(TINY, 2, ClusterSpec(replace(DEVICE, layer_overhead_us=300.0), 2, 2), work)
     assert slow.decode - q.decode == pytest.approx(600e-6) and slow.ttft - q.ttft == pytest.approx(600e-6)
+    assert slow.decode_overhead == pytest.approx(600e-6) and q.decode_overhead == 0
+
+
+def test_decode_matrices_are_the_lean_paths_per_rank_shapes():
+    # smollm2 (h 576, 9 heads of 64, 3 KV heads, MLP 1536, vocabulary 49152): tp=1 reads fused QKV (9 + 6) x 64,
+    # the output 576 x 576, fused gate-up 2 x 1536; tp=2's busiest rank holds 5 heads and KV heads 0 and 1.
+    smol = preset("smollm2")
+    assert decode_matrices(smol, 1) == ([(960, 576), (576, 576), (3072, 576), (576, 1536)], (49152, 576))
+    assert decode_matrices(smol, 2) == ([(576, 576), (576, 320), (1536, 576), (576, 768)], (24576, 576))
+    layer, head = decode_matrices(TINY, 2)
+    # the matrices are the rank's weights less the norms and the (untied) input embedding
+    assert sum(o * i for o, i in layer) * 2 + head[0] * head[1] == weight_params_per_rank(TINY, 2) - 4 * 64 - 64 - 500 * 64
+    assert decode_collectives(smol, 1) == 0 and decode_collectives(smol, 2) == 2 * 30 + 3
+
+
+def test_decode_read_rate_shared_by_the_hosts_ranks():
+    # 20 GB/s alone, 30 GB/s for the host: 2 ranks get 15 each, 1 rank 20 (its own cap), 4 ranks 7.5;
+    # without a host cap every rank reads at its own rate; without a measured rate, hbm_gbps.
+    from dataclasses import replace
+
+    cpu = replace(DEVICE, decode_read_gbps=20.0, decode_read_host_gbps=30.0)
+    assert [decode_read_gbps(ClusterSpec(cpu, g, g)) for g in (1, 2, 4)] == [20.0, 15.0, 7.5]
+    assert decode_read_gbps(ClusterSpec(cpu, 8, 2)) == 15.0  # 2 ranks to a node
+    assert decode_read_gbps(ClusterSpec(replace(cpu, decode_read_host_gbps=0.0), 4, 4)) == 20.0
+    assert decode_read_gbps(ClusterSpec(DEVICE, 4, 4)) == 100.0
+    work = InferenceWorkload(batch=1, prompt_len=100, max_new_tokens=100)
+    q = plan_one(TINY, 2, ClusterSpec(cpu, 2, 2), work)
+    read = weight_params_per_rank(TINY, 2) * 2 + kv_cache_bytes(TINY, 2, 1, 150)
+    assert q.decode_memory == pytest.approx(read / 15e9, rel=1e-12)
+
+
+def test_measured_decode_collective_replaces_the_link_model():
+    # 500 us per collective measured inside a decode step: 2 layers x 2 + 3 = 7 collectives at tp=2, none at tp=1.
+    from dataclasses import replace
+
+    dev = replace(DEVICE, decode_collective_us=500.0, layer_overhead_us=100.0)
+    work = InferenceWorkload(batch=1, prompt_len=100, max_new_tokens=100)
+    q = plan_one(TINY, 2, ClusterSpec(dev, 2, 2), work)
+    assert q.decode_comm == pytest.approx(7 * 500e-6, rel=1e-12)
+    assert q.decode == pytest.approx(max(q.decode_memory, q.decode_compute) + 7 * 500e-6 + 2 * 100e-6, rel=1e-12)
+    assert plan_one(TINY, 1, ClusterSpec(dev, 1, 1), work).decode_comm == 0
 
 
 def test_latency_target_picks_the_highest_throughput_that_meets_it():

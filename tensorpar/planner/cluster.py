@@ -37,6 +37,16 @@ class DeviceSpec:
     # Fixed time per layer per forward pass that no byte or FLOP count explains (Python, framework, kernel
     # launches), microseconds; used by inference planning. 0: not modelled (the presets: unmeasured).
     layer_overhead_us: float = 0.0
+    # Decode (inference planning; tensorpar.planner.calibrate.measure_decode_reads): the rate, GB/s, at which one
+    # rank alone reads weights through a decode step's one-row matmuls (GEMV), below the copy bandwidth on a CPU
+    # (shape-dependent: measure at the model's shapes); 0: hbm_gbps. ``decode_read_host_gbps``: the host's total
+    # rate when its ranks read at once (they share its memory); 0: each device reads its own memory (a GPU).
+    decode_read_gbps: float = 0.0
+    decode_read_host_gbps: float = 0.0
+    # What one small (latency-bound) tensor-parallel collective adds to a decode step, measured inside the step
+    # (its latency, the wait for the slower rank, the reads it slows), microseconds; 0: the tp link's latency
+    # + bytes / bandwidth.
+    decode_collective_us: float = 0.0
     # The same for training, measured by ``tensorpar train --plan auto``'s calibration: fixed time per layer per
     # micro-batch for its forward and backward together, and per micro-batch for the embedding, LM head and loss
     # (charged to the last stage), microseconds. 0: not modelled (the presets).
@@ -83,7 +93,8 @@ class DeviceSpec:
                 continue  # not measured; the local link is used instead
             if not getattr(self, knob) > 0:
                 raise ValueError(f"device {knob} ({getattr(self, knob)!r}) must be > 0")
-        for knob in ("layer_overhead_us", "train_layer_overhead_us", "train_micro_batch_overhead_us", "host_cores",
+        for knob in ("layer_overhead_us", "decode_read_gbps", "decode_read_host_gbps", "decode_collective_us",
+                     "train_layer_overhead_us", "train_micro_batch_overhead_us", "host_cores",
                      "external_threads", "external_groups", "optimizer_ns_per_param", "tp_link_gbps",
                      "tp_link_latency_us", "p2p_link_gbps", "p2p_link_latency_us",
                      "pipeline_p2p_op_cpu_us", "pipeline_p2p_op_cpu_shared_us"):

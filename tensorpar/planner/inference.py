@@ -12,13 +12,21 @@ Model (one replica of ``tp`` ranks, batch B, prompt P, N new tokens; all per ran
   interior for B x P tokens) and the last position's fp32 logits;
 * time to first token: prefill is compute bound: forward matmul FLOPs of the prompt at
   ``matmul_efficiency x peak`` (at least one read of the weights from device memory), plus two TP
-  all-reduces of ``B x P x h`` per layer and the logits gather;
+  all-reduces of ``B x P x h`` per layer, the embedding's and the token pick (all-gather and broadcast);
 * decode, per token: memory-bandwidth bound: the weights and the KV cache (at the mean context
-  ``P + N/2``) read once from device memory at ``hbm_gbps`` (or the matmuls, if slower), plus two TP
-  all-reduces of ``B x h`` per layer and the logits gather: at small batch these are latency, not bytes;
-* the vocabulary-parallel embedding all-reduces its ``B x h`` lookup once per forward (tp > 1);
+  ``P + N/2``) read once at the decode read rate (or the matmuls, if slower), plus the step's TP collectives:
+  two all-reduces of ``B x h`` per layer, one for the vocabulary-parallel embedding's lookup, and the greedy
+  token pick (an all-gather of ``B x 2`` fp64 and a broadcast of ``B + 1`` int64), ``2 x layers + 3`` in all:
+  at small batch these are latency, not bytes;
+* decode read rate per rank (:func:`decode_read_gbps`): ``decode_read_gbps`` (one rank alone, one-row matmuls at
+  the model's shapes; ``hbm_gbps`` when 0), capped by ``decode_read_host_gbps / ranks on the node`` where the
+  node's ranks share one memory (a CPU host; all ``min(G, devices_per_node)`` of them decode at once);
+* each decode collective costs the device's ``decode_collective_us`` where measured (its cost inside a decode
+  step: latency, waiting for the slower rank, the reads it slows), else latency + bytes / bandwidth of the tp
+  link;
 * every layer of every forward pass also pays the device's ``layer_overhead_us`` (Python, framework and
-  kernel launches; 0 unless measured, e.g. by ``bench/bench_plan_inference.py``);
+  kernel launches; 0 unless measured, e.g. by ``bench/bench_plan_inference.py``: the lean decode path on the
+  same model with 8-wide matrices);
 * throughput: ``replicas x B / decode seconds per token``, replicas = devices // tp.
 
 The winner: among layouts that fit (and meet ``latency_target_ms`` per decoded token, when given), the
@@ -73,6 +81,7 @@ class InferencePlan:
     decode_comm: float
     kv_heads_per_rank: int
     batch: int
+    decode_overhead: float = 0.0  # layers x layer_overhead_us, seconds
 
     @property
     def memory(self) -> float:
@@ -98,7 +107,8 @@ class InferencePlan:
                 "decode_ms_per_token": round(self.decode * 1e3, 4),
                 "decode_breakdown_ms": {"memory": round(self.decode_memory * 1e3, 4),
                                         "compute": round(self.decode_compute * 1e3, 4),
-                                        "tp_comm": round(self.decode_comm * 1e3, 4)},
+                                        "tp_comm": round(self.decode_comm * 1e3, 4),
+                                        "overhead": round(self.decode_overhead * 1e3, 4)},
                 "tokens_per_s": round(self.tokens_per_s, 2)}
 
 
@@ -116,11 +126,54 @@ def kv_cache_bytes(model: ModelSpec, tp: int, batch: int, tokens: int, kv_bytes:
     return 2 * model.num_layers * batch * tokens * kv * model.head_dim * kv_bytes
 
 
+def decode_matrices(model: ModelSpec, tp: int) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """``(out, in)`` shapes of the busiest rank's matmul weights that one decode step reads: per layer the fused
+    QKV ``((q + 2 kv) x head_dim, h)``, the attention output ``(h, q x head_dim)``, the fused gate-up (or up)
+    ``((mlp_matrices - 1) x f, h)`` and the down projection ``(h, f)`` (``f``: the rank's active MLP columns), as
+    :class:`tensorpar.lean.LeanDecoder` runs them; and the LM head's vocabulary shard ``(V_r, h)``."""
+    heads = busiest_heads(model.num_heads, model.num_kv_heads, tp)
+    f = int(model.active_ffn(max_ffn_columns(model.ffn_hidden_size, tp)))
+    h, d = model.hidden_size, model.head_dim
+    layer = [((heads.q + 2 * heads.kv) * d, h), (h, heads.q * d), ((model.mlp_matrices - 1) * f, h), (h, f)]
+    return layer, (max_vocab_rows(model.vocab_size, tp), h)
+
+
+def decode_read_gbps(cluster: ClusterSpec) -> float:
+    """GB/s at which one rank reads its weights in decode: the device's ``decode_read_gbps`` (``hbm_gbps`` when 0),
+    at most ``decode_read_host_gbps`` shared by the node's ranks (``min(num_devices, devices_per_node)``, all
+    decoding at once) where the node's ranks share one memory."""
+    d = cluster.device
+    alone = d.decode_read_gbps or d.hbm_gbps
+    if d.decode_read_host_gbps > 0:
+        return min(alone, d.decode_read_host_gbps / min(cluster.num_devices, cluster.devices_per_node))
+    return alone
+
+
+def decode_collectives(model: ModelSpec, tp: int) -> int:
+    """TP collectives of one greedy decode step at tp > 1 (0 at tp = 1): two all-reduces per layer, the
+    embedding's all-reduce, the token pick's all-gather and the token broadcast (``tensorpar.generate``)."""
+    return 0 if tp == 1 else 2 * model.num_layers + 3
+
+
 def _all_reduce_seconds(elements: float, nbytes: int, tp: int, cluster: ClusterSpec) -> float:
     if tp == 1:
         return 0.0
-    bandwidth, latency = cluster.link(tp)
+    bandwidth, latency = cluster.link(tp, "tp")
     return latency + 2 * (tp - 1) / tp * elements * nbytes / bandwidth
+
+
+def _decode_comm_seconds(model: ModelSpec, tp: int, cluster: ClusterSpec, batch: int, nbytes: int) -> float:
+    """The TP collectives of one greedy decode step (:func:`decode_collectives`): the device's measured
+    ``decode_collective_us`` each where it has one; else latency + bytes / bandwidth of the tp link: ``2 x layers
+    + 1`` all-reduces of ``B x h`` at ``nbytes``, the all-gather of ``B x 2`` fp64 (``(tp - 1) x 16 B`` bytes
+    received per row) and the broadcast of ``B + 1`` int64."""
+    if tp == 1:
+        return 0.0
+    if cluster.device.decode_collective_us > 0:
+        return decode_collectives(model, tp) * cluster.device.decode_collective_us * 1e-6
+    bandwidth, latency = cluster.link(tp, "tp")
+    pick = 2 * latency + ((tp - 1) * batch * 16 + (batch + 1) * 8) / bandwidth
+    return (2 * model.num_layers + 1) * _all_reduce_seconds(batch * model.hidden_size, nbytes, tp, cluster) + pick
 
 
 def plan_one(model: ModelSpec, tp: int, cluster: ClusterSpec, work: InferenceWorkload) -> InferencePlan:
@@ -138,28 +191,30 @@ def plan_one(model: ModelSpec, tp: int, cluster: ClusterSpec, work: InferenceWor
     rate = dev.peak_tflops * 1e12 * dev.matmul_efficiency
     hbm = dev.hbm_gbps * 1e9
     vocab_rows = max_vocab_rows(model.vocab_size, tp)
-    # The logits of the sharded output layer are gathered (all-gather of B x V fp32 ~ one all-reduce's bytes / 2).
-    logits_comm = _all_reduce_seconds(b * model.vocab_size / 2, 4, tp, cluster)
+    # The prompt's token pick: the same all-gather and broadcast as a decode step's (bytes negligible).
+    bandwidth, latency = cluster.link(tp, "tp") if tp > 1 else (1.0, 0.0)
+    pick_comm = 0.0 if tp == 1 else 2 * latency + ((tp - 1) * b * 16 + (b + 1) * 8) / bandwidth
     overhead = model.num_layers * dev.layer_overhead_us * 1e-6
 
     layer = layer_forward_flops(model, heads, ffn, b * p, p)
     prefill_flops = model.num_layers * (layer["linear"] + layer["attention"]) + logit_forward_flops(model, vocab_rows, b)
     prefill_comm = ((2 * model.num_layers + 1) * _all_reduce_seconds(b * p * model.hidden_size, e, tp, cluster)
-                    + logits_comm)
+                    + pick_comm)
     ttft = max(prefill_flops / rate, weights / hbm) + prefill_comm + overhead
 
     context = p + n / 2  # mean context length over the generated tokens
     decode_layer = layer_forward_flops(model, heads, ffn, b, context)
     decode_flops = model.num_layers * (decode_layer["linear"] + decode_layer["attention"]) + \
         logit_forward_flops(model, vocab_rows, b)
-    decode_memory = (weights + kv_cache_bytes(model, tp, b, context, work.kv_bytes)) / hbm
+    read = decode_read_gbps(cluster) * 1e9
+    decode_memory = (weights + kv_cache_bytes(model, tp, b, context, work.kv_bytes)) / read
     decode_compute = decode_flops / rate
-    decode_comm = (2 * model.num_layers + 1) * _all_reduce_seconds(b * model.hidden_size, e, tp, cluster) + logits_comm
+    decode_comm = _decode_comm_seconds(model, tp, cluster, b, e)
     decode = max(decode_memory, decode_compute) + decode_comm + overhead
     return InferencePlan(tp=tp, replicas=cluster.num_devices // tp, weights=weights, kv_cache=kv_total,
                          working_set=working, usable=(dev.memory_gib - work.reserve_gib) * GIB, ttft=ttft,
                          decode=decode, decode_memory=decode_memory, decode_compute=decode_compute,
-                         decode_comm=decode_comm, kv_heads_per_rank=heads.kv, batch=b)
+                         decode_comm=decode_comm, kv_heads_per_rank=heads.kv, batch=b, decode_overhead=overhead)
 
 
 def candidate_tps(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
