@@ -81,13 +81,33 @@ def _quantize(model, tp, quantize: str) -> None:
     apply_quantize(model, tp, quantize)
 
 
-def job_hf(ctx, folder, n, threads, dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def prompt_inputs(folder, batch: int = 1, prompt_ids=None) -> dict:
+    """``{"input_ids", "attention_mask"}`` of ``batch`` copies of the prompt, shape ``(batch, length)``:
+    ``PROMPT`` through the folder's tokenizer, or ``prompt_ids`` (a list of token ids) for a folder without one."""
+    if prompt_ids is not None:
+        ids = torch.tensor([list(prompt_ids)] * batch, dtype=torch.long)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    from transformers import AutoTokenizer
+    return dict(AutoTokenizer.from_pretrained(folder)([PROMPT] * batch, return_tensors="pt"))
+
+
+def job_hf(ctx, folder, n, threads, dtype, tp_plan=None, prompt_ids=None):
+    """transformers ``generate`` (greedy). With ``tp_plan`` (e.g. ``"auto"``) the model is loaded with
+    transformers' own tensor parallelism over the ranks' default process group (every rank runs this job)."""
+    from transformers import AutoModelForCausalLM
     from transformers.generation.streamers import BaseStreamer
     torch.set_num_threads(threads)
-    tok = AutoTokenizer.from_pretrained(folder)
-    ids = tok(PROMPT, return_tensors="pt")
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+    ids = prompt_inputs(folder, 1, prompt_ids)
+    kw = {}
+    if tp_plan is not None:     # the same as from_pretrained(..., tp_plan=tp_plan), without its deprecation warning
+        from transformers import DistributedConfig
+        # transformers derives tp_size from $WORLD_SIZE (torchrun's), falling back to 1 - an unsharded model -
+        # without a word when it is unset (distributed/configuration_utils.py, _resolve_parallelism): set
+        # torchrun's variables from the process group and pass tp_size explicitly.
+        world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+        kw["distributed_config"] = DistributedConfig(tp_plan=tp_plan, tp_size=world)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), **kw).eval()
 
     class Stamps(BaseStreamer):
         def __init__(self):
@@ -107,14 +127,19 @@ def job_hf(ctx, folder, n, threads, dtype):
                              streamer=stamps)
     ttft = stamps.t[1] - t0
     best = min(b - a for a, b in zip(stamps.t[1:], stamps.t[2:]))
-    return {"decode_tok_s": (n - 1) / max(stamps.t[-1] - t0 - ttft, 1e-9), "best_step_tok_s": 1 / best,
-            "weight_bytes": _weight_bytes(model),
-            "tokens": out[0, ids["input_ids"].shape[1]:].tolist()}
+    res = {"decode_tok_s": (n - 1) / max(stamps.t[-1] - t0 - ttft, 1e-9), "best_step_tok_s": 1 / best,
+           "weight_bytes": _weight_bytes(model),
+           "tokens": out[0, ids["input_ids"].shape[1]:].tolist()}
+    if tp_plan is not None:     # evidence that the model is sharded: the first q_proj's type and local shape
+        w = model.model.layers[0].self_attn.q_proj.weight
+        local = w.to_local() if hasattr(w, "to_local") else w
+        res["sharding"] = f"{type(w).__name__} {tuple(w.shape)}, local {tuple(local.shape)}"
+        if torch.distributed.get_world_size() > 1 and local.numel() == model.config.hidden_size ** 2:
+            raise RuntimeError(f"tp_plan={tp_plan!r} left q_proj unsharded: {res['sharding']}")
+    return res
 
 
-def job_tp(ctx, folder, n, dtype, path, batch, profile=False, quantize="none"):
-    from transformers import AutoTokenizer
-
+def job_tp(ctx, folder, n, dtype, path, batch, profile=False, quantize="none", prompt_ids=None):
     from tensorpar import comm
     from tensorpar.generate import SamplingConfig, generate_tokens
     from tensorpar.hf.load import build_parallel_model
@@ -124,8 +149,7 @@ def job_tp(ctx, folder, n, dtype, path, batch, profile=False, quantize="none"):
         enable_fast_collectives(ctx.tp, "on")
     model, _ = build_parallel_model(folder, ctx.tp, dtype=getattr(torch, dtype))
     _quantize(model, ctx.tp, quantize)
-    tok = AutoTokenizer.from_pretrained(folder)
-    ids = tok([PROMPT] * batch, return_tensors="pt")["input_ids"]
+    ids = prompt_inputs(folder, batch, prompt_ids)["input_ids"]
     generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=3), path=path)     # warm-up
     stamps = []
     res = generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=n), path=path,
