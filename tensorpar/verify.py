@@ -441,6 +441,9 @@ def validate(args: argparse.Namespace):
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and seq > limit:
         raise ValueError(f"--seq-len {seq} exceeds the model's max_position_embeddings={limit}")
+    if getattr(args, "quantize", "none") != "none" and getattr(args, "train", False):
+        raise ValueError(f"--quantize {args.quantize} cannot run with --train (a quantized model has no trainable "
+                         f"weights: int8 is for inference); drop --train or use --quantize none")
     for t in tps:
         plan = make_plan(config, t, sequence_parallel=args.sequence_parallel)  # unsupported model / tp: ValueError
         from tensorpar.generate import check_quantize
@@ -509,7 +512,7 @@ def build_pair(spec: str, folder: str | None, tp: Group, *, dtype=torch.float32,
 
     if folder is not None:
         from tensorpar.hf.load import build_parallel_model
-        ref = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype, attn_implementation="sdpa")
+        ref = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
         par, _ = build_parallel_model(folder, tp, sequence_parallel=sequence_parallel, dtype=dtype, device=device,
                                       tp_weights=tp_weights)
     else:
@@ -572,8 +575,8 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         tmpf = args.json + ".tmp"
         with open(tmpf, "w") as f:
-            json.dump({"model": args.model, "dtype": args.dtype, "seq_len": seq, "batch_size": args.batch_size,
-                       "train": args.train, "sequence_parallel": args.sequence_parallel, "layouts": reports}, f,
+            json.dump({"model": args.model, "dtype": args.dtype, "quantize": getattr(args, "quantize", "none"),
+                       "seq_len": seq, "batch_size": args.batch_size, "train": args.train, "sequence_parallel": args.sequence_parallel, "layouts": reports}, f,
                       indent=1)
         os.replace(tmpf, args.json)
     for r in reports:
@@ -590,7 +593,8 @@ def main(args: argparse.Namespace) -> int:
     print(format_table(reports))
     wts = "".join(f", tp={r['tp_size']} weights {','.join(f'{v:g}' for v in r['tp_weights'])}" for r in reports
                   if r.get("tp_weights"))
-    print(f"tensorpar verify: OK: {args.model} at tp {','.join(map(str, tps))} ({args.dtype}{wts}"
+    q8 = ", int8 weights (both models quantized)" if getattr(args, "quantize", "none") == "int8" else ""
+    print(f"tensorpar verify: OK: {args.model} at tp {','.join(map(str, tps))} ({args.dtype}{q8}{wts}"
           f"{', sequence parallel' if args.sequence_parallel else ''}{', train' if args.train else ''}) matches the "
           f"unsharded model within tolerance")
     return 0

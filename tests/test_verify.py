@@ -211,6 +211,7 @@ def test_cli_tiny_train_json(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "tensorpar verify: OK" in p.stdout and "model.layers.1.mlp" in p.stdout
     rep = json.loads(out.read_text())
+    assert rep["quantize"] == "none" and rep["train"] is True
     lay = rep["layouts"][0]
     assert lay["tp_size"] == 2 and lay["ok"] and not lay["replicated_mismatch"]
     assert any(d["name"] == "grad model.layers.0.mlp.down_proj.weight" for d in lay["diffs"])
@@ -219,7 +220,9 @@ def test_cli_tiny_train_json(tmp_path):
 @pytest.mark.parametrize("argv,match", [(["--tp", "0"], "--tp '0'"), (["--tp", "2,x"], "comma-separated"),
                                         (["--model", "nope"], "nope"),
                                         (["--tp", "2,3", "--sequence-parallel", "--seq-len", "8"], "multiple of 6"),
-                                        (["--tp", "5"], "tp")])
+                                        (["--tp", "5"], "tp"),
+                                        (["--tp", "2", "--quantize", "int8", "--train"], "--quantize int8 cannot run "
+                                         "with --train")])
 def test_cli_bad_input(capsys, argv, match):
     from tensorpar.cli import main
     rc = main(["verify", *(["--model", "tiny"] if "--model" not in argv else []), *argv])
