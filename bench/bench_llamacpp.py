@@ -332,7 +332,7 @@ def _tensor_types(path: Path) -> dict:
 
 def _build_info(python: str) -> dict | None:
     """The build record written beside the venv when it was built (see bench/README.md), if any."""
-    p = Path(python).resolve().parents[1] / "build-info.json"
+    p = Path(python).absolute().parents[1] / "build-info.json"   # not resolve(): venv/bin/python is a link
     try:
         return json.loads(p.read_text())
     except (OSError, ValueError):
