@@ -201,9 +201,27 @@ def _pack(owner, key: str, w: torch.Tensor, params=()) -> torch.Tensor:
     return hit[1]
 
 
+def _kv_runs(kv_index: list[int]) -> list[tuple[int, int, int]]:
+    """``(kv_head, q_start, q_stop)`` for each run of consecutive local query heads that read one local KV head.
+
+    ``kv_index``: per local query head, its local KV head (``HeadLayout.kv_index``), e.g. ``[0, 0, 0, 1, 1]`` ->
+    ``[(0, 0, 3), (1, 3, 5)]``. In a decode step (one query per row) attention over each run with its KV head
+    (``enable_gqa``) reads the cache views as they are and gives, bitwise (tests/test_lean.py), the result of
+    attention over KV heads copied per query head, without the copies (``b x q_local x length x head_dim`` elements
+    of keys and as many of values per layer and step, more than the layer's weights at a serving batch of 32). With several queries per row (prefill) CPU
+    attention's result depends on the head count in its last bit, so prefill keeps the copies."""
+    runs: list[tuple[int, int, int]] = []
+    for h, j in enumerate(kv_index):
+        if runs and runs[-1][0] == j and runs[-1][2] == h:
+            runs[-1] = (j, runs[-1][1], h + 1)
+        else:
+            runs.append((j, h, h + 1))
+    return runs
+
+
 class _Layer:
     __slots__ = ("ln1", "wqkv", "bqkv", "wo", "bo", "ln2", "wgu", "bgu", "f", "wd", "bd", "act", "silu",
-                 "kv_idx", "gqa", "scaling")
+                 "kv_idx", "kv_runs", "gqa", "scaling")
 
 
 class LeanDecoder:
@@ -263,6 +281,9 @@ class LeanDecoder:
             L.silu = _is_silu(m.act_fn, w0)
             L.gqa = a._group is not None and a._group > 1
             idx = a.layout.kv_index(tp.rank)
+            # query heads whose KV heads are not in equal groups (heads split unevenly): attention per KV head on
+            # views, each run of query heads with its one KV head, instead of copying every KV head per query head
+            L.kv_runs = None if a._group is not None else _kv_runs(idx)
             L.kv_idx = None if a._group is not None else torch.tensor(idx, device=dev)
             L.scaling = a.scaling
             self.layers.append(L)
@@ -348,6 +369,13 @@ class LeanDecoder:
             kw, vw = self.kcache[:, :b, :, start:start + s].unbind(0), self.vcache[:, :b, :, start:start + s].unbind(0)
             keys_all = self.kcache[:, :b, :, :length].unbind(0)
             vals_all = self.vcache[:, :b, :, :length].unbind(0)
+        slot_views = slots is None or b == 1
+        if not slot_views:                      # serving rows in consecutive slots: read the cache through views
+            j = int(slots[0])
+            if torch.equal(slots, torch.arange(j, j + b, device=slots.device)):
+                keys_all = self.kcache[:, j:j + b, :, :length].unbind(0)
+                vals_all = self.vcache[:, j:j + b, :, :length].unbind(0)
+                slot_views = True
         x = x.reshape(b * s, h).clone()                                                # the residual stream, in place
         for i, L in enumerate(self.layers):
             qkv = lin(L.ln1(x), L.wqkv, L.bqkv).view(b, s, nq + 2 * nkv, d).transpose(1, 2)   # [b, heads, s, d]
@@ -363,14 +391,19 @@ class LeanDecoder:
                 kc, vc = self.k[i], self.v[i]
                 kc[slots[:, None], :, cache_pos] = k.transpose(1, 2)
                 vc[slots[:, None], :, cache_pos] = v.transpose(1, 2)
-            if slots is None or b == 1:
+            if slot_views:
                 keys, vals = keys_all[i], vals_all[i]
-            else:
+            else:                               # rows in scattered slots: gather them
                 keys = self.k[i][:, :, :length].index_select(0, slots)
                 vals = self.v[i][:, :, :length].index_select(0, slots)
-            if L.kv_idx is not None:
-                keys, vals = keys.index_select(1, L.kv_idx), vals.index_select(1, L.kv_idx)
-            o = sdpa(q, keys, vals, attn_mask=mask, scale=L.scaling, enable_gqa=L.gqa)   # [b, q_local, s, d]
+            if L.kv_runs is None:
+                o = sdpa(q, keys, vals, attn_mask=mask, scale=L.scaling, enable_gqa=L.gqa)   # [b, q_local, s, d]
+            elif s == 1:    # decode: per run of query heads with its KV head (bitwise the copied-heads result)
+                o = torch.cat([sdpa(q[:, q0:q1], keys[:, j:j + 1], vals[:, j:j + 1], attn_mask=mask, scale=L.scaling,
+                                    enable_gqa=q1 - q0 > 1) for j, q0, q1 in L.kv_runs], dim=1)
+            else:           # prefill: CPU attention over s > 1 queries blocks by head count: copy, as the modules do
+                idx = L.kv_idx
+                o = sdpa(q, keys.index_select(1, idx), vals.index_select(1, idx), attn_mask=mask, scale=L.scaling)
             o = all_reduce(lin(o.transpose(1, 2).reshape(b * s, -1), L.wo, None), tp)
             if L.bo is not None:
                 o = o + L.bo

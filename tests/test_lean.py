@@ -155,3 +155,30 @@ def test_bf16_prepacked_equals_plain_and_follows_weight_updates(folders):
     packed2, plain2 = logits(True), logits(False)
     assert torch.equal(packed2[0], plain2[0]) and torch.equal(packed2[1], plain2[1])
     assert not torch.equal(packed2[0], packed[0]), "the weight change did not change the logits"
+
+
+def test_attention_per_kv_head_run_equals_copied_kv_heads():
+    """Heads split unevenly (SmolLM2's 9 query / 3 KV heads at tp=2: 5 + 4): in a decode step, attention over each
+    run of query heads with its one KV head, on cache views, is bitwise attention over the KV heads copied per
+    query head (prefill keeps the copies: with several queries the last bit depends on the head count)."""
+    import torch.nn.functional as F
+
+    from tensorpar.lean import _kv_runs
+    assert _kv_runs([0, 0, 0, 1, 1]) == [(0, 0, 3), (1, 3, 5)]
+    assert _kv_runs([0, 1, 1, 1]) == [(0, 0, 1), (1, 1, 4)]
+    assert _kv_runs([0, 1, 0]) == [(0, 0, 1), (1, 1, 2), (0, 2, 3)]
+    g = torch.Generator().manual_seed(0)
+    for kv_index, s in (([0, 0, 0, 1, 1], 1), ([0, 1, 1, 1], 1)):       # decode: one query per row
+        b, L, d = 3, 11, 8
+        q = torch.randn(b, len(kv_index), s, d, generator=g)
+        cache = torch.randn(b + 2, 2, L + 4, d, generator=g)
+        keys, vals = cache[1:1 + b, :, :L], cache[2:2 + b, :, :L]              # views, as the lean path reads them
+        mask = torch.rand(b, 1, s, L, generator=g) > 0.3
+        mask[..., 0] = True
+        idx = torch.tensor(kv_index)
+        ref = F.scaled_dot_product_attention(q, keys.index_select(1, idx), vals.index_select(1, idx), attn_mask=mask,
+                                             scale=0.3)
+        got = torch.cat([F.scaled_dot_product_attention(q[:, q0:q1], keys[:, j:j + 1], vals[:, j:j + 1],
+                                                        attn_mask=mask, scale=0.3, enable_gqa=q1 - q0 > 1)
+                         for j, q0, q1 in _kv_runs(kv_index)], dim=1)
+        assert torch.equal(got, ref)

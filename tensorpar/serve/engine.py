@@ -304,6 +304,7 @@ class Engine:
             if r.start > 0:
                 by_count.setdefault(len(r.tokens), []).append(i)
         for n, idx in sorted(by_count.items()):
+            idx = sorted(idx, key=lambda i: rows[i].slot)   # slot order: consecutive slots read the cache as views
             lg = self._forward([rows[i].slot for i in idx], [rows[i].tokens for i in idx],
                                [list(range(rows[i].start, rows[i].start + n)) for i in idx])
             for j, i in enumerate(idx):
