@@ -190,3 +190,22 @@ def test_calibrated_device_uses_a_labelled_local_link(plan, tmp_path):
     code, out, _ = plan("--model", "smollm2", "--gpus", "2", "--device-file", str(path), "--global-batch", "2",
                         "--seq", "256")
     assert code == 0 and "links: this machine's local link: 2 gloo processes" in " ".join(out.split())
+
+
+LLAMA8 = ["--model", "llama3-8b", "--gpus", "8", "--device", "a100-80gb", "--global-batch", "16", "--seq", "2048"]
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("tp=8,pp=0", "--evaluate pp=0: must be >= 1"),
+    ("tp=0,pp=1", "--evaluate tp=0: must be >= 1"),
+    ("tp=8,pp=1,dp=0", "--evaluate dp=0: must be >= 1"),
+    ("tp=8,pp=1,tp=4", "--evaluate tp=8,pp=1,tp=4: tp is given twice"),
+    ("", "--evaluate '' is empty; give a layout such as tp=8,pp=1"),
+    (" , ", "--evaluate ' , ' is empty"),
+])
+def test_evaluate_bad_specs_are_one_line_errors(plan, spec, expected):
+    """A zero degree used to divide by zero while defaulting dp; a repeated key silently kept the last value;
+    an empty spec silently ran the search."""
+    code, out, err = plan(*LLAMA8, "--evaluate", spec)
+    assert code == 2 and out == ""
+    assert expected in err and len(err.strip().splitlines()) == 1

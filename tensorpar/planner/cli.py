@@ -286,7 +286,7 @@ def _plan(args) -> int:
         raise ValueError("give --global-batch and --seq")
     work, assume = Workload(args.global_batch, args.seq), build_assumptions(args, model)
     model.check_seq_len(work.seq_len)
-    layout = parse_layout(args.evaluate, hw.num_devices) if args.evaluate else None
+    layout = parse_layout(args.evaluate, hw.num_devices) if args.evaluate is not None else None
     found = search(model, hw, work, assume)
     title = (f"{model.name} on {hw.num_devices} x {hw.device.name} ({hw.devices_per_node} per node), "
              f"global batch {work.global_batch} x {work.seq_len} tokens, attention={assume.attention}"
