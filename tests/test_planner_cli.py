@@ -209,3 +209,32 @@ def test_evaluate_bad_specs_are_one_line_errors(plan, spec, expected):
     code, out, err = plan(*LLAMA8, "--evaluate", spec)
     assert code == 2 and out == ""
     assert expected in err and len(err.strip().splitlines()) == 1
+
+
+def test_model_path_missing_file_or_folder(plan, tmp_path):
+    """A missing path says "no such file" (it used to say "is not a preset"); a folder holding config.json is
+    read like the file; a folder without one says so."""
+    common = ["--gpus", "8", "--global-batch", "8", "--seq", "128"]
+    for missing in (tmp_path / "nope" / "config.json", tmp_path / "nope"):
+        code, out, err = plan("--model", str(missing), *common)
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+        assert f"--model {missing}: no such file or folder; give a config.json, a folder with one" in err
+    folder = tmp_path / "tiny-llama"
+    folder.mkdir()
+    code, _, err = plan("--model", str(folder), *common)
+    assert code == 2 and f"--model {folder}: folder has no config.json" in err
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,
+              "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100}
+    (folder / "config.json").write_text(json.dumps(config))
+    code, from_folder, _ = plan("--model", str(folder), *common, "--json", "--top", "3")
+    assert code == 0
+    _, from_file, _ = plan("--model", str(folder / "config.json"), *common, "--json", "--top", "3")
+    assert json.loads(from_folder) == json.loads(from_file)
+
+
+def test_inference_length_error_names_prompt_and_new_tokens(plan):
+    code, out, err = plan("--inference", "--model", "llama3-8b", "--gpus", "8", "--batch", "1", "--prompt-len", "8000",
+                          "--max-new-tokens", "512")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert ("--prompt-len + --max-new-tokens (8000 + 512) = 8512 is longer than the 8192 positions of llama3-8b; "
+            "use a total <= 8192") in err and "--seq" not in err

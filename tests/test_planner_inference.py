@@ -136,7 +136,8 @@ def test_unreachable_latency_target_picks_the_fastest_that_fits(capsys):
 
 def test_prompt_beyond_positions_is_refused():
     cluster = ClusterSpec(DEVICE, num_devices=2, devices_per_node=2)
-    with pytest.raises(ValueError, match=r"--seq \(300\) is longer than the 256 positions"):
+    with pytest.raises(ValueError, match=r"--prompt-len \+ --max-new-tokens \(200 \+ 100\) = 300 is longer than the 256 "
+                                         r"positions of tiny; use a total <= 256"):
         plan_inference(TINY, cluster, InferenceWorkload(1, 200, 100))
 
 

@@ -228,7 +228,8 @@ def candidate_tps(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
 def plan_inference(model: ModelSpec, cluster: ClusterSpec, work: InferenceWorkload) -> list[InferencePlan]:
     """Every candidate tp, best first: fitting and meeting the latency target, by throughput, then latency.
     When no fitting tp meets the target, the fitting ones are ranked by decode latency (fastest first)."""
-    model.check_seq_len(work.prompt_len + work.max_new_tokens)
+    model.check_seq_len(work.prompt_len + work.max_new_tokens,
+                        f"--prompt-len + --max-new-tokens ({work.prompt_len} + {work.max_new_tokens})")
     plans = [plan_one(model, t, cluster, work) for t in candidate_tps(model, cluster)]
     target = work.latency_target_ms
     if target is not None and not any(q.fits and q.meets(target) for q in plans):

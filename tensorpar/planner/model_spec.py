@@ -84,11 +84,13 @@ class ModelSpec:
             if getattr(self, knob) not in allowed:
                 raise ValueError(f"model {knob} ({getattr(self, knob)!r}) must be one of {', '.join(allowed)}")
 
-    def check_seq_len(self, seq_len: int) -> None:
-        """Raises ValueError when ``seq_len`` exceeds the positions the model was built for."""
+    def check_seq_len(self, seq_len: int, what: str = "--seq") -> None:
+        """Raises ValueError when ``seq_len`` exceeds the positions the model was built for; ``what`` names the
+        setting(s) it came from (e.g. ``"--prompt-len + --max-new-tokens (8000 + 512)"``)."""
         if self.max_positions and seq_len > self.max_positions:
-            raise ValueError(f"--seq ({seq_len}) is longer than the {self.max_positions} positions of {self.name}; "
-                             f"use --seq <= {self.max_positions}")
+            shown = f"{what} ({seq_len})" if what == "--seq" else f"{what} = {seq_len}"
+            raise ValueError(f"{shown} is longer than the {self.max_positions} positions of {self.name}; "
+                             f"use {'--seq' if what == '--seq' else 'a total'} <= {self.max_positions}")
 
     # ---- parameter counts (elements) -------------------------------------------------------------
     @property
