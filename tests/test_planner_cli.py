@@ -190,3 +190,51 @@ def test_calibrated_device_uses_a_labelled_local_link(plan, tmp_path):
     code, out, _ = plan("--model", "smollm2", "--gpus", "2", "--device-file", str(path), "--global-batch", "2",
                         "--seq", "256")
     assert code == 0 and "links: this machine's local link: 2 gloo processes" in " ".join(out.split())
+
+
+LLAMA8 = ["--model", "llama3-8b", "--gpus", "8", "--device", "a100-80gb", "--global-batch", "16", "--seq", "2048"]
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("tp=8,pp=0", "--evaluate pp=0: must be >= 1"),
+    ("tp=0,pp=1", "--evaluate tp=0: must be >= 1"),
+    ("tp=8,pp=1,dp=0", "--evaluate dp=0: must be >= 1"),
+    ("tp=8,pp=1,tp=4", "--evaluate tp=8,pp=1,tp=4: tp is given twice"),
+    ("", "--evaluate '' is empty; give a layout such as tp=8,pp=1"),
+    (" , ", "--evaluate ' , ' is empty"),
+])
+def test_evaluate_bad_specs_are_one_line_errors(plan, spec, expected):
+    """A zero degree used to divide by zero while defaulting dp; a repeated key silently kept the last value;
+    an empty spec silently ran the search."""
+    code, out, err = plan(*LLAMA8, "--evaluate", spec)
+    assert code == 2 and out == ""
+    assert expected in err and len(err.strip().splitlines()) == 1
+
+
+def test_model_path_missing_file_or_folder(plan, tmp_path):
+    """A missing path says "no such file" (it used to say "is not a preset"); a folder holding config.json is
+    read like the file; a folder without one says so."""
+    common = ["--gpus", "8", "--global-batch", "8", "--seq", "128"]
+    for missing in (tmp_path / "nope" / "config.json", tmp_path / "nope"):
+        code, out, err = plan("--model", str(missing), *common)
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+        assert f"--model {missing}: no such file or folder; give a config.json, a folder with one" in err
+    folder = tmp_path / "tiny-llama"
+    folder.mkdir()
+    code, _, err = plan("--model", str(folder), *common)
+    assert code == 2 and f"--model {folder}: folder has no config.json" in err
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,
+              "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100}
+    (folder / "config.json").write_text(json.dumps(config))
+    code, from_folder, _ = plan("--model", str(folder), *common, "--json", "--top", "3")
+    assert code == 0
+    _, from_file, _ = plan("--model", str(folder / "config.json"), *common, "--json", "--top", "3")
+    assert json.loads(from_folder) == json.loads(from_file)
+
+
+def test_inference_length_error_names_prompt_and_new_tokens(plan):
+    code, out, err = plan("--inference", "--model", "llama3-8b", "--gpus", "8", "--batch", "1", "--prompt-len", "8000",
+                          "--max-new-tokens", "512")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert ("--prompt-len + --max-new-tokens (8000 + 512) = 8512 is longer than the 8192 positions of llama3-8b; "
+            "use a total <= 8192") in err and "--seq" not in err

@@ -24,6 +24,7 @@ FAMILIES = {
                   "shared_expert_intermediate_size": 256},
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "head_dim": 32},
     "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
+    "gemma3_text": {"head_dim": 32}, "stablelm": {},
 }
 
 
@@ -64,3 +65,55 @@ def test_moe_flops_count_active_experts_only():
     router = 2 * 256 * (8 - 1)
     assert extra == pytest.approx(3 * 2 * (mlp_flops_per_token + router))
     assert m.total_params() - d.total_params() == 2 * (7 * 3 * 256 * 512 + 7 * 256)
+
+
+@pytest.mark.parametrize("multi_query", [True, False])
+def test_gpt_bigcode_multi_query_has_one_kv_head(multi_query):
+    """gpt_bigcode with multi_query: one KV head shared by all query heads (it used to be read as 8: a KV cache
+    8x too big under --inference)."""
+    config = transformers.AutoConfig.for_model("gpt_bigcode", n_layer=2, n_embd=256, n_head=8, vocab_size=1000,
+                                               n_positions=512, multi_query=multi_query)
+    spec = from_hf_config(config.to_dict())
+    assert spec.num_kv_heads == (1 if multi_query else 8)
+    assert spec.total_params() == _real_params(config)
+
+
+def _plan_config(config: dict, tmp_path, capsys):
+    from tensorpar import cli
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    code = cli.main(["plan", "--model", str(path), "--gpus", "8", "--global-batch", "8", "--seq", "128"])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("kind", ["megatron-bert", "mobilebert", "layoutlm"])
+def test_encoder_families_are_refused(kind, tmp_path, capsys):
+    config = transformers.AutoConfig.for_model(kind).to_dict()
+    code, out, err = _plan_config(config, tmp_path, capsys)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert f"model_type {kind!r}" in err and "encoder-only or encoder-decoder" in err and "llama" in err
+
+
+@pytest.mark.parametrize("archs", [["MegatronBertForMaskedLM"], ["LlamaForSequenceClassification"], ["LlamaModel"],
+                                   ["BertForQuestionAnswering", "BertForTokenClassification"]])
+def test_architectures_without_a_causal_head_are_refused(archs, tmp_path, capsys):
+    """Whatever the model_type (here llama, or none), architectures that name no *ForCausalLM head are refused."""
+    for kind in ({"model_type": "llama"}, {}):
+        config = {**kind, "architectures": archs, "num_hidden_layers": 2, "hidden_size": 64,
+                  "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100}
+        code, out, err = _plan_config(config, tmp_path, capsys)
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+        assert archs[0] in err and "encoder-only or encoder-decoder" in err
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v3", "falcon", "phi"])
+def test_families_the_planner_does_not_read_are_refused(kind, tmp_path, capsys):
+    """deepseek_v3 (MLA attention, routed experts in n_routed_experts) used to be planned as a dense Llama with a
+    fifth of its parameters; falcon and phi miss parameters too. Refused, naming the supported families."""
+    config = transformers.AutoConfig.for_model(kind, **BASE).to_dict()
+    code, out, err = _plan_config(config, tmp_path, capsys)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert f"model_type {kind!r} is not a family the planner reads" in err
+    assert "supported: gemma, gemma2" in err and "qwen3_moe" in err

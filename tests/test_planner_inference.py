@@ -110,9 +110,34 @@ def test_latency_target_picks_the_highest_throughput_that_meets_it():
     assert picked.tokens_per_s == max(q.tokens_per_s for q in free if q.decode * 1e3 <= slowest_ok)
 
 
+def test_unreachable_latency_target_picks_the_fastest_that_fits(capsys):
+    """With a target no tp meets, the plan is the fastest fitting tp (it used to be the highest throughput
+    while the note named the fastest)."""
+    cluster = ClusterSpec(DEVICE, num_devices=8, devices_per_node=8)
+    free = plan_inference(TINY, cluster, InferenceWorkload(4, 64, 64, reserve_gib=0))
+    fastest = min((q for q in free if q.fits), key=lambda q: q.decode)
+    target = fastest.decode * 1e3 / 2
+    picked = plan_inference(TINY, cluster, InferenceWorkload(4, 64, 64, latency_target_ms=target, reserve_gib=0))
+    assert picked[0] == fastest
+    decodes = [q.decode for q in picked if q.fits]
+    assert decodes == sorted(decodes)
+    args = ["plan", "--inference", "--model", "llama3-70b", "--gpus", "8", "--device", "h100-80gb",
+            "--batch", "8", "--prompt-len", "2048", "--max-new-tokens", "512", "--latency-target-ms", "1"]
+    assert cli.main([*args, "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)
+    # Llama 3 70B: tp=2 has the highest throughput, tp=8 the lowest latency; the two rules disagree here
+    assert max((p for p in plans if p["fits"]), key=lambda p: p["tokens_per_s"])["tp"] == 2 and plans[0]["tp"] == 8
+    assert plans[0]["decode_ms_per_token"] == min(p["decode_ms_per_token"] for p in plans if p["fits"])
+    assert cli.main(args) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"No tp meets 1 ms per token; picked the fastest that fits, tp={plans[0]['tp']} at" in out
+    assert f"tp={plans[0]['tp']} x {plans[0]['replicas']} replicas" in out
+
+
 def test_prompt_beyond_positions_is_refused():
     cluster = ClusterSpec(DEVICE, num_devices=2, devices_per_node=2)
-    with pytest.raises(ValueError, match=r"--seq \(300\) is longer than the 256 positions"):
+    with pytest.raises(ValueError, match=r"--prompt-len \+ --max-new-tokens \(200 \+ 100\) = 300 is longer than the 256 "
+                                         r"positions of tiny; use a total <= 256"):
         plan_inference(TINY, cluster, InferenceWorkload(1, 200, 100))
 
 

@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model (a preset, a config.json, or explicit dimensions)")
     from tensorpar.train.config import PRESETS as TRAIN_PRESETS
     model.add_argument("--model", help=f"preset ({', '.join([*ms.PRESETS, *ms.ALIASES])}; or the `tensorpar train` "
-                                       f"presets {', '.join(TRAIN_PRESETS)}, byte vocabulary) or path to a config.json")
+                                       f"presets {', '.join(TRAIN_PRESETS)}, byte vocabulary) or path to a config.json or a "
+                                       f"folder holding one")
     for flag, helptext in (("--layers", "number of layers"), ("--hidden", "hidden size"),
                            ("--heads", "query heads"), ("--kv-heads", "key/value heads (default: --heads)"),
                            ("--ffn", "MLP inner size (default 4 x hidden)"), ("--vocab", "vocabulary size"),
@@ -112,9 +113,26 @@ def build_model(args) -> ms.ModelSpec:
         raise ValueError("give --model (a preset or a config.json) or --layers/--hidden/--heads/--vocab")
     elif Path(args.model).is_file():
         model = ms.from_hf_config(args.model)
+    elif _is_preset(args.model):  # before folders: a preset name wins over a same-named folder here ("bench")
+        model = _preset(args.model, args.seq)
+    elif Path(args.model).is_dir():
+        config = Path(args.model) / "config.json"
+        if not config.is_file():
+            raise ValueError(f"--model {args.model}: folder has no config.json; give a folder with one, a "
+                             "config.json file, or a preset")
+        model = ms.from_hf_config(config)
+    elif "/" in args.model or args.model.endswith(".json") or args.model.startswith((".", "~")):
+        raise ValueError(f"--model {args.model}: no such file or folder; give a config.json, a folder with one "
+                         "(a local checkout: the planner downloads nothing), or a preset")
     else:
         model = _preset(args.model, args.seq)
     return ms.with_kernels(model, args.kernels) if args.kernels else model
+
+
+def _is_preset(name: str) -> bool:
+    from tensorpar.train.config import PRESETS as TRAIN_PRESETS
+
+    return name in ms.PRESETS or name in ms.ALIASES or name in TRAIN_PRESETS
 
 
 def _preset(name: str, seq: int | None) -> ms.ModelSpec:
@@ -286,7 +304,7 @@ def _plan(args) -> int:
         raise ValueError("give --global-batch and --seq")
     work, assume = Workload(args.global_batch, args.seq), build_assumptions(args, model)
     model.check_seq_len(work.seq_len)
-    layout = parse_layout(args.evaluate, hw.num_devices) if args.evaluate else None
+    layout = parse_layout(args.evaluate, hw.num_devices) if args.evaluate is not None else None
     found = search(model, hw, work, assume)
     title = (f"{model.name} on {hw.num_devices} x {hw.device.name} ({hw.devices_per_node} per node), "
              f"global batch {work.global_batch} x {work.seq_len} tokens, attention={assume.attention}"

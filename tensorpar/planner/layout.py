@@ -190,18 +190,27 @@ def parse_layout(text: str, num_devices: int) -> Layout:
     """``"tp=8,pp=4,dp=32,micro_batch=2,sequence_parallel=on,recompute=selective"`` -> Layout.
 
     tp and pp are required; dp defaults to ``num_devices / (tp * pp)``, micro_batch to 1, the switches to off.
+    Raises ValueError (naming the item) for an empty spec, an unknown or repeated key, an integer below 1 or
+    an unreadable switch.
     """
     names = {f.name: f for f in fields(Layout)}
     values: dict = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    if not items:
+        raise ValueError(f"--evaluate {text!r} is empty; give a layout such as tp=8,pp=1 (tp and pp required)")
+    for item in items:
         key, sep, raw = item.partition("=")
         key = key.strip().replace("-", "_")
         if not sep or key not in names:
             raise ValueError(f"--evaluate item {item!r} is not key=value with key one of {', '.join(names)}")
+        if key in values:
+            raise ValueError(f"--evaluate {text}: {key} is given twice; give each key once, e.g. tp=8,pp=1")
         raw = raw.strip().lower()
         if names[key].type in ("int", int):
             if not raw.isdigit():
-                raise ValueError(f"--evaluate {key} ({raw!r}) must be a positive integer")
+                raise ValueError(f"--evaluate {key}={raw}: must be a positive integer (>= 1)")
+            if int(raw) < 1:
+                raise ValueError(f"--evaluate {key}={raw}: must be >= 1")
             values[key] = int(raw)
         elif names[key].type in ("bool", bool):
             if raw not in _BOOL:

@@ -84,11 +84,13 @@ class ModelSpec:
             if getattr(self, knob) not in allowed:
                 raise ValueError(f"model {knob} ({getattr(self, knob)!r}) must be one of {', '.join(allowed)}")
 
-    def check_seq_len(self, seq_len: int) -> None:
-        """Raises ValueError when ``seq_len`` exceeds the positions the model was built for."""
+    def check_seq_len(self, seq_len: int, what: str = "--seq") -> None:
+        """Raises ValueError when ``seq_len`` exceeds the positions the model was built for; ``what`` names the
+        setting(s) it came from (e.g. ``"--prompt-len + --max-new-tokens (8000 + 512)"``)."""
         if self.max_positions and seq_len > self.max_positions:
-            raise ValueError(f"--seq ({seq_len}) is longer than the {self.max_positions} positions of {self.name}; "
-                             f"use --seq <= {self.max_positions}")
+            shown = f"{what} ({seq_len})" if what == "--seq" else f"{what} = {seq_len}"
+            raise ValueError(f"{shown} is longer than the {self.max_positions} positions of {self.name}; "
+                             f"use {'--seq' if what == '--seq' else 'a total'} <= {self.max_positions}")
 
     # ---- parameter counts (elements) -------------------------------------------------------------
     @property
@@ -228,7 +230,8 @@ def from_hf_config(config: dict | str | Path, name: str | None = None) -> ModelS
         hidden = config["n_embd"]
         return ModelSpec(
             name=name, num_layers=config["n_layer"], hidden_size=hidden, num_heads=config["n_head"],
-            num_kv_heads=config["n_head"], ffn_hidden_size=config.get("n_inner") or 4 * hidden,
+            num_kv_heads=1 if config.get("multi_query") else config["n_head"],  # gpt_bigcode: multi-query
+            ffn_hidden_size=config.get("n_inner") or 4 * hidden,
             vocab_size=config["vocab_size"], mlp="gelu", norm="layernorm", bias=True,
             dropout=any(config.get(k, 0) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")),
             tied_embeddings=config.get("tie_word_embeddings", True),
@@ -265,24 +268,46 @@ def from_hf_config(config: dict | str | Path, name: str | None = None) -> ModelS
     )
 
 
+# Hugging Face model types whose config.json the planner reads correctly: each checked against the parameter count of
+# the model transformers builds from it (tests/test_planner_hf_configs.py). Others are refused rather than guessed:
+# e.g. deepseek_v3 (MLA attention, routed experts in n_routed_experts), falcon, opt, bloom (other key names).
+READ_MODEL_TYPES = frozenset({
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "starcoder2", "gpt_neox",
+    "stablelm", "gpt2", "gpt_bigcode", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
+})
 # Hugging Face model types that are encoder-only (bidirectional, no causal LM head) or encoder-decoder.
 ENCODER_MODEL_TYPES = frozenset({
     "bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2", "camembert",
-    "mpnet", "ernie", "nomic_bert", "modernbert", "vit", "dinov2", "siglip_vision_model", "clip_vision_model",
+    "mpnet", "ernie", "nomic_bert", "modernbert", "megatron-bert", "mobilebert", "layoutlm", "layoutlmv2",
+    "layoutlmv3", "vit", "dinov2", "siglip_vision_model", "clip_vision_model",
     "t5", "mt5", "umt5", "bart", "mbart", "pegasus", "marian", "whisper", "longt5",
 })
+# ``architectures`` entries that are a causal LM head (what the planner models).
+CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")
 
 
 def _refuse_non_decoder(config: dict, name: str) -> None:
-    """The planner models decoder-only (causal) transformers; refuse encoder-only and encoder-decoder ones."""
+    """The planner models decoder-only (causal) transformers of the families in :data:`READ_MODEL_TYPES`.
+
+    Raises ValueError (one line, naming the supported families) when the config is encoder-only or
+    encoder-decoder (``is_encoder_decoder``, a known encoder model_type, or ``architectures`` naming no causal
+    LM head: ``*ForMaskedLM``, ``*ForSequenceClassification``, a bare ``*Model`` ...), or when its model_type is
+    not one the planner reads. A config without model_type is read by its key names (Llama-like or GPT-2-like)."""
     kind = config.get("model_type", "")
-    archs = config.get("architectures") or []
-    causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
-    if config.get("is_encoder_decoder") or kind in ENCODER_MODEL_TYPES or (archs and not causal
-                                                                           and config.get("is_decoder") is False):
+    archs = [str(a) for a in config.get("architectures") or []]
+    causal = any(a.endswith(CAUSAL_HEADS) for a in archs)
+    supported = ", ".join(sorted(READ_MODEL_TYPES))
+    if (config.get("is_encoder_decoder") or kind in ENCODER_MODEL_TYPES or "bert" in kind
+            or (archs and not causal)):
         raise ValueError(
             f"--model {name}: model_type {kind!r} ({', '.join(archs) or 'no architectures'}) is encoder-only or "
-            "encoder-decoder; the planner plans decoder-only (causal LM) models such as llama, mistral, qwen2, gpt2"
+            f"encoder-decoder (no *ForCausalLM head); the planner plans decoder-only causal LMs of the families "
+            f"{supported}"
+        )
+    if kind and kind not in READ_MODEL_TYPES:
+        raise ValueError(
+            f"--model {name}: model_type {kind!r} is not a family the planner reads (its config keys or attention "
+            f"differ); supported: {supported}; or give --layers --hidden --heads --kv-heads --ffn --vocab"
         )
 
 
