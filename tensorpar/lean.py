@@ -201,6 +201,9 @@ def _pack(owner, key: str, w: torch.Tensor, params=()) -> torch.Tensor:
     return hit[1]
 
 
+_RUNS_MIN_ROW_POSITIONS = 512   # batch rows x cached positions from which decode attention runs per KV-head run
+
+
 def _kv_runs(kv_index: list[int]) -> list[tuple[int, int, int]]:
     """``(kv_head, q_start, q_stop)`` for each run of consecutive local query heads that read one local KV head.
 
@@ -398,10 +401,12 @@ class LeanDecoder:
                 vals = self.v[i][:, :, :length].index_select(0, slots)
             if L.kv_runs is None:
                 o = sdpa(q, keys, vals, attn_mask=mask, scale=L.scaling, enable_gqa=L.gqa)   # [b, q_local, s, d]
-            elif s == 1:    # decode: per run of query heads with its KV head (bitwise the copied-heads result)
+            elif s == 1 and b * length >= _RUNS_MIN_ROW_POSITIONS:   # decode: per run of query heads with its
+                # KV head (bitwise the copied-heads result); below the threshold the copies cost less than the
+                # extra attention calls (batch-1 decode of SmolLM2 at tp=2: 4650 against 4127 aten ops per token)
                 o = torch.cat([sdpa(q[:, q0:q1], keys[:, j:j + 1], vals[:, j:j + 1], attn_mask=mask, scale=L.scaling,
                                     enable_gqa=q1 - q0 > 1) for j, q0, q1 in L.kv_runs], dim=1)
-            else:           # prefill: CPU attention over s > 1 queries blocks by head count: copy, as the modules do
+            else:           # prefill (CPU attention over s > 1 queries blocks by head count) or small: copy
                 idx = L.kv_idx
                 o = sdpa(q, keys.index_select(1, idx), vals.index_select(1, idx), attn_mask=mask, scale=L.scaling)
             o = all_reduce(lin(o.transpose(1, 2).reshape(b * s, -1), L.wo, None), tp)

@@ -55,6 +55,28 @@ def test_lean_equals_module_path_without_extra_memory(pools, folders, arch, tp):
         assert now == before, f"parameter memory grew from {before} to {now} bytes after fusing"
 
 
+def job_lean_kv_runs(ctx, folder, ids, mask, n, threshold):
+    import tensorpar.lean as lean
+    from tensorpar.hf.load import build_parallel_model
+    model, _ = build_parallel_model(folder, ctx.tp)
+    old, lean._RUNS_MIN_ROW_POSITIONS = lean._RUNS_MIN_ROW_POSITIONS, threshold
+    try:
+        return generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=n), path="lean").tokens
+    finally:
+        lean._RUNS_MIN_ROW_POSITIONS = old
+
+
+def test_lean_decode_attention_per_kv_head_run_gives_transformers_tokens(pools, folders):
+    """The test llama's 9 query / 3 KV heads split 5 + 4 at tp=2 (groups straddle the ranks): decode attention per
+    run of query heads (threshold 0: every step) and with copied KV heads (threshold never reached) both give
+    transformers' greedy tokens."""
+    ids, mask = prompts(ARCHS["llama"]["vocab_size"])
+    want, _ = hf_reference(folders["llama"], ids, mask, 24)
+    for threshold in (0, 10**9):
+        for r, got in enumerate(run_tp(pools, 2, job_lean_kv_runs, folders["llama"], ids, mask, 24, threshold)):
+            assert torch.equal(got, want), f"threshold {threshold}, rank {r}"
+
+
 def test_lean_refuses_unsupported(pools, tmp_path):
     from tensorpar.hf.load import build_parallel_model
     from tensorpar.parallel import ParallelContext
