@@ -126,8 +126,9 @@ def job_tp(ctx, folder, n, threads, fast):
             "step_ms": step_ms, "text": tok.decode(res.tokens[0])}
 
 
-def job_overhead(ctx, folder, n):
-    """Step time of the same architecture with tiny matrices: the per-token Python/framework floor."""
+def job_overhead(ctx, folder, n, path="auto"):
+    """Step time of the same architecture with tiny matrices: the per-token Python/framework floor (``path``:
+    generate_tokens' decode path; ``"lean"`` raises ValueError for a family without it)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from tensorpar.generate import SamplingConfig, generate_tokens
@@ -139,8 +140,8 @@ def job_overhead(ctx, folder, n):
     cfg._attn_implementation = "sdpa"
     model = parallelize(AutoModelForCausalLM.from_config(cfg).eval(), make_plan(cfg, ctx.tp.size), ctx.tp)
     ids = torch.tensor([[1, 5, 7, 9, 11, 13]])
-    generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=2))
-    res = generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=n))
+    generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=2), path=path)
+    res = generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=n), path=path)
     return {"ttft_ms": res.ttft_s * 1e3, "decode_tok_s": res.decode_tokens_per_s, "peak_rss_mb": _rss_mb(),
             "step_ms": 1e3 / res.decode_tokens_per_s, "text": ""}
 

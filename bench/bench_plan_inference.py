@@ -71,21 +71,8 @@ def _shm_latency_job(ctx, hidden):
 def _floor_job(ctx, folder, n):
     """``bench_generate.job_overhead`` on the lean path explicitly (ValueError if it cannot run it): the decode
     step of the same architecture with 8-wide matrices (head_dim 8, MLP 64, vocabulary 256), 1 thread."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from tensorpar.generate import SamplingConfig, generate_tokens
-    from tensorpar.hf.apply import parallelize
-    from tensorpar.hf.plan import make_plan
-    torch.set_num_threads(1)
-    cfg = AutoConfig.from_pretrained(folder)
-    cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.vocab_size = 72, 64, 8, 256
-    cfg._attn_implementation = "sdpa"
-    model = parallelize(AutoModelForCausalLM.from_config(cfg).eval(), make_plan(cfg, ctx.tp.size), ctx.tp)
-    ids = torch.tensor([[1, 5, 7, 9, 11, 13]])
-    generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=2), path="lean")
-    res = generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=n), path="lean")
-    return {"step_ms": 1e3 / res.decode_tokens_per_s, "path": "lean"}
+    from bench_generate import job_overhead
+    return dict(job_overhead(ctx, folder, n, path="lean"), path="lean")
 
 
 def main() -> None:
