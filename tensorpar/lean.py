@@ -403,7 +403,8 @@ class LeanDecoder:
                 o = sdpa(q, keys, vals, attn_mask=mask, scale=L.scaling, enable_gqa=L.gqa)   # [b, q_local, s, d]
             elif s == 1 and b * length >= _RUNS_MIN_ROW_POSITIONS:   # decode: per run of query heads with its
                 # KV head (bitwise the copied-heads result); below the threshold the copies cost less than the
-                # extra attention calls (batch-1 decode of SmolLM2 at tp=2: 4650 against 4127 aten ops per token)
+                # extra attention calls (batch-1 decode of SmolLM2 at tp=2: 4650 against 4127 aten ops per token,
+                # bench/results/decode-0444-kv-runs-always.md against decode.md)
                 o = torch.cat([sdpa(q[:, q0:q1], keys[:, j:j + 1], vals[:, j:j + 1], attn_mask=mask, scale=L.scaling,
                                     enable_gqa=q1 - q0 > 1) for j, q0, q1 in L.kv_runs], dim=1)
             else:           # prefill (CPU attention over s > 1 queries blocks by head count) or small: copy

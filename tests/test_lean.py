@@ -66,14 +66,16 @@ def job_lean_kv_runs(ctx, folder, ids, mask, n, threshold):
         lean._RUNS_MIN_ROW_POSITIONS = old
 
 
-def test_lean_decode_attention_per_kv_head_run_gives_transformers_tokens(pools, folders):
-    """The test llama's 9 query / 3 KV heads split 5 + 4 at tp=2 (groups straddle the ranks): decode attention per
+@pytest.mark.parametrize("tp", [2, 4])
+def test_lean_decode_attention_per_kv_head_run_gives_transformers_tokens(pools, folders, tp):
+    """The test llama's 9 query / 3 KV heads split 5 + 4 at tp=2, 3 + 2 + 2 + 2 at tp=4 (groups straddle the ranks;
+    tp=1 and 3 have equal groups and never take this path, test_generate covers them): decode attention per
     run of query heads (threshold 0: every step) and with copied KV heads (threshold never reached) both give
     transformers' greedy tokens."""
     ids, mask = prompts(ARCHS["llama"]["vocab_size"])
     want, _ = hf_reference(folders["llama"], ids, mask, 24)
     for threshold in (0, 10**9):
-        for r, got in enumerate(run_tp(pools, 2, job_lean_kv_runs, folders["llama"], ids, mask, 24, threshold)):
+        for r, got in enumerate(run_tp(pools, tp, job_lean_kv_runs, folders["llama"], ids, mask, 24, threshold)):
             assert torch.equal(got, want), f"threshold {threshold}, rank {r}"
 
 
