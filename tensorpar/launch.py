@@ -72,8 +72,12 @@ def one_line(e: BaseException) -> str:
     gets a hint: a peer rank stopped, hung or died."""
     text = " ".join(str(e).split()) or type(e).__name__
     text = re.sub(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\] ", "", text)  # C++ source locations of gloo / c10d
+    # gloo's advice after a peer's socket closed ("This is typically caused by a remote worker hanging ... GLHF!")
+    text, advice = re.subn(r"\s*This is typically caused by a remote worker.*$", "", text)
     if type(e).__name__ == "CollectiveError":
-        if "timed out" in text.lower():
+        if advice:
+            text += " - another rank exited or closed its connection during this collective"
+        elif "timed out" in text.lower():
             text += " - another rank stopped, hung or died before reaching this collective (a rank that is only " \
                     "slow needs a larger --timeout)"
         return text

@@ -292,3 +292,14 @@ def test_rank_killed_by_a_signal_is_one_line():
     assert p.returncode == 1
     assert p.stderr.splitlines() == ["tensorpar: error: killed by signal SIGKILL (out of memory? killed by hand?) "
                                      "(rank 1)"], p.stderr
+
+
+def test_one_line_drops_gloo_advice_and_says_a_peer_left():
+    from tensorpar.comm import CollectiveError
+    from tensorpar.launch import one_line
+    e = CollectiveError("all_reduce on tp group (rank 0 of 2) failed: [/__w/pytorch/third_party/gloo/gloo/transport/"
+                        "tcp/pair.cc:537] Read error [127.0.0.1]:1428: Connection reset by peer. This is typically "
+                        "caused by a remote worker hanging or bugs in the application. Check the logs of the remote "
+                        "worker before reporting an error. GLHF! \U0001F3D6\ufe0f")
+    assert one_line(e) == ("all_reduce on tp group (rank 0 of 2) failed: Read error [127.0.0.1]:1428: Connection reset "
+                           "by peer. - another rank exited or closed its connection during this collective")

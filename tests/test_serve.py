@@ -26,13 +26,13 @@ TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}.{% endfo
             "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
-def make_folder(path):
+def make_folder(path, max_positions=128):
     """A random Llama (9 heads, 3 KV heads: uneven KV split at tp=2) whose greedy outputs vary, with a
     one-character-per-token tokenizer covering its whole vocabulary and a chat template."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
     cfg = LlamaConfig(vocab_size=len(VOCAB), hidden_size=36, intermediate_size=40, num_hidden_layers=2,
-                      num_attention_heads=9, num_key_value_heads=3, head_dim=4, max_position_embeddings=128,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=4, max_position_embeddings=max_positions,
                       tie_word_embeddings=False, initializer_range=0.5, eos_token_id=len(VOCAB) - 1)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).float().save_pretrained(path)

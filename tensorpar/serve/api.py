@@ -1,7 +1,7 @@
 """The HTTP side of ``tensorpar serve``: the OpenAI wire format (as vLLM serves it) on FastAPI.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` gives Server-Sent
-Events ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health`` (503 once the model ranks failed),
+Events ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health`` (503 once the model ranks failed or the server is stopping),
 ``GET /metrics`` (Prometheus text). Errors use OpenAI's shape ``{"error": {"message", "type", "param",
 "code"}}``; a field this server does not implement is refused with a 400 naming it, never ignored.
 Extension (as in vLLM): ``return_token_ids: true`` adds ``prompt_token_ids`` and ``token_ids`` to each choice.
@@ -223,6 +223,8 @@ def build_app(api: Api):
     def health():
         if api.sched.failed:
             return JSONResponse({"status": "error", "message": api.sched.failed}, status_code=503)
+        if not api.sched.healthy:
+            return JSONResponse({"status": "stopping", "message": "the server is shutting down"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")

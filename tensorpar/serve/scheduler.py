@@ -79,17 +79,27 @@ class Scheduler:
         self.failed: str | None = None
         self._lock = threading.Lock()
         self._pending = 0               # submitted and not yet in a slot
+        self._closed = False            # set (under the lock) when run() ends: submit refuses from then on
 
     # ------------------------------------------------------------------ HTTP thread side
     def submit(self, req: Request) -> None:
-        """Queue ``req`` (thread-safe). Raises :class:`QueueFull` or RuntimeError (engine stopped/failed)."""
-        if self.failed or self.stop_event.is_set():
-            raise RuntimeError(self.failed or "the server is shutting down")
+        """Queue ``req`` (thread-safe). Raises :class:`QueueFull` or RuntimeError (engine stopped/failed).
+
+        Every queued request gets an end event: a token stream ending in ``"done"``, or ``"error"`` when the
+        scheduler stops or fails (queueing and :meth:`run`'s final drain hold the same lock, so no request is
+        queued after that drain)."""
         with self._lock:
+            if self._closed or self.failed or self.stop_event.is_set():
+                raise RuntimeError(self.failed or "the server is shutting down")
             if self._pending >= self.max_waiting:
                 raise QueueFull(f"{self._pending} requests are already waiting (--max-waiting {self.max_waiting})")
             self._pending += 1
-        self.incoming.put(req)
+            self.incoming.put(req)
+
+    @property
+    def healthy(self) -> bool:
+        """False once the model ranks failed or the server is stopping (``/health`` then answers 503)."""
+        return not (self.failed or self._closed or self.stop_event.is_set())
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -170,18 +180,22 @@ class Scheduler:
                 if self.metrics:
                     self.metrics.queue(len(self.running), len(self.waiting), 0)
         except BaseException as e:
-            self.failed = f"the model ranks failed: {type(e).__name__}: {e}"
-            for req in list(self.running.values()) + self.waiting:
-                req.emit(("error", self.failed))
-            self.running.clear()
-            self.waiting.clear()
+            from tensorpar.launch import one_line
+            self.failed = f"the model ranks failed: {one_line(e)}"
+            self._end_all(self.failed)
             raise
-        for req in list(self.running.values()) + self.waiting:
-            req.emit(("error", "the server is shutting down"))
-        self._drain(block=False)
-        for req in self.waiting:
-            req.emit(("error", "the server is shutting down"))
+        self._end_all("the server is shutting down")
         self.engine.exchange(StepPlan("stop"))
+
+    def _end_all(self, message: str) -> None:
+        """Refuse new requests and end every running, waiting and queued request with ``("error", message)``."""
+        with self._lock:
+            self._closed = True
+            self._drain(block=False)
+        for req in list(self.running.values()) + self.waiting:
+            req.emit(("error", message))
+        self.running.clear()
+        self.waiting.clear()
 
     def _deliver(self, req: Request, tok: int, lp, top, now: float) -> None:
         if self.metrics:
