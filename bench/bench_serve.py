@@ -177,6 +177,8 @@ def main():
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--time-limit", type=float, default=900, help="seconds of load per backend (then stop)")
     ap.add_argument("--transformers", action="store_true", help="also run `transformers serve` on the same folder")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="weights and compute of every backend, and of the offline reference")
     ap.add_argument("--port", type=int, default=8731)
     ap.add_argument("--out", default="bench/results/serve")
     args = ap.parse_args()
@@ -188,7 +190,7 @@ def main():
     folder = str(resolve_model(args.model))
     tok = AutoTokenizer.from_pretrained(folder)
     load0 = os.getloadavg()
-    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype)).eval()
     ref_ids, ref_text = [], []
     for p in PROMPTS:
         x = tok(p, return_tensors="pt")
@@ -206,7 +208,8 @@ def main():
         base = f"http://127.0.0.1:{args.port}"
         proc = start([sys.executable, "-m", "tensorpar", "serve", "--model", folder, "--tp", str(tp), "--port",
                       str(args.port), "--max-batch", str(args.max_batch), "--max-model-len", "512",
-                      "--max-waiting", str(max(256, args.requests)), "--served-model-name", "m"], env)
+                      "--max-waiting", str(max(256, args.requests)), "--served-model-name", "m",
+                      "--dtype", args.dtype], env)
         try:
             if not wait_ready(base, proc, 600):
                 rows.append(dict(backend=f"tensorpar tp={tp}", error=f"did not start: {proc.stderr.read()[-500:]}"))
@@ -222,7 +225,7 @@ def main():
         base = f"http://127.0.0.1:{args.port + 1}"
         threads = str(max(1, (os.cpu_count() or 2)))
         proc = start([os.path.join(os.path.dirname(sys.executable), "transformers"), "serve", folder, "--host",
-                      "127.0.0.1", "--port", str(args.port + 1), "--device", "cpu", "--dtype", "float32",
+                      "127.0.0.1", "--port", str(args.port + 1), "--device", "cpu", "--dtype", args.dtype,
                       "--continuous-batching"], dict(env, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=threads))
         try:
             if not wait_ready(base, proc, 600):
@@ -238,13 +241,14 @@ def main():
             stop(proc)
     load1 = os.getloadavg()
     meta = dict(model=folder.replace(str(Path.home()), "~", 1),  # no absolute machine paths in results
-                requests=args.requests, concurrency=args.concurrency, max_tokens=args.max_tokens,
+                dtype=args.dtype, requests=args.requests, concurrency=args.concurrency, max_tokens=args.max_tokens,
                 max_batch=args.max_batch, cpus=os.cpu_count(), loadavg_start=load0, loadavg_end=load1,
                 date=time.strftime("%Y-%m-%d %H:%M:%S"))
     out = Path(args.out)
     atomic_write(out.with_suffix(".json"), json.dumps(dict(meta=meta, rows=rows), indent=1))
     lines = [f"# tensorpar serve load test ({meta['date']})", "",
-             f"Model {Path(folder).name}; {args.requests} streaming greedy completions of {args.max_tokens} tokens "
+             f"Model {Path(folder).name} in {args.dtype} (every backend and the offline reference); "
+             f"{args.requests} streaming greedy completions of {args.max_tokens} tokens "
              f"from {args.concurrency} concurrent clients on loopback, {len(PROMPTS)} prompts of mixed length; "
              f"--max-batch {args.max_batch}; {meta['cpus']} CPUs; load average {load0[0]:.1f} at start, "
              f"{load1[0]:.1f} at end (other jobs share the machine).", "",
