@@ -227,6 +227,24 @@ class _Layer:
                  "kv_idx", "kv_runs", "gqa", "scaling")
 
 
+class Segment:
+    """A batch of rows within :meth:`LeanDecoder.forward_segments`: ``b`` rows of ``s`` tokens each.
+
+    K/V go to ``start`` (rows ``0..b-1`` of the cache, positions ``start .. start+s-1``) or, with ``slots`` ``[b]``
+    int64 and ``cache_pos`` ``[b, s]`` int64, to each row's own slot and positions; attention reads cache
+    entries ``[0, length)`` under ``mask`` ``[b, 1, s, length]`` bool (True = attend; ``None``: all of them).
+    """
+
+    __slots__ = ("b", "s", "mask", "length", "start", "slots", "cache_pos")
+
+    def __init__(self, b: int, s: int, mask: torch.Tensor | None, length: int, *, start: int | None = None,
+                 slots: torch.Tensor | None = None, cache_pos: torch.Tensor | None = None):
+        if (start is None) == (slots is None) or (slots is None) != (cache_pos is None):
+            raise ValueError("a segment takes either start or slots with cache_pos")
+        self.b, self.s, self.mask, self.length = b, s, mask, length
+        self.start, self.slots, self.cache_pos = start, slots, cache_pos
+
+
 class LeanDecoder:
     """Static-cache forward of a sharded Llama-family causal LM for prefill and decode (see the module docstring).
 
@@ -351,91 +369,137 @@ class LeanDecoder:
         ``rope_pos`` ``[b, s]``: the rotary positions. Returns ``[b, V_r]`` (the last position; ``[b, s, V_r]``
         with ``last_only=False``). Collectives: ``1 + 2 * num_layers`` all-reduces of ``[b, s, h]``.
         """
-        tp = self.tp
         b, s = ids.shape
-        x = self.embed(ids)                                                            # [b, s, h], all-reduced
+        seg = Segment(b, s, mask, length, start=start, slots=slots, cache_pos=cache_pos)
+        return self.forward_segments(ids.reshape(b * s), rope_pos.reshape(b * s), [seg], last_only=last_only)
+
+    @torch.no_grad()
+    def forward_segments(self, ids: torch.Tensor, rope_pos: torch.Tensor, segments: list[Segment], *,
+                         last_only: bool = True) -> torch.Tensor:
+        """One forward of several batches of rows (*segments*, e.g. a serving step's decode rows and its new
+        prompts): the matmuls, norms and all-reduces run once over all their tokens, attention per segment.
+
+        ``ids``, ``rope_pos`` ``[T]``: the segments' tokens and rotary positions one after the other, each
+        segment's ``[b, s]`` flattened row by row (``T = sum(b * s)``). A segment's cache writes and reads are those
+        of :meth:`forward` with its fields. Returns the logits of each row's last position, ``[sum(b), V_r]`` in
+        segment order (``last_only=False``, one segment: ``[b, s, V_r]``). Why one forward: a step's prefill
+        rows as a forward of their own cost a second pass over every weight and the framework's per-layer calls
+        again (one new prompt next to 31 decode rows of SmolLM2 at tp=2, fp32: +39.6 ms on an 84 ms step as its
+        own forward, +14.7 ms in the same forward; bench/results/serve_step.md). Collectives: ``1 + 2 * num_layers`` all-reduces of
+        ``[T, h]``. Raises ValueError when the segments' tokens do not add up to ``T``.
+        """
+        tp = self.tp
+        T = ids.shape[0]
+        if sum(g.b * g.s for g in segments) != T or rope_pos.shape[0] != T:
+            raise ValueError(f"segments of {[(g.b, g.s) for g in segments]} rows x tokens do not add up to the "
+                             f"{T} ids / {rope_pos.shape[0]} positions given")
+        x = self.embed(ids.view(1, T))                                                 # [1, T, h], all-reduced
         h = x.shape[-1]
-        cos, sin = self.rotary(x, rope_pos)                                            # [b, s, d]
+        cos, sin = self.rotary(x, rope_pos.view(1, T))                                 # [1, T, d]
         d, nq, nkv = self.head_dim, self.n_q, self.n_kv
-        cos = cos.unsqueeze(1)                                                         # [b, 1, s, d]
-        sin = (sin * self.sign).unsqueeze(1)
+        cos = cos.view(T, 1, d)
+        sin = (sin * self.sign).view(T, 1, d)
         perm, sdpa, lin, all_reduce = self.perm, F.scaled_dot_product_attention, self.lin, comm.all_reduce
-        # the cache views of this step, for all layers at once: where the new K/V go, what attention reads
-        kw = vw = None
-        if slots is not None and b == 1:        # one serving slot: its rows as a contiguous range when it is one
-            j, p0 = int(slots[0]), int(cache_pos[0, 0])
-            if s == 1 or torch.equal(cache_pos[0], torch.arange(p0, p0 + s, device=cache_pos.device)):
-                kw, vw = self.kcache[:, j:j + 1, :, p0:p0 + s].unbind(0), self.vcache[:, j:j + 1, :, p0:p0 + s].unbind(0)
-            keys_all = self.kcache[:, j:j + 1, :, :length].unbind(0)
-            vals_all = self.vcache[:, j:j + 1, :, :length].unbind(0)
-        elif slots is None:
-            kw, vw = self.kcache[:, :b, :, start:start + s].unbind(0), self.vcache[:, :b, :, start:start + s].unbind(0)
-            keys_all = self.kcache[:, :b, :, :length].unbind(0)
-            vals_all = self.vcache[:, :b, :, :length].unbind(0)
-        slot_views = slots is None or b == 1
-        if not slot_views:                      # serving rows in consecutive slots: read the cache through views
-            j = int(slots[0])
-            if torch.equal(slots, torch.arange(j, j + b, device=slots.device)):
-                keys_all = self.kcache[:, j:j + b, :, :length].unbind(0)
-                vals_all = self.vcache[:, j:j + b, :, :length].unbind(0)
-                slot_views = True
         # Decode (one query per row) in bf16/fp16 on the CPU: attention on fp32 copies of q and the cache entries
         # read, output rounded back. torch's CPU flash attention in bf16 is 5x slower than in fp32 at the serving
         # decode shape ([32, 5, 1, 64] queries over 80 cached positions: 1.0 ms against 0.2 ms including the
         # casts, torch 2.13, one thread) and dominated the bf16 serving step (37 of 44 ms); the fp32 result is
         # the more accurate one. Prefill keeps the model dtype (there the two cost the same).
-        up = s == 1 and x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu"
-        x = x.reshape(b * s, h).clone()                                                # the residual stream, in place
+        low = x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu"
+        views = [self._views(g) for g in segments]
+        x = x.reshape(T, h).clone()                                                    # the residual stream, in place
         for i, L in enumerate(self.layers):
-            qkv = lin(L.ln1(x), L.wqkv, L.bqkv).view(b, s, nq + 2 * nkv, d).transpose(1, 2)   # [b, heads, s, d]
+            qkv = lin(L.ln1(x), L.wqkv, L.bqkv).view(T, nq + 2 * nkv, d)                # [T, heads, d]
             # rotary on the q and k heads together: q*cos + rotate_half(q)*sin, the family's formula
             qk = qkv[:, :nq + nkv]
             rot = qk.index_select(-1, perm).mul_(sin)
-            qk = torch.mul(qk, cos).add_(rot)                                          # [b, q_local + kv_local, s, d]
-            q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:]
-            if kw is not None:
-                kw[i].copy_(k)
-                vw[i].copy_(v)
-            else:
-                kc, vc = self.k[i], self.v[i]
-                kc[slots[:, None], :, cache_pos] = k.transpose(1, 2)
-                vc[slots[:, None], :, cache_pos] = v.transpose(1, 2)
-            if slot_views:
-                keys, vals = keys_all[i], vals_all[i]
-            else:                               # rows in scattered slots: gather them
-                keys = self.k[i][:, :, :length].index_select(0, slots)
-                vals = self.v[i][:, :, :length].index_select(0, slots)
-            if up:                              # CPU decode in bf16/fp16: attention in fp32 (see up above)
-                q, keys, vals = q.float(), keys.float(), vals.float()
-            if L.kv_runs is None:
-                o = sdpa(q, keys, vals, attn_mask=mask, scale=L.scaling, enable_gqa=L.gqa)   # [b, q_local, s, d]
-            elif s == 1 and b * length >= _RUNS_MIN_ROW_POSITIONS:   # decode: per run of query heads with its
-                # KV head (bitwise the copied-heads result); below the threshold the copies cost less than the
-                # extra attention calls (batch-1 decode of SmolLM2 at tp=2: 4650 against 4127 aten ops per token,
-                # bench/results/decode-0444-kv-runs-always.md against decode.md)
-                o = torch.cat([sdpa(q[:, q0:q1], keys[:, j:j + 1], vals[:, j:j + 1], attn_mask=mask, scale=L.scaling,
-                                    enable_gqa=q1 - q0 > 1) for j, q0, q1 in L.kv_runs], dim=1)
-            else:           # prefill (CPU attention over s > 1 queries blocks by head count) or small: copy
-                idx = L.kv_idx
-                o = sdpa(q, keys.index_select(1, idx), vals.index_select(1, idx), attn_mask=mask, scale=L.scaling)
-            if up:
-                o = o.to(x.dtype)
-            o = all_reduce(lin(o.transpose(1, 2).reshape(b * s, -1), L.wo, None), tp)
+            qk = torch.mul(qk, cos).add_(rot)                                          # [T, q_local + kv_local, d]
+            outs, t0 = [], 0
+            for g, (kw, vw, keys_all, vals_all) in zip(segments, views):
+                b, s, t1 = g.b, g.s, t0 + g.b * g.s
+                q = qk[t0:t1, :nq].view(b, s, nq, d).transpose(1, 2)                   # [b, q_local, s, d]
+                k = qk[t0:t1, nq:].view(b, s, nkv, d).transpose(1, 2)                  # [b, kv_local, s, d]
+                v = qkv[t0:t1, nq + nkv:].view(b, s, nkv, d).transpose(1, 2)
+                t0 = t1
+                if kw is not None:
+                    kw[i].copy_(k)
+                    vw[i].copy_(v)
+                else:
+                    kc, vc = self.k[i], self.v[i]
+                    kc[g.slots[:, None], :, g.cache_pos] = k.transpose(1, 2)
+                    vc[g.slots[:, None], :, g.cache_pos] = v.transpose(1, 2)
+                if keys_all is not None:
+                    keys, vals = keys_all[i], vals_all[i]
+                else:                           # rows in scattered slots: gather them
+                    keys = self.k[i][:, :, :g.length].index_select(0, g.slots)
+                    vals = self.v[i][:, :, :g.length].index_select(0, g.slots)
+                up = low and s == 1
+                if up:                          # CPU decode in bf16/fp16: attention in fp32 (see low above)
+                    q, keys, vals = q.float(), keys.float(), vals.float()
+                mask = g.mask
+                if L.kv_runs is None:
+                    o = sdpa(q, keys, vals, attn_mask=mask, scale=L.scaling, enable_gqa=L.gqa)   # [b, q_local, s, d]
+                elif s == 1 and b * g.length >= _RUNS_MIN_ROW_POSITIONS:   # decode: per run of query heads with its
+                    # KV head (bitwise the copied-heads result); below the threshold the copies cost less than the
+                    # extra attention calls (batch-1 decode of SmolLM2 at tp=2: 4650 against 4127 aten ops per
+                    # token, bench/results/decode-0444-kv-runs-always.md against decode.md)
+                    o = torch.cat([sdpa(q[:, q0:q1], keys[:, j:j + 1], vals[:, j:j + 1], attn_mask=mask,
+                                        scale=L.scaling, enable_gqa=q1 - q0 > 1) for j, q0, q1 in L.kv_runs], dim=1)
+                else:       # prefill (CPU attention over s > 1 queries blocks by head count) or small: copy
+                    idx = L.kv_idx
+                    o = sdpa(q, keys.index_select(1, idx), vals.index_select(1, idx), attn_mask=mask,
+                             scale=L.scaling)
+                if up:
+                    o = o.to(x.dtype)
+                outs.append(o.transpose(1, 2).reshape(b * s, -1))                      # [b*s, q_local*d]
+            o = outs[0] if len(outs) == 1 else torch.cat(outs)
+            o = all_reduce(lin(o, L.wo, None), tp)
             if L.bo is not None:
                 o = o + L.bo
             x.add_(o)
-            gu = lin(L.ln2(x), L.wgu, L.bgu)                                           # [b*s, 2 f]
-            g, u = gu[:, :L.f], gu[:, L.f:]
-            a = F.silu(g, inplace=True) if L.silu else L.act(g)
+            gu = lin(L.ln2(x), L.wgu, L.bgu)                                           # [T, 2 f]
+            g_, u = gu[:, :L.f], gu[:, L.f:]
+            a = F.silu(g_, inplace=True) if L.silu else L.act(g_)
             o = all_reduce(lin(a.mul_(u), L.wd, None), tp)
             if L.bd is not None:
                 o = o + L.bd
             x.add_(o)
-        x = x.view(b, s, h)
-        if last_only:
-            x = x[:, -1:]
-        logits = self.linear(self.norm(x), self.lm_w, self.lm_b)
-        return logits[:, -1] if last_only else logits
+        if len(segments) == 1:
+            g = segments[0]
+            x = x.view(g.b, g.s, h)
+            if last_only:
+                x = x[:, -1:]
+            logits = self.linear(self.norm(x), self.lm_w, self.lm_b)
+            return logits[:, -1] if last_only else logits
+        if not last_only:
+            raise ValueError("last_only=False takes one segment")
+        last, t0 = [], 0
+        for g in segments:          # the last position of each row
+            last.extend(range(t0 + g.s - 1, t0 + g.b * g.s, g.s))
+            t0 += g.b * g.s
+        x = x.index_select(0, torch.tensor(last, device=x.device)).unsqueeze(1)           # [sum(b), 1, h]
+        return self.linear(self.norm(x), self.lm_w, self.lm_b)[:, -1]
+
+    def _views(self, g: Segment):
+        """``(kw, vw, keys_all, vals_all)`` of segment ``g``: per-layer cache views the new K/V are written to
+        (``None``: scattered, written by index) and read from (``None``: scattered slots, gathered per layer)."""
+        b, s, length = g.b, g.s, g.length
+        kw = vw = keys_all = vals_all = None
+        if g.slots is None:
+            kw, vw = self.kcache[:, :b, :, g.start:g.start + s].unbind(0), \
+                self.vcache[:, :b, :, g.start:g.start + s].unbind(0)
+            return kw, vw, self.kcache[:, :b, :, :length].unbind(0), self.vcache[:, :b, :, :length].unbind(0)
+        slots, cache_pos = g.slots, g.cache_pos
+        if b == 1:                  # one serving slot: its rows as a contiguous range when it is one
+            j, p0 = int(slots[0]), int(cache_pos[0, 0])
+            if s == 1 or torch.equal(cache_pos[0], torch.arange(p0, p0 + s, device=cache_pos.device)):
+                kw, vw = self.kcache[:, j:j + 1, :, p0:p0 + s].unbind(0), self.vcache[:, j:j + 1, :, p0:p0 + s].unbind(0)
+            return kw, vw, self.kcache[:, j:j + 1, :, :length].unbind(0), self.vcache[:, j:j + 1, :, :length].unbind(0)
+        j = int(slots[0])           # serving rows in consecutive slots: read the cache through views
+        if torch.equal(slots, torch.arange(j, j + b, device=slots.device)):
+            keys_all = self.kcache[:, j:j + b, :, :length].unbind(0)
+            vals_all = self.vcache[:, j:j + b, :, :length].unbind(0)
+        return None, None, keys_all, vals_all
 
     # -------------------------------------------------------------- generate's use: rows 0..b-1, common positions
 

@@ -59,7 +59,7 @@ def _drive(engine, schedule, rank0: bool):
 
 def job_batched_vs_alone(ctx, folder, vocab):
     from tensorpar.hf.load import build_parallel_model
-    from tensorpar.serve.engine import Engine
+    from tensorpar.serve.engine import Engine, prefill_groups
     model, _ = build_parallel_model(folder, ctx.tp, dtype=torch.float32)
     engine = Engine(model, ctx.tp, max_batch=len(LENGTHS) + 1, max_len=64)
     rank0 = ctx.tp.rank == 0
@@ -70,14 +70,26 @@ def job_batched_vs_alone(ctx, folder, vocab):
     together = _drive(engine, [(0, (i + 3) % 7, p) for i, p in enumerate(ps)], rank0)
     # joining a running batch: two start, the others join at step 2 (their prefill next to two decodes)
     joining = _drive(engine, [(0 if i < 2 else 2, 6 - i, p) for i, p in enumerate(ps)], rank0)
-    return alone, together, joining, engine.lean is not None
+    # a step with two decode rows and two new prompts (one padded prefill group): on the lean path one forward,
+    # 1 + 2 * layers all-reduces of all its tokens; the module path one forward per group
+    from tensorpar import comm
+    from tensorpar.serve.engine import Row, StepPlan
+    plan = StepPlan("step", [Row(0, ps[1][:8], 0), Row(1, ps[4], 0), Row(2, [5], 9), Row(3, [7], 4)])
+    assert len(prefill_groups([8, 1])) == 1
+    with comm.counting(ctx.tp) as c:
+        engine.step(plan, None)
+    layers = model.config.num_hidden_layers
+    all_reduces = c.calls["all_reduce"] if ctx.tp.size > 1 else None
+    return alone, together, joining, engine.lean is not None, all_reduces, layers
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_batched_prefill_equals_prefill_alone(pools, folders, arch, tp):
-    """Several new prompts of different lengths prefilled in one padded forward (tiny random model, fp32):
-    the same greedy tokens as each prompt alone and as transformers, log-probabilities equal within 1e-5."""
+    """Several new prompts of different lengths prefilled in one padded forward, and new prompts joining running
+    requests in one forward with their decodes (tiny random model, fp32): the same greedy tokens as each prompt
+    alone and as transformers, log-probabilities equal within 1e-5 (the matmuls see other row counts: the last
+    bits may differ)."""
     from transformers import AutoModelForCausalLM
 
     from tensorpar.serve.engine import prefill_groups
@@ -93,8 +105,10 @@ def test_batched_prefill_equals_prefill_alone(pools, folders, arch, tp):
             g = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW, min_new_tokens=NEW,
                              do_sample=False, pad_token_id=0, eos_token_id=None)
         want.append(g[0, len(p):].tolist())
-    for alone, together, joining, lean in results:
+    for alone, together, joining, lean, all_reduces, layers in results:
         assert lean == (arch == "llama")
+        if tp > 1:          # embedding + 2 per layer per forward; the argmax is an all-gather
+            assert all_reduces == (1 + 2 * layers) * (1 if lean else 2), all_reduces
         assert [a[0] for a in alone] == want
         for other in (together, joining):
             assert [o[0] for o in other] == want

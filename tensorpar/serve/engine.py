@@ -3,13 +3,18 @@
 Continuous batching (iteration-level scheduling, Yu et al. 2022 "Orca", OSDI; Kwon et al. 2023 "vLLM", SOSP)
 needs a KV cache in which requests of different lengths live side by side and come and go between steps. Here
 each of ``max_batch`` *slots* owns a static region of every layer's cache, ``[kv_local, max_model_len, d]``,
-preallocated at start (only this rank's KV heads, so the cache memory per rank falls with tp). A step is
+preallocated at start (only this rank's KV heads, so the cache memory per rank falls with tp). A step is one
+forward (on the lean path, :meth:`~tensorpar.lean.LeanDecoder.forward_segments`) of
 
-* one prefill forward of the newly admitted requests together (:func:`prefill_groups` splits a burst into a few
-  forwards when the prompt lengths differ a lot or the batch would exceed :data:`PREFILL_TOKENS`), and
-* one decode forward of every running request together (``[b, 1]``): each row writes its new K/V at its own
-  position in its own slot and attends to the first ``pos + 1`` entries of that slot (a padded boolean mask,
-  ``[b, 1, 1, L]`` with ``L`` the longest row this step).
+* the newly admitted requests' prompts, in padded groups (:func:`prefill_groups` splits a burst into a few groups
+  when the prompt lengths differ a lot or a group would exceed :data:`PREFILL_TOKENS`), and
+* every running request's next token (``[b, 1]``): each row writes its new K/V at its own position in its own
+  slot and attends to the first ``pos + 1`` entries of that slot (a padded boolean mask, ``[b, 1, 1, L]`` with
+  ``L`` the longest row this step).
+
+The matmuls, norms and all-reduces run once over all the step's tokens; attention runs per group (a decode row
+padded to a prompt's length would cost that many tokens of attention; there is no variable-length attention
+kernel here). The module path (families without the lean decoder) runs one forward per group.
 
 A batched prefill pads the prompts to the longest, ``s``, *on the left of the sequence* but not in the cache
 (:func:`prefill_layout`): a row of ``n`` tokens is ``[pad] * (s - n) + prompt``, its real tokens go to cache
@@ -18,9 +23,7 @@ entries at or before its own position, so a real token sees only real tokens (th
 pad's output is finite (it sees real tokens and earlier pads), and the last position of every row is its last
 prompt token, whose logits are the ones kept. The pads' K/V are overwritten by the row's first decode (at
 position ``n``) and later ones before any query reads them (a decode at position ``p`` writes ``p`` and reads
-``[0, p]``). Decode rows are not merged into the prefill forward: padded to the prompt length they would cost
-``s`` times their compute (there is no variable-length attention kernel here), so a step is at most two
-forwards (more only for a split burst).
+``[0, p]``).
 
 Tokens are chosen as :func:`tensorpar.generate.generate_tokens` chooses them: greedy rows by the vocab-parallel
 argmax (no gathered logits), sampled rows by gathering their logits to rank 0, which samples with the
@@ -243,14 +246,10 @@ class Engine:
         self.max_batch, self.max_len = max_batch, max_len
         self.step(StepPlan("step", [Row(0, [0], 0)]), samplers=None)          # allocate the cache, warm up
 
-    @torch.no_grad()
-    def _forward(self, slots: list[int], ids: list[list[int]], pos: list[list[int]]) -> torch.Tensor:
-        """Logits of the last column of each row, ``[b, V_r]``.
-
-        ``ids`` and ``pos`` ``[b, s]``: token ids and their positions (cache entries written and rotary positions);
-        each query attends to its slot's entries at positions ``<= `` its own (``[b, 1, s, L]`` bool mask,
-        ``L = max(pos) + 1``; no mask for a decode in which every row is at ``L - 1``).
-        """
+    def _segment(self, slots: list[int], ids: list[list[int]], pos: list[list[int]]):
+        """Tensors of rows ``slots`` with tokens ``ids`` at positions ``pos`` (``[b, s]`` lists): ``(ids_t, pos_t,
+        slot_t, mask, length)``. Each query attends to its slot's entries at positions ``<=`` its own (``[b, 1, s,
+        L]`` bool mask, ``L = max(pos) + 1``; no mask for a decode in which every row is at ``L - 1``)."""
         dev = self.device
         s = len(ids[0])
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
@@ -260,22 +259,40 @@ class Engine:
         mask = None
         if not (s == 1 and min(p[0] for p in pos) == length - 1):   # else every row attends to all of [0, L)
             mask = pos_t[:, None, :, None] >= torch.arange(length, device=dev)              # [b, 1, s, L]
+        return ids_t, pos_t, slot_t, mask, length
+
+    @torch.no_grad()
+    def _forward(self, batches: list[tuple[list[int], list[list[int]], list[list[int]]]]) -> torch.Tensor:
+        """Logits of the last column of each row of each batch ``(slots, ids, pos)``, ``[sum(b), V_r]``.
+
+        The lean path runs all the batches as one forward (:meth:`~tensorpar.lean.LeanDecoder.forward_segments`:
+        the matmuls once over every token, attention per batch); the module path one forward per batch.
+        """
+        from tensorpar.lean import Segment
+
+        parts = [self._segment(*bt) for bt in batches]
         if self.lean is not None:
-            return self.lean.forward(ids_t, pos_t, mask, length=length, slots=slot_t, cache_pos=pos_t)
-        if mask is None:
-            mask = torch.ones(len(slots), 1, 1, length, dtype=torch.bool, device=dev)
-        self.cache.bind(slot_t, pos_t, length)
-        out = self.model(input_ids=ids_t, attention_mask=mask, position_ids=pos_t, cache=self.cache,
-                         use_cache=False, logits_to_keep=1)
-        return out.logits[:, -1]
+            segs = [Segment(i.shape[0], i.shape[1], m, n, slots=sl, cache_pos=p) for i, p, sl, m, n in parts]
+            ids = torch.cat([i.reshape(-1) for i, *_ in parts])
+            pos = torch.cat([p.reshape(-1) for _, p, *_ in parts])
+            return self.lean.forward_segments(ids, pos, segs)
+        out = []
+        for ids_t, pos_t, slot_t, mask, length in parts:
+            if mask is None:
+                mask = torch.ones(len(slot_t), 1, 1, length, dtype=torch.bool, device=self.device)
+            self.cache.bind(slot_t, pos_t, length)
+            lg = self.model(input_ids=ids_t, attention_mask=mask, position_ids=pos_t, cache=self.cache,
+                            use_cache=False, logits_to_keep=1)
+            out.append(lg.logits[:, -1])
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     @torch.no_grad()
     def step(self, plan: StepPlan, samplers) -> StepResult:
         """Run ``plan`` (identical on every rank); return the tokens (the same on every rank).
 
-        Forwards: the prefill rows (``start == 0``) in the padded groups of :func:`prefill_groups` (one forward
-        for a typical burst; layout of :func:`prefill_layout`), then the other rows, those of equal token
-        counts together (one forward of every 1-token decode row).
+        One forward (:meth:`_forward`) of: the prefill rows (``start == 0``) in the padded groups of
+        :func:`prefill_groups` (layout of :func:`prefill_layout`), then the other rows, those of equal token
+        counts together (one group of every 1-token decode row); attention per group.
 
         ``samplers`` (rank 0 only, ``None`` elsewhere): per row, ``None`` for greedy or a callable
         ``f(logits [1, V]) -> token`` (the request's seeded sampler). Collectives: per forward two all-reduces
@@ -291,24 +308,24 @@ class Engine:
                 raise ValueError(f"row {r} does not fit the cache ({self.max_batch} slots x {self.max_len})")
         if len({r.slot for r in rows}) != len(rows):
             raise ValueError(f"a step plan uses a slot twice: slots {[r.slot for r in rows]}")
-        parts: dict[int, torch.Tensor] = {}
+        batches, order = [], []         # one forward: the prefill groups, then the continuations by token count
         new = [i for i, r in enumerate(rows) if r.start == 0]
         for group in prefill_groups([len(rows[i].tokens) for i in new]):
             idx = [new[j] for j in group]
             ids, pos = prefill_layout([rows[i].tokens for i in idx])
-            lg = self._forward([rows[i].slot for i in idx], ids, pos)
-            for j, i in enumerate(idx):
-                parts[i] = lg[j:j + 1]
+            batches.append(([rows[i].slot for i in idx], ids, pos))
+            order.extend(idx)
         by_count: dict[int, list[int]] = {}
         for i, r in enumerate(rows):
             if r.start > 0:
                 by_count.setdefault(len(r.tokens), []).append(i)
         for n, idx in sorted(by_count.items()):
             idx = sorted(idx, key=lambda i: rows[i].slot)   # slot order: consecutive slots read the cache as views
-            lg = self._forward([rows[i].slot for i in idx], [rows[i].tokens for i in idx],
-                               [list(range(rows[i].start, rows[i].start + n)) for i in idx])
-            for j, i in enumerate(idx):
-                parts[i] = lg[j:j + 1]
+            batches.append(([rows[i].slot for i in idx], [rows[i].tokens for i in idx],
+                            [list(range(rows[i].start, rows[i].start + n)) for i in idx]))
+            order.extend(idx)
+        lg = self._forward(batches)                                                       # [n, V_r], in order
+        parts = {i: lg[j:j + 1] for j, i in enumerate(order)}
         logits = torch.cat([parts[i] for i in range(len(rows))])                           # [n, V_r]
         from tensorpar.generate import vocab_parallel_argmax
         tokens = vocab_parallel_argmax(logits, self.tp, partition=self.vocab).cpu()          # [n]
