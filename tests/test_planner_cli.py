@@ -144,6 +144,7 @@ def test_encoder_configs_are_refused(plan, tmp_path, config):
     code, out, err = plan("--model", str(path), "--gpus", "8", "--global-batch", "8", "--seq", "128")
     assert code == 2 and out == ""
     assert "encoder-only or encoder-decoder" in err and config["model_type"] in err
+    assert f"--model {path}:" in err                       # the path given, not the folder's name
 
 
 def test_sequence_longer_than_positions_is_refused(plan, tmp_path):

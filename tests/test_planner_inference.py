@@ -151,6 +151,12 @@ def test_cli(capsys):
     plans = json.loads(capsys.readouterr().out)
     assert {p["tp"] for p in plans} == {1, 2, 4, 8} and plans[0]["fits"]
     assert next(p for p in plans if p["tp"] == 1)["fits"] is False  # 141 GiB of weights on one H100
+    # only layouts that fit are ranked (1, 2, 3 for tp 2..8); tp=1 is listed without a rank
+    assert [p["rank"] for p in plans if p["fits"]] == [1, 2, 3]
+    assert next(p for p in plans if p["tp"] == 1)["rank"] is None
+    assert cli.main(args) == 0
+    row = next(line.split() for line in capsys.readouterr().out.splitlines() if line.split()[1:2] == ["1"])
+    assert row[0] == "-"
     assert cli.main(["plan", "--inference", "--model", "llama3-405b", "--gpus", "1", "--device", "h100-80gb",
                      "--batch", "1", "--prompt-len", "16", "--max-new-tokens", "16"]) == 3
     capsys.readouterr()

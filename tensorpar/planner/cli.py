@@ -251,7 +251,8 @@ def _plan_inference(args) -> int:
     plans = plan_inference(model, hw, work)
     ok = bool(plans) and plans[0].fits
     if args.json:
-        print(json.dumps([{**p.to_json(), "rank": i + 1} for i, p in enumerate(plans)], indent=2))
+        # a layout that does not fit is listed (with its memory) but not ranked: "rank" null
+        print(json.dumps([{**p.to_json(), "rank": i + 1 if p.fits else None} for i, p in enumerate(plans)], indent=2))
         return 0 if ok else NO_FIT
     from rich import box
     from rich.table import Table
@@ -269,7 +270,7 @@ def _plan_inference(args) -> int:
     for i, q in enumerate(plans):
         total = f"{q.memory / GIB:.2f}" if q.fits else f"[red]{q.memory / GIB:.2f}[/red]"
         decode = f"{q.decode * 1e3:.2f}" if q.meets(work.latency_target_ms) else f"[red]{q.decode * 1e3:.2f}[/red]"
-        table.add_row(str(i + 1), str(q.tp), str(q.replicas), str(q.kv_heads_per_rank), f"{q.weights / GIB:.2f}",
+        table.add_row(str(i + 1) if q.fits else "-", str(q.tp), str(q.replicas), str(q.kv_heads_per_rank), f"{q.weights / GIB:.2f}",
                       f"{q.kv_cache / GIB:.2f}", total, f"{q.ttft * 1e3:.1f}", decode, f"{q.tokens_per_s:.0f}")
     con = console()
     con.print(table)

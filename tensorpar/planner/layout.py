@@ -210,7 +210,8 @@ def parse_layout(text: str, num_devices: int) -> Layout:
             if not raw.isdigit():
                 raise ValueError(f"--evaluate {key}={raw}: must be a positive integer (>= 1)")
             if int(raw) < 1:
-                raise ValueError(f"--evaluate {key}={raw}: must be >= 1")
+                raise ValueError(f"--evaluate {key}={raw}: must be >= 1 ({key}=1 when that dimension is not split, "
+                                 f"e.g. tp=8,pp=1)")
             values[key] = int(raw)
         elif names[key].type in ("bool", bool):
             if raw not in _BOOL:

@@ -217,15 +217,16 @@ def preset(name: str) -> ModelSpec:
 
 def from_hf_config(config: dict | str | Path, name: str | None = None) -> ModelSpec:
     """Read a Hugging Face ``config.json`` (a dict or a path) of a Llama-like or GPT-2-like model."""
+    where = None                    # what error messages name: the path given, else the model's name
     if not isinstance(config, dict):
-        path = Path(config)
+        path = where = Path(config)
         try:
             config = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as err:
             raise ValueError(f"--model {path}: cannot read a config.json ({err})") from None
         name = name or (path.parent.name if path.name == "config.json" and path.parent.name else path.stem)
     name = name or config.get("_name_or_path") or config.get("model_type", "hf-model")
-    _refuse_non_decoder(config, name)
+    _refuse_non_decoder(config, str(where or name))
     if "n_embd" in config:  # GPT-2 family naming
         hidden = config["n_embd"]
         return ModelSpec(
@@ -242,7 +243,7 @@ def from_hf_config(config: dict | str | Path, name: str | None = None) -> ModelS
                                                                       "moe_intermediate_size" in config)]
     if missing:
         raise ValueError(
-            f"config.json of {name!r} lacks {', '.join(missing)}; the planner reads Llama-like configs "
+            f"config.json of {str(where or name)!r} lacks {', '.join(missing)}; the planner reads Llama-like configs "
             f"({', '.join(required)}) or GPT-2-like ones (n_layer, n_embd, n_head, vocab_size)"
         )
     kind = config.get("model_type", "")
