@@ -401,10 +401,11 @@ class LeanDecoder:
         sin = (sin * self.sign).view(T, 1, d)
         perm, sdpa, lin, all_reduce = self.perm, F.scaled_dot_product_attention, self.lin, comm.all_reduce
         # Decode (one query per row) in bf16/fp16 on the CPU: attention on fp32 copies of q and the cache entries
-        # read, output rounded back. torch's CPU flash attention in bf16 is 5x slower than in fp32 at the serving
-        # decode shape ([32, 5, 1, 64] queries over 80 cached positions: 1.0 ms against 0.2 ms including the
-        # casts, torch 2.13, one thread) and dominated the bf16 serving step (37 of 44 ms); the fp32 result is
-        # the more accurate one. Prefill keeps the model dtype (there the two cost the same).
+        # read (into two fp32 buffers allocated once, :meth:`_fp32`), output rounded back. torch's CPU flash
+        # attention in bf16 is about 5x slower than this at the serving decode shape (32 rows of SmolLM2's tp=2
+        # heads over 80 cached positions, casts included, torch 2.13, one thread: bench/results/attention_dtype.md)
+        # and took most of a bf16 serving step before; the fp32 result is the more accurate one. Prefill keeps the
+        # model dtype (there the two cost the same).
         low = x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu"
         views = [self._views(g) for g in segments]
         x = x.reshape(T, h).clone()                                                    # the residual stream, in place
@@ -435,7 +436,7 @@ class LeanDecoder:
                     vals = self.v[i][:, :, :g.length].index_select(0, g.slots)
                 up = low and s == 1
                 if up:                          # CPU decode in bf16/fp16: attention in fp32 (see low above)
-                    q, keys, vals = q.float(), keys.float(), vals.float()
+                    q, keys, vals = q.float(), self._fp32(0, keys), self._fp32(1, vals)
                 mask = g.mask
                 if L.kv_runs is None:
                     o = sdpa(q, keys, vals, attn_mask=mask, scale=L.scaling, enable_gqa=L.gqa)   # [b, q_local, s, d]
@@ -479,6 +480,18 @@ class LeanDecoder:
             t0 += g.b * g.s
         x = x.index_select(0, torch.tensor(last, device=x.device)).unsqueeze(1)           # [sum(b), 1, h]
         return self.linear(self.norm(x), self.lm_w, self.lm_b)[:, -1]
+
+    def _fp32(self, which: int, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (cache keys or values read for attention, ``[b, kv_local, L, d]``) cast into a view of fp32 buffer
+        ``which`` (0 keys, 1 values; ``[max_batch, kv_local, max_len, d]``, allocated on first use): a fresh
+        fp32 tensor per layer would be a large allocation each time, which glibc may serve by mmap and page
+        faults (measured: the casts then cost as much as the bf16 attention they replace)."""
+        bufs = self.__dict__.setdefault("_fp32_bufs", [None, None])
+        if bufs[which] is None:
+            bufs[which] = torch.empty(self.max_batch, self.n_kv, self.max_len, self.head_dim, dtype=torch.float32,
+                                      device=t.device)
+        b, n, L, _ = t.shape
+        return bufs[which][:b, :n, :L].copy_(t)
 
     def _views(self, g: Segment):
         """``(kw, vw, keys_all, vals_all)`` of segment ``g``: per-layer cache views the new K/V are written to
