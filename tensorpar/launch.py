@@ -243,9 +243,10 @@ def _rank_entry(fn: Callable[..., Any], verbose: bool, error_dir: str, *args) ->
         raise RankError(line) from None
 
 
-def _first_error(error_dir: str) -> str | None:
+def _first_error(error_dir: str, secondary_too: bool = True) -> str | None:
     """``message (rank R)`` of the earliest error written by :func:`_rank_entry`, passing over the secondary
-    ones (a peer that lost its connection because the first rank exited); None if no rank wrote one."""
+    ones (a peer that lost its connection because the first rank exited); None if no rank wrote one (or, with
+    ``secondary_too=False``, none but secondary ones)."""
     import glob
     import json
 
@@ -260,12 +261,15 @@ def _first_error(error_dir: str) -> str | None:
         return None
     found.sort(key=lambda r: r["time"])
     primary = [r for r in found if not _SECONDARY.search(r["message"])]
-    r = (primary or found)[0]
-    return f"{r['message']} (rank {r['rank']})"
+    if secondary_too or primary:
+        r = (primary or found)[0]
+        return f"{r['message']} (rank {r['rank']})"
+    return None
 
 
 _SECONDARY = re.compile(r"connection closed by peer|connection reset by peer|remote worker crash|broken pipe|"
-                        r"signal \d+|sigterm|sigkill", re.IGNORECASE)
+                        r"signal \d+|sigterm|sigkill|closed its communicator|exited without arriving|"
+                        r"another rank exited or closed its connection", re.IGNORECASE)
 
 
 def _failure_line(err) -> tuple[str, str]:
@@ -360,7 +364,13 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args, verbose: bool = False) 
         line, trace = _failure_line(e)
         if verbose and trace:
             print(trace, file=sys.stderr)
-        print(f"tensorpar: error: {_first_error(error_dir) or line}", file=sys.stderr, flush=True)
+        # a rank's own error first; else the launcher's view (e.g. a rank killed by a signal, which writes no
+        # error), followed by what its peers saw
+        first = _first_error(error_dir, secondary_too=False)
+        if first is None:
+            seen = _first_error(error_dir)
+            first = line if seen is None else f"{line}; then {seen}"
+        print(f"tensorpar: error: {first}", file=sys.stderr, flush=True)
         return 1
     except (KeyboardInterrupt, SignalException):  # the agent stops every rank before this is raised
         print("tensorpar: interrupted; all ranks stopped", file=sys.stderr)

@@ -303,3 +303,23 @@ def test_one_line_drops_gloo_advice_and_says_a_peer_left():
                         "worker before reporting an error. GLHF! \U0001F3D6\ufe0f")
     assert one_line(e) == ("all_reduce on tp group (rank 0 of 2) failed: Read error [127.0.0.1]:1428: Connection reset "
                            "by peer. - another rank exited or closed its connection during this collective")
+
+
+def test_first_error_prefers_a_ranks_own_error_over_what_its_peers_saw(tmp_path):
+    """Rank 0 fails for its own reason, but rank 1 records first what it saw (rank 0 closing the shared-memory
+    communicator): the launcher's line is rank 0's error."""
+    import json
+
+    from tensorpar.launch import _first_error
+    peer = {"time": 1.0, "rank": "1", "message": "shared-memory all_reduce (call #5) on tp group, rank 1 of 2: rank 0 "
+                                                 "(pid 7) closed its communicator before arriving"}
+    (tmp_path / "rank1.json").write_text(json.dumps(peer))
+    assert _first_error(str(tmp_path), secondary_too=False) is None
+    assert _first_error(str(tmp_path)).endswith("(rank 1)")
+    own = {"time": 1.2, "rank": "0", "message": "OverflowError: Overflow when unpacking long long"}
+    (tmp_path / "rank0.json").write_text(json.dumps(own))
+    assert _first_error(str(tmp_path)) == "OverflowError: Overflow when unpacking long long (rank 0)"
+    gloo = {"time": 0.5, "rank": "1", "message": "all_reduce failed: Read error: Connection reset by peer. - another "
+                                                 "rank exited or closed its connection during this collective"}
+    (tmp_path / "rank1.json").write_text(json.dumps(gloo))
+    assert _first_error(str(tmp_path)).endswith("(rank 0)")

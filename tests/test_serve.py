@@ -252,6 +252,13 @@ def test_stop_string(server):
     ({"prompt": "ab", "temperature": -1}, 400, "'temperature' must be >= 0"),
     ({"prompt": "ab", "model": "gpt-4"}, 404, "use \"tiny\""),
     ({"prompt": [1, 999]}, 400, "token id 999 is outside the vocabulary"),
+    # a fresh-user review crashed the server with these two before they were checked
+    ({"prompt": "ab", "seed": 2 ** 64}, 400, "'seed' must be <= 18446744073709551615"),
+    ({"prompt": "ab", "top_p": float("nan")}, 400, "'top_p' must be a finite number"),
+    ({"prompt": "ab", "temperature": float("inf")}, 400, "'temperature' must be a finite number"),
+    ({"prompt": "ab", "stream_options": {"include_usage": True}}, 400, "only allowed with 'stream': true"),
+    ({"prompt": "ab", "stream": True, "stream_options": {"include_usage": "x"}}, 400, "include_usage"),
+    ({"prompt": "ab", "user": 5}, 400, "'user' must be a string"),
 ])
 def test_bad_requests(server, body, status, needle):
     code, out = post(server["url"], "/v1/completions", body)
@@ -267,8 +274,22 @@ def test_bad_json_and_chat_fields_then_still_serving(server):
     code, out = post(server["url"], "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                              "tools": []})
     assert code == 400 and "tools" in out["error"]["message"]
-    code, out = post(server["url"], "/v1/completions", {"prompt": "ab", "max_tokens": 2, "temperature": 0})
+    code, out = post(server["url"], "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                             "max_completion_tokens": 2, "max_tokens": 0})
+    assert code == 400 and "'max_tokens' must be >= 1" in out["error"]["message"]
+    for path, method in (("/v1/nothing", "GET"), ("/v1/completions", "GET")):       # unknown route, wrong method
+        req = urllib.request.Request(server["url"].rsplit("/v1", 1)[0] + path, method=method)
+        try:
+            urllib.request.urlopen(req, timeout=30)
+            raise AssertionError(f"{method} {path} answered 2xx")
+        except urllib.error.HTTPError as e:
+            err = json.loads(e.read())["error"]
+            assert e.code in (404, 405) and err["code"] == e.code and path in err["message"], err
+    code, out = post(server["url"], "/v1/completions", {"prompt": "ab", "max_tokens": 2, "temperature": 0,
+                                                        "seed": -2 ** 63, "logprobs": 1})
     assert code == 200 and out["usage"]["completion_tokens"] == 2
+    lp = out["choices"][0]["logprobs"]
+    assert lp["text_offset"] == [0, len(lp["tokens"][0])]
 
 
 def test_disconnect_frees_slot_and_metrics(server):
@@ -353,7 +374,9 @@ def test_scheduler_slots_waiting_and_queue_limit():
                                       (["--host", "foo"], "--host must be an IP address"),
                                       (["--port", "70000"], "--port must be in [0, 65535]"),
                                       (["--max-batch", "0"], "--max-batch must be >= 1"),
-                                      (["--max-model-len", "1000"], "--max-model-len must be in [2, 128]")])
+                                      (["--max-model-len", "1000"], "--max-model-len must be in [2, 128]"),
+                                      (["--served-model-name", " "], "--served-model-name must not be empty"),
+                                      (["--host", "192.0.2.1", "--port", "8001"], "cannot listen there")])
 def test_bad_options_refused_before_launch(tmp_path_factory, args, msg):
     import argparse
 
@@ -370,3 +393,20 @@ def test_bad_option_exit_code_2(tmp_path_factory):
     r = subprocess.run([sys.executable, "-m", "tensorpar", "serve", "--model", "/nonexistent/model"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("tensorpar serve: error:"), r.stderr[-2000:]
+
+
+def test_port_in_use_refused_before_launch(tmp_path_factory):
+    import argparse
+    import socket
+
+    from tensorpar.serve import cli
+    folder = make_folder(tmp_path_factory.mktemp("port") / "tiny")
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ValueError, match=f"--port {port}: cannot listen there .*another process listens there"):
+            cli.validate(p.parse_args(["--model", folder, "--port", str(port)]))
+    assert cli._url_host("::1") == "[::1]" and cli._url_host("127.0.0.1") == "127.0.0.1"

@@ -8,6 +8,7 @@ Extension (as in vLLM): ``return_token_ids: true`` adds ``prompt_token_ids`` and
 """
 import asyncio
 import json
+import math
 import time
 import uuid
 
@@ -37,6 +38,8 @@ def _num(body: dict, name: str, default, kind=(int, float), lo=None, hi=None, lo
     if isinstance(v, bool) or not isinstance(v, kind):
         want = "an integer" if kind is int else "a number"
         raise BadRequest(f"'{name}' must be {want}, got {json.dumps(v)}", name)
+    if isinstance(v, float) and not math.isfinite(v):      # Python's json reads NaN and Infinity
+        raise BadRequest(f"'{name}' must be a finite number, got {v}", name)
     if lo is not None and (v <= lo if lo_open else v < lo):
         raise BadRequest(f"'{name}' must be {'>' if lo_open else '>='} {lo}, got {v}", name)
     if hi is not None and v > hi:
@@ -83,6 +86,8 @@ class Api:
                              f"leave room for at least one generated token", "prompt" if not chat else "messages")
         room = self.max_model_len - len(ids)
         mt_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+        if mt_name == "max_completion_tokens":
+            _num(body, "max_tokens", None, int, lo=1)           # checked too when both are given
         max_tokens = _num(body, mt_name, None, int, lo=1)
         if max_tokens is None:
             max_tokens = room if chat else min(16, room)
@@ -93,7 +98,7 @@ class Api:
         top_p = float(_num(body, "top_p", 1.0, lo=0, hi=1, lo_open=True))
         top_k = _num(body, "top_k", 0, int, lo=-1)
         top_k = 0 if top_k == -1 else top_k
-        seed = _num(body, "seed", None, int)
+        seed = _num(body, "seed", None, int, lo=-2 ** 63, hi=2 ** 64 - 1)     # torch.Generator's seed range
         stop = body.get("stop")
         if stop is None:
             stop = []
@@ -116,8 +121,14 @@ class Api:
         if not isinstance(stream, bool):
             raise BadRequest(f"'stream' must be true or false, got {json.dumps(stream)}", "stream")
         so = body.get("stream_options")
-        if so is not None and (not isinstance(so, dict) or set(so) - {"include_usage"}):
-            raise BadRequest("'stream_options' accepts only {\"include_usage\": bool}", "stream_options")
+        if so is not None and (not isinstance(so, dict) or set(so) - {"include_usage"}
+                               or not isinstance(so.get("include_usage", False), bool)):
+            raise BadRequest("'stream_options' accepts only {\"include_usage\": true|false}", "stream_options")
+        if so is not None and not stream:
+            raise BadRequest("'stream_options' is only allowed with 'stream': true", "stream_options")
+        user = body.get("user")
+        if user is not None and not isinstance(user, str):
+            raise BadRequest(f"'user' must be a string, got {json.dumps(user)}", "user")
         rti = body.get("return_token_ids", False)
         if not isinstance(rti, bool):
             raise BadRequest("'return_token_ids' must be true or false", "return_token_ids")
@@ -216,6 +227,16 @@ def build_app(api: Api):
 
     app = FastAPI(title="tensorpar serve")
 
+    from starlette.exceptions import HTTPException
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc: HTTPException):      # unknown route, wrong method: OpenAI's error shape
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = (f"{request.method} {request.url.path}: {exc.detail}; this server serves POST /v1/completions, "
+                   f"POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics")
+        return JSONResponse(error_body(message, kind, None, exc.status_code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
     def err(e: BadRequest) -> JSONResponse:
         return JSONResponse(error_body(e.message, e.kind, e.param, e.status), status_code=e.status)
 
@@ -257,13 +278,20 @@ def build_app(api: Api):
             n = len([t for t in req.out if t not in api.sched.eos])
             return {"prompt_tokens": len(req.prompt), "completion_tokens": n, "total_tokens": len(req.prompt) + n}
 
+        offset = [0]            # text_offset: characters of the completion before each token (as vLLM, no echo)
+
         def lp_block(entries):
             if req.logprobs < 0:
                 return None
             if chat:
                 return {"content": entries}
             toks, lps, tops = zip(*entries) if entries else ((), (), ())
-            return {"tokens": [api.tok.decode([t]) for t in toks], "token_logprobs": list(lps),
+            strs = [api.tok.decode([t]) for t in toks]
+            offsets = []
+            for piece in strs:
+                offsets.append(offset[0])
+                offset[0] += len(piece)
+            return {"tokens": strs, "token_logprobs": list(lps), "text_offset": offsets,
                     "top_logprobs": list(tops) if req.logprobs > 0 else None}
 
         if opts["stream"]:

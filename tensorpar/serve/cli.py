@@ -7,6 +7,7 @@ scheduler, which ends in-flight requests, broadcasts ``"stop"``, and every rank 
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import os
 import signal
@@ -56,7 +57,11 @@ def validate(args: argparse.Namespace):
         ipaddress.ip_address(args.host)
     except ValueError:
         if args.host != "localhost":
-            raise ValueError(f"--host must be an IP address such as 127.0.0.1 or 0.0.0.0, got {args.host!r}") from None
+            raise ValueError(f"--host must be an IP address such as 127.0.0.1, ::1 or 0.0.0.0, or localhost; got "
+                             f"{args.host!r}") from None
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ValueError("--served-model-name must not be empty (leave it out to use --model)")
+    _check_listen(args.host, args.port)
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.max_waiting < 0:
@@ -80,6 +85,33 @@ def validate(args: argparse.Namespace):
                          f"use --max-model-len {sw} or less")
     AutoTokenizer.from_pretrained(folder)
     return folder, n
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Bind ``host:port`` once and release it, so that an address in use or not on this machine is refused before
+    the ranks load the model (another process can still take the port in between). Raises ValueError."""
+    import socket
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise ValueError(f"--host {host}: cannot resolve it ({e.strerror or e})") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)        # as uvicorn binds
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            hint = ("another process listens there; pick another --port, or --port 0 for any free one"
+                    if e.errno == errno.EADDRINUSE else "use an address of this machine, e.g. 127.0.0.1 or 0.0.0.0")
+            raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); {hint}") from None
+
+
+def _url_host(host: str) -> str:
+    """``host`` as it goes in a URL (an IPv6 address in brackets)."""
+    return f"[{host}]" if ":" in host else host
 
 
 def _rank_main(folder: str, max_len: int, args: argparse.Namespace) -> int:
@@ -178,8 +210,9 @@ def _serve(engine, tok, max_len: int, args: argparse.Namespace, holder: dict) ->
         return 2
     port = server.servers[0].sockets[0].getsockname()[1]
     kv = engine.cache.nbytes() / 2**20
-    print(f"tensorpar serve: {name} at tp={engine.tp.size}, {engine.max_batch} slots x {max_len} tokens "
-          f"(KV cache {kv:.0f} MiB on rank 0); ready at http://{args.host}:{port}/v1", flush=True)
+    slots = f"{engine.max_batch} slot{'s' if engine.max_batch != 1 else ''}"
+    print(f"tensorpar serve: {name} at tp={engine.tp.size}, {slots} x {max_len} tokens "
+          f"(KV cache {kv:.0f} MiB on rank 0); ready at http://{_url_host(args.host)}:{port}/v1", flush=True)
     try:
         sched.run()
     finally:

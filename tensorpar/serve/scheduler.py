@@ -92,7 +92,8 @@ class Scheduler:
             if self._closed or self.failed or self.stop_event.is_set():
                 raise RuntimeError(self.failed or "the server is shutting down")
             if self._pending >= self.max_waiting:
-                raise QueueFull(f"{self._pending} requests are already waiting (--max-waiting {self.max_waiting})")
+                raise QueueFull(f"the waiting queue is full: {self._pending} request(s) wait for a slot "
+                                f"(--max-waiting {self.max_waiting}); retry later")
             self._pending += 1
             self.incoming.put(req)
 
@@ -137,7 +138,12 @@ class Scheduler:
             self._dequeue(req)
             req.slot = free.pop(0)
             seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(7), "little")
-            req.gen = torch.Generator().manual_seed(seed)
+            try:
+                req.gen = torch.Generator().manual_seed(seed)
+            except (RuntimeError, ValueError, OverflowError) as e:   # one request's problem, not the server's
+                free.insert(0, req.slot)
+                req.emit(("error", f"cannot seed this request's generator: {e}"))
+                continue
             self.running[req.slot] = req
             new.append(req)
         rows, order = [], []
