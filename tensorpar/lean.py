@@ -384,8 +384,8 @@ class LeanDecoder:
         of :meth:`forward` with its fields. Returns the logits of each row's last position, ``[sum(b), V_r]`` in
         segment order (``last_only=False``, one segment: ``[b, s, V_r]``). Why one forward: a step's prefill
         rows as a forward of their own cost a second pass over every weight and the framework's per-layer calls
-        again (one new prompt next to 31 decode rows of SmolLM2 at tp=2, fp32: +39.6 ms on an 84 ms step as its
-        own forward, +14.7 ms in the same forward; bench/results/serve_step.md). Collectives: ``1 + 2 * num_layers`` all-reduces of
+        again (one new prompt next to 31 decode rows of SmolLM2 at tp=2, fp32: +41.6 ms on an 85 ms step as its
+        own forward, +15.2 ms in the same forward; bench/results/serve_step.md). Collectives: ``1 + 2 * num_layers`` all-reduces of
         ``[T, h]``. Raises ValueError when the segments' tokens do not add up to ``T``.
         """
         tp = self.tp
