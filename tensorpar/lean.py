@@ -185,9 +185,11 @@ def _packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> 
 
 
 def _can_pack(w: torch.Tensor) -> bool:
-    """Whether :func:`_pack` applies: a bf16 weight on a CPU whose oneDNN runs bf16 (what ``F.linear`` calls there)."""
-    return (w.dtype == torch.bfloat16 and w.device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """Whether :func:`_pack` applies: a CPU weight with oneDNN available, fp32, or bf16 where oneDNN runs bf16
+    (what ``F.linear`` calls there)."""
+    if w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _pack(owner, key: str, w: torch.Tensor, params=()) -> torch.Tensor:
@@ -253,10 +255,12 @@ class LeanDecoder:
         tp: its tensor-parallel group.
         max_batch: rows (or serving slots) the cache holds.
         max_len: positions per row (prompt + new tokens).
-        prepack: run the matmuls on weights reordered once into oneDNN's blocked layout (bitwise the results
-            of ``F.linear``, which on a bf16 CPU weight reorders it on every call: 1.5x slower GEMV, measured in
-            bench/results/decode.md). ``None``: for bf16 weights on a CPU with oneDNN bf16. Never for a model
-            quantized by :func:`tensorpar.quant.quantize_int8` (its matmuls read the int8 weights).
+        prepack: run the matmuls on weights reordered once into oneDNN's blocked layout. bf16: bitwise the
+            results of ``F.linear``, which on a bf16 CPU weight reorders it on every call (1.5x slower GEMV,
+            measured in bench/results/decode.md). fp32: oneDNN's kernels instead of MKL's ``torch.mm``, within a
+            few units in the last place of it and faster (:meth:`_use_packed`). ``None``: for CPU weights in
+            fp32, or bf16 where oneDNN runs bf16. Never for a model quantized by
+            :func:`tensorpar.quant.quantize_int8` (its matmuls read the int8 weights).
 
     Memory: ``2 * num_layers * max_batch * kv_local * max_len * head_dim`` elements of the weights' dtype,
     allocated here once; with ``prepack`` a second copy of the rank's matmul weights (kept on the modules and
@@ -333,14 +337,21 @@ class LeanDecoder:
         self.padded = False
 
     def _use_packed(self, model) -> None:
-        """Read oneDNN-prepacked copies of the matmul weights (:func:`_pack`), if a probe shows them bitwise
-        equal to ``F.linear`` on this machine; else keep the plain weights."""
+        """Read oneDNN-prepacked copies of the matmul weights (:func:`_pack`). bf16: only if a probe shows them
+        bitwise equal to ``F.linear`` on this machine (else keep the plain weights). fp32: oneDNN's kernels
+        differ from ``torch.mm``'s (MKL) in the order of their sums, a few units in the last place (the probe
+        checks 1e-5 relative), and run 1.4x (one row) to 1.8x (32 rows) faster at the decode shapes of SmolLM2
+        (bench/results/matmul_pack.md)."""
         base = model.model
         a0 = base.layers[0].self_attn
         w = fused_weight(a0, ("q_proj", "k_proj", "v_proj"))[0]
         probe = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
-        if not torch.equal(_packed_linear(probe, _pack(a0, "qkv", w, (a0.q_proj.weight, a0.k_proj.weight,
-                                                                       a0.v_proj.weight)), None), F.linear(probe, w)):
+        got = _packed_linear(probe, _pack(a0, "qkv", w, (a0.q_proj.weight, a0.k_proj.weight, a0.v_proj.weight)),
+                             None)
+        want = F.linear(probe, w)
+        same = (torch.equal(got, want) if w.dtype != torch.float32
+                else torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())))
+        if not same:
             self.packed = False
             return
         for layer, L in zip(base.layers, self.layers):
