@@ -359,13 +359,13 @@ def add_quantize_argument(p: argparse.ArgumentParser) -> None:
 
 def check_quantize(quantize: str, config, plan) -> None:
     """In the launching process: ValueError if ``--quantize int8`` cannot run this model (lean path only)."""
-    from tensorpar.lean import LEAN_FAMILIES
+    from tensorpar.hf.families import why_not
     if quantize == "none":
         return
-    mt = getattr(config, "model_type", None)
-    if mt not in LEAN_FAMILIES:
-        raise ValueError(f"--quantize {quantize} runs on the lean decode path, which supports model_type "
-                         f"{', '.join(LEAN_FAMILIES)}, not {mt!r}; use --quantize none")
+    why = why_not("fast_decode", config)   # the rule the ranks apply (tensorpar.lean.lean_unsupported)
+    if why is not None:
+        raise ValueError(f"--quantize {quantize} runs on the lean decode path, which cannot run this model: {why}; "
+                         f"use --quantize none")
     if getattr(plan, "sequence_parallel", False):
         raise ValueError(f"--quantize {quantize} cannot run with sequence parallelism (the lean path does not); "
                          f"use a plan without it or --quantize none")

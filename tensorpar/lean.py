@@ -34,7 +34,8 @@ the q and k heads in one go, ``rotate_half(q)*sin`` computed exactly as ``q[...,
 differ, so greedy tokens equal transformers' (tests/test_lean.py, tests/test_generate.py, tests/test_smollm2.py).
 
 Families: those whose blocks are ``x + attn(norm(x))``, ``x + gated_mlp(norm(x))`` with RMSNorm and a rotary
-:class:`~tensorpar.hf.modules.TPAttention` (llama, mistral, qwen2; :data:`LEAN_FAMILIES`), without sliding windows,
+:class:`~tensorpar.hf.modules.TPAttention` (the families whose record sets ``fast_decode``,
+:func:`tensorpar.hf.families.why_not`), without sliding windows,
 q/k norms, soft-capping or sequence parallelism. Others run the module path (:func:`lean_unsupported` says why).
 """
 from __future__ import annotations
@@ -45,28 +46,20 @@ import torch.nn.functional as F
 from tensorpar import comm
 from tensorpar.comm import Group
 
-#: model types the lean path runs (the others use the Hugging Face module path)
-LEAN_FAMILIES = ("llama", "mistral", "qwen2")
-
-
 def lean_unsupported(model) -> str | None:
     """Why ``model`` (sharded by :func:`tensorpar.hf.apply.parallelize`) cannot run :class:`LeanDecoder`, or
     ``None`` if it can."""
+    from tensorpar.hf.families import why_not
     from tensorpar.hf.modules import TPAttention, TPGatedMLP
 
-    cfg = model.config
-    mt = getattr(cfg, "model_type", None)
-    if mt not in LEAN_FAMILIES:
-        return f"model_type={mt!r} is not one of {LEAN_FAMILIES}"
+    why = why_not("fast_decode", model.config)   # the family's record and the config's window: the parent's rule
+    if why is not None:
+        return why
     base = getattr(model, "model", None)
     if base is None or not all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return "not a decoder with model.embed_tokens / layers / norm / rotary_emb"
     if getattr(model.tensorpar_plan, "sequence_parallel", False):
         return "sequence parallelism"
-    # Mistral's / Qwen2's window lives in the config (applied through the mask), not on the attention module
-    window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
-    if window is not None or any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ())):
-        return f"sliding_window={window}"
     for layer in base.layers:
         a, m = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if type(a) is not TPAttention or type(m) is not TPGatedMLP:

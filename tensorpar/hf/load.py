@@ -402,8 +402,8 @@ def _check(folder: Path, expected: _Expected, config, wmap: dict[str, Path]) -> 
         if n in expected.buffers or any(p.search(k) for p in expected.ignore):
             continue  # buffers (rotary inv_freq, attention masks) are rebuilt from the config
         unused.append(k)
-    from tensorpar.hf.moe_checkpoint import LAYOUTS as MOE_LAYOUTS
-    if getattr(config, "model_type", None) in MOE_LAYOUTS and any(".experts." in k for k in stored):
+    from tensorpar.hf.moe_checkpoint import layout as moe_layout
+    if moe_layout(getattr(config, "model_type", None)) is not None and any(".experts." in k for k in stored):
         # stacked experts in the model, one tensor per expert in the file: read_moe_shard maps them when loading
         missing = [n for n in missing if ".experts." not in n]
         unused = [k for k in unused if ".experts." not in k]

@@ -805,8 +805,9 @@ def expert_parallelize(model: nn.Module, ep: Group) -> list[str]:
     names = [n for n, _ in plan.modules(model, MoEExperts)]
     names += [f"{n}.experts" for n, _ in plan.modules(model, SharedExpertMoE)]   # the shared expert stays replicated
     if not names:
-        raise ValueError(f"model_type={model.config.model_type!r} has no mixture-of-experts layers in its plan; "
-                         f"expert parallelism needs one of mixtral, qwen2_moe, qwen3_moe")
+        from tensorpar.hf.families import why_not
+        raise ValueError(why_not("expert_parallel", model.config)
+                         or f"model_type={model.config.model_type!r} has no mixture-of-experts layers in its plan")
     for n in names:
         parent, _, child = n.rpartition(".")
         setattr(model.get_submodule(parent), child, EPExperts(model.get_submodule(n), ep))

@@ -16,13 +16,16 @@ from typing import Callable
 
 import torch
 
-#: model_type -> (name of the MoE block in the checkpoint, (gate, up, down) per-expert names)
-LAYOUTS = {
-    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
-    "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-    "olmoe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-}
+
+
+def layout(model_type: str | None) -> tuple[str, tuple[str, str, str]] | None:
+    """``(name of the MoE block in the checkpoint, (gate, up, down) per-expert names)`` from the family's record
+    (:attr:`tensorpar.hf.families.record.Family.moe_checkpoint`), or None for a dense or unknown family."""
+    from tensorpar.hf.families import RECORDS
+
+    r = RECORDS.get(model_type)
+    return None if r is None else r.moe_checkpoint
+
 
 _STACKED = re.compile(r"^(?P<pre>.*)\.mlp\.experts\.(?P<w>gate_up_proj|down_proj)$")
 _ROUTER = re.compile(r"^(?P<pre>.*)\.mlp\.gate\.weight$")
@@ -38,7 +41,7 @@ def _rows(sl, idx: list[int], dim: int) -> torch.Tensor:
 def read_moe_shard(model_type: str | None, name: str, param: torch.nn.Parameter, tp_rank: int,
                    keys, get_slice: Callable[[str], object]) -> torch.Tensor | None:
     """This rank's part of parameter ``name`` assembled from per-expert checkpoint tensors, or None when ``name``
-    is not an MoE parameter of a family in :data:`LAYOUTS` (the caller then reports the tensor as missing).
+    is not an MoE parameter of a family with a per-expert checkpoint layout (:func:`layout`) (the caller then reports the tensor as missing).
 
     ``keys``: the checkpoint's tensor names; ``get_slice(key)``: a safetensors slice of that tensor (only the
     bytes indexed are read). Shapes returned: ``param``'s local shape.
@@ -46,9 +49,10 @@ def read_moe_shard(model_type: str | None, name: str, param: torch.nn.Parameter,
     Raises:
         ValueError: a per-expert tensor is missing or has another shape than the model expects (naming it).
     """
-    if model_type not in LAYOUTS:
+    lay = layout(model_type)
+    if lay is None:
         return None
-    block, (g, u, dn) = LAYOUTS[model_type]
+    block, (g, u, dn) = lay
     m = _ROUTER.match(name)
     if m:
         key = f"{m['pre']}.{block}.gate.weight"

@@ -12,11 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from tensorpar.hf.families import why_not
 from tensorpar.shard import pipeline_chunks
-
-#: families whose blocks need only the plain causal mask and the shared rotary table (what a stage computes)
-PIPELINE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-
 
 def chunk_ranges(num_layers: int, pp: int, virtual: int = 1) -> list[tuple[int, int]]:
     """Half-open layer ranges of the ``pp * virtual`` chunks (:func:`tensorpar.shard.pipeline_chunks`)."""
@@ -76,13 +73,9 @@ def check_pipeline(config, pp: int, virtual: int, micro_batches: int, schedule: 
     """Checks made in the launching process for ``pp > 1``: a family the stages can run, enough layers for
     ``pp * virtual`` chunks, micro-batches a multiple of pp for the interleaved schedule. Raises ValueError
     naming the setting and what would work."""
-    mt = getattr(config, "model_type", None)
-    if mt not in PIPELINE_FAMILIES:
-        raise ValueError(f"--pp {pp}: pipeline parallelism supports {', '.join(PIPELINE_FAMILIES)}, not {mt!r}; "
-                         f"use --pp 1")
-    if mt == "mistral" and getattr(config, "sliding_window", None):
-        raise ValueError(f"--pp {pp}: this mistral config has sliding_window={config.sliding_window}; pipeline "
-                         f"stages need full causal attention: use --pp 1")
+    why = why_not("pipeline", config)   # the rule cut_stages applies in the ranks
+    if why is not None:
+        raise ValueError(f"--pp {pp}: {why}; use --pp 1")
     chunk_ranges(config.num_hidden_layers, pp, virtual)
     if schedule == "interleaved-1f1b" and micro_batches % pp:
         raise ValueError(f"--micro-batches {micro_batches} must be a multiple of --pp {pp} for the interleaved "
@@ -97,13 +90,9 @@ def cut_stages(model: nn.Module, pp_rank: int, pp: int, virtual: int = 1) -> lis
     and for more chunks than layers.
     """
     plan = model.tensorpar_plan
-    if plan.model_type not in PIPELINE_FAMILIES:
-        raise ValueError(f"pipeline parallelism supports {', '.join(PIPELINE_FAMILIES)}, not {plan.model_type!r}; "
-                         f"use pp=1")
-    if getattr(model.config, "sliding_window", None) and getattr(model.config, "use_sliding_window", True) \
-            and plan.model_type == "mistral":
-        raise ValueError("pipeline parallelism needs full causal attention; this mistral config has "
-                         f"sliding_window={model.config.sliding_window}: use pp=1")
+    why = why_not("pipeline", model.config)
+    if why is not None:
+        raise ValueError(f"{why}; use pp=1")
     ranges = chunk_ranges(plan.num_layers, pp, virtual)
     n = len(ranges)
     out = []

@@ -46,6 +46,7 @@ def validate(args: argparse.Namespace):
     """Checks made once, before any rank starts; returns ``(folder, max_model_len)``. Raises ValueError."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from tensorpar.hf.families import sliding_window, why_not
     from tensorpar.hf.plan import make_plan
     from tensorpar.hub import resolve_model
 
@@ -79,10 +80,9 @@ def validate(args: argparse.Namespace):
     n = args.max_model_len if args.max_model_len is not None else min(limit, DEFAULT_MAX_MODEL_LEN)
     if not 2 <= n <= limit:
         raise ValueError(f"--max-model-len must be in [2, {limit}] (the model's max_position_embeddings), got {n}")
-    sw = getattr(config, "sliding_window", None)
-    if sw and getattr(config, "use_sliding_window", True) is not False and sw < n:
-        raise ValueError(f"the model uses sliding_window={sw}, which tensorpar serve does not implement; "
-                         f"use --max-model-len {sw} or less")
+    why = why_not("serve", config, max_len=n)   # the engine's rule (tensorpar.serve.engine.Engine)
+    if why is not None:
+        raise ValueError(f"{why}; use --max-model-len {sliding_window(config)} or less")
     AutoTokenizer.from_pretrained(folder)
     return folder, n
 

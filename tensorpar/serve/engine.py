@@ -44,6 +44,7 @@ import torch
 
 from tensorpar import comm
 from tensorpar.comm import Group
+from tensorpar.hf.families import sliding_window, why_not
 
 
 class SlotKVCache:
@@ -227,10 +228,9 @@ class Engine:
 
     def __init__(self, model, tp: Group, *, max_batch: int, max_len: int):
         cfg = model.config
-        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) is not False \
-                and cfg.sliding_window < max_len:
-            raise ValueError(f"sliding_window={cfg.sliding_window} is not supported by tensorpar serve yet; "
-                             f"use --max-model-len {cfg.sliding_window} or less")
+        why = why_not("serve", cfg, max_len=max_len)
+        if why is not None:
+            raise ValueError(f"{why}; use --max-model-len {sliding_window(cfg)} or less")
         limit = getattr(cfg, "max_position_embeddings", None)
         if limit is not None and max_len > limit:
             raise ValueError(f"--max-model-len {max_len} exceeds the model's max_position_embeddings={limit}")

@@ -1,40 +1,99 @@
-"""Built-in sharding tables, one module per family; :data:`FAMILIES` maps ``config.model_type`` to its builder.
+"""Built-in sharding tables, one module per family, and the one query of what each family supports.
 
-A builder is ``f(config, tp_size, *, sequence_parallel, head_split_weights, split_weights) -> ShardingPlan``.
+Every family module exports ``RECORDS`` (one :class:`~tensorpar.hf.families.record.Family` per model type);
+:data:`RECORDS` joins them, :data:`FAMILIES` maps ``config.model_type`` to its plan builder
+(``f(config, tp_size, *, sequence_parallel, head_split_weights, split_weights) -> ShardingPlan``), and
+:func:`why_not` answers "can this config use feature X" for the launching process and the ranks alike. No module
+outside this package names a family or tests a sliding window itself.
 """
+from __future__ import annotations
+
 from tensorpar.hf.families import gemma, gpt2, gpt_neox, llama, moe, olmo2, phi3, starcoder2, vit
+from tensorpar.hf.families.record import Family
 
-FAMILIES = {
-    "llama": llama.plan,
-    "mistral": llama.plan,
-    "qwen2": llama.plan,
-    "qwen3": llama.plan,
-    "gemma": gemma.plan,
-    "gemma2": gemma.plan,
-    "gemma3_text": gemma.plan,
-    "phi3": phi3.plan,
-    "gpt2": gpt2.plan,
-    "starcoder2": starcoder2.plan,
-    "gpt_neox": gpt_neox.plan,
-    "olmo2": olmo2.plan,
-    "mixtral": moe.plan,
-    "qwen2_moe": moe.plan,
-    "qwen3_moe": moe.plan,
-    "olmoe": moe.plan,
-    "vit": vit.vit_plan,
-    "dinov2": vit.dinov2_plan,
-    "siglip": vit.siglip_plan,
-}
+#: model_type -> :class:`Family`
+RECORDS: dict[str, Family] = {r.model_type: r for mod in (llama, gemma, phi3, gpt2, starcoder2, gpt_neox, olmo2,
+                                                          moe, vit) for r in mod.RECORDS}
 
-#: The transformers auto class a family's plan is written for (names of its modules); the default is
+#: model_type -> plan builder
+FAMILIES = {mt: r.plan for mt, r in RECORDS.items()}
+
+#: The transformers auto class a family's plan is written for (names of its modules), where it is not
 #: ``AutoModelForCausalLM``. :func:`tensorpar.hf.plan.meta_model` builds this class.
-MODEL_CLASSES = {
-    "vit": "AutoModelForImageClassification",
-    "dinov2": "AutoModelForImageClassification",
-    "siglip": "AutoModelForImageClassification",
-}
+MODEL_CLASSES = {mt: r.model_class for mt, r in RECORDS.items() if not r.causal_lm}
+
+#: the features :func:`why_not` answers for
+FEATURES = ("causal_lm", "fast_decode", "pipeline", "sequence_parallel", "expert_parallel", "serve")
 
 
 def is_causal_lm(model_type: str) -> bool:
-    """Whether the family's plan is for a ``*ForCausalLM`` (text generation and training), not a classifier."""
-    return MODEL_CLASSES.get(model_type, "AutoModelForCausalLM") == "AutoModelForCausalLM"
+    """Whether the family's plan is for a ``*ForCausalLM`` (text generation and training), not a classifier
+    (a model type without a record, e.g. one sharded by a user plan, counts as a causal LM)."""
+    r = RECORDS.get(model_type)
+    return r is None or r.causal_lm
+
+
+def sliding_window(config) -> int | None:
+    """The attention window the model applies to at least one layer, or ``None`` for full causal attention
+    everywhere: ``config.sliding_window`` unless ``use_sliding_window`` is False or ``layer_types`` lists only
+    ``full_attention`` layers (transformers' rule: Qwen2 windows only the layers from ``max_window_layers``;
+    Mistral windows every layer when ``sliding_window`` is set)."""
+    w = getattr(config, "sliding_window", None)
+    if not w or getattr(config, "use_sliding_window", True) is False:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types and all(t == "full_attention" for t in types):
+        return None
+    return int(w)
+
+
+def _names(pred) -> str:
+    return ", ".join(mt for mt, r in RECORDS.items() if pred(r))
+
+
+def why_not(feature: str, config, *, max_len: int | None = None) -> str | None:
+    """Why ``config`` cannot use ``feature``, as a clause for a one-line error, or ``None`` when it can.
+
+    The same rule runs in the launching process (from the config alone) and in the ranks, so the parent refuses
+    what a rank would. Features (:data:`FEATURES`):
+
+    * ``causal_lm``: a text decoder, not an image classifier.
+    * ``fast_decode``: the lean decode path (:mod:`tensorpar.lean`) and everything built on it (``--quantize``):
+      the family's record says so and no layer attends through a sliding window.
+    * ``pipeline``: :class:`~tensorpar.pipeline.stages.DecoderStage` can cut it (full causal attention).
+    * ``sequence_parallel``: the family's plan splits the sequence between blocks.
+    * ``expert_parallel``: a mixture-of-experts family with experts in this config.
+    * ``serve``: the server's KV slots implement no attention window, so a window shorter than ``max_len``
+      (the server's ``--max-model-len``; any window when ``None``) is refused.
+
+    Raises:
+        ValueError: an unknown ``feature``.
+    """
+    if feature not in FEATURES:
+        raise ValueError(f"unknown feature {feature!r}; one of {', '.join(FEATURES)}")
+    mt = getattr(config, "model_type", None)
+    r = RECORDS.get(mt)
+    w = sliding_window(config)
+    if feature == "causal_lm":
+        return None if r is None or r.causal_lm else (f"model_type={mt!r} is an image classifier, not a causal "
+                                                      f"language model")
+    if feature == "serve":
+        return None if w is None or (max_len is not None and w >= max_len) else (
+            f"the model uses sliding_window={w}, which tensorpar serve does not implement")
+    if feature == "fast_decode":
+        if r is None or not r.fast_decode:
+            return f"model_type={mt!r} has no fast decode path (families with one: {_names(lambda r: r.fast_decode)})"
+        return None if w is None else f"sliding_window={w} (the fast decode path implements no attention window)"
+    if feature == "pipeline":
+        if r is None or not r.pipeline_stages:
+            return f"pipeline parallelism supports {_names(lambda r: r.pipeline_stages)}, not {mt!r}"
+        return None if w is None else f"this {mt} config has sliding_window={w}; pipeline stages need full causal attention"
+    if feature == "sequence_parallel":
+        return None if r is not None and r.sequence_parallel else (
+            f"sequence parallelism supports {_names(lambda r: r.sequence_parallel)}, not {mt!r}")
+    # expert_parallel
+    if r is None or not r.expert_parallel:
+        return (f"model_type={mt!r} has no mixture-of-experts layers; expert parallelism needs one of "
+                f"{_names(lambda r: r.expert_parallel)}")
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+    return None if experts > 0 else f"this {mt} config has no experts (num_experts=0)"

@@ -20,3 +20,8 @@ def plan(config, tp_size, *, sequence_parallel, **kw):
 
 
 __all__ = ["plan", "Entry", "Replicated"]
+
+
+from tensorpar.hf.families.record import Family  # noqa: E402
+
+RECORDS = tuple(Family(mt, plan, sequence_parallel=True) for mt in ("gemma", "gemma2", "gemma3_text"))

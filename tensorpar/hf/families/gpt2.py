@@ -27,3 +27,8 @@ def plan(config, tp_size, *, sequence_parallel, head_split_weights, split_weight
          Entry("transformer.ln_f", Replicated()),
          Entry("lm_head", LMHead(vocab, tied_to="transformer.wte" if tie else None))]
     return ShardingPlan("gpt2", tp_size, False, heads, vocab, inter, tie, config.n_layer, "transformer.h.*", e)
+
+
+from tensorpar.hf.families.record import Family  # noqa: E402
+
+RECORDS = (Family("gpt2", plan),)

@@ -36,3 +36,8 @@ def plan(config, tp_size, *, sequence_parallel, head_split_weights, split_weight
           Entry("lm_head", LMHead(vocab, tied_to="gpt_neox.embed_in" if tie else None, sequence_parallel=sp))]
     return ShardingPlan(config.model_type, tp_size, sp, heads, vocab, inter, tie, config.num_hidden_layers,
                         "gpt_neox.layers.*", e)
+
+
+from tensorpar.hf.families.record import Family  # noqa: E402
+
+RECORDS = (Family("gpt_neox", plan, sequence_parallel=True),)

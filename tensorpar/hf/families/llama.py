@@ -41,3 +41,14 @@ def plan(config, tp_size, **kw) -> ShardingPlan:
 
 
 from tensorpar.hf.styles import SequenceParallelEntry  # noqa: E402  (defined beside the other styles)
+
+
+from tensorpar.hf.families.record import Family  # noqa: E402
+
+# llama, mistral and qwen2 run the lean decode path; qwen3's per-head q/k norms do not (yet)
+RECORDS = (
+    Family("llama", plan, fast_decode=True, pipeline_stages=True, sequence_parallel=True),
+    Family("mistral", plan, fast_decode=True, pipeline_stages=True, sequence_parallel=True),
+    Family("qwen2", plan, fast_decode=True, pipeline_stages=True, sequence_parallel=True),
+    Family("qwen3", plan, pipeline_stages=True, sequence_parallel=True),
+)

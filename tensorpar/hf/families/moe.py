@@ -77,3 +77,15 @@ def plan(config, tp_size, *, sequence_parallel, head_split_weights, split_weight
           Entry("model.rotary_emb*", Replicated(why="rotary tables (buffers)")),
           Entry("lm_head", LMHead(vocab, tied_to="model.embed_tokens" if tie else None))]
     return ShardingPlan(mt, tp_size, False, heads, vocab, expert, tie, n, "model.layers.*", e)
+
+
+from tensorpar.hf.families.record import Family  # noqa: E402
+
+# the per-expert checkpoint layout transformers writes (its conversion_mapping): block name, (gate, up, down)
+_PER_EXPERT = ("mlp", ("gate_proj", "up_proj", "down_proj"))
+RECORDS = (
+    Family("mixtral", plan, moe_checkpoint=("block_sparse_moe", ("w1", "w3", "w2"))),
+    Family("qwen2_moe", plan, moe_checkpoint=_PER_EXPERT),
+    Family("qwen3_moe", plan, moe_checkpoint=_PER_EXPERT),
+    Family("olmoe", plan, moe_checkpoint=_PER_EXPERT),
+)

@@ -19,3 +19,8 @@ def plan(config, tp_size, *, sequence_parallel, **kw):
         if e.pattern == "model.layers.*.self_attn":
             e.style = FullWidthQKNormAttention(p.heads, sequence_parallel=sequence_parallel)
     return p
+
+
+from tensorpar.hf.families.record import Family  # noqa: E402
+
+RECORDS = (Family("olmo2", plan, sequence_parallel=True),)

@@ -12,3 +12,8 @@ from tensorpar.hf.families.llama import decoder_plan
 def plan(config, tp_size, **kw):
     return decoder_plan(config, tp_size, norms=("input_layernorm", "post_attention_layernorm"),
                         attention_kw={"fused": "qkv_proj"}, mlp_kw={"fused": "gate_up_proj"}, **kw)
+
+
+from tensorpar.hf.families.record import Family  # noqa: E402
+
+RECORDS = (Family("phi3", plan, sequence_parallel=True),)

@@ -25,3 +25,8 @@ def plan(config, tp_size, *, sequence_parallel, **kw):
         elif e.pattern == "model.layers.*.mlp":
             e.style = ResidualDropoutMLP(p.intermediate, up="c_fc", down="c_proj", sequence_parallel=sequence_parallel)
     return p
+
+
+from tensorpar.hf.families.record import Family  # noqa: E402
+
+RECORDS = (Family("starcoder2", plan, sequence_parallel=True),)

@@ -79,3 +79,10 @@ def siglip_plan(config, tp_size, *, sequence_parallel, head_split_weights, split
     e.append(Entry("classifier", Replicated(why=_HEAD)))
     return ShardingPlan("siglip", tp_size, False, heads, None, inter, False, vc.num_hidden_layers,
                         f"{p}.encoder.layers.*", e)
+
+
+from tensorpar.hf.families.record import Family  # noqa: E402
+
+_CLASSIFIER = "AutoModelForImageClassification"
+RECORDS = (Family("vit", vit_plan, _CLASSIFIER), Family("dinov2", dinov2_plan, _CLASSIFIER),
+           Family("siglip", siglip_plan, _CLASSIFIER))

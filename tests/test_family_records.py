@@ -1,0 +1,103 @@
+"""The family records and :func:`tensorpar.hf.families.why_not`: one rule for the launching process and the ranks.
+
+No process group: every check here runs on configs, or on a model sharded at tp=1 in this process.
+"""
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from tensorpar.comm import Group
+from tensorpar.hf.apply import parallelize
+from tensorpar.hf.families import FAMILIES, RECORDS, sliding_window, why_not
+from tensorpar.hf.plan import make_plan
+
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=64, max_position_embeddings=128)
+
+
+def cfg(model_type, **kw):
+    return AutoConfig.for_model(model_type, **{**SMALL, **kw})
+
+
+def test_every_family_has_one_record_and_the_plan_table_comes_from_it():
+    assert set(RECORDS) == set(FAMILIES)
+    assert all(RECORDS[mt].plan is FAMILIES[mt] for mt in RECORDS)
+
+
+@pytest.mark.parametrize("model_type", [mt for mt, r in RECORDS.items() if r.causal_lm])
+def test_sequence_parallel_in_the_record_is_what_the_plan_does(model_type):
+    """The record's sequence_parallel flag and the plan builder agree: a plan is made with it, refused without."""
+    from tests.families import config as fam_config
+    from tests.families_fam import config as fam2
+    from tests.families_moe import config as moe_config
+    for make in (fam_config, fam2, moe_config):
+        try:
+            c = make(model_type)
+            break
+        except Exception:  # noqa: BLE001 (each helper knows its own families)
+            continue
+    else:
+        pytest.skip(f"no test config for {model_type}")
+    if RECORDS[model_type].sequence_parallel:
+        assert why_not("sequence_parallel", c) is None
+        make_plan(c, 2, sequence_parallel=True)
+    else:
+        assert why_not("sequence_parallel", c) is not None
+        with pytest.raises(ValueError, match="sequence_parallel"):
+            make_plan(c, 2, sequence_parallel=True)
+
+
+def test_sliding_window_follows_transformers_layer_types():
+    assert sliding_window(cfg("mistral", sliding_window=16)) == 16
+    assert sliding_window(cfg("mistral", sliding_window=None)) is None
+    # Qwen2 windows only the layers from max_window_layers on; none of them when max_window_layers >= layers
+    assert sliding_window(cfg("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1)) == 16
+    assert sliding_window(cfg("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=2)) is None
+    assert sliding_window(cfg("qwen2", use_sliding_window=False, sliding_window=16)) is None
+
+
+QWEN2_WINDOWED = dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)
+
+
+def test_quantize_is_refused_in_the_parent_for_what_the_ranks_refuse():
+    """Old code: the parent accepted any llama/mistral/qwen2 (a sliding-window config then failed in every rank)."""
+    from tensorpar.generate import check_quantize
+    for c in (cfg("mistral", sliding_window=16), cfg("qwen2", **QWEN2_WINDOWED)):
+        with pytest.raises(ValueError, match=r"--quantize int8 .*sliding_window=16.*use --quantize none"):
+            check_quantize("int8", c, make_plan(c, 2))
+    check_quantize("int8", cfg("mistral", sliding_window=None), make_plan(cfg("mistral", sliding_window=None), 2))
+
+
+def test_pipeline_refuses_every_windowed_family_not_only_mistral():
+    """Old code checked mistral alone: a Qwen2 config with windowed layers was cut into stages that applied the
+    full causal mask to its sliding-window layers (a silently different model)."""
+    from tensorpar.pipeline.stages import check_pipeline
+    with pytest.raises(ValueError, match=r"--pp 2: this qwen2 config has sliding_window=16.*use --pp 1"):
+        check_pipeline(cfg("qwen2", **QWEN2_WINDOWED), 2, 1, 2, "1f1b")
+    with pytest.raises(ValueError, match=r"--pp 2: pipeline parallelism supports llama, mistral, qwen2, qwen3, not 'gpt2'"):
+        check_pipeline(AutoConfig.for_model("gpt2", n_layer=2, n_embd=32, n_head=4, vocab_size=64), 2, 1, 2, "1f1b")
+    check_pipeline(cfg("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=2), 2, 1, 2, "1f1b")
+
+
+CONFIGS = [("llama", {}), ("mistral", {"sliding_window": None}), ("mistral", {"sliding_window": 16}),
+           ("qwen2", {}), ("qwen2", QWEN2_WINDOWED), ("qwen3", {"head_dim": 8})]
+
+
+@pytest.mark.parametrize("model_type,kw", CONFIGS, ids=[f"{m}-{i}" for i, (m, _) in enumerate(CONFIGS)])
+def test_the_ranks_fast_path_rule_is_the_parents(model_type, kw):
+    """lean_unsupported (what a rank asks of its sharded model) says yes exactly when why_not (what the parent
+    asks of the config) does."""
+    from tensorpar.lean import lean_unsupported
+    c = cfg(model_type, **kw)
+    torch.manual_seed(0)
+    model = parallelize(AutoModelForCausalLM.from_config(c), make_plan(c, 1), Group.single())
+    assert (lean_unsupported(model) is None) == (why_not("fast_decode", c) is None)
+
+
+def test_expert_parallel_and_serve_queries():
+    assert "no mixture-of-experts" in why_not("expert_parallel", cfg("llama"))
+    assert why_not("expert_parallel", cfg("mixtral", num_local_experts=4)) is None
+    assert why_not("serve", cfg("mistral", sliding_window=16), max_len=16) is None
+    assert "sliding_window=16" in why_not("serve", cfg("mistral", sliding_window=16), max_len=32)
+    with pytest.raises(ValueError, match="unknown feature"):
+        why_not("lora", cfg("llama"))
