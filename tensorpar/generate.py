@@ -318,35 +318,24 @@ LONG_PREFILL_TOKENS = 512
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from tensorpar.launch import DEFAULT_TIMEOUT_S, DEFAULT_TP
+    from tensorpar.launch import add_launch_arguments
 
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (built in, fetched and converted once), a Hugging Face-format folder, a hub "
                         "id already in the local Hugging Face cache, or a .gguf file")
-    p.add_argument("--tp", type=int, default=DEFAULT_TP, help="tensor-parallel degree (local ranks started here; "
-                                                              "under torchrun the world size is used)")
+    add_launch_arguments(p)
     p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch (default: a sample prompt)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="token budget per prompt (>= 1)")
     p.add_argument("--temperature", type=float, default=0.0, help="softmax temperature; 0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (rank 0)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and compute dtype")
     add_quantize_argument(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--print-plan", action="store_true", help="print the sharding plan and exit")
-    p.add_argument("--check-collectives", action="store_true",
-                   help="debug: fingerprint every collective and compare the tp ranks' fingerprints and prompts at "
-                        "the first step and every 50 steps (also TENSORPAR_CHECK_COLLECTIVES=1)")
-    from tensorpar.capacity import add_argument as add_tp_weights
-    add_tp_weights(p)
     p.add_argument("--plan-file", default=None, help="a .json/.yaml sharding plan that overrides or extends the "
                                                      "built-in table, or shards an architecture without one "
                                                      "(docs/plans.md)")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="collective timeout in seconds")
-    p.add_argument("--fast-collectives", choices=["auto", "on", "off"], default="auto",
-                   help="same-host shared-memory collectives for CPU tensors")
-    p.add_argument("--verbose", action="store_true", help="show full tracebacks of errors")
 
 
 def add_quantize_argument(p: argparse.ArgumentParser) -> None:
@@ -464,14 +453,14 @@ def validate(args: argparse.Namespace):
     from transformers import AutoConfig, AutoTokenizer
 
     from tensorpar.hf.load import check_checkpoint
+    from tensorpar.launch import check_launch_arguments
     from tensorpar.hf.plan import make_plan
 
     import math
 
     if args.tp < 1:
         raise ValueError(f"--tp must be a positive integer (ranks to start), got {args.tp}")
-    if not (math.isfinite(args.timeout) and 0 < args.timeout <= 10 ** 8):
-        raise ValueError(f"--timeout must be a positive, finite number of seconds, got {args.timeout}")
+    check_launch_arguments(args)
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):

@@ -371,24 +371,21 @@ def _layer_of(param_name: str, plan) -> int | None:
 # ---------------------------------------------------------------- command line
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from tensorpar.launch import DEFAULT_TIMEOUT_S, DEFAULT_TP
+    from tensorpar.launch import add_launch_arguments
 
     p.add_argument("--model", default="smollm2",
                    help="a training preset (tiny, small, bench; random weights, seed 0), a Hugging Face-format "
                         "folder, or 'smollm2'")
-    p.add_argument("--tp", default=str(DEFAULT_TP), help="comma-separated tensor-parallel degrees to check, e.g. 2,3,4")
+    add_launch_arguments(p, tp_list=True)  # --tp-weights numbers: applied to the --tp degree with as many ranks;
+    #                                        auto: to every degree above 1
     p.add_argument("--sequence-parallel", action="store_true", help="shard with sequence parallelism")
     p.add_argument("--train", action="store_true", help="also compare loss, every gradient and the grad norm")
-    from tensorpar.capacity import add_argument as add_tp_weights
-    add_tp_weights(p)  # numbers: applied to the --tp degree with as many ranks; auto: to every degree above 1
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and compute dtype")
     from tensorpar.generate import add_quantize_argument
     add_quantize_argument(p)  # int8: both the reference (plain PyTorch) and the sharded model are quantized
     p.add_argument("--seq-len", type=int, default=0,
                    help="tokens per row (default: the smallest multiple of every tp that is >= 16)")
     p.add_argument("--batch-size", type=int, default=2, help="rows of random token ids")
     p.add_argument("--json", default=None, help="also write the full report to this file")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="collective timeout in seconds")
 
 
 def _parse_tp(text: str) -> list[int]:
@@ -432,8 +429,8 @@ def validate(args: argparse.Namespace):
     if args.sequence_parallel and seq % lcm:
         raise ValueError(f"--seq-len {seq} is not divisible by every tp in {tps} (sequence parallelism needs it); "
                          f"use a multiple of {lcm}")
-    if not (math.isfinite(args.timeout) and args.timeout > 0):
-        raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    from tensorpar.launch import check_launch_arguments
+    check_launch_arguments(args)
     config, folder = _model_config(args.model, seq)
     if not is_causal_lm(getattr(config, "model_type", None)):
         raise ValueError(f"{args.model}: model_type={config.model_type!r} is not a causal language model; verify "
@@ -473,7 +470,8 @@ def _rank_main(spec: str, folder: str | None, tp_size: int, seq: int, args: argp
     from tensorpar.parallel import ParallelConfig, init_parallel
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    ctx = init_parallel(ParallelConfig(tp=world, tp_weights=_weights_for(args, world)), timeout_s=args.timeout)
+    ctx = init_parallel(ParallelConfig(tp=world, tp_weights=_weights_for(args, world)), timeout_s=args.timeout,
+                        fast_collectives=args.fast_collectives)
     try:
         from tensorpar.capacity import resolve_for_model
         dtype = getattr(torch, args.dtype)
@@ -486,7 +484,14 @@ def _rank_main(spec: str, folder: str | None, tp_size: int, seq: int, args: argp
             quantize_int8(par, ctx.tp)
         g = torch.Generator().manual_seed(1234)
         ids = torch.randint(0, ref.config.vocab_size, (args.batch_size, seq), generator=g).to(ctx.device)
+        from tensorpar import fingerprint
+        checking = args.check_collectives or fingerprint.enable_from_env(ctx.tp) is not None
+        if checking:   # the sharded model's collectives and the inputs compared, once before and once after
+            fingerprint.enable(ctx.tp, timeout_s=min(args.timeout / 2, 60.0))
+            fingerprint.check(ctx.tp, {"input_ids": ids}, force=True)
         rep = compare_to_reference(ref, par, ctx.tp, ids, train=args.train)
+        if checking:
+            fingerprint.check(ctx.tp, force=True)
         if ctx.rank == 0:
             tmp = out_path + ".tmp"
             with open(tmp, "w") as f:

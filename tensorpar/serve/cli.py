@@ -20,9 +20,8 @@ DEFAULT_MAX_MODEL_LEN = 1024
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (built in), a Hugging Face-format folder, or a .gguf file")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (under torchrun: the world size)")
-    from tensorpar.capacity import add_argument as add_tp_weights
-    add_tp_weights(p)
+    from tensorpar.launch import add_launch_arguments
+    add_launch_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the URL is printed)")
     p.add_argument("--max-batch", type=int, default=16, help="slots: requests decoded together")
@@ -30,16 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"prompt + generated tokens per request (KV cache length per slot; default "
                         f"min(max_position_embeddings, {DEFAULT_MAX_MODEL_LEN}))")
     p.add_argument("--max-waiting", type=int, default=256, help="requests allowed to wait for a slot (then 429)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     from tensorpar.generate import add_quantize_argument
     add_quantize_argument(p)
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: --model)")
-    p.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds")
-    p.add_argument("--fast-collectives", choices=["auto", "on", "off"], default="auto",
-                   help="same-host shared-memory collectives for CPU tensors")
-    p.add_argument("--check-collectives", action="store_true",
-                   help="debug: fingerprint every collective and compare the tp ranks' fingerprints and step plans "
-                        "at the first engine step and every 50 (also TENSORPAR_CHECK_COLLECTIVES=1)")
 
 
 def validate(args: argparse.Namespace):
@@ -67,8 +59,8 @@ def validate(args: argparse.Namespace):
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
-    if not args.timeout > 0:
-        raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    from tensorpar.launch import check_launch_arguments
+    check_launch_arguments(args)
     folder = resolve_model(args.model)
     config = AutoConfig.from_pretrained(folder)
     from tensorpar.capacity import check_for_model

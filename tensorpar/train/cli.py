@@ -19,11 +19,10 @@ from tensorpar.train.config import DP_MODES, PRESETS, TrainConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from tensorpar.launch import DEFAULT_TIMEOUT_S, DEFAULT_TP
+    from tensorpar.launch import add_launch_arguments
 
     d = TrainConfig()
-    p.add_argument("--tp", type=int, default=DEFAULT_TP, action=_Explicit,
-                   help="tensor-parallel degree (world size = tp x pp x dp)")
+    add_launch_arguments(p, tp_action=_Explicit)   # --tp (world size = tp x pp x dp), --dtype, --timeout, ...
     p.add_argument("--pp", type=int, default=d.pp, action=_Explicit, help="pipeline-parallel degree (stages; "
                                                                           "torch.distributed.pipelining)")
     p.add_argument("--dp", type=int, default=d.dp, action=_Explicit, help="data-parallel degree (replicas; rank "
@@ -45,8 +44,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "optimizer); a no-op at --dp 1")
     p.add_argument("--sequence-parallel", action="store_true", help="split activations along the sequence "
                                                                      "between blocks (seq_len must divide by tp)")
-    from tensorpar.capacity import add_argument as add_tp_weights
-    add_tp_weights(p)
     p.add_argument("--model", default=d.model, help=f"a preset ({', '.join(PRESETS)}), a config.json (from "
                                                      f"scratch), a model folder or smollm2 (fine-tuned)")
     p.add_argument("--init", choices=["auto", "scratch", "pretrained"], default=d.init,
@@ -69,7 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label-smoothing", type=float, default=d.label_smoothing, help="in [0, 1]")
     p.add_argument("--attention-dropout", type=float, default=d.attention_dropout, help="in [0, 1)")
     p.add_argument("--hidden-dropout", type=float, default=d.hidden_dropout, help="in [0, 1)")
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 weights and optimizer)")
+    p.add_argument("--bf16", dest="dtype", action="store_const", const="bfloat16",
+                   help="the same as --dtype bfloat16 (bf16 autocast; fp32 weights and optimizer)")
     p.add_argument("--recompute", action="store_true", help="recompute each block's activations in backward")
     p.add_argument("--seed", type=int, default=d.seed, help="weights, data order and dropout masks")
     p.add_argument("--out", default=d.out_dir, help="output folder (metrics, plot, checkpoints); a fresh run "
@@ -84,15 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--export", default=None, help="also write the final model as a Hugging Face folder here "
                                                   "(new or empty, or a previous export with --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="let --export replace a previous tensorpar export")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="collective timeout in seconds")
-    p.add_argument("--fast-collectives", choices=["auto", "on", "off"], default=d.fast_collectives,
-                   help="same-host shared-memory collectives for the tp group's CPU tensors (auto: when all tp "
-                        "ranks share a host)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--check-collectives", action="store_true",
-                   help="debug: fingerprint every collective and compare the tp ranks' fingerprints and batches at "
-                        "step 0 and every 50 steps (also TENSORPAR_CHECK_COLLECTIVES=1)")
-    p.add_argument("--verbose", action="store_true", help="show full tracebacks of errors")
 
 
 class _Explicit(argparse.Action):
@@ -142,7 +132,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
         m = re.match(r"(\w+)=(\S+): (.*)", str(e), re.S)  # TrainConfig's "name=value: why" -> "--flag value: why"
         if m and m.group(1) in TrainConfig.__dataclass_fields__:
-            flag = {"out_dir": "--out", "dtype": "--bf16"}.get(m.group(1), "--" + m.group(1).replace("_", "-"))
+            flag = {"out_dir": "--out"}.get(m.group(1), "--" + m.group(1).replace("_", "-"))
             raise ValueError(f"{flag} {m.group(2)}: {m.group(3)}") from None
         if str(e).startswith("tp_weights "):  # tensorpar.capacity.check_tp_weights names the field: name the flag
             raise ValueError(f"--tp-weights {str(e)[len('tp_weights '):]}") from None
@@ -161,7 +151,7 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
                        min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup_steps,
                        weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                        label_smoothing=args.label_smoothing, attention_dropout=args.attention_dropout,
-                       hidden_dropout=args.hidden_dropout, dtype="bfloat16" if args.bf16 else "float32",
+                       hidden_dropout=args.hidden_dropout, dtype=args.dtype,
                        recompute=args.recompute, seed=args.seed, out_dir=args.out, eval_every=args.eval_every,
                        eval_batches=args.eval_batches, save_every=args.save_every,
                        keep_checkpoints=args.keep_checkpoints,
@@ -352,14 +342,6 @@ def _rank_main(cfg: TrainConfig, resume, export, progress, timeout, overwrite=Fa
     return 0
 
 
-def check_timeout(timeout: float) -> None:
-    """``--timeout`` must be a finite number of seconds > 0 (timedelta's range)."""
-    import math
-
-    if not (math.isfinite(timeout) and 0 < timeout <= 10 ** 8):
-        raise ValueError(f"--timeout {timeout}: must be a positive, finite number of seconds (e.g. 300)")
-
-
 def check_resume_model(model_config, ckpt: Path) -> None:
     """The checkpoint holds the tensors of the model being trained (names and full shapes, from its
     ``trainer_state.json``; the unsharded model is built on the meta device). Raises ValueError naming the first
@@ -470,7 +452,8 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"--tp {cfg.tp} x --pp {cfg.pp} x --dp {cfg.dp} = {cfg.tp * cfg.pp * cfg.dp}, but "
                              f"torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']} ranks; choose degrees whose "
                              f"product is {os.environ['WORLD_SIZE']}")
-        check_timeout(args.timeout)
+        from tensorpar.launch import check_launch_arguments
+        check_launch_arguments(args)
         check_fast_collectives(cfg)
         check_out_dir(cfg.out_dir, resume=args.resume)
         if args.export is not None:

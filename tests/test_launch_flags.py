@@ -1,0 +1,43 @@
+"""One set of launch flags with one set of defaults for generate, train, serve and verify (issue 22, item 1)."""
+import argparse
+import importlib
+
+import pytest
+
+from tensorpar.launch import DEFAULT_TIMEOUT_S, DEFAULT_TP, check_launch_arguments
+
+COMMANDS = {"generate": "tensorpar.generate", "train": "tensorpar.train.cli", "serve": "tensorpar.serve.cli",
+            "verify": "tensorpar.verify"}
+SHARED = ("--tp", "--tp-weights", "--dtype", "--timeout", "--fast-collectives", "--check-collectives", "--verbose")
+
+
+def parser(command):
+    p = argparse.ArgumentParser()
+    importlib.import_module(COMMANDS[command]).add_arguments(p)
+    return p
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_the_shared_flags_with_the_same_defaults(command):
+    """Old code: serve's --timeout defaulted to 120 (the others 300), verify had no --fast-collectives or
+    --check-collectives, train took --bf16 but no --dtype."""
+    p = parser(command)
+    flags = {s for a in p._actions for s in a.option_strings}
+    assert set(SHARED) <= flags
+    a = p.parse_args([])
+    assert a.timeout == DEFAULT_TIMEOUT_S and a.dtype == "float32" and a.fast_collectives == "auto"
+    assert a.check_collectives is False and a.verbose is False and a.tp_weights is None
+    assert int(str(a.tp).split(",")[0]) == DEFAULT_TP
+
+
+def test_train_bf16_is_dtype_bfloat16():
+    p = parser("train")
+    assert p.parse_args(["--bf16"]).dtype == p.parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "0", "1e9"])
+def test_one_timeout_rule(value):
+    for command in COMMANDS:
+        a = parser(command).parse_args(["--timeout", value])
+        with pytest.raises(ValueError, match=r"^--timeout must be a positive, finite number of seconds, got"):
+            check_launch_arguments(a)
