@@ -56,7 +56,8 @@ sys.path.insert(0, str(ROOT))
 
 from tensorpar.parallel import ParallelConfig  # noqa: E402
 from tensorpar.testing import WorkerPool  # noqa: E402
-from tensorpar.train.config import TrainConfig, preset_config  # noqa: E402
+from tensorpar.train.config import TrainConfig  # noqa: E402
+from tensorpar.hf.presets import preset_config
 
 LAYOUTS = [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 4, 1), (1, 2, 2), (1, 1, 4)]
 VOCAB = 256

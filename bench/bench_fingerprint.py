@@ -40,7 +40,7 @@ def job(ctx, rounds: int, tokens: int, steps: int, every: int):
     from tensorpar.hf.apply import parallelize
     from tensorpar.hf.plan import make_plan
     from tensorpar.layers import vocab_parallel_cross_entropy
-    from tensorpar.train.config import preset_config
+    from tensorpar.hf.presets import preset_config
 
     tp = ctx.tp
     cfg = preset_config("small", 997, 64)

@@ -28,7 +28,8 @@ def job(ctx, dp_mode: str) -> dict:
 
     from tensorpar.grads import local_tensor
     from tensorpar.pipeline.trainer import ParallelTrainer
-    from tensorpar.train.config import PRESETS, TrainConfig
+    from tensorpar.train.config import TrainConfig
+    from tensorpar.hf.presets import PRESETS
     from tensorpar.train.data import TrainData
     from tensorpar.train.model import ModelSource, build_model
 

@@ -40,7 +40,8 @@ sys.path.insert(0, str(ROOT))
 
 from tensorpar.parallel import ParallelContext  # noqa: E402
 from tensorpar.testing import WorkerPool  # noqa: E402
-from tensorpar.train.config import PRESETS, TrainConfig  # noqa: E402
+from tensorpar.train.config import TrainConfig  # noqa: E402
+from tensorpar.hf.presets import PRESETS
 from tensorpar.train.data import TrainData  # noqa: E402
 
 
@@ -207,7 +208,7 @@ def job_torch_tp(ctx, cfg: TrainConfig, warmup: int, steps: int) -> dict:
                                                    parallelize_module)
     from transformers import AutoModelForCausalLM
 
-    from tensorpar.train.config import preset_config
+    from tensorpar.hf.presets import preset_config
 
     mesh = init_device_mesh("cpu", (ctx.tp.size,), mesh_dim_names=("tp",))
     config = preset_config(cfg.model, 256, cfg.seq_len)

@@ -2,7 +2,8 @@
 
 Each command lives in its own module exposing ``add_arguments(parser)`` and
 ``main(args) -> int``; this file only maps names onto those modules, so that
-importing the CLI stays cheap (modules load on use).
+importing the CLI stays cheap (modules load on use), and holds the launch flags that
+``generate``, ``train``, ``serve`` and ``verify`` share (:func:`add_launch_arguments`).
 
 Errors: bad input found before any rank starts is printed as one line, ``tensorpar: error: ...``
 (exit 2, like argparse's usage errors); an error inside a rank is one line too (exit 1, see
@@ -27,6 +28,55 @@ COMMANDS = {
     "serve": ("tensorpar.serve.cli", "serve a model sharded over --tp ranks through an OpenAI-compatible HTTP API, "
                                      "with continuous batching"),
 }
+
+
+#: values of ``--fast-collectives`` (same-host shared-memory collectives for CPU tensors)
+FAST_COLLECTIVES = ("auto", "on", "off")
+#: values of ``--dtype``
+DTYPES = ("float32", "bfloat16")
+
+
+def add_launch_arguments(p, *, tp_list: bool = False, tp_action=None) -> None:
+    """The launch flags that ``generate``, ``train``, ``serve`` and ``verify`` share, with one set of defaults:
+    ``--tp`` (:data:`tensorpar.launch.DEFAULT_TP`; ``tp_list``: a comma-separated list of degrees, for ``verify``), ``--tp-weights``,
+    ``--dtype`` (float32), ``--timeout`` (:data:`tensorpar.launch.DEFAULT_TIMEOUT_S` seconds), ``--fast-collectives`` (auto),
+    ``--check-collectives`` and ``--verbose``. :func:`check_launch_arguments` is their one validation rule.
+    ``tp_action``: an argparse action class for ``--tp`` (``train`` records which flags the user gave)."""
+    from tensorpar.capacity import add_argument as add_tp_weights
+    from tensorpar.launch import DEFAULT_TIMEOUT_S, DEFAULT_TP
+
+    if tp_list:
+        p.add_argument("--tp", default=str(DEFAULT_TP),
+                       help="comma-separated tensor-parallel degrees to check, e.g. 2,3,4")
+    else:
+        p.add_argument("--tp", type=int, default=DEFAULT_TP, **({"action": tp_action} if tp_action else {}),
+                       help="tensor-parallel degree: local ranks started here (under torchrun: from its world size)")
+    add_tp_weights(p)
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="bfloat16: bf16 weights and compute for generate, serve and verify; bf16 autocast over "
+                        "fp32 weights and optimizer state for train")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help="collective timeout in seconds: a rank that stops or hangs ends the run after this long")
+    p.add_argument("--fast-collectives", choices=FAST_COLLECTIVES, default="auto",
+                   help="same-host shared-memory collectives for the tp group's CPU tensors (auto: when all tp "
+                        "ranks share a host)")
+    p.add_argument("--check-collectives", action="store_true",
+                   help="debug: fingerprint every collective and compare the tp ranks' fingerprints and inputs at "
+                        "the first step and every 50 steps (also TENSORPAR_CHECK_COLLECTIVES=1)")
+    p.add_argument("--verbose", action="store_true", help="show full tracebacks of errors")
+
+
+def check_launch_arguments(args) -> None:
+    """The one rule for the shared launch flags (in the launching process, before any rank starts).
+
+    Raises:
+        ValueError: ``--timeout`` not a positive finite number of seconds (at most 1e8: torch's timedelta).
+    """
+    import math
+
+    t = args.timeout
+    if not (math.isfinite(t) and 0 < t <= 10 ** 8):
+        raise ValueError(f"--timeout must be a positive, finite number of seconds, got {t}")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -318,7 +318,7 @@ LONG_PREFILL_TOKENS = 512
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from tensorpar.launch import add_launch_arguments
+    from tensorpar.cli import add_launch_arguments
 
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (built in, fetched and converted once), a Hugging Face-format folder, a hub "
@@ -453,7 +453,7 @@ def validate(args: argparse.Namespace):
     from transformers import AutoConfig, AutoTokenizer
 
     from tensorpar.hf.load import check_checkpoint
-    from tensorpar.launch import check_launch_arguments
+    from tensorpar.cli import check_launch_arguments
     from tensorpar.hf.plan import make_plan
 
     import math

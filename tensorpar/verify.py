@@ -371,7 +371,7 @@ def _layer_of(param_name: str, plan) -> int | None:
 # ---------------------------------------------------------------- command line
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from tensorpar.launch import add_launch_arguments
+    from tensorpar.cli import add_launch_arguments
 
     p.add_argument("--model", default="smollm2",
                    help="a training preset (tiny, small, bench; random weights, seed 0), a Hugging Face-format "
@@ -400,7 +400,7 @@ def _parse_tp(text: str) -> list[int]:
 
 def _model_config(spec: str, seq_len: int):
     """``(config, folder or None)`` of ``--model``."""
-    from tensorpar.train.config import PRESETS, preset_config
+    from tensorpar.hf.presets import PRESETS, preset_config
 
     if spec in PRESETS:
         return preset_config(spec, PRESET_VOCAB, seq_len), None
@@ -429,7 +429,7 @@ def validate(args: argparse.Namespace):
     if args.sequence_parallel and seq % lcm:
         raise ValueError(f"--seq-len {seq} is not divisible by every tp in {tps} (sequence parallelism needs it); "
                          f"use a multiple of {lcm}")
-    from tensorpar.launch import check_launch_arguments
+    from tensorpar.cli import check_launch_arguments
     check_launch_arguments(args)
     config, folder = _model_config(args.model, seq)
     if not is_causal_lm(getattr(config, "model_type", None)):

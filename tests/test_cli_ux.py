@@ -115,7 +115,7 @@ def test_only_no_op_flags_are_reported(argv, warned):
 
 def test_plan_accepts_the_train_presets(capsys):
     from tensorpar.data.tokenizers import ByteTokenizer
-    from tensorpar.train.config import PRESETS, preset_config
+    from tensorpar.hf.presets import PRESETS, preset_config
     for name in PRESETS:
         rc = main(["plan", "--model", name, "--gpus", "2", "--gpus-per-node", "2", "--global-batch", "8",
                    "--seq", "64", "--json", "--top", "1"])

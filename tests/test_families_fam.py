@@ -82,7 +82,7 @@ def job_starcoder2_dropout(ctx, sequence_parallel):
     equal those of the tp = 1 sharded model with the same dropout seed, and differ from eval mode."""
     from tensorpar.hf.styles import KeyedEmbeddingDropout  # noqa: F401  (the style under test)
     from tensorpar.parallel import ParallelContext
-    from tensorpar.train.dropout import KeyedDropout
+    from tensorpar.layers.dropout import KeyedDropout
     tp = ctx.tp
     cfg = config("starcoder2")
     cfg.residual_dropout, cfg.embedding_dropout = 0.3, 0.3

@@ -4,7 +4,8 @@ import importlib
 
 import pytest
 
-from tensorpar.launch import DEFAULT_TIMEOUT_S, DEFAULT_TP, check_launch_arguments
+from tensorpar.cli import check_launch_arguments
+from tensorpar.launch import DEFAULT_TIMEOUT_S, DEFAULT_TP
 
 COMMANDS = {"generate": "tensorpar.generate", "train": "tensorpar.train.cli", "serve": "tensorpar.serve.cli",
             "verify": "tensorpar.verify"}

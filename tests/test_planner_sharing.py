@@ -92,7 +92,8 @@ def test_shared_cores_absorb_the_bubble():
 
 def _small():
     from tensorpar.train import autoplan
-    from tensorpar.train.config import TrainConfig, preset_config
+    from tensorpar.train.config import TrainConfig
+    from tensorpar.hf.presets import preset_config
 
     cfg = TrainConfig(model="small", seq_len=64, batch_size=8)
     return autoplan, cfg, preset_config("small", 256, 64)

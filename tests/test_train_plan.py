@@ -10,7 +10,8 @@ import pytest
 
 from tensorpar.planner.cluster import DeviceSpec
 from tensorpar.train import autoplan
-from tensorpar.train.config import TrainConfig, preset_config
+from tensorpar.train.config import TrainConfig
+from tensorpar.hf.presets import preset_config
 from tests.test_train_3d_cli import run_main
 
 TEXT = "".join(f"Line {i}: to be, or not to be, that is the question {i * 7 % 13}.\n" for i in range(600))

@@ -13,7 +13,7 @@ from tensorpar.comm import Group
 from tensorpar.layers.attention import HeadLayout
 from tensorpar.parallel import ParallelContext
 from tensorpar.train.config import TrainConfig
-from tensorpar.train.dropout import DropoutRNG, HeadKeyedAttention, HiddenDropout
+from tensorpar.layers.dropout import DropoutRNG, HeadKeyedAttention, HiddenDropout
 from tests._ranks import run_tp
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,7 +43,8 @@ def test_bad_settings_name_the_setting(kw, msg):
 
 
 def test_model_checks_before_any_weight(tmp_path):
-    from tensorpar.train.config import check_against_model, preset_config
+    from tensorpar.train.config import check_against_model
+    from tensorpar.hf.presets import preset_config
     c = preset_config("tiny", 256, 128)
     with pytest.raises(ValueError, match="seq_len=512 exceeds the model's max_position_embeddings=256"):
         check_against_model(TrainConfig(seq_len=512), c, 256)

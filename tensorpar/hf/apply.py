@@ -5,10 +5,10 @@ handed to that entry's style, which returns its replacement (a module it owns; i
 again) or shards it in place. Nothing here knows an architecture: the plan is the whole description.
 
 Dropout is made tp-invariant here, whatever the entry point (training loop or a user's own loop): every
-``nn.Dropout`` left in the model becomes a :class:`~tensorpar.train.dropout.KeyedDropout` keyed by its module
+``nn.Dropout`` left in the model becomes a :class:`~tensorpar.layers.dropout.KeyedDropout` keyed by its module
 name, and attention modules with attention dropout get the head-keyed kernel, so masks are the same on every
 rank for replicated activations and gather to the tp = 1 masks for sharded ones. Each training-mode forward of
-the root model draws new masks (:meth:`~tensorpar.train.dropout.DropoutRNG.next_forward`); the seed is
+the root model draws new masks (:meth:`~tensorpar.layers.dropout.DropoutRNG.next_forward`); the seed is
 ``dropout_seed`` or rank 0's ``torch.initial_seed()`` (broadcast once, only when the model has dropout).
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ def parallelize(model: nn.Module, plan: ShardingPlan, tp: Group, *, dropout_seed
         ValueError: ``plan.tp_size`` differs from the group's size, the model's type from the plan's, or the
             plan leaves a parameter or buffer of the model unclaimed (names listed).
     """
-    from tensorpar.train.dropout import DropoutRNG, HeadKeyedAttention, KeyedDropout
+    from tensorpar.layers.dropout import DropoutRNG, HeadKeyedAttention, KeyedDropout
 
     if plan.tp_size != tp.size:
         raise ValueError(f"plan was made for tp_size={plan.tp_size} but the tp group has {tp.size} ranks")

@@ -67,7 +67,7 @@ class TPAttention(nn.Module):
     plus an all-gather at the output projection).
 
     Dropout: ``attention_fn`` (set by :func:`tensorpar.hf.apply.parallelize` when the config has attention
-    dropout) is the head-keyed kernel of :mod:`tensorpar.train.dropout`, used in training only, so the
+    dropout) is the head-keyed kernel of :mod:`tensorpar.layers.dropout`, used in training only, so the
     masks are the same at every tp; ``output_dropout`` (``None`` by default) follows the output projection.
     In eval the kernel the model was configured with (sdpa, eager) runs.
     """

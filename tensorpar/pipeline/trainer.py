@@ -34,7 +34,7 @@ from tensorpar import comm
 from tensorpar.grads import grad_norm, is_dtensor, local_tensor, sync_duplicated_grads, sync_sequence_parallel_grads
 from tensorpar.layers import vocab_parallel_cross_entropy
 from tensorpar.pipeline.stages import cut_stages
-from tensorpar.train.dropout import DropoutRNG, install_dropout
+from tensorpar.layers.dropout import DropoutRNG, install_dropout
 from tensorpar.train.loop import StepResult, lr_at, make_optimizer
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")

@@ -29,7 +29,7 @@ DISTOPT_NOTE = ("dist-opt on = `tensorpar train --dp-mode fsdp`: FSDP2 (fully_sh
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model (a preset, a config.json, or explicit dimensions)")
-    from tensorpar.train.config import PRESETS as TRAIN_PRESETS
+    from tensorpar.hf.presets import PRESETS as TRAIN_PRESETS
     model.add_argument("--model", help=f"preset ({', '.join([*ms.PRESETS, *ms.ALIASES])}; or the `tensorpar train` "
                                        f"presets {', '.join(TRAIN_PRESETS)}, byte vocabulary) or path to a config.json or a "
                                        f"folder holding one")
@@ -130,20 +130,20 @@ def build_model(args) -> ms.ModelSpec:
 
 
 def _is_preset(name: str) -> bool:
-    from tensorpar.train.config import PRESETS as TRAIN_PRESETS
+    from tensorpar.hf.presets import PRESETS as TRAIN_PRESETS
 
     return name in ms.PRESETS or name in ms.ALIASES or name in TRAIN_PRESETS
 
 
 def _preset(name: str, seq: int | None) -> ms.ModelSpec:
-    """A planner preset, or one of ``tensorpar train``'s (:data:`tensorpar.train.config.PRESETS`): the model train
-    builds for it (:func:`tensorpar.train.config.preset_config`) with train's default tokenizer for a preset, bytes
+    """A planner preset, or one of ``tensorpar train``'s (:data:`tensorpar.hf.presets.PRESETS`): the model train
+    builds for it (:func:`tensorpar.hf.presets.preset_config`) with train's default tokenizer for a preset, bytes
     (vocabulary 256). Raises ValueError listing both sets of presets."""
-    from tensorpar.train.config import PRESETS as TRAIN_PRESETS
+    from tensorpar.hf.presets import PRESETS as TRAIN_PRESETS
 
     if name in TRAIN_PRESETS and name not in ms.PRESETS and name not in ms.ALIASES:
         from tensorpar.data.tokenizers import ByteTokenizer
-        from tensorpar.train.config import preset_config
+        from tensorpar.hf.presets import preset_config
 
         config = preset_config(name, ByteTokenizer.vocab_size, seq or 1)
         return ms.from_hf_config(config.to_dict(), name=name)

@@ -20,7 +20,7 @@ DEFAULT_MAX_MODEL_LEN = 1024
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (built in), a Hugging Face-format folder, or a .gguf file")
-    from tensorpar.launch import add_launch_arguments
+    from tensorpar.cli import add_launch_arguments
     add_launch_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the URL is printed)")
@@ -59,7 +59,7 @@ def validate(args: argparse.Namespace):
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
-    from tensorpar.launch import check_launch_arguments
+    from tensorpar.cli import check_launch_arguments
     check_launch_arguments(args)
     folder = resolve_model(args.model)
     config = AutoConfig.from_pretrained(folder)

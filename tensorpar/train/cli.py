@@ -15,11 +15,12 @@ import os
 import sys
 from pathlib import Path
 
-from tensorpar.train.config import DP_MODES, PRESETS, TrainConfig
+from tensorpar.train.config import DP_MODES, TrainConfig
+from tensorpar.hf.presets import PRESETS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from tensorpar.launch import add_launch_arguments
+    from tensorpar.cli import add_launch_arguments
 
     d = TrainConfig()
     add_launch_arguments(p, tp_action=_Explicit)   # --tp (world size = tp x pp x dp), --dtype, --timeout, ...
@@ -452,7 +453,7 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"--tp {cfg.tp} x --pp {cfg.pp} x --dp {cfg.dp} = {cfg.tp * cfg.pp * cfg.dp}, but "
                              f"torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']} ranks; choose degrees whose "
                              f"product is {os.environ['WORLD_SIZE']}")
-        from tensorpar.launch import check_launch_arguments
+        from tensorpar.cli import check_launch_arguments
         check_launch_arguments(args)
         check_fast_collectives(cfg)
         check_out_dir(cfg.out_dir, resume=args.resume)

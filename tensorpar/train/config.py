@@ -11,20 +11,6 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-# Llama-style architectures trained from scratch. vocab_size comes from the tokenizer, so it is not here.
-# num_key_value_heads < num_attention_heads everywhere: grouped-query attention is the case that needs care.
-PRESETS: dict[str, dict] = {
-    # a few seconds per 100 steps on a laptop core; what the CI trains
-    "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, tie_word_embeddings=True),
-    # ~3 M parameters besides the embedding: learns Shakespeare's spelling in a few hundred steps on a CPU
-    "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-                  num_key_value_heads=4, tie_word_embeddings=True),
-    # the benchmark model: heads and KV heads divisible by 2, untied, so torch's parallelize_module runs it too
-    "bench": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=6,
-                  num_key_value_heads=2, tie_word_embeddings=False),
-}
-
 DTYPES = ("float32", "bfloat16")
 #: data-parallel modes: torch's DDP, or FSDP2 (fully_shard) on the dp mesh axis
 DP_MODES = ("ddp", "fsdp")
@@ -37,7 +23,7 @@ class TrainConfig:
     """Everything that defines a training run. Saved in every checkpoint (``state.json``).
 
     Model and data:
-        model: a preset name (:data:`PRESETS`), a Hugging Face ``config.json`` path (trained from scratch),
+        model: a preset name (:data:`tensorpar.hf.presets.PRESETS`), a Hugging Face ``config.json`` path (trained from scratch),
             a model folder, or ``"smollm2"`` (fine-tuned from its weights unless ``init="scratch"``).
         init: ``"auto"`` (pretrained weights when ``model`` has them), ``"scratch"`` or ``"pretrained"``.
         data: ``"shakespeare"`` or the path of a UTF-8 text file.
@@ -200,21 +186,6 @@ class TrainConfig:
         d = self.to_dict()
         d.update(changes)
         return TrainConfig(**d)
-
-
-def preset_config(name: str, vocab_size: int, seq_len: int, *, attention_dropout: float = 0.0):
-    """A ``LlamaConfig`` for preset ``name`` with the tokenizer's vocabulary.
-
-    Raises ValueError for an unknown preset, listing the known ones.
-    """
-    from transformers import LlamaConfig
-
-    if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(PRESETS)} (or give a config.json "
-                         f"path, a model folder, or smollm2)")
-    p = PRESETS[name]
-    return LlamaConfig(vocab_size=vocab_size, max_position_embeddings=max(seq_len, 256), rms_norm_eps=1e-5,
-                       rope_theta=10000.0, attention_dropout=attention_dropout, **p)
 
 
 def check_against_model(cfg: TrainConfig, model_config, vocab_size: int) -> None:

@@ -34,7 +34,7 @@ from tensorpar.layers import vocab_parallel_cross_entropy
 from tensorpar.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tensorpar.train.config import TrainConfig
 from tensorpar.train.data import TrainData
-from tensorpar.train.dropout import DropoutRNG, install_dropout
+from tensorpar.layers.dropout import DropoutRNG, install_dropout
 from tensorpar.train.model import named_unique_parameters
 
 IGNORE_INDEX = -100  # labels that count for nothing (torch's default ignore_index)

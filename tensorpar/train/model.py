@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 
 from tensorpar.comm import Group
-from tensorpar.train.config import PRESETS, TrainConfig, check_against_model, preset_config
+from tensorpar.train.config import TrainConfig, check_against_model
+from tensorpar.hf.presets import PRESETS, preset_config
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ def recompute_blocks(model: nn.Module) -> None:
     """Recompute each decoder block's activations in backward (``torch.utils.checkpoint``, non-reentrant).
 
     Only a block's input is kept; its forward, collectives included, runs again during backward, so each
-    block costs one extra forward. Dropout masks are keyed by step (:mod:`tensorpar.train.dropout`), so the
+    block costs one extra forward. Dropout masks are keyed by step (:mod:`tensorpar.layers.dropout`), so the
     replay draws the same masks. In eval or under ``no_grad`` the block runs as is.
     """
     from torch.utils.checkpoint import checkpoint
