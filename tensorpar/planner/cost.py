@@ -168,11 +168,11 @@ def gemm_seconds(gemms, cluster: ClusterSpec, assume: Assumptions, write_output:
     Why the write is not hidden: a matmul kernel computes each output tile in a main loop over ``k`` and then
     writes the tile out (the epilogue); that SM computes nothing while it writes. The main loop does ``2 k`` FLOPs
     per output element at the SM's share of the peak, the epilogue moves ``activation_bytes`` per element at its
-    share of the memory bandwidth, so a matmul runs ``k / (k + k0)`` of its main-loop rate, ``k0 = peak /
-    hbm_gbps`` FLOPs per byte x ``activation_bytes / 2`` (153 on an A100). That is why larger layers reach a
+    share of the memory bandwidth, so a matmul runs ``k / (k + k0)`` of its main-loop rate, ``k0 = matmul_efficiency
+    x peak / hbm_gbps x activation_bytes / 2`` (102 on an A100). That is why larger layers reach a
     larger share of peak: a wider model has a longer ``k`` per output element (``h``, ``4h/t``, the tokens of a
     micro-batch); a tensor-parallel split that leaves ``k = h/t = 768`` (the attention output projection of the
-    22B model at tp 8) runs 17 % below the main-loop rate, a 1T model's ``3200`` 5 %. ``write_output=False``: a fused
+    22B model at tp 8) runs 12 % below the main-loop rate, a 1T model's ``3200`` 3 %. ``write_output=False``: a fused
     kernel that keeps its products on chip (FlashAttention's scores). No write term without ``hbm_gbps``.
     """
     device = cluster.device
@@ -337,7 +337,8 @@ def step_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Work
         tp = layers * layer.tp + tp_edge
         tp_once = _collective_seconds(tp_step_collectives(model, layout, assume, layers=layers, last_stage=last),
                                       cluster, t, "tp") * keep
-        dp = (_collective_seconds(dp_collectives(params, layout, assume, experts), cluster, t * p * d, "dp", dp_per_node)
+        dp_calls = dp_collectives(params, layout, assume, experts)
+        dp = (_collective_seconds(dp_calls, cluster, t * p * d, "dp", dp_per_node)
               + (tied if first or last else 0.0)) * (1 - assume.dp_overlap)
         opt = optimizer_seconds(params, layout, cluster, assume, experts)
         ep = layers * layer.ep
