@@ -106,8 +106,9 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, overwrite: boo
     folder's tokenizer, and a byte-level run gets :meth:`ByteTokenizer.to_transformers
     <tensorpar.data.tokenizers.ByteTokenizer.to_transformers>` (``tokenizer.json`` and
     ``tokenizer_config.json``: ``AutoTokenizer`` encodes text to its UTF-8 bytes, the ids it was trained on).
-    Everything is written into a new temporary sibling folder first; a new ``out`` is then one rename, an existing one (empty, or a
-    previous export with ``overwrite``) gets each file by ``os.replace``, the marker last, and only then
+    Everything is written into a new temporary sibling folder first; a new ``out`` is then one rename, an
+    existing one (empty, or a previous export with ``overwrite``) gets each file by ``os.replace``, the marker last,
+    and only then
     loses the files of the previous export that the new one does not have. ``progress=False`` hides
     transformers' "Writing model shards" bar. Returns ``out``.
 
