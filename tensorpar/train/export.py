@@ -108,8 +108,7 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, overwrite: boo
     ``tokenizer_config.json``: ``AutoTokenizer`` encodes text to its UTF-8 bytes, the ids it was trained on).
     Everything is written into a new temporary sibling folder first; a new ``out`` is then one rename, an
     existing one (empty, or a previous export with ``overwrite``) gets each file by ``os.replace``, the marker last,
-    and only then
-    loses the files of the previous export that the new one does not have. ``progress=False`` hides
+    and only then loses the files of the previous export that the new one does not have. ``progress=False`` hides
     transformers' "Writing model shards" bar. Returns ``out``.
 
     Raises:
