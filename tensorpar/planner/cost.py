@@ -3,7 +3,8 @@
 Model of one optimizer step (each assumption is a choice; docs/planner.md lists them with their sources):
 
 * One layer, one micro-batch, on the busiest tensor-parallel rank (:func:`layer_times`):
-  - matmuls: the layer's FLOPs (flops.py) at ``matmul_efficiency x peak`` of the device;
+  - matmuls: each of the layer's matmul shapes (flops.py) at ``matmul_efficiency x peak`` of the device, plus
+    its output written once at ``hbm_gbps``, not overlapped (:func:`gemm_seconds`);
   - elementwise kernels (norms, dropout, GeLU, softmax, residual adds): memory-bandwidth bound. Their
     forward traffic is ``ELEMENTWISE_TRAFFIC`` bytes per byte the layer stores for backward (the
     Korthikanti et al. 2022 count of memory.py), at the device's ``hbm_gbps``; backward moves
