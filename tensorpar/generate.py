@@ -379,6 +379,8 @@ def _encode(tok, prompts: list[str], chat: bool):
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    if tok.pad_token is None:  # neither (a byte-level export): pad with id 0, masked; set on this object only, it
+        tok.pad_token_id = 0   # does not make byte 0's symbol a special token that the input's text would match
     enc = tok(prompts, return_tensors="pt", padding=True)
     return enc["input_ids"], enc["attention_mask"]
 

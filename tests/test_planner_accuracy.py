@@ -2,15 +2,19 @@
 (+ section 6.3) and Narayanan et al. 2021 Table 2. One device preset (a100-80gb) and one set of
 assumptions for every row; the table of predicted vs published is printed (pytest -s shows it).
 
-Target: mean |error| <= 10 % and no row > 20 % on time/throughput; activation memory within 5 % of the
-paper's formulas. The ZeRO-3 rows of Narayanan Table 2 (DeepSpeed, not a layout the planner plans) are
+Two splits (issue 27 item 15). The fit split is the rows above (Table 4's ten times set the two fitted constants,
+``accuracy.fit_table4``); the held-out split is Narayanan et al. 2021 Table 1 (the weak-scaling runs of 1.7B to 1T
+parameters), which no constant was set on. Targets: fit split mean |error| <= 10 % and no row > 20 %; held-out
+split mean <= 5 % and no row > 8 % (the code before the GEMM-shape and NIC terms of cost.py / cluster.py missed
+that: mean 6.6 %, worst -11.7 %, flat per GPU where the runs rise with size); activation memory within 5 % of
+the paper's formulas. The ZeRO-3 rows of Narayanan Table 2 (DeepSpeed, not a layout the planner plans) are
 printed and checked separately: the simple ZeRO-3 model misses them (expected failure, see docs/planner.md).
 No process group, no torch.
 """
 import pytest
 
 from tensorpar.planner import accuracy
-from tensorpar.planner.published import RUNS
+from tensorpar.planner.published import HELD_OUT, RUNS
 
 PTD = [r for r in RUNS if r.scheme == "ptd-p"]
 ZERO3 = [r for r in RUNS if r.scheme == "zero-3"]
@@ -29,6 +33,35 @@ def test_accuracy_against_published_runs():
     worst = max(table, key=lambda r: abs(r.error))
     assert summary["mean_abs_error"] <= 0.10, accuracy.format_table(table)
     assert abs(worst.error) <= 0.20, f"{worst.run.table} {worst.run.row}: {100 * worst.error:+.1f}%"
+
+
+def test_accuracy_on_the_held_out_table():
+    """Narayanan et al. 2021 Table 1, predicted with the constants fitted on the other split. Bound: mean |error|
+    <= 5 %, no row > 8 %. Published per-GPU throughput rises from 135-142 (h/t = 768-2304) to 163 TFLOP/s (h/t =
+    2560-3200); the old single-efficiency model gave 122-147, 6.6 % mean and 11.7 % worst, too low at both ends:
+    the 1.7B-7.5B runs (tp 1-4) lost their data-parallel all-reduce to one NIC per GPU where NCCL uses all of a
+    node's, and the 530B and 1T runs their wider matmuls' higher rate."""
+    assert len(HELD_OUT) == 10 and all(r.source and r.table == "Table 1" for r in HELD_OUT)
+    assert not {id(r) for r in HELD_OUT} & {id(r) for r in RUNS}
+    table = accuracy.rows(HELD_OUT)
+    print("\n" + accuracy.format_table(table))
+    summary = accuracy.summary(table)
+    worst = max(table, key=lambda r: abs(r.error))
+    assert summary["mean_abs_error"] <= 0.05, accuracy.format_table(table)
+    assert abs(worst.error) <= 0.08, f"{worst.run.row}: {100 * worst.error:+.1f}%"
+    # the trend: the three largest models are predicted faster per GPU than the three smallest, as published
+    small, large = [r.predicted for r in table[:3]], [r.predicted for r in table[-3:]]
+    assert min(large) > max(small)
+
+
+def test_shipped_constants_are_the_table4_fit():
+    """The A100 matmul efficiency and ELEMENTWISE_TRAFFIC are the least-error fit to Table 4 (and nothing else)."""
+    from tensorpar.planner import cost
+    from tensorpar.planner.cluster import A100_MATMUL_EFFICIENCY
+
+    eff, traffic, mean = accuracy.fit_table4()
+    assert (eff, traffic) == (A100_MATMUL_EFFICIENCY, cost.ELEMENTWISE_TRAFFIC)
+    assert mean < 0.02
 
 
 def test_table4_forward_and_backward_separately():

@@ -7,7 +7,7 @@ from tensorpar.planner.cost import step_cost
 from tensorpar.planner.flops import (layer_forward_flops, logit_forward_flops, model_flops, narayanan_eq3,
                                      recompute_forward_flops)
 from tensorpar.planner.layout import Assumptions, Layout, Workload
-from tensorpar.planner.memory import (in_flight, layer_activation_terms, memory_per_device,
+from tensorpar.planner.memory import (in_flight, layer_activation_terms, memory_per_device, stage_params,
                                       output_activation_bytes, stage_memory)
 from tensorpar.planner.model_spec import ModelSpec, preset
 from tensorpar.planner.partition import RankHeads, head_partition, stage_layers
@@ -190,3 +190,72 @@ def test_alpha_beta_fit_recovers_latency_and_bandwidth():
     latency, bandwidth = fit_alpha_beta(samples, world=2)  # ring all-reduce on 2 ranks: wire = payload
     assert latency == pytest.approx(25e-6, rel=1e-9)
     assert bandwidth == pytest.approx(12e9, rel=1e-9)
+
+
+# ---------------------------------------------------------------- issue 27 item 15: matmul shapes, NICs per node
+
+@pytest.mark.parametrize("name", ["gpt3-175b", "llama3-70b", "moe"])
+@pytest.mark.parametrize("t", [1, 8])
+def test_layer_gemms_add_up_to_the_layer_flops(name, t):
+    """The shapes the step time costs one by one are the FLOPs of eq. 3's layer term (and its generalisations);
+    the backward's input- and weight-gradient products are twice the forward."""
+    from dataclasses import replace
+
+    from tensorpar.planner.flops import backward_gemms, layer_gemms
+    from tensorpar.planner.partition import busiest_heads, max_ffn_columns
+
+    model = (replace(preset("llama3-8b"), num_experts=8, experts_per_token=2) if name == "moe" else preset(name))
+    heads = busiest_heads(model.num_heads, model.num_kv_heads, t)
+    ffn = max_ffn_columns(model.ffn_hidden_size, t)
+    gemms = layer_gemms(model, heads, ffn, 3 * 2048, 2048)
+    flops = layer_forward_flops(model, heads, ffn, 3 * 2048, 2048)
+
+    def total(g):
+        return sum(2 * m * k * n * c for m, k, n, c in g)
+
+    for part in ("linear", "attention"):
+        assert total(gemms[part]) == pytest.approx(flops[part], rel=1e-12)
+        assert total(backward_gemms(gemms[part])) == pytest.approx(2 * flops[part], rel=1e-12)
+
+
+def test_a_matmul_writes_its_output_once_not_overlapped():
+    """``[m, k] x [k, n]``: 2mkn FLOPs at efficiency x peak, plus m n x 2 bytes at the HBM bandwidth: k / (k + k0)
+    of the main-loop rate with k0 = efficiency x peak / HBM (78 here), so a longer k runs closer to peak."""
+    from tensorpar.planner.cost import gemm_seconds
+
+    device = DeviceSpec("test", memory_gib=80, peak_tflops=312.0, intra_node_gbps=300, inter_node_gbps=25,
+                        matmul_efficiency=0.5, hbm_gbps=2000.0)
+    cluster, assume = ClusterSpec(device, 1, 1), Assumptions()
+    rates = []
+    for k in (768, 3200):
+        main = 2 * 2048 * k * 4096 / (0.5 * 312e12)
+        got = gemm_seconds([(2048, k, 4096, 3)], cluster, assume)
+        assert got == pytest.approx(3 * main * (k + 78) / k, rel=1e-12)
+        assert gemm_seconds([(2048, k, 4096, 3)], cluster, assume, write_output=False) == pytest.approx(3 * main)
+        rates.append(3 * main / got)
+    assert rates[0] == pytest.approx(768 / 846) and rates[1] == pytest.approx(3200 / 3278) and rates[1] > rates[0]
+    no_hbm = ClusterSpec(DeviceSpec("test", 80, 312.0, 300, 25, matmul_efficiency=0.5), 1, 1)
+    assert gemm_seconds([(2048, 768, 4096, 1)], no_hbm, assume) == pytest.approx(2 * 2048 * 768 * 4096 / 156e12)
+
+
+def test_a_dp_group_uses_the_nics_of_its_ranks_in_a_node():
+    """A ring leaving the node gets one NIC per group rank in the node (NCCL channels), at most the NVLink rate;
+    a DP group has 8 / (tp pp) ranks in a DGX node. At tp = pp = 1 its all-reduce is 8x faster than at one NIC."""
+    from tensorpar.planner.cluster import device_preset
+
+    a100 = ClusterSpec(device_preset("a100-80gb"), 64, 8)
+    assert a100.link(64, "dp", 1)[0] == 25e9 and a100.link(64, "dp", 8)[0] == 200e9
+    assert a100.link(64, "dp", 16)[0] == 300e9 and a100.link(8, "dp", 8)[0] == 300e9   # NVLink caps; in-node
+    device = DeviceSpec("test", memory_gib=80, peak_tflops=312.0, intra_node_gbps=300, inter_node_gbps=25,
+                        inter_node_latency_us=0.0, hbm_gbps=2039.0)
+    model, work = preset("smollm2-1.7b"), Workload(64, 2048)
+    dp_comm = {}
+    for per_node, (tp, dp) in ((8, (1, 64)), (1, (1, 64)), (4, (2, 32))):
+        cluster = ClusterSpec(device, 64, 8) if per_node > 1 else ClusterSpec(device, 64, 1)
+        lay = Layout(tp=tp, pp=1, dp=dp, micro_batch=1)
+        dp_comm[per_node] = step_cost(model, lay, cluster, work, Assumptions()).step.dp_comm
+    assert dp_comm[1] == pytest.approx(8 * dp_comm[8], rel=1e-12)
+    for per_node, (tp, dp), nics in ((8, (1, 64), 8), (4, (2, 32), 4)):   # tp 2: 4 DP ranks (and NICs) per node
+        lay = Layout(tp=tp, pp=1, dp=dp, micro_batch=1)
+        wire = sum(c.wire_bytes for c in dp_collectives(stage_params(model, lay)[0], lay, Assumptions()))
+        assert dp_comm[per_node] == pytest.approx(wire / (nics * 25e9), rel=1e-9)

@@ -51,8 +51,46 @@ class ByteTokenizer:
             raise ValueError(f"ByteTokenizer ids must be in [0, 256); got {bad[:5]}")
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
+    def to_transformers(self):
+        """This tokenizer as a ``transformers.PreTrainedTokenizerFast`` (what an export saves, so that
+        ``AutoTokenizer.from_pretrained`` loads a byte-level model): a ``tokenizers`` BPE over the 256
+        byte symbols of GPT-2's byte-to-unicode table (:func:`bytes_to_unicode`) with no merges, the symbol
+        of byte ``b`` at id ``b``, behind a ByteLevel normalizer and decoder. So ``encode(text)`` is the
+        UTF-8 bytes of ``text``, as here, and ``decode`` their text.
+
+        No special tokens, not even a padding token: transformers registers any declared special token in
+        the backend, which then matches its text in the input (a pad of byte 0xFF's symbol would turn
+        "\u00ff" into one id instead of its two UTF-8 bytes), so padding is left to the caller
+        (``tensorpar generate`` pads such a tokenizer's prompts itself). ``clean_up_tokenization_spaces``
+        is off, so ``decode`` gives the bytes' text unchanged.
+        """
+        from tokenizers import Tokenizer as Backend
+        from tokenizers import decoders, models, normalizers
+        from transformers import PreTrainedTokenizerFast
+
+        symbols = bytes_to_unicode()
+        backend = Backend(models.BPE(vocab={symbols[b]: b for b in range(256)}, merges=[]))
+        backend.normalizer = normalizers.ByteLevel()   # text -> one symbol per UTF-8 byte
+        backend.decoder = decoders.ByteLevel()         # symbols -> bytes -> text (invalid UTF-8 -> U+FFFD)
+        return PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False)
+
     def __repr__(self) -> str:
         return "ByteTokenizer(vocab_size=256)"
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's table of the 256 bytes to printable characters (Radford et al. 2019, ``encoder.py``), which
+    the ``tokenizers`` ByteLevel normalizer, pre-tokenizer and decoder use: printable Latin-1 bytes map to
+    themselves, the other 68 to U+0100 onwards, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    table = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
 
 
 class HFTokenizer:

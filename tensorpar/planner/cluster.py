@@ -120,7 +120,7 @@ class DeviceSpec:
 # other published run of docs/planner.md "Accuracy" is then predicted with these values, not fitted.
 # H100/H200 reuse the A100 value (no published per-layer timings to fit them to): treat their
 # predictions as unvalidated.
-A100_MATMUL_EFFICIENCY = 0.61
+A100_MATMUL_EFFICIENCY = 0.665
 DEVICES = MappingProxyType({
     # A100 SXM4 80GB: 312 TFLOP/s bf16 dense; HBM2e 2039 GB/s; NVLink3 600 GB/s total = 300 GB/s per
     # direction; DGX A100: eight 200 Gb/s HDR InfiniBand NICs, one per GPU = 25 GB/s.
@@ -163,11 +163,15 @@ class ClusterSpec:
                 f"({self.devices_per_node}); use a multiple of {self.devices_per_node}"
             )
 
-    def link(self, span: int, group: str = "") -> tuple[float, float]:
-        """(bytes/s, seconds latency) of a collective over ``span`` consecutive ranks.
+    def link(self, span: int, group: str = "", per_node: int = 1) -> tuple[float, float]:
+        """(bytes/s, seconds latency) of a collective over ranks ``span`` consecutive ranks apart at most.
 
         A group whose ranks fit in one node uses the intra-node links; a ring that leaves the node is
-        limited by each device's share of the inter-node network. A device with a measured local link
+        limited by the inter-node network: ``per_node`` of the group's ranks share a node, each with its own
+        NIC, and NCCL splits a collective over that many channels (rings), one NIC each, joined inside the
+        node by the intra-node links; so the group gets ``per_node`` NICs' bandwidth, at most the intra-node
+        link's. A data-parallel group at tp x pp = 1 has all 8 ranks of a DGX node (8 NICs, 200 GB/s); at
+        tp x pp >= 8 one rank per node (one NIC, 25 GB/s). A device with a measured local link
         (``--calibrate``) uses that link for every group, except the tensor-parallel group (``group="tp"``)
         when the device has a measured ``tp_link_gbps`` of its own (another backend for that group).
         """
@@ -178,7 +182,7 @@ class ClusterSpec:
             return d.local_link_gbps * 1e9, d.local_link_latency_us * 1e-6
         if span <= self.devices_per_node:
             return d.intra_node_gbps * 1e9, d.intra_node_latency_us * 1e-6
-        return d.inter_node_gbps * 1e9, d.inter_node_latency_us * 1e-6
+        return min(d.inter_node_gbps * max(1, per_node), d.intra_node_gbps) * 1e9, d.inter_node_latency_us * 1e-6
 
     def p2p_link(self, span: int) -> tuple[float, float]:
         """(bytes/s, seconds latency) of a pipeline send between ranks ``span`` apart: the device's measured

@@ -3,7 +3,8 @@
 Model of one optimizer step (each assumption is a choice; docs/planner.md lists them with their sources):
 
 * One layer, one micro-batch, on the busiest tensor-parallel rank (:func:`layer_times`):
-  - matmuls: the layer's FLOPs (flops.py) at ``matmul_efficiency x peak`` of the device;
+  - matmuls: each of the layer's matmul shapes (flops.py) at ``matmul_efficiency x peak`` of the device, plus
+    its output written once at ``hbm_gbps``, not overlapped (:func:`gemm_seconds`);
   - elementwise kernels (norms, dropout, GeLU, softmax, residual adds): memory-bandwidth bound. Their
     forward traffic is ``ELEMENTWISE_TRAFFIC`` bytes per byte the layer stores for backward (the
     Korthikanti et al. 2022 count of memory.py), at the device's ``hbm_gbps``; backward moves
@@ -44,7 +45,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from tensorpar.planner.cluster import ClusterSpec
-from tensorpar.planner.flops import layer_forward_flops, logit_forward_flops, model_flops, recompute_forward_flops
+from tensorpar.planner.flops import (backward_gemms, layer_forward_flops, layer_gemms, model_flops,
+                                     recompute_forward_flops)
 from tensorpar.planner.layout import Assumptions, Layout, Workload
 from tensorpar.planner.memory import layer_activation_terms, stage_expert_params, stage_params
 from tensorpar.planner.model_spec import ModelSpec
@@ -59,7 +61,7 @@ from tensorpar.planner.traffic import (dp_collectives, ep_collectives, pipeline_
 # Korthikanti et al. 2022, Table 4 (the 22B layer's forward and backward times in five configurations;
 # sequence parallelism and selective recomputation change only this traffic and the score matmuls);
 # see docs/planner.md, "Accuracy".
-ELEMENTWISE_TRAFFIC = 2.0
+ELEMENTWISE_TRAFFIC = 2.3
 # Backward traffic over forward traffic of an elementwise op: it reads its saved input and the output
 # gradient and writes the input gradient (3 tensors against the forward's 2).
 BACKWARD_TRAFFIC = 1.5
@@ -149,8 +151,8 @@ class LayerTime:
         return self.forward_tp + self.backward_tp + self.recompute_tp
 
 
-def _collective_seconds(collectives, cluster: ClusterSpec, span: int, group: str = "") -> float:
-    bandwidth, latency = cluster.link(span, group)
+def _collective_seconds(collectives, cluster: ClusterSpec, span: int, group: str = "", per_node: int = 1) -> float:
+    bandwidth, latency = cluster.link(span, group, per_node)
     return sum(c.seconds(bandwidth, latency) for c in collectives if not c.hidden)
 
 
@@ -159,19 +161,50 @@ def _elementwise_seconds(nbytes: float, cluster: ClusterSpec) -> float:
     return ELEMENTWISE_TRAFFIC * nbytes / (hbm * 1e9) if hbm else 0.0
 
 
+def gemm_seconds(gemms, cluster: ClusterSpec, assume: Assumptions, write_output: bool = True) -> float:
+    """Time of matmuls ``(m, k, n, count)`` (:func:`tensorpar.planner.flops.layer_gemms`): ``2 m k n`` FLOPs at
+    ``matmul_efficiency x peak``, plus the ``m x n`` output written once to device memory at ``hbm_gbps``
+    (``assume.activation_bytes`` per element), which is not overlapped with the products.
+
+    Why the write is not hidden: a matmul kernel computes each output tile in a main loop over ``k`` and then
+    writes the tile out (the epilogue); that SM computes nothing while it writes. The main loop does ``2 k`` FLOPs
+    per output element at the SM's share of the peak, the epilogue moves ``activation_bytes`` per element at its
+    share of the memory bandwidth, so a matmul runs ``k / (k + k0)`` of its main-loop rate, ``k0 = matmul_efficiency
+    x peak / hbm_gbps x activation_bytes / 2`` (102 on an A100). That is why larger layers reach a
+    larger share of peak: a wider model has a longer ``k`` per output element (``h``, ``4h/t``, the tokens of a
+    micro-batch); a tensor-parallel split that leaves ``k = h/t = 768`` (the attention output projection of the
+    22B model at tp 8) runs 12 % below the main-loop rate, a 1T model's ``3200`` 3 %. ``write_output=False``: a fused
+    kernel that keeps its products on chip (FlashAttention's scores). No write term without ``hbm_gbps``.
+    """
+    device = cluster.device
+    rate = device.peak_tflops * 1e12 * assume.matmul_efficiency(device)
+    hbm = device.hbm_gbps * 1e9
+    total = 0.0
+    for m, k, n, count in gemms:
+        write = assume.activation_bytes * m * n / hbm if write_output and hbm else 0.0
+        total += count * (2 * m * k * n / rate + write)
+    return total
+
+
 def layer_times(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Workload,
                 assume: Assumptions) -> LayerTime:
     """Forward, backward and recomputation time of one layer on one micro-batch (see module docstring)."""
     t = layout.tp
     tokens = layout.micro_batch * work.seq_len
     heads = busiest_heads(model.num_heads, model.num_kv_heads, t)
-    flops = layer_forward_flops(model, heads, max_ffn_columns(model.ffn_hidden_size, t), tokens, work.seq_len)
+    ffn = max_ffn_columns(model.ffn_hidden_size, t)
+    flops = layer_forward_flops(model, heads, ffn, tokens, work.seq_len)
+    gemms = layer_gemms(model, heads, ffn, tokens, work.seq_len)
     rate = cluster.device.peak_tflops * 1e12 * assume.matmul_efficiency(cluster.device)
     shape = dict(micro_batch=layout.micro_batch, seq_len=work.seq_len, tp=t,
                  sequence_parallel=layout.sequence_parallel, assume=assume)
     stored = sum(layer_activation_terms(model, heads, recompute="none", **shape).values())
     kept = sum(layer_activation_terms(model, heads, recompute="selective", **shape).values())
-    forward_matmul = (flops["linear"] + flops["attention"]) / rate
+    eager = assume.attention == "eager"  # a fused (sdpa) kernel never writes the scores out
+    forward_attention = gemm_seconds(gemms["attention"], cluster, assume, eager)
+    forward_matmul = gemm_seconds(gemms["linear"], cluster, assume) + forward_attention
+    backward_matmul = (gemm_seconds(backward_gemms(gemms["linear"]), cluster, assume)
+                       + gemm_seconds(backward_gemms(gemms["attention"]), cluster, assume, eager))
     forward_ew = _elementwise_seconds(stored, cluster)
     sdpa_extra = recompute_forward_flops(flops, "none", assume.attention) / rate  # fused-kernel backward
 
@@ -190,13 +223,13 @@ def layer_times(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Wo
     if layout.recompute == "full":
         rec_compute, rec_tp = forward_matmul + forward_ew, fwd_tp
     elif layout.recompute == "selective":
-        rec_compute = flops["attention"] / rate + _elementwise_seconds(stored - kept, cluster)
+        rec_compute = forward_attention + _elementwise_seconds(stored - kept, cluster)
     # fixed per-layer time (Python, framework, kernel launches) where calibrated: a third forward, two backward
     overhead = cluster.device.train_layer_overhead_us * 1e-6
     if layout.recompute == "full":
         rec_compute += overhead / 3
     return LayerTime(forward_compute=forward_matmul + forward_ew + overhead / 3, forward_tp=fwd_tp,
-                     backward_compute=2 * forward_matmul + sdpa_extra + BACKWARD_TRAFFIC * forward_ew
+                     backward_compute=backward_matmul + sdpa_extra + BACKWARD_TRAFFIC * forward_ew
                      + 2 * overhead / 3,
                      backward_tp=bwd_tp, recompute_compute=rec_compute, recompute_tp=rec_tp,
                      forward_ep=fwd_ep / (2 if layout.recompute == "full" else 1),
@@ -278,8 +311,8 @@ def step_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Work
     m = layout.num_micro_batches(work.global_batch)
     tokens = layout.micro_batch * work.seq_len
     layer = layer_times(model, layout, cluster, work, assume)
-    rate = cluster.device.peak_tflops * 1e12 * assume.matmul_efficiency(cluster.device)
-    logits_seconds = 3 * logit_forward_flops(model, max_vocab_rows(model.vocab_size, t), tokens) / rate
+    logits = [(tokens, model.hidden_size, max_vocab_rows(model.vocab_size, t), 1)]
+    logits_seconds = gemm_seconds(logits + backward_gemms(logits), cluster, assume)  # forward + backward
     logits_seconds += cluster.device.train_micro_batch_overhead_us * 1e-6  # embedding, head, loss: fixed part
     bandwidth, latency = cluster.p2p_link(t * p)
     p2p = sum(c.seconds(bandwidth, latency) for c in pipeline_sends(model, layout, work, assume))
@@ -293,6 +326,8 @@ def step_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Work
         if p > 1 else 0.0
     tied = _collective_seconds(tied_embedding_collectives(model, layout, assume), cluster, t * p)
     keep = 1 - assume.tp_overlap
+    # a DP group is every (t p)-th rank: that many of its ranks share a node, and their NICs (ClusterSpec.link)
+    dp_per_node = max(1, min(d, cluster.devices_per_node // (t * p)))
 
     def stage_times(layers: int, params: int, experts: float, first: bool, last: bool) -> tuple[tuple, tuple]:
         schedule_overhead = op_cpu * (4 * v - 2 * first - 2 * last)
@@ -303,7 +338,8 @@ def step_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Work
         tp = layers * layer.tp + tp_edge
         tp_once = _collective_seconds(tp_step_collectives(model, layout, assume, layers=layers, last_stage=last),
                                       cluster, t, "tp") * keep
-        dp = (_collective_seconds(dp_collectives(params, layout, assume, experts), cluster, t * p * d)
+        dp_calls = dp_collectives(params, layout, assume, experts)
+        dp = (_collective_seconds(dp_calls, cluster, t * p * d, "dp", dp_per_node)
               + (tied if first or last else 0.0)) * (1 - assume.dp_overlap)
         opt = optimizer_seconds(params, layout, cluster, assume, experts)
         ep = layers * layer.ep

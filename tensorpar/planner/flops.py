@@ -35,6 +35,34 @@ def layer_forward_flops(model: ModelSpec, heads: RankHeads, ffn: float, tokens: 
     }
 
 
+Gemm = tuple  # (m, k, n, count): ``count`` products of an [m, k] by a [k, n] matrix, 2 m k n FLOPs each
+
+
+def layer_gemms(model: ModelSpec, heads: RankHeads, ffn: float, tokens: float, seq: int) -> dict[str, list]:
+    """The forward matmuls of one layer on ``tokens`` tokens (sequences of ``seq``) as shapes ``(m, k, n,
+    count)``, whose FLOPs add up to :func:`layer_forward_flops`. ``"linear"``: QKV, attention output, the MLP's
+    up (and gate) and down projections of the rank's ``ffn`` columns (a mixture of experts: the router and its
+    active columns, as one product of ``tokens`` rows), all with ``m = tokens``. ``"attention"``: per sequence and
+    query head, the scores ``[s, d] x [d, s]`` and ``[s, s] x [s, d]``."""
+    h, d = model.hidden_size, model.head_dim
+    f = model.active_ffn(ffn)
+    linear = [(tokens, h, d * (heads.q + 2 * heads.kv), 1), (tokens, heads.q * d, h, 1),
+              (tokens, h, f, model.mlp_matrices - 1), (tokens, f, h, 1)]
+    if model.num_experts:
+        linear.append((tokens, h, model.num_experts, 1))
+    per_head = tokens / seq * heads.q
+    return {"linear": linear, "attention": [(seq, d, seq, per_head), (seq, seq, d, per_head)]}
+
+
+def backward_gemms(gemms: list) -> list:
+    """The matmuls of the backward pass of ``gemms``: for ``Y = X W`` (``[m, k] x [k, n]``) the input gradient
+    ``dY W^T`` (``[m, n] x [n, k]``) and the weight gradient ``X^T dY`` (``[k, m] x [m, n]``): 2x the FLOPs."""
+    out = []
+    for m, k, n, count in gemms:
+        out += [(m, n, k, count), (k, m, n, count)]
+    return out
+
+
 def logit_forward_flops(model: ModelSpec, vocab_rows: int, tokens: float) -> float:
     """Output layer: 2 * tokens * h * V (per rank: its ``vocab_rows``)."""
     return 2 * tokens * model.hidden_size * vocab_rows

@@ -13,22 +13,46 @@ its source (paper, table, row). Used by :mod:`tensorpar.planner.accuracy` and
   280 = tp 8 x pp 35 for 530B, micro-batch 1, the default 1F1B schedule) and ZeRO-3 without model
   parallelism; achieved teraFLOP/s per GPU, counted with eq. 3 (which includes full recomputation).
 
+* Held out (:data:`HELD_OUT`): Narayanan et al. 2021, Table 1 (the weak-scaling runs, also the Megatron-LM
+  README's throughput table of April 2021): ten GPT models of 1.7B to 1008B parameters (heads, hidden size,
+  layers, tp, pp, GPUs and batch as published; s = 2048, V = 51200), achieved teraFLOP/s per GPU by eq. 3. The
+  table does not give the micro-batch size or the schedule: these rows assume micro-batch 1 and the default
+  1F1B schedule (what Table 2's PTD-P rows state for the 175B and 530B models), full recomputation (eq. 3
+  counts it) and no sequence parallelism (it came in 2022). None of the planner's constants was set on them.
+
 Hardware of both: DGX A100 80GB nodes (8 GPUs, NVLink/NVSwitch, eight 200 Gb/s HDR InfiniBand NICs).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from tensorpar.planner.model_spec import preset
+from tensorpar.planner.model_spec import ModelSpec, preset
 
 KORTHIKANTI = "Korthikanti et al. 2022 (arXiv 2205.05198)"
 NARAYANAN = "Narayanan et al. 2021 (arXiv 2104.04473)"
 
 
+# Narayanan et al. 2021 (arXiv 2104.04473), Table 1: (parameters in billions, attention heads, hidden size,
+# layers, tensor-parallel size, pipeline-parallel size, GPUs, batch size, achieved teraFLOP/s per GPU).
+_TABLE1 = ((1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+           (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+           (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+           (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+           (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163))
+
+
+def table1_model(billions: float, heads: int, hidden: int, layers: int) -> ModelSpec:
+    """A GPT of Narayanan et al. 2021, Table 1: the gpt3-175b preset's architecture (Megatron kernels, GeLU MLP
+    of 4h, LayerNorm, biases, learned positions, tied embeddings, V = 51200) at that size."""
+    return replace(preset("gpt3-175b"), name=f"gpt-{billions:g}b", num_layers=layers, hidden_size=hidden,
+                   num_heads=heads, num_kv_heads=heads, ffn_hidden_size=4 * hidden, head_dim=hidden // heads)
+
+
 # Korthikanti et al. 2022, Table 3 (Narayanan et al. 2021 Table 1 gives the same shapes for 175B and 530B):
 # the presets of tensorpar.planner.model_spec, so that `tensorpar plan --model gpt-1t ... --evaluate ...`
-# reproduces a row.
-MODELS = {"22B": preset("gpt-22b"), "175B": preset("gpt3-175b"), "530B": preset("gpt-530b"), "1T": preset("gpt-1t")}
+# reproduces a row; then the held-out Table 1 models.
+MODELS = {"22B": preset("gpt-22b"), "175B": preset("gpt3-175b"), "530B": preset("gpt-530b"), "1T": preset("gpt-1t"),
+          **{f"{b:g}B": table1_model(b, a, h, l) for b, a, h, l, *_ in _TABLE1}}
 
 
 @dataclass(frozen=True)
@@ -109,3 +133,11 @@ RUNS: tuple[Run, ...] = (
     _t2("ptd-p", "530B", 2240, 560, 1, 171), _t2("ptd-p", "530B", 2240, 1120, 1, 167),
     _t2("ptd-p", "530B", 2240, 2240, 1, 159),
 )
+
+
+HELD_OUT: tuple[Run, ...] = tuple(
+    Run(source=NARAYANAN, table="Table 1", row=f"{b:g}B, {n} GPUs (t {t}, p {p})", model=f"{b:g}B", gpus=n,
+        global_batch=batch, layout=_k_layout(t, p, n // (t * p), 1, False, "full"), metric="tflops_per_gpu",
+        value=tflops)
+    for b, _a, _h, _l, t, p, n, batch, tflops in _TABLE1)
+"""The held-out split: rows no constant of the planner was fitted or tuned on (see docs/planner.md, Accuracy)."""

@@ -103,10 +103,12 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, overwrite: boo
     """Write the checkpoint at ``ckpt`` (or the latest one under it) as a Hugging Face folder ``out``.
 
     The weights are saved in fp32; the model's tokenizer files are copied when the run used a model
-    folder's tokenizer (a byte-level run has none: ids are UTF-8 bytes). Everything is written into a
-    new temporary sibling folder first; a new ``out`` is then one rename, an existing one (empty, or a
-    previous export with ``overwrite``) gets each file by ``os.replace``, the marker last, and only then
-    loses the files of the previous export that the new one does not have. ``progress=False`` hides
+    folder's tokenizer, and a byte-level run gets :meth:`ByteTokenizer.to_transformers
+    <tensorpar.data.tokenizers.ByteTokenizer.to_transformers>` (``tokenizer.json`` and
+    ``tokenizer_config.json``: ``AutoTokenizer`` encodes text to its UTF-8 bytes, the ids it was trained on).
+    Everything is written into a new temporary sibling folder first; a new ``out`` is then one rename, an
+    existing one (empty, or a previous export with ``overwrite``) gets each file by ``os.replace``, the marker last,
+    and only then loses the files of the previous export that the new one does not have. ``progress=False`` hides
     transformers' "Writing model shards" bar. Returns ``out``.
 
     Raises:
@@ -136,7 +138,10 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, overwrite: boo
         with _progress_bars(progress):
             model.save_pretrained(tmp)
         tok = state.get("tokenizer")
-        if tok and tok != "bytes" and Path(tok).is_dir():
+        if tok == "bytes":  # ids are UTF-8 bytes: a tokenizer.json that AutoTokenizer loads to the same ids
+            from tensorpar.data.tokenizers import ByteTokenizer
+            ByteTokenizer().to_transformers().save_pretrained(tmp)
+        elif tok and Path(tok).is_dir():
             for name in TOKENIZER_FILES:
                 if (Path(tok) / name).is_file():
                     shutil.copy2(Path(tok) / name, tmp / name)
