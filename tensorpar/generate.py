@@ -383,14 +383,28 @@ def _resolve(spec: str):
     return resolve_model(spec)
 
 
+def chat_prompt_ids(tok, messages: list[dict]) -> list[int]:
+    """The prompt ids of a chat (``[n]``): exactly ``tok.apply_chat_template(messages, tokenize=True,
+    add_generation_prompt=True)``, used by ``generate --chat`` and ``serve``'s chat endpoint.
+
+    The template writes every special token itself; rendering it to text and tokenizing that with the
+    tokenizer's defaults would add the tokenizer's BOS in front of the template's (two BOS, sglang PR #888).
+    Raises whatever the tokenizer raises when it has no chat template.
+    """
+    return list(tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))
+
+
 def _encode(tok, prompts: list[str], chat: bool):
-    if chat:
-        prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                           add_generation_prompt=True) for p in prompts]
+    """``[b, s]`` left-padded ids and attention mask of ``prompts`` (with ``chat``: :func:`chat_prompt_ids`
+    of one user message each)."""
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    enc = tok(prompts, return_tensors="pt", padding=True)
+    if chat:
+        rows = [chat_prompt_ids(tok, [{"role": "user", "content": p}]) for p in prompts]
+        enc = tok.pad({"input_ids": rows}, padding=True, return_tensors="pt")
+    else:
+        enc = tok(prompts, return_tensors="pt", padding=True)
     return enc["input_ids"], enc["attention_mask"]
 
 
