@@ -243,6 +243,8 @@ def _lean_for(model, tp, path: str, max_batch: int, max_len: int):
 def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_id, on_token, check_speed, path):
     from transformers import DynamicCache
 
+    from tensorpar.rope import per_row_rope
+
     cfg = model.config
     b, s = input_ids.shape
     limit = getattr(cfg, "max_position_embeddings", None)
@@ -271,8 +273,9 @@ def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_
             if lean is not None:
                 logits = (lean.prefill(ids, mask, pos) if step == 0 else lean.decode(ids, pos, s + step - 1))
             else:
-                logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
-                               logits_to_keep=1).logits[:, -1]                        # [b, V_r]
+                with per_row_rope(model):     # longrope: each row the factors of its own length (tensorpar/rope.py)
+                    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
+                                   use_cache=True, logits_to_keep=1).logits[:, -1]    # [b, V_r]
         if sampling.temperature == 0:
             nxt = vocab_parallel_argmax(logits, tp, partition=plan.vocab)
         else:

@@ -196,3 +196,69 @@ def test_smollm2_chat_prompt_ids_are_apply_chat_templates():
     ids, mask = _encode(tok, ["What is 2+2?", "Say hi"], chat=True)
     for row, m, text in zip(ids, mask, ["What is 2+2?", "Say hi"]):
         assert row[m.bool()].tolist() == _template_ids(tok, text)
+
+
+# ---------------------------------------------------------------- length-dependent rotary factors (rope_scaling)
+
+ROPE_SWITCH = 32        # longrope's original_max_position_embeddings here: prompts of 8 and 29 tokens start short,
+ROPE_LENGTHS = {"llama": (8, 29, 70), "phi3": (8, 70)}      # 70 long; 29 + 6 new tokens crosses it while decoding
+
+
+def make_rope_folder(path, arch: str, rope: str):
+    """A random llama (lean path) or phi3 (module path) with ``rope_scaling`` of type ``rope``: longrope whose long
+    factors differ from its short ones (switching above :data:`ROPE_SWITCH`), or dynamic NTK."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    if arch == "llama":
+        kw, d = dict(ARCHS["llama"], initializer_range=0.5, tie_word_embeddings=False), 4
+    else:
+        kw, d = dict(model_type="phi3", vocab_size=53, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
+                     num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0,
+                     bos_token_id=1, eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+                     initializer_range=0.5), 8
+    if rope == "longrope":
+        kw["rope_parameters"] = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * (d // 2),
+                                     long_factor=[float(4 ** i) for i in range(d // 2)],
+                                     original_max_position_embeddings=ROPE_SWITCH)
+        if arch == "phi3":
+            kw["original_max_position_embeddings"] = ROPE_SWITCH     # Phi-3 reads it from the config itself
+    else:
+        kw["rope_parameters"] = dict(rope_type="dynamic", rope_theta=10000.0, factor=4.0)
+    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).float().save_pretrained(path)
+    return str(path)
+
+
+def rope_prompts(arch: str) -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 53, (n,), generator=g).tolist() for n in ROPE_LENGTHS[arch]]
+
+
+def hf_alone(folder, prompts, n):
+    """transformers' greedy generate of each prompt by itself (the reference: the factors of its own length)."""
+    out = []
+    for p in prompts:
+        x = torch.tensor([p])
+        out.append(hf_reference(folder, x, torch.ones_like(x), n)[0][0].tolist())
+    return out
+
+
+def job_generate_batch(ctx, folder, prompts, n):
+    from tensorpar.hf.load import build_parallel_model
+    model, _ = build_parallel_model(folder, ctx.tp)
+    s = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (s - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (s - len(p)) + [1] * len(p) for p in prompts])
+    return generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=n)).tokens.tolist()
+
+
+@pytest.mark.parametrize("arch,rope", [("llama", "longrope"), ("phi3", "longrope"), ("llama", "dynamic")])
+def test_rope_scaling_batch_of_lengths_equals_each_alone(pools, tmp_path, arch, rope):
+    """generate with prompts of 8 and 70 tokens in one batch (left-padded) at tp=2: each row's greedy tokens are
+    transformers' generate of that prompt alone (before: the 70-token row gave the 8-token row longrope's long
+    factors)."""
+    folder = make_rope_folder(tmp_path / f"{arch}_{rope}", arch, rope)
+    prompts = rope_prompts(arch)
+    want = hf_alone(folder, prompts, 6)
+    for r, got in enumerate(run_tp(pools, 2, job_generate_batch, folder, prompts, 6)):
+        assert got == want, f"{arch} {rope} rank {r}"
