@@ -330,10 +330,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                               "under torchrun the world size is used)")
     p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch (default: a sample prompt)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="token budget per prompt (>= 1)")
-    p.add_argument("--temperature", type=float, default=0.0, help="softmax temperature; 0 = greedy")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="softmax temperature (default 0 = greedy; unlike serve's default 1); --top-k, --top-p and "
+                        "--seed need a temperature > 0")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (rank 0)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampling generator (rank 0; default 0)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and compute dtype")
     add_quantize_argument(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -437,14 +439,15 @@ def _rank_main(folder: str, args: argparse.Namespace) -> int:
         tok = AutoTokenizer.from_pretrained(folder)
         prompts = args.prompt or ["The capital of France is"]
         ids, mask = _encode(tok, prompts, args.chat)
-        sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+        seed = 0 if args.seed is None else args.seed
+        sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, seed)
         eos = eos_token_ids(folder, tok)  # every end-of-sequence id of generation_config.json stops a row
         single = len(prompts) == 1
         printer = TokenPrinter(tok) if single and ctx.rank == 0 else None
         on_token = printer
         if args.check_collectives or fingerprint.enable_from_env(ctx.tp) is not None:
             fingerprint.enable(ctx.tp, timeout_s=min(args.timeout / 2, 60.0))
-            fingerprint.check(ctx.tp, {"prompt": ids, "attention_mask": mask, "seed": args.seed,
+            fingerprint.check(ctx.tp, {"prompt": ids, "attention_mask": mask, "seed": seed,
                                        "temperature": args.temperature})
 
             def on_token(step, nxt, _print=printer):  # every decode step; compares at step 0 and every 50
@@ -497,8 +500,14 @@ def validate(args: argparse.Namespace):
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.top_k < 0:
         raise ValueError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
-    if not 0 <= args.seed < 2 ** 63:
+    if args.seed is not None and not 0 <= args.seed < 2 ** 63:
         raise ValueError(f"--seed must be in [0, 2**63), got {args.seed}")
+    if args.temperature == 0:       # greedy: these would silently do nothing
+        unused = [f"{name} {v}" for name, v, off in (("--top-p", args.top_p, 1.0), ("--top-k", args.top_k, 0),
+                                                      ("--seed", args.seed, None)) if v != off]
+        if unused:
+            raise ValueError(f"{', '.join(unused)}: sampling options need --temperature > 0 (the default 0 is "
+                             f"greedy, which ignores them); add e.g. --temperature 1 or drop them")
     for p in args.prompt or []:
         try:
             p.encode("utf-8")
