@@ -243,6 +243,8 @@ def _lean_for(model, tp, path: str, max_batch: int, max_len: int):
 def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_id, on_token, check_speed, path):
     from transformers import DynamicCache
 
+    from tensorpar.rope import per_row_rope
+
     cfg = model.config
     b, s = input_ids.shape
     limit = getattr(cfg, "max_position_embeddings", None)
@@ -271,8 +273,9 @@ def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_
             if lean is not None:
                 logits = (lean.prefill(ids, mask, pos) if step == 0 else lean.decode(ids, pos, s + step - 1))
             else:
-                logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
-                               logits_to_keep=1).logits[:, -1]                        # [b, V_r]
+                with per_row_rope(model):     # longrope: each row the factors of its own length (tensorpar/rope.py)
+                    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
+                                   use_cache=True, logits_to_keep=1).logits[:, -1]    # [b, V_r]
         if sampling.temperature == 0:
             nxt = vocab_parallel_argmax(logits, tp, partition=plan.vocab)
         else:
@@ -326,10 +329,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_launch_arguments(p)
     p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch (default: a sample prompt)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="token budget per prompt (>= 1)")
-    p.add_argument("--temperature", type=float, default=0.0, help="softmax temperature; 0 = greedy")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="softmax temperature (default 0 = greedy; unlike serve's default 1); --top-k, --top-p and "
+                        "--seed need a temperature > 0")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (rank 0)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampling generator (rank 0; default 0)")
     add_quantize_argument(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--print-plan", action="store_true", help="print the sharding plan and exit")
@@ -372,16 +377,30 @@ def _resolve(spec: str):
     return resolve_model(spec)
 
 
+def chat_prompt_ids(tok, messages: list[dict]) -> list[int]:
+    """The prompt ids of a chat (``[n]``): exactly ``tok.apply_chat_template(messages, tokenize=True,
+    add_generation_prompt=True)``, used by ``generate --chat`` and ``serve``'s chat endpoint.
+
+    The template writes every special token itself; rendering it to text and tokenizing that with the
+    tokenizer's defaults would add the tokenizer's BOS in front of the template's (two BOS, sglang PR #888).
+    Raises whatever the tokenizer raises when it has no chat template.
+    """
+    return list(tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))
+
+
 def _encode(tok, prompts: list[str], chat: bool):
-    if chat:
-        prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                           add_generation_prompt=True) for p in prompts]
+    """``[b, s]`` left-padded ids and attention mask of ``prompts`` (with ``chat``: :func:`chat_prompt_ids`
+    of one user message each)."""
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     if tok.pad_token is None:  # neither (a byte-level export): pad with id 0, masked; set on this object only, it
         tok.pad_token_id = 0   # does not make byte 0's symbol a special token that the input's text would match
-    enc = tok(prompts, return_tensors="pt", padding=True)
+    if chat:
+        rows = [chat_prompt_ids(tok, [{"role": "user", "content": p}]) for p in prompts]
+        enc = tok.pad({"input_ids": rows}, padding=True, return_tensors="pt")
+    else:
+        enc = tok(prompts, return_tensors="pt", padding=True)
     return enc["input_ids"], enc["attention_mask"]
 
 
@@ -411,14 +430,15 @@ def _rank_main(folder: str, args: argparse.Namespace) -> int:
         tok = AutoTokenizer.from_pretrained(folder)
         prompts = args.prompt or ["The capital of France is"]
         ids, mask = _encode(tok, prompts, args.chat)
-        sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+        seed = 0 if args.seed is None else args.seed
+        sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, seed)
         eos = eos_token_ids(folder, tok)  # every end-of-sequence id of generation_config.json stops a row
         single = len(prompts) == 1
         printer = TokenPrinter(tok) if single and ctx.rank == 0 else None
         on_token = printer
         if args.check_collectives or fingerprint.enable_from_env(ctx.tp) is not None:
             fingerprint.enable(ctx.tp, timeout_s=min(args.timeout / 2, 60.0))
-            fingerprint.check(ctx.tp, {"prompt": ids, "attention_mask": mask, "seed": args.seed,
+            fingerprint.check(ctx.tp, {"prompt": ids, "attention_mask": mask, "seed": seed,
                                        "temperature": args.temperature})
 
             def on_token(step, nxt, _print=printer):  # every decode step; compares at step 0 and every 50
@@ -471,8 +491,14 @@ def validate(args: argparse.Namespace):
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.top_k < 0:
         raise ValueError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
-    if not 0 <= args.seed < 2 ** 63:
+    if args.seed is not None and not 0 <= args.seed < 2 ** 63:
         raise ValueError(f"--seed must be in [0, 2**63), got {args.seed}")
+    if args.temperature == 0:       # greedy: these would silently do nothing
+        unused = [f"{name} {v}" for name, v, off in (("--top-p", args.top_p, 1.0), ("--top-k", args.top_k, 0),
+                                                      ("--seed", args.seed, None)) if v != off]
+        if unused:
+            raise ValueError(f"{', '.join(unused)}: sampling options need --temperature > 0 (the default 0 is "
+                             f"greedy, which ignores them); add e.g. --temperature 1 or drop them")
     for p in args.prompt or []:
         try:
             p.encode("utf-8")

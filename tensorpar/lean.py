@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from tensorpar import comm
 from tensorpar.comm import Group
+from tensorpar.rope import rope_switch_length, row_rotary
 
 def lean_unsupported(model) -> str | None:
     """Why ``model`` (sharded by :func:`tensorpar.hf.apply.parallelize`) cannot run :class:`LeanDecoder`, or
@@ -217,6 +218,15 @@ def _kv_runs(kv_index: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def _offsets(segments) -> list[int]:
+    """Where each segment's tokens start in a :meth:`LeanDecoder.forward_segments` call."""
+    out, o = [], 0
+    for g in segments:
+        out.append(o)
+        o += g.b * g.s
+    return out
+
+
 class _Layer:
     __slots__ = ("ln1", "wqkv", "bqkv", "wo", "bo", "ln2", "wgu", "bgu", "f", "wd", "bd", "act", "silu",
                  "kv_idx", "kv_runs", "gqa", "scaling")
@@ -274,6 +284,7 @@ class LeanDecoder:
         base = model.model
         self.model, self.tp = model, tp
         self.embed, self.rotary = base.embed_tokens, base.rotary_emb
+        self.rope_switch = rope_switch_length(base.rotary_emb)
         self.norm = _rms_norm(base.norm)
         self.lm_w, self.lm_b = lean_weight(model.lm_head), getattr(model.lm_head, "bias", None)
         self.max_batch, self.max_len = max_batch, max_len
@@ -399,7 +410,12 @@ class LeanDecoder:
                              f"{T} ids / {rope_pos.shape[0]} positions given")
         x = self.embed(ids.view(1, T))                                                 # [1, T, h], all-reduced
         h = x.shape[-1]
-        cos, sin = self.rotary(x, rope_pos.view(1, T))                                 # [1, T, d]
+        if self.rope_switch is None:
+            cos, sin = self.rotary(x, rope_pos.view(1, T))                             # [1, T, d]
+        else:       # longrope: each row the factors of its own length (tensorpar/rope.py)
+            last = torch.cat([rope_pos[o:o + g.b * g.s].view(g.b, g.s)[:, -1:].expand(g.b, g.s).reshape(-1)
+                              for g, o in zip(segments, _offsets(segments))])
+            cos, sin = row_rotary(self.rotary, x, rope_pos.view(1, T), last.view(1, T), self.rope_switch)
         d, nq, nkv = self.head_dim, self.n_q, self.n_kv
         cos = cos.view(T, 1, d)
         sin = (sin * self.sign).view(T, 1, d)

@@ -116,3 +116,149 @@ def test_prompt_too_long(model_dirs):
     model, _ = build_parallel_model(model_dirs["llama"], ctx.tp)
     with pytest.raises(ValueError, match="max_position_embeddings=128"):
         generate_tokens(model, ctx.tp, torch.zeros(1, 120, dtype=torch.long), sampling=SamplingConfig(16))
+
+
+# ---------------------------------------------------------------- chat prompts
+
+def bos_chat_folder(path):
+    """A random llama whose tokenizer adds BOS (a post-processor, as Llama's does) and whose chat template
+    also writes ``{{ bos_token }}``: rendering to text and tokenizing again gives two BOS (sglang PR #888)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    folder = make_model_folder(path, "llama")
+    vocab = {chr(ord("a") + i): i for i in range(26)} | {" ": 26, ".": 27, "<eos>": 28, ":": 29, "<s>": 30}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tk.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                      special_tokens=[("<s>", 30)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="<eos>", pad_token="<eos>")
+    tok.chat_template = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}. {% endfor %}"
+                         "{% if add_generation_prompt %}assistant: {% endif %}")
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+CHAT_PROMPTS = ["the cat", "a dog ran far"]          # different lengths: the shorter one is left-padded
+
+
+def _template_ids(tok, text):
+    return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True,
+                                   return_dict=False)
+
+
+def test_chat_prompt_ids_are_apply_chat_templates(tmp_path):
+    from transformers import AutoTokenizer
+
+    from tensorpar.generate import _encode
+    tok = AutoTokenizer.from_pretrained(bos_chat_folder(tmp_path / "bos"))
+    ids, mask = _encode(tok, CHAT_PROMPTS, chat=True)
+    for row, m, text in zip(ids, mask, CHAT_PROMPTS):
+        want = _template_ids(tok, text)
+        assert want.count(tok.bos_token_id) == 1
+        assert row[m.bool()].tolist() == want                 # one BOS, not the template's plus the tokenizer's
+    assert mask[1].all() and not mask[0].all()               # left padding
+
+
+def job_chat(ctx, folder, n):
+    from transformers import AutoTokenizer
+
+    from tensorpar.generate import _encode
+    from tensorpar.hf.load import build_parallel_model
+    model, _ = build_parallel_model(folder, ctx.tp)
+    ids, mask = _encode(AutoTokenizer.from_pretrained(folder), CHAT_PROMPTS, chat=True)
+    return ids, generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=n)).tokens
+
+
+def test_chat_prompt_greedy_equals_transformers_on_template_ids(pools, tmp_path):
+    """What every rank feeds the model for ``--chat`` is apply_chat_template's ids, and the greedy tokens are
+    transformers' generate of those ids (each prompt alone: no padding in the reference)."""
+    from transformers import AutoTokenizer
+    folder = bos_chat_folder(tmp_path / "bos")
+    tok = AutoTokenizer.from_pretrained(folder)
+    want = []
+    for text in CHAT_PROMPTS:
+        x = torch.tensor([_template_ids(tok, text)])
+        want.append(hf_reference(folder, x, torch.ones_like(x), 8)[0][0])
+    for tp in (1, 2):
+        for r, (ids, tokens) in enumerate(run_tp(pools, tp, job_chat, folder, 8)):
+            for i, text in enumerate(CHAT_PROMPTS):
+                assert ids[i][ids[i] != tok.pad_token_id].tolist() == _template_ids(tok, text), f"tp={tp} rank {r}"
+                assert torch.equal(tokens[i], want[i]), f"tp={tp} rank {r} prompt {i}: {tokens[i]} != {want[i]}"
+
+
+@pytest.mark.network
+def test_smollm2_chat_prompt_ids_are_apply_chat_templates():
+    from transformers import AutoTokenizer
+
+    from tensorpar.generate import _encode
+    from tensorpar.hub import resolve_model
+    tok = AutoTokenizer.from_pretrained(str(resolve_model("smollm2", progress=False)))
+    ids, mask = _encode(tok, ["What is 2+2?", "Say hi"], chat=True)
+    for row, m, text in zip(ids, mask, ["What is 2+2?", "Say hi"]):
+        assert row[m.bool()].tolist() == _template_ids(tok, text)
+
+
+# ---------------------------------------------------------------- length-dependent rotary factors (rope_scaling)
+
+ROPE_SWITCH = 32        # longrope's original_max_position_embeddings here: prompts of 8 and 29 tokens start short,
+ROPE_LENGTHS = {"llama": (8, 29, 70), "phi3": (8, 70)}      # 70 long; 29 + 6 new tokens crosses it while decoding
+
+
+def make_rope_folder(path, arch: str, rope: str):
+    """A random llama (lean path) or phi3 (module path) with ``rope_scaling`` of type ``rope``: longrope whose long
+    factors differ from its short ones (switching above :data:`ROPE_SWITCH`), or dynamic NTK."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    if arch == "llama":
+        kw, d = dict(ARCHS["llama"], initializer_range=0.5, tie_word_embeddings=False), 4
+    else:
+        kw, d = dict(model_type="phi3", vocab_size=53, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
+                     num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0,
+                     bos_token_id=1, eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+                     initializer_range=0.5), 8
+    if rope == "longrope":
+        kw["rope_parameters"] = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * (d // 2),
+                                     long_factor=[float(4 ** i) for i in range(d // 2)],
+                                     original_max_position_embeddings=ROPE_SWITCH)
+        if arch == "phi3":
+            kw["original_max_position_embeddings"] = ROPE_SWITCH     # Phi-3 reads it from the config itself
+    else:
+        kw["rope_parameters"] = dict(rope_type="dynamic", rope_theta=10000.0, factor=4.0)
+    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).float().save_pretrained(path)
+    return str(path)
+
+
+def rope_prompts(arch: str) -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 53, (n,), generator=g).tolist() for n in ROPE_LENGTHS[arch]]
+
+
+def hf_alone(folder, prompts, n):
+    """transformers' greedy generate of each prompt by itself (the reference: the factors of its own length)."""
+    out = []
+    for p in prompts:
+        x = torch.tensor([p])
+        out.append(hf_reference(folder, x, torch.ones_like(x), n)[0][0].tolist())
+    return out
+
+
+def job_generate_batch(ctx, folder, prompts, n):
+    from tensorpar.hf.load import build_parallel_model
+    model, _ = build_parallel_model(folder, ctx.tp)
+    s = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (s - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (s - len(p)) + [1] * len(p) for p in prompts])
+    return generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=n)).tokens.tolist()
+
+
+@pytest.mark.parametrize("arch,rope", [("llama", "longrope"), ("phi3", "longrope"), ("llama", "dynamic")])
+def test_rope_scaling_batch_of_lengths_equals_each_alone(pools, tmp_path, arch, rope):
+    """generate with prompts of 8 and 70 tokens in one batch (left-padded) at tp=2: each row's greedy tokens are
+    transformers' generate of that prompt alone (before: the 70-token row gave the 8-token row longrope's long
+    factors)."""
+    folder = make_rope_folder(tmp_path / f"{arch}_{rope}", arch, rope)
+    prompts = rope_prompts(arch)
+    want = hf_alone(folder, prompts, 6)
+    for r, got in enumerate(run_tp(pools, 2, job_generate_batch, folder, prompts, 6)):
+        assert got == want, f"{arch} {rope} rank {r}"

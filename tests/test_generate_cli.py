@@ -107,6 +107,23 @@ def test_bad_options_fail_before_launch(tiny_with_tokenizer, args, msg):
     assert r.returncode == 2 and msg in r.stderr, r.stderr[-2000:]
 
 
+@pytest.mark.parametrize("args", [["--top-p", "0.5", "--top-k", "5", "--seed", "7"], ["--top-k", "5"],
+                                  ["--top-p", "0.9", "--temperature", "0"], ["--seed", "7"]])
+def test_sampling_options_without_temperature_refused(tiny_with_tokenizer, args):
+    """Sampling options at the default temperature 0 (greedy) would do nothing: one line, before any rank starts."""
+    import argparse
+
+    from tensorpar import generate
+    p = argparse.ArgumentParser()
+    generate.add_arguments(p)
+    with pytest.raises(ValueError, match=r"^--(top-p|top-k|seed) .*need --temperature > 0"):
+        generate.validate(p.parse_args(["--model", tiny_with_tokenizer, *args]))
+    # with a temperature they are used, and the defaults alone stay greedy
+    generate.validate(p.parse_args(["--model", tiny_with_tokenizer, *args, "--temperature", "0.8"]))
+    generate.validate(p.parse_args(["--model", tiny_with_tokenizer, "--top-k", "0", "--top-p", "1"]))
+    assert "default 0 = greedy" in " ".join(p.format_help().split())
+
+
 def test_long_prefill_says_what_it_does(tiny_with_tokenizer):
     prompts = []
     for i in range(10):                       # >= 512 prompt tokens in all (10 prompts of >= 60 tokens)

@@ -218,7 +218,7 @@ def test_chat_template_and_stream(server, reference):
                                   extra_body={"return_token_ids": True})
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(server["folder"])
-    ids = tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))["input_ids"]
+    ids = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False)
     want = hf_greedy(reference, ids, 10)
     assert r.choices[0].token_ids == want[:len(r.choices[0].token_ids)]
     assert r.usage.prompt_tokens == len(ids)
@@ -368,6 +368,23 @@ def test_scheduler_slots_waiting_and_queue_limit():
     assert [e[1] for e in events[2] if e[0] == "token"] == [3, 4, 5, 6]     # slot 0 again, its own positions
     assert all(e[-1] == ("done", "length") for e in list(events.values())[:3])
     assert s.running == {} and s._pending == 0
+
+
+def test_chat_prompt_ids_are_apply_chat_templates(tmp_path):
+    """The chat endpoint's prompt ids are apply_chat_template(tokenize=True)'s, for a tokenizer that adds BOS and
+    a template that writes it (one BOS, not two) and for this module's template (no BOS at all)."""
+    from transformers import AutoTokenizer
+
+    from tensorpar.serve.api import Api
+    from tests.test_generate import bos_chat_folder
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat"}]
+    for folder in (bos_chat_folder(tmp_path / "bos"), make_folder(tmp_path / "plain")):
+        tok = AutoTokenizer.from_pretrained(folder)
+        want = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False)
+        req, _ = Api(None, tok, "tiny", 64, None).parse({"messages": msgs, "temperature": 0}, chat=True)
+        assert req.prompt == want
+        if tok.bos_token_id is not None:
+            assert req.prompt.count(tok.bos_token_id) == 1
 
 
 @pytest.mark.parametrize("args,msg", [(["--tp", "0"], "--tp must be a positive integer"),

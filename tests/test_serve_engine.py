@@ -162,3 +162,32 @@ def job_exchange(ctx, fast: bool):
 def test_exchange_delivers_every_plan(pools, fast):
     for got in run_tp(pools, 2, job_exchange, fast):
         assert got == _plans()
+
+
+def job_rope(ctx, folder, prompts):
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.serve.engine import Engine
+    model, _ = build_parallel_model(folder, ctx.tp, dtype=torch.float32)
+    engine = Engine(model, ctx.tp, max_batch=4, max_len=96)
+    rank0 = ctx.tp.rank == 0
+    alone = [_drive(engine, [(0, 0, p)], rank0)[0][0] for p in prompts]
+    together = [o[0] for o in _drive(engine, [(0, i, p) for i, p in enumerate(prompts)], rank0)]
+    # the long request joins at step 2, its prefill next to the short ones' decodes
+    joining = [o[0] for o in _drive(engine, [(2 if len(p) > 64 else 0, i + 1, p) for i, p in enumerate(prompts)],
+                                    rank0)]
+    return alone, together, joining
+
+
+@pytest.mark.parametrize("arch,rope", [("llama", "longrope"), ("phi3", "longrope"), ("llama", "dynamic")])
+def test_rope_scaling_request_alone_equals_batched(pools, tmp_path, arch, rope):
+    """rope_scaling whose factors depend on the length (longrope: short factors up to 32 tokens, long above): a
+    short request's greedy tokens are the same alone, prefilled with a 70-token request, and decoding next to its
+    prefill, and equal transformers' generate of it alone (llama: the lean path; phi3: the module path); tp=2."""
+    from tests.test_generate import hf_alone, make_rope_folder, rope_prompts
+    folder = make_rope_folder(tmp_path / f"{arch}_{rope}", arch, rope)
+    prompts = rope_prompts(arch)
+    want = hf_alone(folder, prompts, NEW)
+    for r, (alone, together, joining) in enumerate(run_tp(pools, 2, job_rope, folder, prompts)):
+        assert alone == want, f"{arch} {rope} rank {r}: alone"
+        assert together == want, f"{arch} {rope} rank {r}: prefilled together"
+        assert joining == want, f"{arch} {rope} rank {r}: joining a running batch"

@@ -168,11 +168,11 @@ class Api:
                 raise BadRequest(f"messages[{i}] must be {{role: system|user|assistant, content: string}}",
                                  "messages")
         msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
+        from tensorpar.generate import chat_prompt_ids
         try:
-            text = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            return chat_prompt_ids(self.tok, msgs)
         except Exception as e:  # tokenizers without a chat template raise their own errors
             raise BadRequest(f"this model's tokenizer cannot apply a chat template: {e}", "messages") from e
-        return list(self.tok(text)["input_ids"])
 
     # ------------------------------------------------------------------ running one request
     def run(self, req: Request, opts: dict):

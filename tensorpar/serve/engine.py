@@ -276,13 +276,15 @@ class Engine:
             ids = torch.cat([i.reshape(-1) for i, *_ in parts])
             pos = torch.cat([p.reshape(-1) for _, p, *_ in parts])
             return self.lean.forward_segments(ids, pos, segs)
+        from tensorpar.rope import per_row_rope
         out = []
         for ids_t, pos_t, slot_t, mask, length in parts:
             if mask is None:
                 mask = torch.ones(len(slot_t), 1, 1, length, dtype=torch.bool, device=self.device)
             self.cache.bind(slot_t, pos_t, length)
-            lg = self.model(input_ids=ids_t, attention_mask=mask, position_ids=pos_t, cache=self.cache,
-                            use_cache=False, logits_to_keep=1)
+            with per_row_rope(self.model):      # longrope: each row the factors of its own length
+                lg = self.model(input_ids=ids_t, attention_mask=mask, position_ids=pos_t, cache=self.cache,
+                                use_cache=False, logits_to_keep=1)
             out.append(lg.logits[:, -1])
         return out[0] if len(out) == 1 else torch.cat(out)
 
