@@ -296,6 +296,8 @@ def job_load(ctx, folder, ep_mode):
     n = 0
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), local_slice(refp[name].detach(), p, tp.rank)), name
+        if ep_mode and ".experts." in name:     # the ep split survives the load (grad_norm sums these over ep)
+            assert p.ep_dim == 0 and p.ep_partition.tp_size == tp.size, name
         n += 1
     return n
 
