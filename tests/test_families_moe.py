@@ -517,3 +517,15 @@ def test_moe_expert_parallel_three_steps_with_an_idle_rank(pools, model_type, in
         out = pools(ep).run(job_three_steps, model_type, intermediate, False)
     assert all(norms == out[0][0] for norms, _ in out), out
     assert out[0][1] > 20
+
+
+def test_moe_checkpoint_refuses_tp_times_ep_params():
+    """A stacked expert parameter split over tp (rows) and ep (experts): its experts depend on the ep rank, which
+    the per-expert reader is not given; it refuses instead of reading the first experts on every ep rank."""
+    from tensorpar.hf.moe_checkpoint import read_moe_shard
+    from tensorpar.layers.linear import mark_sharded
+    from tensorpar.shard import Partition
+    p = mark_sharded(torch.nn.Parameter(torch.empty(2, 12, 40)), 1, Partition.make(24, 2))
+    p.ep_dim, p.ep_partition = 0, Partition.make(4, 2)
+    with pytest.raises(ValueError, match=r"split over tp and over ep \(2 ranks\).*expert_parallelize"):
+        read_moe_shard("mixtral", "model.layers.0.mlp.experts.gate_up_proj", p, 0, set(), lambda k: None)
