@@ -1,8 +1,10 @@
-"""Gradient utilities that know which parameters are sharded over tp and which are replicated.
+"""Gradient utilities that know which parameters are sharded (over tp, ep, dp) and which are replicated.
 
-A parameter with a ``tp_dim`` attribute is a shard: its squared norm is summed over the tp
-group (rows duplicated on several ranks, as GQA's shared KV heads, are counted on their owner only). Any other parameter is replicated: its gradient is identical on every tp rank and is
-counted once. So the norm at tp = N equals the norm of the same model at tp = 1.
+A parameter with a ``tp_dim`` attribute is a tp shard (rows duplicated on several ranks, as GQA's shared KV heads,
+are counted on their owner only); one with ``ep_dim`` holds this ep rank's experts
+(:class:`tensorpar.hf.modules.EPExperts`). Any other parameter is replicated over that axis: its gradient is
+identical on every rank of it and is counted on its rank 0 only. So the norm at any layout equals the norm of the
+same model on one device, with the same bits on every rank.
 
 Under FSDP2 (``fully_shard`` on the dp axis, ``--dp-mode fsdp``) parameters and gradients are DTensors sharded
 ``Shard(0)`` over dp: each dp rank holds rows ``[r c, r c + len)`` (``c = ceil(rows / dp)``, torch.chunk's rule) of
@@ -51,29 +53,60 @@ def dp_rows(t: torch.Tensor) -> tuple[int, int]:
     return start, t.to_local().shape[0]
 
 
-def grad_norm(params: Iterable[torch.nn.Parameter], tp: Group, dp: Group | None = None) -> torch.Tensor:
-    """Global L2 norm of the gradients, as one device would compute it (fp32 scalar).
+def _data_axis(dp: Group | None, ep: Group | None) -> Group | None:
+    """The one group the data-parallel axis stands for: ``ep`` (experts split over it), else ``dp`` (FSDP)."""
+    if dp is not None and ep is not None and dp.size > 1 and ep.size > 1 and dp.pg is not ep.pg:
+        raise ValueError(f"grad_norm: ep ({ep}) must be the dp group ({dp}) when both are given: the experts are "
+                         f"split over the dp axis")
+    return ep if ep is not None and ep.size > 1 else dp
 
-    Collectives: one all-reduce of one float over ``tp`` (the sharded parameters' sum of squares); with
-    gradients that are DTensors sharded over ``dp`` (FSDP2), first one all-reduce of two floats over ``dp``.
-    Parameters without a gradient are skipped; a parameter shared twice (tied weights) is
-    counted once.
+
+def grad_norm(params: Iterable[torch.nn.Parameter], tp: Group, dp: Group | None = None, *,
+              ep: Group | None = None, pp: Group | None = None) -> torch.Tensor:
+    """Global L2 norm of the gradients, as one device would compute it (fp32 scalar, the same bits on every rank).
+
+    Each parameter is counted once in the whole job, decided from the metadata the styles set on it:
+
+    * ``tp_dim`` (a tp shard): every tp rank adds its rows (rows duplicated on several ranks, as shared KV heads,
+      on their owner only); without it the parameter is replicated over tp and only tp rank 0 adds it;
+    * ``ep_dim`` (whole experts split over ``ep``): every ep rank adds its experts; a DTensor gradient (FSDP2,
+      ``Shard(0)`` over ``dp``): every dp rank adds its rows; otherwise, when ``ep`` or ``dp`` is given, the
+      parameter is replicated over that axis and only its rank 0 adds it;
+    * ``pp``: the stages hold different parameters, each stage adds its own (a weight tied across two stages
+      must be passed by one stage only).
+
+    ``dp``: the data-parallel group when the gradients are FSDP2 DTensors (with DDP's replicated gradients it may
+    be left out). ``ep``: the expert-parallel group (the dp axis under tp x ep; the only group under ep alone, with
+    ``tp`` a one-rank group).
+
+    Collectives: one all-reduce of one float over ``tp``, then over ``ep``/``dp`` when given, then over ``pp``
+    when given; the result is that of the last all-reduce, hence identical on every rank. Parameters without a
+    gradient are skipped; a parameter listed twice (tied weights) is counted once.
 
     Raises:
-        ValueError: a DTensor gradient and no ``dp`` group, or a placement other than FSDP2's ``Shard(0)``.
+        ValueError: a DTensor gradient and no ``dp`` group, a parameter split over ep (``ep_dim``) and no ``ep``
+            group, ``ep`` and ``dp`` both given but different, or a placement other than FSDP2's ``Shard(0)``.
     """
+    data = _data_axis(dp, ep)
     seen: set[int] = set()
-    # sums of squares: [tp-sharded, tp-replicated] x [whole on this rank, dp-sharded rows (FSDP)]
-    sq_whole: list = [None, None]
-    sq_dp: list = [None, None]
+    sq, dev = None, torch.device("cpu")
     for p in params:
         if p.grad is None or id(p) in seen:
             continue
         seen.add(id(p))
         grad = p.grad.detach()
+        dev = local_tensor(grad).device
         on_dp = is_dtensor(grad)
         if on_dp and dp is None:
             raise ValueError("grad_norm: the gradients are DTensors sharded over dp (FSDP); pass the dp group")
+        on_ep = getattr(p, "ep_dim", None) is not None and p.ep_partition.tp_size > 1
+        if on_ep and (ep is None or ep.size != p.ep_partition.tp_size):
+            raise ValueError(f"grad_norm: a parameter {tuple(p.shape)} holds experts split over "
+                             f"{p.ep_partition.tp_size} ep ranks; pass that group as ep= (got {ep})")
+        if getattr(p, "tp_dim", None) is None and tp.rank != 0:
+            continue                                     # replicated over tp: counted on tp rank 0
+        if data is not None and not (on_dp or on_ep) and data.rank != 0:
+            continue                                     # replicated over the data axis: counted on its rank 0
         g = local_tensor(grad).float()
         part = getattr(p, "tp_partition", None)
         if part is not None and not part.is_disjoint:  # duplicated KV heads: count each on its owner only
@@ -82,30 +115,27 @@ def grad_norm(params: Iterable[torch.nn.Parameter], tp: Group, dp: Group | None 
                 start, n = dp_rows(grad)
                 keep = keep[start:start + n]
             g = g[keep] if p.tp_dim == 0 else g[:, keep]
-        sq = g.pow(2).sum()
-        acc, i = (sq_dp if on_dp else sq_whole), (0 if getattr(p, "tp_dim", None) is not None else 1)
-        acc[i] = sq if acc[i] is None else acc[i] + sq
-    dev = next((x.device for x in (*sq_whole, *sq_dp) if x is not None), torch.device("cpu"))
-    zero = torch.zeros((), device=dev)
-    sharded, replicated = (zero if x is None else x for x in sq_whole)
-    if any(x is not None for x in sq_dp):
-        summed = comm.all_reduce(torch.stack([zero if x is None else x for x in sq_dp]), dp)
-        sharded, replicated = sharded + summed[0], replicated + summed[1]
-    return (comm.all_reduce(sharded, tp) + replicated).sqrt()
+        s = g.pow(2).sum()
+        sq = s if sq is None else sq + s
+    total = torch.zeros((), device=dev) if sq is None else sq
+    for group in (tp, data, pp):
+        if group is not None:
+            total = comm.all_reduce(total, group)
+    return total.sqrt()
 
 
 def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, tp: Group,
-                    dp: Group | None = None) -> torch.Tensor:
+                    dp: Group | None = None, *, ep: Group | None = None, pp: Group | None = None) -> torch.Tensor:
     """Scale gradients in place so that :func:`grad_norm` is at most ``max_norm``; return the norm before.
 
-    The same scale is applied on every rank (the norm is identical on all tp and dp ranks). ``dp``: the
-    data-parallel group when the gradients are FSDP2 DTensors (see :func:`grad_norm`).
+    The same scale is applied on every rank (the norm has the same bits on every rank). ``dp``, ``ep``, ``pp``:
+    as in :func:`grad_norm`.
     Raises ValueError if ``max_norm`` is not positive.
     """
     if not max_norm > 0:
         raise ValueError(f"max_norm must be positive, got {max_norm}")
     params = [p for p in params if p.grad is not None]
-    total = grad_norm(params, tp, dp)
+    total = grad_norm(params, tp, dp, ep=ep, pp=pp)
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
     seen: set[int] = set()
     for p in params:

@@ -198,7 +198,8 @@ def _ep_step(cfg, ref, par, ep, ids, lo, hi):
         if getattr(p, "tp_dim", None) is not None and not got.any():
             idle.append(name)
         d.append(assert_parity(f"grad {name}", got, want))
-    d.append(assert_parity("grad norm", grad_norm(par.parameters(), ep),
+    from tensorpar.parallel import ParallelContext
+    d.append(assert_parity("grad norm", grad_norm(par.parameters(), ParallelContext.single().tp, ep=ep),
                            torch.cat([p.grad.flatten() for p in ref.parameters() if p.grad is not None]).norm()))
     return d, idle
 
@@ -295,6 +296,8 @@ def job_load(ctx, folder, ep_mode):
     n = 0
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), local_slice(refp[name].detach(), p, tp.rank)), name
+        if ep_mode and ".experts." in name:     # the ep split survives the load (grad_norm sums these over ep)
+            assert p.ep_dim == 0 and p.ep_partition.tp_size == tp.size, name
         n += 1
     return n
 
@@ -374,7 +377,13 @@ def job_ep_tp(ctx, model_type):
     assert all(getattr(par.get_submodule(n), "ep", None) is ep for n in names)
     per_rank = sum(par.get_submodule(n).gate_up_proj.numel() + par.get_submodule(n).down_proj.numel() for n in names)
     full = sum(ref.get_submodule(n).gate_up_proj.numel() + ref.get_submodule(n).down_proj.numel() for n in names)
-    return len(d), per_rank, full
+    # grad norm: every parameter once (tp shards, ep experts, both, the replicated KV head of qwen2_moe once)
+    norm = grad_norm(par.parameters(), tp, ep=ep)
+    d.append(assert_parity("grad norm", norm, torch.cat([p.grad.flatten() for p in ref.parameters()]).norm()))
+    for p in par.parameters():          # the oracle: all gradients 1 gives sqrt(number of parameters)
+        p.grad = torch.ones_like(p)
+    ones = grad_norm(par.parameters(), tp, ep=ep)
+    return len(d), per_rank, full, norm.item(), ones.item(), sum(p.numel() for p in ref.parameters())
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
@@ -383,6 +392,140 @@ def test_moe_expert_parallel_times_tensor_parallel(model_type):
     from tensorpar.testing import WorkerPool
     with WorkerPool(4, ParallelConfig(tp=2, dp=2), collective_timeout_s=60.0) as pool:
         out = pool.run(job_ep_tp, model_type)
-    assert all(n > 20 for n, _, _ in out)
+    assert all(n > 20 for n, *_ in out)
     full = out[0][2]                    # each rank: half the experts, half of each expert's rows
-    assert all(per_rank == full // 4 for _, per_rank, _ in out), out
+    assert all(per_rank == full // 4 for _, per_rank, *_ in out), out
+    # the grad norm has the same bits on every rank (float equality), and all-ones gradients give sqrt(N)
+    # (fp32 sums of squares of 1: exact up to rounding of the sqrt, 1e-6 relative)
+    assert len({o[3] for o in out}) == 1 and len({o[4] for o in out}) == 1, out
+    assert out[0][4] == pytest.approx(out[0][5] ** 0.5, rel=1e-6), (out[0][4], out[0][5] ** 0.5)
+
+
+# ---------------------------------------------------------------- three AdamW steps with an idle ep rank
+
+
+def _force_idle(model, experts: range):
+    """Make every router of ``model`` send no token to ``experts``: its softmax is taken over the other experts'
+    logits (the masked ones get probability 0), top-k and renormalisation as transformers' routers do. The same
+    hook on the unsharded and the sharded model, so both route the same way; the router logits it returns (and
+    the auxiliary loss built from them) are the unmasked ones."""
+    def hook(router, args, out):
+        logits = out[0]
+        mask = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        mask[experts.start:experts.stop] = True
+        probs = torch.softmax(logits.float().masked_fill(mask, float("-inf")), -1)
+        top, idx = probs.topk(router.top_k, -1)
+        if getattr(router, "norm_topk_prob", True):        # Mixtral always renormalises; Qwen per its config
+            top = top / top.sum(-1, keepdim=True)
+        return logits, top.to(logits.dtype), idx
+    for name, m in model.named_modules():
+        if name.endswith("mlp.gate"):
+            m.register_forward_hook(hook)
+
+
+def job_three_steps(ctx, model_type, intermediate, with_tp):
+    """3 AdamW steps (weight decay, clipping at the global grad norm) of the expert-parallel model, the last ep
+    rank's experts never receiving a token, against the same steps of the unsharded model on the whole batch."""
+    from transformers import AutoModelForCausalLM
+
+    from tensorpar.grads import clip_grad_norm_
+    from tensorpar.hf.modules import ep_load_balancing_loss, expert_parallelize
+    from tensorpar.parallel import ParallelContext
+    from tensorpar.shard import Partition
+    from tensorpar.testing import local_slice
+    tp, ep = (ctx.tp, ctx.dp) if with_tp else (ParallelContext.single().tp, ctx.tp)
+    cfg = config(model_type)
+    if intermediate:
+        setattr(cfg, "moe_intermediate_size" if model_type != "mixtral" else "intermediate_size", intermediate)
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(cfg).float()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    par = copy.deepcopy(ref)
+    if with_tp:
+        par = parallelize(par, make_plan(cfg, tp.size), tp)
+    names = expert_parallelize(par, ep)
+    idle = Partition.make(par.get_submodule(names[0]).num_experts_total, ep.size).range(ep.size - 1)
+    for m in (ref, par):
+        _force_idle(m, range(*idle))
+    # lr 1e-4: Adam divides by sqrt(v), so an fp32 rounding difference in a gradient near zero becomes a
+    # difference of up to ~lr in the step (measured 1.4e-5 after 3 steps at lr 1e-3, tp2 x ep2); weight decay 1.0
+    # so a step skipped on the idle experts (grad None) would differ by 3 lr |w| ~ 5e-5, well over 1e-5
+    kw = dict(lr=1e-4, weight_decay=1.0)
+    opt_ref, opt = torch.optim.AdamW(ref.parameters(), **kw), torch.optim.AdamW(par.parameters(), **kw)
+    coef, b = cfg.router_aux_loss_coef, 2 * ep.size
+    lo, hi = Partition.make(b, ep.size).range(ep.rank)
+    torch.manual_seed(1)
+    norms = []
+    for _ in range(3):
+        ids = torch.randint(0, cfg.vocab_size, (b, 9))
+        for m in (ref, par):
+            m.zero_grad(set_to_none=True)
+        out_ref = ref(ids, output_router_logits=True)
+        (F.cross_entropy(out_ref.logits[:, :-1].reshape(-1, cfg.vocab_size), ids[:, 1:].reshape(-1))
+         + coef * out_ref.aux_loss).backward()
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt_ref.step()
+        out = par(ids[lo:hi], output_router_logits=True)
+        mine = ids[lo:hi, 1:].numel() / ids[:, 1:].numel()
+        ce = vocab_parallel_cross_entropy(out.logits[:, :-1], ids[lo:hi, 1:], tp,
+                                          partition=par if with_tp else cfg.vocab_size) * mine
+        (ce + coef * ep_load_balancing_loss(par, out.router_logits, ep)).backward()
+        sync_duplicated_grads(par.parameters(), tp)
+        for p in par.parameters():      # everything but the experts is replicated over ep: sum its gradients
+            if getattr(p, "ep_dim", None) is None:
+                p.grad.copy_(comm.all_reduce(p.grad, ep))
+        missing = [n for n, p in par.named_parameters() if p.grad is None]
+        assert not missing, f"no gradient (idle experts must get zeros): {missing}"
+        if ep.rank == ep.size - 1:      # this rank's experts received no token in any layer
+            assert not any(p.grad.any() for p in par.parameters() if getattr(p, "ep_dim", None) is not None)
+        norm = clip_grad_norm_(par.parameters(), 0.5, tp, ep=ep)
+        assert_parity("grad norm", norm, want)
+        norms.append(norm.item())
+        opt.step()
+    ref_p = dict(ref.named_parameters())
+    d = []
+    for name, p in par.named_parameters():
+        full = ref_p[name].detach()
+        if getattr(p, "ep_dim", None) is not None:
+            a, z = p.ep_partition.range(ep.rank)
+            full = full[a:z]
+        if getattr(p, "tp_dim", None) is not None and p.tp_partition is not getattr(p, "ep_partition", None):
+            full = local_slice(full, p, tp.rank)
+        d.append(assert_parity(f"{name} after 3 steps", p.detach(), full))
+    return norms, len(d)
+
+
+@pytest.mark.parametrize("model_type,intermediate,ep,with_tp", [
+    ("mixtral", 16, 2, True),       # tp2 x ep2; f_r = 8 fp32 rows of 32 bytes: transformers' grouped_mm kernel
+    pytest.param("mixtral", None, 2, True, marks=pytest.mark.slow),      # f_r = 6: the eager loop
+    pytest.param("qwen2_moe", None, 2, True, marks=pytest.mark.slow),    # f_r = 10: the eager loop, shared expert
+    pytest.param("mixtral", None, 2, False, marks=pytest.mark.slow),
+    pytest.param("mixtral", None, 4, False, marks=pytest.mark.slow),
+    pytest.param("qwen2_moe", None, 4, False, marks=pytest.mark.slow),
+])
+def test_moe_expert_parallel_three_steps_with_an_idle_rank(pools, model_type, intermediate, ep, with_tp):
+    """Parameters after 3 steps within 1e-5 of the unsharded model's (fp32; the sums run in another order), the
+    clipped grad norm the same bits on every rank; the idle rank takes part in every all-to-all (no hang)."""
+    from tensorpar.parallel import ParallelConfig
+    from tensorpar.testing import WorkerPool
+    if with_tp:
+        with WorkerPool(4, ParallelConfig(tp=2, dp=ep), collective_timeout_s=60.0) as pool:
+            out = pool.run(job_three_steps, model_type, intermediate, True)
+    else:
+        out = pools(ep).run(job_three_steps, model_type, intermediate, False)
+    assert all(norms == out[0][0] for norms, _ in out), out
+    assert out[0][1] > 20
+
+
+def test_moe_checkpoint_refuses_tp_times_ep_params():
+    """A stacked expert parameter split over tp (rows) and ep (experts): its experts depend on the ep rank, which
+    the per-expert reader is not given; it refuses instead of reading the first experts on every ep rank."""
+    from tensorpar.hf.moe_checkpoint import read_moe_shard
+    from tensorpar.layers.linear import mark_sharded
+    from tensorpar.shard import Partition
+    p = mark_sharded(torch.nn.Parameter(torch.empty(2, 12, 40)), 1, Partition.make(24, 2))
+    p.ep_dim, p.ep_partition = 0, Partition.make(4, 2)
+    with pytest.raises(ValueError, match=r"split over tp and over ep \(2 ranks\).*expert_parallelize"):
+        read_moe_shard("mixtral", "model.layers.0.mlp.experts.gate_up_proj", p, 0, set(), lambda k: None)

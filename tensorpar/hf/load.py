@@ -33,7 +33,7 @@ from tensorpar.comm import Group
 from tensorpar.hf.apply import parallelize
 from tensorpar.hf.plan import ShardingPlan, make_plan
 
-_META_ATTRS = ("tp_dim", "tp_partition", "sequence_parallel")
+_META_ATTRS = ("tp_dim", "tp_partition", "sequence_parallel", "ep_dim", "ep_partition")
 
 #: bytes of the staging buffer used when a read needs a dtype conversion or a device copy
 BOUNCE_BYTES = 8 << 20

@@ -572,8 +572,12 @@ def _check_expert_layout(experts: nn.Module) -> None:
 def _take_expert_attrs(new: nn.Module, experts: nn.Module) -> None:
     """Give ``new`` what transformers' experts kernels read from ``self``: the plain attributes of ``experts``
     (config, sizes, layout flags), its ``act_fn``, its ``_apply_gate``, and its class's forward
-    (``_hf_forward``: the dispatching one; ``_hf_eager``: the class's own loop)."""
-    new._hf_forward = type(experts).forward
+    (``_hf_forward``: the dispatching one; ``_hf_eager``: the class's own loop). ``experts`` may itself be one of
+    ours (a :class:`TPExperts` wrapped again by :class:`EPExperts`): the transformers class (``_hf_class``) is
+    then the one it was built from."""
+    cls = getattr(experts, "_hf_class", type(experts))
+    new._hf_class = cls
+    new._hf_forward = cls.forward
     new._hf_eager = getattr(new._hf_forward, "__wrapped__", new._hf_forward)
     for k, v in vars(experts).items():
         if not k.startswith("_") and k != "training":
@@ -582,8 +586,8 @@ def _take_expert_attrs(new: nn.Module, experts: nn.Module) -> None:
         new._is_expert_parallel = experts._is_expert_parallel
     for k, m in experts.named_children():
         setattr(new, k, m)
-    if hasattr(type(experts), "_apply_gate"):
-        new._apply_gate = type(experts)._apply_gate.__get__(new)
+    if hasattr(cls, "_apply_gate"):            # grouped_mm / batched_mm call self._apply_gate
+        new._apply_gate = cls._apply_gate.__get__(new)
 
 
 def _experts_fn(mod: nn.Module, rows: int):
@@ -682,8 +686,8 @@ class EPExperts(nn.Module):
 
     Rank ``r`` of ``ep`` holds experts ``[lo_r, hi_r)`` of ``partition`` (the ``E`` experts split over
     ``ep_size``, unevenly if need be): ``gate_up_proj [E_r, 2f, h]``, ``down_proj [E_r, h, f]``, marked
-    ``tp_dim = 0`` over ``partition`` so checkpoints, loading and :func:`tensorpar.grads.grad_norm` treat them as
-    shards when they are given the ``ep`` group. Each rank brings its own tokens (the batch is split over ``ep``,
+    ``ep_dim = 0`` over ``partition`` (:func:`tensorpar.grads.grad_norm` with ``ep=`` sums them over ep), and
+    also ``tp_dim = 0`` so checkpoint loading given the ``ep`` group as its tp group reads this rank's experts. Each rank brings its own tokens (the batch is split over ``ep``,
     as in data parallelism; the router and everything outside the experts are replicated and their gradients
     must be summed over ``ep`` after backward, as data parallelism does).
 
@@ -692,8 +696,9 @@ class EPExperts(nn.Module):
     runs on the received rows with weight 1 (each row goes to one local expert), the outputs return by a second
     all-to-all ``[N, h]``, and each rank combines its tokens' ``k`` outputs with its routing weights.
     Backward: the two row all-to-alls in reverse. A rank whose experts receive no token sends and receives
-    empty splits (no rank waits: every rank joins every all-to-all); its expert parameters then get a zero
-    gradient in that step (or none, ``grad is None``, with a kernel that skips idle experts entirely).
+    empty splits and still runs both all-to-alls in backward (its empty output is tied to the received rows and to
+    its weights, whatever the kernel); its expert parameters then get zero gradients, not None (so AdamW still
+    decays them, as in the unsharded model where the stacked weight always has a gradient).
 
     Shapes: ``hidden_states [T_r, h]`` (this rank's tokens), ``top_k_index [T_r, k]``, ``top_k_weights
     [T_r, k]`` -> ``[T_r, h]``.
@@ -702,8 +707,8 @@ class EPExperts(nn.Module):
     ``tp`` first), each expert keeps its tp split (``tp_dim``/``tp_partition`` as before; the ep split is
     recorded as ``ep_dim = 0``/``ep_partition``); ``ep`` is then the group of ranks with the same tp rank, the
     rows travel within it, and the partial outputs are all-reduced over tp once after the combine (backward:
-    input and routing-weight gradients all-reduced over tp, as in :class:`TPExperts`). In that mode
-    :func:`tensorpar.grads.grad_norm` over tp does not add the experts of the other ep ranks (sum those over ep).
+    input and routing-weight gradients all-reduced over tp, as in :class:`TPExperts`). The grad norm is then
+    ``grad_norm(params, tp, ep=ep)``.
 
     Not done: capacity limits / token dropping (none: every token reaches its experts, as in transformers).
 
@@ -719,8 +724,6 @@ class EPExperts(nn.Module):
         e = experts.gate_up_proj.shape[0]
         _take_expert_attrs(self, experts)
         inner = experts if isinstance(experts, TPExperts) else None
-        if inner is not None:             # experts already split over tp inside each one: keep that, add ep
-            self._hf_forward, self._hf_eager = inner._hf_forward, inner._hf_eager
         self.tp = inner.tp if inner is not None else None
         self.region = inner.region if inner is not None else True
         self.ep = ep
@@ -738,11 +741,11 @@ class EPExperts(nn.Module):
             p = getattr(experts, name)
             w = p.detach()[lo:hi].clone() if p.device.type != "meta" else p.new_empty((hi - lo,) + tuple(p.shape[1:]))
             q = nn.Parameter(w, requires_grad=p.requires_grad)
-            if inner is None:
+            if inner is None:             # ep alone: loading reads the ep split as the tp one (ep passed as tp)
                 mark_sharded(q, 0, self.partition)
-            else:                         # tp layout as before; the ep split recorded beside it
+            else:                         # tp layout as before
                 mark_sharded(q, p.tp_dim, p.tp_partition)
-                q.ep_dim, q.ep_partition = 0, self.partition
+            q.ep_dim, q.ep_partition = 0, self.partition    # the ep split: grad_norm sums these over ep
             setattr(self, name, q)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -772,6 +775,11 @@ class EPExperts(nn.Module):
         local = (got_experts - self.first_expert).unsqueeze(1)         # [N_r, 1]
         ones = torch.ones(local.shape, dtype=top_k_weights.dtype, device=local.device)
         out = _experts_fn(self, self.intermediate_dim)(self, got, local, ones)   # [N_r, h]
+        if got.shape[0] == 0 and torch.is_grad_enabled():
+            # no row reached this rank's experts, and a kernel that loops over the experts hit returns zeros
+            # outside the graph: tie the empty output to the received rows and the weights, so backward still runs
+            # both all-to-alls here (the other ep ranks wait on them) and the weights get zero gradients, not None
+            out = out + (got.sum() + self.gate_up_proj.sum() + self.down_proj.sum()).to(out.dtype)
         if self.ep.size > 1:
             out = _AllToAll.apply(out, self.ep, recv, send)            # back to the tokens' rank, [T_r k, h]
         back = torch.empty_like(out)
@@ -790,7 +798,7 @@ def expert_parallelize(model: nn.Module, ep: Group) -> list[str]:
     The modules are the experts of the MoE blocks of the model's built-in plan (:mod:`tensorpar.hf.families.moe`);
     everything else (routers, Qwen2-MoE's shared expert) is left replicated. Returns their names.
     The ``ep`` ranks split the batch between them, and the gradients of every parameter that is not an expert
-    (no ``tp_dim``, or a tp-sharded one without ``ep_dim``) must be summed over ``ep`` after backward. On a model
+    (no ``ep_dim``) must be summed over ``ep`` after backward. On a model
     already parallelized over tp (:func:`tensorpar.hf.apply.parallelize`), ``ep`` must be the group of ranks with
     the same tp rank (the ``dp`` axis of a :class:`~tensorpar.parallel.ParallelContext`), and each expert keeps
     its tp split.

@@ -47,7 +47,8 @@ def read_moe_shard(model_type: str | None, name: str, param: torch.nn.Parameter,
     bytes indexed are read). Shapes returned: ``param``'s local shape.
 
     Raises:
-        ValueError: a per-expert tensor is missing or has another shape than the model expects (naming it).
+        ValueError: a per-expert tensor is missing or has another shape than the model expects (naming it), or
+            the parameter is split over tp and ep at once (its experts depend on the ep rank, not passed here).
     """
     lay = layout(model_type)
     if lay is None:
@@ -61,6 +62,12 @@ def read_moe_shard(model_type: str | None, name: str, param: torch.nn.Parameter,
     if not m:
         return None
     dim, part = getattr(param, "tp_dim", None), getattr(param, "tp_partition", None)
+    ep_part = getattr(param, "ep_partition", None)
+    if ep_part is not None and ep_part is not part:
+        # tp x ep: the rank's experts are given by its ep rank, which this reader is not told
+        raise ValueError(f"{name!r} is split over tp and over ep ({ep_part.tp_size} ranks): loading a tp x ep model "
+                         f"from a checkpoint is not supported; load it at tp (build_parallel_model) and then call "
+                         f"expert_parallelize, which takes each rank's experts from the loaded ones")
     stacked_shape = list(param.shape)
     if dim is not None:
         stacked_shape[dim] = part.n

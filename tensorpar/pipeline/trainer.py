@@ -234,8 +234,7 @@ class ParallelTrainer:
         if self.tied and self.ctx.pp.rank == self.ctx.pp.size - 1 and self.ctx.pp.rank != 0:
             tied = self._tied_param()
             params = [p for p in params if p is not tied]
-        sq = grad_norm(params, self.ctx.tp, self.ctx.dp if self.fsdp else None) ** 2
-        return comm.all_reduce(sq.reshape(1), self.ctx.pp)[0].sqrt()
+        return grad_norm(params, self.ctx.tp, self.ctx.dp if self.fsdp else None, pp=self.ctx.pp)
 
     # ------------------------------------------------------------ evaluation
 
