@@ -115,7 +115,8 @@ def phase_breakdown(iters: int = 20000) -> dict[str, float]:
     The peer's arrival count is set far ahead and its metadata written for both buffers, so
     no call waits: what remains is the Python and torch overhead of the call itself.
     """
-    from tensorpar.shm.collectives import K_AR, ShmCommunicator, _meta
+    from tensorpar.shm.collectives import ShmCommunicator
+    from tensorpar.shm.protocol import K_AR, _meta
     from tensorpar.shm.segment import W_ARRIVED, W_META, Layout, Segment
     from tensorpar.shm.sync import Peer
 

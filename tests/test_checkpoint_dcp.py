@@ -79,6 +79,7 @@ def job_save(ctx, kw, root):
     """Train SAVE_AT steps and save (gathers recorded); then one more step and a save 'killed' after every rank
     wrote its shards but before ``latest``. Returns what the checks need."""
     from tensorpar.train import checkpoint as ck
+    from tensorpar.train.checkpoint import save as ck_save   # where save_pieces looks up _agree
     tr = _trainer(ctx, kw)
     losses = [tr.train_step().loss for _ in range(SAVE_AT)]
     log, restore = _count_gathers()
@@ -87,7 +88,7 @@ def job_save(ctx, kw, root):
     finally:
         restore()
     tr.train_step()
-    agree, calls = ck._agree, []
+    agree, calls = ck_save._agree, []
 
     def dies_after_shards(ok, pg, device):   # the 2nd agreement: every rank has written its shards
         calls.append(1)
@@ -95,14 +96,14 @@ def job_save(ctx, kw, root):
         if len(calls) == 2:
             raise Killed()
         return out
-    ck._agree = dies_after_shards
+    ck_save._agree = dies_after_shards
     killed = False
     try:
         tr.save(root)
     except Killed:
         killed = True
     finally:
-        ck._agree = agree
+        ck_save._agree = agree
     tmp = Path(root) / f"{ck.TMP_PREFIX}{SAVE_AT + 1:06d}"
     return {"losses": losses, "saved": saved.name, "log": log, "killed": killed,
             "latest": ck.latest_checkpoint(root).name, "listed": [p.name for p in ck.list_checkpoints(root)],

@@ -15,7 +15,8 @@ segment for CPU tensors (CUDA tensors keep NCCL). The files are:
 
 * ``segment.py`` - layout, creation/attach/unlink of the ``/dev/shm`` segment, process identity;
 * ``sync.py`` - spin / yield / sleep waiting with deadline, abort and liveness checks;
-* ``collectives.py`` - :class:`ShmCommunicator`: the step protocol and the collectives;
+* ``protocol.py`` - the step protocol: arrivals, barriers, metadata checks, chunked building blocks;
+* ``collectives.py`` - :class:`ShmCommunicator`: the collectives, built on the protocol;
 * ``bootstrap.py`` - the one-time host-identity exchange and per-host segment set-up;
 * ``hierarchical.py`` - :class:`HierarchicalComm`: two-level all-reduce across hosts.
 """

@@ -15,7 +15,7 @@ from tensorpar.shm.collectives import ShmCommunicator
 from tensorpar.shm.segment import W_PID, W_START, Layout, Segment, host_identity, process_start_time, sweep_stale
 from tensorpar.shm.sync import Peer, WaitPolicy
 
-# Architectures whose store ordering the protocol relies on (see collectives.py).
+# Architectures whose store ordering the protocol relies on (see protocol.py).
 TSO_MACHINES = frozenset({"x86_64", "amd64", "i386", "i686", "x86"})
 
 
