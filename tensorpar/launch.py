@@ -18,6 +18,7 @@ a couple of seconds (:data:`SHUTDOWN_TIMEOUT_S`).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -26,7 +27,7 @@ import socket
 import sys
 import tempfile
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 # One default for every command (issue 14, item 7).
 DEFAULT_TP = 2
@@ -116,6 +117,36 @@ def report_error(message: str, prog: str = "tensorpar") -> None:
             os.unlink(tmp)
         except OSError:
             pass
+
+
+@contextlib.contextmanager
+def locked_folder(folder: str, what: str = "--out") -> Iterator[None]:
+    """Hold the exclusive lock of a folder a run writes into (``<folder>/.lock``, :func:`tensorpar.cache.file_lock`)
+    while the block runs; refuse at once, without waiting, when another process holds it. The kernel drops a
+    ``flock`` with the holder's last file descriptor, so a crashed or killed run releases it too. A folder the lock
+    made that holds nothing else when the block ends is removed again (a refused run leaves nothing behind).
+
+    Raises:
+        ValueError: another run holds the lock (one line naming ``what``, the folder and the holder), or ``folder``
+            is a file.
+    """
+    from tensorpar.cache import file_lock
+
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ValueError(f"{what} {folder!r} is a file, not a folder; choose a folder for the run's outputs")
+    created = not os.path.exists(folder)
+    path = os.path.join(folder, ".lock")
+    with file_lock(path, busy=f"{what} {folder!r} is in use by another run; wait for it to end, or choose another "
+                              f"{what} folder"):
+        try:
+            yield
+        finally:
+            try:
+                if created and os.listdir(folder) == [".lock"]:
+                    os.unlink(path)  # still held: a run that opened it before is refused, one after makes its own
+                    os.rmdir(folder)
+            except OSError:
+                pass
 
 
 class RankError(Exception):
