@@ -124,14 +124,14 @@ def _exchange(obj, group: Group, fp: "Fingerprint", step: int, phase: str) -> li
     """Every rank's ``obj`` through the process group's store (not a collective: a rank that is stuck in a
     collective the others did not issue cannot block it forever). Raises CollectiveMismatch naming the ranks
     that did not arrive within ``fp.timeout_s``."""
-    import pickle
+    import json
     from datetime import timedelta
 
     from torch.distributed import distributed_c10d as c10d
 
     store = c10d._get_default_store()
     keys = [_store_key(group, fp.session, step, phase, r) for r in range(group.size)]
-    store.set(keys[group.rank], pickle.dumps(obj))
+    store.set(keys[group.rank], json.dumps(obj))  # JSON: nothing read back is unpickled
     try:
         store.wait(keys, timedelta(seconds=fp.timeout_s))
     except Exception:  # the store's timeout (DistStoreError / RuntimeError, by torch version)
@@ -143,7 +143,7 @@ def _exchange(obj, group: Group, fp: "Fingerprint", step: int, phase: str) -> li
             f"check at step {step} within {fp.timeout_s:g} s, while rank{'s' if len(here) > 1 else ''} "
             f"{', '.join(map(str, here))} did after {fp.seq} collectives (last here: {last}); the missing ranks are "
             f"blocked in a collective the others did not issue (a skipped or extra collective) or hung") from None
-    out = [pickle.loads(store.get(k)) for k in keys]
+    out = [json.loads(store.get(k)) for k in keys]
     if step >= 2 * fp.every:  # every rank has read the keys of two checks ago (it posted the next ones after)
         try:
             store.delete_key(_store_key(group, fp.session, step - 2 * fp.every, phase, group.rank))
@@ -190,7 +190,7 @@ def check(group: Group, inputs: dict[str, Any] | None = None, *, force: bool = F
     if group.size == 1 or not (force or step % fp.every == 0):
         return False
     hashes = {k: input_hash(v) for k, v in sorted((inputs or {}).items())}
-    mine = (fp.seq, fp.digest, hashes)
+    mine = (fp.seq, fp.digest.hex(), hashes)
     every = _exchange(mine, group, fp, step, "hash")
     for k in hashes:
         vals = [e[2].get(k) for e in every]
@@ -200,7 +200,7 @@ def check(group: Group, inputs: dict[str, Any] | None = None, *, force: bool = F
     if len({(e[0], e[1]) for e in every}) == 1:
         fp.log.clear()
         return True
-    logs = _exchange(fp.log, group, fp, step, "log")
+    logs = [[tuple(r) for r in x] for x in _exchange(fp.log, group, fp, step, "log")]
     n = max(len(x) for x in logs)
     for i in range(n):
         recs = [x[i] if i < len(x) else None for x in logs]
