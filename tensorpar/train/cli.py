@@ -276,7 +276,7 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
     from tensorpar import fingerprint
     fp_on = check_collectives or fingerprint.enable_from_env(ctx.tp) is not None
     if fp_on:
-        fingerprint.enable(ctx.tp)
+        fingerprint.enable(ctx.tp, model=getattr(trainer, "model", None))  # call sites: the model's modules
     last = val = None
     step_times: list[float] = []
     tensor_peak_bytes = None
