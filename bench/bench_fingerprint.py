@@ -73,6 +73,28 @@ def job(ctx, rounds: int, tokens: int, steps: int, every: int):
     return out
 
 
+def per_collective(ctx, n: int, rounds: int):
+    """Seconds per all-reduce of 64 float32 on the tp group: fingerprints off, on (per step only), and sync (a store
+    comparison before every collective); the best of ``rounds`` loops of ``n`` collectives each."""
+    from tensorpar import comm
+    from tensorpar.fingerprint import disable, enable
+
+    tp, x = ctx.tp, torch.ones(64)
+    out: dict = {"off": [], "on": [], "sync": []}
+    for _ in range(rounds):
+        for variant in out:
+            disable(tp)
+            if variant != "off":
+                enable(tp, every=50, sync_every=1 if variant == "sync" else 0)
+            comm.all_reduce(x, tp)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                comm.all_reduce(x, tp)
+            out[variant].append((time.perf_counter() - t0) / n)
+    disable(tp)
+    return out
+
+
 def generate_cli(a) -> None:
     import re
     import subprocess
@@ -115,6 +137,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--generate-cli", action="store_true", help="time the whole tensorpar generate command instead")
     ap.add_argument("--model", default="smollm2", help="--generate-cli: the model")
+    ap.add_argument("--per-collective", action="store_true",
+                    help="time one all-reduce off / on / sync instead (writes --out)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=50)
     ap.add_argument("--steps", type=int, default=10)
@@ -124,6 +148,15 @@ def main():
     if a.generate_cli:
         return generate_cli(a)
     from tensorpar.testing import WorkerPool
+    if a.per_collective:
+        with WorkerPool(2) as pool:
+            r0 = pool.run(per_collective, 500, a.rounds, timeout_s=1800)[0]
+        doc = {"tp": 2, "what": "all_reduce of 64 float32, gloo, best of --rounds loops of 500",
+               "best_us": {v: min(r0[v]) * 1e6 for v in r0}, "all_us": {v: [t * 1e6 for t in r0[v]] for v in r0},
+               "loadavg_at_end": os.getloadavg(), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        Path(a.out).write_text(json.dumps(doc, indent=1))
+        print(json.dumps(doc, indent=1))
+        return
     with WorkerPool(2) as pool:
         res = pool.run(job, a.rounds, a.tokens, a.steps, a.every, timeout_s=1800)
     r0 = res[0]

@@ -28,7 +28,8 @@ collective the others did not issue cannot block them), as JSON (nothing read ba
 
 Cost: nothing when fingerprints are off (one ``is None`` test per collective). On: one hash update per collective
 (a few microseconds), and per synchronised collective a few store round trips (tens to hundreds of microseconds
-on one host); ``sync_every=0`` keeps only the per-step comparison. Keys older than two comparisons are deleted.
+on one host); ``sync_every=0`` keeps only the per-step comparison. The per-collective comparisons take turns
+between two store slots per rank; the per-step keys older than two checks are deleted.
 """
 from __future__ import annotations
 
@@ -74,6 +75,8 @@ class Fingerprint:
         sites: the stack of modules running now (qualified names; forward hooks push and pop).
         hooks: the hook handles on the model (removed by :func:`disable`).
         unsynced: > 0 inside :func:`unsynced` (collectives recorded and hashed, not compared one by one).
+        prefix: the store keys' prefix (group, its first global rank, session).
+        slots_seen: the per-collective slots that every rank has written once (read without a presence check).
     """
 
     every: int = 50
@@ -89,6 +92,8 @@ class Fingerprint:
     sites: list = field(default_factory=list)
     hooks: list = field(default_factory=list)
     unsynced: int = 0
+    prefix: str = ""
+    slots_seen: set = field(default_factory=set)
 
     def site(self) -> str:
         """Where the collective being recorded comes from (see the module docstring)."""
@@ -138,7 +143,8 @@ def enable(group: Group, every: int = 50, *, timeout_s: float = 60.0, model: tor
     disable(group)
     session = getattr(group.counter, "fingerprint_sessions", 0) + 1
     group.counter.fingerprint_sessions = session
-    fp = Fingerprint(every=every, timeout_s=float(timeout_s), sync_every=sync_every, group=group, session=session)
+    fp = Fingerprint(every=every, timeout_s=float(timeout_s), sync_every=sync_every, group=group, session=session,
+                     prefix=_prefix(group, session) if group.size > 1 else "")
     if model is not None:
         for name, mod in model.named_modules():
             fp.hooks.append(mod.register_forward_pre_hook(_push(fp, name or type(mod).__name__)))
@@ -250,25 +256,39 @@ def _parted(fp: Fingerprint, here: dict, peer: dict) -> bool:
     return bisect.bisect_right(fp.step_seqs, d) != t  # checks done before its collective #d+1, on this path
 
 
-def _wait(fp: Fingerprint, key: str, here: dict) -> list:
+def _wait(fp: Fingerprint, key: str, here: dict, *, ring: bool = False) -> list:
     """Post ``here`` (this rank's position and record) under ``key``/rank and return every rank's, waiting at most
     ``fp.timeout_s``. While waiting, raise :class:`CollectiveMismatch` as soon as another rank's position shows
-    that it will not come (it is at another point of the program)."""
+    that it will not come (it is at another point of the program).
+
+    ``ring``: ``key`` is one of two slots used in turn (the per-collective comparisons), which may still hold a
+    rank's comparison before last: a value counts once its ``done`` is this one's. No slot is ever deleted (one
+    store write and one read per comparison when the ranks arrive together)."""
     group, store = fp.group, _store()
-    base = _prefix(group, fp.session)
+    base = fp.prefix
     value = json.dumps(here)
-    store.set(f"{base}/{key}/{group.rank}", value)
-    store.set(f"{base}/pos/{group.rank}", value)
+    store.multi_set([f"{base}/{key}/{group.rank}", f"{base}/pos/{group.rank}"], [value, value])
     keys = [f"{base}/{key}/{r}" for r in range(group.size)]
+
+    def ready() -> list | None:
+        if not (ring and key in fp.slots_seen) and not store.check(keys):
+            return None
+        got = [json.loads(v) for v in store.multi_get(keys)]
+        if ring:
+            fp.slots_seen.add(key)
+            if any(e["done"] != here["done"] for e in got):  # a slot not yet written for this comparison
+                return None
+        return got
+
     start = time.monotonic()
     deadline, next_look, pause = start + fp.timeout_s, start + 0.02, 0.0
-    while not store.check(keys):
+    while (got := ready()) is None:
         now = time.monotonic()
         if now >= next_look or now >= deadline:
             next_look = now + 0.05
             others = [r for r in range(group.size) if r != group.rank]
             pos = {r: json.loads(store.get(f"{base}/pos/{r}")) for r in others if store.check([f"{base}/pos/{r}"])}
-            if store.check(keys):
+            if (got := ready()) is not None:
                 break
             gone = [r for r, p in pos.items() if _parted(fp, here, p)]
             if gone or now >= deadline:
@@ -277,21 +297,23 @@ def _wait(fp: Fingerprint, key: str, here: dict) -> list:
                     there = "; ".join(f"rank {r} is at {_where(pos[r])}" for r in gone)
                     raise CollectiveMismatch(f"{group.name} ranks parted: {there}, {me}; a rank skipped, reordered or "
                                              f"added a collective")
-                late = [r for r in others if not store.check([keys[r]])]
+                late = [r for r in others if pos.get(r, {}).get("done") != here["done"]
+                        or pos[r].get("steps") != here["steps"] or pos[r].get("at") != here["at"]]
                 s_ = "s" if len(late) > 1 else ""
                 there = "; ".join(f"rank {r} was last at " + (_where(pos[r]) if r in pos else "no check")
                                   for r in late)
                 raise CollectiveMismatch(f"{group.name} rank{s_} {', '.join(map(str, late))} did not arrive within "
-                                         f"{fp.timeout_s:g} s: {there}; {me}; the missing rank{s_} {'are' if s_ else 'is'} blocked in a "
-                                         f"collective the others did not issue (a skipped or extra collective) or hung")
-        pause = min(0.01, pause * 2 or 0.0002)
+                                         f"{fp.timeout_s:g} s: {there}; {me}; the missing rank{s_} "
+                                         f"{'are' if s_ else 'is'} blocked in a collective the others did not issue "
+                                         f"(a skipped or extra collective) or hung")
+        pause = min(0.002, pause * 2 or 0.0001)
         time.sleep(pause)
-    return [json.loads(v) for v in store.multi_get(keys)]
+    return got
 
 
 def _forget(fp: Fingerprint, key: str) -> None:
     try:
-        _store().delete_key(f"{_prefix(fp.group, fp.session)}/{key}/{fp.group.rank}")
+        _store().delete_key(f"{fp.prefix}/{key}/{fp.group.rank}")
     except Exception:  # an old key of this rank that is gone already: nothing to do
         pass
 
@@ -300,9 +322,8 @@ def _sync_collective(fp: Fingerprint, rec) -> None:
     """Compare, across the ranks, the collective about to run (``rec``) and the hash up to it; raise
     :class:`CollectiveMismatch` naming what each rank is about to issue when they differ."""
     here = {"at": "collective", "done": fp.seq - 1, "steps": fp.steps, "rec": list(rec), "digest": fp.digest.hex()}
-    every = _wait(fp, f"c/{fp.seq}", here)
-    if fp.seq > 2 * fp.sync_every:  # every rank read these two comparisons ago (it posted the next one after)
-        _forget(fp, f"c/{fp.seq - 2 * fp.sync_every}")
+    # two slots in turn: a rank posting comparison n has seen every rank's n - 1, so no rank still reads n - 2
+    every = _wait(fp, f"c/{(fp.seq // fp.sync_every) % 2}", here, ring=True)
     mine = (here["steps"], tuple(rec[1:]), here["digest"])
     if all((e["steps"], tuple(e["rec"][1:]), e["digest"]) == mine for e in every):
         return
@@ -354,7 +375,7 @@ def check(group: Group, inputs: dict[str, Any] | None = None, *, force: bool = F
         return False
     if not (force or step % fp.every == 0):
         if fp.sync_every:  # where this rank is, for a peer waiting at a collective it will not reach
-            _store().set(f"{_prefix(group, fp.session)}/pos/{group.rank}", json.dumps(here))
+            _store().set(f"{fp.prefix}/pos/{group.rank}", json.dumps(here))
         return False
     here["inputs"] = {k: input_hash(v) for k, v in sorted((inputs or {}).items())}
     here["digest"] = fp.digest.hex()

@@ -147,7 +147,7 @@ def test_reordered_layers_are_named(pools):
                      "skipped, reordered or changed a collective"), m
 
 
-@pytest.mark.parametrize("last", [False, True])
+@pytest.mark.parametrize("last", [pytest.param(False, marks=pytest.mark.slow), True])  # False: as reorder, slow
 def test_collective_skipped_inside_a_step_is_named_before_the_timeout(last):
     """Rank 1 skips one all-reduce inside a step. Before, both ranks waited for the collective timeout (60 s here)
     and got a generic collective error; now both name the skipped call within seconds."""
@@ -170,7 +170,7 @@ def test_collective_skipped_inside_a_step_is_named_before_the_timeout(last):
     assert max(t0, t1) < 15, (t0, t1)
 
 
-@pytest.mark.parametrize("sync_every", [0, 1])
+@pytest.mark.parametrize("sync_every", [0, pytest.param(1, marks=pytest.mark.slow)])  # 1: as reorder, slow
 def test_first_differing_collective_is_named(sync_every):
     from tensorpar.testing import WorkerPool
     with WorkerPool(2, collective_timeout_s=8.0) as pool:
