@@ -10,7 +10,8 @@ and the overhead of the medians.
 
 Model: the ``small`` training preset (Llama, 4 layers, hidden 256) with vocabulary 997, random weights.
 Variants, interleaved over ``--rounds`` rounds in the same run: fingerprints off; on with a check every
-``--every`` steps (the issue's N = 50). Decode: greedy ``generate_tokens`` of ``--tokens`` tokens, the check
+``--every`` steps (the issue's N = 50), ``sync_every=0``; sync: the same plus the comparison before every
+collective (``sync_every=1``, the default of ``enable`` since issue 27). Decode: greedy ``generate_tokens`` of ``--tokens`` tokens, the check
 called from ``on_token`` with the prompt as the compared input; train: forward, vocab-parallel loss, backward,
 the check with the batch as input. Reported: the median and best time per decode token / per training step of
 each variant and the overhead of the medians. Numbers from a shared 2-core machine are noisy; the load average
@@ -35,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 def job(ctx, rounds: int, tokens: int, steps: int, every: int):
     from transformers import AutoModelForCausalLM
 
-    from tensorpar.fingerprint import check, enable
+    from tensorpar.fingerprint import check, disable, enable
     from tensorpar.generate import SamplingConfig, generate_tokens
     from tensorpar.hf.apply import parallelize
     from tensorpar.hf.plan import make_plan
@@ -48,12 +49,13 @@ def job(ctx, rounds: int, tokens: int, steps: int, every: int):
     model = parallelize(AutoModelForCausalLM.from_config(cfg), make_plan(cfg, tp.size), tp)
     prompt = torch.randint(0, 997, (1, 16), generator=torch.Generator().manual_seed(0))
     batch = torch.randint(0, 997, (4, 64), generator=torch.Generator().manual_seed(1))
-    out = {"decode": {"off": [], "on": []}, "train": {"off": [], "on": []}}
+    variants = ("off", "on", "sync")
+    out = {"decode": {v: [] for v in variants}, "train": {v: [] for v in variants}}
     for _ in range(rounds):
-        for variant in ("off", "on"):
-            tp.counter.fingerprint = None
-            if variant == "on":
-                enable(tp, every=every)
+        for variant in variants:
+            disable(tp)
+            if variant != "off":  # on: compared per step only; sync: also before every collective
+                enable(tp, every=every, model=model, sync_every=1 if variant == "sync" else 0)
             model.eval()
             res = generate_tokens(model, tp, prompt, sampling=SamplingConfig(max_new_tokens=tokens),
                                   on_token=lambda s, t: check(tp, {"prompt": prompt}))
@@ -67,7 +69,29 @@ def job(ctx, rounds: int, tokens: int, steps: int, every: int):
                 check(tp, {"batch": batch})
                 model.zero_grad(set_to_none=True)
                 out["train"][variant].append(time.perf_counter() - t0)
-    tp.counter.fingerprint = None
+    disable(tp)
+    return out
+
+
+def per_collective(ctx, n: int, rounds: int):
+    """Seconds per all-reduce of 64 float32 on the tp group: fingerprints off, on (per step only), and sync (a store
+    comparison before every collective); the best of ``rounds`` loops of ``n`` collectives each."""
+    from tensorpar import comm
+    from tensorpar.fingerprint import disable, enable
+
+    tp, x = ctx.tp, torch.ones(64)
+    out: dict = {"off": [], "on": [], "sync": []}
+    for _ in range(rounds):
+        for variant in out:
+            disable(tp)
+            if variant != "off":
+                enable(tp, every=50, sync_every=1 if variant == "sync" else 0)
+            comm.all_reduce(x, tp)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                comm.all_reduce(x, tp)
+            out[variant].append((time.perf_counter() - t0) / n)
+    disable(tp)
     return out
 
 
@@ -113,6 +137,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--generate-cli", action="store_true", help="time the whole tensorpar generate command instead")
     ap.add_argument("--model", default="smollm2", help="--generate-cli: the model")
+    ap.add_argument("--per-collective", action="store_true",
+                    help="time one all-reduce off / on / sync instead (writes --out)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=50)
     ap.add_argument("--steps", type=int, default=10)
@@ -122,14 +148,24 @@ def main():
     if a.generate_cli:
         return generate_cli(a)
     from tensorpar.testing import WorkerPool
+    if a.per_collective:
+        with WorkerPool(2) as pool:
+            r0 = pool.run(per_collective, 500, a.rounds, timeout_s=1800)[0]
+        doc = {"tp": 2, "what": "all_reduce of 64 float32, gloo, best of --rounds loops of 500",
+               "best_us": {v: min(r0[v]) * 1e6 for v in r0}, "all_us": {v: [t * 1e6 for t in r0[v]] for v in r0},
+               "loadavg_at_end": os.getloadavg(), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        Path(a.out).write_text(json.dumps(doc, indent=1))
+        print(json.dumps(doc, indent=1))
+        return
     with WorkerPool(2) as pool:
         res = pool.run(job, a.rounds, a.tokens, a.steps, a.every, timeout_s=1800)
     r0 = res[0]
     summary = {}
     for what in ("decode", "train"):
-        med = {v: statistics.median(r0[what][v]) for v in ("off", "on")}
-        summary[what] = {"median_s": med, "best_s": {v: min(r0[what][v]) for v in ("off", "on")},
-                         "overhead_of_median": med["on"] / med["off"] - 1, "samples": len(r0[what]["off"])}
+        med = {v: statistics.median(r0[what][v]) for v in r0[what]}
+        summary[what] = {"median_s": med, "best_s": {v: min(r0[what][v]) for v in r0[what]},
+                         "overhead_of_median": {v: med[v] / med["off"] - 1 for v in med if v != "off"},
+                         "samples": len(r0[what]["off"])}
     doc = {"tp": 2, "model": "preset small, vocab 997", "every": a.every, "rounds": a.rounds, "tokens": a.tokens,
            "train_steps_per_round": a.steps, "loadavg_at_start": os.getloadavg(), "results": summary}
     tmp = a.out + ".tmp"

@@ -99,12 +99,14 @@ def _holder(path: Path) -> str:
 
 
 @contextlib.contextmanager
-def file_lock(path: str | os.PathLike, *, what: str | None = None, timeout_s: float | None = None) -> Iterator[None]:
+def file_lock(path: str | os.PathLike, *, what: str | None = None, timeout_s: float | None = None,
+              busy: str | None = None) -> Iterator[None]:
     """Hold an exclusive advisory lock (``flock``) on ``path``, created if needed, while the block runs.
 
     The holder writes its pid into the file. When another process holds the lock, a one-line message
     naming it and ``what`` it is preparing goes to stderr, and the wait is bounded: ``timeout_s``
     (default ``$TENSORPAR_LOCK_TIMEOUT`` or :data:`LOCK_TIMEOUT_S`), then TimeoutError naming the holder.
+    With ``busy`` (a message) there is no wait: a held lock raises ValueError(``busy``, then the holder) at once.
     """
     import time
 
@@ -120,6 +122,8 @@ def file_lock(path: str | os.PathLike, *, what: str | None = None, timeout_s: fl
                     fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
                 except BlockingIOError:
+                    if busy is not None:
+                        raise ValueError(f"{busy} (held by {_holder(path)}, lock {path})") from None
                     if not told:
                         print(f"tensorpar: waiting for {_holder(path)}, which is preparing {what or path.stem} "
                               f"(lock {path}); giving up after {timeout_s:.0f} s", file=sys.stderr, flush=True)

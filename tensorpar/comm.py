@@ -314,6 +314,31 @@ def split(x: torch.Tensor, group: Group, dim: int = -1, sizes: SizesLike = None)
     return x.narrow(dim, start, s[group.rank]).contiguous()
 
 
+def all_gather_json(obj: Any, pg) -> list:
+    """Every rank's ``obj`` (anything ``json`` encodes), in group-rank order, over the process group ``pg``.
+
+    The exchange of tensorpar's start-up metadata: JSON bytes in a uint8 tensor, never pickle (torch's
+    ``all_gather_object`` unpickles what the peers send). Collective over ``pg``: two all-gathers (the lengths,
+    then the bytes padded to the longest); on the current CUDA device when ``pg`` is NCCL.
+    """
+    import json
+
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else None
+    n = dist.get_world_size(pg)
+    size = torch.tensor([len(data)], dtype=torch.long, device=device)
+    sizes = torch.empty(n, dtype=torch.long, device=device)
+    _ALL_GATHER(sizes, size, group=pg)
+    m = int(sizes.max())
+    buf = torch.zeros(m, dtype=torch.uint8, device=device)
+    if data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(buf.device)
+    out = torch.empty(n * m, dtype=torch.uint8, device=device)
+    _ALL_GATHER(out, buf, group=pg)
+    out = out.cpu()
+    return [json.loads(bytes(out[r * m: r * m + int(sizes[r])].tolist()).decode()) for r in range(n)]
+
+
 # ---------------------------------------------------------------- asynchronous raw collectives
 
 

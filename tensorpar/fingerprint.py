@@ -1,105 +1,205 @@
 """Collective fingerprints: a debug mode in which skipped, reordered or mismatched collectives and divergent
-inputs across tp ranks become named errors instead of silently wrong results.
+inputs across tp ranks become named errors instead of silently wrong results or a collective timeout.
 
 With fingerprints on for a :class:`~tensorpar.comm.Group` (:func:`enable`, or ``TENSORPAR_CHECK_COLLECTIVES=1``
 read by :func:`enable_from_env`), every collective of that group records ``(sequence number, op, elements,
-element size)`` into a running BLAKE2b hash held by the group (``group.counter.fingerprint``; no module state).
-:func:`check` (call it once per step: a decode step, a training step) compares, at step 0 and every ``every``
-steps, the hashes of all ranks of the group and the hashes of the inputs the caller names (prompt token ids,
-the training batch, the sampling seed). On a difference it raises :class:`CollectiveMismatch` naming the
-divergent input and the ranks on each side, or the first collective (sequence number, op, shape summary) at
-which the ranks' records part, with the ranks involved.
+element size, call site)`` into a running BLAKE2b hash held by the group (``group.counter.fingerprint``; no
+module state). The call site is the qualified name of the module that issued the collective
+(``model.layers.3.mlp.down_proj``; forward hooks on every module of the ``model`` given to :func:`enable`), with
+`` backward`` appended for a collective of tensorpar's autograd collectives run in backward; outside any module,
+the autograd node running it (``backward (_ColumnLinearsBackward)``) or the calling function
+(``tensorpar/generate.py:generate_tokens``).
 
-Ranks exchange fingerprints through the process group's key-value store, not through a collective, with a
-timeout (``timeout_s``, below the collective timeout): a rank that skipped a collective reaches the check while
-its peers wait in the collective it skipped, and it names them (the peers then fail with the collective's own
-timeout error, :class:`~tensorpar.comm.CollectiveError`). Cost per collective: one small hash update (about a
-microsecond); per check: one store set and wait (and a second one, with the records since the last check,
-only when hashes differ). Keys of old checks are deleted.
+Two comparisons, both through the process group's key-value store (not a collective: a rank blocked in a
+collective the others did not issue cannot block them), as JSON (nothing read back is unpickled):
 
-Limits: the element count stands in for the shape, and the element size for the dtype; two collectives of the
-same kind and size swapped are not told apart; a rank that skips a collective in the middle of a step can pair
-its next collective with the skipped one and hang both sides in that collective (the collective timeout
-names it) before any check.
+* before every ``sync_every``-th collective (default every one), each rank posts that collective's record and
+  its running hash and waits for the others' (at most ``timeout_s``). Ranks that are about to issue different
+  collectives (another op, size or call site: a reordered layer) or that parted earlier are named before the
+  collective runs: ``tp ranks are about to issue different collectives: #N: rank 0: all_reduce of 64 elements x
+  4 bytes in model.layers.0.mlp; rank 1: ... in model.layers.1.mlp``. While it waits, a rank reads where the
+  others are (each rank posts its position before every wait): a rank that skipped a collective is at a later
+  point of its program (the end of the step, or a collective of the next one) and is named at once, ``rank 1 is
+  at the end of step 1 after 3 collectives, rank 0 at collective #4 (all_reduce ... in model.layers.1.mlp)``,
+  without waiting for any timeout;
+* :func:`check` (call it once per step: a decode step, a training step) compares, at step 0 and every ``every``
+  steps, the hashes and the inputs the caller names (prompt token ids, the training batch, the sampling seed),
+  and names the divergent input or the first differing collective.
+
+Cost: nothing when fingerprints are off (one ``is None`` test per collective). On: one hash update per collective
+(a few microseconds), and per synchronised collective a few store round trips (tens to hundreds of microseconds
+on one host); ``sync_every=0`` keeps only the per-step comparison. The per-collective comparisons take turns
+between two store slots per rank; the per-step keys older than two checks are deleted.
 """
 from __future__ import annotations
 
+import bisect
+import contextlib
 import hashlib
+import json
 import os
+import sys
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from tensorpar.comm import Group
 
 ENV = "TENSORPAR_CHECK_COLLECTIVES"
+_COMM_FILE = os.path.join("tensorpar", "comm.py")
+_HERE = os.path.join("tensorpar", "fingerprint.py")
 
 
 class CollectiveMismatch(RuntimeError):
     """tp ranks issued different collectives, or were given different inputs; the message names which and where."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Fingerprint:
     """The running record of one group's collectives.
 
     Attributes:
         every: compare at step 0 and every ``every`` steps (>= 1).
+        timeout_s: how long a comparison waits for the other ranks before naming those that did not arrive.
+        sync_every: compare before every ``sync_every``-th collective (0: only in :func:`check`).
+        group: the group it records.
         seq: collectives recorded so far.
         digest: BLAKE2b (16 bytes) of every record so far, chained.
-        log: records ``(seq, op, elements, element_size)`` since the last check that agreed.
+        log: records ``(seq, op, elements, element_size, site)`` since the last check that agreed.
         steps: :func:`check` calls so far.
-        timeout_s: how long a check waits for the other ranks before naming those that did not arrive.
+        step_seqs: ``seq`` at each :func:`check` call (where this rank's steps ended).
         session: which :func:`enable` of this group this is (every rank counts the same), so that the store
             keys of an earlier session on the same process group are never read as this one's.
+        sites: the stack of modules running now (qualified names; forward hooks push and pop).
+        hooks: the hook handles on the model (removed by :func:`disable`).
+        unsynced: > 0 inside :func:`unsynced` (collectives recorded and hashed, not compared one by one).
+        prefix: the store keys' prefix (group, its first global rank, session).
+        slots_seen: the per-collective slots that every rank has written once (read without a presence check).
     """
 
     every: int = 50
     timeout_s: float = 60.0
+    sync_every: int = 1
+    group: Any = None
     seq: int = 0
     digest: bytes = b""
     log: list = field(default_factory=list)
     steps: int = 0
+    step_seqs: list = field(default_factory=list)
     session: int = 0
+    sites: list = field(default_factory=list)
+    hooks: list = field(default_factory=list)
+    unsynced: int = 0
+    prefix: str = ""
+    slots_seen: set = field(default_factory=set)
+
+    def site(self) -> str:
+        """Where the collective being recorded comes from (see the module docstring)."""
+        if self.sites:
+            return self.sites[-1]
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            return f"backward ({node.name()})"
+        f = sys._getframe(1)
+        while f is not None and (f.f_code.co_filename.endswith(_COMM_FILE) or f.f_code.co_filename.endswith(_HERE)):
+            f = f.f_back
+        if f is None:
+            return "?"
+        path = f.f_code.co_filename
+        i = path.rfind("tensorpar" + os.sep)
+        return f"{path[i:] if i >= 0 else os.path.basename(path)}:{f.f_code.co_name}"
 
     def record(self, kind: str, numel: int, element_size: int) -> None:
-        """Called by every collective of the group (:meth:`tensorpar.comm.CommCounter.record`)."""
+        """Called by every collective of the group (:meth:`tensorpar.comm.CommCounter.record`), before it runs."""
         self.seq += 1
-        rec = (self.seq, kind, int(numel), int(element_size))
+        rec = (self.seq, kind, int(numel), int(element_size), self.site())
         self.digest = hashlib.blake2b(self.digest + repr(rec).encode(), digest_size=16).digest()
         self.log.append(rec)
+        if (self.sync_every and not self.unsynced and self.seq % self.sync_every == 0 and self.group is not None
+                and self.group.size > 1):
+            _sync_collective(self, rec)
 
 
-def enable(group: Group, every: int = 50, *, timeout_s: float = 60.0) -> Fingerprint:
+def enable(group: Group, every: int = 50, *, timeout_s: float = 60.0, model: torch.nn.Module | None = None,
+           sync_every: int = 1) -> Fingerprint:
     """Switch fingerprints on for ``group`` (every rank must do the same); returns the :class:`Fingerprint`.
 
-    ``timeout_s``: how long a check waits for the other ranks (keep it below the collective timeout, so that
-    the rank that reached the check names the ones that did not). Raises ValueError for ``every`` < 1 or a
-    ``timeout_s`` that is not positive."""
+    ``timeout_s``: how long a comparison waits for the other ranks (keep it below the collective timeout, so that
+    a rank names the ones that did not arrive). ``model``: the module whose submodules' qualified names are the
+    call sites (forward pre-hooks and hooks on every submodule, removed by :func:`disable`); without it the
+    call site is the calling function. ``sync_every``: compare before every ``sync_every``-th collective (1:
+    every collective, so that a reordered or skipped one is named before it runs; 0: only in :func:`check`).
+
+    Raises ValueError for ``every`` < 1, a ``timeout_s`` that is not positive, or a negative ``sync_every``."""
     if not isinstance(every, int) or every < 1:
         raise ValueError(f"fingerprint check interval every={every!r} must be a positive integer (steps)")
     if not timeout_s > 0:
         raise ValueError(f"fingerprint check timeout_s={timeout_s!r} must be a positive number of seconds")
+    if not isinstance(sync_every, int) or sync_every < 0:
+        raise ValueError(f"fingerprint sync_every={sync_every!r} must be 0 (per step only) or a positive integer "
+                         f"(collectives)")
+    disable(group)
     session = getattr(group.counter, "fingerprint_sessions", 0) + 1
     group.counter.fingerprint_sessions = session
-    fp = Fingerprint(every=every, timeout_s=float(timeout_s), session=session)
+    fp = Fingerprint(every=every, timeout_s=float(timeout_s), sync_every=sync_every, group=group, session=session,
+                     prefix=_prefix(group, session) if group.size > 1 else "")
+    if model is not None:
+        for name, mod in model.named_modules():
+            fp.hooks.append(mod.register_forward_pre_hook(_push(fp, name or type(mod).__name__)))
+            fp.hooks.append(mod.register_forward_hook(_pop(fp), always_call=True))
     group.counter.fingerprint = fp
     return fp
 
 
+@contextlib.contextmanager
+def unsynced(group: Group) -> Iterator[None]:
+    """Inside the block, the group's collectives are recorded and hashed (compared at the next :func:`check`) but
+    not compared one by one: for a collective that a rank may wait in for as long as it likes (a server's ranks
+    waiting for the next request's broadcast), where the per-collective comparison's ``timeout_s`` would end an
+    idle run. A no-op when fingerprints are off."""
+    fp = getattr(group.counter, "fingerprint", None)
+    if fp is None:
+        yield
+        return
+    fp.unsynced += 1
+    try:
+        yield
+    finally:
+        fp.unsynced -= 1
+
+
+def _push(fp: Fingerprint, name: str):
+    def hook(mod, args):
+        fp.sites.append(name)
+    return hook
+
+
+def _pop(fp: Fingerprint):
+    def hook(mod, args, out):
+        if fp.sites:
+            fp.sites.pop()
+    return hook
+
+
 def disable(group: Group) -> None:
-    """Switch fingerprints off for ``group`` (its records are dropped); a no-op when they are off."""
+    """Switch fingerprints off for ``group`` (its records and model hooks are dropped); a no-op when off."""
+    fp = getattr(group.counter, "fingerprint", None)
+    if fp is not None:
+        for h in fp.hooks:
+            h.remove()
+        fp.hooks.clear()
     group.counter.fingerprint = None
 
 
-def enable_from_env(group: Group, every: int = 50) -> Fingerprint | None:
+def enable_from_env(group: Group, every: int = 50, *, model: torch.nn.Module | None = None) -> Fingerprint | None:
     """:func:`enable` when ``TENSORPAR_CHECK_COLLECTIVES`` is ``1`` (``0`` or unset: off). Raises ValueError for
     another value."""
     v = os.environ.get(ENV, "0").strip()
     if v not in ("0", "1", ""):
         raise ValueError(f"{ENV}={v!r}: use 1 (check collectives) or 0 / unset (off)")
-    return enable(group, every) if v == "1" else None
+    return enable(group, every, model=model) if v == "1" else None
 
 
 def input_hash(x: Any) -> str:
@@ -114,42 +214,129 @@ def input_hash(x: Any) -> str:
     return h.hexdigest()
 
 
-def _store_key(group: Group, session: int, step: int, phase: str, rank: int) -> str:
+# ---------------------------------------------------------------- the store side channel
+
+def _prefix(group: Group, session: int) -> str:
     import torch.distributed as dist
     first = min(dist.get_process_group_ranks(group.pg))  # tells apart groups of the same axis (3D meshes)
-    return f"tensorpar-fp/{group.name}/{first}/{session}/{step}/{phase}/{rank}"
+    return f"tensorpar-fp/{group.name}/{first}/{session}"
 
 
-def _exchange(obj, group: Group, fp: "Fingerprint", step: int, phase: str) -> list:
-    """Every rank's ``obj`` through the process group's store (not a collective: a rank that is stuck in a
-    collective the others did not issue cannot block it forever). Raises CollectiveMismatch naming the ranks
-    that did not arrive within ``fp.timeout_s``."""
-    import pickle
-    from datetime import timedelta
-
+def _store():
     from torch.distributed import distributed_c10d as c10d
+    return c10d._get_default_store()
 
-    store = c10d._get_default_store()
-    keys = [_store_key(group, fp.session, step, phase, r) for r in range(group.size)]
-    store.set(keys[group.rank], pickle.dumps(obj))
+
+def _describe(rec) -> str:
+    if rec is None:
+        return "no collective (it skipped one)"
+    _, kind, numel, es, site = rec
+    return f"{kind} of {numel} elements x {es} bytes in {site}"
+
+
+def _where(pos: dict) -> str:
+    """A rank's position, as posted before a wait, in words."""
+    if pos["at"] == "collective":
+        return f"collective #{pos['done'] + 1} ({_describe(pos['rec'])}) at step {pos['steps']}"
+    last = f" (last: #{pos['rec'][0]} {_describe(pos['rec'])})" if pos.get("rec") else ""
+    return f"the end of step {pos['steps']} after {pos['done']} collectives{last}"
+
+
+def _parted(fp: Fingerprint, here: dict, peer: dict) -> bool:
+    """Whether ``peer``'s last posted position cannot lie on this rank's path up to ``here``: the ranks' programs
+    parted (a skipped, extra or reordered collective, or a check at another point). A position on the path
+    behind ``here`` is a peer still on its way."""
+    d, t, a = peer["done"], peer["steps"], peer["at"]
+    if d > here["done"] or t > here["steps"]:
+        return True
+    if (d, t) == (here["done"], here["steps"]):
+        return a != here["at"]
+    if a == "step":
+        return not (t < len(fp.step_seqs) and fp.step_seqs[t] == d)
+    return bisect.bisect_right(fp.step_seqs, d) != t  # checks done before its collective #d+1, on this path
+
+
+def _wait(fp: Fingerprint, key: str, here: dict, *, ring: bool = False) -> list:
+    """Post ``here`` (this rank's position and record) under ``key``/rank and return every rank's, waiting at most
+    ``fp.timeout_s``. While waiting, raise :class:`CollectiveMismatch` as soon as another rank's position shows
+    that it will not come (it is at another point of the program).
+
+    ``ring``: ``key`` is one of two slots used in turn (the per-collective comparisons), which may still hold a
+    rank's comparison before last: a value counts once its ``done`` is this one's. No slot is ever deleted (one
+    store write and one read per comparison when the ranks arrive together)."""
+    group, store = fp.group, _store()
+    base = fp.prefix
+    value = json.dumps(here)
+    store.multi_set([f"{base}/{key}/{group.rank}", f"{base}/pos/{group.rank}"], [value, value])
+    keys = [f"{base}/{key}/{r}" for r in range(group.size)]
+
+    def ready() -> list | None:
+        if not (ring and key in fp.slots_seen) and not store.check(keys):
+            return None
+        got = [json.loads(v) for v in store.multi_get(keys)]
+        if ring:
+            fp.slots_seen.add(key)
+            if any(e["done"] != here["done"] for e in got):  # a slot not yet written for this comparison
+                return None
+        return got
+
+    start = time.monotonic()
+    deadline, next_look, pause = start + fp.timeout_s, start + 0.02, 0.0
+    while (got := ready()) is None:
+        now = time.monotonic()
+        if now >= next_look or now >= deadline:
+            next_look = now + 0.05
+            others = [r for r in range(group.size) if r != group.rank]
+            pos = {r: json.loads(store.get(f"{base}/pos/{r}")) for r in others if store.check([f"{base}/pos/{r}"])}
+            if (got := ready()) is not None:
+                break
+            gone = [r for r, p in pos.items() if _parted(fp, here, p)]
+            if gone or now >= deadline:
+                me = f"rank {group.rank} {'at' if gone else 'is at'} {_where(here)}"
+                if gone:
+                    there = "; ".join(f"rank {r} is at {_where(pos[r])}" for r in gone)
+                    raise CollectiveMismatch(f"{group.name} ranks parted: {there}, {me}; a rank skipped, reordered or "
+                                             f"added a collective")
+                late = [r for r in others if pos.get(r, {}).get("done") != here["done"]
+                        or pos[r].get("steps") != here["steps"] or pos[r].get("at") != here["at"]]
+                s_ = "s" if len(late) > 1 else ""
+                there = "; ".join(f"rank {r} was last at " + (_where(pos[r]) if r in pos else "no check")
+                                  for r in late)
+                raise CollectiveMismatch(f"{group.name} rank{s_} {', '.join(map(str, late))} did not arrive within "
+                                         f"{fp.timeout_s:g} s: {there}; {me}; the missing rank{s_} "
+                                         f"{'are' if s_ else 'is'} blocked in a collective the others did not issue "
+                                         f"(a skipped or extra collective) or hung")
+        pause = min(0.002, pause * 2 or 0.0001)
+        time.sleep(pause)
+    return got
+
+
+def _forget(fp: Fingerprint, key: str) -> None:
     try:
-        store.wait(keys, timedelta(seconds=fp.timeout_s))
-    except Exception:  # the store's timeout (DistStoreError / RuntimeError, by torch version)
-        here = [r for r in range(group.size) if store.check([keys[r]])]
-        gone = [r for r in range(group.size) if r not in here]
-        last = ", ".join(f"#{r[0]} {_describe(r)}" for r in fp.log[-3:]) or "none since the last check"
-        raise CollectiveMismatch(
-            f"{group.name} rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} did not reach the collective "
-            f"check at step {step} within {fp.timeout_s:g} s, while rank{'s' if len(here) > 1 else ''} "
-            f"{', '.join(map(str, here))} did after {fp.seq} collectives (last here: {last}); the missing ranks are "
-            f"blocked in a collective the others did not issue (a skipped or extra collective) or hung") from None
-    out = [pickle.loads(store.get(k)) for k in keys]
-    if step >= 2 * fp.every:  # every rank has read the keys of two checks ago (it posted the next ones after)
-        try:
-            store.delete_key(_store_key(group, fp.session, step - 2 * fp.every, phase, group.rank))
-        except Exception:
-            pass
-    return out
+        _store().delete_key(f"{fp.prefix}/{key}/{fp.group.rank}")
+    except Exception:  # an old key of this rank that is gone already: nothing to do
+        pass
+
+
+def _sync_collective(fp: Fingerprint, rec) -> None:
+    """Compare, across the ranks, the collective about to run (``rec``) and the hash up to it; raise
+    :class:`CollectiveMismatch` naming what each rank is about to issue when they differ."""
+    here = {"at": "collective", "done": fp.seq - 1, "steps": fp.steps, "rec": list(rec), "digest": fp.digest.hex()}
+    # two slots in turn: a rank posting comparison n has seen every rank's n - 1, so no rank still reads n - 2
+    every = _wait(fp, f"c/{(fp.seq // fp.sync_every) % 2}", here, ring=True)
+    mine = (here["steps"], tuple(rec[1:]), here["digest"])
+    if all((e["steps"], tuple(e["rec"][1:]), e["digest"]) == mine for e in every):
+        return
+    by: dict[str, list[int]] = {}
+    for r, e in enumerate(every):
+        by.setdefault(f"{_describe(e['rec'])} at step {e['steps']}", []).append(r)
+    if len(by) == 1:  # the same collective now, different ones before (sync_every > 1)
+        raise CollectiveMismatch(f"{fp.group.name} ranks' collective fingerprints differ before collective #{fp.seq} "
+                                 f"({_sides([e['digest'] for e in every])}); a rank skipped, reordered or changed a "
+                                 f"collective in the last {fp.sync_every}")
+    detail = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {d}" for d, rs in by.items())
+    raise CollectiveMismatch(f"{fp.group.name} ranks are about to issue different collectives: #{fp.seq} ({detail}); "
+                             f"a rank skipped, reordered or changed a collective")
 
 
 def _sides(values: list) -> str:
@@ -157,13 +344,6 @@ def _sides(values: list) -> str:
     for r, v in enumerate(values):
         by.setdefault(v, []).append(r)
     return " vs ".join(f"ranks {rs}" if len(rs) > 1 else f"rank {rs[0]}" for rs in by.values())
-
-
-def _describe(rec) -> str:
-    if rec is None:
-        return "no collective (it skipped one)"
-    seq, kind, numel, es = rec
-    return f"{kind} of {numel} elements x {es} bytes"
 
 
 def check(group: Group, inputs: dict[str, Any] | None = None, *, force: bool = False) -> bool:
@@ -176,31 +356,42 @@ def check(group: Group, inputs: dict[str, Any] | None = None, *, force: bool = F
 
     Returns True when a comparison ran (step 0, every ``every`` steps, or ``force``), False otherwise.
     Communication: no collective; one exchange through the process group's store when it compares (a second one,
-    with the records since the last check, when hashes differ), waiting at most ``timeout_s``.
+    with the records since the last check, when hashes differ), waiting at most ``timeout_s``; with
+    ``sync_every`` on, one store write per call (this rank's position) otherwise.
 
     Raises:
-        CollectiveMismatch: an input differs (its name and the ranks on each side), or the collective records
-            differ (the first differing collective: sequence number, what each rank issued, the ranks).
+        CollectiveMismatch: an input differs (its name and the ranks on each side), the collective records
+            differ (the first differing collective: sequence number, what each rank issued, the ranks), or another
+            rank is at another point of its program (where each rank is).
     """
     fp = getattr(group.counter, "fingerprint", None)
     if fp is None:
         return False
     step = fp.steps
+    here = {"at": "step", "done": fp.seq, "steps": step, "rec": list(fp.log[-1]) if fp.log else None}
     fp.steps += 1
-    if group.size == 1 or not (force or step % fp.every == 0):
+    fp.step_seqs.append(fp.seq)
+    if group.size == 1:
         return False
-    hashes = {k: input_hash(v) for k, v in sorted((inputs or {}).items())}
-    mine = (fp.seq, fp.digest, hashes)
-    every = _exchange(mine, group, fp, step, "hash")
-    for k in hashes:
-        vals = [e[2].get(k) for e in every]
+    if not (force or step % fp.every == 0):
+        if fp.sync_every:  # where this rank is, for a peer waiting at a collective it will not reach
+            _store().set(f"{fp.prefix}/pos/{group.rank}", json.dumps(here))
+        return False
+    here["inputs"] = {k: input_hash(v) for k, v in sorted((inputs or {}).items())}
+    here["digest"] = fp.digest.hex()
+    every = _wait(fp, f"s/{step}/hash", here)
+    if step >= 2 * fp.every:  # every rank has read the keys of two checks ago (it posted the next ones after)
+        _forget(fp, f"s/{step - 2 * fp.every}/hash")
+        _forget(fp, f"s/{step - 2 * fp.every}/log")
+    for k in here["inputs"]:
+        vals = [e["inputs"].get(k) for e in every]
         if len(set(vals)) > 1:
             raise CollectiveMismatch(f"input {k!r} differs across {group.name} ranks at step {step}: "
                                      f"{_sides(vals)} were given different values")
-    if len({(e[0], e[1]) for e in every}) == 1:
+    if len({(e["done"], e["digest"]) for e in every}) == 1:
         fp.log.clear()
         return True
-    logs = _exchange(fp.log, group, fp, step, "log")
+    logs = [[tuple(r) for r in e["log"]] for e in _wait(fp, f"s/{step}/log", dict(here, log=fp.log))]
     n = max(len(x) for x in logs)
     for i in range(n):
         recs = [x[i] if i < len(x) else None for x in logs]
@@ -214,4 +405,4 @@ def check(group: Group, inputs: dict[str, Any] | None = None, *, force: bool = F
                                      f"#{seq} differs ({detail}); a rank skipped, reordered or changed a "
                                      f"collective")
     raise CollectiveMismatch(f"{group.name} ranks' collective fingerprints differ at step {step} "
-                             f"({_sides([(e[0], e[1]) for e in every])}) before the last agreed check")
+                             f"({_sides([(e['done'], e['digest']) for e in every])}) before the last agreed check")

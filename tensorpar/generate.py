@@ -437,7 +437,7 @@ def _rank_main(folder: str, args: argparse.Namespace) -> int:
         printer = TokenPrinter(tok) if single and ctx.rank == 0 else None
         on_token = printer
         if args.check_collectives or fingerprint.enable_from_env(ctx.tp) is not None:
-            fingerprint.enable(ctx.tp, timeout_s=min(args.timeout / 2, 60.0))
+            fingerprint.enable(ctx.tp, timeout_s=min(args.timeout / 2, 60.0), model=model)  # sites: model's modules
             fingerprint.check(ctx.tp, {"prompt": ids, "attention_mask": mask, "seed": seed,
                                        "temperature": args.temperature})
 

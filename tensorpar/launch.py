@@ -1,12 +1,12 @@
 """Start N local ranks through torch's elastic launcher, or run in place under torchrun.
 
 ``tensorpar generate --tp 2`` calls :func:`run_ranks`, which starts the ranks with
-``torch.distributed.launcher.api.elastic_launch`` (the machinery of torchrun): the rendezvous
-endpoint is ``127.0.0.1`` at a port the kernel picked free (never a fixed 29500), so two runs, or a
-run next to another torchrun job, do not collide; a one-rank run gets a free loopback port too.
-Limitation: torch's ``TCPStore`` server has no bind-address option reachable through the launcher and
-listens on the wildcard address, so its (random) port is open to the network while a run lasts.
-When the process already is a torchrun worker (``TORCHELASTIC_RUN_ID`` or ``RANK`` in the
+``torch.distributed.launcher.api.elastic_launch`` (the machinery of torchrun). Nothing it opens is
+reachable from outside the host: both stores of the rendezvous listen on ``127.0.0.1`` only, at ports the
+kernel picks (:func:`loopback_store`; torch's own ``TCPStore`` listens on every interface), so two runs, or a
+run next to another torchrun job, do not collide either; the ranks' gloo / NCCL sockets are put on the
+loopback interface (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME=lo`` unless set); a one-rank run uses an
+in-process store (:func:`tensorpar.parallel.init_parallel`). See docs/security.md. When the process already is a torchrun worker (``TORCHELASTIC_RUN_ID`` or ``RANK`` in the
 environment), the function runs directly: ``torchrun --nnodes M --nproc-per-node N -m
 tensorpar generate ...`` is the multi-machine path, unchanged (it binds what the user gave torchrun).
 
@@ -18,6 +18,7 @@ a couple of seconds (:data:`SHUTDOWN_TIMEOUT_S`).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -26,7 +27,7 @@ import socket
 import sys
 import tempfile
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 # One default for every command (issue 14, item 7).
 DEFAULT_TP = 2
@@ -47,6 +48,56 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def loopback_store(timeout_s: float = 300.0):
+    """A ``TCPStore`` server that listens on ``127.0.0.1`` only, at a port the kernel picks.
+
+    torch's ``TCPStore`` has no bind-address option and listens on the wildcard address (every interface); its
+    ``master_listen_fd`` takes a socket that is already listening, so we bind that socket to loopback ourselves
+    (the libuv server, torch's default, takes it over and closes it). Clients connect to ``127.0.0.1:<port>``.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1024)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True,
+                         master_listen_fd=sock.detach(), use_libuv=True,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+LOOPBACK_RDZV = "tensorpar-loopback"
+
+
+def _loopback_rendezvous(params):
+    """torch elastic's c10d rendezvous (``DynamicRendezvousHandler`` on ``C10dRendezvousBackend``) with both of its
+    stores on :func:`loopback_store`: the rendezvous store, and the store it shares with the ranks
+    (``TORCHELASTIC_USE_AGENT_STORE``; torch makes that one with ``TCPStore(addr, 0, is_master=True)``, i.e. on
+    every interface, in ``_create_tcp_store_server``, replaced here). For one-host launches only."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    class Backend(C10dRendezvousBackend):
+        @property
+        def name(self) -> str:  # the launcher checks that the handler is of the backend it asked for
+            return LOOPBACK_RDZV
+
+    timeout = float(params.get_as_int("read_timeout", 60) or 60)
+    store = loopback_store(timeout)
+    handler = create_handler(store, Backend(store, params.run_id), params)
+    if not hasattr(handler, "_create_tcp_store_server"):  # a torch whose handler makes its store elsewhere
+        raise RuntimeError("this torch's elastic rendezvous has no _create_tcp_store_server; tensorpar cannot keep "
+                           "its store on loopback (report this with the torch version)")
+    handler._create_tcp_store_server = lambda addr, port: loopback_store(timeout)
+    return handler
 
 
 def under_torchrun() -> bool:
@@ -116,6 +167,36 @@ def report_error(message: str, prog: str = "tensorpar") -> None:
             os.unlink(tmp)
         except OSError:
             pass
+
+
+@contextlib.contextmanager
+def locked_folder(folder: str, what: str = "--out") -> Iterator[None]:
+    """Hold the exclusive lock of a folder a run writes into (``<folder>/.lock``, :func:`tensorpar.cache.file_lock`)
+    while the block runs; refuse at once, without waiting, when another process holds it. The kernel drops a
+    ``flock`` with the holder's last file descriptor, so a crashed or killed run releases it too. A folder the lock
+    made that holds nothing else when the block ends is removed again (a refused run leaves nothing behind).
+
+    Raises:
+        ValueError: another run holds the lock (one line naming ``what``, the folder and the holder), or ``folder``
+            is a file.
+    """
+    from tensorpar.cache import file_lock
+
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ValueError(f"{what} {folder!r} is a file, not a folder; choose a folder for the run's outputs")
+    created = not os.path.exists(folder)
+    path = os.path.join(folder, ".lock")
+    with file_lock(path, busy=f"{what} {folder!r} is in use by another run; wait for it to end, or choose another "
+                              f"{what} folder"):
+        try:
+            yield
+        finally:
+            try:
+                if created and os.listdir(folder) == [".lock"]:
+                    os.unlink(path)  # still held: a run that opened it before is refused, one after makes its own
+                    os.rmdir(folder)
+            except OSError:
+                pass
 
 
 class RankError(Exception):
@@ -346,11 +427,18 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args, verbose: bool = False) 
               f"and run slower than with tp <= {cores}", file=sys.stderr, flush=True)
     if sys.stderr.isatty():  # starting ranks takes seconds (each imports torch): say so on a terminal
         print(f"tensorpar: starting {nproc} ranks ...", file=sys.stderr, flush=True)
-    port = free_port()
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(LOOPBACK_RDZV, _loopback_rendezvous)  # idempotent (same function)
     cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-                       rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0,
-                       monitor_interval=0.1, start_method="spawn", shutdown_timeout=SHUTDOWN_TIMEOUT_S,
-                       rdzv_configs={"is_host": True})
+                       rdzv_backend=LOOPBACK_RDZV, rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1",
+                       max_restarts=0, monitor_interval=0.1, start_method="spawn",
+                       shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    # the ranks' own sockets (gloo's pairs, NCCL's bootstrap) on loopback too, unless the user chose an interface
+    saved_ifnames = {k: os.environ.get(k) for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    for k, v in saved_ifnames.items():
+        if v is None:
+            os.environ[k] = "lo"
     saved = {}
     if not verbose:  # the launcher logs every failure with a traceback; we print one line instead
         for name in _LAUNCHER_LOGGERS:
@@ -377,6 +465,9 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args, verbose: bool = False) 
         return 130
     finally:
         shutil.rmtree(error_dir, ignore_errors=True)
+        for k, v in saved_ifnames.items():
+            if v is None:
+                os.environ.pop(k, None)
         for name, level in saved.items():
             logging.getLogger(name).setLevel(level)
     return max(int(r or 0) for r in results.values())

@@ -283,7 +283,10 @@ def init_parallel(
     if not dist.is_initialized():
         if init_method is None and "MASTER_ADDR" not in os.environ:
             init_method = "tcp://127.0.0.1:29500"
-        if init_method is None and world_size > 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        if init_method is None and world_size == 1:
+            # one rank needs no rendezvous: an in-process store opens no port (a TCPStore listens on every interface)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        elif init_method is None and world_size > 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # torchrun's agent store outlives a restart: keys of the attempt before must not be read
             dist.init_process_group(backend, store=attempt_store(rank, world_size, timeout_s), rank=rank,
                                     world_size=world_size, timeout=timeout)

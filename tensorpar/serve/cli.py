@@ -161,8 +161,13 @@ def check_collectives(engine, tp, *, every: int = 50, timeout_s: float = 60.0) -
     Every rank must call it."""
     from tensorpar import fingerprint
 
-    fingerprint.enable(tp, every, timeout_s=timeout_s)
-    inner = engine.step
+    fingerprint.enable(tp, every, timeout_s=timeout_s, model=engine.model)
+    inner, inner_exchange = engine.step, engine.exchange
+
+    def exchange(plan):  # the ranks other than 0 wait here, idle, until the next request: no per-collective wait
+        with fingerprint.unsynced(tp):
+            return inner_exchange(plan)
+    engine.exchange = exchange
 
     def step(plan, samplers):
         out = inner(plan, samplers)

@@ -5,12 +5,14 @@ group is made; the collectives themselves never touch torch.distributed.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from tensorpar.comm import all_gather_json
 from tensorpar.shm.collectives import ShmCommunicator
 from tensorpar.shm.segment import W_PID, W_START, Layout, Segment, host_identity, process_start_time, sweep_stale
 from tensorpar.shm.sync import Peer, WaitPolicy
@@ -35,12 +37,10 @@ class Member:
 
 
 def exchange_members(pg, host_id: str | None) -> list[Member]:
-    """All-gather every rank's :class:`Member` over ``pg`` (group-rank order). Collective."""
+    """All-gather every rank's :class:`Member` over ``pg`` (group-rank order; as JSON). Collective."""
     me = Member(host=host_id if host_id is not None else host_identity(), pid=os.getpid(),
                 start_time=process_start_time(os.getpid()), global_rank=dist.get_rank())
-    out: list = [None] * dist.get_world_size(pg)
-    dist.all_gather_object(out, me, group=pg)
-    return out
+    return [Member(**m) for m in all_gather_json(dataclasses.asdict(me), pg)]
 
 
 def hosts_of(members: list[Member]) -> list[list[int]]:
@@ -125,6 +125,4 @@ def build_host_communicator(pg, members: list[Member], *, group_name: str, slot_
 
 
 def _all_gather(pg, obj) -> list:
-    out: list = [None] * dist.get_world_size(pg)
-    dist.all_gather_object(out, obj, group=pg)
-    return out
+    return [tuple(x) if isinstance(x, list) else x for x in all_gather_json(obj, pg)]  # JSON: never pickle

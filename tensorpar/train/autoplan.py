@@ -775,7 +775,7 @@ def comparison_line(prediction: dict, medians: list[float], counted: int, peaks:
 
 def gather_measurements(ctx, step_times: list[float], rss_peak: int, tensor_peak: int | None = None):
     """``(every rank's median step time, steps counted, every rank's (peak bytes, how measured))`` on every rank
-    (one all-gather of objects over all ranks). The peak is ``tensor_peak`` when given, else ``rss_peak``."""
+    (one all-gather of JSON over all ranks). The peak is ``tensor_peak`` when given, else ``rss_peak``."""
     import torch.distributed as dist
 
     med, n = measured_step_time(step_times)
@@ -785,9 +785,9 @@ def gather_measurements(ctx, step_times: list[float], rss_peak: int, tensor_peak
     mine = (med, (tensor_peak if tensor_peak is not None else rss_peak, how))
     if ctx.world_size == 1 or not dist.is_initialized():
         return [med], n, [mine[1]]
-    box = [None] * ctx.world_size
-    dist.all_gather_object(box, mine)
-    return [b[0] for b in box], n, [b[1] for b in box]
+    from tensorpar.comm import all_gather_json
+    box = all_gather_json(mine, dist.group.WORLD)  # JSON, not all_gather_object: nothing from a peer is unpickled
+    return [b[0] for b in box], n, [tuple(b[1]) for b in box]
 
 
 def step_with_tensor_peak(trainer):

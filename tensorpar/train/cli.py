@@ -11,6 +11,7 @@ with ``--export DIR``, a Hugging Face model folder. Everything is checked before
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -266,7 +267,7 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
     from tensorpar import fingerprint
     fp_on = check_collectives or fingerprint.enable_from_env(ctx.tp) is not None
     if fp_on:
-        fingerprint.enable(ctx.tp)
+        fingerprint.enable(ctx.tp, model=getattr(trainer, "model", None))  # call sites: the model's modules
     last = val = None
     step_times: list[float] = []
     tensor_peak_bytes = None
@@ -406,7 +407,7 @@ def check_resume_data(cfg: TrainConfig, data, ckpt: Path) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from tensorpar.launch import run_ranks, under_torchrun
+    from tensorpar.launch import locked_folder, run_ranks, under_torchrun
     from tensorpar.train.checkpoint import CheckpointError
     from tensorpar.train.config import check_out_dir
     from tensorpar.train.export import check_export_dir
@@ -434,6 +435,7 @@ def main(args: argparse.Namespace) -> int:
         if args.resume is None or last is not None:
             rank0_print(note + (f"resuming from {last}" if last is not None else "no checkpoint yet, starting afresh"),
                         file=sys.stderr)
+    lock = contextlib.ExitStack()  # the --out lock, once taken
     try:  # every check that the launching process can make, cheapest first, before any rank starts
         cfg = config_from_args(args)
         choice = None
@@ -456,6 +458,8 @@ def main(args: argparse.Namespace) -> int:
         from tensorpar.cli import check_launch_arguments
         check_launch_arguments(args)
         check_fast_collectives(cfg)
+        if not under_torchrun() or os.environ.get("RANK") == "0":  # one lock per run: the launcher / global rank 0
+            lock.enter_context(locked_folder(cfg.out_dir, "--out"))  # held to the end: a second run is refused
         check_out_dir(cfg.out_dir, resume=args.resume)
         if args.export is not None:
             if Path(args.export).absolute() == Path(cfg.out_dir).absolute():
@@ -468,11 +472,15 @@ def main(args: argparse.Namespace) -> int:
             check_resume_model(source.config, ckpt)
     except (ValueError, FileNotFoundError, OSError, CheckpointError) as e:
         from tensorpar.launch import report_error
+        lock.close()
         report_error(str(e))
         return 2
-    return run_ranks(_rank_main, cfg.tp * cfg.pp * cfg.dp, cfg, args.resume, args.export, not args.no_progress,
-                     args.timeout, getattr(args, "overwrite", False), getattr(args, "check_collectives", False),
-                     choice.prediction() if choice is not None else None, verbose=getattr(args, "verbose", False))
+    try:
+        return run_ranks(_rank_main, cfg.tp * cfg.pp * cfg.dp, cfg, args.resume, args.export, not args.no_progress,
+                         args.timeout, getattr(args, "overwrite", False), getattr(args, "check_collectives", False),
+                         choice.prediction() if choice is not None else None, verbose=getattr(args, "verbose", False))
+    finally:
+        lock.close()
 
 
 def plan_config(args: argparse.Namespace, cfg: TrainConfig):

@@ -249,7 +249,7 @@ def check_out_dir(out_dir: str, *, resume: str | None) -> None:
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out_dir!r} is a file, not a folder; choose a folder for the run's outputs")
-    if resume is None and out.is_dir() and any(out.iterdir()):
+    if resume is None and out.is_dir() and any(p.name != ".lock" for p in out.iterdir()):  # .lock: ours
         raise ValueError(f"--out {out_dir!r} already holds files (an earlier run?); continue it with --resume, "
                          f"or choose another --out folder")
 
