@@ -487,7 +487,7 @@ def _rank_main(spec: str, folder: str | None, tp_size: int, seq: int, args: argp
         from tensorpar import fingerprint
         checking = args.check_collectives or fingerprint.enable_from_env(ctx.tp) is not None
         if checking:   # the sharded model's collectives and the inputs compared, once before and once after
-            fingerprint.enable(ctx.tp, timeout_s=min(args.timeout / 2, 60.0))
+            fingerprint.enable(ctx.tp, timeout_s=min(args.timeout / 2, 60.0), model=par)  # sites: par's modules
             fingerprint.check(ctx.tp, {"input_ids": ids}, force=True)
         rep = compare_to_reference(ref, par, ctx.tp, ids, train=args.train)
         if checking:

@@ -42,3 +42,16 @@ def test_one_timeout_rule(value):
         a = parser(command).parse_args(["--timeout", value])
         with pytest.raises(ValueError, match=r"^--timeout must be a positive, finite number of seconds, got"):
             check_launch_arguments(a)
+
+
+def test_verify_runs_with_check_collectives_and_fast_collectives_off(tmp_path):
+    """verify's new shared flags reach its ranks: fingerprints on (compared before every collective) and gloo
+    instead of shared memory; the report is still OK."""
+    import json
+
+    from tensorpar.cli import main
+    out = tmp_path / "r.json"
+    rc = main(["verify", "--model", "tiny", "--tp", "2", "--check-collectives", "--fast-collectives", "off",
+               "--json", str(out)])
+    layouts = json.loads(out.read_text())["layouts"]
+    assert rc == 0 and [(r["tp_size"], r["ok"]) for r in layouts] == [(2, True)]
