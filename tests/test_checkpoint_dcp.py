@@ -31,7 +31,6 @@ class Killed(BaseException):
 
 
 def _trainer(ctx, kw, model_kw=None):
-    from tensorpar.pipeline.trainer import ParallelTrainer
     from tensorpar.train.loop import Trainer
     from tensorpar.train.model import ModelSource, build_model
     c = ctx.config
@@ -39,9 +38,7 @@ def _trainer(ctx, kw, model_kw=None):
     data = synthetic_data()
     model, plan = build_model(cfg, ModelSource(tiny_config(**dict(MODEL, **(model_kw or {}))), None, None), ctx.tp,
                               data.vocab_size)
-    if c.pp == c.dp == cfg.micro_batches == 1:
-        return Trainer(cfg, ctx.tp, model, plan, data)        # the tp-only loop
-    return ParallelTrainer(cfg, ctx, model, plan, data)
+    return Trainer(cfg, ctx, model, plan, data)
 
 
 def _count_gathers():

@@ -34,16 +34,13 @@ LAYOUTS = {
 
 
 def make(ctx, kw):
-    from tensorpar.pipeline.trainer import ParallelTrainer
     from tensorpar.train.loop import Trainer
     from tensorpar.train.model import ModelSource, build_model
     c = ctx.config
     cfg = replace(BASE, tp=c.tp, pp=c.pp, dp=c.dp, steps=STEPS, **kw)
     data = synthetic_data()
     model, plan = build_model(cfg, ModelSource(tiny_config(**MODEL), None, None), ctx.tp, data.vocab_size)
-    if ctx.world_size == 1 and cfg.micro_batches == 1:
-        return Trainer(cfg, ctx.tp, model, plan, data)
-    return ParallelTrainer(cfg, ctx, model, plan, data)
+    return Trainer(cfg, ctx, model, plan, data)
 
 
 def losses(ctx, kw):

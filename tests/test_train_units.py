@@ -142,7 +142,7 @@ def job_finetune(ctx, folder):
     data = synthetic_data()
     src = resolve_source(cfg)
     model, plan = build_model(cfg, src, ctx.tp, data.vocab_size)
-    tr = Trainer(cfg, ctx.tp, model, plan, data)
+    tr = Trainer(cfg, ctx, model, plan, data)
     return [tr.train_step().loss for _ in range(3)], src.weights is not None
 
 

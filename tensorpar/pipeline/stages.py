@@ -5,7 +5,7 @@ the ``num_layers`` blocks are cut into ``pp * virtual`` consecutive chunks whose
 the larger chunks last (the first stage also holds the embedding); rank ``i`` of the pipeline holds chunks
 ``i, i + pp, i + 2 pp, ...`` (the interleaved assignment of Narayanan et al. 2021, Sec. 2.2.2). The first chunk
 holds the embedding, the last the final norm and the LM head; a tied LM head is a separate copy on the last
-stage whose gradient is summed with the embedding's (:class:`tensorpar.pipeline.trainer.PipelineTrainer`).
+stage whose gradient is summed with the embedding's (:meth:`tensorpar.train.loop.Trainer.complete_grads`).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from tensorpar.shard import pipeline_chunks
 
 #: families whose blocks need only the plain causal mask and the shared rotary table (what a stage computes)
 PIPELINE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
 
 def chunk_ranges(num_layers: int, pp: int, virtual: int = 1) -> list[tuple[int, int]]:
@@ -111,3 +112,28 @@ def cut_stages(model: nn.Module, pp_rank: int, pp: int, virtual: int = 1) -> lis
         a, b = ranges[c]
         out.append(DecoderStage(model, range(a, b), first=c == 0, last=c == n - 1))
     return out
+
+
+def build_schedule(stages: list[nn.Module], pp, device: torch.device, micro_batches: int, schedule: str, loss_fn):
+    """torch.distributed.pipelining's schedule over this rank's stage modules (from :func:`cut_stages`).
+
+    ``pp``: the pipeline :class:`~tensorpar.comm.Group`; ``loss_fn(logits, target)`` runs on the last stage, per
+    micro-batch. GPipe and 1F1B take one stage per rank, interleaved 1F1B ``virtual`` of them (stage indices
+    ``pp.rank + k * pp.size``). The schedule's ``step`` runs forward and backward of all micro-batches (gradients
+    accumulated, then divided by ``micro_batches``), its ``eval`` the forwards only. Raises ValueError for an
+    unknown schedule or an interleaved one whose micro-batches are not a multiple of pp.
+    """
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: use one of {', '.join(SCHEDULES)}")
+    n = pp.size * len(stages)
+    piped = [PipelineStage(mod, pp.rank + k * pp.size, n, device, group=pp.pg) for k, mod in enumerate(stages)]
+    m = micro_batches
+    if schedule == "interleaved-1f1b":
+        if m % pp.size:
+            raise ValueError(f"micro_batches={m} must be a multiple of pp={pp.size} for the interleaved 1F1B "
+                             f"schedule; use micro_batches={m + pp.size - m % pp.size}")
+        return ScheduleInterleaved1F1B(piped, m, loss_fn=loss_fn)
+    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    return cls(piped[0], m, loss_fn=loss_fn)

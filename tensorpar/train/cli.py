@@ -229,7 +229,7 @@ def prepare(cfg: TrainConfig, *, progress: bool = True):
 
 def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None = None, progress: bool = True,
         prepared=None, overwrite: bool = False, check_collectives: bool = False, tensor_peak: bool = False) -> dict:
-    """Train on the ranks of ``ctx.tp`` until ``cfg.steps``; every rank calls it. Returns a summary dict.
+    """Train on the ranks of ``ctx`` (any tp, pp, dp) until ``cfg.steps``; every rank calls it. Returns a summary dict.
 
     ``export``: also write the final checkpoint as a Hugging Face folder there (``overwrite``: it may
     replace a previous tensorpar export; see :func:`tensorpar.train.export.export_hf`).
@@ -253,11 +253,7 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
     from tensorpar.train.autoplan import PeakMemory
     peak = PeakMemory(ctx.device)  # this rank's memory from here on (model, optimizer, activations)
     model, plan = build_model(cfg, source, ctx.tp, data.vocab_size, device=ctx.device)
-    if cfg.pp == cfg.dp == cfg.micro_batches == 1:
-        trainer = Trainer(cfg, ctx.tp, model, plan, data)
-    else:
-        from tensorpar.pipeline.trainer import ParallelTrainer
-        trainer = ParallelTrainer(cfg, ctx, model, plan, data)
+    trainer = Trainer(cfg, ctx, model, plan, data)
     del model  # a pipeline stage keeps only its chunks; the other layers are freed here
     out = Path(cfg.out_dir)
     ckroot = out / "checkpoints"
