@@ -90,6 +90,35 @@ def check_pipeline(config, pp: int, virtual: int, micro_batches: int, schedule: 
                          f"1F1B schedule; use {micro_batches + pp - micro_batches % pp}")
 
 
+def stage_layers(num_layers: int, pp_rank: int, pp: int, virtual: int = 1) -> tuple[set[int], bool, bool]:
+    """The decoder layers that pipeline rank ``pp_rank`` holds, and whether it holds the first chunk (embedding)
+    and the last (final norm, LM head)."""
+    ranges = chunk_ranges(num_layers, pp, virtual)
+    mine = range(pp_rank, len(ranges), pp)
+    return {i for c in mine for i in range(*ranges[c])}, 0 in mine, len(ranges) - 1 in mine
+
+
+def keep_stage_modules(model: nn.Module, pp_rank: int, pp: int, virtual: int = 1) -> nn.Module:
+    """Drop from ``model`` (sharded by :func:`tensorpar.hf.apply.parallelize`, still on the meta device) the
+    modules that pipeline rank ``pp_rank`` does not hold, so that loading afterwards reads and materialises only
+    this rank's stage: the other chunks' decoder layers (``nn.Identity`` placeholders keep the indices), the
+    embedding unless it holds the first chunk (or the last, when the LM head is tied to the embedding: the head is
+    that tensor), the final norm and LM head unless it holds the last. :func:`cut_stages` then cuts the same
+    chunks. Returns ``model``."""
+    layers, first, last = stage_layers(model.tensorpar_plan.num_layers, pp_rank, pp, virtual)
+    inner = model.model
+    for i in range(len(inner.layers)):
+        if i not in layers:
+            inner.layers[i] = nn.Identity()
+    tied = model.lm_head.weight is inner.embed_tokens.weight or getattr(model.config, "tie_word_embeddings", False)
+    if not first and not (last and tied):
+        inner.embed_tokens = nn.Identity()
+    if not last:
+        inner.norm = nn.Identity()
+        model.lm_head = nn.Identity()
+    return model
+
+
 def cut_stages(model: nn.Module, pp_rank: int, pp: int, virtual: int = 1) -> list[DecoderStage]:
     """The chunks that pipeline rank ``pp_rank`` holds (``virtual`` of them), each a :class:`DecoderStage`.
 
