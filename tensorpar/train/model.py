@@ -91,9 +91,7 @@ def build_model(cfg: TrainConfig, source: ModelSource, tp: Group, vocab_size: in
     if cfg.tp_weights == "auto":
         raise ValueError("tp_weights='auto' must be measured before the model is built: tensorpar.train.cli.run "
                          "does it (cfg.replace(tp_weights=ctx.tp_weights) in a loop of your own)")
-    plan = make_plan(config, tp.size, sequence_parallel=cfg.sequence_parallel,  # validates before any weight
-                     tp_weights=cfg.tp_weights)
-    if source.weights is not None:
+    if source.weights is not None:  # build_parallel_model makes the plan (validating before any weight is read)
         keep = None
         if cfg.pp > 1:
             from tensorpar.pipeline.stages import keep_stage_modules
@@ -106,6 +104,8 @@ def build_model(cfg: TrainConfig, source: ModelSource, tp: Group, vocab_size: in
                                            tp_weights=cfg.tp_weights, keep=keep)
         model.config.use_cache = False
     else:
+        plan = make_plan(config, tp.size, sequence_parallel=cfg.sequence_parallel,  # validates before any weight
+                         tp_weights=cfg.tp_weights)
         config._attn_implementation = "sdpa"
         torch.manual_seed(cfg.seed)  # the full model's init; every rank draws the same weights
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
