@@ -158,14 +158,14 @@ def test_dcp_save_and_resume_at_other_layouts(reference, tmp_path):
             assert got == tail, f"tp2-pp2 checkpoint at tp2-dp2, rank {r}"
         for r, got in enumerate(pool_pp.run(job_resume, TP2_PP2[1], root_dp)):
             assert got == tail, f"tp2-dp2 checkpoint at tp2-pp2, rank {r}"
-        # tp3 (the tp-only Trainer): 5 heads as 2 + 2 + 1, vocab 67 as 23 + 22 + 22
+        # tp3 (tp only): 5 heads as 2 + 2 + 1, vocab 67 as 23 + 22 + 22
         for root in (root_pp, root_dp):
             for r, got in enumerate(pool_tp3.run(job_resume, {}, root)):
                 assert got == tail, f"{root} at tp3, rank {r}"
     finally:
         for p in (pool_pp, pool_dp, pool_tp3):
             p.close()
-    # tp = 1 on one process (the tp-only Trainer), nothing unpickled
+    # tp = 1 on one process, nothing unpickled
     for root in (root_pp, root_dp):
         assert job_resume(ParallelContext.single(), {}, root) == tail, root
     # --export from the 4-rank checkpoint: the full tensors equal what a tp = 1 resume reads (tied LM head too)
