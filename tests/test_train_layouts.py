@@ -1,18 +1,20 @@
 """Settings of the one trainer hold at every layout (issue 27 item 1, issue 22 item 2): bf16 autocast and the skip of
-a batch without any target token at (dp 2), (pp 2), (tp 2, pp 2) and (tp 2, dp 2) under FSDP.
+a batch without any target token at (dp 2), (pp 2), (tp 2, pp 2) and (tp 2, dp 2) under FSDP; and a pipeline rank
+that reads and materialises only its stage of a pretrained model (issue 22 item 2).
 
 Setup: the small Llama of tests/test_3d.py (5 query heads, 1 KV head, tied embedding), clipping active, 4 steps.
 The 2-rank layouts share one launch, the 4-rank ones another (each layout builds its own groups on the ranks).
 
-Tolerances:
-- bf16 at a layout against bf16 at tp = 1: 2e-2 relative per step. Autocast rounds every matmul input to bf16
-  (8 mantissa bits, 2^-9 = 2e-3 relative per rounding); splitting a matmul over tp ranks, a batch over micro-batches
-  or replicas, or a model over stages changes which partial sums are rounded, so the runs drift apart by bf16
-  rounding, compounded over the steps (the same bound as test_train_parity's tp 2 against tp 1 in bf16).
-- bf16 against fp32 at the same layout: more than 1e-4 relative at some step. fp32 runs of these layouts agree with
-  tp = 1 within 1e-5 (tests/test_3d.py), and a run that ignored --bf16 gives the fp32 losses bit for bit
-  (relative difference 0.0, the fault of issue 27); at tp = 1, bf16 moves the losses of this setup by 9e-6 at step 1
-  and 1.5e-3 at step 4.
+Tolerances (measured on this setup, per-step maximum over 4 steps, relative):
+- bf16 at a layout against bf16 at tp = 1: 5e-3, about one bf16 unit in the last place (2^-8 = 3.9e-3). Autocast
+  rounds every matmul input to bf16; splitting a matmul over tp ranks, a batch over micro-batches or replicas, or a
+  model over stages changes which partial sums are rounded, so the runs drift apart by bf16 rounding compounded over
+  the steps: measured 1.8e-4 (dp2), 2.4e-4 (pp2), 1.8e-3 (tp2 pp2), 1.8e-3 (tp2 dp2 fsdp). With a tp split this is
+  as large as bf16's own effect, so "closer to bf16 at tp 1 than to fp32" cannot be asserted; the next check proves
+  that autocast ran.
+- bf16 against fp32 at the same layout: more than 1e-4 at some step. A run that ignores --bf16 gives the fp32 losses
+  bit for bit (0.0, the fault of issue 27); with autocast: 1.7e-3 (dp2, pp2), 9.1e-4 (tp2 pp2), 9.6e-4 (tp2 dp2
+  fsdp), 1.5e-3 at tp 1. fp32 at each layout is within 1.2e-7 of fp32 at tp 1 (bound 1e-5, tests/test_3d.py's).
 """
 from dataclasses import replace
 
@@ -104,7 +106,7 @@ def test_bf16_and_empty_batch_skip_at_every_layout(pools, reference, ranks):
             assert rel(got["fp32"], reference["fp32"]) <= 1e-5, f"{name} rank {r}: fp32 {got['fp32']}"
             assert rel(got["bf16"], got["fp32"]) > 1e-4, \
                 f"{name} rank {r}: bf16 losses {got['bf16']} are the fp32 ones {got['fp32']}: autocast did not run"
-            assert rel(got["bf16"], reference["bf16"]) <= 2e-2, \
+            assert rel(got["bf16"], reference["bf16"]) <= 5e-3, \
                 f"{name} rank {r}: bf16 {got['bf16']} vs bf16 at tp 1 {reference['bf16']}"
             assert got["skip"] == (True, 1, True, True), f"{name} rank {r}: (skipped, step, unchanged, next finite) " \
                                                         f"= {got['skip']}"
