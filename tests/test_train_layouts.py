@@ -155,3 +155,30 @@ def test_pipeline_rank_reads_only_its_stage(pools, pretrained_folder):
     for r, (_, meta, loss) in enumerate(out):
         assert meta == [], f"rank {r}: left on meta {meta}"
         assert loss == pytest.approx(ref, rel=1e-5), f"rank {r}: {loss} vs {ref}"
+
+
+# ---------------------------------------------------------------- evaluation leaves training unchanged
+
+def job_eval_between_steps(ctx):
+    """pp 2 with dropout: 3 steps' losses, with a validation loss after steps 1 and 2, and without."""
+    from tensorpar.parallel import init_parallel
+    sub = init_parallel(ParallelConfig(pp=2), rank=ctx.rank, world_size=2, backend="gloo", set_threads=False)
+    kw = dict(micro_batches=2, schedule="1f1b", attention_dropout=0.2, hidden_dropout=0.2)
+    out = {}
+    for evals in (False, True):
+        tr = make(sub, kw)
+        losses, vals = [], []
+        for _ in range(3):
+            losses.append(tr.train_step().loss)
+            if evals:
+                vals.append(tr.evaluate(1))
+        out[evals] = losses, vals
+    return out
+
+
+def test_validation_between_steps_changes_no_training_loss(pools):
+    # the validation loss runs the pipeline schedule's forward; the training steps after it draw the same dropout
+    # masks as without it, so the losses are equal bit for bit (same operations in the same order)
+    for r, res in enumerate(pools(2).run(job_eval_between_steps)):
+        assert res[True][0] == res[False][0], f"rank {r}: with evaluation {res[True][0]}, without {res[False][0]}"
+        assert all(v == v for v in res[True][1]), res[True][1]       # finite validation losses (not NaN)

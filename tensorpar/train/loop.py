@@ -133,13 +133,17 @@ class Trainer:
         self.tied = plan.tie_word_embeddings and pp.size > 1
         self.fsdp = cfg.dp_mode == "fsdp" and dp.size > 1
         dp_mesh = ctx.mesh["dp"] if self.fsdp else None
-        self.schedule = self.ddp = None
+        self.schedule = self.eval_schedule = self.ddp = None
         if pp.size > 1:
             virtual = 2 if cfg.schedule == "interleaved-1f1b" else 1
             self.modules = cut_stages(model, pp.rank, pp.size, virtual)
             if self.fsdp:
                 self.modules = [fully_shard_dp(mod, dp_mesh) for mod in self.modules]
             self.schedule = build_schedule(self.modules, pp, self.device, m, cfg.schedule, self._loss_fn)
+            # the validation loss runs the same schedule over the same stage modules, forwards only, as a separate
+            # instance: a schedule that switches between eval and train infers its shapes again with a training
+            # forward, which would shift the dropout masks of the next step (keyed by the forward count)
+            self.eval_schedule = build_schedule(self.modules, pp, self.device, m, cfg.schedule, self._loss_fn)
             self.model = None
         else:
             self.modules = [fully_shard_dp(model, dp_mesh) if self.fsdp else model]
@@ -334,7 +338,7 @@ class Trainer:
     @torch.no_grad()
     def _forward_loss(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward only, under the run's autocast: this replica's mean loss, the same on every rank of the
-        pipeline. pp = 1: one forward of the rows; pp > 1: the schedule's ``eval`` (its forwards, over the
+        pipeline. pp = 1: one forward of the rows; pp > 1: the pipeline schedule's ``eval`` (its forwards, over the
         micro-batches; the mean of their means)."""
         if self.schedule is None:
             return self.loss(ids, labels)
@@ -342,7 +346,8 @@ class Trainer:
         first, last = pp.rank == 0, pp.rank == pp.size - 1
         losses: list[torch.Tensor] = []
         with self.autocast():
-            self.schedule.eval(*((ids,) if first else ()), **({"target": labels, "losses": losses} if last else {}))
+            self.eval_schedule.eval(*((ids,) if first else ()),
+                                    **({"target": labels, "losses": losses} if last else {}))
         return self._pipeline_mean(losses)
 
     @torch.no_grad()
