@@ -28,7 +28,7 @@ seq 128, random tokens (the data does not change the step time). Per layout and 
   activations).
 
 Bubble: for pp = 2 and 4 (1F1B, micro-batches of one sequence), the forward-backward time of a step
-(``ParallelTrainer.forward_backward``: the schedule, without gradient completion and optimizer) at M = P, 2P, 4P
+(``Trainer.forward_backward``: the schedule, without gradient completion and optimizer) at M = P, 2P, 4P
 is fitted as ``a + s M``; in the model ``T_fb(M) = (M + P - 1) t``, so ``a / s`` estimates P - 1 and
 ``a / T_fb(M)`` the bubble fraction, next to (P-1)/(M+P-1).
 
@@ -91,7 +91,6 @@ def job(ctx, run_list, steps: int, warmup: int):
     """On each of the 4 ranks: every run on its own groups; per run this rank's step times, forward-backward
     times, tensor peak and resident-set growth."""
     from tensorpar.parallel import init_parallel
-    from tensorpar.pipeline.trainer import ParallelTrainer
     from tensorpar.train.autoplan import PeakMemory, step_with_tensor_peak
     from tensorpar.train.loop import Trainer
     from tensorpar.train.model import ModelSource, build_model
@@ -107,10 +106,7 @@ def job(ctx, run_list, steps: int, warmup: int):
         peak = PeakMemory(sub.device)
         model, plan = build_model(cfg, ModelSource(preset_config("small", VOCAB, r["seq"]), None, None), sub.tp,
                                   VOCAB)
-        if r["pp"] == r["dp"] == r["micro_batches"] == 1:
-            tr = Trainer(cfg, sub.tp, model, plan, data)
-        else:
-            tr = ParallelTrainer(cfg, sub, model, plan, data)
+        tr = Trainer(cfg, sub, model, plan, data)
         del model
         fb: list[float] = []
         if hasattr(tr, "forward_backward"):

@@ -39,7 +39,6 @@ MODEL = dict(vocab_size=8192, hidden_size=256, intermediate_size=704, num_hidden
 def _trainer(ctx, layout):
     from transformers import LlamaConfig
 
-    from tensorpar.pipeline.trainer import ParallelTrainer
     from tensorpar.train.config import TrainConfig
     from tensorpar.train.data import TrainData
     from tensorpar.train.loop import Trainer
@@ -52,9 +51,7 @@ def _trainer(ctx, layout):
                       tp=c.tp, pp=c.pp, dp=c.dp, micro_batches=layout.get("micro_batches", 1),
                       schedule=layout.get("schedule", "1f1b"), keep_checkpoints=1)
     model, plan = build_model(cfg, ModelSource(LlamaConfig(**MODEL), None, None), ctx.tp, data.vocab_size)
-    if ctx.world_size == 1:
-        return Trainer(cfg, ctx.tp, model, plan, data)
-    return ParallelTrainer(cfg, ctx, model, plan, data)
+    return Trainer(cfg, ctx, model, plan, data)
 
 
 def job_save(ctx, layout, root, repeats):

@@ -27,7 +27,7 @@ def job(ctx, dp_mode: str) -> dict:
     from transformers import LlamaConfig
 
     from tensorpar.grads import local_tensor
-    from tensorpar.pipeline.trainer import ParallelTrainer
+    from tensorpar.train.loop import Trainer
     from tensorpar.train.config import TrainConfig
     from tensorpar.hf.presets import PRESETS
     from tensorpar.train.data import TrainData
@@ -41,7 +41,7 @@ def job(ctx, dp_mode: str) -> dict:
                                  source="random")
     model_cfg = LlamaConfig(vocab_size=256, max_position_embeddings=256, rms_norm_eps=1e-5, **PRESETS["small"])
     model, plan = build_model(cfg, ModelSource(model_cfg, None, None), ctx.tp, data.vocab_size)
-    tr = ParallelTrainer(cfg, ctx, model, plan, data)
+    tr = Trainer(cfg, ctx, model, plan, data)
     grads = {}
 
     def count(t):

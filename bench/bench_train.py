@@ -183,7 +183,7 @@ def _tensorpar_steps(ctx, cfg: TrainConfig, warmup: int, steps: int, overlap: bo
     data = _data(256)
     model, plan = build_model(cfg, resolve_source(cfg, 256), ctx.tp, 256)
     set_grad_comm_overlap(model, overlap)
-    tr = Trainer(cfg, ctx.tp, model, plan, data)
+    tr = Trainer(cfg, ctx, model, plan, data)
     meter = SavedBytes(tr.params)
     x, y = next(tr.batches)
     with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t):

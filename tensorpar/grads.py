@@ -9,7 +9,7 @@ same model on one device, with the same bits on every rank.
 Under FSDP2 (``fully_shard`` on the dp axis, ``--dp-mode fsdp``) parameters and gradients are DTensors sharded
 ``Shard(0)`` over dp: each dp rank holds rows ``[r c, r c + len)`` (``c = ceil(rows / dp)``, torch.chunk's rule) of
 the tp-local tensor. The functions here work on those local rows; the tp attributes must have been copied onto
-the DTensor parameters (:func:`tensorpar.pipeline.trainer.fully_shard_dp` does). The grad norm then also sums over
+the DTensor parameters (:func:`tensorpar.train.dp.fully_shard_dp` does). The grad norm then also sums over
 ``dp``, and the duplicated-KV sync gathers those (small) gradients over dp first.
 """
 from __future__ import annotations

@@ -43,7 +43,7 @@ def make_trainer(ctx, cfg: TrainConfig, model_kw: dict | None = None) -> Trainer
     src = ModelSource(tiny_config(attention_dropout=cfg.attention_dropout, **(model_kw or {})), None, None)
     data = synthetic_data()
     model, plan = build_model(cfg, src, ctx.tp, data.vocab_size)
-    return Trainer(cfg, ctx.tp, model, plan, data)
+    return Trainer(cfg, ctx, model, plan, data)
 
 
 def gathered_grads(trainer: Trainer) -> dict[str, torch.Tensor]:

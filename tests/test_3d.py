@@ -23,17 +23,13 @@ STEPS = 4
 
 
 def job_3d(ctx, cfg_kw):
-    from tensorpar.pipeline.trainer import ParallelTrainer
     from tensorpar.train.loop import Trainer
     from tensorpar.train.model import ModelSource, build_model
     c = ctx.config
     cfg = replace(BASE, tp=c.tp, pp=c.pp, dp=c.dp, steps=STEPS, **cfg_kw)
     data = synthetic_data()
     model, plan = build_model(cfg, ModelSource(tiny_config(**MODEL), None, None), ctx.tp, data.vocab_size)
-    if ctx.world_size == 1 and cfg.micro_batches == 1:
-        tr = Trainer(cfg, ctx.tp, model, plan, data)        # the plain single-process loop is the reference
-    else:
-        tr = ParallelTrainer(cfg, ctx, model, plan, data)
+    tr = Trainer(cfg, ctx, model, plan, data)        # one process, one batch: the plain loop is the reference
     out = [tr.train_step() for _ in range(STEPS)]
     tied_same = None
     if getattr(tr, "embed_group", None) is not None:      # tied weights identical on first and last stage
@@ -55,7 +51,6 @@ SHAKESPEARE_STEPS = 10
 
 
 def _shakespeare_trainer(ctx, kw):
-    from tensorpar.pipeline.trainer import ParallelTrainer
     from tensorpar.train.loop import Trainer
     from tensorpar.train.model import ModelSource, build_model
     c = ctx.config
@@ -63,9 +58,7 @@ def _shakespeare_trainer(ctx, kw):
     data = shakespeare_data()
     src = ModelSource(tiny_config(vocab_size=data.vocab_size, **MODEL), None, None)
     model, plan = build_model(cfg, src, ctx.tp, data.vocab_size)
-    if ctx.world_size == 1 and cfg.micro_batches == 1:
-        return Trainer(cfg, ctx.tp, model, plan, data)
-    return ParallelTrainer(cfg, ctx, model, plan, data)
+    return Trainer(cfg, ctx, model, plan, data)
 
 
 def job_shakespeare_layouts(ctx, layouts, root):
@@ -183,15 +176,13 @@ def test_bad_layouts_are_refused():
 
 
 def job_eval(ctx, kw):
-    from tensorpar.pipeline.trainer import ParallelTrainer
     from tensorpar.train.loop import Trainer
     from tensorpar.train.model import ModelSource, build_model
     c = ctx.config
     cfg = replace(BASE, tp=c.tp, pp=c.pp, dp=c.dp, steps=STEPS, **kw)
     data = synthetic_data()
     model, plan = build_model(cfg, ModelSource(tiny_config(**MODEL), None, None), ctx.tp, data.vocab_size)
-    cls = Trainer if ctx.world_size == 1 else ParallelTrainer
-    tr = cls(cfg, ctx.tp, model, plan, data) if cls is Trainer else cls(cfg, ctx, model, plan, data)
+    tr = Trainer(cfg, ctx, model, plan, data)
     tr.train_step()
     return tr.evaluate(2)
 
@@ -206,15 +197,13 @@ def test_validation_loss_equals_single_process(grid_pools, config, kw):
 
 def job_save_resume(ctx, kw, root, stop):
     """Train ``stop`` steps and save (any layout), or resume from ``root`` and train to STEPS."""
-    from tensorpar.pipeline.trainer import ParallelTrainer
     from tensorpar.train.loop import Trainer
     from tensorpar.train.model import ModelSource, build_model
     c = ctx.config
     cfg = replace(BASE, tp=c.tp, pp=c.pp, dp=c.dp, steps=STEPS, **kw)
     data = synthetic_data()
     model, plan = build_model(cfg, ModelSource(tiny_config(**MODEL), None, None), ctx.tp, data.vocab_size)
-    tr = Trainer(cfg, ctx.tp, model, plan, data) if ctx.world_size == 1 else ParallelTrainer(cfg, ctx, model, plan,
-                                                                                             data)
+    tr = Trainer(cfg, ctx, model, plan, data)
     if stop:
         for _ in range(stop):
             tr.train_step()

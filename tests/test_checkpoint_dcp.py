@@ -31,7 +31,6 @@ class Killed(BaseException):
 
 
 def _trainer(ctx, kw, model_kw=None):
-    from tensorpar.pipeline.trainer import ParallelTrainer
     from tensorpar.train.loop import Trainer
     from tensorpar.train.model import ModelSource, build_model
     c = ctx.config
@@ -39,9 +38,7 @@ def _trainer(ctx, kw, model_kw=None):
     data = synthetic_data()
     model, plan = build_model(cfg, ModelSource(tiny_config(**dict(MODEL, **(model_kw or {}))), None, None), ctx.tp,
                               data.vocab_size)
-    if c.pp == c.dp == cfg.micro_batches == 1:
-        return Trainer(cfg, ctx.tp, model, plan, data)        # the tp-only loop
-    return ParallelTrainer(cfg, ctx, model, plan, data)
+    return Trainer(cfg, ctx, model, plan, data)
 
 
 def _count_gathers():
@@ -162,14 +159,14 @@ def test_dcp_save_and_resume_at_other_layouts(reference, tmp_path):
             assert got == tail, f"tp2-pp2 checkpoint at tp2-dp2, rank {r}"
         for r, got in enumerate(pool_pp.run(job_resume, TP2_PP2[1], root_dp)):
             assert got == tail, f"tp2-dp2 checkpoint at tp2-pp2, rank {r}"
-        # tp3 (the tp-only Trainer): 5 heads as 2 + 2 + 1, vocab 67 as 23 + 22 + 22
+        # tp3 (tp only): 5 heads as 2 + 2 + 1, vocab 67 as 23 + 22 + 22
         for root in (root_pp, root_dp):
             for r, got in enumerate(pool_tp3.run(job_resume, {}, root)):
                 assert got == tail, f"{root} at tp3, rank {r}"
     finally:
         for p in (pool_pp, pool_dp, pool_tp3):
             p.close()
-    # tp = 1 on one process (the tp-only Trainer), nothing unpickled
+    # tp = 1 on one process, nothing unpickled
     for root in (root_pp, root_dp):
         assert job_resume(ParallelContext.single(), {}, root) == tail, root
     # --export from the 4-rank checkpoint: the full tensors equal what a tp = 1 resume reads (tied LM head too)

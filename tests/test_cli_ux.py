@@ -191,8 +191,8 @@ def test_ddp_keyword_turns_off_the_forward_buffer_sync():
 
     from torch.nn.parallel import DistributedDataParallel
 
-    from tensorpar.pipeline.trainer import _no_forward_buffer_sync
-    kw = _no_forward_buffer_sync(DistributedDataParallel)
+    from tensorpar.train.dp import no_forward_buffer_sync
+    kw = no_forward_buffer_sync(DistributedDataParallel)
     assert list(kw.values()) == [False]
     assert list(kw) == (["forward_sync_buffers"] if "forward_sync_buffers" in
                         inspect.signature(DistributedDataParallel.__init__).parameters else ["broadcast_buffers"])

@@ -135,7 +135,7 @@ def job_train_gpt2(ctx):
                                  bos_token_id=0, eos_token_id=0), None, None)
     data = synthetic_data()
     model, plan = build_model(cfg, src, ctx.tp, data.vocab_size)
-    tr = Trainer(cfg, ctx.tp, model, plan, data)
+    tr = Trainer(cfg, ctx, model, plan, data)
     return [tr.train_step().loss for _ in range(3)]
 
 

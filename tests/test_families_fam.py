@@ -147,7 +147,7 @@ def job_train(ctx, name, sequence_parallel):
                        attention_dropout=0.1, hidden_dropout=0.1)
     data = synthetic_data(vocab=37)
     model, plan = build_model(cfg, ModelSource(config(name), None, None), ctx.tp, data.vocab_size)
-    tr = Trainer(cfg, ctx.tp, model, plan, data)
+    tr = Trainer(cfg, ctx, model, plan, data)
     out = []
     while tr.step < cfg.steps:
         r = tr.train_step()

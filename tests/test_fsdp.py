@@ -44,14 +44,14 @@ def job_fsdp(ctx, layout, cfg_kw):
     import torch.distributed as dist
 
     from tensorpar.grads import local_tensor
-    from tensorpar.pipeline.trainer import ParallelTrainer
+    from tensorpar.train.loop import Trainer
     from tensorpar.train.model import ModelSource, build_model
     ctx = as_layout(ctx, layout)
     c = ctx.config
     cfg = replace(BASE, tp=c.tp, pp=c.pp, dp=c.dp, steps=STEPS, **cfg_kw)
     data = synthetic_data()
     model, plan = build_model(cfg, ModelSource(tiny_config(**MODEL), None, None), ctx.tp, data.vocab_size)
-    tr = ParallelTrainer(cfg, ctx, model, plan, data)
+    tr = Trainer(cfg, ctx, model, plan, data)
     out = [tr.train_step() for _ in range(STEPS)]
     tied_same = None
     if tr.embed_group is not None:
@@ -109,12 +109,12 @@ def job_clip(ctx):
     """One fsdp step at (tp 2, dp 2); on its complete DTensor gradients, grads.clip_grad_norm_ returns the trainer's
     global norm and leaves grad_norm at the limit; grad_norm without the dp group refuses DTensor gradients."""
     from tensorpar import grads
-    from tensorpar.pipeline.trainer import ParallelTrainer
+    from tensorpar.train.loop import Trainer
     from tensorpar.train.model import ModelSource, build_model
     cfg = replace(BASE, tp=2, dp=2, steps=STEPS, dp_mode="fsdp", grad_clip=0.0)
     data = synthetic_data()
     model, plan = build_model(cfg, ModelSource(tiny_config(**MODEL), None, None), ctx.tp, data.vocab_size)
-    tr = ParallelTrainer(cfg, ctx, model, plan, data)
+    tr = Trainer(cfg, ctx, model, plan, data)
     seen = {}
 
     def inspect(t):

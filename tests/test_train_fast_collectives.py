@@ -124,7 +124,7 @@ def test_fast_collectives_on_refused_before_ranks_start_on_non_x86(monkeypatch, 
 
 
 def job_3d_fast_and_gloo(ctx, layouts):
-    """``tests/test_3d.py``'s job (ParallelTrainer: pipeline, data-parallel replicas) with the tp group on shared
+    """``tests/test_3d.py``'s job (the Trainer: pipeline, data-parallel replicas) with the tp group on shared
     memory and on gloo: ``[(shm result, gloo result, shm calls)]`` per layout."""
     from tensorpar.shm import disable_fast_collectives
     from tensorpar.train.cli import enable_tp_fast_collectives

@@ -143,7 +143,7 @@ def job_finetune(ctx, folder):
     data = synthetic_data()
     src = resolve_source(cfg)
     model, plan = build_model(cfg, src, ctx.tp, data.vocab_size)
-    tr = Trainer(cfg, ctx.tp, model, plan, data)
+    tr = Trainer(cfg, ctx, model, plan, data)
     return [tr.train_step().loss for _ in range(3)], src.weights is not None
 
 
@@ -227,3 +227,17 @@ def test_cli_launch_tp2_sequence_parallel(tmp_path, text_file):
     state = json.loads((tmp_path / "run" / "checkpoints" / "step_000004" / "trainer_state.json").read_text())
     assert state["tp_size_at_save"] == 2 and state["config"]["sequence_parallel"] is True
     assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_the_plan_is_built_once_per_process(tmp_path, text_file, monkeypatch):
+    # `tensorpar train` checks the plan in the launching process; a rank then builds it once (in build_model), not
+    # again in a second round of checks (before: 1 + 2 per rank, 9 plans for --tp 2 --pp 2). One rank runs in this
+    # process, so the launcher's check and the rank's build are both counted here.
+    import tensorpar.hf.plan as hf_plan
+    from tensorpar.cli import main
+    calls = []
+    real = hf_plan.make_plan
+    monkeypatch.setattr(hf_plan, "make_plan", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    rc = main(["train", "--tp", "1", "--model", "tiny", "--data", text_file, "--seq-len", "32", "--batch-size", "4",
+               "--steps", "1", "--eval-batches", "1", "--out", str(tmp_path / "run"), "--no-progress"])
+    assert rc == 0 and calls == [1, 1], calls

@@ -521,7 +521,7 @@ def load_sharded(model: nn.Module, folder: str | Path, tp: Group, *, device=None
 def build_parallel_model(folder: str | Path, tp: Group, *, sequence_parallel: bool = False, dtype=torch.float32,
                          device=None, attn_implementation: str = "sdpa",
                          dropout_seed: int | None = None, user_plan=None,
-                         tp_weights=None) -> tuple[nn.Module, ShardingPlan]:
+                         tp_weights=None, keep=None) -> tuple[nn.Module, ShardingPlan]:
     """Meta-initialise the model of ``folder``, check the checkpoint, shard it by its plan, load this rank's slices.
 
     ``attn_implementation`` (``"sdpa"``, ``"eager"``, or any name transformers' attention registry
@@ -529,6 +529,10 @@ def build_parallel_model(folder: str | Path, tp: Group, *, sequence_parallel: bo
     (:mod:`tensorpar.capacity`; ``ctx.tp_weights``), ``None`` for an even split. Returns ``(model, plan)``; the model is in
     eval mode. Raises the ValueErrors of :func:`~tensorpar.hf.plan.make_plan` (at plan time, before
     any weight is read), of :func:`check_checkpoint` (headers only) and of :func:`load_sharded`.
+
+    ``keep(model)``, if given, runs on the sharded meta model before any weight is read; the modules it removes
+    are never read nor materialised (a pipeline rank keeps only its stage:
+    :func:`tensorpar.pipeline.stages.keep_stage_modules`).
     """
     from transformers import AutoConfig
 
@@ -538,5 +542,7 @@ def build_parallel_model(folder: str | Path, tp: Group, *, sequence_parallel: bo
     model = _meta_model(config, dtype)
     _check(Path(folder), _Expected(model), config, weight_map(folder))  # = check_checkpoint, on this meta model
     parallelize(model, plan, tp, dropout_seed=dropout_seed)
+    if keep is not None:
+        keep(model)
     load_sharded(model, folder, tp, device=device, dtype=dtype)
     return model.eval(), plan

@@ -1,9 +1,9 @@
 """Pipeline parallelism on ``torch.distributed.pipelining``: stage modules cut from a tensor-parallel decoder.
 
 :mod:`tensorpar.pipeline.stages` cuts a sharded Hugging Face decoder into stage modules that keep the
-original parameter names; :mod:`tensorpar.pipeline.trainer` runs (tp, pp, dp) training steps with torch's
-pipeline schedules (GPipe, 1F1B, interleaved 1F1B).
+original parameter names, and :func:`~tensorpar.pipeline.stages.build_schedule` makes torch's pipeline schedule
+(GPipe, 1F1B, interleaved 1F1B) over them, which :class:`tensorpar.train.loop.Trainer` runs at pp > 1.
 """
-from tensorpar.pipeline.stages import DecoderStage, chunk_ranges, cut_stages
+from tensorpar.pipeline.stages import DecoderStage, build_schedule, chunk_ranges, cut_stages
 
-__all__ = ["DecoderStage", "chunk_ranges", "cut_stages"]
+__all__ = ["DecoderStage", "build_schedule", "chunk_ranges", "cut_stages"]

@@ -5,7 +5,7 @@ the ``num_layers`` blocks are cut into ``pp * virtual`` consecutive chunks whose
 the larger chunks last (the first stage also holds the embedding); rank ``i`` of the pipeline holds chunks
 ``i, i + pp, i + 2 pp, ...`` (the interleaved assignment of Narayanan et al. 2021, Sec. 2.2.2). The first chunk
 holds the embedding, the last the final norm and the LM head; a tied LM head is a separate copy on the last
-stage whose gradient is summed with the embedding's (:class:`tensorpar.pipeline.trainer.PipelineTrainer`).
+stage whose gradient is summed with the embedding's (:meth:`tensorpar.train.loop.Trainer.complete_grads`).
 """
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ import torch.nn as nn
 
 from tensorpar.hf.families import why_not
 from tensorpar.shard import pipeline_chunks
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
 
 def chunk_ranges(num_layers: int, pp: int, virtual: int = 1) -> list[tuple[int, int]]:
     """Half-open layer ranges of the ``pp * virtual`` chunks (:func:`tensorpar.shard.pipeline_chunks`)."""
@@ -82,6 +85,35 @@ def check_pipeline(config, pp: int, virtual: int, micro_batches: int, schedule: 
                          f"1F1B schedule; use {micro_batches + pp - micro_batches % pp}")
 
 
+def stage_layers(num_layers: int, pp_rank: int, pp: int, virtual: int = 1) -> tuple[set[int], bool, bool]:
+    """The decoder layers that pipeline rank ``pp_rank`` holds, and whether it holds the first chunk (embedding)
+    and the last (final norm, LM head)."""
+    ranges = chunk_ranges(num_layers, pp, virtual)
+    mine = range(pp_rank, len(ranges), pp)
+    return {i for c in mine for i in range(*ranges[c])}, 0 in mine, len(ranges) - 1 in mine
+
+
+def keep_stage_modules(model: nn.Module, pp_rank: int, pp: int, virtual: int = 1) -> nn.Module:
+    """Drop from ``model`` (sharded by :func:`tensorpar.hf.apply.parallelize`, still on the meta device) the
+    modules that pipeline rank ``pp_rank`` does not hold, so that loading afterwards reads and materialises only
+    this rank's stage: the other chunks' decoder layers (``nn.Identity`` placeholders keep the indices), the
+    embedding unless it holds the first chunk (or the last, when the LM head is tied to the embedding: the head is
+    that tensor), the final norm and LM head unless it holds the last. :func:`cut_stages` then cuts the same
+    chunks. Returns ``model``."""
+    layers, first, last = stage_layers(model.tensorpar_plan.num_layers, pp_rank, pp, virtual)
+    inner = model.model
+    for i in range(len(inner.layers)):
+        if i not in layers:
+            inner.layers[i] = nn.Identity()
+    tied = model.lm_head.weight is inner.embed_tokens.weight or getattr(model.config, "tie_word_embeddings", False)
+    if not first and not (last and tied):
+        inner.embed_tokens = nn.Identity()
+    if not last:
+        inner.norm = nn.Identity()
+        model.lm_head = nn.Identity()
+    return model
+
+
 def cut_stages(model: nn.Module, pp_rank: int, pp: int, virtual: int = 1) -> list[DecoderStage]:
     """The chunks that pipeline rank ``pp_rank`` holds (``virtual`` of them), each a :class:`DecoderStage`.
 
@@ -100,3 +132,28 @@ def cut_stages(model: nn.Module, pp_rank: int, pp: int, virtual: int = 1) -> lis
         a, b = ranges[c]
         out.append(DecoderStage(model, range(a, b), first=c == 0, last=c == n - 1))
     return out
+
+
+def build_schedule(stages: list[nn.Module], pp, device: torch.device, micro_batches: int, schedule: str, loss_fn):
+    """torch.distributed.pipelining's schedule over this rank's stage modules (from :func:`cut_stages`).
+
+    ``pp``: the pipeline :class:`~tensorpar.comm.Group`; ``loss_fn(logits, target)`` runs on the last stage, per
+    micro-batch. GPipe and 1F1B take one stage per rank, interleaved 1F1B ``virtual`` of them (stage indices
+    ``pp.rank + k * pp.size``). The schedule's ``step`` runs forward and backward of all micro-batches (gradients
+    accumulated, then divided by ``micro_batches``), its ``eval`` the forwards only. Raises ValueError for an
+    unknown schedule or an interleaved one whose micro-batches are not a multiple of pp.
+    """
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: use one of {', '.join(SCHEDULES)}")
+    n = pp.size * len(stages)
+    piped = [PipelineStage(mod, pp.rank + k * pp.size, n, device, group=pp.pg) for k, mod in enumerate(stages)]
+    m = micro_batches
+    if schedule == "interleaved-1f1b":
+        if m % pp.size:
+            raise ValueError(f"micro_batches={m} must be a multiple of pp={pp.size} for the interleaved 1F1B "
+                             f"schedule; use micro_batches={m + pp.size - m % pp.size}")
+        return ScheduleInterleaved1F1B(piped, m, loss_fn=loss_fn)
+    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    return cls(piped[0], m, loss_fn=loss_fn)

@@ -182,8 +182,12 @@ def check_fast_collectives(cfg: TrainConfig) -> None:
                              "machine is not x86; use --fast-collectives auto or off")
 
 
-def prepare(cfg: TrainConfig, *, progress: bool = True):
+def prepare(cfg: TrainConfig, *, progress: bool = True, checks: bool = True):
     """Resolve model and data, and run every check that needs them. Returns ``(source, data)``.
+
+    ``checks=False``: the checks that build the sharding plan or cut the pipeline are left out (a rank of a run
+    whose launching process made them already; the rank builds its plan once, in
+    :func:`tensorpar.train.model.build_model`).
 
     Raises ValueError / FileNotFoundError naming the setting (plan, context length, vocabulary, data).
     """
@@ -207,6 +211,8 @@ def prepare(cfg: TrainConfig, *, progress: bool = True):
     source = folder_source or source_of(data.vocab_size)
     check_model_config(source.config, f"--model {cfg.model}")
     check_against_model(cfg, source.config, data.vocab_size)
+    if not checks:
+        return source, data
     from tensorpar.capacity import check_for_model
     check_for_model(cfg.tp_weights, cfg.tp, source.config, sequence_parallel=cfg.sequence_parallel,
                     what="tp_weights")
@@ -220,8 +226,9 @@ def prepare(cfg: TrainConfig, *, progress: bool = True):
 
 
 def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None = None, progress: bool = True,
-        prepared=None, overwrite: bool = False, check_collectives: bool = False, tensor_peak: bool = False) -> dict:
-    """Train on the ranks of ``ctx.tp`` until ``cfg.steps``; every rank calls it. Returns a summary dict.
+        prepared=None, overwrite: bool = False, check_collectives: bool = False, tensor_peak: bool = False,
+        checked: bool = False) -> dict:
+    """Train on the ranks of ``ctx`` (any tp, pp, dp) until ``cfg.steps``; every rank calls it. Returns a summary dict.
 
     ``export``: also write the final checkpoint as a Hugging Face folder there (``overwrite``: it may
     replace a previous tensorpar export; see :func:`tensorpar.train.export.export_hf`).
@@ -230,6 +237,8 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
     parameters and optimizer state as ``summary["tensor_peak_bytes"]`` (slower; the warm-up steps are left out of
     the step times' median anyway). The summary also holds every step's seconds
     (``step_times_s``) and the resident-set growth of this rank (``peak_memory_bytes``, :class:`PeakMemory`).
+    ``checked``: the launching process ran :func:`prepare`'s checks for this ``cfg`` (:func:`main` does), so the
+    ranks skip them and build the sharding plan once each, in :func:`~tensorpar.train.model.build_model`.
     Raises FileExistsError when starting afresh (no ``resume``) over an earlier run's metrics.
     """
     from tqdm.auto import tqdm
@@ -238,18 +247,14 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
     from tensorpar.train.metrics import MetricsLog, plot_losses
     from tensorpar.train.model import build_model
 
-    source, data = prepared or prepare(cfg, progress=progress and ctx.rank == 0)
+    source, data = prepared or prepare(cfg, progress=progress and ctx.rank == 0, checks=not checked)
     if cfg.tp_weights == "auto":  # measured by init_parallel (ParallelConfig(tp_weights="auto"))
         from tensorpar.capacity import resolve_for_model
         cfg = cfg.replace(tp_weights=resolve_for_model(ctx, source.config) if ctx.tp.size > 1 else None)
     from tensorpar.train.autoplan import PeakMemory
     peak = PeakMemory(ctx.device)  # this rank's memory from here on (model, optimizer, activations)
-    model, plan = build_model(cfg, source, ctx.tp, data.vocab_size, device=ctx.device)
-    if cfg.pp == cfg.dp == cfg.micro_batches == 1:
-        trainer = Trainer(cfg, ctx.tp, model, plan, data)
-    else:
-        from tensorpar.pipeline.trainer import ParallelTrainer
-        trainer = ParallelTrainer(cfg, ctx, model, plan, data)
+    model, plan = build_model(cfg, source, ctx.tp, data.vocab_size, device=ctx.device, pp_rank=ctx.pp.rank)
+    trainer = Trainer(cfg, ctx, model, plan, data)
     del model  # a pipeline stage keeps only its chunks; the other layers are freed here
     out = Path(cfg.out_dir)
     ckroot = out / "checkpoints"
@@ -329,7 +334,7 @@ def _rank_main(cfg: TrainConfig, resume, export, progress, timeout, overwrite=Fa
         enable_tp_fast_collectives(cfg, ctx, timeout)
     try:
         s = run(cfg, ctx, resume=resume, export=export, progress=progress, overwrite=overwrite,
-                check_collectives=check_collectives, tensor_peak=prediction is not None)
+                check_collectives=check_collectives, tensor_peak=prediction is not None, checked=True)
         val = "n/a" if s["val_loss"] is None else f"{s['val_loss']:.4f}"
         loss = "n/a" if s["loss"] is None else f"{s['loss']:.4f}"
         rank0_print(f"done: step {s['step']}, train loss {loss}, val loss {val}; "

@@ -1,20 +1,39 @@
-"""One training step and the validation loss, on a model sharded over a tensor-parallel group.
+"""The trainer: one optimiser step at every layout of the (dp, pp, tp) grid (tp-only, pipeline schedules,
+data-parallel replicas by DDP or FSDP2, micro-batches), in the spirit of torchtitan's ``forward_backward_step``.
+Autocast, the skip of a batch without targets, clipping, the learning-rate schedule, checkpoints and the
+validation loss exist once, here, so a setting cannot hold at one layout and be ignored at another.
 
-A step, on every tp rank with the same batch:
+One optimiser step, on every rank:
 
-1. forward under the chosen autocast; logits stay vocabulary-sharded ``[b, s, V_r]``;
-2. vocab-parallel cross-entropy (two all-reduces of per-token scalars, never the full logits);
-3. backward;
-4. complete the gradients: sum over tp the gradients of replicated parameters used on a sequence shard
-   (norm weights, under sequence parallelism) and of KV rows duplicated on several ranks; after this each
-   rank's gradient slice equals the matching slice of the tp = 1 gradient;
-5. clip by the global norm, counting replicated parameters once and summing the shards
-   (:func:`tensorpar.grads.clip_grad_norm_`), so the clip scale is the tp = 1 one;
-6. AdamW on each rank's slices: element-wise, so it equals tp = 1 once the gradients are complete.
+1. the global batch ``[B, s]`` (the same on every rank: same seed) is drawn; if none of its labels is a target
+   (every label ``ignore_index``), its mean loss would be NaN (0 / 0, as in torch): the step is reported
+   (``StepResult.skipped``, one line on rank 0) and the optimizer is not stepped, so neither momentum nor weight
+   decay moves the weights on a batch without data;
+2. replica ``d`` of ``dp`` takes rows ``[d B/dp, (d+1) B/dp)`` and cuts them into ``M`` micro-batches;
+3. forward under the run's autocast (``dtype="bfloat16"``: ``torch.autocast``, fp32 weights and optimizer), the
+   logits vocabulary-sharded ``[mb, s, V_r]``, then the vocab-parallel cross-entropy (two all-reduces of per-token
+   scalars) outside autocast, and backward:
+   ``pp == 1``: each micro-batch's mean loss / ``M`` is back-propagated (gradient accumulation);
+   ``pp > 1``: ``torch.distributed.pipelining``'s schedule (GPipe, 1F1B or interleaved 1F1B,
+   :func:`tensorpar.pipeline.stages.build_schedule`) runs the micro-batches through the stages with the
+   cross-entropy on the last stage; its ``scale_grads`` divides the accumulated gradients by ``M``. With equal
+   tokens per micro-batch the mean of the micro-batch means is the whole batch's mean, so the gradients equal
+   one step on the whole batch;
+4. gradients are completed: summed over tp for sequence-parallel norms and duplicated KV rows
+   (:mod:`tensorpar.grads`; after this each rank's gradient slice equals the matching slice of the tp = 1
+   gradient), summed between the first and last stage for a tied embedding/LM head (Megatron's embedding group),
+   and averaged over dp: by torch's ``DistributedDataParallel`` on the dp group when ``pp == 1`` (overlapped
+   with backward; earlier micro-batches under ``no_sync``), by one bucketed all-reduce per step for pipeline
+   stages; or, with ``dp_mode="fsdp"``, reduce-scattered by FSDP2 (:func:`tensorpar.train.dp.fully_shard_dp`),
+   so that each dp rank holds 1/dp of every gradient, of every parameter between steps and of the AdamW state;
+5. the grad norm is the single-device one (:meth:`Trainer.global_grad_norm`: the tp-aware norm of each stage's
+   parameters, squares summed over pp with the tied LM head counted once and, under FSDP, over dp); clip to
+   ``grad_clip`` (:meth:`Trainer.clip_grads`, the one call site);
+6. AdamW on each rank's own slices at the step's learning rate (:func:`lr_at`): element-wise, so it equals
+   tp = 1 once the gradients are complete.
 
-A batch whose labels are all ``ignore_index`` has no target token: its mean loss is NaN (0 / 0, as in torch)
-and its gradients are zero. Such a step is reported (``StepResult.skipped``, one line on rank 0) and the
-optimizer is not stepped, so neither momentum nor weight decay moves the weights on a batch without data.
+The reported loss is the last stage's mean over micro-batches, broadcast over pp and averaged over dp. The
+validation loss runs the same forward: the pipeline schedule's ``eval`` at pp > 1.
 """
 from __future__ import annotations
 
@@ -22,20 +41,20 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from tensorpar.comm import Group
-from tensorpar.grads import clip_grad_norm_, grad_norm, sync_duplicated_grads, sync_sequence_parallel_grads
+from tensorpar import comm
+from tensorpar.grads import grad_norm, is_dtensor, local_tensor, sync_duplicated_grads, sync_sequence_parallel_grads
 from tensorpar.layers import vocab_parallel_cross_entropy
-from tensorpar.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from tensorpar.pipeline.stages import build_schedule, cut_stages
 from tensorpar.train.config import TrainConfig
 from tensorpar.train.data import TrainData
+from tensorpar.train.dp import fully_shard_dp, no_forward_buffer_sync, public_attrs
 from tensorpar.layers.dropout import DropoutRNG, install_dropout
-from tensorpar.train.model import named_unique_parameters
 
 IGNORE_INDEX = -100  # labels that count for nothing (torch's default ignore_index)
 
@@ -79,65 +98,220 @@ def make_optimizer(cfg: TrainConfig, named: list[tuple[str, nn.Parameter]]) -> t
 
 
 class Trainer:
-    """Holds the sharded model, its optimizer, the batch iterator and the step count.
+    """Holds this rank's model or pipeline stage(s), its optimizer, the batch iterator and the step count.
 
     Args:
-        cfg: the run's settings.
-        tp: the tensor-parallel group (``Group.single()`` for one device).
-        model, plan: from :func:`tensorpar.train.model.build_model`.
+        cfg: the run's settings (``micro_batches``, ``schedule``, ``dp_mode``, ``dtype``, ... used here).
+        ctx: the :class:`~tensorpar.parallel.ParallelContext` (its tp, pp and dp groups and rank grid;
+            ``ParallelContext.single()`` for one process).
+        model, plan: from :func:`tensorpar.train.model.build_model` (the model sharded over tp); at pp > 1 only
+            this rank's stages are kept.
         data: the token streams.
+
+    Attributes:
+        modules: this rank's modules: ``[model]`` at pp = 1, its :class:`~tensorpar.pipeline.stages.DecoderStage`
+            chunks at pp > 1 (FSDP2 modules under ``dp_mode="fsdp"`` with dp > 1).
+        model: the whole (tp-sharded) model at pp = 1; ``None`` at pp > 1.
+        named_params, params: this rank's parameters, each once (a tied one under its first name).
+
+    Raises:
+        ValueError: ``batch_size`` not divisible by ``dp * micro_batches``; an unknown schedule; a family or
+            layer count that the pipeline cannot cut (:func:`tensorpar.pipeline.stages.cut_stages`).
     """
 
-    def __init__(self, cfg: TrainConfig, tp: Group, model: nn.Module, plan, data: TrainData):
-        self.cfg, self.tp, self.model, self.plan, self.data = cfg, tp, model, plan, data
-        self.named_params = named_unique_parameters(model)
-        self.params = [p for _, p in self.named_params]
-        self.optimizer = make_optimizer(cfg, self.named_params)
+    def __init__(self, cfg: TrainConfig, ctx, model: nn.Module, plan, data: TrainData):
+        self.cfg, self.ctx, self.plan, self.data = cfg, ctx, plan, data
+        tp, pp, dp = ctx.tp, ctx.pp, ctx.dp
+        self.tp = tp
+        m = cfg.micro_batches
+        if cfg.batch_size % (dp.size * m):
+            raise ValueError(f"batch_size={cfg.batch_size} is not divisible by dp x micro_batches = {dp.size} x {m}; "
+                             f"use a batch size that is a multiple of {dp.size * m}")
         self.rng = DropoutRNG(cfg.seed)  # the run's keyed masks (the model's own generator is replaced)
         install_dropout(model, self.rng, attention_dropout=cfg.attention_dropout, hidden_dropout=cfg.hidden_dropout)
+        self.device = ctx.device
+        self.tied = plan.tie_word_embeddings and pp.size > 1
+        self.fsdp = cfg.dp_mode == "fsdp" and dp.size > 1
+        dp_mesh = ctx.mesh["dp"] if self.fsdp else None
+        self.schedule = self.eval_schedule = self.ddp = None
+        if pp.size > 1:
+            virtual = 2 if cfg.schedule == "interleaved-1f1b" else 1
+            self.modules = cut_stages(model, pp.rank, pp.size, virtual)
+            if self.fsdp:
+                self.modules = [fully_shard_dp(mod, dp_mesh) for mod in self.modules]
+            self.schedule = build_schedule(self.modules, pp, self.device, m, cfg.schedule, self._loss_fn)
+            # the validation loss runs the same schedule over the same stage modules, forwards only, as a separate
+            # instance: a schedule that switches between eval and train infers its shapes again with a training
+            # forward, which would shift the dropout masks of the next step (keyed by the forward count)
+            self.eval_schedule = build_schedule(self.modules, pp, self.device, m, cfg.schedule, self._loss_fn)
+            self.model = None
+        else:
+            self.modules = [fully_shard_dp(model, dp_mesh) if self.fsdp else model]
+            self.model = self.modules[0]
+            if dp.size > 1 and not self.fsdp:
+                # torch's DDP averages the gradients over the dp group (bucketed, overlapped with backward); the
+                # micro-batches before the last run under no_sync, so only the accumulated gradient is reduced
+                from torch.nn.parallel import DistributedDataParallel
+                self.ddp = DistributedDataParallel(model, process_group=dp.pg,
+                                                   **no_forward_buffer_sync(DistributedDataParallel))
+        for mod in self.modules:
+            mod.train()
+        seen: dict[int, tuple[str, nn.Parameter]] = {}
+        for mod in self.modules:
+            for n, p in mod.named_parameters():
+                seen.setdefault(id(p), (n, p))
+        self.named_params = list(seen.values())
+        self.params = [p for _, p in self.named_params]
+        self.optimizer = make_optimizer(cfg, self.named_params)
+        self.embed_group = self._embedding_group() if self.tied else None
+        self._leaders = None
+        if pp.size > 1:
+            self._pp_leaders()  # created now, in the same order on every rank
         self.batches = data.train_batches(batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
         self.step = 0  # optimiser steps done
-        self.device = next(model.parameters()).device
+
+    # ------------------------------------------------------------ set-up
 
     def autocast(self):
+        """The forward's autocast: bf16 for ``dtype="bfloat16"`` (fp32 weights, gradients and AdamW state)."""
         if self.cfg.dtype == "bfloat16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _loss_fn(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Mean vocab-parallel cross-entropy of ``logits [mb, s, V_r]`` against ``target [mb, s]``, outside autocast
+        (the pipeline schedule calls it inside the forward's autocast; at pp = 1 it runs after it), so the loss is
+        the same function of the logits at every layout."""
+        with torch.autocast(self.device.type, enabled=False):
+            return vocab_parallel_cross_entropy(logits, target, self.tp, partition=self.plan.vocab,
+                                                label_smoothing=self.cfg.label_smoothing)
+
+    def _embedding_group(self):
+        """The 2-rank group of (first stage, last stage) for this rank's (dp, tp) position; every rank creates all."""
+        grid, mine = self.ctx.grid, None
+        for d in range(grid.shape[0]):
+            for t in range(grid.shape[2]):
+                ranks = [int(grid[d, 0, t]), int(grid[d, -1, t])]
+                g = dist.new_group(ranks)
+                if self.ctx.rank in ranks:
+                    mine = g
+        return mine
+
+    def _pp_leaders(self):
+        """The group of pipeline ranks at (dp 0, tp 0); every rank creates it (once)."""
+        if getattr(self, "_leaders", None) is None:
+            self._leaders = dist.new_group([int(r) for r in self.ctx.grid[0, :, 0]])
+        return self._leaders
+
+    # ------------------------------------------------------------ one step
+
+    def _replica_rows(self, ids: torch.Tensor, labels: torch.Tensor):
+        """This dp replica's rows ``[B/dp, s]`` of a global batch ``[B, s]``, on the device."""
+        dp = self.ctx.dp
+        rows = ids.shape[0] // dp.size
+        sl = slice(dp.rank * rows, (dp.rank + 1) * rows)
+        return ids[sl].to(self.device), labels[sl].to(self.device)
+
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of a batch ``[b, s]`` (same scalar on every tp rank).
+        """Mean cross-entropy of a batch ``[b, s]`` (pp = 1; same scalar on every tp rank), forward under autocast.
 
         Collectives: the model's, plus the two all-reduces of the vocab-parallel cross-entropy.
         """
+        net = self.ddp or self.modules[0]
         with self.autocast():
-            logits = self.model(input_ids=input_ids.to(self.device), use_cache=False).logits    # [b, s, V_r]
-        return vocab_parallel_cross_entropy(logits, labels.to(self.device), self.tp, partition=self.plan.vocab,
-                                            label_smoothing=self.cfg.label_smoothing)
+            logits = net(input_ids=input_ids.to(self.device), use_cache=False).logits    # [b, s, V_r]
+        return self._loss_fn(logits, labels.to(self.device))
 
-    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Loss and complete gradients of one batch (steps 1-4 of the module docstring); returns the loss."""
+    def forward_backward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Loss of this replica's rows ``[B/dp, s]`` (mean over its micro-batches) and the accumulated gradients
+        (step 3 of the module docstring)."""
+        m = self.cfg.micro_batches
         self.rng.set_step(self.step)
-        loss = self.loss(input_ids, labels)
-        loss.backward()
-        sync_sequence_parallel_grads(self.params, self.tp)
-        sync_duplicated_grads(self.params, self.tp)
-        return loss.detach()
+        if self.schedule is None:
+            total = torch.zeros((), device=self.device)
+            pairs = list(zip(ids.chunk(m), labels.chunk(m)))
+            for i, (x, y) in enumerate(pairs):
+                last = i == len(pairs) - 1
+                if self.fsdp:  # as DDP's no_sync: FSDP reduce-scatters the accumulated gradient once, at the last
+                    self.modules[0].set_requires_gradient_sync(last)
+                with contextlib.nullcontext() if self.ddp is None or last else self.ddp.no_sync():
+                    loss = self.loss(x, y) / m
+                    loss.backward()
+                total = total + loss.detach()
+            return total
+        pp = self.ctx.pp
+        first, last = pp.rank == 0, pp.rank == pp.size - 1
+        losses: list[torch.Tensor] = []
+        with self.autocast():
+            self.schedule.step(*((ids,) if first else ()), **({"target": labels, "losses": losses} if last else {}))
+        return self._pipeline_mean(losses)
+
+    def _pipeline_mean(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The last stage's mean of its micro-batch losses, broadcast to every stage of the pipeline."""
+        pp = self.ctx.pp
+        last = pp.rank == pp.size - 1
+        mean = torch.stack(losses).mean().detach() if last else torch.zeros((), device=self.device)
+        return comm.broadcast(mean.reshape(1), pp, src=pp.size - 1)[0]
+
+    def complete_grads(self) -> None:
+        """Step 4 of the module docstring: tp sums, tied first/last stage sum, dp average."""
+        tp, dp = self.ctx.tp, self.ctx.dp
+        sync_sequence_parallel_grads(self.params, tp)
+        sync_duplicated_grads(self.params, tp)
+        if self.embed_group is not None:
+            p = self._tied_param()
+            if p is not None:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(local_tensor(p.grad), group=self.embed_group)  # FSDP: same dp rows on both stages
+        if dp.size > 1 and self.ddp is None and not self.fsdp:  # pipeline stages: one bucket, replicas' average
+            ps = [p for p in self.params if p.grad is not None]
+            flat = comm.all_reduce(torch.cat([p.grad.reshape(-1) for p in ps]), dp) / dp.size
+            off = 0
+            for p in ps:
+                p.grad.copy_(flat[off:off + p.numel()].view_as(p.grad))
+                off += p.numel()
+
+    def _tied_param(self):
+        names = dict(self.named_params)
+        return names.get("model.embed_tokens.weight", names.get("lm_head.weight"))
+
+    def global_grad_norm(self) -> torch.Tensor:
+        """The single-device grad norm (:func:`tensorpar.grads.grad_norm`: every parameter counted once over tp, dp
+        under FSDP and pp, the same bits on every rank); the tied LM head copy on the last stage left out."""
+        params = self.params
+        if self.tied and self.ctx.pp.rank == self.ctx.pp.size - 1 and self.ctx.pp.rank != 0:
+            tied = self._tied_param()
+            params = [p for p in params if p is not tied]
+        return grad_norm(params, self.ctx.tp, self.ctx.dp if self.fsdp else None, pp=self.ctx.pp)
+
+    def clip_grads(self) -> torch.Tensor:
+        """The grad norm before clipping (:meth:`global_grad_norm`); with ``grad_clip > 0`` every gradient is
+        scaled by ``min(1, grad_clip / (norm + 1e-6))`` (the same scale on every rank). The one place where the
+        trainer computes the norm and clips."""
+        norm = self.global_grad_norm()
+        if self.cfg.grad_clip > 0:
+            scale = (self.cfg.grad_clip / (norm + 1e-6)).clamp(max=1.0)
+            for p in self.params:
+                if p.grad is not None:
+                    local_tensor(p.grad).mul_(scale)
+        return norm
 
     def train_step(self, inspect: Callable[["Trainer"], None] | None = None) -> StepResult:
-        """Take the next batch and do one optimiser step.
+        """Take the next global batch and do one optimiser step.
 
         ``inspect(trainer)``, if given, is called once the gradients are complete and clipped, just before
         the optimizer uses them (tests compare them there).
         """
         t0 = time.perf_counter()
-        input_ids, labels = next(self.batches)
-        if not bool((labels != IGNORE_INDEX).any()):
-            return self._skip(input_ids, t0)
-        loss = self.forward_backward(input_ids, labels)
-        if self.cfg.grad_clip > 0:
-            norm = clip_grad_norm_(self.params, self.cfg.grad_clip, self.tp)
-        else:
-            norm = grad_norm(self.params, self.tp)
+        ids, labels = next(self.batches)
+        if not bool((labels != IGNORE_INDEX).any()):  # the same global batch on every rank: all skip together
+            return self._skip(ids, t0)
+        loss = self.forward_backward(*self._replica_rows(ids, labels))
+        if self.ctx.dp.size > 1:
+            loss = comm.all_reduce(loss.reshape(1), self.ctx.dp)[0] / self.ctx.dp.size
+        self.complete_grads()
+        norm = self.clip_grads()
         if inspect is not None:
             inspect(self)
         lr = lr_at(self.cfg, self.step)
@@ -146,7 +320,7 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return StepResult(self.step, float(loss), float(norm), lr, int(input_ids.numel()), time.perf_counter() - t0)
+        return StepResult(self.step, float(loss), float(norm), lr, int(ids.numel()), time.perf_counter() - t0)
 
     def _skip(self, input_ids: torch.Tensor, t0: float) -> StepResult:
         """Account for a batch without any target token: no forward, no update; reported once on rank 0."""
@@ -159,21 +333,45 @@ class Trainer:
         return StepResult(self.step, float("nan"), 0.0, lr, int(input_ids.numel()), time.perf_counter() - t0,
                           skipped=True)
 
+    # ------------------------------------------------------------ evaluation
+
+    @torch.no_grad()
+    def _forward_loss(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward only, under the run's autocast: this replica's mean loss, the same on every rank of the
+        pipeline. pp = 1: one forward of the rows; pp > 1: the pipeline schedule's ``eval`` (its forwards, over the
+        micro-batches; the mean of their means)."""
+        if self.schedule is None:
+            return self.loss(ids, labels)
+        pp = self.ctx.pp
+        first, last = pp.rank == 0, pp.rank == pp.size - 1
+        losses: list[torch.Tensor] = []
+        with self.autocast():
+            self.eval_schedule.eval(*((ids,) if first else ()),
+                                    **({"target": labels, "losses": losses} if last else {}))
+        return self._pipeline_mean(losses)
+
     @torch.no_grad()
     def evaluate(self, max_batches: int | None = None) -> float:
-        """Mean loss over the first ``max_batches`` (default ``cfg.eval_batches``) validation batches, no dropout."""
+        """Mean validation loss over the first ``max_batches`` (default ``cfg.eval_batches``) batches, no dropout;
+        each dp replica takes its rows of every batch, and the replicas' means are averaged."""
         n = max_batches or self.cfg.eval_batches
-        self.model.eval()
+        for mod in self.modules:
+            mod.eval()
         try:
             total, count = 0.0, 0
+            dp = self.ctx.dp
             for i, (x, y) in enumerate(self.data.val_batches(batch_size=self.cfg.batch_size,
                                                              seq_len=self.cfg.seq_len)):
                 if i == n:
                     break
-                total += float(self.loss(x, y))
+                loss = self._forward_loss(*self._replica_rows(x, y))
+                if dp.size > 1:
+                    loss = comm.all_reduce(loss.reshape(1), dp)[0] / dp.size
+                total += float(loss)
                 count += 1
         finally:
-            self.model.train()
+            for mod in self.modules:
+                mod.train()
         if count == 0:
             raise ValueError("the validation split has no batch of batch_size x seq_len tokens; lower batch_size or "
                              "seq_len, or raise val_fraction")
@@ -181,29 +379,119 @@ class Trainer:
 
     # ------------------------------------------------------------ checkpoints
 
-    def save(self, root) -> Path:
-        """Checkpoint the model, AdamW state, step and data position (every tp rank calls and writes the rows it
-        owns with DCP, in parallel; rank 0 publishes the folder once all have written).
+    def save(self, root):
+        """Checkpoint in the layout-independent format of :mod:`tensorpar.train.checkpoint` (every rank calls).
 
-        See :func:`tensorpar.train.checkpoint.save_checkpoint` for the format and its errors.
+        Every rank writes the pieces it owns, in parallel, with ``torch.distributed.checkpoint``: data-parallel
+        replica 0 only, each pipeline stage its own layers (a tied embedding / LM head on the first stage), each
+        tp rank its rows (:func:`~tensorpar.train.checkpoint.state_pieces`); no rank gathers parameters or
+        optimizer state. Rank 0 publishes the folder once all ranks have written. It resumes at any (tp, pp,
+        dp), tp = 1 on one process included. Collectives: DCP's plan exchange and three one-element
+        all-reduces over all ranks. Raises CheckpointError on every rank if any rank's write failed.
         """
-        state = {"config": self.cfg.to_dict(), "data": self.batches.state_dict(), "tokenizer": self.data.tokenizer,
-                 "data_source": self.data.source}
-        return save_checkpoint(root, named_params=self.named_params, optimizer=self.optimizer, tp=self.tp,
-                               step=self.step, state=state, config_json=self.model.config.to_json_string(),
-                               keep=self.cfg.keep_checkpoints)
+        from tensorpar.train.checkpoint import optimizer_step, save_pieces, state_pieces
+
+        ctx = self.ctx
+        mine = self._checkpoint_names()
+        if self.tied and ctx.pp.rank != 0:  # the tied LM head is the embedding: stored by the first stage
+            mine = [(n, p) for n, p in mine if n != "model.embed_tokens.weight"]
+        # every replica asks _tp_local for the same tensors (a dp-sharded mode may gather there); replica 0 writes
+        ps = state_pieces(mine, self.optimizer, ctx.tp.rank, local=self._tp_local)
+        if ctx.dp.rank != 0:
+            ps = []
+        state = {"config": self.cfg.to_dict(), "data": self.batches.state_dict(),
+                 "tokenizer": self.data.tokenizer, "data_source": self.data.source,
+                 "tp_size_at_save": ctx.tp.size, "pp_size_at_save": ctx.pp.size, "dp_size_at_save": ctx.dp.size}
+        return save_pieces(root, ps, step=self.step, state=state,
+                           optimizer_step=optimizer_step(self.named_params, self.optimizer),
+                           config_json=self.modules[0].config.to_json_string(), keep=self.cfg.keep_checkpoints,
+                           pg=None, rank=ctx.rank, device=ctx.device)
+
+    def _tp_local(self, param: nn.Parameter, t: torch.Tensor) -> torch.Tensor:
+        """The tp-local tensor a checkpoint stores for ``param`` (``t``: its data or an AdamW moment).
+
+        Shape: ``param``'s tp-local shape. With DDP every replica holds it whole, so it is ``t``; under FSDP2 it is
+        gathered over dp by :meth:`tp_local` (one all-gather over dp). Called on every rank, for the same
+        parameters in the same order.
+        """
+        return self.tp_local(t)
+
+    def tp_local(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (a parameter, gradient or optimizer state of this rank) at its tp-local shape, whole over dp.
+
+        FSDP2 DTensors (``dp_mode="fsdp"``) are gathered: ``t.full_tensor()``, one all-gather over dp, so every dp
+        rank must call it for the same tensors in the same order. Anything else is returned as is. This is the one
+        place where the checkpoint code learns how dp holds a tensor.
+        """
+        return t.full_tensor() if is_dtensor(t) else t
+
+    def _tp_local_state(self, *, gather: bool = True):
+        """``(named_params, optimizer)`` for the tp-level checkpoint code (:func:`gather_full_state`,
+        :func:`load_checkpoint`): without FSDP the parameters and optimizer themselves; under FSDP plain tensors of
+        the tp-local shapes carrying the parameters' tp attributes (with ``gather``: their values, via
+        :meth:`tp_local`; without: uninitialised, to be read into) and an object whose ``state`` maps them to
+        the AdamW state, gathered likewise. :meth:`_set_tp_local_state` copies such tensors back."""
+        import types
+
+        named = self._checkpoint_names()
+        if not self.fsdp:
+            return named, self.optimizer
+        out, state = [], {}
+        with torch.no_grad():
+            for n, p in named:
+                t = (self.tp_local(p.detach()) if gather
+                     else torch.empty(p.shape, dtype=p.dtype, device=local_tensor(p.detach()).device))
+                for k, v in public_attrs(p).items():
+                    setattr(t, k, v)
+                st = self.optimizer.state.get(p)
+                if gather and st:
+                    state[t] = {k: self.tp_local(v) if torch.is_tensor(v) else v for k, v in st.items()}
+                out.append((n, t))
+        return out, types.SimpleNamespace(state=state)
+
+    def _set_tp_local_state(self, named, optim) -> None:
+        """Under FSDP, keep this dp rank's rows of tp-local tensors read by :meth:`_tp_local_state` (no collectives):
+        into the parameters, and as the AdamW state (DTensors laid out like their parameter)."""
+        if not self.fsdp:
+            return
+        from torch.distributed.tensor import DTensor
+
+        from tensorpar.grads import dp_rows
+
+        with torch.no_grad():
+            for (_, p), (_, t) in zip(self._checkpoint_names(), named):
+                start, n = dp_rows(p)
+                local_tensor(p.detach()).copy_(t.narrow(0, start, n))
+                st = optim.state.get(t)
+                if st:
+                    self.optimizer.state[p] = {
+                        k: (DTensor.from_local(v.narrow(0, start, n).clone(), p.device_mesh, p.placements,
+                                               shape=p.shape, stride=p.stride())
+                            if torch.is_tensor(v) and v.shape == t.shape else v) for k, v in st.items()}
+
+    def _checkpoint_names(self):
+        """Parameters under their checkpoint names: a tied LM head on the last stage is the embedding (stored once)."""
+        if not self.tied:
+            return self.named_params
+        return [("model.embed_tokens.weight" if n == "lm_head.weight" else n, p) for n, p in self.named_params]
 
     def resume(self, path) -> dict:
-        """Continue from the checkpoint at ``path`` (a checkpoint folder, or a root: its ``latest``), saved at any
-        (tp, pp, dp).
+        """Continue from a checkpoint saved at any (tp, pp, dp): each rank reads the stored pieces that overlap its
+        stage's rows (no collective). Raises the ValueErrors of :func:`tensorpar.train.checkpoint.load_checkpoint`
+        (e.g. a checkpoint of another model shape, naming the tensor and both shapes)."""
+        from tensorpar.train.checkpoint import latest_checkpoint, load_checkpoint
 
-        Restores parameters, AdamW moments and step count, the data position and the step counter; the
-        learning rate and dropout masks are functions of the step, so nothing else is needed. Raises the
-        ValueErrors of :func:`tensorpar.train.checkpoint.load_checkpoint` and of
-        ``LMBatches.load_state_dict`` (different batch size, sequence length, seed or corpus).
-        """
         ckpt = latest_checkpoint(path)
-        state = load_checkpoint(ckpt, named_params=self.named_params, optimizer=self.optimizer, tp=self.tp)
+        named, optim = self._tp_local_state(gather=False)
+        state = load_checkpoint(ckpt, named_params=named, optimizer=optim, tp=self.ctx.tp, part=self.ctx.pp.size > 1)
+        self._set_tp_local_state(named, optim)
         self.batches.load_state_dict(state["data"])
         self.step = int(state["step"])
         return state
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of the AdamW moments (``exp_avg``, ``exp_avg_sq``; the scalar step counts left out) that this rank
+        holds: its dp rows under FSDP (the dp ranks' parts add up to DDP's, ~1/dp each), every tensor whole under
+        DDP. 0 before the first step (the state is created lazily)."""
+        return sum(local_tensor(v).numel() * v.element_size() for st in self.optimizer.state.values()
+                   for k, v in st.items() if k != "step" and torch.is_tensor(v))

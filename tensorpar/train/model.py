@@ -66,12 +66,18 @@ def resolve_source(cfg: TrainConfig, vocab_size: int | None = None, *, progress:
     return ModelSource(c, None if cfg.init == "scratch" else folder, folder)
 
 
-def build_model(cfg: TrainConfig, source: ModelSource, tp: Group, vocab_size: int, *, device=None):
+def build_model(cfg: TrainConfig, source: ModelSource, tp: Group, vocab_size: int, *, device=None,
+                pp_rank: int = 0):
     """Build, shard and prepare the model for training; returns ``(model, plan)``.
 
     fp32 weights on ``device`` (autocast provides bf16), SDPA attention, no KV cache, per-block
     recomputation when ``cfg.recompute``. Raises the ValueErrors of :func:`tensorpar.hf.plan.make_plan`
     and of :func:`check_against_model` before any weight is made.
+
+    ``pp_rank``: with ``cfg.pp > 1`` and pretrained weights, the model is cut on the meta device and this pipeline
+    rank reads and materialises only its stage's weights (:func:`tensorpar.pipeline.stages.keep_stage_modules`;
+    the other layers are ``nn.Identity``). From scratch every rank still initialises the whole model (the full
+    model's random stream is what makes it the same function at every layout) and the trainer keeps its stage.
     """
     from transformers import AutoModelForCausalLM
 
@@ -86,14 +92,21 @@ def build_model(cfg: TrainConfig, source: ModelSource, tp: Group, vocab_size: in
     if cfg.tp_weights == "auto":
         raise ValueError("tp_weights='auto' must be measured before the model is built: tensorpar.train.cli.run "
                          "does it (cfg.replace(tp_weights=ctx.tp_weights) in a loop of your own)")
-    plan = make_plan(config, tp.size, sequence_parallel=cfg.sequence_parallel,  # validates before any weight
-                     tp_weights=cfg.tp_weights)
-    if source.weights is not None:
+    if source.weights is not None:  # build_parallel_model makes the plan (validating before any weight is read)
+        keep = None
+        if cfg.pp > 1:
+            from tensorpar.pipeline.stages import keep_stage_modules
+            virtual = 2 if cfg.schedule == "interleaved-1f1b" else 1
+
+            def keep(m):
+                keep_stage_modules(m, pp_rank, cfg.pp, virtual)
         model, plan = build_parallel_model(source.weights, tp, sequence_parallel=cfg.sequence_parallel,
                                            dtype=torch.float32, device=device, dropout_seed=cfg.seed,
-                                           tp_weights=cfg.tp_weights)
+                                           tp_weights=cfg.tp_weights, keep=keep)
         model.config.use_cache = False
     else:
+        plan = make_plan(config, tp.size, sequence_parallel=cfg.sequence_parallel,  # validates before any weight
+                         tp_weights=cfg.tp_weights)
         config._attn_implementation = "sdpa"
         torch.manual_seed(cfg.seed)  # the full model's init; every rank draws the same weights
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
