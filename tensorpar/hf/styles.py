@@ -170,7 +170,7 @@ class Attention(Style):
 
     def keeps(self):
         proj = (self.fused,) if self.fused else ("q_proj", "k_proj", "v_proj")
-        return _linears(*proj, self.o_name) + ("q_norm.**", "k_norm.**")
+        return _linears(*proj, self.o_name) + ("q_norm.**", "k_norm.**", "sinks")  # sinks: with the q heads
 
     def detail(self):
         lay = self.layout
