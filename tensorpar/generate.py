@@ -415,7 +415,8 @@ def _rank_main(folder: str, args: argparse.Namespace) -> int:
         dtype = getattr(torch, args.dtype)
         model, plan = build_parallel_model(folder, ctx.tp, dtype=dtype, device=ctx.device,
                                            user_plan=getattr(args, "plan_file", None),
-                                           tp_weights=resolve_for_model(ctx, AutoConfig.from_pretrained(folder)))
+                                           tp_weights=resolve_for_model(ctx, AutoConfig.from_pretrained(folder)),
+                                           attn_implementation=getattr(args, "attn_implementation", None))
         apply_quantize(model, ctx.tp, getattr(args, "quantize", "none"))
         tok = AutoTokenizer.from_pretrained(folder)
         prompts = args.prompt or ["The capital of France is"]
@@ -511,6 +512,8 @@ def validate(args: argparse.Namespace):
     plan = make_plan(config, args.tp, user_plan=getattr(args, "plan_file", None),
                      tp_weights=None if args.tp_weights == "auto" else args.tp_weights)
     check_model_config(config, f"{folder}/config.json")
+    from tensorpar.hf.load import resolve_attn_implementation
+    args.attn_implementation = resolve_attn_implementation(config)  # decided here; every rank runs this one
     check_quantize(getattr(args, "quantize", "none"), config, plan)
     check_checkpoint(folder, config)  # headers vs config, both directions, before any rank starts
     tok = AutoTokenizer.from_pretrained(folder)

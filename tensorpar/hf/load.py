@@ -518,14 +518,34 @@ def load_sharded(model: nn.Module, folder: str | Path, tp: Group, *, device=None
     return model
 
 
+def resolve_attn_implementation(config) -> str:
+    """The attention kernel transformers' ``from_pretrained`` gives the model of ``config``: the one the config
+    names (the user's), else sdpa where the model class supports it, else eager (gemma2: its soft-capping has no
+    sdpa path). Decided by transformers itself, on the meta device (no memory); the launching process and every
+    rank get the same answer from the same config.
+
+    Raises:
+        ValueError: (one line) the config names an implementation the model class does not support.
+    """
+    import copy
+
+    try:
+        return _meta_model(copy.deepcopy(config)).config._attn_implementation
+    except ValueError as e:
+        raise ValueError(f"{getattr(config, 'model_type', '?')}: attention implementation "
+                         f"{getattr(config, '_attn_implementation', None)!r}: {' '.join(str(e).split())[:300]}") \
+            from None
+
+
 def build_parallel_model(folder: str | Path, tp: Group, *, sequence_parallel: bool = False, dtype=torch.float32,
-                         device=None, attn_implementation: str = "sdpa",
+                         device=None, attn_implementation: str | None = None,
                          dropout_seed: int | None = None, user_plan=None,
                          tp_weights=None) -> tuple[nn.Module, ShardingPlan]:
     """Meta-initialise the model of ``folder``, check the checkpoint, shard it by its plan, load this rank's slices.
 
     ``attn_implementation`` (``"sdpa"``, ``"eager"``, or any name transformers' attention registry
-    knows) is the attention every sharded layer runs. ``tp_weights``: relative speed of each tp rank
+    knows) is the attention every sharded layer runs; None: the one transformers picks for the folder's config
+    (:func:`resolve_attn_implementation`: sdpa, or eager for gemma2). ``tp_weights``: relative speed of each tp rank
     (:mod:`tensorpar.capacity`; ``ctx.tp_weights``), ``None`` for an even split. Returns ``(model, plan)``; the model is in
     eval mode. Raises the ValueErrors of :func:`~tensorpar.hf.plan.make_plan` (at plan time, before
     any weight is read), of :func:`check_checkpoint` (headers only) and of :func:`load_sharded`.
@@ -534,7 +554,7 @@ def build_parallel_model(folder: str | Path, tp: Group, *, sequence_parallel: bo
 
     config = AutoConfig.from_pretrained(folder)
     plan = make_plan(config, tp.size, sequence_parallel=sequence_parallel, user_plan=user_plan, tp_weights=tp_weights)
-    config._attn_implementation = attn_implementation
+    config._attn_implementation = attn_implementation or resolve_attn_implementation(config)
     model = _meta_model(config, dtype)
     _check(Path(folder), _Expected(model), config, weight_map(folder))  # = check_checkpoint, on this meta model
     parallelize(model, plan, tp, dropout_seed=dropout_seed)
