@@ -495,7 +495,8 @@ def validate(args: argparse.Namespace):
 
     folder = _resolve(args.model)
     try:
-        config = AutoConfig.from_pretrained(folder)
+        from tensorpar.hf.load import load_config
+        config = load_config(folder, getattr(torch, args.dtype))  # transformers' rule for a stored untied LM head
     except (FileNotFoundError, OSError):
         raise
     except Exception as e:  # transformers rejects the config (its own error types): one line, named

@@ -518,6 +518,66 @@ def load_sharded(model: nn.Module, folder: str | Path, tp: Group, *, device=None
     return model
 
 
+def _stored_equal(wmap: dict[str, Path], a: str, b: str, dtype: torch.dtype, chunk_bytes: int = 1 << 26) -> bool:
+    """Whether checkpoint tensors ``a`` and ``b`` hold the same values in ``dtype`` (read in row chunks of at most
+    ``chunk_bytes``: never two whole tensors in memory)."""
+    with SafetensorsReader(wmap[a]) as ra, SafetensorsReader(wmap[b]) as rb:
+        shape = ra.shape(a)
+        if shape != rb.shape(b):
+            return False
+        if not shape:
+            return torch.equal(ra.read(a, dtype=dtype), rb.read(b, dtype=dtype))
+        row = max(1, math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size())
+        step = max(1, chunk_bytes // row)
+        for start in range(0, shape[0], step):
+            rows = range(start, min(shape[0], start + step))
+            if not torch.equal(ra.read(a, dim=0, indices=rows, dtype=dtype), rb.read(b, dim=0, indices=rows,
+                                                                                  dtype=dtype)):
+                return False
+    return True
+
+
+def stored_untied(folder: str | Path, config, dtype: torch.dtype = torch.float32) -> list[tuple[str, str]]:
+    """Tied pairs ``(source, alias)`` (``model.embed_tokens.weight``, ``lm_head.weight``) that the checkpoint in
+    ``folder`` stores under both names with different values in ``dtype``.
+
+    transformers' ``from_pretrained`` (5.24, ``PreTrainedModel.tie_weights``) ties such a pair only when the two
+    stored tensors are equal; otherwise it keeps them apart and warns. Empty when the config ties nothing or the
+    checkpoint stores one name of each pair. Reads the two tensors in row chunks (bounded memory), only then."""
+    if not getattr(config, "tie_word_embeddings", False):
+        return []
+    model = _meta_model(config)
+    tied = model.get_expanded_tied_weights_keys(all_submodels=True)  # {alias: source}
+    wmap = weight_map(folder)
+    expected = _Expected(model)
+    out = []
+    for alias, source in tied.items():
+        ka, ks = expected.key(alias, wmap), expected.key(source, wmap)
+        if ka is not None and ks is not None and ka != ks and not _stored_equal(wmap, ks, ka, dtype):
+            out.append((ks, ka))
+    return out
+
+
+def load_config(folder: str | Path, dtype: torch.dtype = torch.float32, *, warn: bool = True):
+    """``AutoConfig.from_pretrained(folder)`` with transformers' loading rule for tied weights applied: a checkpoint
+    that stores a tied pair under both names with different values (:func:`stored_untied`) gets
+    ``tie_word_embeddings = False``, as ``from_pretrained`` unties such a model (with the same warning, when
+    ``warn``)."""
+    import warnings
+
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    pairs = stored_untied(folder, config, dtype)
+    if pairs and warn:
+        warnings.warn(f"{folder}: config.json ties {pairs[0][1]} to {pairs[0][0]} but the checkpoint stores both "
+                      f"with different values; they are kept apart, as transformers does (set "
+                      f"tie_word_embeddings=false to silence this)", stacklevel=2)
+    if pairs:
+        config.tie_word_embeddings = False
+    return config
+
+
 def resolve_attn_implementation(config) -> str:
     """The attention kernel transformers' ``from_pretrained`` gives the model of ``config``: the one the config
     names (the user's), else sdpa where the model class supports it, else eager (gemma2: its soft-capping has no
@@ -550,9 +610,7 @@ def build_parallel_model(folder: str | Path, tp: Group, *, sequence_parallel: bo
     eval mode. Raises the ValueErrors of :func:`~tensorpar.hf.plan.make_plan` (at plan time, before
     any weight is read), of :func:`check_checkpoint` (headers only) and of :func:`load_sharded`.
     """
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(folder)
+    config = load_config(folder, dtype, warn=tp.rank == 0)  # a stored LM head that differs from the embedding is not tied
     plan = make_plan(config, tp.size, sequence_parallel=sequence_parallel, user_plan=user_plan, tp_weights=tp_weights)
     config._attn_implementation = attn_implementation or resolve_attn_implementation(config)
     model = _meta_model(config, dtype)
