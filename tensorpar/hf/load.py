@@ -544,9 +544,11 @@ def stored_untied(folder: str | Path, config, dtype: torch.dtype = torch.float32
     transformers' ``from_pretrained`` (5.24, ``PreTrainedModel.tie_weights``) ties such a pair only when the two
     stored tensors are equal; otherwise it keeps them apart and warns. Empty when the config ties nothing or the
     checkpoint stores one name of each pair. Reads the two tensors in row chunks (bounded memory), only then."""
+    import copy
+
     if not getattr(config, "tie_word_embeddings", False):
         return []
-    model = _meta_model(config)
+    model = _meta_model(copy.deepcopy(config))  # from_config would set the config's attention implementation
     tied = model.get_expanded_tied_weights_keys(all_submodels=True)  # {alias: source}
     wmap = weight_map(folder)
     expected = _Expected(model)
