@@ -495,8 +495,7 @@ def validate(args: argparse.Namespace):
 
     folder = _resolve(args.model)
     try:
-        from tensorpar.hf.load import load_config
-        config = load_config(folder, getattr(torch, args.dtype))  # transformers' rule for a stored untied LM head
+        config = AutoConfig.from_pretrained(folder)
     except (FileNotFoundError, OSError):
         raise
     except Exception as e:  # transformers rejects the config (its own error types): one line, named
@@ -505,6 +504,9 @@ def validate(args: argparse.Namespace):
     if not is_causal_lm(getattr(config, "model_type", None)):
         raise ValueError(f"{folder}: model_type={config.model_type!r} is an image classifier, not a text generator; "
                          f"run it with examples/classify_vit.py")
+    check_model_config(config, f"{folder}/config.json")
+    from tensorpar.hf.load import follow_stored_ties
+    follow_stored_ties(folder, config, getattr(torch, getattr(args, "dtype", "float32")))  # as the ranks will
     if getattr(args, "plan_file", None) is not None:
         args.plan_file = os.path.abspath(args.plan_file)   # the ranks read the same file
     from tensorpar.capacity import check_for_model
@@ -512,7 +514,6 @@ def validate(args: argparse.Namespace):
                                       user_plan=getattr(args, "plan_file", None))
     plan = make_plan(config, args.tp, user_plan=getattr(args, "plan_file", None),
                      tp_weights=None if args.tp_weights == "auto" else args.tp_weights)
-    check_model_config(config, f"{folder}/config.json")
     from tensorpar.hf.load import resolve_attn_implementation
     args.attn_implementation = resolve_attn_implementation(config)  # decided here; every rank runs this one
     check_quantize(getattr(args, "quantize", "none"), config, plan)

@@ -560,16 +560,12 @@ def stored_untied(folder: str | Path, config, dtype: torch.dtype = torch.float32
     return out
 
 
-def load_config(folder: str | Path, dtype: torch.dtype = torch.float32, *, warn: bool = True):
-    """``AutoConfig.from_pretrained(folder)`` with transformers' loading rule for tied weights applied: a checkpoint
-    that stores a tied pair under both names with different values (:func:`stored_untied`) gets
-    ``tie_word_embeddings = False``, as ``from_pretrained`` unties such a model (with the same warning, when
-    ``warn``)."""
+def follow_stored_ties(folder: str | Path, config, dtype: torch.dtype = torch.float32, *, warn: bool = True) -> None:
+    """Apply transformers' loading rule for tied weights to ``config`` (in place): a checkpoint that stores a tied
+    pair under both names with different values (:func:`stored_untied`) gets ``tie_word_embeddings = False``, as
+    ``from_pretrained`` unties such a model (with the same warning, when ``warn``)."""
     import warnings
 
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(folder)
     pairs = stored_untied(folder, config, dtype)
     if pairs and warn:
         warnings.warn(f"{folder}: config.json ties {pairs[0][1]} to {pairs[0][0]} but the checkpoint stores both "
@@ -577,7 +573,6 @@ def load_config(folder: str | Path, dtype: torch.dtype = torch.float32, *, warn:
                       f"tie_word_embeddings=false to silence this)", stacklevel=2)
     if pairs:
         config.tie_word_embeddings = False
-    return config
 
 
 def resolve_attn_implementation(config) -> str:
@@ -612,7 +607,10 @@ def build_parallel_model(folder: str | Path, tp: Group, *, sequence_parallel: bo
     eval mode. Raises the ValueErrors of :func:`~tensorpar.hf.plan.make_plan` (at plan time, before
     any weight is read), of :func:`check_checkpoint` (headers only) and of :func:`load_sharded`.
     """
-    config = load_config(folder, dtype, warn=tp.rank == 0)  # a stored LM head that differs from the embedding is not tied
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    follow_stored_ties(folder, config, dtype, warn=tp.rank == 0)  # a stored head unlike the embedding: not tied
     plan = make_plan(config, tp.size, sequence_parallel=sequence_parallel, user_plan=user_plan, tp_weights=tp_weights)
     config._attn_implementation = attn_implementation or resolve_attn_implementation(config)
     model = _meta_model(config, dtype)
