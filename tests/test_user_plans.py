@@ -262,7 +262,7 @@ def job_gpt_oss(ctx):
     return _parity(ctx, gpt_oss_config(), GPT_OSS_PLAN)
 
 
-@pytest.mark.parametrize("tp", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("tp", [2, 3])
 def test_gpt_oss_attention_sinks_sharded_with_the_query_heads(pools, tp):
     """gpt_oss's ``sinks`` (one logit per query head) go with the rank's query heads: logits, loss, every gradient
     (the sinks' slices included), grad norm and 16 greedy tokens equal transformers' unsharded model (tolerance of
