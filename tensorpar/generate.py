@@ -425,7 +425,8 @@ def _rank_main(folder: str, args: argparse.Namespace) -> int:
         dtype = getattr(torch, args.dtype)
         model, plan = build_parallel_model(folder, ctx.tp, dtype=dtype, device=ctx.device,
                                            user_plan=getattr(args, "plan_file", None),
-                                           tp_weights=resolve_for_model(ctx, AutoConfig.from_pretrained(folder)))
+                                           tp_weights=resolve_for_model(ctx, AutoConfig.from_pretrained(folder)),
+                                           attn_implementation=getattr(args, "attn_implementation", None))
         apply_quantize(model, ctx.tp, getattr(args, "quantize", "none"))
         tok = AutoTokenizer.from_pretrained(folder)
         prompts = args.prompt or ["The capital of France is"]
@@ -520,6 +521,9 @@ def validate(args: argparse.Namespace):
     if not is_causal_lm(getattr(config, "model_type", None)):
         raise ValueError(f"{folder}: model_type={config.model_type!r} is an image classifier, not a text generator; "
                          f"run it with examples/classify_vit.py")
+    check_model_config(config, f"{folder}/config.json")
+    from tensorpar.hf.load import follow_stored_ties
+    follow_stored_ties(folder, config, getattr(torch, getattr(args, "dtype", "float32")))  # as the ranks will
     if getattr(args, "plan_file", None) is not None:
         args.plan_file = os.path.abspath(args.plan_file)   # the ranks read the same file
     from tensorpar.capacity import check_for_model
@@ -527,7 +531,8 @@ def validate(args: argparse.Namespace):
                                       user_plan=getattr(args, "plan_file", None))
     plan = make_plan(config, args.tp, user_plan=getattr(args, "plan_file", None),
                      tp_weights=None if args.tp_weights == "auto" else args.tp_weights)
-    check_model_config(config, f"{folder}/config.json")
+    from tensorpar.hf.load import resolve_attn_implementation
+    args.attn_implementation = resolve_attn_implementation(config)  # decided here; every rank runs this one
     check_quantize(getattr(args, "quantize", "none"), config, plan)
     check_checkpoint(folder, config)  # headers vs config, both directions, before any rank starts
     tok = AutoTokenizer.from_pretrained(folder)

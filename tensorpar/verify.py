@@ -435,6 +435,8 @@ def validate(args: argparse.Namespace):
     if not is_causal_lm(getattr(config, "model_type", None)):
         raise ValueError(f"{args.model}: model_type={config.model_type!r} is not a causal language model; verify "
                          f"runs decoders")
+    from tensorpar.hf.load import resolve_attn_implementation
+    args.attn_implementation = resolve_attn_implementation(config)  # decided here; every rank runs this one
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and seq > limit:
         raise ValueError(f"--seq-len {seq} exceeds the model's max_position_embeddings={limit}")
@@ -477,7 +479,8 @@ def _rank_main(spec: str, folder: str | None, tp_size: int, seq: int, args: argp
         dtype = getattr(torch, args.dtype)
         weights = resolve_for_model(ctx, _model_config(spec, seq)[0]) if ctx.tp_weights is not None else None
         ref, par = build_pair(spec, folder, ctx.tp, dtype=dtype, device=ctx.device, seq_len=seq,
-                              sequence_parallel=args.sequence_parallel, tp_weights=weights)
+                              sequence_parallel=args.sequence_parallel, tp_weights=weights,
+                              attn_implementation=getattr(args, "attn_implementation", None))
         if getattr(args, "quantize", "none") == "int8":
             from tensorpar.quant import quantize_int8, quantize_reference_int8
             quantize_reference_int8(ref)
@@ -503,9 +506,11 @@ def _rank_main(spec: str, folder: str | None, tp_size: int, seq: int, args: argp
 
 
 def build_pair(spec: str, folder: str | None, tp: Group, *, dtype=torch.float32, device=None, seq_len: int = 16,
-               sequence_parallel: bool = False, tp_weights=None):
+               sequence_parallel: bool = False, tp_weights=None, attn_implementation: str | None = None):
     """``(reference, sharded)``: the unsharded model and this rank's sharded copy, same weights, eval mode.
     ``tp_weights``: shard by these relative rank speeds (:mod:`tensorpar.capacity`; default even).
+    ``attn_implementation``: both models' attention; None: the one transformers picks for the config
+    (:func:`~tensorpar.hf.load.resolve_attn_implementation`).
 
     A folder is loaded twice: whole (transformers) and sharded (:func:`~tensorpar.hf.load.build_parallel_model`,
     the path ``generate`` and ``train`` use, so load bugs show). A preset gets random weights (seed 0, norms
@@ -517,12 +522,13 @@ def build_pair(spec: str, folder: str | None, tp: Group, *, dtype=torch.float32,
 
     if folder is not None:
         from tensorpar.hf.load import build_parallel_model
-        ref = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+        ref = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
         par, _ = build_parallel_model(folder, tp, sequence_parallel=sequence_parallel, dtype=dtype, device=device,
-                                      tp_weights=tp_weights)
+                                      tp_weights=tp_weights, attn_implementation=attn_implementation)
     else:
         config, _ = _model_config(spec, seq_len)
-        config._attn_implementation = "sdpa"
+        from tensorpar.hf.load import resolve_attn_implementation
+        config._attn_implementation = attn_implementation or resolve_attn_implementation(config)
         torch.manual_seed(0)
         ref = AutoModelForCausalLM.from_config(config).float()
         with torch.no_grad():

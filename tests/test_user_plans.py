@@ -239,3 +239,46 @@ def test_user_plan_on_a_vision_table():
     assert plan.match("vit.layers.1.attention").style.layout.q_heads.sizes == (3, 2)
     _err({"vit.layers.*.attention": {"style": "encoder_attention", "head_dim": 8}},
          r"plan entry 'vit.layers.\*.attention': heads x head_dim = 40 rows but ViTAttention has 60", cfg=cfg)
+
+
+def gpt_oss_config():
+    """A tiny gpt_oss (no built-in table): 6 query heads with one attention sink each, 2 KV heads, biases on
+    every projection, a sliding and a full layer, 4 experts (small: replicated implicitly)."""
+    import transformers as T
+    c = T.GptOssConfig(vocab_size=37, hidden_size=24, intermediate_size=16, num_hidden_layers=2,
+                       num_attention_heads=6, num_key_value_heads=2, head_dim=4, num_local_experts=4,
+                       num_experts_per_tok=2, max_position_embeddings=64, sliding_window=4,
+                       layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    c._attn_implementation = "eager"  # what transformers picks for gpt_oss (no sdpa: the sinks)
+    return c
+
+
+GPT_OSS_PLAN = {"model.embed_tokens": "vocab_embedding", "model.layers.*.self_attn": "attention",
+                "lm_head": "lm_head"}
+
+
+def job_gpt_oss(ctx):
+    return _parity(ctx, gpt_oss_config(), GPT_OSS_PLAN)
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_gpt_oss_attention_sinks_sharded_with_the_query_heads(pools, tp):
+    """gpt_oss's ``sinks`` (one logit per query head) go with the rank's query heads: logits, loss, every gradient
+    (the sinks' slices included), grad norm and 16 greedy tokens equal transformers' unsharded model (tolerance of
+    assert_parity: fp32, only the reduction order differs); at tp = 3 a KV head straddles two ranks."""
+    plan = make_plan(gpt_oss_config(), tp, user_plan=GPT_OSS_PLAN)
+    for r, (n, shapes, _) in enumerate(run_tp(pools, tp, job_gpt_oss)):
+        assert shapes["model.layers.0.self_attn.sinks"] == (plan.heads.q_heads.sizes[r],)
+        assert n > 20
+
+
+def test_unknown_attention_parameter_is_refused_naming_it():
+    """A per-head parameter the attention style does not know is refused at plan time (it would be lost)."""
+    from tensorpar.hf.plan import meta_model
+    cfg = family_config("llama")
+    model = meta_model(cfg)
+    model.model.layers[1].self_attn.head_gate = torch.nn.Parameter(torch.ones(cfg.num_attention_heads, device="meta"))
+    with pytest.raises(ValueError, match=r"'model\.layers\.\*\.self_attn': style 'attention' does not know "
+                                         r"model\.layers\.1\.self_attn\.head_gate"):
+        make_plan(cfg, 2).check(model)

@@ -518,14 +518,91 @@ def load_sharded(model: nn.Module, folder: str | Path, tp: Group, *, device=None
     return model
 
 
+def _stored_equal(wmap: dict[str, Path], a: str, b: str, dtype: torch.dtype, chunk_bytes: int = 1 << 26) -> bool:
+    """Whether checkpoint tensors ``a`` and ``b`` hold the same values in ``dtype`` (read in row chunks of at most
+    ``chunk_bytes``: never two whole tensors in memory)."""
+    with SafetensorsReader(wmap[a]) as ra, SafetensorsReader(wmap[b]) as rb:
+        shape = ra.shape(a)
+        if shape != rb.shape(b):
+            return False
+        if not shape:
+            return torch.equal(ra.read(a, dtype=dtype), rb.read(b, dtype=dtype))
+        row = max(1, math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size())
+        step = max(1, chunk_bytes // row)
+        for start in range(0, shape[0], step):
+            rows = range(start, min(shape[0], start + step))
+            if not torch.equal(ra.read(a, dim=0, indices=rows, dtype=dtype), rb.read(b, dim=0, indices=rows,
+                                                                                  dtype=dtype)):
+                return False
+    return True
+
+
+def stored_untied(folder: str | Path, config, dtype: torch.dtype = torch.float32) -> list[tuple[str, str]]:
+    """Tied pairs ``(source, alias)`` (``model.embed_tokens.weight``, ``lm_head.weight``) that the checkpoint in
+    ``folder`` stores under both names with different values in ``dtype``.
+
+    transformers' ``from_pretrained`` (5.24, ``PreTrainedModel.tie_weights``) ties such a pair only when the two
+    stored tensors are equal; otherwise it keeps them apart and warns. Empty when the config ties nothing or the
+    checkpoint stores one name of each pair. Reads the two tensors in row chunks (bounded memory), only then."""
+    import copy
+
+    if not getattr(config, "tie_word_embeddings", False):
+        return []
+    model = _meta_model(copy.deepcopy(config))  # from_config would set the config's attention implementation
+    tied = model.get_expanded_tied_weights_keys(all_submodels=True)  # {alias: source}
+    wmap = weight_map(folder)
+    expected = _Expected(model)
+    out = []
+    for alias, source in tied.items():
+        ka, ks = expected.key(alias, wmap), expected.key(source, wmap)
+        if ka is not None and ks is not None and ka != ks and not _stored_equal(wmap, ks, ka, dtype):
+            out.append((ks, ka))
+    return out
+
+
+def follow_stored_ties(folder: str | Path, config, dtype: torch.dtype = torch.float32, *, warn: bool = True) -> None:
+    """Apply transformers' loading rule for tied weights to ``config`` (in place): a checkpoint that stores a tied
+    pair under both names with different values (:func:`stored_untied`) gets ``tie_word_embeddings = False``, as
+    ``from_pretrained`` unties such a model (with the same warning, when ``warn``)."""
+    import warnings
+
+    pairs = stored_untied(folder, config, dtype)
+    if pairs and warn:
+        warnings.warn(f"{folder}: config.json ties {pairs[0][1]} to {pairs[0][0]} but the checkpoint stores both "
+                      f"with different values; they are kept apart, as transformers does (set "
+                      f"tie_word_embeddings=false to silence this)", stacklevel=2)
+    if pairs:
+        config.tie_word_embeddings = False
+
+
+def resolve_attn_implementation(config) -> str:
+    """The attention kernel transformers' ``from_pretrained`` gives the model of ``config``: the one the config
+    names (the user's), else sdpa where the model class supports it, else eager (gemma2: its soft-capping has no
+    sdpa path). Decided by transformers itself, on the meta device (no memory); the launching process and every
+    rank get the same answer from the same config.
+
+    Raises:
+        ValueError: (one line) the config names an implementation the model class does not support.
+    """
+    import copy
+
+    try:
+        return _meta_model(copy.deepcopy(config)).config._attn_implementation
+    except ValueError as e:
+        raise ValueError(f"{getattr(config, 'model_type', '?')}: attention implementation "
+                         f"{getattr(config, '_attn_implementation', None)!r}: {' '.join(str(e).split())[:300]}") \
+            from None
+
+
 def build_parallel_model(folder: str | Path, tp: Group, *, sequence_parallel: bool = False, dtype=torch.float32,
-                         device=None, attn_implementation: str = "sdpa",
+                         device=None, attn_implementation: str | None = None,
                          dropout_seed: int | None = None, user_plan=None,
                          tp_weights=None, keep=None) -> tuple[nn.Module, ShardingPlan]:
     """Meta-initialise the model of ``folder``, check the checkpoint, shard it by its plan, load this rank's slices.
 
     ``attn_implementation`` (``"sdpa"``, ``"eager"``, or any name transformers' attention registry
-    knows) is the attention every sharded layer runs. ``tp_weights``: relative speed of each tp rank
+    knows) is the attention every sharded layer runs; None: the one transformers picks for the folder's config
+    (:func:`resolve_attn_implementation`: sdpa, or eager for gemma2). ``tp_weights``: relative speed of each tp rank
     (:mod:`tensorpar.capacity`; ``ctx.tp_weights``), ``None`` for an even split. Returns ``(model, plan)``; the model is in
     eval mode. Raises the ValueErrors of :func:`~tensorpar.hf.plan.make_plan` (at plan time, before
     any weight is read), of :func:`check_checkpoint` (headers only) and of :func:`load_sharded`.
@@ -537,8 +614,9 @@ def build_parallel_model(folder: str | Path, tp: Group, *, sequence_parallel: bo
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(folder)
+    follow_stored_ties(folder, config, dtype, warn=tp.rank == 0)  # a stored head unlike the embedding: not tied
     plan = make_plan(config, tp.size, sequence_parallel=sequence_parallel, user_plan=user_plan, tp_weights=tp_weights)
-    config._attn_implementation = attn_implementation
+    config._attn_implementation = attn_implementation or resolve_attn_implementation(config)
     model = _meta_model(config, dtype)
     _check(Path(folder), _Expected(model), config, weight_map(folder))  # = check_checkpoint, on this meta model
     parallelize(model, plan, tp, dropout_seed=dropout_seed)

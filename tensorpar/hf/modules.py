@@ -59,7 +59,8 @@ class TPAttention(nn.Module):
     heads), or one fused projection ``fused`` with rows ``[q | k | v]`` (Phi-3's ``qkv_proj``), of which each
     rank holds its q, k and v heads (never one contiguous block); the output projection ``o_name`` is
     row-parallel. Per-head q/k norms (Qwen3, Gemma 3: weights ``[d]``, replicated) are kept; their gradients
-    are partial sums over the rank's heads and are marked to be summed over tp. Gemma 2's logit soft-capping
+    are partial sums over the rank's heads and are marked to be summed over tp. Attention sinks (gpt_oss: one
+    logit per query head, ``[heads]``) are sharded with the query heads ``[heads_r]``. Gemma 2's logit soft-capping
     and sliding windows are passed to the attention kernel as the original module does.
 
     Collectives: forward one all-reduce in the output projection (reduce-scatter with sequence parallelism,
@@ -112,9 +113,26 @@ class TPAttention(nn.Module):
                 for p in m.parameters():
                     mark_sequence_parallel(p)  # replicated, but each rank's gradient covers its heads only
             setattr(self, norm, m)
+        self.sinks = self._shard_sinks(getattr(attn, "sinks", None))
         self.attention_fn = None
         self.output_dropout = None
         self.overlap_grad_comm = True
+
+    def _shard_sinks(self, sinks):
+        """gpt_oss's attention sinks (one logit per query head, ``[heads]``; the kernel reads ``module.sinks``):
+        this rank's query heads' ``[heads_r]``, sharded with them. None when the module has none."""
+        if sinks is None:
+            return None
+        from tensorpar.layers.linear import _slice, mark_sharded
+        lay = self.layout
+        if tuple(sinks.shape) != (lay.num_heads,):
+            raise ValueError(f"attention sinks of shape {tuple(sinks.shape)}: expected one per query head "
+                             f"({lay.num_heads},)")
+        if self.attention_dropout > 0:
+            raise ValueError(f"attention sinks with attention_dropout={self.attention_dropout}: the head-keyed "
+                             f"dropout kernel has no sinks; set attention_dropout=0")
+        local = _slice(sinks.detach(), 0, lay.q_heads, self.tp.rank).clone()
+        return mark_sharded(nn.Parameter(local, requires_grad=sinks.requires_grad), 0, lay.q_heads)
 
     def _qkv(self, hidden_states: torch.Tensor):
         """Enter the tp region (``[b, s_r, h]`` under sequence parallelism) and project: q, k, v ``[b, heads, s, d]``.
@@ -156,6 +174,8 @@ class TPAttention(nn.Module):
         extra = {"sliding_window": self.sliding_window} if self.sliding_window is not None else {}
         if self.softcap is not None:
             extra["softcap"] = self.softcap
+        if self.sinks is not None:
+            extra["s_aux"] = self.sinks  # as gpt_oss passes them (flash / flex kernels); eager reads self.sinks
         out, weights = fn(self, q, k, v, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,
                           scaling=self.scaling, **extra, **kwargs)
         out = out.reshape(b, s, -1).contiguous()  # [b, s, q_local * d]

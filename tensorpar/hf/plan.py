@@ -108,14 +108,25 @@ class ShardingPlan:
         return [(n, m) for n, m in model.named_modules() if rx.match(n)]
 
     def check(self, model: nn.Module) -> None:
-        """Refuse a plan that does not claim every parameter and buffer of ``model`` (the unsharded model).
+        """Refuse a plan that does not claim every parameter and buffer of ``model`` (the unsharded model), or
+        whose styles would drop some of them.
 
-        A module matched by an entry claims everything below it. Raises ValueError listing the unclaimed
-        names (at most 8), or the entries whose pattern matches no module.
+        A module matched by an entry claims everything below it; a style that builds a new module carries over
+        only the tensors it names (:meth:`~tensorpar.hf.styles.Style.keeps`). Raises ValueError naming: PEFT
+        adapter modules anywhere in the model (LoRA is not sharded yet: merge it first); tensors a style does not
+        know (they would vanish from the sharded model); the unclaimed names (at most 8); or the entries whose
+        pattern matches no module.
         """
+        adapters = peft_adapters(model)
+        if adapters:
+            more = f" (and {len(adapters) - 4} more)" if len(adapters) > 4 else ""
+            raise ValueError(f"{self.model_type} model holds PEFT (LoRA) adapters: {', '.join(adapters[:4])}{more}; "
+                             f"tensorpar does not shard adapters yet and its plan would drop them: merge them into "
+                             f"the weights first (model = model.merge_and_unload()) and shard the merged model, or "
+                             f"run it unsharded")
         matched: list[str] = []
         used: set[str] = set()
-        for name, _ in model.named_modules():
+        for name, module in model.named_modules():
             if any(name == m or name.startswith(m + ".") for m in matched):
                 continue
             e = self.match(name)
@@ -123,6 +134,7 @@ class ShardingPlan:
                 used.add(e.pattern)
                 if e.style.claims:
                     matched.append(name)
+                    _refuse_dropped(e, name, module)
         unused = [e.pattern for e in self.entries if e.pattern not in used]
         if unused:
             raise ValueError(f"{self.model_type} plan: entries match no module of the model: {', '.join(unused)}")
@@ -135,6 +147,40 @@ class ShardingPlan:
             raise ValueError(f"{self.model_type} plan leaves {len(unclaimed)} parameters/buffers unclaimed: "
                              f"{', '.join(unclaimed[:8])}{more}; every tensor must be sharded, replicated or tied "
                              f"by a plan entry")
+
+
+def _keeps_regex(pattern: str) -> re.Pattern:
+    """A :meth:`Style.keeps` name: ``*`` one segment, ``**`` any rest (``q_norm.**``)."""
+    return re.compile("^" + re.escape(pattern).replace(r"\*\*", ".+").replace(r"\*", r"[^.]*") + "$")
+
+
+def _refuse_dropped(entry: Entry, name: str, module: nn.Module) -> None:
+    """ValueError if ``entry``'s style would build a module without some parameter or buffer of ``module``."""
+    keeps = entry.style.keeps()
+    if keeps is None:
+        return
+    rx = [_keeps_regex(k) for k in keeps]
+    tensors = [n for n, _ in module.named_parameters(remove_duplicate=False)]
+    tensors += [n for n, _ in module.named_buffers(remove_duplicate=False)]
+    dropped = [n for n in tensors if not any(r.match(n) for r in rx)]
+    if dropped:
+        more = f" (and {len(dropped) - 6} more)" if len(dropped) > 6 else ""
+        raise ValueError(f"plan entry {entry.pattern!r}: style {entry.style.name!r} does not know "
+                         f"{', '.join(f'{name}.{n}' for n in dropped[:6])}{more} ({type(module).__name__}); the "
+                         f"sharded module would lose them: give this module a style that shards them, or "
+                         f"'replicated'")
+
+
+def peft_adapters(model: nn.Module) -> list[str]:
+    """The adapter submodules (``...q_proj.lora_A``) of the PEFT tuner layers in ``model``: children of a layer
+    from the ``peft`` package that hold parameters, other than the wrapped ``base_layer``."""
+    out = []
+    for name, m in model.named_modules():
+        if type(m).__module__.startswith("peft.") and isinstance(getattr(m, "base_layer", None), nn.Module):
+            for child, c in m.named_children():
+                if child != "base_layer" and any(True for _ in c.parameters()):
+                    out.append(f"{name}.{child}")
+    return out
 
 
 def _get(config, *names, default=None):

@@ -4,7 +4,9 @@ A :class:`~tensorpar.hf.plan.ShardingPlan` maps module-name patterns to these ob
 :func:`tensorpar.hf.apply.parallelize` does nothing but call :meth:`Style.apply` on every module whose name
 matches (the printed plan is the plan that runs, as torchtitan's ``parallelize_module`` plans are). A style
 claims every parameter and buffer below the module it is applied to; a plan whose entries leave some
-parameter of the model unclaimed is refused when it is made.
+parameter of the model unclaimed is refused when it is made. A style that builds a new module names the
+tensors it carries over (:meth:`Style.keeps`); a module holding any other tensor (an extra per-head parameter,
+a LoRA adapter wrapped around a projection) is refused at plan time, naming it, instead of losing it.
 
 ========================  =====================================================================================
 style                     what it does (collectives: forward / backward)
@@ -42,6 +44,11 @@ class ApplyContext:
     plan: object
 
 
+def _linears(*names: str) -> tuple[str, ...]:
+    """``weight`` and ``bias`` of each named linear (what ``*ParallelLinear.from_linear`` carries over)."""
+    return tuple(f"{n}.{t}" for n in names for t in ("weight", "bias"))
+
+
 class Style:
     """Base class. Subclasses set ``name`` and implement :meth:`apply`; ``rows`` adds printed sub-rows."""
 
@@ -53,6 +60,12 @@ class Style:
     def apply(self, module: nn.Module, fqn: str, ctx: ApplyContext) -> nn.Module:
         """Return the module that replaces ``module`` (may be ``module`` itself, modified in place)."""
         raise NotImplementedError
+
+    def keeps(self) -> tuple[str, ...] | None:
+        """The parameters and buffers below the module that :meth:`apply` carries over, as names relative to the
+        module (``*``: one name segment, ``**``: any rest), or None when the module is kept whole. Any other
+        tensor below the module would be lost, so :meth:`~tensorpar.hf.plan.ShardingPlan.check` refuses it."""
+        return None
 
     def detail(self) -> str:
         return ""
@@ -101,6 +114,9 @@ class VocabEmbedding(Style):
         from tensorpar.layers.embedding import VocabParallelEmbedding
         return VocabParallelEmbedding.from_embedding(module, ctx.tp, partition=self.partition)
 
+    def keeps(self):
+        return ("weight", "embed_scale")  # Gemma's scaled embedding keeps its scale
+
     def detail(self):
         return f"vocab {self.partition.n} -> {list(self.partition.sizes)}"
 
@@ -125,6 +141,9 @@ class LMHead(Style):
             head.weight = ctx.root.get_submodule(self.tied_to).weight
         return head
 
+    def keeps(self):
+        return ("weight", "bias")
+
     def detail(self):
         return f"vocab {self.partition.n} -> {list(self.partition.sizes)}" + (
             f", tied to {self.tied_to}" if self.tied_to else "")
@@ -148,6 +167,10 @@ class Attention(Style):
         from tensorpar.hf.modules import TPAttention
         return TPAttention(module, ctx.tp, self.layout, sequence_parallel=self.sequence_parallel, fused=self.fused,
                            o_name=self.o_name)
+
+    def keeps(self):
+        proj = (self.fused,) if self.fused else ("q_proj", "k_proj", "v_proj")
+        return _linears(*proj, self.o_name) + ("q_norm.**", "k_norm.**", "sinks")  # sinks: with the q heads
 
     def detail(self):
         lay = self.layout
@@ -185,6 +208,9 @@ class GatedMLP(Style):
         return TPGatedMLP(module, ctx.tp, partition=self.partition, sequence_parallel=self.sequence_parallel,
                           fused=self.fused)
 
+    def keeps(self):
+        return _linears(*((self.fused,) if self.fused else ("gate_proj", "up_proj")), "down_proj")
+
     def detail(self):
         return f"intermediate {self.partition.n} -> {list(self.partition.sizes)}"
 
@@ -213,6 +239,9 @@ class MLP(Style):
         return TPMLP(module, ctx.tp, partition=self.partition, up=self.up, down=self.down,
                      sequence_parallel=self.sequence_parallel)
 
+    def keeps(self):
+        return _linears(self.up, self.down)
+
     def detail(self):
         return f"intermediate {self.partition.n} -> {list(self.partition.sizes)}"
 
@@ -231,6 +260,9 @@ class Conv1DAttention(Style):
     def apply(self, module, fqn, ctx):
         from tensorpar.hf.modules import TPGPT2Attention
         return TPGPT2Attention(module, ctx.tp, self.layout)
+
+    def keeps(self):
+        return _linears("c_attn", "c_proj")
 
     def detail(self):
         return f"{self.layout.num_heads} heads -> {list(self.layout.q_heads.sizes)}"
@@ -252,6 +284,9 @@ class Conv1DMLP(Style):
         module.c_fc = TPConv1D(module.c_fc, ctx.tp, "column", self.partition)
         module.c_proj = TPConv1D(module.c_proj, ctx.tp, "row", self.partition)
         return module
+
+    def keeps(self):
+        return _linears("c_fc", "c_proj")
 
     def detail(self):
         return f"intermediate {self.partition.n} -> {list(self.partition.sizes)}"
@@ -355,6 +390,9 @@ class NeoXAttention(Style):
         from tensorpar.hf.modules import TPGPTNeoXAttention
         return TPGPTNeoXAttention(module, ctx.tp, self.layout, sequence_parallel=self.sequence_parallel)
 
+    def keeps(self):
+        return _linears("query_key_value", "dense")
+
     def detail(self):
         return f"{self.layout.num_heads} heads -> {list(self.layout.q_heads.sizes)}"
 
@@ -399,6 +437,9 @@ class MoEExperts(Style):
         from tensorpar.hf.modules import TPExperts
         return TPExperts(module, ctx.tp, partition=self.partition)
 
+    def keeps(self):
+        return ("gate_up_proj", "down_proj", "*.**")  # child modules (the activation) are taken over whole
+
     def detail(self):
         return f"{self.num_experts} experts, intermediate {self.partition.n} -> {list(self.partition.sizes)} in each"
 
@@ -421,6 +462,10 @@ class SharedExpertMoE(Style):
     def apply(self, module, fqn, ctx):
         from tensorpar.hf.modules import TPSharedExpertMoE
         return TPSharedExpertMoE(module, ctx.tp, expert_partition=self.partition, shared_partition=self.shared)
+
+    def keeps(self):
+        return (("gate.**", "experts.gate_up_proj", "experts.down_proj", "experts.*.**", "shared_expert_gate.**")
+                + _linears(*(f"shared_expert.{p}" for p in ("gate_proj", "up_proj", "down_proj"))))
 
     def detail(self):
         return (f"{self.num_experts} experts, intermediate {self.partition.n} -> {list(self.partition.sizes)} in each; "
@@ -467,6 +512,9 @@ class EncoderAttention(Style):
     def apply(self, module, fqn, ctx):
         from tensorpar.hf.modules import TPEncoderAttention
         return TPEncoderAttention(module, ctx.tp, self.layout, o_name=self.o_name, key=fqn)
+
+    def keeps(self):
+        return _linears("q_proj", "k_proj", "v_proj", self.o_name)
 
     def detail(self):
         lay = self.layout
