@@ -158,7 +158,7 @@ def test_models_table_and_generate_know_vision_families(tmp_path):
     assert not table["vit"]["generate"] and not table["dinov2"]["train"] and table["llama"]["generate"]
     AutoModelForImageClassification.from_config(config("vit")).save_pretrained(tmp_path)
     args = argparse.Namespace(tp=2, timeout=10.0, prompt=None, max_new_tokens=4, temperature=0.0, top_k=0,
-                              top_p=1.0, seed=0, model=str(tmp_path), chat=False, plan_file=None)
+                              top_p=1.0, seed=None, model=str(tmp_path), chat=False, plan_file=None)
     with pytest.raises(ValueError, match="model_type='vit' is an image classifier.*examples/classify_vit.py"):
         validate(args)
 
