@@ -42,15 +42,19 @@ def _cfg(files, out, **kw):
                        out_dir=str(out), **kw)
 
 
-def job_train(ctx, cfgs):
+def job_train(ctx, cfgs, resume_at=None):
+    """Train each config; with ``resume_at``, the first one again from its checkpoint at that step (same --out:
+    its metrics are cut there) to the end. Returns per run ``([(loss, grad norm) per step], checkpoint, val)``."""
     from tensorpar.train.cli import run
     from tensorpar.train.metrics import read_metrics
-    out = []
-    for cfg in cfgs:
-        s = run(cfg, ctx, progress=False)
+
+    def train(cfg, resume=None):
+        s = run(cfg, ctx, progress=False, resume=resume)
         recs = read_metrics(f"{cfg.out_dir}/metrics.jsonl") if ctx.rank == 0 else []
-        out.append(([(r["loss"], r["grad_norm"]) for r in recs if r["kind"] == "train"], s["checkpoint"],
-                    s["val_loss"]))
+        return [(r["loss"], r["grad_norm"]) for r in recs if r["kind"] == "train"], s["checkpoint"], s["val_loss"]
+    out = [train(cfg) for cfg in cfgs]
+    if resume_at is not None:
+        out.append(train(cfgs[0], f"{cfgs[0].out_dir}/checkpoints/step_{resume_at:06d}"))
     return out
 
 
@@ -68,11 +72,14 @@ def _checkpoint_params(files, ckpt):
 
 def test_train_ep2_equals_dp2_and_one_process(files, tmp_path):
     """``--ep 2 --dp 2``: per-step losses and grad norms within 1e-5 of ``--dp 2`` and of one process over 3 steps;
-    its checkpoint (each rank wrote its own experts) holds the weights of the ``--dp 2`` run."""
+    its checkpoint (each rank wrote its own experts) holds the weights of the ``--dp 2`` run; resumed at ep 2 from
+    its step-2 checkpoint (each rank reads its own experts and their AdamW moments), step 3 is the same bits."""
     single = job_train(ParallelContext.single(), [_cfg(files, tmp_path / "one")])[0]
     with WorkerPool(2, ParallelConfig(dp=2), collective_timeout_s=60.0) as pool:
-        out = pool.run(job_train, [_cfg(files, tmp_path / "ep2", dp=2, ep=2), _cfg(files, tmp_path / "dp2", dp=2)])
-    (ep2, ep_ckpt, ep_val), (dp2, dp_ckpt, dp_val) = out[0]
+        out = pool.run(job_train, [_cfg(files, tmp_path / "ep2", dp=2, ep=2, save_every=2),
+                                   _cfg(files, tmp_path / "dp2", dp=2)], 2)
+    (ep2, ep_ckpt, ep_val), (dp2, dp_ckpt, dp_val), (resumed, _, _) = out[0]
+    assert resumed == ep2, (resumed, ep2)      # same operations in the same order after the resume
     assert len(ep2) == len(dp2) == len(single[0]) == 3
     for got, want in ((ep2, dp2), (ep2, single[0])):
         for (loss, norm), (loss_w, norm_w) in zip(got, want):
