@@ -93,6 +93,23 @@ def test_train_ep2_equals_dp2_and_one_process(files, tmp_path):
     assert worst <= 1e-4, worst
 
 
+@pytest.mark.slow
+def test_train_tp2_ep2_equals_tp2_dp2(files, tmp_path):
+    """tp 2 x ep 2 (each expert split over tp, experts whole over dp; 4 ranks): the same losses and grad norms as
+    tp 2 x dp 2 within 1e-5, and the same weights in the checkpoint (tp rows and ep experts both placed)."""
+    with WorkerPool(4, ParallelConfig(tp=2, dp=2), collective_timeout_s=60.0) as pool:
+        out = pool.run(job_train, [_cfg(files, tmp_path / "ep2", tp=2, dp=2, ep=2),
+                                   _cfg(files, tmp_path / "dp2", tp=2, dp=2)])
+    (ep2, ep_ckpt, _), (dp2, dp_ckpt, _) = out[0]
+    assert len(ep2) == len(dp2) == 3
+    for (loss, norm), (loss_w, norm_w) in zip(ep2, dp2):
+        assert abs(loss - loss_w) <= 1e-5 * abs(loss_w), (ep2, dp2)
+        assert abs(norm - norm_w) <= 1e-5 * abs(norm_w), (ep2, dp2)
+    ep_w, dp_w = _checkpoint_params(files, ep_ckpt), _checkpoint_params(files, dp_ckpt)
+    worst = max((ep_w[n] - dp_w[n]).abs().max().item() for n in dp_w)
+    assert worst <= 1e-4, worst      # as in the test above
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["--dp", "3", "--ep", "2"], "--ep 2: does not divide dp=3 (the expert-parallel ranks are data-parallel ranks); "
                                  "use ep=3 or ep=1"),
