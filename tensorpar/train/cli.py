@@ -273,6 +273,7 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
               f"as {kept}", file=sys.stderr, flush=True)
     bar = tqdm(total=cfg.steps, initial=trainer.step, disable=not (main and progress), unit="step",
                desc=f"train tp={ctx.tp.size} pp={ctx.pp.size} dp={ctx.dp.size}"
+                    f"{f' ep={cfg.ep}' if cfg.ep > 1 else ''}"
                     f"{' sp' if cfg.sequence_parallel else ''}")
     from tensorpar import fingerprint
     fp_on = check_collectives or fingerprint.enable_from_env(ctx.tp) is not None

@@ -25,9 +25,15 @@ One optimiser step, on every rank:
    and averaged over dp: by torch's ``DistributedDataParallel`` on the dp group when ``pp == 1`` (overlapped
    with backward; earlier micro-batches under ``no_sync``), by one bucketed all-reduce per step for pipeline
    stages; or, with ``dp_mode="fsdp"``, reduce-scattered by FSDP2 (:func:`tensorpar.train.dp.fully_shard_dp`),
-   so that each dp rank holds 1/dp of every gradient, of every parameter between steps and of the AdamW state;
+   so that each dp rank holds 1/dp of every gradient, of every parameter between steps and of the AdamW state.
+   With expert parallelism (``ep == dp > 1``, :func:`tensorpar.hf.modules.expert_parallelize` in
+   :func:`~tensorpar.train.model.build_model`) each dp rank holds ``E / ep`` whole experts; the all-to-all's
+   backward has already brought them the gradient of every replica's tokens routed to them (the sum over dp of
+   the replicas' mean losses), so they are divided by dp and not all-reduced; every other gradient is averaged
+   over dp by the one bucketed all-reduce (no DDP wrapper: it would average the experts too);
 5. the grad norm is the single-device one (:meth:`Trainer.global_grad_norm`: the tp-aware norm of each stage's
-   parameters, squares summed over pp with the tied LM head counted once and, under FSDP, over dp); clip to
+   parameters, squares summed over pp with the tied LM head counted once and, under FSDP or over the experts of
+   expert parallelism, over dp); clip to
    ``grad_clip`` (:meth:`Trainer.clip_grads`, the one call site);
 6. AdamW on each rank's own slices at the step's learning rate (:func:`lr_at`): element-wise, so it equals
    tp = 1 once the gradients are complete.
@@ -113,6 +119,7 @@ class Trainer:
             chunks at pp > 1 (FSDP2 modules under ``dp_mode="fsdp"`` with dp > 1).
         model: the whole (tp-sharded) model at pp = 1; ``None`` at pp > 1.
         named_params, params: this rank's parameters, each once (a tied one under its first name).
+        ep: the expert-parallel group (``ctx.dp``) when ``cfg.ep > 1``, else ``None``.
 
     Raises:
         ValueError: ``batch_size`` not divisible by ``dp * micro_batches``; an unknown schedule; a family or
@@ -256,7 +263,7 @@ class Trainer:
         return comm.broadcast(mean.reshape(1), pp, src=pp.size - 1)[0]
 
     def complete_grads(self) -> None:
-        """Step 4 of the module docstring: tp sums, tied first/last stage sum, dp average."""
+        """Step 4 of the module docstring: tp sums, tied first/last stage sum, dp average (experts of ep: / dp)."""
         tp, dp = self.ctx.tp, self.ctx.dp
         sync_sequence_parallel_grads(self.params, tp)
         sync_duplicated_grads(self.params, tp)
@@ -286,7 +293,8 @@ class Trainer:
 
     def global_grad_norm(self) -> torch.Tensor:
         """The single-device grad norm (:func:`tensorpar.grads.grad_norm`: every parameter counted once over tp, dp
-        under FSDP and pp, the same bits on every rank); the tied LM head copy on the last stage left out."""
+        under FSDP, ep (each rank's experts) and pp, the same bits on every rank); the tied LM head copy on the last
+        stage left out."""
         params = self.params
         if self.tied and self.ctx.pp.rank == self.ctx.pp.size - 1 and self.ctx.pp.rank != 0:
             tied = self._tied_param()
