@@ -29,6 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                                           "torch.distributed.pipelining)")
     p.add_argument("--dp", type=int, default=d.dp, action=_Explicit, help="data-parallel degree (replicas; rank "
                                                                           "order tp fastest, then pp, then dp)")
+    p.add_argument("--ep", type=int, default=d.ep, help="expert-parallel degree: a mixture-of-experts model's experts "
+                                                        "split whole over the dp ranks (each rank keeps E/ep "
+                                                        "experts, tokens moved by all-to-all); --ep must equal "
+                                                        "--dp and divide the number of experts; ddp, no pp")
     p.add_argument("--plan", default=None, metavar="auto|PLAN.json",
                    help="take tp, pp, dp, micro-batches, schedule, sequence parallelism and recomputation from the "
                         "planner: 'auto' (the fastest layout of --nproc ranks on this machine, measured once and "
@@ -143,7 +147,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def _config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(model=args.model, init=args.init, data=args.data, tokenizer=args.tokenizer,
-                       val_fraction=args.val_fraction, tp=args.tp, pp=args.pp, dp=args.dp,
+                       val_fraction=args.val_fraction, tp=args.tp, pp=args.pp, dp=args.dp, ep=getattr(args, "ep", 1),
                        micro_batches=args.micro_batches or default_micro_batches(args.pp, args.dp, args.batch_size),
                        schedule=args.schedule, dp_mode=args.dp_mode,
                        sequence_parallel=args.sequence_parallel,
@@ -253,7 +257,8 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
         cfg = cfg.replace(tp_weights=resolve_for_model(ctx, source.config) if ctx.tp.size > 1 else None)
     from tensorpar.train.autoplan import PeakMemory
     peak = PeakMemory(ctx.device)  # this rank's memory from here on (model, optimizer, activations)
-    model, plan = build_model(cfg, source, ctx.tp, data.vocab_size, device=ctx.device, pp_rank=ctx.pp.rank)
+    model, plan = build_model(cfg, source, ctx.tp, data.vocab_size, device=ctx.device, pp_rank=ctx.pp.rank,
+                              ep=ctx.dp if cfg.ep > 1 else None)
     trainer = Trainer(cfg, ctx, model, plan, data)
     del model  # a pipeline stage keeps only its chunks; the other layers are freed here
     out = Path(cfg.out_dir)
@@ -268,6 +273,7 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
               f"as {kept}", file=sys.stderr, flush=True)
     bar = tqdm(total=cfg.steps, initial=trainer.step, disable=not (main and progress), unit="step",
                desc=f"train tp={ctx.tp.size} pp={ctx.pp.size} dp={ctx.dp.size}"
+                    f"{f' ep={cfg.ep}' if cfg.ep > 1 else ''}"
                     f"{' sp' if cfg.sequence_parallel else ''}")
     from tensorpar import fingerprint
     fp_on = check_collectives or fingerprint.enable_from_env(ctx.tp) is not None
@@ -442,6 +448,9 @@ def main(args: argparse.Namespace) -> int:
                         file=sys.stderr)
     lock = contextlib.ExitStack()  # the --out lock, once taken
     try:  # every check that the launching process can make, cheapest first, before any rank starts
+        if getattr(args, "plan", None) is not None and getattr(args, "ep", 1) > 1:
+            raise ValueError(f"--plan {args.plan} and --ep {args.ep}: the planner does not plan expert parallelism; "
+                             f"drop --plan and give --dp {args.ep} --ep {args.ep}, or drop --ep")
         cfg = config_from_args(args)
         choice = None
         if getattr(args, "plan", None) is not None:

@@ -33,6 +33,12 @@ class TrainConfig:
     Parallelism:
         tp, pp, dp: tensor-, pipeline- and data-parallel degrees (world size = tp x pp x dp; rank order tp fastest,
             then pp, then dp). sequence_parallel: split activations between blocks along the sequence.
+        ep: expert-parallel degree: the experts of a mixture-of-experts model split whole over this many ranks
+            (:func:`tensorpar.hf.modules.expert_parallelize`), which are the dp replicas (Megatron-Core /
+            DeepSpeed-MoE): each takes its own rows of the batch, the non-expert gradients are averaged over dp,
+            each rank's experts keep their own gradient (their tokens from every replica arrive by all-to-all).
+            1 = off; otherwise ``ep == dp`` with ``dp_mode="ddp"`` and ``pp == 1``, and ``ep`` must divide the
+            number of experts (:func:`check_against_model`).
         tp_weights: relative speed of each tp rank (its share of heads, MLP columns and vocabulary), ``"auto"``
             (measured at start-up) or ``None`` (even); :mod:`tensorpar.capacity`.
         micro_batches: each data-parallel replica's rows are cut into this many micro-batches (gradient
@@ -73,6 +79,7 @@ class TrainConfig:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    ep: int = 1
     micro_batches: int = 1
     schedule: str = "1f1b"
     dp_mode: str = "ddp"
@@ -114,7 +121,7 @@ class TrainConfig:
             if isinstance(v, str) and not v.strip():
                 bad(name, "must not be empty")
 
-        for name in ("tp", "pp", "dp", "micro_batches", "seq_len", "batch_size", "steps", "eval_batches",
+        for name in ("tp", "pp", "dp", "ep", "micro_batches", "seq_len", "batch_size", "steps", "eval_batches",
                      "keep_checkpoints", "log_every"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -132,6 +139,8 @@ class TrainConfig:
             bad("fast_collectives", f"use one of {', '.join(FAST_COLLECTIVES)}")
         if self.dp_mode not in DP_MODES:
             bad("dp_mode", f"use one of {', '.join(DP_MODES)}")
+        if self.ep > 1:
+            check_ep_layout(self.ep, self.dp, self.pp, self.dp_mode)
         if self.pp > 1 and self.schedule != "gpipe" and self.micro_batches < self.pp:
             raise ValueError(f"micro_batches={self.micro_batches} is fewer than pp={self.pp}, which the {self.schedule} "
                              f"schedule needs (every stage must have a micro-batch in flight); use micro_batches >= "
@@ -188,12 +197,43 @@ class TrainConfig:
         return TrainConfig(**d)
 
 
+def check_ep_layout(ep: int, dp: int, pp: int, dp_mode: str) -> None:
+    """The layouts expert parallelism runs at (``ep > 1``): the ep ranks are the dp replicas, so ``ep == dp``;
+    DDP-style replicas (``dp_mode="ddp"``); no pipeline. Raises ValueError naming the setting and what works."""
+    if dp % ep:
+        raise ValueError(f"ep={ep}: does not divide dp={dp} (the expert-parallel ranks are data-parallel ranks); "
+                         f"use ep={dp}" + (" or ep=1" if dp > 1 else ""))
+    if ep != dp:
+        raise ValueError(f"ep={ep}: with dp={dp} (ep < dp) is not implemented; use ep={dp} (experts split over "
+                         f"every dp rank) or ep=1")
+    if pp > 1:
+        raise ValueError(f"ep={ep}: does not run with pipeline stages (pp={pp}); use pp=1 or ep=1")
+    if dp_mode != "ddp":
+        raise ValueError(f"ep={ep}: does not run with dp_mode={dp_mode!r} (the experts are split whole over dp, the "
+                         f"rest replicated); use dp_mode='ddp' or ep=1")
+
+
+def num_experts(model_config) -> int | None:
+    """The routed experts per MoE layer of a transformers config (``num_local_experts`` or ``num_experts``)."""
+    return getattr(model_config, "num_local_experts", None) or getattr(model_config, "num_experts", None)
+
+
 def check_against_model(cfg: TrainConfig, model_config, vocab_size: int) -> None:
     """Checks that need the model's config (after :func:`tensorpar.hf.plan.make_plan`'s own).
 
-    Raises ValueError when the sequence is longer than the model's context, or when the tokenizer can
-    emit ids that the model's embedding does not have.
+    Raises ValueError when the sequence is longer than the model's context, when the tokenizer can
+    emit ids that the model's embedding does not have, or when ``ep > 1`` on a model without experts
+    (:func:`tensorpar.hf.families.why_not`) or with a number of experts that ``ep`` does not divide.
     """
+    if cfg.ep > 1:
+        from tensorpar.hf.families import why_not
+        why = why_not("expert_parallel", model_config)
+        if why:
+            raise ValueError(f"ep={cfg.ep}: {why}; use ep=1")
+        e = num_experts(model_config)
+        if e % cfg.ep:
+            ok = [d for d in range(1, e + 1) if e % d == 0]
+            raise ValueError(f"ep={cfg.ep}: does not divide the model's {e} experts; use ep in {ok}")
     limit = getattr(model_config, "max_position_embeddings", None)
     if limit is not None and cfg.seq_len > limit:
         raise ValueError(f"seq_len={cfg.seq_len} exceeds the model's max_position_embeddings={limit}; use "

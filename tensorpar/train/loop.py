@@ -25,9 +25,15 @@ One optimiser step, on every rank:
    and averaged over dp: by torch's ``DistributedDataParallel`` on the dp group when ``pp == 1`` (overlapped
    with backward; earlier micro-batches under ``no_sync``), by one bucketed all-reduce per step for pipeline
    stages; or, with ``dp_mode="fsdp"``, reduce-scattered by FSDP2 (:func:`tensorpar.train.dp.fully_shard_dp`),
-   so that each dp rank holds 1/dp of every gradient, of every parameter between steps and of the AdamW state;
+   so that each dp rank holds 1/dp of every gradient, of every parameter between steps and of the AdamW state.
+   With expert parallelism (``ep == dp > 1``, :func:`tensorpar.hf.modules.expert_parallelize` in
+   :func:`~tensorpar.train.model.build_model`) each dp rank holds ``E / ep`` whole experts; the all-to-all's
+   backward has already brought them the gradient of every replica's tokens routed to them (the sum over dp of
+   the replicas' mean losses), so they are divided by dp and not all-reduced; every other gradient is averaged
+   over dp by the one bucketed all-reduce (no DDP wrapper: it would average the experts too);
 5. the grad norm is the single-device one (:meth:`Trainer.global_grad_norm`: the tp-aware norm of each stage's
-   parameters, squares summed over pp with the tied LM head counted once and, under FSDP, over dp); clip to
+   parameters, squares summed over pp with the tied LM head counted once and, under FSDP or over the experts of
+   expert parallelism, over dp); clip to
    ``grad_clip`` (:meth:`Trainer.clip_grads`, the one call site);
 6. AdamW on each rank's own slices at the step's learning rate (:func:`lr_at`): element-wise, so it equals
    tp = 1 once the gradients are complete.
@@ -113,6 +119,7 @@ class Trainer:
             chunks at pp > 1 (FSDP2 modules under ``dp_mode="fsdp"`` with dp > 1).
         model: the whole (tp-sharded) model at pp = 1; ``None`` at pp > 1.
         named_params, params: this rank's parameters, each once (a tied one under its first name).
+        ep: the expert-parallel group (``ctx.dp``) when ``cfg.ep > 1``, else ``None``.
 
     Raises:
         ValueError: ``batch_size`` not divisible by ``dp * micro_batches``; an unknown schedule; a family or
@@ -132,6 +139,8 @@ class Trainer:
         self.device = ctx.device
         self.tied = plan.tie_word_embeddings and pp.size > 1
         self.fsdp = cfg.dp_mode == "fsdp" and dp.size > 1
+        # expert parallelism: the experts were split whole over the dp ranks by build_model (cfg.ep == dp.size)
+        self.ep = dp if cfg.ep > 1 else None
         dp_mesh = ctx.mesh["dp"] if self.fsdp else None
         self.schedule = self.eval_schedule = self.ddp = None
         if pp.size > 1:
@@ -148,7 +157,7 @@ class Trainer:
         else:
             self.modules = [fully_shard_dp(model, dp_mesh) if self.fsdp else model]
             self.model = self.modules[0]
-            if dp.size > 1 and not self.fsdp:
+            if dp.size > 1 and not self.fsdp and self.ep is None:
                 # torch's DDP averages the gradients over the dp group (bucketed, overlapped with backward); the
                 # micro-batches before the last run under no_sync, so only the accumulated gradient is reduced
                 from torch.nn.parallel import DistributedDataParallel
@@ -254,7 +263,7 @@ class Trainer:
         return comm.broadcast(mean.reshape(1), pp, src=pp.size - 1)[0]
 
     def complete_grads(self) -> None:
-        """Step 4 of the module docstring: tp sums, tied first/last stage sum, dp average."""
+        """Step 4 of the module docstring: tp sums, tied first/last stage sum, dp average (experts of ep: / dp)."""
         tp, dp = self.ctx.tp, self.ctx.dp
         sync_sequence_parallel_grads(self.params, tp)
         sync_duplicated_grads(self.params, tp)
@@ -264,8 +273,14 @@ class Trainer:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(local_tensor(p.grad), group=self.embed_group)  # FSDP: same dp rows on both stages
-        if dp.size > 1 and self.ddp is None and not self.fsdp:  # pipeline stages: one bucket, replicas' average
-            ps = [p for p in self.params if p.grad is not None]
+        if self.ep is not None:
+            # each rank's experts already hold the gradient of every replica's tokens routed to them (the
+            # all-to-all's backward), i.e. the sum over dp of the replicas' mean losses: / dp, as for the rest
+            for p in self.params:
+                if getattr(p, "ep_dim", None) is not None and p.grad is not None:
+                    p.grad.div_(dp.size)
+        if dp.size > 1 and self.ddp is None and not self.fsdp:  # pipeline stages, ep: one bucket, replicas' average
+            ps = [p for p in self.params if p.grad is not None and getattr(p, "ep_dim", None) is None]
             flat = comm.all_reduce(torch.cat([p.grad.reshape(-1) for p in ps]), dp) / dp.size
             off = 0
             for p in ps:
@@ -278,12 +293,13 @@ class Trainer:
 
     def global_grad_norm(self) -> torch.Tensor:
         """The single-device grad norm (:func:`tensorpar.grads.grad_norm`: every parameter counted once over tp, dp
-        under FSDP and pp, the same bits on every rank); the tied LM head copy on the last stage left out."""
+        under FSDP, ep (each rank's experts) and pp, the same bits on every rank); the tied LM head copy on the last
+        stage left out."""
         params = self.params
         if self.tied and self.ctx.pp.rank == self.ctx.pp.size - 1 and self.ctx.pp.rank != 0:
             tied = self._tied_param()
             params = [p for p in params if p is not tied]
-        return grad_norm(params, self.ctx.tp, self.ctx.dp if self.fsdp else None, pp=self.ctx.pp)
+        return grad_norm(params, self.ctx.tp, self.ctx.dp if self.fsdp else None, ep=self.ep, pp=self.ctx.pp)
 
     def clip_grads(self) -> torch.Tensor:
         """The grad norm before clipping (:meth:`global_grad_norm`); with ``grad_clip > 0`` every gradient is
@@ -396,9 +412,11 @@ class Trainer:
         if self.tied and ctx.pp.rank != 0:  # the tied LM head is the embedding: stored by the first stage
             mine = [(n, p) for n, p in mine if n != "model.embed_tokens.weight"]
         # every replica asks _tp_local for the same tensors (a dp-sharded mode may gather there); replica 0 writes
-        ps = state_pieces(mine, self.optimizer, ctx.tp.rank, local=self._tp_local)
-        if ctx.dp.rank != 0:
-            ps = []
+        ps = state_pieces(mine, self.optimizer, ctx.tp.rank, local=self._tp_local,
+                          ep_rank=self.ep.rank if self.ep is not None else 0)
+        if ctx.dp.rank != 0:  # experts split over ep (the dp axis): every replica writes its own
+            experts = {n for n, p in mine if getattr(p, "ep_dim", None) is not None}
+            ps = [pc for pc in ps if pc.key.split("/")[-1] in experts]
         state = {"config": self.cfg.to_dict(), "data": self.batches.state_dict(),
                  "tokenizer": self.data.tokenizer, "data_source": self.data.source,
                  "tp_size_at_save": ctx.tp.size, "pp_size_at_save": ctx.pp.size, "dp_size_at_save": ctx.dp.size}
@@ -483,7 +501,8 @@ class Trainer:
 
         ckpt = latest_checkpoint(path)
         named, optim = self._tp_local_state(gather=False)
-        state = load_checkpoint(ckpt, named_params=named, optimizer=optim, tp=self.ctx.tp, part=self.ctx.pp.size > 1)
+        state = load_checkpoint(ckpt, named_params=named, optimizer=optim, tp=self.ctx.tp, part=self.ctx.pp.size > 1,
+                                ep=self.ep)
         self._set_tp_local_state(named, optim)
         self.batches.load_state_dict(state["data"])
         self.step = int(state["step"])

@@ -67,7 +67,7 @@ def resolve_source(cfg: TrainConfig, vocab_size: int | None = None, *, progress:
 
 
 def build_model(cfg: TrainConfig, source: ModelSource, tp: Group, vocab_size: int, *, device=None,
-                pp_rank: int = 0):
+                pp_rank: int = 0, ep: Group | None = None):
     """Build, shard and prepare the model for training; returns ``(model, plan)``.
 
     fp32 weights on ``device`` (autocast provides bf16), SDPA attention, no KV cache, per-block
@@ -76,7 +76,13 @@ def build_model(cfg: TrainConfig, source: ModelSource, tp: Group, vocab_size: in
 
     ``pp_rank``: with ``cfg.pp > 1`` and pretrained weights, the model is cut on the meta device and this pipeline
     rank reads and materialises only its stage's weights (:func:`tensorpar.pipeline.stages.keep_stage_modules`;
-    the other layers are ``nn.Identity``). From scratch every rank still initialises the whole model (the full
+    the other layers are ``nn.Identity``).
+
+    ``ep``: with ``cfg.ep > 1``, the expert-parallel group (the dp axis of the run's ParallelContext: the ranks
+    with this tp rank); after the tp split every experts module becomes an
+    :class:`~tensorpar.hf.modules.EPExperts` holding this rank's ``E / ep`` experts
+    (:func:`~tensorpar.hf.modules.expert_parallelize`). Raises ValueError when ``cfg.ep > 1`` and ``ep`` is not a
+    group of that size. From scratch every rank still initialises the whole model (the full
     model's random stream is what makes it the same function at every layout) and the trainer keeps its stage.
     """
     from transformers import AutoModelForCausalLM
@@ -113,6 +119,13 @@ def build_model(cfg: TrainConfig, source: ModelSource, tp: Group, vocab_size: in
         parallelize(model, plan, tp, dropout_seed=cfg.seed)
         if device is not None:
             model.to(device)
+    if cfg.ep > 1:
+        if ep is None or ep.size != cfg.ep:
+            raise ValueError(f"ep={cfg.ep} needs the expert-parallel group of {cfg.ep} ranks (the dp axis); got {ep}")
+        from tensorpar.hf.modules import expert_parallelize
+        expert_parallelize(model, ep)
+        if device is not None:
+            model.to(device)   # the experts' owner table is made on the CPU
     if cfg.recompute:
         recompute_blocks(model)
     return model.train(), plan

@@ -62,12 +62,15 @@ def full_tensor(t: torch.Tensor, param: nn.Parameter, tp: Group) -> torch.Tensor
 
 def full_shape(param: torch.Tensor) -> tuple[int, ...]:
     """The tp = 1 shape of a (possibly tp-sharded) parameter: its local shape with ``tp_partition.n`` along
-    ``tp_dim``."""
+    ``tp_dim``, and with ``ep_partition.n`` along ``ep_dim`` for experts split over ep
+    (:class:`tensorpar.hf.modules.EPExperts`)."""
     shape = list(param.shape)
     dim = getattr(param, "tp_dim", None)
     part = getattr(param, "tp_partition", None)
     if dim is not None and part is not None:
         shape[dim] = part.n
+    if getattr(param, "ep_dim", None) is not None:
+        shape[param.ep_dim] = param.ep_partition.n
     return tuple(shape)
 
 
@@ -84,8 +87,13 @@ class Piece:
     size: tuple[int, ...]
 
 
-def pieces(key: str, t: torch.Tensor, param: torch.Tensor, tp_rank: int, *, owned: bool) -> list[Piece]:
+def pieces(key: str, t: torch.Tensor, param: torch.Tensor, tp_rank: int, *, owned: bool,
+           ep_rank: int = 0) -> list[Piece]:
     """The boxes of the full tensor ``key`` that ``t`` (laid out like ``param`` on tp rank ``tp_rank``) holds.
+
+    Experts split over ep (``ep_dim``/``ep_partition``, :class:`tensorpar.hf.modules.EPExperts`) are this
+    rank's experts: at ep alone their ``tp_partition`` is the ep split (read at ``ep_rank``); under tp x ep the
+    tp runs are shifted along ``ep_dim`` to ``ep_rank``'s first expert. Every ep rank owns its experts.
 
     ``owned``: only the rows this rank owns (saving: every element once over tp: a replicated tensor on tp
     rank 0, a duplicated KV unit on its lowest holding rank); else every row it holds (loading). Rows that are
@@ -95,6 +103,14 @@ def pieces(key: str, t: torch.Tensor, param: torch.Tensor, tp_rank: int, *, owne
     size = full_shape(param)
     dim = getattr(param, "tp_dim", None)
     part = getattr(param, "tp_partition", None)
+    ep_dim = getattr(param, "ep_dim", None)
+    if ep_dim is not None and part is param.ep_partition:   # ep alone: the tp attributes are the ep split
+        tp_rank = ep_rank
+    elif ep_dim is not None:                                  # tp x ep: tp runs within this rank's experts
+        shift = param.ep_partition.offsets[ep_rank]
+        return [Piece(key, pc.tensor, tuple(o + shift if d == ep_dim else o for d, o in enumerate(pc.offsets)),
+                      size)
+                for pc in pieces(key, t, _NoEp(param), tp_rank, owned=owned)]
     if dim is None or part is None:
         if owned and tp_rank != 0:
             return []
@@ -124,6 +140,13 @@ def pieces(key: str, t: torch.Tensor, param: torch.Tensor, tp_rank: int, *, owne
         off[dim] = go
         out.append(Piece(key, t.narrow(dim, lo, n), tuple(off), size))
     return out
+
+
+class _NoEp:
+    """``param``'s tp layout without its ep split (its local shape along ``ep_dim``): for :func:`pieces`."""
+
+    def __init__(self, param):
+        self.shape, self.tp_dim, self.tp_partition = param.shape, param.tp_dim, param.tp_partition
 
 
 def _shape(s) -> str:

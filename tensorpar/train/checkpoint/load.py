@@ -87,12 +87,14 @@ def read_full(folder: str | os.PathLike, keys: list[str] | None = None,
 
 
 def load_checkpoint(ckpt: str | os.PathLike, *, named_params: list[tuple[str, nn.Parameter]],
-                    optimizer: torch.optim.Optimizer | None, tp: Group, part: bool = False) -> dict:
+                    optimizer: torch.optim.Optimizer | None, tp: Group, part: bool = False,
+                    ep: Group | None = None) -> dict:
     """Fill this rank's parameter rows (and AdamW state) from a checkpoint saved at any layout; return its state.
 
     No collectives: each rank reads the stored pieces that overlap its rows (``dcp.load`` with ``no_dist``),
     duplicated KV rows included. Parameters are updated in place, so the optimizer keeps its references.
     ``part``: the parameters are one pipeline stage's, so the checkpoint's other tensors are expected.
+    ``ep``: the expert-parallel group when experts are split over it (each rank reads its own experts).
 
     Raises:
         ValueError: a tensor is missing or extra, or its stored shape differs from the model's full shape
@@ -120,7 +122,9 @@ def load_checkpoint(ckpt: str | os.PathLike, *, named_params: list[tuple[str, nn
             raise ValueError(f"checkpoint {ckpt}: tensor {name!r} has shape {_shape(stored[name])} in the "
                              f"checkpoint but the model expects {_shape(full_shape(p))}; resume with the model "
                              f"the checkpoint was trained with")
-    read_pieces(model_dir, [pc for name, p in named_params for pc in pieces(name, p.data, p, tp.rank, owned=False)])
+    ep_rank = ep.rank if ep is not None else 0
+    read_pieces(model_dir, [pc for name, p in named_params
+                            for pc in pieces(name, p.data, p, tp.rank, owned=False, ep_rank=ep_rank)])
     if optimizer is not None and state.get("optimizer_step", 0) > 0:
         have = stored_shapes(optim_dir, {f"{k}/{n}": s for n, s in shapes.items() for k in OPTIM_KEYS})
         ps = []
@@ -130,7 +134,7 @@ def load_checkpoint(ckpt: str | os.PathLike, *, named_params: list[tuple[str, nn
             st = {"step": torch.tensor(float(state["optimizer_step"]))}
             for key in OPTIM_KEYS:
                 st[key] = torch.zeros_like(p.data)
-                ps += pieces(f"{key}/{name}", st[key], p, tp.rank, owned=False)
+                ps += pieces(f"{key}/{name}", st[key], p, tp.rank, owned=False, ep_rank=ep_rank)
             optimizer.state[p] = st
         read_pieces(optim_dir, ps)
     return state

@@ -94,9 +94,11 @@ def optimizer_step(named_params: list[tuple[str, nn.Parameter]], optimizer: torc
 
 
 def state_pieces(named_params: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer | None,
-                 tp_rank: int, *, local: Callable[[nn.Parameter, torch.Tensor], torch.Tensor] | None = None
-                 ) -> list[Piece]:
+                 tp_rank: int, *, local: Callable[[nn.Parameter, torch.Tensor], torch.Tensor] | None = None,
+                 ep_rank: int = 0) -> list[Piece]:
     """The pieces this rank writes: each parameter's owned rows and its AdamW moments' (``exp_avg/<name>``).
+
+    ``ep_rank``: this rank's place on the expert-parallel axis (experts split over ep sit at their experts' rows).
 
     ``local(param, tensor)`` returns the tp-local tensor to store for ``param`` (its data or a moment); the
     default is the tensor itself (a data-parallel wrapper that shards over dp plugs in its ``full_tensor``).
@@ -104,11 +106,11 @@ def state_pieces(named_params: list[tuple[str, nn.Parameter]], optimizer: torch.
     local = local or (lambda p, t: t)
     out: list[Piece] = []
     for name, p in named_params:
-        out += pieces(name, local(p, p.detach()), p, tp_rank, owned=True)
+        out += pieces(name, local(p, p.detach()), p, tp_rank, owned=True, ep_rank=ep_rank)
         st = optimizer.state.get(p, {}) if optimizer is not None else {}
         for key in OPTIM_KEYS:
             if key in st:
-                out += pieces(f"{key}/{name}", local(p, st[key]), p, tp_rank, owned=True)
+                out += pieces(f"{key}/{name}", local(p, st[key]), p, tp_rank, owned=True, ep_rank=ep_rank)
     return out
 
 
