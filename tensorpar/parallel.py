@@ -43,7 +43,7 @@ class ParallelConfig:
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{axis} must be a positive integer, got {v!r}")
         if self.tp_weights is not None:
-            from tensorpar.capacity import check_tp_weights
+            from tensorpar.shard import check_tp_weights
             object.__setattr__(self, "tp_weights", check_tp_weights(self.tp_weights, self.tp))
 
     @property

@@ -249,3 +249,43 @@ def pipeline_chunks(num_layers: int, pp: int, virtual: int = 1) -> list[tuple[in
         out.append((start, start + s))
         start += s
     return out
+
+
+#: ``tp_weights`` value that asks every rank to time a matmul at start-up (:mod:`tensorpar.capacity`)
+AUTO = "auto"
+
+
+def check_tp_weights(weights, tp_size: int, *, what: str = "tp_weights"):
+    """Normalise and check ``weights`` for ``tp_size`` ranks: ``None``, ``"auto"``, or one positive finite number
+    per rank (a sequence or a comma-separated string such as ``"3,1"``).
+
+    Returns ``None``, ``"auto"`` or a tuple of floats.
+
+    Raises:
+        ValueError: text that is not numbers, a count other than ``tp_size``, a weight that is zero, negative,
+            infinite or NaN; the message names the weights and what would work.
+    """
+    if weights is None:
+        return None
+    if isinstance(weights, str):
+        text = weights.strip()
+        if text.lower() == AUTO:
+            return AUTO
+        try:
+            weights = [float(x) for x in text.split(",")]
+        except ValueError:
+            raise ValueError(f"{what} {text!r}: give one positive number per tp rank separated by commas "
+                             f"(e.g. {','.join(['1'] * max(tp_size, 1))}) or 'auto'") from None
+    try:
+        vals = tuple(float(w) for w in weights)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} {weights!r}: give one positive number per tp rank or 'auto'") from None
+    shown = ",".join(f"{v:g}" for v in vals)
+    if len(vals) != tp_size:
+        raise ValueError(f"{what} {shown} has {len(vals)} entries but tp is {tp_size}; give one positive weight per "
+                         f"tensor-parallel rank (e.g. {','.join(['1'] * tp_size)}) or 'auto'")
+    bad = [v for v in vals if not (math.isfinite(v) and v > 0)]
+    if bad:
+        raise ValueError(f"{what} {shown}: every weight must be a positive finite number (got {bad[0]:g}); a rank "
+                         f"that should do less work gets a smaller positive weight")
+    return vals

@@ -232,7 +232,7 @@ def make_plan(config, tp_size: int, *, sequence_parallel: bool = False, head_spl
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}")
     if tp_weights is not None:
-        from tensorpar.capacity import AUTO, check_tp_weights
+        from tensorpar.shard import AUTO, check_tp_weights
         tp_weights = check_tp_weights(tp_weights, tp_size)
         if tp_weights == AUTO:
             raise ValueError("tp_weights='auto' must be measured first: pass ParallelConfig(tp_weights='auto') to "

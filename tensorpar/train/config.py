@@ -131,7 +131,7 @@ class TrainConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 bad(name, "must be a non-negative integer (0 = off where it is a period)")
         if self.tp_weights is not None:  # lists (from JSON) become tuples; "3,1" and "auto" are accepted
-            from tensorpar.capacity import check_tp_weights
+            from tensorpar.shard import check_tp_weights
             object.__setattr__(self, "tp_weights", check_tp_weights(self.tp_weights, self.tp))
         if self.schedule not in ("gpipe", "1f1b", "interleaved-1f1b"):
             bad("schedule", "use gpipe, 1f1b or interleaved-1f1b")
