@@ -239,3 +239,13 @@ def test_inference_length_error_names_prompt_and_new_tokens(plan):
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert ("--prompt-len + --max-new-tokens (8000 + 512) = 8512 is longer than the 8192 positions of llama3-8b; "
             "use a total <= 8192") in err and "--seq" not in err
+
+
+@pytest.mark.parametrize("flag", ["--peak-tflops", "--memory-gb", "--intra-node-bw", "--inter-node-bw"])
+@pytest.mark.parametrize("value", ["inf", "-1", "nan"])
+def test_hardware_overrides_must_be_finite_and_positive(plan, flag, value):
+    """Old code accepted infinity (a 0.007 s step, MFU 0.0 %, "3.0 GiB of inf GiB") and named the field
+    (``device memory_gib``) instead of the flag."""
+    code, out, err = plan("--model", "smollm2", "--gpus", "2", "--global-batch", "8", "--seq", "512", flag, value)
+    assert code == 2 and not out and err.count("\n") == 1, err
+    assert f"{flag} (" in err and "must be a finite number > 0" in err, err

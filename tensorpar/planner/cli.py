@@ -159,10 +159,19 @@ def build_cluster(args) -> cl.ClusterSpec:
     if args.gpus is None:
         raise ValueError("give --gpus (the number of devices)")
     device = cl.device_from_file(args.device_file) if args.device_file else cl.device_preset(args.device)
-    device = cl.override(device, memory_gib=args.memory_gb, peak_tflops=args.peak_tflops,
-                         intra_node_gbps=args.intra_node_bw, inter_node_gbps=args.inter_node_bw,
-                         intra_node_latency_us=args.intra_node_latency_us, hbm_gbps=args.hbm_gbps,
-                         inter_node_latency_us=args.inter_node_latency_us)
+    flags = {"memory_gib": "--memory-gb", "peak_tflops": "--peak-tflops", "intra_node_gbps": "--intra-node-bw",
+             "inter_node_gbps": "--inter-node-bw", "intra_node_latency_us": "--intra-node-latency-us",
+             "hbm_gbps": "--hbm-gbps", "inter_node_latency_us": "--inter-node-latency-us"}
+    try:
+        device = cl.override(device, memory_gib=args.memory_gb, peak_tflops=args.peak_tflops,
+                             intra_node_gbps=args.intra_node_bw, inter_node_gbps=args.inter_node_bw,
+                             intra_node_latency_us=args.intra_node_latency_us, hbm_gbps=args.hbm_gbps,
+                             inter_node_latency_us=args.inter_node_latency_us)
+    except ValueError as e:   # name the flag the user gave, not the field ("device memory_gib (-1.0) ...")
+        knob = next((k for k in flags if f"device {k} (" in str(e)), None)
+        if knob is None:
+            raise
+        raise ValueError(str(e).replace(f"device {knob} (", f"{flags[knob]} (")) from None
     return cl.ClusterSpec(device=device, num_devices=args.gpus, devices_per_node=args.gpus_per_node)
 
 

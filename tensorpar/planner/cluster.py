@@ -91,15 +91,15 @@ class DeviceSpec:
         for knob in ("memory_gib", "peak_tflops", *links):
             if knob in links and self.local_link_gbps > 0 and getattr(self, knob) == 0:
                 continue  # not measured; the local link is used instead
-            if not getattr(self, knob) > 0:
-                raise ValueError(f"device {knob} ({getattr(self, knob)!r}) must be > 0")
+            if not 0 < getattr(self, knob) < float("inf"):
+                raise ValueError(f"device {knob} ({getattr(self, knob)!r}) must be a finite number > 0")
         for knob in ("layer_overhead_us", "decode_read_gbps", "decode_read_host_gbps", "decode_collective_us",
                      "train_layer_overhead_us", "train_micro_batch_overhead_us", "host_cores",
                      "external_threads", "external_groups", "optimizer_ns_per_param", "tp_link_gbps",
                      "tp_link_latency_us", "p2p_link_gbps", "p2p_link_latency_us",
                      "pipeline_p2p_op_cpu_us", "pipeline_p2p_op_cpu_shared_us"):
-            if getattr(self, knob) < 0:
-                raise ValueError(f"device {knob} ({getattr(self, knob)!r}) must be >= 0")
+            if not 0 <= getattr(self, knob) < float("inf"):
+                raise ValueError(f"device {knob} ({getattr(self, knob)!r}) must be a finite number >= 0")
         if not (isinstance(self.threads_per_rank, int) and self.threads_per_rank >= 1):
             raise ValueError(f"device threads_per_rank ({self.threads_per_rank!r}) must be an integer >= 1")
         if self.local_link_gbps < 0 or self.local_link_latency_us < 0:
@@ -110,8 +110,8 @@ class DeviceSpec:
         if self.hbm_gbps < 0:
             raise ValueError(f"device hbm_gbps ({self.hbm_gbps!r}) must be >= 0 (0: not modelled)")
         for knob in ("intra_node_latency_us", "inter_node_latency_us"):
-            if getattr(self, knob) < 0:
-                raise ValueError(f"device {knob} ({getattr(self, knob)!r}) must be >= 0")
+            if not 0 <= getattr(self, knob) < float("inf"):
+                raise ValueError(f"device {knob} ({getattr(self, knob)!r}) must be a finite number >= 0")
 
 
 # Datasheet numbers, except matmul_efficiency. Latencies are order-of-magnitude NCCL small-message figures.
