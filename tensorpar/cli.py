@@ -70,13 +70,15 @@ def check_launch_arguments(args) -> None:
     """The one rule for the shared launch flags (in the launching process, before any rank starts).
 
     Raises:
-        ValueError: ``--timeout`` not a positive finite number of seconds (at most 1e8: torch's timedelta).
+        ValueError: ``--timeout`` not a number of seconds in [1, 1e8] (below 1 s the ranks' store cannot even
+            start; 1e8 is torch's timedelta limit).
     """
     import math
 
     t = args.timeout
-    if not (math.isfinite(t) and 0 < t <= 10 ** 8):
-        raise ValueError(f"--timeout must be a positive, finite number of seconds, got {t}")
+    if not (math.isfinite(t) and 1 <= t <= 10 ** 8):
+        raise ValueError(f"--timeout must be a positive, finite number of seconds from 1 to 1e8 (it also bounds the "
+                         f"ranks' start-up), got {t:g}")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
