@@ -437,8 +437,9 @@ def _rank_main(folder: str, args: argparse.Namespace) -> int:
         single = len(prompts) == 1
         printer = TokenPrinter(tok) if single and ctx.rank == 0 else None
         on_token = printer
+        tp_fingerprint = None
         if args.check_collectives or fingerprint.enable_from_env(ctx.tp) is not None:
-            fingerprint.enable(ctx.tp, timeout_s=min(args.timeout / 2, 60.0), model=model)  # sites: model's modules
+            tp_fingerprint = fingerprint.enable(ctx.tp, timeout_s=min(args.timeout / 2, 60.0), model=model)  # sites
             fingerprint.check(ctx.tp, {"prompt": ids, "attention_mask": mask, "seed": seed,
                                        "temperature": args.temperature})
 
@@ -452,7 +453,9 @@ def _rank_main(folder: str, args: argparse.Namespace) -> int:
         if single:
             rank0_print(chat_header(prompts[0]) if args.chat else prompts[0], end="")
         res = generate_tokens(model, ctx.tp, ids.to(ctx.device), mask.to(ctx.device), sampling=sampling,
-                              eos_token_id=eos, pad_id=tok.pad_token_id, on_token=on_token, check_speed=True)
+                              eos_token_id=eos, pad_id=tok.pad_token_id, on_token=on_token,
+                              # fingerprints (compared before every collective) would be counted as link latency
+                              check_speed=tp_fingerprint is None)
         if printer is not None:
             printer.close()  # the characters still held back (a multi-byte character split over tokens)
         if single:
@@ -536,6 +539,9 @@ def validate(args: argparse.Namespace):
     check_quantize(getattr(args, "quantize", "none"), config, plan)
     check_checkpoint(folder, config)  # headers vs config, both directions, before any rank starts
     tok = AutoTokenizer.from_pretrained(folder)
+    if args.chat and not getattr(tok, "chat_template", None):
+        raise ValueError(f"--chat: {args.model} has no chat template (its tokenizer_config.json names none); drop "
+                         f"--chat to generate from the plain prompt")
     ids, _ = _encode(tok, args.prompt or ["The capital of France is"], args.chat)
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and ids.shape[1] + args.max_new_tokens > limit:

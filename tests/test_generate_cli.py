@@ -157,3 +157,10 @@ def test_quantize_int8_refused_for_a_family_without_the_lean_path(tmp_path):
     ours = [line for line in r.stderr.splitlines() if line.startswith("tensorpar:")]   # (+ transformers' warnings)
     assert len(ours) == 1 and "Traceback" not in r.stderr, r.stderr
     assert "--quantize int8" in ours[0] and "'gpt2'" in ours[0] and "--quantize none" in ours[0]
+
+
+def test_chat_without_a_chat_template_is_one_line(tiny_with_tokenizer):
+    """Old code: transformers' paragraph-long error (with a docs URL) from every rank, not naming --chat."""
+    r = _cli("--model", tiny_with_tokenizer, "--tp", "2", "--prompt", "the cat", "--chat", "--max-new-tokens", "2")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "--chat:" in r.stderr and "has no chat template" in r.stderr and "drop --chat" in r.stderr
