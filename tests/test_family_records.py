@@ -101,3 +101,25 @@ def test_expert_parallel_and_serve_queries():
     assert "sliding_window=16" in why_not("serve", cfg("mistral", sliding_window=16), max_len=32)
     with pytest.raises(ValueError, match="unknown feature"):
         why_not("lora", cfg("llama"))
+
+
+def test_train_pp_on_a_windowed_folder_is_refused_before_tokenizing(tmp_path, monkeypatch, capsys):
+    """Old code tokenized the whole corpus (a progress bar of work items) before the pipeline check refused the
+    config; now a model folder is checked first, with why_not's rule."""
+    import argparse
+
+    import tensorpar.train.data as train_data
+    from tensorpar.train.cli import add_arguments, main
+    c = cfg("qwen2", **QWEN2_WINDOWED)
+    AutoModelForCausalLM.from_config(c).save_pretrained(tmp_path / "m")
+    capsys.readouterr()   # transformers' "Writing model shards" bar
+
+    def no_tokenizing(*a, **k):
+        raise AssertionError("the corpus was tokenized before the refusal")
+    monkeypatch.setattr(train_data, "load_data", no_tokenizing)
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    rc = main(p.parse_args(["--model", str(tmp_path / "m"), "--tp", "1", "--pp", "2", "--data", "shakespeare",
+                            "--tokenizer", "bytes", "--out", str(tmp_path / "run"), "--no-progress"]))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--pp 2: this qwen2 config has sliding_window=16" in err[0], err

@@ -210,6 +210,10 @@ def prepare(cfg: TrainConfig, *, progress: bool = True, checks: bool = True):
 
     check_data_file(cfg.data)
     folder_source = None if cfg.model in PRESETS or cfg.model.endswith(".json") else source_of()
+    if checks and cfg.pp > 1 and folder_source is not None:   # refuse a family stages cannot cut before tokenizing
+        from tensorpar.pipeline.stages import check_pipeline
+        check_pipeline(folder_source.config, cfg.pp, 2 if cfg.schedule == "interleaved-1f1b" else 1,
+                       cfg.micro_batches, cfg.schedule)
     tok = tokenizer_spec(cfg.tokenizer, folder_source.folder if folder_source else None)
     data = load_data(cfg.data, tok, val_fraction=cfg.val_fraction, progress=progress)
     source = folder_source or source_of(data.vocab_size)
