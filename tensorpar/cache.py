@@ -107,6 +107,8 @@ def file_lock(path: str | os.PathLike, *, what: str | None = None, timeout_s: fl
     naming it and ``what`` it is preparing goes to stderr, and the wait is bounded: ``timeout_s``
     (default ``$TENSORPAR_LOCK_TIMEOUT`` or :data:`LOCK_TIMEOUT_S`), then TimeoutError naming the holder.
     With ``busy`` (a message) there is no wait: a held lock raises ValueError(``busy``, then the holder) at once.
+    The holder may delete the file before leaving the block (:func:`tensorpar.launch.locked_folder` does): a
+    process that locked the deleted file sees that its inode is no longer at ``path`` and locks the new one.
     """
     import time
 
@@ -114,24 +116,35 @@ def file_lock(path: str | os.PathLike, *, what: str | None = None, timeout_s: fl
     path.parent.mkdir(parents=True, exist_ok=True)
     if timeout_s is None:
         timeout_s = float(os.environ.get(LOCK_TIMEOUT_ENV) or LOCK_TIMEOUT_S)
-    with open(path, "a+") as f:
+    deadline, told = time.monotonic() + timeout_s, False
+    while True:
+        f = open(path, "a+")
+        if fcntl is None:
+            break
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            if busy is not None:
+                raise ValueError(f"{busy} (held by {_holder(path)}, lock {path})") from None
+            if not told:
+                print(f"tensorpar: waiting for {_holder(path)}, which is preparing {what or path.stem} "
+                      f"(lock {path}); giving up after {timeout_s:.0f} s", file=sys.stderr, flush=True)
+                told = True
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{_holder(path)} has held {path} for more than {timeout_s:.0f} s while "
+                                   f"preparing {what or path.stem}; stop it, or raise ${LOCK_TIMEOUT_ENV}")
+            time.sleep(0.25)
+            continue
+        try:   # the holder may have removed the file before we locked it (remove_lock_file): lock the new one
+            same = os.stat(path).st_ino == os.fstat(f.fileno()).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        f.close()
+    with f:
         if fcntl is not None:
-            deadline, told = time.monotonic() + timeout_s, False
-            while True:
-                try:
-                    fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if busy is not None:
-                        raise ValueError(f"{busy} (held by {_holder(path)}, lock {path})") from None
-                    if not told:
-                        print(f"tensorpar: waiting for {_holder(path)}, which is preparing {what or path.stem} "
-                              f"(lock {path}); giving up after {timeout_s:.0f} s", file=sys.stderr, flush=True)
-                        told = True
-                    if time.monotonic() >= deadline:
-                        raise TimeoutError(f"{_holder(path)} has held {path} for more than {timeout_s:.0f} s while "
-                                           f"preparing {what or path.stem}; stop it, or raise ${LOCK_TIMEOUT_ENV}")
-                    time.sleep(0.25)
             f.seek(0)
             f.truncate()
             f.write(str(os.getpid()))

@@ -173,8 +173,9 @@ def report_error(message: str, prog: str = "tensorpar") -> None:
 def locked_folder(folder: str, what: str = "--out") -> Iterator[None]:
     """Hold the exclusive lock of a folder a run writes into (``<folder>/.lock``, :func:`tensorpar.cache.file_lock`)
     while the block runs; refuse at once, without waiting, when another process holds it. The kernel drops a
-    ``flock`` with the holder's last file descriptor, so a crashed or killed run releases it too. A folder the lock
-    made that holds nothing else when the block ends is removed again (a refused run leaves nothing behind).
+    ``flock`` with the holder's last file descriptor, so a crashed or killed run releases it too. The lock file is
+    removed when the block ends, and so is a folder the lock made that holds nothing else (a refused run leaves the
+    folder as it found it); a killed run leaves its ``.lock``, which the next run takes over.
 
     Raises:
         ValueError: another run holds the lock (one line naming ``what``, the folder and the holder), or ``folder``
@@ -191,9 +192,9 @@ def locked_folder(folder: str, what: str = "--out") -> Iterator[None]:
         try:
             yield
         finally:
-            try:
-                if created and os.listdir(folder) == [".lock"]:
-                    os.unlink(path)  # still held: a run that opened it before is refused, one after makes its own
+            try:   # still held: a run that locks the removed file after this sees so and locks a new one
+                os.unlink(path)
+                if created and not os.listdir(folder):
                     os.rmdir(folder)
             except OSError:
                 pass
