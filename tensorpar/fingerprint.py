@@ -48,7 +48,7 @@ import torch
 from tensorpar.comm import Group
 
 ENV = "TENSORPAR_CHECK_COLLECTIVES"
-_COMM_FILE = os.path.join("tensorpar", "comm.py")
+_COMM_DIR = os.path.join("tensorpar", "comm")  # the package tensorpar/comm/: every frame of a collective
 _HERE = os.path.join("tensorpar", "fingerprint.py")
 
 
@@ -103,7 +103,8 @@ class Fingerprint:
         if node is not None:
             return f"backward ({node.name()})"
         f = sys._getframe(1)
-        while f is not None and (f.f_code.co_filename.endswith(_COMM_FILE) or f.f_code.co_filename.endswith(_HERE)):
+        while f is not None and (os.path.dirname(f.f_code.co_filename).endswith(_COMM_DIR)
+                                 or f.f_code.co_filename.endswith(_HERE)):
             f = f.f_back
         if f is None:
             return "?"
