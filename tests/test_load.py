@@ -132,7 +132,7 @@ def test_vocab_not_divisible_by_tp_gives_each_rank_the_checkpoint_rows(folders, 
 
 def test_bf16_file_into_fp32_model(folders, monkeypatch):
     """Conversion goes through the bounce buffer in chunks (made tiny here) into the fp32 parameters."""
-    monkeypatch.setattr(load, "BOUNCE_BYTES", 96)
+    monkeypatch.setattr(load.reader, "BOUNCE_BYTES", 96)  # read by SafetensorsReader, in load.reader
     folder = folders["llama_bf16"]
     full = file_tensors(folder)
     for rank in range(2):

@@ -1,0 +1,260 @@
+"""The ``tensorpar verify`` command: its arguments, its checks before any rank starts, the ranks, the report.
+
+:func:`validate` checks the settings in the launching process; :func:`main` starts the ranks of each tp degree
+(:func:`tensorpar.launch.run_ranks`), each of which builds the reference and the sharded model from the same
+weights (:func:`build_pair`) and compares them (:func:`~tensorpar.verify.compare.compare_to_reference`); rank 0
+writes its report, and :func:`format_table` prints them all.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+
+import torch
+
+from tensorpar.comm import Group
+from tensorpar.verify.compare import compare_to_reference
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from tensorpar.cli import add_launch_arguments
+
+    p.add_argument("--model", default="smollm2",
+                   help="a training preset (tiny, small, bench; random weights, seed 0), a Hugging Face-format "
+                        "folder, or 'smollm2'")
+    add_launch_arguments(p, tp_list=True)  # --tp-weights numbers: applied to the --tp degree with as many ranks;
+    #                                        auto: to every degree above 1
+    p.add_argument("--sequence-parallel", action="store_true", help="shard with sequence parallelism")
+    p.add_argument("--train", action="store_true", help="also compare loss, every gradient and the grad norm")
+    from tensorpar.generate import add_quantize_argument
+    add_quantize_argument(p)  # int8: both the reference (plain PyTorch) and the sharded model are quantized
+    p.add_argument("--seq-len", type=int, default=0,
+                   help="tokens per row (default: the smallest multiple of every tp that is >= 16)")
+    p.add_argument("--batch-size", type=int, default=2, help="rows of random token ids")
+    p.add_argument("--json", default=None, help="also write the full report to this file")
+
+
+def _parse_tp(text: str) -> list[int]:
+    try:
+        tps = [int(t) for t in str(text).split(",") if t.strip()]
+    except ValueError:
+        tps = []
+    if not tps or any(t < 1 for t in tps):
+        raise ValueError(f"--tp {text!r}: give comma-separated positive integers, e.g. --tp 2,3,4")
+    return tps
+
+
+def _model_config(spec: str, seq_len: int):
+    """``(config, folder or None)`` of ``--model``."""
+    from tensorpar.hf.presets import PRESETS, preset_config
+
+    if spec in PRESETS:
+        return preset_config(spec, PRESET_VOCAB, seq_len), None
+    from transformers import AutoConfig
+
+    from tensorpar.hub import resolve_model
+    folder = str(resolve_model(spec))
+    return AutoConfig.from_pretrained(folder), folder
+
+
+PRESET_VOCAB = 997  # prime: every tp > 1 splits it unevenly
+
+
+def validate(args: argparse.Namespace):
+    """Checks made once, before any rank starts. Returns ``(tps, seq_len, config, folder)``."""
+    from tensorpar.hf.families import is_causal_lm
+    from tensorpar.hf.plan import make_plan
+
+    tps = _parse_tp(args.tp)
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    lcm = math.lcm(*tps)
+    seq = args.seq_len or lcm * math.ceil(16 / lcm)
+    if seq < 2:
+        raise ValueError(f"--seq-len must be >= 2 (the loss needs a next token), got {seq}")
+    if args.sequence_parallel and seq % lcm:
+        raise ValueError(f"--seq-len {seq} is not divisible by every tp in {tps} (sequence parallelism needs it); "
+                         f"use a multiple of {lcm}")
+    from tensorpar.cli import check_launch_arguments
+    check_launch_arguments(args)
+    config, folder = _model_config(args.model, seq)
+    if not is_causal_lm(getattr(config, "model_type", None)):
+        raise ValueError(f"{args.model}: model_type={config.model_type!r} is not a causal language model; verify "
+                         f"runs decoders")
+    from tensorpar.hf.load import resolve_attn_implementation
+    args.attn_implementation = resolve_attn_implementation(config)  # decided here; every rank runs this one
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and seq > limit:
+        raise ValueError(f"--seq-len {seq} exceeds the model's max_position_embeddings={limit}")
+    if getattr(args, "quantize", "none") != "none" and getattr(args, "train", False):
+        raise ValueError(f"--quantize {args.quantize} cannot run with --train (a quantized model has no trainable "
+                         f"weights: int8 is for inference); drop --train or use --quantize none")
+    for t in tps:
+        plan = make_plan(config, t, sequence_parallel=args.sequence_parallel)  # unsupported model / tp: ValueError
+        from tensorpar.generate import check_quantize
+        check_quantize(getattr(args, "quantize", "none"), config, plan)
+    w = getattr(args, "tp_weights", None)
+    if w is not None and str(w).strip().lower() != "auto":
+        from tensorpar.capacity import check_for_model
+        n = len(str(w).split(","))
+        if n not in tps:
+            raise ValueError(f"--tp-weights {w} has {n} entries but no --tp degree in {tps} has {n} ranks; give one "
+                             f"weight per rank of one of the degrees (or 'auto')")
+        args.tp_weights = check_for_model(w, n, config, sequence_parallel=args.sequence_parallel)
+    return tps, seq, config, folder
+
+
+def _weights_for(args: argparse.Namespace, tp_size: int):
+    """The ``tp_weights`` a verify run at ``tp_size`` shards with (see ``--tp-weights``)."""
+    w = getattr(args, "tp_weights", None)
+    if w is None or tp_size == 1:
+        return None
+    if isinstance(w, str) and w.strip().lower() == "auto":
+        return "auto"
+    return tuple(w) if len(w) == tp_size else None
+
+
+def _rank_main(spec: str, folder: str | None, tp_size: int, seq: int, args: argparse.Namespace, out_path: str) -> int:
+    from tensorpar.parallel import ParallelConfig, init_parallel
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ctx = init_parallel(ParallelConfig(tp=world, tp_weights=_weights_for(args, world)), timeout_s=args.timeout,
+                        fast_collectives=args.fast_collectives)
+    try:
+        from tensorpar.capacity import resolve_for_model
+        dtype = getattr(torch, args.dtype)
+        weights = resolve_for_model(ctx, _model_config(spec, seq)[0]) if ctx.tp_weights is not None else None
+        ref, par = build_pair(spec, folder, ctx.tp, dtype=dtype, device=ctx.device, seq_len=seq,
+                              sequence_parallel=args.sequence_parallel, tp_weights=weights,
+                              attn_implementation=getattr(args, "attn_implementation", None))
+        if getattr(args, "quantize", "none") == "int8":
+            from tensorpar.quant import quantize_int8, quantize_reference_int8
+            quantize_reference_int8(ref)
+            quantize_int8(par, ctx.tp)
+        g = torch.Generator().manual_seed(1234)
+        ids = torch.randint(0, ref.config.vocab_size, (args.batch_size, seq), generator=g).to(ctx.device)
+        from tensorpar import fingerprint
+        checking = args.check_collectives or fingerprint.enable_from_env(ctx.tp) is not None
+        if checking:   # the sharded model's collectives and the inputs compared, once before and once after
+            fingerprint.enable(ctx.tp, timeout_s=min(args.timeout / 2, 60.0), model=par)  # sites: par's modules
+            fingerprint.check(ctx.tp, {"input_ids": ids}, force=True)
+        rep = compare_to_reference(ref, par, ctx.tp, ids, train=args.train)
+        if checking:
+            fingerprint.check(ctx.tp, force=True)
+        if ctx.rank == 0:
+            tmp = out_path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(dict(rep.to_dict(), tp_weights=list(weights) if weights else None), f)
+            os.replace(tmp, out_path)
+    finally:
+        ctx.destroy()
+    return 0
+
+
+def build_pair(spec: str, folder: str | None, tp: Group, *, dtype=torch.float32, device=None, seq_len: int = 16,
+               sequence_parallel: bool = False, tp_weights=None, attn_implementation: str | None = None):
+    """``(reference, sharded)``: the unsharded model and this rank's sharded copy, same weights, eval mode.
+    ``tp_weights``: shard by these relative rank speeds (:mod:`tensorpar.capacity`; default even).
+    ``attn_implementation``: both models' attention; None: the one transformers picks for the config
+    (:func:`~tensorpar.hf.load.resolve_attn_implementation`).
+
+    A folder is loaded twice: whole (transformers) and sharded (:func:`~tensorpar.hf.load.build_parallel_model`,
+    the path ``generate`` and ``train`` use, so load bugs show). A preset gets random weights (seed 0, norms
+    perturbed too) on every rank."""
+    from transformers import AutoModelForCausalLM
+
+    from tensorpar.hf.apply import parallelize
+    from tensorpar.hf.plan import make_plan
+
+    if folder is not None:
+        from tensorpar.hf.load import build_parallel_model
+        ref = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
+        par, _ = build_parallel_model(folder, tp, sequence_parallel=sequence_parallel, dtype=dtype, device=device,
+                                      tp_weights=tp_weights, attn_implementation=attn_implementation)
+    else:
+        config, _ = _model_config(spec, seq_len)
+        from tensorpar.hf.load import resolve_attn_implementation
+        config._attn_implementation = attn_implementation or resolve_attn_implementation(config)
+        torch.manual_seed(0)
+        ref = AutoModelForCausalLM.from_config(config).float()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        ref = ref.to(dtype)
+        par = parallelize(copy.deepcopy(ref), make_plan(config, tp.size, sequence_parallel=sequence_parallel,
+                                                        tp_weights=tp_weights), tp)
+    ref = ref.to(device).eval()
+    return ref, par.to(device).eval()
+
+
+def format_table(reports: list[dict]) -> str:
+    """One row per compared module kind and tp: the largest difference and its tolerance."""
+    lines = [f"{'tp':>3} {'module':<44} {'layer':>5} {'max |diff|':>11} {'tolerance':>11}  ok"]
+    for r in reports:
+        for d in r["diffs"]:
+            if d["kind"] == "grad":
+                continue
+            layer = "" if d["layer"] is None else str(d["layer"])
+            lines.append(f"{r['tp_size']:>3} {d['name'][:44]:<44} {layer:>5} {d['max_abs']:>11.3e} {d['tol']:>11.3e}"
+                         f"  {'yes' if d['ok'] else 'NO'}")
+        grads = [d for d in r["diffs"] if d["kind"] == "grad"]
+        if grads:
+            worst = max(grads, key=lambda d: d["max_abs"] / max(d["tol"], 1e-300))
+            lines.append(f"{r['tp_size']:>3} {'gradients: ' + str(len(grads)) + ' params, worst ' + worst['name'][5:]:<44}"
+                         f" {'':>5} {worst['max_abs']:>11.3e} {worst['tol']:>11.3e}  "
+                         f"{'yes' if all(d['ok'] for d in grads) else 'NO'}")
+            lines.append(f"{r['tp_size']:>3} {'replicated grads bit-identical across ranks':<44} {'':>5} {'':>11} "
+                         f"{'':>11}  {'NO' if r['replicated_mismatch'] else 'yes'}")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    import sys
+    import tempfile
+
+    from tensorpar.launch import run_ranks
+
+    try:
+        tps, seq, config, folder = validate(args)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        from tensorpar.launch import report_error
+        report_error(str(e))
+        return 2
+    reports = []
+    with tempfile.TemporaryDirectory(prefix="tensorpar-verify-") as tmp:
+        for t in tps:
+            out = os.path.join(tmp, f"tp{t}.json")
+            rc = run_ranks(_rank_main, t, args.model, folder, t, seq, args, out, verbose=getattr(args, "verbose", False))
+            if rc:
+                return rc
+            with open(out) as f:
+                reports.append(json.load(f))
+    if args.json:
+        tmpf = args.json + ".tmp"
+        with open(tmpf, "w") as f:
+            json.dump({"model": args.model, "dtype": args.dtype, "quantize": getattr(args, "quantize", "none"),
+                       "seq_len": seq, "batch_size": args.batch_size, "train": args.train, "sequence_parallel": args.sequence_parallel, "layouts": reports}, f,
+                      indent=1)
+        os.replace(tmpf, args.json)
+    for r in reports:
+        first = next((d for d in r["diffs"] if not d["ok"]), None)
+        if first is not None:
+            where = "" if first["layer"] is None else f", layer {first['layer']}"
+            print(f"tensorpar verify: FAILED at tp={r['tp_size']}: {first['name']} ({first['kind']}{where}): "
+                  f"max |diff| {first['max_abs']:.3e} > tolerance {first['tol']:.3e}", file=sys.stderr)
+            return 1
+        if r["replicated_mismatch"]:
+            print(f"tensorpar verify: FAILED at tp={r['tp_size']}: gradients of tp-replicated parameters differ "
+                  f"between ranks: {', '.join(r['replicated_mismatch'][:8])}", file=sys.stderr)
+            return 1
+    print(format_table(reports))
+    wts = "".join(f", tp={r['tp_size']} weights {','.join(f'{v:g}' for v in r['tp_weights'])}" for r in reports
+                  if r.get("tp_weights"))
+    q8 = ", int8 weights (both models quantized)" if getattr(args, "quantize", "none") == "int8" else ""
+    print(f"tensorpar verify: OK: {args.model} at tp {','.join(map(str, tps))} ({args.dtype}{q8}{wts}"
+          f"{', sequence parallel' if args.sequence_parallel else ''}{', train' if args.train else ''}) matches the "
+          f"unsharded model within tolerance")
+    return 0

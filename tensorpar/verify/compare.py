@@ -1,0 +1,273 @@
+"""The comparison of a sharded model with its unsharded reference, module by module (:func:`compare_to_reference`).
+
+Forward hooks on the watched modules (:func:`watched_modules`: the embedding, each block's norms, attention, MLP
+and output, the final norm) record the reference's outputs and the sharded model's, gathered to the reference's
+shape; the logits, the lean decode path's logits, and with ``train`` the loss, every gradient and the grad norm
+(against :func:`reference_grad_norm`) are compared too, each against :func:`~tensorpar.verify.policy.tolerance`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from tensorpar import comm
+from tensorpar.comm import Group
+from tensorpar.verify.policy import LayoutReport, ModuleDiff, tolerance
+
+
+def watched_modules(model: nn.Module, plan) -> list[tuple[str, str, int | None]]:
+    """``(name, kind, layer)`` of the modules whose outputs are compared, found in the unsharded ``model``.
+
+    Kinds: ``embedding`` (the input embedding), per block (``plan.blocks``) its direct children that are norms,
+    attention or MLP/MoE, and the block itself (``block``); ``final norm`` (a norm outside every block).
+    Outputs that sharding leaves split (q/k/v projections, intermediate activations) are not listed.
+    """
+    out: list[tuple[str, str, int | None]] = []
+    emb = model.get_input_embeddings()
+    emb_name = next(n for n, m in model.named_modules() if m is emb)
+    out.append((emb_name, "embedding", None))
+    blocks = [n for n, _ in plan.block_modules(model)]
+    for i, b in enumerate(blocks):
+        for child, m in model.get_submodule(b).named_children():
+            kind = _kind(child, m)
+            if kind is not None:
+                out.append((f"{b}.{child}", kind, i))
+        out.append((b, "block", i))
+    for n, m in model.named_modules():
+        if n and "norm" in type(m).__name__.lower() and not any(n == b or n.startswith(b + ".") for b in blocks):
+            out.append((n, "final norm", None))
+    return out
+
+
+def _kind(child: str, m: nn.Module) -> str | None:
+    low = child.lower()
+    if "norm" in type(m).__name__.lower() or low.startswith("ln") or "norm" in low:
+        return "norm"
+    if "attn" in low or "attention" in low:
+        return "attention"
+    if "mlp" in low or "moe" in low or "feed_forward" in low or "experts" in low:
+        return "mlp"
+    return None
+
+
+def _first_tensor(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)):
+        return next((o for o in out if isinstance(o, torch.Tensor)), None)
+    return getattr(out, "last_hidden_state", None)
+
+
+def _to_full(x: torch.Tensor, like_shape: torch.Size, tp: Group, vocab=None) -> torch.Tensor:
+    """Gather a sharded activation to the reference's shape: the sequence (dim 1, sequence parallelism), then the
+    last dim (the vocabulary of the logits). Collectives: one all-gather per split dim (none if already full)."""
+    x = x.detach()
+    if x.dim() >= 2 and len(like_shape) == x.dim() and x.shape[1] != like_shape[1] and tp.size > 1:
+        x = comm.all_gather(x.contiguous(), tp, 1)
+    if x.shape[-1] != like_shape[-1] and tp.size > 1:
+        x = comm.all_gather(x.contiguous(), tp, -1, vocab)
+    return x
+
+
+def _reduction_len(model: nn.Module) -> int:
+    k = 1
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            k = max(k, m.in_features)
+        elif type(m).__name__ == "Conv1D":  # GPT-2's transposed linear
+            k = max(k, m.weight.shape[0])
+    return k
+
+
+def compare_to_reference(ref: nn.Module, par: nn.Module, tp: Group, input_ids: torch.Tensor, *,
+                         train: bool = False) -> LayoutReport:
+    """Run ``ref`` (unsharded, the same weights on every rank) and ``par`` (its :func:`~tensorpar.hf.apply.parallelize`
+    d copy on this rank) on ``input_ids`` and compare them module by module (see the module docstring).
+
+    Args:
+        ref: the unsharded ``*ForCausalLM``. par: the sharded model (``par.tensorpar_plan`` set).
+        tp: the tp group of ``par``. input_ids: ``[b, s]`` token ids, the same on every rank (``s`` divisible by
+            tp under sequence parallelism).
+        train: also compare the loss (next-token cross-entropy), every gradient, the grad norm, and the
+            bit-equality of replicated parameters' gradients across ranks.
+
+    Collectives: those of ``par``'s forward (and backward), an all-gather per compared sharded activation and
+    per compared gradient-check, and one max all-reduce of all differences. Every rank returns the same report.
+    """
+    from tensorpar.grads import grad_norm, sync_duplicated_grads, sync_sequence_parallel_grads
+    from tensorpar.layers import vocab_parallel_cross_entropy
+    from tensorpar.testing import local_slice
+
+    plan = par.tensorpar_plan
+    watched = watched_modules(ref, plan)
+    dtype = next(ref.parameters()).dtype
+    k = _reduction_len(ref)
+    nl = plan.num_layers
+    ref_out: dict[str, torch.Tensor] = {}
+    seen: set[str] = set()
+    diffs: list[ModuleDiff] = []
+
+    def depth(kind, layer):
+        if kind == "embedding":
+            return 0
+        return nl + 1 if layer is None else layer + 1
+
+    def tol_of(scale, d):
+        return tolerance(dtype, k, d, tp.size, scale)
+
+    def ref_hook(name):
+        def hook(_m, _a, out):
+            t = _first_tensor(out)
+            if t is not None:
+                ref_out[name] = t.detach()
+        return hook
+
+    def par_hook(name, kind, layer):
+        def hook(_m, _a, out):
+            t, r = _first_tensor(out), ref_out.get(name)
+            if t is None or r is None:
+                return
+            full = _to_full(t, r.shape, tp, plan.vocab)
+            seen.add(name)
+            if full.shape != r.shape:   # a layout this check cannot gather: a failure, not a silent skip
+                diffs.append(ModuleDiff(name, layer, kind, math.inf, 0.0))
+                return
+            diffs.append(_diff(name, layer, kind, full, r, tol_of, depth(kind, layer)))
+        return hook
+
+    handles = []
+    try:
+        for name, kind, layer in watched:
+            handles.append(ref.get_submodule(name).register_forward_hook(ref_hook(name)))
+        ref.zero_grad(set_to_none=True)
+        with torch.set_grad_enabled(train):
+            logits_ref = ref(input_ids).logits
+        for h in handles:
+            h.remove()
+        handles = []
+        # before the sharded forward (whose autograd graph must not see the lean path fuse the projections)
+        lean_diffs = _lean_diffs(par, tp, input_ids, logits_ref.detach(), tol_of, nl + 1)
+        for name, kind, layer in watched:
+            handles.append(par.get_submodule(name).register_forward_hook(par_hook(name, kind, layer)))
+        par.zero_grad(set_to_none=True)
+        with torch.set_grad_enabled(train):
+            logits = par(input_ids).logits
+    finally:
+        for h in handles:
+            h.remove()
+    # a watched module that ran in the reference but never in the sharded model (bypassed, replaced by a module
+    # that does not call it) is a failure too
+    for name, kind, layer in watched:
+        if name in ref_out and name not in seen:
+            diffs.append(ModuleDiff(name, layer, kind, math.inf, 0.0))
+    diffs.extend(lean_diffs)
+    full_logits = _to_full(logits, logits_ref.shape, tp, plan.vocab)
+    diffs.append(_diff("logits", None, "logits", full_logits, logits_ref, tol_of, nl + 1))
+    mismatch: list[str] = []
+    if train:
+        v = logits_ref.shape[-1]
+        loss_ref = nn.functional.cross_entropy(logits_ref[:, :-1].float().reshape(-1, v), input_ids[:, 1:].reshape(-1))
+        loss_ref.backward()
+        loss = vocab_parallel_cross_entropy(logits[:, :-1], input_ids[:, 1:], tp, partition=par)
+        loss.backward()
+        sync_sequence_parallel_grads(par.parameters(), tp)
+        sync_duplicated_grads(par.parameters(), tp)
+        back = 2 * (nl + 1)
+        # |d CE| <= 2 max|d logits| (log-sum-exp and the target logit each move by at most max|d logits|), plus
+        # the fp32 reordering of the vocabulary-parallel log-sum-exp (a sum of V terms)
+        dl = diffs[-1].max_abs
+        loss_d = _diff("loss", None, "loss", loss.detach().float(), loss_ref.detach().float(), tol_of, 0)
+        loss_d.tol = 2 * dl + tolerance(torch.float32, v, 0, tp.size, abs(loss_ref.item()))
+        diffs.append(loss_d)
+        refp = dict(ref.named_parameters())
+        for n, p in par.named_parameters():
+            rp = refp[n]
+            if p.grad is None or rp.grad is None:
+                diffs.append(ModuleDiff(f"grad {n}", _layer_of(n, plan), "grad", math.inf, 0.0))
+                continue
+            diffs.append(_diff(f"grad {n}", _layer_of(n, plan), "grad", p.grad, local_slice(rp.grad, p, tp.rank),
+                               tol_of, back))
+            if getattr(p, "tp_dim", None) is None and tp.size > 1:
+                g0 = comm.broadcast(p.grad.detach().contiguous(), tp, src=0)
+                if not torch.equal(g0, p.grad):
+                    mismatch.append(n)
+        diffs.append(_diff("grad norm", None, "grad norm", grad_norm(par.parameters(), tp).float(),
+                           reference_grad_norm(ref.parameters()), tol_of, back))
+    # the largest difference over ranks (a rank may hold a wrong slice the others do not see)
+    dev = input_ids.device
+    vals = torch.tensor([d.max_abs if not math.isnan(d.max_abs) else math.inf for d in diffs], dtype=torch.float64,
+                        device=dev)
+    vals = comm.all_reduce(vals, tp, op="max")
+    for d, x in zip(diffs, vals.tolist()):
+        d.max_abs = x
+    flags = comm.all_reduce(torch.tensor([float(bool(mismatch))], dtype=torch.float64, device=dev), tp, op="max")
+    if float(flags) and not mismatch:
+        mismatch = ["(on another rank)"]
+    return LayoutReport(tp.size, bool(plan.sequence_parallel), str(dtype).replace("torch.", ""), diffs, mismatch)
+
+
+def reference_grad_norm(params) -> torch.Tensor:
+    """The L2 norm of the gradients of ``params`` (a tied parameter once), summed in float64: the exact value the
+    sharded :func:`tensorpar.grads.grad_norm` is held to (0-d float64 tensor on the gradients' device).
+
+    Not ``torch.cat(grads).norm()``: PyTorch's CPU ``norm`` / ``linalg.vector_norm`` of a large float32 tensor
+    accumulates in one float32 running sum (no cascade summation, unlike ``sum``), which loses about 1.6 % of a
+    135M-element norm (SmolLM2's gradient; pytorch/pytorch#169237, #151761), far above :func:`tolerance`.
+    """
+    seen: set[int] = set()
+    sq = None
+    for p in params:
+        if p.grad is None or id(p) in seen:
+            continue
+        seen.add(id(p))
+        s = p.grad.detach().double().pow(2).sum()
+        sq = s if sq is None else sq + s
+    return torch.zeros((), dtype=torch.float64) if sq is None else sq.sqrt()
+
+
+def _lean_diffs(par, tp: Group, input_ids: torch.Tensor, logits_ref: torch.Tensor, tol_of, depth) -> list:
+    """The lean decode path (:mod:`tensorpar.lean`, what ``generate`` and ``serve`` run) against the reference:
+    a prefill of ``input_ids[:, :-1]`` and one decode step of the last token, their logits compared with the
+    reference's at positions ``s-2`` and ``s-1``. Empty when the model does not run that path."""
+    from tensorpar.lean import LeanDecoder, lean_unsupported
+
+    b, s = input_ids.shape
+    if s < 2 or lean_unsupported(par) is not None:
+        return []
+    lean = LeanDecoder(par, tp, max_batch=b, max_len=s)
+    pos = torch.arange(s, device=input_ids.device).expand(b, s)
+    with torch.no_grad():
+        first = lean.prefill(input_ids[:, :-1], torch.ones_like(input_ids[:, :-1]), pos[:, :-1])
+        step = lean.decode(input_ids[:, -1:], pos[:, -1:], s - 1)
+    out = []
+    for name, got, want in (("lean prefill logits", first, logits_ref[:, -2]), ("lean decode logits", step,
+                                                                                 logits_ref[:, -1])):
+        full = _to_full(got[:, None], want[:, None].shape, tp, par.tensorpar_plan.vocab)
+        out.append(_diff(name, None, "logits", full, want[:, None], tol_of, depth))
+    return out
+
+
+def _diff(name, layer, kind, actual, expected, tol_of, depth) -> ModuleDiff:
+    a, b = actual.detach().double(), expected.detach().double()
+    if a.shape != b.shape:
+        return ModuleDiff(name, layer, kind, math.inf, 0.0)
+    m = (a - b).abs().max().item() if a.numel() else 0.0
+    if not math.isfinite(m) and torch.equal(a, b):
+        m = 0.0
+    scale = b.abs().max().item() if b.numel() else 0.0
+    return ModuleDiff(name, layer, kind, m, tol_of(scale, depth))
+
+
+def _layer_of(param_name: str, plan) -> int | None:
+    from tensorpar.hf.plan import pattern_regex
+    rx = pattern_regex(plan.blocks)
+    parts = param_name.split(".")
+    for i in range(1, len(parts)):
+        if rx.match(".".join(parts[:i])):
+            try:
+                return int(parts[i - 1])
+            except ValueError:
+                return None
+    return None
