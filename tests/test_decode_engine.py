@@ -134,3 +134,20 @@ def test_windowed_family_decodes_through_the_engine(pools, name):
         assert module_path and steps == N, f"{name} rank {r}: not the engine's module path"
         assert got == want, f"{name} rank {r}: generate\n{got}\n{want}"
         assert served == want, f"{name} rank {r}: serve engine\n{served}\n{want}"
+
+
+def test_serve_accepts_a_windowed_model_before_launch(tmp_path):
+    """The launcher's check no longer refuses a window shorter than --max-model-len (old code: "the model uses
+    sliding_window=4, which tensorpar serve does not implement; use --max-model-len 4 or less")."""
+    import argparse
+    import json
+
+    from tensorpar.serve import cli
+    from tests.test_serve import make_folder
+    folder = make_folder(tmp_path / "mistral")
+    cfg = json.loads((tmp_path / "mistral" / "config.json").read_text())
+    cfg.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=4)
+    (tmp_path / "mistral" / "config.json").write_text(json.dumps(cfg))
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    assert cli.validate(p.parse_args(["--model", folder, "--max-model-len", "64"]))[1] == 64
