@@ -1,17 +1,22 @@
 """``tensorpar generate``: text generation with a Hugging Face decoder sharded over tp ranks.
 
-Each rank holds its query heads, the KV heads they read (the KV cache holds only those), its
-slice of every MLP and of the vocabulary. Per new token a rank runs two all-reduces per block
-(attention and MLP outputs), one for the embedding, then picks the token:
+:func:`generate_tokens` is a client of the decode engine the server runs (:class:`tensorpar.serve.engine.Engine`:
+one decode loop, one per-slot KV cache, the lean decode path for every family whose record allows it, the model's
+modules otherwise, sliding windows included). Each prompt gets a slot; the first step prefills every prompt's
+unpadded tokens, each later step decodes one token per unfinished prompt. Every rank builds the same step from
+the same tokens, so no plan travels between ranks.
 
-* greedy: a vocab-parallel argmax (each rank's best logit and its global index, all-gathered:
-  ``2 * b`` floats instead of the ``b * V`` logits), ties broken to the lowest index like
-  ``torch.argmax``;
-* sampling: the last position's logits are all-gathered, rank 0 samples with its own seeded
-  generator, and broadcasts the tokens.
+Each rank holds its query heads, the KV heads they read (the KV cache holds only those), its slice of every MLP
+and of the vocabulary. Per new token a rank runs two all-reduces per block (attention and MLP outputs), one for
+the embedding, then picks the token (:func:`tensorpar.serve.tokens.choose_tokens`):
 
-The stop decision (EOS on every row, or the token budget) is broadcast from rank 0 together
-with the tokens, so every rank stops at the same step.
+* greedy: a vocab-parallel argmax (each rank's best logit and its global index, all-gathered: ``2 * b`` floats
+  instead of the ``b * V`` logits), ties broken to the lowest index like ``torch.argmax``;
+* sampling: the unfinished rows' logits are all-gathered, rank 0 samples them in row order with one generator
+  seeded by ``sampling.seed``, and broadcasts the tokens.
+
+A row stops at an EOS token; the call stops when every row has or at the token budget (every rank sees the same
+tokens, so every rank stops at the same step).
 """
 from __future__ import annotations
 
@@ -24,77 +29,7 @@ import torch
 
 from tensorpar import comm
 from tensorpar.comm import Group
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """How to pick tokens. ``temperature == 0`` means greedy.
-
-    Attributes:
-        max_new_tokens: token budget per prompt (>= 1).
-        temperature: softmax temperature; 0 for greedy.
-        top_k: keep the k most likely tokens (0 = off).
-        top_p: keep the smallest set of tokens with cumulative probability >= p (1.0 = off).
-        seed: seed of rank 0's sampling generator.
-    """
-
-    max_new_tokens: int = 32
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-
-def vocab_parallel_argmax(logits: torch.Tensor, tp: Group, *, partition) -> torch.Tensor:
-    """Global argmax over vocab-sharded logits ``[b, V_r] -> [b]`` (int64), lowest index on ties.
-
-    ``partition``: the vocabulary split (a Partition, the vocab size, or the sharded model/LM head; see
-    :mod:`tensorpar.layers.vocab`). Collectives: one all-gather of ``[b, 2]`` (float64, so token ids up to
-    2^53 are exact). Raises ValueError for logits that are not this rank's slice.
-    """
-    from tensorpar.layers.vocab import check_local_width, resolve_vocab_partition
-
-    vocab_start, _ = check_local_width(logits.shape[-1], resolve_vocab_partition(partition, tp), tp)
-    val, idx = logits.float().max(dim=-1)
-    if tp.size == 1:
-        return idx
-    pair = torch.stack([val.double(), (idx + vocab_start).double()], dim=-1)          # [b, 2]
-    allp = comm.all_gather(pair.unsqueeze(0), tp, dim=0)                              # [tp, b, 2]
-    best = allp[..., 0].argmax(dim=0)          # first (lowest-rank, hence lowest-index) maximum
-    return allp[..., 1].gather(0, best.unsqueeze(0)).squeeze(0).long()
-
-
-def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator) -> torch.Tensor:
-    """Sample ``[b, V] -> [b]`` (int64, on ``logits``' device) with temperature, top-k and top-p
-    (nucleus sampling, Holtzman et al. 2020).
-
-    ``gen`` must live on ``logits``' device (``torch.multinomial`` draws with it there; a CPU generator
-    cannot drive a CUDA draw). Raises ``ValueError`` naming both devices otherwise.
-    """
-    if gen.device.type != logits.device.type or (logits.device.index is not None
-                                                 and gen.device.index not in (None, logits.device.index)):
-        raise ValueError(f"sampling generator is on {gen.device} but the logits are on {logits.device}; "
-                         f"create it with torch.Generator(device=logits.device)")
-    x = logits.float() / cfg.temperature
-    if cfg.top_k:
-        kth = x.topk(min(cfg.top_k, x.shape[-1]), dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if cfg.top_p < 1.0:
-        srt, order = x.sort(dim=-1, descending=True)
-        cum = srt.softmax(-1).cumsum(-1)
-        drop = cum - srt.softmax(-1) >= cfg.top_p            # keep the first token that crosses p
-        x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return torch.multinomial(x.softmax(-1), 1, generator=gen).squeeze(-1)
+from tensorpar.serve.tokens import SamplingConfig
 
 
 def tp_speed_warning(*, tp_size: int, collectives_per_token: int, latency_s: float, weight_bytes: float,
@@ -158,10 +93,6 @@ def _measure_speed(model, tp: Group, probe: torch.Tensor, per_token: int) -> str
                             weight_bytes=weight_bytes, bandwidth_bytes_per_s=bw, path=path)
 
 
-def _is_eos(tokens: torch.Tensor, eos: set[int]) -> torch.Tensor:
-    return torch.tensor([int(t) in eos for t in tokens.tolist()], dtype=torch.bool)
-
-
 @dataclass
 class GenerationResult:
     """Tokens and timings of one :func:`generate_tokens` call.
@@ -195,17 +126,21 @@ def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: t
     Args:
         model: the sharded ``*ForCausalLM`` (its logits are vocab-sharded ``[b, s, V_r]``).
         tp: its tensor-parallel group.
-        input_ids: ``[b, s]`` prompt ids, left-padded; identical on every rank.
-        attention_mask: ``[b, s]`` 1 for tokens, 0 for left padding (default all ones).
-        sampling: greedy or sampling settings.
+        input_ids: ``[b, s]`` prompt ids, padded (usually on the left); identical on every rank.
+        attention_mask: ``[b, s]`` 1 for tokens, 0 for padding (default all ones); each row's tokens are
+            prefilled unpadded into its own slot of the engine's cache.
+        sampling: greedy or sampling settings. Sampling draws, on rank 0, the unfinished rows in row order
+            from one generator seeded with ``sampling.seed`` (a seed gives the same tokens at every tp; a row
+            that ended no longer draws).
         eos_token_id: id(s) that end a row.
         on_token: optional callback ``f(step, tokens[b])`` called on every rank after each step.
         check_speed: after the first decode step (whose collectives are counted), measure the collective
             latency and memory bandwidth and set :attr:`GenerationResult.speed_warning` if tp is likely slower
             than one rank (:func:`tp_speed_warning`); a few milliseconds, excluded from the timings.
-        path: ``"auto"`` runs the lean decode path (:class:`tensorpar.lean.LeanDecoder`: fused projections,
-            static KV cache) when the family supports it and the Hugging Face module path otherwise;
-            ``"lean"`` requires it (ValueError naming why not); ``"hf"`` forces the module path.
+        path: the engine's path (:class:`tensorpar.serve.engine.Engine`): ``"auto"`` runs the lean decode path
+            (:class:`tensorpar.lean.LeanDecoder`: fused projections, static KV cache) when the family record
+            allows it and the Hugging Face module path otherwise; ``"lean"`` requires it (ValueError naming why
+            not); ``"hf"`` forces the module path.
 
     A model built with sequence parallelism generates as plain tensor parallelism (the prompt and the
     one-token decode steps are not split along the sequence; :func:`tensorpar.hf.apply.sequence_parallel_off`).
@@ -214,36 +149,19 @@ def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: t
         :class:`GenerationResult`.
 
     Raises:
-        ValueError: the prompt plus the token budget exceeds ``max_position_embeddings``; ``path`` is not one of
-            auto/lean/hf, or ``"lean"`` for a model the lean path does not run.
+        ValueError: the prompt plus the token budget exceeds ``max_position_embeddings``; a row with no tokens;
+            ``path`` is not one of auto/lean/hf, or ``"lean"`` for a model the lean path does not run.
     """
     from tensorpar.hf.apply import sequence_parallel_off
 
-    if path not in ("auto", "lean", "hf"):
-        raise ValueError(f"path must be 'auto', 'lean' or 'hf', got {path!r}")
     with sequence_parallel_off(model):
         return _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_id, on_token, check_speed,
                          path)
 
 
-def _lean_for(model, tp, path: str, max_batch: int, max_len: int):
-    """A :class:`~tensorpar.lean.LeanDecoder` for ``path`` ("auto"/"lean"), or ``None`` for the module path."""
-    if path == "hf":
-        return None
-    from tensorpar.lean import LeanDecoder, lean_unsupported
-
-    why = lean_unsupported(model)
-    if why is not None:
-        if path == "lean":
-            raise ValueError(f"path='lean' cannot run this model: {why}; use path='auto' or 'hf'")
-        return None
-    return LeanDecoder(model, tp, max_batch=max_batch, max_len=max_len)
-
-
 def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_id, on_token, check_speed, path):
-    from transformers import DynamicCache
-
-    from tensorpar.rope import per_row_rope
+    from tensorpar.serve.engine import Engine, Row, StepPlan
+    from tensorpar.serve.tokens import sampler
 
     cfg = model.config
     b, s = input_ids.shape
@@ -253,58 +171,48 @@ def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_
                          f"max_position_embeddings={limit}; shorten the prompt or lower --max-new-tokens")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
+    keep = attention_mask.bool().cpu()
+    prompts = [input_ids[i].cpu()[keep[i]].tolist() for i in range(b)]           # each row's tokens, unpadded
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt row {i} has no tokens (its attention_mask is all 0)")
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
-    plan = model.tensorpar_plan
-    gen = torch.Generator(device=input_ids.device).manual_seed(sampling.seed)  # the logits' device
-    lean = _lean_for(model, tp, path, b, s + sampling.max_new_tokens)
-    cache = DynamicCache(config=cfg) if lean is None else None
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    engine = Engine(model, tp, max_batch=b, max_len=s + sampling.max_new_tokens, path=path, warm_up=False)
+    greedy = sampling.temperature == 0
+    samplers = None
+    if not greedy and tp.rank == 0:     # one generator (the logits' device), drawing the rows in order each step
+        draw = sampler(sampling, torch.Generator(device=engine.device).manual_seed(sampling.seed))
+        samplers = [draw] * b
+    rows = [Row(i, p, 0, sampled=not greedy) for i, p in enumerate(prompts)]     # step 0: prefill every prompt
     done = torch.zeros(b, dtype=torch.bool)
-    input_ids = input_ids.to(torch.long)
     out = []
     t0 = time.perf_counter()
     ttft = 0.0
-    ids, pos, mask = input_ids, position_ids, attention_mask
     warning, paused = None, 0.0
     for step in range(sampling.max_new_tokens):
         counting = check_speed and step == 1 and tp.size > 1
         with comm.counting(tp, reset=False) if counting else _nothing() as counter:
             before = sum(counter.calls.values()) if counting else 0
-            if lean is not None:
-                logits = (lean.prefill(ids, mask, pos) if step == 0 else lean.decode(ids, pos, s + step - 1))
-            else:
-                with per_row_rope(model):     # longrope: each row the factors of its own length (tensorpar/rope.py)
-                    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
-                                   use_cache=True, logits_to_keep=1).logits[:, -1]    # [b, V_r]
-        if sampling.temperature == 0:
-            nxt = vocab_parallel_argmax(logits, tp, partition=plan.vocab)
-        else:
-            full = comm.all_gather(logits.contiguous(), tp, -1, plan.vocab)          # [b, V]
-            nxt = sample(full, sampling, gen) if tp.rank == 0 else torch.zeros(b, dtype=torch.long)
-        nxt = nxt.cpu()
-        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
-        ended = done | _is_eos(nxt, eos)
-        last = step == sampling.max_new_tokens - 1 or bool(ended.all())
-        # Rank 0 decides; one broadcast carries the tokens and the stop flag to every rank.
-        msg = comm.broadcast(torch.cat([nxt.cpu(), torch.tensor([int(last)])]).to(ids.device), tp, src=0)
-        nxt, last = msg[:b].cpu(), bool(msg[b])
-        done = done | _is_eos(nxt, eos)
+            got = engine.step(StepPlan("step", rows), samplers=[samplers[r.slot] for r in rows] if samplers else None)
+        nxt = torch.full((b,), pad_id, dtype=torch.long)
+        for r, t in zip(rows, got.tokens):
+            nxt[r.slot] = t
+            done[r.slot] = done[r.slot] or t in eos
         out.append(nxt)
         if step == 0:
             ttft = time.perf_counter() - t0
         if counting:
             t_pause = time.perf_counter()
-            per_token = sum(counter.calls.values()) - before + 1                    # + the token broadcast
-            warning = _measure_speed(model, tp, torch.zeros(b, cfg.hidden_size, device=ids.device), per_token)
+            per_token = sum(counter.calls.values()) - before
+            warning = _measure_speed(model, tp, torch.zeros(b, cfg.hidden_size, device=engine.device), per_token)
             paused += time.perf_counter() - t_pause
         if on_token is not None:
             on_token(step, nxt)
-        if last:
+        if bool(done.all()):
             break
-        ids = nxt.unsqueeze(-1).to(input_ids.device)
-        if lean is None:
-            mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=mask.device)], dim=-1)
-        pos = pos[:, -1:] + 1
+        # the next step: one decode row per unfinished prompt, its token at the position after its last
+        rows = [Row(r.slot, [int(nxt[r.slot])], r.start + len(r.tokens), sampled=not greedy)
+                for r in rows if not done[r.slot]]
     total = time.perf_counter() - t0 - paused
     return GenerationResult(torch.stack(out, dim=1), ttft, total - ttft, warning)
 

@@ -534,7 +534,7 @@ class LeanDecoder:
             vals_all = self.vcache[:, j:j + b, :, :length].unbind(0)
         return None, None, keys_all, vals_all
 
-    # -------------------------------------------------------------- generate's use: rows 0..b-1, common positions
+    # ---------------------------------------- verify's use (generate and serve step the Engine): rows 0..b-1
 
     def prefill(self, ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Prompt ``ids`` ``[b, s]`` (left-padded, ``attention_mask`` ``[b, s]``) into cache positions ``0..s-1``;

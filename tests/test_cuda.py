@@ -24,7 +24,8 @@ import torch
 import torch.nn as nn
 
 from tensorpar import comm
-from tensorpar.generate import SamplingConfig, generate_tokens, sample
+from tensorpar.generate import SamplingConfig, generate_tokens
+from tensorpar.serve.tokens import sample
 from tensorpar.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tensorpar.testing import local_slice
 

@@ -94,11 +94,9 @@ def test_the_ranks_fast_path_rule_is_the_parents(model_type, kw):
     assert (lean_unsupported(model) is None) == (why_not("fast_decode", c) is None)
 
 
-def test_expert_parallel_and_serve_queries():
+def test_expert_parallel_query():
     assert "no mixture-of-experts" in why_not("expert_parallel", cfg("llama"))
     assert why_not("expert_parallel", cfg("mixtral", num_local_experts=4)) is None
-    assert why_not("serve", cfg("mistral", sliding_window=16), max_len=16) is None
-    assert "sliding_window=16" in why_not("serve", cfg("mistral", sliding_window=16), max_len=32)
     with pytest.raises(ValueError, match="unknown feature"):
         why_not("lora", cfg("llama"))
 

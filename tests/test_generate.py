@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from tensorpar.generate import SamplingConfig, generate_tokens, sample
+from tensorpar.generate import SamplingConfig, generate_tokens
+from tensorpar.serve.tokens import sample
 from tests._ranks import run_tp
 
 ARCHS = {

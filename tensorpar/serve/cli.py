@@ -38,7 +38,6 @@ def validate(args: argparse.Namespace):
     """Checks made once, before any rank starts; returns ``(folder, max_model_len)``. Raises ValueError."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from tensorpar.hf.families import sliding_window, why_not
     from tensorpar.hf.plan import make_plan
     from tensorpar.hub import resolve_model
 
@@ -72,9 +71,6 @@ def validate(args: argparse.Namespace):
     n = args.max_model_len if args.max_model_len is not None else min(limit, DEFAULT_MAX_MODEL_LEN)
     if not 2 <= n <= limit:
         raise ValueError(f"--max-model-len must be in [2, {limit}] (the model's max_position_embeddings), got {n}")
-    why = why_not("serve", config, max_len=n)   # the engine's rule (tensorpar.serve.engine.Engine)
-    if why is not None:
-        raise ValueError(f"{why}; use --max-model-len {sliding_window(config)} or less")
     AutoTokenizer.from_pretrained(folder)
     return folder, n
 

@@ -1,4 +1,7 @@
-"""The model side of ``tensorpar serve``: a per-slot KV cache and one batched model step, run by every tp rank.
+"""The decode engine: a per-slot KV cache and one batched model step, run by every tp rank. It is the one decode
+loop of tensorpar: ``tensorpar serve`` drives it from rank 0's scheduler, ``tensorpar generate``
+(:func:`tensorpar.generate.generate_tokens`) steps it directly, as vLLM's offline ``LLM.generate`` shares
+``LLMEngine`` with its server.
 
 Continuous batching (iteration-level scheduling, Yu et al. 2022 "Orca", OSDI; Kwon et al. 2023 "vLLM", SOSP)
 needs a KV cache in which requests of different lengths live side by side and come and go between steps. Here
@@ -16,6 +19,15 @@ The matmuls, norms and all-reduces run once over all the step's tokens; attentio
 padded to a prompt's length would cost that many tokens of attention; there is no variable-length attention
 kernel here). The module path (families without the lean decoder) runs one forward per group.
 
+Which path runs is decided in one place, :func:`tensorpar.lean.lean_unsupported` (the family record's
+``fast_decode`` and the config's window, :func:`tensorpar.hf.families.why_not`): the lean decoder for every family
+whose record says so, the model's own modules with a :class:`SlotKVCache` otherwise.
+
+Sliding-window attention (Mistral, StarCoder2, Phi-3 with a window, Gemma 2/3 and Qwen2 on their windowed layers)
+runs on the module path: the slots keep every position and the mask lets a query at position ``p`` of a layer with
+window ``w`` attend to positions ``(p - w, p]`` only (transformers' sliding-window mask), per kind of layer
+(:func:`tensorpar.hf.families.attention_windows`; a dict of masks by ``layer_types`` name when a model mixes them).
+
 A batched prefill pads the prompts to the longest, ``s``, *on the left of the sequence* but not in the cache
 (:func:`prefill_layout`): a row of ``n`` tokens is ``[pad] * (s - n) + prompt``, its real tokens go to cache
 positions (and rotary positions) ``0 .. n-1`` and its pads to ``n .. s-1``. Each query attends to the cache
@@ -25,16 +37,17 @@ prompt token, whose logits are the ones kept. The pads' K/V are overwritten by t
 position ``n``) and later ones before any query reads them (a decode at position ``p`` writes ``p`` and reads
 ``[0, p]``).
 
-Tokens are chosen as :func:`tensorpar.generate.generate_tokens` chooses them: greedy rows by the vocab-parallel
-argmax (no gathered logits), sampled rows by gathering their logits to rank 0, which samples with the
-request's own seeded generator (so a seed gives the same tokens wherever the request sits in the batch) and
-broadcasts the tokens. Log-probabilities are computed vocab-parallel
+Tokens are chosen by :func:`tensorpar.serve.tokens.choose_tokens`: greedy rows by the vocab-parallel argmax (no
+gathered logits), sampled rows by gathering their logits to rank 0, which samples each with its row's sampler
+(serve: the request's own seeded generator, so a seed gives the same tokens wherever the request sits in the
+batch) and broadcasts the tokens. Log-probabilities are computed vocab-parallel
 (:func:`~tensorpar.layers.log_softmax.vocab_parallel_logprobs`, ``vocab_parallel_topk_logprobs``).
 
-Every rank runs :meth:`Engine.step` with the same :class:`StepPlan`; rank 0 makes the plans (the scheduler) and
-broadcasts each one as a small int64 tensor (:meth:`Engine.exchange`, :func:`encode_plan`), one broadcast of
-:data:`PLAN_WORDS` words per step when the plan fits (a second one for the rest of a longer plan), over the
-group's shared-memory communicator when it has one, else its process group; the other ranks run :func:`follow`.
+Every rank runs :meth:`Engine.step` with the same :class:`StepPlan`. Under serve, rank 0 makes the plans (the
+scheduler) and broadcasts each one as a small int64 tensor (:meth:`Engine.exchange`, :func:`encode_plan`), one
+broadcast of :data:`PLAN_WORDS` words per step when the plan fits (a second one for the rest of a longer plan),
+over the group's shared-memory communicator when it has one, else its process group; the other ranks run
+:func:`follow`. Under generate every rank computes the same plan from the same tokens, so nothing is broadcast.
 """
 from __future__ import annotations
 
@@ -44,7 +57,8 @@ import torch
 
 from tensorpar import comm
 from tensorpar.comm import Group
-from tensorpar.hf.families import sliding_window, why_not
+from tensorpar.hf.families import attention_windows
+from tensorpar.serve.tokens import choose_tokens
 
 
 class SlotKVCache:
@@ -55,7 +69,8 @@ class SlotKVCache:
     in the dtype and on the device of the model's keys). Before each forward :meth:`bind` says which slots the
     batch rows are and at which positions their tokens go; the attention modules of
     :mod:`tensorpar.hf.modules` then call :meth:`update`, which writes the new K/V there and returns each row's
-    first ``length`` cache entries. No collectives.
+    first ``length`` cache entries. No collectives. Every position is kept, also for sliding-window layers (the
+    engine's mask applies the window).
     """
 
     def __init__(self, max_batch: int, max_len: int):
@@ -216,21 +231,21 @@ class Engine:
         tp: its tensor-parallel group.
         max_batch: number of slots.
         max_len: cache length per slot (prompt + generated tokens).
-
-    The cache is allocated and every kernel warmed by one 1-token prefill at construction. Families that
-    :mod:`tensorpar.lean` supports run its :class:`~tensorpar.lean.LeanDecoder` (fused projections, a static
-    cache of this rank's KV heads); the others the model's modules with a :class:`SlotKVCache`.
+        path: ``"auto"`` runs the lean decode path (:class:`~tensorpar.lean.LeanDecoder`: fused projections, a
+            static cache of this rank's KV heads) when :func:`tensorpar.lean.lean_unsupported` allows it (the
+            family record) and the model's modules with a :class:`SlotKVCache` otherwise; ``"lean"`` requires
+            the lean path; ``"hf"`` forces the module path.
+        warm_up: run one 1-token prefill at construction (allocates the cache, warms every kernel).
 
     Raises:
-        ValueError: a sliding-window attention model (the slot mask does not implement windows), or
-            ``max_len`` above the model's ``max_position_embeddings``.
+        ValueError: ``max_len`` above the model's ``max_position_embeddings``; ``path`` not one of
+            auto/lean/hf, or ``"lean"`` for a model the lean path does not run (naming why).
     """
 
-    def __init__(self, model, tp: Group, *, max_batch: int, max_len: int):
+    def __init__(self, model, tp: Group, *, max_batch: int, max_len: int, path: str = "auto", warm_up: bool = True):
         cfg = model.config
-        why = why_not("serve", cfg, max_len=max_len)
-        if why is not None:
-            raise ValueError(f"{why}; use --max-model-len {sliding_window(cfg)} or less")
+        if path not in ("auto", "lean", "hf"):
+            raise ValueError(f"path must be 'auto', 'lean' or 'hf', got {path!r}")
         limit = getattr(cfg, "max_position_embeddings", None)
         if limit is not None and max_len > limit:
             raise ValueError(f"--max-model-len {max_len} exceeds the model's max_position_embeddings={limit}")
@@ -239,12 +254,18 @@ class Engine:
         self.device = next(model.parameters()).device
         from tensorpar.lean import LeanDecoder, lean_unsupported
 
-        # the lean decode path (fused projections, static cache) when the family has one; else the module path
-        self.lean = (LeanDecoder(model, tp, max_batch=max_batch, max_len=max_len)
-                     if lean_unsupported(model) is None else None)
+        # the one decision of which path runs: the lean decoder when the family record (and the config) allow it
+        why = None if path == "hf" else lean_unsupported(model)
+        if path == "lean" and why is not None:
+            raise ValueError(f"path='lean' cannot run this model: {why}; use path='auto' or 'hf'")
+        self.lean = LeanDecoder(model, tp, max_batch=max_batch, max_len=max_len) if path != "hf" and why is None \
+            else None
         self.cache = self.lean if self.lean is not None else SlotKVCache(max_batch, max_len)
+        self.windows = attention_windows(cfg)           # module path: the mask per kind of attention layer
+        self.eager = getattr(cfg, "_attn_implementation", None) == "eager"   # additive float masks
         self.max_batch, self.max_len = max_batch, max_len
-        self.step(StepPlan("step", [Row(0, [0], 0)]), samplers=None)          # allocate the cache, warm up
+        if warm_up:
+            self.step(StepPlan("step", [Row(0, [0], 0)]), samplers=None)          # allocate the cache, warm up
 
     def _segment(self, slots: list[int], ids: list[list[int]], pos: list[list[int]]):
         """Tensors of rows ``slots`` with tokens ``ids`` at positions ``pos`` (``[b, s]`` lists): ``(ids_t, pos_t,
@@ -260,6 +281,24 @@ class Engine:
         if not (s == 1 and min(p[0] for p in pos) == length - 1):   # else every row attends to all of [0, L)
             mask = pos_t[:, None, :, None] >= torch.arange(length, device=dev)              # [b, 1, s, L]
         return ids_t, pos_t, slot_t, mask, length
+
+    def _layer_masks(self, pos_t: torch.Tensor, mask: torch.Tensor | None, length: int):
+        """The module path's ``attention_mask``: ``[b, 1, s, L]`` (``mask``, or all True when ``None``), and for a
+        layer of window ``w`` also ``key_pos > query_pos - w``; one tensor when every layer has the same window,
+        else a dict by ``layer_types`` name (:func:`~tensorpar.hf.families.attention_windows`). Boolean for sdpa,
+        additive (0 / dtype min) for the eager kernel, as transformers' own mask builders make them."""
+        b, s = pos_t.shape
+        if mask is None:
+            mask = torch.ones(b, 1, s, length, dtype=torch.bool, device=self.device)
+        out = {}
+        for kind, w in self.windows.items():
+            m = mask if w is None else mask & (torch.arange(length, device=self.device)
+                                               > pos_t[:, None, :, None] - w)                 # [b, 1, s, L]
+            if self.eager:
+                dt = self.model.dtype
+                m = torch.zeros(m.shape, dtype=dt, device=self.device).masked_fill(~m, torch.finfo(dt).min)
+            out[kind] = m
+        return next(iter(out.values())) if len(out) == 1 else out
 
     @torch.no_grad()
     def _forward(self, batches: list[tuple[list[int], list[list[int]], list[list[int]]]]) -> torch.Tensor:
@@ -279,11 +318,10 @@ class Engine:
         from tensorpar.rope import per_row_rope
         out = []
         for ids_t, pos_t, slot_t, mask, length in parts:
-            if mask is None:
-                mask = torch.ones(len(slot_t), 1, 1, length, dtype=torch.bool, device=self.device)
             self.cache.bind(slot_t, pos_t, length)
             with per_row_rope(self.model):      # longrope: each row the factors of its own length
-                lg = self.model(input_ids=ids_t, attention_mask=mask, position_ids=pos_t, cache=self.cache,
+                lg = self.model(input_ids=ids_t, attention_mask=self._layer_masks(pos_t, mask, length),
+                                position_ids=pos_t, cache=self.cache,
                                 use_cache=False, logits_to_keep=1)
             out.append(lg.logits[:, -1])
         return out[0] if len(out) == 1 else torch.cat(out)
@@ -329,17 +367,8 @@ class Engine:
         lg = self._forward(batches)                                                       # [n, V_r], in order
         parts = {i: lg[j:j + 1] for j, i in enumerate(order)}
         logits = torch.cat([parts[i] for i in range(len(rows))])                           # [n, V_r]
-        from tensorpar.generate import vocab_parallel_argmax
-        tokens = vocab_parallel_argmax(logits, self.tp, partition=self.vocab).cpu()          # [n]
-        sampled = [i for i, r in enumerate(rows) if r.sampled]
-        if sampled:
-            idx = torch.tensor(sampled, device=logits.device)
-            full = comm.all_gather(logits.index_select(0, idx).contiguous(), self.tp, -1, self.vocab)   # [m, V]
-            if self.tp.rank == 0:
-                for j, i in enumerate(sampled):
-                    tokens[i] = int(samplers[i](full[j:j + 1]))
-            if self.tp.size > 1:
-                tokens = comm.broadcast(tokens.to(logits.device), self.tp, src=0).cpu()
+        tokens = choose_tokens(logits, self.tp, partition=self.vocab,
+                               sampled=[i for i, r in enumerate(rows) if r.sampled], samplers=samplers)   # [n]
         lps: list[float | None] = [None] * len(rows)
         top: list[list[tuple[int, float]] | None] = [None] * len(rows)
         want = [r.logprobs for r in rows]

@@ -116,9 +116,8 @@ class Scheduler:
             pass
 
     def _sampler(self, req: Request):
-        from tensorpar.generate import SamplingConfig, sample
-        cfg = SamplingConfig(1, req.temperature, req.top_k, req.top_p, 0)
-        return lambda logits: sample(logits, cfg, req.gen)
+        from tensorpar.serve.tokens import SamplingConfig, sampler
+        return sampler(SamplingConfig(1, req.temperature, req.top_k, req.top_p, 0), req.gen)
 
     def _finish(self, req: Request, reason: str) -> None:
         self.running.pop(req.slot, None)

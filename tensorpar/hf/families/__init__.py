@@ -23,7 +23,7 @@ FAMILIES = {mt: r.plan for mt, r in RECORDS.items()}
 MODEL_CLASSES = {mt: r.model_class for mt, r in RECORDS.items() if not r.causal_lm}
 
 #: the features :func:`why_not` answers for
-FEATURES = ("causal_lm", "fast_decode", "pipeline", "sequence_parallel", "expert_parallel", "serve")
+FEATURES = ("causal_lm", "fast_decode", "pipeline", "sequence_parallel", "expert_parallel")
 
 
 def is_causal_lm(model_type: str) -> bool:
@@ -47,11 +47,24 @@ def sliding_window(config) -> int | None:
     return int(w)
 
 
+def attention_windows(config) -> dict[str, int | None]:
+    """The window of each kind of attention layer the model has, by transformers' ``layer_types`` name:
+    ``{"full_attention": None}`` without windows; ``{"sliding_attention": w}`` when every layer is windowed
+    (Mistral, StarCoder2, Phi-3 with ``sliding_window``: no ``layer_types``, or only sliding ones); both keys
+    when ``layer_types`` mixes them (Gemma 2/3, Qwen2 from ``max_window_layers``). A layer of window ``w``
+    lets the query at position ``p`` attend to positions ``(p - w, p]`` (transformers' sliding-window mask)."""
+    w = sliding_window(config)
+    if w is None:
+        return {"full_attention": None}
+    types = set(getattr(config, "layer_types", None) or ["sliding_attention"])
+    return {t: (w if t == "sliding_attention" else None) for t in sorted(types)}
+
+
 def _names(pred) -> str:
     return ", ".join(mt for mt, r in RECORDS.items() if pred(r))
 
 
-def why_not(feature: str, config, *, max_len: int | None = None) -> str | None:
+def why_not(feature: str, config) -> str | None:
     """Why ``config`` cannot use ``feature``, as a clause for a one-line error, or ``None`` when it can.
 
     The same rule runs in the launching process (from the config alone) and in the ranks, so the parent refuses
@@ -63,8 +76,6 @@ def why_not(feature: str, config, *, max_len: int | None = None) -> str | None:
     * ``pipeline``: :class:`~tensorpar.pipeline.stages.DecoderStage` can cut it (full causal attention).
     * ``sequence_parallel``: the family's plan splits the sequence between blocks.
     * ``expert_parallel``: a mixture-of-experts family with experts in this config.
-    * ``serve``: the server's KV slots implement no attention window, so a window shorter than ``max_len``
-      (the server's ``--max-model-len``; any window when ``None``) is refused.
 
     Raises:
         ValueError: an unknown ``feature``.
@@ -77,9 +88,6 @@ def why_not(feature: str, config, *, max_len: int | None = None) -> str | None:
     if feature == "causal_lm":
         return None if r is None or r.causal_lm else (f"model_type={mt!r} is an image classifier, not a causal "
                                                       f"language model")
-    if feature == "serve":
-        return None if w is None or (max_len is not None and w >= max_len) else (
-            f"the model uses sliding_window={w}, which tensorpar serve does not implement")
     if feature == "fast_decode":
         if r is None or not r.fast_decode:
             return f"model_type={mt!r} has no fast decode path (families with one: {_names(lambda r: r.fast_decode)})"

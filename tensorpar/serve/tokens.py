@@ -1,0 +1,116 @@
+"""Token choice of the decode engine (:class:`tensorpar.serve.engine.Engine`), the one place where both
+``tensorpar generate`` and ``tensorpar serve`` pick their tokens:
+
+* greedy: a vocab-parallel argmax (each rank's best logit and its global index, all-gathered: ``2 * b`` floats
+  instead of the ``b * V`` logits), ties broken to the lowest index like ``torch.argmax``; every rank gets the
+  same tokens without a broadcast;
+* sampling: the sampled rows' logits are all-gathered, rank 0 samples each row with its sampler (temperature,
+  top-k, top-p on a seeded generator) and broadcasts the tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tensorpar import comm
+from tensorpar.comm import Group
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How to pick tokens. ``temperature == 0`` means greedy.
+
+    Attributes:
+        max_new_tokens: token budget per prompt (>= 1).
+        temperature: softmax temperature; 0 for greedy.
+        top_k: keep the k most likely tokens (0 = off).
+        top_p: keep the smallest set of tokens with cumulative probability >= p (1.0 = off).
+        seed: seed of rank 0's sampling generator.
+    """
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def vocab_parallel_argmax(logits: torch.Tensor, tp: Group, *, partition) -> torch.Tensor:
+    """Global argmax over vocab-sharded logits ``[b, V_r] -> [b]`` (int64), lowest index on ties.
+
+    ``partition``: the vocabulary split (a Partition, the vocab size, or the sharded model/LM head; see
+    :mod:`tensorpar.layers.vocab`). Collectives: one all-gather of ``[b, 2]`` (float64, so token ids up to
+    2^53 are exact). Raises ValueError for logits that are not this rank's slice.
+    """
+    from tensorpar.layers.vocab import check_local_width, resolve_vocab_partition
+
+    vocab_start, _ = check_local_width(logits.shape[-1], resolve_vocab_partition(partition, tp), tp)
+    val, idx = logits.float().max(dim=-1)
+    if tp.size == 1:
+        return idx
+    pair = torch.stack([val.double(), (idx + vocab_start).double()], dim=-1)          # [b, 2]
+    allp = comm.all_gather(pair.unsqueeze(0), tp, dim=0)                              # [tp, b, 2]
+    best = allp[..., 0].argmax(dim=0)          # first (lowest-rank, hence lowest-index) maximum
+    return allp[..., 1].gather(0, best.unsqueeze(0)).squeeze(0).long()
+
+
+def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator) -> torch.Tensor:
+    """Sample ``[b, V] -> [b]`` (int64, on ``logits``' device) with temperature, top-k and top-p
+    (nucleus sampling, Holtzman et al. 2020).
+
+    ``gen`` must live on ``logits``' device (``torch.multinomial`` draws with it there; a CPU generator
+    cannot drive a CUDA draw). Raises ``ValueError`` naming both devices otherwise.
+    """
+    if gen.device.type != logits.device.type or (logits.device.index is not None
+                                                 and gen.device.index not in (None, logits.device.index)):
+        raise ValueError(f"sampling generator is on {gen.device} but the logits are on {logits.device}; "
+                         f"create it with torch.Generator(device=logits.device)")
+    x = logits.float() / cfg.temperature
+    if cfg.top_k:
+        kth = x.topk(min(cfg.top_k, x.shape[-1]), dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        srt, order = x.sort(dim=-1, descending=True)
+        cum = srt.softmax(-1).cumsum(-1)
+        drop = cum - srt.softmax(-1) >= cfg.top_p            # keep the first token that crosses p
+        x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return torch.multinomial(x.softmax(-1), 1, generator=gen).squeeze(-1)
+
+
+def sampler(cfg: SamplingConfig, gen: torch.Generator):
+    """The per-row sampler :func:`choose_tokens` calls on rank 0: ``f(logits [1, V]) -> [1]`` drawing from ``gen``."""
+    return lambda logits: sample(logits, cfg, gen)
+
+
+def choose_tokens(logits: torch.Tensor, tp: Group, *, partition, sampled: list[int], samplers) -> torch.Tensor:
+    """The next token of every row of vocab-sharded ``logits`` ``[n, V_r]``, identical on every rank: ``[n]``
+    int64 on the CPU.
+
+    Rows not in ``sampled`` take :func:`vocab_parallel_argmax`. Rows ``sampled`` (indices into the rows) are
+    drawn on rank 0 by ``samplers[i](logits [1, V])`` (``samplers``: per row a callable, e.g. :func:`sampler`;
+    ``None`` on the other ranks), in row order, then broadcast. Collectives: one all-gather ``[n, 2]`` unless every
+    row is sampled; with sampled rows an all-gather of their logits ``[m, V_r] -> [m, V]`` and a broadcast of ``[n]``.
+    """
+    n = logits.shape[0]
+    tokens = (vocab_parallel_argmax(logits, tp, partition=partition).cpu() if len(sampled) < n
+              else torch.zeros(n, dtype=torch.long))                                         # [n]
+    if sampled:
+        idx = torch.tensor(sampled, device=logits.device)
+        full = comm.all_gather(logits.index_select(0, idx).contiguous(), tp, -1, partition)     # [m, V]
+        if tp.rank == 0:
+            for j, i in enumerate(sampled):
+                tokens[i] = int(samplers[i](full[j:j + 1]))
+        if tp.size > 1:
+            tokens = comm.broadcast(tokens.to(logits.device), tp, src=0).cpu()
+    return tokens
