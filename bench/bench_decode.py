@@ -77,7 +77,7 @@ def _weight_bytes(model, quantize: str = "none") -> int:
 
 
 def _quantize(model, tp, quantize: str) -> None:
-    from tensorpar.generate import apply_quantize
+    from tensorpar.quant import apply_quantize
     apply_quantize(model, tp, quantize)
 
 

@@ -92,7 +92,8 @@ def job_memory(ctx, folder, dtype, quantize):
     import ctypes
     import gc
 
-    from tensorpar.generate import SamplingConfig, apply_quantize, generate_tokens
+    from tensorpar.generate import SamplingConfig, generate_tokens
+    from tensorpar.quant import apply_quantize
     from tensorpar.hf.load import build_parallel_model
     from tensorpar.quant import resident_weight_bytes
     torch.set_num_threads(1)

@@ -29,6 +29,8 @@ import torch
 
 from tensorpar import comm
 from tensorpar.comm import Group
+from tensorpar.quant import add_quantize_argument, apply_quantize, check_quantize
+from tensorpar.streaming import chat_prompt_ids
 from tensorpar.serve.tokens import SamplingConfig
 
 
@@ -251,49 +253,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                      "(docs/plans.md)")
 
 
-def add_quantize_argument(p: argparse.ArgumentParser) -> None:
-    """``--quantize {none,int8}`` (generate, serve, verify)."""
-    from tensorpar.quant import QUANTIZE_CHOICES
-    p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none",
-                   help="int8: weight-only int8 with per-output-channel scales for every decoder Linear and the "
-                        "LM head (lean decode path; tensorpar/quant.py)")
-
-
-def check_quantize(quantize: str, config, plan) -> None:
-    """In the launching process: ValueError if ``--quantize int8`` cannot run this model (lean path only)."""
-    from tensorpar.hf.families import why_not
-    if quantize == "none":
-        return
-    why = why_not("fast_decode", config)   # the rule the ranks apply (tensorpar.lean.lean_unsupported)
-    if why is not None:
-        raise ValueError(f"--quantize {quantize} runs on the lean decode path, which cannot run this model: {why}; "
-                         f"use --quantize none")
-    if getattr(plan, "sequence_parallel", False):
-        raise ValueError(f"--quantize {quantize} cannot run with sequence parallelism (the lean path does not); "
-                         f"use a plan without it or --quantize none")
-
-
-def apply_quantize(model, tp: Group, quantize: str) -> None:
-    """On every rank, after loading: quantize ``model`` in place (:func:`tensorpar.quant.quantize_int8`)."""
-    if quantize == "int8":
-        from tensorpar.quant import quantize_int8
-        quantize_int8(model, tp)
-
-
 def _resolve(spec: str):
     from tensorpar.hub import resolve_model
     return resolve_model(spec)
-
-
-def chat_prompt_ids(tok, messages: list[dict]) -> list[int]:
-    """The prompt ids of a chat (``[n]``): exactly ``tok.apply_chat_template(messages, tokenize=True,
-    add_generation_prompt=True)``, used by ``generate --chat`` and ``serve``'s chat endpoint.
-
-    The template writes every special token itself; rendering it to text and tokenizing that with the
-    tokenizer's defaults would add the tokenizer's BOS in front of the template's (two BOS, sglang PR #888).
-    Raises whatever the tokenizer raises when it has no chat template.
-    """
-    return list(tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))
 
 
 def _encode(tok, prompts: list[str], chat: bool):

@@ -319,3 +319,32 @@ def int8_weight_bytes(model) -> int:
             if isinstance(w, Int8Weight):
                 n += w.q.numel() + w.scale.numel() * w.scale.element_size()
     return n
+
+
+# ---------------------------------------------------------------- the --quantize flag (generate, serve, verify)
+
+def add_quantize_argument(p) -> None:
+    """``--quantize {none,int8}`` (generate, serve, verify)."""
+    p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none",
+                   help="int8: weight-only int8 with per-output-channel scales for every decoder Linear and the "
+                        "LM head (lean decode path; tensorpar/quant.py)")
+
+
+def check_quantize(quantize: str, config, plan) -> None:
+    """In the launching process: ValueError if ``--quantize int8`` cannot run this model (lean path only)."""
+    from tensorpar.hf.families import why_not
+    if quantize == "none":
+        return
+    why = why_not("fast_decode", config)   # the rule the ranks apply (tensorpar.lean.lean_unsupported)
+    if why is not None:
+        raise ValueError(f"--quantize {quantize} runs on the lean decode path, which cannot run this model: {why}; "
+                         f"use --quantize none")
+    if getattr(plan, "sequence_parallel", False):
+        raise ValueError(f"--quantize {quantize} cannot run with sequence parallelism (the lean path does not); "
+                         f"use a plan without it or --quantize none")
+
+
+def apply_quantize(model, tp: Group, quantize: str) -> None:
+    """On every rank, after loading: quantize ``model`` in place (:func:`tensorpar.quant.quantize_int8`)."""
+    if quantize == "int8":
+        quantize_int8(model, tp)

@@ -137,3 +137,14 @@ class TokenPrinter:
     def text(self) -> str:
         """Everything printed so far."""
         return "".join(self.pieces)
+
+
+def chat_prompt_ids(tok, messages: list[dict]) -> list[int]:
+    """The prompt ids of a chat (``[n]``): exactly ``tok.apply_chat_template(messages, tokenize=True,
+    add_generation_prompt=True)``, used by ``generate --chat`` and ``serve``'s chat endpoint.
+
+    The template writes every special token itself; rendering it to text and tokenizing that with the
+    tokenizer's defaults would add the tokenizer's BOS in front of the template's (two BOS, sglang PR #888).
+    Raises whatever the tokenizer raises when it has no chat template.
+    """
+    return list(tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))

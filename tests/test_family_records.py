@@ -61,7 +61,7 @@ QWEN2_WINDOWED = dict(use_sliding_window=True, sliding_window=16, max_window_lay
 
 def test_quantize_is_refused_in_the_parent_for_what_the_ranks_refuse():
     """Old code: the parent accepted any llama/mistral/qwen2 (a sliding-window config then failed in every rank)."""
-    from tensorpar.generate import check_quantize
+    from tensorpar.quant import check_quantize
     for c in (cfg("mistral", sliding_window=16), cfg("qwen2", **QWEN2_WINDOWED)):
         with pytest.raises(ValueError, match=r"--quantize int8 .*sliding_window=16.*use --quantize none"):
             check_quantize("int8", c, make_plan(c, 2))

@@ -115,7 +115,7 @@ def test_int8_linear_matches_dequantized_matmul(dtype, k, chunk, monkeypatch):
 def test_quantize_refused_before_ranks_start(tmp_path):
     from transformers import AutoConfig
 
-    from tensorpar.generate import check_quantize
+    from tensorpar.quant import check_quantize
     cfg = AutoConfig.for_model("gpt2", n_embd=24, n_layer=2, n_head=6)
     with pytest.raises(ValueError, match="--quantize int8.*'gpt2'.*--quantize none"):
         check_quantize("int8", cfg, argparse.Namespace(sequence_parallel=False))
@@ -125,7 +125,7 @@ def test_quantize_refused_before_ranks_start(tmp_path):
 
 
 def job_engine_int8(ctx, folder, prompt, n):
-    from tensorpar.generate import apply_quantize
+    from tensorpar.quant import apply_quantize
     from tensorpar.hf.load import build_parallel_model
     from tensorpar.serve.engine import Engine, Row, StepPlan
     model, _ = build_parallel_model(folder, ctx.tp)

@@ -168,7 +168,7 @@ class Api:
                 raise BadRequest(f"messages[{i}] must be {{role: system|user|assistant, content: string}}",
                                  "messages")
         msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
-        from tensorpar.generate import chat_prompt_ids
+        from tensorpar.streaming import chat_prompt_ids
         try:
             return chat_prompt_ids(self.tok, msgs)
         except Exception as e:  # tokenizers without a chat template raise their own errors
