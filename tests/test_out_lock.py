@@ -117,3 +117,19 @@ def test_lock_released_when_the_run_is_killed(tmp_path, text_file):
     from tensorpar.launch import locked_folder
     with locked_folder(str(out)):                     # free again at once
         pass
+
+
+def test_out_with_files_but_no_checkpoint_does_not_suggest_resume(tmp_path):
+    """A run killed before its first checkpoint leaves metrics.jsonl (and its .lock): the fresh-run refusal used to
+    suggest --resume, which then found no checkpoint (review finding). Now it says there is nothing to resume."""
+    from tensorpar.train.config import check_out_dir
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / ".lock").write_text("123")
+    with pytest.raises(ValueError, match=r"already holds files but no checkpoint .* nothing to resume") as e:
+        check_out_dir(str(out), resume=None)
+    assert "--resume" not in str(e.value)
+    (out / "checkpoints" / "step_000001").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"continue it with --resume"):
+        check_out_dir(str(out), resume=None)

@@ -290,8 +290,13 @@ def check_out_dir(out_dir: str, *, resume: str | None) -> None:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out_dir!r} is a file, not a folder; choose a folder for the run's outputs")
     if resume is None and out.is_dir() and any(p.name != ".lock" for p in out.iterdir()):  # .lock: ours
-        raise ValueError(f"--out {out_dir!r} already holds files (an earlier run?); continue it with --resume, "
-                         f"or choose another --out folder")
+        ckpts = out / "checkpoints"
+        if ckpts.is_dir() and any(ckpts.iterdir()):
+            raise ValueError(f"--out {out_dir!r} already holds files (an earlier run?); continue it with --resume, "
+                             f"or choose another --out folder")
+        raise ValueError(f"--out {out_dir!r} already holds files but no checkpoint (an earlier run that stopped "
+                         f"before saving one?), so there is nothing to resume; move its files away or choose "
+                         f"another --out folder")
 
 
 def config_error(source: str, e: Exception) -> ValueError:
