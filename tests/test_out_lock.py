@@ -133,3 +133,24 @@ def test_out_with_files_but_no_checkpoint_does_not_suggest_resume(tmp_path):
     (out / "checkpoints" / "step_000001").mkdir(parents=True)
     with pytest.raises(ValueError, match=r"continue it with --resume"):
         check_out_dir(str(out), resume=None)
+
+
+def test_second_run_into_an_export_in_use_is_refused_then_exports(tmp_path, text_file, capsys):
+    """Old code: a second run sharing --export (another --out) trained to the end and then failed with rc 1
+    (review finding). Now the export folder is locked like --out: refused in one line before training; once free,
+    a run exports there and leaves no .lock behind."""
+    export = tmp_path / "export"
+    holder = _hold(export / ".lock")            # a run exporting there, still training
+    try:
+        assert main(_args(text_file, tmp_path / "b", "--steps", "2", "--export", str(export))) == 2
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 1 and f"--export {str(export)!r} is in use by another run" in lines[0], lines
+        assert not (tmp_path / "b").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    (export / ".lock").unlink()
+    export.rmdir()
+    assert main(_args(text_file, tmp_path / "c", "--steps", "2", "--export", str(export))) == 0
+    names = {p.name for p in export.iterdir()}
+    assert "config.json" in names and ".lock" not in names, names

@@ -293,6 +293,8 @@ def main(args: argparse.Namespace) -> int:
         if args.export is not None:
             if Path(args.export).absolute() == Path(cfg.out_dir).absolute():
                 raise ValueError(f"--export {args.export!r} is the --out folder; export into another folder")
+            if not under_torchrun() or os.environ.get("RANK") == "0":   # a second run exporting here is refused
+                lock.enter_context(locked_folder(args.export, "--export"))
             check_export_dir(args.export, overwrite=getattr(args, "overwrite", False))
         ckpt = check_resume(cfg, args.resume) if args.resume is not None else None
         source, data = prepare(cfg, progress=not args.no_progress)  # fills the caches once; ranks then read them

@@ -54,7 +54,7 @@ def check_export_dir(out: str | os.PathLike, *, overwrite: bool = False) -> None
         raise FileExistsError(f"--export {str(out)!r} is a file; choose a new or empty folder")
     if not out.is_dir():
         return
-    entries = sorted(p.name for p in out.iterdir())
+    entries = sorted(p.name for p in out.iterdir() if p.name != ".lock")   # .lock: the run's (launch.locked_folder)
     if not entries:
         return
     listed = _marker_files(out)
