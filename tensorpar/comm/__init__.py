@@ -47,8 +47,7 @@ import torch
 import torch.distributed as dist
 
 from tensorpar.comm.group import (_ALL_GATHER, _REDUCE_SCATTER, CollectiveError, CommCounter, Group, SizesLike,
-                                  _run, _sizes, _use_fast, counting)
-from tensorpar.shard import Partition
+                                  _gather_sizes, _run, _sizes, _use_fast, counting)
 
 
 def all_reduce(x: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
@@ -77,10 +76,7 @@ def all_gather(x: torch.Tensor, group: Group, dim: int = -1, sizes: SizesLike = 
     if group.size == 1:
         return x
     dim = dim % x.dim()
-    s = list(sizes.sizes if isinstance(sizes, Partition) else sizes) if sizes is not None else [x.shape[dim]] * group.size
-    if len(s) != group.size or s[group.rank] != x.shape[dim]:
-        raise ValueError(f"all_gather on {group.name}: local size {x.shape[dim]} along dim {dim} does not match "
-                         f"shard sizes {s} at rank {group.rank}")
+    s = _gather_sizes(x, group, dim, sizes)
     group.counter.record("all_gather", x.numel() // max(x.shape[dim], 1) * sum(s), x.element_size(), group.size)
     t0 = group.counter.start()
     y = group.fast.all_gather(x, dim=dim, sizes=s) if _use_fast(group, x) else _pg_all_gather(x, group, dim, s)

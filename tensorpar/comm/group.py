@@ -151,6 +151,16 @@ def _sizes(sizes: SizesLike, group: Group, n: int, dim_name: str) -> list[int]:
     return s
 
 
+def _gather_sizes(x: torch.Tensor, group: Group, dim: int, sizes: SizesLike) -> list[int]:
+    """Every rank's shard size along ``dim`` for an all-gather of ``x`` (``sizes``, or ``x``'s size on every rank).
+    Raises ValueError when ``x`` is not this rank's shard."""
+    s = list(sizes.sizes if isinstance(sizes, Partition) else sizes) if sizes is not None else [x.shape[dim]] * group.size
+    if len(s) != group.size or s[group.rank] != x.shape[dim]:
+        raise ValueError(f"all_gather on {group.name}: local size {x.shape[dim]} along dim {dim} does not match "
+                         f"shard sizes {s} at rank {group.rank}")
+    return s
+
+
 def _run(kind: str, group: Group, t: torch.Tensor, fn):
     try:
         return fn()

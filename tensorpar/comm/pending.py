@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from tensorpar.comm import all_gather, all_reduce, reduce_scatter
-from tensorpar.comm.group import _ALL_GATHER, _REDUCE_SCATTER, Group, SizesLike, _run, _sizes, _use_fast
-from tensorpar.shard import Partition
+from tensorpar.comm.group import (_ALL_GATHER, _REDUCE_SCATTER, Group, SizesLike, _gather_sizes, _run, _sizes,
+                                  _use_fast)
 
 
 class Pending:
@@ -66,10 +66,7 @@ def all_gather_async(x: torch.Tensor, group: Group, dim: int = -1, sizes: SizesL
     if not _async_ok(group, x):
         return Pending("all_gather", group, x, result=all_gather(x, group, dim, sizes))
     dim = dim % x.dim()
-    s = list(sizes.sizes if isinstance(sizes, Partition) else sizes) if sizes is not None else [x.shape[dim]] * group.size
-    if len(s) != group.size or s[group.rank] != x.shape[dim]:
-        raise ValueError(f"all_gather on {group.name}: local size {x.shape[dim]} along dim {dim} does not match "
-                         f"shard sizes {s} at rank {group.rank}")
+    s = _gather_sizes(x, group, dim, sizes)
     group.counter.record("all_gather", x.numel() // max(x.shape[dim], 1) * sum(s), x.element_size(), group.size)
     m = max(s)
     xm = x.movedim(dim, 0)
