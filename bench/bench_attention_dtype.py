@@ -1,4 +1,4 @@
-"""CPU decode attention in bf16 against the same attention on fp32 copies (what tensorpar.lean runs for bf16/fp16
+"""CPU decode attention in bf16 against the same attention on fp32 copies (what tensorpar.decode.lean runs for bf16/fp16
 decode on the CPU: the keys and values cast into fp32 buffers allocated once), one thread, same run; also the
 same with freshly allocated fp32 copies per call (``.float()``), which depends on the allocator's state.
 

@@ -71,13 +71,13 @@ def job_bandwidth(ctx, mb: int, reps: int):
 
 def _weight_bytes(model, quantize: str = "none") -> int:
     if quantize == "int8":      # the int8 weights + scales the lean path reads, and the 1-D parameters (norms)
-        from tensorpar.quant import int8_weight_bytes
+        from tensorpar.decode.int8 import int8_weight_bytes
         return int8_weight_bytes(model) + sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 1)
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def _quantize(model, tp, quantize: str) -> None:
-    from tensorpar.quant import apply_quantize
+    from tensorpar.decode.quantize import apply_quantize
     apply_quantize(model, tp, quantize)
 
 
@@ -214,7 +214,7 @@ def perplexity(folder: str, n_tokens: int, dtype: str, window: int = 256,
 
     from tensorpar.data.shakespeare import load_works, split_works
     from tensorpar.hf.load import build_parallel_model
-    from tensorpar.lean import LeanDecoder
+    from tensorpar.decode.lean import LeanDecoder
     from tensorpar.parallel import ParallelContext
     _, val = split_works(load_works(progress=False), 0.05)
     text = val[0].text[4000:4000 + 8 * n_tokens]
@@ -270,7 +270,7 @@ def run(folder: str, n: int, mb: int, rounds: int = 1) -> dict:
     row("tensorpar tp=1, 1 thread, lean, bf16", 1, 1, job_tp, folder, n, "bfloat16", "lean", 1, dtype="bfloat16")
     row("tensorpar tp=2, 1 thread/rank, lean, bf16", 2, 1, job_tp, folder, n, "bfloat16", "lean", 1, True,
         dtype="bfloat16")
-    for world in (1, 2):    # int8 weight-only (tensorpar/quant.py) with bf16 activations: its fast kernel
+    for world in (1, 2):    # int8 weight-only (tensorpar/decode/quantize.py) with bf16 activations: its fast kernel
         row(f"tensorpar tp={world}, 1 thread/rank, lean, int8 + bf16", world, 1, job_tp, folder, n, "bfloat16",
             "lean", 1, False, "int8", dtype="bfloat16")
     for b in (4, 16):

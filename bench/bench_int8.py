@@ -14,7 +14,7 @@ In one run this script
    int8 + bf16;
 5. per-rank memory after loading SmolLM2 (fp32, int8 with fp32 activations, int8 with bf16 activations; tp 1 and
    2; fresh processes per row): the bytes of the distinct storages the model holds
-   (:func:`tensorpar.quant.resident_weight_bytes`: parameters, buffers, fused and int8 tensors, each storage
+   (:func:`tensorpar.decode.quantize.resident_weight_bytes`: parameters, buffers, fused and int8 tensors, each storage
    once) and the process's resident set (``VmRSS`` of /proc/self/status) before loading, after loading (and
    quantizing), after glibc's ``malloc_trim(0)`` (freed heap memory glibc had kept), after an 8-token generate,
    and the peak (``VmHWM``);
@@ -46,11 +46,11 @@ def kernels(n_weights: int = 90, reps: int = 5) -> dict:
     """µs per call of each candidate (see the module docstring), best of 3 sweeps."""
     import torch.nn.functional as F
 
-    from tensorpar.quant import Int8Weight, _quantize
+    from tensorpar.decode.int8 import Int8Weight, quantize_rows
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(1536, 576, generator=g) for _ in range(n_weights)]
-    qs = [_quantize(w.clone(), None) for w in ws]
+    qs = [quantize_rows(w.clone(), None) for w in ws]
     qb = [Int8Weight(q.q, q.scale.bfloat16()) for q in qs]
     wb = [w.bfloat16() for w in ws]
     x = torch.randn(1, 576, generator=g)
@@ -93,9 +93,9 @@ def job_memory(ctx, folder, dtype, quantize):
     import gc
 
     from tensorpar.generate import SamplingConfig, generate_tokens
-    from tensorpar.quant import apply_quantize
+    from tensorpar.decode.quantize import apply_quantize
     from tensorpar.hf.load import build_parallel_model
-    from tensorpar.quant import resident_weight_bytes
+    from tensorpar.decode.quantize import resident_weight_bytes
     torch.set_num_threads(1)
     gc.collect()
     out = {"rss_base": _status_kb("VmRSS")}
@@ -192,7 +192,7 @@ def write(res: dict, out: Path, n: int) -> None:
              f"end {le[0]:.2f} / {le[1]:.2f} / {le[2]:.2f} (shared machine: 2 cores; rows measured under load are "
              f"slower than they could be).", "",
              "int8: weight-only, per-output-channel scales, every decoder Linear and the LM head "
-             "(tensorpar/quant.py); fp32 activations run `F.linear(x, q.float()) * s`, bf16 activations "
+             "(tensorpar/decode/quantize.py); fp32 activations run `F.linear(x, q.float()) * s`, bf16 activations "
              "`torch._weight_int8pack_mm`.", "",
              "Kernel candidates, one [1, 576] x [576, 1536] GEMV, 1 thread, 90 distinct weights cycled (from memory), "
              "best of 3 sweeps:", "", "| kernel | µs per call |", "|---|---|"]
@@ -240,7 +240,7 @@ def memory_lines(mem: list[dict]) -> list[str]:
     fp = {r["ranks"]: r for r in mem if r["quantize"] == "none"}
     lines = ["", "Memory per rank after loading SmolLM2-135M (fresh processes per row; MB = 10^6 bytes; ranks "
              "separated by '/'). *Weights*: the distinct storages the model holds (parameters, buffers, the lean "
-             "path's fused tensors, int8 weights and scales; tensorpar.quant.resident_weight_bytes). *RSS*: VmRSS "
+             "path's fused tensors, int8 weights and scales; tensorpar.decode.quantize.resident_weight_bytes). *RSS*: VmRSS "
              "of the rank's process: before loading (torch and the libraries), after loading and quantizing, after "
              "glibc's malloc_trim(0), after an 8-token generate (KV cache, activations); *peak*: VmHWM.", "",
              "| configuration | weights MB | weights / fp32 | RSS before load | RSS loaded | RSS after malloc_trim | "

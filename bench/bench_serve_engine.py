@@ -50,7 +50,8 @@ def _old_exchange(engine):
 
 def _per_request_step(engine, inner):
     """The previous Engine.step: every prefill row in its own forward, then the decode rows together."""
-    from tensorpar.serve.engine import StepPlan, StepResult
+    from tensorpar.serve.engine import StepResult
+    from tensorpar.serve.plan import StepPlan
 
     def step(plan, samplers):
         rows = plan.rows

@@ -35,7 +35,8 @@ def rank_main(folder: str, dtype: str, max_batch: int, steps: int, rounds: int):
 
     from tensorpar.hf.load import build_parallel_model
     from tensorpar.parallel import ParallelConfig, init_parallel
-    from tensorpar.serve.engine import Engine, Row, StepPlan
+    from tensorpar.serve.engine import Engine
+    from tensorpar.serve.plan import Row, StepPlan
 
     world = int(os.environ["WORLD_SIZE"])
     ctx = init_parallel(ParallelConfig(tp=world), timeout_s=300, fast_collectives="auto")

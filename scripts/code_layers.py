@@ -1,7 +1,7 @@
 """Counts the layering of the library (issue 22): rooms, import cycles between rooms, imports inside functions,
 library lines and the modules over 400 lines.
 
-A room is a subpackage of ``tensorpar`` (``tensorpar.hf``) or a module at the package root (``tensorpar.lean``).
+A room is a subpackage of ``tensorpar`` (``tensorpar.hf``) or a module at the package root (``tensorpar.hub``).
 Every ``import`` of a tensorpar module counts, also those inside functions (a function-level import hides a cycle
 from Python but not from a reader). Usage: ``python scripts/code_layers.py [repo root] [--json]``.
 """

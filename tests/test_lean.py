@@ -1,4 +1,4 @@
-"""The lean decode path (tensorpar/lean.py) equals the module path and transformers, token for token.
+"""The lean decode path (tensorpar/decode/lean.py) equals the module path and transformers, token for token.
 
 transformers' own greedy tokens for llama / qwen2 / mistral at tp 1-9 are checked by tests/test_generate.py
 (generate's default path is the lean one for these families), SmolLM2's by tests/test_smollm2.py and the serve
@@ -56,7 +56,7 @@ def test_lean_equals_module_path_without_extra_memory(pools, folders, arch, tp):
 
 
 def job_lean_kv_runs(ctx, folder, ids, mask, n, threshold):
-    import tensorpar.lean as lean
+    import tensorpar.decode.lean as lean
     from tensorpar.hf.load import build_parallel_model
     model, _ = build_parallel_model(folder, ctx.tp)
     old, lean._RUNS_MIN_ROW_POSITIONS = lean._RUNS_MIN_ROW_POSITIONS, threshold
@@ -110,7 +110,7 @@ def test_verify_runs_the_lean_path(pools):
 def job_bf16(ctx, folder, ids, mask, n):
     from tensorpar import comm
     from tensorpar.hf.load import build_parallel_model
-    from tensorpar.lean import LeanDecoder
+    from tensorpar.decode.lean import LeanDecoder
     model, plan = build_parallel_model(folder, ctx.tp, dtype=torch.bfloat16)
     tokens = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=n)).tokens
     lean = LeanDecoder(model, ctx.tp, max_batch=ids.shape[0], max_len=ids.shape[1])
@@ -136,14 +136,14 @@ def test_rms_norm_fast_path_is_the_module_bitwise(folders):
     the module's output bit for bit (including a one-row input, the decode shape)."""
     from transformers import AutoModelForCausalLM
 
-    from tensorpar.lean import _rms_norm
+    from tensorpar.decode.kernels import rms_norm_fn
     for arch in ("llama", "qwen2"):
         model = AutoModelForCausalLM.from_pretrained(folders[arch])
         for dtype in (torch.float32, torch.bfloat16):
             norm = model.model.layers[0].input_layernorm.to(dtype)
             with torch.no_grad():
                 norm.weight.uniform_(0.5, 1.5)
-            fast = _rms_norm(norm)
+            fast = rms_norm_fn(norm)
             assert fast is not norm, f"{arch} {dtype}: the fast RMSNorm was not taken"
             for rows in (1, 5):
                 x = (torch.randn(rows, norm.weight.shape[0]) * 7).to(dtype)
@@ -155,11 +155,12 @@ def test_bf16_prepacked_equals_plain_and_follows_weight_updates(folders):
     """bf16 on CPU: the oneDNN-prepacked matmuls give the plain ``F.linear`` path's logits bit for bit, and a weight
     changed in place after a decoder was built is packed again by the next one (no stale copy)."""
     from tensorpar.hf.load import build_parallel_model
-    from tensorpar.lean import LeanDecoder, _can_pack
+    from tensorpar.decode.kernels import can_pack
+    from tensorpar.decode.lean import LeanDecoder
     from tensorpar.parallel import ParallelContext
     ctx = ParallelContext.single()
     model, _ = build_parallel_model(folders["llama"], ctx.tp, dtype=torch.bfloat16)
-    if not _can_pack(model.lm_head.weight):
+    if not can_pack(model.lm_head.weight):
         pytest.skip("this CPU's oneDNN has no bf16 kernels: the decoder does not prepack")
     ids, mask = prompts(53)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -187,10 +188,10 @@ def test_attention_per_kv_head_run_equals_copied_kv_heads():
     query head (prefill keeps the copies: with several queries the last bit depends on the head count)."""
     import torch.nn.functional as F
 
-    from tensorpar.lean import _kv_runs
-    assert _kv_runs([0, 0, 0, 1, 1]) == [(0, 0, 3), (1, 3, 5)]
-    assert _kv_runs([0, 1, 1, 1]) == [(0, 0, 1), (1, 1, 4)]
-    assert _kv_runs([0, 1, 0]) == [(0, 0, 1), (1, 1, 2), (0, 2, 3)]
+    from tensorpar.decode.kernels import kv_runs
+    assert kv_runs([0, 0, 0, 1, 1]) == [(0, 0, 3), (1, 3, 5)]
+    assert kv_runs([0, 1, 1, 1]) == [(0, 0, 1), (1, 1, 4)]
+    assert kv_runs([0, 1, 0]) == [(0, 0, 1), (1, 1, 2), (0, 2, 3)]
     g = torch.Generator().manual_seed(0)
     for kv_index, s in (([0, 0, 0, 1, 1], 1), ([0, 1, 1, 1], 1)):       # decode: one query per row
         b, L, d = 3, 11, 8
@@ -204,5 +205,5 @@ def test_attention_per_kv_head_run_equals_copied_kv_heads():
                                              scale=0.3)
         got = torch.cat([F.scaled_dot_product_attention(q[:, q0:q1], keys[:, j:j + 1], vals[:, j:j + 1],
                                                         attn_mask=mask, scale=0.3, enable_gqa=q1 - q0 > 1)
-                         for j, q0, q1 in _kv_runs(kv_index)], dim=1)
+                         for j, q0, q1 in kv_runs(kv_index)], dim=1)
         assert torch.equal(got, ref)

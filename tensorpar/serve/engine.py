@@ -7,7 +7,7 @@ Continuous batching (iteration-level scheduling, Yu et al. 2022 "Orca", OSDI; Kw
 needs a KV cache in which requests of different lengths live side by side and come and go between steps. Here
 each of ``max_batch`` *slots* owns a static region of every layer's cache, ``[kv_local, max_model_len, d]``,
 preallocated at start (only this rank's KV heads, so the cache memory per rank falls with tp). A step is one
-forward (on the lean path, :meth:`~tensorpar.lean.LeanDecoder.forward_segments`) of
+forward (on the lean path, :meth:`~tensorpar.decode.lean.LeanDecoder.forward_segments`) of
 
 * the newly admitted requests' prompts, in padded groups (:func:`prefill_groups` splits a burst into a few groups
   when the prompt lengths differ a lot or a group would exceed :data:`PREFILL_TOKENS`), and
@@ -19,7 +19,7 @@ The matmuls, norms and all-reduces run once over all the step's tokens; attentio
 padded to a prompt's length would cost that many tokens of attention; there is no variable-length attention
 kernel here). The module path (families without the lean decoder) runs one forward per group.
 
-Which path runs is decided in one place, :func:`tensorpar.lean.lean_unsupported` (the family record's
+Which path runs is decided in one place, :func:`tensorpar.decode.prepare.lean_unsupported` (the family record's
 ``fast_decode`` and the config's window, :func:`tensorpar.hf.families.why_not`): the lean decoder for every family
 whose record says so, the model's own modules with a :class:`SlotKVCache` otherwise.
 
@@ -51,82 +51,19 @@ over the group's shared-memory communicator when it has one, else its process gr
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from tensorpar import comm
 from tensorpar.comm import Group
+from tensorpar.decode.lean import LeanDecoder, Segment
+from tensorpar.decode.prepare import lean_unsupported
+from tensorpar.decode.rope import per_row_rope
+from tensorpar.decode.slot_cache import SlotKVCache
 from tensorpar.hf.families import attention_windows
+from tensorpar.serve.plan import PLAN_MAGIC, PLAN_WORDS, Row, StepPlan, decode_plan, encode_plan
 from tensorpar.serve.tokens import choose_tokens
-
-
-class SlotKVCache:
-    """Static per-slot KV cache holding this rank's KV heads, plugged into the model as its ``cache``.
-
-    Storage per layer: ``k``, ``v`` of shape ``[max_batch, kv_local, max_len, head_dim]`` (``kv_local``: the KV
-    heads this rank holds; allocated on the first :meth:`update` of each layer, i.e. at the engine's warm-up,
-    in the dtype and on the device of the model's keys). Before each forward :meth:`bind` says which slots the
-    batch rows are and at which positions their tokens go; the attention modules of
-    :mod:`tensorpar.hf.modules` then call :meth:`update`, which writes the new K/V there and returns each row's
-    first ``length`` cache entries. No collectives. Every position is kept, also for sliding-window layers (the
-    engine's mask applies the window).
-    """
-
-    def __init__(self, max_batch: int, max_len: int):
-        self.max_batch, self.max_len = max_batch, max_len
-        self.k: dict[int, torch.Tensor] = {}
-        self.v: dict[int, torch.Tensor] = {}
-        self._slots = self._pos = None
-        self._length = 0
-
-    def bind(self, slots: torch.Tensor, positions: torch.Tensor, length: int) -> None:
-        """Rows ``i`` of the next forward are slot ``slots[i]`` (``[b]`` int64) with tokens at ``positions[i]``
-        (``[b, s]`` int64); attention reads cache entries ``[0, length)``."""
-        self._slots, self._pos, self._length = slots, positions, length
-
-    def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Store ``k``, ``v`` ``[b, kv_local, s, d]`` at the bound slots/positions; return ``[b, kv_local, L, d]``."""
-        if layer_idx not in self.k:
-            shape = (self.max_batch, k.shape[1], self.max_len, k.shape[3])
-            self.k[layer_idx] = torch.zeros(shape, dtype=k.dtype, device=k.device)
-            self.v[layer_idx] = torch.zeros(shape, dtype=v.dtype, device=v.device)
-        kc, vc = self.k[layer_idx], self.v[layer_idx]
-        slots, pos, L = self._slots, self._pos, self._length
-        kc[slots[:, None], :, pos] = k.transpose(1, 2)                     # [b, s, kv, d] into the slots
-        vc[slots[:, None], :, pos] = v.transpose(1, 2)
-        if slots.numel() == 1:
-            i = int(slots[0])
-            return kc[i:i + 1, :, :L], vc[i:i + 1, :, :L]
-        return kc[:, :, :L].index_select(0, slots), vc[:, :, :L].index_select(0, slots)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.k, self.v) for t in d.values())
-
-
-@dataclass
-class Row:
-    """One request's part of a step: feed ``tokens`` into ``slot`` at positions ``start ..``.
-
-    ``start == 0`` is a prefill (batched with the step's other prefills); otherwise a continuation, usually the
-    one last token (decode; continuations of equal token counts run together).
-    ``sampled``: the token is sampled on rank 0 (else greedy). ``logprobs``: -1 none, 0 the chosen token's
-    log-probability, k > 0 also the top-k.
-    """
-
-    slot: int
-    tokens: list[int]
-    start: int
-    sampled: bool = False
-    logprobs: int = -1
-
-
-@dataclass
-class StepPlan:
-    """What every rank does next: ``op`` is ``"step"`` (run ``rows``), ``"noop"`` (heartbeat) or ``"stop"``."""
-
-    op: str
-    rows: list[Row] = field(default_factory=list)
 
 
 #: padded tokens (rows x longest prompt) one batched prefill forward may hold; a longer burst is split
@@ -175,45 +112,6 @@ def prefill_layout(prompts: list[list[int]]) -> tuple[list[list[int]], list[list
     return ids, pos
 
 
-# ---------------------------------------------------------------- the step plan as an int64 tensor
-#: words of the fixed-size plan message (8 KiB); a longer plan sends the rest in a second broadcast
-PLAN_WORDS = 1024
-_OPS = ("stop", "step", "noop")
-_MAGIC = 0x7470_5350                # "tpSP": a desynchronised message fails loudly instead of running garbage
-_HEAD = 5                           # magic, op, rows, tokens, total words
-_ROW = 5                            # slot, start, tokens, sampled, logprobs
-
-
-def encode_plan(plan: StepPlan) -> torch.Tensor:
-    """``plan`` as a 1-D int64 CPU tensor: a header ``[magic, op, rows, tokens, total words]``, then per row
-    ``[slot, start, len(tokens), sampled, logprobs]``, then every row's tokens in row order
-    (``5 + 5 * rows + tokens`` words; :func:`decode_plan` inverts it). Raises ValueError for an unknown op."""
-    if plan.op not in _OPS:
-        raise ValueError(f"StepPlan.op must be one of {_OPS}, got {plan.op!r}")
-    rows = plan.rows
-    ntok = sum(len(r.tokens) for r in rows)
-    words = [_MAGIC, _OPS.index(plan.op), len(rows), ntok, _HEAD + _ROW * len(rows) + ntok]
-    for r in rows:
-        words += (r.slot, r.start, len(r.tokens), int(r.sampled), r.logprobs)
-    for r in rows:
-        words += r.tokens
-    return torch.tensor(words, dtype=torch.int64)
-
-
-def decode_plan(t: torch.Tensor) -> StepPlan:
-    """The :class:`StepPlan` of :func:`encode_plan`'s tensor ``t`` (1-D int64, at least the header's total
-    words; trailing words are ignored). Raises ValueError on a bad magic word or op code."""
-    w = t.tolist()
-    if len(w) < _HEAD or w[0] != _MAGIC or not 0 <= w[1] < len(_OPS) or len(w) < w[4]:
-        raise ValueError(f"not a step plan message (header {w[:_HEAD]}): the tp ranks are out of step")
-    n, rows, off = w[2], [], _HEAD + _ROW * w[2]
-    for i in range(n):
-        slot, start, k, sampled, lp = w[_HEAD + _ROW * i:_HEAD + _ROW * (i + 1)]
-        rows.append(Row(slot, w[off:off + k], start, bool(sampled), lp))
-        off += k
-    return StepPlan(_OPS[w[1]], rows)
-
-
 @dataclass
 class StepResult:
     """Per row of the plan: the chosen token, and (if asked) its log-probability and the top-k ``(id, lp)``."""
@@ -231,8 +129,8 @@ class Engine:
         tp: its tensor-parallel group.
         max_batch: number of slots.
         max_len: cache length per slot (prompt + generated tokens).
-        path: ``"auto"`` runs the lean decode path (:class:`~tensorpar.lean.LeanDecoder`: fused projections, a
-            static cache of this rank's KV heads) when :func:`tensorpar.lean.lean_unsupported` allows it (the
+        path: ``"auto"`` runs the lean decode path (:class:`~tensorpar.decode.lean.LeanDecoder`: fused projections, a
+            static cache of this rank's KV heads) when :func:`tensorpar.decode.prepare.lean_unsupported` allows it (the
             family record) and the model's modules with a :class:`SlotKVCache` otherwise; ``"lean"`` requires
             the lean path; ``"hf"`` forces the module path.
         warm_up: run one 1-token prefill at construction (allocates the cache, warms every kernel).
@@ -252,7 +150,6 @@ class Engine:
         self.model, self.tp = model, tp
         self.vocab = model.tensorpar_plan.vocab
         self.device = next(model.parameters()).device
-        from tensorpar.lean import LeanDecoder, lean_unsupported
 
         # the one decision of which path runs: the lean decoder when the family record (and the config) allow it
         why = None if path == "hf" else lean_unsupported(model)
@@ -304,18 +201,15 @@ class Engine:
     def _forward(self, batches: list[tuple[list[int], list[list[int]], list[list[int]]]]) -> torch.Tensor:
         """Logits of the last column of each row of each batch ``(slots, ids, pos)``, ``[sum(b), V_r]``.
 
-        The lean path runs all the batches as one forward (:meth:`~tensorpar.lean.LeanDecoder.forward_segments`:
+        The lean path runs all the batches as one forward (:meth:`~tensorpar.decode.lean.LeanDecoder.forward_segments`:
         the matmuls once over every token, attention per batch); the module path one forward per batch.
         """
-        from tensorpar.lean import Segment
-
         parts = [self._segment(*bt) for bt in batches]
         if self.lean is not None:
             segs = [Segment(i.shape[0], i.shape[1], m, n, slots=sl, cache_pos=p) for i, p, sl, m, n in parts]
             ids = torch.cat([i.reshape(-1) for i, *_ in parts])
             pos = torch.cat([p.reshape(-1) for _, p, *_ in parts])
             return self.lean.forward_segments(ids, pos, segs)
-        from tensorpar.rope import per_row_rope
         out = []
         for ids_t, pos_t, slot_t, mask, length in parts:
             self.cache.bind(slot_t, pos_t, length)
@@ -407,7 +301,7 @@ class Engine:
             words = encode_plan(plan)
             msg[:min(len(words), PLAN_WORDS)] = words[:PLAN_WORDS]
         got = comm.broadcast(msg.to(dev), self.tp, src=0).cpu()
-        if int(got[0]) != _MAGIC:
+        if int(got[0]) != PLAN_MAGIC:
             decode_plan(got)                        # raises: not a plan message
         total = int(got[4])
         if total > PLAN_WORDS:

@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 import torch
 
-from tensorpar.serve.engine import Engine, Row, StepPlan
+from tensorpar.serve.engine import Engine
+from tensorpar.serve.plan import Row, StepPlan
 
 
 class QueueFull(Exception):

@@ -7,7 +7,7 @@ token ids with forward hooks, and compares, in execution order:
 * the input embedding's output,
 * per decoder block: its norms, its attention output, its MLP (or MoE) output, and the block output,
 * the final norm, and the logits (gathered over the vocabulary);
-* for the families of :mod:`tensorpar.lean`, the lean decode path that ``generate`` and ``serve`` run: the logits
+* for the families of :mod:`tensorpar.decode.lean`, the lean decode path that ``generate`` and ``serve`` run: the logits
   of a prefill of the first ``s - 1`` tokens and of one decode step of the last one;
 
 with ``--train`` also the loss, every parameter's gradient (each rank's slice against the same slice of the

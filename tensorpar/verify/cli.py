@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     #                                        auto: to every degree above 1
     p.add_argument("--sequence-parallel", action="store_true", help="shard with sequence parallelism")
     p.add_argument("--train", action="store_true", help="also compare loss, every gradient and the grad norm")
-    from tensorpar.quant import add_quantize_argument
+    from tensorpar.decode.quantize import add_quantize_argument
     add_quantize_argument(p)  # int8: both the reference (plain PyTorch) and the sharded model are quantized
     p.add_argument("--seq-len", type=int, default=0,
                    help="tokens per row (default: the smallest multiple of every tp that is >= 16)")
@@ -94,7 +94,7 @@ def validate(args: argparse.Namespace):
                          f"weights: int8 is for inference); drop --train or use --quantize none")
     for t in tps:
         plan = make_plan(config, t, sequence_parallel=args.sequence_parallel)  # unsupported model / tp: ValueError
-        from tensorpar.quant import check_quantize
+        from tensorpar.decode.quantize import check_quantize
         check_quantize(getattr(args, "quantize", "none"), config, plan)
     w = getattr(args, "tp_weights", None)
     if w is not None and str(w).strip().lower() != "auto":
@@ -131,7 +131,7 @@ def _rank_main(spec: str, folder: str | None, tp_size: int, seq: int, args: argp
                               sequence_parallel=args.sequence_parallel, tp_weights=weights,
                               attn_implementation=getattr(args, "attn_implementation", None))
         if getattr(args, "quantize", "none") == "int8":
-            from tensorpar.quant import quantize_int8, quantize_reference_int8
+            from tensorpar.decode.quantize import quantize_int8, quantize_reference_int8
             quantize_reference_int8(ref)
             quantize_int8(par, ctx.tp)
         g = torch.Generator().manual_seed(1234)

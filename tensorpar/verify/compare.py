@@ -228,10 +228,11 @@ def reference_grad_norm(params) -> torch.Tensor:
 
 
 def _lean_diffs(par, tp: Group, input_ids: torch.Tensor, logits_ref: torch.Tensor, tol_of, depth) -> list:
-    """The lean decode path (:mod:`tensorpar.lean`, what ``generate`` and ``serve`` run) against the reference:
+    """The lean decode path (:mod:`tensorpar.decode.lean`, what ``generate`` and ``serve`` run) against the reference:
     a prefill of ``input_ids[:, :-1]`` and one decode step of the last token, their logits compared with the
     reference's at positions ``s-2`` and ``s-1``. Empty when the model does not run that path."""
-    from tensorpar.lean import LeanDecoder, lean_unsupported
+    from tensorpar.decode.lean import LeanDecoder
+    from tensorpar.decode.prepare import lean_unsupported
 
     b, s = input_ids.shape
     if s < 2 or lean_unsupported(par) is not None:

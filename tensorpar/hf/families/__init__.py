@@ -71,7 +71,7 @@ def why_not(feature: str, config) -> str | None:
     what a rank would. Features (:data:`FEATURES`):
 
     * ``causal_lm``: a text decoder, not an image classifier.
-    * ``fast_decode``: the lean decode path (:mod:`tensorpar.lean`) and everything built on it (``--quantize``):
+    * ``fast_decode``: the lean decode path (:mod:`tensorpar.decode.lean`) and everything built on it (``--quantize``):
       the family's record says so and no layer attends through a sliding window.
     * ``pipeline``: :class:`~tensorpar.pipeline.stages.DecoderStage` can cut it (full causal attention).
     * ``sequence_parallel``: the family's plan splits the sequence between blocks.

@@ -21,7 +21,7 @@ class Family:
         plan: the sharding-table builder ``f(config, tp_size, *, sequence_parallel, head_split_weights,
             split_weights) -> ShardingPlan``.
         model_class: the transformers auto class the plan's module names are written for.
-        fast_decode: the lean decode path (:class:`tensorpar.lean.LeanDecoder`: fused QKV and gate-up matmuls,
+        fast_decode: the lean decode path (:class:`tensorpar.decode.lean.LeanDecoder`: fused QKV and gate-up matmuls,
             static KV cache) runs this family; it is also what ``--quantize int8`` needs.
         pipeline_stages: :class:`tensorpar.pipeline.stages.DecoderStage` can cut it (blocks that need only the
             causal mask and the shared rotary table).

@@ -105,7 +105,7 @@ class TPAttention(nn.Module):
     def _qkv(self, hidden_states: torch.Tensor):
         """Enter the tp region (``[b, s_r, h]`` under sequence parallelism) and project: q, k, v ``[b, heads, s, d]``.
         Without autograd and sequence parallelism (decode) the region's entry is the identity and the lean path's
-        fused q/k/v rows (:func:`tensorpar.lean.fuse_projections`) run as one matmul."""
+        fused q/k/v rows (:func:`tensorpar.decode.prepare.fuse_projections`) run as one matmul."""
         lean = None if (self.fused or torch.is_grad_enabled() or getattr(self, "sequence_parallel", False)) \
             else _lean_fused(self, ("q_proj", "k_proj", "v_proj"))
         if self.fused:

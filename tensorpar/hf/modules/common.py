@@ -9,6 +9,7 @@ import torch.nn as nn
 from tensorpar import comm
 from tensorpar.comm import Group
 from tensorpar.layers.attention import HeadLayout
+from tensorpar.layers.fused import FUSED_KEY, fused_weight
 from tensorpar.layers.linear import column_parallel_linears
 from tensorpar.shard import UnitSelection
 
@@ -31,11 +32,10 @@ def _head_rows(layout: HeadLayout, rank_units, q_first: int, kv_first: int, v_fi
 
 
 def _lean_fused(owner: nn.Module, names: tuple[str, ...]):
-    if "_lean_fused" not in owner.__dict__:
+    if FUSED_KEY not in owner.__dict__:
         return None
-    from tensorpar.lean import fused_weight
     f = fused_weight(owner, names)
-    # int8 (tensorpar.quant): the projections' own (dequantizing) weights run; the lean path reads the int8 one
+    # int8 (tensorpar.decode.quantize): the projections' own dequantizing weights run; lean reads the int8 one
     return f if f is None or isinstance(f[0], torch.Tensor) else None
 
 

@@ -47,7 +47,7 @@ class TPGatedMLP(nn.Module):
             else _lean_fused(self, ("gate_proj", "up_proj"))
         if self.fused:
             gate, up = _project(self, x, getattr(self, self.fused))[0].chunk(2, dim=-1)
-        elif lean is not None:  # one matmul over the fused gate/up rows (tensorpar.lean.fuse_projections)
+        elif lean is not None:  # one matmul over the fused gate/up rows (tensorpar.decode.prepare.fuse_projections)
             gate, up = torch.nn.functional.linear(x, *lean).chunk(2, dim=-1)
         else:
             gate, up = _project(self, x, self.gate_proj, self.up_proj)

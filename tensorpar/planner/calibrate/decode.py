@@ -14,7 +14,7 @@ def _time_decode_reads(ctx, layer_shapes: tuple, layers: int, head_shape: tuple,
 
     Each rank allocates its own fp32 matrices, ``layers`` x ``layer_shapes`` (``(out, in)`` each, in the order of
     the lean decode path's matmuls: fused QKV, attention output, fused gate-up, down) and ``head_shape`` (the
-    LM head), and runs one token's one-row matmuls over them as :class:`tensorpar.lean.LeanDecoder` does
+    LM head), and runs one token's one-row matmuls over them as :class:`tensorpar.decode.lean.LeanDecoder` does
     (``torch.mm(x [1, in], W.t())`` for the layers, ``F.linear`` for the head), ``passes`` times after two
     warm-up passes; all ranks run at once (lined up by one all-reduce), so ranks on one host share its memory
     bandwidth as tp ranks do. The same calls on 8 x 8 matrices time the per-call dispatch, which the framework

@@ -18,10 +18,10 @@ math directly on the rank's tensors:
   tensor-parallel speed-up): RMSNorm in five calls, the matmuls as ``torch.mm`` on ``[in, out]``
   views of the weights (``F.linear``'s own kernel call), the residual adds and the SiLU in place;
 * bf16 on a CPU (oneDNN with bf16 kernels): the matmuls run on weights reordered once into oneDNN's blocked
-  layout (:func:`_pack`, kept on the modules until a weight changes); ``F.linear`` calls the same oneDNN matmul
+  layout (:func:`pack`, kept on the modules until a weight changes); ``F.linear`` calls the same oneDNN matmul
   but reorders the weight on every call, which made bf16 GEMV 1.5x slower than it needs to be (same bits);
-* a model quantized by :func:`tensorpar.quant.quantize_int8` (its fp weights freed) runs every matmul as
-  :func:`tensorpar.quant.int8_linear` on the int8 ``[out, in]`` weights: no ``[in, out]`` views, no prepacking;
+* a model quantized by :func:`tensorpar.decode.quantize.quantize_int8` (its fp weights freed) runs every matmul as
+  :func:`tensorpar.decode.int8.int8_linear` on the int8 ``[out, in]`` weights: no ``[in, out]`` views, no prepacking;
 * collectives: one all-reduce for the embedding (vocabulary-parallel), two per layer (attention and MLP outputs,
   after the row-parallel projections), exactly those of the module path, through :func:`tensorpar.comm.all_reduce`
   (the shared-memory path when it is on).
@@ -45,177 +45,13 @@ import torch.nn.functional as F
 
 from tensorpar import comm
 from tensorpar.comm import Group
-from tensorpar.rope import rope_switch_length, row_rotary
-
-def lean_unsupported(model) -> str | None:
-    """Why ``model`` (sharded by :func:`tensorpar.hf.apply.parallelize`) cannot run :class:`LeanDecoder`, or
-    ``None`` if it can."""
-    from tensorpar.hf.families import why_not
-    from tensorpar.hf.modules import TPAttention, TPGatedMLP
-
-    why = why_not("fast_decode", model.config)   # the family's record and the config's window: the parent's rule
-    if why is not None:
-        return why
-    base = getattr(model, "model", None)
-    if base is None or not all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
-        return "not a decoder with model.embed_tokens / layers / norm / rotary_emb"
-    if getattr(model.tensorpar_plan, "sequence_parallel", False):
-        return "sequence parallelism"
-    for layer in base.layers:
-        a, m = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if type(a) is not TPAttention or type(m) is not TPGatedMLP:
-            return f"layer {getattr(a, 'layer_idx', '?')} is not TPAttention + TPGatedMLP"
-        if a.fused or m.fused or a.q_norm is not None or a.softcap is not None:
-            return "fused checkpoint projections, q/k norms or soft-capping"
-        if a.sliding_window is not None:
-            return f"sliding_window={a.sliding_window}"
-        if a.output_dropout is not None or m.output_dropout is not None:
-            return "output dropout"
-        if a._rope is None:
-            return "no apply_rotary_pos_emb in the family module"
-    return None
-
-
-def _fuse(mods, names) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Concatenate ``mods[i].weight`` (and biases) along dim 0 and make each a view of the result."""
-    ws = [m.weight for m in mods]
-    fused = torch.cat([w.detach() for w in ws])
-    off = 0
-    for w in ws:
-        n = w.shape[0]
-        w.data = fused[off:off + n]
-        off += n
-    biases = [m.bias for m in mods]
-    fb = None
-    if all(b is not None for b in biases):
-        fb = torch.cat([b.detach() for b in biases])
-        off = 0
-        for b in biases:
-            b.data = fb[off:off + b.shape[0]]
-            off += b.shape[0]
-    elif any(b is not None for b in biases):
-        fb = torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, ws)])
-    return fused, fb
-
-
-def fused_weight(owner, names: tuple[str, ...]):
-    """The fused ``(weight, bias)`` of ``owner``'s projections ``names`` (built on first use by
-    :func:`fuse_projections`), or ``None`` when they are stale (the parameters were replaced, e.g. by ``.to``)."""
-    f = owner.__dict__.get("_lean_fused")
-    if f is None:
-        return None
-    w = f[0]
-    if not isinstance(w, torch.Tensor):     # int8 (tensorpar.quant.quantize_int8): the fp weights were freed
-        return f
-    first = getattr(owner, names[0]).weight
-    if first.data_ptr() != w.data_ptr() or first.dtype != w.dtype or first.device != w.device:
-        return None
-    return f
-
-
-def fuse_projections(model) -> None:
-    """Fuse, on this rank, each :class:`TPAttention`'s q/k/v weights into one ``[q_local*d + 2*kv_local*d, h]``
-    tensor and each :class:`TPGatedMLP`'s gate/up weights into one ``[2*f_r, h]`` tensor.
-
-    The original parameters become views of the fused tensors (same names, same values, no extra memory); the
-    modules' forwards use the fused tensor when gradients are off. Idempotent; re-fuses after a ``.to(dtype)``.
-    No collectives.
-    """
-    from tensorpar.hf.modules import TPAttention, TPGatedMLP
-
-    for mod in model.modules():
-        if type(mod) is TPAttention and not mod.fused:
-            names = ("q_proj", "k_proj", "v_proj")
-        elif type(mod) is TPGatedMLP and not mod.fused:
-            names = ("gate_proj", "up_proj")
-        else:
-            continue
-        if fused_weight(mod, names) is None:
-            mod.__dict__["_lean_fused"] = _fuse([getattr(mod, n) for n in names], names)
-
-
-def _rms_norm(mod):
-    """An RMSNorm bitwise equal to ``mod`` with fewer framework calls, or ``mod`` itself when a probe says it is not
-    the families' formula ``weight * (x * rsqrt(mean(x^2) + eps))`` (normalised in fp32, the weight applied in the
-    weight's dtype: transformers' ``LlamaRMSNorm``; ``x*x`` is ``pow(x, 2)``'s own kernel). Six calls, in place where
-    possible, instead of the module call and its eight (``F.rms_norm``'s C++ decomposition measured slower: it
-    copies twice)."""
-    w = getattr(mod, "weight", None)
-    eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", None))
-    if not isinstance(w, torch.Tensor) or w.dim() != 1 or not isinstance(eps, float):
-        return mod
-    if w.dtype == torch.float32:
-        def fn(x):
-            return torch.mul(x, torch.mul(x, x).mean(-1, keepdim=True).add_(eps).rsqrt_()).mul_(w)
-    else:
-        def fn(x):
-            h = x.float()
-            return torch.mul(h, torch.mul(h, h).mean(-1, keepdim=True).add_(eps).rsqrt_()).to(w.dtype).mul_(w)
-    g = torch.Generator().manual_seed(0)
-    scale = torch.tensor([[0.01], [1.0], [30.0]])
-    with torch.no_grad():
-        for n in (3, 1):
-            probe = (torch.randn(n, w.shape[0], generator=g) * scale[:n]).to(w.device, w.dtype)
-            if not torch.equal(fn(probe), mod(probe)):
-                return mod
-    return fn
-
-
-def _is_silu(act, w: torch.Tensor) -> bool:
-    """Whether ``act`` computes ``F.silu`` (checked on a probe in ``w``'s dtype): then it runs in place."""
-    probe = torch.linspace(-8, 8, 64).to(w.device, w.dtype)
-    with torch.no_grad():
-        return torch.equal(act(probe), F.silu(probe))
-
-
-def _mm(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """``x [n, in] @ wt [in, out] (+ b)``: ``F.linear(x, wt.t(), b)``'s own call for 2-D input, without its dispatch."""
-    return torch.mm(x, wt) if b is None else torch.addmm(b, x, wt)
-
-
-def _packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, W, b)`` with ``w`` = :func:`_pack` (W): oneDNN's matmul without its per-call weight reorder."""
-    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-
-
-def _can_pack(w: torch.Tensor) -> bool:
-    """Whether :func:`_pack` applies: a CPU weight with oneDNN available, fp32, or bf16 where oneDNN runs bf16
-    (what ``F.linear`` calls there)."""
-    if w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    return w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-def _pack(owner, key: str, w: torch.Tensor, params=()) -> torch.Tensor:
-    """``w`` ``[out, in]`` reordered once into oneDNN's blocked layout, cached on ``owner`` until ``w`` changes
-    (its storage, or an in-place write to it or to ``params``, the parameters it is fused from: version counters)."""
-    cache = owner.__dict__.setdefault("_lean_packed", {})
-    tag = (w.data_ptr(), w._version, w.dtype, tuple(w.shape), tuple(p._version for p in params))
-    hit = cache.get(key)
-    if hit is None or hit[0] != tag:
-        hit = cache[key] = (tag, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1))
-    return hit[1]
-
+from tensorpar.decode.int8 import int8_linear, int8_weights, lean_weight
+from tensorpar.decode.kernels import can_pack, is_silu, kv_runs, mm, pack, packed_linear, rms_norm_fn
+from tensorpar.decode.prepare import fuse_projections, lean_unsupported
+from tensorpar.decode.rope import rope_switch_length, row_rotary
+from tensorpar.layers.fused import fused_weight
 
 _RUNS_MIN_ROW_POSITIONS = 512   # batch rows x cached positions from which decode attention runs per KV-head run
-
-
-def _kv_runs(kv_index: list[int]) -> list[tuple[int, int, int]]:
-    """``(kv_head, q_start, q_stop)`` for each run of consecutive local query heads that read one local KV head.
-
-    ``kv_index``: per local query head, its local KV head (``HeadLayout.kv_index``), e.g. ``[0, 0, 0, 1, 1]`` ->
-    ``[(0, 0, 3), (1, 3, 5)]``. In a decode step (one query per row) attention over each run with its KV head
-    (``enable_gqa``) reads the cache views as they are and gives, bitwise (tests/test_lean.py), the result of
-    attention over KV heads copied per query head, without the copies (``b x q_local x length x head_dim`` elements
-    of keys and as many of values per layer and step, more than the layer's weights at a serving batch of 32). With several queries per row (prefill) CPU
-    attention's result depends on the head count in its last bit, so prefill keeps the copies."""
-    runs: list[tuple[int, int, int]] = []
-    for h, j in enumerate(kv_index):
-        if runs and runs[-1][0] == j and runs[-1][2] == h:
-            runs[-1] = (j, runs[-1][1], h + 1)
-        else:
-            runs.append((j, h, h + 1))
-    return runs
 
 
 def _offsets(segments) -> list[int]:
@@ -263,7 +99,7 @@ class LeanDecoder:
             measured in bench/results/decode.md). fp32: oneDNN's kernels instead of MKL's ``torch.mm``, within a
             few units in the last place of it and faster (:meth:`_use_packed`). ``None``: for CPU weights in
             fp32, or bf16 where oneDNN runs bf16. Never for a model quantized by
-            :func:`tensorpar.quant.quantize_int8` (its matmuls read the int8 weights).
+            :func:`tensorpar.decode.quantize.quantize_int8` (its matmuls read the int8 weights).
 
     Memory: ``2 * num_layers * max_batch * kv_local * max_len * head_dim`` elements of the weights' dtype,
     allocated here once; with ``prepack`` a second copy of the rank's matmul weights (kept on the modules and
@@ -274,8 +110,7 @@ class LeanDecoder:
         why = lean_unsupported(model)
         if why is not None:
             raise ValueError(f"the lean decode path cannot run this model: {why}")
-        from tensorpar.quant import int8_linear, int8_weights, lean_weight
-        q8 = int8_weights(model)        # tensorpar.quant.quantize_int8 ran: its fp weights were freed
+        q8 = int8_weights(model)        # tensorpar.decode.quantize.quantize_int8 ran: its fp weights were freed
         if q8 is not None and q8["dtype"] != model.model.norm.weight.dtype:
             raise ValueError(f"the model was quantized in {q8['dtype']} and is now {model.model.norm.weight.dtype}; "
                              f"quantize after the .to(dtype)")
@@ -285,7 +120,7 @@ class LeanDecoder:
         self.model, self.tp = model, tp
         self.embed, self.rotary = base.embed_tokens, base.rotary_emb
         self.rope_switch = rope_switch_length(base.rotary_emb)
-        self.norm = _rms_norm(base.norm)
+        self.norm = rms_norm_fn(base.norm)
         self.lm_w, self.lm_b = lean_weight(model.lm_head), getattr(model.lm_head, "bias", None)
         self.max_batch, self.max_len = max_batch, max_len
         self.layers: list[_Layer] = []
@@ -296,7 +131,7 @@ class LeanDecoder:
         for layer in base.layers:
             a, m = layer.self_attn, layer.mlp
             L = _Layer()
-            L.ln1, L.ln2 = _rms_norm(layer.input_layernorm), _rms_norm(layer.post_attention_layernorm)
+            L.ln1, L.ln2 = rms_norm_fn(layer.input_layernorm), rms_norm_fn(layer.post_attention_layernorm)
             wqkv, L.bqkv = fused_weight(a, ("q_proj", "k_proj", "v_proj"))
             wgu, L.bgu = fused_weight(m, ("gate_proj", "up_proj"))
             wo, wd = lean_weight(a.o_proj), lean_weight(m.down_proj)
@@ -307,12 +142,12 @@ class LeanDecoder:
             L.bo, L.bd = a.o_proj.bias, m.down_proj.bias
             L.f = wd.shape[1]
             L.act = m.act_fn
-            L.silu = _is_silu(m.act_fn, w0)
+            L.silu = is_silu(m.act_fn, w0)
             L.gqa = a._group is not None and a._group > 1
             idx = a.layout.kv_index(tp.rank)
             # query heads whose KV heads are not in equal groups (heads split unevenly): attention per KV head on
             # views, each run of query heads with its one KV head, instead of copying every KV head per query head
-            L.kv_runs = None if a._group is not None else _kv_runs(idx)
+            L.kv_runs = None if a._group is not None else kv_runs(idx)
             L.kv_idx = None if a._group is not None else torch.tensor(idx, device=dev)
             L.scaling = a.scaling
             self.layers.append(L)
@@ -331,8 +166,8 @@ class LeanDecoder:
         if int8:        # the int8 weights (lean_weight / fused_weight gave them above), dequantized on the fly
             self.lin = self.linear = int8_linear
         else:
-            self.lin, self.linear = _mm, F.linear
-        self.packed = (not int8 and (prepack if prepack is not None else _can_pack(w0))
+            self.lin, self.linear = mm, F.linear
+        self.packed = (not int8 and (prepack if prepack is not None else can_pack(w0))
                        and w0.device.type == "cpu" and torch.backends.mkldnn.is_available())
         if self.packed:
             self._use_packed(model)
@@ -341,7 +176,7 @@ class LeanDecoder:
         self.padded = False
 
     def _use_packed(self, model) -> None:
-        """Read oneDNN-prepacked copies of the matmul weights (:func:`_pack`). bf16: only if a probe shows them
+        """Read oneDNN-prepacked copies of the matmul weights (:func:`pack`). bf16: only if a probe shows them
         bitwise equal to ``F.linear`` on this machine (else keep the plain weights). fp32: oneDNN's kernels
         differ from ``torch.mm``'s (MKL) in the order of their sums, a few units in the last place (the probe
         checks 1e-5 relative), and run 1.4x (one row) to 1.8x (32 rows) faster at the decode shapes of SmolLM2
@@ -350,7 +185,7 @@ class LeanDecoder:
         a0 = base.layers[0].self_attn
         w = fused_weight(a0, ("q_proj", "k_proj", "v_proj"))[0]
         probe = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
-        got = _packed_linear(probe, _pack(a0, "qkv", w, (a0.q_proj.weight, a0.k_proj.weight, a0.v_proj.weight)),
+        got = packed_linear(probe, pack(a0, "qkv", w, (a0.q_proj.weight, a0.k_proj.weight, a0.v_proj.weight)),
                              None)
         want = F.linear(probe, w)
         same = (torch.equal(got, want) if w.dtype != torch.float32
@@ -360,13 +195,13 @@ class LeanDecoder:
             return
         for layer, L in zip(base.layers, self.layers):
             a, m = layer.self_attn, layer.mlp
-            L.wqkv = _pack(a, "qkv", fused_weight(a, ("q_proj", "k_proj", "v_proj"))[0],
+            L.wqkv = pack(a, "qkv", fused_weight(a, ("q_proj", "k_proj", "v_proj"))[0],
                            (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight))
-            L.wo = _pack(a, "o", a.o_proj.weight)
-            L.wgu = _pack(m, "gu", fused_weight(m, ("gate_proj", "up_proj"))[0], (m.gate_proj.weight, m.up_proj.weight))
-            L.wd = _pack(m, "down", m.down_proj.weight)
-        self.lm_w = _pack(model.lm_head, "w", self.lm_w)
-        self.lin = self.linear = _packed_linear
+            L.wo = pack(a, "o", a.o_proj.weight)
+            L.wgu = pack(m, "gu", fused_weight(m, ("gate_proj", "up_proj"))[0], (m.gate_proj.weight, m.up_proj.weight))
+            L.wd = pack(m, "down", m.down_proj.weight)
+        self.lm_w = pack(model.lm_head, "w", self.lm_w)
+        self.lin = self.linear = packed_linear
 
     def nbytes(self) -> int:
         """Bytes held by the KV cache."""
@@ -412,7 +247,7 @@ class LeanDecoder:
         h = x.shape[-1]
         if self.rope_switch is None:
             cos, sin = self.rotary(x, rope_pos.view(1, T))                             # [1, T, d]
-        else:       # longrope: each row the factors of its own length (tensorpar/rope.py)
+        else:       # longrope: each row the factors of its own length (tensorpar/decode/rope.py)
             last = torch.cat([rope_pos[o:o + g.b * g.s].view(g.b, g.s)[:, -1:].expand(g.b, g.s).reshape(-1)
                               for g, o in zip(segments, _offsets(segments))])
             cos, sin = row_rotary(self.rotary, x, rope_pos.view(1, T), last.view(1, T), self.rope_switch)

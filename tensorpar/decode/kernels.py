@@ -1,0 +1,91 @@
+"""The per-layer pieces of :class:`~tensorpar.decode.lean.LeanDecoder` that replace framework calls: RMSNorm in
+fewer calls where a probe shows it bitwise equal (:func:`rms_norm_fn`), the in-place SiLU check, the 2-D matmul
+without ``F.linear``'s dispatch (:func:`mm`), oneDNN-prepacked weights (:func:`pack`, :func:`packed_linear`), and
+the runs of query heads that share a KV head (:func:`kv_runs`). No collectives.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm_fn(mod):
+    """An RMSNorm bitwise equal to ``mod`` with fewer framework calls, or ``mod`` itself when a probe says it is not
+    the families' formula ``weight * (x * rsqrt(mean(x^2) + eps))`` (normalised in fp32, the weight applied in the
+    weight's dtype: transformers' ``LlamaRMSNorm``; ``x*x`` is ``pow(x, 2)``'s own kernel). Six calls, in place where
+    possible, instead of the module call and its eight (``F.rms_norm``'s C++ decomposition measured slower: it
+    copies twice)."""
+    w = getattr(mod, "weight", None)
+    eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", None))
+    if not isinstance(w, torch.Tensor) or w.dim() != 1 or not isinstance(eps, float):
+        return mod
+    if w.dtype == torch.float32:
+        def fn(x):
+            return torch.mul(x, torch.mul(x, x).mean(-1, keepdim=True).add_(eps).rsqrt_()).mul_(w)
+    else:
+        def fn(x):
+            h = x.float()
+            return torch.mul(h, torch.mul(h, h).mean(-1, keepdim=True).add_(eps).rsqrt_()).to(w.dtype).mul_(w)
+    g = torch.Generator().manual_seed(0)
+    scale = torch.tensor([[0.01], [1.0], [30.0]])
+    with torch.no_grad():
+        for n in (3, 1):
+            probe = (torch.randn(n, w.shape[0], generator=g) * scale[:n]).to(w.device, w.dtype)
+            if not torch.equal(fn(probe), mod(probe)):
+                return mod
+    return fn
+
+
+def is_silu(act, w: torch.Tensor) -> bool:
+    """Whether ``act`` computes ``F.silu`` (checked on a probe in ``w``'s dtype): then it runs in place."""
+    probe = torch.linspace(-8, 8, 64).to(w.device, w.dtype)
+    with torch.no_grad():
+        return torch.equal(act(probe), F.silu(probe))
+
+
+def mm(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``x [n, in] @ wt [in, out] (+ b)``: ``F.linear(x, wt.t(), b)``'s own call for 2-D input, without its dispatch."""
+    return torch.mm(x, wt) if b is None else torch.addmm(b, x, wt)
+
+
+def packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, W, b)`` with ``w`` = :func:`pack` (W): oneDNN's matmul without its per-call weight reorder."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+def can_pack(w: torch.Tensor) -> bool:
+    """Whether :func:`pack` applies: a CPU weight with oneDNN available, fp32, or bf16 where oneDNN runs bf16
+    (what ``F.linear`` calls there)."""
+    if w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def pack(owner, key: str, w: torch.Tensor, params=()) -> torch.Tensor:
+    """``w`` ``[out, in]`` reordered once into oneDNN's blocked layout, cached on ``owner`` until ``w`` changes
+    (its storage, or an in-place write to it or to ``params``, the parameters it is fused from: version counters)."""
+    cache = owner.__dict__.setdefault("_lean_packed", {})
+    tag = (w.data_ptr(), w._version, w.dtype, tuple(w.shape), tuple(p._version for p in params))
+    hit = cache.get(key)
+    if hit is None or hit[0] != tag:
+        hit = cache[key] = (tag, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1))
+    return hit[1]
+
+
+
+def kv_runs(kv_index: list[int]) -> list[tuple[int, int, int]]:
+    """``(kv_head, q_start, q_stop)`` for each run of consecutive local query heads that read one local KV head.
+
+    ``kv_index``: per local query head, its local KV head (``HeadLayout.kv_index``), e.g. ``[0, 0, 0, 1, 1]`` ->
+    ``[(0, 0, 3), (1, 3, 5)]``. In a decode step (one query per row) attention over each run with its KV head
+    (``enable_gqa``) reads the cache views as they are and gives, bitwise (tests/test_lean.py), the result of
+    attention over KV heads copied per query head, without the copies (``b x q_local x length x head_dim`` elements
+    of keys and as many of values per layer and step, more than the layer's weights at a serving batch of 32). With several queries per row (prefill) CPU
+    attention's result depends on the head count in its last bit, so prefill keeps the copies."""
+    runs: list[tuple[int, int, int]] = []
+    for h, j in enumerate(kv_index):
+        if runs and runs[-1][0] == j and runs[-1][2] == h:
+            runs[-1] = (j, runs[-1][1], h + 1)
+        else:
+            runs.append((j, h, h + 1))
+    return runs
