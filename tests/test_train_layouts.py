@@ -62,20 +62,37 @@ def skip_then_step(ctx, kw):
     return bool(getattr(r, "skipped", False)), r.step, same, bool(torch.isfinite(torch.tensor(tr.train_step().loss)))
 
 
+def masked(ctx, kw):
+    """(loss, grad norm) per step of batches whose first half of rows has no target at all (a dp replica or a
+    micro-batch without targets) and whose other rows lose a random 30 % of their targets: the loss is the global
+    batch's mean over its target tokens, as one device computes it."""
+    tr = make(ctx, kw)
+    g = torch.Generator().manual_seed(5)
+    batches = []
+    for _ in range(STEPS):
+        x, y = next(tr.batches)
+        y = y.clone()
+        y[: y.shape[0] // 2] = -100
+        y[torch.rand(y.shape, generator=g) < 0.3] = -100
+        batches.append((x, y))
+    tr.batches = iter(batches)
+    return [(r.loss, r.grad_norm) for r in (tr.train_step() for _ in range(STEPS))]
+
+
 def job_layouts(ctx, layouts):
     from tensorpar.parallel import init_parallel
     out = {}
     for name, config, kw in layouts:
         sub = init_parallel(config, rank=ctx.rank, world_size=ctx.world_size, backend="gloo", set_threads=False)
         out[name] = {"fp32": losses(sub, kw), "bf16": losses(sub, dict(kw, dtype="bfloat16")),
-                     "skip": skip_then_step(sub, kw)}
+                     "skip": skip_then_step(sub, kw), "masked": masked(sub, kw)}
     return out
 
 
 @pytest.fixture(scope="module")
 def reference():
     one = ParallelContext.single()
-    return {"fp32": losses(one, {}), "bf16": losses(one, dict(dtype="bfloat16"))}
+    return {"fp32": losses(one, {}), "bf16": losses(one, dict(dtype="bfloat16")), "masked": masked(one, {})}
 
 
 def rel(a, b):
@@ -110,6 +127,11 @@ def test_bf16_and_empty_batch_skip_at_every_layout(pools, reference, ranks):
                 f"{name} rank {r}: bf16 {got['bf16']} vs bf16 at tp 1 {reference['bf16']}"
             assert got["skip"] == (True, 1, True, True), f"{name} rank {r}: (skipped, step, unchanged, next finite) " \
                                                         f"= {got['skip']}"
+            # a replica / micro-batch without targets: the mean of per-micro-batch means was NaN there (0 / 0) and
+            # weighted micro-batches equally; the per-token mean equals one device (fp32 bound as above)
+            want = reference["masked"]
+            assert rel([v for pair in got["masked"] for v in pair], [v for pair in want for v in pair]) <= 1e-5, \
+                f"{name} rank {r}: masked (loss, grad norm) {got['masked']} vs tp 1 {want}"
 
 
 # ---------------------------------------------------------------- a pipeline rank builds only its stage

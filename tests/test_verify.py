@@ -29,7 +29,7 @@ from tests._ranks import run_tp
 from tests.families import config
 
 
-def _pair(ctx, model_type, sequence_parallel=False, prepare=None):
+def _pair(ctx, model_type, sequence_parallel=False, prepare=None, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
     cfg = config(model_type)
     torch.manual_seed(0)
@@ -37,6 +37,7 @@ def _pair(ctx, model_type, sequence_parallel=False, prepare=None):
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(torch.randn_like(p) * 0.05)
+    ref = ref.to(dtype)
     if prepare is not None:
         prepare(ref)
     par = parallelize(copy.deepcopy(ref), make_plan(cfg, ctx.tp.size, sequence_parallel=sequence_parallel), ctx.tp)
@@ -78,16 +79,19 @@ class _NoHooks(nn.Module):
         return self.inner.forward(*a, **k)
 
 
-def job_fault(ctx, fault):
+def job_fault(ctx, fault, dtype=torch.float32):
     prepare, model_type = None, {"qk_norm": "qwen3", "unscaled_embedding": "gemma3_text"}.get(fault, "llama")
     if fault == "bias_every_rank":
         prepare = _add_down_bias
-    ref, par, ids = _pair(ctx, model_type, prepare=prepare)
+    ref, par, ids = _pair(ctx, model_type, prepare=prepare, dtype=dtype)
     if fault == "bias_every_rank":
         m = par.model.layers[1].mlp.down_proj
         m.forward = types.MethodType(_row_forward_bias_before_reduce, m)
     elif fault == "missing_all_reduce":
         m = par.model.layers[0].self_attn.o_proj
+        m.forward = types.MethodType(_row_forward_no_reduce, m)
+    elif fault == "missing_all_reduce_last_mlp":
+        m = par.model.layers[-1].mlp.down_proj
         m.forward = types.MethodType(_row_forward_no_reduce, m)
     elif fault == "qk_norm":
         a = par.model.layers[1].self_attn
@@ -138,6 +142,33 @@ def test_fault_is_named(pools, fault, tp, module, layer):
         name, got_layer, _, max_abs, tol = r["first"]
         assert (name, got_layer) == (module, layer), r["first"]
         assert max_abs > 10 * tol   # (a module never seen in the sharded run: inf > 0)
+
+
+def test_bf16_fault_in_the_last_block_is_named(pools):
+    # bf16 grows the propagated bound to ~0.4 of max(1, |value|) two blocks deep, which a missing all-reduce of
+    # the last MLP (off by about that MLP's own output, ~0.05 here) passed unnoticed; the module's own
+    # computation (the unsharded module on the sharded module's input, depth 0, relative to its output) names it
+    reps = run_tp(pools, 2, job_fault, "missing_all_reduce_last_mlp", torch.bfloat16)
+    for r in reps:
+        assert not r["ok"]
+        name, layer, kind, max_abs, tol = r["first"]
+        assert (name, layer, kind) == ("model.layers.1.mlp", 1, "mlp (own)"), r["first"]
+        assert max_abs > 10 * tol
+
+
+@pytest.mark.parametrize("model_type", ["llama", "phi3"])
+def test_clean_bf16_own_computation_passes(pools, model_type):
+    # the own-computation bound is relative to the module's output (no floor of 1): clean bf16 layouts must keep
+    # a margin (measured worst own ratio 0.11-0.25 of the bound over the test families at tp 2)
+    for r in run_tp(pools, 2, _job_clean_bf16, model_type):
+        assert r["ok"], r["first"] or r["mismatch"]
+        assert any(k.endswith("(own)") for k in r["kinds"])
+
+
+def _job_clean_bf16(ctx, model_type):
+    ref, par, ids = _pair(ctx, model_type, dtype=torch.bfloat16)
+    rep = compare_to_reference(ref, par, ctx.tp, ids, train=True)
+    return dict(_summary(rep), kinds=[d.kind for d in rep.diffs])
 
 
 def job_smollm2_shape(ctx):

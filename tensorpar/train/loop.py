@@ -13,12 +13,14 @@ One optimiser step, on every rank:
 3. forward under the run's autocast (``dtype="bfloat16"``: ``torch.autocast``, fp32 weights and optimizer), the
    logits vocabulary-sharded ``[mb, s, V_r]``, then the vocab-parallel cross-entropy (two all-reduces of per-token
    scalars) outside autocast, and backward:
-   ``pp == 1``: each micro-batch's mean loss / ``M`` is back-propagated (gradient accumulation);
-   ``pp > 1``: ``torch.distributed.pipelining``'s schedule (GPipe, 1F1B or interleaved 1F1B,
-   :func:`tensorpar.pipeline.stages.build_schedule`) runs the micro-batches through the stages with the
-   cross-entropy on the last stage; its ``scale_grads`` divides the accumulated gradients by ``M``. With equal
-   tokens per micro-batch the mean of the micro-batch means is the whole batch's mean, so the gradients equal
-   one step on the whole batch;
+   the loss is the global batch's mean over its ``N`` target tokens (labels not ``ignore_index``), as one device
+   computes it: each micro-batch back-propagates its summed cross-entropy times ``dp / N`` (``pp == 1``,
+   gradient accumulation) or ``dp * M / N`` (``pp > 1``: ``torch.distributed.pipelining``'s schedule, GPipe,
+   1F1B or interleaved 1F1B, :func:`tensorpar.pipeline.stages.build_schedule`, runs the micro-batches through
+   the stages with the cross-entropy on the last stage, and its ``scale_grads`` divides by ``M``); the dp average
+   divides by ``dp``. So a micro-batch or replica with fewer (or no) targets weighs what its tokens weigh, never
+   NaN, and the gradients equal one step on the whole batch (Megatron-Core's per-token loss, torchtitan's
+   global-token normalisation);
 4. gradients are completed: summed over tp for sequence-parallel norms and duplicated KV rows
    (:mod:`tensorpar.grads`; after this each rank's gradient slice equals the matching slice of the tp = 1
    gradient), summed between the first and last stage for a tied embedding/LM head (Megatron's embedding group),
@@ -63,10 +65,10 @@ from tensorpar.pipeline.stages import build_schedule, cut_stages
 from tensorpar.train.config import TrainConfig
 from tensorpar.train.data import TrainData
 from tensorpar.train.dp import fully_shard_dp, no_forward_buffer_sync
+from tensorpar.train.evaluate import IGNORE_INDEX, validation_loss
 from tensorpar.layers.dropout import DropoutRNG, install_dropout
 from tensorpar.train.trainer_state import TrainerCheckpoints
 
-IGNORE_INDEX = -100  # labels that count for nothing (torch's default ignore_index)
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,7 @@ class Trainer(TrainerCheckpoints):
         self.ep = dp if cfg.ep > 1 else None
         dp_mesh = ctx.mesh["dp"] if self.fsdp else None
         self.schedule = self.eval_schedule = self.ddp = None
+        self._token_weight = 1.0  # dp * M / N of the step (or validation batch) being run, see _loss_fn
         if pp.size > 1:
             virtual = 2 if cfg.schedule == "interleaved-1f1b" else 1
             self.modules = cut_stages(model, pp.rank, pp.size, virtual)
@@ -191,13 +194,20 @@ class Trainer(TrainerCheckpoints):
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _loss_fn(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Mean vocab-parallel cross-entropy of ``logits [mb, s, V_r]`` against ``target [mb, s]``, outside autocast
-        (the pipeline schedule calls it inside the forward's autocast; at pp = 1 it runs after it), so the loss is
-        the same function of the logits at every layout."""
+    def _ce(self, logits: torch.Tensor, target: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+        """Vocab-parallel cross-entropy of ``logits [mb, s, V_r]`` against ``target [mb, s]`` (``"sum"``: over the
+        target tokens, 0 when there is none), outside autocast (the pipeline schedule calls it inside the
+        forward's autocast; at pp = 1 it runs after it), so the loss is the same function of the logits at every
+        layout."""
         with torch.autocast(self.device.type, enabled=False):
             return vocab_parallel_cross_entropy(logits, target, self.tp, partition=self.plan.vocab,
-                                                label_smoothing=self.cfg.label_smoothing)
+                                                label_smoothing=self.cfg.label_smoothing, reduction=reduction)
+
+    def _loss_fn(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The pipeline schedule's loss of one micro-batch: its summed cross-entropy times ``_token_weight``
+        (``dp * M / N``, set per step: the schedule divides by ``M``, the dp average by ``dp``, leaving the sum
+        over the global batch's ``N`` target tokens / ``N``, step 3 of the module docstring)."""
+        return self._ce(logits, target) * self._token_weight
 
     def _embedding_group(self):
         """The 2-rank group of (first stage, last stage) for this rank's (dp, tp) position; every rank creates all."""
@@ -230,15 +240,21 @@ class Trainer(TrainerCheckpoints):
 
         Collectives: the model's, plus the two all-reduces of the vocab-parallel cross-entropy.
         """
+        return self._ce(self._logits(input_ids), labels.to(self.device), "mean")
+
+    def _logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """pp = 1: the vocab-sharded logits ``[b, s, V_r]`` of ``input_ids [b, s]``, forward under autocast."""
         net = self.ddp or self.modules[0]
         with self.autocast():
-            logits = net(input_ids=input_ids.to(self.device), use_cache=False).logits    # [b, s, V_r]
-        return self._loss_fn(logits, labels.to(self.device))
+            return net(input_ids=input_ids.to(self.device), use_cache=False).logits
 
-    def forward_backward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Loss of this replica's rows ``[B/dp, s]`` (mean over its micro-batches) and the accumulated gradients
-        (step 3 of the module docstring)."""
-        m = self.cfg.micro_batches
+    def forward_backward(self, ids: torch.Tensor, labels: torch.Tensor, targets: int | None = None) -> torch.Tensor:
+        """This replica's share of the global batch's mean loss and the accumulated gradients (step 3 of the
+        module docstring): ``ids, labels [B/dp, s]`` its rows, ``targets`` the global batch's target tokens ``N``
+        (default: this replica's times dp). Returns ``dp * (this replica's summed loss) / N``, whose dp average
+        is the global mean."""
+        m, dp = self.cfg.micro_batches, self.ctx.dp.size
+        targets = targets or int((labels != IGNORE_INDEX).sum()) * dp
         self.rng.set_step(self.step)
         if self.schedule is None:
             total = torch.zeros((), device=self.device)
@@ -248,13 +264,14 @@ class Trainer(TrainerCheckpoints):
                 if self.fsdp:  # as DDP's no_sync: FSDP reduce-scatters the accumulated gradient once, at the last
                     self.modules[0].set_requires_gradient_sync(last)
                 with contextlib.nullcontext() if self.ddp is None or last else self.ddp.no_sync():
-                    loss = self.loss(x, y) / m
+                    loss = self._ce(self._logits(x), y.to(self.device)) * (dp / targets)
                     loss.backward()
                 total = total + loss.detach()
             return total
         pp = self.ctx.pp
         first, last = pp.rank == 0, pp.rank == pp.size - 1
         losses: list[torch.Tensor] = []
+        self._token_weight = dp * m / targets
         with self.autocast():
             self.schedule.step(*((ids,) if first else ()), **({"target": labels, "losses": losses} if last else {}))
         return self._pipeline_mean(losses)
@@ -325,9 +342,10 @@ class Trainer(TrainerCheckpoints):
         """
         t0 = time.perf_counter()
         ids, labels = next(self.batches)
-        if not bool((labels != IGNORE_INDEX).any()):  # the same global batch on every rank: all skip together
+        targets = int((labels != IGNORE_INDEX).sum())
+        if not targets:  # the same global batch on every rank: all skip together
             return self._skip(ids, t0)
-        loss = self.forward_backward(*self._replica_rows(ids, labels))
+        loss = self.forward_backward(*self._replica_rows(ids, labels), targets)
         if self.ctx.dp.size > 1:
             loss = comm.all_reduce(loss.reshape(1), self.ctx.dp)[0] / self.ctx.dp.size
         self.complete_grads()
@@ -353,46 +371,7 @@ class Trainer(TrainerCheckpoints):
         return StepResult(self.step, float("nan"), 0.0, lr, int(input_ids.numel()), time.perf_counter() - t0,
                           skipped=True)
 
-    # ------------------------------------------------------------ evaluation
-
-    @torch.no_grad()
-    def _forward_loss(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward only, under the run's autocast: this replica's mean loss, the same on every rank of the
-        pipeline. pp = 1: one forward of the rows; pp > 1: the pipeline schedule's ``eval`` (its forwards, over the
-        micro-batches; the mean of their means)."""
-        if self.schedule is None:
-            return self.loss(ids, labels)
-        pp = self.ctx.pp
-        first, last = pp.rank == 0, pp.rank == pp.size - 1
-        losses: list[torch.Tensor] = []
-        with self.autocast():
-            self.eval_schedule.eval(*((ids,) if first else ()),
-                                    **({"target": labels, "losses": losses} if last else {}))
-        return self._pipeline_mean(losses)
-
-    @torch.no_grad()
     def evaluate(self, max_batches: int | None = None) -> float:
-        """Mean validation loss over the first ``max_batches`` (default ``cfg.eval_batches``) batches, no dropout;
-        each dp replica takes its rows of every batch, and the replicas' means are averaged."""
-        n = max_batches or self.cfg.eval_batches
-        for mod in self.modules:
-            mod.eval()
-        try:
-            total, count = 0.0, 0
-            dp = self.ctx.dp
-            for i, (x, y) in enumerate(self.data.val_batches(batch_size=self.cfg.batch_size,
-                                                             seq_len=self.cfg.seq_len)):
-                if i == n:
-                    break
-                loss = self._forward_loss(*self._replica_rows(x, y))
-                if dp.size > 1:
-                    loss = comm.all_reduce(loss.reshape(1), dp)[0] / dp.size
-                total += float(loss)
-                count += 1
-        finally:
-            for mod in self.modules:
-                mod.train()
-        if count == 0:
-            raise ValueError("the validation split has no batch of batch_size x seq_len tokens; lower batch_size or "
-                             "seq_len, or raise val_fraction")
-        return total / count
+        """Mean validation loss over the first ``max_batches`` (default ``cfg.eval_batches``) batches, no dropout
+        (:func:`tensorpar.train.evaluate.validation_loss`)."""
+        return validation_loss(self, max_batches)

@@ -60,6 +60,47 @@ def _first_tensor(out):
     return getattr(out, "last_hidden_state", None)
 
 
+def _input_tensor(args, kwargs):
+    """The module's main input: its first positional tensor, else ``hidden_states`` / ``input_ids``."""
+    x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if x is None:
+        x = kwargs.get("hidden_states", kwargs.get("input_ids"))
+    return x if isinstance(x, torch.Tensor) else None
+
+
+def _own_diff(ref_module: nn.Module, args, kwargs, ref_in_shape, full: torch.Tensor, tp: Group, name, layer, kind,
+              tol_of) -> ModuleDiff:
+    """The sharded module's own error: its output (gathered, ``full``) against the unsharded module run on the
+    same input the sharded one received (gathered along the sequence under sequence parallelism), held to the
+    rule at depth 0 relative to that output's ``max|.|``.
+
+    The propagated comparison (the same module fed by the reference's own upstream activations) grows its bound
+    with the depth, and in bf16 that bound passes a missing all-reduce in a deep block; this one does not: a
+    sharding fault inside the module is off by about its own output, ``~1/(SAFETY u sqrt(tp))`` times the bound.
+    Collectives: one all-gather of the input under sequence parallelism. A reference that cannot run on the
+    sharded module's input is a failure (``inf``), never a skip."""
+    x = _input_tensor(args, kwargs)
+    try:
+        if x is not None and ref_in_shape is not None and x.shape != ref_in_shape:
+            fx = _to_full(x, ref_in_shape, tp)
+            args = tuple(fx if a is x else a for a in args)
+            kwargs = {k: (fx if v is x else v) for k, v in kwargs.items()}
+        # a KV cache filled by the sharded run holds the rank's heads only: the reference recomputes without it
+        args = tuple(None if _is_cache(a) else a for a in args)
+        kwargs = {k: (None if _is_cache(v) else v) for k, v in kwargs.items()}
+        with torch.no_grad():
+            own = _first_tensor(ref_module(*args, **kwargs))
+    except Exception:   # noqa: BLE001 - reported as a failure of this module
+        own = None
+    if own is None or own.shape != full.shape:
+        return ModuleDiff(name, layer, f"{kind} (own)", math.inf, 0.0)
+    return _diff(name, layer, f"{kind} (own)", full, own, tol_of, 0, relative=True)
+
+
+def _is_cache(v) -> bool:
+    return any(c.__name__.endswith("Cache") for c in type(v).__mro__)
+
+
 def _to_full(x: torch.Tensor, like_shape: torch.Size, tp: Group, vocab=None) -> torch.Tensor:
     """Gather a sharded activation to the reference's shape: the sequence (dim 1, sequence parallelism), then the
     last dim (the vocabulary of the logits). Collectives: one all-gather per split dim (none if already full)."""
@@ -114,18 +155,22 @@ def compare_to_reference(ref: nn.Module, par: nn.Module, tp: Group, input_ids: t
             return 0
         return nl + 1 if layer is None else layer + 1
 
-    def tol_of(scale, d):
-        return tolerance(dtype, k, d, tp.size, scale)
+    def tol_of(scale, d, relative=False):
+        return tolerance(dtype, k, d, tp.size, scale, relative=relative)
+
+    ref_in: dict[str, torch.Size] = {}
 
     def ref_hook(name):
-        def hook(_m, _a, out):
-            t = _first_tensor(out)
+        def hook(_m, args, kwargs, out):
+            t, x = _first_tensor(out), _input_tensor(args, kwargs)
             if t is not None:
                 ref_out[name] = t.detach()
+            if x is not None:
+                ref_in[name] = x.shape
         return hook
 
     def par_hook(name, kind, layer):
-        def hook(_m, _a, out):
+        def hook(_m, args, kwargs, out):
             t, r = _first_tensor(out), ref_out.get(name)
             if t is None or r is None:
                 return
@@ -135,12 +180,14 @@ def compare_to_reference(ref: nn.Module, par: nn.Module, tp: Group, input_ids: t
                 diffs.append(ModuleDiff(name, layer, kind, math.inf, 0.0))
                 return
             diffs.append(_diff(name, layer, kind, full, r, tol_of, depth(kind, layer)))
+            diffs.append(_own_diff(ref.get_submodule(name), args, kwargs, ref_in.get(name), full, tp, name, layer,
+                                   kind, tol_of))
         return hook
 
     handles = []
     try:
         for name, kind, layer in watched:
-            handles.append(ref.get_submodule(name).register_forward_hook(ref_hook(name)))
+            handles.append(ref.get_submodule(name).register_forward_hook(ref_hook(name), with_kwargs=True))
         ref.zero_grad(set_to_none=True)
         with torch.set_grad_enabled(train):
             logits_ref = ref(input_ids).logits
@@ -150,7 +197,7 @@ def compare_to_reference(ref: nn.Module, par: nn.Module, tp: Group, input_ids: t
         # before the sharded forward (whose autograd graph must not see the lean path fuse the projections)
         lean_diffs = _lean_diffs(par, tp, input_ids, logits_ref.detach(), tol_of, nl + 1)
         for name, kind, layer in watched:
-            handles.append(par.get_submodule(name).register_forward_hook(par_hook(name, kind, layer)))
+            handles.append(par.get_submodule(name).register_forward_hook(par_hook(name, kind, layer), with_kwargs=True))
         par.zero_grad(set_to_none=True)
         with torch.set_grad_enabled(train):
             logits = par(input_ids).logits
@@ -250,7 +297,7 @@ def _lean_diffs(par, tp: Group, input_ids: torch.Tensor, logits_ref: torch.Tenso
     return out
 
 
-def _diff(name, layer, kind, actual, expected, tol_of, depth) -> ModuleDiff:
+def _diff(name, layer, kind, actual, expected, tol_of, depth, relative=False) -> ModuleDiff:
     a, b = actual.detach().double(), expected.detach().double()
     if a.shape != b.shape:
         return ModuleDiff(name, layer, kind, math.inf, 0.0)
@@ -258,7 +305,7 @@ def _diff(name, layer, kind, actual, expected, tol_of, depth) -> ModuleDiff:
     if not math.isfinite(m) and torch.equal(a, b):
         m = 0.0
     scale = b.abs().max().item() if b.numel() else 0.0
-    return ModuleDiff(name, layer, kind, m, tol_of(scale, depth))
+    return ModuleDiff(name, layer, kind, m, tol_of(scale, depth, relative))
 
 
 def _layer_of(param_name: str, plan) -> int | None:

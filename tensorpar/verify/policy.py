@@ -24,15 +24,18 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2
 
 
-def tolerance(dtype: torch.dtype, reduction_len: int, depth: int, tp_size: int, scale: float) -> float:
+def tolerance(dtype: torch.dtype, reduction_len: int, depth: int, tp_size: int, scale: float, *,
+              relative: bool = False) -> float:
     """The largest difference sharding may cause (the rule of the module docstring).
 
     Args:
         dtype: compute dtype. reduction_len: ``K``, the longest sum of the model. depth: blocks passed before
         the compared value (0 for the embedding). tp_size: ranks. scale: ``max|reference|`` of the value.
+        relative: hold the value to ``scale`` itself rather than ``max(1, scale)`` (a module's own computation,
+            where no upstream error of absolute size feeds in).
     """
     per = U_ACC * math.sqrt(max(reduction_len, 1)) + unit_roundoff(dtype) * math.sqrt(tp_size)
-    return SAFETY * per * (depth + 1) * max(1.0, scale)
+    return SAFETY * per * (depth + 1) * (scale if relative else max(1.0, scale))
 
 
 @dataclass
