@@ -105,7 +105,7 @@ def test_evaluate_on_the_command_line_reproduces_a_row(row, capsys):
     run = next(r for r in PTD if r.row == row)
     spec = ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in run.layout.items())
     code = cli.main(["plan", "--model", MODELS[run.model].name, "--gpus", str(run.gpus), "--device", "a100-80gb",
-                     "--global-batch", str(run.global_batch), "--seq", "2048", "--grad-dtype", "fp32",
+                     "--global-batch", str(run.global_batch), "--seq", "2048", "--grad-dtype", "float32",
                      "--reserve-gb", "0", "--evaluate", spec, "--json"])
     plan = json.loads(capsys.readouterr().out)[0]
     assert code == 0

@@ -12,12 +12,15 @@ import sys
 import time
 from pathlib import Path
 
+from tensorpar.cli import DTYPES
 from tensorpar.planner import cluster as cl
 from tensorpar.planner import model_spec as ms
 from tensorpar.planner.inference import InferenceWorkload
 from tensorpar.planner.layout import ATTENTION, Assumptions, Workload, parse_layout, problems
 
 
+#: bytes per element of the ``--dtype`` / ``--grad-dtype`` names (:data:`tensorpar.cli.DTYPES`)
+DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
 NO_FIT = 3  # exit status when no layout fits (2: bad input, 1: a calibration worker failed)
 
 
@@ -25,6 +28,11 @@ NO_FIT = 3  # exit status when no layout fits (2: bad input, 1: a calibration wo
 DISTOPT_NOTE = ("dist-opt on = `tensorpar train --dp-mode fsdp`: FSDP2 (fully_shard on the dp axis) shards the AdamW "
                 "state 1/dp, and the gradients and weights too (ZeRO-3), so it needs less memory than the dist-opt "
                 "column and moves more (weights all-gathered in forward and again in backward).")
+
+
+def _dtype_name(text: str) -> str:
+    """``bf16`` / ``fp32`` (the planner's former names) as the names every command takes."""
+    return {"bf16": "bfloat16", "fp32": "float32"}.get(text, text)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,9 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--attention", choices=ATTENTION, default=None,
                       help="eager: scores stored (Korthikanti); sdpa: fused kernel (default: eager for "
                            "megatron kernels, sdpa for hf)")
-    work.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="weights and activations")
-    work.add_argument("--grad-dtype", choices=("bf16", "fp32"), default="bf16",
-                      help="gradient buffers: bf16 (16 B/param with Adam) or fp32 main grads (18 B/param)")
+    work.add_argument("--dtype", type=_dtype_name, choices=DTYPES, default="bfloat16",
+                      help="weights and activations (the name the other commands take; bf16/fp32 also accepted)")
+    work.add_argument("--grad-dtype", type=_dtype_name, choices=DTYPES, default="bfloat16",
+                      help="gradient buffers: bfloat16 (16 B/param with Adam) or float32 main grads (18 B/param)")
     work.add_argument("--tp-overlap", type=float, default=0.0, help="fraction of TP communication hidden")
     work.add_argument("--dp-overlap", type=float, default=0.0, help="fraction of DP communication hidden")
     work.add_argument("--reserve-gb", type=float, default=None,
@@ -181,7 +190,7 @@ def build_assumptions(args, model: ms.ModelSpec) -> Assumptions:
     except ValueError:
         raise ValueError(f"--virtual-stages ({args.virtual_stages!r}) must be integers like 1,2,4") from None
     attention = args.attention or ("eager" if model.kernels == "megatron" else "sdpa")
-    size = {"bf16": 2, "fp32": 4}
+    size = DTYPE_BYTES
     return Assumptions(activation_bytes=size[args.dtype], param_bytes=size[args.dtype],
                        grad_bytes=size[args.grad_dtype], attention=attention, efficiency=args.efficiency,
                        tp_overlap=args.tp_overlap, dp_overlap=args.dp_overlap,
@@ -253,7 +262,7 @@ def _plan_inference(args) -> int:
     if missing:
         raise ValueError(f"--inference needs {', '.join(missing)}")
     model, hw = build_model(args), build_cluster(args)
-    size = {"bf16": 2, "fp32": 4}[args.dtype]
+    size = DTYPE_BYTES[args.dtype]
     work = InferenceWorkload(args.batch, args.prompt_len, args.max_new_tokens, weight_bytes=size, kv_bytes=size,
                              latency_target_ms=args.latency_target_ms,
                              reserve_gib=InferenceWorkload.reserve_gib if args.reserve_gb is None else args.reserve_gb)
@@ -292,7 +301,7 @@ def _plan_devices(args) -> int:
     from tensorpar.planner.weighted import parse_devices, plan_weighted, report
 
     model, devices = build_model(args), parse_devices(args.devices)
-    size = {"bf16": 2, "fp32": 4}
+    size = DTYPE_BYTES
     per_param = size[args.dtype] if args.inference else size[args.dtype] + size[args.grad_dtype] + 12
     plans = plan_weighted(model, devices, bytes_per_param=per_param)
     if args.json:
