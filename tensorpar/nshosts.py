@@ -72,6 +72,9 @@ def unavailable() -> str | None:
     missing = [c for c in ("ip", "tc", "unshare", "mount", "hostname") if shutil.which(c) is None]
     if missing:
         return f"namespace hosts need the commands {', '.join(missing)} (iproute2, util-linux)"
+    probe = subprocess.run(["unshare", "--net", "--uts", "--mount", "true"], capture_output=True, text=True)
+    if probe.returncode:   # root without CAP_SYS_ADMIN, e.g. an unprivileged container
+        return f"namespace hosts: this process cannot create namespaces ({probe.stderr.strip()[:200]})"
     return None
 
 

@@ -5,7 +5,8 @@ rank joins one tp group of the whole world, installs the hierarchical all-reduce
 (:func:`tensorpar.shm.host_identity`, not a simulated one) and checks, for each size, that
 
 * the hierarchical sum of random fp32 inputs is bit-identical to the same sum ordered the same way in plain
-  torch (each host's ranks in rank order, then the hosts in order: ``(x0 + x1) + (x2 + x3)``);
+  torch (each host's ranks in rank order, then the hosts: ``(x0 + x1) + (x2 + x3)``; with two hosts the
+  leaders' gloo all-reduce adds two terms, and ``a + b == b + a`` exactly, so its order cannot differ);
 * it is bit-identical to the flat gloo all-reduce where the order cannot matter (integer-valued inputs,
   exact in fp32), and within the harness's ``close`` tolerance otherwise (gloo's ring adds in another order);
 

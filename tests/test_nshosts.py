@@ -71,6 +71,10 @@ def test_name_or_address_in_use_is_refused_before_anything_starts():
     with pytest.raises(ValueError, match=r"^link rate must look like '1gbit'"):
         NamespaceHosts(2, rate="1 Gbit/s")
     assert not any(ns.startswith(first.prefix + "-") for ns in netns_names())
+    r = subprocess.run([sys.executable, "scripts/nshosts.py", "--subnet", "127.0.0.0/24", "--", "-m", "tensorpar",
+                        "generate"], capture_output=True, text=True, env=env(), timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith("nshosts: error: address 127.0.0.1 is already in use")
+    assert r.stderr.count("\n") == 1 and r.stdout == ""
 
 
 def test_torn_down_when_the_body_raises():
@@ -82,3 +86,28 @@ def test_torn_down_when_the_body_raises():
     assert p.poll() is not None
     assert not any(ns.startswith(hosts.prefix + "-") for ns in netns_names())
     assert not os.path.exists(files)
+
+
+@pytest.mark.slow
+@pytest.mark.network
+def test_smollm2_generate_across_two_namespace_hosts():
+    """SmolLM2 at tp 2 over a 1 Gbit/s link gives transformers' 16 greedy tokens (fp32; the logits differ from
+    one process by reordered sums only, ~1e-5, far below the gaps between the top tokens of this prompt)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tensorpar.hub import resolve_model
+    folder = str(resolve_model("smollm2", progress=False))   # fetched here: the hosts have no way out
+    prompt = "The capital of France is"
+    tok = AutoTokenizer.from_pretrained(folder)
+    enc = tok([prompt], return_tensors="pt")
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).generate(
+            **enc, max_new_tokens=16, do_sample=False, pad_token_id=tok.eos_token_id)
+    want = prompt + tok.decode(ref[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    with NamespaceHosts(2, "1gbit") as hosts:
+        res = hosts.run_torchrun(["-m", "tensorpar", "generate", "--model", folder, "--tp", "2", "--prompt", prompt,
+                                  "--max-new-tokens", "16"], timeout_s=600, env=env())
+    assert [r[0] for r in res] == [0, 0], "\n".join(r[2][-2000:] for r in res)
+    text = next(r[1] for r in res if "tokens/s" in r[1])
+    assert text.startswith(want), (text, want)
