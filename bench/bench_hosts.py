@@ -71,14 +71,19 @@ def to_markdown(r: dict) -> str:
     m = r["meta"]
     lines = [f"# tp across hosts (namespace hosts, tc tbf links) — {m['date']}", "",
              f"CPU: {m['cpu']} ({m['cpus']} cores), torch {m['torch']}, commit {m['commit']}; load average "
-             f"before {m['loadavg_before']}, after {m['loadavg_after']}.", "",
+             f"before {m['loadavg_before']}, after {m['loadavg_after']}. The namespace hosts share these cores: "
+             "unlike on separate machines, one host's ranks (and the other users of the machine) take CPU time from "
+             "the other's, so CPU-bound steps (a 16 MB shared-memory reduce) and small-message latency suffer with "
+             "the load; the link rate caps only the bytes in flight.", "",
              f"SmolLM2-135M-Instruct, generate --tp 2, fp32, greedy, {m['new_tokens']} new tokens:", "",
-             "| hosts | link | ranks per host | time to first token (ms) | decode tokens/s |", "|---|---|---:|---:|---:|"]
+             "| hosts | link | ranks per host | time to first token (ms) | decode tokens/s |",
+             "|---|---|---:|---:|---:|"]
     lines += [f"| {g['hosts']} | {g['rate']} | {2 // g['hosts']} | {g['ttft_ms']:.1f} | {g['tokens_per_s']:.1f} |"
               for g in r["generate"]]
     lines += ["", "All-reduce over 2 hosts x 2 ranks (fp32, median ms per call; hierarchical: shared memory in a "
               "host, one leader per host over the link; flat: gloo ring over all 4 ranks):", "",
-              "| link | bytes | flat gloo (ms) | hierarchical (ms) | flat / hierarchical | bit-identical to ordered sum |",
+              "| link | bytes | flat gloo (ms) | hierarchical (ms) | flat / hierarchical "
+              "| bit-identical to ordered sum |",
               "|---|---:|---:|---:|---:|---|"]
     for rate, rec in r["allreduce"].items():
         for size, row in rec["sizes"].items():

@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hosts", type=int, default=2, help="number of namespace hosts")
     p.add_argument("--rate", default="1gbit", help="link rate for tc, e.g. 1gbit, 10gbit; 'none' for no cap")
     p.add_argument("--nproc-per-host", type=int, default=1, help="ranks per host (torchrun --nproc-per-node)")
-    p.add_argument("--subnet", default=None, help="IPv4 subnet of the hosts (default 10.<pid>.0/24)")
-    p.add_argument("--prefix", default=None, help="namespace name prefix (default tph<pid>)")
+    p.add_argument("--subnet", default=None, help="IPv4 subnet of the hosts (default a random 10.x.y.0/24)")
+    p.add_argument("--prefix", default=None, help="namespace name prefix (default tph<pid>-<random>)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the hosts are killed")
     p.add_argument("--show-commands", action="store_true", help="print each host's torchrun command")
     if "--" not in argv:

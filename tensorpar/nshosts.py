@@ -19,7 +19,7 @@ interface (``GLOO_SOCKET_IFNAME=eth0``), the same commands as on real machines (
 
 Teardown (:meth:`NamespaceHosts.down`: on leaving the ``with``, also when its body raises, and at
 interpreter exit) kills the processes still running in the hosts and deletes the namespaces, which
-deletes the links. Namespace names carry the creating pid (``tph<pid>-...``); :func:`sweep_stale`
+deletes the links. Namespace names carry the creating pid (``tph<pid>-<random>-...``); :func:`sweep_stale`
 deletes those left by a run that was killed. Needs root (``CAP_SYS_ADMIN`` and ``CAP_NET_ADMIN``) and
 the ``ip``, ``tc``, ``unshare`` and ``mount`` commands; :func:`unavailable` says why not, in one line.
 """
@@ -29,6 +29,7 @@ import atexit
 import ipaddress
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -129,10 +130,10 @@ class NamespaceHosts:
     Args:
         n: number of hosts (>= 1).
         rate: link rate for ``tc`` (``"1gbit"``, ``"10gbit"``), or None for no cap.
-        prefix: namespace name prefix; default ``tph<pid>`` (host ``i`` is ``<prefix>-h<i>``, the switch
-            ``<prefix>-sw``).
+        prefix: namespace name prefix; default ``tph<pid>-<4 random hex digits>`` (host ``i`` is
+            ``<prefix>-h<i>``, the switch ``<prefix>-sw``), so runs in one process may overlap.
         subnet: a /24 or larger IPv4 network; host ``i`` gets its ``i + 1``-th address. Default
-            ``10.<pid // 256 % 256>.<pid % 256>.0/24``.
+            ``10.<random>.<random>.0/24``.
         hostnames: one name per host; default ``<prefix>-h<i>``. Names may repeat (a misconfigured
             cluster): ranks are still told apart by their network namespace.
         private_shm: give each host its own ``/dev/shm`` (as on separate machines).
@@ -152,11 +153,11 @@ class NamespaceHosts:
             raise ValueError(f"number of hosts must be a positive integer, got {n!r}")
         self.rate_bits = rate_bits(rate) if rate is not None else None
         self.rate, self.private_shm = rate, private_shm
-        pid = os.getpid()
-        self.prefix = prefix or f"{PREFIX}{pid}"
+        token = secrets.token_bytes(2)
+        self.prefix = prefix or f"{PREFIX}{os.getpid()}-{token.hex()}"
         if not re.match(r"^[A-Za-z0-9_.-]{1,40}$", self.prefix):
             raise ValueError(f"namespace prefix must be 1-40 letters, digits, '_', '.', '-', got {self.prefix!r}")
-        subnet = subnet or f"10.{pid // 256 % 256}.{pid % 256}.0/24"
+        subnet = subnet or f"10.{token[0]}.{token[1]}.0/24"
         try:
             net = ipaddress.IPv4Network(subnet, strict=False)
         except ValueError as e:

@@ -36,8 +36,9 @@ def test_generate_tp2_across_two_namespace_hosts(tiny_with_tokenizer):
         **enc, max_new_tokens=5, do_sample=False, pad_token_id=tok.eos_token_id)
     want = "the cat" + tok.decode(ref[0, enc["input_ids"].shape[1]:])   # generate prints the prompt, then tokens
     with NamespaceHosts(2, "1gbit") as hosts:
-        res = hosts.run_torchrun(["-m", "tensorpar", "generate", "--model", tiny_with_tokenizer, "--tp", "2", "--prompt",
-                                  "the cat", "--max-new-tokens", "5", "--timeout", "60"], timeout_s=240, env=env())
+        res = hosts.run_torchrun(["-m", "tensorpar", "generate", "--model", tiny_with_tokenizer, "--tp", "2",
+                                  "--prompt", "the cat", "--max-new-tokens", "5", "--timeout", "60"],
+                                 timeout_s=240, env=env())
         assert [r[0] for r in res] == [0, 0], "\n".join(r[2][-2000:] for r in res)
         assert all(sent_bytes(hosts, i) > 10_000 for i in range(2))
     text = [r[1] for r in res if "tokens/s" in r[1]]
