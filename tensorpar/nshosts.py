@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import ipaddress
+import itertools
 import os
 import re
 import secrets
@@ -134,8 +135,8 @@ class NamespaceHosts:
             ``<prefix>-h<i>``, the switch ``<prefix>-sw``), so runs in one process may overlap.
         subnet: a /24 or larger IPv4 network; host ``i`` gets its ``i + 1``-th address. Default
             ``10.<random>.<random>.0/24``.
-        hostnames: one name per host; default ``<prefix>-h<i>``. Names may repeat (a misconfigured
-            cluster): ranks are still told apart by their network namespace.
+        hostnames: one name per host; default ``<prefix>-h<i>`` (``_`` and ``.`` as ``-``). Names may repeat (a
+            misconfigured cluster): ranks are still told apart by their network namespace.
         private_shm: give each host its own ``/dev/shm`` (as on separate machines).
 
     Raises (in the constructor, before anything is made or started):
@@ -164,10 +165,10 @@ class NamespaceHosts:
             raise ValueError(f"subnet must be an IPv4 network such as 10.77.0.0/24, got {subnet!r} ({e})") from None
         if net.num_addresses - 2 < n:
             raise ValueError(f"subnet {subnet} has room for {max(net.num_addresses - 2, 0)} hosts, not {n}")
-        names = hostnames or [f"{self.prefix}-h{i}" for i in range(n)]
+        names = hostnames or [re.sub(r"[^A-Za-z0-9-]", "-", f"{self.prefix}-h{i}") for i in range(n)]
         if len(names) != n or not all(re.match(r"^[A-Za-z0-9][A-Za-z0-9-]{0,62}$", h) for h in names):
             raise ValueError(f"hostnames must be {n} names of letters, digits and '-', got {hostnames!r}")
-        addrs = [str(a) for a in list(net.hosts())[:n]]
+        addrs = [str(a) for a in itertools.islice(net.hosts(), n)]
         self.prefixlen = net.prefixlen
         self.hosts = [NsHost(i, f"{self.prefix}-h{i}", names[i], addrs[i]) for i in range(n)]
         self.switch = f"{self.prefix}-sw"

@@ -12,7 +12,8 @@ import pytest
 from tensorpar.nshosts import NamespaceHosts, netns_names, unavailable
 from tests.test_generate_cli import tiny_with_tokenizer  # noqa: F401  (fixture)
 
-pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+WHY_NOT = unavailable()    # e.g. not root: every test here skips with this one line
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
 
 
 def env():
