@@ -208,9 +208,11 @@ class NamespaceHosts:
                 if self.rate_bits is not None:
                     self._cap(h.netns, IFNAME)       # what the host sends
                     self._cap(self.switch, port)     # what it receives
-                # its own line first: a hostname that repeats resolves to the host's own address
-                lines = ["127.0.0.1 localhost"] + [f"{o.addr} {o.hostname}" for o in sorted(
-                    self.hosts, key=lambda o: o.index != h.index)]
+                # its own line first: a hostname that repeats resolves to the host's own address; the IPv4-mapped
+                # IPv6 forms name the peers of c10d's dual-stack sockets (else a lookup warning per connection)
+                order = sorted(self.hosts, key=lambda o: o.index != h.index)
+                lines = ["127.0.0.1 localhost", "::1 localhost", "::ffff:127.0.0.1 localhost"]
+                lines += [f"{o.addr} {o.hostname}" for o in order] + [f"::ffff:{o.addr} {o.hostname}" for o in order]
                 with open(os.path.join(self._dir, f"hosts{h.index}"), "w") as f:
                     f.write("\n".join(lines) + "\n")
         except BaseException:
