@@ -59,8 +59,8 @@ def enable_fast_collectives(group: Group, mode: str = "auto", *, host_id: str | 
             ``"on"`` - shared memory or an error; ``"off"`` - remove any fast path;
             ``"hierarchical"`` - the two-level all-reduce of :class:`HierarchicalComm`
             (shared memory inside each host, one leader per host over torch.distributed).
-        host_id: this rank's host identity; default ``hostname/boot_id``. Tests pass
-            simulated ids (``f"host{rank // 2}"``).
+        host_id: this rank's host identity; default :func:`host_identity`
+            (``hostname/boot_id/net-namespace``). Tests pass simulated ids (``f"host{rank // 2}"``).
         timeout_s: how long a rank waits for a peer at any step before raising
             :class:`~tensorpar.comm.CollectiveError` (use the collective timeout of
             ``init_parallel``).

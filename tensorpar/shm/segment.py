@@ -158,9 +158,13 @@ class Segment:
 # ---------------------------------------------------------------- host and process identity
 
 def host_identity() -> str:
-    """``hostname/boot_id``: equal for processes that share a kernel (and so may share ``/dev/shm``).
+    """``hostname/boot_id/net-namespace``: equal only for processes that may share ``/dev/shm`` *and* a network.
 
-    The boot id separates two machines that happen to share a hostname; whether the processes
+    The boot id separates two machines that happen to share a hostname. The network namespace (the
+    inode of ``/proc/self/ns/net``) separates "hosts" that share one kernel but not a network, e.g.
+    network-namespace hosts (:mod:`tensorpar.nshosts`) or containers: the boot id is the same for all
+    of them, and the hostname is too unless each also has its own UTS namespace, yet ranks there talk
+    through their own link and shared memory would bypass it. Whether processes with one identity
     really share ``/dev/shm`` (containers) is verified afterwards by attaching the segment.
     """
     try:
@@ -168,7 +172,11 @@ def host_identity() -> str:
             boot = f.read().strip()
     except OSError:
         boot = "no-boot-id"
-    return f"{socket.gethostname()}/{boot}"
+    try:
+        net = str(os.stat("/proc/self/ns/net").st_ino)
+    except OSError:
+        net = "no-netns"
+    return f"{socket.gethostname()}/{boot}/{net}"
 
 
 def process_start_time(pid: int) -> int | None:

@@ -1,0 +1,318 @@
+"""Hosts on this machine: N network-namespace "hosts" joined by rate-limited links, for tests and benchmarks.
+
+Each host is a Linux network namespace made by the run (its own ``eth0`` with its own address, and
+``lo``), plus, for every process started in it, its own UTS namespace (hostname) and mount
+namespace, in which a private ``/etc/hosts`` (every host's name and address: torchrun and gloo
+resolve the host's own name) and, by default, a private ``/dev/shm`` are mounted. The hosts'
+``eth0`` ends are joined by a bridge in one more namespace (the "switch"); token-bucket filters
+(``tc qdisc ... tbf``) on both ends of every link cap each direction at the link rate. Nothing is
+added to the machine's own network namespace, so all traffic stays inside namespaces of the run.
+
+Use::
+
+    with NamespaceHosts(2, rate="1gbit") as hosts:
+        results = hosts.run_torchrun(["-m", "tensorpar", "generate", "--model", folder], nproc=1)
+
+Every host runs one torchrun agent: c10d rendezvous on host 0's address
+(:meth:`NamespaceHosts.torchrun_argv`), ``--local-addr`` the host's address, gloo bound to the host's
+interface (``GLOO_SOCKET_IFNAME=eth0``), the same commands as on real machines (docs/hosts.md).
+
+Teardown (:meth:`NamespaceHosts.down`: on leaving the ``with``, also when its body raises, and at
+interpreter exit) kills the processes still running in the hosts and deletes the namespaces, which
+deletes the links. Namespace names carry the creating pid (``tph<pid>-<random>-...``); :func:`sweep_stale`
+deletes those left by a run that was killed. Needs root (``CAP_SYS_ADMIN`` and ``CAP_NET_ADMIN``) and
+the ``ip``, ``tc``, ``unshare`` and ``mount`` commands; :func:`unavailable` says why not, in one line.
+"""
+from __future__ import annotations
+
+import atexit
+import ipaddress
+import itertools
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+PREFIX = "tph"
+IFNAME = "eth0"
+RDZV_PORT = 29400          # free in any case: the hosts' network namespaces are new
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)([kmg]?)bit$")
+_UNIT = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
+
+# Run in the new UTS and mount namespaces of a host: $0 hostname, $1 hosts file, $2 private shm, then the command.
+_SETUP = ('hostname "$0" && mount --bind "$1" /etc/hosts && '
+          '{ [ "$2" = 0 ] || mount -t tmpfs -o mode=1777 tmpfs /dev/shm; } && shift 2 && exec "$@"')
+
+
+def rate_bits(rate: str) -> float:
+    """Bits per second of a tc rate such as ``"1gbit"``, ``"500mbit"``.
+
+    Raises:
+        ValueError: not ``<number>[k|m|g]bit`` above 0.
+    """
+    m = _RATE.match(rate) if isinstance(rate, str) else None
+    bits = float(m.group(1)) * _UNIT[m.group(2)] if m else 0.0
+    if bits <= 0:
+        raise ValueError(f"link rate must look like '1gbit', '10gbit' or '500mbit', got {rate!r}")
+    return bits
+
+
+def unavailable() -> str | None:
+    """Why namespace hosts cannot be made here (one line), or None if they can."""
+    if sys.platform != "linux":
+        return f"namespace hosts need Linux network namespaces; this is {sys.platform}"
+    if os.geteuid() != 0:
+        return "namespace hosts need root (creating network, UTS and mount namespaces); this runs as uid " \
+               f"{os.geteuid()}"
+    missing = [c for c in ("ip", "tc", "unshare", "mount", "hostname") if shutil.which(c) is None]
+    if missing:
+        return f"namespace hosts need the commands {', '.join(missing)} (iproute2, util-linux)"
+    probe = subprocess.run(["unshare", "--net", "--uts", "--mount", "true"], capture_output=True, text=True)
+    if probe.returncode:   # root without CAP_SYS_ADMIN, e.g. an unprivileged container
+        return f"namespace hosts: this process cannot create namespaces ({probe.stderr.strip()[:200]})"
+    return None
+
+
+def _sh(*argv: str, check: bool = True) -> str:
+    r = subprocess.run(argv, capture_output=True, text=True)
+    if check and r.returncode:
+        raise RuntimeError(f"{' '.join(argv)} failed (exit {r.returncode}): {r.stderr.strip()}")
+    return r.stdout
+
+
+def netns_names() -> list[str]:
+    """Names of the machine's named network namespaces (``ip netns list``)."""
+    return [line.split()[0] for line in _sh("ip", "netns", "list").splitlines() if line.strip()]
+
+
+def addresses_in_use() -> dict[str, str]:
+    """IPv4 addresses on the machine's interfaces and on those of every named namespace: address -> where."""
+    used = {}
+    for ns in [None] + netns_names():
+        out = _sh("ip", *(["-n", ns] if ns else []), "-o", "-4", "addr", "show", check=False)
+        for line in out.splitlines():
+            f = line.split()
+            if "inet" in f:
+                used[f[f.index("inet") + 1].split("/")[0]] = f"namespace {ns}" if ns else "this machine"
+    return used
+
+
+def sweep_stale() -> list[str]:
+    """Delete ``tph<pid>-*`` namespaces whose creating process is gone; return their names."""
+    removed = []
+    for ns in netns_names():
+        m = re.match(rf"^{PREFIX}(\d+)-", ns)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            _sh("ip", "netns", "del", ns, check=False)
+            removed.append(ns)
+    return removed
+
+
+@dataclass(frozen=True)
+class NsHost:
+    """One namespace host: its network namespace, hostname, address on ``eth0``."""
+
+    index: int
+    netns: str
+    hostname: str
+    addr: str
+
+
+class NamespaceHosts:
+    """``n`` namespace hosts on one bridge, each link capped at ``rate`` in each direction.
+
+    Args:
+        n: number of hosts (>= 1).
+        rate: link rate for ``tc`` (``"1gbit"``, ``"10gbit"``), or None for no cap.
+        prefix: namespace name prefix; default ``tph<pid>-<4 random hex digits>`` (host ``i`` is
+            ``<prefix>-h<i>``, the switch ``<prefix>-sw``), so runs in one process may overlap.
+        subnet: a /24 or larger IPv4 network; host ``i`` gets its ``i + 1``-th address. Default
+            ``10.<random>.<random>.0/24``.
+        hostnames: one name per host; default ``<prefix>-h<i>`` (``_`` and ``.`` as ``-``). Names may repeat (a
+            misconfigured cluster): ranks are still told apart by their network namespace.
+        private_shm: give each host its own ``/dev/shm`` (as on separate machines).
+
+    Raises (in the constructor, before anything is made or started):
+        ValueError: a bad ``n``, ``rate``, ``subnet`` or ``hostnames``; a namespace name or an address
+            already in use on this machine (one line naming it).
+        RuntimeError: namespace hosts cannot be made here (:func:`unavailable`).
+    """
+
+    def __init__(self, n: int, rate: str | None = "1gbit", *, prefix: str | None = None, subnet: str | None = None,
+                 hostnames: list[str] | None = None, private_shm: bool = True):
+        why = unavailable()
+        if why:
+            raise RuntimeError(why)
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"number of hosts must be a positive integer, got {n!r}")
+        self.rate_bits = rate_bits(rate) if rate is not None else None
+        self.rate, self.private_shm = rate, private_shm
+        token = secrets.token_bytes(2)
+        self.prefix = prefix or f"{PREFIX}{os.getpid()}-{token.hex()}"
+        if not re.match(r"^[A-Za-z0-9_.-]{1,40}$", self.prefix):
+            raise ValueError(f"namespace prefix must be 1-40 letters, digits, '_', '.', '-', got {self.prefix!r}")
+        subnet = subnet or f"10.{token[0]}.{token[1]}.0/24"
+        try:
+            net = ipaddress.IPv4Network(subnet, strict=False)
+        except ValueError as e:
+            raise ValueError(f"subnet must be an IPv4 network such as 10.77.0.0/24, got {subnet!r} ({e})") from None
+        if net.num_addresses - 2 < n:
+            raise ValueError(f"subnet {subnet} has room for {max(net.num_addresses - 2, 0)} hosts, not {n}")
+        names = hostnames or [re.sub(r"[^A-Za-z0-9-]", "-", f"{self.prefix}-h{i}") for i in range(n)]
+        if len(names) != n or not all(re.match(r"^[A-Za-z0-9][A-Za-z0-9-]{0,62}$", h) for h in names):
+            raise ValueError(f"hostnames must be {n} names of letters, digits and '-', got {hostnames!r}")
+        addrs = [str(a) for a in itertools.islice(net.hosts(), n)]
+        self.prefixlen = net.prefixlen
+        self.hosts = [NsHost(i, f"{self.prefix}-h{i}", names[i], addrs[i]) for i in range(n)]
+        self.switch = f"{self.prefix}-sw"
+        sweep_stale()
+        taken = [ns for ns in netns_names() if ns == self.switch or ns.startswith(self.prefix + "-")]
+        if taken:
+            raise ValueError(f"namespace name {taken[0]!r} is already in use on this machine (ip netns list); "
+                             f"choose another prefix than {self.prefix!r} or delete it (ip netns del {taken[0]})")
+        used = addresses_in_use()
+        clash = [h.addr for h in self.hosts if h.addr in used]
+        if clash:
+            raise ValueError(f"address {clash[0]} is already in use ({used[clash[0]]}); choose another subnet than "
+                             f"{subnet}")
+        self._made: list[str] = []
+        self._procs: list[subprocess.Popen] = []
+        self._dir: str | None = None
+
+    # ------------------------------------------------------------------ set-up and teardown
+
+    def up(self) -> "NamespaceHosts":
+        """Make the namespaces, links, rate caps and hosts files. On any failure, undo and raise."""
+        atexit.register(self.down)
+        try:
+            self._dir = tempfile.mkdtemp(prefix=f"{self.prefix}-")
+            self._add_ns(self.switch)
+            _sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _sh("ip", "-n", self.switch, "link", "set", "br0", "up")
+            for h in self.hosts:
+                port = f"p{h.index}"
+                self._add_ns(h.netns)
+                _sh("ip", "-n", h.netns, "link", "add", IFNAME, "type", "veth", "peer", "name", port,
+                    "netns", self.switch)
+                _sh("ip", "-n", h.netns, "addr", "add", f"{h.addr}/{self.prefixlen}", "dev", IFNAME)
+                for ns, dev in ((h.netns, "lo"), (h.netns, IFNAME), (self.switch, port)):
+                    _sh("ip", "-n", ns, "link", "set", dev, "up")
+                _sh("ip", "-n", self.switch, "link", "set", port, "master", "br0")
+                if self.rate_bits is not None:
+                    self._cap(h.netns, IFNAME)       # what the host sends
+                    self._cap(self.switch, port)     # what it receives
+                # its own line first: a hostname that repeats resolves to the host's own address; the IPv4-mapped
+                # IPv6 forms name the peers of c10d's dual-stack sockets (else a lookup warning per connection)
+                order = sorted(self.hosts, key=lambda o: o.index != h.index)
+                lines = ["127.0.0.1 localhost", "::1 localhost", "::ffff:127.0.0.1 localhost"]
+                lines += [f"{o.addr} {o.hostname}" for o in order] + [f"::ffff:{o.addr} {o.hostname}" for o in order]
+                with open(os.path.join(self._dir, f"hosts{h.index}"), "w") as f:
+                    f.write("\n".join(lines) + "\n")
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def _add_ns(self, ns: str) -> None:
+        _sh("ip", "netns", "add", ns)
+        self._made.append(ns)
+
+    def _cap(self, ns: str, dev: str) -> None:
+        # burst: 1 ms of traffic (>= 64 KiB, one GSO segment), so the cap holds at the millisecond scale
+        burst = max(int(self.rate_bits / 8 / 1000), 65536)
+        _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate, "burst", str(burst),
+            "latency", "100ms")
+
+    def down(self) -> None:
+        """Kill what still runs in the hosts, delete the namespaces and the hosts files. Idempotent."""
+        for p in self._procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for p in self._procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        self._procs = []
+        for ns in reversed(self._made):
+            for pid in _sh("ip", "netns", "pids", ns, check=False).split():  # only our processes live there
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            _sh("ip", "netns", "del", ns, check=False)
+        self._made = []
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+        atexit.unregister(self.down)
+
+    def __enter__(self) -> "NamespaceHosts":
+        return self.up()
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+    # ------------------------------------------------------------------ running commands in a host
+
+    def command(self, i: int, argv: list[str]) -> list[str]:
+        """``argv`` wrapped to run in host ``i``: its network namespace, a new UTS namespace with its hostname
+        and a new mount namespace with its ``/etc/hosts`` (and ``/dev/shm``)."""
+        h = self.hosts[i]
+        return ["ip", "netns", "exec", h.netns, "unshare", "--uts", "--mount", "--propagation", "private", "--",
+                "sh", "-c", _SETUP, h.hostname, os.path.join(self._dir, f"hosts{i}"), str(int(self.private_shm)),
+                *argv]
+
+    def popen(self, i: int, argv: list[str], **kw) -> subprocess.Popen:
+        """Start ``argv`` in host ``i`` (own session, killed by :meth:`down`); ``kw`` as for ``Popen``."""
+        p = subprocess.Popen(self.command(i, argv), start_new_session=True, **kw)
+        self._procs.append(p)
+        return p
+
+    def torchrun_argv(self, i: int, nproc: int, cmd: list[str], *, run_id: str = "nshosts") -> list[str]:
+        """The torchrun command of host ``i``: ``nproc`` ranks, c10d rendezvous on host 0, then ``cmd``
+        (``["-m", "tensorpar", "generate", ...]`` or a script and its arguments)."""
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(self.hosts)),
+                "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"{self.hosts[0].addr}:{RDZV_PORT}", "--rdzv-id", run_id,
+                "--local-addr", self.hosts[i].addr, *cmd]
+
+    def run_torchrun(self, cmd: list[str], nproc: int = 1, *, timeout_s: float = 300.0,
+                     env: dict | None = None) -> list[tuple[int, str, str]]:
+        """One torchrun agent per host running ``cmd``; ``(returncode, stdout, stderr)`` per host.
+
+        Gloo binds to each host's ``eth0`` (``GLOO_SOCKET_IFNAME``). A host whose agent has not ended
+        ``timeout_s`` seconds after the start is killed (returncode -9); after the first agent fails,
+        the others get 30 s more (their ranks wait for the failed one until their own timeout).
+        """
+        env = dict(os.environ if env is None else env, GLOO_SOCKET_IFNAME=IFNAME)
+        procs = [self.popen(i, self.torchrun_argv(i, nproc, cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env) for i in range(len(self.hosts))]
+        deadline = time.monotonic() + timeout_s
+        outs = {}
+        def read(k, p):                      # read the pipes while waiting: a full pipe would stall an agent
+            outs[k] = p.communicate()
+
+        readers = [threading.Thread(target=read, args=(k, p), daemon=True) for k, p in enumerate(procs)]
+        for t in readers:
+            t.start()
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.poll() for p in procs):
+                deadline = min(deadline, time.monotonic() + 30)
+            time.sleep(0.1)
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        for t in readers:
+            t.join(timeout=30)
+        return [(p.wait(), *outs.get(k, ("", ""))) for k, p in enumerate(procs)]
