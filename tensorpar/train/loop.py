@@ -200,20 +200,22 @@ class Trainer(TrainerCheckpoints):
                                                 label_smoothing=self.cfg.label_smoothing)
 
     def _embedding_group(self):
-        """The 2-rank group of (first stage, last stage) for this rank's (dp, tp) position; every rank creates all."""
-        grid, mine = self.ctx.grid, None
+        """The 2-rank group of (first stage, last stage) for this rank's (dp, cp, tp) position; every rank creates
+        all."""
+        grid, mine = self.ctx.grid, None       # [dp, pp, cp, tp]
         for d in range(grid.shape[0]):
-            for t in range(grid.shape[2]):
-                ranks = [int(grid[d, 0, t]), int(grid[d, -1, t])]
-                g = dist.new_group(ranks)
-                if self.ctx.rank in ranks:
-                    mine = g
+            for c in range(grid.shape[2]):
+                for t in range(grid.shape[3]):
+                    ranks = [int(grid[d, 0, c, t]), int(grid[d, -1, c, t])]
+                    g = dist.new_group(ranks)
+                    if self.ctx.rank in ranks:
+                        mine = g
         return mine
 
     def _pp_leaders(self):
-        """The group of pipeline ranks at (dp 0, tp 0); every rank creates it (once)."""
+        """The group of pipeline ranks at (dp 0, cp 0, tp 0); every rank creates it (once)."""
         if getattr(self, "_leaders", None) is None:
-            self._leaders = dist.new_group([int(r) for r in self.ctx.grid[0, :, 0]])
+            self._leaders = dist.new_group([int(r) for r in self.ctx.grid[0, :, 0, 0]])
         return self._leaders
 
     # ------------------------------------------------------------ one step
