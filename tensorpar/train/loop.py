@@ -64,6 +64,7 @@ from tensorpar.train.config import TrainConfig
 from tensorpar.train.data import TrainData
 from tensorpar.train.dp import fully_shard_dp, no_forward_buffer_sync
 from tensorpar.layers.dropout import DropoutRNG, install_dropout
+from tensorpar.layers.ring_attention import cp_positions
 from tensorpar.train.trainer_state import TrainerCheckpoints
 
 IGNORE_INDEX = -100  # labels that count for nothing (torch's default ignore_index)
@@ -107,6 +108,19 @@ def make_optimizer(cfg: TrainConfig, named: list[tuple[str, nn.Parameter]]) -> t
                              lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
 
+def _all_reduce_grads(ps: list[nn.Parameter], group, divide: int = 1) -> None:
+    """Sum the gradients of ``ps`` over ``group`` in one bucket (then ``/ divide``), in place; FSDP2 gradients by
+    their local shards (the same rows on every rank of a group that is not the dp axis)."""
+    grads = [local_tensor(p.grad) for p in ps]
+    flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), group)
+    if divide != 1:
+        flat = flat / divide
+    off = 0
+    for g in grads:
+        g.copy_(flat[off:off + g.numel()].view_as(g))
+        off += g.numel()
+
+
 class Trainer(TrainerCheckpoints):
     """Holds this rank's model or pipeline stage(s), its optimizer, the batch iterator and the step count.
 
@@ -134,6 +148,9 @@ class Trainer(TrainerCheckpoints):
         self.cfg, self.ctx, self.plan, self.data = cfg, ctx, plan, data
         tp, pp, dp = ctx.tp, ctx.pp, ctx.dp
         self.tp = tp
+        if cfg.cp != ctx.cp.size:
+            raise ValueError(f"cp={cfg.cp} but the parallel context's cp axis has {ctx.cp.size} ranks; build it with "
+                             f"ParallelConfig(cp={cfg.cp})")
         m = cfg.micro_batches
         if cfg.batch_size % (dp.size * m):
             raise ValueError(f"batch_size={cfg.batch_size} is not divisible by dp x micro_batches = {dp.size} x {m}; "
@@ -233,9 +250,33 @@ class Trainer(TrainerCheckpoints):
         Collectives: the model's, plus the two all-reduces of the vocab-parallel cross-entropy.
         """
         net = self.ddp or self.modules[0]
+        if self.ctx.cp.size > 1:
+            return self._cp_loss(net, input_ids, labels)
         with self.autocast():
             logits = net(input_ids=input_ids.to(self.device), use_cache=False).logits    # [b, s, V_r]
         return self._loss_fn(logits, labels.to(self.device))
+
+    def _cp_loss(self, net, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """This cp rank's share of the batch's mean loss: the summed loss of its positions ``[b, s/cp]``
+        (:func:`~tensorpar.layers.ring_attention.cp_positions`, passed as ``position_ids`` for the rotary tables)
+        over the number of targets of the whole ``[b, s]`` batch, which every rank has. The shares add up over cp to
+        the mean (:meth:`_sum_over_cp`) and so do their gradients (:meth:`complete_grads`). The labels are the
+        next tokens of the whole sequence (shifted before the split), so a shard's last position keeps its target."""
+        cp = self.ctx.cp
+        pos = cp_positions(input_ids.shape[1], cp.size, cp.rank, device=self.device)           # [s/cp]
+        x = input_ids.to(self.device).index_select(1, pos)
+        y = labels.to(self.device).index_select(1, pos)
+        count = (labels != IGNORE_INDEX).sum().to(self.device)
+        with self.autocast():
+            logits = net(input_ids=x, position_ids=pos.expand(x.shape[0], -1), use_cache=False).logits  # [b, s/cp, V_r]
+        with torch.autocast(self.device.type, enabled=False):
+            total = vocab_parallel_cross_entropy(logits, y, self.tp, partition=self.plan.vocab,
+                                                 label_smoothing=self.cfg.label_smoothing, reduction="sum")
+        return total / count
+
+    def _sum_over_cp(self, x: torch.Tensor) -> torch.Tensor:
+        """A scalar summed over the cp ranks (their shares of a mean loss); ``x`` itself at cp = 1."""
+        return comm.all_reduce(x.reshape(1), self.ctx.cp)[0] if self.ctx.cp.size > 1 else x
 
     def forward_backward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Loss of this replica's rows ``[B/dp, s]`` (mean over its micro-batches) and the accumulated gradients
@@ -253,7 +294,7 @@ class Trainer(TrainerCheckpoints):
                     loss = self.loss(x, y) / m
                     loss.backward()
                 total = total + loss.detach()
-            return total
+            return self._sum_over_cp(total)
         pp = self.ctx.pp
         first, last = pp.rank == 0, pp.rank == pp.size - 1
         losses: list[torch.Tensor] = []
@@ -269,8 +310,10 @@ class Trainer(TrainerCheckpoints):
         return comm.broadcast(mean.reshape(1), pp, src=pp.size - 1)[0]
 
     def complete_grads(self) -> None:
-        """Step 4 of the module docstring: tp sums, tied first/last stage sum, dp average (experts of ep: / dp)."""
+        """Step 4 of the module docstring: cp and tp sums, tied first/last stage sum, dp average (experts of ep: / dp)."""
         tp, dp = self.ctx.tp, self.ctx.dp
+        if self.ctx.cp.size > 1:  # each cp rank's gradient is that of its positions' share of the loss: summed
+            _all_reduce_grads([p for p in self.params if p.grad is not None], self.ctx.cp)
         sync_sequence_parallel_grads(self.params, tp)
         sync_duplicated_grads(self.params, tp)
         if self.embed_group is not None:
@@ -286,12 +329,8 @@ class Trainer(TrainerCheckpoints):
                 if getattr(p, "ep_dim", None) is not None and p.grad is not None:
                     p.grad.div_(dp.size)
         if dp.size > 1 and self.ddp is None and not self.fsdp:  # pipeline stages, ep: one bucket, replicas' average
-            ps = [p for p in self.params if p.grad is not None and getattr(p, "ep_dim", None) is None]
-            flat = comm.all_reduce(torch.cat([p.grad.reshape(-1) for p in ps]), dp) / dp.size
-            off = 0
-            for p in ps:
-                p.grad.copy_(flat[off:off + p.numel()].view_as(p.grad))
-                off += p.numel()
+            _all_reduce_grads([p for p in self.params if p.grad is not None and getattr(p, "ep_dim", None) is None],
+                              dp, divide=dp.size)
 
     def _tied_param(self):
         names = dict(self.named_params)
@@ -363,7 +402,7 @@ class Trainer(TrainerCheckpoints):
         pipeline. pp = 1: one forward of the rows; pp > 1: the pipeline schedule's ``eval`` (its forwards, over the
         micro-batches; the mean of their means)."""
         if self.schedule is None:
-            return self.loss(ids, labels)
+            return self._sum_over_cp(self.loss(ids, labels))
         pp = self.ctx.pp
         first, last = pp.rank == 0, pp.rank == pp.size - 1
         losses: list[torch.Tensor] = []

@@ -1,0 +1,112 @@
+"""Context parallelism in the one trainer (issue 25): per-step loss and grad norm at (cp 2) and (tp 2, cp 2), ring
+and all2all, equal the one-process run; every gradient after one step equals tp = cp = 1's; refusals.
+
+Setup: tests/_train_jobs.py's tiny Llama (6 query / 2 KV heads, tied embedding) on the synthetic stream, fp32,
+clipping active (a gradient counted twice over cp would change the clipped update and every later loss),
+seq_len 16 (two chunks of 4 per cp rank), 4 steps. At (tp 2, cp 2) each tp rank has 3 query heads, so all2all is
+refused there (3 does not divide by cp 2) and ring runs; the (cp 2, dp 2) layouts need 4 ranks (slow).
+
+Tolerance 1e-5 relative (tests/test_3d.py's): the ring merges softmax blocks by log-sum-exp in fp32 and the cp
+ranks' loss shares and gradients are summed over cp, so sums run in another order than one process's: fp32
+reordering, measured below 1e-6 here.
+"""
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tensorpar.parallel import ParallelConfig, ParallelContext, init_parallel
+from tensorpar.testing import WorkerPool
+from tests._train_jobs import BASE, gathered_grads, make_trainer
+
+STEPS = 4
+TOL = 1e-5
+
+
+def run(ctx, kw):
+    c = ctx.config
+    cfg = replace(BASE, tp=c.tp, pp=c.pp, dp=c.dp, cp=c.cp, steps=STEPS, **kw)
+    tr = make_trainer(ctx, cfg)
+    grads = {}
+    first = tr.train_step(inspect=lambda t: grads.update(gathered_grads(t)))
+    rest = [tr.train_step() for _ in range(STEPS - 1)]
+    steps = [first] + rest
+    return [s.loss for s in steps], [s.grad_norm for s in steps], grads, tr.evaluate(1)
+
+
+def job_layouts(ctx, layouts):
+    out = {}
+    for name, config, kw in layouts:
+        sub = init_parallel(config, rank=ctx.rank, world_size=ctx.world_size, backend="gloo", set_threads=False)
+        out[name] = run(sub, kw)
+    return out
+
+
+def rel(a, b):
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run(ParallelContext.single(), {})
+
+
+def check(results, reference, name):
+    losses, norms, grads, val = reference
+    for r, res in enumerate(results):
+        got = res[name]
+        assert rel(got[0], losses) <= TOL, f"{name} rank {r}: losses {got[0]} vs {losses}"
+        assert rel(got[1], norms) <= TOL, f"{name} rank {r}: grad norms {got[1]} vs {norms}"
+        for n, g in grads.items():
+            err = float((got[2][n] - g).abs().max() / g.abs().max())
+            assert err <= TOL, f"{name} rank {r}: gradient {n} differs by {err:.2e} (relative to its max)"
+        assert abs(got[3] - val) / val <= TOL, f"{name} rank {r}: validation loss {got[3]} vs {val}"
+
+
+LAYOUTS = {
+    2: [("cp2-ring", ParallelConfig(cp=2), {}), ("cp2-all2all", ParallelConfig(cp=2), dict(cp_mode="all2all"))],
+    4: [("tp2-cp2-ring", ParallelConfig(tp=2, cp=2), {}),
+        ("tp2-cp2-sp", ParallelConfig(tp=2, cp=2), dict(sequence_parallel=True)),
+        ("cp2-dp2-ddp", ParallelConfig(cp=2, dp=2), {}),
+        ("cp2-dp2-fsdp", ParallelConfig(cp=2, dp=2), dict(dp_mode="fsdp", cp_mode="all2all")),
+        ("cp4-ring", ParallelConfig(cp=4), {})],
+}
+
+
+# cp 2 in CI (~25 s on an idle 2-core machine: one 2-rank launch, two layouts); the 4-rank layouts are slow
+@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_cp_equals_one_process(reference, ranks):
+    with WorkerPool(ranks, ParallelConfig(cp=ranks), collective_timeout_s=60.0) as pool:
+        results = pool.run(job_layouts, LAYOUTS[ranks])
+    for name, _, _ in LAYOUTS[ranks]:
+        check(results, reference, name)
+
+
+def test_cp_refusals():
+    from tensorpar.train.config import TrainConfig, check_against_model
+    from tests._train_jobs import tiny_config
+
+    with pytest.raises(ValueError, match=r"seq_len=20 is not divisible by 2 x cp = 8 .* use seq_len=16 or 24"):
+        TrainConfig(cp=4, seq_len=20)
+    with pytest.raises(ValueError, match=r"cp=2: does not run with pipeline stages \(pp=2\); cp runs with tp, "
+                                         r"sequence_parallel and dp \(ddp, fsdp\); use pp=1 or cp=1"):
+        TrainConfig(cp=2, pp=2, micro_batches=2)
+    with pytest.raises(ValueError, match=r"cp=2: does not run with hidden_dropout=0.1"):
+        TrainConfig(cp=2, hidden_dropout=0.1)
+    with pytest.raises(ValueError, match=r"cp_mode='x': use one of ring, all2all"):
+        TrainConfig(cp_mode="x")
+    with pytest.raises(ValueError, match=r"seq_len=36 is not divisible by 2 x cp x tp = 8, which sequence "
+                                         r"parallelism with cp=2 needs"):
+        TrainConfig(cp=2, tp=2, seq_len=36, sequence_parallel=True)
+    cfg = TrainConfig(cp=2, tp=2, seq_len=16, cp_mode="all2all")
+    with pytest.raises(ValueError, match=r"cp_mode='all2all' needs the query heads of each tp rank \(3 at tp=2\) "
+                                         r"divisible by cp=2; use cp_mode='ring'"):
+        check_against_model(cfg, tiny_config(), 67)
+    check_against_model(cfg.replace(cp_mode="ring"), tiny_config(), 67)
+    from transformers import GPT2Config
+    with pytest.raises(ValueError, match=r"cp=2: context parallelism supports llama, mistral, qwen2, qwen3, not "
+                                         r"'gpt2'; use cp=1"):
+        check_against_model(TrainConfig(cp=2, seq_len=16), GPT2Config(vocab_size=67, n_positions=64), 67)
+    with pytest.raises(ValueError, match=r"cp=2: this mistral config has sliding_window=8"):
+        from transformers import MistralConfig
+        check_against_model(TrainConfig(cp=2, seq_len=16), MistralConfig(vocab_size=67, sliding_window=8), 67)
