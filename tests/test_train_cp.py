@@ -28,7 +28,10 @@ def run(ctx, kw):
     cfg = replace(BASE, tp=c.tp, pp=c.pp, dp=c.dp, cp=c.cp, steps=STEPS, **kw)
     tr = make_trainer(ctx, cfg)
     grads = {}
-    first = tr.train_step(inspect=lambda t: grads.update(gathered_grads(t)))
+
+    def keep(t):   # FSDP2 gradients are DTensors sharded over dp: gathered (every rank, same order)
+        grads.update({n: g.full_tensor() if hasattr(g, "full_tensor") else g for n, g in gathered_grads(t).items()})
+    first = tr.train_step(inspect=keep)
     rest = [tr.train_step() for _ in range(STEPS - 1)]
     steps = [first] + rest
     return [s.loss for s in steps], [s.grad_norm for s in steps], grads, tr.evaluate(1)
@@ -64,8 +67,9 @@ def check(results, reference, name):
 
 
 LAYOUTS = {
-    2: [("cp2-ring", ParallelConfig(cp=2), {}), ("cp2-all2all", ParallelConfig(cp=2), dict(cp_mode="all2all"))],
-    4: [("tp2-cp2-ring", ParallelConfig(tp=2, cp=2), {}),
+    2: [("cp2-ring", ParallelConfig(cp=2), {}),
+        ("cp2-all2all-recompute", ParallelConfig(cp=2), dict(cp_mode="all2all", recompute=True))],
+    4: [("tp2-cp2-ring-recompute", ParallelConfig(tp=2, cp=2), dict(recompute=True)),
         ("tp2-cp2-sp", ParallelConfig(tp=2, cp=2), dict(sequence_parallel=True)),
         ("cp2-dp2-ddp", ParallelConfig(cp=2, dp=2), {}),
         ("cp2-dp2-fsdp", ParallelConfig(cp=2, dp=2), dict(dp_mode="fsdp", cp_mode="all2all")),
@@ -110,3 +114,50 @@ def test_cp_refusals():
     with pytest.raises(ValueError, match=r"cp=2: this mistral config has sliding_window=8"):
         from transformers import MistralConfig
         check_against_model(TrainConfig(cp=2, seq_len=16), MistralConfig(vocab_size=67, sliding_window=8), 67)
+
+
+# ---------------------------------------------------------------- `tensorpar train --cp`
+
+def run_main(argv):
+    import argparse
+
+    from tensorpar.train.cli import add_arguments, main
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return main(p.parse_args(argv))
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--cp", "2", "--seq-len", "30"], "seq_len=30 is not divisible by 2 x cp = 4 (each cp rank holds two equal "
+                                       "chunks, one early and one late); use seq_len=28 or 32"),
+    (["--tp", "2", "--cp", "4", "--cp-mode", "all2all"],
+     "cp_mode='all2all' needs the query heads of each tp rank (2 at tp=2) divisible by cp=4; use cp_mode='ring'"),
+    (["--cp", "2", "--pp", "2"], "--cp 2: does not run with pipeline stages (pp=2)"),
+    (["--cp", "2", "--plan", "auto", "--nproc", "2"], "--plan auto and --cp 2 both set the layout"),
+])
+def test_cli_refuses_before_launch(tmp_path, capsys, argv, msg):
+    rc = run_main(argv + ["--model", "tiny", "--data", "shakespeare", "--out", str(tmp_path / "run"), "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and msg in err[0], err
+
+
+@pytest.mark.slow
+@pytest.mark.network
+def test_cli_cp2_run_then_resume_at_tp2(tmp_path):
+    """A launched `--cp 2` run on Shakespeare, resumed from its checkpoint at (tp 2): the checkpoint holds no cp."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    common = ["--model", "tiny", "--data", "shakespeare", "--seq-len", "32", "--batch-size", "4", "--out", str(out),
+              "--no-progress"]
+    r = subprocess.run([sys.executable, "-m", "tensorpar", "train", "--cp", "2", "--steps", "3"] + common,
+                       capture_output=True, text=True, env=env, timeout=500)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "done: step 3" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "tensorpar", "train", "--tp", "2", "--resume", "--steps", "4"] + common,
+                       capture_output=True, text=True, env=env, timeout=500)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "done: step 4" in r.stdout
