@@ -156,7 +156,8 @@ class Trainer(TrainerCheckpoints):
             raise ValueError(f"batch_size={cfg.batch_size} is not divisible by dp x micro_batches = {dp.size} x {m}; "
                              f"use a batch size that is a multiple of {dp.size * m}")
         self.rng = DropoutRNG(cfg.seed)  # the run's keyed masks (the model's own generator is replaced)
-        install_dropout(model, self.rng, attention_dropout=cfg.attention_dropout, hidden_dropout=cfg.hidden_dropout)
+        install_dropout(model, self.rng, attention_dropout=cfg.attention_dropout, hidden_dropout=cfg.hidden_dropout,
+                        cp=ctx.cp)
         self.device = ctx.device
         self.tied = plan.tie_word_embeddings and pp.size > 1
         self.fsdp = cfg.dp_mode == "fsdp" and dp.size > 1

@@ -129,8 +129,6 @@ class TPAttention(nn.Module):
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)                     # [b, heads, s, d]
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
         cache = cache if cache is not None else kwargs.pop("past_key_values", None)
         kwargs.pop("past_key_values", None)
         q, k, v = self._qkv(hidden_states)                                                # [b, heads, s, d]
@@ -146,7 +144,19 @@ class TPAttention(nn.Module):
         if self.cp is not None and self.cp.size > 1:    # s = s_global / cp positions; attention over all of them
             from tensorpar.layers.ring_attention import cp_attention
             out = cp_attention(q, k, v, self.cp, self.cp_mode, scale=self.scaling).transpose(1, 2)  # [b, s, h, d]
-            return getattr(self, self.o_name)(out.reshape(b, s, -1).contiguous()), None
+            weights = None
+        else:
+            out, weights = self._attend(q, k, v, attention_mask, **kwargs)
+        out = out.reshape(b, s, -1).contiguous()  # [b, s, q_local * d]
+        out = getattr(self, self.o_name)(out)
+        if self.output_dropout is not None:
+            out = self.output_dropout(out)
+        return out, weights
+
+    def _attend(self, q, k, v, attention_mask, **kwargs):
+        """The kernel of one process over the whole sequence: ``(out [b, s, heads, d], weights)``."""
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
         keyed = self.training and self.attention_fn is not None
         fn = self.attention_fn if keyed else ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, self._attn_default)
@@ -155,13 +165,8 @@ class TPAttention(nn.Module):
             extra["softcap"] = self.softcap
         if self.sinks is not None:
             extra["s_aux"] = self.sinks  # as gpt_oss passes them (flash / flex kernels); eager reads self.sinks
-        out, weights = fn(self, q, k, v, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,
-                          scaling=self.scaling, **extra, **kwargs)
-        out = out.reshape(b, s, -1).contiguous()  # [b, s, q_local * d]
-        out = getattr(self, self.o_name)(out)
-        if self.output_dropout is not None:
-            out = self.output_dropout(out)
-        return out, weights
+        return fn(self, q, k, v, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,
+                  scaling=self.scaling, **extra, **kwargs)
 
     def extra_repr(self) -> str:
         return f"tp={self.tp.size}, {self.layout.describe()}"
