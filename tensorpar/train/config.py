@@ -39,8 +39,8 @@ class TrainConfig:
         cp, cp_mode: context-parallel degree: every sequence split over cp ranks (two chunks each, one early and
             one late, :mod:`tensorpar.layers.ring_attention`), attention by ``"ring"`` (key/value blocks passed
             around) or ``"all2all"`` (Ulysses: heads and sequence exchanged). 1 = off; ``seq_len`` must divide by
-            ``2 cp``; composes with tp, sequence parallelism, dp (ddp, fsdp) and hidden dropout (masks the same at every
-            cp), not (yet) with pp, ep or attention dropout.
+            ``2 cp``; composes with tp, sequence parallelism, pp, dp (ddp, fsdp) and hidden dropout (masks the same at
+            every cp), not (yet) with ep or attention dropout.
         ep: expert-parallel degree: the experts of a mixture-of-experts model split whole over this many ranks
             (:func:`tensorpar.hf.modules.expert_parallelize`), which are the dp replicas (Megatron-Core /
             DeepSpeed-MoE): each takes its own rows of the batch, the non-expert gradients are averaged over dp,
@@ -220,14 +220,12 @@ def check_cp_layout(cfg: "TrainConfig") -> None:
     """The layouts context parallelism (``cp > 1``) runs at; ValueError naming the setting and what works.
 
     ``seq_len`` a multiple of ``2 cp`` (and of ``2 cp tp`` under sequence parallelism: each tp rank keeps
-    ``seq_len / (cp tp)`` positions); with tp, sequence parallelism and dp (ddp or fsdp); not with pp, ep or
+    ``seq_len / (cp tp)`` positions); with tp, sequence parallelism, pp and dp (ddp or fsdp); not with ep or
     attention dropout.
     """
     from tensorpar.layers.ring_attention import check_cp_seq_len
     check_cp_seq_len(cfg.seq_len, cfg.cp)
-    works = "cp runs with tp, sequence_parallel and dp (ddp, fsdp)"
-    if cfg.pp > 1:
-        raise ValueError(f"cp={cfg.cp}: does not run with pipeline stages (pp={cfg.pp}); {works}; use pp=1 or cp=1")
+    works = "cp runs with tp, sequence_parallel, pp and dp (ddp, fsdp)"
     if cfg.ep > 1:
         raise ValueError(f"cp={cfg.cp}: does not run with expert parallelism (ep={cfg.ep}); {works}; use ep=1 or cp=1")
     if cfg.attention_dropout > 0:   # hidden dropout is keyed by global position (tensorpar.layers.dropout)

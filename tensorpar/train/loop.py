@@ -212,10 +212,21 @@ class Trainer(TrainerCheckpoints):
     def _loss_fn(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Mean vocab-parallel cross-entropy of ``logits [mb, s, V_r]`` against ``target [mb, s]``, outside autocast
         (the pipeline schedule calls it inside the forward's autocast; at pp = 1 it runs after it), so the loss is
-        the same function of the logits at every layout."""
+        the same function of the logits at every layout.
+
+        With cp > 1 the logits and targets are this rank's positions ``[mb, s/cp]`` and the result is its share of
+        the micro-batch's mean: the summed loss of its positions over the target count of the whole sequence (one
+        all-reduce of a scalar over cp). The shares add up over cp to the mean (:meth:`_sum_over_cp`) and so do
+        their gradients (:meth:`complete_grads`)."""
+        cp = self.ctx.cp
         with torch.autocast(self.device.type, enabled=False):
-            return vocab_parallel_cross_entropy(logits, target, self.tp, partition=self.plan.vocab,
-                                                label_smoothing=self.cfg.label_smoothing)
+            if cp.size == 1:
+                return vocab_parallel_cross_entropy(logits, target, self.tp, partition=self.plan.vocab,
+                                                    label_smoothing=self.cfg.label_smoothing)
+            count = comm.all_reduce((target != IGNORE_INDEX).sum().to(torch.float32).reshape(1), cp)[0]
+            total = vocab_parallel_cross_entropy(logits, target, self.tp, partition=self.plan.vocab,
+                                                 label_smoothing=self.cfg.label_smoothing, reduction="sum")
+            return total / count
 
     def _embedding_group(self):
         """The 2-rank group of (first stage, last stage) for this rank's (dp, cp, tp) position; every rank creates
@@ -251,29 +262,22 @@ class Trainer(TrainerCheckpoints):
         Collectives: the model's, plus the two all-reduces of the vocab-parallel cross-entropy.
         """
         net = self.ddp or self.modules[0]
+        ids, labels = input_ids.to(self.device), labels.to(self.device)
+        extra = {}
         if self.ctx.cp.size > 1:
-            return self._cp_loss(net, input_ids, labels)
+            ids, labels, pos = self._cp_shard(ids, labels)
+            extra["position_ids"] = pos.expand(ids.shape[0], -1)                  # the rotary tables' positions
         with self.autocast():
-            logits = net(input_ids=input_ids.to(self.device), use_cache=False).logits    # [b, s, V_r]
-        return self._loss_fn(logits, labels.to(self.device))
+            logits = net(input_ids=ids, use_cache=False, **extra).logits    # [b, s, V_r] ([b, s/cp, V_r] at cp > 1)
+        return self._loss_fn(logits, labels)
 
-    def _cp_loss(self, net, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """This cp rank's share of the batch's mean loss: the summed loss of its positions ``[b, s/cp]``
-        (:func:`~tensorpar.layers.ring_attention.cp_positions`, passed as ``position_ids`` for the rotary tables)
-        over the number of targets of the whole ``[b, s]`` batch, which every rank has. The shares add up over cp to
-        the mean (:meth:`_sum_over_cp`) and so do their gradients (:meth:`complete_grads`). The labels are the
-        next tokens of the whole sequence (shifted before the split), so a shard's last position keeps its target."""
+    def _cp_shard(self, ids: torch.Tensor, labels: torch.Tensor):
+        """This cp rank's positions ``pos [s/cp]`` (:func:`~tensorpar.layers.ring_attention.cp_positions`) of
+        ``ids`` and ``labels`` ``[b, s]``: ``(ids [b, s/cp], labels [b, s/cp], pos)``. The labels are the next
+        tokens of the whole sequence (shifted before the split), so the last position of a chunk keeps its target."""
         cp = self.ctx.cp
-        pos = cp_positions(input_ids.shape[1], cp.size, cp.rank, device=self.device)           # [s/cp]
-        x = input_ids.to(self.device).index_select(1, pos)
-        y = labels.to(self.device).index_select(1, pos)
-        count = (labels != IGNORE_INDEX).sum().to(self.device)
-        with self.autocast():
-            logits = net(input_ids=x, position_ids=pos.expand(x.shape[0], -1), use_cache=False).logits  # [b, s/cp, V_r]
-        with torch.autocast(self.device.type, enabled=False):
-            total = vocab_parallel_cross_entropy(logits, y, self.tp, partition=self.plan.vocab,
-                                                 label_smoothing=self.cfg.label_smoothing, reduction="sum")
-        return total / count
+        pos = cp_positions(ids.shape[1], cp.size, cp.rank, device=ids.device)
+        return ids.index_select(1, pos), labels.index_select(1, pos), pos
 
     def _sum_over_cp(self, x: torch.Tensor) -> torch.Tensor:
         """A scalar summed over the cp ranks (their shares of a mean loss); ``x`` itself at cp = 1."""
@@ -298,10 +302,12 @@ class Trainer(TrainerCheckpoints):
             return self._sum_over_cp(total)
         pp = self.ctx.pp
         first, last = pp.rank == 0, pp.rank == pp.size - 1
+        if self.ctx.cp.size > 1:   # the stages compute their positions from the cp group (DecoderStage)
+            ids, labels, _ = self._cp_shard(ids, labels)
         losses: list[torch.Tensor] = []
         with self.autocast():
             self.schedule.step(*((ids,) if first else ()), **({"target": labels, "losses": losses} if last else {}))
-        return self._pipeline_mean(losses)
+        return self._sum_over_cp(self._pipeline_mean(losses))
 
     def _pipeline_mean(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The last stage's mean of its micro-batch losses, broadcast to every stage of the pipeline."""
@@ -406,11 +412,13 @@ class Trainer(TrainerCheckpoints):
             return self._sum_over_cp(self.loss(ids, labels))
         pp = self.ctx.pp
         first, last = pp.rank == 0, pp.rank == pp.size - 1
+        if self.ctx.cp.size > 1:
+            ids, labels, _ = self._cp_shard(ids, labels)
         losses: list[torch.Tensor] = []
         with self.autocast():
             self.eval_schedule.eval(*((ids,) if first else ()),
                                     **({"target": labels, "losses": losses} if last else {}))
-        return self._pipeline_mean(losses)
+        return self._sum_over_cp(self._pipeline_mean(losses))
 
     @torch.no_grad()
     def evaluate(self, max_batches: int | None = None) -> float:

@@ -192,6 +192,7 @@ def context_parallelize(model: nn.Module, cp: Group, mode: str = "ring") -> int:
     if n == 0 and cp.size > 1:
         raise ValueError(f"cp={cp.size}: {type(model).__name__} has no attention module that supports context "
                          f"parallelism; use cp=1")
+    model.tensorpar_cp = cp   # pipeline stages read it for their positions
     return n
 
 
