@@ -160,8 +160,9 @@ def test_cli_refuses_before_launch(tmp_path, capsys, argv, msg):
 
 @pytest.mark.slow
 @pytest.mark.network
-def test_cli_cp2_run_then_resume_at_tp2(tmp_path):
-    """A launched `--cp 2` run on Shakespeare, resumed from its checkpoint at (tp 2): the checkpoint holds no cp."""
+def test_cli_cp2_run_then_resume_at_tp2_and_cp2(tmp_path):
+    """A launched `--cp 2` run on Shakespeare, resumed from its checkpoint at (tp 2), then at cp 2 again (all2all):
+    the checkpoint holds no cp."""
     import os
     import subprocess
     import sys
@@ -178,6 +179,10 @@ def test_cli_cp2_run_then_resume_at_tp2(tmp_path):
                        capture_output=True, text=True, env=env, timeout=500)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "done: step 4" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "tensorpar", "train", "--cp", "2", "--cp-mode", "all2all", "--resume",
+                        "--steps", "5"] + common, capture_output=True, text=True, env=env, timeout=500)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "done: step 5" in r.stdout
 
 
 # ---------------------------------------------------------------- the issue's setting: Shakespeare at 2048

@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cp", type=int, default=d.cp, action=_Explicit,
                    help="context-parallel degree: every sequence split over cp ranks (two chunks each, one early and "
                         "one late; rank order tp fastest, then cp); --seq-len must divide by 2 x cp; with --tp, "
-                        "--sequence-parallel and --dp, not --pp")
+                        "--sequence-parallel, --pp and --dp")
     p.add_argument("--cp-mode", choices=["ring", "all2all"], default=d.cp_mode,
                    help="context-parallel attention: ring (key/value blocks passed around the cp ranks) or all2all "
                         "(Ulysses: query heads of each tp rank must divide by --cp)")
