@@ -3,8 +3,8 @@
 Ranks are laid out as ``arange(world_size).view(dp, pp, cp, tp)`` (tp fastest, then cp), so the ranks of one
 tensor-parallel group are consecutive and, under torchrun, on one host whenever
 ``tp <= nproc_per_node``; the context-parallel (cp) ranks of one tp rank are ``tp`` apart, next to them (both
-axes talk every layer). At cp = 1 the order is the one of the (dp, pp, tp) grid. Nothing here is stored in module globals: :func:`init_parallel`
-returns a :class:`ParallelContext` and callers hand it (or its ``tp`` group) to whatever needs it.
+axes talk every layer). At cp = 1 the order is the one of the (dp, pp, tp) grid. Nothing here is stored in
+module globals: :func:`init_parallel` returns a :class:`ParallelContext` and callers hand it (or its ``tp`` group) to whatever needs it.
 """
 from __future__ import annotations
 

@@ -22,7 +22,8 @@ def test_dp2_tp2_groups_and_mesh():
     assert [o["tp_sum"] for o in out] == [1.0, 1.0, 5.0, 5.0]
     assert [o["dp_sum"] for o in out] == [2.0, 4.0, 2.0, 4.0]
     assert [o["tp"] for o in out] == [(0, 2), (1, 2), (0, 2), (1, 2)]
-    assert out[0]["mesh_names"] == ("dp", "pp", "cp", "tp") and out[0]["mesh_tp_size"] == 2 and out[0]["mesh_dp_size"] == 2
+    assert out[0]["mesh_names"] == ("dp", "pp", "cp", "tp")
+    assert out[0]["mesh_tp_size"] == 2 and out[0]["mesh_dp_size"] == 2
 
 
 def test_rank_threads_share_cores(monkeypatch):

@@ -33,7 +33,8 @@ class DecoderStage(nn.Module):
     Parameter names are the full model's (``model.layers.5.mlp.down_proj.weight``, ``lm_head.weight``), so
     checkpoints and the loader see the same names at every pp. With context parallelism (``model.tensorpar_cp``,
     :func:`tensorpar.hf.modules.context_parallelize`) ``s`` is this cp rank's ``s / cp`` positions, whose global
-    indices feed the rotary tables. Shapes: the first chunk takes token ids ``[mb, s]``, the others hidden states ``[mb, s, h]`` (``[mb, s/tp, h]`` under sequence parallelism); the last
+    indices feed the rotary tables. Shapes: the first chunk takes token ids ``[mb, s]``, the others hidden states
+    ``[mb, s, h]`` (``[mb, s/tp, h]`` under sequence parallelism); the last
     returns this rank's vocabulary slice of the logits ``[mb, s, V_r]``, the others hidden states.
     Collectives: those of the blocks it holds (tp); the pipeline's point-to-point sends are the schedule's.
     """

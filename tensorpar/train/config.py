@@ -14,7 +14,7 @@ from pathlib import Path
 DTYPES = ("float32", "bfloat16")
 #: data-parallel modes: torch's DDP, or FSDP2 (fully_shard) on the dp mesh axis
 DP_MODES = ("ddp", "fsdp")
-#: context-parallel attention: ring (key/value blocks passed around) or all2all (Ulysses), tensorpar.layers.ring_attention
+#: context-parallel attention (tensorpar.layers.ring_attention): ring (key/value blocks passed around) or all2all
 CP_MODES = ("ring", "all2all")
 #: transports of the tp group's collectives (see TrainConfig.fast_collectives)
 FAST_COLLECTIVES = ("auto", "on", "off")

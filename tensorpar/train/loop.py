@@ -1,5 +1,6 @@
-"""The trainer: one optimiser step at every layout of the (dp, pp, tp) grid (tp-only, pipeline schedules,
-data-parallel replicas by DDP or FSDP2, micro-batches), in the spirit of torchtitan's ``forward_backward_step``.
+"""The trainer: one optimiser step at every layout of the (dp, pp, cp, tp) grid (tp-only, pipeline schedules,
+data-parallel replicas by DDP or FSDP2, context parallelism, micro-batches), in the spirit of torchtitan's
+``forward_backward_step``.
 Autocast, the skip of a batch without targets, clipping, the learning-rate schedule, checkpoints and the
 validation loss exist once, here, so a setting cannot hold at one layout and be ignored at another.
 
@@ -9,7 +10,10 @@ One optimiser step, on every rank:
    (every label ``ignore_index``), its mean loss would be NaN (0 / 0, as in torch): the step is reported
    (``StepResult.skipped``, one line on rank 0) and the optimizer is not stepped, so neither momentum nor weight
    decay moves the weights on a batch without data;
-2. replica ``d`` of ``dp`` takes rows ``[d B/dp, (d+1) B/dp)`` and cuts them into ``M`` micro-batches;
+2. replica ``d`` of ``dp`` takes rows ``[d B/dp, (d+1) B/dp)`` and cuts them into ``M`` micro-batches; with
+   context parallelism cp rank ``c`` keeps its positions ``[b, s/cp]`` of them (two chunks, one early and one late,
+   :func:`tensorpar.layers.ring_attention.cp_positions`; rotary tables from those positions) and its loss is its
+   share of the micro-batch's mean (:meth:`Trainer._loss_fn`), the shares summed over cp for the reported loss;
 3. forward under the run's autocast (``dtype="bfloat16"``: ``torch.autocast``, fp32 weights and optimizer), the
    logits vocabulary-sharded ``[mb, s, V_r]``, then the vocab-parallel cross-entropy (two all-reduces of per-token
    scalars) outside autocast, and backward:
@@ -19,7 +23,8 @@ One optimiser step, on every rank:
    cross-entropy on the last stage; its ``scale_grads`` divides the accumulated gradients by ``M``. With equal
    tokens per micro-batch the mean of the micro-batch means is the whole batch's mean, so the gradients equal
    one step on the whole batch;
-4. gradients are completed: summed over tp for sequence-parallel norms and duplicated KV rows
+4. gradients are completed: summed over cp (each cp rank's is that of its share of the loss), summed over tp for
+   sequence-parallel norms and duplicated KV rows
    (:mod:`tensorpar.grads`; after this each rank's gradient slice equals the matching slice of the tp = 1
    gradient), summed between the first and last stage for a tied embedding/LM head (Megatron's embedding group),
    and averaged over dp: by torch's ``DistributedDataParallel`` on the dp group when ``pp == 1`` (overlapped
@@ -317,7 +322,8 @@ class Trainer(TrainerCheckpoints):
         return comm.broadcast(mean.reshape(1), pp, src=pp.size - 1)[0]
 
     def complete_grads(self) -> None:
-        """Step 4 of the module docstring: cp and tp sums, tied first/last stage sum, dp average (experts of ep: / dp)."""
+        """Step 4 of the module docstring: cp and tp sums, tied first/last stage sum, dp average (experts of ep:
+        / dp)."""
         tp, dp = self.ctx.tp, self.ctx.dp
         if self.ctx.cp.size > 1:  # each cp rank's gradient is that of its positions' share of the loss: summed
             _all_reduce_grads([p for p in self.params if p.grad is not None], self.ctx.cp)

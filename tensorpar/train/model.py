@@ -86,7 +86,9 @@ def build_model(cfg: TrainConfig, source: ModelSource, tp: Group, vocab_size: in
 
     ``cp``: with ``cfg.cp > 1``, the context-parallel group (the cp axis of the run's ParallelContext); every
     attention module runs over the sequence split across it (:func:`tensorpar.hf.modules.context_parallelize`,
-    mode ``cfg.cp_mode``). Raises ValueError when ``cfg.cp > 1`` and ``cp`` is not a group of that size. From scratch every rank still initialises the whole model (the full
+    mode ``cfg.cp_mode``). Raises ValueError when ``cfg.cp > 1`` and ``cp`` is not a group of that size.
+
+    From scratch every rank still initialises the whole model (the full
     model's random stream is what makes it the same function at every layout) and the trainer keeps its stage.
     """
     from transformers import AutoModelForCausalLM

@@ -20,6 +20,7 @@ from tensorpar.hf.modules.mlp import TPMLP, TPGatedMLP
 from tensorpar.hf.modules.norms import TPRMSNorm, TPSpanningRMSNorm, all_reduce_sum
 
 __all__ = ["TPAttention", "TPEncoderAttention", "TPOlmo2Attention", "TPOlmoeAttention", "TPStarcoder2Attention",
-           "context_parallelize", "sequence_parallel_entry", "EPExperts", "TPExperts", "TPSharedExpertMoE", "ep_load_balancing_loss",
+           "context_parallelize", "sequence_parallel_entry", "EPExperts", "TPExperts", "TPSharedExpertMoE",
+           "ep_load_balancing_loss",
            "expert_parallelize", "TPConv1D", "TPGPT2Attention", "TPGPTNeoXAttention", "TPMLP", "TPGatedMLP",
            "TPRMSNorm", "TPSpanningRMSNorm", "all_reduce_sum"]
