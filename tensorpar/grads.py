@@ -197,3 +197,18 @@ def sync_duplicated_grads(params: Iterable[torch.nn.Parameter], tp: Group) -> in
             summed = summed.narrow(0, start, n)
         local_tensor(grad).copy_(summed)
     return len(ps)
+
+
+def all_reduce_grads(ps: list[torch.nn.Parameter], group: Group, divide: int = 1) -> None:
+    """Sum the gradients of ``ps`` over ``group`` in one bucket (then ``/ divide``), in place; FSDP2 gradients by
+    their local shards (the same rows on every rank of a group that is not the dp axis).
+
+    Collectives: one all-reduce of every gradient's elements, concatenated."""
+    grads = [local_tensor(p.grad) for p in ps]
+    flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), group)
+    if divide != 1:
+        flat = flat / divide
+    off = 0
+    for g in grads:
+        g.copy_(flat[off:off + g.numel()].view_as(g))
+        off += g.numel()

@@ -1,9 +1,10 @@
-"""Parallel context: process groups for the (dp, pp, tp) rank grid, built once and passed explicitly.
+"""Parallel context: process groups for the (dp, pp, cp, tp) rank grid, built once and passed explicitly.
 
-Ranks are laid out as ``arange(world_size).view(dp, pp, tp)`` (tp fastest), so the ranks of one
+Ranks are laid out as ``arange(world_size).view(dp, pp, cp, tp)`` (tp fastest, then cp), so the ranks of one
 tensor-parallel group are consecutive and, under torchrun, on one host whenever
-``tp <= nproc_per_node``. Nothing here is stored in module globals: :func:`init_parallel`
-returns a :class:`ParallelContext` and callers hand it (or its ``tp`` group) to whatever needs it.
+``tp <= nproc_per_node``; the context-parallel (cp) ranks of one tp rank are ``tp`` apart, next to them (both
+axes talk every layer). At cp = 1 the order is the one of the (dp, pp, tp) grid. Nothing here is stored in
+module globals: :func:`init_parallel` returns a :class:`ParallelContext` and callers hand it (or its ``tp`` group) to whatever needs it.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 from tensorpar.comm import Group
 
-AXES = ("dp", "pp", "tp")
+AXES = ("dp", "pp", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class ParallelConfig:
         tp: tensor-parallel degree (ranks sharing one layer's weights).
         pp: pipeline-parallel degree (stages).
         dp: data-parallel degree (model replicas).
+        cp: context-parallel degree (ranks sharing one sequence: each holds ``seq_len / cp`` positions,
+            :mod:`tensorpar.layers.ring_attention`).
         tp_weights: relative speed of each tp rank (one positive number per rank; ``"3,1"`` also accepted), or
             ``"auto"`` (measured by :func:`init_parallel`), or ``None`` (even split). :mod:`tensorpar.capacity`.
     """
@@ -36,6 +39,7 @@ class ParallelConfig:
     pp: int = 1
     dp: int = 1
     tp_weights: tuple[float, ...] | str | None = None
+    cp: int = 1
 
     def __post_init__(self):
         for axis in AXES:
@@ -48,14 +52,15 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     def validate(self, world_size: int) -> None:
-        """Raise ValueError unless ``dp * pp * tp == world_size``, listing every degree."""
+        """Raise ValueError unless ``dp * pp * cp * tp == world_size``, listing every degree."""
         if self.world_size != world_size:
+            cp = f" x cp={self.cp}" if self.cp > 1 else ""
             raise ValueError(
                 f"world size {world_size} is not the product of the parallel degrees "
-                f"dp={self.dp} x pp={self.pp} x tp={self.tp} = {self.world_size}; choose degrees whose product is "
+                f"dp={self.dp} x pp={self.pp}{cp} x tp={self.tp} = {self.world_size}; choose degrees whose product is "
                 f"{world_size}"
             )
 
@@ -81,8 +86,8 @@ class ParallelContext:
         config: the degrees.
         rank, world_size: global rank and world size.
         device: the device this rank computes on (``cpu`` or ``cuda:<local_rank>``).
-        tp, pp, dp: :class:`~tensorpar.comm.Group` handles for this rank's groups on each axis.
-        grid: ``LongTensor[dp, pp, tp]`` of global ranks.
+        tp, pp, dp, cp: :class:`~tensorpar.comm.Group` handles for this rank's groups on each axis.
+        grid: ``LongTensor[dp, pp, cp, tp]`` of global ranks.
         tp_weights: the weights to shard with (``config.tp_weights``, measured when that is ``"auto"``), or
             ``None`` for an even split; the same on every rank.
     """
@@ -96,11 +101,12 @@ class ParallelContext:
     dp: Group
     grid: torch.Tensor
     tp_weights: tuple[float, ...] | None = None
+    cp: Group = field(default_factory=lambda: Group.single("cp"))
     _mesh: object = field(default=None, repr=False)
 
     @property
     def mesh(self):
-        """A ``DeviceMesh`` over the same groups, named ("dp", "pp", "tp"), for FSDP2/DDP/pipelining.
+        """A ``DeviceMesh`` over the same groups, named ("dp", "pp", "cp", "tp"), for FSDP2/DDP/pipelining.
 
         Built on first use; every rank must access it (it creates process groups for size-1 axes).
         """
@@ -122,10 +128,10 @@ class ParallelContext:
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> "ParallelContext":
-        """A one-process context (tp = pp = dp = 1) that runs without torch.distributed."""
+        """A one-process context (tp = pp = dp = cp = 1) that runs without torch.distributed."""
         return cls(config=ParallelConfig(), rank=0, world_size=1, device=torch.device(device),
                    tp=Group.single("tp"), pp=Group.single("pp"), dp=Group.single("dp"),
-                   grid=torch.zeros(1, 1, 1, dtype=torch.long))
+                   grid=torch.zeros(1, 1, 1, 1, dtype=torch.long), cp=Group.single("cp"))
 
     def is_main(self) -> bool:
         return self.rank == 0
@@ -146,13 +152,13 @@ class ParallelContext:
         examples/generate_tp.py). Dropping the last reference destroys the group now, while the interpreter
         is whole: its destructor releases the GIL and joins the worker threads once they are idle.
         """
-        for g in (self.tp, self.pp, self.dp):
+        for g in (self.tp, self.pp, self.dp, self.cp):
             if g.fast is not None:
                 from tensorpar.shm import disable_fast_collectives
                 disable_fast_collectives(g)
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
-        for g in (self.tp, self.pp, self.dp):
+        for g in (self.tp, self.pp, self.dp, self.cp):
             g.pg = None
         self._mesh = None
         gc.collect()  # a group held only through a reference cycle goes now, not at exit
@@ -249,7 +255,7 @@ def init_parallel(
     set_threads: bool = True,
     fast_collectives: str = "off",
 ) -> ParallelContext:
-    """Initialise torch.distributed (if needed) and build the (dp, pp, tp) groups.
+    """Initialise torch.distributed (if needed) and build the (dp, pp, cp, tp) groups.
 
     Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
     ``MASTER_PORT`` (torchrun's environment) unless ``rank``/``world_size``/``init_method``
@@ -293,7 +299,7 @@ def init_parallel(
         else:
             dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                     timeout=timeout)
-    grid = torch.arange(world_size).view(config.dp, config.pp, config.tp)
+    grid = torch.arange(world_size).view(config.dp, config.pp, config.cp, config.tp)
     groups: dict[str, Group] = {}
     for axis_i, axis in enumerate(AXES):
         # Every rank must create every group, in the same order.

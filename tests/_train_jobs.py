@@ -42,7 +42,7 @@ BASE = TrainConfig(model="tiny-test", seq_len=16, batch_size=4, steps=20, warmup
 def make_trainer(ctx, cfg: TrainConfig, model_kw: dict | None = None) -> Trainer:
     src = ModelSource(tiny_config(attention_dropout=cfg.attention_dropout, **(model_kw or {})), None, None)
     data = synthetic_data()
-    model, plan = build_model(cfg, src, ctx.tp, data.vocab_size)
+    model, plan = build_model(cfg, src, ctx.tp, data.vocab_size, cp=ctx.cp)
     return Trainer(cfg, ctx, model, plan, data)
 
 

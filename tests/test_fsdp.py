@@ -31,11 +31,11 @@ def as_layout(ctx, layout: str):
         return ctx
     if layout == "dp2":
         return replace(ctx, config=ParallelConfig(dp=2), tp=Group.single("tp"),
-                       grid=ctx.grid[:, :, ctx.tp.rank:ctx.tp.rank + 1], _mesh=mesh)
+                       grid=ctx.grid[..., ctx.tp.rank:ctx.tp.rank + 1], _mesh=mesh)
     assert layout == "pp2-dp2"
     pp = Group(pg=ctx.tp.pg, rank=ctx.tp.rank, size=ctx.tp.size, name="pp")
     return replace(ctx, config=ParallelConfig(pp=2, dp=2), tp=Group.single("tp"), pp=pp,
-                   grid=ctx.grid.transpose(1, 2).contiguous(), _mesh=mesh)
+                   grid=ctx.grid.transpose(1, 3).contiguous(), _mesh=mesh)   # [dp, pp, cp, tp]: tp <-> pp
 
 
 def job_fsdp(ctx, layout, cfg_kw):

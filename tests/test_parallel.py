@@ -18,11 +18,12 @@ def job_grid(ctx):
 def test_dp2_tp2_groups_and_mesh():
     with WorkerPool(4, ParallelConfig(tp=2, dp=2), collective_timeout_s=30) as pool:
         out = pool.run(job_grid)
-    # grid arange(4).view(dp=2, pp=1, tp=2): tp groups {0,1} {2,3}; dp groups {0,2} {1,3}
+    # grid arange(4).view(dp=2, pp=1, cp=1, tp=2): tp groups {0,1} {2,3}; dp groups {0,2} {1,3}
     assert [o["tp_sum"] for o in out] == [1.0, 1.0, 5.0, 5.0]
     assert [o["dp_sum"] for o in out] == [2.0, 4.0, 2.0, 4.0]
     assert [o["tp"] for o in out] == [(0, 2), (1, 2), (0, 2), (1, 2)]
-    assert out[0]["mesh_names"] == ("dp", "pp", "tp") and out[0]["mesh_tp_size"] == 2 and out[0]["mesh_dp_size"] == 2
+    assert out[0]["mesh_names"] == ("dp", "pp", "cp", "tp")
+    assert out[0]["mesh_tp_size"] == 2 and out[0]["mesh_dp_size"] == 2
 
 
 def test_rank_threads_share_cores(monkeypatch):

@@ -73,21 +73,30 @@ class KeyedDropout(nn.Module):
     Shapes: any ``[b, s, ...]`` replicated over tp (every rank draws the same mask), or ``[b, s_r, ...]``
     with ``sequence_parallel`` (``s_r = s / tp``, the even split of
     :func:`tensorpar.comm.scatter_to_sequence_region`: the full mask is drawn and the rank keeps its slice).
-    No collectives. Identity in eval.
+    With a context-parallel group ``cp`` (set by :func:`install_dropout`) the rank holds the positions
+    :func:`tensorpar.layers.ring_attention.cp_positions` of the ``cp`` times longer sequence (then its
+    sequence-parallel slice of them): the mask of the whole sequence is drawn and those positions are kept, so
+    the masks are the same at every cp. No collectives. Identity in eval.
     """
 
     def __init__(self, p: float, rng: DropoutRNG, key, tp: Group, *, sequence_parallel: bool = False):
         super().__init__()
         self.p, self.rng, self.key = p, rng, key if isinstance(key, tuple) else (key,)
         self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.cp: Group | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
             return x
         full = list(x.shape)
+        cp = self.cp.size if self.cp is not None else 1
         if self.sequence_parallel:
             full[1] = x.shape[1] * self.tp.size
+        full[1] *= cp
         mask = keep_mask(self.rng.generator(x.device, *self.key), full, self.p, x.device)
+        if cp > 1:
+            from tensorpar.layers.ring_attention import cp_positions
+            mask = mask.index_select(1, cp_positions(full[1], cp, self.cp.rank, device=x.device))
         if self.sequence_parallel:
             mask = mask.narrow(1, self.tp.rank * x.shape[1], x.shape[1])
         return x * mask.to(x.dtype) / (1.0 - self.p)
@@ -146,14 +155,22 @@ class HeadKeyedAttention:
         return out.transpose(1, 2).contiguous(), None
 
 
-def install_dropout(model: nn.Module, rng: DropoutRNG, *, attention_dropout: float, hidden_dropout: float) -> None:
+def install_dropout(model: nn.Module, rng: DropoutRNG, *, attention_dropout: float, hidden_dropout: float,
+                    cp: Group | None = None) -> None:
     """Set the training loop's dropout on a model sharded by :func:`tensorpar.hf.apply.parallelize`.
 
     Blocks and their attention and MLP modules are found through the model's plan (``model.tensorpar_plan``),
     not through an attribute path. Attention dropout uses the head-keyed kernel (in training only; eval runs
     the configured kernel, e.g. SDPA); hidden dropout adds a :class:`HiddenDropout` after each attention and
-    MLP output. The model's keyed generator becomes ``rng``.
+    MLP output. The model's keyed generator becomes ``rng``. ``cp``: the context-parallel group (each rank holds
+    ``s / cp`` positions): every keyed dropout draws the whole sequence's mask and keeps its positions.
+
+    Raises:
+        ValueError: ``attention_dropout > 0`` with a ``cp`` of more than one rank (not implemented).
     """
+    if cp is not None and cp.size > 1 and attention_dropout > 0:
+        raise ValueError(f"cp={cp.size}: does not run with attention_dropout={attention_dropout}; use "
+                         f"attention_dropout=0 or cp=1")
     plan = model.tensorpar_plan
     model.tensorpar_dropout_rng = rng
     for m in model.modules():  # dropouts that parallelize keyed already now draw from this run's generator
@@ -172,3 +189,6 @@ def install_dropout(model: nn.Module, rng: DropoutRNG, *, attention_dropout: flo
                 for m in mods:
                     m.output_dropout = HiddenDropout(hidden_dropout, rng, i, site, m.tp,
                                                      sequence_parallel=getattr(m, "sequence_parallel", False))
+    for m in model.modules():
+        if isinstance(m, KeyedDropout):
+            m.cp = cp if cp is not None and cp.size > 1 else None

@@ -31,8 +31,10 @@ class DecoderStage(nn.Module):
     """One pipeline chunk of a (tensor-parallel) Llama-shaped decoder.
 
     Parameter names are the full model's (``model.layers.5.mlp.down_proj.weight``, ``lm_head.weight``), so
-    checkpoints and the loader see the same names at every pp. Shapes: the first chunk takes token ids
-    ``[mb, s]``, the others hidden states ``[mb, s, h]`` (``[mb, s/tp, h]`` under sequence parallelism); the last
+    checkpoints and the loader see the same names at every pp. With context parallelism (``model.tensorpar_cp``,
+    :func:`tensorpar.hf.modules.context_parallelize`) ``s`` is this cp rank's ``s / cp`` positions, whose global
+    indices feed the rotary tables. Shapes: the first chunk takes token ids ``[mb, s]``, the others hidden states
+    ``[mb, s, h]`` (``[mb, s/tp, h]`` under sequence parallelism); the last
     returns this rank's vocabulary slice of the logits ``[mb, s, V_r]``, the others hidden states.
     Collectives: those of the blocks it holds (tp); the pipeline's point-to-point sends are the schedule's.
     """
@@ -44,6 +46,7 @@ class DecoderStage(nn.Module):
         self.tp = model.tp_group
         self.sequence_parallel = model.tensorpar_plan.sequence_parallel
         self.rng = model.tensorpar_dropout_rng
+        self.cp = getattr(model, "tensorpar_cp", None)   # set by context_parallelize
         self.model = _Shell()
         if first:
             self.model.embed_tokens = inner.embed_tokens
@@ -60,7 +63,12 @@ class DecoderStage(nn.Module):
             self.rng.next_forward()
         h = self.model.embed_tokens(x) if self.first else x
         s = x.shape[1] if self.first or not self.sequence_parallel else x.shape[1] * self.tp.size
-        pos = torch.arange(s, device=h.device).unsqueeze(0).expand(h.shape[0], -1)
+        if self.cp is not None and self.cp.size > 1:   # this cp rank's positions of a cp times longer sequence
+            from tensorpar.layers.ring_attention import cp_positions
+            pos = cp_positions(s * self.cp.size, self.cp.size, self.cp.rank, device=h.device)
+        else:
+            pos = torch.arange(s, device=h.device)
+        pos = pos.unsqueeze(0).expand(h.shape[0], -1)
         cos, sin = self.model.rotary_emb(h, pos)
         probe = h if h.shape[1] == s else h.new_empty(h.shape[0], s, h.shape[-1])
         mask = create_causal_mask(config=self.config, inputs_embeds=probe, attention_mask=None, cache=None,

@@ -35,6 +35,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                                           "torch.distributed.pipelining)")
     p.add_argument("--dp", type=int, default=d.dp, action=_Explicit, help="data-parallel degree (replicas; rank "
                                                                           "order tp fastest, then pp, then dp)")
+    p.add_argument("--cp", type=int, default=d.cp, action=_Explicit,
+                   help="context-parallel degree: every sequence split over cp ranks (two chunks each, one early and "
+                        "one late; rank order tp fastest, then cp); --seq-len must divide by 2 x cp; with --tp, "
+                        "--sequence-parallel, --pp and --dp")
+    p.add_argument("--cp-mode", choices=["ring", "all2all"], default=d.cp_mode,
+                   help="context-parallel attention: ring (key/value blocks passed around the cp ranks) or all2all "
+                        "(Ulysses: query heads of each tp rank must divide by --cp)")
     p.add_argument("--ep", type=int, default=d.ep, help="expert-parallel degree: a mixture-of-experts model's experts "
                                                         "split whole over the dp ranks (each rank keeps E/ep "
                                                         "experts, tokens moved by all-to-all); --ep must equal "
@@ -154,6 +161,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def _config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(model=args.model, init=args.init, data=args.data, tokenizer=args.tokenizer,
                        val_fraction=args.val_fraction, tp=args.tp, pp=args.pp, dp=args.dp, ep=getattr(args, "ep", 1),
+                       cp=getattr(args, "cp", 1), cp_mode=getattr(args, "cp_mode", "ring"),
                        micro_batches=args.micro_batches or default_micro_batches(args.pp, args.dp, args.batch_size),
                        schedule=args.schedule, dp_mode=args.dp_mode,
                        sequence_parallel=args.sequence_parallel,
@@ -274,14 +282,15 @@ def main(args: argparse.Namespace) -> int:
                 cfg = cfg.replace(tp_weights=args.tp_weights)
         elif getattr(args, "nproc", None) is not None:
             raise ValueError(f"--nproc {args.nproc} goes with --plan (auto or a plan file); without --plan the ranks "
-                             f"are --tp x --pp x --dp")
+                             f"are --tp x --pp x --cp x --dp")
         else:
             from tensorpar.launch import rank0_print
             cfg, notes = drop_no_ops(args, cfg)
             for note in notes:
                 rank0_print(note, file=sys.stderr)
-        if under_torchrun() and cfg.tp * cfg.pp * cfg.dp != int(os.environ["WORLD_SIZE"]):
-            raise ValueError(f"--tp {cfg.tp} x --pp {cfg.pp} x --dp {cfg.dp} = {cfg.tp * cfg.pp * cfg.dp}, but "
+        if under_torchrun() and cfg.world_size != int(os.environ["WORLD_SIZE"]):
+            cp = f" x --cp {cfg.cp}" if cfg.cp > 1 else ""
+            raise ValueError(f"--tp {cfg.tp} x --pp {cfg.pp}{cp} x --dp {cfg.dp} = {cfg.world_size}, but "
                              f"torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']} ranks; choose degrees whose "
                              f"product is {os.environ['WORLD_SIZE']}")
         from tensorpar.cli import check_launch_arguments
@@ -307,7 +316,7 @@ def main(args: argparse.Namespace) -> int:
         report_error(str(e))
         return 2
     try:
-        return run_ranks(_rank_main, cfg.tp * cfg.pp * cfg.dp, cfg, args.resume, args.export, not args.no_progress,
+        return run_ranks(_rank_main, cfg.world_size, cfg, args.resume, args.export, not args.no_progress,
                          args.timeout, getattr(args, "overwrite", False), getattr(args, "check_collectives", False),
                          choice.prediction() if choice is not None else None, verbose=getattr(args, "verbose", False))
     finally:
@@ -325,7 +334,7 @@ def plan_config(args: argparse.Namespace, cfg: TrainConfig):
     from tensorpar.train import autoplan
 
     explicit = set(getattr(args, "explicit_flags", None) or ())
-    set_here = [f"--{k} {getattr(args, k)}" for k in ("tp", "pp", "dp") if k in explicit]
+    set_here = [f"--{k} {getattr(args, k)}" for k in ("tp", "pp", "dp", "cp") if k in explicit]
     if getattr(args, "micro_batches", None) is not None:
         set_here.append(f"--micro-batches {args.micro_batches}")
     set_here += [f"--{k.replace('_', '-')}" for k in ("sequence_parallel", "recompute") if getattr(args, k, False)]

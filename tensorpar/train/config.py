@@ -14,6 +14,8 @@ from pathlib import Path
 DTYPES = ("float32", "bfloat16")
 #: data-parallel modes: torch's DDP, or FSDP2 (fully_shard) on the dp mesh axis
 DP_MODES = ("ddp", "fsdp")
+#: context-parallel attention (tensorpar.layers.ring_attention): ring (key/value blocks passed around) or all2all
+CP_MODES = ("ring", "all2all")
 #: transports of the tp group's collectives (see TrainConfig.fast_collectives)
 FAST_COLLECTIVES = ("auto", "on", "off")
 
@@ -31,8 +33,14 @@ class TrainConfig:
             ``"smollm2"`` or a model folder.
         val_fraction: share of the text held out for the validation loss.
     Parallelism:
-        tp, pp, dp: tensor-, pipeline- and data-parallel degrees (world size = tp x pp x dp; rank order tp fastest,
-            then pp, then dp). sequence_parallel: split activations between blocks along the sequence.
+        tp, pp, dp: tensor-, pipeline- and data-parallel degrees (world size = tp x pp x cp x dp; rank order tp
+            fastest, then cp, then pp, then dp). sequence_parallel: split activations between blocks along the
+            sequence.
+        cp, cp_mode: context-parallel degree: every sequence split over cp ranks (two chunks each, one early and
+            one late, :mod:`tensorpar.layers.ring_attention`), attention by ``"ring"`` (key/value blocks passed
+            around) or ``"all2all"`` (Ulysses: heads and sequence exchanged). 1 = off; ``seq_len`` must divide by
+            ``2 cp``; composes with tp, sequence parallelism, pp, dp (ddp, fsdp) and hidden dropout (masks the same at
+            every cp), not (yet) with ep or attention dropout.
         ep: expert-parallel degree: the experts of a mixture-of-experts model split whole over this many ranks
             (:func:`tensorpar.hf.modules.expert_parallelize`), which are the dp replicas (Megatron-Core /
             DeepSpeed-MoE): each takes its own rows of the batch, the non-expert gradients are averaged over dp,
@@ -80,6 +88,8 @@ class TrainConfig:
     pp: int = 1
     dp: int = 1
     ep: int = 1
+    cp: int = 1
+    cp_mode: str = "ring"
     micro_batches: int = 1
     schedule: str = "1f1b"
     dp_mode: str = "ddp"
@@ -121,7 +131,7 @@ class TrainConfig:
             if isinstance(v, str) and not v.strip():
                 bad(name, "must not be empty")
 
-        for name in ("tp", "pp", "dp", "ep", "micro_batches", "seq_len", "batch_size", "steps", "eval_batches",
+        for name in ("tp", "pp", "dp", "ep", "cp", "micro_batches", "seq_len", "batch_size", "steps", "eval_batches",
                      "keep_checkpoints", "log_every"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -169,11 +179,20 @@ class TrainConfig:
             bad("eps", "must be > 0")
         if not 0 < self.val_fraction < 0.5:
             bad("val_fraction", "must be in (0, 0.5): a validation split is always held out")
-        if self.sequence_parallel and self.seq_len % self.tp:
+        if self.cp_mode not in CP_MODES:
+            bad("cp_mode", f"use one of {', '.join(CP_MODES)}")
+        if self.cp > 1:
+            check_cp_layout(self)
+        elif self.sequence_parallel and self.seq_len % self.tp:
             ok = self.seq_len - self.seq_len % self.tp
             raise ValueError(f"seq_len={self.seq_len} is not divisible by tp={self.tp}, which sequence parallelism "
                              f"needs (each rank keeps seq_len / tp positions); use seq_len={ok} or "
                              f"{ok + self.tp}, or turn sequence_parallel off")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the run: ``tp x pp x cp x dp``."""
+        return self.tp * self.pp * self.cp * self.dp
 
     @property
     def tokens_per_step(self) -> int:
@@ -195,6 +214,28 @@ class TrainConfig:
         d = self.to_dict()
         d.update(changes)
         return TrainConfig(**d)
+
+
+def check_cp_layout(cfg: "TrainConfig") -> None:
+    """The layouts context parallelism (``cp > 1``) runs at; ValueError naming the setting and what works.
+
+    ``seq_len`` a multiple of ``2 cp`` (and of ``2 cp tp`` under sequence parallelism: each tp rank keeps
+    ``seq_len / (cp tp)`` positions); with tp, sequence parallelism, pp and dp (ddp or fsdp); not with ep or
+    attention dropout.
+    """
+    from tensorpar.layers.ring_attention import check_cp_seq_len
+    check_cp_seq_len(cfg.seq_len, cfg.cp)
+    works = "cp runs with tp, sequence_parallel, pp and dp (ddp, fsdp)"
+    if cfg.ep > 1:
+        raise ValueError(f"cp={cfg.cp}: does not run with expert parallelism (ep={cfg.ep}); {works}; use ep=1 or cp=1")
+    if cfg.attention_dropout > 0:   # hidden dropout is keyed by global position (tensorpar.layers.dropout)
+        raise ValueError(f"cp={cfg.cp}: does not run with attention_dropout={cfg.attention_dropout} (its masks are "
+                         f"not split over cp yet); use attention_dropout=0 or cp=1")
+    n = 2 * cfg.cp * cfg.tp
+    if cfg.sequence_parallel and cfg.seq_len % n:
+        lo = cfg.seq_len - cfg.seq_len % n
+        raise ValueError(f"seq_len={cfg.seq_len} is not divisible by 2 x cp x tp = {n}, which sequence parallelism "
+                         f"with cp={cfg.cp} needs; use seq_len={lo or n} or {lo + n}, or turn sequence_parallel off")
 
 
 def check_ep_layout(ep: int, dp: int, pp: int, dp_mode: str) -> None:
@@ -234,6 +275,21 @@ def check_against_model(cfg: TrainConfig, model_config, vocab_size: int) -> None
         if e % cfg.ep:
             ok = [d for d in range(1, e + 1) if e % d == 0]
             raise ValueError(f"ep={cfg.ep}: does not divide the model's {e} experts; use ep in {ok}")
+    if cfg.cp > 1:
+        from tensorpar.hf.families import why_not
+        why = why_not("context_parallel", model_config)
+        if why:
+            raise ValueError(f"cp={cfg.cp}: {why}; use cp=1")
+        if cfg.cp_mode == "all2all":
+            from tensorpar.layers.attention import HeadLayout
+            from tensorpar.layers.ring_attention import check_all2all_heads
+            heads = model_config.num_attention_heads
+            kv = getattr(model_config, "num_key_value_heads", None) or heads
+            d = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+            weights = cfg.tp_weights if isinstance(cfg.tp_weights, tuple) else None
+            lay = HeadLayout.make(heads, kv, d, cfg.tp, split_weights=weights)
+            for r in range(cfg.tp):
+                check_all2all_heads(lay.local_heads(r), cfg.cp, cfg.tp)
     limit = getattr(model_config, "max_position_embeddings", None)
     if limit is not None and cfg.seq_len > limit:
         raise ValueError(f"seq_len={cfg.seq_len} exceeds the model's max_position_embeddings={limit}; use "

@@ -16,17 +16,19 @@ def forward_loss(tr, ids: torch.Tensor, labels: torch.Tensor, targets: int) -> t
     :meth:`~tensorpar.train.loop.Trainer.forward_backward`, the same on every rank of the pipeline (0-d tensor).
     pp = 1: one forward of the replica's rows ``[B/dp, s]``; pp > 1: the pipeline schedule's ``eval`` (its forwards,
     over the micro-batches). Collectives: the model's forward, the cross-entropy's two all-reduces, the pipeline's
-    point-to-point sends and one broadcast over pp."""
+    point-to-point sends, one broadcast over pp and one scalar all-reduce over cp."""
     dp = tr.ctx.dp.size
     if tr.schedule is None:
-        return tr._ce(tr._logits(ids), labels.to(tr.device)) * (dp / targets)
+        return tr._sum_over_cp(tr._ce(*tr._logits(ids, labels)) * (dp / targets))
     pp = tr.ctx.pp
     first, last = pp.rank == 0, pp.rank == pp.size - 1
+    if tr.ctx.cp.size > 1:
+        ids, labels, _ = tr._cp_shard(ids, labels)
     losses: list[torch.Tensor] = []
     tr._token_weight = dp * tr.cfg.micro_batches / targets
     with tr.autocast():
         tr.eval_schedule.eval(*((ids,) if first else ()), **({"target": labels, "losses": losses} if last else {}))
-    return tr._pipeline_mean(losses)
+    return tr._sum_over_cp(tr._pipeline_mean(losses))
 
 
 @torch.no_grad()

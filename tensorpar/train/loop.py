@@ -1,5 +1,6 @@
-"""The trainer: one optimiser step at every layout of the (dp, pp, tp) grid (tp-only, pipeline schedules,
-data-parallel replicas by DDP or FSDP2, micro-batches), in the spirit of torchtitan's ``forward_backward_step``.
+"""The trainer: one optimiser step at every layout of the (dp, pp, cp, tp) grid (tp-only, pipeline schedules,
+data-parallel replicas by DDP or FSDP2, context parallelism, micro-batches), in the spirit of torchtitan's
+``forward_backward_step``.
 Autocast, the skip of a batch without targets, clipping, the learning-rate schedule, checkpoints and the
 validation loss exist once, here, so a setting cannot hold at one layout and be ignored at another.
 
@@ -9,7 +10,10 @@ One optimiser step, on every rank:
    (every label ``ignore_index``), its mean loss would be NaN (0 / 0, as in torch): the step is reported
    (``StepResult.skipped``, one line on rank 0) and the optimizer is not stepped, so neither momentum nor weight
    decay moves the weights on a batch without data;
-2. replica ``d`` of ``dp`` takes rows ``[d B/dp, (d+1) B/dp)`` and cuts them into ``M`` micro-batches;
+2. replica ``d`` of ``dp`` takes rows ``[d B/dp, (d+1) B/dp)`` and cuts them into ``M`` micro-batches; with
+   context parallelism cp rank ``c`` keeps its positions ``[b, s/cp]`` of them (two chunks, one early and one late,
+   :func:`tensorpar.layers.ring_attention.cp_positions`; rotary tables from those positions), its loss the sum over
+   its positions (step 3), the shares summed over cp for the reported loss;
 3. forward under the run's autocast (``dtype="bfloat16"``: ``torch.autocast``, fp32 weights and optimizer), the
    logits vocabulary-sharded ``[mb, s, V_r]``, then the vocab-parallel cross-entropy (two all-reduces of per-token
    scalars) outside autocast, and backward:
@@ -21,7 +25,9 @@ One optimiser step, on every rank:
    divides by ``dp``. So a micro-batch or replica with fewer (or no) targets weighs what its tokens weigh, never
    NaN, and the gradients equal one step on the whole batch (Megatron-Core's per-token loss, torchtitan's
    global-token normalisation);
-4. gradients are completed: summed over tp for sequence-parallel norms and duplicated KV rows
+   the cp ranks' sums (each over its positions) add up to the sequence's, so a step needs no count over cp;
+4. gradients are completed: summed over cp (each cp rank's is that of its positions' share of the loss), summed
+   over tp for sequence-parallel norms and duplicated KV rows
    (:mod:`tensorpar.grads`; after this each rank's gradient slice equals the matching slice of the tp = 1
    gradient), summed between the first and last stage for a tied embedding/LM head (Megatron's embedding group),
    and averaged over dp: by torch's ``DistributedDataParallel`` on the dp group when ``pp == 1`` (overlapped
@@ -49,7 +55,6 @@ Saving and resuming (:meth:`Trainer.save`, :meth:`Trainer.resume`) are in :mod:`
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -59,14 +64,17 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tensorpar import comm
-from tensorpar.grads import grad_norm, local_tensor, sync_duplicated_grads, sync_sequence_parallel_grads
+from tensorpar.grads import (all_reduce_grads, grad_norm, local_tensor, sync_duplicated_grads,
+                             sync_sequence_parallel_grads)
 from tensorpar.layers import vocab_parallel_cross_entropy
 from tensorpar.pipeline.stages import build_schedule, cut_stages
 from tensorpar.train.config import TrainConfig
 from tensorpar.train.data import TrainData
 from tensorpar.train.dp import fully_shard_dp, no_forward_buffer_sync
 from tensorpar.train.evaluate import IGNORE_INDEX, validation_loss
+from tensorpar.train.optim import lr_at, make_optimizer
 from tensorpar.layers.dropout import DropoutRNG, install_dropout
+from tensorpar.layers.ring_attention import cp_positions
 from tensorpar.train.trainer_state import TrainerCheckpoints
 
 
@@ -89,24 +97,6 @@ class StepResult:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.time_s if self.time_s > 0 else float("nan")
-
-
-def lr_at(cfg: TrainConfig, step: int) -> float:
-    """Learning rate of optimiser step ``step`` (0-based): linear warm-up, then cosine to ``lr * min_lr_ratio``."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(cfg.steps - cfg.warmup_steps, 1)
-    t = min((step - cfg.warmup_steps) / span, 1.0)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
-
-
-def make_optimizer(cfg: TrainConfig, named: list[tuple[str, nn.Parameter]]) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices (ndim >= 2) only; each parameter appears once (tied ones too)."""
-    decay = [p for _, p in named if p.ndim >= 2]
-    other = [p for _, p in named if p.ndim < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": other, "weight_decay": 0.0}],
-                             lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
 
 class Trainer(TrainerCheckpoints):
@@ -136,12 +126,16 @@ class Trainer(TrainerCheckpoints):
         self.cfg, self.ctx, self.plan, self.data = cfg, ctx, plan, data
         tp, pp, dp = ctx.tp, ctx.pp, ctx.dp
         self.tp = tp
+        if cfg.cp != ctx.cp.size:
+            raise ValueError(f"cp={cfg.cp} but the parallel context's cp axis has {ctx.cp.size} ranks; build it with "
+                             f"ParallelConfig(cp={cfg.cp})")
         m = cfg.micro_batches
         if cfg.batch_size % (dp.size * m):
             raise ValueError(f"batch_size={cfg.batch_size} is not divisible by dp x micro_batches = {dp.size} x {m}; "
                              f"use a batch size that is a multiple of {dp.size * m}")
         self.rng = DropoutRNG(cfg.seed)  # the run's keyed masks (the model's own generator is replaced)
-        install_dropout(model, self.rng, attention_dropout=cfg.attention_dropout, hidden_dropout=cfg.hidden_dropout)
+        install_dropout(model, self.rng, attention_dropout=cfg.attention_dropout, hidden_dropout=cfg.hidden_dropout,
+                        cp=ctx.cp)
         self.device = ctx.device
         self.tied = plan.tie_word_embeddings and pp.size > 1
         self.fsdp = cfg.dp_mode == "fsdp" and dp.size > 1
@@ -210,20 +204,22 @@ class Trainer(TrainerCheckpoints):
         return self._ce(logits, target) * self._token_weight
 
     def _embedding_group(self):
-        """The 2-rank group of (first stage, last stage) for this rank's (dp, tp) position; every rank creates all."""
-        grid, mine = self.ctx.grid, None
+        """The 2-rank group of (first stage, last stage) for this rank's (dp, cp, tp) position; every rank creates
+        all."""
+        grid, mine = self.ctx.grid, None       # [dp, pp, cp, tp]
         for d in range(grid.shape[0]):
-            for t in range(grid.shape[2]):
-                ranks = [int(grid[d, 0, t]), int(grid[d, -1, t])]
-                g = dist.new_group(ranks)
-                if self.ctx.rank in ranks:
-                    mine = g
+            for c in range(grid.shape[2]):
+                for t in range(grid.shape[3]):
+                    ranks = [int(grid[d, 0, c, t]), int(grid[d, -1, c, t])]
+                    g = dist.new_group(ranks)
+                    if self.ctx.rank in ranks:
+                        mine = g
         return mine
 
     def _pp_leaders(self):
-        """The group of pipeline ranks at (dp 0, tp 0); every rank creates it (once)."""
+        """The group of pipeline ranks at (dp 0, cp 0, tp 0); every rank creates it (once)."""
         if getattr(self, "_leaders", None) is None:
-            self._leaders = dist.new_group([int(r) for r in self.ctx.grid[0, :, 0]])
+            self._leaders = dist.new_group([int(r) for r in self.ctx.grid[0, :, 0, 0]])
         return self._leaders
 
     # ------------------------------------------------------------ one step
@@ -236,17 +232,38 @@ class Trainer(TrainerCheckpoints):
         return ids[sl].to(self.device), labels[sl].to(self.device)
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of a batch ``[b, s]`` (pp = 1; same scalar on every tp rank), forward under autocast.
+        """Mean cross-entropy over the target tokens of a batch ``[b, s]`` (pp = 1; the same value on every tp and
+        cp rank), forward under autocast. Its autograd graph is this rank's share at cp > 1: train through
+        :meth:`forward_backward`.
 
-        Collectives: the model's, plus the two all-reduces of the vocab-parallel cross-entropy.
+        Collectives: the model's, the two all-reduces of the vocab-parallel cross-entropy, one scalar over cp.
         """
-        return self._ce(self._logits(input_ids), labels.to(self.device), "mean")
+        n = int((labels != IGNORE_INDEX).sum())
+        return self._sum_over_cp(self._ce(*self._logits(input_ids, labels))) / n
 
-    def _logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """pp = 1: the vocab-sharded logits ``[b, s, V_r]`` of ``input_ids [b, s]``, forward under autocast."""
+    def _logits(self, input_ids: torch.Tensor, labels: torch.Tensor):
+        """pp = 1: the vocab-sharded logits ``[b, s, V_r]`` of ``input_ids [b, s]`` (forward under autocast) and
+        the labels they answer, both at this rank's positions at cp > 1 (``[b, s/cp, V_r]``, ``[b, s/cp]``)."""
         net = self.ddp or self.modules[0]
+        ids, labels = input_ids.to(self.device), labels.to(self.device)
+        extra = {}
+        if self.ctx.cp.size > 1:
+            ids, labels, pos = self._cp_shard(ids, labels)
+            extra["position_ids"] = pos.expand(ids.shape[0], -1)                  # the rotary tables' positions
         with self.autocast():
-            return net(input_ids=input_ids.to(self.device), use_cache=False).logits
+            return net(input_ids=ids, use_cache=False, **extra).logits, labels  # [b, s(/cp), V_r]
+
+    def _cp_shard(self, ids: torch.Tensor, labels: torch.Tensor):
+        """This cp rank's positions ``pos [s/cp]`` (:func:`~tensorpar.layers.ring_attention.cp_positions`) of
+        ``ids`` and ``labels`` ``[b, s]``: ``(ids [b, s/cp], labels [b, s/cp], pos)``. The labels are the next
+        tokens of the whole sequence (shifted before the split), so the last position of a chunk keeps its target."""
+        cp = self.ctx.cp
+        pos = cp_positions(ids.shape[1], cp.size, cp.rank, device=ids.device)
+        return ids.index_select(1, pos), labels.index_select(1, pos), pos
+
+    def _sum_over_cp(self, x: torch.Tensor) -> torch.Tensor:
+        """A scalar summed over the cp ranks (their shares of a mean loss); ``x`` itself at cp = 1."""
+        return comm.all_reduce(x.reshape(1), self.ctx.cp)[0] if self.ctx.cp.size > 1 else x
 
     def forward_backward(self, ids: torch.Tensor, labels: torch.Tensor, targets: int | None = None) -> torch.Tensor:
         """This replica's share of the global batch's mean loss and the accumulated gradients (step 3 of the
@@ -264,17 +281,19 @@ class Trainer(TrainerCheckpoints):
                 if self.fsdp:  # as DDP's no_sync: FSDP reduce-scatters the accumulated gradient once, at the last
                     self.modules[0].set_requires_gradient_sync(last)
                 with contextlib.nullcontext() if self.ddp is None or last else self.ddp.no_sync():
-                    loss = self._ce(self._logits(x), y.to(self.device)) * (dp / targets)
+                    loss = self._ce(*self._logits(x, y)) * (dp / targets)
                     loss.backward()
                 total = total + loss.detach()
-            return total
+            return self._sum_over_cp(total)
         pp = self.ctx.pp
         first, last = pp.rank == 0, pp.rank == pp.size - 1
+        if self.ctx.cp.size > 1:   # the stages compute their positions from the cp group (DecoderStage)
+            ids, labels, _ = self._cp_shard(ids, labels)
         losses: list[torch.Tensor] = []
         self._token_weight = dp * m / targets
         with self.autocast():
             self.schedule.step(*((ids,) if first else ()), **({"target": labels, "losses": losses} if last else {}))
-        return self._pipeline_mean(losses)
+        return self._sum_over_cp(self._pipeline_mean(losses))
 
     def _pipeline_mean(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The last stage's mean of its micro-batch losses, broadcast to every stage of the pipeline."""
@@ -284,8 +303,11 @@ class Trainer(TrainerCheckpoints):
         return comm.broadcast(mean.reshape(1), pp, src=pp.size - 1)[0]
 
     def complete_grads(self) -> None:
-        """Step 4 of the module docstring: tp sums, tied first/last stage sum, dp average (experts of ep: / dp)."""
+        """Step 4 of the module docstring: cp and tp sums, tied first/last stage sum, dp average (experts of ep:
+        / dp)."""
         tp, dp = self.ctx.tp, self.ctx.dp
+        if self.ctx.cp.size > 1:  # each cp rank's gradient is that of its positions' share of the loss: summed
+            all_reduce_grads([p for p in self.params if p.grad is not None], self.ctx.cp)
         sync_sequence_parallel_grads(self.params, tp)
         sync_duplicated_grads(self.params, tp)
         if self.embed_group is not None:
@@ -301,12 +323,8 @@ class Trainer(TrainerCheckpoints):
                 if getattr(p, "ep_dim", None) is not None and p.grad is not None:
                     p.grad.div_(dp.size)
         if dp.size > 1 and self.ddp is None and not self.fsdp:  # pipeline stages, ep: one bucket, replicas' average
-            ps = [p for p in self.params if p.grad is not None and getattr(p, "ep_dim", None) is None]
-            flat = comm.all_reduce(torch.cat([p.grad.reshape(-1) for p in ps]), dp) / dp.size
-            off = 0
-            for p in ps:
-                p.grad.copy_(flat[off:off + p.numel()].view_as(p.grad))
-                off += p.numel()
+            all_reduce_grads([p for p in self.params if p.grad is not None and getattr(p, "ep_dim", None) is None],
+                              dp, divide=dp.size)
 
     def _tied_param(self):
         names = dict(self.named_params)

@@ -67,7 +67,7 @@ def resolve_source(cfg: TrainConfig, vocab_size: int | None = None, *, progress:
 
 
 def build_model(cfg: TrainConfig, source: ModelSource, tp: Group, vocab_size: int, *, device=None,
-                pp_rank: int = 0, ep: Group | None = None):
+                pp_rank: int = 0, ep: Group | None = None, cp: Group | None = None):
     """Build, shard and prepare the model for training; returns ``(model, plan)``.
 
     fp32 weights on ``device`` (autocast provides bf16), SDPA attention, no KV cache, per-block
@@ -82,7 +82,13 @@ def build_model(cfg: TrainConfig, source: ModelSource, tp: Group, vocab_size: in
     with this tp rank); after the tp split every experts module becomes an
     :class:`~tensorpar.hf.modules.EPExperts` holding this rank's ``E / ep`` experts
     (:func:`~tensorpar.hf.modules.expert_parallelize`). Raises ValueError when ``cfg.ep > 1`` and ``ep`` is not a
-    group of that size. From scratch every rank still initialises the whole model (the full
+    group of that size.
+
+    ``cp``: with ``cfg.cp > 1``, the context-parallel group (the cp axis of the run's ParallelContext); every
+    attention module runs over the sequence split across it (:func:`tensorpar.hf.modules.context_parallelize`,
+    mode ``cfg.cp_mode``). Raises ValueError when ``cfg.cp > 1`` and ``cp`` is not a group of that size.
+
+    From scratch every rank still initialises the whole model (the full
     model's random stream is what makes it the same function at every layout) and the trainer keeps its stage.
     """
     from transformers import AutoModelForCausalLM
@@ -126,6 +132,11 @@ def build_model(cfg: TrainConfig, source: ModelSource, tp: Group, vocab_size: in
         expert_parallelize(model, ep)
         if device is not None:
             model.to(device)   # the experts' owner table is made on the CPU
+    if cfg.cp > 1:
+        if cp is None or cp.size != cfg.cp:
+            raise ValueError(f"cp={cfg.cp} needs the context-parallel group of {cfg.cp} ranks (the cp axis); got {cp}")
+        from tensorpar.hf.modules import context_parallelize
+        context_parallelize(model, cp, cfg.cp_mode)
     if cfg.recompute:
         recompute_blocks(model)
     return model.train(), plan

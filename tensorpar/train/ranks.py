@@ -113,7 +113,7 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
     from tensorpar.train.autoplan import PeakMemory
     peak = PeakMemory(ctx.device)  # this rank's memory from here on (model, optimizer, activations)
     model, plan = build_model(cfg, source, ctx.tp, data.vocab_size, device=ctx.device, pp_rank=ctx.pp.rank,
-                              ep=ctx.dp if cfg.ep > 1 else None)
+                              ep=ctx.dp if cfg.ep > 1 else None, cp=ctx.cp)
     trainer = Trainer(cfg, ctx, model, plan, data)
     del model  # a pipeline stage keeps only its chunks; the other layers are freed here
     out = Path(cfg.out_dir)
@@ -190,7 +190,7 @@ def _rank_main(cfg: TrainConfig, resume, export, progress, timeout, overwrite=Fa
         set_rank_threads(1)
         ctx = ParallelContext.single()
     else:
-        ctx = init_parallel(ParallelConfig(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, tp_weights=cfg.tp_weights),
+        ctx = init_parallel(ParallelConfig(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp_weights=cfg.tp_weights),
                             timeout_s=timeout)
         enable_tp_fast_collectives(cfg, ctx, timeout)
     try:

@@ -40,9 +40,12 @@ class TrainerCheckpoints:
         if ctx.dp.rank != 0:  # experts split over ep (the dp axis): every replica writes its own
             experts = {n for n, p in mine if getattr(p, "ep_dim", None) is not None}
             ps = [pc for pc in ps if pc.key.split("/")[-1] in experts]
+        if ctx.cp.rank != 0:  # the cp ranks hold the same parameters and optimizer state: cp rank 0 writes them
+            ps = []
         state = {"config": self.cfg.to_dict(), "data": self.batches.state_dict(),
                  "tokenizer": self.data.tokenizer, "data_source": self.data.source,
-                 "tp_size_at_save": ctx.tp.size, "pp_size_at_save": ctx.pp.size, "dp_size_at_save": ctx.dp.size}
+                 "tp_size_at_save": ctx.tp.size, "pp_size_at_save": ctx.pp.size, "dp_size_at_save": ctx.dp.size,
+                 "cp_size_at_save": ctx.cp.size}
         return save_pieces(root, ps, step=self.step, state=state,
                            optimizer_step=optimizer_step(self.named_params, self.optimizer),
                            config_json=self.modules[0].config.to_json_string(), keep=self.cfg.keep_checkpoints,

@@ -23,7 +23,7 @@ FAMILIES = {mt: r.plan for mt, r in RECORDS.items()}
 MODEL_CLASSES = {mt: r.model_class for mt, r in RECORDS.items() if not r.causal_lm}
 
 #: the features :func:`why_not` answers for
-FEATURES = ("causal_lm", "fast_decode", "pipeline", "sequence_parallel", "expert_parallel")
+FEATURES = ("causal_lm", "fast_decode", "pipeline", "sequence_parallel", "expert_parallel", "context_parallel")
 
 
 def is_causal_lm(model_type: str) -> bool:
@@ -76,6 +76,8 @@ def why_not(feature: str, config) -> str | None:
     * ``pipeline``: :class:`~tensorpar.pipeline.stages.DecoderStage` can cut it (full causal attention).
     * ``sequence_parallel``: the family's plan splits the sequence between blocks.
     * ``expert_parallel``: a mixture-of-experts family with experts in this config.
+    * ``context_parallel``: the family's attention runs over a sequence split across cp ranks (full causal
+      attention: no sliding window).
 
     Raises:
         ValueError: an unknown ``feature``.
@@ -99,6 +101,11 @@ def why_not(feature: str, config) -> str | None:
     if feature == "sequence_parallel":
         return None if r is not None and r.sequence_parallel else (
             f"sequence parallelism supports {_names(lambda r: r.sequence_parallel)}, not {mt!r}")
+    if feature == "context_parallel":
+        if r is None or not r.context_parallel:
+            return f"context parallelism supports {_names(lambda r: r.context_parallel)}, not {mt!r}"
+        return None if w is None else f"this {mt} config has sliding_window={w}; context parallelism needs full " \
+                                      f"causal attention"
     # expert_parallel
     if r is None or not r.expert_parallel:
         return (f"model_type={mt!r} has no mixture-of-experts layers; expert parallelism needs one of "

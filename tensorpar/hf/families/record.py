@@ -26,6 +26,8 @@ class Family:
         pipeline_stages: :class:`tensorpar.pipeline.stages.DecoderStage` can cut it (blocks that need only the
             causal mask and the shared rotary table).
         sequence_parallel: its plan splits the sequence between blocks (parity proven in the family tests).
+        context_parallel: its attention (:class:`tensorpar.hf.modules.TPAttention`, rotary from ``position_ids``)
+            runs over a sequence split across cp ranks (:mod:`tensorpar.layers.ring_attention`).
         moe_checkpoint: for mixture-of-experts families, ``(block name in the checkpoint, (gate, up, down)
             per-expert names)`` of the per-expert checkpoint layout (:mod:`tensorpar.hf.moe_checkpoint`);
             ``None`` for dense families. Expert parallelism needs it.
@@ -37,6 +39,7 @@ class Family:
     fast_decode: bool = False
     pipeline_stages: bool = False
     sequence_parallel: bool = False
+    context_parallel: bool = False
     moe_checkpoint: tuple[str, tuple[str, str, str]] | None = None
 
     @property

@@ -11,7 +11,7 @@ GPT-NeoX, whose checkpoints fuse q, k and v), :mod:`.mlp`, :mod:`.norms` (norms 
 :mod:`.experts` (tensor- and expert-parallel mixtures of experts), :mod:`.common` (the helpers they share).
 """
 from tensorpar.hf.modules.attention import (TPAttention, TPEncoderAttention, TPOlmo2Attention, TPOlmoeAttention,
-                                            TPStarcoder2Attention)
+                                            TPStarcoder2Attention, context_parallelize)
 from tensorpar.hf.modules.common import sequence_parallel_entry
 from tensorpar.hf.modules.experts import (EPExperts, TPExperts, TPSharedExpertMoE, ep_load_balancing_loss,
                                           expert_parallelize)
@@ -20,6 +20,7 @@ from tensorpar.hf.modules.mlp import TPMLP, TPGatedMLP
 from tensorpar.hf.modules.norms import TPRMSNorm, TPSpanningRMSNorm, all_reduce_sum
 
 __all__ = ["TPAttention", "TPEncoderAttention", "TPOlmo2Attention", "TPOlmoeAttention", "TPStarcoder2Attention",
-           "sequence_parallel_entry", "EPExperts", "TPExperts", "TPSharedExpertMoE", "ep_load_balancing_loss",
+           "context_parallelize", "sequence_parallel_entry", "EPExperts", "TPExperts", "TPSharedExpertMoE",
+           "ep_load_balancing_loss",
            "expert_parallelize", "TPConv1D", "TPGPT2Attention", "TPGPTNeoXAttention", "TPMLP", "TPGatedMLP",
            "TPRMSNorm", "TPSpanningRMSNorm", "all_reduce_sum"]

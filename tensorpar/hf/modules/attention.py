@@ -35,6 +35,12 @@ class TPAttention(nn.Module):
     plus an all-gather at entry); backward one all-reduce at entry (reduce-scatter with sequence parallelism,
     plus an all-gather at the output projection).
 
+    Context parallelism: with ``cp`` (a :class:`~tensorpar.comm.Group` of more than one rank, set by
+    :func:`context_parallelize`) the rank holds ``s / cp`` positions of each sequence (load-balanced, the rotary
+    tables come from the caller's ``position_ids``) and attention runs over the whole sequence by
+    :func:`tensorpar.layers.ring_attention.cp_attention` (``cp_mode`` "ring" or "all2all"); the attention mask is
+    the causal one of the global positions (the model's own ``attention_mask`` is not used).
+
     Dropout: ``attention_fn`` (set by :func:`tensorpar.hf.apply.parallelize` when the config has attention
     dropout) is the head-keyed kernel of :mod:`tensorpar.layers.dropout`, used in training only, so the
     masks are the same at every tp; ``output_dropout`` (``None`` by default) follows the output projection.
@@ -85,6 +91,7 @@ class TPAttention(nn.Module):
         self.attention_fn = None
         self.output_dropout = None
         self.overlap_grad_comm = True
+        self.cp, self.cp_mode = None, "ring"
 
     def _shard_sinks(self, sinks):
         """gpt_oss's attention sinks (one logit per query head, ``[heads]``; the kernel reads ``module.sinks``):
@@ -122,8 +129,6 @@ class TPAttention(nn.Module):
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)                     # [b, heads, s, d]
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
         cache = cache if cache is not None else kwargs.pop("past_key_values", None)
         kwargs.pop("past_key_values", None)
         q, k, v = self._qkv(hidden_states)                                                # [b, heads, s, d]
@@ -136,6 +141,22 @@ class TPAttention(nn.Module):
         if self._group is None:
             k = self.layout.expand_kv(k, self.tp.rank)  # [b, q_local, s_kv, d]
             v = self.layout.expand_kv(v, self.tp.rank)
+        if self.cp is not None and self.cp.size > 1:    # s = s_global / cp positions; attention over all of them
+            from tensorpar.layers.ring_attention import cp_attention
+            out = cp_attention(q, k, v, self.cp, self.cp_mode, scale=self.scaling).transpose(1, 2)  # [b, s, h, d]
+            weights = None
+        else:
+            out, weights = self._attend(q, k, v, attention_mask, **kwargs)
+        out = out.reshape(b, s, -1).contiguous()  # [b, s, q_local * d]
+        out = getattr(self, self.o_name)(out)
+        if self.output_dropout is not None:
+            out = self.output_dropout(out)
+        return out, weights
+
+    def _attend(self, q, k, v, attention_mask, **kwargs):
+        """The kernel of one process over the whole sequence: ``(out [b, s, heads, d], weights)``."""
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
         keyed = self.training and self.attention_fn is not None
         fn = self.attention_fn if keyed else ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, self._attn_default)
@@ -144,16 +165,35 @@ class TPAttention(nn.Module):
             extra["softcap"] = self.softcap
         if self.sinks is not None:
             extra["s_aux"] = self.sinks  # as gpt_oss passes them (flash / flex kernels); eager reads self.sinks
-        out, weights = fn(self, q, k, v, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,
-                          scaling=self.scaling, **extra, **kwargs)
-        out = out.reshape(b, s, -1).contiguous()  # [b, s, q_local * d]
-        out = getattr(self, self.o_name)(out)
-        if self.output_dropout is not None:
-            out = self.output_dropout(out)
-        return out, weights
+        return fn(self, q, k, v, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,
+                  scaling=self.scaling, **extra, **kwargs)
 
     def extra_repr(self) -> str:
         return f"tp={self.tp.size}, {self.layout.describe()}"
+
+
+def context_parallelize(model: nn.Module, cp: Group, mode: str = "ring") -> int:
+    """Give every :class:`TPAttention` of ``model`` the context-parallel group ``cp`` and ``mode`` ("ring" or
+    "all2all"); returns how many modules were set. The caller feeds each rank its positions of the sequence
+    (:func:`tensorpar.layers.ring_attention.cp_shard`) and their ``position_ids``.
+
+    Raises:
+        ValueError: ``cp`` has more than one rank and the model has no :class:`TPAttention` (a family whose
+            attention does not support it), or a module windows or soft-caps its attention, or has sinks.
+    """
+    n = 0
+    for name, m in model.named_modules():
+        if isinstance(m, TPAttention):
+            if m.sliding_window is not None or m.softcap is not None or m.sinks is not None:
+                raise ValueError(f"{name}: context parallelism needs plain causal attention (no sliding window, "
+                                 f"soft-cap or sinks); use cp=1")
+            m.cp, m.cp_mode = cp, mode
+            n += 1
+    if n == 0 and cp.size > 1:
+        raise ValueError(f"cp={cp.size}: {type(model).__name__} has no attention module that supports context "
+                         f"parallelism; use cp=1")
+    model.tensorpar_cp = cp   # pipeline stages read it for their positions
+    return n
 
 
 class TPStarcoder2Attention(TPAttention):
