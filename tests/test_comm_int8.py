@@ -9,6 +9,7 @@ import torch
 
 from tensorpar import comm
 from tensorpar.comm.compress import BLOCK, all_reduce_int8, dequantize_int8, payload_bytes, quantize_int8
+from tests.test_generate_cli import tiny_with_tokenizer  # noqa: F401  (the fixture: a random llama + tokenizer)
 
 # The bound is scale/2 per element (round to nearest); x / scale and q * scale each round once in float32, so
 # allow 4 float32 ulps of the block's absmax on top (absmax * 2**-21).
@@ -151,3 +152,14 @@ def test_train_refuses_tp_comm_int8():
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "--tp-comm int8" in lines[0] and "inference only" in lines[0], r.stderr
+
+
+def test_generate_tp2_tp_comm_int8_runs(tiny_with_tokenizer):
+    from tests.test_generate_cli import _cli
+    r = _cli("--model", tiny_with_tokenizer, "--tp", "2", "--prompt", "the cat", "--max-new-tokens", "6",
+             "--tp-comm", "int8", "--fast-collectives", "off")
+    assert r.returncode == 0, r.stderr[-3000:]
+    text = r.stdout.splitlines()[0]
+    print("greedy text, --tp-comm int8:", repr(text))
+    assert text.startswith("the cat") and len(text) > len("the cat")
+    assert "--tp-comm int8" in r.stderr and "not needed" in r.stderr   # one host: the note, before any rank starts
