@@ -163,3 +163,40 @@ def test_generate_tp2_tp_comm_int8_runs(tiny_with_tokenizer):
     print("greedy text, --tp-comm int8:", repr(text))
     assert text.startswith("the cat") and len(text) > len("the cat")
     assert "--tp-comm int8" in r.stderr and "not needed" in r.stderr   # one host: the note, before any rank starts
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from tests.test_generate import make_model_folder
+    return make_model_folder(tmp_path_factory.mktemp("tpcomm") / "llama", "llama")
+
+
+def _job_paths(ctx, folder, ids, mask):
+    from tensorpar.generate import SamplingConfig, generate_tokens
+    from tensorpar.hf.load import build_parallel_model
+    model, _ = build_parallel_model(folder, ctx.tp)
+    out = {}
+    for mode in ("fp32", "int8"):
+        ctx.tp.compression = mode
+        for path in ("hf", "lean"):
+            with comm.counting(ctx.tp) as c:
+                tokens = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=4),
+                                         path=path).tokens
+                out[mode, path] = (tokens, dict(c.calls))
+    ctx.tp.compression = "fp32"
+    return out
+
+
+def test_row_parallel_and_lean_decode_all_reduces_go_int8(pools, tiny_llama):
+    """Every partial-sum all-reduce of the module path and of the lean decode loop becomes one all-gather of the
+    compressed partials under compression="int8" (the other collectives are unchanged); ranks agree."""
+    from tests.test_generate import ARCHS, prompts
+    ids, mask = prompts(ARCHS["llama"]["vocab_size"])
+    out = pools(2).run(_job_paths, tiny_llama, ids, mask)
+    moved = {}
+    for path in ("hf", "lean"):
+        exact, q = out[0]["fp32", path][1], out[0]["int8", path][1]
+        moved[path] = exact.get("all_reduce", 0) - q.get("all_reduce", 0)
+        assert moved[path] > 0 and q.get("all_gather", 0) - exact.get("all_gather", 0) == moved[path], (path, exact, q)
+        assert torch.equal(out[0]["int8", path][0], out[1]["int8", path][0])
+    assert moved["lean"] == moved["hf"], moved      # the lean loop compresses the same all-reduces (2 per layer too)
