@@ -128,6 +128,9 @@ def main() -> None:
                "ppl_fp32": r0["fp32"]["ppl"], "ppl_int8": r0["int8"]["ppl"]}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    for r in res:                                       # the per-position argmaxes are summarised above
+        for m in r.values():
+            m.pop("top1")
     (out / "tp_comm_int8.json").write_text(json.dumps({"meta": meta, "summary": summary, "ranks": res}, indent=1))
     la = lambda t: ", ".join(f"{v:.1f}" for v in t)  # noqa: E731
     lines = [f"# --tp-comm int8 vs fp32, SmolLM2-135M fp32 weights, tp=2 (gloo, loopback, shm off)", "",

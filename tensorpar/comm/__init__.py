@@ -68,8 +68,8 @@ def all_reduce(x: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
 def reduce_partial(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Sum the partial results of a tensor-parallel region over ``group`` as ``group.compression`` says.
 
-    ``"fp32"``: :func:`all_reduce` (exact, in ``x``'s dtype); ``"int8"``: :func:`tensorpar.comm.compress.all_reduce_int8`
-    (blockwise int8 partials, one all-gather, float32 sum in rank order; every rank gets the same bits; per block
+    ``"fp32"``: :func:`all_reduce` (exact, in ``x``'s dtype); ``"int8"``:
+    :func:`tensorpar.comm.compress.all_reduce_int8` (blockwise int8 partials, one all-gather, float32 sum in rank order; every rank gets the same bits; per block
     error at most ``absmax / 254`` of each rank's partial). Shapes: ``x`` any shape -> same shape and dtype.
     """
     if group.size == 1:
