@@ -34,13 +34,16 @@ COMMANDS = {
 FAST_COLLECTIVES = ("auto", "on", "off")
 #: values of ``--dtype``
 DTYPES = ("float32", "bfloat16")
+#: values of ``--tp-comm`` (the tp all-reduce of the partial sums: exact, or blockwise int8 on the wire)
+TP_COMM = ("fp32", "int8")
 
 
 def add_launch_arguments(p, *, tp_list: bool = False, tp_action=None) -> None:
     """The launch flags that ``generate``, ``train``, ``serve`` and ``verify`` share, with one set of defaults:
     ``--tp`` (:data:`tensorpar.launch.DEFAULT_TP`; ``tp_list``: a comma-separated list of degrees, for ``verify``), ``--tp-weights``,
     ``--dtype`` (float32), ``--timeout`` (:data:`tensorpar.launch.DEFAULT_TIMEOUT_S` seconds), ``--fast-collectives`` (auto),
-    ``--check-collectives`` and ``--verbose``. :func:`check_launch_arguments` is their one validation rule.
+    ``--tp-comm`` (fp32), ``--check-collectives`` and ``--verbose``. :func:`check_launch_arguments` is their one
+    validation rule.
     ``tp_action``: an argparse action class for ``--tp`` (``train`` records which flags the user gave)."""
     from tensorpar.capacity import add_argument as add_tp_weights
     from tensorpar.launch import DEFAULT_TIMEOUT_S, DEFAULT_TP
@@ -60,20 +63,39 @@ def add_launch_arguments(p, *, tp_list: bool = False, tp_action=None) -> None:
     p.add_argument("--fast-collectives", choices=FAST_COLLECTIVES, default="auto",
                    help="same-host shared-memory collectives for the tp group's CPU tensors (auto: when all tp "
                         "ranks share a host)")
+    p.add_argument("--tp-comm", choices=TP_COMM, default="fp32",
+                   help="the tp all-reduce of the row-parallel partial sums: fp32 (exact) or int8 (blockwise int8 "
+                        "partials in one all-gather, ~0.28x the bytes; for slow links between hosts; inference "
+                        "only; docs/collectives.md)")
     p.add_argument("--check-collectives", action="store_true",
                    help="debug: fingerprint every collective and compare the tp ranks' fingerprints and inputs at "
                         "the first step and every 50 steps (also TENSORPAR_CHECK_COLLECTIVES=1)")
     p.add_argument("--verbose", action="store_true", help="show full tracebacks of errors")
 
 
-def check_launch_arguments(args) -> None:
+def check_launch_arguments(args, *, inference: bool = True) -> None:
     """The one rule for the shared launch flags (in the launching process, before any rank starts).
+
+    ``--tp-comm int8`` with every tp rank on this host (no torchrun, or torchrun with one node) is allowed; one
+    line on stderr says it is not needed there (the links are shared memory or loopback).
 
     Raises:
         ValueError: ``--timeout`` not a number of seconds in [1, 1e8] (below 1 s the ranks' store cannot even
-            start; 1e8 is torch's timedelta limit).
+            start; 1e8 is torch's timedelta limit); ``--tp-comm int8`` with ``inference=False`` (train).
     """
     import math
+    import os
+
+    mode = getattr(args, "tp_comm", "fp32")
+    if mode != "fp32":
+        if not inference:
+            raise ValueError(f"--tp-comm {mode}: compressed all-reduce is for inference only (generate, serve, "
+                             f"verify); train needs the exact gradients of --tp-comm fp32 (the default)")
+        world = int(os.environ.get("WORLD_SIZE", "0") or 0)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+        if (not world or local >= world) and int(os.environ.get("RANK", "0") or 0) == 0:
+            print(f"tensorpar: note: --tp-comm {mode}: every tp rank is on this host, where the links are fast; "
+                  f"compression is not needed here (it only pays on slow links between hosts)", file=sys.stderr)
 
     t = args.timeout
     if not (math.isfinite(t) and 1 <= t <= 10 ** 8):

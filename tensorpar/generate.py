@@ -289,7 +289,8 @@ def _rank_main(folder: str, args: argparse.Namespace) -> int:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ctx = init_parallel(ParallelConfig(tp=world, tp_weights=getattr(args, "tp_weights", None)),
-                        timeout_s=args.timeout, fast_collectives=args.fast_collectives)
+                        timeout_s=args.timeout, fast_collectives=args.fast_collectives,
+                        tp_comm=getattr(args, "tp_comm", "fp32"))
     try:
         from tensorpar.capacity import resolve_for_model
         from transformers import AutoConfig

@@ -254,6 +254,7 @@ def init_parallel(
     backend: str | None = None,
     set_threads: bool = True,
     fast_collectives: str = "off",
+    tp_comm: str = "fp32",
 ) -> ParallelContext:
     """Initialise torch.distributed (if needed) and build the (dp, pp, cp, tp) groups.
 
@@ -264,7 +265,8 @@ def init_parallel(
     within it instead of hanging. ``config.tp_weights="auto"`` times a GEMM on every rank
     (:func:`tensorpar.capacity.measure_tp_weights`: a barrier and an all-gather) and sets ``ctx.tp_weights``. ``fast_collectives`` ("off", "auto", "on") installs the
     same-host shared-memory path (:mod:`tensorpar.shm`) on every group of more than one rank,
-    used for CPU tensors; "auto" uses it only when all of a group's ranks share a host.
+    used for CPU tensors; "auto" uses it only when all of a group's ranks share a host. ``tp_comm`` ("fp32",
+    "int8") becomes ``ctx.tp.compression`` (:func:`tensorpar.comm.reduce_partial`).
 
     Raises:
         ValueError: the degrees do not multiply to the world size; ``fast_collectives="on"`` for a
@@ -272,6 +274,9 @@ def init_parallel(
     """
     if fast_collectives not in ("off", "auto", "on"):
         raise ValueError(f"fast_collectives must be 'off', 'auto' or 'on', got {fast_collectives!r}")
+    from tensorpar.comm import TP_COMM
+    if tp_comm not in TP_COMM:
+        raise ValueError(f"tp_comm must be one of {', '.join(TP_COMM)}, got {tp_comm!r}")
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
     config = config or ParallelConfig.infer(world_size)
@@ -313,6 +318,7 @@ def init_parallel(
         from tensorpar.shm import enable_fast_collectives
         for axis in AXES:
             enable_fast_collectives(groups[axis], fast_collectives, timeout_s=timeout_s)
+    groups["tp"].compression = tp_comm
     ctx = ParallelContext(config=config, rank=rank, world_size=world_size, device=device, grid=grid, **groups)
     if config.tp_weights == "auto":  # a GEMM timed on every rank at once, gathered: the same weights everywhere
         from tensorpar.capacity import measure_tp_weights

@@ -34,6 +34,10 @@ each collective kind, and the seconds the calling thread spent blocked in them (
 whole call of a synchronous collective, only the ``wait()`` of an asynchronous one, so the exposed
 communication time).
 
+Compression for slow links: ``Group.compression = "int8"`` makes :func:`reduce_partial` (the forward all-reduce of
+:func:`reduce_from_tp_region` and of the lean decode loop) send blockwise int8 partials in one all-gather instead
+of the exact all-reduce; see :mod:`.compress`. Every other all-reduce stays exact.
+
 Layout: :mod:`.group` (:class:`Group`, :class:`CommCounter`, :func:`counting`), :mod:`.pending` (the
 asynchronous raw collectives); the synchronous raw collectives and the autograd collectives are defined here,
 in one namespace, so that replacing one of them on this module (``setattr(tensorpar.comm, "all_reduce", f)``,
@@ -46,8 +50,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tensorpar.comm.group import (_ALL_GATHER, _REDUCE_SCATTER, CollectiveError, CommCounter, Group, SizesLike,
-                                  _gather_sizes, _run, _sizes, _use_fast, counting)
+from tensorpar.comm.group import (_ALL_GATHER, _REDUCE_SCATTER, TP_COMM, CollectiveError, CommCounter, Group,
+                                  SizesLike, _gather_sizes, _run, _sizes, _use_fast, counting)
 
 
 def all_reduce(x: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
@@ -59,6 +63,21 @@ def all_reduce(x: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
     y = group.fast.all_reduce(x, op=op) if _use_fast(group, x) else _pg_all_reduce(x, group, op)
     group.counter.blocked("all_reduce", t0)
     return y
+
+
+def reduce_partial(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum the partial results of a tensor-parallel region over ``group`` as ``group.compression`` says.
+
+    ``"fp32"``: :func:`all_reduce` (exact, in ``x``'s dtype); ``"int8"``:
+    :func:`tensorpar.comm.compress.all_reduce_int8` (blockwise int8 partials, one all-gather, float32 sum in rank order; every rank gets the same bits; per block
+    error at most ``absmax / 254`` of each rank's partial). Shapes: ``x`` any shape -> same shape and dtype.
+    """
+    if group.size == 1:
+        return x
+    if group.compression == "int8":
+        from tensorpar.comm.compress import all_reduce_int8
+        return all_reduce_int8(x, group)
+    return all_reduce(x, group)
 
 
 def _pg_all_reduce(x: torch.Tensor, group: Group, op: str) -> torch.Tensor:
@@ -195,11 +214,12 @@ class _CopyToTP(torch.autograd.Function):
 
 
 class _ReduceFromTP(torch.autograd.Function):
-    """forward: all-reduce; backward: identity."""
+    """forward: all-reduce (:func:`reduce_partial`: compressed when ``group.compression`` says so); backward: identity
+    (the exact all-reduce's gradient, also under compression: straight-through)."""
 
     @staticmethod
     def forward(ctx, x, group):
-        return all_reduce(x, group)
+        return reduce_partial(x, group)
 
     @staticmethod
     def backward(ctx, g):
@@ -271,10 +291,11 @@ def copy_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def reduce_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Sum partial results of a tensor-parallel region. fwd all-reduce / bwd identity."""
+    """Sum partial results of a tensor-parallel region. fwd all-reduce (:func:`reduce_partial`, so int8 on the wire
+    when ``group.compression == "int8"``) / bwd identity."""
     if group.size == 1:
         return x
-    return _ReduceFromTP.apply(x, group) if _needs_grad(x) else all_reduce(x, group)
+    return _ReduceFromTP.apply(x, group) if _needs_grad(x) else reduce_partial(x, group)
 
 
 def scatter_to_tp_region(x: torch.Tensor, group: Group, sizes: SizesLike = None) -> torch.Tensor:
@@ -323,7 +344,8 @@ def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Group, dim: int = 
 from tensorpar.comm.pending import (Pending, all_gather_async, all_reduce_async,  # noqa: E402
                                     reduce_scatter_async)
 
-__all__ = ["CollectiveError", "CommCounter", "Group", "SizesLike", "counting", "all_reduce", "all_gather",
+__all__ = ["CollectiveError", "CommCounter", "Group", "SizesLike", "TP_COMM", "counting", "all_reduce",
+           "reduce_partial", "all_gather",
            "reduce_scatter", "broadcast", "split", "all_gather_json", "Pending", "all_reduce_async",
            "all_gather_async", "reduce_scatter_async", "copy_to_tp_region", "reduce_from_tp_region",
            "scatter_to_tp_region", "gather_from_tp_region", "scatter_to_sequence_region",

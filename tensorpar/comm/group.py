@@ -20,6 +20,7 @@ from tensorpar.shard import Partition
 
 
 SizesLike = Partition | Sequence[int] | None
+from tensorpar.cli import TP_COMM  # noqa: E402,F401  the values of ``Group.compression`` (= ``--tp-comm``)
 
 
 class CollectiveError(RuntimeError):
@@ -101,6 +102,9 @@ class Group:
         fast: optional same-host communicator used for CPU tensors instead of ``pg`` (it must
             offer ``all_reduce``, ``all_gather``, ``reduce_scatter`` and ``broadcast`` with the
             signatures of this module's raw collectives, minus the group).
+        compression: how :func:`tensorpar.comm.reduce_partial` sums the partials of tensor-parallel regions:
+            ``"fp32"`` (default; the exact all-reduce in the tensor's dtype) or ``"int8"`` (blockwise int8 on
+            the wire, :func:`tensorpar.comm.compress.all_reduce_int8`); ``--tp-comm`` sets it.
     """
 
     pg: Any
@@ -109,6 +113,7 @@ class Group:
     name: str = "tp"
     counter: CommCounter = field(default_factory=CommCounter)
     fast: Any = None
+    compression: str = "fp32"
 
     @classmethod
     def single(cls, name: str = "tp") -> "Group":

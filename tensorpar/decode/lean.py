@@ -24,7 +24,9 @@ math directly on the rank's tensors:
   :func:`tensorpar.decode.int8.int8_linear` on the int8 ``[out, in]`` weights: no ``[in, out]`` views, no prepacking;
 * collectives: one all-reduce for the embedding (vocabulary-parallel), two per layer (attention and MLP outputs,
   after the row-parallel projections), exactly those of the module path, through :func:`tensorpar.comm.all_reduce`
-  (the shared-memory path when it is on).
+  (the shared-memory path when it is on); with ``tp.compression == "int8"`` (``--tp-comm int8``) the per-layer
+  ones go through :func:`tensorpar.comm.reduce_partial` (blockwise int8, :mod:`tensorpar.comm.compress`), as the
+  module path's row-parallel layers and embedding do.
 
 The math is the module path's, rounding for rounding except inside a matmul: RMSNorm by fewer calls only where
 a probe at construction shows it bitwise equal to the family's module (else the module runs), the rotary
@@ -254,7 +256,8 @@ class LeanDecoder:
         d, nq, nkv = self.head_dim, self.n_q, self.n_kv
         cos = cos.view(T, 1, d)
         sin = (sin * self.sign).view(T, 1, d)
-        perm, sdpa, lin, all_reduce = self.perm, F.scaled_dot_product_attention, self.lin, comm.all_reduce
+        perm, sdpa, lin = self.perm, F.scaled_dot_product_attention, self.lin
+        all_reduce = comm.reduce_partial if tp.compression == "int8" else comm.all_reduce   # --tp-comm
         # Decode (one query per row) in bf16/fp16 on the CPU: attention on fp32 copies of q and the cache entries
         # read (into two fp32 buffers allocated once, :meth:`_fp32`), output rounded back. torch's CPU flash
         # attention in bf16 is about 5x slower than this at the serving decode shape (32 rows of SmolLM2's tp=2

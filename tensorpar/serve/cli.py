@@ -112,7 +112,8 @@ def _rank_main(folder: str, max_len: int, args: argparse.Namespace) -> int:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ctx = init_parallel(ParallelConfig(tp=world, tp_weights=getattr(args, "tp_weights", None)),
-                        timeout_s=args.timeout, fast_collectives=args.fast_collectives)
+                        timeout_s=args.timeout, fast_collectives=args.fast_collectives,
+                        tp_comm=getattr(args, "tp_comm", "fp32"))
     holder: dict = {"sched": None, "stop": False}
 
     def on_signal(signum, frame):      # rank 0 stops the scheduler; the other ranks wait for its "stop"

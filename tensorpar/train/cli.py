@@ -294,7 +294,7 @@ def main(args: argparse.Namespace) -> int:
                              f"torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']} ranks; choose degrees whose "
                              f"product is {os.environ['WORLD_SIZE']}")
         from tensorpar.cli import check_launch_arguments
-        check_launch_arguments(args)
+        check_launch_arguments(args, inference=False)
         check_fast_collectives(cfg)
         if not under_torchrun() or os.environ.get("RANK") == "0":  # one lock per run: the launcher / global rank 0
             lock.enter_context(locked_folder(cfg.out_dir, "--out"))  # held to the end: a second run is refused

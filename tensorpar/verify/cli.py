@@ -122,7 +122,7 @@ def _rank_main(spec: str, folder: str | None, tp_size: int, seq: int, args: argp
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ctx = init_parallel(ParallelConfig(tp=world, tp_weights=_weights_for(args, world)), timeout_s=args.timeout,
-                        fast_collectives=args.fast_collectives)
+                        fast_collectives=args.fast_collectives, tp_comm=getattr(args, "tp_comm", "fp32"))
     try:
         from tensorpar.capacity import resolve_for_model
         dtype = getattr(torch, args.dtype)

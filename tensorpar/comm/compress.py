@@ -1,0 +1,124 @@
+"""Compressed tensor-parallel all-reduce for slow links: blockwise int8 partial sums, one all-gather hop.
+
+Selected per group by ``Group.compression`` (``"fp32"``: the exact all-reduce; ``"int8"``: :func:`all_reduce_int8`),
+which ``--tp-comm`` sets on the tp group of ``generate``, ``serve`` and ``verify``. Only the all-reduce of the
+partial sums of tensor-parallel regions (:func:`tensorpar.comm.reduce_partial`: row-parallel outputs, the
+vocab-parallel embedding, the lean decode loop) is compressed; every other all-reduce (norms, softmax maxima and
+sums, counts, timings) stays exact.
+
+Format of one rank's partial ``x`` (``n`` elements, any shape, any float dtype): ``ceil(n / 32)`` blocks of 32
+consecutive elements of ``x.flatten()`` (the last block may be shorter); per block a float32 scale
+``s = absmax / 127`` and int8 values ``q = round(x * 127 / absmax)`` in ``[-127, 127]`` (symmetric, no zero point;
+a block of zeros has ``s = 0``). Bytes on the wire per rank: ``4 * ceil(n / 32) + n`` (``1.125 n``; the int8
+values padded to 4 bytes) against ``4 n`` for fp32 (0.28x) or ``2 n`` for bf16 (0.56x) payload.
+"""
+from __future__ import annotations
+
+import torch
+
+BLOCK = 32
+QMAX = 127
+
+
+def _blocks(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+def payload_bytes(numel: int) -> int:
+    """Bytes of one rank's compressed partial of ``numel`` elements: one float32 scale per block, then the int8
+    values padded to a multiple of 4 bytes (so that every rank's scales stay 4-byte aligned in the gathered
+    buffer): ``4 * ceil(n / 32) + 4 * ceil(n / 4)``."""
+    return 4 * _blocks(numel) + 4 * -(-numel // 4)
+
+
+def _quantize_into(x: torch.Tensor, scales: torch.Tensor, q: torch.Tensor) -> None:
+    """Write the float32 ``scales [nb]`` and int8 ``q [n]`` of ``x`` (see :func:`quantize_int8`)."""
+    n = x.numel()
+    nb = scales.numel()
+    if nb * BLOCK == n:
+        flat = x.detach().reshape(-1).float()
+    else:                                               # the last partial block, padded with zeros
+        flat = x.new_zeros(nb * BLOCK, dtype=torch.float32)
+        flat[:n].copy_(x.detach().reshape(-1))
+    blocks = flat.view(nb, BLOCK)
+    amax = torch.linalg.vector_norm(blocks, float("inf"), dim=1, keepdim=True)      # [nb, 1]
+    torch.div(amax.view(nb), QMAX, out=scales)
+    # x * (127 / absmax) lies in [-127, 127] up to a rounding, so round() needs no clamp
+    qf = torch.round(blocks * (QMAX / amax.clamp_min(torch.finfo(torch.float32).tiny)))
+    q.copy_(qf.view(-1)[:n])
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise symmetric absmax int8 quantization of ``x.flatten()``.
+
+    Shapes: ``x`` any shape with ``n`` elements -> ``(q, scales)``: ``q`` int8 ``[n]``, ``scales`` float32
+    ``[ceil(n / 32)]``. Element ``i`` is ``q[i] * scales[i // 32]`` up to ``scales[i // 32] / 2`` (round to
+    nearest), i.e. ``absmax / 254`` of its block. A non-finite element makes its block's scale non-finite, so the
+    dequantized block is non-finite too (as the exact sum would be).
+    """
+    n = x.numel()
+    scales = torch.empty(_blocks(n), dtype=torch.float32, device=x.device)
+    q = torch.empty(n, dtype=torch.int8, device=x.device)
+    _quantize_into(x, scales, q)
+    return q, scales
+
+
+def _dequantize_rows(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``q`` int8 ``[t, n]``, ``scales`` float32 ``[t, nb]`` -> float32 ``[t, nb * 32]`` (zeros past ``n``)."""
+    t, n = q.shape
+    nb = scales.shape[1]
+    if nb != _blocks(n):
+        raise ValueError(f"dequantize_int8: {nb} scales for {n} values (blocks of {BLOCK} need {_blocks(n)})")
+    qf = torch.empty(t, nb * BLOCK, dtype=torch.float32, device=q.device)
+    if nb * BLOCK != n:
+        qf[:, n:].zero_()
+    qf[:, :n].copy_(q)
+    qf.view(t, nb, BLOCK).mul_(scales.unsqueeze(-1))
+    return qf
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`quantize_int8`: float32 ``[n]`` from int8 ``q [n]`` and float32 ``scales [ceil(n/32)]``."""
+    return _dequantize_rows(q.view(1, -1), scales.view(1, -1))[0, :q.numel()]
+
+
+def all_reduce_int8(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum of ``x`` over ``group`` with every rank's partial compressed to blockwise int8 on the wire.
+
+    Shapes: ``x`` any shape and float dtype, same on every rank -> a new tensor of ``x``'s shape, dtype and device.
+
+    Collectives: one all-gather over ``group`` of a uint8 payload of :func:`payload_bytes` ``(x.numel())`` bytes
+    per rank (float32 scales, then the int8 values; counted as ``all_gather`` by the group's counter). Each rank
+    then dequantizes every rank's payload, its own included, and sums them in float32 in rank order, so every
+    rank gets the same bits. Wire bytes per rank: ``(t - 1) * 1.125 n`` against the ring all-reduce's
+    ``2 (t - 1) / t * 4 n`` in fp32: 0.28x at ``t = 2``, 0.42x at ``t = 3``; it stops paying at ``t >= 8``.
+
+    Error: per block, per rank ``|err| <= scale / 2 = absmax / 254`` of that rank's block; the sum's error is at
+    most the sum of those over the ranks (plus float32 rounding of the sum and of the result's dtype).
+
+    Inference only: no autograd of its own (the input is detached); :func:`tensorpar.comm.reduce_from_tp_region`
+    passes the gradient through unchanged, as the exact all-reduce's backward does (straight-through).
+
+    Raises:
+        ValueError: ``x`` is not a floating-point tensor.
+        CollectiveError: the all-gather failed.
+    """
+    if not x.is_floating_point():
+        raise ValueError(f"all_reduce_int8 on {group.name}: needs a floating-point tensor, got {x.dtype}")
+    if group.size == 1:
+        return x
+    from tensorpar import comm
+
+    n = x.numel()
+    nb = _blocks(n)
+    m = payload_bytes(n)
+    payload = torch.empty(m, dtype=torch.uint8, device=x.device)
+    _quantize_into(x, payload[:4 * nb].view(torch.float32), payload[4 * nb:4 * nb + n].view(torch.int8))
+    if m > 4 * nb + n:
+        payload[4 * nb + n:].zero_()
+    g = comm.all_gather(payload, group, dim=0).view(group.size, m)    # rank order
+    d = _dequantize_rows(g[:, 4 * nb:4 * nb + n].view(torch.int8), g[:, :4 * nb].view(torch.float32))
+    acc = d[0]
+    for r in range(1, group.size):
+        acc = acc + d[r]
+    return acc[:n].view(x.shape).to(x.dtype)
