@@ -36,8 +36,8 @@ SOURCE = "discovered plan"
 OUT = "give the plan yourself with --plan-file (docs/plans.md)"
 
 #: model types without a table whose discovered plan CI proves at tp = 2 and 3 (tests/test_discover.py); the
-#: table families llama, qwen3, phi3 and gpt2's neighbours are proven there too (docs/discover.md).
-PROVEN = ("apertus", "arcee", "granite", "helium", "glm", "olmo", "seed_oss")
+#: table families llama, qwen3 and phi3 are proven there too (docs/discover.md).
+PROVEN = ("arcee", "cohere", "exaone4", "glm", "granite", "helium", "olmo")
 
 
 class DiscoveryError(ValueError):
@@ -82,21 +82,20 @@ def _attention(name: str, m: nn.Module, config, h: int) -> dict | None:
     """The ``attention`` entry of module ``m`` when its projections have the head shapes, else None."""
     nh, nkv, hd = _heads(config)
     lin = _linears(m)
-    outs = [(n, l) for n, l in lin if l.in_features == nh * hd and l.out_features == h]
-    ins = [(n, l) for n, l in lin if l.in_features == h]
+    outs = [n for n, l in lin if l.in_features == nh * hd and l.out_features == h]
+    o_name = outs[-1] if outs else None
+    ins = [(n, l) for n, l in lin if l.in_features == h and n != o_name]
     q_rows = [n for n, l in ins if l.out_features == nh * hd]
     fused = [n for n, l in ins if l.out_features == (nh + 2 * nkv) * hd]
-    if not outs or not (q_rows or fused):
+    if o_name is None or not (q_rows or fused):
         if any("attention" in type(x).__name__.lower() for x in m.modules()) and ins:
-            rows = ", ".join(f"{n} [{l.out_features}, {l.in_features}]" for n, l in ins)
+            rows = ", ".join(f"{n} [{l.out_features}, {l.in_features}]" for n, l in lin)
             raise _fail(f"{name} ({type(m).__name__}) looks like attention but its projections ({rows}) match "
-                        f"neither heads x head_dim = {nh}x{hd} nor (heads + 2 kv_heads) x head_dim = "
-                        f"{(nh + 2 * nkv) * hd} (linear attention, or head counts the config does not state)")
+                        f"neither heads x head_dim = {nh}x{hd} query rows (or (heads + 2 kv_heads) x head_dim = "
+                        f"{(nh + 2 * nkv) * hd} fused rows) with an output projection {nh * hd} -> {h} (linear "
+                        f"attention, or head counts the config does not state)")
         return None
     args: dict = {"heads": nh, "kv_heads": nkv, "head_dim": hd}
-    o_name = outs[-1][0]
-    ins = [(n, l) for n, l in ins if n != o_name]
-    q_rows = [n for n, l in ins if l.out_features == nh * hd]
     if fused:
         args["fused"] = fused[0]
         proj = {fused[0]}
@@ -197,12 +196,14 @@ def discover_plan(config, model: nn.Module | None = None) -> UserPlan:
         if style is None and _small(m, h):
             style = {"style": "replicated", "why": "per-hidden (norm, scale)"}
         if style is None:
-            if any(t.dim() >= 3 for _, t in _tensors(m)) or any(isinstance(c, nn.ModuleList) for c in m.modules()):
+            ne = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+            if any(isinstance(c, nn.ModuleList) for c in m.modules()) or (ne and any(
+                    t.dim() >= 3 and t.shape[0] == ne for _, t in _tensors(m))):
                 raise _fail(f"{where} ({type(m).__name__}) holds experts: discovery does not place mixture-of-experts "
                             f"blocks yet")
             shapes = ", ".join(f"{n} {list(t.shape)}" for n, t in _tensors(m)[:4])
-            raise _fail(f"cannot place {where} ({type(m).__name__}: {shapes}) as attention, MLP or a per-hidden "
-                        f"module")
+            raise _fail(f"cannot place {where} ({type(m).__name__}: {shapes}) as attention (heads x head_dim "
+                        f"projections), MLP or a per-hidden module (linear attention, a state-space layer?)")
         entries[f"{bname}.*.{child}"] = style
     claimed = [n for n in entries if "*" not in n] + [bname]
     for n, t in _tensors(model):
@@ -331,3 +332,32 @@ def discovered_plan_file(config, *, save: str | None = None, train: bool = True,
         os.close(fd)
     save_plan(plan, save)
     return os.path.abspath(save)
+
+
+# ---------------------------------------------------------------- command-line flags
+
+def add_arguments(p) -> None:
+    """``--discover-plan`` and ``--save-plan`` (generate, verify)."""
+    p.add_argument("--discover-plan", action="store_true",
+                   help="find the sharding plan from the model's modules and shapes, prove it at tp 2 and 3 on a "
+                        "small random-weight instance, then use it (docs/discover.md); not --plan auto")
+    p.add_argument("--save-plan", default=None, metavar="PLAN.json",
+                   help="with --discover-plan: write the proven plan here (reuse it with --plan-file, no proof)")
+
+
+def resolve_flags(args, config, *, train: bool = False) -> None:
+    """In the launching process: with ``--discover-plan``, discover and prove the plan and set ``args.plan_file``
+    to the written file, so the ranks take the one ``--plan-file`` path. Raises ValueError (both plan flags, a
+    ``--save-plan`` without ``--discover-plan``, a save path whose folder does not exist, DiscoveryError)."""
+    import os
+
+    discover, save = getattr(args, "discover_plan", False), getattr(args, "save_plan", None)
+    if save is not None and not discover:
+        raise ValueError(f"--save-plan {save}: needs --discover-plan (it saves the discovered plan)")
+    if not discover:
+        return
+    if getattr(args, "plan_file", None) is not None:
+        raise ValueError(f"--discover-plan and --plan-file {args.plan_file}: give one of the two")
+    if save is not None and not os.path.isdir(os.path.dirname(os.path.abspath(save))):
+        raise ValueError(f"--save-plan {save}: the folder {os.path.dirname(os.path.abspath(save))} does not exist")
+    args.plan_file = discovered_plan_file(config, save=save, train=train)

@@ -1,0 +1,103 @@
+"""--discover-plan / make_plan(discover=True): plans found from the meta model's graph and shapes, proven at tp 2
+and 3 against the unsharded transformers model (tensorpar.verify.compare: every watched module, the logits, the
+loss and every gradient, each within tensorpar.verify.policy.tolerance, the rule `tensorpar verify` holds every
+layout to), and refused, naming the module, where they cannot be placed or do not prove."""
+import argparse
+import json
+
+import pytest
+import transformers as T
+
+from tensorpar.hf.discover import (PROVEN, DiscoveryError, discover_plan, plan_dict, prove_plan, resolve_flags,
+                                   save_plan)
+from tensorpar.hf.plan import make_plan
+
+
+def cfg(model_type, **kw):
+    """6 query heads, 2 KV heads of 8: at tp 3 a KV head is shared by ranks (a GQA group straddles two)."""
+    base = dict(num_hidden_layers=2, hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+                intermediate_size=40, vocab_size=61, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return T.AutoConfig.for_model(model_type, **{**base, **kw})
+
+
+TABLES = ("llama", "qwen3", "phi3")
+
+
+@pytest.mark.parametrize("model_type", sorted(PROVEN) + list(TABLES))
+def test_discovered_plan_proves_at_tp2_and_tp3(pools, model_type):
+    c = cfg(model_type)
+    reports = prove_plan(c, discover_plan(c), pools=pools)
+    assert [r["tp_size"] for r in reports] == [2, 3]
+    n_params = sum(1 for _ in T.AutoModelForCausalLM.from_config(c).parameters())
+    for r in reports:
+        assert r["ok"], r
+        grads = [d for d in r["diffs"] if d["kind"] == "grad"]
+        assert len(grads) == n_params and any(d["name"] == "logits" for d in r["diffs"])
+
+
+@pytest.mark.parametrize("model_type", TABLES)
+def test_discovered_plan_splits_as_the_table(model_type):
+    """On a table family the discovered plan splits heads, MLP and vocabulary exactly as the table does."""
+    c = cfg(model_type)
+    a, b = make_plan(c, 3, discover=True), make_plan(c, 3)
+    assert a.heads == b.heads and a.intermediate.sizes == b.intermediate.sizes and a.vocab.sizes == b.vocab.sizes
+    assert a.blocks == b.blocks and a.num_layers == b.num_layers
+    fused = {e.pattern: e.style for e in a.entries}
+    if model_type == "phi3":
+        assert fused["model.layers.*.self_attn"].fused == "qkv_proj"
+        assert fused["model.layers.*.mlp"].fused == "gate_up_proj"
+
+
+def test_saved_plan_is_a_plan_file(tmp_path):
+    """--save-plan writes the user-plan JSON --plan-file reads: the same plan, one path."""
+    c = cfg("granite")
+    path = tmp_path / "granite.json"
+    save_plan(discover_plan(c), str(path))
+    assert str(make_plan(c, 3, user_plan=str(path))) == str(make_plan(c, 3, discover=True))
+    spec = json.loads(path.read_text())
+    assert spec["entries"]["model.layers.*.self_attn"] == {"style": "attention", "heads": 6, "kv_heads": 2,
+                                                           "head_dim": 8}
+    assert spec["blocks"] == "model.layers.*"
+
+
+def test_plan_that_does_not_prove_is_refused_naming_the_module(pools):
+    """SmolLM3 without rotary in block 0 (no_rope_layers[0] = 0): the attention style applies the rotary
+    embedding in every block, so block 0's attention is wrong and the proof names it."""
+    c = cfg("smollm3", no_rope_layers=[0, 1])
+    with pytest.raises(DiscoveryError, match=r"refused: on a random-weight smollm3 \(2 blocks\) at tp=2 against "
+                       r"the unsharded model, model.layers.0.self_attn \(attention\) differs by .* > tolerance"
+                       r".*--plan-file"):
+        prove_plan(c, discover_plan(c), tps=(2,), train=False, pools=pools)
+
+
+@pytest.mark.parametrize("model_type, kw, match", [
+    ("mixtral", {"num_local_experts": 4}, r"model.layers.0.mlp \(MixtralSparseMoeBlock\) holds experts"),
+    ("olmo3", {}, r"model.layers.0.self_attn.q_norm.weight \[48\] \(Olmo3Attention\) is neither a projection nor "
+                  r"a per-head parameter"),
+    ("apertus", {}, r"model.layers.0.mlp \(ApertusMLP\) holds act_fn.alpha_p \[1\]"),
+    ("bloom", {}, r"transformer.h.0.self_attention \(BloomAttention\)"),
+    ("qwen3_next", {}, r"cannot place model.layers.0.linear_attn \(Qwen3NextGatedDeltaNet: .*linear attention"),
+])
+def test_what_discovery_cannot_place_is_named(model_type, kw, match):
+    with pytest.raises(DiscoveryError, match=match + r".*--plan-file"):
+        discover_plan(cfg(model_type, **kw))
+
+
+def test_remote_code_is_refused():
+    c = cfg("llama")
+    c.auto_map = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    with pytest.raises(DiscoveryError, match=r"llama runs remote code \(config.auto_map\).*--plan-file"):
+        discover_plan(c)
+
+
+def test_flag_combinations_are_refused_before_anything_runs(tmp_path):
+    c = cfg("granite")
+    with pytest.raises(ValueError, match="--save-plan p.json: needs --discover-plan"):
+        resolve_flags(argparse.Namespace(discover_plan=False, save_plan="p.json", plan_file=None), c)
+    with pytest.raises(ValueError, match="--discover-plan and --plan-file x.yaml: give one of the two"):
+        resolve_flags(argparse.Namespace(discover_plan=True, save_plan=None, plan_file="x.yaml"), c)
+    with pytest.raises(ValueError, match="--save-plan .*: the folder .*nope does not exist"):
+        resolve_flags(argparse.Namespace(discover_plan=True, save_plan=str(tmp_path / "nope" / "p.json"),
+                                         plan_file=None), c)
+    with pytest.raises(ValueError, match="either a plan file .* or discover=True"):
+        make_plan(c, 2, discover=True, user_plan={"model.layers.*.mlp": "gated_mlp"})
