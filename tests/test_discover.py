@@ -8,8 +8,8 @@ import json
 import pytest
 import transformers as T
 
-from tensorpar.hf.discover import (PROVEN, DiscoveryError, discover_plan, plan_dict, prove_plan, resolve_flags,
-                                   save_plan)
+from tensorpar.hf.discover import PROVEN, DiscoveryError, discover_plan, save_plan
+from tensorpar.verify.prove import prove_plan, resolve_flags
 from tensorpar.hf.plan import make_plan
 
 
@@ -61,11 +61,13 @@ def test_saved_plan_is_a_plan_file(tmp_path):
 
 
 def test_plan_that_does_not_prove_is_refused_naming_the_module(pools):
-    """SmolLM3 without rotary in block 0 (no_rope_layers[0] = 0): the attention style applies the rotary
-    embedding in every block, so block 0's attention is wrong and the proof names it."""
-    c = cfg("smollm3", no_rope_layers=[0, 1])
-    with pytest.raises(DiscoveryError, match=r"refused: on a random-weight smollm3 \(2 blocks\) at tp=2 against "
-                       r"the unsharded model, model.layers.0.self_attn \(attention\) differs by .* > tolerance"
+    """SmolLM3 with 8 blocks leaves the rotary embedding out of every 4th (no_rope_layers = [1, 1, 1, 0, ...]); the
+    attention style applies it in every block. The proof's instance keeps blocks until each per-layer value
+    occurs (4 here, not 2), so block 3's attention is compared and named."""
+    c = cfg("smollm3", num_hidden_layers=8)
+    assert c.no_rope_layers[:4] == [1, 1, 1, 0]
+    with pytest.raises(DiscoveryError, match=r"refused: on a random-weight smollm3 \(4 blocks\) at tp=2 against "
+                       r"the unsharded model, model.layers.3.self_attn \(attention\) differs by .* > tolerance"
                        r".*--plan-file"):
         prove_plan(c, discover_plan(c), tps=(2,), train=False, pools=pools)
 

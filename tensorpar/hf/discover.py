@@ -16,7 +16,7 @@ decoder blocks are the ``nn.ModuleList`` of ``num_hidden_layers`` blocks, all of
 The result is a :class:`~tensorpar.hf.user_plan.UserPlan`, the object ``--plan-file`` reads, so a discovered plan
 saved with :func:`save_plan` is a plan file (one path). Anything it cannot place (experts, a module with unknown
 parameters, linear attention, a block unlike the others, remote code) is a ValueError naming the module and the
-way out (``--plan-file``). :func:`prove_plan` then runs the plan at tp = 2 and 3 against the unsharded model
+way out (``--plan-file``). :func:`tensorpar.verify.prove.prove_plan` then runs the plan at tp = 2 and 3 against the unsharded model
 (:func:`~tensorpar.verify.compare.compare_to_reference`: every watched module, the logits, with ``train`` the loss
 and every gradient) on :func:`tiny_config` (two blocks, the same head structure) and refuses a plan that fails,
 naming the first module over tolerance.
@@ -232,13 +232,28 @@ def save_plan(plan: UserPlan, path: str) -> None:
         f.write("\n")
 
 
-def tiny_config(config, layers: int = 2, vocab: int = 96, intermediate: int = 48):
-    """A copy of ``config`` with ``layers`` blocks, a ``vocab``-row vocabulary and MLP width ``intermediate`` (the
-    proof's instance): the same hidden size, head counts and head dim; per-layer lists cut to ``layers``; token
-    ids outside the new vocabulary dropped."""
+def proof_layers(config, least: int = 2, most: int = 8) -> int:
+    """Blocks of the proof's instance: ``least``, or as many as it takes for every value of each per-layer list
+    of the config (``layer_types``, ``no_rope_layers``, ...: lists of ``num_hidden_layers`` items) to occur once,
+    at most ``most``; never more than the model has."""
+    n = config.num_hidden_layers
+    k = least
+    for v in vars(config).values():
+        if isinstance(v, (list, tuple)) and len(v) == n:
+            firsts = {}
+            for i, x in enumerate(v):
+                firsts.setdefault(repr(x), i)
+            k = max(k, max(firsts.values(), default=0) + 1)
+    return min(k, most, n)
+
+
+def tiny_config(config, layers: int | None = None, vocab: int = 96, intermediate: int = 48):
+    """A copy of ``config`` with ``layers`` blocks (default :func:`proof_layers`), a ``vocab``-row vocabulary and
+    MLP width ``intermediate`` (the proof's instance): the same hidden size, head counts and head dim; per-layer
+    lists cut to ``layers``; token ids outside the new vocabulary dropped."""
     c = copy.deepcopy(config)
     n = c.num_hidden_layers
-    c.num_hidden_layers = min(layers, n)
+    c.num_hidden_layers = min(layers or proof_layers(config), n)
     for k, v in list(vars(c).items()):
         if isinstance(v, (list, tuple)) and len(v) == n and n > c.num_hidden_layers:
             setattr(c, k, type(v)(v[:c.num_hidden_layers]))
@@ -250,114 +265,3 @@ def tiny_config(config, layers: int = 2, vocab: int = 96, intermediate: int = 48
     if getattr(c, "intermediate_size", None):
         c.intermediate_size = min(intermediate, c.intermediate_size)
     return c
-
-
-# ---------------------------------------------------------------- the proof
-
-def _proof_job(ctx, config, spec: dict, train: bool):
-    """One rank of the proof: random weights (seed 0, every tensor perturbed so biases and norms are not their
-    init), the sharded copy made with ``spec``, :func:`compare_to_reference` at this pool's tp. Returns the
-    report as a dict (rank 0's is the over-ranks maximum on every rank)."""
-    from transformers import AutoModelForCausalLM
-
-    from tensorpar.hf.apply import parallelize
-    from tensorpar.hf.plan import make_plan
-    from tensorpar.verify.compare import compare_to_reference
-
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager").float()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    ref.eval()
-    par = parallelize(copy.deepcopy(ref), make_plan(config, ctx.tp.size, user_plan=spec), ctx.tp).eval()
-    ids = torch.randint(0, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1234))
-    return compare_to_reference(ref, par, ctx.tp, ids, train=train).to_dict()
-
-
-def prove_plan(config, plan: UserPlan, *, tps=(2, 3), train: bool = True, pools=None) -> list[dict]:
-    """Run ``plan`` on :func:`tiny_config` of ``config`` at each tp in ``tps`` against the unsharded model
-    (logits, every watched module, with ``train`` the loss and every gradient); return the reports
-    (:meth:`~tensorpar.verify.policy.LayoutReport.to_dict`), one per tp.
-
-    ``pools``: ``n -> WorkerPool`` of ``n`` gloo ranks (the tests' fixture); None: a pool per tp, started here
-    (CPU, spawn) and closed after. Raises DiscoveryError naming the first module over tolerance (or the plan's
-    ValueError at the small instance) and pointing to ``--plan-file``."""
-    from tensorpar.hf.plan import make_plan
-    from tensorpar.testing import RankFailure, WorkerPool
-
-    small = tiny_config(config)
-    spec = plan_dict(plan)
-    nh = _heads(small)[0]
-    reports = []
-    for t in tps:
-        if t > nh:
-            continue
-        try:
-            make_plan(small, t, user_plan=spec)
-        except ValueError as e:
-            raise _fail(f"the discovered plan does not build at tp={t}: {e}") from None
-        pool = pools(t) if pools is not None else WorkerPool(t, collective_timeout_s=120.0)
-        try:
-            rep = pool.run(_proof_job, small, spec, train)[0]
-        except RankFailure as e:
-            last = [x for x in str(e).strip().splitlines() if x.strip()][-1:]
-            raise _fail(f"the discovered plan fails on a random-weight {small.model_type} at tp={t}: "
-                        f"{' '.join(last)}") from None
-        finally:
-            if pools is None:
-                pool.close()
-        reports.append(rep)
-        bad = next((d for d in rep["diffs"] if not d["ok"]), None)
-        if bad is not None or rep["replicated_mismatch"]:
-            what = (f"{bad['name']} ({bad['kind']}) differs by {bad['max_abs']:.3e} > tolerance {bad['tol']:.3e}"
-                    if bad is not None else f"replicated gradients differ across ranks: "
-                    f"{', '.join(rep['replicated_mismatch'][:3])}")
-            raise _fail(f"the discovered plan is refused: on a random-weight {small.model_type} "
-                        f"({small.num_hidden_layers} blocks) at tp={t} against the unsharded model, {what}")
-    return reports
-
-
-def discovered_plan_file(config, *, save: str | None = None, train: bool = True, tps=(2, 3), pools=None) -> str:
-    """``--discover-plan`` in the launching process: discover, prove (:func:`prove_plan`), write the plan file
-    (``save``, or a file in the temporary directory) and return its path, which the ranks read as
-    ``--plan-file``. Raises DiscoveryError (discovery or proof)."""
-    import os
-    import tempfile
-
-    plan = discover_plan(config)
-    prove_plan(config, plan, tps=tps, train=train, pools=pools)
-    if save is None:
-        fd, save = tempfile.mkstemp(prefix=f"tensorpar-{config.model_type}-", suffix=".json")
-        os.close(fd)
-    save_plan(plan, save)
-    return os.path.abspath(save)
-
-
-# ---------------------------------------------------------------- command-line flags
-
-def add_arguments(p) -> None:
-    """``--discover-plan`` and ``--save-plan`` (generate, verify)."""
-    p.add_argument("--discover-plan", action="store_true",
-                   help="find the sharding plan from the model's modules and shapes, prove it at tp 2 and 3 on a "
-                        "small random-weight instance, then use it (docs/discover.md); not --plan auto")
-    p.add_argument("--save-plan", default=None, metavar="PLAN.json",
-                   help="with --discover-plan: write the proven plan here (reuse it with --plan-file, no proof)")
-
-
-def resolve_flags(args, config, *, train: bool = False) -> None:
-    """In the launching process: with ``--discover-plan``, discover and prove the plan and set ``args.plan_file``
-    to the written file, so the ranks take the one ``--plan-file`` path. Raises ValueError (both plan flags, a
-    ``--save-plan`` without ``--discover-plan``, a save path whose folder does not exist, DiscoveryError)."""
-    import os
-
-    discover, save = getattr(args, "discover_plan", False), getattr(args, "save_plan", None)
-    if save is not None and not discover:
-        raise ValueError(f"--save-plan {save}: needs --discover-plan (it saves the discovered plan)")
-    if not discover:
-        return
-    if getattr(args, "plan_file", None) is not None:
-        raise ValueError(f"--discover-plan and --plan-file {args.plan_file}: give one of the two")
-    if save is not None and not os.path.isdir(os.path.dirname(os.path.abspath(save))):
-        raise ValueError(f"--save-plan {save}: the folder {os.path.dirname(os.path.abspath(save))} does not exist")
-    args.plan_file = discovered_plan_file(config, save=save, train=train)

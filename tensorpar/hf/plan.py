@@ -218,7 +218,7 @@ def make_plan(config, tp_size: int, *, sequence_parallel: bool = False, head_spl
             :mod:`tensorpar.hf.user_plan`; always checked against the meta-device model.
         discover: the plan found from the meta-device model's graph and shapes
             (:func:`tensorpar.hf.discover.discover_plan`, table or not), as a user plan; it is not proven here:
-            ``--discover-plan`` proves it first (:func:`tensorpar.hf.discover.prove_plan`).
+            ``--discover-plan`` proves it first (:func:`tensorpar.verify.prove.prove_plan`).
 
     Raises:
         ValueError: unsupported architecture (listing the supported ones); ``tp_size`` < 1 or

@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     #                                        auto: to every degree above 1
     p.add_argument("--sequence-parallel", action="store_true", help="shard with sequence parallelism")
     p.add_argument("--train", action="store_true", help="also compare loss, every gradient and the grad norm")
-    from tensorpar.hf.discover import add_arguments as add_discover_arguments
+    from tensorpar.verify.prove import add_arguments as add_discover_arguments
     add_discover_arguments(p)
     from tensorpar.decode.quantize import add_quantize_argument
     add_quantize_argument(p)  # int8: both the reference (plain PyTorch) and the sharded model are quantized
@@ -94,7 +94,7 @@ def validate(args: argparse.Namespace):
     if getattr(args, "quantize", "none") != "none" and getattr(args, "train", False):
         raise ValueError(f"--quantize {args.quantize} cannot run with --train (a quantized model has no trainable "
                          f"weights: int8 is for inference); drop --train or use --quantize none")
-    from tensorpar.hf.discover import resolve_flags
+    from tensorpar.verify.prove import resolve_flags
     resolve_flags(args, config, train=args.train)   # --discover-plan: proven, then the ranks' plan file
     for t in tps:
         plan = make_plan(config, t, sequence_parallel=args.sequence_parallel,   # unsupported model / tp: ValueError
