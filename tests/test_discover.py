@@ -103,3 +103,38 @@ def test_flag_combinations_are_refused_before_anything_runs(tmp_path):
                                          plan_file=None), c)
     with pytest.raises(ValueError, match="either a plan file .* or discover=True"):
         make_plan(c, 2, discover=True, user_plan={"model.layers.*.mlp": "gated_mlp"})
+
+
+@pytest.mark.slow
+def test_generate_discover_plan_saves_a_plan_file(tmp_path):
+    """`tensorpar generate --discover-plan --save-plan` on a saved Granite folder (no table) at tp = 2: the plan is
+    proven, saved, used; the saved file then runs as --plan-file; `verify --discover-plan --train` passes."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    folder = tmp_path / "granite"
+    torch.manual_seed(0)
+    c = cfg("granite", vocab_size=29, eos_token_id=28, pad_token_id=28, bos_token_id=None)
+    AutoModelForCausalLM.from_config(c).save_pretrained(folder)
+    vocab = {chr(ord("a") + i): i for i in range(26)} | {" ": 26, ".": 27, "<eos>": 28}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<eos>").save_pretrained(folder)
+    saved = tmp_path / "granite.json"
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), TENSORPAR_THREADS="1")
+
+    def cli(cmd, *args):
+        return subprocess.run([sys.executable, "-m", "tensorpar", cmd, "--model", str(folder), *args],
+                              capture_output=True, text=True, timeout=600, env=env)
+    r = cli("generate", "--tp", "2", "--discover-plan", "--save-plan", str(saved), "--prompt", "the cat",
+            "--max-new-tokens", "4", "--fast-collectives", "off")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "time to first token" in r.stdout and saved.is_file()
+    r = cli("generate", "--tp", "2", "--plan-file", str(saved), "--print-plan")
+    assert r.returncode == 0 and "6 q heads -> [3, 3]" in r.stdout, r.stderr[-2000:]
+    r = cli("verify", "--tp", "3", "--train", "--discover-plan")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
