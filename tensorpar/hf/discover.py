@@ -16,10 +16,10 @@ decoder blocks are the ``nn.ModuleList`` of ``num_hidden_layers`` blocks, all of
 The result is a :class:`~tensorpar.hf.user_plan.UserPlan`, the object ``--plan-file`` reads, so a discovered plan
 saved with :func:`save_plan` is a plan file (one path). Anything it cannot place (experts, a module with unknown
 parameters, linear attention, a block unlike the others, remote code) is a ValueError naming the module and the
-way out (``--plan-file``). :func:`tensorpar.verify.prove.prove_plan` then runs the plan at tp = 2 and 3 against the unsharded model
-(:func:`~tensorpar.verify.compare.compare_to_reference`: every watched module, the logits, with ``train`` the loss
-and every gradient) on :func:`tiny_config` (two blocks, the same head structure) and refuses a plan that fails,
-naming the first module over tolerance.
+way out (``--plan-file``). :func:`tensorpar.verify.prove.prove_plan` then runs the plan at tp = 2 and 3 against
+the unsharded model (:func:`~tensorpar.verify.compare.compare_to_reference`: every watched module, the logits,
+with ``train`` the loss and every gradient) on :func:`tiny_config` (few blocks, the same head structure) and
+refuses a plan that fails, naming the first module over tolerance.
 """
 from __future__ import annotations
 
