@@ -252,6 +252,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan-file", default=None, help="a .json/.yaml sharding plan that overrides or extends the "
                                                      "built-in table, or shards an architecture without one "
                                                      "(docs/plans.md)")
+    from tensorpar.verify.prove import add_arguments as add_discover_arguments
+    add_discover_arguments(p)
 
 
 def _resolve(spec: str):
@@ -399,6 +401,8 @@ def validate(args: argparse.Namespace):
     check_model_config(config, f"{folder}/config.json")
     from tensorpar.hf.load import follow_stored_ties
     follow_stored_ties(folder, config, getattr(torch, getattr(args, "dtype", "float32")))  # as the ranks will
+    from tensorpar.verify.prove import resolve_flags
+    resolve_flags(args, config)   # --discover-plan: the proven plan becomes the --plan-file the ranks read
     if getattr(args, "plan_file", None) is not None:
         args.plan_file = os.path.abspath(args.plan_file)   # the ranks read the same file
     from tensorpar.capacity import check_for_model

@@ -198,7 +198,8 @@ def supported() -> tuple[str, ...]:
 
 
 def make_plan(config, tp_size: int, *, sequence_parallel: bool = False, head_split_weights=None,
-              split_weights=None, check: bool = True, user_plan=None, tp_weights=None) -> ShardingPlan:
+              split_weights=None, check: bool = True, user_plan=None, tp_weights=None,
+              discover: bool = False) -> ShardingPlan:
     """Build and validate the plan of a Hugging Face causal-LM ``config`` for ``tp_size`` ranks.
 
     Args:
@@ -215,6 +216,9 @@ def make_plan(config, tp_size: int, *, sequence_parallel: bool = False, head_spl
         user_plan: a dict, a :class:`~tensorpar.hf.user_plan.UserPlan` or a .json/.yaml path that overrides or
             extends the built-in table (or is the whole plan of an architecture without one):
             :mod:`tensorpar.hf.user_plan`; always checked against the meta-device model.
+        discover: the plan found from the meta-device model's graph and shapes
+            (:func:`tensorpar.hf.discover.discover_plan`, table or not), as a user plan; it is not proven here:
+            ``--discover-plan`` proves it first (:func:`tensorpar.verify.prove.prove_plan`).
 
     Raises:
         ValueError: unsupported architecture (listing the supported ones); ``tp_size`` < 1 or
@@ -224,11 +228,21 @@ def make_plan(config, tp_size: int, *, sequence_parallel: bool = False, head_spl
     from tensorpar.hf.families import FAMILIES
 
     mt = getattr(config, "model_type", None)
+    if discover:
+        if user_plan is not None:
+            raise ValueError("give either a plan file (user_plan / --plan-file) or discover=True "
+                             "(--discover-plan), not both")
+        from tensorpar.hf.discover import discover_plan
+        from tensorpar.hf.user_plan import merge_user_plan
+        model = meta_model(config)
+        return merge_user_plan(None, discover_plan(config, model), config, model, tp_size,
+                               sequence_parallel=sequence_parallel, head_split_weights=head_split_weights,
+                               split_weights=split_weights)
     if mt not in FAMILIES and user_plan is None:
         raise ValueError(f"unsupported architecture model_type={mt!r}; tensorpar has plans for: "
                          f"{', '.join(sorted(FAMILIES))}; for another architecture give a plan file "
                          f"(tensorpar generate --plan-file, or make_plan(..., user_plan=...) in Python): see "
-                         f"docs/plans.md")
+                         f"docs/plans.md; or let tensorpar find and prove one: --discover-plan (docs/discover.md)")
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}")
     if tp_weights is not None:

@@ -29,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     #                                        auto: to every degree above 1
     p.add_argument("--sequence-parallel", action="store_true", help="shard with sequence parallelism")
     p.add_argument("--train", action="store_true", help="also compare loss, every gradient and the grad norm")
+    from tensorpar.verify.prove import add_arguments as add_discover_arguments
+    add_discover_arguments(p)
     from tensorpar.decode.quantize import add_quantize_argument
     add_quantize_argument(p)  # int8: both the reference (plain PyTorch) and the sharded model are quantized
     p.add_argument("--seq-len", type=int, default=0,
@@ -92,8 +94,11 @@ def validate(args: argparse.Namespace):
     if getattr(args, "quantize", "none") != "none" and getattr(args, "train", False):
         raise ValueError(f"--quantize {args.quantize} cannot run with --train (a quantized model has no trainable "
                          f"weights: int8 is for inference); drop --train or use --quantize none")
+    from tensorpar.verify.prove import resolve_flags
+    resolve_flags(args, config, train=args.train)   # --discover-plan: proven, then the ranks' plan file
     for t in tps:
-        plan = make_plan(config, t, sequence_parallel=args.sequence_parallel)  # unsupported model / tp: ValueError
+        plan = make_plan(config, t, sequence_parallel=args.sequence_parallel,   # unsupported model / tp: ValueError
+                         user_plan=getattr(args, "plan_file", None))
         from tensorpar.decode.quantize import check_quantize
         check_quantize(getattr(args, "quantize", "none"), config, plan)
     w = getattr(args, "tp_weights", None)
@@ -129,7 +134,8 @@ def _rank_main(spec: str, folder: str | None, tp_size: int, seq: int, args: argp
         weights = resolve_for_model(ctx, _model_config(spec, seq)[0]) if ctx.tp_weights is not None else None
         ref, par = build_pair(spec, folder, ctx.tp, dtype=dtype, device=ctx.device, seq_len=seq,
                               sequence_parallel=args.sequence_parallel, tp_weights=weights,
-                              attn_implementation=getattr(args, "attn_implementation", None))
+                              attn_implementation=getattr(args, "attn_implementation", None),
+                              user_plan=getattr(args, "plan_file", None))
         if getattr(args, "quantize", "none") == "int8":
             from tensorpar.decode.quantize import quantize_int8, quantize_reference_int8
             quantize_reference_int8(ref)
@@ -155,11 +161,12 @@ def _rank_main(spec: str, folder: str | None, tp_size: int, seq: int, args: argp
 
 
 def build_pair(spec: str, folder: str | None, tp: Group, *, dtype=torch.float32, device=None, seq_len: int = 16,
-               sequence_parallel: bool = False, tp_weights=None, attn_implementation: str | None = None):
+               sequence_parallel: bool = False, tp_weights=None, attn_implementation: str | None = None,
+               user_plan=None):
     """``(reference, sharded)``: the unsharded model and this rank's sharded copy, same weights, eval mode.
     ``tp_weights``: shard by these relative rank speeds (:mod:`tensorpar.capacity`; default even).
     ``attn_implementation``: both models' attention; None: the one transformers picks for the config
-    (:func:`~tensorpar.hf.load.resolve_attn_implementation`).
+    (:func:`~tensorpar.hf.load.resolve_attn_implementation`). ``user_plan``: a plan file (``--discover-plan``'s).
 
     A folder is loaded twice: whole (transformers) and sharded (:func:`~tensorpar.hf.load.build_parallel_model`,
     the path ``generate`` and ``train`` use, so load bugs show). A preset gets random weights (seed 0, norms
@@ -173,7 +180,8 @@ def build_pair(spec: str, folder: str | None, tp: Group, *, dtype=torch.float32,
         from tensorpar.hf.load import build_parallel_model
         ref = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
         par, _ = build_parallel_model(folder, tp, sequence_parallel=sequence_parallel, dtype=dtype, device=device,
-                                      tp_weights=tp_weights, attn_implementation=attn_implementation)
+                                      tp_weights=tp_weights, attn_implementation=attn_implementation,
+                                      user_plan=user_plan)
     else:
         config, _ = _model_config(spec, seq_len)
         from tensorpar.hf.load import resolve_attn_implementation
@@ -185,7 +193,7 @@ def build_pair(spec: str, folder: str | None, tp: Group, *, dtype=torch.float32,
                 p.add_(torch.randn_like(p) * 0.05)
         ref = ref.to(dtype)
         par = parallelize(copy.deepcopy(ref), make_plan(config, tp.size, sequence_parallel=sequence_parallel,
-                                                        tp_weights=tp_weights), tp)
+                                                        tp_weights=tp_weights, user_plan=user_plan), tp)
     ref = ref.to(device).eval()
     return ref, par.to(device).eval()
 

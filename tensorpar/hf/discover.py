@@ -1,0 +1,267 @@
+"""Discovered sharding plans: the plan of an architecture without a table, found from its module graph and shapes,
+then proven on a small random-weight instance before it is used (``--discover-plan``, ``make_plan(discover=True)``).
+
+:func:`discover_plan` reads the meta-device model (no weights) and the config's head counts, never a list of
+module names: the token embedding and the LM head are the model's input/output embeddings (tied or not); the
+decoder blocks are the ``nn.ModuleList`` of ``num_hidden_layers`` blocks, all of the same structure; in a block
+
+* attention is the child whose linears take the hidden size to ``heads x head_dim`` (query) and
+  ``kv_heads x head_dim`` (key, value), or to ``(heads + 2 kv_heads) x head_dim`` (one fused projection), with
+  an output projection ``heads x head_dim -> hidden``; per-head norms (``[head_dim]``) and sinks (``[heads]``)
+  are kept with it; the head counts come from the config and are verified against these shapes;
+* the MLP is the child whose linears take the hidden size to ``f`` (one projection: ``mlp``; two, or one of
+  ``2 f`` rows: ``gated_mlp``) and back;
+* a child whose tensors are all 1-D of at most the hidden size (norms, scales) is replicated.
+
+The result is a :class:`~tensorpar.hf.user_plan.UserPlan`, the object ``--plan-file`` reads, so a discovered plan
+saved with :func:`save_plan` is a plan file (one path). Anything it cannot place (experts, a module with unknown
+parameters, linear attention, a block unlike the others, remote code) is a ValueError naming the module and the
+way out (``--plan-file``). :func:`tensorpar.verify.prove.prove_plan` then runs the plan at tp = 2 and 3 against
+the unsharded model (:func:`~tensorpar.verify.compare.compare_to_reference`: every watched module, the logits,
+with ``train`` the loss and every gradient) on :func:`tiny_config` (few blocks, the same head structure) and
+refuses a plan that fails, naming the first module over tolerance.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import torch
+import torch.nn as nn
+
+from tensorpar.hf.user_plan import DEFAULT_REPLICATE_THRESHOLD, UserEntry, UserPlan
+
+SOURCE = "discovered plan"
+OUT = "give the plan yourself with --plan-file (docs/plans.md)"
+
+#: model types without a table whose discovered plan CI proves at tp = 2 and 3 (tests/test_discover.py); the
+#: table families llama, qwen3 and phi3 are proven there too (docs/discover.md).
+PROVEN = ("arcee", "cohere", "exaone4", "glm", "granite", "helium", "olmo")
+
+
+class DiscoveryError(ValueError):
+    """Discovery could not place a module (the message names it and points to ``--plan-file``)."""
+
+
+def _fail(what: str) -> DiscoveryError:
+    return DiscoveryError(f"--discover-plan: {what}; {OUT}")
+
+
+def _heads(config) -> tuple[int, int, int]:
+    nh = getattr(config, "num_attention_heads", None)
+    if not nh:
+        raise _fail(f"{config.model_type}: the config has no num_attention_heads")
+    nkv = getattr(config, "num_key_value_heads", None) or nh
+    hd = getattr(config, "head_dim", None) or config.hidden_size // nh
+    return int(nh), int(nkv), int(hd)
+
+
+def _tensors(m: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return list(m.named_parameters(remove_duplicate=False)) + list(m.named_buffers(remove_duplicate=False))
+
+
+def _blocks(model: nn.Module, n: int) -> tuple[str, nn.ModuleList]:
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n]
+    if not lists:
+        raise _fail(f"no list of {n} blocks (num_hidden_layers) in {type(model).__name__}")
+    name, blocks = lists[0]
+    sig0 = [(k, tuple(t.shape)) for k, t in _tensors(blocks[0])]
+    for i, b in enumerate(blocks):
+        if [(k, tuple(t.shape)) for k, t in _tensors(b)] != sig0:
+            raise _fail(f"block {name}.{i} ({type(b).__name__}) differs from block 0 (a hybrid or mixed-layer "
+                        f"model: linear attention, experts in some layers)")
+    return name, blocks
+
+
+def _linears(m: nn.Module) -> list[tuple[str, nn.Linear]]:
+    return [(n, c) for n, c in m.named_children() if isinstance(c, nn.Linear)]
+
+
+def _attention(name: str, m: nn.Module, config, h: int) -> dict | None:
+    """The ``attention`` entry of module ``m`` when its projections have the head shapes, else None."""
+    nh, nkv, hd = _heads(config)
+    lin = _linears(m)
+    outs = [n for n, l in lin if l.in_features == nh * hd and l.out_features == h]
+    o_name = outs[-1] if outs else None
+    ins = [(n, l) for n, l in lin if l.in_features == h and n != o_name]
+    q_rows = [n for n, l in ins if l.out_features == nh * hd]
+    fused = [n for n, l in ins if l.out_features == (nh + 2 * nkv) * hd]
+    if o_name is None or not (q_rows or fused):
+        if any("attention" in type(x).__name__.lower() for x in m.modules()) and ins:
+            rows = ", ".join(f"{n} [{l.out_features}, {l.in_features}]" for n, l in lin)
+            raise _fail(f"{name} ({type(m).__name__}) looks like attention but its projections ({rows}) match "
+                        f"neither heads x head_dim = {nh}x{hd} query rows (or (heads + 2 kv_heads) x head_dim = "
+                        f"{(nh + 2 * nkv) * hd} fused rows) with an output projection {nh * hd} -> {h} (linear "
+                        f"attention, or head counts the config does not state)")
+        return None
+    args: dict = {"heads": nh, "kv_heads": nkv, "head_dim": hd}
+    if fused:
+        args["fused"] = fused[0]
+        proj = {fused[0]}
+    else:
+        kv = [n for n, l in ins if l.out_features == nkv * hd and n not in q_rows[:1]]
+        names = [q_rows[0]] + kv[:2]
+        if len(kv) < 2 or names != ["q_proj", "k_proj", "v_proj"]:
+            raise _fail(f"{name} ({type(m).__name__}): query/key/value projections {', '.join(names)} (rows "
+                        f"{nh}x{hd}, {nkv}x{hd}) are not named q_proj, k_proj, v_proj as the attention style needs")
+        proj = set(names)
+    if o_name != "o_proj":
+        args["o_name"] = o_name
+    for attr in ("scaling", "layer_idx"):
+        if not hasattr(m, attr):
+            raise _fail(f"{name} ({type(m).__name__}) has no {attr!r}: its forward is not the standard "
+                        f"rotary-decoder attention the attention style runs")
+    if not hasattr(sys.modules[type(m).__module__], "eager_attention_forward"):
+        raise _fail(f"{name} ({type(m).__name__}): its module defines no eager_attention_forward")
+    for n, t in _tensors(m):
+        top = n.split(".")[0]
+        if top in proj or top == o_name:
+            continue
+        if top in ("q_norm", "k_norm") and t.numel() == hd:
+            continue                                         # per head: [head_dim], replicated
+        if n == "sinks" and tuple(t.shape) == (nh,):
+            continue                                         # per head: sharded with the query heads
+        raise _fail(f"{name}.{n} {list(t.shape)} ({type(m).__name__}) is neither a projection nor a per-head "
+                    f"parameter ([head_dim]={hd} norms, [heads]={nh} sinks)")
+    return {"style": "attention", **args}
+
+
+def _mlp(name: str, m: nn.Module, h: int) -> dict | None:
+    """The ``gated_mlp`` / ``mlp`` entry of ``m`` when its linears go ``h -> f -> h``, else None."""
+    lin = _linears(m)
+    downs = [(n, l) for n, l in lin if l.out_features == h and l.in_features != h]
+    if len(downs) != 1 or len(lin) > 3:
+        return None
+    down, f = downs[0][0], downs[0][1].in_features
+    ups = [n for n, l in lin if l.in_features == h and l.out_features == f]
+    fused = [n for n, l in lin if l.in_features == h and l.out_features == 2 * f]
+    if len(ups) == 2 or fused:
+        gate = sorted(ups) if ups else []
+        if (ups and gate != ["gate_proj", "up_proj"]) or down != "down_proj":
+            raise _fail(f"{name} ({type(m).__name__}) is a gated MLP whose projections "
+                        f"{', '.join(ups or fused)} -> {down} are not named gate_proj, up_proj -> down_proj as "
+                        f"the gated_mlp style needs")
+        style = {"style": "gated_mlp", **({"fused": fused[0]} if fused else {})}
+    elif len(ups) == 1 and len(lin) == 2:
+        if not any(hasattr(m, a) for a in ("act_fn", "activation_fn", "act")):
+            raise _fail(f"{name} ({type(m).__name__}) has no act_fn / activation_fn / act the mlp style calls")
+        style = {"style": "mlp", "up": ups[0], "down": down}
+    else:
+        return None
+    proj = {down, *ups, *fused}
+    extra = [f"{n} {list(t.shape)}" for n, t in _tensors(m) if n.split(".")[0] not in proj]
+    if extra:
+        raise _fail(f"{name} ({type(m).__name__}) holds {', '.join(extra[:4])} besides its projections (a "
+                    f"parametrised activation?): the {style['style']} style would lose them")
+    return style
+
+
+def _small(m: nn.Module, h: int) -> bool:
+    return all(t.dim() <= 1 and t.numel() <= h for _, t in _tensors(m))
+
+
+def discover_plan(config, model: nn.Module | None = None) -> UserPlan:
+    """The :class:`UserPlan` of ``config``'s causal LM, found on its meta-device ``model`` (built when None).
+
+    Raises:
+        DiscoveryError: remote code, a model without a token embedding / LM head of ``vocab_size`` rows, blocks
+            of different structure, or a module it cannot place (named, with the way out: ``--plan-file``).
+    """
+    from tensorpar.hf.plan import meta_model
+
+    mt = getattr(config, "model_type", None)
+    if getattr(config, "auto_map", None):
+        raise _fail(f"{mt} runs remote code (config.auto_map): its modules are not transformers' own")
+    if model is None:
+        model = meta_model(config)
+    h, vocab = config.hidden_size, config.vocab_size
+    names = {id(m): n for n, m in model.named_modules()}
+    entries: dict[str, dict] = {}
+    emb = model.get_input_embeddings()
+    if not isinstance(emb, nn.Embedding) or emb.num_embeddings != vocab:
+        raise _fail(f"{type(model).__name__}: no token embedding of {vocab} rows (vocab_size)")
+    entries[names[id(emb)]] = {"style": "vocab_embedding"}
+    head = model.get_output_embeddings()
+    if isinstance(head, nn.Linear) and head.out_features == vocab:
+        entries[names[id(head)]] = {"style": "lm_head"}
+    elif head is not None:
+        raise _fail(f"LM head {names[id(head)]} ({type(head).__name__}) is not a linear of {vocab} rows")
+    bname, blocks = _blocks(model, config.num_hidden_layers)
+    for child, m in blocks[0].named_children():
+        if not _tensors(m):
+            continue
+        where = f"{bname}.0.{child}"
+        style = _attention(where, m, config, h) or _mlp(where, m, h)
+        if style is None and _small(m, h):
+            style = {"style": "replicated", "why": "per-hidden (norm, scale)"}
+        if style is None:
+            ne = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+            if any(isinstance(c, nn.ModuleList) for c in m.modules()) or (ne and any(
+                    t.dim() >= 3 and t.shape[0] == ne for _, t in _tensors(m))):
+                raise _fail(f"{where} ({type(m).__name__}) holds experts: discovery does not place mixture-of-experts "
+                            f"blocks yet")
+            shapes = ", ".join(f"{n} {list(t.shape)}" for n, t in _tensors(m)[:4])
+            raise _fail(f"cannot place {where} ({type(m).__name__}: {shapes}) as attention (heads x head_dim "
+                        f"projections), MLP or a per-hidden module (linear attention, a state-space layer?)")
+        entries[f"{bname}.*.{child}"] = style
+    claimed = [n for n in entries if "*" not in n] + [bname]
+    for n, t in _tensors(model):
+        if any(n.startswith(c + ".") for c in claimed):
+            continue
+        owner = n.rsplit(".", 1)[0]
+        if t.numel() > DEFAULT_REPLICATE_THRESHOLD:
+            raise _fail(f"cannot place {n} {list(t.shape)} (outside the blocks, larger than the replicate "
+                        f"threshold {DEFAULT_REPLICATE_THRESHOLD:,})")
+        if t.dim() <= 1 and t.numel() <= h and owner not in entries and "." in n:
+            entries[owner] = {"style": "replicated", "why": "per-hidden (norm, scale)"}
+    return UserPlan([UserEntry(p, v["style"], {k: x for k, x in v.items() if k != "style"})
+                     for p, v in entries.items()], f"{bname}.*", DEFAULT_REPLICATE_THRESHOLD, SOURCE)
+
+
+def plan_dict(plan: UserPlan) -> dict:
+    """The plan-file form of ``plan`` (what ``--plan-file`` reads back into the same :class:`UserPlan`)."""
+    return {"blocks": plan.blocks, "replicate_threshold": plan.replicate_threshold,
+            "entries": {e.pattern: {"style": e.style, **e.args} for e in plan.entries}}
+
+
+def save_plan(plan: UserPlan, path: str) -> None:
+    """Write ``plan`` as a JSON plan file (``--save-plan``), read back by ``--plan-file``."""
+    with open(path, "w") as f:
+        json.dump(plan_dict(plan), f, indent=1)
+        f.write("\n")
+
+
+def proof_layers(config, least: int = 2, most: int = 8) -> int:
+    """Blocks of the proof's instance: ``least``, or as many as it takes for every value of each per-layer list
+    of the config (``layer_types``, ``no_rope_layers``, ...: lists of ``num_hidden_layers`` items) to occur once,
+    at most ``most``; never more than the model has."""
+    n = config.num_hidden_layers
+    k = least
+    for v in vars(config).values():
+        if isinstance(v, (list, tuple)) and len(v) == n:
+            firsts = {}
+            for i, x in enumerate(v):
+                firsts.setdefault(repr(x), i)
+            k = max(k, max(firsts.values(), default=0) + 1)
+    return min(k, most, n)
+
+
+def tiny_config(config, layers: int | None = None, vocab: int = 96, intermediate: int = 48):
+    """A copy of ``config`` with ``layers`` blocks (default :func:`proof_layers`), a ``vocab``-row vocabulary and
+    MLP width ``intermediate`` (the proof's instance): the same hidden size, head counts and head dim; per-layer
+    lists cut to ``layers``; token ids outside the new vocabulary dropped."""
+    c = copy.deepcopy(config)
+    n = c.num_hidden_layers
+    c.num_hidden_layers = min(layers or proof_layers(config), n)
+    for k, v in list(vars(c).items()):
+        if isinstance(v, (list, tuple)) and len(v) == n and n > c.num_hidden_layers:
+            setattr(c, k, type(v)(v[:c.num_hidden_layers]))
+    c.vocab_size = min(vocab, c.vocab_size)
+    for k in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        v = getattr(c, k, None)
+        if isinstance(v, int) and v >= c.vocab_size or isinstance(v, list):
+            setattr(c, k, None if k != "pad_token_id" else 0)
+    if getattr(c, "intermediate_size", None):
+        c.intermediate_size = min(intermediate, c.intermediate_size)
+    return c

@@ -1,0 +1,140 @@
+"""--discover-plan / make_plan(discover=True): plans found from the meta model's graph and shapes, proven at tp 2
+and 3 against the unsharded transformers model (tensorpar.verify.compare: every watched module, the logits, the
+loss and every gradient, each within tensorpar.verify.policy.tolerance, the rule `tensorpar verify` holds every
+layout to), and refused, naming the module, where they cannot be placed or do not prove."""
+import argparse
+import json
+
+import pytest
+import transformers as T
+
+from tensorpar.hf.discover import PROVEN, DiscoveryError, discover_plan, save_plan
+from tensorpar.verify.prove import prove_plan, resolve_flags
+from tensorpar.hf.plan import make_plan
+
+
+def cfg(model_type, **kw):
+    """6 query heads, 2 KV heads of 8: at tp 3 a KV head is shared by ranks (a GQA group straddles two)."""
+    base = dict(num_hidden_layers=2, hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+                intermediate_size=40, vocab_size=61, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return T.AutoConfig.for_model(model_type, **{**base, **kw})
+
+
+TABLES = ("llama", "qwen3", "phi3")
+
+
+@pytest.mark.parametrize("model_type", sorted(PROVEN) + list(TABLES))
+def test_discovered_plan_proves_at_tp2_and_tp3(pools, model_type):
+    c = cfg(model_type)
+    reports = prove_plan(c, discover_plan(c), pools=pools)
+    assert [r["tp_size"] for r in reports] == [2, 3]
+    n_params = sum(1 for _ in T.AutoModelForCausalLM.from_config(c).parameters())
+    for r in reports:
+        assert r["ok"], r
+        grads = [d for d in r["diffs"] if d["kind"] == "grad"]
+        assert len(grads) == n_params and any(d["name"] == "logits" for d in r["diffs"])
+
+
+@pytest.mark.parametrize("model_type", TABLES)
+def test_discovered_plan_splits_as_the_table(model_type):
+    """On a table family the discovered plan splits heads, MLP and vocabulary exactly as the table does."""
+    c = cfg(model_type)
+    a, b = make_plan(c, 3, discover=True), make_plan(c, 3)
+    assert a.heads == b.heads and a.intermediate.sizes == b.intermediate.sizes and a.vocab.sizes == b.vocab.sizes
+    assert a.blocks == b.blocks and a.num_layers == b.num_layers
+    fused = {e.pattern: e.style for e in a.entries}
+    if model_type == "phi3":
+        assert fused["model.layers.*.self_attn"].fused == "qkv_proj"
+        assert fused["model.layers.*.mlp"].fused == "gate_up_proj"
+
+
+def test_saved_plan_is_a_plan_file(tmp_path):
+    """--save-plan writes the user-plan JSON --plan-file reads: the same plan, one path."""
+    c = cfg("granite")
+    path = tmp_path / "granite.json"
+    save_plan(discover_plan(c), str(path))
+    assert str(make_plan(c, 3, user_plan=str(path))) == str(make_plan(c, 3, discover=True))
+    spec = json.loads(path.read_text())
+    assert spec["entries"]["model.layers.*.self_attn"] == {"style": "attention", "heads": 6, "kv_heads": 2,
+                                                           "head_dim": 8}
+    assert spec["blocks"] == "model.layers.*"
+
+
+def test_plan_that_does_not_prove_is_refused_naming_the_module(pools):
+    """SmolLM3 with 8 blocks leaves the rotary embedding out of every 4th (no_rope_layers = [1, 1, 1, 0, ...]); the
+    attention style applies it in every block. The proof's instance keeps blocks until each per-layer value
+    occurs (4 here, not 2), so block 3's attention is compared and named."""
+    c = cfg("smollm3", num_hidden_layers=8)
+    assert c.no_rope_layers[:4] == [1, 1, 1, 0]
+    with pytest.raises(DiscoveryError, match=r"refused: on a random-weight smollm3 \(4 blocks\) at tp=2 against "
+                       r"the unsharded model, model.layers.3.self_attn \(attention\) differs by .* > tolerance"
+                       r".*--plan-file"):
+        prove_plan(c, discover_plan(c), tps=(2,), train=False, pools=pools)
+
+
+@pytest.mark.parametrize("model_type, kw, match", [
+    ("mixtral", {"num_local_experts": 4}, r"model.layers.0.mlp \(MixtralSparseMoeBlock\) holds experts"),
+    ("olmo3", {}, r"model.layers.0.self_attn.q_norm.weight \[48\] \(Olmo3Attention\) is neither a projection nor "
+                  r"a per-head parameter"),
+    ("apertus", {}, r"model.layers.0.mlp \(ApertusMLP\) holds act_fn.alpha_p \[1\]"),
+    ("bloom", {}, r"transformer.h.0.self_attention \(BloomAttention\)"),
+    ("qwen3_next", {}, r"cannot place model.layers.0.linear_attn \(Qwen3NextGatedDeltaNet: .*linear attention"),
+])
+def test_what_discovery_cannot_place_is_named(model_type, kw, match):
+    with pytest.raises(DiscoveryError, match=match + r".*--plan-file"):
+        discover_plan(cfg(model_type, **kw))
+
+
+def test_remote_code_is_refused():
+    c = cfg("llama")
+    c.auto_map = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    with pytest.raises(DiscoveryError, match=r"llama runs remote code \(config.auto_map\).*--plan-file"):
+        discover_plan(c)
+
+
+def test_flag_combinations_are_refused_before_anything_runs(tmp_path):
+    c = cfg("granite")
+    with pytest.raises(ValueError, match="--save-plan p.json: needs --discover-plan"):
+        resolve_flags(argparse.Namespace(discover_plan=False, save_plan="p.json", plan_file=None), c)
+    with pytest.raises(ValueError, match="--discover-plan and --plan-file x.yaml: give one of the two"):
+        resolve_flags(argparse.Namespace(discover_plan=True, save_plan=None, plan_file="x.yaml"), c)
+    with pytest.raises(ValueError, match="--save-plan .*: the folder .*nope does not exist"):
+        resolve_flags(argparse.Namespace(discover_plan=True, save_plan=str(tmp_path / "nope" / "p.json"),
+                                         plan_file=None), c)
+    with pytest.raises(ValueError, match="either a plan file .* or discover=True"):
+        make_plan(c, 2, discover=True, user_plan={"model.layers.*.mlp": "gated_mlp"})
+
+
+@pytest.mark.slow
+def test_generate_discover_plan_saves_a_plan_file(tmp_path):
+    """`tensorpar generate --discover-plan --save-plan` on a saved Granite folder (no table) at tp = 2: the plan is
+    proven, saved, used; the saved file then runs as --plan-file; `verify --discover-plan --train` passes."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    folder = tmp_path / "granite"
+    torch.manual_seed(0)
+    c = cfg("granite", vocab_size=29, eos_token_id=28, pad_token_id=28, bos_token_id=None)
+    AutoModelForCausalLM.from_config(c).save_pretrained(folder)
+    vocab = {chr(ord("a") + i): i for i in range(26)} | {" ": 26, ".": 27, "<eos>": 28}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<eos>").save_pretrained(folder)
+    saved = tmp_path / "granite.json"
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), TENSORPAR_THREADS="1")
+
+    def cli(cmd, *args):
+        return subprocess.run([sys.executable, "-m", "tensorpar", cmd, "--model", str(folder), *args],
+                              capture_output=True, text=True, timeout=600, env=env)
+    r = cli("generate", "--tp", "2", "--discover-plan", "--save-plan", str(saved), "--prompt", "the cat",
+            "--max-new-tokens", "4", "--fast-collectives", "off")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "time to first token" in r.stdout and saved.is_file()
+    r = cli("generate", "--tp", "2", "--plan-file", str(saved), "--print-plan")
+    assert r.returncode == 0 and "6 q heads -> [3, 3]" in r.stdout, r.stderr[-2000:]
+    r = cli("verify", "--tp", "3", "--train", "--discover-plan")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
