@@ -326,10 +326,9 @@ def validate(args: argparse.Namespace):
 
     from transformers import AutoConfig, AutoTokenizer
 
-    from tensorpar.capacity import check_for_model
+    from tensorpar.capacity import plan_for_model
     from tensorpar.hf.families import is_causal_lm
     from tensorpar.hf.load import check_checkpoint, follow_stored_ties, resolve_attn_implementation
-    from tensorpar.hf.plan import make_plan
     from tensorpar.job import job_from_args
     from tensorpar.parallel import ParallelConfig
     from tensorpar.streaming import eos_token_ids
@@ -351,8 +350,7 @@ def validate(args: argparse.Namespace):
     check_model_config(config, f"{folder}/config.json")
     follow_stored_ties(folder, config, getattr(torch, getattr(args, "dtype", "float32")))  # as the ranks will
     user_plan = os.path.abspath(args.plan_file) if getattr(args, "plan_file", None) is not None else None
-    tp_weights = check_for_model(getattr(args, "tp_weights", None), args.tp, config, user_plan=user_plan)
-    plan = make_plan(config, args.tp, user_plan=user_plan, tp_weights=None if tp_weights == "auto" else tp_weights)
+    tp_weights, plan = plan_for_model(getattr(args, "tp_weights", None), args.tp, config, user_plan=user_plan)
     attn = resolve_attn_implementation(config)  # decided here; every rank runs this one
     quantize = getattr(args, "quantize", "none")
     check_quantize(quantize, config, plan)
