@@ -301,15 +301,21 @@ def main(args: argparse.Namespace) -> int:
         if ckpt is not None:
             check_resume_data(cfg, data, ckpt)
             check_resume_model(source.config, ckpt)
+        from tensorpar.job import Job
+        from tensorpar.parallel import ParallelConfig
+        from tensorpar.train.ranks import TrainTask
+        task = TrainTask(cfg, args.resume, args.export, not args.no_progress, getattr(args, "overwrite", False),
+                         choice.prediction() if choice is not None else None, source)
+        job = Job(ParallelConfig(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, tp_weights=cfg.tp_weights), float(args.timeout),
+                  fast_collectives=cfg.fast_collectives, verbose=bool(getattr(args, "verbose", False)),
+                  check_collectives=bool(getattr(args, "check_collectives", False)), task=task)
     except (ValueError, FileNotFoundError, OSError, CheckpointError) as e:
         from tensorpar.launch import report_error
         lock.close()
         report_error(str(e))
         return 2
     try:
-        return run_ranks(_rank_main, cfg.tp * cfg.pp * cfg.dp, cfg, args.resume, args.export, not args.no_progress,
-                         args.timeout, getattr(args, "overwrite", False), getattr(args, "check_collectives", False),
-                         choice.prediction() if choice is not None else None, verbose=getattr(args, "verbose", False))
+        return run_ranks(_rank_main, job.world_size, job, verbose=job.verbose)
     finally:
         lock.close()
 
