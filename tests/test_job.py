@@ -88,11 +88,11 @@ def _run_counted(folder, tmp_path, monkeypatch, capfd, *flags) -> tuple[dict, li
 def test_generate_tp2_builds_the_plan_and_reads_config_and_tokenizer_once(tiny_with_tokenizer, tmp_path,  # noqa: F811
                                                                          monkeypatch, capfd):
     """`generate --tp 2`: one plan, one config read, one tokenizer load per run, all in the launching process; the
-    ranks build and read none of them (before: each rank read the config twice, the tokenizer once and built the
-    plan again)."""
+    ranks build and read none of them (before: the parent read the config twice, and each rank read it three times,
+    loaded the tokenizer and built the plan again)."""
     parent, ranks = _run_counted(tiny_with_tokenizer, tmp_path, monkeypatch, capfd)
-    assert parent == {"plans": 1, "configs": 1, "tokenizers": 1}, parent
-    assert ranks == [{}, {}], ranks
+    assert {"parent": parent, "ranks": ranks} == {"parent": {"plans": 1, "configs": 1, "tokenizers": 1},
+                                                  "ranks": [{}, {}]}
     assert "the cat" in capfd.readouterr().out   # rank 0 printed the prompt and its continuation
 
 
@@ -102,26 +102,28 @@ def test_generate_tp_weights_auto_builds_the_plan_once_per_rank(tiny_with_tokeni
     """With --tp-weights auto the split is measured by the ranks: the launching process checks an even plan, each
     rank builds its plan once after measuring; the config and tokenizer are still read once, by the parent."""
     parent, ranks = _run_counted(tiny_with_tokenizer, tmp_path, monkeypatch, capfd, "--tp-weights", "auto")
-    assert parent == {"plans": 1, "configs": 1, "tokenizers": 1}, parent
-    assert ranks == [{"plans": 1}, {"plans": 1}], ranks
+    assert {"parent": parent, "ranks": ranks} == {"parent": {"plans": 1, "configs": 1, "tokenizers": 1},
+                                                  "ranks": [{"plans": 1}, {"plans": 1}]}
 
 
-def _rank_functions():
-    from tensorpar import generate, job
+def _rank_functions(command: str):
+    if command == "job":
+        from tensorpar import job
+        return [job.start, job.load_model, job.rank_weights, job.print0]
+    from tensorpar import generate
     from tensorpar.serve import cli as serve_cli
     from tensorpar.train import ranks as train_ranks
     from tensorpar.verify import cli as verify_cli
 
     return {"generate": [generate._rank_main], "serve": [serve_cli._rank_main, serve_cli._serve],
-            "train": [train_ranks._rank_main, train_ranks.run], "verify": [verify_cli._rank_main],
-            "job": [job.start, job.load_model, job.rank_weights, job.print0]}
+            "train": [train_ranks._rank_main, train_ranks.run], "verify": [verify_cli._rank_main]}[command]
 
 
 @pytest.mark.parametrize("command", ["generate", "serve", "train", "verify", "job"])
 def test_rank_code_reads_no_argparse_and_no_rank_environment(command):
     """The ranks' entry functions take the job alone: no argparse Namespace, no WORLD_SIZE / RANK from the
     environment (the rank is torch.distributed's, through the ParallelContext)."""
-    for fn in _rank_functions()[command]:
+    for fn in _rank_functions(command):
         src = inspect.getsource(fn)
         params = [n for n, p in inspect.signature(fn).parameters.items() if p.kind != p.VAR_POSITIONAL]
         assert "args" not in params, f"{fn.__qualname__} takes args (a Namespace)"
