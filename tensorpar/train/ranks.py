@@ -38,18 +38,18 @@ def check_fast_collectives(cfg: TrainConfig) -> None:
 
 
 def prepare(cfg: TrainConfig, *, progress: bool = True, checks: bool = True, source=None):
-    """Resolve model and data, and run every check that needs them. Returns ``(source, data)``.
+    """Resolve model and data, and run every check that needs them. Returns ``(source, data, plan)``: ``plan`` is the
+    sharding plan of ``cfg.tp`` ranks (an even split with ``tp_weights="auto"``, which the ranks measure), made once
+    here, or ``None`` with ``checks=False``.
 
     ``source``: the :class:`~tensorpar.train.model.ModelSource` the launching process resolved (a rank's
     :class:`TrainTask` carries it), so that the model's config is not read again.
 
     ``checks=False``: the checks that build the sharding plan or cut the pipeline are left out (a rank of a run
-    whose launching process made them already; the rank builds its plan once, in
-    :func:`tensorpar.train.model.build_model`).
+    whose launching process made them already and sent the plan in the job).
 
     Raises ValueError / FileNotFoundError naming the setting (plan, context length, vocabulary, data).
     """
-    from tensorpar.hf.plan import make_plan
     from tensorpar.train.config import check_against_model, check_data_file, check_model_config, config_error
     from tensorpar.train.data import load_data, tokenizer_spec
     from tensorpar.train.model import resolve_source
@@ -75,22 +75,26 @@ def prepare(cfg: TrainConfig, *, progress: bool = True, checks: bool = True, sou
     check_model_config(source.config, f"--model {cfg.model}")
     check_against_model(cfg, source.config, data.vocab_size)
     if not checks:
-        return source, data
-    from tensorpar.capacity import check_for_model
-    check_for_model(cfg.tp_weights, cfg.tp, source.config, sequence_parallel=cfg.sequence_parallel,
-                    what="tp_weights")
-    make_plan(source.config, cfg.tp, sequence_parallel=cfg.sequence_parallel)
+        return source, data, None
+    if source.weights is not None:  # as the loader does, before the plan: a stored head unlike the embedding
+        import torch
+
+        from tensorpar.hf.load import follow_stored_ties
+        follow_stored_ties(source.weights, source.config, torch.float32)
+    from tensorpar.capacity import plan_for_model
+    _, plan = plan_for_model(cfg.tp_weights, cfg.tp, source.config, sequence_parallel=cfg.sequence_parallel,
+                             what="tp_weights")
     if cfg.pp > 1:
         from tensorpar.pipeline.stages import check_pipeline
         check_pipeline(source.config, cfg.pp, 2 if cfg.schedule == "interleaved-1f1b" else 1, cfg.micro_batches,
                        cfg.schedule)
     data.val_batches(batch_size=cfg.batch_size, seq_len=cfg.seq_len)  # at least one validation batch
-    return source, data
+    return source, data, plan
 
 
 def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None = None, progress: bool = True,
         prepared=None, overwrite: bool = False, check_collectives: bool = False, tensor_peak: bool = False,
-        checked: bool = False, source=None) -> dict:
+        checked: bool = False, source=None, plan=None) -> dict:
     """Train on the ranks of ``ctx`` (any tp, pp, dp) until ``cfg.steps``; every rank calls it. Returns a summary dict.
 
     ``export``: also write the final checkpoint as a Hugging Face folder there (``overwrite``: it may
@@ -102,7 +106,8 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
     (``step_times_s``) and the resident-set growth of this rank (``peak_memory_bytes``, :class:`PeakMemory`).
     ``checked``: the launching process ran :func:`prepare`'s checks for this ``cfg`` (:func:`main` does), so the
     ranks skip them and build the sharding plan once each, in :func:`~tensorpar.train.model.build_model`.
-    ``source``: the launching process's :class:`~tensorpar.train.model.ModelSource` (see :func:`prepare`).
+    ``source``, ``plan``: the launching process's :class:`~tensorpar.train.model.ModelSource` and sharding plan
+    (:func:`prepare`); without a plan (``tp_weights="auto"``, or a caller of its own) the plan is made here, once.
     Raises FileExistsError when starting afresh (no ``resume``) over an earlier run's metrics.
     """
     from tqdm.auto import tqdm
@@ -111,15 +116,17 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
     from tensorpar.train.metrics import MetricsLog, plot_losses
     from tensorpar.train.model import build_model
 
-    source, data = prepared or prepare(cfg, progress=progress and ctx.rank == 0, checks=not checked,
-                                                source=source)
+    source, data, made = prepared or prepare(cfg, progress=progress and ctx.rank == 0, checks=not checked,
+                                             source=source)
+    plan = plan or made
     if cfg.tp_weights == "auto":  # measured by init_parallel (ParallelConfig(tp_weights="auto"))
         from tensorpar.capacity import resolve_for_model
         cfg = cfg.replace(tp_weights=resolve_for_model(ctx, source.config) if ctx.tp.size > 1 else None)
+        plan = None   # made by build_model, once, with the measured weights
     from tensorpar.train.autoplan import PeakMemory
     peak = PeakMemory(ctx.device)  # this rank's memory from here on (model, optimizer, activations)
     model, plan = build_model(cfg, source, ctx.tp, data.vocab_size, device=ctx.device, pp_rank=ctx.pp.rank,
-                              ep=ctx.dp if cfg.ep > 1 else None)
+                              ep=ctx.dp if cfg.ep > 1 else None, plan=plan)
     trainer = Trainer(cfg, ctx, model, plan, data)
     del model  # a pipeline stage keeps only its chunks; the other layers are freed here
     out = Path(cfg.out_dir)
@@ -226,7 +233,7 @@ def _rank_main(job) -> int:
     try:
         s = run(cfg, ctx, resume=task.resume, export=task.export, progress=task.progress, overwrite=task.overwrite,
                 check_collectives=job.check_collectives, tensor_peak=task.prediction is not None, checked=True,
-                source=task.source)
+                source=task.source, plan=job.plan)
         val = "n/a" if s["val_loss"] is None else f"{s['val_loss']:.4f}"
         loss = "n/a" if s["loss"] is None else f"{s['loss']:.4f}"
         print0(ctx, f"done: step {s['step']}, train loss {loss}, val loss {val}; "
