@@ -149,3 +149,28 @@ def test_generate_rank_runs_without_the_launch_environment(tiny_with_tokenizer, 
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     assert generate._rank_main(job) == 0
     assert capsys.readouterr().out.startswith("the cat")
+
+
+@pytest.mark.slow
+def test_generate_under_torchrun_builds_its_job_in_process(tiny_with_tokenizer):  # noqa: F811
+    """Under torchrun every process is a rank: it validates, builds its job in-process (tp from torchrun's world
+    size) and prints the same text as `generate --tp 2` through tensorpar's own launcher."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tensorpar.launch import free_port
+
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), TENSORPAR_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(k, None)
+    flags = ["generate", "--model", tiny_with_tokenizer, "--prompt", "the cat", "--max-new-tokens", "4",
+             "--fast-collectives", "off"]
+    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "tensorpar"]
+    a = subprocess.run(torchrun + flags, env=env, capture_output=True, text=True, timeout=300)
+    b = subprocess.run([sys.executable, "-m", "tensorpar", *flags, "--tp", "2"], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert a.returncode == 0 and b.returncode == 0, a.stderr[-2000:] + b.stderr[-2000:]
+    text = [next(line for line in r.stdout.splitlines() if line.startswith("the cat")) for r in (a, b)]
+    assert text[0] == text[1], text
