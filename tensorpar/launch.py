@@ -14,7 +14,8 @@ Errors: a rank that raises reaches the user as one line, ``tensorpar: error: <me
 and the run exits 1; the launcher's log lines and the rank's traceback are shown only with
 ``verbose``. A rank that stops or hangs makes its peers' next collective time out (the collective
 timeout of the command); the error names the collective, and the remaining ranks are stopped within
-a couple of seconds (:data:`SHUTDOWN_TIMEOUT_S`).
+a couple of seconds (:data:`SHUTDOWN_TIMEOUT_S`). The wrapper each rank runs and the choice of the error to
+show live in :mod:`tensorpar.rank_errors`. What is sent to the ranks is one :class:`tensorpar.job.Job`.
 """
 from __future__ import annotations
 
