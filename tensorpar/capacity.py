@@ -121,23 +121,33 @@ def check_for_model(weights, tp_size: int, model_config, *, sequence_parallel: b
     """Launching-process check of weights against a model: the plan is built with them (no weights read); a
     split that leaves a rank without a head or column is refused naming the weights and weights that work.
     Returns the normalised weights (``None``, ``"auto"`` or a tuple)."""
+    weights = check_tp_weights(weights, tp_size, what=what)
+    if weights is not None and weights != AUTO:
+        plan_for_model(weights, tp_size, model_config, sequence_parallel=sequence_parallel, user_plan=user_plan,
+                       what=what)
+    return weights
+
+
+def plan_for_model(weights, tp_size: int, model_config, *, sequence_parallel: bool = False, user_plan=None,
+                   what: str = "--tp-weights"):
+    """``(weights, plan)``: :func:`check_for_model`'s normalised weights and the one plan it builds for them (an even
+    split for ``None`` and for ``"auto"``, whose split the ranks measure). Raises the same ValueErrors."""
     from tensorpar.hf.plan import make_plan
 
     weights = check_tp_weights(weights, tp_size, what=what)
-    if weights is None or weights == AUTO:
-        return weights
+    given = None if weights is None or weights == AUTO else weights
     try:
-        make_plan(model_config, tp_size, sequence_parallel=sequence_parallel, tp_weights=weights,
-                  user_plan=user_plan)
+        plan = make_plan(model_config, tp_size, sequence_parallel=sequence_parallel, tp_weights=given,
+                         user_plan=user_plan)
     except ValueError as e:
-        if "leave a rank with no part" not in str(e):
+        if given is None or "leave a rank with no part" not in str(e):
             raise
-        fix = feasible_weights(weights, min_units(model_config))
-        raise ValueError(f"{what} {','.join(f'{v:g}' for v in weights)} leaves a tp rank with no part of a sharded "
+        fix = feasible_weights(given, min_units(model_config))
+        raise ValueError(f"{what} {','.join(f'{v:g}' for v in given)} leaves a tp rank with no part of a sharded "
                          f"dimension ({str(e).split('no part of ', 1)[-1].split(';')[0]}); every rank needs at "
                          f"least one head and one column: use weights no more skewed than "
                          f"{','.join(f'{v:g}' for v in fix)}") from None
-    return weights
+    return weights, plan
 
 
 def add_argument(p) -> None:

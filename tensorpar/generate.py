@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,67 +32,6 @@ from tensorpar.comm import Group
 from tensorpar.decode.quantize import add_quantize_argument, apply_quantize, check_quantize
 from tensorpar.streaming import chat_prompt_ids
 from tensorpar.serve.tokens import SamplingConfig
-
-
-def tp_speed_warning(*, tp_size: int, collectives_per_token: int, latency_s: float, weight_bytes: float,
-                     bandwidth_bytes_per_s: float, path: str) -> str | None:
-    """A one-line warning when communication costs more per decoded token than tensor parallelism can save.
-
-    Decode is memory-bound: one rank reads all ``weight_bytes`` per token in about
-    ``weight_bytes / bandwidth`` seconds, and ``tp_size`` ranks can save at most the fraction
-    ``1 - 1/tp_size`` of that (Pope et al. 2022, "Efficiently Scaling Transformer Inference", Sec. 3.1:
-    small-batch decode time is the weight-loading time). Splitting costs ``collectives_per_token *
-    latency_s`` (small messages: latency-bound). When the cost exceeds the best-case saving, tp is slower
-    than one rank; the message gives the numbers and what to change. Returns ``None`` otherwise or at tp = 1.
-    """
-    if tp_size < 2:
-        return None
-    comm_s = collectives_per_token * latency_s
-    saving_s = weight_bytes / bandwidth_bytes_per_s * (1 - 1 / tp_size)
-    if comm_s <= saving_s:
-        return None
-    fix = ("use --fast-collectives on (shared memory, ranks on one host) or --tp 1" if path == "gloo"
-           else "use a smaller --tp, or --tp 1 for a model this small")
-    return (f"tensorpar: warning: tp={tp_size} is likely slower than one rank here: {collectives_per_token} "
-            f"collectives/token x {latency_s * 1e3:.3f} ms ({path}) = {comm_s * 1e3:.1f} ms/token of communication, "
-            f"more than the {saving_s * 1e3:.1f} ms/token that splitting {weight_bytes / 1e6:.0f} MB of weights over "
-            f"{tp_size} ranks can save at {bandwidth_bytes_per_s / 1e9:.0f} GB/s; {fix}")
-
-
-def _measure_speed(model, tp: Group, probe: torch.Tensor, per_token: int) -> str | None:
-    """Measure this run's small all-reduce latency and the memory bandwidth, then :func:`tp_speed_warning`.
-
-    Costs about 12 all-reduces of one decode step's activation (``probe``) and one 64 MB copy; the
-    latency is the max over ranks (every rank waits for the slowest), so all ranks reach the same verdict.
-    """
-    x = torch.zeros_like(probe)
-    for _ in range(2):
-        comm.all_reduce(x, tp)
-    times = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        comm.all_reduce(x, tp)
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    lat = comm.all_reduce(torch.tensor([times[len(times) // 2]], dtype=torch.float64, device=probe.device), tp,
-                          op="max")
-    buf = torch.empty(16 * 2**20, dtype=torch.float32, device=probe.device)
-    dst = torch.empty_like(buf)
-    dst.copy_(buf)
-    t0 = time.perf_counter()
-    dst.copy_(buf)
-    if buf.is_cuda:
-        torch.cuda.synchronize()
-    bw = 2 * buf.numel() * 4 / max(time.perf_counter() - t0, 1e-9)      # read + write bytes per second
-    local = sum(p.numel() * p.element_size() for p in model.parameters())
-    if model.__dict__.get("_tensorpar_int8") is not None:      # --quantize int8: the lean path reads int8 bytes
-        from tensorpar.decode.int8 import int8_weight_bytes
-        local = int8_weight_bytes(model)
-    weight_bytes = float(comm.all_reduce(torch.tensor([float(local)], dtype=torch.float64, device=probe.device), tp))
-    path = "shared memory" if tp.fast is not None and probe.is_cpu else (
-        "nccl" if probe.is_cuda else "gloo")
-    return tp_speed_warning(tp_size=tp.size, collectives_per_token=per_token, latency_s=float(lat),
-                            weight_bytes=weight_bytes, bandwidth_bytes_per_s=bw, path=path)
 
 
 @dataclass
@@ -104,7 +43,7 @@ class GenerationResult:
         ttft_s: seconds from the start of prefill to the first token being known on every rank.
         decode_s: seconds spent on the remaining ``n - 1`` steps.
         speed_warning: with ``check_speed``, a one-line warning when tensor parallelism is likely slower
-            than one rank on this communication path (:func:`tp_speed_warning`), else ``None``.
+            than one rank on this communication path (:func:`tensorpar.speed.tp_speed_warning`), else ``None``.
     """
 
     tokens: torch.Tensor
@@ -138,7 +77,7 @@ def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: t
         on_token: optional callback ``f(step, tokens[b])`` called on every rank after each step.
         check_speed: after the first decode step (whose collectives are counted), measure the collective
             latency and memory bandwidth and set :attr:`GenerationResult.speed_warning` if tp is likely slower
-            than one rank (:func:`tp_speed_warning`); a few milliseconds, excluded from the timings.
+            than one rank (:func:`tensorpar.speed.tp_speed_warning`); a few milliseconds, excluded from the timings.
         path: the engine's path (:class:`tensorpar.serve.engine.Engine`): ``"auto"`` runs the lean decode path
             (:class:`tensorpar.decode.lean.LeanDecoder`: fused projections, static KV cache) when the family record
             allows it and the Hugging Face module path otherwise; ``"lean"`` requires it (ValueError naming why
@@ -164,6 +103,7 @@ def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: t
 def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_id, on_token, check_speed, path):
     from tensorpar.serve.engine import Engine
     from tensorpar.serve.plan import Row, StepPlan
+    from tensorpar.speed import measure_speed
     from tensorpar.serve.tokens import sampler
 
     cfg = model.config
@@ -194,7 +134,7 @@ def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_
     warning, paused = None, 0.0
     for step in range(sampling.max_new_tokens):
         counting = check_speed and step == 1 and tp.size > 1
-        with comm.counting(tp, reset=False) if counting else _nothing() as counter:
+        with comm.counting(tp, reset=False) if counting else contextlib.nullcontext() as counter:
             before = sum(counter.calls.values()) if counting else 0
             got = engine.step(StepPlan("step", rows), samplers=[samplers[r.slot] for r in rows] if samplers else None)
         nxt = torch.full((b,), pad_id, dtype=torch.long)
@@ -207,7 +147,7 @@ def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_
         if counting:
             t_pause = time.perf_counter()
             per_token = sum(counter.calls.values()) - before
-            warning = _measure_speed(model, tp, torch.zeros(b, cfg.hidden_size, device=engine.device), per_token)
+            warning = measure_speed(model, tp, torch.zeros(b, cfg.hidden_size, device=engine.device), per_token)
             paused += time.perf_counter() - t_pause
         if on_token is not None:
             on_token(step, nxt)
@@ -218,11 +158,6 @@ def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_
                 for r in rows if not done[r.slot]]
     total = time.perf_counter() - t0 - paused
     return GenerationResult(torch.stack(out, dim=1), ttft, total - ttft, warning)
-
-
-@contextlib.contextmanager
-def _nothing():
-    yield None
 
 
 # ---------------------------------------------------------------- command line
@@ -256,11 +191,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_discover_arguments(p)
 
 
-def _resolve(spec: str):
-    from tensorpar.hub import resolve_model
-    return resolve_model(spec)
-
-
 def _encode(tok, prompts: list[str], chat: bool):
     """``[b, s]`` left-padded ids and attention mask of ``prompts`` (with ``chat``: :func:`chat_prompt_ids`
     of one user message each)."""
@@ -277,86 +207,90 @@ def _encode(tok, prompts: list[str], chat: bool):
     return enc["input_ids"], enc["attention_mask"]
 
 
-def _rank_main(folder: str, args: argparse.Namespace) -> int:
-    from tensorpar import fingerprint
-    import os
+@dataclass(frozen=True)
+class GenerateTask:
+    """What every rank of ``tensorpar generate`` runs (:attr:`tensorpar.job.Job.task`), resolved once.
+
+    Attributes:
+        prompts: the prompt texts (printed by rank 0).
+        input_ids, attention_mask: ``[b, s]`` left-padded prompt ids and mask (:func:`_encode`), the same on every rank.
+        sampling: greedy or sampling settings.
+        eos: every id that ends a row (:func:`tensorpar.streaming.eos_token_ids`).
+        pad_id: the id that pads rows that ended early.
+        tokenizer: the model's tokenizer (rank 0 prints its decoded text).
+        chat: the prompts were wrapped in the chat template.
+        quantize: ``--quantize``.
+    """
+
+    prompts: tuple[str, ...]
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    sampling: SamplingConfig
+    eos: tuple[int, ...]
+    pad_id: int
+    tokenizer: object = field(repr=False, default=None)
+    chat: bool = False
+    quantize: str = "none"
+
+
+def _rank_main(job) -> int:
+    """One rank of ``tensorpar generate``: load this rank's shard with the job's config and plan, generate, and print
+    on rank 0."""
     import sys
 
-    from transformers import AutoTokenizer
+    from tensorpar import fingerprint
+    from tensorpar.job import load_model, print0, start
+    from tensorpar.streaming import TokenPrinter, chat_header, stats_line
 
-    from tensorpar.hf.load import build_parallel_model
-    from tensorpar.launch import rank0_print
-    from tensorpar.parallel import ParallelConfig, init_parallel
-    from tensorpar.streaming import TokenPrinter, chat_header, eos_token_ids, stats_line
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    ctx = init_parallel(ParallelConfig(tp=world, tp_weights=getattr(args, "tp_weights", None)),
-                        timeout_s=args.timeout, fast_collectives=args.fast_collectives,
-                        tp_comm=getattr(args, "tp_comm", "fp32"))
+    task: GenerateTask = job.task
+    ctx = start(job)
     try:
-        from tensorpar.capacity import resolve_for_model
-        from transformers import AutoConfig
-        dtype = getattr(torch, args.dtype)
-        model, plan = build_parallel_model(folder, ctx.tp, dtype=dtype, device=ctx.device,
-                                           user_plan=getattr(args, "plan_file", None),
-                                           tp_weights=resolve_for_model(ctx, AutoConfig.from_pretrained(folder)),
-                                           attn_implementation=getattr(args, "attn_implementation", None))
-        apply_quantize(model, ctx.tp, getattr(args, "quantize", "none"))
-        tok = AutoTokenizer.from_pretrained(folder)
-        prompts = args.prompt or ["The capital of France is"]
-        ids, mask = _encode(tok, prompts, args.chat)
-        seed = 0 if args.seed is None else args.seed
-        sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, seed)
-        eos = eos_token_ids(folder, tok)  # every end-of-sequence id of generation_config.json stops a row
-        single = len(prompts) == 1
+        model, _ = load_model(job, ctx)
+        apply_quantize(model, ctx.tp, task.quantize)
+        ids, mask, tok = task.input_ids, task.attention_mask, task.tokenizer
+        single = len(task.prompts) == 1
         printer = TokenPrinter(tok) if single and ctx.rank == 0 else None
         on_token = printer
         tp_fingerprint = None
-        if args.check_collectives or fingerprint.enable_from_env(ctx.tp) is not None:
-            tp_fingerprint = fingerprint.enable(ctx.tp, timeout_s=min(args.timeout / 2, 60.0), model=model)  # sites
-            fingerprint.check(ctx.tp, {"prompt": ids, "attention_mask": mask, "seed": seed,
-                                       "temperature": args.temperature})
+        if job.check_collectives or fingerprint.enable_from_env(ctx.tp) is not None:
+            tp_fingerprint = fingerprint.enable(ctx.tp, timeout_s=min(job.timeout_s / 2, 60.0), model=model)  # sites
+            fingerprint.check(ctx.tp, {"prompt": ids, "attention_mask": mask, "seed": task.sampling.seed,
+                                       "temperature": task.sampling.temperature})
 
             def on_token(step, nxt, _print=printer):  # every decode step; compares at step 0 and every 50
                 fingerprint.check(ctx.tp)
                 if _print is not None:
                     _print(step, nxt)
         if ids.numel() >= LONG_PREFILL_TOKENS:  # a long prefill takes seconds on a CPU: say what is happening
-            rank0_print(f"tensorpar: prefilling {ids.shape[0]} x {ids.shape[1]} prompt tokens on tp={ctx.tp.size} "
+            print0(ctx, f"tensorpar: prefilling {ids.shape[0]} x {ids.shape[1]} prompt tokens on tp={ctx.tp.size} "
                         f"ranks...", file=sys.stderr)
         if single:
-            rank0_print(chat_header(prompts[0]) if args.chat else prompts[0], end="")
-        res = generate_tokens(model, ctx.tp, ids.to(ctx.device), mask.to(ctx.device), sampling=sampling,
-                              eos_token_id=eos, pad_id=tok.pad_token_id, on_token=on_token,
+            print0(ctx, chat_header(task.prompts[0]) if task.chat else task.prompts[0], end="")
+        res = generate_tokens(model, ctx.tp, ids.to(ctx.device), mask.to(ctx.device), sampling=task.sampling,
+                              eos_token_id=list(task.eos), pad_id=task.pad_id, on_token=on_token,
                               # fingerprints (compared before every collective) would be counted as link latency
                               check_speed=tp_fingerprint is None)
         if printer is not None:
             printer.close()  # the characters still held back (a multi-byte character split over tokens)
         if single:
-            rank0_print()
-        else:
-            for p, row in zip(prompts, res.tokens):
+            print0(ctx)
+        elif ctx.rank == 0:
+            for p, row in zip(task.prompts, res.tokens):
                 answer = tok.decode(row, skip_special_tokens=True)
-                rank0_print(f"{chat_header(p)}{answer}\n" if args.chat else f"{p}{answer}")
+                print0(ctx, f"{chat_header(p)}{answer}\n" if task.chat else f"{p}{answer}")
         if res.speed_warning:
-            rank0_print(res.speed_warning, file=sys.stderr)
-        rank0_print(stats_line(ctx.tp.size, res.ttft_s, res.decode_s, res.tokens.shape[1]))
+            print0(ctx, res.speed_warning, file=sys.stderr)
+        print0(ctx, stats_line(ctx.tp.size, res.ttft_s, res.decode_s, res.tokens.shape[1]))
     finally:
         ctx.destroy()
     return 0
 
 
-def validate(args: argparse.Namespace):
-    """Checks made once, before any rank starts: model path, architecture, plan (and plan file), prompt length."""
-    import os
-
-    from transformers import AutoConfig, AutoTokenizer
-
-    from tensorpar.hf.load import check_checkpoint
-    from tensorpar.cli import check_launch_arguments
-    from tensorpar.hf.plan import make_plan
-
+def _check_flags(args: argparse.Namespace) -> None:
+    """The checks of the flags alone (no model read). Raises ValueError naming the flag."""
     import math
+
+    from tensorpar.cli import check_launch_arguments
 
     if args.tp < 1:
         raise ValueError(f"--tp must be a positive integer (ranks to start), got {args.tp}")
@@ -385,63 +319,81 @@ def validate(args: argparse.Namespace):
                 from None
         if not p.strip():
             raise ValueError("--prompt must not be empty; give the text to continue")
+
+
+def validate(args: argparse.Namespace):
+    """Every check, made once before any rank starts (flags, model path, architecture, plan and plan file, prompt
+    length), and the :class:`~tensorpar.job.Job` the ranks run: the config read once, the plan made once (not with
+    ``--tp-weights auto``: each rank makes it after measuring), the prompts tokenized once."""
+    import os
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from tensorpar.capacity import plan_for_model
+    from tensorpar.hf.families import is_causal_lm
+    from tensorpar.hf.load import check_checkpoint, follow_stored_ties, resolve_attn_implementation
+    from tensorpar.job import job_from_args
+    from tensorpar.parallel import ParallelConfig
+    from tensorpar.streaming import eos_token_ids
     from tensorpar.train.config import check_model_config, config_error
 
-    folder = _resolve(args.model)
+    _check_flags(args)
+    from tensorpar.hub import resolve_model
+
+    folder = resolve_model(args.model)
     try:
         config = AutoConfig.from_pretrained(folder)
     except (FileNotFoundError, OSError):
         raise
     except Exception as e:  # transformers rejects the config (its own error types): one line, named
         raise config_error(f"{folder}/config.json", e) from e
-    from tensorpar.hf.families import is_causal_lm
     if not is_causal_lm(getattr(config, "model_type", None)):
         raise ValueError(f"{folder}: model_type={config.model_type!r} is an image classifier, not a text generator; "
                          f"run it with examples/classify_vit.py")
     check_model_config(config, f"{folder}/config.json")
-    from tensorpar.hf.load import follow_stored_ties
     follow_stored_ties(folder, config, getattr(torch, getattr(args, "dtype", "float32")))  # as the ranks will
     from tensorpar.verify.prove import resolve_flags
     resolve_flags(args, config)   # --discover-plan: the proven plan becomes the --plan-file the ranks read
-    if getattr(args, "plan_file", None) is not None:
-        args.plan_file = os.path.abspath(args.plan_file)   # the ranks read the same file
-    from tensorpar.capacity import check_for_model
-    args.tp_weights = check_for_model(getattr(args, "tp_weights", None), args.tp, config,
-                                      user_plan=getattr(args, "plan_file", None))
-    plan = make_plan(config, args.tp, user_plan=getattr(args, "plan_file", None),
-                     tp_weights=None if args.tp_weights == "auto" else args.tp_weights)
-    from tensorpar.hf.load import resolve_attn_implementation
-    args.attn_implementation = resolve_attn_implementation(config)  # decided here; every rank runs this one
-    check_quantize(getattr(args, "quantize", "none"), config, plan)
+    user_plan = os.path.abspath(args.plan_file) if getattr(args, "plan_file", None) is not None else None
+    tp_weights, plan = plan_for_model(getattr(args, "tp_weights", None), args.tp, config, user_plan=user_plan)
+    attn = resolve_attn_implementation(config)  # decided here; every rank runs this one
+    quantize = getattr(args, "quantize", "none")
+    check_quantize(quantize, config, plan)
     check_checkpoint(folder, config)  # headers vs config, both directions, before any rank starts
-    tok = AutoTokenizer.from_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(folder, config=config)  # the config read above, not again
     if args.chat and not getattr(tok, "chat_template", None):
         raise ValueError(f"--chat: {args.model} has no chat template (its tokenizer_config.json names none); drop "
                          f"--chat to generate from the plain prompt")
-    ids, _ = _encode(tok, args.prompt or ["The capital of France is"], args.chat)
+    prompts = tuple(args.prompt or ["The capital of France is"])
+    ids, mask = _encode(tok, list(prompts), args.chat)
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and ids.shape[1] + args.max_new_tokens > limit:
         raise ValueError(f"prompt of {ids.shape[1]} tokens plus --max-new-tokens {args.max_new_tokens} exceeds the "
                          f"model's max_position_embeddings={limit}")
-    return folder, plan
+    sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                              0 if args.seed is None else args.seed)
+    task = GenerateTask(prompts, ids, mask, sampling, tuple(eos_token_ids(folder, tok)), tok.pad_token_id, tok,
+                        chat=args.chat, quantize=quantize)
+    return job_from_args(args, ParallelConfig(tp=args.tp, tp_weights=tp_weights), folder=str(folder),
+                         model_config=config, plan=None if tp_weights == "auto" else plan, user_plan=user_plan,
+                         attn_implementation=attn, task=task)
 
 
 def main(args: argparse.Namespace) -> int:
     import os
-    import sys
 
-    from tensorpar.launch import run_ranks, under_torchrun
+    from tensorpar.launch import report_error, run_ranks, under_torchrun
 
-    if under_torchrun():
+    if under_torchrun():   # this process is one rank of torchrun's launch: the degree is its world size
         args.tp = int(os.environ["WORLD_SIZE"])
     try:
-        folder, plan = validate(args)
+        job = validate(args)
     except (ValueError, FileNotFoundError, OSError) as e:
-        from tensorpar.launch import report_error
         report_error(str(e))
         return 2
-    if args.print_plan:
+    if args.print_plan:  # with --tp-weights auto the even split (the ranks' split is measured when they start)
         if int(os.environ.get("RANK", "0")) == 0:
-            print(plan)
+            from tensorpar.hf.plan import make_plan
+            print(job.plan or make_plan(job.model_config, job.parallel.tp, user_plan=job.user_plan))
         return 0
-    return run_ranks(_rank_main, args.tp, str(folder), args, verbose=getattr(args, "verbose", False))
+    return run_ranks(_rank_main, job.world_size, job, verbose=job.verbose)

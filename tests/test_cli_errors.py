@@ -53,7 +53,7 @@ def test_stopped_rank_names_the_collective_and_ends_the_run():
 
     stderr must be the one line and nothing else: a rank that exited with its gloo process group alive used to
     abort now and then in C++ ("terminate called without an active exception"; the woken rank, and the failing
-    rank itself), see tensorpar.launch._end_stopped and _release_process_group.
+    rank itself), see tensorpar.rank_errors._end_stopped and _release_process_group.
 
     The subprocess timeout only guards against a hang; the time it takes is measured in
     bench/bench_rank_failure.py (bench/results/rank_failure.md).

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from tensorpar import comm
-from tensorpar.generate import SamplingConfig, generate_tokens, tp_speed_warning
+from tensorpar.generate import SamplingConfig, generate_tokens
+from tensorpar.speed import tp_speed_warning
 from tensorpar.hf.apply import parallelize
 from tensorpar.hf.plan import make_plan
 from tensorpar.layers import vocab_parallel_cross_entropy

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import dataclass, field
 
 DEFAULT_MAX_MODEL_LEN = 1024
 
@@ -34,12 +35,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: --model)")
 
 
+@dataclass(frozen=True)
+class ServeTask:
+    """What every rank of ``tensorpar serve`` runs (:attr:`tensorpar.job.Job.task`), resolved once.
+
+    Attributes:
+        max_len: prompt + generated tokens per slot (``--max-model-len`` or its default).
+        max_batch, max_waiting: ``--max-batch`` and ``--max-waiting``.
+        host, port: where rank 0 listens.
+        name: the model id in the API (``--served-model-name``, else ``--model``).
+        tokenizer: the model's tokenizer (rank 0 encodes requests and decodes answers).
+        quantize: ``--quantize``.
+    """
+
+    max_len: int
+    max_batch: int
+    max_waiting: int
+    host: str
+    port: int
+    name: str
+    tokenizer: object = field(repr=False, default=None)
+    quantize: str = "none"
+
+
 def validate(args: argparse.Namespace):
-    """Checks made once, before any rank starts; returns ``(folder, max_model_len)``. Raises ValueError."""
+    """Every check, made once before any rank starts, and the :class:`~tensorpar.job.Job` the ranks run (the config
+    and tokenizer read once, the plan made once; with ``--tp-weights auto`` each rank makes it after measuring).
+    Raises ValueError."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from tensorpar.hf.plan import make_plan
     from tensorpar.hub import resolve_model
+    from tensorpar.job import job_from_args
+    from tensorpar.parallel import ParallelConfig
 
     if args.tp < 1:
         raise ValueError(f"--tp must be a positive integer (ranks to start), got {args.tp}")
@@ -62,17 +89,25 @@ def validate(args: argparse.Namespace):
     check_launch_arguments(args)
     folder = resolve_model(args.model)
     config = AutoConfig.from_pretrained(folder)
-    from tensorpar.capacity import check_for_model
-    args.tp_weights = check_for_model(getattr(args, "tp_weights", None), args.tp, config)
-    plan = make_plan(config, args.tp)
+    import torch
+
+    from tensorpar.hf.load import follow_stored_ties, resolve_attn_implementation
+    follow_stored_ties(folder, config, getattr(torch, args.dtype))  # before the plan (a stored, untied head)
+    from tensorpar.capacity import plan_for_model
+    tp_weights, plan = plan_for_model(getattr(args, "tp_weights", None), args.tp, config)
     from tensorpar.decode.quantize import check_quantize
-    check_quantize(getattr(args, "quantize", "none"), config, plan)
+    quantize = getattr(args, "quantize", "none")
+    check_quantize(quantize, config, plan)
     limit = getattr(config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
     n = args.max_model_len if args.max_model_len is not None else min(limit, DEFAULT_MAX_MODEL_LEN)
     if not 2 <= n <= limit:
         raise ValueError(f"--max-model-len must be in [2, {limit}] (the model's max_position_embeddings), got {n}")
-    AutoTokenizer.from_pretrained(folder)
-    return folder, n
+    tok = AutoTokenizer.from_pretrained(folder, config=config)  # the config read above, not again
+    task = ServeTask(n, args.max_batch, args.max_waiting, args.host, args.port, args.served_model_name or args.model,
+                     tok, quantize)
+    return job_from_args(args, ParallelConfig(tp=args.tp, tp_weights=tp_weights), folder=str(folder),
+                         model_config=config, plan=None if tp_weights == "auto" else plan,
+                         attn_implementation=resolve_attn_implementation(config), task=task)
 
 
 def _check_listen(host: str, port: int) -> None:
@@ -102,18 +137,14 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _rank_main(folder: str, max_len: int, args: argparse.Namespace) -> int:
-    import torch
-    from transformers import AutoTokenizer
-
-    from tensorpar.hf.load import build_parallel_model
-    from tensorpar.parallel import ParallelConfig, init_parallel
+def _rank_main(job) -> int:
+    """One rank of ``tensorpar serve``: load this rank's shard with the job's config and plan; rank 0 serves HTTP and
+    schedules, the others follow its step plans."""
+    from tensorpar.job import load_model, start
     from tensorpar.serve.engine import Engine, follow
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    ctx = init_parallel(ParallelConfig(tp=world, tp_weights=getattr(args, "tp_weights", None)),
-                        timeout_s=args.timeout, fast_collectives=args.fast_collectives,
-                        tp_comm=getattr(args, "tp_comm", "fp32"))
+    task: ServeTask = job.task
+    ctx = start(job)
     holder: dict = {"sched": None, "stop": False}
 
     def on_signal(signum, frame):      # rank 0 stops the scheduler; the other ranks wait for its "stop"
@@ -124,22 +155,18 @@ def _rank_main(folder: str, max_len: int, args: argparse.Namespace) -> int:
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, on_signal)
     try:
-        from transformers import AutoConfig
-
-        from tensorpar.capacity import resolve_for_model
-        model, _ = build_parallel_model(folder, ctx.tp, dtype=getattr(torch, args.dtype), device=ctx.device,
-                                        tp_weights=resolve_for_model(ctx, AutoConfig.from_pretrained(folder)))
+        model, _ = load_model(job, ctx)
         from tensorpar.decode.quantize import apply_quantize
-        apply_quantize(model, ctx.tp, getattr(args, "quantize", "none"))
-        engine = Engine(model, ctx.tp, max_batch=args.max_batch, max_len=max_len)
+        apply_quantize(model, ctx.tp, task.quantize)
+        engine = Engine(model, ctx.tp, max_batch=task.max_batch, max_len=task.max_len)
         from tensorpar import fingerprint
-        if getattr(args, "check_collectives", False) or fingerprint.enable_from_env(ctx.tp) is not None:
-            check_collectives(engine, ctx.tp, timeout_s=min(args.timeout / 2, 60.0))
+        if job.check_collectives or fingerprint.enable_from_env(ctx.tp) is not None:
+            check_collectives(engine, ctx.tp, timeout_s=min(job.timeout_s / 2, 60.0))
         if ctx.tp.rank != 0:
             follow(engine)
             rc = 0
         else:
-            rc = _serve(engine, AutoTokenizer.from_pretrained(folder), max_len, args, holder)
+            rc = _serve(engine, task, holder)
     finally:
         ctx.destroy()
     if holder["stop"] and "TORCHELASTIC_RUN_ID" in os.environ:
@@ -174,7 +201,7 @@ def check_collectives(engine, tp, *, every: int = 50, timeout_s: float = 60.0) -
     engine.step = step
 
 
-def _serve(engine, tok, max_len: int, args: argparse.Namespace, holder: dict) -> int:
+def _serve(engine, task: ServeTask, holder: dict) -> int:
     import time
 
     import uvicorn
@@ -183,15 +210,16 @@ def _serve(engine, tok, max_len: int, args: argparse.Namespace, holder: dict) ->
     from tensorpar.serve.metrics import ServeMetrics
     from tensorpar.serve.scheduler import Scheduler
 
+    tok, max_len = task.tokenizer, task.max_len
     eos = tok.eos_token_id
     metrics = ServeMetrics()
-    sched = Scheduler(engine, eos={eos} if eos is not None else set(), metrics=metrics, max_waiting=args.max_waiting)
+    sched = Scheduler(engine, eos={eos} if eos is not None else set(), metrics=metrics, max_waiting=task.max_waiting)
     holder["sched"] = sched
     if holder["stop"]:
         sched.stop()
-    name = args.served_model_name or args.model
+    name = task.name
     api = Api(sched, tok, name, max_len, metrics)
-    server = uvicorn.Server(uvicorn.Config(build_app(api), host=args.host, port=args.port, log_level="warning",
+    server = uvicorn.Server(uvicorn.Config(build_app(api), host=task.host, port=task.port, log_level="warning",
                                            lifespan="off"))
     thread = threading.Thread(target=server.run, name="tensorpar-http", daemon=True)
     thread.start()
@@ -200,13 +228,13 @@ def _serve(engine, tok, max_len: int, args: argparse.Namespace, holder: dict) ->
     if not thread.is_alive():
         sched.stop()
         sched.run()                        # tells the other ranks to stop
-        print(f"tensorpar serve: error: cannot listen on {args.host}:{args.port}", file=sys.stderr, flush=True)
+        print(f"tensorpar serve: error: cannot listen on {task.host}:{task.port}", file=sys.stderr, flush=True)
         return 2
     port = server.servers[0].sockets[0].getsockname()[1]
     kv = engine.cache.nbytes() / 2**20
     slots = f"{engine.max_batch} slot{'s' if engine.max_batch != 1 else ''}"
     print(f"tensorpar serve: {name} at tp={engine.tp.size}, {slots} x {max_len} tokens "
-          f"(KV cache {kv:.0f} MiB on rank 0); ready at http://{_url_host(args.host)}:{port}/v1", flush=True)
+          f"(KV cache {kv:.0f} MiB on rank 0); ready at http://{_url_host(task.host)}:{port}/v1", flush=True)
     try:
         sched.run()
     finally:
@@ -217,15 +245,14 @@ def _serve(engine, tok, max_len: int, args: argparse.Namespace, holder: dict) ->
 
 
 def main(args: argparse.Namespace) -> int:
-    from tensorpar.launch import run_ranks, under_torchrun
+    from tensorpar.launch import report_error, run_ranks, under_torchrun
 
-    if under_torchrun():
+    if under_torchrun():   # this process is one rank of torchrun's launch: the degree is its world size
         args.tp = int(os.environ["WORLD_SIZE"])
     try:
-        folder, max_len = validate(args)
+        job = validate(args)
     except (ValueError, FileNotFoundError, OSError) as e:
-        from tensorpar.launch import report_error
         report_error(str(e), prog="tensorpar serve")
         return 2
-    rc = run_ranks(_rank_main, args.tp, str(folder), max_len, args)
+    rc = run_ranks(_rank_main, job.world_size, job, verbose=job.verbose)
     return 0 if rc == 130 else rc       # SIGINT/SIGTERM is how a server is stopped: every rank exited

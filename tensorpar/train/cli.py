@@ -306,19 +306,27 @@ def main(args: argparse.Namespace) -> int:
                 lock.enter_context(locked_folder(args.export, "--export"))
             check_export_dir(args.export, overwrite=getattr(args, "overwrite", False))
         ckpt = check_resume(cfg, args.resume) if args.resume is not None else None
-        source, data = prepare(cfg, progress=not args.no_progress)  # fills the caches once; ranks then read them
+        source, data, plan = prepare(cfg, progress=not args.no_progress)  # fills the caches once; ranks read them
         if ckpt is not None:
             check_resume_data(cfg, data, ckpt)
             check_resume_model(source.config, ckpt)
+        from tensorpar.job import Job
+        from tensorpar.parallel import ParallelConfig
+        from tensorpar.train.ranks import TrainTask
+        task = TrainTask(cfg, args.resume, args.export, not args.no_progress, getattr(args, "overwrite", False),
+                         choice.prediction() if choice is not None else None, source)
+        job = Job(ParallelConfig(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp_weights=cfg.tp_weights),
+                  float(args.timeout),
+                  fast_collectives=cfg.fast_collectives, verbose=bool(getattr(args, "verbose", False)),
+                  check_collectives=bool(getattr(args, "check_collectives", False)),
+                  model_config=source.config, plan=None if cfg.tp_weights == "auto" else plan, task=task)
     except (ValueError, FileNotFoundError, OSError, CheckpointError) as e:
         from tensorpar.launch import report_error
         lock.close()
         report_error(str(e))
         return 2
     try:
-        return run_ranks(_rank_main, cfg.world_size, cfg, args.resume, args.export, not args.no_progress,
-                         args.timeout, getattr(args, "overwrite", False), getattr(args, "check_collectives", False),
-                         choice.prediction() if choice is not None else None, verbose=getattr(args, "verbose", False))
+        return run_ranks(_rank_main, job.world_size, job, verbose=job.verbose)
     finally:
         lock.close()
 
@@ -353,8 +361,8 @@ def plan_config(args: argparse.Namespace, cfg: TrainConfig):
     if args.plan == "auto" and nproc is None:
         raise ValueError("--plan auto needs the number of ranks to plan for: add --nproc N (or launch with torchrun)")
     plan_ranks = nproc if args.plan == "auto" else autoplan.check_plan_file(args.plan, nproc, source)[0].num_devices
-    source_cfg, _ = prepare(cfg.replace(tp=1, pp=1, dp=1, micro_batches=1, sequence_parallel=False),
-                            progress=not args.no_progress)
+    source_cfg, _, _ = prepare(cfg.replace(tp=1, pp=1, dp=1, micro_batches=1, sequence_parallel=False),
+                               progress=not args.no_progress)
     cal, path, cached = autoplan.cached_calibration(log=lambda m: rank0_print(f"tensorpar: {m}", file=sys.stderr))
     note = autoplan.describe_device_source(path, cached)
     device = autoplan.rank_device(cal, plan_ranks, local or plan_ranks, load_now=autoplan._loadavg())

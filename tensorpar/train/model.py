@@ -67,7 +67,7 @@ def resolve_source(cfg: TrainConfig, vocab_size: int | None = None, *, progress:
 
 
 def build_model(cfg: TrainConfig, source: ModelSource, tp: Group, vocab_size: int, *, device=None,
-                pp_rank: int = 0, ep: Group | None = None, cp: Group | None = None):
+                pp_rank: int = 0, ep: Group | None = None, cp: Group | None = None, plan=None):
     """Build, shard and prepare the model for training; returns ``(model, plan)``.
 
     fp32 weights on ``device`` (autocast provides bf16), SDPA attention, no KV cache, per-block
@@ -90,7 +90,14 @@ def build_model(cfg: TrainConfig, source: ModelSource, tp: Group, vocab_size: in
 
     From scratch every rank still initialises the whole model (the full
     model's random stream is what makes it the same function at every layout) and the trainer keeps its stage.
+
+    ``plan``: the sharding plan the launching process made for ``tp.size`` ranks from ``source.config``
+    (:func:`tensorpar.train.ranks.prepare`); without one it is made here. With pretrained weights the loader shards
+    with a copy of ``source.config`` as the folder has it (the changes below are the training's), not config.json
+    read again.
     """
+    import copy
+
     from transformers import AutoModelForCausalLM
 
     from tensorpar.hf.apply import parallelize
@@ -98,6 +105,7 @@ def build_model(cfg: TrainConfig, source: ModelSource, tp: Group, vocab_size: in
     from tensorpar.hf.plan import make_plan
 
     config = source.config
+    loader_config = copy.deepcopy(config)   # before the training's changes: what the loader builds the model from
     config.use_cache = False
     config.attention_dropout = cfg.attention_dropout
     check_against_model(cfg, config, vocab_size)
@@ -114,11 +122,12 @@ def build_model(cfg: TrainConfig, source: ModelSource, tp: Group, vocab_size: in
                 keep_stage_modules(m, pp_rank, cfg.pp, virtual)
         model, plan = build_parallel_model(source.weights, tp, sequence_parallel=cfg.sequence_parallel,
                                            dtype=torch.float32, device=device, dropout_seed=cfg.seed,
-                                           tp_weights=cfg.tp_weights, keep=keep)
+                                           tp_weights=cfg.tp_weights, keep=keep, config=loader_config, plan=plan)
         model.config.use_cache = False
     else:
-        plan = make_plan(config, tp.size, sequence_parallel=cfg.sequence_parallel,  # validates before any weight
-                         tp_weights=cfg.tp_weights)
+        if plan is None:
+            plan = make_plan(config, tp.size, sequence_parallel=cfg.sequence_parallel,  # validates before any weight
+                             tp_weights=cfg.tp_weights)
         config._attn_implementation = "sdpa"
         torch.manual_seed(cfg.seed)  # the full model's init; every rank draws the same weights
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

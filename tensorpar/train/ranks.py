@@ -7,8 +7,8 @@ process, before any rank starts); :func:`run` trains on the ranks of a parallel 
 """
 from __future__ import annotations
 
-import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tensorpar.hf.presets import PRESETS
@@ -37,16 +37,19 @@ def check_fast_collectives(cfg: TrainConfig) -> None:
                              "machine is not x86; use --fast-collectives auto or off")
 
 
-def prepare(cfg: TrainConfig, *, progress: bool = True, checks: bool = True):
-    """Resolve model and data, and run every check that needs them. Returns ``(source, data)``.
+def prepare(cfg: TrainConfig, *, progress: bool = True, checks: bool = True, source=None):
+    """Resolve model and data, and run every check that needs them. Returns ``(source, data, plan)``: ``plan`` is the
+    sharding plan of ``cfg.tp`` ranks (an even split with ``tp_weights="auto"``, which the ranks measure), made once
+    here, or ``None`` with ``checks=False``.
+
+    ``source``: the :class:`~tensorpar.train.model.ModelSource` the launching process resolved (a rank's
+    :class:`TrainTask` carries it), so that the model's config is not read again.
 
     ``checks=False``: the checks that build the sharding plan or cut the pipeline are left out (a rank of a run
-    whose launching process made them already; the rank builds its plan once, in
-    :func:`tensorpar.train.model.build_model`).
+    whose launching process made them already and sent the plan in the job).
 
     Raises ValueError / FileNotFoundError naming the setting (plan, context length, vocabulary, data).
     """
-    from tensorpar.hf.plan import make_plan
     from tensorpar.train.config import check_against_model, check_data_file, check_model_config, config_error
     from tensorpar.train.data import load_data, tokenizer_spec
     from tensorpar.train.model import resolve_source
@@ -60,33 +63,38 @@ def prepare(cfg: TrainConfig, *, progress: bool = True, checks: bool = True):
             raise config_error(f"--model {cfg.model}", e) from e
 
     check_data_file(cfg.data)
-    folder_source = None if cfg.model in PRESETS or cfg.model.endswith(".json") else source_of()
+    given = source
+    folder_source = None if cfg.model in PRESETS or cfg.model.endswith(".json") else (given or source_of())
     if checks and cfg.pp > 1 and folder_source is not None:   # refuse a family stages cannot cut before tokenizing
         from tensorpar.pipeline.stages import check_pipeline
         check_pipeline(folder_source.config, cfg.pp, 2 if cfg.schedule == "interleaved-1f1b" else 1,
                        cfg.micro_batches, cfg.schedule)
     tok = tokenizer_spec(cfg.tokenizer, folder_source.folder if folder_source else None)
     data = load_data(cfg.data, tok, val_fraction=cfg.val_fraction, progress=progress)
-    source = folder_source or source_of(data.vocab_size)
+    source = folder_source or given or source_of(data.vocab_size)
     check_model_config(source.config, f"--model {cfg.model}")
     check_against_model(cfg, source.config, data.vocab_size)
     if not checks:
-        return source, data
-    from tensorpar.capacity import check_for_model
-    check_for_model(cfg.tp_weights, cfg.tp, source.config, sequence_parallel=cfg.sequence_parallel,
-                    what="tp_weights")
-    make_plan(source.config, cfg.tp, sequence_parallel=cfg.sequence_parallel)
+        return source, data, None
+    if source.weights is not None:  # as the loader does, before the plan: a stored head unlike the embedding
+        import torch
+
+        from tensorpar.hf.load import follow_stored_ties
+        follow_stored_ties(source.weights, source.config, torch.float32)
+    from tensorpar.capacity import plan_for_model
+    _, plan = plan_for_model(cfg.tp_weights, cfg.tp, source.config, sequence_parallel=cfg.sequence_parallel,
+                             what="tp_weights")
     if cfg.pp > 1:
         from tensorpar.pipeline.stages import check_pipeline
         check_pipeline(source.config, cfg.pp, 2 if cfg.schedule == "interleaved-1f1b" else 1, cfg.micro_batches,
                        cfg.schedule)
     data.val_batches(batch_size=cfg.batch_size, seq_len=cfg.seq_len)  # at least one validation batch
-    return source, data
+    return source, data, plan
 
 
 def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None = None, progress: bool = True,
         prepared=None, overwrite: bool = False, check_collectives: bool = False, tensor_peak: bool = False,
-        checked: bool = False) -> dict:
+        checked: bool = False, source=None, plan=None) -> dict:
     """Train on the ranks of ``ctx`` (any tp, pp, dp) until ``cfg.steps``; every rank calls it. Returns a summary dict.
 
     ``export``: also write the final checkpoint as a Hugging Face folder there (``overwrite``: it may
@@ -98,6 +106,8 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
     (``step_times_s``) and the resident-set growth of this rank (``peak_memory_bytes``, :class:`PeakMemory`).
     ``checked``: the launching process ran :func:`prepare`'s checks for this ``cfg`` (:func:`main` does), so the
     ranks skip them and build the sharding plan once each, in :func:`~tensorpar.train.model.build_model`.
+    ``source``, ``plan``: the launching process's :class:`~tensorpar.train.model.ModelSource` and sharding plan
+    (:func:`prepare`); without a plan (``tp_weights="auto"``, or a caller of its own) the plan is made here, once.
     Raises FileExistsError when starting afresh (no ``resume``) over an earlier run's metrics.
     """
     from tqdm.auto import tqdm
@@ -106,14 +116,17 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
     from tensorpar.train.metrics import MetricsLog, plot_losses
     from tensorpar.train.model import build_model
 
-    source, data = prepared or prepare(cfg, progress=progress and ctx.rank == 0, checks=not checked)
+    source, data, made = prepared or prepare(cfg, progress=progress and ctx.rank == 0, checks=not checked,
+                                             source=source)
+    plan = plan or made
     if cfg.tp_weights == "auto":  # measured by init_parallel (ParallelConfig(tp_weights="auto"))
         from tensorpar.capacity import resolve_for_model
         cfg = cfg.replace(tp_weights=resolve_for_model(ctx, source.config) if ctx.tp.size > 1 else None)
+        plan = None   # made by build_model, once, with the measured weights
     from tensorpar.train.autoplan import PeakMemory
     peak = PeakMemory(ctx.device)  # this rank's memory from here on (model, optimizer, activations)
     model, plan = build_model(cfg, source, ctx.tp, data.vocab_size, device=ctx.device, pp_rank=ctx.pp.rank,
-                              ep=ctx.dp if cfg.ep > 1 else None, cp=ctx.cp)
+                              ep=ctx.dp if cfg.ep > 1 else None, cp=ctx.cp, plan=plan)
     trainer = Trainer(cfg, ctx, model, plan, data)
     del model  # a pipeline stage keeps only its chunks; the other layers are freed here
     out = Path(cfg.out_dir)
@@ -180,31 +193,56 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
     return summary
 
 
-def _rank_main(cfg: TrainConfig, resume, export, progress, timeout, overwrite=False, check_collectives=False,
-               prediction=None) -> int:
-    from tensorpar.launch import rank0_print
-    from tensorpar.parallel import ParallelConfig, ParallelContext, init_parallel, set_rank_threads
+@dataclass(frozen=True)
+class TrainTask:
+    """What every rank of ``tensorpar train`` runs (:attr:`tensorpar.job.Job.task`), resolved once.
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:  # one process: no process group (and no port) needed
+    Attributes:
+        cfg: the run's :class:`TrainConfig` (layout, model, data, optimizer).
+        resume: ``--resume`` (``"auto"``, a checkpoint, or ``None``).
+        export: ``--export`` folder, or ``None``.
+        progress: show the progress bar (rank 0).
+        overwrite: ``--overwrite`` (an export may replace an earlier tensorpar export).
+        prediction: with ``--plan``, the planner's prediction to compare with what the run measures.
+        source: the model source the launching process resolved (its config read once there).
+    """
+
+    cfg: TrainConfig
+    resume: str | None = None
+    export: str | None = None
+    progress: bool = True
+    overwrite: bool = False
+    prediction: object = None
+    source: object = field(default=None, repr=False)
+
+
+def _rank_main(job) -> int:
+    """One rank of ``tensorpar train``: the process group of ``job.parallel`` (none for one rank), shared-memory
+    collectives on the tp group as ``cfg.fast_collectives`` says, then :func:`run`."""
+    from tensorpar.job import print0, start
+    from tensorpar.parallel import ParallelContext, set_rank_threads
+
+    task: TrainTask = job.task
+    cfg = task.cfg
+    if job.world_size == 1:  # one process: no process group (and no port) needed
         set_rank_threads(1)
         ctx = ParallelContext.single()
-    else:
-        ctx = init_parallel(ParallelConfig(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp_weights=cfg.tp_weights),
-                            timeout_s=timeout)
-        enable_tp_fast_collectives(cfg, ctx, timeout)
+    else:   # dp and pp keep torch.distributed: the shared-memory collectives go on the tp group only
+        ctx = start(job, fast_collectives="off")
+        enable_tp_fast_collectives(cfg, ctx, job.timeout_s)
     try:
-        s = run(cfg, ctx, resume=resume, export=export, progress=progress, overwrite=overwrite,
-                check_collectives=check_collectives, tensor_peak=prediction is not None, checked=True)
+        s = run(cfg, ctx, resume=task.resume, export=task.export, progress=task.progress, overwrite=task.overwrite,
+                check_collectives=job.check_collectives, tensor_peak=task.prediction is not None, checked=True,
+                source=task.source, plan=job.plan)
         val = "n/a" if s["val_loss"] is None else f"{s['val_loss']:.4f}"
         loss = "n/a" if s["loss"] is None else f"{s['loss']:.4f}"
-        rank0_print(f"done: step {s['step']}, train loss {loss}, val loss {val}; "
+        print0(ctx, f"done: step {s['step']}, train loss {loss}, val loss {val}; "
                     f"checkpoint {s['checkpoint']}" + (f"; exported {s['export']}" if "export" in s else ""))
-        if prediction is not None:  # --plan: the planner's prediction next to what this run measured
+        if task.prediction is not None:  # --plan: the planner's prediction next to what this run measured
             from tensorpar.train.autoplan import comparison_line, gather_measurements
             medians, counted, peaks = gather_measurements(ctx, s["step_times_s"], s["peak_memory_bytes"],
                                                           s["tensor_peak_bytes"])
-            rank0_print(comparison_line(prediction, medians, counted, peaks))
+            print0(ctx, comparison_line(task.prediction, medians, counted, peaks))
     finally:
         ctx.destroy()
     return 0

@@ -12,6 +12,7 @@ import copy
 import json
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -65,10 +66,36 @@ def _model_config(spec: str, seq_len: int):
 PRESET_VOCAB = 997  # prime: every tp > 1 splits it unevenly
 
 
-def validate(args: argparse.Namespace):
-    """Checks made once, before any rank starts. Returns ``(tps, seq_len, config, folder)``."""
+@dataclass(frozen=True)
+class VerifyTask:
+    """What every rank of one ``tensorpar verify`` layout runs (:attr:`tensorpar.job.Job.task`).
+
+    Attributes:
+        spec: ``--model`` as given (a preset name, or the folder's spec; the report names it).
+        seq_len, batch_size: the random token ids compared (``[batch_size, seq_len]``, seed 1234).
+        train: also compare loss, gradients and the grad norm.
+        sequence_parallel: shard with sequence parallelism.
+        quantize: ``--quantize`` (both models quantized).
+        out_path: where rank 0 writes its report (JSON).
+    """
+
+    spec: str
+    seq_len: int
+    batch_size: int
+    train: bool
+    sequence_parallel: bool
+    quantize: str
+    out_path: str
+
+
+def validate(args: argparse.Namespace, out_dir: str = ""):
+    """Checks made once, before any rank starts. Returns one :class:`~tensorpar.job.Job` per ``--tp`` degree, each
+    with the config read once and its plan made once (none with ``--tp-weights auto`` above tp 1: its ranks make it
+    after measuring); rank 0 of the degree ``t`` writes its report to ``<out_dir>/tp<t>.json``."""
+    from tensorpar.capacity import plan_for_model
     from tensorpar.hf.families import is_causal_lm
-    from tensorpar.hf.plan import make_plan
+    from tensorpar.job import job_from_args
+    from tensorpar.parallel import ParallelConfig
 
     tps = _parse_tp(args.tp)
     if args.batch_size < 1:
@@ -86,75 +113,83 @@ def validate(args: argparse.Namespace):
     if not is_causal_lm(getattr(config, "model_type", None)):
         raise ValueError(f"{args.model}: model_type={config.model_type!r} is not a causal language model; verify "
                          f"runs decoders")
-    from tensorpar.hf.load import resolve_attn_implementation
-    args.attn_implementation = resolve_attn_implementation(config)  # decided here; every rank runs this one
+    from tensorpar.hf.load import follow_stored_ties, resolve_attn_implementation
+    attn = resolve_attn_implementation(config)  # decided here; every rank runs this one
+    if folder is not None:  # as the loader does, before the plans (a stored, untied head)
+        follow_stored_ties(folder, config, getattr(torch, args.dtype))
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and seq > limit:
         raise ValueError(f"--seq-len {seq} exceeds the model's max_position_embeddings={limit}")
-    if getattr(args, "quantize", "none") != "none" and getattr(args, "train", False):
+    quantize = getattr(args, "quantize", "none")
+    if quantize != "none" and getattr(args, "train", False):
         raise ValueError(f"--quantize {args.quantize} cannot run with --train (a quantized model has no trainable "
                          f"weights: int8 is for inference); drop --train or use --quantize none")
     from tensorpar.verify.prove import resolve_flags
     resolve_flags(args, config, train=args.train)   # --discover-plan: proven, then the ranks' plan file
-    for t in tps:
-        plan = make_plan(config, t, sequence_parallel=args.sequence_parallel,   # unsupported model / tp: ValueError
-                         user_plan=getattr(args, "plan_file", None))
-        from tensorpar.decode.quantize import check_quantize
-        check_quantize(getattr(args, "quantize", "none"), config, plan)
+    user_plan = os.path.abspath(args.plan_file) if getattr(args, "plan_file", None) is not None else None
     w = getattr(args, "tp_weights", None)
     if w is not None and str(w).strip().lower() != "auto":
-        from tensorpar.capacity import check_for_model
         n = len(str(w).split(","))
         if n not in tps:
             raise ValueError(f"--tp-weights {w} has {n} entries but no --tp degree in {tps} has {n} ranks; give one "
                              f"weight per rank of one of the degrees (or 'auto')")
-        args.tp_weights = check_for_model(w, n, config, sequence_parallel=args.sequence_parallel)
-    return tps, seq, config, folder
+    jobs = []
+    for t in tps:
+        weights = _weights_for(w, t)
+        weights, plan = plan_for_model(weights, t, config, sequence_parallel=args.sequence_parallel,  # ValueError
+                                       user_plan=user_plan)
+        from tensorpar.decode.quantize import check_quantize
+        check_quantize(quantize, config, plan)
+        task = VerifyTask(args.model, seq, args.batch_size, bool(args.train), bool(args.sequence_parallel), quantize,
+                          os.path.join(out_dir, f"tp{t}.json"))
+        jobs.append(job_from_args(args, ParallelConfig(tp=t, tp_weights=weights), folder=folder, model_config=config,
+                                  plan=None if weights == "auto" else plan, user_plan=user_plan,
+                                  attn_implementation=attn, task=task))
+    return jobs
 
 
-def _weights_for(args: argparse.Namespace, tp_size: int):
-    """The ``tp_weights`` a verify run at ``tp_size`` shards with (see ``--tp-weights``)."""
-    w = getattr(args, "tp_weights", None)
+def _weights_for(w, tp_size: int):
+    """The ``tp_weights`` a verify run at ``tp_size`` shards with, of ``--tp-weights`` ``w``: ``"auto"`` above tp 1;
+    numbers at the degree with as many ranks; else ``None`` (even)."""
     if w is None or tp_size == 1:
         return None
-    if isinstance(w, str) and w.strip().lower() == "auto":
+    if str(w).strip().lower() == "auto":
         return "auto"
-    return tuple(w) if len(w) == tp_size else None
+    return w if len(str(w).split(",")) == tp_size else None
 
 
-def _rank_main(spec: str, folder: str | None, tp_size: int, seq: int, args: argparse.Namespace, out_path: str) -> int:
-    from tensorpar.parallel import ParallelConfig, init_parallel
+def _rank_main(job) -> int:
+    """One rank of one verify layout: build the reference and this rank's shard from the same weights, compare them,
+    and write the report (rank 0)."""
+    from tensorpar.job import rank_weights, start
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    ctx = init_parallel(ParallelConfig(tp=world, tp_weights=_weights_for(args, world)), timeout_s=args.timeout,
-                        fast_collectives=args.fast_collectives, tp_comm=getattr(args, "tp_comm", "fp32"))
+    task: VerifyTask = job.task
+    ctx = start(job)
     try:
-        from tensorpar.capacity import resolve_for_model
-        dtype = getattr(torch, args.dtype)
-        weights = resolve_for_model(ctx, _model_config(spec, seq)[0]) if ctx.tp_weights is not None else None
-        ref, par = build_pair(spec, folder, ctx.tp, dtype=dtype, device=ctx.device, seq_len=seq,
-                              sequence_parallel=args.sequence_parallel, tp_weights=weights,
-                              attn_implementation=getattr(args, "attn_implementation", None),
-                              user_plan=getattr(args, "plan_file", None))
-        if getattr(args, "quantize", "none") == "int8":
+        weights = rank_weights(job, ctx) if job.plan is None else job.parallel.tp_weights
+        ref, par = build_pair(task.spec, job.folder, ctx.tp, dtype=job.torch_dtype, device=ctx.device,
+                              seq_len=task.seq_len, sequence_parallel=task.sequence_parallel, tp_weights=weights,
+                              attn_implementation=job.attn_implementation, config=job.model_config, plan=job.plan,
+                              user_plan=job.user_plan)
+        if task.quantize == "int8":
             from tensorpar.decode.quantize import quantize_int8, quantize_reference_int8
             quantize_reference_int8(ref)
             quantize_int8(par, ctx.tp)
         g = torch.Generator().manual_seed(1234)
-        ids = torch.randint(0, ref.config.vocab_size, (args.batch_size, seq), generator=g).to(ctx.device)
+        ids = torch.randint(0, ref.config.vocab_size, (task.batch_size, task.seq_len), generator=g).to(ctx.device)
         from tensorpar import fingerprint
-        checking = args.check_collectives or fingerprint.enable_from_env(ctx.tp) is not None
+        checking = job.check_collectives or fingerprint.enable_from_env(ctx.tp) is not None
         if checking:   # the sharded model's collectives and the inputs compared, once before and once after
-            fingerprint.enable(ctx.tp, timeout_s=min(args.timeout / 2, 60.0), model=par)  # sites: par's modules
+            fingerprint.enable(ctx.tp, timeout_s=min(job.timeout_s / 2, 60.0), model=par)  # sites: par's modules
             fingerprint.check(ctx.tp, {"input_ids": ids}, force=True)
-        rep = compare_to_reference(ref, par, ctx.tp, ids, train=args.train)
+        rep = compare_to_reference(ref, par, ctx.tp, ids, train=task.train)
         if checking:
             fingerprint.check(ctx.tp, force=True)
         if ctx.rank == 0:
-            tmp = out_path + ".tmp"
+            tmp = task.out_path + ".tmp"
             with open(tmp, "w") as f:
                 json.dump(dict(rep.to_dict(), tp_weights=list(weights) if weights else None), f)
-            os.replace(tmp, out_path)
+            os.replace(tmp, task.out_path)
     finally:
         ctx.destroy()
     return 0
@@ -162,7 +197,7 @@ def _rank_main(spec: str, folder: str | None, tp_size: int, seq: int, args: argp
 
 def build_pair(spec: str, folder: str | None, tp: Group, *, dtype=torch.float32, device=None, seq_len: int = 16,
                sequence_parallel: bool = False, tp_weights=None, attn_implementation: str | None = None,
-               user_plan=None):
+               user_plan=None, config=None, plan=None):
     """``(reference, sharded)``: the unsharded model and this rank's sharded copy, same weights, eval mode.
     ``tp_weights``: shard by these relative rank speeds (:mod:`tensorpar.capacity`; default even).
     ``attn_implementation``: both models' attention; None: the one transformers picks for the config
@@ -170,7 +205,8 @@ def build_pair(spec: str, folder: str | None, tp: Group, *, dtype=torch.float32,
 
     A folder is loaded twice: whole (transformers) and sharded (:func:`~tensorpar.hf.load.build_parallel_model`,
     the path ``generate`` and ``train`` use, so load bugs show). A preset gets random weights (seed 0, norms
-    perturbed too) on every rank."""
+    perturbed too) on every rank. ``config`` / ``plan``: the model's config and the plan for ``tp.size`` ranks as the
+    launching process made them (a :class:`~tensorpar.job.Job`'s): neither is read nor made again here."""
     from transformers import AutoModelForCausalLM
 
     from tensorpar.hf.apply import parallelize
@@ -178,12 +214,14 @@ def build_pair(spec: str, folder: str | None, tp: Group, *, dtype=torch.float32,
 
     if folder is not None:
         from tensorpar.hf.load import build_parallel_model
-        ref = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
+        given = {} if config is None else {"config": copy.deepcopy(config)}
+        ref = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation,
+                                                   **given)
         par, _ = build_parallel_model(folder, tp, sequence_parallel=sequence_parallel, dtype=dtype, device=device,
                                       tp_weights=tp_weights, attn_implementation=attn_implementation,
-                                      user_plan=user_plan)
+                                      user_plan=user_plan, config=config, plan=plan)
     else:
-        config, _ = _model_config(spec, seq_len)
+        config = _model_config(spec, seq_len)[0] if config is None else copy.deepcopy(config)
         from tensorpar.hf.load import resolve_attn_implementation
         config._attn_implementation = attn_implementation or resolve_attn_implementation(config)
         torch.manual_seed(0)
@@ -192,8 +230,10 @@ def build_pair(spec: str, folder: str | None, tp: Group, *, dtype=torch.float32,
             for p in ref.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
         ref = ref.to(dtype)
-        par = parallelize(copy.deepcopy(ref), make_plan(config, tp.size, sequence_parallel=sequence_parallel,
-                                                        tp_weights=tp_weights, user_plan=user_plan), tp)
+        if plan is None:
+            plan = make_plan(config, tp.size, sequence_parallel=sequence_parallel, tp_weights=tp_weights,
+                             user_plan=user_plan)
+        par = parallelize(copy.deepcopy(ref), plan, tp)
     ref = ref.to(device).eval()
     return ref, par.to(device).eval()
 
@@ -225,21 +265,21 @@ def main(args: argparse.Namespace) -> int:
 
     from tensorpar.launch import run_ranks
 
-    try:
-        tps, seq, config, folder = validate(args)
-    except (ValueError, FileNotFoundError, OSError) as e:
-        from tensorpar.launch import report_error
-        report_error(str(e))
-        return 2
     reports = []
     with tempfile.TemporaryDirectory(prefix="tensorpar-verify-") as tmp:
-        for t in tps:
-            out = os.path.join(tmp, f"tp{t}.json")
-            rc = run_ranks(_rank_main, t, args.model, folder, t, seq, args, out, verbose=getattr(args, "verbose", False))
+        try:
+            jobs = validate(args, tmp)
+        except (ValueError, FileNotFoundError, OSError) as e:
+            from tensorpar.launch import report_error
+            report_error(str(e))
+            return 2
+        for job in jobs:
+            rc = run_ranks(_rank_main, job.world_size, job, verbose=job.verbose)
             if rc:
                 return rc
-            with open(out) as f:
+            with open(job.task.out_path) as f:
                 reports.append(json.load(f))
+    tps, seq = [job.world_size for job in jobs], jobs[0].task.seq_len
     if args.json:
         tmpf = args.json + ".tmp"
         with open(tmpf, "w") as f:

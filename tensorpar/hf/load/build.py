@@ -170,7 +170,8 @@ def resolve_attn_implementation(config) -> str:
 def build_parallel_model(folder: str | Path, tp: Group, *, sequence_parallel: bool = False, dtype=torch.float32,
                          device=None, attn_implementation: str | None = None,
                          dropout_seed: int | None = None, user_plan=None,
-                         tp_weights=None, keep=None) -> tuple[nn.Module, ShardingPlan]:
+                         tp_weights=None, keep=None, config=None, plan: ShardingPlan | None = None,
+                         ) -> tuple[nn.Module, ShardingPlan]:
     """Meta-initialise the model of ``folder``, check the checkpoint, shard it by its plan, load this rank's slices.
 
     ``attn_implementation`` (``"sdpa"``, ``"eager"``, or any name transformers' attention registry
@@ -180,15 +181,26 @@ def build_parallel_model(folder: str | Path, tp: Group, *, sequence_parallel: bo
     eval mode. Raises the ValueErrors of :func:`~tensorpar.hf.plan.make_plan` (at plan time, before
     any weight is read), of :func:`check_checkpoint` (headers only) and of :func:`load_sharded`.
 
+    ``config``: the folder's config as the launching process read it (a copy is used; ``config.json`` is then not
+    read again); ``plan``: the plan it made for ``tp.size`` ranks (then ``user_plan`` and ``tp_weights`` are not
+    used, and no plan is made here). A :class:`tensorpar.job.Job` carries both.
+
     ``keep(model)``, if given, runs on the sharded meta model before any weight is read; the modules it removes
     are never read nor materialised (a pipeline rank keeps only its stage:
     :func:`tensorpar.pipeline.stages.keep_stage_modules`).
     """
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(folder)
+    import copy
+
+    config = AutoConfig.from_pretrained(folder) if config is None else copy.deepcopy(config)
     follow_stored_ties(folder, config, dtype, warn=tp.rank == 0)  # a stored head unlike the embedding: not tied
-    plan = make_plan(config, tp.size, sequence_parallel=sequence_parallel, user_plan=user_plan, tp_weights=tp_weights)
+    if plan is None:
+        plan = make_plan(config, tp.size, sequence_parallel=sequence_parallel, user_plan=user_plan,
+                         tp_weights=tp_weights)
+    elif plan.tp_size != tp.size or plan.sequence_parallel != sequence_parallel:
+        raise ValueError(f"the plan given is for tp_size={plan.tp_size}, sequence_parallel={plan.sequence_parallel}; "
+                         f"this model is sharded over {tp.size} ranks with sequence_parallel={sequence_parallel}")
     config._attn_implementation = attn_implementation or resolve_attn_implementation(config)
     model = _meta_model(config, dtype)
     _check(Path(folder), _Expected(model), config, weight_map(folder))  # = check_checkpoint, on this meta model

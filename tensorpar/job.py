@@ -1,0 +1,119 @@
+"""One job per run: what the launching process resolved, handed frozen to every rank.
+
+``generate``, ``serve``, ``train`` and ``verify`` parse and check their flags in the launching process, read the
+model's config once, build the sharding plan once, tokenize once, and put the result in a :class:`Job`;
+:func:`tensorpar.launch.run_ranks` pickles it to each rank, whose entry function takes only the job. Rank code
+reads neither argparse nor ``WORLD_SIZE`` / ``RANK``: the degrees are ``job.parallel``, the rank's identity is
+its :class:`~tensorpar.parallel.ParallelContext` (torch.distributed's rank, after :func:`start`). Under torchrun
+every process is a rank; it builds its job in-process, from the same flags, with the same checks.
+
+What a rank still builds itself, and why: with ``--tp-weights auto`` the split depends on a measurement the ranks
+make together after they start (:func:`tensorpar.parallel.init_parallel`), so the job carries no plan and each
+rank makes its plan once, after measuring (:func:`load_model`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tensorpar.parallel import ParallelConfig
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything a rank of one run needs, resolved by the launching process.
+
+    Attributes:
+        parallel: the degrees (tp, pp, dp) and ``tp_weights`` (a tuple, ``"auto"`` or ``None``); its product is the
+            number of ranks.
+        timeout_s: collective timeout (``--timeout``).
+        fast_collectives: ``--fast-collectives`` (auto, on, off).
+        tp_comm: ``--tp-comm`` (``"fp32"``, or ``"int8"``: the compressed tp all-reduce, inference only).
+        check_collectives: ``--check-collectives``.
+        verbose: ``--verbose``.
+        dtype: ``--dtype`` (``"float32"`` or ``"bfloat16"``).
+        folder: the resolved model folder (``None`` for a preset built from a config).
+        model_config: the model's config, read once by the launching process (ties already followed); ranks
+            shard and load with a copy of it and never read ``config.json``.
+        plan: the :class:`~tensorpar.hf.plan.ShardingPlan` made once by the launching process; ``None`` with
+            ``tp_weights="auto"`` (each rank makes it after measuring) or where a command builds no plan up front.
+        user_plan: the absolute path of ``--plan-file`` (only read when a rank must make its plan).
+        attn_implementation: the attention every rank runs (decided once, :func:`resolve_attn_implementation`).
+        task: the command's own frozen settings (:class:`tensorpar.generate.GenerateTask`, ...).
+    """
+
+    parallel: ParallelConfig
+    timeout_s: float
+    fast_collectives: str = "auto"
+    tp_comm: str = "fp32"
+    check_collectives: bool = False
+    verbose: bool = False
+    dtype: str = "float32"
+    folder: str | None = None
+    model_config: Any = field(default=None, repr=False)
+    plan: Any = field(default=None, repr=False)
+    user_plan: str | None = None
+    attn_implementation: str | None = None
+    task: Any = None
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.world_size
+
+    @property
+    def torch_dtype(self):
+        import torch
+        return getattr(torch, self.dtype)
+
+
+def job_from_args(args, parallel: ParallelConfig, **fields) -> Job:
+    """The :class:`Job` of the shared launch flags in ``args`` (launching process only), plus ``fields``."""
+    return Job(parallel=parallel, timeout_s=float(args.timeout),
+               fast_collectives=getattr(args, "fast_collectives", "auto"), tp_comm=getattr(args, "tp_comm", "fp32"),
+               check_collectives=bool(getattr(args, "check_collectives", False)),
+               verbose=bool(getattr(args, "verbose", False)), dtype=getattr(args, "dtype", "float32"), **fields)
+
+
+def start(job: Job, *, fast_collectives: str | None = None):
+    """This rank's :class:`~tensorpar.parallel.ParallelContext` for ``job``: the process group over
+    ``job.world_size`` ranks (the rank number is the launcher's: torchrun's agent or :func:`run_ranks`), the
+    (dp, pp, tp) groups, shared-memory collectives as ``job.fast_collectives`` (or ``fast_collectives``) says,
+    and the measured ``tp_weights`` with ``"auto"``."""
+    from tensorpar.parallel import init_parallel
+
+    return init_parallel(job.parallel, world_size=job.world_size, timeout_s=job.timeout_s,
+                         fast_collectives=job.fast_collectives if fast_collectives is None else fast_collectives,
+                         tp_comm=job.tp_comm)
+
+
+def model_config(job: Job):
+    """A copy of the job's model config (loading sets fields on it; the job stays as it was sent)."""
+    import copy
+    return copy.deepcopy(job.model_config)
+
+
+def rank_weights(job: Job, ctx):
+    """The ``tp_weights`` this rank shards with when the job has no plan (``"auto"``: measured, raised so that every
+    rank keeps a head and a column, :func:`tensorpar.capacity.resolve_for_model`), else ``None``."""
+    if job.plan is not None:
+        return None
+    from tensorpar.capacity import resolve_for_model
+    return resolve_for_model(ctx, job.model_config)
+
+
+def load_model(job: Job, ctx, **kwargs):
+    """``(model, plan)``: this rank's shard of ``job.folder`` (:func:`tensorpar.hf.load.build_parallel_model`) with the
+    job's config, plan, dtype and attention; the plan is made here only when the job carries none
+    (:func:`rank_weights`)."""
+    from tensorpar.hf.load import build_parallel_model
+
+    return build_parallel_model(job.folder, ctx.tp, config=job.model_config, plan=job.plan,
+                                tp_weights=rank_weights(job, ctx), user_plan=job.user_plan, dtype=job.torch_dtype,
+                                device=ctx.device, attn_implementation=job.attn_implementation, **kwargs)
+
+
+def print0(ctx, *args, **kwargs) -> None:
+    """Print on global rank 0 of ``ctx`` only (flushed)."""
+    if ctx.rank == 0:
+        kwargs.setdefault("flush", True)
+        print(*args, **kwargs)
