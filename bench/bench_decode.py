@@ -42,6 +42,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from proc_memory import proc_memory  # noqa: E402
 
 PROMPT = "The capital of France is"
 
@@ -139,7 +142,39 @@ def job_hf(ctx, folder, n, threads, dtype, tp_plan=None, prompt_ids=None):
     return res
 
 
-def job_tp(ctx, folder, n, dtype, path, batch, profile=False, quantize="none", prompt_ids=None):
+def _untied_embedding_bytes(model) -> int:
+    """Bytes of this rank's input embedding when the LM head does not share it (decode reads one row of it per
+    token, not the table), else 0."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    w = embed._parameters.get("weight")
+    if w is None or (head is not None and head._parameters.get("weight") is w):
+        return 0
+    return w.numel() * w.element_size()
+
+
+def _shard_bytes(model) -> int:
+    """Bytes of this rank's shard in the format it decodes in: every distinct parameter (after ``--quantize int8``:
+    the norms and the untied embedding, whose quantized weights are no longer parameters) plus the int8 weights and
+    scales."""
+    from tensorpar.quant import int8_weight_bytes, int8_weights
+    seen, n = set(), 0
+    for p in model.parameters():
+        if p.untyped_storage().data_ptr() not in seen:
+            seen.add(p.untyped_storage().data_ptr())
+            n += p.numel() * p.element_size()
+    return n + (int8_weight_bytes(model) if int8_weights(model) is not None else 0)
+
+
+MEMORY_STEPS = 32       # issue 28, item 4: resident memory after load and after this many decode steps
+
+
+def job_tp(ctx, folder, n, dtype, path, batch, profile=False, quantize="none", prompt_ids=None, memory=False):
+    """Greedy decode of ``n`` new tokens on this rank (1 thread), timed per step after a 3-token warm-up.
+
+    ``memory``: also this rank's :func:`proc_memory` before the model is built (the process baseline: imports,
+    process group, shared-memory collectives), after it is loaded (and quantized), and after a decode of
+    ``MEMORY_STEPS`` tokens (the timed one when ``n >= MEMORY_STEPS``, else one more), with the bytes of its shard
+    (:func:`_shard_bytes`) and what the model's tensors hold (:func:`tensorpar.quant.resident_weight_bytes`)."""
     from tensorpar import comm
     from tensorpar.generate import SamplingConfig, generate_tokens
     from tensorpar.hf.load import build_parallel_model
@@ -147,8 +182,13 @@ def job_tp(ctx, folder, n, dtype, path, batch, profile=False, quantize="none", p
     if ctx.tp.size > 1:
         from tensorpar.shm import enable_fast_collectives
         enable_fast_collectives(ctx.tp, "on")
+    mem = {"baseline": proc_memory()} if memory else None
     model, _ = build_parallel_model(folder, ctx.tp, dtype=getattr(torch, dtype))
     _quantize(model, ctx.tp, quantize)
+    if memory:
+        from tensorpar.quant import resident_weight_bytes
+        mem.update(after_load=proc_memory(), shard_bytes=_shard_bytes(model),
+                   model_tensor_bytes_after_load=resident_weight_bytes(model))
     ids = prompt_inputs(folder, batch, prompt_ids)["input_ids"]
     generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=3), path=path)     # warm-up
     stamps = []
@@ -156,9 +196,17 @@ def job_tp(ctx, folder, n, dtype, path, batch, profile=False, quantize="none", p
                           on_token=lambda step, tok: stamps.append(time.perf_counter()))
     best = min(b - a for a, b in zip(stamps, stamps[1:]))       # the fastest decode step (least disturbed)
     local = _weight_bytes(model, quantize)
-    total = float(comm.all_reduce(torch.tensor([float(local)], dtype=torch.float64), ctx.tp))
+    total, embed = comm.all_reduce(torch.tensor([float(local), float(_untied_embedding_bytes(model))],
+                                                dtype=torch.float64), ctx.tp).tolist()
     out = {"decode_tok_s": res.decode_tokens_per_s * batch, "best_step_tok_s": batch / best, "weight_bytes": total,
-           "tokens": res.tokens[0].tolist()}
+           "untied_embedding_bytes": embed, "tokens": res.tokens[0].tolist()}
+    if memory:
+        if n < MEMORY_STEPS:
+            generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=MEMORY_STEPS), path=path)
+        from tensorpar.quant import resident_weight_bytes
+        mem.update(after_decode=proc_memory(), model_tensor_bytes_after_decode=resident_weight_bytes(model),
+                   decode_steps=max(n, MEMORY_STEPS), rank=ctx.tp.rank)
+        out["memory"] = mem
     if profile:
         out["profile"] = _profile(model, ctx, ids, n, path)
     return out

