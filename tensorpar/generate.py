@@ -236,7 +236,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (built in, fetched and converted once), a Hugging Face-format folder, a hub "
                         "id already in the local Hugging Face cache, or a .gguf file")
-    add_launch_arguments(p)
+    add_launch_arguments(p, ep=True)
     p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch (default: a sample prompt)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="token budget per prompt (>= 1)")
     p.add_argument("--temperature", type=float, default=0.0,
@@ -287,7 +287,8 @@ def _rank_main(folder: str, args: argparse.Namespace) -> int:
     from tensorpar.streaming import TokenPrinter, chat_header, eos_token_ids, stats_line
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    ctx = init_parallel(ParallelConfig(tp=world, tp_weights=getattr(args, "tp_weights", None)),
+    ep = getattr(args, "ep", 1)     # the ep replicas of the tp ranks: the dp axis, each with the same prompts
+    ctx = init_parallel(ParallelConfig(tp=world // ep, dp=ep, tp_weights=getattr(args, "tp_weights", None)),
                         timeout_s=args.timeout, fast_collectives=args.fast_collectives)
     try:
         from tensorpar.capacity import resolve_for_model
@@ -297,6 +298,10 @@ def _rank_main(folder: str, args: argparse.Namespace) -> int:
                                            user_plan=getattr(args, "plan_file", None),
                                            tp_weights=resolve_for_model(ctx, AutoConfig.from_pretrained(folder)),
                                            attn_implementation=getattr(args, "attn_implementation", None))
+        if ep > 1:
+            from tensorpar.hf.modules import expert_parallelize
+            expert_parallelize(model, ctx.dp)
+            model.to(ctx.device)   # the experts' owner table is made on the CPU
         apply_quantize(model, ctx.tp, getattr(args, "quantize", "none"))
         tok = AutoTokenizer.from_pretrained(folder)
         prompts = args.prompt or ["The capital of France is"]
@@ -395,6 +400,8 @@ def validate(args: argparse.Namespace):
         raise ValueError(f"{folder}: model_type={config.model_type!r} is an image classifier, not a text generator; "
                          f"run it with examples/classify_vit.py")
     check_model_config(config, f"{folder}/config.json")
+    from tensorpar.cli import check_ep_for_model
+    check_ep_for_model(args, config)
     from tensorpar.hf.load import follow_stored_ties
     follow_stored_ties(folder, config, getattr(torch, getattr(args, "dtype", "float32")))  # as the ranks will
     if getattr(args, "plan_file", None) is not None:
@@ -426,8 +433,15 @@ def main(args: argparse.Namespace) -> int:
 
     from tensorpar.launch import run_ranks, under_torchrun
 
+    ep = getattr(args, "ep", 1)
     if under_torchrun():
-        args.tp = int(os.environ["WORLD_SIZE"])
+        world = int(os.environ["WORLD_SIZE"])
+        if ep >= 1 and world % ep:
+            from tensorpar.launch import report_error
+            report_error(f"--ep {ep} does not divide torchrun's {world} ranks (tp x ep); use --ep in "
+                         f"{[d for d in range(1, world + 1) if world % d == 0]}")
+            return 2
+        args.tp = world // max(ep, 1)
     try:
         folder, plan = validate(args)
     except (ValueError, FileNotFoundError, OSError) as e:
@@ -438,4 +452,4 @@ def main(args: argparse.Namespace) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(plan)
         return 0
-    return run_ranks(_rank_main, args.tp, str(folder), args, verbose=getattr(args, "verbose", False))
+    return run_ranks(_rank_main, args.tp * ep, str(folder), args, verbose=getattr(args, "verbose", False))

@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (built in), a Hugging Face-format folder, or a .gguf file")
     from tensorpar.cli import add_launch_arguments
-    add_launch_arguments(p)
+    add_launch_arguments(p, ep=True)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the URL is printed)")
     p.add_argument("--max-batch", type=int, default=16, help="slots: requests decoded together")
@@ -62,6 +62,8 @@ def validate(args: argparse.Namespace):
     check_launch_arguments(args)
     folder = resolve_model(args.model)
     config = AutoConfig.from_pretrained(folder)
+    from tensorpar.cli import check_ep_for_model
+    check_ep_for_model(args, config)
     from tensorpar.capacity import check_for_model
     args.tp_weights = check_for_model(getattr(args, "tp_weights", None), args.tp, config)
     plan = make_plan(config, args.tp)
@@ -111,7 +113,8 @@ def _rank_main(folder: str, max_len: int, args: argparse.Namespace) -> int:
     from tensorpar.serve.engine import Engine, follow
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    ctx = init_parallel(ParallelConfig(tp=world, tp_weights=getattr(args, "tp_weights", None)),
+    ep = getattr(args, "ep", 1)     # ep replicas of the tp ranks (the dp axis) follow rank 0's plans too
+    ctx = init_parallel(ParallelConfig(tp=world // ep, dp=ep, tp_weights=getattr(args, "tp_weights", None)),
                         timeout_s=args.timeout, fast_collectives=args.fast_collectives)
     holder: dict = {"sched": None, "stop": False}
 
@@ -128,13 +131,22 @@ def _rank_main(folder: str, max_len: int, args: argparse.Namespace) -> int:
         from tensorpar.capacity import resolve_for_model
         model, _ = build_parallel_model(folder, ctx.tp, dtype=getattr(torch, args.dtype), device=ctx.device,
                                         tp_weights=resolve_for_model(ctx, AutoConfig.from_pretrained(folder)))
+        plans = None
+        if ep > 1:
+            import torch.distributed as dist
+
+            from tensorpar.comm import Group
+            from tensorpar.hf.modules import expert_parallelize
+            expert_parallelize(model, ctx.dp)
+            model.to(ctx.device)   # the experts' owner table is made on the CPU
+            plans = Group.from_pg(dist.group.WORLD, name="world")
         from tensorpar.quant import apply_quantize
         apply_quantize(model, ctx.tp, getattr(args, "quantize", "none"))
-        engine = Engine(model, ctx.tp, max_batch=args.max_batch, max_len=max_len)
+        engine = Engine(model, ctx.tp, max_batch=args.max_batch, max_len=max_len, plans=plans)
         from tensorpar import fingerprint
         if getattr(args, "check_collectives", False) or fingerprint.enable_from_env(ctx.tp) is not None:
             check_collectives(engine, ctx.tp, timeout_s=min(args.timeout / 2, 60.0))
-        if ctx.tp.rank != 0:
+        if ctx.rank != 0:
             follow(engine)
             rc = 0
         else:
@@ -218,13 +230,16 @@ def _serve(engine, tok, max_len: int, args: argparse.Namespace, holder: dict) ->
 def main(args: argparse.Namespace) -> int:
     from tensorpar.launch import run_ranks, under_torchrun
 
+    ep = getattr(args, "ep", 1)
     if under_torchrun():
-        args.tp = int(os.environ["WORLD_SIZE"])
+        args.tp = int(os.environ["WORLD_SIZE"]) // max(ep, 1)
     try:
+        if under_torchrun() and ep >= 1 and int(os.environ["WORLD_SIZE"]) % ep:
+            raise ValueError(f"--ep {ep} does not divide torchrun's {os.environ['WORLD_SIZE']} ranks (tp x ep)")
         folder, max_len = validate(args)
     except (ValueError, FileNotFoundError, OSError) as e:
         from tensorpar.launch import report_error
         report_error(str(e), prog="tensorpar serve")
         return 2
-    rc = run_ranks(_rank_main, args.tp, str(folder), max_len, args)
+    rc = run_ranks(_rank_main, args.tp * ep, str(folder), max_len, args)
     return 0 if rc == 130 else rc       # SIGINT/SIGTERM is how a server is stopped: every rank exited

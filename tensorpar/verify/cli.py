@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help="a training preset (tiny, small, bench; random weights, seed 0), a Hugging Face-format "
                         "folder, or 'smollm2'")
-    add_launch_arguments(p, tp_list=True)  # --tp-weights numbers: applied to the --tp degree with as many ranks;
+    add_launch_arguments(p, tp_list=True, ep=True)  # --tp-weights numbers: applied to the --tp degree with as many ranks;
     #                                        auto: to every degree above 1
     p.add_argument("--sequence-parallel", action="store_true", help="shard with sequence parallelism")
     p.add_argument("--train", action="store_true", help="also compare loss, every gradient and the grad norm")
@@ -89,6 +89,11 @@ def validate(args: argparse.Namespace):
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and seq > limit:
         raise ValueError(f"--seq-len {seq} exceeds the model's max_position_embeddings={limit}")
+    from tensorpar.cli import check_ep_for_model
+    check_ep_for_model(args, config)
+    if getattr(args, "ep", 1) > 1 and getattr(args, "train", False):
+        raise ValueError(f"--ep {args.ep} with --train: verify compares expert-parallel models in the forward pass "
+                         f"only; drop --train (tensorpar train --ep checks training against one process) or --ep")
     if getattr(args, "quantize", "none") != "none" and getattr(args, "train", False):
         raise ValueError(f"--quantize {args.quantize} cannot run with --train (a quantized model has no trainable "
                          f"weights: int8 is for inference); drop --train or use --quantize none")
@@ -121,8 +126,9 @@ def _rank_main(spec: str, folder: str | None, tp_size: int, seq: int, args: argp
     from tensorpar.parallel import ParallelConfig, init_parallel
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    ctx = init_parallel(ParallelConfig(tp=world, tp_weights=_weights_for(args, world)), timeout_s=args.timeout,
-                        fast_collectives=args.fast_collectives)
+    ep = getattr(args, "ep", 1)     # the ep replicas of the tp ranks (dp axis), each with the same input
+    ctx = init_parallel(ParallelConfig(tp=world // ep, dp=ep, tp_weights=_weights_for(args, world // ep)),
+                        timeout_s=args.timeout, fast_collectives=args.fast_collectives)
     try:
         from tensorpar.capacity import resolve_for_model
         dtype = getattr(torch, args.dtype)
@@ -130,6 +136,10 @@ def _rank_main(spec: str, folder: str | None, tp_size: int, seq: int, args: argp
         ref, par = build_pair(spec, folder, ctx.tp, dtype=dtype, device=ctx.device, seq_len=seq,
                               sequence_parallel=args.sequence_parallel, tp_weights=weights,
                               attn_implementation=getattr(args, "attn_implementation", None))
+        if ep > 1:
+            from tensorpar.hf.modules import expert_parallelize
+            expert_parallelize(par, ctx.dp)
+            par.to(ctx.device)   # the experts' owner table is made on the CPU
         if getattr(args, "quantize", "none") == "int8":
             from tensorpar.quant import quantize_int8, quantize_reference_int8
             quantize_reference_int8(ref)
@@ -227,7 +237,8 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="tensorpar-verify-") as tmp:
         for t in tps:
             out = os.path.join(tmp, f"tp{t}.json")
-            rc = run_ranks(_rank_main, t, args.model, folder, t, seq, args, out, verbose=getattr(args, "verbose", False))
+            rc = run_ranks(_rank_main, t * getattr(args, "ep", 1), args.model, folder, t, seq, args, out,
+                           verbose=getattr(args, "verbose", False))
             if rc:
                 return rc
             with open(out) as f:
@@ -254,7 +265,8 @@ def main(args: argparse.Namespace) -> int:
     wts = "".join(f", tp={r['tp_size']} weights {','.join(f'{v:g}' for v in r['tp_weights'])}" for r in reports
                   if r.get("tp_weights"))
     q8 = ", int8 weights (both models quantized)" if getattr(args, "quantize", "none") == "int8" else ""
-    print(f"tensorpar verify: OK: {args.model} at tp {','.join(map(str, tps))} ({args.dtype}{q8}{wts}"
+    ep = f", experts split over ep={args.ep}" if getattr(args, "ep", 1) > 1 else ""
+    print(f"tensorpar verify: OK: {args.model} at tp {','.join(map(str, tps))} ({args.dtype}{q8}{wts}{ep}"
           f"{', sequence parallel' if args.sequence_parallel else ''}{', train' if args.train else ''}) matches the "
           f"unsharded model within tolerance")
     return 0
