@@ -236,6 +236,8 @@ class Engine:
             family record) and the model's modules with a :class:`SlotKVCache` otherwise; ``"lean"`` requires
             the lean path; ``"hf"`` forces the module path.
         warm_up: run one 1-token prefill at construction (allocates the cache, warms every kernel).
+        plans: the ranks that run rank 0's plans (:meth:`exchange`): ``None`` for ``tp``; every rank when ep
+            replicas of the tp ranks hold the experts (``serve --ep``: they run the same steps).
 
     Raises:
         ValueError: ``max_len`` above the model's ``max_position_embeddings``; ``path`` not one of
@@ -390,15 +392,16 @@ class Engine:
         return StepResult([int(t) for t in tokens], lps, top)
 
     def exchange(self, plan: StepPlan | None) -> StepPlan:
-        """Rank 0 sends ``plan`` to every tp rank; every rank returns it (rank 0: the same object).
+        """Rank 0 sends ``plan`` to every rank of ``plans`` (default: tp); every rank returns it (rank 0: the same
+        object).
 
         The plan travels as :func:`encode_plan`'s int64 words in a fixed :data:`PLAN_WORDS`-word message (the
         same shape every step, so the shared-memory communicator reuses its buffers and a decode step costs one
         small broadcast); a plan longer than that sends its remaining words in a second broadcast whose length
-        the first message's header gives. Collectives: one or two :func:`tensorpar.comm.broadcast` on the tp
-        group, or on ``plans`` (every rank, when ep replicas of the tp ranks serve; then no replica's tokens but
-        rank 0's are used: the plans carry the tokens) (shared memory when the group has the fast path and the tensor is on the CPU; on CUDA the
-        message is a device tensor for NCCL). Raises :class:`~tensorpar.comm.CollectiveError` when a rank is
+        the first message's header gives. Collectives: one or two :func:`tensorpar.comm.broadcast` on the
+        ``plans`` group: the tp group, or every rank when ep replicas of the tp ranks serve (only rank 0's tokens
+        are used: the plans carry them). Shared memory when the group has the fast path and the tensor is on the
+        CPU; on CUDA the message is a device tensor for NCCL. Raises :class:`~tensorpar.comm.CollectiveError` when a rank is
         gone, ValueError if the message is not a plan (ranks out of step).
         """
         g = self.plans

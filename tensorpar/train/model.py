@@ -88,8 +88,6 @@ def build_model(cfg: TrainConfig, source: ModelSource, tp: Group, vocab_size: in
     (:func:`~tensorpar.hf.modules.expert_parallelize`). Raises ValueError when ``cfg.ep > 1`` and ``ep`` is not a
     group of that size.
     """
-    from transformers import AutoModelForCausalLM
-
     from tensorpar.hf.apply import parallelize
     from tensorpar.hf.load import build_parallel_model
     from tensorpar.hf.plan import make_plan

@@ -25,7 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help="a training preset (tiny, small, bench; random weights, seed 0), a Hugging Face-format "
                         "folder, or 'smollm2'")
-    add_launch_arguments(p, tp_list=True, ep=True)  # --tp-weights numbers: applied to the --tp degree with as many ranks;
+    add_launch_arguments(p, tp_list=True, ep=True)  # --tp-weights numbers: applied to the --tp degree with as many
+    #                                                  ranks;
     #                                        auto: to every degree above 1
     p.add_argument("--sequence-parallel", action="store_true", help="shard with sequence parallelism")
     p.add_argument("--train", action="store_true", help="also compare loss, every gradient and the grad norm")
