@@ -38,13 +38,15 @@ DTYPES = ("float32", "bfloat16")
 TP_COMM = ("fp32", "int8")
 
 
-def add_launch_arguments(p, *, tp_list: bool = False, tp_action=None) -> None:
+def add_launch_arguments(p, *, tp_list: bool = False, tp_action=None, ep: bool = False) -> None:
     """The launch flags that ``generate``, ``train``, ``serve`` and ``verify`` share, with one set of defaults:
     ``--tp`` (:data:`tensorpar.launch.DEFAULT_TP`; ``tp_list``: a comma-separated list of degrees, for ``verify``), ``--tp-weights``,
     ``--dtype`` (float32), ``--timeout`` (:data:`tensorpar.launch.DEFAULT_TIMEOUT_S` seconds), ``--fast-collectives`` (auto),
     ``--tp-comm`` (fp32), ``--check-collectives`` and ``--verbose``. :func:`check_launch_arguments` is their one
     validation rule.
-    ``tp_action``: an argparse action class for ``--tp`` (``train`` records which flags the user gave)."""
+    ``tp_action``: an argparse action class for ``--tp`` (``train`` records which flags the user gave).
+    ``ep``: also ``--ep`` (``generate``, ``serve``, ``verify``; ``train`` has its own, on its dp axis): the experts of
+    a mixture-of-experts model split whole over ``ep`` replicas of the tp ranks (``tp x ep`` ranks in all)."""
     from tensorpar.capacity import add_argument as add_tp_weights
     from tensorpar.launch import DEFAULT_TIMEOUT_S, DEFAULT_TP
 
@@ -55,6 +57,11 @@ def add_launch_arguments(p, *, tp_list: bool = False, tp_action=None) -> None:
         p.add_argument("--tp", type=int, default=DEFAULT_TP, **({"action": tp_action} if tp_action else {}),
                        help="tensor-parallel degree: local ranks started here (under torchrun: from its world size)")
     add_tp_weights(p)
+    if ep:
+        p.add_argument("--ep", type=int, default=1,
+                       help="expert-parallel degree: a mixture-of-experts model's experts split whole over this many "
+                            "replicas of the tp ranks (tp x ep ranks; each keeps E/ep experts, tokens moved by "
+                            "all-to-all); must divide the number of experts")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="bfloat16: bf16 weights and compute for generate, serve and verify; bf16 autocast over "
                         "fp32 weights and optimizer state for train")
@@ -81,7 +88,8 @@ def check_launch_arguments(args, *, inference: bool = True) -> None:
 
     Raises:
         ValueError: ``--timeout`` not a number of seconds in [1, 1e8] (below 1 s the ranks' store cannot even
-            start; 1e8 is torch's timedelta limit); ``--tp-comm int8`` with ``inference=False`` (train).
+            start; 1e8 is torch's timedelta limit); ``--tp-comm int8`` with ``inference=False`` (train); ``--ep``
+            below 1.
     """
     import math
     import os
@@ -97,10 +105,24 @@ def check_launch_arguments(args, *, inference: bool = True) -> None:
             print(f"tensorpar: note: --tp-comm {mode}: every tp rank is on this host, where the links are fast; "
                   f"compression is not needed here (it only pays on slow links between hosts)", file=sys.stderr)
 
+    ep = getattr(args, "ep", 1)
+    if ep < 1:
+        raise ValueError(f"--ep must be a positive integer (1 = experts not split), got {ep}")
+
     t = args.timeout
     if not (math.isfinite(t) and 1 <= t <= 10 ** 8):
         raise ValueError(f"--timeout must be a positive, finite number of seconds from 1 to 1e8 (it also bounds the "
                          f"ranks' start-up), got {t:g}")
+
+
+def check_ep_for_model(args, config) -> None:
+    """``--ep`` against the model (launching process; the ranks' :func:`~tensorpar.hf.modules.expert_parallelize`
+    applies the same rule, :func:`~tensorpar.hf.modules.experts.expert_parallel_error`). Raises ValueError."""
+    from tensorpar.hf.modules.experts import expert_parallel_error
+
+    why = expert_parallel_error(getattr(args, "ep", 1), config, "--ep")
+    if why:
+        raise ValueError(why)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

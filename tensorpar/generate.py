@@ -172,7 +172,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (built in, fetched and converted once), a Hugging Face-format folder, a hub "
                         "id already in the local Hugging Face cache, or a .gguf file")
-    add_launch_arguments(p)
+    add_launch_arguments(p, ep=True)
     p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch (default: a sample prompt)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="token budget per prompt (>= 1)")
     p.add_argument("--temperature", type=float, default=0.0,
@@ -351,6 +351,8 @@ def validate(args: argparse.Namespace):
         raise ValueError(f"{folder}: model_type={config.model_type!r} is an image classifier, not a text generator; "
                          f"run it with examples/classify_vit.py")
     check_model_config(config, f"{folder}/config.json")
+    from tensorpar.cli import check_ep_for_model
+    check_ep_for_model(args, config)
     follow_stored_ties(folder, config, getattr(torch, getattr(args, "dtype", "float32")))  # as the ranks will
     from tensorpar.verify.prove import resolve_flags
     resolve_flags(args, config)   # --discover-plan: the proven plan becomes the --plan-file the ranks read
@@ -374,7 +376,7 @@ def validate(args: argparse.Namespace):
                               0 if args.seed is None else args.seed)
     task = GenerateTask(prompts, ids, mask, sampling, tuple(eos_token_ids(folder, tok)), tok.pad_token_id, tok,
                         chat=args.chat, quantize=quantize)
-    return job_from_args(args, ParallelConfig(tp=args.tp, tp_weights=tp_weights), folder=str(folder),
+    return job_from_args(args, ParallelConfig(tp=args.tp, dp=getattr(args, "ep", 1), tp_weights=tp_weights), folder=str(folder),
                          model_config=config, plan=None if tp_weights == "auto" else plan, user_plan=user_plan,
                          attn_implementation=attn, task=task)
 
@@ -384,8 +386,14 @@ def main(args: argparse.Namespace) -> int:
 
     from tensorpar.launch import report_error, run_ranks, under_torchrun
 
-    if under_torchrun():   # this process is one rank of torchrun's launch: the degree is its world size
-        args.tp = int(os.environ["WORLD_SIZE"])
+    ep = getattr(args, "ep", 1)
+    if under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if ep >= 1 and world % ep:
+            report_error(f"--ep {ep} does not divide torchrun's {world} ranks (tp x ep); use --ep in "
+                         f"{[d for d in range(1, world + 1) if world % d == 0]}")
+            return 2
+        args.tp = world // max(ep, 1)
     try:
         job = validate(args)
     except (ValueError, FileNotFoundError, OSError) as e:

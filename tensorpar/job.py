@@ -104,12 +104,19 @@ def rank_weights(job: Job, ctx):
 def load_model(job: Job, ctx, **kwargs):
     """``(model, plan)``: this rank's shard of ``job.folder`` (:func:`tensorpar.hf.load.build_parallel_model`) with the
     job's config, plan, dtype and attention; the plan is made here only when the job carries none
-    (:func:`rank_weights`)."""
+    (:func:`rank_weights`). With ``job.parallel.dp > 1`` (``--ep`` of generate and serve) the experts are split
+    whole over the dp axis (:func:`tensorpar.hf.modules.expert_parallelize`)."""
     from tensorpar.hf.load import build_parallel_model
 
-    return build_parallel_model(job.folder, ctx.tp, config=job.model_config, plan=job.plan,
-                                tp_weights=rank_weights(job, ctx), user_plan=job.user_plan, dtype=job.torch_dtype,
-                                device=ctx.device, attn_implementation=job.attn_implementation, **kwargs)
+    model, plan = build_parallel_model(job.folder, ctx.tp, config=job.model_config, plan=job.plan,
+                                       tp_weights=rank_weights(job, ctx), user_plan=job.user_plan,
+                                       dtype=job.torch_dtype, device=ctx.device,
+                                       attn_implementation=job.attn_implementation, **kwargs)
+    if job.parallel.dp > 1:   # inference --ep: the dp axis holds the ep replicas of the tp ranks
+        from tensorpar.hf.modules import expert_parallelize
+        expert_parallelize(model, ctx.dp)
+        model.to(ctx.device)   # the experts' owner table is made on the CPU
+    return model, plan
 
 
 def print0(ctx, *args, **kwargs) -> None:

@@ -179,6 +179,51 @@ def test_pipeline_rank_reads_only_its_stage(pools, pretrained_folder):
         assert loss == pytest.approx(ref, rel=1e-5), f"rank {r}: {loss} vs {ref}"
 
 
+def job_scratch_stage(ctx, tie):
+    """pp 2 from scratch on fresh groups (or the one-process context): this rank's materialised parameters right
+    after build_model (name -> value, once per tensor), the names left on meta, and 3 steps' losses."""
+    from tensorpar.parallel import init_parallel
+    from tensorpar.train.loop import Trainer
+    from tensorpar.train.model import ModelSource, build_model
+    if ctx.world_size > 1:
+        ctx = init_parallel(ParallelConfig(pp=2), rank=ctx.rank, world_size=2, backend="gloo", set_threads=False)
+    c = ctx.config
+    cfg = replace(BASE, pp=c.pp, micro_batches=2, schedule="1f1b", steps=3)
+    data = synthetic_data()
+    src = ModelSource(tiny_config(**dict(MODEL, tie_word_embeddings=tie)), None, None)
+    model, plan = build_model(cfg, src, ctx.tp, data.vocab_size, pp_rank=ctx.pp.rank)
+    held = {n: p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}
+    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    tr = Trainer(cfg, ctx, model, plan, data)
+    return held, meta, [tr.train_step().loss for _ in range(3)]
+
+
+@pytest.mark.parametrize("tie", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_pipeline_rank_initialises_only_its_stage(pools, tie):
+    # From scratch (no checkpoint), a pp rank cuts its stage on the meta device and materialises only that: right
+    # after build_model its parameter bytes are its stage's share of the pp = 1 model's (4 layers at pp 2: rank 0
+    # layers 0-1 and the embedding, rank 1 layers 2-3, the final norm and the LM head, which is the embedding's
+    # tensor when tied), with the pp = 1 model's values bit for bit (every module drawn from the seed and its own
+    # name), and the losses equal the one-process run's within test_3d's 1e-5 relative (only the order of the
+    # micro-batch gradient sums differs). The old build materialised the whole model on every rank.
+    one, _, ref = job_scratch_stage(ParallelContext.single(), tie)
+    out = pools(2).run(job_scratch_stage, tie)
+    def stage(r, n):   # the pp = 1 model's parameter n is on pipeline rank r
+        if n.startswith("model.layers."):
+            return int(n.split(".")[2]) // 2 == r
+        return {0: n == "model.embed_tokens.weight",
+                1: n in ("model.norm.weight", "lm_head.weight") or (tie and n == "model.embed_tokens.weight")}[r]
+
+    for r, (held, meta, loss) in enumerate(out):
+        assert meta == [], f"rank {r}: left on meta {meta}"
+        assert sorted(held) == sorted(n for n in one if stage(r, n)), f"rank {r}: holds {sorted(held)}"
+        share = sum(t.numel() * t.element_size() for n, t in one.items() if stage(r, n))
+        assert sum(t.numel() * t.element_size() for t in held.values()) == share, f"rank {r}"
+        for n, t in held.items():
+            assert torch.equal(t, one[n]), f"rank {r}: {n} differs from the pp = 1 model's"
+        assert loss == pytest.approx(ref, rel=1e-5), f"rank {r}: {loss} vs {ref}"
+
+
 # ---------------------------------------------------------------- evaluation leaves training unchanged
 
 def job_eval_between_steps(ctx):

@@ -50,7 +50,10 @@ def parallelize(model: nn.Module, plan: ShardingPlan, tp: Group, *, dropout_seed
     plan.check(model)
     ctx = ApplyContext(tp, model, plan)
     replaced: list[str] = []
-    for name, module in list(model.named_modules()):
+    todo = list(model.named_modules())
+    for i in range(len(todo)):
+        name, module = todo[i]
+        todo[i] = None   # visited: a replaced module's real weights are freed now, not after the walk
         if any(name.startswith(r + ".") for r in replaced):
             continue
         entry = plan.match(name)

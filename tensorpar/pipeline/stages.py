@@ -101,24 +101,33 @@ def stage_layers(num_layers: int, pp_rank: int, pp: int, virtual: int = 1) -> tu
     return {i for c in mine for i in range(*ranges[c])}, 0 in mine, len(ranges) - 1 in mine
 
 
+def dropped_modules(config, pp_rank: int, pp: int, virtual: int = 1) -> list[str]:
+    """The qualified names of the modules of a (Llama-shaped) ``*ForCausalLM`` of ``config`` that pipeline rank
+    ``pp_rank`` does not hold: the other chunks' decoder layers (``model.layers.<i>``), the embedding unless it
+    holds the first chunk (or the last, when the LM head is tied to the embedding: the head is that tensor), the
+    final norm and LM head unless it holds the last. One rule for :func:`keep_stage_modules` (a sharded meta model)
+    and for the from-scratch initialisation (:func:`tensorpar.train.model.init_from_seed`, before sharding)."""
+    layers, first, last = stage_layers(config.num_hidden_layers, pp_rank, pp, virtual)
+    out = [f"model.layers.{i}" for i in range(config.num_hidden_layers) if i not in layers]
+    if not first and not (last and getattr(config, "tie_word_embeddings", False)):
+        out.append("model.embed_tokens")
+    if not last:
+        out += ["model.norm", "lm_head"]
+    return out
+
+
 def keep_stage_modules(model: nn.Module, pp_rank: int, pp: int, virtual: int = 1) -> nn.Module:
     """Drop from ``model`` (sharded by :func:`tensorpar.hf.apply.parallelize`, still on the meta device) the
-    modules that pipeline rank ``pp_rank`` does not hold, so that loading afterwards reads and materialises only
-    this rank's stage: the other chunks' decoder layers (``nn.Identity`` placeholders keep the indices), the
-    embedding unless it holds the first chunk (or the last, when the LM head is tied to the embedding: the head is
-    that tensor), the final norm and LM head unless it holds the last. :func:`cut_stages` then cuts the same
-    chunks. Returns ``model``."""
-    layers, first, last = stage_layers(model.tensorpar_plan.num_layers, pp_rank, pp, virtual)
-    inner = model.model
-    for i in range(len(inner.layers)):
-        if i not in layers:
-            inner.layers[i] = nn.Identity()
-    tied = model.lm_head.weight is inner.embed_tokens.weight or getattr(model.config, "tie_word_embeddings", False)
-    if not first and not (last and tied):
-        inner.embed_tokens = nn.Identity()
-    if not last:
-        inner.norm = nn.Identity()
-        model.lm_head = nn.Identity()
+    modules that pipeline rank ``pp_rank`` does not hold (:func:`dropped_modules`; ``nn.Identity`` placeholders
+    keep the layer indices), so that loading afterwards reads and materialises only this rank's stage.
+    :func:`cut_stages` then cuts the same chunks. Returns ``model``."""
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    names = dropped_modules(model.config, pp_rank, pp, virtual)
+    if tied and stage_layers(model.config.num_hidden_layers, pp_rank, pp, virtual)[2]:
+        names = [n for n in names if n != "model.embed_tokens"]   # the head is the embedding's tensor
+    for name in names:
+        parent, _, attr = name.rpartition(".")
+        model.get_submodule(parent).register_module(attr, nn.Identity())
     return model
 
 

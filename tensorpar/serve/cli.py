@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (built in), a Hugging Face-format folder, or a .gguf file")
     from tensorpar.cli import add_launch_arguments
-    add_launch_arguments(p)
+    add_launch_arguments(p, ep=True)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the URL is printed)")
     p.add_argument("--max-batch", type=int, default=16, help="slots: requests decoded together")
@@ -89,6 +89,8 @@ def validate(args: argparse.Namespace):
     check_launch_arguments(args)
     folder = resolve_model(args.model)
     config = AutoConfig.from_pretrained(folder)
+    from tensorpar.cli import check_ep_for_model
+    check_ep_for_model(args, config)
     import torch
 
     from tensorpar.hf.load import follow_stored_ties, resolve_attn_implementation
@@ -105,7 +107,7 @@ def validate(args: argparse.Namespace):
     tok = AutoTokenizer.from_pretrained(folder, config=config)  # the config read above, not again
     task = ServeTask(n, args.max_batch, args.max_waiting, args.host, args.port, args.served_model_name or args.model,
                      tok, quantize)
-    return job_from_args(args, ParallelConfig(tp=args.tp, tp_weights=tp_weights), folder=str(folder),
+    return job_from_args(args, ParallelConfig(tp=args.tp, dp=getattr(args, "ep", 1), tp_weights=tp_weights), folder=str(folder),
                          model_config=config, plan=None if tp_weights == "auto" else plan,
                          attn_implementation=resolve_attn_implementation(config), task=task)
 
@@ -158,11 +160,17 @@ def _rank_main(job) -> int:
         model, _ = load_model(job, ctx)
         from tensorpar.decode.quantize import apply_quantize
         apply_quantize(model, ctx.tp, task.quantize)
-        engine = Engine(model, ctx.tp, max_batch=task.max_batch, max_len=task.max_len)
+        plans = None
+        if job.parallel.dp > 1:   # --ep: the ep replicas of the tp ranks follow rank 0's plans too
+            import torch.distributed as dist
+
+            from tensorpar.comm import Group
+            plans = Group.from_pg(dist.group.WORLD, name="world")
+        engine = Engine(model, ctx.tp, max_batch=task.max_batch, max_len=task.max_len, plans=plans)
         from tensorpar import fingerprint
         if job.check_collectives or fingerprint.enable_from_env(ctx.tp) is not None:
             check_collectives(engine, ctx.tp, timeout_s=min(job.timeout_s / 2, 60.0))
-        if ctx.tp.rank != 0:
+        if ctx.rank != 0:
             follow(engine)
             rc = 0
         else:
@@ -247,9 +255,12 @@ def _serve(engine, task: ServeTask, holder: dict) -> int:
 def main(args: argparse.Namespace) -> int:
     from tensorpar.launch import report_error, run_ranks, under_torchrun
 
-    if under_torchrun():   # this process is one rank of torchrun's launch: the degree is its world size
-        args.tp = int(os.environ["WORLD_SIZE"])
+    ep = getattr(args, "ep", 1)
+    if under_torchrun():   # this process is one rank of torchrun's launch: tp x ep is its world size
+        args.tp = int(os.environ["WORLD_SIZE"]) // max(ep, 1)
     try:
+        if under_torchrun() and ep >= 1 and int(os.environ["WORLD_SIZE"]) % ep:
+            raise ValueError(f"--ep {ep} does not divide torchrun's {os.environ['WORLD_SIZE']} ranks (tp x ep)")
         job = validate(args)
     except (ValueError, FileNotFoundError, OSError) as e:
         report_error(str(e), prog="tensorpar serve")

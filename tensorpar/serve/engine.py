@@ -134,13 +134,16 @@ class Engine:
             family record) and the model's modules with a :class:`SlotKVCache` otherwise; ``"lean"`` requires
             the lean path; ``"hf"`` forces the module path.
         warm_up: run one 1-token prefill at construction (allocates the cache, warms every kernel).
+        plans: the ranks that run rank 0's plans (:meth:`exchange`): ``None`` for ``tp``; every rank when ep
+            replicas of the tp ranks hold the experts (``serve --ep``: they run the same steps).
 
     Raises:
         ValueError: ``max_len`` above the model's ``max_position_embeddings``; ``path`` not one of
             auto/lean/hf, or ``"lean"`` for a model the lean path does not run (naming why).
     """
 
-    def __init__(self, model, tp: Group, *, max_batch: int, max_len: int, path: str = "auto", warm_up: bool = True):
+    def __init__(self, model, tp: Group, *, max_batch: int, max_len: int, path: str = "auto", warm_up: bool = True,
+                 plans: Group | None = None):
         cfg = model.config
         if path not in ("auto", "lean", "hf"):
             raise ValueError(f"path must be 'auto', 'lean' or 'hf', got {path!r}")
@@ -148,6 +151,7 @@ class Engine:
         if limit is not None and max_len > limit:
             raise ValueError(f"--max-model-len {max_len} exceeds the model's max_position_embeddings={limit}")
         self.model, self.tp = model, tp
+        self.plans = plans or tp     # the ranks that run rank 0's plans: tp, or every rank (ep replicas of tp)
         self.vocab = model.tensorpar_plan.vocab
         self.device = next(model.parameters()).device
 
@@ -282,32 +286,35 @@ class Engine:
         return StepResult([int(t) for t in tokens], lps, top)
 
     def exchange(self, plan: StepPlan | None) -> StepPlan:
-        """Rank 0 sends ``plan`` to every tp rank; every rank returns it (rank 0: the same object).
+        """Rank 0 sends ``plan`` to every rank of ``plans`` (default: tp); every rank returns it (rank 0: the same
+        object).
 
         The plan travels as :func:`encode_plan`'s int64 words in a fixed :data:`PLAN_WORDS`-word message (the
         same shape every step, so the shared-memory communicator reuses its buffers and a decode step costs one
         small broadcast); a plan longer than that sends its remaining words in a second broadcast whose length
-        the first message's header gives. Collectives: one or two :func:`tensorpar.comm.broadcast` on the tp
-        group (shared memory when the group has the fast path and the tensor is on the CPU; on CUDA the
-        message is a device tensor for NCCL). Raises :class:`~tensorpar.comm.CollectiveError` when a rank is
+        the first message's header gives. Collectives: one or two :func:`tensorpar.comm.broadcast` on the
+        ``plans`` group: the tp group, or every rank when ep replicas of the tp ranks serve (only rank 0's tokens
+        are used: the plans carry them). Shared memory when the group has the fast path and the tensor is on the
+        CPU; on CUDA the message is a device tensor for NCCL. Raises :class:`~tensorpar.comm.CollectiveError` when a rank is
         gone, ValueError if the message is not a plan (ranks out of step).
         """
-        if self.tp.size == 1:
+        g = self.plans
+        if g.size == 1:
             return plan
         dev = self.device if self.device.type == "cuda" else torch.device("cpu")
         msg = torch.zeros(PLAN_WORDS, dtype=torch.int64)
         words = None
-        if self.tp.rank == 0:
+        if g.rank == 0:
             words = encode_plan(plan)
             msg[:min(len(words), PLAN_WORDS)] = words[:PLAN_WORDS]
-        got = comm.broadcast(msg.to(dev), self.tp, src=0).cpu()
+        got = comm.broadcast(msg.to(dev), g, src=0).cpu()
         if int(got[0]) != PLAN_MAGIC:
             decode_plan(got)                        # raises: not a plan message
         total = int(got[4])
         if total > PLAN_WORDS:
             rest = words[PLAN_WORDS:] if words is not None else torch.zeros(total - PLAN_WORDS, dtype=torch.int64)
-            got = torch.cat([got, comm.broadcast(rest.to(dev), self.tp, src=0).cpu()])
-        if self.tp.rank == 0:
+            got = torch.cat([got, comm.broadcast(rest.to(dev), g, src=0).cpu()])
+        if g.rank == 0:
             return plan
         return decode_plan(got)
 

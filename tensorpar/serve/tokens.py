@@ -108,7 +108,7 @@ def choose_tokens(logits: torch.Tensor, tp: Group, *, partition, sampled: list[i
     if sampled:
         idx = torch.tensor(sampled, device=logits.device)
         full = comm.all_gather(logits.index_select(0, idx).contiguous(), tp, -1, partition)     # [m, V]
-        if tp.rank == 0:
+        if tp.rank == 0 and samplers is not None:    # None: a follower whose tokens are not used (an ep replica)
             for j, i in enumerate(sampled):
                 tokens[i] = int(samplers[i](full[j:j + 1]))
         if tp.size > 1:

@@ -266,15 +266,10 @@ def check_against_model(cfg: TrainConfig, model_config, vocab_size: int) -> None
     emit ids that the model's embedding does not have, or when ``ep > 1`` on a model without experts
     (:func:`tensorpar.hf.families.why_not`) or with a number of experts that ``ep`` does not divide.
     """
-    if cfg.ep > 1:
-        from tensorpar.hf.families import why_not
-        why = why_not("expert_parallel", model_config)
-        if why:
-            raise ValueError(f"ep={cfg.ep}: {why}; use ep=1")
-        e = num_experts(model_config)
-        if e % cfg.ep:
-            ok = [d for d in range(1, e + 1) if e % d == 0]
-            raise ValueError(f"ep={cfg.ep}: does not divide the model's {e} experts; use ep in {ok}")
+    from tensorpar.hf.modules.experts import expert_parallel_error
+    why = expert_parallel_error(cfg.ep, model_config)
+    if why:
+        raise ValueError(why)
     if cfg.cp > 1:
         from tensorpar.hf.families import why_not
         why = why_not("context_parallel", model_config)

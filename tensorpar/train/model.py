@@ -1,11 +1,14 @@
 """The model being trained: a transformers Llama-style ``*ForCausalLM``, sharded by the inference plan.
 
-From scratch every rank initialises the *full* model from the run's seed and keeps its slices
-(:func:`tensorpar.hf.apply.parallelize`), so the model is the same function at every tp. From pretrained
-weights every rank reads only its slices (:func:`tensorpar.hf.load.build_parallel_model`).
+From scratch every parameter is drawn from the run's seed and its module's qualified name
+(:func:`init_from_seed`), so the model is the same function at every tp, pp and dp; a pipeline rank builds the
+model on the meta device and materialises only its stage's modules, a tp rank slices them
+(:func:`tensorpar.hf.apply.parallelize`). From pretrained weights every rank reads only its slices
+(:func:`tensorpar.hf.load.build_parallel_model`).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,16 +70,17 @@ def resolve_source(cfg: TrainConfig, vocab_size: int | None = None, *, progress:
 
 
 def build_model(cfg: TrainConfig, source: ModelSource, tp: Group, vocab_size: int, *, device=None,
-                pp_rank: int = 0, ep: Group | None = None, cp: Group | None = None, plan=None):
+                pp_rank: int | None = None, ep: Group | None = None, cp: Group | None = None, plan=None):
     """Build, shard and prepare the model for training; returns ``(model, plan)``.
 
     fp32 weights on ``device`` (autocast provides bf16), SDPA attention, no KV cache, per-block
     recomputation when ``cfg.recompute``. Raises the ValueErrors of :func:`tensorpar.hf.plan.make_plan`
     and of :func:`check_against_model` before any weight is made.
 
-    ``pp_rank``: with ``cfg.pp > 1`` and pretrained weights, the model is cut on the meta device and this pipeline
-    rank reads and materialises only its stage's weights (:func:`tensorpar.pipeline.stages.keep_stage_modules`;
-    the other layers are ``nn.Identity``).
+    ``pp_rank``: with ``cfg.pp > 1`` the model is cut on the meta device and this pipeline rank reads (pretrained)
+    or initialises (from scratch, :func:`init_from_seed`: the values the pp = 1 model has) only its stage's
+    weights (:func:`tensorpar.pipeline.stages.keep_stage_modules`; the other layers are ``nn.Identity``).
+    ``None``: the whole model (the trainer then keeps the stage of ``ctx.pp.rank``).
 
     ``ep``: with ``cfg.ep > 1``, the expert-parallel group (the dp axis of the run's ParallelContext: the ranks
     with this tp rank); after the tp split every experts module becomes an
@@ -88,17 +92,12 @@ def build_model(cfg: TrainConfig, source: ModelSource, tp: Group, vocab_size: in
     attention module runs over the sequence split across it (:func:`tensorpar.hf.modules.context_parallelize`,
     mode ``cfg.cp_mode``). Raises ValueError when ``cfg.cp > 1`` and ``cp`` is not a group of that size.
 
-    From scratch every rank still initialises the whole model (the full
-    model's random stream is what makes it the same function at every layout) and the trainer keeps its stage.
-
     ``plan``: the sharding plan the launching process made for ``tp.size`` ranks from ``source.config``
     (:func:`tensorpar.train.ranks.prepare`); without one it is made here. With pretrained weights the loader shards
     with a copy of ``source.config`` as the folder has it (the changes below are the training's), not config.json
     read again.
     """
     import copy
-
-    from transformers import AutoModelForCausalLM
 
     from tensorpar.hf.apply import parallelize
     from tensorpar.hf.load import build_parallel_model
@@ -114,7 +113,7 @@ def build_model(cfg: TrainConfig, source: ModelSource, tp: Group, vocab_size: in
                          "does it (cfg.replace(tp_weights=ctx.tp_weights) in a loop of your own)")
     if source.weights is not None:  # build_parallel_model makes the plan (validating before any weight is read)
         keep = None
-        if cfg.pp > 1:
+        if cfg.pp > 1 and pp_rank is not None:
             from tensorpar.pipeline.stages import keep_stage_modules
             virtual = 2 if cfg.schedule == "interleaved-1f1b" else 1
 
@@ -129,9 +128,19 @@ def build_model(cfg: TrainConfig, source: ModelSource, tp: Group, vocab_size: in
             plan = make_plan(config, tp.size, sequence_parallel=cfg.sequence_parallel,  # validates before any weight
                              tp_weights=cfg.tp_weights)
         config._attn_implementation = "sdpa"
-        torch.manual_seed(cfg.seed)  # the full model's init; every rank draws the same weights
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        from tensorpar.hf.load import _meta_model
+        model = _meta_model(config, torch.float32)
+        model.tie_weights()   # as from_config: a tied head is the embedding's parameter
+        dropped = ()
+        if cfg.pp > 1 and pp_rank is not None:
+            from tensorpar.pipeline.stages import dropped_modules, keep_stage_modules
+            virtual = 2 if cfg.schedule == "interleaved-1f1b" else 1
+            dropped = dropped_modules(config, pp_rank, cfg.pp, virtual)
+        init_from_seed(model, cfg.seed, skip=lambda name: any(name == d or name.startswith(d + ".")
+                                                              for d in dropped))
         parallelize(model, plan, tp, dropout_seed=cfg.seed)
+        if dropped:
+            keep_stage_modules(model, pp_rank, cfg.pp, virtual)
         if device is not None:
             model.to(device)
     if cfg.ep > 1:
@@ -149,6 +158,72 @@ def build_model(cfg: TrainConfig, source: ModelSource, tp: Group, vocab_size: in
     if cfg.recompute:
         recompute_blocks(model)
     return model.train(), plan
+
+
+def module_seed(seed: int, name: str) -> int:
+    """The seed of module ``name``'s initialisation in a run of seed ``seed`` (63 bits of SHA-256: the same in
+    every process and Python, unlike ``hash``)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def init_from_seed(model: nn.Module, seed: int, *, skip=None) -> nn.Module:
+    """Materialise (on the CPU) and initialise the meta parameters of ``model`` (a transformers model, unsharded,
+    as :func:`tensorpar.hf.load._meta_model` builds it), module by module: each module's own parameters are drawn
+    by the family's ``_init_weights`` (transformers' rule for that module) from the CPU generator seeded with
+    :func:`module_seed` ``(seed, qualified name)``. A parameter's value therefore depends on the seed and its
+    module's name only, not on which other modules are materialised: a pipeline rank that initialises only its
+    stage gets exactly the values of the pp = 1 model. Modules are visited children first (transformers'
+    ``initialize_weights`` order); a parameter shared by several modules (a tied LM head) is drawn once, by the
+    first (the embedding, as ``tie_weights`` keeps it). The global RNG state is left as it was.
+
+    ``skip(name)``: modules left on meta (a pipeline rank's other stages), dropped by the caller. Returns
+    ``model``. Raises ValueError naming a parameter the family's ``_init_weights`` does not initialise.
+    """
+    from transformers import PreTrainedModel
+    from transformers import initialization as hf_init
+
+    new: dict[int, nn.Parameter] = {}   # id of the meta parameter -> its materialised one
+    held: list[nn.Parameter] = []        # the meta parameters, alive until the end (their ids stay unique)
+    names: dict[int, str] = {}
+    drawn: set[int] = set()              # ids of the materialised ones
+
+    def visit(module: nn.Module, name: str, owner) -> None:
+        for n, child in module.named_children():
+            visit(child, f"{name}.{n}" if name else n, child if isinstance(child, PreTrainedModel) else owner)
+        if skip is not None and skip(name):
+            return
+        fresh = False
+        for pn, p in list(module._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in new:   # NaN until drawn: what _init_weights leaves alone is found below
+                q = nn.Parameter(torch.full(p.shape, float("nan"), dtype=p.dtype), requires_grad=p.requires_grad)
+                new[id(p)], names[id(p)], fresh = q, f"{name}.{pn}" if name else pn, True
+                drawn.add(id(q))
+                held.append(p)
+            module._parameters[pn] = new[id(p)]
+        if fresh:
+            torch.default_generator.manual_seed(module_seed(seed, name))
+            owner._init_weights(module)
+        for p in module._parameters.values():   # drawn: a module sharing it later leaves it as it is
+            if p is not None and id(p) in drawn:
+                p._is_hf_initialized = True
+
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), hf_init.guard_torch_init_functions():
+        visit(model, "", model)
+    for name, m in model.named_modules():   # every kept holder of a drawn parameter (a tied LM head) gets it
+        if skip is not None and skip(name):
+            continue                         # a skipped module keeps its meta parameters (nothing to shard)
+        for pn, p in list(m._parameters.items()):
+            if p is not None and id(p) in new:
+                m._parameters[pn] = new[id(p)]
+    for key, q in new.items():
+        del q._is_hf_initialized
+        if torch.isnan(q).any():
+            raise ValueError(f"{model.config.model_type}: {names[key]} is not initialised by transformers' "
+                             f"_init_weights of {type(model).__name__}; train it from pretrained weights (--model "
+                             f"a folder) instead")
+    return model
 
 
 def recompute_blocks(model: nn.Module) -> None:

@@ -26,7 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help="a training preset (tiny, small, bench; random weights, seed 0), a Hugging Face-format "
                         "folder, or 'smollm2'")
-    add_launch_arguments(p, tp_list=True)  # --tp-weights numbers: applied to the --tp degree with as many ranks;
+    add_launch_arguments(p, tp_list=True, ep=True)  # --tp-weights numbers: applied to the --tp degree with as many
+    #                                                  ranks;
     #                                        auto: to every degree above 1
     p.add_argument("--sequence-parallel", action="store_true", help="shard with sequence parallelism")
     p.add_argument("--train", action="store_true", help="also compare loss, every gradient and the grad norm")
@@ -120,6 +121,11 @@ def validate(args: argparse.Namespace, out_dir: str = ""):
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and seq > limit:
         raise ValueError(f"--seq-len {seq} exceeds the model's max_position_embeddings={limit}")
+    from tensorpar.cli import check_ep_for_model
+    check_ep_for_model(args, config)
+    if getattr(args, "ep", 1) > 1 and getattr(args, "train", False):
+        raise ValueError(f"--ep {args.ep} with --train: verify compares expert-parallel models in the forward pass "
+                         f"only; drop --train (tensorpar train --ep checks training against one process) or --ep")
     quantize = getattr(args, "quantize", "none")
     if quantize != "none" and getattr(args, "train", False):
         raise ValueError(f"--quantize {args.quantize} cannot run with --train (a quantized model has no trainable "
@@ -142,7 +148,7 @@ def validate(args: argparse.Namespace, out_dir: str = ""):
         check_quantize(quantize, config, plan)
         task = VerifyTask(args.model, seq, args.batch_size, bool(args.train), bool(args.sequence_parallel), quantize,
                           os.path.join(out_dir, f"tp{t}.json"))
-        jobs.append(job_from_args(args, ParallelConfig(tp=t, tp_weights=weights), folder=folder, model_config=config,
+        jobs.append(job_from_args(args, ParallelConfig(tp=t, dp=getattr(args, "ep", 1), tp_weights=weights), folder=folder, model_config=config,
                                   plan=None if weights == "auto" else plan, user_plan=user_plan,
                                   attn_implementation=attn, task=task))
     return jobs
@@ -171,6 +177,10 @@ def _rank_main(job) -> int:
                               seq_len=task.seq_len, sequence_parallel=task.sequence_parallel, tp_weights=weights,
                               attn_implementation=job.attn_implementation, config=job.model_config, plan=job.plan,
                               user_plan=job.user_plan)
+        if job.parallel.dp > 1:   # --ep: the ep replicas of the tp ranks (dp axis), each with the same input
+            from tensorpar.hf.modules import expert_parallelize
+            expert_parallelize(par, ctx.dp)
+            par.to(ctx.device)   # the experts' owner table is made on the CPU
         if task.quantize == "int8":
             from tensorpar.decode.quantize import quantize_int8, quantize_reference_int8
             quantize_reference_int8(ref)
@@ -302,7 +312,8 @@ def main(args: argparse.Namespace) -> int:
     wts = "".join(f", tp={r['tp_size']} weights {','.join(f'{v:g}' for v in r['tp_weights'])}" for r in reports
                   if r.get("tp_weights"))
     q8 = ", int8 weights (both models quantized)" if getattr(args, "quantize", "none") == "int8" else ""
-    print(f"tensorpar verify: OK: {args.model} at tp {','.join(map(str, tps))} ({args.dtype}{q8}{wts}"
+    ep = f", experts split over ep={args.ep}" if getattr(args, "ep", 1) > 1 else ""
+    print(f"tensorpar verify: OK: {args.model} at tp {','.join(map(str, tps))} ({args.dtype}{q8}{wts}{ep}"
           f"{', sequence parallel' if args.sequence_parallel else ''}{', train' if args.train else ''}) matches the "
           f"unsharded model within tolerance")
     return 0

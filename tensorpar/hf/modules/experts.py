@@ -246,6 +246,27 @@ class EPExperts(nn.Module):
         return f"ep={self.ep.size}, experts [{lo}, {lo + self.num_experts}) of {self.num_experts_total}"
 
 
+def expert_parallel_error(ep: int, config, flag: str = "ep") -> str | None:
+    """Why ``config`` cannot run with its experts split over ``ep`` ranks, as one line naming ``flag`` (``"ep"``:
+    ``ep=3: ...``; ``"--ep"``: ``--ep 3: ...``) and what works, or ``None`` when it can (``ep == 1`` always can).
+    The one rule of the launching processes (train, generate, serve, verify) and of :func:`expert_parallelize`:
+    a mixture-of-experts family with experts in this config (:func:`tensorpar.hf.families.why_not`), and ``ep``
+    a divisor of the number of experts ``E`` (each rank holds ``E / ep`` whole experts)."""
+    if ep == 1:
+        return None
+    from tensorpar.hf.families import why_not
+
+    at = f"{flag} {ep}" if flag.startswith("--") else f"{flag}={ep}"
+    why = why_not("expert_parallel", config)
+    if why:
+        return f"{at}: {why}; use {flag}{' ' if flag.startswith('--') else '='}1"
+    e = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if ep < 1 or e % ep:
+        ok = [d for d in range(1, e + 1) if e % d == 0]
+        return f"{at}: does not divide the model's {e} experts; use {flag} in {ok}"
+    return None
+
+
 def expert_parallelize(model: nn.Module, ep: Group) -> list[str]:
     """Replace every stacked-experts module of an unsharded MoE ``*ForCausalLM`` by :class:`EPExperts` over ``ep``.
 
@@ -258,11 +279,15 @@ def expert_parallelize(model: nn.Module, ep: Group) -> list[str]:
     its tp split.
 
     Raises:
-        ValueError: the model has no MoE plan, or an experts module cannot be split (see :class:`EPExperts`).
+        ValueError: :func:`expert_parallel_error` (no experts; ``ep`` does not divide them), the model has no MoE
+            plan, or an experts module cannot be split (see :class:`EPExperts`).
     """
     from tensorpar.hf.plan import make_plan
     from tensorpar.hf.styles import MoEExperts, SharedExpertMoE
 
+    why = expert_parallel_error(ep.size, model.config)
+    if why:
+        raise ValueError(why)
     plan = make_plan(model.config, 1, check=False)
     names = [n for n, _ in plan.modules(model, MoEExperts)]
     names += [f"{n}.experts" for n, _ in plan.modules(model, SharedExpertMoE)]   # the shared expert stays replicated
