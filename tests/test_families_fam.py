@@ -166,7 +166,8 @@ def test_training_loop_same_at_tp1_and_tp2(pools, name):
         got = run_tp(pools, 2, job_train, name, sp)[0]
         for step, ((loss, norm), (loss1, norm1)) in enumerate(zip(got, ref)):
             assert loss == pytest.approx(loss1, rel=1e-5), f"step {step + 1} loss (sequence_parallel={sp})"
-            assert norm == pytest.approx(norm1, rel=2e-5), f"step {step + 1} grad norm (sequence_parallel={sp})"
+            bound = 1e-5 if step == 0 else 2e-5   # the first step's norm (no update yet) at the parity bound
+            assert norm == pytest.approx(norm1, rel=bound), f"step {step + 1} grad norm (sequence_parallel={sp})"
 
 
 def job_tp_rmsnorm(ctx):
