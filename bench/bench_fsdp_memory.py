@@ -84,7 +84,7 @@ def main() -> None:
         lines.append(f"| {name} | {d['params'] * mib:.3f} | {f['params'] * mib:.3f} | {d['grads'] * mib:.3f} | "
                      f"{f['grads'] * mib:.3f} | {d['moments'] * mib:.3f} | {f['moments'] * mib:.3f} | "
                      f"{f['moments'] / d['moments']:.3f} | {1 / lay['dp']:.3f} |")
-    lines += ["", "Under FSDP the dp ranks' moments add up to DDP's exactly (tests/test_fsdp.py checks it); a rank "
+    lines += ["", "Under FSDP the dp ranks' moments add up to DDP's exactly (tests/train/test_fsdp.py checks it); a rank "
               "holds a little more than 1/dp when a tensor's rows do not divide by dp (torch.chunk's rule: "
               "ceil(rows / dp) rows, the last rank fewer).", ""]
     (out / "fsdp_memory.md").write_text("\n".join(lines))

@@ -1,6 +1,6 @@
 """Measured differences between the unsharded transformers MoE models and tensorpar's sharded ones.
 
-Runs the parity jobs of tests/test_families_moe.py (small random configs of tests/families_moe.py) and writes the
+Runs the parity jobs of tests/hf/test_families_moe.py (small random configs of tests/families_moe.py) and writes the
 largest |difference| over logits, aux loss, loss, router logits, every gradient and the grad norm (two steps, one
 with idle experts), at tp = 1, 3, 4 (experts split inside) and ep = 4 (experts whole over 4 ranks), plus the
 expert parameters each rank holds under ep = 4.
@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tensorpar.parallel import ParallelContext  # noqa: E402
 from tensorpar.testing import WorkerPool  # noqa: E402
 from tests.families_moe import FAMILIES  # noqa: E402
-from tests.test_families_moe import job_ep, job_moe  # noqa: E402
+from tests.hf.test_families_moe import job_ep, job_moe  # noqa: E402
 
 
 def main() -> None:

@@ -17,8 +17,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tensorpar.testing import WorkerPool  # noqa: E402
-from tests.test_hf_parity import job_llama  # noqa: E402
-from tests.test_layers import job_mlp  # noqa: E402
+from tests.hf.test_hf_parity import job_llama  # noqa: E402
+from tests.core.test_layers import job_mlp  # noqa: E402
 
 
 def _calls(summary: dict) -> str:

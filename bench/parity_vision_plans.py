@@ -2,7 +2,7 @@
 DINOv2-SwiGLU, SigLIP vision: 5 heads) and the docs' Granite user plan (10 q / 2 KV heads, vocab 37) at
 tp = 2, 3, 4: the largest |difference| over logits, loss, every gradient and the grad norm (fp32).
 
-Runs the jobs of tests/test_vit.py and tests/test_user_plans.py.
+Runs the jobs of tests/hf/test_vit.py and tests/hf/test_user_plans.py.
 
     python bench/parity_vision_plans.py      # writes bench/results/parity-vision-plans.md and .json
 """
@@ -17,12 +17,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tensorpar.testing import WorkerPool  # noqa: E402
-from tests.test_user_plans import granite_yaml  # noqa: E402
-from tests.test_vit import MODELS, job_classifier  # noqa: E402
+from tests.hf.test_user_plans import granite_yaml  # noqa: E402
+from tests.hf.test_vit import MODELS, job_classifier  # noqa: E402
 
 
 def job_granite_diff(ctx, path):
-    from tests.test_user_plans import _parity, granite_config
+    from tests.hf.test_user_plans import _parity, granite_config
     n, _, diff = _parity(ctx, granite_config(), path, generate=False)
     return diff, n
 

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Runs the job of tests/test_cli_errors.py::test_stopped_rank_names_the_collective_and_ends_the_run N times and
+# Runs the job of tests/cli/test_cli_errors.py::test_stopped_rank_names_the_collective_and_ends_the_run N times and
 # counts the runs whose stderr is exactly the one expected line (exit 1). Failed runs keep their stderr in OUTDIR.
 #   bench/repeat_stopped_rank.sh N [TAG] [OUTDIR]      (load: start `python -c 'while 1: pass' &` twice before)
 # Results: bench/results/stopped_rank_repeats.md

@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 2 examples/generate_tp.py               # SmolLM2-135M (fetched once)
     torchrun --standalone --nproc-per-node 2 examples/generate_tp.py path/to/model     # any supported HF folder
 
-CI runs it under torchrun on a tiny random model (tests/test_examples.py), and checks that the code
+CI runs it under torchrun on a tiny random model (tests/cli/test_examples.py), and checks that the code
 between the markers below is the README's "Using it from Python" block, word for word.
 """
 # --- README example begins

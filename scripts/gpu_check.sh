@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run the CUDA / NCCL checks (tests marked `cuda`, tests/test_cuda.py) under a time limit and write a
+# Run the CUDA / NCCL checks (tests marked `cuda`, tests/core/test_cuda.py) under a time limit and write a
 # results file: the machine (GPUs, driver, torch, CUDA, NCCL), the exit status, and one line per test.
 #
 # usage: scripts/gpu_check.sh [RESULTS_FILE]     (default: bench/results/gpu_check.md)
@@ -7,7 +7,7 @@
 #   GPU_CHECK_TIMEOUT_S  wall-clock limit of the pytest run in seconds (default 900); on expiry pytest is
 #                        stopped (SIGTERM, then SIGKILL 20 s later) and the file says "timed out"
 #   PYTHON               interpreter with torch + transformers (default: python3)
-#   TENSORPAR_CACHE      a model cache holding SmolLM2 (tests/test_cuda.py's SmolLM2 checks skip when it is
+#   TENSORPAR_CACHE      a model cache holding SmolLM2 (tests/core/test_cuda.py's SmolLM2 checks skip when it is
 #                        neither cached nor downloadable; a GPU machine without network needs this)
 # exit status: pytest's (0 = every check passed or was skipped), 124 when the time limit was hit.
 # Without a GPU every check is skipped with the reason, and the file says so.
@@ -23,7 +23,7 @@ mkdir -p "$(dirname "$results")"
 started=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 t0=$(date +%s)
 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout --kill-after=20 "$limit" \
-  "$python" -m pytest -m cuda -p no:cacheprovider -v -rfEs tests/test_cuda.py >"$work/log" 2>&1
+  "$python" -m pytest -m cuda -p no:cacheprovider -v -rfEs tests/core/test_cuda.py >"$work/log" 2>&1
 rc=$?
 elapsed=$(( $(date +%s) - t0 ))
 
@@ -31,7 +31,7 @@ elapsed=$(( $(date +%s) - t0 ))
   echo "# GPU check ($started)"
   echo
   echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with uncommitted changes)')"
-  echo "- command: pytest -m cuda tests/test_cuda.py (limit ${limit} s, took ${elapsed} s)"
+  echo "- command: pytest -m cuda tests/core/test_cuda.py (limit ${limit} s, took ${elapsed} s)"
   if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
     echo "- result: TIMED OUT after ${limit} s (exit $rc); the lines below are the tests finished before that"
   else

@@ -125,6 +125,22 @@ def check_ep_for_model(args, config) -> None:
         raise ValueError(why)
 
 
+def torchrun_tp(args) -> None:
+    """Under torchrun (this process is one of its ranks) set ``args.tp`` from its world size: ``WORLD_SIZE / ep``
+    (``generate``, ``serve``; the launching rule of ``--ep``). Raises ValueError when ``--ep`` does not divide it."""
+    import os
+
+    from tensorpar.launch import under_torchrun
+
+    if not under_torchrun():
+        return
+    world, ep = int(os.environ["WORLD_SIZE"]), getattr(args, "ep", 1)
+    if ep >= 1 and world % ep:
+        raise ValueError(f"--ep {ep} does not divide torchrun's {world} ranks (tp x ep); use --ep in "
+                         f"{[d for d in range(1, world + 1) if world % d == 0]}")
+    args.tp = world // max(ep, 1)
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` lists each option's default; defaults of ``None``/``False`` (unset, off) are not printed."""
 

@@ -376,32 +376,23 @@ def validate(args: argparse.Namespace):
                               0 if args.seed is None else args.seed)
     task = GenerateTask(prompts, ids, mask, sampling, tuple(eos_token_ids(folder, tok)), tok.pad_token_id, tok,
                         chat=args.chat, quantize=quantize)
-    return job_from_args(args, ParallelConfig(tp=args.tp, dp=getattr(args, "ep", 1), tp_weights=tp_weights), folder=str(folder),
-                         model_config=config, plan=None if tp_weights == "auto" else plan, user_plan=user_plan,
-                         attn_implementation=attn, task=task)
+    return job_from_args(args, ParallelConfig(tp=args.tp, dp=getattr(args, "ep", 1), tp_weights=tp_weights),
+                         folder=str(folder), model_config=config, plan=None if tp_weights == "auto" else plan,
+                         user_plan=user_plan, attn_implementation=attn, task=task)
 
 
 def main(args: argparse.Namespace) -> int:
-    import os
+    from tensorpar.cli import torchrun_tp
+    from tensorpar.launch import rank0_print, report_error, run_ranks
 
-    from tensorpar.launch import report_error, run_ranks, under_torchrun
-
-    ep = getattr(args, "ep", 1)
-    if under_torchrun():
-        world = int(os.environ["WORLD_SIZE"])
-        if ep >= 1 and world % ep:
-            report_error(f"--ep {ep} does not divide torchrun's {world} ranks (tp x ep); use --ep in "
-                         f"{[d for d in range(1, world + 1) if world % d == 0]}")
-            return 2
-        args.tp = world // max(ep, 1)
     try:
+        torchrun_tp(args)   # under torchrun: tp x ep is its world size
         job = validate(args)
     except (ValueError, FileNotFoundError, OSError) as e:
         report_error(str(e))
         return 2
     if args.print_plan:  # with --tp-weights auto the even split (the ranks' split is measured when they start)
-        if int(os.environ.get("RANK", "0")) == 0:
-            from tensorpar.hf.plan import make_plan
-            print(job.plan or make_plan(job.model_config, job.parallel.tp, user_plan=job.user_plan))
+        from tensorpar.hf.plan import make_plan
+        rank0_print(job.plan or make_plan(job.model_config, job.parallel.tp, user_plan=job.user_plan))
         return 0
     return run_ranks(_rank_main, job.world_size, job, verbose=job.verbose)

@@ -2,9 +2,9 @@
 
 The table is computed from the code, not written by hand: one row per family record
 (:data:`tensorpar.hf.families.RECORDS`), a feature listed when the record says so, and "tp proven" the tp values
-of the family parity test (``tests/test_families*.py``), where each family is compared with the unsharded transformers model (logits, loss, every gradient, grad norm,
+of the family parity test (``tests/hf/test_families*.py``), where each family is compared with the unsharded transformers model (logits, loss, every gradient, grad norm,
 greedy tokens). Below them, the families without a table whose plan ``--discover-plan`` finds and CI proves
-(:data:`tensorpar.hf.discover.PROVEN`, tests/test_discover.py: logits, every module, loss and every gradient at
+(:data:`tensorpar.hf.discover.PROVEN`, tests/hf/test_discover.py: logits, every module, loss and every gradient at
 tp 2 and 3), marked ``discovered``.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 PROVEN_TP = (1, 2, 3, 4)
-PROVEN_TP_DISCOVERED = (2, 3)  # tests/test_discover.py proves each discovered family at these  # tests/test_families.py parametrizes every family over these
+PROVEN_TP_DISCOVERED = (2, 3)  # tests/hf/test_discover.py proves each discovered family at these  # tests/hf/test_families.py parametrizes every family over these
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,6 +55,6 @@ def main(args: argparse.Namespace) -> int:
               f"{yn(r['fast_decode']):<9} {', '.join(map(str, r['tp_proven']))}"
               + ("  (discovered plan: --discover-plan, no table)" if r["plan"] == "discovered" else ""))
     print("every family: logits, loss, every gradient, grad norm and 16 greedy tokens equal to the unsharded "
-          "transformers model (tests/test_families.py); vit, dinov2: classification logits, loss, every gradient "
-          "and grad norm (tests/test_vit.py)")
+          "transformers model (tests/hf/test_families.py); vit, dinov2: classification logits, loss, every gradient "
+          "and grad norm (tests/hf/test_vit.py)")
     return 0

@@ -1,4 +1,4 @@
-"""Subprocess used by tests/test_train_checkpoint.py: saves checkpoints until killed, or under a file-size limit.
+"""Subprocess used by tests/train/test_train_checkpoint.py: saves checkpoints until killed, or under a file-size limit.
 
     python -m tests._ckpt_writer loop ROOT       save step 1 (small), print SAVED, then steps 2, 3, ... (large)
     python -m tests._ckpt_writer limit ROOT MB    save step 1 (small), then step 2 (large) with files capped at MB

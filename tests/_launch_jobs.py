@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_cli_errors.py, started through tensorpar.launch.run_ranks (top level: pickled).
+"""Rank functions for tests/cli/test_cli_errors.py, started through tensorpar.launch.run_ranks (top level: pickled).
 
 Run as ``python -m tests._launch_jobs <job> <nproc> [--verbose]``; the exit code is run_ranks' return value.
 """

@@ -33,7 +33,7 @@ a probe at construction shows it bitwise equal to the family's module (else the 
 embedding module and the families' ``apply_rotary_pos_emb`` formula ``q*cos + rotate_half(q)*sin`` (applied to
 the q and k heads in one go, ``rotate_half(q)*sin`` computed exactly as ``q[..., perm] * (sign*sin)``),
 ``scaled_dot_product_attention`` with the layer's scaling; only the order of operations inside a matmul may
-differ, so greedy tokens equal transformers' (tests/test_lean.py, tests/test_generate.py, tests/test_smollm2.py).
+differ, so greedy tokens equal transformers' (tests/decode/test_lean.py, tests/decode/test_generate.py, tests/decode/test_smollm2.py).
 
 Families: those whose blocks are ``x + attn(norm(x))``, ``x + gated_mlp(norm(x))`` with RMSNorm and a rotary
 :class:`~tensorpar.hf.modules.TPAttention` (the families whose record sets ``fast_decode``,

@@ -13,7 +13,7 @@ vocabulary-parallel LM head hold whole rows, so their local absmax is the full r
 tensor-parallel group, which gives the scale of the full row. ``q`` is elementwise given ``s``, so each rank
 holds exactly the slice of the full quantized weight, and a row-parallel partial sum ``x_r q_r^T`` times the
 common ``s`` sums to ``(x q^T) s``: the quantized model at any tp equals the quantized model at tp=1 up to
-floating-point summation order (tests/test_quant.py: greedy tokens equal at tp 1/2/3). No group scales are
+floating-point summation order (tests/decode/test_quant.py: greedy tokens equal at tp 1/2/3). No group scales are
 used, so no shard boundary can cut a group.
 
 Memory: the floating-point weights of every quantized Linear are freed (:func:`quantize_int8`): each such module

@@ -35,7 +35,7 @@ from tensorpar.hf.user_plan import DEFAULT_REPLICATE_THRESHOLD, UserEntry, UserP
 SOURCE = "discovered plan"
 OUT = "give the plan yourself with --plan-file (docs/plans.md)"
 
-#: model types without a table whose discovered plan CI proves at tp = 2 and 3 (tests/test_discover.py); the
+#: model types without a table whose discovered plan CI proves at tp = 2 and 3 (tests/hf/test_discover.py); the
 #: table families llama, qwen3 and phi3 are proven there too (docs/discover.md).
 PROVEN = ("arcee", "cohere", "exaone4", "glm", "granite", "helium", "olmo")
 

@@ -1,5 +1,5 @@
 """The planner's predictions for the published runs of :mod:`tensorpar.planner.published`, with the error
-of each row: the table that ``tests/test_planner_accuracy.py`` prints and checks, and
+of each row: the table that ``tests/planner/test_planner_accuracy.py`` prints and checks, and
 ``docs/planner.md`` shows.
 
 Every run is costed with the same device (``a100-80gb`` preset, 8 per node) and the same assumptions

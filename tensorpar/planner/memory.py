@@ -12,7 +12,7 @@ their Table 2 exactly, per layer and micro-batch (s sequence, b micro-batch, h h
     full recomputation              2sbh (/t with sequence parallelism)
 
 The same counting, applied to other architectures (SwiGLU, RMSNorm, grouped-query attention) and to
-Hugging Face modeling code, is checked against autograd's saved tensors in tests/test_planner_activations.py.
+Hugging Face modeling code, is checked against autograd's saved tensors in tests/planner/test_planner_activations.py.
 
 Pipeline parallelism (section 4.3): under 1F1B the first stage holds ``p`` micro-batches in flight, so it
 stores the activations of ``L`` layers; interleaving over ``v`` chunks raises that to ``L (1 + (p-1)/(pv))``.

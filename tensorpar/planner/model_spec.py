@@ -270,7 +270,7 @@ def from_hf_config(config: dict | str | Path, name: str | None = None) -> ModelS
 
 
 # Hugging Face model types whose config.json the planner reads correctly: each checked against the parameter count of
-# the model transformers builds from it (tests/test_planner_hf_configs.py). Others are refused rather than guessed:
+# the model transformers builds from it (tests/planner/test_planner_hf_configs.py). Others are refused rather than guessed:
 # e.g. deepseek_v3 (MLA attention, routed experts in n_routed_experts), falcon, opt, bloom (other key names).
 READ_MODEL_TYPES = frozenset({
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "starcoder2", "gpt_neox",

@@ -4,7 +4,7 @@ pipeline stages. These follow what tensorpar's layers support:
 * query heads, MLP columns and vocabulary rows split near-evenly with the runtime's own
   :func:`tensorpar.shard.split_sizes` (the first ``n % tp`` ranks hold one extra), so the planner accepts
   exactly the shapes the layers run (an MLP size not divisible by tp included) and rejects the rest with
-  the runtime's message; ``tests/test_planner_split_rules.py`` checks this over a grid of shapes against
+  the runtime's message; ``tests/planner/test_planner_split_rules.py`` checks this over a grid of shapes against
   :class:`tensorpar.layers.attention.HeadLayout` and :class:`tensorpar.shard.Partition`;
 * a rank holds every KV head its query heads read; a GQA group that straddles two ranks has its KV head
   duplicated on both, and when ``tp`` exceeds the KV head count each rank holds one replicated KV head;

@@ -1,6 +1,6 @@
 """Published measurements of Megatron-LM training runs that the planner is checked against, each with
 its source (paper, table, row). Used by :mod:`tensorpar.planner.accuracy` and
-``tests/test_planner_accuracy.py``; the values are copied from the papers, not fitted.
+``tests/planner/test_planner_accuracy.py``; the values are copied from the papers, not fitted.
 
 * Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
   (arXiv 2205.05198). Table 3: the models and layouts (tp 8; s = 2048, V = 51200; no data parallelism;

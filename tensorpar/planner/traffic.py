@@ -14,7 +14,7 @@ shards in backward (two more all-gathers), which is what lets it store ``34/t`` 
 it overlaps them with the input-gradient matmul, so they are marked ``hidden``: counted in bytes, not in
 time. tensorpar does the same (:func:`tensorpar.layers.linear.column_parallel_linears`).
 
-tests/test_planner_calibration.py checks these lists against tensorpar's collective counter, exactly.
+tests/planner/test_planner_calibration.py checks these lists against tensorpar's collective counter, exactly.
 """
 from __future__ import annotations
 

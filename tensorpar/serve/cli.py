@@ -253,14 +253,11 @@ def _serve(engine, task: ServeTask, holder: dict) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    from tensorpar.launch import report_error, run_ranks, under_torchrun
+    from tensorpar.cli import torchrun_tp
+    from tensorpar.launch import report_error, run_ranks
 
-    ep = getattr(args, "ep", 1)
-    if under_torchrun():   # this process is one rank of torchrun's launch: tp x ep is its world size
-        args.tp = int(os.environ["WORLD_SIZE"]) // max(ep, 1)
     try:
-        if under_torchrun() and ep >= 1 and int(os.environ["WORLD_SIZE"]) % ep:
-            raise ValueError(f"--ep {ep} does not divide torchrun's {os.environ['WORLD_SIZE']} ranks (tp x ep)")
+        torchrun_tp(args)   # under torchrun: tp x ep is its world size
         job = validate(args)
     except (ValueError, FileNotFoundError, OSError) as e:
         report_error(str(e), prog="tensorpar serve")

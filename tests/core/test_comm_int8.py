@@ -1,0 +1,202 @@
+"""The compressed tp all-reduce (--tp-comm int8): blockwise int8 format, error bound, same bits on every rank,
+bytes on the wire, the flag's launch checks, and a tp=2 generate run."""
+import argparse
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tensorpar import comm
+from tensorpar.comm.compress import BLOCK, all_reduce_int8, dequantize_int8, payload_bytes, quantize_int8
+from tests.decode.test_generate_cli import tiny_with_tokenizer  # noqa: F401  (the fixture: a random llama + tokenizer)
+
+# The bound is scale/2 per element (round to nearest); x / scale and q * scale each round once in float32, so
+# allow 4 float32 ulps of the block's absmax on top (absmax * 2**-21).
+ULP = 2.0 ** -21
+
+
+def _partial(r: int, n: int, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + r)
+    x = torch.randn(n, generator=g) * torch.logspace(-3, 2, n)[torch.randperm(n, generator=g)]  # mixed magnitudes
+    x[:BLOCK] = 0.0                                    # an all-zero block (scale 0)
+    return x.to(dtype)
+
+
+def _bound(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Per-element bound of the int8 sum against the exact sum: sum over ranks of (scale/2 + ulps of absmax)."""
+    n = parts[0].numel()
+    tot = torch.zeros(n)
+    for x in parts:
+        _, s = quantize_int8(x)
+        amax = s * 127
+        tot += (s / 2 + amax * ULP).repeat_interleave(BLOCK)[:n]
+    return tot
+
+
+def test_quantize_roundtrip_within_half_a_step():
+    for n in (1, 31, 32, 100, 4096 + 7):               # partial last blocks included
+        x = _partial(0, 64)[-n:] if n < BLOCK else _partial(0, n)
+        q, s = quantize_int8(x)
+        assert q.dtype == torch.int8 and q.shape == (n,) and s.dtype == torch.float32 and s.shape == (-(-n // 32),)
+        assert int(q.abs().max()) <= 127
+        err = (dequantize_int8(q, s) - x).abs()
+        assert torch.all(err <= _bound([x])), float((err - _bound([x])).max())
+        assert payload_bytes(n) == 4 * s.numel() + 4 * -(-n // 4)     # int8 values padded to 4 bytes
+    z = torch.zeros(40)
+    q, s = quantize_int8(z)
+    assert torch.equal(dequantize_int8(q, s), z) and torch.equal(s, torch.zeros(2))
+
+
+def test_nonfinite_partial_gives_nonfinite_block():
+    x = torch.ones(64)
+    x[40] = float("inf")
+    d = dequantize_int8(*quantize_int8(x))
+    assert torch.isfinite(d[:32]).all() and not torch.isfinite(d[32:]).any()
+
+
+def _job_int8(ctx, n: int, dtype_name: str, fast: bool):
+    tp = ctx.tp
+    dtype = getattr(torch, dtype_name)
+    if fast:
+        from tensorpar.shm import disable_fast_collectives, enable_fast_collectives
+        enable_fast_collectives(tp, "on")
+    try:
+        x = _partial(tp.rank, n, dtype).view(-1, n // 8 if n % 8 == 0 else n)
+        exact = comm.all_reduce(x.float(), tp)
+        tp.compression = "int8"
+        with comm.counting(tp) as c:
+            y = comm.reduce_from_tp_region(x, tp)
+            summary = c.summary()
+        # autograd: the compressed forward passes the gradient straight through, as the exact all-reduce does
+        xg = x.float().clone().requires_grad_(True)
+        yg = comm.reduce_from_tp_region(xg, tp)
+        (yg * 3).sum().backward()
+        grad_ok = torch.equal(xg.grad, torch.full_like(xg, 3.0))
+        return {"y": y, "exact": exact, "summary": summary, "grad_ok": grad_ok, "yg": yg.detach()}
+    finally:
+        tp.compression = "fp32"
+        if fast:
+            disable_fast_collectives(tp)
+
+
+@pytest.mark.parametrize("tp,n,dtype,fast", [(2, 4104, "float32", False), (3, 1000, "float32", False),
+                                             (2, 264, "bfloat16", True)])
+def test_all_reduce_int8_same_bits_on_every_rank_and_within_bound(pools, tp, n, dtype, fast):
+    out = pools(tp).run(_job_int8, n, dtype, fast)
+    y0 = out[0]["y"]
+    assert y0.dtype == getattr(torch, dtype) and y0.numel() == n
+    for o in out[1:]:                                   # identical bits on every rank
+        assert torch.equal(o["y"], y0)
+    parts = [_partial(r, n, getattr(torch, dtype)) for r in range(tp)]
+    exact = out[0]["exact"].reshape(-1)
+    bound = _bound(parts)
+    if dtype == "bfloat16":                            # plus the final rounding of the fp32 sum to bf16
+        bound = bound + (exact.abs() + bound) * 2.0 ** -8
+    err = (y0.float().reshape(-1) - exact).abs()
+    assert torch.all(err <= bound), float((err - bound).max())
+    assert err.max() > 0                               # it is really quantized (an exact path would pass above)
+    # one all-gather of the compressed payload, no all-reduce; bytes counted as the group's counter defines them
+    s = out[0]["summary"]
+    assert set(s) == {"all_gather"} and s["all_gather"]["calls"] == 1
+    assert s["all_gather"]["bytes"] == tp * payload_bytes(n)
+    wire_int8 = s["all_gather"]["wire_bytes"]
+    wire_fp32 = 2 * (tp - 1) / tp * 4 * n             # the ring all-reduce of the fp32 partials
+    assert wire_int8 == (tp - 1) * payload_bytes(n)
+    assert wire_int8 / wire_fp32 <= {2: 0.29, 3: 0.43}[tp]
+    assert all(o["grad_ok"] for o in out)
+
+
+def test_one_rank_group_is_identity():
+    g = comm.Group.single()
+    g.compression = "int8"
+    x = torch.randn(5)
+    assert comm.reduce_partial(x, g) is x and all_reduce_int8(x, g) is x
+
+
+def test_refuses_integer_tensors():
+    g = comm.Group(pg=None, rank=0, size=2)
+    with pytest.raises(ValueError, match="floating-point"):
+        all_reduce_int8(torch.ones(4, dtype=torch.int64), g)
+
+
+def _launch_args(*argv):
+    from tensorpar.cli import add_launch_arguments
+    p = argparse.ArgumentParser()
+    add_launch_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_tp_comm_flag_checks(capsys, monkeypatch):
+    from tensorpar.cli import check_launch_arguments
+    for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(k, raising=False)
+    assert _launch_args().tp_comm == "fp32"
+    with pytest.raises(SystemExit):                    # argparse: one usage line naming the choices
+        _launch_args("--tp-comm", "int4")
+    assert "invalid choice: 'int4'" in capsys.readouterr().err
+    check_launch_arguments(_launch_args("--tp-comm", "int8"))      # one host: allowed, one line says not needed
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not needed" in err
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    check_launch_arguments(_launch_args("--tp-comm", "int8"))      # two hosts under torchrun: no note
+    assert capsys.readouterr().err == ""
+    with pytest.raises(ValueError, match="inference only"):
+        check_launch_arguments(_launch_args("--tp-comm", "int8"), inference=False)
+
+
+def test_train_refuses_tp_comm_int8():
+    r = subprocess.run([sys.executable, "-m", "tensorpar", "train", "--tp-comm", "int8"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--tp-comm int8" in lines[0] and "inference only" in lines[0], r.stderr
+
+
+def test_generate_tp2_tp_comm_int8_runs(tiny_with_tokenizer):
+    from tests.decode.test_generate_cli import _cli
+    r = _cli("--model", tiny_with_tokenizer, "--tp", "2", "--prompt", "the cat", "--max-new-tokens", "6",
+             "--tp-comm", "int8", "--fast-collectives", "off")
+    assert r.returncode == 0, r.stderr[-3000:]
+    text = r.stdout.splitlines()[0]
+    print("greedy text, --tp-comm int8:", repr(text))
+    assert text.startswith("the cat") and len(text) > len("the cat")
+    assert "--tp-comm int8" in r.stderr and "not needed" in r.stderr   # one host: the note, before any rank starts
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from tests.decode.test_generate import make_model_folder
+    return make_model_folder(tmp_path_factory.mktemp("tpcomm") / "llama", "llama")
+
+
+def _job_paths(ctx, folder, ids, mask):
+    from tensorpar.generate import SamplingConfig, generate_tokens
+    from tensorpar.hf.load import build_parallel_model
+    model, _ = build_parallel_model(folder, ctx.tp)
+    out = {}
+    for mode in ("fp32", "int8"):
+        ctx.tp.compression = mode
+        for path in ("hf", "lean"):
+            with comm.counting(ctx.tp) as c:
+                tokens = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=4),
+                                         path=path).tokens
+                out[mode, path] = (tokens, dict(c.calls))
+    ctx.tp.compression = "fp32"
+    return out
+
+
+def test_row_parallel_and_lean_decode_all_reduces_go_int8(pools, tiny_llama):
+    """Every partial-sum all-reduce of the module path and of the lean decode loop becomes one all-gather of the
+    compressed partials under compression="int8" (the other collectives are unchanged); ranks agree."""
+    from tests.decode.test_generate import ARCHS, prompts
+    ids, mask = prompts(ARCHS["llama"]["vocab_size"])
+    out = pools(2).run(_job_paths, tiny_llama, ids, mask)
+    moved = {}
+    for path in ("hf", "lean"):
+        exact, q = out[0]["fp32", path][1], out[0]["int8", path][1]
+        moved[path] = exact.get("all_reduce", 0) - q.get("all_reduce", 0)
+        assert moved[path] > 0 and q.get("all_gather", 0) - exact.get("all_gather", 0) == moved[path], (path, exact, q)
+        assert torch.equal(out[0]["int8", path][0], out[1]["int8", path][0])
+    assert moved["lean"] == moved["hf"], moved      # the lean loop compresses the same all-reduces (2 per layer too)

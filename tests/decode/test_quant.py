@@ -1,0 +1,321 @@
+"""int8 weight-only quantization (tensorpar/decode/quantize.py, int8.py): the quantized model at tp 1/2/3 equals the
+plain-PyTorch quantized unsharded model (per-output-channel absmax scales of the FULL weights), token for token."""
+import argparse
+
+import pytest
+import torch
+
+from tensorpar.generate import SamplingConfig, generate_tokens
+from tests._ranks import run_tp
+from tests.decode.test_generate import ARCHS, make_model_folder, prompts
+
+N_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quant")
+    return {a: str(make_model_folder(root / a, a)) for a in ("llama", "qwen2")}
+
+
+def fake_quant_reference(folder, ids, mask, n, dtype=torch.float32):
+    """transformers' unsharded model with every decoder Linear and the LM head replaced, in plain PyTorch, by
+    ``round(W / s) * s``, ``s = max|W[o, :]| / 127`` per output row of the full weight; its greedy tokens and
+    all-position logits."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    linears = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    with torch.no_grad():
+        for m in linears + [model.lm_head]:
+            w = m.weight.float()
+            s = (w.abs().amax(1, keepdim=True) / 127).to(dtype).float()
+            m.weight.copy_((torch.round(w / s).clamp(-127, 127) * s).to(dtype))
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, min_new_tokens=n)
+        logits = model(ids[:1]).logits[0].float()
+    return out[:, ids.shape[1]:], logits
+
+
+def job_int8(ctx, folder, ids, mask, n, dtype, quantize=True):
+    from tensorpar import comm
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.decode.lean import LeanDecoder
+    from tensorpar.decode.quantize import quantize_int8
+    model, plan = build_parallel_model(folder, ctx.tp, dtype=dtype)
+    if quantize:
+        quantize_int8(model, ctx.tp)
+    tokens = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=n), path="lean").tokens
+    module = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=n), path="hf").tokens
+    s = ids.shape[1]
+    lean = LeanDecoder(model, ctx.tp, max_batch=1, max_len=s)
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    local = lean.forward(ids[:1], torch.arange(s)[None], causal, length=s, start=0, last_only=False)[0]
+    logits = comm.all_gather(local.contiguous(), ctx.tp, -1, plan.vocab).float()           # [s, V]
+    return tokens, module, logits, lean.linear.__name__
+
+
+@pytest.mark.parametrize("arch,tp", [("llama", 1), ("llama", 2), ("llama", 3), ("qwen2", 2)])
+def test_int8_equals_quantized_unsharded_model(pools, folders, arch, tp):
+    ids, mask = prompts(ARCHS[arch]["vocab_size"])
+    want, want_logits = fake_quant_reference(folders[arch], ids, mask, N_NEW)
+    for r, (tokens, module, logits, kernel) in enumerate(run_tp(pools, tp, job_int8, folders[arch], ids, mask,
+                                                                 N_NEW, torch.float32)):
+        assert kernel == "int8_linear", "the lean path did not run the int8 matmul"
+        assert torch.equal(tokens, want), f"{arch} tp={tp} rank {r}: int8 lean tokens != quantized reference"
+        assert torch.equal(module, want), f"{arch} tp={tp} rank {r}: int8 module path tokens != quantized reference"
+        err = (logits - want_logits).abs().max().item()
+        assert err < 1e-4, f"{arch} tp={tp}: int8 logits differ from the quantized reference by {err}"
+
+
+def test_int8_changes_the_model(pools, folders):
+    """The quantization is real: the logits move away from the fp32 model's by more than the tolerance above."""
+    ids, mask = prompts(ARCHS["llama"]["vocab_size"])
+    (_, _, q, _), = run_tp(pools, 1, job_int8, folders["llama"], ids, mask, 2, torch.float32)
+    (_, _, fp, kernel), = run_tp(pools, 1, job_int8, folders["llama"], ids, mask, 2, torch.float32, False)
+    assert kernel in ("linear", "packed_linear")        # the fp32 path: F.linear, or oneDNN prepacked on a CPU
+    assert (q - fp).abs().max().item() > 1e-3
+
+
+def test_int8_bf16_same_tokens_at_tp_1_and_2(pools, folders):
+    """bf16 activations run torch._weight_int8pack_mm; tp=2 gives tp=1's tokens and the logits stay within bf16
+    rounding of the fp32 quantized reference."""
+    ids, mask = prompts(ARCHS["llama"]["vocab_size"])
+    _, ref_logits = fake_quant_reference(folders["llama"], ids, mask, 1)
+    outs = [run_tp(pools, tp, job_int8, folders["llama"], ids, mask, N_NEW, torch.bfloat16) for tp in (1, 2)]
+    one = outs[0][0]
+    for tp, res in zip((1, 2), outs):
+        for tokens, _, logits, kernel in res:
+            assert kernel == "int8_linear"
+            assert torch.equal(tokens, one[0]), f"bf16 int8 tp={tp} tokens != tp=1"
+            err = (logits - ref_logits).abs().max().item()
+            assert err < 0.05, f"bf16 int8 tp={tp}: logits differ from the fp32 quantized reference by {err}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [40, 48])     # bf16: 48 runs torch._weight_int8pack_mm, 40 the dequantizing matmul
+@pytest.mark.parametrize("chunk", [2 ** 21, 100])   # 100: the dequantizing matmul runs in chunks of 2 rows
+def test_int8_linear_matches_dequantized_matmul(dtype, k, chunk, monkeypatch):
+    from tensorpar.decode import int8 as quant
+    from tensorpar.decode.int8 import int8_linear, quantize_rows
+    monkeypatch.setattr(quant, "_CHUNK_ELEMS", chunk)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, k, generator=g).to(dtype)
+    x = torch.randn(3, 5, k, generator=g).to(dtype)
+    b = torch.randn(48, generator=g).to(dtype)
+    q = quantize_rows(w, None)                          # w now holds q * s
+    assert q.q.dtype == torch.int8 and q.q.abs().max() == 127
+    want = (x.double() @ (q.q.double() * q.scale.double()[:, None]).T + b.double())
+    got = int8_linear(x, q, b)
+    assert got.dtype == dtype and got.shape == (3, 5, 48)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7       # relative to the largest output; bf16: ~2 ulp
+    assert (got.double() - want).abs().max().item() < tol * want.abs().max().item()
+    assert torch.equal(w, (q.q.float() * q.scale.float()[:, None]).to(dtype))
+
+
+def test_quantize_refused_before_ranks_start(tmp_path):
+    from transformers import AutoConfig
+
+    from tensorpar.decode.quantize import check_quantize
+    cfg = AutoConfig.for_model("gpt2", n_embd=24, n_layer=2, n_head=6)
+    with pytest.raises(ValueError, match="--quantize int8.*'gpt2'.*--quantize none"):
+        check_quantize("int8", cfg, argparse.Namespace(sequence_parallel=False))
+    check_quantize("none", cfg, None)
+    with pytest.raises(ValueError, match="sequence parallelism"):
+        check_quantize("int8", AutoConfig.for_model("llama"), argparse.Namespace(sequence_parallel=True))
+
+
+def job_engine_int8(ctx, folder, prompt, n):
+    from tensorpar.decode.quantize import apply_quantize
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.serve.engine import Engine
+    from tensorpar.serve.plan import Row, StepPlan
+    model, _ = build_parallel_model(folder, ctx.tp)
+    apply_quantize(model, ctx.tp, "int8")                   # what serve --quantize int8 does on every rank
+    engine = Engine(model, ctx.tp, max_batch=2, max_len=32)
+    out = engine.step(StepPlan("step", [Row(slot=1, tokens=prompt, start=0)]), None).tokens
+    for i in range(n - 1):
+        out += engine.step(StepPlan("step", [Row(slot=1, tokens=out[-1:], start=len(prompt) + i)]), None).tokens
+    return out, engine.lean.linear.__name__
+
+
+def test_serve_engine_int8_equals_quantized_reference(pools, folders):
+    ids, mask = prompts(ARCHS["llama"]["vocab_size"])
+    want, _ = fake_quant_reference(folders["llama"], ids[:1], mask[:1], 8)
+    for tokens, kernel in run_tp(pools, 2, job_engine_int8, folders["llama"], ids[0].tolist(), 8):
+        assert kernel == "int8_linear"
+        assert tokens == want[0].tolist()
+
+
+@pytest.mark.network
+@pytest.mark.slow
+def test_smollm2_int8_tp2_equals_quantized_reference(pools):
+    """SmolLM2-135M (9 q heads, 3 KV heads, tied embedding, vocab 49152): int8 at tp=2 gives the greedy tokens of
+    transformers' unsharded model quantized in plain PyTorch, and its prompt logits within 1e-3 (fp32; logits of
+    magnitude ~20)."""
+    from transformers import AutoTokenizer
+
+    from tensorpar.hub import resolve_model
+    folder = str(resolve_model("smollm2", progress=False))
+    ids = AutoTokenizer.from_pretrained(folder)(["The capital of France is"], return_tensors="pt")["input_ids"]
+    mask = torch.ones_like(ids)
+    want, want_logits = fake_quant_reference(folder, ids, mask, N_NEW)
+    for tokens, module, logits, kernel in run_tp(pools, 2, job_int8, folder, ids, mask, N_NEW, torch.float32):
+        assert kernel == "int8_linear"
+        assert torch.equal(tokens, want) and torch.equal(module, want)
+        err = (logits - want_logits).abs().max().item()
+        assert err < 1e-3, f"SmolLM2 int8 tp=2 logits differ from the quantized reference by {err}"
+
+
+def job_verify_int8(ctx, quantize_ref):
+    from tensorpar.decode.quantize import quantize_int8, quantize_reference_int8
+    from tensorpar.verify import compare_to_reference
+    from tests.verify.test_verify import _pair
+    ref, par, ids = _pair(ctx, "llama")
+    quantize_int8(par, ctx.tp)
+    if quantize_ref:
+        quantize_reference_int8(ref)
+    rep = compare_to_reference(ref, par, ctx.tp, ids)
+    f = rep.first_failure
+    return (None if f is None else f.name), [d.name for d in rep.diffs]
+
+
+def test_verify_quantize_int8(pools):
+    """verify --quantize int8 quantizes both sides and passes (module and lean path); quantizing only the sharded
+    model is caught."""
+    for failure, names in run_tp(pools, 2, job_verify_int8, True):
+        assert failure is None, failure
+        assert any("lean" in n for n in names), names
+    for failure, _ in run_tp(pools, 2, job_verify_int8, False):
+        assert failure is not None
+
+
+def test_int8_weight_bytes_counts_one_byte_per_weight_plus_scales(folders):
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.parallel import ParallelContext
+    from tensorpar.decode.int8 import int8_weight_bytes
+    from tensorpar.decode.quantize import quantize_int8
+    ctx = ParallelContext.single()
+    model, _ = build_parallel_model(folders["llama"], ctx.tp)
+    lin = [tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False) if p.dim() == 2
+           and "embed" not in n]
+    quantize_int8(model, ctx.tp)
+    assert len(lin) == 2 * 7 + 1                                   # q, k, v, o, gate, up, down per layer; LM head
+    assert int8_weight_bytes(model) == sum(o * i for o, i in lin) + 4 * sum(o for o, _ in lin)
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_int8(model, ctx.tp)
+
+
+def _quantized_linears(model):
+    """``(name, module)`` of the Linears :func:`quantize_int8` quantizes: q/k/v/o, gate/up/down, the LM head."""
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    return [(n, m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in names] + [("lm_head", model.lm_head)]
+
+
+def job_memory(ctx, folder, ids, mask, n):
+    import gc
+    import weakref
+
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.decode.prepare import fuse_projections
+    from tensorpar.decode.quantize import quantize_int8, resident_weight_bytes
+    model, _ = build_parallel_model(folder, ctx.tp)
+    fuse_projections(model)            # the lean path's fused fp q/k/v and gate/up buffers, as after a generate call
+    lin = _quantized_linears(model)
+    fp = [weakref.ref(m.weight) for _, m in lin]
+    fp += [weakref.ref(m.__dict__["_lean_fused"][0]) for m in model.modules() if "_lean_fused" in m.__dict__]
+    n_q = sum(m.weight.numel() for _, m in lin)                      # this rank's quantized weights
+    n_rows = sum(m.weight.shape[0] for _, m in lin)                  # one fp32 scale per local output row
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    before = resident_weight_bytes(model)
+    quantize_int8(model, ctx.tp)
+    gc.collect()
+    alive = sum(r() is not None for r in fp)
+    float_2d = sorted(n for n, t in list(model.named_parameters()) + list(model.named_buffers())
+                      if t.is_floating_point() and t.dim() == 2)
+    after = resident_weight_bytes(model)
+    tokens = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=n), path="lean").tokens
+    module = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=n), path="hf").tokens
+    gc.collect()
+    return dict(alive=alive, n_fp=len(fp), float_2d=float_2d, before=before, after=after, n_q=n_q, n_rows=n_rows,
+                tied=tied, after_generate=resident_weight_bytes(model), tokens=tokens, module=module)
+
+
+@pytest.mark.parametrize("arch,tp", [("llama", 1), ("llama", 2), ("qwen2", 2)])
+def test_int8_frees_the_fp_weights(pools, folders, arch, tp):
+    """After quantize_int8 no fp copy of a quantized weight is alive (not the parameters, not the lean path's fused
+    buffers, not a tied embedding table), the model's storages shrink by exactly 3 bytes per quantized weight less
+    the scales (tp=1: the quantized count computed from the config), generating does not bring them back, and the
+    tokens (lean and module path) still equal the plain-PyTorch quantized reference. llama ties its embedding to
+    the LM head (the table then reads the head's int8 rows); qwen2 does not (its embedding stays fp32) and has
+    q/k/v biases."""
+    from transformers import AutoConfig
+    ids, mask = prompts(ARCHS[arch]["vocab_size"])
+    want, _ = fake_quant_reference(folders[arch], ids, mask, 8)
+    c = AutoConfig.from_pretrained(folders[arch])
+    L, h, f, V = c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size
+    nh, nkv = c.num_attention_heads, c.num_key_value_heads
+    d = getattr(c, "head_dim", None) or h // nh
+    n_q_full = L * (h * (nh + 2 * nkv) * d + nh * d * h + 3 * h * f) + V * h
+    for r, res in enumerate(run_tp(pools, tp, job_memory, folders[arch], ids, mask, 8)):
+        assert res["tied"] == (arch == "llama")
+        assert res["alive"] == 0, f"rank {r}: {res['alive']} of {res['n_fp']} fp weight tensors still alive"
+        assert res["float_2d"] == ([] if res["tied"] else ["model.embed_tokens.weight"]), res["float_2d"]
+        if tp == 1:
+            assert res["n_q"] == n_q_full
+        assert res["after"] == res["before"] - 3 * res["n_q"] + 4 * res["n_rows"], res
+        assert res["after"] < 0.5 * res["before"], res               # fp32: 4 bytes per weight before
+        assert res["after_generate"] == res["after"], "generating re-created fp weights"
+        assert torch.equal(res["tokens"], want) and torch.equal(res["module"], want), f"rank {r}: tokens changed"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_on_int8_reads_only_the_int8_weights(folders, monkeypatch, dtype):
+    """The lean decoder of a quantized model multiplies by the int8 tensors only: building it and decoding never
+    dequantizes a freed fp weight (no ``[in, out]`` view, no oneDNN prepack of one, even with ``prepack=True``),
+    nothing is cached on the modules and the resident bytes do not grow; the logits equal those of the same
+    decoder run without the check."""
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.decode.lean import LeanDecoder
+    from tensorpar.parallel import ParallelContext
+    from tensorpar.decode.int8 import int8_linear, Int8Weight
+    from tensorpar.decode.quantize import quantize_int8, resident_weight_bytes
+    ctx = ParallelContext.single()
+    model, _ = build_parallel_model(folders["llama"], ctx.tp, dtype=dtype)
+    quantize_int8(model, ctx.tp)
+    ids, mask = prompts(ARCHS["llama"]["vocab_size"])
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+
+    def run(prepack):
+        lean = LeanDecoder(model, ctx.tp, max_batch=ids.shape[0], max_len=ids.shape[1] + 1, prepack=prepack)
+        first = lean.prefill(ids, mask, pos)
+        step = lean.decode(first.argmax(-1, keepdim=True), pos[:, -1:] + 1, ids.shape[1])
+        return lean, first, step
+
+    _, want_first, want_step = run(None)
+    before = resident_weight_bytes(model)
+
+    def no_dequantize(self):
+        raise AssertionError("the lean path dequantized a freed fp weight")
+    monkeypatch.setattr(Int8Weight, "dequantize", no_dequantize)
+    for prepack in (None, True):
+        lean, first, step = run(prepack)
+        assert lean.packed is False and lean.lin is int8_linear and lean.linear is int8_linear
+        assert all(isinstance(w, Int8Weight) for L in lean.layers for w in (L.wqkv, L.wo, L.wgu, L.wd))
+        assert torch.equal(first, want_first) and torch.equal(step, want_step)
+    assert not any("_lean_packed" in m.__dict__ for m in model.modules())
+    assert resident_weight_bytes(model) == before
+
+
+def test_lean_refuses_a_model_cast_after_quantizing(folders):
+    """quantize_int8, then .to(bfloat16): the lean decoder's error names both dtypes and says to quantize after
+    the cast (the fast RMSNorm of the lean path must not turn it into an AttributeError)."""
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.decode.lean import LeanDecoder
+    from tensorpar.parallel import ParallelContext
+    from tensorpar.decode.quantize import quantize_int8
+    ctx = ParallelContext.single()
+    model, _ = build_parallel_model(folders["llama"], ctx.tp)
+    quantize_int8(model, ctx.tp)
+    model.to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"quantized in torch.float32 and is now torch.bfloat16; quantize after"):
+        LeanDecoder(model, ctx.tp, max_batch=1, max_len=8)
