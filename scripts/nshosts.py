@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the hosts are killed")
     p.add_argument("--show-commands", action="store_true", help="print each host's torchrun command")
     if "--" not in argv:
+        if "-h" in argv or "--help" in argv:
+            p.parse_args(argv)   # prints the help and exits 0
         p.error("give the torchrun target after '--', e.g. -- -m tensorpar generate --tp 2")
     cut = argv.index("--")
     args, cmd = p.parse_args(argv[:cut]), argv[cut + 1:]
@@ -37,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("nothing to run after '--'")
     if args.nproc_per_host < 1:
         p.error(f"--nproc-per-host must be >= 1, got {args.nproc_per_host}")
+    if not args.timeout > 0:
+        p.error(f"--timeout must be > 0 seconds, got {args.timeout:g}")
     try:
         hosts = NamespaceHosts(args.hosts, None if args.rate == "none" else args.rate, prefix=args.prefix,
                                subnet=args.subnet)

@@ -34,6 +34,11 @@ COMMANDS = {
 FAST_COLLECTIVES = ("auto", "on", "off")
 #: values of ``--dtype``
 DTYPES = ("float32", "bfloat16")
+
+
+def dtype_name(text: str) -> str:
+    """A ``--dtype`` value: ``bf16`` / ``fp32`` (the short spellings) as the names every command takes."""
+    return {"bf16": "bfloat16", "fp32": "float32"}.get(text, text)
 #: values of ``--tp-comm`` (the tp all-reduce of the partial sums: exact, or blockwise int8 on the wire)
 TP_COMM = ("fp32", "int8")
 
@@ -54,7 +59,7 @@ def add_launch_arguments(p, *, tp_list: bool = False, tp_action=None, ep: bool =
         p.add_argument("--tp", default=str(DEFAULT_TP),
                        help="comma-separated tensor-parallel degrees to check, e.g. 2,3,4")
     else:
-        p.add_argument("--tp", type=int, default=DEFAULT_TP, **({"action": tp_action} if tp_action else {}),
+        p.add_argument("--tp", type=int, default=DEFAULT_TP, action=tp_action or ExplicitFlag,
                        help="tensor-parallel degree: local ranks started here (under torchrun: from its world size)")
     add_tp_weights(p)
     if ep:
@@ -62,7 +67,7 @@ def add_launch_arguments(p, *, tp_list: bool = False, tp_action=None, ep: bool =
                        help="expert-parallel degree: a mixture-of-experts model's experts split whole over this many "
                             "replicas of the tp ranks (tp x ep ranks; each keeps E/ep experts, tokens moved by "
                             "all-to-all); must divide the number of experts")
-    p.add_argument("--dtype", choices=DTYPES, default="float32",
+    p.add_argument("--dtype", type=dtype_name, choices=DTYPES, default="float32",
                    help="bfloat16: bf16 weights and compute for generate, serve and verify; bf16 autocast over "
                         "fp32 weights and optimizer state for train")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
@@ -80,28 +85,32 @@ def add_launch_arguments(p, *, tp_list: bool = False, tp_action=None, ep: bool =
     p.add_argument("--verbose", action="store_true", help="show full tracebacks of errors")
 
 
-def check_launch_arguments(args, *, inference: bool = True) -> None:
+def check_launch_arguments(args, *, exact: str | None = None) -> None:
     """The one rule for the shared launch flags (in the launching process, before any rank starts).
 
     ``--tp-comm int8`` with every tp rank on this host (no torchrun, or torchrun with one node) is allowed; one
-    line on stderr says it is not needed there (the links are shared memory or loopback).
+    line on stderr says it is not needed there (the links are shared memory or loopback), or that it does nothing
+    at ``--tp 1``. ``exact``: why the command needs the exact all-reduce (train, verify), refusing int8.
 
     Raises:
         ValueError: ``--timeout`` not a number of seconds in [1, 1e8] (below 1 s the ranks' store cannot even
-            start; 1e8 is torch's timedelta limit); ``--tp-comm int8`` with ``inference=False`` (train); ``--ep``
-            below 1.
+            start; 1e8 is torch's timedelta limit); ``--tp-comm int8`` with ``exact`` given (train, verify);
+            ``--ep`` below 1.
     """
     import math
     import os
 
     mode = getattr(args, "tp_comm", "fp32")
     if mode != "fp32":
-        if not inference:
-            raise ValueError(f"--tp-comm {mode}: compressed all-reduce is for inference only (generate, serve, "
-                             f"verify); train needs the exact gradients of --tp-comm fp32 (the default)")
+        if exact is not None:
+            raise ValueError(f"--tp-comm {mode}: the compressed all-reduce is lossy (generate and serve only); "
+                             f"{exact}; drop --tp-comm (fp32, the default)")
         world = int(os.environ.get("WORLD_SIZE", "0") or 0)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-        if (not world or local >= world) and int(os.environ.get("RANK", "0") or 0) == 0:
+        if str(getattr(args, "tp", 2)) == "1":
+            print(f"tensorpar: note: --tp-comm {mode} does nothing at --tp 1 (there is no tp all-reduce)",
+                  file=sys.stderr)
+        elif (not world or local >= world) and int(os.environ.get("RANK", "0") or 0) == 0:
             print(f"tensorpar: note: --tp-comm {mode}: every tp rank is on this host, where the links are fast; "
                   f"compression is not needed here (it only pays on slow links between hosts)", file=sys.stderr)
 
@@ -125,9 +134,20 @@ def check_ep_for_model(args, config) -> None:
         raise ValueError(why)
 
 
+class ExplicitFlag(argparse.Action):
+    """Stores the value and records the flag in ``namespace.explicit_flags`` (so a degree the user gave can be
+    told from a default: ``train --plan``, :func:`torchrun_tp`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        explicit = set(getattr(namespace, "explicit_flags", None) or ())
+        namespace.explicit_flags = explicit | {self.dest}
+
+
 def torchrun_tp(args) -> None:
     """Under torchrun (this process is one of its ranks) set ``args.tp`` from its world size: ``WORLD_SIZE / ep``
-    (``generate``, ``serve``; the launching rule of ``--ep``). Raises ValueError when ``--ep`` does not divide it."""
+    (``generate``, ``serve``; the launching rule of ``--ep``). Raises ValueError when ``--ep`` does not divide it,
+    or when a ``--tp`` the user gave differs from it (never silently another degree)."""
     import os
 
     from tensorpar.launch import under_torchrun
@@ -138,6 +158,9 @@ def torchrun_tp(args) -> None:
     if ep >= 1 and world % ep:
         raise ValueError(f"--ep {ep} does not divide torchrun's {world} ranks (tp x ep); use --ep in "
                          f"{[d for d in range(1, world + 1) if world % d == 0]}")
+    if "tp" in (getattr(args, "explicit_flags", None) or ()) and args.tp != world // max(ep, 1):
+        raise ValueError(f"--tp {args.tp} x --ep {ep} = {args.tp * ep} ranks, but torchrun started WORLD_SIZE={world}; "
+                         f"drop --tp under torchrun (it is the world size / --ep) or start {args.tp * ep} ranks")
     args.tp = world // max(ep, 1)
 
 

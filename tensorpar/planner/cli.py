@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from tensorpar.cli import DTYPES
+from tensorpar.cli import DTYPES, dtype_name
 from tensorpar.planner import cluster as cl
 from tensorpar.planner import model_spec as ms
 from tensorpar.planner.inference import InferenceWorkload
@@ -28,11 +28,6 @@ NO_FIT = 3  # exit status when no layout fits (2: bad input, 1: a calibration wo
 DISTOPT_NOTE = ("dist-opt on = `tensorpar train --dp-mode fsdp`: FSDP2 (fully_shard on the dp axis) shards the AdamW "
                 "state 1/dp, and the gradients and weights too (ZeRO-3), so it needs less memory than the dist-opt "
                 "column and moves more (weights all-gathered in forward and again in backward).")
-
-
-def _dtype_name(text: str) -> str:
-    """``bf16`` / ``fp32`` (the planner's former names) as the names every command takes."""
-    return {"bf16": "bfloat16", "fp32": "float32"}.get(text, text)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,9 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--attention", choices=ATTENTION, default=None,
                       help="eager: scores stored (Korthikanti); sdpa: fused kernel (default: eager for "
                            "megatron kernels, sdpa for hf)")
-    work.add_argument("--dtype", type=_dtype_name, choices=DTYPES, default="bfloat16",
+    work.add_argument("--dtype", type=dtype_name, choices=DTYPES, default="bfloat16",
                       help="weights and activations (the name the other commands take; bf16/fp32 also accepted)")
-    work.add_argument("--grad-dtype", type=_dtype_name, choices=DTYPES, default="bfloat16",
+    work.add_argument("--grad-dtype", type=dtype_name, choices=DTYPES, default="bfloat16",
                       help="gradient buffers: bfloat16 (16 B/param with Adam) or float32 main grads (18 B/param)")
     work.add_argument("--tp-overlap", type=float, default=0.0, help="fraction of TP communication hidden")
     work.add_argument("--dp-overlap", type=float, default=0.0, help="fraction of DP communication hidden")

@@ -19,6 +19,7 @@ import os
 import sys
 from pathlib import Path
 
+from tensorpar.cli import ExplicitFlag
 from tensorpar.train.config import DP_MODES, TrainConfig
 from tensorpar.hf.presets import PRESETS
 from tensorpar.train.ranks import _rank_main, check_fast_collectives, prepare
@@ -30,12 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from tensorpar.cli import add_launch_arguments
 
     d = TrainConfig()
-    add_launch_arguments(p, tp_action=_Explicit)   # --tp (world size = tp x pp x dp), --dtype, --timeout, ...
-    p.add_argument("--pp", type=int, default=d.pp, action=_Explicit, help="pipeline-parallel degree (stages; "
+    add_launch_arguments(p)   # --tp (world size = tp x pp x dp), --dtype, --timeout, ...
+    p.add_argument("--pp", type=int, default=d.pp, action=ExplicitFlag, help="pipeline-parallel degree (stages; "
                                                                           "torch.distributed.pipelining)")
-    p.add_argument("--dp", type=int, default=d.dp, action=_Explicit, help="data-parallel degree (replicas; rank "
+    p.add_argument("--dp", type=int, default=d.dp, action=ExplicitFlag, help="data-parallel degree (replicas; rank "
                                                                           "order tp fastest, then pp, then dp)")
-    p.add_argument("--cp", type=int, default=d.cp, action=_Explicit,
+    p.add_argument("--cp", type=int, default=d.cp, action=ExplicitFlag,
                    help="context-parallel degree: every sequence split over cp ranks (two chunks each, one early and "
                         "one late; rank order tp fastest, then cp); --seq-len must divide by 2 x cp; with --tp, "
                         "--sequence-parallel, --pp and --dp")
@@ -55,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per replica and step (default: "
                                                                    "pp, so that every stage has work; 1 without pp) "
                                                                               "(gradient accumulation)")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"], default=d.schedule, action=_Explicit,
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"], default=d.schedule, action=ExplicitFlag,
                    help="pipeline schedule (pp > 1)")
     p.add_argument("--dp-mode", choices=list(DP_MODES), default=d.dp_mode,
                    help="data parallelism: ddp (whole replicas, gradients all-reduced) or fsdp (FSDP2 fully_shard on "
@@ -102,16 +103,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                   "(new or empty, or a previous export with --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="let --export replace a previous tensorpar export")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-class _Explicit(argparse.Action):
-    """Stores the value and records the flag in ``namespace.explicit_flags`` (so ``--plan`` can tell a degree the
-    user gave from a default)."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
-        explicit = set(getattr(namespace, "explicit_flags", None) or ())
-        namespace.explicit_flags = explicit | {self.dest}
 
 
 def default_micro_batches(pp: int, dp: int, batch_size: int) -> int:
@@ -294,7 +285,7 @@ def main(args: argparse.Namespace) -> int:
                              f"torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']} ranks; choose degrees whose "
                              f"product is {os.environ['WORLD_SIZE']}")
         from tensorpar.cli import check_launch_arguments
-        check_launch_arguments(args, inference=False)
+        check_launch_arguments(args, exact="train needs the exact gradients")
         check_fast_collectives(cfg)
         if not under_torchrun() or os.environ.get("RANK") == "0":  # one lock per run: the launcher / global rank 0
             lock.enter_context(locked_folder(cfg.out_dir, "--out"))  # held to the end: a second run is refused

@@ -109,7 +109,8 @@ def validate(args: argparse.Namespace, out_dir: str = ""):
         raise ValueError(f"--seq-len {seq} is not divisible by every tp in {tps} (sequence parallelism needs it); "
                          f"use a multiple of {lcm}")
     from tensorpar.cli import check_launch_arguments
-    check_launch_arguments(args)
+    check_launch_arguments(args, exact="verify proves a layout against the exact bound (int8's quality cost is "
+                                       "measured by bench/bench_tp_comm.py, docs/collectives.md)")
     config, folder = _model_config(args.model, seq)
     if not is_causal_lm(getattr(config, "model_type", None)):
         raise ValueError(f"{args.model}: model_type={config.model_type!r} is not a causal language model; verify "
@@ -289,7 +290,7 @@ def main(args: argparse.Namespace) -> int:
                 return rc
             with open(job.task.out_path) as f:
                 reports.append(json.load(f))
-    tps, seq = [job.world_size for job in jobs], jobs[0].task.seq_len
+    tps, seq = [job.parallel.tp for job in jobs], jobs[0].task.seq_len
     if args.json:
         tmpf = args.json + ".tmp"
         with open(tmpf, "w") as f:

@@ -116,6 +116,8 @@ def resolve_flags(args, config, *, train: bool = False) -> None:
         return
     if getattr(args, "plan_file", None) is not None:
         raise ValueError(f"--discover-plan and --plan-file {args.plan_file}: give one of the two")
+    if save is not None and os.path.isdir(save):
+        raise ValueError(f"--save-plan {save}: is a folder; give a file path, e.g. {os.path.join(save, 'plan.json')}")
     if save is not None and not os.path.isdir(os.path.dirname(os.path.abspath(save))):
         raise ValueError(f"--save-plan {save}: the folder {os.path.dirname(os.path.abspath(save))} does not exist")
     args.plan_file = discovered_plan_file(config, save=save, train=train)

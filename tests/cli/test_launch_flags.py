@@ -55,3 +55,28 @@ def test_verify_runs_with_check_collectives_and_fast_collectives_off(tmp_path):
                "--json", str(out)])
     layouts = json.loads(out.read_text())["layouts"]
     assert rc == 0 and [(r["tp_size"], r["ok"]) for r in layouts] == [(2, True)]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_dtype_short_spellings_are_the_same_setting(command):
+    # `tensorpar plan` took bf16/fp32 and the others float32/bfloat16 (review): every command takes both now
+    p = parser(command)
+    assert p.parse_args(["--dtype", "bf16"]).dtype == "bfloat16"
+    assert p.parse_args(["--dtype", "fp32"]).dtype == "float32"
+
+
+def test_torchrun_refuses_a_tp_it_would_not_run(monkeypatch):
+    # under torchrun generate/serve took tp from WORLD_SIZE / ep and silently ignored a --tp the user gave (review:
+    # --tp 2 on a 1-rank torchrun ran tp 1); a default --tp still follows the world size
+    from tensorpar.cli import torchrun_tp
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    a = parser("generate").parse_args([])
+    torchrun_tp(a)
+    assert a.tp == 1
+    with pytest.raises(ValueError, match=r"^--tp 2 x --ep 1 = 2 ranks, but torchrun started WORLD_SIZE=1"):
+        torchrun_tp(parser("generate").parse_args(["--tp", "2"]))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    a = parser("serve").parse_args(["--tp", "2", "--ep", "2"])
+    torchrun_tp(a)
+    assert a.tp == 2

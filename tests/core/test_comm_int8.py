@@ -142,8 +142,8 @@ def test_tp_comm_flag_checks(capsys, monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     check_launch_arguments(_launch_args("--tp-comm", "int8"))      # two hosts under torchrun: no note
     assert capsys.readouterr().err == ""
-    with pytest.raises(ValueError, match="inference only"):
-        check_launch_arguments(_launch_args("--tp-comm", "int8"), inference=False)
+    with pytest.raises(ValueError, match="lossy .generate and serve only.; train needs the exact gradients"):
+        check_launch_arguments(_launch_args("--tp-comm", "int8"), exact="train needs the exact gradients")
 
 
 def test_train_refuses_tp_comm_int8():
@@ -151,7 +151,7 @@ def test_train_refuses_tp_comm_int8():
                        text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--tp-comm int8" in lines[0] and "inference only" in lines[0], r.stderr
+    assert len(lines) == 1 and "--tp-comm int8" in lines[0] and "lossy" in lines[0], r.stderr
 
 
 def test_generate_tp2_tp_comm_int8_runs(tiny_with_tokenizer):

@@ -113,3 +113,14 @@ def test_smollm2_generate_across_two_namespace_hosts():
     assert [r[0] for r in res] == [0, 0], "\n".join(r[2][-2000:] for r in res)
     text = next(r[1] for r in res if "tokens/s" in r[1])
     assert text.startswith(want), (text, want)
+
+
+def test_script_help_and_timeout():
+    # review: --help alone printed only "give the torchrun target after '--'"; a negative --timeout killed the hosts
+    # at once and said nothing about why
+    r = subprocess.run([sys.executable, "scripts/nshosts.py", "--help"], capture_output=True, text=True, env=env(),
+                       timeout=60)
+    assert r.returncode == 0 and "--nproc-per-host" in r.stdout
+    r = subprocess.run([sys.executable, "scripts/nshosts.py", "--timeout", "-5", "--", "-m", "tensorpar", "generate"],
+                       capture_output=True, text=True, env=env(), timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().endswith("--timeout must be > 0 seconds, got -5")

@@ -151,4 +151,4 @@ def test_serve_accepts_a_windowed_model_before_launch(tmp_path):
     (tmp_path / "mistral" / "config.json").write_text(json.dumps(cfg))
     p = argparse.ArgumentParser()
     cli.add_arguments(p)
-    assert cli.validate(p.parse_args(["--model", folder, "--max-model-len", "64"]))[1] == 64
+    assert cli.validate(p.parse_args(["--model", folder, "--max-model-len", "64"])).task.max_len == 64

@@ -70,6 +70,7 @@ def test_verify_ep2_passes(moe_folder):
     r = _cli("verify", "--model", moe_folder, "--tp", "1", "--ep", "2", "--fast-collectives", "off")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "tensorpar verify: OK" in r.stdout and "ep=2" in r.stdout
+    assert "at tp 1 (" in r.stdout                   # the tp degree, not the world size tp x ep (review finding)
     assert "model.layers.1.mlp" in r.stdout          # the MoE block's output compared (it holds the split experts)
 
 

@@ -148,8 +148,8 @@ def job_exchange(ctx, fast: bool):
     if fast:
         from tests._shm import fast_twin
         group = fast_twin(ctx)
-    eng = Engine.__new__(Engine)                 # exchange needs only the group and the device
-    eng.tp, eng.device = group, torch.device("cpu")
+    eng = Engine.__new__(Engine)                 # exchange needs only the groups and the device
+    eng.tp, eng.plans, eng.device = group, group, torch.device("cpu")
     try:
         return [eng.exchange(p if group.rank == 0 else None) for p in _plans()]
     finally:

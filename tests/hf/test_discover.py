@@ -101,6 +101,8 @@ def test_flag_combinations_are_refused_before_anything_runs(tmp_path):
     with pytest.raises(ValueError, match="--save-plan .*: the folder .*nope does not exist"):
         resolve_flags(argparse.Namespace(discover_plan=True, save_plan=str(tmp_path / "nope" / "p.json"),
                                          plan_file=None), c)
+    with pytest.raises(ValueError, match="--save-plan .*: is a folder; give a file path"):   # before the proof
+        resolve_flags(argparse.Namespace(discover_plan=True, save_plan=str(tmp_path), plan_file=None), c)
     with pytest.raises(ValueError, match="either a plan file .* or discover=True"):
         make_plan(c, 2, discover=True, user_plan={"model.layers.*.mlp": "gated_mlp"})
 

@@ -253,7 +253,10 @@ def test_cli_tiny_train_json(tmp_path):
                                         (["--tp", "2,3", "--sequence-parallel", "--seq-len", "8"], "multiple of 6"),
                                         (["--tp", "5"], "tp"),
                                         (["--tp", "2", "--quantize", "int8", "--train"], "--quantize int8 cannot run "
-                                         "with --train")])
+                                         "with --train"),
+                                        # lossy: verify would fail every layout against the exact bound (review)
+                                        (["--tp", "2", "--tp-comm", "int8"], "--tp-comm int8: the compressed "
+                                         "all-reduce is lossy (generate and serve only); verify proves")])
 def test_cli_bad_input(capsys, argv, match):
     from tensorpar.cli import main
     rc = main(["verify", *(["--model", "tiny"] if "--model" not in argv else []), *argv])
