@@ -156,7 +156,7 @@ def _shard_bytes(model) -> int:
     """Bytes of this rank's shard in the format it decodes in: every distinct parameter (after ``--quantize int8``:
     the norms and the untied embedding, whose quantized weights are no longer parameters) plus the int8 weights and
     scales."""
-    from tensorpar.quant import int8_weight_bytes, int8_weights
+    from tensorpar.decode.int8 import int8_weight_bytes, int8_weights
     seen, n = set(), 0
     for p in model.parameters():
         if p.untyped_storage().data_ptr() not in seen:
@@ -174,7 +174,7 @@ def job_tp(ctx, folder, n, dtype, path, batch, profile=False, quantize="none", p
     ``memory``: also this rank's :func:`proc_memory` before the model is built (the process baseline: imports,
     process group, shared-memory collectives), after it is loaded (and quantized), and after a decode of
     ``MEMORY_STEPS`` tokens (the timed one when ``n >= MEMORY_STEPS``, else one more), with the bytes of its shard
-    (:func:`_shard_bytes`) and what the model's tensors hold (:func:`tensorpar.quant.resident_weight_bytes`)."""
+    (:func:`_shard_bytes`) and what the model's tensors hold (:func:`tensorpar.decode.quantize.resident_weight_bytes`)."""
     from tensorpar import comm
     from tensorpar.generate import SamplingConfig, generate_tokens
     from tensorpar.hf.load import build_parallel_model
@@ -186,7 +186,7 @@ def job_tp(ctx, folder, n, dtype, path, batch, profile=False, quantize="none", p
     model, _ = build_parallel_model(folder, ctx.tp, dtype=getattr(torch, dtype))
     _quantize(model, ctx.tp, quantize)
     if memory:
-        from tensorpar.quant import resident_weight_bytes
+        from tensorpar.decode.quantize import resident_weight_bytes
         mem.update(after_load=proc_memory(), shard_bytes=_shard_bytes(model),
                    model_tensor_bytes_after_load=resident_weight_bytes(model))
     ids = prompt_inputs(folder, batch, prompt_ids)["input_ids"]
@@ -203,7 +203,7 @@ def job_tp(ctx, folder, n, dtype, path, batch, profile=False, quantize="none", p
     if memory:
         if n < MEMORY_STEPS:
             generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=MEMORY_STEPS), path=path)
-        from tensorpar.quant import resident_weight_bytes
+        from tensorpar.decode.quantize import resident_weight_bytes
         mem.update(after_decode=proc_memory(), model_tensor_bytes_after_decode=resident_weight_bytes(model),
                    decode_steps=max(n, MEMORY_STEPS), rank=ctx.tp.rank)
         out["memory"] = mem

@@ -711,7 +711,7 @@ def write(res: dict, out: Path, n: int, stem: str) -> None:
                   f"after a greedy decode of {res['memory'][0]['decode_steps']} new tokens. Bound = {MEMORY_TARGET} x "
                   "shard bytes + baseline; shard bytes = this rank's parameters in the format it decodes in (int8: "
                   "int8 weights + scales, norms and the untied embedding in bf16). Model tensors = the distinct "
-                  "storages the model holds (tensorpar.quant.resident_weight_bytes: parameters, the lean path's fused "
+                  "storages the model holds (tensorpar.decode.quantize.resident_weight_bytes: parameters, the lean path's fused "
                   "weights, int8 tensors). MB = 10^6 bytes.", "",
                   "| configuration | rank | shard MB | model tensors MB (load / decode) | RSS baseline | RSS after load "
                   "| RSS after decode | RSS bound | (RSS - baseline) / shard | PSS baseline | PSS after load | PSS after "
