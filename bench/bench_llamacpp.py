@@ -200,8 +200,13 @@ def requantized(python: str, src: Path, ftype: str, version: str) -> tuple[Path,
 
 
 def _home(path) -> str:
-    """``path`` with the home folder written ``~``: results files carry no machine-specific absolute paths."""
-    return str(path).replace(str(Path.home()), "~", 1)
+    """``path`` with the home folder written ``~``, and any other absolute path as ``<name>`` of its last folders:
+    results files carry no machine-specific absolute paths."""
+    s = str(path).replace(str(Path.home()), "~", 1)
+    if s.startswith("/"):
+        parts = Path(s).parts
+        s = "<...>/" + "/".join(parts[-3:])
+    return s
 
 
 def _bandwidth(pool_run, mb: int) -> dict:

@@ -33,7 +33,8 @@ small (~0.05) passes. So every watched module is also checked on its own computa
 on the input the sharded one received (gathered along the sequence under sequence parallelism) and the two
 outputs are held to the rule at ``d = 0`` relative to that output (``max|output|``, no floor of 1); these rows
 carry the kind ``"<kind> (own)"``. A sharding fault inside a module is off by about its own output, ~20x this
-bound in bf16 (measured: clean layouts of the test families stay at <= 0.25 of it, tp 2 and 3, fp32 and bf16).
+bound in bf16 (measured: clean layouts of the test families stay at <= 0.25 of it, tp 2 and 3, fp32 and bf16;
+bench/results/verify_own_check.md).
 
 The loss is held to what the logits allow: ``|d loss| <= 2 * max|d logits|`` (the log-sum-exp and the target
 logit each move by at most the largest logit difference) plus the fp32 rule above with ``K = V`` and ``d = 0``
