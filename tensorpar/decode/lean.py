@@ -47,45 +47,15 @@ import torch.nn.functional as F
 
 from tensorpar import comm
 from tensorpar.comm import Group
+from tensorpar.decode.block import Layer, build_layer
 from tensorpar.decode.int8 import int8_linear, int8_weights, lean_weight
-from tensorpar.decode.kernels import can_pack, is_silu, kv_runs, mm, pack, packed_linear, rms_norm_fn
+from tensorpar.decode.kernels import can_pack, mm, pack, packed_linear, rms_norm_fn
+from tensorpar.decode.kv_cache import LeanKVCache, Segment, offsets
 from tensorpar.decode.prepare import fuse_projections, lean_unsupported
 from tensorpar.decode.rope import rope_switch_length, row_rotary
 from tensorpar.layers.fused import fused_weight
 
-_RUNS_MIN_ROW_POSITIONS = 512   # batch rows x cached positions from which decode attention runs per KV-head run
-
-
-def _offsets(segments) -> list[int]:
-    """Where each segment's tokens start in a :meth:`LeanDecoder.forward_segments` call."""
-    out, o = [], 0
-    for g in segments:
-        out.append(o)
-        o += g.b * g.s
-    return out
-
-
-class _Layer:
-    __slots__ = ("ln1", "wqkv", "bqkv", "wo", "bo", "ln2", "wgu", "bgu", "f", "wd", "bd", "act", "silu",
-                 "kv_idx", "kv_runs", "gqa", "scaling")
-
-
-class Segment:
-    """A batch of rows within :meth:`LeanDecoder.forward_segments`: ``b`` rows of ``s`` tokens each.
-
-    K/V go to ``start`` (rows ``0..b-1`` of the cache, positions ``start .. start+s-1``) or, with ``slots`` ``[b]``
-    int64 and ``cache_pos`` ``[b, s]`` int64, to each row's own slot and positions; attention reads cache
-    entries ``[0, length)`` under ``mask`` ``[b, 1, s, length]`` bool (True = attend; ``None``: all of them).
-    """
-
-    __slots__ = ("b", "s", "mask", "length", "start", "slots", "cache_pos")
-
-    def __init__(self, b: int, s: int, mask: torch.Tensor | None, length: int, *, start: int | None = None,
-                 slots: torch.Tensor | None = None, cache_pos: torch.Tensor | None = None):
-        if (start is None) == (slots is None) or (slots is None) != (cache_pos is None):
-            raise ValueError("a segment takes either start or slots with cache_pos")
-        self.b, self.s, self.mask, self.length = b, s, mask, length
-        self.start, self.slots, self.cache_pos = start, slots, cache_pos
+__all__ = ["LeanDecoder", "Segment"]
 
 
 class LeanDecoder:
@@ -125,41 +95,14 @@ class LeanDecoder:
         self.norm = rms_norm_fn(base.norm)
         self.lm_w, self.lm_b = lean_weight(model.lm_head), getattr(model.lm_head, "bias", None)
         self.max_batch, self.max_len = max_batch, max_len
-        self.layers: list[_Layer] = []
         a0 = base.layers[0].self_attn
         self.rope = a0._rope
         w0 = self.lm_w
         dev = w0.device
-        for layer in base.layers:
-            a, m = layer.self_attn, layer.mlp
-            L = _Layer()
-            L.ln1, L.ln2 = rms_norm_fn(layer.input_layernorm), rms_norm_fn(layer.post_attention_layernorm)
-            wqkv, L.bqkv = fused_weight(a, ("q_proj", "k_proj", "v_proj"))
-            wgu, L.bgu = fused_weight(m, ("gate_proj", "up_proj"))
-            wo, wd = lean_weight(a.o_proj), lean_weight(m.down_proj)
-            if int8:        # Int8Weights [out, in] (the fp weights were freed): int8_linear reads them as they are
-                L.wqkv, L.wo, L.wgu, L.wd = wqkv, wo, wgu, wd
-            else:           # [in, out] views of the [out, in] weights: torch.mm(x, w.t()) is F.linear's own call
-                L.wqkv, L.wo, L.wgu, L.wd = wqkv.t(), wo.t(), wgu.t(), wd.t()
-            L.bo, L.bd = a.o_proj.bias, m.down_proj.bias
-            L.f = wd.shape[1]
-            L.act = m.act_fn
-            L.silu = is_silu(m.act_fn, w0)
-            L.gqa = a._group is not None and a._group > 1
-            idx = a.layout.kv_index(tp.rank)
-            # query heads whose KV heads are not in equal groups (heads split unevenly): attention per KV head on
-            # views, each run of query heads with its one KV head, instead of copying every KV head per query head
-            L.kv_runs = None if a._group is not None else kv_runs(idx)
-            L.kv_idx = None if a._group is not None else torch.tensor(idx, device=dev)
-            L.scaling = a.scaling
-            self.layers.append(L)
+        self.layers: list[Layer] = [build_layer(layer, tp, int8=int8, probe_w=w0) for layer in base.layers]
         n_q, n_kv, d = a0.layout.local_heads(tp.rank), a0.layout.local_kv_heads(tp.rank), a0.head_dim
         self.n_q, self.n_kv, self.head_dim = n_q, n_kv, d
-        # one cache tensor for all layers: a step takes its per-layer write and read views in one call
-        shape = (len(self.layers), max_batch, n_kv, max_len, d)
-        self.kcache = torch.zeros(shape, dtype=w0.dtype, device=dev)
-        self.vcache = torch.zeros(shape, dtype=w0.dtype, device=dev)
-        self.k, self.v = list(self.kcache.unbind(0)), list(self.vcache.unbind(0))
+        self.cache = LeanKVCache(len(self.layers), max_batch, n_kv, max_len, d, dtype=w0.dtype, device=dev)
         # rotate_half(x) * sin == x[..., perm] * sin_sign (the halves swapped, the sign moved onto sin: exact)
         half = d // 2
         self.perm = torch.cat([torch.arange(half, d), torch.arange(0, half)]).to(dev)
@@ -207,7 +150,7 @@ class LeanDecoder:
 
     def nbytes(self) -> int:
         """Bytes held by the KV cache."""
-        return self.kcache.numel() * self.kcache.element_size() * 2
+        return self.cache.nbytes()
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, rope_pos: torch.Tensor, mask: torch.Tensor | None, *, length: int,
@@ -251,21 +194,14 @@ class LeanDecoder:
             cos, sin = self.rotary(x, rope_pos.view(1, T))                             # [1, T, d]
         else:       # longrope: each row the factors of its own length (tensorpar/decode/rope.py)
             last = torch.cat([rope_pos[o:o + g.b * g.s].view(g.b, g.s)[:, -1:].expand(g.b, g.s).reshape(-1)
-                              for g, o in zip(segments, _offsets(segments))])
+                              for g, o in zip(segments, offsets(segments))])
             cos, sin = row_rotary(self.rotary, x, rope_pos.view(1, T), last.view(1, T), self.rope_switch)
         d, nq, nkv = self.head_dim, self.n_q, self.n_kv
         cos = cos.view(T, 1, d)
         sin = (sin * self.sign).view(T, 1, d)
-        perm, sdpa, lin = self.perm, F.scaled_dot_product_attention, self.lin
+        perm, lin, cache = self.perm, self.lin, self.cache
         all_reduce = comm.reduce_partial if tp.compression == "int8" else comm.all_reduce   # --tp-comm
-        # Decode (one query per row) in bf16/fp16 on the CPU: attention on fp32 copies of q and the cache entries
-        # read (into two fp32 buffers allocated once, :meth:`_fp32`), output rounded back. torch's CPU flash
-        # attention in bf16 is about 5x slower than this at the serving decode shape (32 rows of SmolLM2's tp=2
-        # heads over 80 cached positions, casts included, torch 2.13, one thread: bench/results/attention_dtype.md)
-        # and took most of a bf16 serving step before; the fp32 result is the more accurate one. Prefill keeps the
-        # model dtype (there the two cost the same).
-        low = x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu"
-        views = [self._views(g) for g in segments]
+        views = [cache.views(g) for g in segments]
         x = x.reshape(T, h).clone()                                                    # the residual stream, in place
         for i, L in enumerate(self.layers):
             qkv = lin(L.ln1(x), L.wqkv, L.bqkv).view(T, nq + 2 * nkv, d)                # [T, heads, d]
@@ -273,45 +209,7 @@ class LeanDecoder:
             qk = qkv[:, :nq + nkv]
             rot = qk.index_select(-1, perm).mul_(sin)
             qk = torch.mul(qk, cos).add_(rot)                                          # [T, q_local + kv_local, d]
-            outs, t0 = [], 0
-            for g, (kw, vw, keys_all, vals_all) in zip(segments, views):
-                b, s, t1 = g.b, g.s, t0 + g.b * g.s
-                q = qk[t0:t1, :nq].view(b, s, nq, d).transpose(1, 2)                   # [b, q_local, s, d]
-                k = qk[t0:t1, nq:].view(b, s, nkv, d).transpose(1, 2)                  # [b, kv_local, s, d]
-                v = qkv[t0:t1, nq + nkv:].view(b, s, nkv, d).transpose(1, 2)
-                t0 = t1
-                if kw is not None:
-                    kw[i].copy_(k)
-                    vw[i].copy_(v)
-                else:
-                    kc, vc = self.k[i], self.v[i]
-                    kc[g.slots[:, None], :, g.cache_pos] = k.transpose(1, 2)
-                    vc[g.slots[:, None], :, g.cache_pos] = v.transpose(1, 2)
-                if keys_all is not None:
-                    keys, vals = keys_all[i], vals_all[i]
-                else:                           # rows in scattered slots: gather them
-                    keys = self.k[i][:, :, :g.length].index_select(0, g.slots)
-                    vals = self.v[i][:, :, :g.length].index_select(0, g.slots)
-                up = low and s == 1
-                if up:                          # CPU decode in bf16/fp16: attention in fp32 (see low above)
-                    q, keys, vals = q.float(), self._fp32(0, keys), self._fp32(1, vals)
-                mask = g.mask
-                if L.kv_runs is None:
-                    o = sdpa(q, keys, vals, attn_mask=mask, scale=L.scaling, enable_gqa=L.gqa)   # [b, q_local, s, d]
-                elif s == 1 and b * g.length >= _RUNS_MIN_ROW_POSITIONS:   # decode: per run of query heads with its
-                    # KV head (bitwise the copied-heads result); below the threshold the copies cost less than the
-                    # extra attention calls (batch-1 decode of SmolLM2 at tp=2: 4650 against 4127 aten ops per
-                    # token, bench/results/decode-0444-kv-runs-always.md against decode.md)
-                    o = torch.cat([sdpa(q[:, q0:q1], keys[:, j:j + 1], vals[:, j:j + 1], attn_mask=mask,
-                                        scale=L.scaling, enable_gqa=q1 - q0 > 1) for j, q0, q1 in L.kv_runs], dim=1)
-                else:       # prefill (CPU attention over s > 1 queries blocks by head count) or small: copy
-                    idx = L.kv_idx
-                    o = sdpa(q, keys.index_select(1, idx), vals.index_select(1, idx), attn_mask=mask,
-                             scale=L.scaling)
-                if up:
-                    o = o.to(x.dtype)
-                outs.append(o.transpose(1, 2).reshape(b * s, -1))                      # [b*s, q_local*d]
-            o = outs[0] if len(outs) == 1 else torch.cat(outs)
+            o = cache.attention(i, L, qk, qkv[:, nq + nkv:], segments, views, nq)     # [T, q_local * d]
             o = all_reduce(lin(o, L.wo, None), tp)
             if L.bo is not None:
                 o = o + L.bo
@@ -338,39 +236,6 @@ class LeanDecoder:
             t0 += g.b * g.s
         x = x.index_select(0, torch.tensor(last, device=x.device)).unsqueeze(1)           # [sum(b), 1, h]
         return self.linear(self.norm(x), self.lm_w, self.lm_b)[:, -1]
-
-    def _fp32(self, which: int, t: torch.Tensor) -> torch.Tensor:
-        """``t`` (cache keys or values read for attention, ``[b, kv_local, L, d]``) cast into a view of fp32 buffer
-        ``which`` (0 keys, 1 values; ``[max_batch, kv_local, max_len, d]``, allocated on first use): a fresh
-        fp32 tensor per layer would be a large allocation each time, which glibc may serve by mmap and page
-        faults (measured: the casts then cost as much as the bf16 attention they replace)."""
-        bufs = self.__dict__.setdefault("_fp32_bufs", [None, None])
-        if bufs[which] is None:
-            bufs[which] = torch.empty(self.max_batch, self.n_kv, self.max_len, self.head_dim, dtype=torch.float32,
-                                      device=t.device)
-        b, n, L, _ = t.shape
-        return bufs[which][:b, :n, :L].copy_(t)
-
-    def _views(self, g: Segment):
-        """``(kw, vw, keys_all, vals_all)`` of segment ``g``: per-layer cache views the new K/V are written to
-        (``None``: scattered, written by index) and read from (``None``: scattered slots, gathered per layer)."""
-        b, s, length = g.b, g.s, g.length
-        kw = vw = keys_all = vals_all = None
-        if g.slots is None:
-            kw, vw = self.kcache[:, :b, :, g.start:g.start + s].unbind(0), \
-                self.vcache[:, :b, :, g.start:g.start + s].unbind(0)
-            return kw, vw, self.kcache[:, :b, :, :length].unbind(0), self.vcache[:, :b, :, :length].unbind(0)
-        slots, cache_pos = g.slots, g.cache_pos
-        if b == 1:                  # one serving slot: its rows as a contiguous range when it is one
-            j, p0 = int(slots[0]), int(cache_pos[0, 0])
-            if s == 1 or torch.equal(cache_pos[0], torch.arange(p0, p0 + s, device=cache_pos.device)):
-                kw, vw = self.kcache[:, j:j + 1, :, p0:p0 + s].unbind(0), self.vcache[:, j:j + 1, :, p0:p0 + s].unbind(0)
-            return kw, vw, self.kcache[:, j:j + 1, :, :length].unbind(0), self.vcache[:, j:j + 1, :, :length].unbind(0)
-        j = int(slots[0])           # serving rows in consecutive slots: read the cache through views
-        if torch.equal(slots, torch.arange(j, j + b, device=slots.device)):
-            keys_all = self.kcache[:, j:j + b, :, :length].unbind(0)
-            vals_all = self.vcache[:, j:j + b, :, :length].unbind(0)
-        return None, None, keys_all, vals_all
 
     # ---------------------------------------- verify's use (generate and serve step the Engine): rows 0..b-1
 

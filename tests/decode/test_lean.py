@@ -56,7 +56,7 @@ def test_lean_equals_module_path_without_extra_memory(pools, folders, arch, tp):
 
 
 def job_lean_kv_runs(ctx, folder, ids, mask, n, threshold):
-    import tensorpar.decode.lean as lean
+    import tensorpar.decode.kv_cache as lean  # the threshold lives with the cache
     from tensorpar.hf.load import build_parallel_model
     model, _ = build_parallel_model(folder, ctx.tp)
     old, lean._RUNS_MIN_ROW_POSITIONS = lean._RUNS_MIN_ROW_POSITIONS, threshold
