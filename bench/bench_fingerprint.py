@@ -31,6 +31,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from machine import cpu_model  # noqa: E402
 
 
 def job(ctx, rounds: int, tokens: int, steps: int, every: int):
@@ -123,7 +125,7 @@ def generate_cli(a) -> None:
                       f"[--check-collectives]", "rounds": a.rounds, "decode_tok_s": rates, "wall_s": walls,
            "median_decode_tok_s": med, "median_wall_s": wall,
            "decode_overhead_of_median": med["off"] / med["on"] - 1, "wall_overhead_of_median": wall["on"] / wall["off"] - 1,
-           "loadavg_at_start": load0, "loadavg_at_end": os.getloadavg(),
+           "cpu": cpu_model(), "cores": os.cpu_count(), "loadavg_at_start": load0, "loadavg_at_end": os.getloadavg(),
            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     out = a.out if a.out.endswith("-generate.json") else str(ROOT / "bench" / "results" / "fingerprint-generate.json")
     tmp = out + ".tmp"
@@ -152,7 +154,7 @@ def main():
         with WorkerPool(2) as pool:
             r0 = pool.run(per_collective, 500, a.rounds, timeout_s=1800)[0]
         doc = {"tp": 2, "what": "all_reduce of 64 float32, gloo, best of --rounds loops of 500",
-               "best_us": {v: min(r0[v]) * 1e6 for v in r0}, "all_us": {v: [t * 1e6 for t in r0[v]] for v in r0},
+               "cpu": cpu_model(), "cores": os.cpu_count(), "best_us": {v: min(r0[v]) * 1e6 for v in r0}, "all_us": {v: [t * 1e6 for t in r0[v]] for v in r0},
                "loadavg_at_end": os.getloadavg(), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
         Path(a.out).write_text(json.dumps(doc, indent=1))
         print(json.dumps(doc, indent=1))
@@ -167,7 +169,7 @@ def main():
                          "overhead_of_median": {v: med[v] / med["off"] - 1 for v in med if v != "off"},
                          "samples": len(r0[what]["off"])}
     doc = {"tp": 2, "model": "preset small, vocab 997", "every": a.every, "rounds": a.rounds, "tokens": a.tokens,
-           "train_steps_per_round": a.steps, "loadavg_at_start": os.getloadavg(), "results": summary}
+           "train_steps_per_round": a.steps, "cpu": cpu_model(), "cores": os.cpu_count(), "loadavg_at_start": os.getloadavg(), "results": summary}
     tmp = a.out + ".tmp"
     Path(tmp).write_text(json.dumps(doc, indent=1))
     os.replace(tmp, a.out)

@@ -17,7 +17,6 @@ import argparse
 import datetime as _dt
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -29,16 +28,11 @@ sys.path.insert(0, str(ROOT))
 
 from tensorpar.nshosts import NamespaceHosts  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+from machine import cpu_model  # noqa: E402
+
 SIZES = (4096, 65536, 1 << 20, 16 << 20)
 RATES = ("1gbit", "10gbit")
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def env() -> dict:

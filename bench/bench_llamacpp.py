@@ -50,6 +50,7 @@ from pathlib import Path
 # module level, so that the spawned WorkerPool ranks can import bench_decode's jobs too
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import cpu_model  # noqa: E402
 
 DEFAULT_LLAMA_PYTHON = Path.home() / ".cache" / "tensorpar" / "llamacpp-venv" / "bin" / "python"
 LLAMA_FTYPES = ("F32", "BF16", "Q8_0")     # llama.cpp's LLAMA_FTYPE_ALL_F32 / MOSTLY_BF16 / MOSTLY_Q8_0
@@ -244,16 +245,6 @@ def _stream_read(exe: Path | None, mb: int) -> dict | None:
         p = subprocess.run([str(exe), str(mb), str(t), "30"], capture_output=True, text=True, check=True)
         out[t] = json.loads(p.stdout)["bytes_per_s"]
     return out
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def write_f32_gguf(folder: Path, dst: Path, config: dict) -> dict:
@@ -628,7 +619,7 @@ def write(res: dict, out: Path, n: int, stem: str) -> None:
     import torch
     import transformers
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "cpu": _cpu_model(), "torch": torch.__version__,
+    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "cpu": cpu_model(), "torch": torch.__version__,
             "transformers": transformers.__version__, "new_tokens": n, "date": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                                              time.gmtime())}
     loaded = max(res["load_start"][0], res["load_end"][0], res["load_max_1min"]) > LOADED_AT

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -72,8 +71,9 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="default bench/results/pp_stage_memory[_scratch].md")
     a = ap.parse_args()
     a.out = a.out or str(REPO / f"bench/results/pp_stage_memory{'_scratch' if a.init == 'scratch' else ''}.md")
-    cpu = next((ln.split(":", 1)[1].strip() for ln in subprocess.run(["lscpu"], capture_output=True, text=True)
-                .stdout.splitlines() if ln.startswith("Model name")), platform.processor())
+    sys.path.insert(0, str(REPO / "bench"))
+    from machine import cpu_model
+    cpu = cpu_model()
     load_before = os.getloadavg()
     rows = []
     for rank in range(a.pp):

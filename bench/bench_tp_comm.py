@@ -21,7 +21,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -33,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_decode import PROMPT, prompt_inputs  # noqa: E402
+from machine import cpu_model  # noqa: E402
 
 
 def _ppl_ids(folder: str, n_tokens: int) -> tuple[torch.Tensor, str]:
@@ -118,8 +118,7 @@ def main() -> None:
     f, q = r0["fp32"]["tokens"], r0["int8"]["tokens"]
     first = next((i for i, (x, y) in enumerate(zip(f, q)) if x != y), len(f))
     equal = sum(x == y for x, y in zip(f, q)) / len(f)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-               platform.processor())
+    cpu = cpu_model()
     meta = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "load_start": load0, "load_end": load1,
             "prompt": PROMPT, "ppl_work": work}
     t1f, t1q = r0["fp32"]["top1"], r0["int8"]["top1"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.show_commands:
             for h in hosts.hosts:
                 print(f"# host {h.hostname} ({h.addr}): GLOO_SOCKET_IFNAME=eth0 "
-                      + " ".join(hosts.torchrun_argv(h.index, args.nproc_per_host, cmd)), flush=True)
+                      + shlex.join(hosts.torchrun_argv(h.index, args.nproc_per_host, cmd)), flush=True)
         res = hosts.run_torchrun(cmd, args.nproc_per_host, timeout_s=args.timeout, env=env)
     for h, (rc, out, err) in zip(hosts.hosts, res):
         print(f"===== {h.hostname} ({h.addr}) exit {rc}", flush=True)
