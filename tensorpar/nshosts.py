@@ -279,11 +279,13 @@ class NamespaceHosts:
         self._procs.append(p)
         return p
 
-    def torchrun_argv(self, i: int, nproc: int, cmd: list[str], *, run_id: str = "nshosts") -> list[str]:
+    def torchrun_argv(self, i: int, nproc: int, cmd: list[str], *, run_id: str = "nshosts",
+                      max_restarts: int = 0) -> list[str]:
         """The torchrun command of host ``i``: ``nproc`` ranks, c10d rendezvous on host 0, then ``cmd``
-        (``["-m", "tensorpar", "generate", ...]`` or a script and its arguments)."""
+        (``["-m", "tensorpar", "generate", ...]`` or a script and its arguments); ``max_restarts``: torchrun's
+        ``--max-restarts`` (a failed rank on any host restarts every host's ranks)."""
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(self.hosts)),
-                "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+                "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"{self.hosts[0].addr}:{RDZV_PORT}", "--rdzv-id", run_id,
                 "--local-addr", self.hosts[i].addr, *cmd]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as _dt
 import gc
 import os
+import socket
 from dataclasses import dataclass, field
 
 import torch
@@ -244,6 +245,16 @@ def attempt_store(rank: int, world_size: int, timeout_s: float, store: dist.Stor
     return dist.PrefixStore(f"tensorpar/{attempt}/", store)
 
 
+def _hostnames(world_size: int) -> list[str] | None:
+    """Every rank's hostname (one all-gather over the world at start-up), or ``None`` for one rank: the groups
+    that span several hosts keep theirs for error messages (:attr:`tensorpar.comm.Group.hosts`)."""
+    if world_size == 1:
+        return None
+    names: list = [None] * world_size
+    dist.all_gather_object(names, socket.gethostname())
+    return names
+
+
 def init_parallel(
     config: ParallelConfig | None = None,
     *,
@@ -266,7 +277,9 @@ def init_parallel(
     (:func:`tensorpar.capacity.measure_tp_weights`: a barrier and an all-gather) and sets ``ctx.tp_weights``. ``fast_collectives`` ("off", "auto", "on") installs the
     same-host shared-memory path (:mod:`tensorpar.shm`) on every group of more than one rank,
     used for CPU tensors; "auto" uses it only when all of a group's ranks share a host. ``tp_comm`` ("fp32",
-    "int8") becomes ``ctx.tp.compression`` (:func:`tensorpar.comm.reduce_partial`).
+    "int8") becomes ``ctx.tp.compression`` (:func:`tensorpar.comm.reduce_partial`). Collectives at start-up
+    (world size > 1): one all-gather of hostnames over the world; a group whose ranks are on several hosts keeps
+    them (``Group.hosts``), so its failed collectives name this rank's host and the others.
 
     Raises:
         ValueError: the degrees do not multiply to the world size; ``fast_collectives="on"`` for a
@@ -305,6 +318,7 @@ def init_parallel(
             dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                     timeout=timeout)
     grid = torch.arange(world_size).view(config.dp, config.pp, config.cp, config.tp)
+    hostnames = _hostnames(world_size)
     groups: dict[str, Group] = {}
     for axis_i, axis in enumerate(AXES):
         # Every rank must create every group, in the same order.
@@ -314,6 +328,9 @@ def init_parallel(
             if rank in line:
                 groups[axis] = (Group(pg=pg, rank=line.index(rank), size=len(line), name=axis) if pg is not None
                                 else Group.single(axis))
+                names = None if hostnames is None else tuple(hostnames[r] for r in line)
+                if rank in line and names is not None and len(set(names)) > 1:
+                    groups[axis].hosts = names
     if fast_collectives != "off":
         from tensorpar.shm import enable_fast_collectives
         for axis in AXES:

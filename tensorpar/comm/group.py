@@ -102,6 +102,9 @@ class Group:
         fast: optional same-host communicator used for CPU tensors instead of ``pg`` (it must
             offer ``all_reduce``, ``all_gather``, ``reduce_scatter`` and ``broadcast`` with the
             signatures of this module's raw collectives, minus the group).
+        hosts: the hostname of each group rank when the group spans several hosts (set by
+            :func:`tensorpar.parallel.init_parallel`), else ``None``: a failed collective names them (which host
+            a lost peer is on is what a user needs to look at).
         compression: how :func:`tensorpar.comm.reduce_partial` sums the partials of tensor-parallel regions:
             ``"fp32"`` (default; the exact all-reduce in the tensor's dtype) or ``"int8"`` (blockwise int8 on
             the wire, :func:`tensorpar.comm.compress.all_reduce_int8`); ``--tp-comm`` sets it.
@@ -114,6 +117,7 @@ class Group:
     counter: CommCounter = field(default_factory=CommCounter)
     fast: Any = None
     compression: str = "fp32"
+    hosts: tuple[str, ...] | None = None
 
     @classmethod
     def single(cls, name: str = "tp") -> "Group":
@@ -170,8 +174,16 @@ def _run(kind: str, group: Group, t: torch.Tensor, fn):
     try:
         return fn()
     except (RuntimeError, dist.DistError) as e:  # gloo timeouts and peer failures land here
+        where = ""
+        if group.hosts is not None:     # across hosts: which host this rank is on and which hosts it waited for
+            others = sorted({h for i, h in enumerate(group.hosts) if i != group.rank and h != group.hosts[group.rank]})
+            def ranks(h):
+                on = [str(i) for i, x in enumerate(group.hosts) if x == h]
+                return f"rank{'s' if len(on) > 1 else ''} {', '.join(on)}"
+            peers = ", ".join(f"{h} ({ranks(h)})" for h in others)
+            where = f" on host {group.hosts[group.rank]}; the group's other hosts: {peers}"
         raise CollectiveError(
-            f"{kind} on {group.name} group (rank {group.rank} of {group.size}, tensor {tuple(t.shape)} "
+            f"{kind} on {group.name} group (rank {group.rank} of {group.size}{where}, tensor {tuple(t.shape)} "
             f"{t.dtype}) failed: {e}"
         ) from e
 

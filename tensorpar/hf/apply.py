@@ -92,8 +92,13 @@ def _rank0_seed(tp: Group) -> int:
     if tp.size == 1 or tp.pg is None:  # one process (or a group handle without a process group: nothing to ask)
         return seed
     import torch.distributed as dist
-    box = [seed]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(tp.pg, 0), group=tp.pg)
+
+    from tensorpar.comm.group import _run
+    box = torch.tensor([seed], dtype=torch.int64)
+    if dist.get_backend(tp.pg) == "nccl":
+        box = box.cuda()
+    # through comm's wrapper: a peer lost here (another host's link down) is named like in any other collective
+    _run("broadcast", tp, box, lambda: dist.broadcast(box, src=dist.get_global_rank(tp.pg, 0), group=tp.pg))
     return int(box[0])
 
 
