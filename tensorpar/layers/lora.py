@@ -124,6 +124,7 @@ class _Adapter:
             pa = mark_sharded(nn.Parameter(_slice(a.detach(), 1, partition, tp.rank).clone(),
                                            requires_grad=a.requires_grad), 1, partition)
             pb = mark_sequence_parallel(nn.Parameter(b.detach().clone(), requires_grad=b.requires_grad))
+        pa.lora_adapter = pb.lora_adapter = True   # not in the base checkpoint (tensorpar.hf.load keeps them)
         self.lora_A = nn.ModuleDict({name: _Matrix(pa)})
         self.lora_B = nn.ModuleDict({name: _Matrix(pb)})
         drop = layer.lora_dropout[name]
