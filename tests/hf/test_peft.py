@@ -152,3 +152,67 @@ def test_merged_lora_model_is_sharded_with_its_adapters(pools):
     tensorpar.testing.assert_parity: only the reduction order differs)."""
     for d in run_tp(pools, 2, job_merged):
         assert d < 1e-4
+
+
+def _saved(tmp_path):
+    """A base model folder (safetensors) and a PEFT adapter folder trained on it (``save_pretrained``)."""
+    model = lora_model(TARGETS)
+    base_dir, adapter_dir = tmp_path / "base", tmp_path / "adapter"
+    model.save_pretrained(str(adapter_dir))
+    copy.deepcopy(model).unload().save_pretrained(str(base_dir))   # the base without its adapters
+    return model, str(base_dir), str(adapter_dir)
+
+
+def job_generate_load(ctx, folder, adapter):
+    """What generate / serve ranks run (:func:`tensorpar.job.load_model`) with ``--lora``: the gathered logits."""
+    from transformers import AutoConfig
+
+    from tensorpar.job import Job, load_model
+    from tensorpar.parallel import ParallelConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    job = Job(ParallelConfig(tp=ctx.tp.size), 60.0, folder=folder, model_config=config,
+              plan=make_plan(config, ctx.tp.size), attn_implementation="sdpa", lora=adapter)
+    model, plan = load_model(job, ctx)
+    ids = torch.arange(18).view(2, 9) % config.vocab_size
+    with torch.no_grad():
+        return comm.all_gather(model(input_ids=ids).logits, ctx.tp, -1, plan.vocab)
+
+
+def test_generate_lora_merges_per_rank(pools, tmp_path):
+    """``generate`` / ``serve --lora DIR``: each rank merges its part of ``s * B A`` into its base shards at load;
+    the logits equal PEFT's model loaded with ``PeftModel.from_pretrained`` on the unsharded base (fp32, 1e-5:
+    the merged weight rounds once more than PEFT's unmerged sum)."""
+    from transformers import AutoModelForCausalLM
+
+    model, base_dir, adapter_dir = _saved(tmp_path)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    want_model = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
+    ids = torch.arange(18).view(2, 9) % model.config.vocab_size
+    with torch.no_grad():
+        want = want_model(input_ids=ids).logits
+    for got in run_tp(pools, 2, job_generate_load, base_dir, adapter_dir):
+        assert_parity("logits with --lora merged", got, want)
+
+
+def test_lora_adapter_of_another_base_is_refused(tmp_path):
+    """``--lora DIR`` with adapters of another base (hidden size 48 against this model's 24), or a folder that is
+    not an adapter: one line naming the tensor and both shapes, before any rank starts (``job_from_args``)."""
+    import types
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tensorpar.job import job_from_args
+    from tensorpar.parallel import ParallelConfig
+
+    other = AutoModelForCausalLM.from_config(family_config("mistral")).float()   # q_proj [48 -> 48]
+    peft.get_peft_model(other, peft.LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(str(tmp_path / "a"))
+    config = AutoConfig.for_model(**family_config("llama").to_dict())
+    args = types.SimpleNamespace(timeout=60, lora=str(tmp_path / "a"))
+    with pytest.raises(ValueError) as e:
+        job_from_args(args, ParallelConfig(tp=2), model_config=config)
+    msg = str(e.value)
+    assert "\n" not in msg and "q_proj.lora_A.weight" in msg and "[2, 48]" in msg and "[2, 24]" in msg, msg
+    with pytest.raises(ValueError, match="not a PEFT adapter folder"):
+        job_from_args(types.SimpleNamespace(timeout=60, lora=str(tmp_path)), ParallelConfig(tp=2),
+                      model_config=config)
