@@ -3,7 +3,7 @@
 * :func:`lora_config` is PEFT's ``LoraConfig`` of ``tensorpar train --lora R`` (``lora_alpha``, ``lora_dropout``,
   ``target_modules``: PEFT's names and defaults).
 * :func:`add_lora` injects the adapters into the unsharded model (meta or real) with PEFT itself
-  (``peft.inject_adapter_in_model``: base weights frozen) and draws them from the run's seed, per module
+  (``peft.inject_adapter_in_model``: base weights frozen) and draws them from a seed per module
   (PEFT's initialisation: ``A`` Kaiming-uniform, ``B`` zero), so they are the same at every tp;
   :func:`tensorpar.hf.apply.parallelize` then shards each with its base projection (:mod:`tensorpar.layers.lora`).
 * :func:`save_adapter` writes ``adapter_model.safetensors`` and ``adapter_config.json`` from full (gathered)
@@ -16,7 +16,6 @@
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -40,9 +39,10 @@ def lora_config(r: int, *, alpha: float | None = None, dropout: float = 0.0, tar
                            base_model_name_or_path=base_model_name_or_path, **kw)
 
 
-def add_lora(model: nn.Module, config, seed: int) -> nn.Module:
+def add_lora(model: nn.Module, config, seed_of) -> nn.Module:
     """Inject LoRA adapters into ``model`` (the unsharded transformers model, meta or real) in place and draw them
-    from ``seed`` (per module: :func:`tensorpar.train.model.module_seed` of its name), on the CPU, fp32.
+    on the CPU, fp32, each LoRA layer from the CPU generator seeded with ``seed_of(its module name)`` (the trainer:
+    :func:`tensorpar.train.model.module_seed` of the run's seed), so they do not depend on tp or on the order.
 
     Base weights are frozen (``requires_grad=False``), adapters trainable. Returns ``model``.
 
@@ -52,7 +52,6 @@ def add_lora(model: nn.Module, config, seed: int) -> nn.Module:
     import peft
 
     from tensorpar.layers.lora import is_lora_layer
-    from tensorpar.train.model import module_seed
 
     try:
         peft.inject_adapter_in_model(config, model, low_cpu_mem_usage=True)   # adapters on meta: drawn below
@@ -73,7 +72,7 @@ def add_lora(model: nn.Module, config, seed: int) -> nn.Module:
                 for mats in (m.lora_A, m.lora_B):
                     mats[adapter].to_empty(device="cpu")
                     mats[adapter].float()
-                torch.manual_seed(module_seed(seed, f"{name}.lora"))
+                torch.manual_seed(seed_of(name))
                 m.reset_lora_parameters(adapter, config.init_lora_weights)
     return model
 
@@ -179,8 +178,3 @@ def merge_adapter(model: nn.Module, folder: str | Path, tp_rank: int) -> int:
             a = _slice(a, 1, w.tp_partition, tp_rank)
         w.add_((b @ a * scale).to(device=w.device, dtype=w.dtype))
     return len(pairs)
-
-
-def adapter_config_json(config) -> str:
-    """``adapter_config.json``'s text for ``config`` (what :func:`save_adapter` writes)."""
-    return json.dumps(config.to_dict(), indent=2, sort_keys=True, default=str)

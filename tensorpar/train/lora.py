@@ -52,16 +52,23 @@ def peft_config(cfg, base: str | None = None):
                        target_modules=cfg.lora_target_modules, base_model_name_or_path=base)
 
 
+def add_run_lora(model, cfg, base: str | None = None):
+    """The run's adapters added to the unsharded ``model`` (:func:`tensorpar.hf.lora.add_lora`), each LoRA layer
+    drawn from :func:`tensorpar.train.model.module_seed` ``(cfg.seed, "<module>.lora")``. Returns ``model``."""
+    from tensorpar.hf.lora import add_lora
+    from tensorpar.train.model import module_seed
+    return add_lora(model, peft_config(cfg, base), lambda name: module_seed(cfg.seed, f"{name}.lora"))
+
+
 def check_lora_model(cfg, model_config, plan) -> None:
     """Before any rank starts: the adapters of ``cfg`` on the model of ``model_config`` (meta device) match some
     module, and ``plan`` shards every one of them (:meth:`~tensorpar.hf.plan.ShardingPlan.check`, the rule
     ``parallelize`` applies on the ranks). Raises ValueError (one line)."""
     import copy
 
-    from tensorpar.hf.lora import add_lora
     from tensorpar.hf.plan import meta_model
 
-    model = add_lora(meta_model(copy.deepcopy(model_config)), peft_config(cfg), cfg.seed)
+    model = add_run_lora(meta_model(copy.deepcopy(model_config)), cfg)
     if plan is not None:
         plan.check(model)
 
@@ -75,8 +82,7 @@ def trainable_meta_shapes(cfg, model_config) -> dict[str, tuple[int, ...]]:
 
     model = meta_model(copy.deepcopy(model_config))
     if cfg is not None and cfg.lora_r is not None:
-        from tensorpar.hf.lora import add_lora
-        add_lora(model, peft_config(cfg), cfg.seed)
+        add_run_lora(model, cfg)
         return {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
     return {n: tuple(p.shape) for n, p in model.named_parameters()}
 

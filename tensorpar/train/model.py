@@ -170,9 +170,8 @@ def add_lora_of(cfg: TrainConfig, model: nn.Module, source: ModelSource) -> nn.M
     seed: :func:`tensorpar.hf.lora.add_lora`) before it is sharded; otherwise ``model`` as it is."""
     if cfg.lora_r is None:
         return model
-    from tensorpar.hf.lora import add_lora
-    from tensorpar.train.lora import peft_config
-    return add_lora(model, peft_config(cfg, str(source.folder) if source.folder else None), cfg.seed)
+    from tensorpar.train.lora import add_run_lora
+    return add_run_lora(model, cfg, str(source.folder) if source.folder else None)
 
 
 def module_seed(seed: int, name: str) -> int:

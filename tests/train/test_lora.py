@@ -2,7 +2,7 @@
 
 The right values come from plain PyTorch on one process: the same tiny Llama (``tests/_train_jobs.py``: 6 query /
 2 KV heads, KV rows shared by two ranks at tp 3; tied embedding; vocabulary 67), the same adapters (PEFT's
-``inject_adapter_in_model``; :func:`tensorpar.hf.lora.add_lora` draws them from the seed), PEFT's forward, the
+``inject_adapter_in_model``; :func:`tensorpar.train.lora.add_run_lora` draws them from the seed), PEFT's forward, the
 mean cross-entropy, ``clip_grad_norm_``, ``torch.optim.AdamW`` and the trainer's schedule.
 
 Tolerances (fp32): losses within 1e-5 relative; every adapter gradient, the adapters after training and the logits
@@ -43,11 +43,10 @@ def base_model(cfg):
 def peft_reference(cfg, steps: int):
     """PEFT's model trained on one process with plain PyTorch: losses, adapter gradients at ``GRAD_STEPS``, the
     adapters after ``steps``, the logits of a probe input then, and the model."""
-    from tensorpar.hf.lora import add_lora
-    from tensorpar.train.lora import peft_config
+    from tensorpar.train.lora import add_run_lora
     from tensorpar.train.optim import lr_at
 
-    model = add_lora(base_model(cfg), peft_config(cfg), cfg.seed).train()
+    model = add_run_lora(base_model(cfg), cfg).train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
