@@ -188,8 +188,8 @@ def _refuse_unsupported_adapters(model: nn.Module, model_type: str) -> None:
             why = lora_problem(m)
             if why is not None:
                 raise ValueError(f"{model_type} model: PEFT layer {name} holds {why}; tensorpar shards plain LoRA "
-                                 f"(one adapter on nn.Linear projections): merge this adapter into the weights "
-                                 f"first (model = model.merge_and_unload()), or run it unsharded")
+                                 f"(one adapter, on nn.Linear projections such as q_proj, v_proj): target those, or "
+                                 f"merge the adapter into the weights first (model.merge_and_unload())")
 
 
 def _get(config, *names, default=None):
