@@ -18,6 +18,7 @@ import torch
 
 peft = pytest.importorskip("peft")
 
+from tensorpar.parallel import ParallelContext  # noqa: E402
 from tensorpar.testing import assert_parity  # noqa: E402
 from tests._ranks import run_tp  # noqa: E402
 from tests._train_jobs import BASE, VOCAB, gathered_grads, make_trainer, synthetic_data, tiny_config  # noqa: E402
@@ -25,6 +26,7 @@ from tests._train_jobs import BASE, VOCAB, gathered_grads, make_trainer, synthet
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA = BASE.replace(steps=14, lr=3e-3, lora_r=4, lora_alpha=8.0, lora_target_modules=TARGETS)
 GRAD_STEPS = (1, 10)
+DROPOUT = LORA.replace(steps=4, lr=5e-2, lora_dropout=0.3)   # a large rate: B grows fast, the masks matter
 
 
 def base_model(cfg):
@@ -119,8 +121,11 @@ def runs(pools, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("lora_ckpt") / "tp2")
     ref = peft_reference(LORA, 14)
     tp2 = run_tp(pools, 2, job_train, LORA, root, None, 10)
+    drop = {0: job_train(ParallelContext.single(), DROPOUT.replace(lora_dropout=0.0)),
+            1: job_train(ParallelContext.single(), DROPOUT),
+            2: run_tp(pools, 2, job_train, DROPOUT.replace(sequence_parallel=True))}
     tp3 = run_tp(pools, 3, job_train, LORA, None, tp2[0]["checkpoint"])
-    return {"ref": ref, 2: tp2, 3: tp3, "root": root}
+    return {"ref": ref, 2: tp2, 3: tp3, "root": root, "dropout": drop}
 
 
 def test_lora_training_equals_peft_at_tp2(runs):
@@ -136,6 +141,16 @@ def test_lora_training_equals_peft_at_tp2(runs):
         for step in GRAD_STEPS:
             for n in names:
                 assert_parity(f"rank {rank} grad {n} step {step}", got["grads"][step][n], ref["grads"][step][n])
+
+
+def test_lora_dropout_masks_are_the_same_at_every_tp(runs):
+    """``--lora-dropout 0.3``: the adapters' input masks are keyed (column-parallel base: the replicated input's
+    mask; row-parallel: the whole input's mask, each rank its columns), so tp 2 with sequence parallelism gives the
+    trainer's tp = 1 losses (1e-5) and dropout is on (the losses differ from the run without it)."""
+    want = runs["dropout"][1]["loss"]
+    assert rel(want, runs["dropout"][0]["loss"]) > 1e-4
+    for rank, got in enumerate(runs["dropout"][2]):
+        assert rel(got["loss"], want) <= 1e-5, (rank, got["loss"], want)
 
 
 def test_lora_resume_at_tp3_continues_the_run(runs):
