@@ -167,18 +167,6 @@ def _refuse_dropped(entry: Entry, name: str, module: nn.Module) -> None:
                          f"'replicated'")
 
 
-def peft_adapters(model: nn.Module) -> list[str]:
-    """The adapter submodules (``...q_proj.lora_A``) of the PEFT tuner layers in ``model``: children of a layer
-    from the ``peft`` package that hold parameters, other than the wrapped ``base_layer``."""
-    out = []
-    for name, m in model.named_modules():
-        if type(m).__module__.startswith("peft.") and isinstance(getattr(m, "base_layer", None), nn.Module):
-            for child, c in m.named_children():
-                if child != "base_layer" and any(True for _ in c.parameters()):
-                    out.append(f"{name}.{child}")
-    return out
-
-
 def _refuse_unsupported_adapters(model: nn.Module, model_type: str) -> None:
     """ValueError (one line) naming the first PEFT tuner layer that :mod:`tensorpar.layers.lora` cannot shard."""
     from tensorpar.layers.lora import lora_problem

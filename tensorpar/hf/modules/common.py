@@ -40,6 +40,8 @@ def _head_rows(layout: HeadLayout, rank_units, q_first: int, kv_first: int, v_fi
 def _lean_fused(owner: nn.Module, names: tuple[str, ...]):
     if FUSED_KEY not in owner.__dict__:
         return None
+    if any(has_lora(getattr(owner, n, None)) for n in names):   # unmerged adapters: the projections' own path
+        return None
     f = fused_weight(owner, names)
     # int8 (tensorpar.decode.quantize): the projections' own dequantizing weights run; lean reads the int8 one
     return f if f is None or isinstance(f[0], torch.Tensor) else None
