@@ -43,6 +43,15 @@ def dtype_name(text: str) -> str:
 TP_COMM = ("fp32", "int8")
 
 
+def add_lora_argument(p) -> None:
+    """``--lora DIR`` of ``generate`` and ``serve``: a PEFT LoRA adapter merged into each rank's weight shards at load
+    (:func:`tensorpar.hf.lora.merge_adapter`), checked against the model before any rank starts
+    (:func:`tensorpar.job.job_from_args`)."""
+    p.add_argument("--lora", default=None, metavar="DIR",
+                   help="a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors, e.g. a "
+                        "tensorpar train --lora checkpoint or export): merged into each rank's weight shards at load")
+
+
 def add_launch_arguments(p, *, tp_list: bool = False, tp_action=None, ep: bool = False) -> None:
     """The launch flags that ``generate``, ``train``, ``serve`` and ``verify`` share, with one set of defaults:
     ``--tp`` (:data:`tensorpar.launch.DEFAULT_TP`; ``tp_list``: a comma-separated list of degrees, for ``verify``), ``--tp-weights``,

@@ -167,12 +167,13 @@ LONG_PREFILL_TOKENS = 512
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from tensorpar.cli import add_launch_arguments
+    from tensorpar.cli import add_launch_arguments, add_lora_argument
 
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (built in, fetched and converted once), a Hugging Face-format folder, a hub "
                         "id already in the local Hugging Face cache, or a .gguf file")
     add_launch_arguments(p, ep=True)
+    add_lora_argument(p)
     p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch (default: a sample prompt)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="token budget per prompt (>= 1)")
     p.add_argument("--temperature", type=float, default=0.0,

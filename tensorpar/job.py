@@ -40,6 +40,8 @@ class Job:
         user_plan: the absolute path of ``--plan-file`` (only read when a rank must make its plan).
         attn_implementation: the attention every rank runs (decided once, :func:`resolve_attn_implementation`).
         task: the command's own frozen settings (:class:`tensorpar.generate.GenerateTask`, ...).
+        lora: ``--lora DIR`` of generate / serve: the absolute path of a PEFT LoRA adapter, checked against the
+            model by the launching process; each rank merges it into its weight shards at load (:func:`load_model`).
     """
 
     parallel: ParallelConfig
@@ -55,6 +57,7 @@ class Job:
     user_plan: str | None = None
     attn_implementation: str | None = None
     task: Any = None
+    lora: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -67,7 +70,13 @@ class Job:
 
 
 def job_from_args(args, parallel: ParallelConfig, **fields) -> Job:
-    """The :class:`Job` of the shared launch flags in ``args`` (launching process only), plus ``fields``."""
+    """The :class:`Job` of the shared launch flags in ``args`` (launching process only), plus ``fields``; ``--lora
+    DIR`` (generate, serve) is checked against ``fields["model_config"]`` here (:func:`tensorpar.hf.lora.
+    check_adapter`: one line for an adapter of another base)."""
+    lora = getattr(args, "lora", None)
+    if isinstance(lora, str):
+        from tensorpar.hf.lora import check_adapter
+        fields = dict(fields, lora=check_adapter(lora, fields["model_config"]))
     return Job(parallel=parallel, timeout_s=float(args.timeout),
                fast_collectives=getattr(args, "fast_collectives", "auto"), tp_comm=getattr(args, "tp_comm", "fp32"),
                check_collectives=bool(getattr(args, "check_collectives", False)),
@@ -105,13 +114,17 @@ def load_model(job: Job, ctx, **kwargs):
     """``(model, plan)``: this rank's shard of ``job.folder`` (:func:`tensorpar.hf.load.build_parallel_model`) with the
     job's config, plan, dtype and attention; the plan is made here only when the job carries none
     (:func:`rank_weights`). With ``job.parallel.dp > 1`` (``--ep`` of generate and serve) the experts are split
-    whole over the dp axis (:func:`tensorpar.hf.modules.expert_parallelize`)."""
+    whole over the dp axis (:func:`tensorpar.hf.modules.expert_parallelize`). With ``job.lora`` the PEFT adapter is
+    merged into this rank's shards (:func:`tensorpar.hf.lora.merge_adapter`: merged at load, not applied unmerged)."""
     from tensorpar.hf.load import build_parallel_model
 
     model, plan = build_parallel_model(job.folder, ctx.tp, config=job.model_config, plan=job.plan,
                                        tp_weights=rank_weights(job, ctx), user_plan=job.user_plan,
                                        dtype=job.torch_dtype, device=ctx.device,
                                        attn_implementation=job.attn_implementation, **kwargs)
+    if job.lora is not None:   # W_r += s * B A, this rank's part, before any decode preparation or quantization
+        from tensorpar.hf.lora import merge_adapter
+        merge_adapter(model, job.lora, ctx.tp.rank)
     if job.parallel.dp > 1:   # inference --ep: the dp axis holds the ep replicas of the tp ranks
         from tensorpar.hf.modules import expert_parallelize
         expert_parallelize(model, ctx.dp)

@@ -27,7 +27,10 @@ def parallelize(model: nn.Module, plan: ShardingPlan, tp: Group, *, dropout_seed
     """Replace the modules of ``model`` (a ``*ForCausalLM``) by their tensor-parallel versions, as ``plan`` says.
 
     Weights are sliced from the modules being replaced (which may live on the meta device, for a sharded
-    load afterwards). Parameter names are unchanged. Returns ``model``, with ``model.tensorpar_plan``,
+    load afterwards). Parameter names are unchanged. A PEFT LoRA model (a ``PeftModel``, or the model PEFT
+    injected adapters into) is sharded with its adapters (:mod:`tensorpar.layers.lora`: each adapter follows its
+    base projection's split; the base weights keep their checkpoint names, ``q_proj.weight``); a ``PeftModel``
+    is returned as such, its inner model sharded in place. Returns ``model``, with ``model.tensorpar_plan``,
     ``model.tp_group`` and ``model.tensorpar_dropout_rng`` set.
 
     After this, ``model(input_ids).logits`` holds this rank's vocabulary slice ``[b, s, V_r]``
@@ -43,6 +46,9 @@ def parallelize(model: nn.Module, plan: ShardingPlan, tp: Group, *, dropout_seed
     """
     from tensorpar.layers.dropout import DropoutRNG, HeadKeyedAttention, KeyedDropout
 
+    if type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model"):
+        parallelize(model.get_base_model(), plan, tp, dropout_seed=dropout_seed)  # PeftModel: its model, in place
+        return model
     if plan.tp_size != tp.size:
         raise ValueError(f"plan was made for tp_size={plan.tp_size} but the tp group has {tp.size} ranks")
     if model.config.model_type != plan.model_type:
@@ -72,7 +78,9 @@ def parallelize(model: nn.Module, plan: ShardingPlan, tp: Group, *, dropout_seed
                      (_rank0_seed(tp) if (dropouts or attn) else 0))
     for n, m in dropouts:
         in_block = any(n.startswith(b + ".") for b in blocks)
-        _set_submodule(model, n, KeyedDropout(m.p, rng, n, tp, sequence_parallel=plan.sequence_parallel and in_block))
+        keyed = getattr(m, "keyed", None)   # a dropout that knows its input's layout (a LoRA adapter's)
+        _set_submodule(model, n, keyed(rng, n, tp) if keyed is not None else
+                       KeyedDropout(m.p, rng, n, tp, sequence_parallel=plan.sequence_parallel and in_block))
     for m in attn:
         m.attention_fn = HeadKeyedAttention(rng)
     model.tensorpar_dropout_rng = rng

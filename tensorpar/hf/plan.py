@@ -112,18 +112,14 @@ class ShardingPlan:
         whose styles would drop some of them.
 
         A module matched by an entry claims everything below it; a style that builds a new module carries over
-        only the tensors it names (:meth:`~tensorpar.hf.styles.Style.keeps`). Raises ValueError naming: PEFT
-        adapter modules anywhere in the model (LoRA is not sharded yet: merge it first); tensors a style does not
+        only the tensors it names (:meth:`~tensorpar.hf.styles.Style.keeps`). Raises ValueError naming:
+        tensors a style does not
         know (they would vanish from the sharded model); the unclaimed names (at most 8); or the entries whose
-        pattern matches no module.
+        pattern matches no module. PEFT LoRA layers on linear projections are sharded with their base layer
+        (:mod:`tensorpar.layers.lora`); other PEFT tuners (DoRA, LoRA on embeddings or GPT-2's Conv1D, several
+        adapters) are refused, naming the module.
         """
-        adapters = peft_adapters(model)
-        if adapters:
-            more = f" (and {len(adapters) - 4} more)" if len(adapters) > 4 else ""
-            raise ValueError(f"{self.model_type} model holds PEFT (LoRA) adapters: {', '.join(adapters[:4])}{more}; "
-                             f"tensorpar does not shard adapters yet and its plan would drop them: merge them into "
-                             f"the weights first (model = model.merge_and_unload()) and shard the merged model, or "
-                             f"run it unsharded")
+        _refuse_unsupported_adapters(model, self.model_type)
         matched: list[str] = []
         used: set[str] = set()
         for name, module in model.named_modules():
@@ -171,16 +167,17 @@ def _refuse_dropped(entry: Entry, name: str, module: nn.Module) -> None:
                          f"'replicated'")
 
 
-def peft_adapters(model: nn.Module) -> list[str]:
-    """The adapter submodules (``...q_proj.lora_A``) of the PEFT tuner layers in ``model``: children of a layer
-    from the ``peft`` package that hold parameters, other than the wrapped ``base_layer``."""
-    out = []
+def _refuse_unsupported_adapters(model: nn.Module, model_type: str) -> None:
+    """ValueError (one line) naming the first PEFT tuner layer that :mod:`tensorpar.layers.lora` cannot shard."""
+    from tensorpar.layers.lora import lora_problem
+
     for name, m in model.named_modules():
         if type(m).__module__.startswith("peft.") and isinstance(getattr(m, "base_layer", None), nn.Module):
-            for child, c in m.named_children():
-                if child != "base_layer" and any(True for _ in c.parameters()):
-                    out.append(f"{name}.{child}")
-    return out
+            why = lora_problem(m)
+            if why is not None:
+                raise ValueError(f"{model_type} model: PEFT layer {name} holds {why}; tensorpar shards plain LoRA "
+                                 f"(one adapter, on nn.Linear projections such as q_proj, v_proj): target those, or "
+                                 f"merge the adapter into the weights first (model.merge_and_unload())")
 
 
 def _get(config, *names, default=None):

@@ -41,6 +41,11 @@ def mark_sequence_parallel(param: nn.Parameter) -> nn.Parameter:
     return param
 
 
+def _is_peft(m: nn.Module) -> bool:
+    """A PEFT tuner layer (LoRA) wrapping the linear: sharded with its adapter (:mod:`tensorpar.layers.lora`)."""
+    return type(m).__module__.startswith("peft.")
+
+
 def _slice(t: torch.Tensor, dim: int, partition: Partition | UnitSelection, rank: int) -> torch.Tensor:
     """Rank ``rank``'s part of ``t`` along ``dim`` (a narrow view, or gathered units for a selection)."""
     if isinstance(partition, Partition):
@@ -216,7 +221,11 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, tp: Group, **kwargs) -> "ColumnParallelLinear":
-        """Shard an existing ``nn.Linear`` (its weight rows are sliced; the original is not modified)."""
+        """Shard an existing ``nn.Linear`` (its weight rows are sliced; the original is not modified); a PEFT LoRA
+        layer becomes a :class:`~tensorpar.layers.lora.LoraColumnParallelLinear` (its adapter sharded with it)."""
+        if _is_peft(linear):
+            from tensorpar.layers.lora import LoraColumnParallelLinear
+            return LoraColumnParallelLinear.from_peft(linear, tp, **kwargs)
         return cls(linear.in_features, linear.out_features, tp=tp, bias=linear.bias is not None, _full=linear, **kwargs)
 
     @property
@@ -282,7 +291,11 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, tp: Group, **kwargs) -> "RowParallelLinear":
-        """Shard an existing ``nn.Linear`` (its weight columns are sliced; the original is not modified)."""
+        """Shard an existing ``nn.Linear`` (its weight columns are sliced; the original is not modified); a PEFT LoRA
+        layer becomes a :class:`~tensorpar.layers.lora.LoraRowParallelLinear` (its adapter sharded with it)."""
+        if _is_peft(linear):
+            from tensorpar.layers.lora import LoraRowParallelLinear
+            return LoraRowParallelLinear.from_peft(linear, tp, **kwargs)
         return cls(linear.in_features, linear.out_features, tp=tp, bias=linear.bias is not None, _full=linear, **kwargs)
 
     @property

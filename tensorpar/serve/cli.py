@@ -21,8 +21,9 @@ DEFAULT_MAX_MODEL_LEN = 1024
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (built in), a Hugging Face-format folder, or a .gguf file")
-    from tensorpar.cli import add_launch_arguments
+    from tensorpar.cli import add_launch_arguments, add_lora_argument
     add_launch_arguments(p, ep=True)
+    add_lora_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the URL is printed)")
     p.add_argument("--max-batch", type=int, default=16, help="slots: requests decoded together")

@@ -103,6 +103,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                   "(new or empty, or a previous export with --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="let --export replace a previous tensorpar export")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group("LoRA (PEFT's settings)")
+    g.add_argument("--lora", type=int, default=None, metavar="R",
+                   help="train LoRA adapters of rank R instead of every weight (base frozen, adapters sharded with "
+                        "their projections; checkpoints hold the adapters, also as PEFT's adapter_model.safetensors)")
+    g.add_argument("--lora-alpha", type=float, default=None, help="PEFT's lora_alpha (scaling lora_alpha / R; "
+                                                                   "default PEFT's, 8)")
+    g.add_argument("--lora-dropout", type=float, default=0.0, help="PEFT's lora_dropout, in [0, 1)")
+    g.add_argument("--lora-target-modules", default=None, metavar="NAMES",
+                   help="PEFT's target_modules, comma-separated (e.g. q_proj,k_proj,v_proj,o_proj); default PEFT's "
+                        "for the family")
 
 
 def default_micro_batches(pp: int, dp: int, batch_size: int) -> int:
@@ -166,20 +176,22 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
                        recompute=args.recompute, seed=args.seed, out_dir=args.out, eval_every=args.eval_every,
                        eval_batches=args.eval_batches, save_every=args.save_every,
                        keep_checkpoints=args.keep_checkpoints,
-                       fast_collectives=args.fast_collectives)
+                       fast_collectives=args.fast_collectives, lora_r=getattr(args, "lora", None),
+                       lora_alpha=getattr(args, "lora_alpha", None), lora_dropout=getattr(args, "lora_dropout", 0.0),
+                       lora_target_modules=getattr(args, "lora_target_modules", None))
 
 
-def check_resume_model(model_config, ckpt: Path) -> None:
+def check_resume_model(model_config, ckpt: Path, cfg: TrainConfig | None = None) -> None:
     """The checkpoint holds the tensors of the model being trained (names and full shapes, from its
-    ``trainer_state.json``; the unsharded model is built on the meta device). Raises ValueError naming the first
-    differences, before any rank starts."""
-    from tensorpar.hf.plan import meta_model
+    ``trainer_state.json``; the unsharded model is built on the meta device; under ``cfg.lora_r`` its adapters
+    only). Raises ValueError naming the first differences, before any rank starts."""
     from tensorpar.train.checkpoint import read_state
+    from tensorpar.train.lora import trainable_meta_shapes
 
     stored = {n: tuple(s) for n, s in (read_state(ckpt).get("tensors") or {}).items()}
     if not stored:
         return
-    model = {n: tuple(p.shape) for n, p in meta_model(model_config).named_parameters()}
+    model = trainable_meta_shapes(cfg, model_config)
     missing = sorted(set(model) - set(stored))
     extra = sorted(set(stored) - set(model))
     shape = sorted(n for n in set(model) & set(stored) if model[n] != stored[n])
@@ -300,7 +312,7 @@ def main(args: argparse.Namespace) -> int:
         source, data, plan = prepare(cfg, progress=not args.no_progress)  # fills the caches once; ranks read them
         if ckpt is not None:
             check_resume_data(cfg, data, ckpt)
-            check_resume_model(source.config, ckpt)
+            check_resume_model(source.config, ckpt, cfg)
         from tensorpar.job import Job
         from tensorpar.parallel import ParallelConfig
         from tensorpar.train.ranks import TrainTask

@@ -72,6 +72,15 @@ class TrainConfig:
         dtype: ``"float32"``, or ``"bfloat16"`` for bf16 autocast (weights and optimizer stay fp32).
         recompute: recompute each block's activations in backward instead of storing them.
         seed: initial weights, data order and dropout masks all derive from it.
+    LoRA (PEFT's names; :mod:`tensorpar.hf.lora`):
+        lora_r: the adapters' rank (``--lora R``); ``None`` trains every weight (full fine-tuning). With it the
+            base weights are frozen, only the adapters train (AdamW state for them only), each adapter is sharded
+            with its base projection (:mod:`tensorpar.layers.lora`), and checkpoints hold only the adapters, also
+            as PEFT's ``adapter_model.safetensors`` + ``adapter_config.json``.
+        lora_alpha: scaling numerator (``s = lora_alpha / r``); ``None``: PEFT's default (8).
+        lora_dropout: dropout on the adapters' input, in [0, 1) (keyed: the same masks at every tp).
+        lora_target_modules: module names the adapters wrap (PEFT's ``target_modules``: a name matches a module
+            whose name ends with it); ``None``: PEFT's default for the family (``q_proj``, ``v_proj`` for llama).
     Output:
         out_dir: metrics, plot and checkpoints go here.
         eval_every, eval_batches: validation loss every N steps (0 = only at the end) on this many batches.
@@ -119,6 +128,10 @@ class TrainConfig:
     save_every: int = 0
     keep_checkpoints: int = 2
     log_every: int = 1
+    lora_r: int | None = None
+    lora_alpha: float | None = None
+    lora_dropout: float = 0.0
+    lora_target_modules: tuple | None = None
 
     def __post_init__(self):
         def bad(name, why):
@@ -179,6 +192,8 @@ class TrainConfig:
             bad("eps", "must be > 0")
         if not 0 < self.val_fraction < 0.5:
             bad("val_fraction", "must be in (0, 0.5): a validation split is always held out")
+        from tensorpar.train.lora import check_lora_settings
+        check_lora_settings(self)
         if self.cp_mode not in CP_MODES:
             bad("cp_mode", f"use one of {', '.join(CP_MODES)}")
         if self.cp > 1:

@@ -114,7 +114,8 @@ class Trainer(TrainerCheckpoints):
         modules: this rank's modules: ``[model]`` at pp = 1, its :class:`~tensorpar.pipeline.stages.DecoderStage`
             chunks at pp > 1 (FSDP2 modules under ``dp_mode="fsdp"`` with dp > 1).
         model: the whole (tp-sharded) model at pp = 1; ``None`` at pp > 1.
-        named_params, params: this rank's parameters, each once (a tied one under its first name).
+        named_params, params: this rank's trainable parameters (``requires_grad``: under LoRA the adapters
+            only), each once (a tied one under its first name).
         ep: the expert-parallel group (``ctx.dp``) when ``cfg.ep > 1``, else ``None``.
 
     Raises:
@@ -169,7 +170,8 @@ class Trainer(TrainerCheckpoints):
         seen: dict[int, tuple[str, nn.Parameter]] = {}
         for mod in self.modules:
             for n, p in mod.named_parameters():
-                seen.setdefault(id(p), (n, p))
+                if p.requires_grad:   # frozen weights (the base under LoRA) get no optimizer state, no checkpoint
+                    seen.setdefault(id(p), (n, p))
         self.named_params = list(seen.values())
         self.params = [p for _, p in self.named_params]
         self.optimizer = make_optimizer(cfg, self.named_params)

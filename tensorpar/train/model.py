@@ -92,6 +92,9 @@ def build_model(cfg: TrainConfig, source: ModelSource, tp: Group, vocab_size: in
     attention module runs over the sequence split across it (:func:`tensorpar.hf.modules.context_parallelize`,
     mode ``cfg.cp_mode``). Raises ValueError when ``cfg.cp > 1`` and ``cp`` is not a group of that size.
 
+    ``cfg.lora_r``: PEFT's LoRA adapters are added to the unsharded model (:func:`add_lora_of`) and sharded with
+    their base projections; the base weights are frozen.
+
     ``plan``: the sharding plan the launching process made for ``tp.size`` ranks from ``source.config``
     (:func:`tensorpar.train.ranks.prepare`); without one it is made here. With pretrained weights the loader shards
     with a copy of ``source.config`` as the folder has it (the changes below are the training's), not config.json
@@ -121,7 +124,8 @@ def build_model(cfg: TrainConfig, source: ModelSource, tp: Group, vocab_size: in
                 keep_stage_modules(m, pp_rank, cfg.pp, virtual)
         model, plan = build_parallel_model(source.weights, tp, sequence_parallel=cfg.sequence_parallel,
                                            dtype=torch.float32, device=device, dropout_seed=cfg.seed,
-                                           tp_weights=cfg.tp_weights, keep=keep, config=loader_config, plan=plan)
+                                           tp_weights=cfg.tp_weights, keep=keep, config=loader_config, plan=plan,
+                                           adapt=lambda m: add_lora_of(cfg, m, source))
         model.config.use_cache = False
     else:
         if plan is None:
@@ -138,6 +142,7 @@ def build_model(cfg: TrainConfig, source: ModelSource, tp: Group, vocab_size: in
             dropped = dropped_modules(config, pp_rank, cfg.pp, virtual)
         init_from_seed(model, cfg.seed, skip=lambda name: any(name == d or name.startswith(d + ".")
                                                               for d in dropped))
+        add_lora_of(cfg, model, source)
         parallelize(model, plan, tp, dropout_seed=cfg.seed)
         if dropped:
             keep_stage_modules(model, pp_rank, cfg.pp, virtual)
@@ -158,6 +163,15 @@ def build_model(cfg: TrainConfig, source: ModelSource, tp: Group, vocab_size: in
     if cfg.recompute:
         recompute_blocks(model)
     return model.train(), plan
+
+
+def add_lora_of(cfg: TrainConfig, model: nn.Module, source: ModelSource) -> nn.Module:
+    """With ``cfg.lora_r``, PEFT's LoRA adapters added to the unsharded ``model`` (base frozen; drawn from the run's
+    seed: :func:`tensorpar.hf.lora.add_lora`) before it is sharded; otherwise ``model`` as it is."""
+    if cfg.lora_r is None:
+        return model
+    from tensorpar.train.lora import add_run_lora
+    return add_run_lora(model, cfg, str(source.folder) if source.folder else None)
 
 
 def module_seed(seed: int, name: str) -> int:

@@ -88,6 +88,9 @@ def prepare(cfg: TrainConfig, *, progress: bool = True, checks: bool = True, sou
         from tensorpar.pipeline.stages import check_pipeline
         check_pipeline(source.config, cfg.pp, 2 if cfg.schedule == "interleaved-1f1b" else 1, cfg.micro_batches,
                        cfg.schedule)
+    if cfg.lora_r is not None:   # the target modules match, and the plan shards every adapter
+        from tensorpar.train.lora import check_lora_model
+        check_lora_model(cfg, source.config, plan)
     data.val_batches(batch_size=cfg.batch_size, seq_len=cfg.seq_len)  # at least one validation batch
     return source, data, plan
 
@@ -187,7 +190,10 @@ def run(cfg: TrainConfig, ctx, *, resume: str | None = None, export: str | None 
         except ImportError:  # matplotlib is optional (pip install tensorpar[plot])
             print(f"tensorpar: note: matplotlib is not installed, so no loss.png (pip install 'tensorpar[plot]'); "
                   f"the losses are in {out / 'metrics.jsonl'}", file=sys.stderr, flush=True)
-        if export:
+        if export and cfg.lora_r is not None:   # the adapters, as PEFT saves them
+            from tensorpar.train.lora import export_adapter
+            summary["export"] = str(export_adapter(ckpt, export, overwrite=overwrite))
+        elif export:
             from tensorpar.train.export import export_hf
             summary["export"] = str(export_hf(ckpt, export, overwrite=overwrite, progress=progress))
     return summary

@@ -26,7 +26,9 @@ class TrainerCheckpoints:
         tp rank its rows (:func:`~tensorpar.train.checkpoint.state_pieces`); no rank gathers parameters or
         optimizer state. Rank 0 publishes the folder once all ranks have written. It resumes at any (tp, pp,
         dp), tp = 1 on one process included. Collectives: DCP's plan exchange and three one-element
-        all-reduces over all ranks. Raises CheckpointError on every rank if any rank's write failed.
+        all-reduces over all ranks. Raises CheckpointError on every rank if any rank's write failed. Under LoRA
+        the trainable parameters are the adapters: the checkpoint holds them only, and rank 0 adds them in PEFT's
+        format (:meth:`_peft_files`).
         """
         from tensorpar.train.checkpoint import optimizer_step, save_pieces, state_pieces
 
@@ -49,7 +51,16 @@ class TrainerCheckpoints:
         return save_pieces(root, ps, step=self.step, state=state,
                            optimizer_step=optimizer_step(self.named_params, self.optimizer),
                            config_json=self.modules[0].config.to_json_string(), keep=self.cfg.keep_checkpoints,
-                           pg=None, rank=ctx.rank, device=ctx.device)
+                           pg=None, rank=ctx.rank, device=ctx.device, before_publish=self._peft_files())
+
+    def _peft_files(self):
+        """Under LoRA, the writer of the checkpoint's PEFT files (``adapter_model.safetensors``,
+        ``adapter_config.json``: :func:`tensorpar.train.lora.write_peft_files`); otherwise None."""
+        if self.cfg.lora_r is None:
+            return None
+        from tensorpar.train.lora import write_peft_files
+        base = getattr(self.modules[0].config, "_name_or_path", None) or None
+        return lambda folder: write_peft_files(folder, self.cfg, base)
 
     def _tp_local(self, param: nn.Parameter, t: torch.Tensor) -> torch.Tensor:
         """The tp-local tensor a checkpoint stores for ``param`` (``t``: its data or an AdamW moment).

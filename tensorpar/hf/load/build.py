@@ -33,7 +33,8 @@ def _moe_handle(handles: dict, f: Path):
 
 
 def load_sharded(model: nn.Module, folder: str | Path, tp: Group, *, device=None, dtype=torch.float32) -> nn.Module:
-    """Fill every parameter of a sharded ``model`` (meta or real) with its slice from ``folder``.
+    """Fill every parameter of a sharded ``model`` (meta or real) with its slice from ``folder``; LoRA adapters
+    (``lora_adapter`` parameters) keep their values and move to ``device``.
 
     Each parameter becomes a new contiguous tensor of exactly its shard (``dtype`` on ``device``),
     read with plain file reads (:class:`SafetensorsReader`); nothing stays mapped. Tied parameters
@@ -52,6 +53,13 @@ def load_sharded(model: nn.Module, folder: str | Path, tp: Group, *, device=None
     renamed = None  # checkpoint names under transformers' renamings, looked up only if a name is missing
     try:
         for name, p in model.named_parameters():
+            if getattr(p, "lora_adapter", False):  # a LoRA adapter (tensorpar.layers.lora): not in the checkpoint
+                q = nn.Parameter(p.detach().to(device=device, dtype=dtype), requires_grad=p.requires_grad)
+                for a in _META_ATTRS:
+                    if hasattr(p, a):
+                        setattr(q, a, getattr(p, a))
+                new[id(p)] = q
+                continue
             names = expected.groups[id(p)]
             key = next((k for k in (expected.key(n, wmap) for n in names) if k is not None), None)
             if key is None:
@@ -171,7 +179,7 @@ def build_parallel_model(folder: str | Path, tp: Group, *, sequence_parallel: bo
                          device=None, attn_implementation: str | None = None,
                          dropout_seed: int | None = None, user_plan=None,
                          tp_weights=None, keep=None, config=None, plan: ShardingPlan | None = None,
-                         ) -> tuple[nn.Module, ShardingPlan]:
+                         adapt=None) -> tuple[nn.Module, ShardingPlan]:
     """Meta-initialise the model of ``folder``, check the checkpoint, shard it by its plan, load this rank's slices.
 
     ``attn_implementation`` (``"sdpa"``, ``"eager"``, or any name transformers' attention registry
@@ -188,6 +196,10 @@ def build_parallel_model(folder: str | Path, tp: Group, *, sequence_parallel: bo
     ``keep(model)``, if given, runs on the sharded meta model before any weight is read; the modules it removes
     are never read nor materialised (a pipeline rank keeps only its stage:
     :func:`tensorpar.pipeline.stages.keep_stage_modules`).
+
+    ``adapt(model)``, if given, runs on the unsharded meta model once the checkpoint is checked, before sharding:
+    LoRA adapters are added there (:func:`tensorpar.hf.lora.add_lora`; real tensors, sharded with their base
+    projection and kept by :func:`load_sharded`, which reads the base weights only).
     """
     from transformers import AutoConfig
 
@@ -204,6 +216,8 @@ def build_parallel_model(folder: str | Path, tp: Group, *, sequence_parallel: bo
     config._attn_implementation = attn_implementation or resolve_attn_implementation(config)
     model = _meta_model(config, dtype)
     _check(Path(folder), _Expected(model), config, weight_map(folder))  # = check_checkpoint, on this meta model
+    if adapt is not None:
+        adapt(model)
     parallelize(model, plan, tp, dropout_seed=dropout_seed)
     if keep is not None:
         keep(model)

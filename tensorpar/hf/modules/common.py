@@ -11,13 +11,19 @@ from tensorpar.comm import Group
 from tensorpar.layers.attention import HeadLayout
 from tensorpar.layers.fused import FUSED_KEY, fused_weight
 from tensorpar.layers.linear import column_parallel_linears
+from tensorpar.layers.lora import enter_tp_region, has_lora
 from tensorpar.shard import UnitSelection
 
 def _project(mod: nn.Module, x: torch.Tensor, *linears: nn.Module) -> list[torch.Tensor]:
     """Enter ``mod``'s tp region with ``x`` and apply the column-parallel ``linears`` that share it
     (:func:`tensorpar.layers.linear.column_parallel_linears`): under sequence parallelism only the sequence
     shard is kept for backward, and the input-gradient collective overlaps the weight gradients while
-    ``mod.overlap_grad_comm``."""
+    ``mod.overlap_grad_comm``. LoRA projections (:mod:`tensorpar.layers.lora`) enter the region once, together,
+    and add their adapters to the base products: the input gradient of both paths is reduced by that one entry
+    (with the base frozen there is no weight gradient to overlap)."""
+    if any(has_lora(m) for m in linears):
+        x = enter_tp_region(x, mod.tp, getattr(mod, "sequence_parallel", False))
+        return [m.forward_local(x) for m in linears]
     return column_parallel_linears(x, linears, mod.tp, sequence_parallel=getattr(mod, "sequence_parallel", False),
                                    seq_dim=1, overlap=getattr(mod, "overlap_grad_comm", True))
 
@@ -33,6 +39,8 @@ def _head_rows(layout: HeadLayout, rank_units, q_first: int, kv_first: int, v_fi
 
 def _lean_fused(owner: nn.Module, names: tuple[str, ...]):
     if FUSED_KEY not in owner.__dict__:
+        return None
+    if any(has_lora(getattr(owner, n, None)) for n in names):   # unmerged adapters: the projections' own path
         return None
     f = fused_weight(owner, names)
     # int8 (tensorpar.decode.quantize): the projections' own dequantizing weights run; lean reads the int8 one

@@ -24,8 +24,10 @@ class ApplyContext:
 
 
 def _linears(*names: str) -> tuple[str, ...]:
-    """``weight`` and ``bias`` of each named linear (what ``*ParallelLinear.from_linear`` carries over)."""
-    return tuple(f"{n}.{t}" for n in names for t in ("weight", "bias"))
+    """``weight`` and ``bias`` of each named linear (what ``*ParallelLinear.from_linear`` carries over), also as the
+    base layer of a PEFT LoRA layer with its adapter matrices (:mod:`tensorpar.layers.lora`)."""
+    return tuple(f"{n}.{t}" for n in names for t in ("weight", "bias", "base_layer.weight", "base_layer.bias",
+                                                     "lora_A.*.weight", "lora_B.*.weight"))
 
 
 class Style:

@@ -116,13 +116,15 @@ def state_pieces(named_params: list[tuple[str, nn.Parameter]], optimizer: torch.
 
 def save_pieces(root: str | os.PathLike, ps: list[Piece], *, step: int, state: dict, optimizer_step: int,
                 config_json: str | None, keep: int, pg=None, rank: int = 0,
-                device: torch.device | None = None) -> Path:
+                device: torch.device | None = None, before_publish: Callable[[Path], None] | None = None) -> Path:
     """Write ``<root>/step_<step>`` from the pieces of every rank of ``pg`` (every rank calls, with its own).
 
     ``pg``: the process group of all ranks (None: the default group, or a single process without
     torch.distributed); ``rank``: this rank in it (0 publishes); ``device``: where the agreement flag lives
     (the backend's device). ``state`` (rank 0's counts) goes into ``trainer_state.json`` with the format, step,
-    optimizer step and every model tensor's full shape.
+    optimizer step and every model tensor's full shape. ``before_publish(folder)`` (rank 0) adds files to the
+    written folder before it is published (a LoRA run's PEFT files: :func:`tensorpar.train.lora.write_peft_files`);
+    its failure fails the save like any write.
 
     Collectives: DCP's plan exchange (gather / scatter of plans, no tensor data) and its final all-reduce,
     plus three one-element all-reduces (folder ready, all pieces written, published). No rank gathers
@@ -171,6 +173,8 @@ def save_pieces(root: str | os.PathLike, ps: list[Piece], *, step: int, state: d
                 (tmp / "config.json").write_text(config_json)
             with open(tmp / STATE_FILE, "w") as f:
                 json.dump(full_state, f, indent=1, sort_keys=True)
+            if before_publish is not None:
+                before_publish(tmp)
             _fsync_tree(tmp)
             _publish(root, tmp, final, keep)
         except Exception as e:  # OSError, disk full, ... (the folder is not published: nothing else changed)
