@@ -6,11 +6,11 @@ positions is cut into ``2 cp`` chunks of ``c = s / (2 cp)``; cp rank ``r`` holds
 pairs. :func:`cp_positions` gives the global positions a rank holds, :func:`cp_shard` cuts a ``[b, s, ...]`` tensor.
 
 Ring (Liu et al. 2023, "Ring Attention"): every rank keeps its queries; the key/value blocks travel around the cp
-group (``cp - 1`` hops in forward, ``cp`` in backward, the next hop in flight while a block is computed). Each
-(query chunk ``i``, key chunk ``j``) pair is skipped when ``i < j`` (all masked), causal when ``i == j``, full
-when ``i > j``; partial outputs are merged with their log-sum-exp in fp32, so the result is softmax attention up
-to fp32 reordering. Backward recomputes the scores from the saved log-sum-exp (as FlashAttention does); the
-key/value gradients travel with their block and arrive back at the block's owner after the last hop.
+group (``cp - 1`` hops in forward and again in backward, each block's gradient one hop behind it; every hop in
+flight while a block is computed). Each (query chunk ``i``, key chunk ``j``) pair is skipped when ``i < j`` (all
+masked), causal when ``i == j``, full when ``i > j``; partial outputs are merged with their log-sum-exp in fp32,
+so the result is softmax attention up to fp32 reordering. Backward recomputes the scores from the saved
+log-sum-exp (as FlashAttention does); the key/value gradients arrive back at the block's owner after ``cp`` hops.
 
 Ulysses (Jacobs et al. 2023): an all-to-all turns ``[b, heads, s/cp, d]`` into ``[b, heads/cp, s, d]``, the whole
 sequence of a slice of the heads; SDPA runs causally on it (positions put in order first) and a second all-to-all
@@ -71,13 +71,24 @@ def _peers(group: Group) -> tuple[int, int]:
     return dist.get_global_rank(group.pg, nxt), dist.get_global_rank(group.pg, prv)
 
 
-def _rotate(buf: torch.Tensor, group: Group):
-    """Start sending ``buf`` to the next cp rank and receiving the previous rank's; returns ``(recv, works)``."""
+def _rotate(buf: torch.Tensor, group: Group, tag: int = 0):
+    """Start sending ``buf`` to the next cp rank and receiving the previous rank's; returns ``(recv, works)``.
+    ``tag`` keeps two streams in flight at once apart (backward: key/value blocks 0, their gradients 1)."""
     nxt, prv = _peers(group)
     recv = torch.empty_like(buf)
-    ops = [dist.P2POp(dist.isend, buf, nxt, group.pg), dist.P2POp(dist.irecv, recv, prv, group.pg)]
+    ops = [dist.P2POp(dist.isend, buf, nxt, group.pg, tag=tag), dist.P2POp(dist.irecv, recv, prv, group.pg, tag=tag)]
     group.counter.record("send", buf.numel(), buf.element_size(), group.size)
     return recv, dist.batch_isend_irecv(ops)
+
+
+def _arrive(pending, group: Group) -> torch.Tensor:
+    """Wait for a :func:`_rotate` and return what arrived; the wait counts as exposed ``send`` time."""
+    recv, works = pending
+    t0 = group.counter.start()
+    for w in works:
+        w.wait()
+    group.counter.blocked("send", t0)
+    return recv
 
 
 def _pairs(cp: int, q_rank: int, kv_rank: int):
@@ -100,8 +111,10 @@ def _scores(q, k, scale, causal):
 
 
 class _RingAttention(torch.autograd.Function):
-    """Forward: ring attention, ``cp - 1`` hops of the stacked key/value block ``[2, b, kv, s_l, d]``.
-    Backward: ``cp`` hops of ``[k, v, dk, dv]``; dq stays local."""
+    """Forward: ring attention, ``cp - 1`` hops of the stacked key/value block ``[2, b, kv, s_l, d]``, the next
+    block in flight while one is computed. Backward: the key/value blocks go round again (``cp - 1`` hops, next
+    one in flight) and each block's partial ``[dk, dv]`` follows it one step behind (``cp`` hops, the last one
+    home to the block's owner), sent while the next block is computed; dq stays local."""
 
     @staticmethod
     def forward(ctx, q, k, v, group: Group, scale: float):
@@ -130,10 +143,7 @@ class _RingAttention(torch.autograd.Function):
                 out[a] = out[a] * torch.exp(lse[a] - new).unsqueeze(-1) + blk * torch.exp(blk_lse - new).unsqueeze(-1)
                 lse[a] = new
             if pending is not None:
-                recv, works = pending
-                for w in works:
-                    w.wait()
-                buf = recv
+                buf = _arrive(pending, group)
         o = torch.cat(out, dim=2)
         ctx.save_for_backward(q, k, v, o, torch.cat(lse, dim=2))
         ctx.group, ctx.scale = group, scale
@@ -156,25 +166,27 @@ class _RingAttention(torch.autograd.Function):
         qh, doh = q.float().chunk(2, dim=2), do.chunk(2, dim=2)
         lh, dh = lse.chunk(2, dim=2), delta.chunk(2, dim=2)
         dq = [torch.zeros_like(qh[0]) for _ in range(2)]
-        buf = torch.cat([torch.stack([k, v]).float(), torch.zeros(2, b, kvh, s_l, d, device=q.device)]).contiguous()
-        for step in range(cp):                                            # buf: [k, v, dk, dv]
-            src = (r - step) % cp
-            kh = buf[0].repeat_interleave(g, dim=1).chunk(2, dim=2)
-            vh = buf[1].repeat_interleave(g, dim=1).chunk(2, dim=2)
+        kv = torch.stack([k, v]).float().contiguous()                    # [2, b, kv, s_l, d]
+        dkv_pending = None   # the partial [dk, dv] of the block held now, on its way from the previous rank
+        for step in range(cp):
+            kv_pending = _rotate(kv, group) if step < cp - 1 else None   # next block in flight during this one
+            kh = kv[0].repeat_interleave(g, dim=1).chunk(2, dim=2)
+            vh = kv[1].repeat_interleave(g, dim=1).chunk(2, dim=2)
             dk = [torch.zeros_like(kh[0]) for _ in range(2)]               # [b, h, c, d], summed per group below
             dv = [torch.zeros_like(kh[0]) for _ in range(2)]
-            for a, c, causal in _pairs(cp, r, src):
+            for a, c, causal in _pairs(cp, r, (r - step) % cp):
                 p = torch.exp(_scores(qh[a], kh[c], scale, causal) - lh[a].unsqueeze(-1))    # [b, h, c, c]
                 dv[c] = dv[c] + torch.matmul(p.transpose(-1, -2), doh[a])
                 ds = p * (torch.matmul(doh[a], vh[c].transpose(-1, -2)) - dh[a].unsqueeze(-1))
                 dq[a] = dq[a] + torch.matmul(ds, kh[c]) * scale
                 dk[c] = dk[c] + torch.matmul(ds.transpose(-1, -2), qh[a]) * scale
-            dkv = torch.stack([torch.cat(dk, dim=2), torch.cat(dv, dim=2)])                 # [2, b, h, s_l, d]
-            buf[2:] += dkv.view(2, b, kvh, g, s_l, d).sum(3)
-            recv, works = _rotate(buf if step < cp - 1 else buf[2:].contiguous(), group)
-            for w in works:
-                w.wait()
-            buf = recv
+            dkv = torch.stack([torch.cat(dk, dim=2), torch.cat(dv, dim=2)]).view(2, b, kvh, g, s_l, d).sum(3)
+            if dkv_pending is not None:     # the earlier ranks' share of this block's gradient
+                dkv += _arrive(dkv_pending, group)
+            dkv_pending = _rotate(dkv, group, tag=1)              # on to the block's next holder (or owner)
+            if kv_pending is not None:
+                kv = _arrive(kv_pending, group)
+        buf = _arrive(dkv_pending, group)                                # my own block's [dk, dv], home
         dq_full = torch.cat(dq, dim=2).to(q.dtype)
         return dq_full, buf[0].to(k.dtype), buf[1].to(v.dtype), None, None
 
@@ -188,8 +200,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
     returns ``[b, h, s/cp, d]`` in ``q``'s dtype (computed in fp32). At cp = 1 (or a group without process group)
     it is SDPA, causal.
 
-    Collectives: forward ``cp - 1`` send/recv hops of ``[2, b, kv, s/cp, d]`` fp32; backward ``cp`` hops of
-    ``[4, b, kv, s/cp, d]`` (the last one ``[2, ...]``: only the key/value gradients go home).
+    Collectives: forward ``cp - 1`` send/recv hops of ``[2, b, kv, s/cp, d]`` fp32; backward ``cp - 1`` hops of
+    the key/value blocks and ``cp`` of their gradients (``[2, b, kv, s/cp, d]`` each), every hop in flight while
+    a block is computed. Waits count as exposed ``send`` seconds in the group's counter.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if group.size == 1:
