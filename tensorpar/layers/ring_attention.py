@@ -232,20 +232,26 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(g, ctx.group, not ctx.to_heads), None, None
 
 
+def _exchange(send: torch.Tensor, group: Group) -> torch.Tensor:
+    """``all_to_all_single`` of ``send`` (dim 0 indexed by the destination rank), counted and timed."""
+    recv = torch.empty_like(send)
+    group.counter.record("all_to_all", send.numel(), send.element_size(), group.size)
+    t0 = group.counter.start()
+    dist.all_to_all_single(recv, send, group=group.pg)
+    group.counter.blocked("all_to_all", t0)
+    return recv
+
+
 def _all_to_all(x: torch.Tensor, group: Group, to_heads: bool) -> torch.Tensor:
     cp = group.size
     b, h, s, d = x.shape
     if to_heads:   # send head slice j to rank j; receive every rank's sequence part of my head slice
         send = x.reshape(b, cp, h // cp, s, d).permute(1, 0, 2, 3, 4).contiguous()
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=group.pg)
-        group.counter.record("all_to_all", send.numel(), send.element_size(), cp)
+        recv = _exchange(send, group)
         return recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)        # [b, h/cp, cp*s_l, d]
     sl = s // cp   # inverse: send sequence part j to rank j; receive my sequence part of every head slice
     send = x.reshape(b, h, cp, sl, d).permute(2, 0, 1, 3, 4).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group.pg)
-    group.counter.record("all_to_all", send.numel(), send.element_size(), cp)
+    recv = _exchange(send, group)
     return recv.permute(1, 0, 2, 3, 4).reshape(b, cp * h, sl, d)               # [b, h*cp, s_l, d]
 
 
