@@ -110,6 +110,39 @@ def _scores(q, k, scale, causal):
     return s
 
 
+def _block_forward(q, k, v, scale: float, causal: bool):
+    """Attention of one (query chunk, key chunk) block, ``q, k, v [b, h, c, d]`` fp32 contiguous: ``(out [b, h, c,
+    d], lse [b, h, c])``. On CPU torch's fused flash kernel (it works in tiles, so its working memory does not grow
+    with ``c``); elsewhere the ``[b, h, c, c]`` scores in full. Every row sees >= 1 key, so ``lse`` is finite."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    s = _scores(q, k, scale, causal)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
+
+
+def _block_backward(do, q, k, v, o, lse, scale: float, causal: bool):
+    """``(dq, dk, dv)`` of one block (shapes of ``q, k, v``) from the merged output ``o`` and log-sum-exp ``lse``
+    of the whole rows (FlashAttention's backward: ``P = exp(S - lse)``, ``dS = P (dO V^T - rowsum(dO o))``), so the
+    blocks' gradients add up to the full attention's. CPU: torch's flash backward kernel; elsewhere in full."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(do, q, k, v, o, lse, 0.0, causal,
+                                                                                    scale=scale)
+    p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))                  # [b, h, c, c]
+    ds = p * (torch.matmul(do, v.transpose(-1, -2)) - (do * o).sum(-1, keepdim=True))
+    return (torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale,
+            torch.matmul(p.transpose(-1, -2), do))
+
+
+def _halves(x: torch.Tensor, g: int = 1):
+    """The two chunks of ``x [b, n, s_l, ...]`` along the sequence (dim 2), fp32, contiguous; heads repeated ``g``
+    times (a KV block read by ``g`` query heads each)."""
+    x = x.float()
+    if g > 1:
+        x = x.repeat_interleave(g, dim=1)
+    return [t.contiguous() for t in x.chunk(2, dim=2)]
+
+
 class _RingAttention(torch.autograd.Function):
     """Forward: ring attention, ``cp - 1`` hops of the stacked key/value block ``[2, b, kv, s_l, d]``, the next
     block in flight while one is computed. Backward: the key/value blocks go round again (``cp - 1`` hops, next
@@ -125,20 +158,17 @@ class _RingAttention(torch.autograd.Function):
     def _forward(ctx, q, k, v, group, scale):
         cp, r = group.size, group.rank
         g = q.shape[1] // k.shape[1]
-        qf = q.float()
-        halves = qf.chunk(2, dim=2)                                       # 2 x [b, h, c, d]
-        out = [torch.zeros_like(halves[0]) for _ in range(2)]
-        lse = [torch.full(halves[0].shape[:-1], float("-inf"), device=q.device) for _ in range(2)]
+        halves = _halves(q)                                               # 2 x [b, h, c, d]
+        out, lse = [None, None], [None, None]
         buf = torch.stack([k, v]).float().contiguous()                  # [2, b, kv, s_l, d]
         for step in range(cp):
             pending = _rotate(buf, group) if step < cp - 1 else None
-            src = (r - step) % cp
-            kh = buf[0].repeat_interleave(g, dim=1).chunk(2, dim=2)     # [b, h, c, d] per key half
-            vh = buf[1].repeat_interleave(g, dim=1).chunk(2, dim=2)
-            for a, c, causal in _pairs(cp, r, src):
-                s = _scores(halves[a], kh[c], scale, causal)
-                blk_lse = torch.logsumexp(s, dim=-1)                     # finite: each row sees >= 1 key
-                blk = torch.matmul(torch.exp(s - blk_lse.unsqueeze(-1)), vh[c])
+            kh, vh = _halves(buf[0], g), _halves(buf[1], g)               # [b, h, c, d] per key half
+            for a, c, causal in _pairs(cp, r, (r - step) % cp):
+                blk, blk_lse = _block_forward(halves[a], kh[c], vh[c], scale, causal)
+                if out[a] is None:
+                    out[a], lse[a] = blk, blk_lse
+                    continue
                 new = torch.logaddexp(lse[a], blk_lse)
                 out[a] = out[a] * torch.exp(lse[a] - new).unsqueeze(-1) + blk * torch.exp(blk_lse - new).unsqueeze(-1)
                 lse[a] = new
@@ -161,25 +191,21 @@ class _RingAttention(torch.autograd.Function):
         cp, r = group.size, group.rank
         g = q.shape[1] // k.shape[1]
         b, kvh, s_l, d = k.shape
-        do = dout.float()
-        delta = (do * o).sum(-1)                                          # [b, h, s_l]
-        qh, doh = q.float().chunk(2, dim=2), do.chunk(2, dim=2)
-        lh, dh = lse.chunk(2, dim=2), delta.chunk(2, dim=2)
+        qh, doh, oh = _halves(q), _halves(dout), _halves(o)
+        lh = [t.contiguous() for t in lse.chunk(2, dim=2)]
         dq = [torch.zeros_like(qh[0]) for _ in range(2)]
         kv = torch.stack([k, v]).float().contiguous()                    # [2, b, kv, s_l, d]
         dkv_pending = None   # the partial [dk, dv] of the block held now, on its way from the previous rank
         for step in range(cp):
             kv_pending = _rotate(kv, group) if step < cp - 1 else None   # next block in flight during this one
-            kh = kv[0].repeat_interleave(g, dim=1).chunk(2, dim=2)
-            vh = kv[1].repeat_interleave(g, dim=1).chunk(2, dim=2)
+            kh, vh = _halves(kv[0], g), _halves(kv[1], g)
             dk = [torch.zeros_like(kh[0]) for _ in range(2)]               # [b, h, c, d], summed per group below
             dv = [torch.zeros_like(kh[0]) for _ in range(2)]
             for a, c, causal in _pairs(cp, r, (r - step) % cp):
-                p = torch.exp(_scores(qh[a], kh[c], scale, causal) - lh[a].unsqueeze(-1))    # [b, h, c, c]
-                dv[c] = dv[c] + torch.matmul(p.transpose(-1, -2), doh[a])
-                ds = p * (torch.matmul(doh[a], vh[c].transpose(-1, -2)) - dh[a].unsqueeze(-1))
-                dq[a] = dq[a] + torch.matmul(ds, kh[c]) * scale
-                dk[c] = dk[c] + torch.matmul(ds.transpose(-1, -2), qh[a]) * scale
+                gq, gk, gv = _block_backward(doh[a], qh[a], kh[c], vh[c], oh[a], lh[a], scale, causal)
+                dq[a] += gq
+                dk[c] += gk
+                dv[c] += gv
             dkv = torch.stack([torch.cat(dk, dim=2), torch.cat(dv, dim=2)]).view(2, b, kvh, g, s_l, d).sum(3)
             if dkv_pending is not None:     # the earlier ranks' share of this block's gradient
                 dkv += _arrive(dkv_pending, group)
