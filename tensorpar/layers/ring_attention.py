@@ -34,9 +34,13 @@ def check_cp_seq_len(seq_len: int, cp: int) -> None:
                          f"chunks, one early and one late); use seq_len={lo or 2 * cp} or {lo + 2 * cp}")
 
 
-def check_all2all_heads(local_heads: int, cp: int, tp: int) -> None:
-    """Raise ValueError unless every tp rank's query heads divide by cp (the all2all mode splits them over cp)."""
+def check_all2all_heads(local_heads: int, cp: int, tp: int, *, flags: bool = False) -> None:
+    """Raise ValueError unless every tp rank's query heads divide by cp (the all2all mode splits them over cp).
+    ``flags``: the message names the command-line flags (``--cp-mode all2all``) instead of the config fields."""
     if cp > 1 and local_heads % cp:
+        if flags:
+            raise ValueError(f"--cp-mode all2all needs the query heads of each tp rank ({local_heads} at --tp {tp}) "
+                             f"divisible by --cp {cp}; use --cp-mode ring, or a --cp dividing {local_heads}")
         raise ValueError(f"cp_mode='all2all' needs the query heads of each tp rank ({local_heads} at tp={tp}) "
                          f"divisible by cp={cp}; use cp_mode='ring', or a cp dividing {local_heads}")
 
