@@ -57,7 +57,7 @@ from tensorpar.planner.layout import Assumptions, Layout, Workload
 from tensorpar.planner.memory import cp_shape, layer_activation_terms, stage_expert_params, stage_params
 from tensorpar.planner.model_spec import ModelSpec
 from tensorpar.planner.partition import busiest_heads, max_ffn_columns, max_vocab_rows, stage_layers
-from tensorpar.planner.traffic import (cp_collectives, cp_step_collectives, dp_collectives, ep_collectives,
+from tensorpar.planner.traffic import (cp_exposed_seconds, cp_step_collectives, dp_collectives, ep_collectives,
                                       pipeline_sends, tied_embedding_collectives, tp_collectives, tp_step_collectives)
 
 # Bytes the elementwise kernels of a layer's forward pass read and write, per byte the layer stores for
@@ -237,8 +237,9 @@ def layer_times(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Wo
     span = t * layout.pp * layout.ep  # an expert-parallel group: ep dp replicas of the same (pp, tp) rank
     fwd_ep = _collective_seconds([c for c in ep_calls if "backward" not in c.site], cluster, span)
     bwd_ep = _collective_seconds([c for c in ep_calls if "backward" in c.site], cluster, span)
-    fwd_cp, bwd_cp = _cp_seconds(model, layout, cluster, work, assume, forward_attention,
-                                 gemm_seconds(backward_gemms(gemms["attention"]), cluster, assume, eager) + sdpa_extra)
+    fwd_cp, bwd_cp = cp_exposed_seconds(model, layout, cluster, work, assume, forward_attention,
+                                        gemm_seconds(backward_gemms(gemms["attention"]), cluster, assume, eager)
+                                        + sdpa_extra)
     rec_compute = rec_tp = 0.0
     if layout.recompute == "full":
         rec_compute, rec_tp = forward_matmul + forward_ew, fwd_tp + fwd_cp
@@ -255,22 +256,6 @@ def layer_times(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Wo
                      forward_ep=fwd_ep / (2 if layout.recompute == "full" else 1),
                      backward_ep=bwd_ep + (fwd_ep / 2 if layout.recompute == "full" else 0.0),
                      forward_cp=fwd_cp, backward_cp=bwd_cp)
-
-
-def _cp_seconds(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Workload, assume: Assumptions,
-                forward_attention: float, backward_attention: float) -> tuple[float, float]:
-    """Exposed seconds of one layer's context-parallel traffic, forward and backward (recomputation's forward
-    hops not included): the ring's hops minus the attention time they overlap, all2all's in full. A cp group is
-    ``cp`` ranks ``tp`` apart (rank grid ``(dp, pp, cp, tp)``)."""
-    if layout.cp == 1:
-        return 0.0, 0.0
-    calls = cp_collectives(model, replace(layout, recompute="none"), work, assume, layers=1)
-    span = layout.tp * layout.cp
-    fwd = _collective_seconds([c for c in calls if "forward" in c.site], cluster, span)
-    bwd = _collective_seconds([c for c in calls if "backward" in c.site], cluster, span)
-    if layout.cp_mode == "ring":
-        return max(0.0, fwd - forward_attention), max(0.0, bwd - backward_attention)
-    return fwd, bwd
 
 
 def optimizer_seconds(params: float, layout: Layout, cluster: ClusterSpec, assume: Assumptions,

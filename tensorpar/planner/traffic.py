@@ -18,7 +18,7 @@ tests/planner/test_planner_calibration.py checks these lists against tensorpar's
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tensorpar.planner.layout import Assumptions, Layout, Workload
 from tensorpar.planner.model_spec import ModelSpec
@@ -250,6 +250,23 @@ def cp_collectives(model: ModelSpec, layout: Layout, work: Workload, assume: Ass
         out += [Collective("all_to_all", f"all2all q and output {what}", 2 * calls, local * heads.q, e, c),
                 Collective("all_to_all", f"all2all k and v {what}", 2 * calls, local * kv, e, c)]
     return out
+
+
+def cp_exposed_seconds(model: ModelSpec, layout: Layout, cluster, work: Workload, assume: Assumptions,
+                       forward_attention: float, backward_attention: float) -> tuple[float, float]:
+    """Exposed seconds of one layer's context-parallel traffic, forward and backward (recomputation's forward
+    hops not included): the ring's hops minus the attention time they overlap, all2all's in full. A cp group is
+    ``cp`` ranks ``tp`` apart (rank grid ``(dp, pp, cp, tp)``); ``cluster`` a
+    :class:`~tensorpar.planner.cluster.ClusterSpec`."""
+    if layout.cp == 1:
+        return 0.0, 0.0
+    calls = cp_collectives(model, replace(layout, recompute="none"), work, assume, layers=1)
+    bandwidth, latency = cluster.link(layout.tp * layout.cp)
+    fwd = sum(c.seconds(bandwidth, latency) for c in calls if "forward" in c.site)
+    bwd = sum(c.seconds(bandwidth, latency) for c in calls if "backward" in c.site)
+    if layout.cp_mode == "ring":
+        return max(0.0, fwd - forward_attention), max(0.0, bwd - backward_attention)
+    return fwd, bwd
 
 
 def cp_step_collectives(stage_params: float, layout: Layout, assume: Assumptions) -> list[Collective]:
