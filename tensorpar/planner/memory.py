@@ -22,8 +22,8 @@ norm input, output-layer input and fp32 logits, ``4sbh/t (1 + V/h)`` with sequen
 Context parallelism (``cp`` > 1, tensorpar's ``--cp``): each rank runs the whole model on ``s / cp`` positions, so
 every term above is that of a sequence ``s / cp`` long (the logits, rotary tables and embedding included), and
 attention is ring or all2all, neither of which stores a score matrix: its terms are the fused kernel's (q, k, v,
-output, log-sum-exp per head and row), whatever ``attention`` says, plus a copy of the output
-(:func:`cp_attention_extra_bytes`). So the
+output, log-sum-exp per head and row), whatever ``attention`` says, plus a copy of the output (and under all2all
+K and V at the query heads; :func:`cp_attention_extra_bytes`). So the
 activations of a rank at cp are a little over ``1/cp`` of cp = 1's with a fused kernel (less than that with eager
 attention at cp = 1).
 """
@@ -164,14 +164,19 @@ def cp_shape(layout: Layout, work: Workload, assume: Assumptions) -> tuple[int, 
 
 def cp_attention_extra_bytes(model: ModelSpec, heads: RankHeads, layout: Layout, *, micro_batch: int, seq_len: int,
                              assume: Assumptions) -> dict[str, float]:
-    """At cp > 1 the attention keeps its own output ``[b, h, s/cp, d]`` for backward (fp32 in the ring, the
-    activation dtype under all2all) apart from the output projection's input: a fused kernel at cp = 1 writes its
-    output in the layout the projection reads, so there the two are one tensor (measured: bench/bench_cp.py).
-    ``seq_len``: positions per rank."""
+    """What cp attention keeps beyond a fused kernel's terms, per layer (``seq_len``: positions per rank; measured by
+    bench/bench_cp.py to the byte). Both modes keep their own output ``[b, h, s/cp, d]`` apart from the output
+    projection's input (a fused kernel at cp = 1 writes its output in the layout the projection reads, so there the
+    two are one tensor): fp32 in the ring, the activation dtype under all2all. all2all also keeps K and V repeated
+    to the query heads (its SDPA call gets them expanded) and its two int64 position orders of the whole sequence."""
     if layout.cp == 1:
         return {}
-    e = 4 if layout.cp_mode == "ring" else assume.activation_bytes
-    return {f"{layout.cp_mode} attention output": e * micro_batch * seq_len * model.head_dim * heads.q}
+    e, tokens, d = assume.activation_bytes, micro_batch * seq_len, model.head_dim
+    if layout.cp_mode == "ring":
+        return {"ring attention output (fp32)": 4 * tokens * d * heads.q}
+    return {"all2all attention output": e * tokens * d * heads.q,
+            "all2all repeated k, v": 2 * e * tokens * d * (heads.q - heads.kv),
+            "all2all position orders": 2 * 8 * seq_len * layout.cp}
 
 
 def rotary_bytes(model: ModelSpec, *, seq_len: int, assume: Assumptions) -> float:
