@@ -241,10 +241,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
 
 
 def _sdpa_causal(q, k, v, scale):
-    g = q.shape[1] // k.shape[1]
-    if g > 1:
-        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    """Causal SDPA; grouped KV heads broadcast by the kernel (``enable_gqa``), so they are kept compact for
+    backward rather than repeated to the query heads."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 # ------------------------------------------------------------------ Ulysses all-to-all

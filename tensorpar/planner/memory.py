@@ -167,15 +167,16 @@ def cp_attention_extra_bytes(model: ModelSpec, heads: RankHeads, layout: Layout,
     """What cp attention keeps beyond a fused kernel's terms, per layer (``seq_len``: positions per rank; measured by
     bench/bench_cp.py to the byte). Both modes keep their own output ``[b, h, s/cp, d]`` apart from the output
     projection's input (a fused kernel at cp = 1 writes its output in the layout the projection reads, so there the
-    two are one tensor): fp32 in the ring, the activation dtype under all2all. all2all also keeps K and V repeated
-    to the query heads (its SDPA call gets them expanded) and its two int64 position orders of the whole sequence."""
+    two are one tensor): fp32 in the ring, the activation dtype under all2all. all2all also keeps its two int64
+    position orders of the whole sequence, and K and V repeated to the query heads when cp does not divide the KV
+    heads (they are repeated before the exchange)."""
     if layout.cp == 1:
         return {}
     e, tokens, d = assume.activation_bytes, micro_batch * seq_len, model.head_dim
     if layout.cp_mode == "ring":
         return {"ring attention output (fp32)": 4 * tokens * d * heads.q}
     return {"all2all attention output": e * tokens * d * heads.q,
-            "all2all repeated k, v": 2 * e * tokens * d * (heads.q - heads.kv),
+            "all2all repeated k, v": 2 * e * tokens * d * (heads.q - heads.kv) if heads.kv % layout.cp else 0.0,
             "all2all position orders": 2 * 8 * seq_len * layout.cp}
 
 
