@@ -178,7 +178,17 @@ def main() -> None:
                     help="sequence lengths tried against the budget, ascending")
     ap.add_argument("--timed-steps", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cp"))
+    ap.add_argument("--report-only", action="store_true",
+                    help="rewrite the .md from the .json (measurements kept; the planner's columns computed again)")
     args = ap.parse_args()
+    out = Path(args.out)
+    if args.report_only:
+        result = json.loads(out.with_suffix(".json").read_text())
+        _planner_columns(result)
+        out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+        out.with_suffix(".md").write_text(report(result))
+        print(report(result))
+        return
 
     from tensorpar.parallel import ParallelConfig
     from tensorpar.testing import WorkerPool
@@ -193,13 +203,10 @@ def main() -> None:
     rows, ladder = [], []
     try:
         for cp, mode in ((1, "ring"), (2, "ring"), (2, "all2all"), (4, "ring")):
-            row = measure(pools, cp, args.seq, mode, args.timed_steps)
-            row["planner_saved_mib"] = planner_saved_mib(cp, args.seq, mode)
-            rows.append(row)
+            rows.append(measure(pools, cp, args.seq, mode, args.timed_steps))
         for cp in (1, 4):
             for seq in (int(s) for s in args.ladder.split(",")):
                 row = measure(pools, cp, seq, "ring", 0)
-                row["planner_saved_mib"] = planner_saved_mib(cp, seq, "ring")
                 row["fits"] = row["peak_mib"] <= args.cap_mib
                 ladder.append(row)
                 if not row["fits"]:
@@ -208,21 +215,27 @@ def main() -> None:
         for p in made.values():
             p.close()
     load_end = os.getloadavg()
-    base = rows[0]
-    for r in rows:
-        r["saved_vs_cp1"], r["peak_vs_cp1"] = r["saved_mib"] / base["saved_mib"], r["peak_mib"] / base["peak_mib"]
-        r["planner_vs_cp1"] = r["planner_saved_mib"] / base["planner_saved_mib"]
     longest = {cp: max((r["seq"] for r in ladder if r["cp"] == cp and r["fits"]), default=0) for cp in (1, 4)}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     result = dict(commit=commit, date=datetime.now(timezone.utc).isoformat(timespec="seconds"), machine=_machine(),
                   load_start=load_start, load_end=load_end, model=MODEL, seq=args.seq, cap_mib=args.cap_mib,
                   rows=rows, ladder=ladder, longest_within_cap=longest)
-    out = Path(args.out)
+    _planner_columns(result)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     out.with_suffix(".md").write_text(report(result))
     print(report(result))
+
+
+def _planner_columns(result: dict) -> None:
+    """The planner's saved bytes of every row and the ratios to cp = 1 (in place)."""
+    for r in result["rows"] + result["ladder"]:
+        r["planner_saved_mib"] = planner_saved_mib(r["cp"], r["seq"], r["mode"])
+    base = result["rows"][0]
+    for r in result["rows"]:
+        r["saved_vs_cp1"], r["peak_vs_cp1"] = r["saved_mib"] / base["saved_mib"], r["peak_mib"] / base["peak_mib"]
+        r["planner_vs_cp1"] = r["planner_saved_mib"] / base["planner_saved_mib"]
 
 
 def report(res: dict) -> str:
@@ -232,13 +245,18 @@ def report(res: dict) -> str:
         f"Random Llama (hidden 128, 2 layers, 4 query / 2 KV heads of 32, MLP 256, vocab 256), fp32, batch 1, one "
         f"thread per rank; commit {res['commit']}, {res['date']}; {m['cpu']}, {m['cores']} cores; load average "
         f"{res['load_start'][0]:.2f} at start, {res['load_end'][0]:.2f} at end. cp = 4 is 4 processes on "
-        f"{m['cores']} cores: its step time is oversubscribed, not a speed result. The memory columns are the result.",
+        f"{m['cores']} cores: its step time is oversubscribed, not a speed result. With a load average above the core "
+        f"count the step times measure the machine's other work as much as cp; the memory columns are the result.",
         "", "Saved: bytes autograd keeps for backward (exact; what the planner predicts). Peak: rise of resident "
         "memory during a step over the resident memory before it (weights and AdamW state cancel; includes "
-        "attention's working memory and the gradients, 0.9 MiB). Both per rank, the largest rank.", "",
+        "attention's working memory and the gradients, 0.9 MiB; it can come out a little below saved when pages freed "
+        "by the previous step are reused without growing the process). Both per rank, the largest rank. Exposed "
+        "attention comm: seconds a rank waited in the ring's hops (ring) or in the all-to-alls (all2all), against "
+        "the seconds inside the ring's attention function (ring s/step); under this load a wait is mostly for the "
+        "peer to be scheduled, not for the wire.", "",
         f"## Sequence {res['seq']}", "",
         "| cp | mode | saved MiB | vs cp=1 | planner MiB | planner vs cp=1 | peak MiB | vs cp=1 | step s (median) "
-        "| ring s/step | exposed ring comm s/step | cp grad all-reduce s/step |",
+        "| ring s/step | exposed attention comm s/step | cp grad all-reduce s/step |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def f(x, fmt):
