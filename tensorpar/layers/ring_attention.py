@@ -114,22 +114,24 @@ def _scores(q, k, scale, causal):
     return s
 
 
-def _block_forward(q, k, v, scale: float, causal: bool):
+def _block_forward(q, k, v, scale: float, causal: bool, fused: bool | None = None):
     """Attention of one (query chunk, key chunk) block, ``q, k, v [b, h, c, d]`` fp32 contiguous: ``(out [b, h, c,
     d], lse [b, h, c])``. On CPU torch's fused flash kernel (it works in tiles, so its working memory does not grow
-    with ``c``); elsewhere the ``[b, h, c, c]`` scores in full. Every row sees >= 1 key, so ``lse`` is finite."""
-    if q.device.type == "cpu":
+    with ``c``); elsewhere (or ``fused=False``) the ``[b, h, c, c]`` scores in full. Every row sees >= 1 key, so
+    ``lse`` is finite."""
+    if (q.device.type == "cpu") if fused is None else fused:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     s = _scores(q, k, scale, causal)
     lse = torch.logsumexp(s, dim=-1)
     return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
 
 
-def _block_backward(do, q, k, v, o, lse, scale: float, causal: bool):
+def _block_backward(do, q, k, v, o, lse, scale: float, causal: bool, fused: bool | None = None):
     """``(dq, dk, dv)`` of one block (shapes of ``q, k, v``) from the merged output ``o`` and log-sum-exp ``lse``
     of the whole rows (FlashAttention's backward: ``P = exp(S - lse)``, ``dS = P (dO V^T - rowsum(dO o))``), so the
-    blocks' gradients add up to the full attention's. CPU: torch's flash backward kernel; elsewhere in full."""
-    if q.device.type == "cpu":
+    blocks' gradients add up to the full attention's. CPU: torch's flash backward kernel; elsewhere (or
+    ``fused=False``) in full."""
+    if (q.device.type == "cpu") if fused is None else fused:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(do, q, k, v, o, lse, 0.0, causal,
                                                                                     scale=scale)
     p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))                  # [b, h, c, c]

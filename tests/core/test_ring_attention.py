@@ -95,3 +95,22 @@ def test_layout_and_refusals():
     with pytest.raises(ValueError, match=r"cp_mode='all2all' needs the query heads of each tp rank \(3 at tp=2\) "
                                          r"divisible by cp=2; use cp_mode='ring'"):
         check_all2all_heads(3, 2, 2)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_kernels_fused_and_in_full_agree(causal):
+    """One (query chunk, key chunk) block: the path other devices take (scores in full) equals torch's fused CPU
+    flash kernel and its backward, output, log-sum-exp and dq/dk/dv (given the whole row's output and
+    log-sum-exp, as the ring passes them). Tolerance 1e-5: fp32 sums in another order."""
+    from tensorpar.layers.ring_attention import _block_backward, _block_forward
+    g = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(2, 4, 12, 8, generator=g) for _ in range(4))
+    scale = 8 ** -0.5
+    fused = _block_forward(q, k, v, scale, causal, fused=True)
+    full = _block_forward(q, k, v, scale, causal, fused=False)
+    for a, b in zip(fused, full):
+        assert (a - b).abs().max() <= TOL
+    o, lse = fused
+    for a, b in zip(_block_backward(do, q, k, v, o, lse, scale, causal, fused=True),
+                    _block_backward(do, q, k, v, o, lse, scale, causal, fused=False)):
+        assert (a - b).abs().max() <= TOL
