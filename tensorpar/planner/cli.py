@@ -325,6 +325,9 @@ def _plan(args) -> int:
     work, assume = Workload(args.global_batch, args.seq), build_assumptions(args, model)
     model.check_seq_len(work.seq_len)
     layout = parse_layout(args.evaluate, hw.num_devices) if args.evaluate is not None else None
+    if layout is not None and layout.cp not in assume.context_parallel:   # rank it among layouts of its cp too
+        from dataclasses import replace
+        assume = replace(assume, context_parallel=tuple(sorted({*assume.context_parallel, layout.cp})))
     found = search(model, hw, work, assume)
     title = (f"{model.name} on {hw.num_devices} x {hw.device.name} ({hw.devices_per_node} per node), "
              f"global batch {work.global_batch} x {work.seq_len} tokens, attention={assume.attention}"

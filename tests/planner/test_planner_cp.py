@@ -118,3 +118,14 @@ def test_cp_rules():
                    FP32)
     assert [p.message for p in bad if p.rule == "all2all"] == [
         "cp_mode=all2all needs the query heads of each tp rank (3 at tp=2) divisible by cp (2); use cp_mode=ring"]
+
+
+def test_evaluate_ranks_a_cp_layout_among_its_own(capsys):
+    """`tensorpar plan --evaluate ...cp=4...` without `--cp 4`: the layout is ranked among the cp layouts too (it
+    was reported as not fitting, "needs 0.2 GiB > 76.0 GiB usable", since the search had left cp 4 out)."""
+    from tensorpar.cli import main
+    rc = main(["plan", "--layers", "2", "--hidden", "128", "--heads", "4", "--kv-heads", "2", "--ffn", "256",
+               "--vocab", "256", "--gpus", "4", "--gpus-per-node", "4", "--global-batch", "1", "--seq", "65536",
+               "--evaluate", "tp=1,pp=1,cp=4,cp_mode=all2all"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert rc == 0 and "cp=4 all2all: rank 2 of" in out and "usable." not in out, out
