@@ -6,11 +6,11 @@ positions is cut into ``2 cp`` chunks of ``c = s / (2 cp)``; cp rank ``r`` holds
 pairs. :func:`cp_positions` gives the global positions a rank holds, :func:`cp_shard` cuts a ``[b, s, ...]`` tensor.
 
 Ring (Liu et al. 2023, "Ring Attention"): every rank keeps its queries; the key/value blocks travel around the cp
-group (``cp - 1`` hops in forward, ``cp`` in backward, the next hop in flight while a block is computed). Each
-(query chunk ``i``, key chunk ``j``) pair is skipped when ``i < j`` (all masked), causal when ``i == j``, full
-when ``i > j``; partial outputs are merged with their log-sum-exp in fp32, so the result is softmax attention up
-to fp32 reordering. Backward recomputes the scores from the saved log-sum-exp (as FlashAttention does); the
-key/value gradients travel with their block and arrive back at the block's owner after the last hop.
+group (``cp - 1`` hops in forward and again in backward, each block's gradient one hop behind it; every hop in
+flight while a block is computed). Each (query chunk ``i``, key chunk ``j``) pair is skipped when ``i < j`` (all
+masked), causal when ``i == j``, full when ``i > j``; partial outputs are merged with their log-sum-exp in fp32,
+so the result is softmax attention up to fp32 reordering. Backward recomputes the scores from the saved
+log-sum-exp (as FlashAttention does); the key/value gradients arrive back at the block's owner after ``cp`` hops.
 
 Ulysses (Jacobs et al. 2023): an all-to-all turns ``[b, heads, s/cp, d]`` into ``[b, heads/cp, s, d]``, the whole
 sequence of a slice of the heads; SDPA runs causally on it (positions put in order first) and a second all-to-all
@@ -34,9 +34,13 @@ def check_cp_seq_len(seq_len: int, cp: int) -> None:
                          f"chunks, one early and one late); use seq_len={lo or 2 * cp} or {lo + 2 * cp}")
 
 
-def check_all2all_heads(local_heads: int, cp: int, tp: int) -> None:
-    """Raise ValueError unless every tp rank's query heads divide by cp (the all2all mode splits them over cp)."""
+def check_all2all_heads(local_heads: int, cp: int, tp: int, *, flags: bool = False) -> None:
+    """Raise ValueError unless every tp rank's query heads divide by cp (the all2all mode splits them over cp).
+    ``flags``: the message names the command-line flags (``--cp-mode all2all``) instead of the config fields."""
     if cp > 1 and local_heads % cp:
+        if flags:
+            raise ValueError(f"--cp-mode all2all needs the query heads of each tp rank ({local_heads} at --tp {tp}) "
+                             f"divisible by --cp {cp}; use --cp-mode ring, or a --cp dividing {local_heads}")
         raise ValueError(f"cp_mode='all2all' needs the query heads of each tp rank ({local_heads} at tp={tp}) "
                          f"divisible by cp={cp}; use cp_mode='ring', or a cp dividing {local_heads}")
 
@@ -71,13 +75,24 @@ def _peers(group: Group) -> tuple[int, int]:
     return dist.get_global_rank(group.pg, nxt), dist.get_global_rank(group.pg, prv)
 
 
-def _rotate(buf: torch.Tensor, group: Group):
-    """Start sending ``buf`` to the next cp rank and receiving the previous rank's; returns ``(recv, works)``."""
+def _rotate(buf: torch.Tensor, group: Group, tag: int = 0):
+    """Start sending ``buf`` to the next cp rank and receiving the previous rank's; returns ``(recv, works)``.
+    ``tag`` keeps two streams in flight at once apart (backward: key/value blocks 0, their gradients 1)."""
     nxt, prv = _peers(group)
     recv = torch.empty_like(buf)
-    ops = [dist.P2POp(dist.isend, buf, nxt, group.pg), dist.P2POp(dist.irecv, recv, prv, group.pg)]
+    ops = [dist.P2POp(dist.isend, buf, nxt, group.pg, tag=tag), dist.P2POp(dist.irecv, recv, prv, group.pg, tag=tag)]
     group.counter.record("send", buf.numel(), buf.element_size(), group.size)
     return recv, dist.batch_isend_irecv(ops)
+
+
+def _arrive(pending, group: Group) -> torch.Tensor:
+    """Wait for a :func:`_rotate` and return what arrived; the wait counts as exposed ``send`` time."""
+    recv, works = pending
+    t0 = group.counter.start()
+    for w in works:
+        w.wait()
+    group.counter.blocked("send", t0)
+    return recv
 
 
 def _pairs(cp: int, q_rank: int, kv_rank: int):
@@ -99,9 +114,46 @@ def _scores(q, k, scale, causal):
     return s
 
 
+def _block_forward(q, k, v, scale: float, causal: bool, fused: bool | None = None):
+    """Attention of one (query chunk, key chunk) block, ``q, k, v [b, h, c, d]`` fp32 contiguous: ``(out [b, h, c,
+    d], lse [b, h, c])``. On CPU torch's fused flash kernel (it works in tiles, so its working memory does not grow
+    with ``c``); elsewhere (or ``fused=False``) the ``[b, h, c, c]`` scores in full. Every row sees >= 1 key, so
+    ``lse`` is finite."""
+    if (q.device.type == "cpu") if fused is None else fused:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    s = _scores(q, k, scale, causal)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
+
+
+def _block_backward(do, q, k, v, o, lse, scale: float, causal: bool, fused: bool | None = None):
+    """``(dq, dk, dv)`` of one block (shapes of ``q, k, v``) from the merged output ``o`` and log-sum-exp ``lse``
+    of the whole rows (FlashAttention's backward: ``P = exp(S - lse)``, ``dS = P (dO V^T - rowsum(dO o))``), so the
+    blocks' gradients add up to the full attention's. CPU: torch's flash backward kernel; elsewhere (or
+    ``fused=False``) in full."""
+    if (q.device.type == "cpu") if fused is None else fused:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(do, q, k, v, o, lse, 0.0, causal,
+                                                                                    scale=scale)
+    p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))                  # [b, h, c, c]
+    ds = p * (torch.matmul(do, v.transpose(-1, -2)) - (do * o).sum(-1, keepdim=True))
+    return (torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale,
+            torch.matmul(p.transpose(-1, -2), do))
+
+
+def _halves(x: torch.Tensor, g: int = 1):
+    """The two chunks of ``x [b, n, s_l, ...]`` along the sequence (dim 2), fp32, contiguous; heads repeated ``g``
+    times (a KV block read by ``g`` query heads each)."""
+    x = x.float()
+    if g > 1:
+        x = x.repeat_interleave(g, dim=1)
+    return [t.contiguous() for t in x.chunk(2, dim=2)]
+
+
 class _RingAttention(torch.autograd.Function):
-    """Forward: ring attention, ``cp - 1`` hops of the stacked key/value block ``[2, b, kv, s_l, d]``.
-    Backward: ``cp`` hops of ``[k, v, dk, dv]``; dq stays local."""
+    """Forward: ring attention, ``cp - 1`` hops of the stacked key/value block ``[2, b, kv, s_l, d]``, the next
+    block in flight while one is computed. Backward: the key/value blocks go round again (``cp - 1`` hops, next
+    one in flight) and each block's partial ``[dk, dv]`` follows it one step behind (``cp`` hops, the last one
+    home to the block's owner), sent while the next block is computed; dq stays local."""
 
     @staticmethod
     def forward(ctx, q, k, v, group: Group, scale: float):
@@ -112,28 +164,22 @@ class _RingAttention(torch.autograd.Function):
     def _forward(ctx, q, k, v, group, scale):
         cp, r = group.size, group.rank
         g = q.shape[1] // k.shape[1]
-        qf = q.float()
-        halves = qf.chunk(2, dim=2)                                       # 2 x [b, h, c, d]
-        out = [torch.zeros_like(halves[0]) for _ in range(2)]
-        lse = [torch.full(halves[0].shape[:-1], float("-inf"), device=q.device) for _ in range(2)]
+        halves = _halves(q)                                               # 2 x [b, h, c, d]
+        out, lse = [None, None], [None, None]
         buf = torch.stack([k, v]).float().contiguous()                  # [2, b, kv, s_l, d]
         for step in range(cp):
             pending = _rotate(buf, group) if step < cp - 1 else None
-            src = (r - step) % cp
-            kh = buf[0].repeat_interleave(g, dim=1).chunk(2, dim=2)     # [b, h, c, d] per key half
-            vh = buf[1].repeat_interleave(g, dim=1).chunk(2, dim=2)
-            for a, c, causal in _pairs(cp, r, src):
-                s = _scores(halves[a], kh[c], scale, causal)
-                blk_lse = torch.logsumexp(s, dim=-1)                     # finite: each row sees >= 1 key
-                blk = torch.matmul(torch.exp(s - blk_lse.unsqueeze(-1)), vh[c])
+            kh, vh = _halves(buf[0], g), _halves(buf[1], g)               # [b, h, c, d] per key half
+            for a, c, causal in _pairs(cp, r, (r - step) % cp):
+                blk, blk_lse = _block_forward(halves[a], kh[c], vh[c], scale, causal)
+                if out[a] is None:
+                    out[a], lse[a] = blk, blk_lse
+                    continue
                 new = torch.logaddexp(lse[a], blk_lse)
                 out[a] = out[a] * torch.exp(lse[a] - new).unsqueeze(-1) + blk * torch.exp(blk_lse - new).unsqueeze(-1)
                 lse[a] = new
             if pending is not None:
-                recv, works = pending
-                for w in works:
-                    w.wait()
-                buf = recv
+                buf = _arrive(pending, group)
         o = torch.cat(out, dim=2)
         ctx.save_for_backward(q, k, v, o, torch.cat(lse, dim=2))
         ctx.group, ctx.scale = group, scale
@@ -151,30 +197,28 @@ class _RingAttention(torch.autograd.Function):
         cp, r = group.size, group.rank
         g = q.shape[1] // k.shape[1]
         b, kvh, s_l, d = k.shape
-        do = dout.float()
-        delta = (do * o).sum(-1)                                          # [b, h, s_l]
-        qh, doh = q.float().chunk(2, dim=2), do.chunk(2, dim=2)
-        lh, dh = lse.chunk(2, dim=2), delta.chunk(2, dim=2)
+        qh, doh, oh = _halves(q), _halves(dout), _halves(o)
+        lh = [t.contiguous() for t in lse.chunk(2, dim=2)]
         dq = [torch.zeros_like(qh[0]) for _ in range(2)]
-        buf = torch.cat([torch.stack([k, v]).float(), torch.zeros(2, b, kvh, s_l, d, device=q.device)]).contiguous()
-        for step in range(cp):                                            # buf: [k, v, dk, dv]
-            src = (r - step) % cp
-            kh = buf[0].repeat_interleave(g, dim=1).chunk(2, dim=2)
-            vh = buf[1].repeat_interleave(g, dim=1).chunk(2, dim=2)
+        kv = torch.stack([k, v]).float().contiguous()                    # [2, b, kv, s_l, d]
+        dkv_pending = None   # the partial [dk, dv] of the block held now, on its way from the previous rank
+        for step in range(cp):
+            kv_pending = _rotate(kv, group) if step < cp - 1 else None   # next block in flight during this one
+            kh, vh = _halves(kv[0], g), _halves(kv[1], g)
             dk = [torch.zeros_like(kh[0]) for _ in range(2)]               # [b, h, c, d], summed per group below
             dv = [torch.zeros_like(kh[0]) for _ in range(2)]
-            for a, c, causal in _pairs(cp, r, src):
-                p = torch.exp(_scores(qh[a], kh[c], scale, causal) - lh[a].unsqueeze(-1))    # [b, h, c, c]
-                dv[c] = dv[c] + torch.matmul(p.transpose(-1, -2), doh[a])
-                ds = p * (torch.matmul(doh[a], vh[c].transpose(-1, -2)) - dh[a].unsqueeze(-1))
-                dq[a] = dq[a] + torch.matmul(ds, kh[c]) * scale
-                dk[c] = dk[c] + torch.matmul(ds.transpose(-1, -2), qh[a]) * scale
-            dkv = torch.stack([torch.cat(dk, dim=2), torch.cat(dv, dim=2)])                 # [2, b, h, s_l, d]
-            buf[2:] += dkv.view(2, b, kvh, g, s_l, d).sum(3)
-            recv, works = _rotate(buf if step < cp - 1 else buf[2:].contiguous(), group)
-            for w in works:
-                w.wait()
-            buf = recv
+            for a, c, causal in _pairs(cp, r, (r - step) % cp):
+                gq, gk, gv = _block_backward(doh[a], qh[a], kh[c], vh[c], oh[a], lh[a], scale, causal)
+                dq[a] += gq
+                dk[c] += gk
+                dv[c] += gv
+            dkv = torch.stack([torch.cat(dk, dim=2), torch.cat(dv, dim=2)]).view(2, b, kvh, g, s_l, d).sum(3)
+            if dkv_pending is not None:     # the earlier ranks' share of this block's gradient
+                dkv += _arrive(dkv_pending, group)
+            dkv_pending = _rotate(dkv, group, tag=1)              # on to the block's next holder (or owner)
+            if kv_pending is not None:
+                kv = _arrive(kv_pending, group)
+        buf = _arrive(dkv_pending, group)                                # my own block's [dk, dv], home
         dq_full = torch.cat(dq, dim=2).to(q.dtype)
         return dq_full, buf[0].to(k.dtype), buf[1].to(v.dtype), None, None
 
@@ -188,8 +232,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
     returns ``[b, h, s/cp, d]`` in ``q``'s dtype (computed in fp32). At cp = 1 (or a group without process group)
     it is SDPA, causal.
 
-    Collectives: forward ``cp - 1`` send/recv hops of ``[2, b, kv, s/cp, d]`` fp32; backward ``cp`` hops of
-    ``[4, b, kv, s/cp, d]`` (the last one ``[2, ...]``: only the key/value gradients go home).
+    Collectives: forward ``cp - 1`` send/recv hops of ``[2, b, kv, s/cp, d]`` fp32; backward ``cp - 1`` hops of
+    the key/value blocks and ``cp`` of their gradients (``[2, b, kv, s/cp, d]`` each), every hop in flight while
+    a block is computed. Waits count as exposed ``send`` seconds in the group's counter.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if group.size == 1:
@@ -198,10 +243,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
 
 
 def _sdpa_causal(q, k, v, scale):
-    g = q.shape[1] // k.shape[1]
-    if g > 1:
-        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    """Causal SDPA; grouped KV heads broadcast by the kernel (``enable_gqa``), so they are kept compact for
+    backward rather than repeated to the query heads."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 # ------------------------------------------------------------------ Ulysses all-to-all
@@ -219,20 +263,26 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(g, ctx.group, not ctx.to_heads), None, None
 
 
+def _exchange(send: torch.Tensor, group: Group) -> torch.Tensor:
+    """``all_to_all_single`` of ``send`` (dim 0 indexed by the destination rank), counted and timed."""
+    recv = torch.empty_like(send)
+    group.counter.record("all_to_all", send.numel(), send.element_size(), group.size)
+    t0 = group.counter.start()
+    dist.all_to_all_single(recv, send, group=group.pg)
+    group.counter.blocked("all_to_all", t0)
+    return recv
+
+
 def _all_to_all(x: torch.Tensor, group: Group, to_heads: bool) -> torch.Tensor:
     cp = group.size
     b, h, s, d = x.shape
     if to_heads:   # send head slice j to rank j; receive every rank's sequence part of my head slice
         send = x.reshape(b, cp, h // cp, s, d).permute(1, 0, 2, 3, 4).contiguous()
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=group.pg)
-        group.counter.record("all_to_all", send.numel(), send.element_size(), cp)
+        recv = _exchange(send, group)
         return recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)        # [b, h/cp, cp*s_l, d]
     sl = s // cp   # inverse: send sequence part j to rank j; receive my sequence part of every head slice
     send = x.reshape(b, h, cp, sl, d).permute(2, 0, 1, 3, 4).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group.pg)
-    group.counter.record("all_to_all", send.numel(), send.element_size(), cp)
+    recv = _exchange(send, group)
     return recv.permute(1, 0, 2, 3, 4).reshape(b, cp * h, sl, d)               # [b, h*cp, s_l, d]
 
 

@@ -81,6 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            f"training, {InferenceWorkload.reserve_gib} with --inference)")
     work.add_argument("--max-micro-batch", type=int, default=Assumptions.max_micro_batch)
     work.add_argument("--virtual-stages", default="1", help="interleaving degrees to try, e.g. 1,2,4")
+    work.add_argument("--cp", default="1", help="context-parallel degrees to try, e.g. 1,2,4 (tensorpar train --cp; "
+                                                "each sequence split over cp devices, ring or all2all attention)")
     work.add_argument("--capacity-factor", type=float, default=Assumptions.capacity_factor,
                       help="mixture of experts: tokens dispatched per expert over its balanced share (default %(default)s)")
     work.add_argument("--allow-cross-node-tp", action="store_true", help="let tensor-parallel groups span nodes")
@@ -184,6 +186,10 @@ def build_assumptions(args, model: ms.ModelSpec) -> Assumptions:
         virtual = tuple(int(v) for v in args.virtual_stages.split(","))
     except ValueError:
         raise ValueError(f"--virtual-stages ({args.virtual_stages!r}) must be integers like 1,2,4") from None
+    try:
+        cp = tuple(int(v) for v in str(getattr(args, "cp", "1")).split(","))
+    except ValueError:
+        raise ValueError(f"--cp ({args.cp!r}) must be integers like 1,2,4") from None
     attention = args.attention or ("eager" if model.kernels == "megatron" else "sdpa")
     size = DTYPE_BYTES
     return Assumptions(activation_bytes=size[args.dtype], param_bytes=size[args.dtype],
@@ -192,7 +198,7 @@ def build_assumptions(args, model: ms.ModelSpec) -> Assumptions:
                        reserve_gib=Assumptions.reserve_gib if args.reserve_gb is None else args.reserve_gb,
                        allow_cross_node_tp=args.allow_cross_node_tp, max_micro_batch=args.max_micro_batch,
                        capacity_factor=args.capacity_factor,
-                       virtual_stages=virtual)
+                       virtual_stages=virtual, context_parallel=cp)
 
 
 def main(args) -> int:
@@ -319,6 +325,9 @@ def _plan(args) -> int:
     work, assume = Workload(args.global_batch, args.seq), build_assumptions(args, model)
     model.check_seq_len(work.seq_len)
     layout = parse_layout(args.evaluate, hw.num_devices) if args.evaluate is not None else None
+    if layout is not None and layout.cp not in assume.context_parallel:   # rank it among layouts of its cp too
+        from dataclasses import replace
+        assume = replace(assume, context_parallel=tuple(sorted({*assume.context_parallel, layout.cp})))
     found = search(model, hw, work, assume)
     title = (f"{model.name} on {hw.num_devices} x {hw.device.name} ({hw.devices_per_node} per node), "
              f"global batch {work.global_batch} x {work.seq_len} tokens, attention={assume.attention}"

@@ -38,6 +38,12 @@ Model of one optimizer step (each assumption is a choice; docs/planner.md lists 
   (``OPTIMIZER_TRAFFIC`` bytes per parameter the rank updates). Stages do this in parallel, so the
   slowest stage counts.
 
+* Context parallelism (cp > 1): a rank runs ``s / cp`` positions through every matmul, its queries against the
+  whole sequence's keys in attention (fused: no score matrix written), and the attention's traffic of
+  :func:`tensorpar.planner.traffic.cp_collectives`: the ring's hops are in flight while a block is computed, so
+  only what exceeds the attention's time (forward, backward) is exposed; all2all's all-to-alls are not hidden.
+  Once per step the cp ranks' gradients are all-reduced. Reported as ``cp_comm``.
+
 ``mfu = model FLOPs per step / (step time x devices x peak)``, with model FLOPs excluding recomputation.
 """
 from __future__ import annotations
@@ -48,11 +54,11 @@ from tensorpar.planner.cluster import ClusterSpec
 from tensorpar.planner.flops import (backward_gemms, layer_forward_flops, layer_gemms, model_flops,
                                      recompute_forward_flops)
 from tensorpar.planner.layout import Assumptions, Layout, Workload
-from tensorpar.planner.memory import layer_activation_terms, stage_expert_params, stage_params
+from tensorpar.planner.memory import cp_shape, layer_activation_terms, stage_expert_params, stage_params
 from tensorpar.planner.model_spec import ModelSpec
 from tensorpar.planner.partition import busiest_heads, max_ffn_columns, max_vocab_rows, stage_layers
-from tensorpar.planner.traffic import (dp_collectives, ep_collectives, pipeline_sends, tied_embedding_collectives,
-                                      tp_collectives, tp_step_collectives)
+from tensorpar.planner.traffic import (cp_exposed_seconds, cp_step_collectives, dp_collectives, ep_collectives,
+                                      pipeline_sends, tied_embedding_collectives, tp_collectives, tp_step_collectives)
 
 # Bytes the elementwise kernels of a layer's forward pass read and write, per byte the layer stores for
 # backward. Every stored tensor is written once by the kernel that makes it and read by the next one;
@@ -82,15 +88,19 @@ class StepTime:
     dp_comm: float
     optimizer: float = 0.0
     ep_comm: float = 0.0
+    cp_comm: float = 0.0
 
     @property
     def total(self) -> float:
-        return (self.compute + self.tp_comm + self.ep_comm + self.pp_comm + self.bubble + self.dp_comm
+        return (self.compute + self.tp_comm + self.ep_comm + self.cp_comm + self.pp_comm + self.bubble + self.dp_comm
                 + self.optimizer)
 
     def as_dict(self) -> dict:
-        return {"compute": self.compute, "tp_comm": self.tp_comm, "ep_comm": self.ep_comm, "pp_comm": self.pp_comm,
-                "bubble": self.bubble, "dp_comm": self.dp_comm, "optimizer": self.optimizer}
+        out = {"compute": self.compute, "tp_comm": self.tp_comm, "ep_comm": self.ep_comm, "pp_comm": self.pp_comm,
+               "bubble": self.bubble, "dp_comm": self.dp_comm, "optimizer": self.optimizer}
+        if self.cp_comm:
+            out["cp_comm"] = self.cp_comm
+        return out
 
 
 @dataclass(frozen=True)
@@ -123,16 +133,22 @@ class LayerTime:
     recompute_tp: float
     forward_ep: float = 0.0  # expert-parallel all-to-alls (forward; backward with recomputation)
     backward_ep: float = 0.0
+    forward_cp: float = 0.0  # context-parallel attention traffic, exposed (backward: with recomputation's)
+    backward_cp: float = 0.0
 
     @property
     def forward(self) -> float:
-        return self.forward_compute + self.forward_tp + self.forward_ep
+        return self.forward_compute + self.forward_tp + self.forward_ep + self.forward_cp
 
     @property
     def backward(self) -> float:
         """Backward including recomputation (as Korthikanti et al. 2022, Table 4 reports it)."""
         return (self.backward_compute + self.backward_tp + self.recompute_compute + self.recompute_tp
-                + self.backward_ep)
+                + self.backward_ep + self.backward_cp)
+
+    @property
+    def cp(self) -> float:
+        return self.forward_cp + self.backward_cp
 
     @property
     def ep(self) -> float:
@@ -190,13 +206,15 @@ def layer_times(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Wo
                 assume: Assumptions) -> LayerTime:
     """Forward, backward and recomputation time of one layer on one micro-batch (see module docstring)."""
     t = layout.tp
-    tokens = layout.micro_batch * work.seq_len
+    seq, assume = cp_shape(layout, work, assume)   # positions per rank (s / cp); fused attention at cp > 1
+    local = Workload(work.global_batch, seq)
+    tokens = layout.micro_batch * seq
     heads = busiest_heads(model.num_heads, model.num_kv_heads, t)
     ffn = max_ffn_columns(model.ffn_hidden_size, t)
-    flops = layer_forward_flops(model, heads, ffn, tokens, work.seq_len)
-    gemms = layer_gemms(model, heads, ffn, tokens, work.seq_len)
+    flops = layer_forward_flops(model, heads, ffn, tokens, work.seq_len)   # local queries against every key
+    gemms = layer_gemms(model, heads, ffn, tokens, work.seq_len, cp=layout.cp)
     rate = cluster.device.peak_tflops * 1e12 * assume.matmul_efficiency(cluster.device)
-    shape = dict(micro_batch=layout.micro_batch, seq_len=work.seq_len, tp=t,
+    shape = dict(micro_batch=layout.micro_batch, seq_len=seq, tp=t,
                  sequence_parallel=layout.sequence_parallel, assume=assume)
     stored = sum(layer_activation_terms(model, heads, recompute="none", **shape).values())
     kept = sum(layer_activation_terms(model, heads, recompute="selective", **shape).values())
@@ -208,20 +226,23 @@ def layer_times(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Wo
     forward_ew = _elementwise_seconds(stored, cluster)
     sdpa_extra = recompute_forward_flops(flops, "none", assume.attention) / rate  # fused-kernel backward
 
-    collectives = tp_collectives(model, replace(layout, recompute="none"), work, assume, layers=1,
+    collectives = tp_collectives(model, replace(layout, recompute="none"), local, assume, layers=1,
                                  first_stage=False, last_stage=False)
     keep = 1 - assume.tp_overlap
     fwd_tp = keep * _collective_seconds([c for c in collectives if c.site == "layer forward"], cluster, t, "tp")
     bwd = [c for c in collectives if c.site == "layer backward"]
     bwd_tp = 0.0 if model.kernels == "megatron" else keep * _collective_seconds(bwd, cluster, t, "tp")
 
-    ep_calls = ep_collectives(model, layout, work, assume, layers=1)
+    ep_calls = ep_collectives(model, layout, local, assume, layers=1)
     span = t * layout.pp * layout.ep  # an expert-parallel group: ep dp replicas of the same (pp, tp) rank
     fwd_ep = _collective_seconds([c for c in ep_calls if "backward" not in c.site], cluster, span)
     bwd_ep = _collective_seconds([c for c in ep_calls if "backward" in c.site], cluster, span)
+    fwd_cp, bwd_cp = cp_exposed_seconds(model, layout, cluster, work, assume, forward_attention,
+                                        gemm_seconds(backward_gemms(gemms["attention"]), cluster, assume, eager)
+                                        + sdpa_extra)
     rec_compute = rec_tp = 0.0
     if layout.recompute == "full":
-        rec_compute, rec_tp = forward_matmul + forward_ew, fwd_tp
+        rec_compute, rec_tp = forward_matmul + forward_ew, fwd_tp + fwd_cp
     elif layout.recompute == "selective":
         rec_compute = forward_attention + _elementwise_seconds(stored - kept, cluster)
     # fixed per-layer time (Python, framework, kernel launches) where calibrated: a third forward, two backward
@@ -233,7 +254,8 @@ def layer_times(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Wo
                      + 2 * overhead / 3,
                      backward_tp=bwd_tp, recompute_compute=rec_compute, recompute_tp=rec_tp,
                      forward_ep=fwd_ep / (2 if layout.recompute == "full" else 1),
-                     backward_ep=bwd_ep + (fwd_ep / 2 if layout.recompute == "full" else 0.0))
+                     backward_ep=bwd_ep + (fwd_ep / 2 if layout.recompute == "full" else 0.0),
+                     forward_cp=fwd_cp, backward_cp=bwd_cp)
 
 
 def optimizer_seconds(params: float, layout: Layout, cluster: ClusterSpec, assume: Assumptions,
@@ -258,7 +280,7 @@ def _shared_core_step(per_stage: list[tuple], slowest: int, after: tuple, p2p: f
                       cluster: ClusterSpec) -> StepTime:
     """Step time when the ranks of a node share ``host_cores`` CPU cores (:mod:`tensorpar.planner.sharing`).
 
-    ``per_stage[i] = (micro-batch time, compute, tp, ep, forward part)`` at full speed (every thread alone on a
+    ``per_stage[i] = (micro-batch time, compute, tp, ep, forward part, cp)`` at full speed (every thread alone on a
     core). The schedule runs through :func:`~tensorpar.planner.sharing.pipeline_makespan` (pp = 1: ``m``
     micro-batches back to back), each runnable stage at the share of a core its threads get among the runnable
     ranks' threads and the host's other users' (``external_threads`` in ``external_groups`` scheduling groups:
@@ -282,7 +304,7 @@ def _shared_core_step(per_stage: list[tuple], slowest: int, after: tuple, p2p: f
     full = speed(p)
     hop = p2p / (2 * v)  # one send of the 2 v per micro-batch
     fwd, bwd = [], []
-    for i, (micro, _c, _t, _e, forward) in enumerate(per_stage):
+    for i, (micro, _c, _t, _e, forward, _cp) in enumerate(per_stage):
         work = micro - p2p
         f = [forward / v] * v
         b = [(work - forward) / v] * v
@@ -290,17 +312,17 @@ def _shared_core_step(per_stage: list[tuple], slowest: int, after: tuple, p2p: f
         bwd.append(b)
     schedule = "interleaved-1f1b" if v > 1 else "1f1b"
     makespan = pipeline_makespan(schedule_order(schedule, p, v, m), fwd, bwd, hop if p > 1 else 0.0, speed)
-    _, compute, tp, ep, _ = per_stage[slowest]
-    parts = [m * compute / full, m * tp / full, m * ep / full, m * p2p]
+    _, compute, tp, ep, _, cp = per_stage[slowest]
+    parts = [m * compute / full, m * tp / full, m * ep / full, m * p2p, m * cp / full]
     nominal = sum(parts)
     bubble = makespan - nominal
     if bubble < 0:  # freed cores made the schedule faster than all ranks busy all the time
         parts = [x * makespan / nominal for x in parts]
     if bubble < 1e-9 * nominal:  # none (or rounding)
         bubble = 0.0
-    tp_once, dp, opt = after
+    tp_once, dp, opt, cp_once = after
     return StepTime(compute=parts[0], tp_comm=parts[1] + tp_once / full, ep_comm=parts[2], pp_comm=parts[3],
-                    bubble=bubble, dp_comm=dp / full, optimizer=opt / full)
+                    bubble=bubble, dp_comm=dp / full, optimizer=opt / full, cp_comm=parts[4] + cp_once / full)
 
 
 def step_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Workload, assume: Assumptions) -> Cost:
@@ -309,13 +331,14 @@ def step_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Work
     span fits in a node uses the intra-node links (see :meth:`ClusterSpec.link`)."""
     t, p, d, v = layout.tp, layout.pp, layout.dp, layout.virtual_stages
     m = layout.num_micro_batches(work.global_batch)
-    tokens = layout.micro_batch * work.seq_len
+    local = Workload(work.global_batch, work.seq_len // layout.cp)   # a rank's positions at cp > 1
+    tokens = layout.micro_batch * local.seq_len
     layer = layer_times(model, layout, cluster, work, assume)
     logits = [(tokens, model.hidden_size, max_vocab_rows(model.vocab_size, t), 1)]
     logits_seconds = gemm_seconds(logits + backward_gemms(logits), cluster, assume)  # forward + backward
     logits_seconds += cluster.device.train_micro_batch_overhead_us * 1e-6  # embedding, head, loss: fixed part
     bandwidth, latency = cluster.p2p_link(t * p)
-    p2p = sum(c.seconds(bandwidth, latency) for c in pipeline_sends(model, layout, work, assume))
+    p2p = sum(c.seconds(bandwidth, latency) for c in pipeline_sends(model, layout, local, assume))
     # CPU of the schedule's sends and receives (a calibrated device; presets: 0): per micro-batch, each chunk
     # receives its activation and sends its input's gradient (not the model's first chunk), and sends its output
     # and receives the output's gradient (not the last chunk): 4 v operations, 2 fewer on the first and last stage
@@ -333,7 +356,7 @@ def step_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Work
         schedule_overhead = op_cpu * (4 * v - 2 * first - 2 * last)
         compute = layers * layer.compute + (logits_seconds if last else 0.0) + schedule_overhead
         tp_edge = keep * _collective_seconds(
-            tp_collectives(model, layout, work, assume, layers=0, first_stage=first, last_stage=last), cluster, t,
+            tp_collectives(model, layout, local, assume, layers=0, first_stage=first, last_stage=last), cluster, t,
             "tp")
         tp = layers * layer.tp + tp_edge
         tp_once = _collective_seconds(tp_step_collectives(model, layout, assume, layers=layers, last_stage=last),
@@ -343,11 +366,15 @@ def step_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Work
               + (tied if first or last else 0.0)) * (1 - assume.dp_overlap)
         opt = optimizer_seconds(params, layout, cluster, assume, experts)
         ep = layers * layer.ep
+        cp = layers * layer.cp
+        cp_once = _collective_seconds(cp_step_collectives(params, layout, assume), cluster, t * layout.cp)
         # forward part of one micro-batch (for the shared-core schedule): the layers' forwards, the logits' third
         # (forward of 1 + backward of 2), half of the embedding / output-layer collectives
         forward = (layers * layer.forward + (logits_seconds / 3 if last else 0.0) + tp_edge / 2
                    + schedule_overhead / 2)
-        return (compute + tp + ep + p2p, compute, tp, ep, forward), (tp_once + dp + opt, tp_once, dp, opt)
+        forward += layers * layer.forward_cp
+        return ((compute + tp + ep + cp + p2p, compute, tp, ep, forward, cp),
+                (tp_once + dp + opt + cp_once, tp_once, dp, opt, cp_once))
 
     seen: dict[tuple, tuple] = {}  # stages of equal shape cost the same; a 64-stage pipeline has ~3 shapes
     per_stage, after_backward = [], []
@@ -359,12 +386,13 @@ def step_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Work
         per_stage.append(seen[key][0])
         after_backward.append(seen[key][1])
     slowest = max(range(p), key=lambda i: (per_stage[i][0], -i))
-    micro, compute, tp, ep, _ = per_stage[slowest]
-    _, tp_once, dp, opt = max(after_backward)
+    micro, compute, tp, ep, _, cp = per_stage[slowest]
+    _, tp_once, dp, opt, cp_once = max(after_backward)
     if cluster.device.host_cores > 0:
-        step = _shared_core_step(per_stage, slowest, (tp_once, dp, opt), p2p, layout, m, cluster)
+        step = _shared_core_step(per_stage, slowest, (tp_once, dp, opt, cp_once), p2p, layout, m, cluster)
     else:
         step = StepTime(compute=m * compute, tp_comm=m * tp + tp_once, pp_comm=m * p2p,
-                        bubble=(p - 1) / v * micro, dp_comm=dp, optimizer=opt, ep_comm=m * ep)
+                        bubble=(p - 1) / v * micro, dp_comm=dp, optimizer=opt, ep_comm=m * ep,
+                        cp_comm=m * cp + cp_once)
     return Cost(step=step, model_flops=model_flops(model, work.global_batch * work.seq_len, work.seq_len),
                 num_devices=layout.num_devices, peak_tflops=cluster.device.peak_tflops, bottleneck_stage=slowest)

@@ -4,7 +4,9 @@ For each tp dividing the device count and pp dividing the rest (dp = devices / (
 size dividing the per-replica batch (up to ``max_micro_batch``), sequence parallelism on/off (only at
 tp > 1), recomputation none/selective/full, distributed optimizer on/off (only at dp > 1), and each
 interleaving degree in ``Assumptions.virtual_stages``, and for a mixture of experts each expert-parallel
-degree ep dividing both dp and the expert count. A combination that breaks a rule of
+degree ep dividing both dp and the expert count. Each context-parallel degree cp of ``Assumptions.context_parallel``
+that divides the device count is tried too (dp = devices / (tp pp cp)), with the ring and, where the heads of a
+tp rank divide by cp, all2all. A combination that breaks a rule of
 :func:`tensorpar.planner.layout.problems` is kept as a rejection (with its reasons) for the explanation;
 one that is valid is scored, and it fits when its busiest device needs no more than the usable memory.
 
@@ -13,12 +15,12 @@ the same on every run and machine.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 from tensorpar.planner.cluster import ClusterSpec
 from tensorpar.planner.cost import Cost, step_cost
-from tensorpar.planner.layout import RECOMPUTE, Assumptions, Layout, Problem, Workload, problems
+from tensorpar.planner.layout import RECOMPUTE, Assumptions, Layout, Problem, Workload, cp_problems, problems
 from tensorpar.planner.memory import MemoryBreakdown, memory_per_device, usable_bytes
 from tensorpar.planner.model_spec import ModelSpec
 
@@ -47,6 +49,7 @@ class Plan:
             "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "micro_batch": lay.micro_batch,
             "sequence_parallel": lay.sequence_parallel, "recompute": lay.recompute,
             "distributed_optimizer": lay.distributed_optimizer,
+            "cp": lay.cp, "cp_mode": lay.cp_mode,
             "memory_gb": self.memory.gib(),
             "step_time_s": round(self.cost.step.total, 6),
             "tflops_per_device": round(self.cost.tflops_per_device, 3),
@@ -87,27 +90,36 @@ def candidate_layouts(model: ModelSpec, cluster: ClusterSpec, work: Workload,
     (too many heads, crossing a node, more stages than layers) yields one representative rejection
     instead of one per micro-batch and switch."""
     n = cluster.num_devices
-    for tp in divisors(n):
-        for pp in divisors(n // tp):
-            dp = n // (tp * pp)
-            base = Layout(tp=tp, pp=pp, dp=dp, micro_batch=1)
-            shape_problems = [pr for pr in problems(base, model, cluster, work, assume)
-                              if pr.rule in ("tp>heads", "split", "tp-node", "pp>layers", "batch")]
-            if shape_problems:
-                yield base, shape_problems
-                continue
-            per_replica = work.global_batch // dp
-            expert_parallel = [e for e in divisors(dp) if model.num_experts % e == 0] if model.is_moe else [1]
-            for mb in (k for k in divisors(per_replica) if k <= assume.max_micro_batch):
-                for sp in ((False, True) if tp > 1 else (False,)):
-                    for rc in RECOMPUTE:
-                        if rc == "selective" and assume.attention == "sdpa":
-                            continue  # identical to "none" with a fused attention kernel
-                        for do in ((False, True) if dp > 1 else (False,)):
-                            for v in (assume.virtual_stages if pp > 1 else (1,)):
-                                for ep in expert_parallel:
-                                    lay = Layout(tp, pp, dp, mb, sp, rc, do, v, ep)
-                                    yield lay, problems(lay, model, cluster, work, assume)
+    for cp in sorted({c for c in assume.context_parallel if n % c == 0}):
+        for tp in divisors(n // cp):
+            for pp in divisors(n // (cp * tp)):
+                yield from _with_degrees(tp, pp, cp, model, cluster, work, assume)
+
+
+def _with_degrees(tp: int, pp: int, cp: int, model: ModelSpec, cluster: ClusterSpec, work: Workload,
+                  assume: Assumptions) -> Iterator[tuple[Layout, list[Problem]]]:
+    dp = cluster.num_devices // (tp * pp * cp)
+    base = Layout(tp=tp, pp=pp, dp=dp, micro_batch=1, cp=cp)
+    shape_problems = [pr for pr in problems(base, model, cluster, work, assume)
+                      if pr.rule in ("tp>heads", "split", "tp-node", "pp>layers", "batch", "seq%cp")]
+    if shape_problems:
+        yield base, shape_problems
+        return
+    modes = ("ring",) if cp == 1 else ("ring",) + (() if cp_problems(replace(base, cp_mode="all2all"), model, work,
+                                                                       assume) else ("all2all",))
+    per_replica = work.global_batch // dp
+    expert_parallel = [e for e in divisors(dp) if model.num_experts % e == 0] if model.is_moe and cp == 1 else [1]
+    for mb in (k for k in divisors(per_replica) if k <= assume.max_micro_batch):
+        for sp in ((False, True) if tp > 1 else (False,)):
+            for rc in RECOMPUTE:
+                if rc == "selective" and (assume.attention == "sdpa" or cp > 1):
+                    continue  # identical to "none" with a fused attention kernel (ring and all2all are)
+                for do in ((False, True) if dp > 1 else (False,)):
+                    for v in (assume.virtual_stages if pp > 1 else (1,)):
+                        for ep in expert_parallel:
+                            for mode in modes:
+                                lay = Layout(tp, pp, dp, mb, sp, rc, do, v, ep, cp, mode)
+                                yield lay, problems(lay, model, cluster, work, assume)
 
 
 def score(layout: Layout, model: ModelSpec, cluster: ClusterSpec, work: Workload, assume: Assumptions) -> Plan:

@@ -13,9 +13,10 @@ from tensorpar.planner.enumerate import Plan, PlanSearch
 from tensorpar.planner.memory import GIB
 
 COMPONENTS = {"compute": "compute", "tp_comm": "TP communication", "ep_comm": "expert all-to-all",
+              "cp_comm": "context-parallel attention traffic",
               "pp_comm": "pipeline sends",
               "bubble": "pipeline bubble", "dp_comm": "DP communication", "optimizer": "optimizer step"}
-KNOBS = ("tp", "pp", "ep", "micro_batch", "sequence_parallel", "recompute", "distributed_optimizer")
+KNOBS = ("tp", "pp", "ep", "cp", "micro_batch", "sequence_parallel", "recompute", "distributed_optimizer")
 
 
 def _value(knob: str, value) -> str:
@@ -38,10 +39,10 @@ def versus(plan: Plan, best: Plan) -> str:
     slower = plan.cost.step.total - best.cost.step.total
     pct = 100 * slower / best.cost.step.total
     mine, theirs = plan.cost.step.as_dict(), best.cost.step.as_dict()
-    grew = max(COMPONENTS, key=lambda k: (mine[k] - theirs[k], k))
+    grew = max(COMPONENTS, key=lambda k: (mine.get(k, 0.0) - theirs.get(k, 0.0), k))
     if slower <= 0:
         return "as fast; ranked lower on memory or layout order"
-    return f"{pct:.1f}% slower, mostly {COMPONENTS[grew]} (+{mine[grew] - theirs[grew]:.2f} s)"
+    return f"{pct:.1f}% slower, mostly {COMPONENTS[grew]} (+{mine.get(grew, 0.0) - theirs.get(grew, 0.0):.2f} s)"
 
 
 def memory_verdict(plan: Plan) -> str:

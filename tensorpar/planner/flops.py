@@ -38,20 +38,24 @@ def layer_forward_flops(model: ModelSpec, heads: RankHeads, ffn: float, tokens: 
 Gemm = tuple  # (m, k, n, count): ``count`` products of an [m, k] by a [k, n] matrix, 2 m k n FLOPs each
 
 
-def layer_gemms(model: ModelSpec, heads: RankHeads, ffn: float, tokens: float, seq: int) -> dict[str, list]:
+def layer_gemms(model: ModelSpec, heads: RankHeads, ffn: float, tokens: float, seq: int,
+                cp: int = 1) -> dict[str, list]:
     """The forward matmuls of one layer on ``tokens`` tokens (sequences of ``seq``) as shapes ``(m, k, n,
     count)``, whose FLOPs add up to :func:`layer_forward_flops`. ``"linear"``: QKV, attention output, the MLP's
     up (and gate) and down projections of the rank's ``ffn`` columns (a mixture of experts: the router and its
     active columns, as one product of ``tokens`` rows), all with ``m = tokens``. ``"attention"``: per sequence and
-    query head, the scores ``[s, d] x [d, s]`` and ``[s, s] x [s, d]``."""
+    query head, the scores ``[s, d] x [d, s]`` and ``[s, s] x [s, d]``; at context-parallel degree ``cp`` a rank
+    holds ``s / cp`` queries of each sequence (``tokens`` is then ``b s / cp``): ``[s/cp, d] x [d, s]`` and
+    ``[s/cp, s] x [s, d]``."""
     h, d = model.hidden_size, model.head_dim
     f = model.active_ffn(ffn)
     linear = [(tokens, h, d * (heads.q + 2 * heads.kv), 1), (tokens, heads.q * d, h, 1),
               (tokens, h, f, model.mlp_matrices - 1), (tokens, f, h, 1)]
     if model.num_experts:
         linear.append((tokens, h, model.num_experts, 1))
-    per_head = tokens / seq * heads.q
-    return {"linear": linear, "attention": [(seq, d, seq, per_head), (seq, seq, d, per_head)]}
+    rows = seq // cp                                  # queries of a sequence on this rank
+    per_head = tokens / rows * heads.q
+    return {"linear": linear, "attention": [(rows, d, seq, per_head), (rows, seq, d, per_head)]}
 
 
 def backward_gemms(gemms: list) -> list:

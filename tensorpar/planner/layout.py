@@ -9,18 +9,21 @@ from dataclasses import asdict, dataclass, fields
 
 from tensorpar.planner.cluster import ClusterSpec
 from tensorpar.planner.model_spec import ModelSpec
-from tensorpar.planner.partition import split_problems
+from tensorpar.planner.partition import busiest_heads, split_problems
 
 RECOMPUTE = ("none", "selective", "full")
+CP_MODES = ("ring", "all2all")
 ATTENTION = ("eager", "sdpa")
 
 
 @dataclass(frozen=True, order=True)
 class Layout:
-    """tp x pp x dp devices (for a mixture of experts, ``ep`` of the dp replicas share out the experts);
+    """tp x pp x cp x dp devices (for a mixture of experts, ``ep`` of the dp replicas share out the experts);
     each data-parallel replica runs ``global_batch / (dp * micro_batch)``
     micro-batches of ``micro_batch`` sequences per step through a 1F1B pipeline schedule
-    (interleaved over ``virtual_stages`` model chunks per stage when > 1)."""
+    (interleaved over ``virtual_stages`` model chunks per stage when > 1). ``cp`` > 1: every sequence split over
+    cp ranks (each holds ``seq_len / cp`` positions), attention across them by ``cp_mode`` ("ring": key/value
+    blocks passed round; "all2all": Ulysses, heads exchanged for positions); tensorpar's ``--cp``/``--cp-mode``."""
 
     tp: int
     pp: int
@@ -31,10 +34,12 @@ class Layout:
     distributed_optimizer: bool = False
     virtual_stages: int = 1
     ep: int = 1  # expert parallelism (mixture of experts): experts split over ep of the dp replicas
+    cp: int = 1  # context parallelism: every sequence split over cp ranks
+    cp_mode: str = "ring"
 
     @property
     def num_devices(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.cp * self.dp
 
     def num_micro_batches(self, global_batch: int) -> int:
         """m: micro-batches per data-parallel replica per step."""
@@ -51,6 +56,8 @@ class Layout:
             parts.append(f"v={self.virtual_stages}")
         if self.ep > 1:
             parts.append(f"ep={self.ep}")
+        if self.cp > 1:
+            parts.append(f"cp={self.cp} {self.cp_mode}")
         return " ".join(parts)
 
 
@@ -95,6 +102,7 @@ class Assumptions:
     max_micro_batch: int = 8
     virtual_stages: tuple[int, ...] = (1,)
     capacity_factor: float = 1.0  # mixture of experts: dispatched tokens per expert / its balanced share
+    context_parallel: tuple[int, ...] = (1,)  # cp degrees the search tries (tensorpar plan --cp 1,2,4)
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:
@@ -115,6 +123,8 @@ class Assumptions:
             raise ValueError(f"--capacity-factor ({self.capacity_factor}) must be > 0 (1: no padding)")
         if not self.virtual_stages or min(self.virtual_stages) < 1:
             raise ValueError(f"--virtual-stages ({self.virtual_stages}) must list integers >= 1")
+        if not self.context_parallel or min(self.context_parallel) < 1:
+            raise ValueError(f"--cp ({self.context_parallel}) must list integers >= 1, e.g. 1,2,4")
 
     def matmul_efficiency(self, device) -> float:
         """``efficiency`` if given, else the device's ``matmul_efficiency``."""
@@ -138,14 +148,16 @@ def problems(layout: Layout, model: ModelSpec, cluster: ClusterSpec, work: Workl
     def bad(rule: str, message: str) -> None:
         out.append(Problem(rule, message))
 
-    for knob in ("tp", "pp", "dp", "micro_batch", "virtual_stages", "ep"):
+    for knob in ("tp", "pp", "dp", "micro_batch", "virtual_stages", "ep", "cp"):
         if getattr(layout, knob) < 1:
             bad("positive", f"{knob} ({getattr(layout, knob)}) must be >= 1")
     if out:
         return out
+    c = layout.cp
     if layout.num_devices != cluster.num_devices:
-        bad("devices", f"tp x pp x dp = {t} x {p} x {d} = {layout.num_devices} must equal --gpus "
-                       f"({cluster.num_devices}); try dp={cluster.num_devices // (t * p) or 1}")
+        cp_text = (" x cp", f" x {c}") if c > 1 else ("", "")
+        bad("devices", f"tp x pp{cp_text[0]} x dp = {t} x {p}{cp_text[1]} x {d} = {layout.num_devices} must equal "
+                       f"--gpus ({cluster.num_devices}); try dp={cluster.num_devices // (t * p * c) or 1}")
     # The runtime's split rules (tensorpar.shard.split_sizes, as HeadLayout and the parallel linears use them).
     for message in split_problems(model.num_heads, model.num_kv_heads, model.ffn_hidden_size, model.vocab_size, t):
         bad("tp>heads" if "heads" in message else "split", f"tp ({t}) for {model.name}: {message}")
@@ -178,8 +190,35 @@ def problems(layout: Layout, model: ModelSpec, cluster: ClusterSpec, work: Workl
             bad("ep", f"ep ({layout.ep}) must divide the {model.num_experts} experts of {model.name}")
         if d % layout.ep:
             bad("ep", f"ep ({layout.ep}) must divide dp ({d}): expert-parallel groups are made of dp replicas")
+    out += [Problem(rule, message) for rule, message in cp_problems(layout, model, work, assume)]
     if layout.distributed_optimizer and d == 1:
         bad("no-op", "distributed_optimizer has no effect at dp=1; set distributed_optimizer=false")
+    return out
+
+
+def cp_problems(layout: Layout, model: ModelSpec, work: Workload, assume: Assumptions) -> list[tuple[str, str]]:
+    """``(rule, message)`` for each context-parallel rule ``layout`` breaks: tensorpar's
+    (:func:`tensorpar.train.config.check_cp_layout`, :func:`tensorpar.layers.ring_attention.check_all2all_heads`)."""
+    c, t = layout.cp, layout.tp
+    out = []
+    if layout.cp_mode not in CP_MODES:
+        out.append(("cp_mode", f"cp_mode ({layout.cp_mode!r}) must be one of {', '.join(CP_MODES)}"))
+    if c == 1:
+        return out
+    n = 2 * c * (t if layout.sequence_parallel else 1)
+    if work.seq_len % n:
+        out.append(("seq%cp", f"cp ({c}) needs --seq ({work.seq_len}) divisible by 2 x cp"
+                              f"{' x tp' if layout.sequence_parallel else ''} = {n} (two chunks per cp rank)"))
+    if layout.ep > 1:
+        out.append(("cp-ep", f"cp ({c}) does not run with ep ({layout.ep}) in tensorpar; use cp=1 or ep=1"))
+    if layout.recompute == "selective":
+        out.append(("no-op", "recompute=selective has no effect at cp > 1 (ring and all2all attention store no "
+                             "score matrix); use recompute=none"))
+    if layout.cp_mode == "all2all":
+        heads = busiest_heads(model.num_heads, model.num_kv_heads, t).q
+        if heads % c:
+            out.append(("all2all", f"cp_mode=all2all needs the query heads of each tp rank ({heads} at tp={t}) "
+                                   f"divisible by cp ({c}); use cp_mode=ring"))
     return out
 
 
@@ -222,6 +261,6 @@ def parse_layout(text: str, num_devices: int) -> Layout:
     for required in ("tp", "pp"):
         if required not in values:
             raise ValueError(f"--evaluate needs {required}=N (got {text!r})")
-    values.setdefault("dp", max(1, num_devices // (values["tp"] * values["pp"])))
+    values.setdefault("dp", max(1, num_devices // (values["tp"] * values["pp"] * values.get("cp", 1))))
     values.setdefault("micro_batch", 1)
     return Layout(**values)

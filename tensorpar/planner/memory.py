@@ -18,10 +18,18 @@ Pipeline parallelism (section 4.3): under 1F1B the first stage holds ``p`` micro
 stores the activations of ``L`` layers; interleaving over ``v`` chunks raises that to ``L (1 + (p-1)/(pv))``.
 Embedding and output-layer terms (section 4.4): the embedding dropout mask (first stage), and the final
 norm input, output-layer input and fp32 logits, ``4sbh/t (1 + V/h)`` with sequence parallelism (last stage).
+
+Context parallelism (``cp`` > 1, tensorpar's ``--cp``): each rank runs the whole model on ``s / cp`` positions, so
+every term above is that of a sequence ``s / cp`` long (the logits, rotary tables and embedding included), and
+attention is ring or all2all, neither of which stores a score matrix: its terms are the fused kernel's (q, k, v,
+output, log-sum-exp per head and row), whatever ``attention`` says, plus a copy of the output (and under all2all
+K and V at the query heads; :func:`cp_attention_extra_bytes`). So the
+activations of a rank at cp are a little over ``1/cp`` of cp = 1's with a fused kernel (less than that with eager
+attention at cp = 1).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tensorpar.planner.layout import Assumptions, Layout, Workload
 from tensorpar.planner.model_spec import ModelSpec
@@ -146,6 +154,32 @@ def output_activation_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int,
     return terms
 
 
+def cp_shape(layout: Layout, work: Workload, assume: Assumptions) -> tuple[int, Assumptions]:
+    """``(positions per rank, assumptions)`` of a layout's activations: ``seq_len / cp`` and, at cp > 1, a fused
+    attention (ring and all2all keep no scores)."""
+    if layout.cp == 1:
+        return work.seq_len, assume
+    return work.seq_len // layout.cp, replace(assume, attention="sdpa")
+
+
+def cp_attention_extra_bytes(model: ModelSpec, heads: RankHeads, layout: Layout, *, micro_batch: int, seq_len: int,
+                             assume: Assumptions) -> dict[str, float]:
+    """What cp attention keeps beyond a fused kernel's terms, per layer (``seq_len``: positions per rank; measured by
+    bench/bench_cp.py to the byte). Both modes keep their own output ``[b, h, s/cp, d]`` apart from the output
+    projection's input (a fused kernel at cp = 1 writes its output in the layout the projection reads, so there the
+    two are one tensor): fp32 in the ring, the activation dtype under all2all. all2all also keeps its two int64
+    position orders of the whole sequence, and K and V repeated to the query heads when cp does not divide the KV
+    heads (they are repeated before the exchange)."""
+    if layout.cp == 1:
+        return {}
+    e, tokens, d = assume.activation_bytes, micro_batch * seq_len, model.head_dim
+    if layout.cp_mode == "ring":
+        return {"ring attention output (fp32)": 4 * tokens * d * heads.q}
+    return {"all2all attention output": e * tokens * d * heads.q,
+            "all2all repeated k, v": 2 * e * tokens * d * (heads.q - heads.kv) if heads.kv % layout.cp else 0.0,
+            "all2all position orders": 2 * 8 * seq_len * layout.cp}
+
+
 def rotary_bytes(model: ModelSpec, *, seq_len: int, assume: Assumptions) -> float:
     """HF computes cos and sin tables once per forward and every layer keeps them: 2 s d e bytes."""
     if model.kernels != "hf" or model.learned_positions:
@@ -202,16 +236,20 @@ class _Stages:
         t, self.p, self.v = layout.tp, layout.pp, layout.virtual_stages
         heads = busiest_heads(model.num_heads, model.num_kv_heads, t)
         self.m = layout.num_micro_batches(work.global_batch)
-        shape = dict(micro_batch=layout.micro_batch, seq_len=work.seq_len, tp=t,
+        seq, assume = cp_shape(layout, work, assume)   # positions per rank; fused attention at cp > 1
+        shape = dict(micro_batch=layout.micro_batch, seq_len=seq, tp=t,
                      sequence_parallel=layout.sequence_parallel)
         self.per_layer = layer_activation_terms(model, heads, recompute=layout.recompute, assume=assume, **shape)
+        if layout.recompute != "full":
+            self.per_layer.update(cp_attention_extra_bytes(model, heads, layout, micro_batch=layout.micro_batch,
+                                                           seq_len=seq, assume=assume))
         self.working_set = 0.0
         if layout.recompute == "full":  # one layer's activations are rebuilt at a time during backward
             self.working_set = sum(layer_activation_terms(model, heads, recompute="none", assume=assume,
                                                           **shape).values())
         self.first = embedding_activation_bytes(model, assume=assume, **shape)
         self.last = output_activation_bytes(model, assume=assume, **shape)
-        self.rotary = rotary_bytes(model, seq_len=work.seq_len, assume=assume)
+        self.rotary = rotary_bytes(model, seq_len=seq, assume=assume)
         self.layers = stage_layers(model.num_layers, self.p, self.v)
         self.params = stage_params(model, layout)
         self.experts = stage_expert_params(model, layout)

@@ -22,7 +22,9 @@ def plan_table(plans: list[Plan], title: str, first_rank: int = 1):
 
     table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
     show_ep = any(p.layout.ep > 1 for p in plans)
-    for name in ("#", "tp", "pp", "dp", *(("ep",) if show_ep else ()), "mb", "m", "SP", "recompute", "dist-opt"):
+    show_cp = any(p.layout.cp > 1 for p in plans)
+    for name in ("#", "tp", "pp", "dp", *(("ep",) if show_ep else ()), *(("cp",) if show_cp else ()), "mb", "m", "SP",
+                 "recompute", "dist-opt"):
         table.add_column(name, justify="right" if name in ("#", "tp", "pp", "dp", "ep", "mb", "m") else "left")
     for name in ("mem GiB", "w+g", "optim", "activ", "step s", "bubble", "TFLOP/s", "MFU"):
         table.add_column(name, justify="right")
@@ -31,7 +33,8 @@ def plan_table(plans: list[Plan], title: str, first_rank: int = 1):
         mem_cell = f"{mem['total']:.1f}" if plan.fits else f"[red]{mem['total']:.1f}[/red]"
         table.add_row(
             str(first_rank + i) if first_rank else "-", str(lay.tp), str(lay.pp), str(lay.dp),
-            *((str(lay.ep),) if show_ep else ()), str(lay.micro_batch), str(plan.num_micro_batches), "on" if lay.sequence_parallel else "off",
+            *((str(lay.ep),) if show_ep else ()),
+            *((f"{lay.cp} {lay.cp_mode}" if lay.cp > 1 else "1",) if show_cp else ()), str(lay.micro_batch), str(plan.num_micro_batches), "on" if lay.sequence_parallel else "off",
             lay.recompute + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else ""),
             "on" if lay.distributed_optimizer else "off",
             mem_cell, f"{mem['weights'] + mem['gradients']:.1f}", f"{mem['optimizer']:.1f}",

@@ -18,11 +18,11 @@ tests/planner/test_planner_calibration.py checks these lists against tensorpar's
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tensorpar.planner.layout import Assumptions, Layout, Workload
 from tensorpar.planner.model_spec import ModelSpec
-from tensorpar.planner.partition import kv_heads_duplicated, max_vocab_rows
+from tensorpar.planner.partition import busiest_heads, kv_heads_duplicated, max_vocab_rows
 
 _RING_FACTOR = {"all_reduce": lambda g: 2 * (g - 1) / g, "all_gather": lambda g: (g - 1) / g,
                 "reduce_scatter": lambda g: (g - 1) / g, "all_to_all": lambda g: (g - 1) / g, "send": lambda g: 1.0}
@@ -215,3 +215,62 @@ def tied_embedding_collectives(model: ModelSpec, layout: Layout, assume: Assumpt
         return []
     rows = model.embedding_params(max_vocab_rows(model.vocab_size, layout.tp))
     return [Collective("all_reduce", "tied embedding gradients", 1, rows, assume.grad_bytes, 2)]
+
+
+def cp_collectives(model: ModelSpec, layout: Layout, work: Workload, assume: Assumptions, *,
+                   layers: int) -> list[Collective]:
+    """Context-parallel traffic of one micro-batch on one stage's ``layers`` (empty at cp = 1), as
+    :mod:`tensorpar.layers.ring_attention` sends it. ``b`` sequences, ``s_l = s / cp`` positions per rank, ``kv``
+    and ``h`` the tp rank's KV and query heads of size ``d``; a block is ``[2, b, kv, s_l, d]`` (K and V), fp32.
+
+    * ring, per layer: forward ``cp - 1`` hops of the K/V block (each rank sends ``(cp-1)/cp`` of the whole
+      sequence's K and V); backward the K/V blocks again (``cp - 1`` hops) and each block's ``[dK, dV]`` ``cp``
+      hops behind it (home to its owner): ``2 (cp-1)/cp`` of K and V per layer over forward and backward, plus
+      the gradients. Full recomputation repeats the forward hops. Every hop is in flight while a block is
+      computed (step_cost hides it behind the attention's time).
+    * all2all (Ulysses), per layer: forward q, k, v into the head split and the output back (four all-to-alls of
+      ``[b, h, s_l, d]``, k and v at ``kv`` heads unless cp does not divide them, then repeated to ``h``),
+      backward the inverse four; in the activation dtype. Not overlapped.
+    """
+    c = layout.cp
+    if c == 1:
+        return []
+    heads = busiest_heads(model.num_heads, model.num_kv_heads, layout.tp)
+    local = layout.micro_batch * work.seq_len // c * model.head_dim    # b s_l d
+    rerun = 1 if layout.recompute == "full" else 0
+    if layout.cp_mode == "ring":
+        block = 2 * local * heads.kv
+        return [Collective("send", "ring key/value blocks forward", (c - 1) * layers * (1 + rerun), block, 4, c),
+                Collective("send", "ring key/value blocks backward", (c - 1) * layers, block, 4, c),
+                Collective("send", "ring key/value gradients backward", c * layers, block, 4, c)]
+    kv = heads.kv if heads.kv % c == 0 else heads.q
+    e = assume.activation_bytes
+    out = []
+    for what, calls in (("forward", layers * (1 + rerun)), ("backward", layers)):
+        out += [Collective("all_to_all", f"all2all q and output {what}", 2 * calls, local * heads.q, e, c),
+                Collective("all_to_all", f"all2all k and v {what}", 2 * calls, local * kv, e, c)]
+    return out
+
+
+def cp_exposed_seconds(model: ModelSpec, layout: Layout, cluster, work: Workload, assume: Assumptions,
+                       forward_attention: float, backward_attention: float) -> tuple[float, float]:
+    """Exposed seconds of one layer's context-parallel traffic, forward and backward (recomputation's forward
+    hops not included): the ring's hops minus the attention time they overlap, all2all's in full. A cp group is
+    ``cp`` ranks ``tp`` apart (rank grid ``(dp, pp, cp, tp)``); ``cluster`` a
+    :class:`~tensorpar.planner.cluster.ClusterSpec`."""
+    if layout.cp == 1:
+        return 0.0, 0.0
+    calls = cp_collectives(model, replace(layout, recompute="none"), work, assume, layers=1)
+    bandwidth, latency = cluster.link(layout.tp * layout.cp)
+    fwd = sum(c.seconds(bandwidth, latency) for c in calls if "forward" in c.site)
+    bwd = sum(c.seconds(bandwidth, latency) for c in calls if "backward" in c.site)
+    if layout.cp_mode == "ring":
+        return max(0.0, fwd - forward_attention), max(0.0, bwd - backward_attention)
+    return fwd, bwd
+
+
+def cp_step_collectives(stage_params: float, layout: Layout, assume: Assumptions) -> list[Collective]:
+    """Once per step at cp > 1: the cp ranks' gradients (each from its positions) summed by one all-reduce."""
+    if layout.cp == 1 or not stage_params:
+        return []
+    return [Collective("all_reduce", "cp gradients", 1, stage_params, assume.grad_bytes, layout.cp)]

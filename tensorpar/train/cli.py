@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="context-parallel degree: every sequence split over cp ranks (two chunks each, one early and "
                         "one late; rank order tp fastest, then cp); --seq-len must divide by 2 x cp; with --tp, "
                         "--sequence-parallel, --pp and --dp")
-    p.add_argument("--cp-mode", choices=["ring", "all2all"], default=d.cp_mode,
+    p.add_argument("--cp-mode", choices=["ring", "all2all"], default=d.cp_mode, action=ExplicitFlag,
                    help="context-parallel attention: ring (key/value blocks passed around the cp ranks) or all2all "
                         "(Ulysses: query heads of each tp rank must divide by --cp)")
     p.add_argument("--ep", type=int, default=d.ep, help="expert-parallel degree: a mixture-of-experts model's experts "
@@ -127,7 +127,8 @@ def default_micro_batches(pp: int, dp: int, batch_size: int) -> int:
 def drop_no_ops(args: argparse.Namespace, cfg: TrainConfig) -> tuple[TrainConfig, list[str]]:
     """Flags that do nothing at the degrees given: ``--sequence-parallel`` at tp 1 (nothing to split; it is turned
     off, as Megatron-LM does with a warning) and ``--schedule`` without pp > 1 (nothing to schedule; ignored, as
-    torchtitan ignores its pipeline schedule at pp 1). Returns the config to run and one warning line per flag.
+    torchtitan ignores its pipeline schedule at pp 1), ``--cp-mode`` at cp 1 (no attention crosses ranks; ignored).
+    Returns the config to run and one warning line per flag.
 
     Warnings, not errors: the run computes the same thing either way, and a sweep over ``--tp``/``--pp`` that keeps
     the other flags fixed keeps working. Degrees set by ``--plan`` are the planner's: nothing is reported then.
@@ -137,6 +138,9 @@ def drop_no_ops(args: argparse.Namespace, cfg: TrainConfig) -> tuple[TrainConfig
         cfg = cfg.replace(sequence_parallel=False)
         notes.append("tensorpar: warning: --sequence-parallel has no effect at --tp 1 (it splits activations over "
                      "the tp ranks); running without it (use --tp 2 or more for sequence parallelism)")
+    if "cp_mode" in (getattr(args, "explicit_flags", None) or ()) and cfg.cp == 1:
+        notes.append(f"tensorpar: warning: --cp-mode {cfg.cp_mode} has no effect at --cp 1 (it is how attention "
+                     f"crosses the cp ranks); ignored (use --cp 2 or more for context parallelism)")
     if "schedule" in (getattr(args, "explicit_flags", None) or ()) and cfg.pp == 1:
         notes.append(f"tensorpar: warning: --schedule {args.schedule} has no effect at --pp 1 (it orders the "
                      f"micro-batches of pipeline stages); ignored (use --pp 2 or more for a pipeline)")
@@ -309,7 +313,7 @@ def main(args: argparse.Namespace) -> int:
                 lock.enter_context(locked_folder(args.export, "--export"))
             check_export_dir(args.export, overwrite=getattr(args, "overwrite", False))
         ckpt = check_resume(cfg, args.resume) if args.resume is not None else None
-        source, data, plan = prepare(cfg, progress=not args.no_progress)  # fills the caches once; ranks read them
+        source, data, plan = prepare(cfg, progress=not args.no_progress, flags=True)  # fills the caches; ranks read them
         if ckpt is not None:
             check_resume_data(cfg, data, ckpt)
             check_resume_model(source.config, ckpt, cfg)

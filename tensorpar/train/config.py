@@ -274,12 +274,14 @@ def num_experts(model_config) -> int | None:
     return getattr(model_config, "num_local_experts", None) or getattr(model_config, "num_experts", None)
 
 
-def check_against_model(cfg: TrainConfig, model_config, vocab_size: int) -> None:
+def check_against_model(cfg: TrainConfig, model_config, vocab_size: int, *, flags: bool = False) -> None:
     """Checks that need the model's config (after :func:`tensorpar.hf.plan.make_plan`'s own).
 
     Raises ValueError when the sequence is longer than the model's context, when the tokenizer can
     emit ids that the model's embedding does not have, or when ``ep > 1`` on a model without experts
-    (:func:`tensorpar.hf.families.why_not`) or with a number of experts that ``ep`` does not divide.
+    (:func:`tensorpar.hf.families.why_not`) or with a number of experts that ``ep`` does not divide; at cp > 1
+    for a family without context parallelism or (all2all) query heads per tp rank that cp does not divide.
+    ``flags``: the cp messages name the command-line flags (``--cp``, ``--cp-mode``), as ``tensorpar train`` shows.
     """
     from tensorpar.hf.modules.experts import expert_parallel_error
     why = expert_parallel_error(cfg.ep, model_config)
@@ -289,7 +291,7 @@ def check_against_model(cfg: TrainConfig, model_config, vocab_size: int) -> None
         from tensorpar.hf.families import why_not
         why = why_not("context_parallel", model_config)
         if why:
-            raise ValueError(f"cp={cfg.cp}: {why}; use cp=1")
+            raise ValueError(f"--cp {cfg.cp}: {why}; use --cp 1" if flags else f"cp={cfg.cp}: {why}; use cp=1")
         if cfg.cp_mode == "all2all":
             from tensorpar.layers.attention import HeadLayout
             from tensorpar.layers.ring_attention import check_all2all_heads
@@ -299,7 +301,7 @@ def check_against_model(cfg: TrainConfig, model_config, vocab_size: int) -> None
             weights = cfg.tp_weights if isinstance(cfg.tp_weights, tuple) else None
             lay = HeadLayout.make(heads, kv, d, cfg.tp, split_weights=weights)
             for r in range(cfg.tp):
-                check_all2all_heads(lay.local_heads(r), cfg.cp, cfg.tp)
+                check_all2all_heads(lay.local_heads(r), cfg.cp, cfg.tp, flags=flags)
     limit = getattr(model_config, "max_position_embeddings", None)
     if limit is not None and cfg.seq_len > limit:
         raise ValueError(f"seq_len={cfg.seq_len} exceeds the model's max_position_embeddings={limit}; use "

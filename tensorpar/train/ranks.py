@@ -37,7 +37,7 @@ def check_fast_collectives(cfg: TrainConfig) -> None:
                              "machine is not x86; use --fast-collectives auto or off")
 
 
-def prepare(cfg: TrainConfig, *, progress: bool = True, checks: bool = True, source=None):
+def prepare(cfg: TrainConfig, *, progress: bool = True, checks: bool = True, source=None, flags: bool = False):
     """Resolve model and data, and run every check that needs them. Returns ``(source, data, plan)``: ``plan`` is the
     sharding plan of ``cfg.tp`` ranks (an even split with ``tp_weights="auto"``, which the ranks measure), made once
     here, or ``None`` with ``checks=False``.
@@ -73,7 +73,7 @@ def prepare(cfg: TrainConfig, *, progress: bool = True, checks: bool = True, sou
     data = load_data(cfg.data, tok, val_fraction=cfg.val_fraction, progress=progress)
     source = folder_source or given or source_of(data.vocab_size)
     check_model_config(source.config, f"--model {cfg.model}")
-    check_against_model(cfg, source.config, data.vocab_size)
+    check_against_model(cfg, source.config, data.vocab_size, flags=flags)
     if not checks:
         return source, data, None
     if source.weights is not None:  # as the loader does, before the plan: a stored head unlike the embedding

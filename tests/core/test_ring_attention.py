@@ -36,13 +36,27 @@ def reference(seed):
 
 
 def job_cp(ctx, mode, seed):
+    from tensorpar import comm
     cp = ctx.cp
     (q, k, v, dout), ref = reference(seed)
     local = [cp_shard(t, cp.size, cp.rank, dim=2).clone().requires_grad_() for t in (q, k, v)]
-    out = cp_attention(*local, cp, mode)
-    out.backward(cp_shard(dout, cp.size, cp.rank, dim=2))
+    with comm.counting(cp) as counter:
+        out = cp_attention(*local, cp, mode)
+        out.backward(cp_shard(dout, cp.size, cp.rank, dim=2))
     got = [out.detach()] + [t.grad for t in local]
-    return [float((g - cp_shard(r, cp.size, cp.rank, dim=2)).abs().max()) for g, r in zip(got, ref)]
+    return [float((g - cp_shard(r, cp.size, cp.rank, dim=2)).abs().max()) for g, r in zip(got, ref)], \
+        {kind: c["bytes"] for kind, c in counter.summary().items()}
+
+
+def planner_bytes(cp, mode):
+    """Bytes a rank sends per layer (forward and backward) by tensorpar.planner.traffic.cp_collectives."""
+    from tensorpar.planner.layout import Assumptions, Layout, Workload
+    from tensorpar.planner.model_spec import from_dims
+    from tensorpar.planner.traffic import cp_collectives
+    model = from_dims(layers=1, hidden=H * D, heads=H, kv_heads=KV, vocab=64, head_dim=D)
+    calls = cp_collectives(model, Layout(1, 1, 1, B, cp=cp, cp_mode=mode), Workload(B, S),
+                           Assumptions(activation_bytes=4), layers=1)
+    return sum(c.payload_bytes for c in calls)
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +77,12 @@ def pools():
                                      pytest.param(4, "all2all", marks=pytest.mark.slow),
                                      pytest.param(3, "ring", marks=pytest.mark.slow)])
 def test_cp_attention_equals_sdpa(pools, cp, mode):
-    for rank, diffs in enumerate(pools(cp).run(job_cp, mode, cp)):
+    """... and every rank sends exactly the bytes the planner counts for one layer (ring: the K/V blocks forward
+    and backward and their gradients, fp32; all2all: the 4 + 4 all-to-alls), counted by the cp group's counter."""
+    want = planner_bytes(cp, mode)
+    for rank, (diffs, sent) in enumerate(pools(cp).run(job_cp, mode, cp)):
         assert max(diffs) <= TOL, f"cp={cp} {mode} rank {rank}: max |diff| (out, dq, dk, dv) = {diffs}"
+        assert sent == {"send" if mode == "ring" else "all_to_all": want}, f"cp={cp} {mode} rank {rank}: {sent}"
 
 
 def test_layout_and_refusals():
@@ -77,3 +95,22 @@ def test_layout_and_refusals():
     with pytest.raises(ValueError, match=r"cp_mode='all2all' needs the query heads of each tp rank \(3 at tp=2\) "
                                          r"divisible by cp=2; use cp_mode='ring'"):
         check_all2all_heads(3, 2, 2)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_kernels_fused_and_in_full_agree(causal):
+    """One (query chunk, key chunk) block: the path other devices take (scores in full) equals torch's fused CPU
+    flash kernel and its backward, output, log-sum-exp and dq/dk/dv (given the whole row's output and
+    log-sum-exp, as the ring passes them). Tolerance 1e-5: fp32 sums in another order."""
+    from tensorpar.layers.ring_attention import _block_backward, _block_forward
+    g = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(2, 4, 12, 8, generator=g) for _ in range(4))
+    scale = 8 ** -0.5
+    fused = _block_forward(q, k, v, scale, causal, fused=True)
+    full = _block_forward(q, k, v, scale, causal, fused=False)
+    for a, b in zip(fused, full):
+        assert (a - b).abs().max() <= TOL
+    o, lse = fused
+    for a, b in zip(_block_backward(do, q, k, v, o, lse, scale, causal, fused=True),
+                    _block_backward(do, q, k, v, o, lse, scale, causal, fused=False)):
+        assert (a - b).abs().max() <= TOL

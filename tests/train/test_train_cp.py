@@ -148,7 +148,7 @@ def run_main(argv):
     (["--cp", "2", "--seq-len", "30"], "seq_len=30 is not divisible by 2 x cp = 4 (each cp rank holds two equal "
                                        "chunks, one early and one late); use seq_len=28 or 32"),
     (["--tp", "2", "--cp", "4", "--cp-mode", "all2all"],
-     "cp_mode='all2all' needs the query heads of each tp rank (2 at tp=2) divisible by cp=4; use cp_mode='ring'"),
+     "--cp-mode all2all needs the query heads of each tp rank (2 at --tp 2) divisible by --cp 4; use --cp-mode ring"),
     (["--cp", "2", "--attention-dropout", "0.1"], "--cp 2: does not run with attention_dropout=0.1"),
     (["--cp", "2", "--plan", "auto", "--nproc", "2"], "--plan auto and --cp 2 both set the layout"),
 ])
@@ -156,6 +156,28 @@ def test_cli_refuses_before_launch(tmp_path, capsys, argv, msg):
     rc = run_main(argv + ["--model", "tiny", "--data", "shakespeare", "--out", str(tmp_path / "run"), "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and msg in err[0], err
+
+
+@pytest.mark.parametrize("argv,note", [
+    (["--cp-mode", "all2all"], "tensorpar: warning: --cp-mode all2all has no effect at --cp 1 (it is how attention "
+                               "crosses the cp ranks); ignored (use --cp 2 or more for context parallelism)"),
+    (["--cp", "1", "--cp-mode", "ring"], "tensorpar: warning: --cp-mode ring has no effect at --cp 1"),
+    (["--cp", "2", "--cp-mode", "all2all"], None),
+    (["--cp", "1"], None),
+])
+def test_cp_mode_at_cp1_is_reported(argv, note):
+    """--cp-mode without --cp > 1 changes nothing: one warning line (it was silently ignored), as --schedule at pp 1."""
+    import argparse
+
+    from tensorpar.train.cli import add_arguments, config_from_args, drop_no_ops
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(argv + ["--seq-len", "16"])
+    _, notes = drop_no_ops(args, config_from_args(args))
+    if note is None:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and notes[0].startswith(note), notes
 
 
 @pytest.mark.slow

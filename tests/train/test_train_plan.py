@@ -57,6 +57,8 @@ def test_plan_flags_conflicts(tmp_path, text, capsys, extra, msg):
     ({"tp": 1, "pp": 4, "dp": 1, "micro_batch": 1}, None, "does not fit --model tiny with --batch-size 8 --seq-len 32: "
                                                           "pp x virtual_stages (4 x 1) exceeds the 2 layers"),
     ({"tp": 1, "pp": 1, "dp": 2, "micro_batch": 3}, None, "dp x micro_batch (2 x 3) must divide --global-batch (8)"),
+    ({"tp": 1, "pp": 1, "dp": 1, "micro_batch": 1, "cp": 2, "cp_mode": "ring"}, None,   # tensorpar plan --cp 2
+     "cannot run cp=2 (--plan does not set context parallelism yet: give --tp 1 --pp 1 --dp 1 --cp 2 --cp-mode ring"),
     ({"tp": "2", "pp": 1, "dp": 1, "micro_batch": 1}, None, "the plan: tp='2' must be a positive integer"),
     ("not json", None, "not JSON"),
 ])

@@ -54,6 +54,9 @@ def unsupported(layout) -> str | None:
         return f"ep={layout.ep} (expert parallelism is not trained)"
     if layout.virtual_stages > 2:
         return f"virtual_stages={layout.virtual_stages} (the interleaved schedule uses 2 chunks per stage)"
+    if layout.cp > 1:
+        return (f"cp={layout.cp} (--plan does not set context parallelism yet: give --tp {layout.tp} --pp {layout.pp} "
+                f"--dp {layout.dp} --cp {layout.cp} --cp-mode {layout.cp_mode} instead)")
     return None
 
 
@@ -134,7 +137,7 @@ def choose_auto(cfg, model_config, device, nproc: int, local_nproc: int | None =
 
 
 PLAN_KEYS = ("tp", "pp", "dp", "micro_batch", "sequence_parallel", "recompute", "distributed_optimizer",
-             "virtual_stages", "ep")
+             "virtual_stages", "ep", "cp", "cp_mode")
 
 
 def read_plan_file(path: str) -> list:
@@ -164,7 +167,7 @@ def _plan_layout(path: str, data, position: int):
     if missing:
         raise ValueError(f"--plan {path}: {where} lacks {', '.join(missing)}; save one with tensorpar plan --json")
     values = {k: data[k] for k in PLAN_KEYS if k in data}
-    for k in ("tp", "pp", "dp", "micro_batch", "virtual_stages", "ep"):
+    for k in ("tp", "pp", "dp", "micro_batch", "virtual_stages", "ep", "cp"):
         if k in values and (not isinstance(values[k], int) or isinstance(values[k], bool) or values[k] < 1):
             raise ValueError(f"--plan {path}: {where}: {k}={values[k]!r} must be a positive integer")
     for k in ("sequence_parallel", "distributed_optimizer"):
@@ -175,7 +178,7 @@ def _plan_layout(path: str, data, position: int):
 
 def check_plan_file(path: str, nproc: int | None, nproc_source: str = "--nproc"):
     """``(layout, position)``: the first plan of ``path`` (:func:`read_plan_file`; position 1-based, 0 for a lone
-    object) that the trainer runs (no distributed optimizer, selective recomputation or expert parallelism), if
+    object) that the trainer runs (no distributed optimizer, selective recomputation, expert or context parallelism), if
     its degrees multiply to ``nproc`` (when given); else ValueError naming ``--plan``, the setting and the ranks."""
     plans = read_plan_file(path)
     skipped = []
