@@ -76,7 +76,8 @@ def _weight_bytes(model, quantize: str = "none") -> int:
     if quantize == "int8":      # the int8 weights + scales the lean path reads, and the 1-D parameters (norms)
         from tensorpar.decode.int8 import int8_weight_bytes
         return int8_weight_bytes(model) + sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 1)
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    from tensorpar.decode.packed import packed_weight_bytes      # packed weights are not parameters
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + packed_weight_bytes(model)
 
 
 def _quantize(model, tp, quantize: str) -> None:
