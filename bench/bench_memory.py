@@ -5,11 +5,11 @@ memory rows: each rank's RSS and PSS (/proc/self/smaps_rollup) before the model 
 and after a greedy decode of 32 tokens, against 1.1 x shard bytes + baseline; and the bytes of the distinct tensors
 the model holds (``resident_weight_bytes``, oneDNN-packed tensors included).
 
-Speed (``--speed OLD NEW``): decode ms/token of SmolLM2 at tp=1 (1 thread) for two checkouts of ``tensorpar`` (e.g.
-``git archive HEAD tensorpar bench | tar -x -C /tmp/old``), each in its own process, interleaved over ``--rounds``.
+Speed (``--speed``): the one decode-step change of the packed layout, in one process: SmolLM2's tied LM head on
+the plain table (now) against a packed copy (before), the rest of the step the same (:func:`speed`).
 
     PYTHONPATH=. python bench/bench_memory.py --model smollm2 tinyllama-random
-    PYTHONPATH=. python bench/bench_memory.py --speed /tmp/old . --rounds 4
+    PYTHONPATH=. python bench/bench_memory.py --speed --out bench/results/memory_speed.json
 """
 from __future__ import annotations
 
@@ -67,42 +67,46 @@ def memory(models, dtypes, tps) -> list[dict]:
     return rows
 
 
-_SPEED_JOB = r"""
-import json, sys
-sys.path.insert(0, "bench")
-from bench_decode import job_tp
-from tensorpar.testing import WorkerPool
-folder, ids, dtype, n = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-with WorkerPool(1, collective_timeout_s=600, job_timeout_s=3600) as pool:
-    r = pool.run(job_tp, folder, n, dtype, "lean", 1, False, "none", ids)[0]
-print("RESULT", json.dumps({"tok_s": r["decode_tok_s"], "best_tok_s": r["best_step_tok_s"]}))
-"""
+def speed(dtypes, rounds: int, steps: int) -> list[dict]:
+    """The one decode-step change of the packed layout, timed in one process: SmolLM2 (tied LM head) at tp=1, 1
+    thread, the lean decoder's LM head on the plain table (``F.linear``, now: one copy) against a packed copy of it
+    (``packed_linear``, as before: a second copy of the table); every other matmul of the step is the same call on
+    the same packed tensors in both. Blocks of ``steps`` decode steps, the two alternating (ABAB, then BABA)."""
+    import torch
 
-
-def speed(trees, dtypes, rounds: int, n: int) -> list[dict]:
-    """Decode ms/token of SmolLM2 at tp=1 for each tree and dtype, the trees alternating (ABAB, then BABA)."""
-    folder, ids = model_and_prompt("smollm2")
-    out = {(t, d): [] for t in trees for d in dtypes}
-    loads = [os.getloadavg()]
-    for rnd in range(rounds):
-        for dtype in dtypes:
-            for tree in (trees if rnd % 2 == 0 else trees[::-1]):
-                env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
-                p = subprocess.run([sys.executable, "-c", _SPEED_JOB, folder, json.dumps(ids), dtype, str(n)],
-                                   cwd=os.path.abspath(tree), env=env, capture_output=True, text=True, timeout=1800)
-                line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-                if p.returncode != 0 or not line:
-                    raise RuntimeError(f"{tree} {dtype}: {p.stderr[-2000:]}")
-                r = json.loads(line[0][7:])
-                out[(tree, dtype)].append(r)
-                print(f"round {rnd + 1} {tree} {dtype}: {1e3 / r['tok_s']:.1f} ms/token (best step "
-                      f"{1e3 / r['best_tok_s']:.1f})", flush=True)
-                loads.append(os.getloadavg())
-    return [{"tree": t, "dtype": d, "tokens": n, "ms_per_token": [1e3 / r["tok_s"] for r in rs],
-             "best_step_ms": [1e3 / r["best_tok_s"] for r in rs],
-             "median_ms": statistics.median(1e3 / r["tok_s"] for r in rs),
-             "median_best_step_ms": statistics.median(1e3 / r["best_tok_s"] for r in rs), "loads": loads}
-            for (t, d), rs in out.items()]
+    from tensorpar.decode.kernels import pack, packed_linear
+    from tensorpar.decode.lean import LeanDecoder
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.hub import resolve_model
+    from tensorpar.parallel import ParallelContext
+    torch.set_num_threads(1)
+    ctx = ParallelContext.single()
+    out = []
+    for dtype in dtypes:
+        model, _ = build_parallel_model(str(resolve_model("smollm2")), ctx.tp, dtype=getattr(torch, dtype))
+        for batch in (1, 8):
+            lean = LeanDecoder(model, ctx.tp, max_batch=batch, max_len=12 + 2 * rounds * steps)
+            heads = {"plain head (now)": (lean.lm_w, lean.linear),
+                     "packed head (before)": (pack(lean.lm_w), packed_linear)}
+            ids = torch.randint(0, 1000, (batch, 8), generator=torch.Generator().manual_seed(0))
+            tok = lean.prefill(ids, torch.ones_like(ids), torch.arange(8).expand(batch, 8)).argmax(-1, keepdim=True)
+            t, times = 8, {k: [] for k in heads}
+            for r in range(rounds):
+                for name in (list(heads) if r % 2 == 0 else list(heads)[::-1]):
+                    lean.lm_w, lean.linear = heads[name]
+                    for _ in range(steps):
+                        t0 = time.perf_counter()
+                        tok = lean.decode(tok, torch.full((batch, 1), t), t).argmax(-1, keepdim=True)
+                        times[name].append(time.perf_counter() - t0)
+                        t += 1
+            for name, v in times.items():
+                out.append({"dtype": dtype, "batch": batch, "head": name, "steps": len(v),
+                            "median_ms": statistics.median(v) * 1e3, "min_ms": min(v) * 1e3})
+                print(f"{dtype} batch {batch} {name}: median {out[-1]['median_ms']:.1f} ms, min "
+                      f"{out[-1]['min_ms']:.1f} ms", flush=True)
+            del lean, heads
+        del model
+    return out
 
 
 def _cpu() -> str:
@@ -141,15 +145,12 @@ def render(res: dict) -> str:
                          f"{e['pss_ratio_after_decode']:.2f} | {'yes' if e['rss_met'] else 'no'} / "
                          f"{'yes' if e['pss_met'] else 'no'} | {mb(e['rss_before_model_code'])} |")
         return "\n".join(lines) + "\n"
-    lines = ["# Decode speed before / after the packed weights replaced the plain ones", "", head, "",
-             "`bench/bench_memory.py --speed OLD NEW`: SmolLM2-135M, tp=1, 1 thread, lean path, greedy, "
-             f"{res['speed'][0].get('tokens', 32)} new tokens after a 3-token warm-up; each measurement a fresh process, "
-             "the two trees alternating (ABAB, then BABA). ms/token = the decode's mean; best step = the fastest "
-             "step (least disturbed by the load).", "",
-             "| tree | dtype | ms/token per round | median ms/token | median best step ms |", "|---|---|---|---|---|"]
+    lines = ["# SmolLM2 decode step: tied LM head plain (one copy) against packed (a second copy)", "", head, "",
+             "`bench/bench_memory.py --speed`: " + " ".join(speed.__doc__.split()), "",
+             "| dtype | batch | LM head | steps | median ms/step | fastest ms/step |", "|---|---|---|---|---|---|"]
     for r in res["speed"]:
-        lines.append(f"| {r['tree']} | {r['dtype']} | {', '.join(f'{x:.1f}' for x in r['ms_per_token'])} | "
-                     f"{r['median_ms']:.1f} | {r['median_best_step_ms']:.1f} |")
+        lines.append(f"| {r['dtype']} | {r['batch']} | {r['head']} | {r['steps']} | {r['median_ms']:.1f} | "
+                     f"{r['min_ms']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -158,16 +159,16 @@ def main() -> None:
     ap.add_argument("--model", nargs="+", default=["smollm2"], help="smollm2 and/or tinyllama-random")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--speed", nargs=2, metavar=("OLD", "NEW"), help="two checkouts to time instead")
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--speed", action="store_true", help="time the tied LM head plain against packed instead")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6, help="decode steps per block (--speed)")
     ap.add_argument("--out", default=None, help="JSON file to write")
     a = ap.parse_args()
     import torch
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "torch": torch.__version__,
             "cpu": _cpu(), "cpus": os.cpu_count(), "load_start": os.getloadavg()}
     if a.speed:
-        res = {"speed": speed(a.speed, a.dtypes, a.rounds, a.tokens)}
+        res = {"speed": speed(a.dtypes, a.rounds, a.steps)}
     else:
         res = {"memory": memory(a.model, a.dtypes, a.tp)}
     meta["load_end"] = os.getloadavg()
