@@ -37,6 +37,7 @@ def test_packed_weights_replace_the_plain_ones(folders, arch, dtype):
     if not can_pack(model.lm_head.weight):
         pytest.skip(f"this CPU's oneDNN does not run {dtype}: the decoder does not prepack")
     shard = resident_weight_bytes(model)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     state = {k: v.clone() for k, v in model.state_dict().items()}
     names = [n for n, _ in model.named_parameters()]
     ids, mask = prompts(ARCHS[arch]["vocab_size"])
@@ -54,6 +55,8 @@ def test_packed_weights_replace_the_plain_ones(folders, arch, dtype):
     # copies sat beside the plain weights: 1.8x-2.0x here
     assert held <= 1.1 * shard, f"{arch} {dtype}: model + decoder hold {held} bytes, the shard is {shard}"
     assert packed_model(model) and packed_weight_bytes(model) > 0.5 * shard, "the matmul weights were not packed"
+    # what tensorpar.speed and bench_decode count as the bytes a token reads: parameters + packed weights
+    assert sum(p.numel() * p.element_size() for p in model.parameters()) + packed_weight_bytes(model) == param_bytes
 
     got = model.state_dict()
     assert list(got) == list(state), "state_dict keys changed (or their order)"
