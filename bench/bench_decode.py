@@ -76,7 +76,8 @@ def _weight_bytes(model, quantize: str = "none") -> int:
     if quantize == "int8":      # the int8 weights + scales the lean path reads, and the 1-D parameters (norms)
         from tensorpar.decode.int8 import int8_weight_bytes
         return int8_weight_bytes(model) + sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 1)
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    from tensorpar.decode.packed import packed_weight_bytes      # packed weights are not parameters
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + packed_weight_bytes(model)
 
 
 def _quantize(model, tp, quantize: str) -> None:
@@ -171,8 +172,9 @@ MEMORY_STEPS = 32       # issue 28, item 4: resident memory after load and after
 def job_tp(ctx, folder, n, dtype, path, batch, profile=False, quantize="none", prompt_ids=None, memory=False):
     """Greedy decode of ``n`` new tokens on this rank (1 thread), timed per step after a 3-token warm-up.
 
-    ``memory``: also this rank's :func:`proc_memory` before the model is built (the process baseline: imports,
-    process group, shared-memory collectives), after it is loaded (and quantized), and after a decode of
+    ``memory``: also this rank's :func:`proc_memory` before the model is built (the process baseline: imports, the
+    family's transformers modeling code, process group, shared-memory collectives; ``baseline_before_model_code``:
+    before that code was imported), after it is loaded (and quantized), and after a decode of
     ``MEMORY_STEPS`` tokens (the timed one when ``n >= MEMORY_STEPS``, else one more), with the bytes of its shard
     (:func:`_shard_bytes`) and what the model's tensors hold (:func:`tensorpar.decode.quantize.resident_weight_bytes`)."""
     from tensorpar import comm
@@ -182,7 +184,15 @@ def job_tp(ctx, folder, n, dtype, path, batch, profile=False, quantize="none", p
     if ctx.tp.size > 1:
         from tensorpar.shm import enable_fast_collectives
         enable_fast_collectives(ctx.tp, "on")
-    mem = {"baseline": proc_memory()} if memory else None
+    mem = None
+    if memory:
+        # the model's code is part of the process, not of its shard: transformers' modeling module of the family
+        # (~100 MB of RSS for Llama) is imported before the baseline; the RSS without it is kept beside it
+        from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+        mem = {"baseline_before_model_code": proc_memory()}
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(folder))]
+        mem["baseline"] = proc_memory()
     model, _ = build_parallel_model(folder, ctx.tp, dtype=getattr(torch, dtype))
     _quantize(model, ctx.tp, quantize)
     if memory:

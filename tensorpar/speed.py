@@ -64,7 +64,8 @@ def measure_speed(model, tp: Group, probe: torch.Tensor, per_token: int) -> str 
     if buf.is_cuda:
         torch.cuda.synchronize()
     bw = 2 * buf.numel() * 4 / max(time.perf_counter() - t0, 1e-9)      # read + write bytes per second
-    local = sum(p.numel() * p.element_size() for p in model.parameters())
+    from tensorpar.decode.packed import packed_weight_bytes      # packed weights are not parameters
+    local = sum(p.numel() * p.element_size() for p in model.parameters()) + packed_weight_bytes(model)
     if model.__dict__.get("_tensorpar_int8") is not None:      # --quantize int8: the lean path reads int8 bytes
         from tensorpar.decode.int8 import int8_weight_bytes
         local = int8_weight_bytes(model)

@@ -61,16 +61,11 @@ def can_pack(w: torch.Tensor) -> bool:
     return w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def pack(owner, key: str, w: torch.Tensor, params=()) -> torch.Tensor:
-    """``w`` ``[out, in]`` reordered once into oneDNN's blocked layout, cached on ``owner`` until ``w`` changes
-    (its storage, or an in-place write to it or to ``params``, the parameters it is fused from: version counters)."""
-    cache = owner.__dict__.setdefault("_lean_packed", {})
-    tag = (w.data_ptr(), w._version, w.dtype, tuple(w.shape), tuple(p._version for p in params))
-    hit = cache.get(key)
-    if hit is None or hit[0] != tag:
-        hit = cache[key] = (tag, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1))
-    return hit[1]
-
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """``w`` ``[out, in]`` reordered into oneDNN's blocked layout (a new tensor of its own memory, read by
+    :func:`packed_linear`; ``to_dense()`` gives ``w`` back bit for bit). :func:`tensorpar.decode.packed.pack_weights`
+    makes it replace ``w``."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
 
 
 def kv_runs(kv_index: list[int]) -> list[tuple[int, int, int]]:

@@ -18,8 +18,9 @@ math directly on the rank's tensors:
   tensor-parallel speed-up): RMSNorm in five calls, the matmuls as ``torch.mm`` on ``[in, out]``
   views of the weights (``F.linear``'s own kernel call), the residual adds and the SiLU in place;
 * bf16 on a CPU (oneDNN with bf16 kernels): the matmuls run on weights reordered once into oneDNN's blocked
-  layout (:func:`pack`, kept on the modules until a weight changes); ``F.linear`` calls the same oneDNN matmul
-  but reorders the weight on every call, which made bf16 GEMV 1.5x slower than it needs to be (same bits);
+  layout (:func:`pack`), which *replaces* the plain weights (:func:`tensorpar.decode.packed.pack_weights`: no
+  second copy; the modules convert back on access); ``F.linear`` calls the same oneDNN matmul but reorders the
+  weight on every call, which made bf16 GEMV 1.5x slower than it needs to be (same bits);
 * a model quantized by :func:`tensorpar.decode.quantize.quantize_int8` (its fp weights freed) runs every matmul as
   :func:`tensorpar.decode.int8.int8_linear` on the int8 ``[out, in]`` weights: no ``[in, out]`` views, no prepacking;
 * collectives: one all-reduce for the embedding (vocabulary-parallel), two per layer (attention and MLP outputs,
@@ -50,6 +51,7 @@ from tensorpar.comm import Group
 from tensorpar.decode.block import Layer, build_layer
 from tensorpar.decode.int8 import int8_linear, int8_weights, lean_weight
 from tensorpar.decode.kernels import can_pack, mm, pack, packed_linear, rms_norm_fn
+from tensorpar.decode.packed import pack_weights, unpack_weights
 from tensorpar.decode.kv_cache import LeanKVCache, Segment, offsets
 from tensorpar.decode.prepare import fuse_projections, lean_unsupported
 from tensorpar.decode.rope import rope_switch_length, row_rotary
@@ -74,8 +76,10 @@ class LeanDecoder:
             :func:`tensorpar.decode.quantize.quantize_int8` (its matmuls read the int8 weights).
 
     Memory: ``2 * num_layers * max_batch * kv_local * max_len * head_dim`` elements of the weights' dtype,
-    allocated here once; with ``prepack`` a second copy of the rank's matmul weights (kept on the modules and
-    reused by the next decoder until a weight changes). Raises ValueError if the model cannot run this path.
+    allocated here once. With ``prepack`` the packed weights replace the plain ones on the modules
+    (:func:`tensorpar.decode.packed.pack_weights`: the rank holds its shard once); a decoder built on a packed
+    model unpacks it first (:func:`~tensorpar.decode.packed.unpack_weights`), so the weights it reads are the
+    current ones. Raises ValueError if the model cannot run this path.
     """
 
     def __init__(self, model, tp: Group, *, max_batch: int, max_len: int, prepack: bool | None = None):
@@ -87,6 +91,7 @@ class LeanDecoder:
             raise ValueError(f"the model was quantized in {q8['dtype']} and is now {model.model.norm.weight.dtype}; "
                              f"quantize after the .to(dtype)")
         int8 = q8 is not None
+        unpack_weights(model)           # a previous decoder packed it: plain weights again (this one may repack)
         fuse_projections(model)
         base = model.model
         self.model, self.tp = model, tp
@@ -121,32 +126,35 @@ class LeanDecoder:
         self.padded = False
 
     def _use_packed(self, model) -> None:
-        """Read oneDNN-prepacked copies of the matmul weights (:func:`pack`). bf16: only if a probe shows them
-        bitwise equal to ``F.linear`` on this machine (else keep the plain weights). fp32: oneDNN's kernels
-        differ from ``torch.mm``'s (MKL) in the order of their sums, a few units in the last place (the probe
-        checks 1e-5 relative), and run 1.4x (one row) to 1.8x (32 rows) faster at the decode shapes of SmolLM2
-        (bench/results/matmul_pack.md)."""
-        base = model.model
-        a0 = base.layers[0].self_attn
+        """Run the matmuls on oneDNN-packed weights that replace the plain ones on the modules
+        (:func:`~tensorpar.decode.packed.pack_weights`; a tied LM head stays plain: the embedding reads it). bf16:
+        only if a probe shows them bitwise equal to ``F.linear`` on this machine (else keep the plain weights).
+        fp32: oneDNN's kernels differ from ``torch.mm``'s (MKL) in the order of their sums, a few units in the last
+        place (the probe checks 1e-5 relative), and ran 1.4x (one row) to 1.8x (32 rows) faster at the decode
+        shapes of SmolLM2 on an idle machine (bench/results/matmul_pack.md)."""
+        a0 = model.model.layers[0].self_attn
         w = fused_weight(a0, ("q_proj", "k_proj", "v_proj"))[0]
         probe = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
-        got = packed_linear(probe, pack(a0, "qkv", w, (a0.q_proj.weight, a0.k_proj.weight, a0.v_proj.weight)),
-                             None)
+        got = packed_linear(probe, pack(w), None)
         want = F.linear(probe, w)
         same = (torch.equal(got, want) if w.dtype != torch.float32
                 else torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())))
         if not same:
             self.packed = False
             return
-        for layer, L in zip(base.layers, self.layers):
-            a, m = layer.self_attn, layer.mlp
-            L.wqkv = pack(a, "qkv", fused_weight(a, ("q_proj", "k_proj", "v_proj"))[0],
-                           (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight))
-            L.wo = pack(a, "o", a.o_proj.weight)
-            L.wgu = pack(m, "gu", fused_weight(m, ("gate_proj", "up_proj"))[0], (m.gate_proj.weight, m.up_proj.weight))
-            L.wd = pack(m, "down", m.down_proj.weight)
-        self.lm_w = pack(model.lm_head, "w", self.lm_w)
-        self.lin = self.linear = packed_linear
+        del w
+        for L in self.layers:       # drop the [in, out] views first, so each plain matrix is freed as it is packed
+            L.wqkv = L.wo = L.wgu = L.wd = None
+        lm_w, self.lm_w = self.lm_w, None
+        packed = pack_weights(model)
+        for layer, L in zip(model.model.layers, self.layers):
+            p = packed[id(layer)]
+            L.wqkv, L.wo, L.wgu, L.wd = p["qkv"], p["o"], p["gu"], p["down"]
+        self.lin = packed_linear
+        if packed["lm_head"] is None:           # tied to the embedding: the plain table, F.linear
+            self.lm_w = lm_w
+        else:
+            self.lm_w, self.linear = packed["lm_head"], packed_linear
 
     def nbytes(self) -> int:
         """Bytes held by the KV cache."""

@@ -122,12 +122,15 @@ def quantize_int8(model, tp: Group) -> None:
 
 def resident_weight_bytes(model) -> int:
     """Bytes of the distinct storages behind ``model``'s tensors on this rank: parameters, buffers, and every
-    tensor a module holds outside them (the lean path's fused weights, the int8 weights and scales); a storage
-    shared by several tensors (views, tied weights) counts once, at its full size. No collectives."""
+    tensor a module holds outside them (the lean path's fused weights, the int8 weights and scales, the
+    oneDNN-packed weights at ``numel * element_size``); a storage shared by several tensors (views, tied weights)
+    counts once, at its full size. No collectives."""
     sizes: dict[int, int] = {}
 
     def add(x, depth=0):
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, torch.Tensor) and x.is_mkldnn:     # oneDNN-packed (tensorpar.decode.packed): no storage
+            sizes[id(x)] = x.numel() * x.element_size()
+        elif isinstance(x, torch.Tensor):
             try:
                 st = x.untyped_storage()
             except (RuntimeError, NotImplementedError):      # no storage (meta, wrapper subclasses)

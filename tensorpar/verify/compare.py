@@ -280,6 +280,7 @@ def _lean_diffs(par, tp: Group, input_ids: torch.Tensor, logits_ref: torch.Tenso
     reference's at positions ``s-2`` and ``s-1``. Empty when the model does not run that path."""
     from tensorpar.decode.lean import LeanDecoder
     from tensorpar.decode.prepare import lean_unsupported
+    from tensorpar.decode.packed import unpack_weights
 
     b, s = input_ids.shape
     if s < 2 or lean_unsupported(par) is not None:
@@ -289,6 +290,8 @@ def _lean_diffs(par, tp: Group, input_ids: torch.Tensor, logits_ref: torch.Tenso
     with torch.no_grad():
         first = lean.prefill(input_ids[:, :-1], torch.ones_like(input_ids[:, :-1]), pos[:, :-1])
         step = lean.decode(input_ids[:, -1:], pos[:, -1:], s - 1)
+    del lean
+    unpack_weights(par)     # the plain parameters again for the module path's forward and backward
     out = []
     for name, got, want in (("lean prefill logits", first, logits_ref[:, -2]), ("lean decode logits", step,
                                                                                  logits_ref[:, -1])):

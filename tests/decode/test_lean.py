@@ -28,28 +28,34 @@ def _storage_bytes(model) -> int:
 
 
 def job_lean_vs_module(ctx, folder, ids, mask, n):
+    from tensorpar.decode.packed import unpack_weights
     from tensorpar.hf.load import build_parallel_model
     model, _ = build_parallel_model(folder, ctx.tp)
     before = _storage_bytes(model)
     cfg = SamplingConfig(max_new_tokens=n)
     module = generate_tokens(model, ctx.tp, ids, mask, sampling=cfg, path="hf").tokens
     lean = generate_tokens(model, ctx.tp, ids, mask, sampling=cfg, path="lean").tokens
+    # the fp32 CPU decoder packed the weights in place of the plain ones (tensorpar/decode/packed.py): the module
+    # path reads them converted back, then the plain parameters are restored
+    packed_module = generate_tokens(model, ctx.tp, ids, mask, sampling=cfg, path="hf").tokens
+    unpack_weights(model)
     a = model.model.layers[0].self_attn
     w = a.__dict__["_lean_fused"][0]
     shared = (a.q_proj.weight.data_ptr() == w.data_ptr()
               and a.k_proj.weight.untyped_storage().data_ptr() == w.untyped_storage().data_ptr())
     after_module = generate_tokens(model, ctx.tp, ids, mask, sampling=cfg, path="hf").tokens  # fused module forward
-    return module, lean, after_module, shared, before, _storage_bytes(model)
+    return module, lean, packed_module, after_module, shared, before, _storage_bytes(model)
 
 
 @pytest.mark.parametrize("arch,tp", [("llama", 2), ("llama", 3), ("qwen2", 2)])
 def test_lean_equals_module_path_without_extra_memory(pools, folders, arch, tp):
     ids, mask = prompts(ARCHS[arch]["vocab_size"])
     want, _ = hf_reference(folders[arch], ids, mask, 24)
-    for r, (module, lean, after, shared, before, now) in enumerate(run_tp(pools, tp, job_lean_vs_module,
-                                                                          folders[arch], ids, mask, 24)):
+    for r, (module, lean, packed, after, shared, before, now) in enumerate(run_tp(pools, tp, job_lean_vs_module,
+                                                                                  folders[arch], ids, mask, 24)):
         assert torch.equal(module, want), f"{arch} tp={tp} rank {r}: module path != transformers"
         assert torch.equal(lean, want), f"{arch} tp={tp} rank {r}: lean path != transformers"
+        assert torch.equal(packed, want), f"{arch} tp={tp} rank {r}: module path on packed weights != transformers"
         assert torch.equal(after, want), f"{arch} tp={tp} rank {r}: fused module path != transformers"
         assert shared, "q/k/v parameters are not views of the fused weight"
         assert now == before, f"parameter memory grew from {before} to {now} bytes after fusing"

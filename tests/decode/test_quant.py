@@ -302,7 +302,8 @@ def test_lean_on_int8_reads_only_the_int8_weights(folders, monkeypatch, dtype):
         assert lean.packed is False and lean.lin is int8_linear and lean.linear is int8_linear
         assert all(isinstance(w, Int8Weight) for L in lean.layers for w in (L.wqkv, L.wo, L.wgu, L.wd))
         assert torch.equal(first, want_first) and torch.equal(step, want_step)
-    assert not any("_lean_packed" in m.__dict__ for m in model.modules())
+    from tensorpar.decode.packed import PACKED_KEY, packed_model
+    assert not packed_model(model) and not any(PACKED_KEY in m.__dict__ for m in model.modules())
     assert resident_weight_bytes(model) == before
 
 

@@ -1,0 +1,179 @@
+"""oneDNN-prepacked weights as the only copy of a rank's matmul weights (issue 28, item 4: no second copy).
+
+:class:`~tensorpar.decode.lean.LeanDecoder` runs its CPU matmuls on weights reordered once into oneDNN's blocked
+layout (:func:`tensorpar.decode.kernels.pack`; bf16: 1.8x faster GEMV than ``F.linear``, which reorders on every
+call). Kept beside the plain weights, the packed copies doubled a rank's resident memory (SmolLM2 fp32 and the 1.1B
+Llama: 2.0x the shard after 32 decode steps). :func:`pack_weights` makes the packed layout *replace* the plain one:
+
+* each packed Linear (the fused q/k/v and gate/up projections, ``o_proj``, ``down_proj``, an untied LM head) loses
+  its ``weight`` parameter, whose storage is freed, and becomes :class:`PackedColumnParallelLinear` /
+  :class:`PackedRowParallelLinear`: ``weight`` is a property that converts the packed tensor back to the plain
+  ``[out, in]`` tensor on access (``to_dense``, exact: the same bits), so the module path (``path="hf"``, one
+  matrix at a time), ``state_dict`` (the same keys and values) and :mod:`tensorpar.verify` read the same values;
+* a tied LM head is not packed: the embedding looks rows up in the same table, which a packed tensor cannot give;
+* :func:`unpack_weights` restores the plain parameters (the same ``Parameter`` objects, fused q/k/v and gate/up
+  views again): a new decoder does it first, verify does it before its module-path forward and backward.
+
+While packed, a converted ``weight`` is a fresh inference tensor: writing to it in place, or recording it for a
+backward (training), raises instead of silently changing nothing; call :func:`unpack_weights` first. ``.to(dtype)``
+does not reach the packed tensors either (unpack first). No collectives here.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+
+from tensorpar.decode.kernels import pack
+from tensorpar.layers.fused import FUSED_KEY
+from tensorpar.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+#: a packed module's ``__dict__`` entry holding its :class:`PackedWeight`
+PACKED_KEY = "_packed_weight"
+#: the model's ``__dict__`` entry listing its packed modules (and fused owners) in packing order
+_MODEL_KEY = "_tensorpar_packed"
+
+
+class PackedWeight(NamedTuple):
+    """``packed``: the oneDNN tensor ``[out_total, in]`` (several projections' rows when fused); ``param``: the
+    module's original ``weight`` Parameter, its storage released (``[0]``), kept to be restored by
+    :func:`unpack_weights`; ``start``/``stop``: this module's rows of ``packed`` (``None``: all of them)."""
+    packed: torch.Tensor
+    param: nn.Parameter | None
+    start: int | None = None
+    stop: int | None = None
+
+    def dense(self) -> torch.Tensor:
+        """The plain ``[out, in]`` weight (its rows of ``packed``), a new inference tensor, bit for bit the weight
+        that was packed."""
+        with torch.inference_mode():
+            w = self.packed.to_dense()
+            return w if self.start is None else w[self.start:self.stop].clone()
+
+
+class _Packed:
+    """Mixin of a Linear whose ``weight`` parameter was replaced by its packed tensor (:func:`pack_weights`)."""
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.__dict__[PACKED_KEY].dense()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "weight"] = self.weight         # the plain values, under the parameter's key
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+
+class PackedColumnParallelLinear(_Packed, ColumnParallelLinear):
+    """A :class:`~tensorpar.layers.linear.ColumnParallelLinear` whose weight ``[n_r, in]`` is held packed (shapes
+    and collectives unchanged; ``weight`` converts on access, see :class:`_Packed`). Inference only."""
+
+
+class PackedRowParallelLinear(_Packed, RowParallelLinear):
+    """A :class:`~tensorpar.layers.linear.RowParallelLinear` whose weight ``[out, k_r]`` is held packed (shapes and
+    collectives unchanged; ``weight`` converts on access, see :class:`_Packed`). Inference only."""
+
+
+_CLASSES = ((ColumnParallelLinear, PackedColumnParallelLinear), (RowParallelLinear, PackedRowParallelLinear))
+
+
+def _swap(mod: nn.Module, pw: PackedWeight) -> None:
+    cls = next((p for plain, p in _CLASSES if type(mod) is plain), None)
+    if cls is None:
+        raise ValueError(f"cannot pack the weight of a {type(mod).__name__} (packs "
+                         f"{', '.join(plain.__name__ for plain, _ in _CLASSES)})")
+    del mod._parameters["weight"]
+    mod.__class__ = cls
+    mod.__dict__[PACKED_KEY] = pw
+    pw.param.data = pw.param.data.new_empty(0)          # the plain storage is freed once nothing else holds it
+
+
+def _pack_linear(mod: nn.Module) -> torch.Tensor:
+    p = mod._parameters["weight"]
+    packed = pack(p)
+    _swap(mod, PackedWeight(packed, p))
+    return packed
+
+
+def _pack_fused(owner: nn.Module, names: tuple[str, ...]) -> torch.Tensor:
+    """Pack ``owner``'s fused weight (:mod:`tensorpar.layers.fused`) and free it and its projections' views."""
+    fw, fb = owner.__dict__[FUSED_KEY]
+    packed = pack(fw)
+    off = 0
+    for n in names:
+        mod = getattr(owner, n)
+        rows = mod._parameters["weight"].shape[0]
+        _swap(mod, PackedWeight(packed, mod._parameters["weight"], off, off + rows))
+        off += rows
+    owner.__dict__[FUSED_KEY] = (PackedWeight(packed, None), fb)
+    return packed
+
+
+def packed_model(model) -> bool:
+    """Whether :func:`pack_weights` packed ``model`` (and :func:`unpack_weights` has not restored it)."""
+    return bool(model.__dict__.get(_MODEL_KEY))
+
+
+def pack_weights(model) -> dict:
+    """Replace the plain matmul weights of ``model`` (fused by
+    :func:`tensorpar.decode.prepare.fuse_projections`) with oneDNN-packed ones, freeing the plain storage one
+    matrix at a time (peak: the shard plus its largest matrix). Returns ``{id(module): {"qkv", "o", "gu", "down":
+    packed}, "lm_head": packed or None}`` (``None``: the head is tied to the embedding and stays plain). No
+    collectives."""
+    from tensorpar.decode.quantize import _release_freed_memory
+    done: list = []
+    out: dict = {}
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        out[id(layer)] = {"qkv": _pack_fused(a, ("q_proj", "k_proj", "v_proj")), "o": _pack_linear(a.o_proj),
+                          "gu": _pack_fused(m, ("gate_proj", "up_proj")), "down": _pack_linear(m.down_proj)}
+        done += [(a, ("q_proj", "k_proj", "v_proj")), (a.o_proj, None), (m, ("gate_proj", "up_proj")),
+                 (m.down_proj, None)]
+    head, embed = model.lm_head, model.model.embed_tokens
+    out["lm_head"] = None
+    if head._parameters.get("weight") is not embed._parameters.get("weight"):
+        out["lm_head"] = _pack_linear(head)
+        done.append((head, None))
+    model.__dict__[_MODEL_KEY] = done
+    _release_freed_memory(embed.weight.device)
+    return out
+
+
+def _unswap(mod: nn.Module, w: torch.Tensor) -> None:
+    pw = mod.__dict__.pop(PACKED_KEY)
+    mod.__class__ = next(plain for plain, p in _CLASSES if type(mod) is p)
+    pw.param.data = w
+    rest = dict(mod._parameters)                # "weight" first again: named_parameters / state_dict order
+    mod._parameters.clear()
+    mod._parameters["weight"] = pw.param
+    mod._parameters.update(rest)
+
+
+def unpack_weights(model) -> None:
+    """Undo :func:`pack_weights`: every packed weight back to a plain parameter (the original ``Parameter``
+    objects, with their attributes; the fused q/k/v and gate/up weights as one tensor with the parameters as its
+    row views again), the packed tensors dropped one at a time. A no-op for a model that is not packed. No
+    collectives."""
+    done = model.__dict__.pop(_MODEL_KEY, None)
+    for mod, names in done or ():
+        if names is None:
+            _unswap(mod, mod.__dict__[PACKED_KEY].packed.to_dense())
+            continue
+        pw, fb = mod.__dict__[FUSED_KEY]
+        fused = pw.packed.to_dense()
+        for n in names:
+            sub = getattr(mod, n)
+            p = sub.__dict__[PACKED_KEY]
+            _unswap(sub, fused[p.start:p.stop])
+        mod.__dict__[FUSED_KEY] = (fused, fb)
+
+
+def packed_weight_bytes(model) -> int:
+    """Bytes of ``model``'s packed weights (not parameters while packed: a reader summing parameters adds these;
+    ``numel * element_size``, oneDNN's padding of a block not counted)."""
+    seen: dict[int, int] = {}
+    for mod in model.modules():
+        pw = mod.__dict__.get(PACKED_KEY)
+        if pw is not None:
+            seen[id(pw.packed)] = pw.packed.numel() * pw.packed.element_size()
+    return sum(seen.values())
