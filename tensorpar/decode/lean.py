@@ -42,14 +42,17 @@ q/k norms, soft-capping or sequence parallelism. Others run the module path (:fu
 """
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 import torch.nn.functional as F
 
 from tensorpar import comm
 from tensorpar.comm import Group
-from tensorpar.decode.block import Layer, build_layer
+from tensorpar.decode.block import Layer, build_layer, norm_fn, rotate, windowed
 from tensorpar.decode.int8 import int8_linear, int8_weights, lean_weight
-from tensorpar.decode.kernels import can_pack, mm, pack, packed_linear, rms_norm_fn
+from tensorpar.decode.kernels import can_pack, mm, pack, packed_linear
 from tensorpar.decode.kv_cache import LeanKVCache, Segment, offsets
 from tensorpar.decode.prepare import fuse_projections, lean_unsupported
 from tensorpar.decode.rope import rope_switch_length, row_rotary
@@ -90,23 +93,35 @@ class LeanDecoder:
         fuse_projections(model)
         base = model.model
         self.model, self.tp = model, tp
-        self.embed, self.rotary = base.embed_tokens, base.rotary_emb
+        self.embed = base.embed_tokens
         self.rope_switch = rope_switch_length(base.rotary_emb)
-        self.norm = rms_norm_fn(base.norm)
+        self.norm = norm_fn(base.norm)
         self.lm_w, self.lm_b = lean_weight(model.lm_head), getattr(model.lm_head, "bias", None)
+        #: Gemma 2/3's final logit soft-capping (element-wise, so exact on the vocab-sharded logits)
+        self.final_cap = getattr(model.config, "final_logit_softcapping", None)
         self.max_batch, self.max_len = max_batch, max_len
         a0 = base.layers[0].self_attn
-        self.rope = a0._rope
         w0 = self.lm_w
         dev = w0.device
-        self.layers: list[Layer] = [build_layer(layer, tp, int8=int8, probe_w=w0) for layer in base.layers]
+        # the rotary tables: one, or one per layer type where the module takes it (Gemma 3's local and global)
+        types = getattr(model.config, "layer_types", None)
+        per_type = types is not None and "layer_type" in inspect.signature(base.rotary_emb.forward).parameters
+        self.rotary = ({t: functools.partial(base.rotary_emb, layer_type=t) for t in set(types)} if per_type
+                       else {None: base.rotary_emb})
+        self.layers: list[Layer] = [build_layer(layer, tp, int8=int8, probe_w=w0,
+                                                rope=types[i] if per_type else None)
+                                    for i, layer in enumerate(base.layers)]
         n_q, n_kv, d = a0.layout.local_heads(tp.rank), a0.layout.local_kv_heads(tp.rank), a0.head_dim
         self.n_q, self.n_kv, self.head_dim = n_q, n_kv, d
+        self.windows = sorted({L.window for L in self.layers if L.window is not None})
         self.cache = LeanKVCache(len(self.layers), max_batch, n_kv, max_len, d, dtype=w0.dtype, device=dev)
-        # rotate_half(x) * sin == x[..., perm] * sin_sign (the halves swapped, the sign moved onto sin: exact)
-        half = d // 2
-        self.perm = torch.cat([torch.arange(half, d), torch.arange(0, half)]).to(dev)
-        self.sign = torch.cat([-torch.ones(half), torch.ones(d - half)]).to(dev, w0.dtype)
+        # rotate_half(x) * sin == x[..., perm] * sin_sign (the halves swapped, the sign moved onto sin: exact), over
+        # the rotary features of a head (rd: all d, or the first rd with partial rotary)
+        rd = next(iter(self.rotary.values()))(w0.new_zeros(1), torch.zeros(1, 1, dtype=torch.long, device=dev))[0]
+        rd = rd.shape[-1]
+        half = rd // 2
+        self.perm = torch.cat([torch.arange(half, rd), torch.arange(0, half)]).to(dev)
+        self.sign = torch.cat([-torch.ones(half), torch.ones(rd - half)]).to(dev, w0.dtype)
         # the matmuls: self.lin for the layers (2-D input), self.linear for the LM head
         if int8:        # the int8 weights (lean_weight / fused_weight gave them above), dequantized on the fly
             self.lin = self.linear = int8_linear
@@ -126,25 +141,19 @@ class LeanDecoder:
         differ from ``torch.mm``'s (MKL) in the order of their sums, a few units in the last place (the probe
         checks 1e-5 relative), and run 1.4x (one row) to 1.8x (32 rows) faster at the decode shapes of SmolLM2
         (bench/results/matmul_pack.md)."""
-        base = model.model
-        a0 = base.layers[0].self_attn
-        w = fused_weight(a0, ("q_proj", "k_proj", "v_proj"))[0]
+        _, owner, key, w, params = self.layers[0].packs[0]
         probe = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
-        got = packed_linear(probe, pack(a0, "qkv", w, (a0.q_proj.weight, a0.k_proj.weight, a0.v_proj.weight)),
-                             None)
-        want = F.linear(probe, w)
+        with torch.no_grad():
+            got = packed_linear(probe, pack(owner, key, w, params), None)
+            want = F.linear(probe, w)
         same = (torch.equal(got, want) if w.dtype != torch.float32
                 else torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())))
         if not same:
             self.packed = False
             return
-        for layer, L in zip(base.layers, self.layers):
-            a, m = layer.self_attn, layer.mlp
-            L.wqkv = pack(a, "qkv", fused_weight(a, ("q_proj", "k_proj", "v_proj"))[0],
-                           (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight))
-            L.wo = pack(a, "o", a.o_proj.weight)
-            L.wgu = pack(m, "gu", fused_weight(m, ("gate_proj", "up_proj"))[0], (m.gate_proj.weight, m.up_proj.weight))
-            L.wd = pack(m, "down", m.down_proj.weight)
+        for L in self.layers:
+            for field, owner, key, w, params in L.packs:
+                setattr(L, field, pack(owner, key, w, params))
         self.lm_w = pack(model.lm_head, "w", self.lm_w)
         self.lin = self.linear = packed_linear
 
@@ -190,43 +199,56 @@ class LeanDecoder:
                              f"{T} ids / {rope_pos.shape[0]} positions given")
         x = self.embed(ids.view(1, T))                                                 # [1, T, h], all-reduced
         h = x.shape[-1]
-        if self.rope_switch is None:
-            cos, sin = self.rotary(x, rope_pos.view(1, T))                             # [1, T, d]
-        else:       # longrope: each row the factors of its own length (tensorpar/decode/rope.py)
-            last = torch.cat([rope_pos[o:o + g.b * g.s].view(g.b, g.s)[:, -1:].expand(g.b, g.s).reshape(-1)
-                              for g, o in zip(segments, offsets(segments))])
-            cos, sin = row_rotary(self.rotary, x, rope_pos.view(1, T), last.view(1, T), self.rope_switch)
         d, nq, nkv = self.head_dim, self.n_q, self.n_kv
-        cos = cos.view(T, 1, d)
-        sin = (sin * self.sign).view(T, 1, d)
+        tables = {}
+        for key, rotary in self.rotary.items():
+            if self.rope_switch is None:
+                cos, sin = rotary(x, rope_pos.view(1, T))                              # [1, T, rd]
+            else:   # longrope: each row the factors of its own length (tensorpar/decode/rope.py)
+                last = torch.cat([rope_pos[o:o + g.b * g.s].view(g.b, g.s)[:, -1:].expand(g.b, g.s).reshape(-1)
+                                  for g, o in zip(segments, offsets(segments))])
+                cos, sin = row_rotary(rotary, x, rope_pos.view(1, T), last.view(1, T), self.rope_switch)
+            tables[key] = cos.view(T, 1, -1), (sin * self.sign).view(T, 1, -1)
         perm, lin, cache = self.perm, self.lin, self.cache
         all_reduce = comm.reduce_partial if tp.compression == "int8" else comm.all_reduce   # --tp-comm
         views = [cache.views(g) for g in segments]
+        # sliding-window layers read the segments with their masks narrowed to the window (block.windowed)
+        segs = {None: segments} | {w: windowed(segments, w, x.device) for w in self.windows}
         x = x.reshape(T, h).clone()                                                    # the residual stream, in place
         for i, L in enumerate(self.layers):
-            qkv = lin(L.ln1(x), L.wqkv, L.bqkv).view(T, nq + 2 * nkv, d)                # [T, heads, d]
+            qkv = lin(x if L.ln1 is None else L.ln1(x), L.wqkv, L.bqkv).view(T, nq + 2 * nkv, d)   # [T, heads, d]
+            if L.qk_norm is None:
+                qk = qkv[:, :nq + nkv]
+            else:
+                qk = torch.cat(L.qk_norm(qkv[:, :nq], qkv[:, nq:nq + nkv]), 1)
             # rotary on the q and k heads together: q*cos + rotate_half(q)*sin, the family's formula
-            qk = qkv[:, :nq + nkv]
-            rot = qk.index_select(-1, perm).mul_(sin)
-            qk = torch.mul(qk, cos).add_(rot)                                          # [T, q_local + kv_local, d]
-            o = cache.attention(i, L, qk, qkv[:, nq + nkv:], segments, views, nq)     # [T, q_local * d]
+            cos, sin = tables[L.rope]
+            qk = rotate(qk, cos, sin, perm)                                            # [T, q_local + kv_local, d]
+            o = cache.attention(i, L, qk, qkv[:, nq + nkv:], segs[L.window], views, nq)   # [T, q_local * d]
             o = all_reduce(lin(o, L.wo, None), tp)
             if L.bo is not None:
                 o = o + L.bo
+            if L.post_attn is not None:
+                o = L.post_attn(o)
             x.add_(o)
-            gu = lin(L.ln2(x), L.wgu, L.bgu)                                           # [T, 2 f]
-            g_, u = gu[:, :L.f], gu[:, L.f:]
-            a = F.silu(g_, inplace=True) if L.silu else L.act(g_)
-            o = all_reduce(lin(a.mul_(u), L.wd, None), tp)
+            gu = lin(x if L.ln2 is None else L.ln2(x), L.wgu, L.bgu)                   # [T, 2 f] (gated) or [T, f]
+            if L.gated:
+                g_, u = gu[:, :L.f], gu[:, L.f:]
+                a = (F.silu(g_, inplace=True) if L.silu else L.act(g_)).mul_(u)
+            else:
+                a = F.silu(gu, inplace=True) if L.silu else L.act(gu)
+            o = all_reduce(lin(a, L.wd, None), tp)
             if L.bd is not None:
                 o = o + L.bd
+            if L.post_ff is not None:
+                o = L.post_ff(o)
             x.add_(o)
         if len(segments) == 1:
             g = segments[0]
             x = x.view(g.b, g.s, h)
             if last_only:
                 x = x[:, -1:]
-            logits = self.linear(self.norm(x), self.lm_w, self.lm_b)
+            logits = self._head(x)
             return logits[:, -1] if last_only else logits
         if not last_only:
             raise ValueError("last_only=False takes one segment")
@@ -235,7 +257,15 @@ class LeanDecoder:
             last.extend(range(t0 + g.s - 1, t0 + g.b * g.s, g.s))
             t0 += g.b * g.s
         x = x.index_select(0, torch.tensor(last, device=x.device)).unsqueeze(1)           # [sum(b), 1, h]
-        return self.linear(self.norm(x), self.lm_w, self.lm_b)[:, -1]
+        return self._head(x)[:, -1]
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head of ``x`` ``[n, s, h]``: vocab-sharded logits ``[n, s, V_r]`` (soft-capped as
+        ``cap * tanh(logits / cap)`` when the family does: element-wise, so the same on each shard)."""
+        logits = self.linear(self.norm(x), self.lm_w, self.lm_b)
+        if self.final_cap is not None:
+            logits = torch.tanh(logits / self.final_cap) * self.final_cap
+        return logits
 
     # ---------------------------------------- verify's use (generate and serve step the Engine): rows 0..b-1
 

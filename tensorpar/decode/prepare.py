@@ -5,7 +5,7 @@ projections (:func:`fuse_projections`). Shared by :mod:`tensorpar.decode.lean` a
 from __future__ import annotations
 
 from tensorpar.hf.families import why_not
-from tensorpar.hf.modules import TPAttention, TPGatedMLP
+from tensorpar.hf.modules import TPAttention, TPGatedMLP, TPMLP
 from tensorpar.layers.fused import fuse_linears, fused_weight
 
 
@@ -22,16 +22,17 @@ def lean_unsupported(model) -> str | None:
         return "sequence parallelism"
     for layer in base.layers:
         a, m = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if type(a) is not TPAttention or type(m) is not TPGatedMLP:
-            return f"layer {getattr(a, 'layer_idx', '?')} is not TPAttention + TPGatedMLP"
-        if a.fused or m.fused or a.q_norm is not None or a.softcap is not None:
-            return "fused checkpoint projections, q/k norms or soft-capping"
-        if a.sliding_window is not None:
-            return f"sliding_window={a.sliding_window}"
-        if a.output_dropout is not None or m.output_dropout is not None:
-            return "output dropout"
+        if not isinstance(a, TPAttention) or type(m) not in (TPGatedMLP, TPMLP):
+            return f"layer {getattr(a, 'layer_idx', '?')} is not TPAttention + TPGatedMLP / TPMLP"
+        if not (hasattr(layer, "input_layernorm") or hasattr(layer, "post_feedforward_layernorm")):
+            return f"layer {a.layer_idx} has neither input_layernorm nor post_feedforward_layernorm"
+        for mod in (a.output_dropout, m.output_dropout):
+            if mod is not None and mod.training and getattr(mod, "p", 1.0) > 0:
+                return "output dropout in training mode"
         if a._rope is None:
             return "no apply_rotary_pos_emb in the family module"
+        if a.sinks is not None:
+            return "attention sinks"
     return None
 
 
@@ -44,7 +45,7 @@ def fuse_projections(model) -> None:
     No collectives.
     """
     for mod in model.modules():
-        if type(mod) is TPAttention and not mod.fused:
+        if isinstance(mod, TPAttention) and not mod.fused:
             names = ("q_proj", "k_proj", "v_proj")
         elif type(mod) is TPGatedMLP and not mod.fused:
             names = ("gate_proj", "up_proj")

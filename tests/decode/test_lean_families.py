@@ -1,0 +1,108 @@
+"""The lean decode path for every family whose record sets ``fast_decode``: greedy tokens equal transformers'
+``generate`` and the lean prefill logits equal the module path's (tensorpar/decode/block.py's per-family
+features: q/k norms, (1 + w) norms, sandwich and post norms, soft-capping, sliding windows, local/global rotary,
+checkpoint-fused projections, plain biased MLPs, LayerNorm).
+
+The small random models are those of the family parity tests (tests/families.py, tests/families_fam.py), with
+a prompt (7 tokens) plus 16 new tokens longer than their sliding windows (4 and 5), and left padding.
+"""
+import pytest
+import torch
+
+from tensorpar.generate import SamplingConfig, generate_tokens
+from tensorpar.hf.families import RECORDS
+from tests._ranks import run_tp
+from tests.decode.test_generate import hf_reference, prompts
+
+#: every family test config whose record sets fast_decode; gemma2: eager attention (soft-capping)
+FAST = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "starcoder2", "olmo2",
+        "olmo2:kv1"]
+N_NEW = 16
+
+
+def family_config(name):
+    from tests import families, families_fam
+    return (families.config if name in families.FAMILIES else families_fam.config)(name)
+
+
+def save_family(path, name, seed=0):
+    """A random-weight model of test config ``name`` saved to ``path`` (norm weights and biases randomised too,
+    so that (1 + w) norms, q/k norms and biases are checked with non-trivial values)."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(family_config(name)).float()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n or n.endswith("bias"):
+                p.normal_(0.0 if n.endswith("bias") else 1.0, 0.3)
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fam")
+    return {n: save_family(root / n.replace(":", "_"), n) for n in FAST}
+
+
+@pytest.fixture(scope="module")
+def references(folders):
+    ids, mask = prompts(37)
+    return {n: hf_reference(folders[n], ids, mask, N_NEW) for n in FAST}
+
+
+def test_every_fast_family_is_tested():
+    """The list above is every family with a fast decode path (a new one cannot be switched on untested)."""
+    fast = {mt for mt, r in RECORDS.items() if r.fast_decode}
+    assert fast == {family_config(n).model_type for n in FAST}
+
+
+def job_families(ctx, folders, names, ids, mask):
+    """Per family: lean greedy tokens, module-path greedy tokens, lean and module prefill logits (gathered)."""
+    from tensorpar import comm
+    from tensorpar.decode.lean import LeanDecoder
+    from tensorpar.hf.load import build_parallel_model
+    out = {}
+    cfg = SamplingConfig(max_new_tokens=N_NEW)
+    for n in names:
+        model, plan = build_parallel_model(folders[n], ctx.tp)
+        lean = generate_tokens(model, ctx.tp, ids, mask, sampling=cfg, path="lean").tokens
+        module = generate_tokens(model, ctx.tp, ids, mask, sampling=cfg, path="hf").tokens
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        dec = LeanDecoder(model, ctx.tp, max_batch=ids.shape[0], max_len=ids.shape[1])
+        lean_logits = comm.all_gather(dec.prefill(ids, mask, pos), ctx.tp, -1, plan.vocab)
+        with torch.no_grad():
+            mod_logits = comm.all_gather(model(input_ids=ids, attention_mask=mask).logits[:, -1], ctx.tp, -1,
+                                         plan.vocab)
+        out[n] = lean, module, lean_logits, mod_logits
+    return out
+
+
+def check(results, references, tp):
+    for r, per in enumerate(results):
+        for n, (lean, module, lean_logits, mod_logits) in per.items():
+            want, want_logits = references[n]
+            where = f"{n} tp={tp} rank {r}"
+            # fp32: the two paths differ only in the order of sums inside a matmul and the attention kernel
+            # (a few ulp of logits of size ~1-10 after 2-3 layers); 1e-4 is the bound of test_generate's check
+            assert (lean_logits - mod_logits).abs().max() <= 1e-4, f"{where}: lean vs module prefill logits"
+            assert (lean_logits - want_logits).abs().max() <= 1e-4, f"{where}: lean vs transformers logits"
+            assert torch.equal(module, want), f"{where}: module path != transformers"
+            assert torch.equal(lean, want), f"{where}: lean path {lean.tolist()} != transformers {want.tolist()}"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_lean_greedy_equals_transformers_every_family(pools, folders, references, tp):
+    """One launch per tp runs every family: tp=1 (this process) and tp=2 (KV heads split, or the single KV head
+    replicated: qwen2, gemma, olmo2:kv1)."""
+    ids, mask = prompts(37)
+    check(run_tp(pools, tp, job_families, folders, FAST, ids, mask), references, tp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [3, 4])
+def test_lean_greedy_equals_transformers_uneven_heads(pools, folders, references, tp):
+    """tp=3 and 4 split the test configs' heads unevenly (KV heads straddling ranks: the per-run attention,
+    the OLMo 2 sum of squares counted once per KV head)."""
+    ids, mask = prompts(37)
+    check(run_tp(pools, tp, job_families, folders, FAST, ids, mask), references, tp)
