@@ -117,7 +117,8 @@ class LeanDecoder:
         self.cache = LeanKVCache(len(self.layers), max_batch, n_kv, max_len, d, dtype=w0.dtype, device=dev)
         # rotate_half(x) * sin == x[..., perm] * sin_sign (the halves swapped, the sign moved onto sin: exact), over
         # the rotary features of a head (rd: all d, or the first rd with partial rotary)
-        rd = next(iter(self.rotary.values()))(w0.new_zeros(1), torch.zeros(1, 1, dtype=torch.long, device=dev))[0]
+        rd = next(iter(self.rotary.values()))(torch.zeros(1, dtype=w0.dtype, device=dev),
+                                             torch.zeros(1, 1, dtype=torch.long, device=dev))[0]
         rd = rd.shape[-1]
         half = rd // 2
         self.perm = torch.cat([torch.arange(half, rd), torch.arange(0, half)]).to(dev)

@@ -4,7 +4,7 @@ features: q/k norms, (1 + w) norms, sandwich and post norms, soft-capping, slidi
 checkpoint-fused projections, plain biased MLPs, LayerNorm).
 
 The small random models are those of the family parity tests (tests/families.py, tests/families_fam.py), with
-a prompt (7 tokens) plus 16 new tokens longer than their sliding windows (4 and 5), and left padding.
+a prompt (7 tokens) plus 10 new tokens longer than their sliding windows (4 and 5), and left padding.
 """
 import pytest
 import torch
@@ -17,7 +17,7 @@ from tests.decode.test_generate import hf_reference, prompts
 #: every family test config whose record sets fast_decode; gemma2: eager attention (soft-capping)
 FAST = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "starcoder2", "olmo2",
         "olmo2:kv1"]
-N_NEW = 16
+N_NEW = 10
 
 
 def family_config(name):
@@ -57,8 +57,9 @@ def test_every_fast_family_is_tested():
     assert fast == {family_config(n).model_type for n in FAST}
 
 
-def job_families(ctx, folders, names, ids, mask):
-    """Per family: lean greedy tokens, module-path greedy tokens, lean and module prefill logits (gathered)."""
+def job_families(ctx, folders, names, ids, mask, module_tokens=True):
+    """Per family: lean greedy tokens, module-path greedy tokens (``None`` without ``module_tokens``), lean and
+    module prefill logits (gathered)."""
     from tensorpar import comm
     from tensorpar.decode.lean import LeanDecoder
     from tensorpar.hf.load import build_parallel_model
@@ -67,7 +68,7 @@ def job_families(ctx, folders, names, ids, mask):
     for n in names:
         model, plan = build_parallel_model(folders[n], ctx.tp)
         lean = generate_tokens(model, ctx.tp, ids, mask, sampling=cfg, path="lean").tokens
-        module = generate_tokens(model, ctx.tp, ids, mask, sampling=cfg, path="hf").tokens
+        module = generate_tokens(model, ctx.tp, ids, mask, sampling=cfg, path="hf").tokens if module_tokens else None
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         dec = LeanDecoder(model, ctx.tp, max_batch=ids.shape[0], max_len=ids.shape[1])
         lean_logits = comm.all_gather(dec.prefill(ids, mask, pos), ctx.tp, -1, plan.vocab)
@@ -87,22 +88,21 @@ def check(results, references, tp):
             # (a few ulp of logits of size ~1-10 after 2-3 layers); 1e-4 is the bound of test_generate's check
             assert (lean_logits - mod_logits).abs().max() <= 1e-4, f"{where}: lean vs module prefill logits"
             assert (lean_logits - want_logits).abs().max() <= 1e-4, f"{where}: lean vs transformers logits"
-            assert torch.equal(module, want), f"{where}: module path != transformers"
+            assert module is None or torch.equal(module, want), f"{where}: module path != transformers"
             assert torch.equal(lean, want), f"{where}: lean path {lean.tolist()} != transformers {want.tolist()}"
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_lean_greedy_equals_transformers_every_family(pools, folders, references, tp):
-    """One launch per tp runs every family: tp=1 (this process) and tp=2 (KV heads split, or the single KV head
-    replicated: qwen2, gemma, olmo2:kv1)."""
+def test_lean_greedy_equals_transformers_every_family_tp2(pools, folders, references):
+    """CI's case: one tp=2 launch runs every family (KV heads split, or the single KV head replicated: qwen2,
+    gemma, olmo2:kv1); the module path's own tokens are checked by the slow cases and the family tests."""
     ids, mask = prompts(37)
-    check(run_tp(pools, tp, job_families, folders, FAST, ids, mask), references, tp)
+    check(run_tp(pools, 2, job_families, folders, FAST, ids, mask, False), references, 2)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [3, 4])
-def test_lean_greedy_equals_transformers_uneven_heads(pools, folders, references, tp):
-    """tp=3 and 4 split the test configs' heads unevenly (KV heads straddling ranks: the per-run attention,
-    the OLMo 2 sum of squares counted once per KV head)."""
+@pytest.mark.parametrize("tp", [1, 3, 4])
+def test_lean_greedy_equals_transformers_every_family(pools, folders, references, tp):
+    """tp=1 (this process) and tp=3, 4, which split the test configs' heads unevenly (KV heads straddling ranks:
+    the per-run attention, the OLMo 2 sum of squares counted once per KV head); module path tokens too."""
     ids, mask = prompts(37)
     check(run_tp(pools, tp, job_families, folders, FAST, ids, mask), references, tp)
