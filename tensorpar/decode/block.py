@@ -22,9 +22,9 @@ from tensorpar.comm import Group
 from tensorpar.decode.int8 import lean_weight
 from tensorpar.decode.kernels import is_silu, kv_runs, rms_norm_fn
 from tensorpar.hf.families import sliding_window
-from tensorpar.hf.modules import TPGatedMLP
+from tensorpar.hf.modules import TPGatedMLP, TPMLP
 from tensorpar.hf.modules.attention import TPOlmo2Attention
-from tensorpar.hf.modules.norms import all_reduce_sum
+from tensorpar.hf.modules.norms import TPRMSNorm, all_reduce_sum
 from tensorpar.layers.fused import fused_weight
 
 
@@ -35,15 +35,17 @@ class Layer:
     ``[h, f_local]`` (``gated`` False: up only), ``wd`` ``[f_local, h]`` (``[in, out]`` views of the module
     weights; :class:`~tensorpar.decode.int8.Int8Weight` ``[out, in]`` when quantized; oneDNN-packed when the
     decoder prepacks) with their biases (``None`` when absent), ``f`` = ``f_local``, the activation ``act``
-    (``silu``: it is ``F.silu``, run in place); ``qk_norm`` ``(q [T, q_local, d], k [T, kv_local, d]) -> (q, k)``
+    (``silu``: it is ``F.silu``, run in place); ``moe``: a mixture-of-experts block (``[1, T, h] -> [1, T, h]``,
+    its all-reduce inside) called as it is instead of the matmuls, else ``None``; ``qk_norm`` ``(q [T, q_local, d], k [T, kv_local, d]) -> (q, k)``
     or ``None``; attention's ``scaling``, ``sdpa`` (the kernel: ``F.scaled_dot_product_attention``, or
     :func:`softcap_sdpa`'s), ``window`` (sliding window or ``None``), ``rope`` (the key of its rotary table),
     ``gqa`` (query heads share KV heads in equal groups), ``kv_runs`` / ``kv_idx`` (unequal groups:
-    :func:`~tensorpar.decode.kernels.kv_runs`); ``packs``: ``(field, owner, key, params)`` of each matmul weight
-    the decoder may prepack."""
+    :func:`~tensorpar.decode.kernels.kv_runs`); ``packs``: ``(field, owner, key, weight, params)`` of each
+    matmul weight the decoder may prepack (``params()``: the parameters it is fused from, read only when packing:
+    a quantized model's freed fp weights are never touched)."""
     __slots__ = ("ln1", "post_attn", "wqkv", "bqkv", "wo", "bo", "ln2", "post_ff", "gated", "wgu", "bgu", "f", "wd",
                  "bd", "act", "silu", "qk_norm", "kv_idx", "kv_runs", "gqa", "scaling", "sdpa", "window", "rope",
-                 "packs")
+                 "packs", "moe")
 
 
 def gemma_norm_fn(mod):
@@ -104,7 +106,10 @@ def _qk_norm(a, tp: Group):
             ss = all_reduce_sum(torch.cat([qn.local_sum_of_squares(qf), kn.local_sum_of_squares(kf)], -1), tp)
             return qn.normalize(qf, ss[:, :1]).view_as(q), kn.normalize(kf, ss[:, 1:]).view_as(k)
         return full
-    qn, kn = norm_fn(a.q_norm), norm_fn(a.k_norm)   # per head (OLMoE's spanning norm: its module, all-reduce and all)
+    if isinstance(a.q_norm, TPRMSNorm):       # OLMoE's norm over all heads: its module, all-reduce and all
+        qn, kn = a.q_norm, a.k_norm
+    else:                                     # per head (Qwen3, Gemma 3)
+        qn, kn = norm_fn(a.q_norm), norm_fn(a.k_norm)
     return lambda q, k: (qn(q), kn(k))
 
 
@@ -122,19 +127,37 @@ def _norms(layer):
 
 
 def _projections(mod, fused: str | None, names: tuple[str, ...]):
-    """``(weight [out, in] or Int8Weight, bias, pack params)`` of a module's fused projection: the checkpoint's
+    """``(weight [out, in] or Int8Weight, bias, () -> pack params)`` of a module's fused projection: the checkpoint's
     own (``fused``, e.g. Phi-3's ``qkv_proj``) or the one :func:`~tensorpar.decode.prepare.fuse_projections` made."""
     if fused:
         lin = getattr(mod, fused)
-        return lean_weight(lin), lin.bias, (lin.weight,)
+        return lean_weight(lin), lin.bias, lambda: (lin.weight,)
     w, b = fused_weight(mod, names)
-    return w, b, tuple(getattr(mod, n).weight for n in names)
+    return w, b, lambda: tuple(getattr(mod, n).weight for n in names)
+
+
+def _mlp(L: Layer, m, int8: bool, probe_w: torch.Tensor) -> None:
+    """Fill ``L``'s MLP fields from the dense MLP ``m`` (gated, or up -> act -> down)."""
+    if L.gated:
+        wgu, L.bgu, pg = _projections(m, m.fused, ("gate_proj", "up_proj"))
+        down = m.down_proj
+    else:                                       # TPMLP: up -> act -> down
+        up, down = getattr(m, m.up), getattr(m, m.down)
+        wgu, L.bgu, pg = lean_weight(up), up.bias, lambda: (up.weight,)
+    wd = lean_weight(down)
+    # int8: Int8Weights [out, in] as they are; else [in, out] views (torch.mm(x, w.t()) is F.linear's own call)
+    L.wgu, L.wd = (wgu, wd) if int8 else (wgu.t(), wd.t())
+    L.packs += [("wgu", m, "gu", wgu, pg), ("wd", m, "down", wd, tuple)]
+    L.bd = down.bias
+    L.f = wd.shape[1]
+    L.act = m.act_fn
+    L.silu = is_silu(m.act_fn, probe_w)
 
 
 def build_layer(layer, tp: Group, *, int8: bool, probe_w: torch.Tensor, rope=None) -> Layer:
     """The :class:`Layer` of sharded decoder layer ``layer`` (``self_attn`` a
-    :class:`~tensorpar.hf.modules.TPAttention`, ``mlp`` a :class:`~tensorpar.hf.modules.TPGatedMLP` or
-    :class:`~tensorpar.hf.modules.TPMLP`; the projections fused by
+    :class:`~tensorpar.hf.modules.TPAttention`, ``mlp`` a :class:`~tensorpar.hf.modules.TPGatedMLP`,
+    :class:`~tensorpar.hf.modules.TPMLP` or a mixture-of-experts block; the projections fused by
     :func:`~tensorpar.decode.prepare.fuse_projections`). ``int8``: the model was quantized (its weights are
     :class:`~tensorpar.decode.int8.Int8Weight`); ``probe_w``: a weight whose dtype and device the activation
     probe uses; ``rope``: the key of the layer's rotary table."""
@@ -142,25 +165,16 @@ def build_layer(layer, tp: Group, *, int8: bool, probe_w: torch.Tensor, rope=Non
     L = Layer()
     L.ln1, L.post_attn, L.ln2, L.post_ff = (norm_fn(n) for n in _norms(layer))
     wqkv, L.bqkv, pq = _projections(a, a.fused, ("q_proj", "k_proj", "v_proj"))
-    L.gated = isinstance(m, TPGatedMLP)
-    if L.gated:
-        wgu, L.bgu, pg = _projections(m, m.fused, ("gate_proj", "up_proj"))
-        down = m.down_proj
-    else:                                       # TPMLP: up -> act -> down
-        up, down = getattr(m, m.up), getattr(m, m.down)
-        wgu, L.bgu, pg = lean_weight(up), up.bias, (up.weight,)
     o = getattr(a, a.o_name)
-    wo, wd = lean_weight(o), lean_weight(down)
-    if int8:        # Int8Weights [out, in] (the fp weights were freed): int8_linear reads them as they are
-        L.wqkv, L.wo, L.wgu, L.wd = wqkv, wo, wgu, wd
-    else:           # [in, out] views of the [out, in] weights: torch.mm(x, w.t()) is F.linear's own call
-        L.wqkv, L.wo, L.wgu, L.wd = wqkv.t(), wo.t(), wgu.t(), wd.t()
-    L.packs = [("wqkv", a, "qkv", wqkv, pq), ("wo", a, "o", wo, ()), ("wgu", m, "gu", wgu, pg),
-               ("wd", m, "down", wd, ())]
-    L.bo, L.bd = o.bias, down.bias
-    L.f = wd.shape[1]
-    L.act = m.act_fn
-    L.silu = is_silu(m.act_fn, probe_w)
+    wo = lean_weight(o)
+    # int8: Int8Weights [out, in] as they are; else [in, out] views (torch.mm(x, w.t()) is F.linear's own call)
+    L.wqkv, L.wo = (wqkv, wo) if int8 else (wqkv.t(), wo.t())
+    L.bo = o.bias
+    L.packs = [("wqkv", a, "qkv", wqkv, pq), ("wo", a, "o", wo, tuple)]
+    L.gated = isinstance(m, TPGatedMLP)
+    L.moe = None if isinstance(m, (TPGatedMLP, TPMLP)) else m      # routed per token by the block itself
+    if L.moe is None:
+        _mlp(L, m, int8, probe_w)
     L.qk_norm = _qk_norm(a, tp)
     L.gqa = a._group is not None and a._group > 1
     idx = a.layout.kv_index(tp.rank)

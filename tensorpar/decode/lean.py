@@ -145,7 +145,7 @@ class LeanDecoder:
         _, owner, key, w, params = self.layers[0].packs[0]
         probe = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
         with torch.no_grad():
-            got = packed_linear(probe, pack(owner, key, w, params), None)
+            got = packed_linear(probe, pack(owner, key, w, params()), None)
             want = F.linear(probe, w)
         same = (torch.equal(got, want) if w.dtype != torch.float32
                 else torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())))
@@ -154,7 +154,7 @@ class LeanDecoder:
             return
         for L in self.layers:
             for field, owner, key, w, params in L.packs:
-                setattr(L, field, pack(owner, key, w, params))
+                setattr(L, field, pack(owner, key, w, params()))
         self.lm_w = pack(model.lm_head, "w", self.lm_w)
         self.lin = self.linear = packed_linear
 
@@ -232,6 +232,10 @@ class LeanDecoder:
             if L.post_attn is not None:
                 o = L.post_attn(o)
             x.add_(o)
+            if L.moe is not None:        # a mixture-of-experts block: routed, combined and all-reduced by itself
+                o = L.moe((x if L.ln2 is None else L.ln2(x)).view(1, T, h)).view(T, h)
+                x.add_(o if L.post_ff is None else L.post_ff(o))
+                continue
             gu = lin(x if L.ln2 is None else L.ln2(x), L.wgu, L.bgu)                   # [T, 2 f] (gated) or [T, f]
             if L.gated:
                 g_, u = gu[:, :L.f], gu[:, L.f:]

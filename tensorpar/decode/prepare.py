@@ -5,7 +5,7 @@ projections (:func:`fuse_projections`). Shared by :mod:`tensorpar.decode.lean` a
 from __future__ import annotations
 
 from tensorpar.hf.families import why_not
-from tensorpar.hf.modules import TPAttention, TPGatedMLP, TPMLP
+from tensorpar.hf.modules import TPAttention, TPExperts, TPGatedMLP, TPMLP, TPSharedExpertMoE
 from tensorpar.layers.fused import fuse_linears, fused_weight
 
 
@@ -22,11 +22,12 @@ def lean_unsupported(model) -> str | None:
         return "sequence parallelism"
     for layer in base.layers:
         a, m = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if not isinstance(a, TPAttention) or type(m) not in (TPGatedMLP, TPMLP):
-            return f"layer {getattr(a, 'layer_idx', '?')} is not TPAttention + TPGatedMLP / TPMLP"
+        moe = type(m) is TPSharedExpertMoE or isinstance(getattr(m, "experts", None), TPExperts)
+        if not isinstance(a, TPAttention) or not (type(m) in (TPGatedMLP, TPMLP) or moe):
+            return f"layer {getattr(a, 'layer_idx', '?')} is not TPAttention + TPGatedMLP / TPMLP / tp experts"
         if not (hasattr(layer, "input_layernorm") or hasattr(layer, "post_feedforward_layernorm")):
             return f"layer {a.layer_idx} has neither input_layernorm nor post_feedforward_layernorm"
-        for mod in (a.output_dropout, m.output_dropout):
+        for mod in (a.output_dropout, getattr(m, "output_dropout", None)):
             if mod is not None and mod.training and getattr(mod, "p", 1.0) > 0:
                 return "output dropout in training mode"
         if a._rope is None:

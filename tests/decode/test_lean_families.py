@@ -1,9 +1,9 @@
 """The lean decode path for every family whose record sets ``fast_decode``: greedy tokens equal transformers'
 ``generate`` and the lean prefill logits equal the module path's (tensorpar/decode/block.py's per-family
 features: q/k norms, (1 + w) norms, sandwich and post norms, soft-capping, sliding windows, local/global rotary,
-checkpoint-fused projections, plain biased MLPs, LayerNorm).
+checkpoint-fused projections, plain biased MLPs, LayerNorm, mixture-of-experts blocks called as they are).
 
-The small random models are those of the family parity tests (tests/families.py, tests/families_fam.py), with
+The small random models are those of the family parity tests (tests/families.py, tests/families_fam.py, tests/families_moe.py), with
 a prompt (7 tokens) plus 10 new tokens longer than their sliding windows (4 and 5), and left padding.
 """
 import pytest
@@ -16,12 +16,14 @@ from tests.decode.test_generate import hf_reference, prompts
 
 #: every family test config whose record sets fast_decode; gemma2: eager attention (soft-capping)
 FAST = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "starcoder2", "olmo2",
-        "olmo2:kv1"]
+        "olmo2:kv1", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
 N_NEW = 10
 
 
 def family_config(name):
-    from tests import families, families_fam
+    from tests import families, families_fam, families_moe
+    if name in families_moe.FAMILIES:
+        return families_moe.config(name)
     return (families.config if name in families.FAMILIES else families_fam.config)(name)
 
 
