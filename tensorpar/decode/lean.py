@@ -35,10 +35,11 @@ the q and k heads in one go, ``rotate_half(q)*sin`` computed exactly as ``q[...,
 ``scaled_dot_product_attention`` with the layer's scaling; only the order of operations inside a matmul may
 differ, so greedy tokens equal transformers' (tests/decode/test_lean.py, tests/decode/test_generate.py, tests/decode/test_smollm2.py).
 
-Families: those whose blocks are ``x + attn(norm(x))``, ``x + gated_mlp(norm(x))`` with RMSNorm and a rotary
-:class:`~tensorpar.hf.modules.TPAttention` (the families whose record sets ``fast_decode``,
-:func:`tensorpar.hf.families.why_not`), without sliding windows,
-q/k norms, soft-capping or sequence parallelism. Others run the module path (:func:`lean_unsupported` says why).
+Families: every family whose record sets ``fast_decode`` (:func:`tensorpar.hf.families.why_not`): the per-layer
+features (norm placements, q/k norms, soft-capping, sliding windows, partial and per-layer-type rotary, fused
+checkpoint projections, plain MLPs, mixture-of-experts blocks called as they are) are read from the sharded modules
+by :func:`~tensorpar.decode.block.build_layer` (docs/decode.md). Others, and sequence-parallel models, run the
+module path (:func:`lean_unsupported` says why).
 """
 from __future__ import annotations
 
