@@ -108,3 +108,25 @@ def test_lean_greedy_equals_transformers_every_family(pools, folders, references
     the per-run attention, the OLMo 2 sum of squares counted once per KV head); module path tokens too."""
     ids, mask = prompts(37)
     check(run_tp(pools, tp, job_families, folders, FAST, ids, mask), references, tp)
+
+
+def test_gemma_norm_fast_path_is_the_module_bitwise():
+    """Gemma's (1 + w) RMSNorm (input, sandwich and Gemma 3's per-head q/k norms) takes the lean path's shorter
+    formula, bit for bit the module's in fp32 and bf16, one row (decode) and several."""
+    from transformers import AutoModelForCausalLM
+
+    from tensorpar.decode.block import norm_fn
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config("gemma3_text"))
+    layer = model.model.layers[0]
+    for dtype in (torch.float32, torch.bfloat16):
+        for norm in (layer.input_layernorm, layer.post_feedforward_layernorm, layer.self_attn.q_norm):
+            norm = norm.to(dtype)
+            with torch.no_grad():
+                norm.weight.normal_(0, 0.5)
+            fast = norm_fn(norm)
+            assert fast is not norm, f"{dtype}: the fast Gemma norm was not taken"
+            for rows in (1, 5):
+                x = (torch.randn(rows, norm.weight.shape[0]) * 7).to(dtype)
+                with torch.no_grad():
+                    assert torch.equal(fast(x), norm(x)), f"{dtype} rows={rows}"
