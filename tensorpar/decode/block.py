@@ -22,7 +22,7 @@ from tensorpar.comm import Group
 from tensorpar.decode.int8 import lean_weight
 from tensorpar.decode.kernels import is_silu, kv_runs, rms_norm_fn
 from tensorpar.hf.families import sliding_window
-from tensorpar.hf.modules import TPGatedMLP, TPMLP
+from tensorpar.hf.modules import TPGatedMLP, TPGPTNeoXAttention, TPMLP
 from tensorpar.hf.modules.attention import TPOlmo2Attention
 from tensorpar.hf.modules.norms import TPRMSNorm, all_reduce_sum
 from tensorpar.layers.fused import fused_weight
@@ -35,7 +35,8 @@ class Layer:
     ``[h, f_local]`` (``gated`` False: up only), ``wd`` ``[f_local, h]`` (``[in, out]`` views of the module
     weights; :class:`~tensorpar.decode.int8.Int8Weight` ``[out, in]`` when quantized; oneDNN-packed when the
     decoder prepacks) with their biases (``None`` when absent), ``f`` = ``f_local``, the activation ``act``
-    (``silu``: it is ``F.silu``, run in place); ``moe``: a mixture-of-experts block (``[1, T, h] -> [1, T, h]``,
+    (``silu``: it is ``F.silu``, run in place); ``interleaved``: the q/k/v rows are per head (GPT-NeoX's
+    ``query_key_value``); ``parallel``: the residual is ``x + attn(ln1(x)) + mlp(ln2(x))`` (GPT-NeoX); ``moe``: a mixture-of-experts block (``[1, T, h] -> [1, T, h]``,
     its all-reduce inside) called as it is instead of the matmuls, else ``None``; ``qk_norm`` ``(q [T, q_local, d], k [T, kv_local, d]) -> (q, k)``
     or ``None``; attention's ``scaling``, ``sdpa`` (the kernel: ``F.scaled_dot_product_attention``, or
     :func:`softcap_sdpa`'s), ``window`` (sliding window or ``None``), ``rope`` (the key of its rotary table),
@@ -45,7 +46,7 @@ class Layer:
     a quantized model's freed fp weights are never touched)."""
     __slots__ = ("ln1", "post_attn", "wqkv", "bqkv", "wo", "bo", "ln2", "post_ff", "gated", "wgu", "bgu", "f", "wd",
                  "bd", "act", "silu", "qk_norm", "kv_idx", "kv_runs", "gqa", "scaling", "sdpa", "window", "rope",
-                 "packs", "moe")
+                 "packs", "moe", "interleaved", "parallel")
 
 
 def gemma_norm_fn(mod):
@@ -156,16 +157,20 @@ def _mlp(L: Layer, m, int8: bool, probe_w: torch.Tensor) -> None:
 
 def build_layer(layer, tp: Group, *, int8: bool, probe_w: torch.Tensor, rope=None) -> Layer:
     """The :class:`Layer` of sharded decoder layer ``layer`` (``self_attn`` a
-    :class:`~tensorpar.hf.modules.TPAttention`, ``mlp`` a :class:`~tensorpar.hf.modules.TPGatedMLP`,
+    :class:`~tensorpar.hf.modules.TPAttention`, or ``attention`` a :class:`~tensorpar.hf.modules.TPGPTNeoXAttention`;
+    ``mlp`` a :class:`~tensorpar.hf.modules.TPGatedMLP`,
     :class:`~tensorpar.hf.modules.TPMLP` or a mixture-of-experts block; the projections fused by
     :func:`~tensorpar.decode.prepare.fuse_projections`). ``int8``: the model was quantized (its weights are
     :class:`~tensorpar.decode.int8.Int8Weight`); ``probe_w``: a weight whose dtype and device the activation
     probe uses; ``rope``: the key of the layer's rotary table."""
-    a, m = layer.self_attn, layer.mlp
+    neox = isinstance(getattr(layer, "attention", None), TPGPTNeoXAttention)
+    a, m = (layer.attention if neox else layer.self_attn), layer.mlp
     L = Layer()
     L.ln1, L.post_attn, L.ln2, L.post_ff = (norm_fn(n) for n in _norms(layer))
-    wqkv, L.bqkv, pq = _projections(a, a.fused, ("q_proj", "k_proj", "v_proj"))
-    o = getattr(a, a.o_name)
+    wqkv, L.bqkv, pq = _projections(a, "query_key_value" if neox else a.fused, ("q_proj", "k_proj", "v_proj"))
+    L.interleaved = neox                        # rows [h0: q, k, v | h1: q, k, v | ...]
+    L.parallel = neox and bool(getattr(a.config, "use_parallel_residual", False))
+    o = getattr(a, "dense" if neox else a.o_name)
     wo = lean_weight(o)
     # int8: Int8Weights [out, in] as they are; else [in, out] views (torch.mm(x, w.t()) is F.linear's own call)
     L.wqkv, L.wo = (wqkv, wo) if int8 else (wqkv.t(), wo.t())
@@ -175,7 +180,7 @@ def build_layer(layer, tp: Group, *, int8: bool, probe_w: torch.Tensor, rope=Non
     L.moe = None if isinstance(m, (TPGatedMLP, TPMLP)) else m      # routed per token by the block itself
     if L.moe is None:
         _mlp(L, m, int8, probe_w)
-    L.qk_norm = _qk_norm(a, tp)
+    L.qk_norm = None if neox else _qk_norm(a, tp)
     L.gqa = a._group is not None and a._group > 1
     idx = a.layout.kv_index(tp.rank)
     # query heads whose KV heads are not in equal groups (heads split unevenly): attention per KV head on
@@ -183,7 +188,8 @@ def build_layer(layer, tp: Group, *, int8: bool, probe_w: torch.Tensor, rope=Non
     L.kv_runs = None if a._group is not None else kv_runs(idx)
     L.kv_idx = None if a._group is not None else torch.tensor(idx, device=probe_w.device)
     L.scaling = a.scaling
-    L.sdpa = F.scaled_dot_product_attention if a.softcap is None else softcap_sdpa(float(a.softcap))
+    cap = getattr(a, "softcap", None)
+    L.sdpa = F.scaled_dot_product_attention if cap is None else softcap_sdpa(float(cap))
     L.window = layer_window(a.config, a.layer_idx)
     L.rope = rope
     return L

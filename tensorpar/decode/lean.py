@@ -37,7 +37,8 @@ differ, so greedy tokens equal transformers' (tests/decode/test_lean.py, tests/d
 
 Families: every family whose record sets ``fast_decode`` (:func:`tensorpar.hf.families.why_not`): the per-layer
 features (norm placements, q/k norms, soft-capping, sliding windows, partial and per-layer-type rotary, fused
-checkpoint projections, plain MLPs, mixture-of-experts blocks called as they are) are read from the sharded modules
+checkpoint projections, plain MLPs, GPT-NeoX's per-head q/k/v rows and parallel residual, mixture-of-experts
+blocks called as they are) are read from the sharded modules
 by :func:`~tensorpar.decode.block.build_layer` (docs/decode.md). Others, and sequence-parallel models, run the
 module path (:func:`lean_unsupported` says why).
 """
@@ -55,7 +56,7 @@ from tensorpar.decode.block import Layer, build_layer, norm_fn, rotate, windowed
 from tensorpar.decode.int8 import int8_linear, int8_weights, lean_weight
 from tensorpar.decode.kernels import can_pack, mm, pack, packed_linear
 from tensorpar.decode.kv_cache import LeanKVCache, Segment, offsets
-from tensorpar.decode.prepare import fuse_projections, lean_unsupported
+from tensorpar.decode.prepare import decoder_parts, fuse_projections, lean_unsupported
 from tensorpar.decode.rope import rope_switch_length, row_rotary
 from tensorpar.layers.fused import fused_weight
 
@@ -87,31 +88,31 @@ class LeanDecoder:
         if why is not None:
             raise ValueError(f"the lean decode path cannot run this model: {why}")
         q8 = int8_weights(model)        # tensorpar.decode.quantize.quantize_int8 ran: its fp weights were freed
-        if q8 is not None and q8["dtype"] != model.model.norm.weight.dtype:
-            raise ValueError(f"the model was quantized in {q8['dtype']} and is now {model.model.norm.weight.dtype}; "
+        embed, layers, norm, rotary = decoder_parts(model)
+        if q8 is not None and q8["dtype"] != norm.weight.dtype:
+            raise ValueError(f"the model was quantized in {q8['dtype']} and is now {norm.weight.dtype}; "
                              f"quantize after the .to(dtype)")
         int8 = q8 is not None
         fuse_projections(model)
-        base = model.model
         self.model, self.tp = model, tp
-        self.embed = base.embed_tokens
-        self.rope_switch = rope_switch_length(base.rotary_emb)
-        self.norm = norm_fn(base.norm)
+        self.embed = embed
+        self.rope_switch = rope_switch_length(rotary)
+        self.norm = norm_fn(norm)
         self.lm_w, self.lm_b = lean_weight(model.lm_head), getattr(model.lm_head, "bias", None)
         #: Gemma 2/3's final logit soft-capping (element-wise, so exact on the vocab-sharded logits)
         self.final_cap = getattr(model.config, "final_logit_softcapping", None)
         self.max_batch, self.max_len = max_batch, max_len
-        a0 = base.layers[0].self_attn
+        a0 = getattr(layers[0], "self_attn", None) or layers[0].attention
         w0 = self.lm_w
         dev = w0.device
         # the rotary tables: one, or one per layer type where the module takes it (Gemma 3's local and global)
         types = getattr(model.config, "layer_types", None)
-        per_type = types is not None and "layer_type" in inspect.signature(base.rotary_emb.forward).parameters
-        self.rotary = ({t: functools.partial(base.rotary_emb, layer_type=t) for t in set(types)} if per_type
-                       else {None: base.rotary_emb})
+        per_type = types is not None and "layer_type" in inspect.signature(rotary.forward).parameters
+        self.rotary = ({t: functools.partial(rotary, layer_type=t) for t in set(types)} if per_type
+                       else {None: rotary})
         self.layers: list[Layer] = [build_layer(layer, tp, int8=int8, probe_w=w0,
                                                 rope=types[i] if per_type else None)
-                                    for i, layer in enumerate(base.layers)]
+                                    for i, layer in enumerate(layers)]
         n_q, n_kv, d = a0.layout.local_heads(tp.rank), a0.layout.local_kv_heads(tp.rank), a0.head_dim
         self.n_q, self.n_kv, self.head_dim = n_q, n_kv, d
         self.windows = sorted({L.window for L in self.layers if L.window is not None})
@@ -219,6 +220,8 @@ class LeanDecoder:
         x = x.reshape(T, h).clone()                                                    # the residual stream, in place
         for i, L in enumerate(self.layers):
             qkv = lin(x if L.ln1 is None else L.ln1(x), L.wqkv, L.bqkv).view(T, nq + 2 * nkv, d)   # [T, heads, d]
+            if L.interleaved:           # [T, (head, q/k/v), d] -> [T, (q/k/v, head), d]
+                qkv = qkv.view(T, nq, 3, d).transpose(1, 2).reshape(T, 3 * nq, d)
             if L.qk_norm is None:
                 qk = qkv[:, :nq + nkv]
             else:
@@ -232,12 +235,16 @@ class LeanDecoder:
                 o = o + L.bo
             if L.post_attn is not None:
                 o = L.post_attn(o)
-            x.add_(o)
+            if L.parallel:              # GPT-NeoX: the MLP reads the layer's input, x + attn + mlp
+                h2, x_attn = L.ln2(x), o
+            else:
+                x.add_(o)
+                h2 = x if L.ln2 is None else L.ln2(x)
             if L.moe is not None:        # a mixture-of-experts block: routed, combined and all-reduced by itself
-                o = L.moe((x if L.ln2 is None else L.ln2(x)).view(1, T, h)).view(T, h)
+                o = L.moe(h2.view(1, T, h)).view(T, h)
                 x.add_(o if L.post_ff is None else L.post_ff(o))
                 continue
-            gu = lin(x if L.ln2 is None else L.ln2(x), L.wgu, L.bgu)                   # [T, 2 f] (gated) or [T, f]
+            gu = lin(h2, L.wgu, L.bgu)                                                  # [T, 2 f] (gated) or [T, f]
             if L.gated:
                 g_, u = gu[:, :L.f], gu[:, L.f:]
                 a = (F.silu(g_, inplace=True) if L.silu else L.act(g_)).mul_(u)
@@ -248,6 +255,8 @@ class LeanDecoder:
                 o = o + L.bd
             if L.post_ff is not None:
                 o = L.post_ff(o)
+            if L.parallel:
+                o = o + x_attn          # transformers' order: mlp + attn + x
             x.add_(o)
         if len(segments) == 1:
             g = segments[0]

@@ -5,7 +5,8 @@ projections (:func:`fuse_projections`). Shared by :mod:`tensorpar.decode.lean` a
 from __future__ import annotations
 
 from tensorpar.hf.families import why_not
-from tensorpar.hf.modules import TPAttention, TPExperts, TPGatedMLP, TPMLP, TPSharedExpertMoE
+from tensorpar.hf.modules import (TPAttention, TPExperts, TPGatedMLP, TPGPTNeoXAttention, TPMLP,
+                                  TPSharedExpertMoE)
 from tensorpar.layers.fused import fuse_linears, fused_weight
 
 
@@ -15,12 +16,17 @@ def lean_unsupported(model) -> str | None:
     why = why_not("fast_decode", model.config)   # the family's record and the config's window: the parent's rule
     if why is not None:
         return why
-    base = getattr(model, "model", None)
-    if base is None or not all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
-        return "not a decoder with model.embed_tokens / layers / norm / rotary_emb"
+    parts = decoder_parts(model)
+    if parts is None:
+        return ("not a decoder with model.embed_tokens / layers / norm / rotary_emb (or gpt_neox.embed_in / layers / "
+                "final_layer_norm / rotary_emb)")
     if getattr(model.tensorpar_plan, "sequence_parallel", False):
         return "sequence parallelism"
-    for layer in base.layers:
+    for layer in parts[1]:
+        if isinstance(getattr(layer, "attention", None), TPGPTNeoXAttention):
+            if type(layer.mlp) is not TPMLP:
+                return f"layer {layer.attention.layer_idx}'s MLP is not a TPMLP"
+            continue
         a, m = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         moe = type(m) is TPSharedExpertMoE or isinstance(getattr(m, "experts", None), TPExperts)
         if not isinstance(a, TPAttention) or not (type(m) in (TPGatedMLP, TPMLP) or moe):
@@ -34,6 +40,17 @@ def lean_unsupported(model) -> str | None:
             return "no apply_rotary_pos_emb in the family module"
         if a.sinks is not None:
             return "attention sinks"
+    return None
+
+
+def decoder_parts(model):
+    """``(embed, layers, final_norm, rotary_emb)`` of a ``*ForCausalLM`` laid out as Llama's ``model.*`` or
+    GPT-NeoX's ``gpt_neox.*`` (``embed_in``, ``final_layer_norm``), or ``None`` for another layout."""
+    for base, names in (("model", ("embed_tokens", "layers", "norm", "rotary_emb")),
+                        ("gpt_neox", ("embed_in", "layers", "final_layer_norm", "rotary_emb"))):
+        b = getattr(model, base, None)
+        if b is not None and all(hasattr(b, n) for n in names):
+            return tuple(getattr(b, n) for n in names)
     return None
 
 

@@ -1,7 +1,7 @@
 """The lean decode path for every family whose record sets ``fast_decode``: greedy tokens equal transformers'
 ``generate`` and the lean prefill logits equal the module path's (tensorpar/decode/block.py's per-family
 features: q/k norms, (1 + w) norms, sandwich and post norms, soft-capping, sliding windows, local/global rotary,
-checkpoint-fused projections, plain biased MLPs, LayerNorm, mixture-of-experts blocks called as they are).
+checkpoint-fused projections, plain biased MLPs, LayerNorm, GPT-NeoX's per-head q/k/v rows, partial rotary and parallel residual, mixture-of-experts blocks called as they are).
 
 The small random models are those of the family parity tests (tests/families.py, tests/families_fam.py, tests/families_moe.py), with
 a prompt (7 tokens) plus 10 new tokens longer than their sliding windows (4 and 5), and left padding.
@@ -16,7 +16,7 @@ from tests.decode.test_generate import hf_reference, prompts
 
 #: every family test config whose record sets fast_decode; gemma2: eager attention (soft-capping)
 FAST = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "starcoder2", "olmo2",
-        "olmo2:kv1", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+        "olmo2:kv1", "gpt_neox", "gpt_neox:seq", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
 N_NEW = 10
 
 
@@ -102,6 +102,7 @@ def test_lean_greedy_equals_transformers_every_family_tp2(pools, folders, refere
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)        # every family, 3-4 ranks: minutes on a loaded 2-core machine
 @pytest.mark.parametrize("tp", [1, 3, 4])
 def test_lean_greedy_equals_transformers_every_family(pools, folders, references, tp):
     """tp=1 (this process) and tp=3, 4, which split the test configs' heads unevenly (KV heads straddling ranks:
