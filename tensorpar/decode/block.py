@@ -36,9 +36,9 @@ class Layer:
     weights; :class:`~tensorpar.decode.int8.Int8Weight` ``[out, in]`` when quantized; oneDNN-packed when the
     decoder prepacks) with their biases (``None`` when absent), ``f`` = ``f_local``, the activation ``act``
     (``silu``: it is ``F.silu``, run in place); ``interleaved``: the q/k/v rows are per head (GPT-NeoX's
-    ``query_key_value``); ``parallel``: the residual is ``x + attn(ln1(x)) + mlp(ln2(x))`` (GPT-NeoX); ``moe``: a mixture-of-experts block (``[1, T, h] -> [1, T, h]``,
-    its all-reduce inside) called as it is instead of the matmuls, else ``None``; ``qk_norm`` ``(q [T, q_local, d], k [T, kv_local, d]) -> (q, k)``
-    or ``None``; attention's ``scaling``, ``sdpa`` (the kernel: ``F.scaled_dot_product_attention``, or
+    ``query_key_value``); ``parallel``: the residual is ``x + attn(ln1(x)) + mlp(ln2(x))`` (GPT-NeoX); ``moe``: a
+    mixture-of-experts block (``[1, T, h] -> [1, T, h]``, its all-reduce inside) called as it is instead of the
+    matmuls, else ``None``; ``qk_norm`` ``(q [T, q_local, d], k [T, kv_local, d]) -> (q, k)`` or ``None``; attention's ``scaling``, ``sdpa`` (the kernel: ``F.scaled_dot_product_attention``, or
     :func:`softcap_sdpa`'s), ``window`` (sliding window or ``None``), ``rope`` (the key of its rotary table),
     ``gqa`` (query heads share KV heads in equal groups), ``kv_runs`` / ``kv_idx`` (unequal groups:
     :func:`~tensorpar.decode.kernels.kv_runs`); ``packs``: ``(field, owner, key, weight, params)`` of each

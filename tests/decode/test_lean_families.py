@@ -1,10 +1,12 @@
 """The lean decode path for every family whose record sets ``fast_decode``: greedy tokens equal transformers'
-``generate`` and the lean prefill logits equal the module path's (tensorpar/decode/block.py's per-family
-features: q/k norms, (1 + w) norms, sandwich and post norms, soft-capping, sliding windows, local/global rotary,
-checkpoint-fused projections, plain biased MLPs, LayerNorm, GPT-NeoX's per-head q/k/v rows, partial rotary and parallel residual, mixture-of-experts blocks called as they are).
+``generate`` and the lean prefill logits equal the module path's (tensorpar/decode/block.py's per-family features:
+q/k norms, (1 + w) norms, sandwich and post norms, soft-capping, sliding windows, local/global rotary, checkpoint-
+fused projections, plain biased MLPs, LayerNorm, GPT-NeoX's per-head q/k/v rows, partial rotary and parallel
+residual, mixture-of-experts blocks called as they are).
 
-The small random models are those of the family parity tests (tests/families.py, tests/families_fam.py, tests/families_moe.py), with
-a prompt (7 tokens) plus 10 new tokens longer than their sliding windows (4 and 5), and left padding.
+The small random models are those of the family parity tests (tests/families.py, tests/families_fam.py,
+tests/families_moe.py), with a prompt (7 tokens) plus 10 new tokens longer than their sliding windows (4 and 5), and
+left padding.
 """
 import pytest
 import torch
