@@ -91,7 +91,7 @@ class LeanKVCache:
         (``scaling``, ``gqa``, ``kv_runs``, ``kv_idx``). Returns ``[T, q_local * d]`` in the cache's dtype.
         """
         d, nkv = self.head_dim, self.n_kv
-        sdpa = F.scaled_dot_product_attention
+        sdpa = L.sdpa       # the layer's kernel (tensorpar.decode.block: F.scaled_dot_product_attention or soft-capped)
         # Decode (one query per row) in bf16/fp16 on the CPU: attention on fp32 copies of q and the cache entries
         # read (into two fp32 buffers allocated once, :meth:`_fp32`), output rounded back. torch's CPU flash
         # attention in bf16 is about 5x slower than this at the serving decode shape (32 rows of SmolLM2's tp=2

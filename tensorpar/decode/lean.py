@@ -36,24 +36,29 @@ the q and k heads in one go, ``rotate_half(q)*sin`` computed exactly as ``q[...,
 ``scaled_dot_product_attention`` with the layer's scaling; only the order of operations inside a matmul may
 differ, so greedy tokens equal transformers' (tests/decode/test_lean.py, tests/decode/test_generate.py, tests/decode/test_smollm2.py).
 
-Families: those whose blocks are ``x + attn(norm(x))``, ``x + gated_mlp(norm(x))`` with RMSNorm and a rotary
-:class:`~tensorpar.hf.modules.TPAttention` (the families whose record sets ``fast_decode``,
-:func:`tensorpar.hf.families.why_not`), without sliding windows,
-q/k norms, soft-capping or sequence parallelism. Others run the module path (:func:`lean_unsupported` says why).
+Families: every family whose record sets ``fast_decode`` (:func:`tensorpar.hf.families.why_not`): the per-layer
+features (norm placements, q/k norms, soft-capping, sliding windows, partial and per-layer-type rotary, fused
+checkpoint projections, plain MLPs, GPT-NeoX's per-head q/k/v rows and parallel residual, mixture-of-experts
+blocks called as they are) are read from the sharded modules
+by :func:`~tensorpar.decode.block.build_layer` (docs/decode.md). Others, and sequence-parallel models, run the
+module path (:func:`lean_unsupported` says why).
 """
 from __future__ import annotations
+
+import functools
+import inspect
 
 import torch
 import torch.nn.functional as F
 
 from tensorpar import comm
 from tensorpar.comm import Group
-from tensorpar.decode.block import Layer, build_layer
+from tensorpar.decode.block import Layer, build_layer, norm_fn, rotate, windowed
 from tensorpar.decode.int8 import int8_linear, int8_weights, lean_weight
-from tensorpar.decode.kernels import can_pack, mm, pack, packed_linear, rms_norm_fn
-from tensorpar.decode.packed import pack_weights, unpack_weights
+from tensorpar.decode.kernels import can_pack, mm, pack, packed_linear
+from tensorpar.decode.packed import pack_plan, pack_weights, unpack_weights
 from tensorpar.decode.kv_cache import LeanKVCache, Segment, offsets
-from tensorpar.decode.prepare import fuse_projections, lean_unsupported
+from tensorpar.decode.prepare import decoder_parts, fuse_projections, lean_unsupported
 from tensorpar.decode.rope import rope_switch_length, row_rotary
 from tensorpar.layers.fused import fused_weight
 
@@ -87,31 +92,44 @@ class LeanDecoder:
         if why is not None:
             raise ValueError(f"the lean decode path cannot run this model: {why}")
         q8 = int8_weights(model)        # tensorpar.decode.quantize.quantize_int8 ran: its fp weights were freed
-        if q8 is not None and q8["dtype"] != model.model.norm.weight.dtype:
-            raise ValueError(f"the model was quantized in {q8['dtype']} and is now {model.model.norm.weight.dtype}; "
+        embed, layers, norm, rotary = decoder_parts(model)
+        if q8 is not None and q8["dtype"] != norm.weight.dtype:
+            raise ValueError(f"the model was quantized in {q8['dtype']} and is now {norm.weight.dtype}; "
                              f"quantize after the .to(dtype)")
         int8 = q8 is not None
         unpack_weights(model)           # a previous decoder packed it: plain weights again (this one may repack)
         fuse_projections(model)
-        base = model.model
         self.model, self.tp = model, tp
-        self.embed, self.rotary = base.embed_tokens, base.rotary_emb
-        self.rope_switch = rope_switch_length(base.rotary_emb)
-        self.norm = rms_norm_fn(base.norm)
+        self.embed = embed
+        self.rope_switch = rope_switch_length(rotary)
+        self.norm = norm_fn(norm)
         self.lm_w, self.lm_b = lean_weight(model.lm_head), getattr(model.lm_head, "bias", None)
+        #: Gemma 2/3's final logit soft-capping (element-wise, so exact on the vocab-sharded logits)
+        self.final_cap = getattr(model.config, "final_logit_softcapping", None)
         self.max_batch, self.max_len = max_batch, max_len
-        a0 = base.layers[0].self_attn
-        self.rope = a0._rope
+        a0 = getattr(layers[0], "self_attn", None) or layers[0].attention
         w0 = self.lm_w
         dev = w0.device
-        self.layers: list[Layer] = [build_layer(layer, tp, int8=int8, probe_w=w0) for layer in base.layers]
+        # the rotary tables: one, or one per layer type where the module takes it (Gemma 3's local and global)
+        types = getattr(model.config, "layer_types", None)
+        per_type = types is not None and "layer_type" in inspect.signature(rotary.forward).parameters
+        self.rotary = ({t: functools.partial(rotary, layer_type=t) for t in set(types)} if per_type
+                       else {None: rotary})
+        self.layers: list[Layer] = [build_layer(layer, tp, int8=int8, probe_w=w0,
+                                                rope=types[i] if per_type else None)
+                                    for i, layer in enumerate(layers)]
         n_q, n_kv, d = a0.layout.local_heads(tp.rank), a0.layout.local_kv_heads(tp.rank), a0.head_dim
         self.n_q, self.n_kv, self.head_dim = n_q, n_kv, d
+        self.windows = sorted({L.window for L in self.layers if L.window is not None})
         self.cache = LeanKVCache(len(self.layers), max_batch, n_kv, max_len, d, dtype=w0.dtype, device=dev)
-        # rotate_half(x) * sin == x[..., perm] * sin_sign (the halves swapped, the sign moved onto sin: exact)
-        half = d // 2
-        self.perm = torch.cat([torch.arange(half, d), torch.arange(0, half)]).to(dev)
-        self.sign = torch.cat([-torch.ones(half), torch.ones(d - half)]).to(dev, w0.dtype)
+        # rotate_half(x) * sin == x[..., perm] * sin_sign (the halves swapped, the sign moved onto sin: exact), over
+        # the rotary features of a head (rd: all d, or the first rd with partial rotary)
+        rd = next(iter(self.rotary.values()))(torch.zeros(1, dtype=w0.dtype, device=dev),
+                                             torch.zeros(1, 1, dtype=torch.long, device=dev))[0]
+        rd = rd.shape[-1]
+        half = rd // 2
+        self.perm = torch.cat([torch.arange(half, rd), torch.arange(0, half)]).to(dev)
+        self.sign = torch.cat([-torch.ones(half), torch.ones(rd - half)]).to(dev, w0.dtype)
         # the matmuls: self.lin for the layers (2-D input), self.linear for the LM head
         if int8:        # the int8 weights (lean_weight / fused_weight gave them above), dequantized on the fly
             self.lin = self.linear = int8_linear
@@ -131,30 +149,40 @@ class LeanDecoder:
         only if a probe shows them bitwise equal to ``F.linear`` on this machine (else keep the plain weights).
         fp32: oneDNN's kernels differ from ``torch.mm``'s (MKL) in the order of their sums, a few units in the last
         place (the probe checks 1e-5 relative), and ran 1.4x (one row) to 1.8x (32 rows) faster at the decode
-        shapes of SmolLM2 on an idle machine (bench/results/matmul_pack.md)."""
-        a0 = model.model.layers[0].self_attn
-        w = fused_weight(a0, ("q_proj", "k_proj", "v_proj"))[0]
+        shapes of SmolLM2 on an idle machine (bench/results/matmul_pack.md). Nothing is packed when a weight's
+        module is not a plain column/row-parallel Linear (:func:`~tensorpar.decode.packed.pack_plan`)."""
+        w = self.layers[0].packs[0][3]
         probe = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
-        got = packed_linear(probe, pack(w), None)
-        want = F.linear(probe, w)
+        with torch.no_grad():
+            got = packed_linear(probe, pack(w), None)
+            want = F.linear(probe, w)
         same = (torch.equal(got, want) if w.dtype != torch.float32
                 else torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())))
         if not same:
             self.packed = False
             return
         del w
+        tied = model.lm_head._parameters.get("weight") is self.embed._parameters.get("weight")
+        fields = [(L, field, id(w)) for L in self.layers for field, _, _, w, _ in L.packs]
+        head = None if tied else id(self.lm_w)
+        try:
+            plan = pack_plan(model, {i for *_, i in fields} | ({head} if head is not None else set()))
+        except ValueError:                      # a weight outside a plain parallel Linear: keep them all plain
+            self.packed = False
+            return
         for L in self.layers:       # drop the [in, out] views first, so each plain matrix is freed as it is packed
-            L.wqkv = L.wo = L.wgu = L.wd = None
+            for field, *_ in L.packs:
+                setattr(L, field, None)
+            L.packs = []
         lm_w, self.lm_w = self.lm_w, None
-        packed = pack_weights(model)
-        for layer, L in zip(model.model.layers, self.layers):
-            p = packed[id(layer)]
-            L.wqkv, L.wo, L.wgu, L.wd = p["qkv"], p["o"], p["gu"], p["down"]
+        packed = pack_weights(model, plan)
+        for L, field, i in fields:
+            setattr(L, field, packed[i])
         self.lin = packed_linear
-        if packed["lm_head"] is None:           # tied to the embedding: the plain table, F.linear
+        if head is None:                        # tied to the embedding: the plain table, F.linear
             self.lm_w = lm_w
         else:
-            self.lm_w, self.linear = packed["lm_head"], packed_linear
+            self.lm_w, self.linear = packed[head], packed_linear
 
     def nbytes(self) -> int:
         """Bytes held by the KV cache."""
@@ -198,43 +226,68 @@ class LeanDecoder:
                              f"{T} ids / {rope_pos.shape[0]} positions given")
         x = self.embed(ids.view(1, T))                                                 # [1, T, h], all-reduced
         h = x.shape[-1]
-        if self.rope_switch is None:
-            cos, sin = self.rotary(x, rope_pos.view(1, T))                             # [1, T, d]
-        else:       # longrope: each row the factors of its own length (tensorpar/decode/rope.py)
-            last = torch.cat([rope_pos[o:o + g.b * g.s].view(g.b, g.s)[:, -1:].expand(g.b, g.s).reshape(-1)
-                              for g, o in zip(segments, offsets(segments))])
-            cos, sin = row_rotary(self.rotary, x, rope_pos.view(1, T), last.view(1, T), self.rope_switch)
         d, nq, nkv = self.head_dim, self.n_q, self.n_kv
-        cos = cos.view(T, 1, d)
-        sin = (sin * self.sign).view(T, 1, d)
+        tables = {}
+        for key, rotary in self.rotary.items():
+            if self.rope_switch is None:
+                cos, sin = rotary(x, rope_pos.view(1, T))                              # [1, T, rd]
+            else:   # longrope: each row the factors of its own length (tensorpar/decode/rope.py)
+                last = torch.cat([rope_pos[o:o + g.b * g.s].view(g.b, g.s)[:, -1:].expand(g.b, g.s).reshape(-1)
+                                  for g, o in zip(segments, offsets(segments))])
+                cos, sin = row_rotary(rotary, x, rope_pos.view(1, T), last.view(1, T), self.rope_switch)
+            tables[key] = cos.view(T, 1, -1), (sin * self.sign).view(T, 1, -1)
         perm, lin, cache = self.perm, self.lin, self.cache
         all_reduce = comm.reduce_partial if tp.compression == "int8" else comm.all_reduce   # --tp-comm
         views = [cache.views(g) for g in segments]
+        # sliding-window layers read the segments with their masks narrowed to the window (block.windowed)
+        segs = {None: segments} | {w: windowed(segments, w, x.device) for w in self.windows}
         x = x.reshape(T, h).clone()                                                    # the residual stream, in place
         for i, L in enumerate(self.layers):
-            qkv = lin(L.ln1(x), L.wqkv, L.bqkv).view(T, nq + 2 * nkv, d)                # [T, heads, d]
+            qkv = lin(x if L.ln1 is None else L.ln1(x), L.wqkv, L.bqkv).view(T, nq + 2 * nkv, d)   # [T, heads, d]
+            if L.interleaved:           # [T, (head, q/k/v), d] -> [T, (q/k/v, head), d]
+                qkv = qkv.view(T, nq, 3, d).transpose(1, 2).reshape(T, 3 * nq, d)
+            if L.qk_norm is None:
+                qk = qkv[:, :nq + nkv]
+            else:
+                qk = torch.cat(L.qk_norm(qkv[:, :nq], qkv[:, nq:nq + nkv]), 1)
             # rotary on the q and k heads together: q*cos + rotate_half(q)*sin, the family's formula
-            qk = qkv[:, :nq + nkv]
-            rot = qk.index_select(-1, perm).mul_(sin)
-            qk = torch.mul(qk, cos).add_(rot)                                          # [T, q_local + kv_local, d]
-            o = cache.attention(i, L, qk, qkv[:, nq + nkv:], segments, views, nq)     # [T, q_local * d]
+            cos, sin = tables[L.rope]
+            qk = rotate(qk, cos, sin, perm)                                            # [T, q_local + kv_local, d]
+            o = cache.attention(i, L, qk, qkv[:, nq + nkv:], segs[L.window], views, nq)   # [T, q_local * d]
             o = all_reduce(lin(o, L.wo, None), tp)
             if L.bo is not None:
                 o = o + L.bo
-            x.add_(o)
-            gu = lin(L.ln2(x), L.wgu, L.bgu)                                           # [T, 2 f]
-            g_, u = gu[:, :L.f], gu[:, L.f:]
-            a = F.silu(g_, inplace=True) if L.silu else L.act(g_)
-            o = all_reduce(lin(a.mul_(u), L.wd, None), tp)
+            if L.post_attn is not None:
+                o = L.post_attn(o)
+            if L.parallel:              # GPT-NeoX: the MLP reads the layer's input, x + attn + mlp
+                h2, x_attn = L.ln2(x), o
+            else:
+                x.add_(o)
+                h2 = x if L.ln2 is None else L.ln2(x)
+            if L.moe is not None:        # a mixture-of-experts block: routed, combined and all-reduced by itself
+                o = L.moe(h2.view(1, T, h)).view(T, h)
+                x.add_(o if L.post_ff is None else L.post_ff(o))
+                continue
+            gu = lin(h2, L.wgu, L.bgu)                                                  # [T, 2 f] (gated) or [T, f]
+            if L.gated:
+                g_, u = gu[:, :L.f], gu[:, L.f:]
+                a = (F.silu(g_, inplace=True) if L.silu else L.act(g_)).mul_(u)
+            else:
+                a = F.silu(gu, inplace=True) if L.silu else L.act(gu)
+            o = all_reduce(lin(a, L.wd, None), tp)
             if L.bd is not None:
                 o = o + L.bd
+            if L.post_ff is not None:
+                o = L.post_ff(o)
+            if L.parallel:
+                o = o + x_attn          # transformers' order: mlp + attn + x
             x.add_(o)
         if len(segments) == 1:
             g = segments[0]
             x = x.view(g.b, g.s, h)
             if last_only:
                 x = x[:, -1:]
-            logits = self.linear(self.norm(x), self.lm_w, self.lm_b)
+            logits = self._head(x)
             return logits[:, -1] if last_only else logits
         if not last_only:
             raise ValueError("last_only=False takes one segment")
@@ -243,7 +296,15 @@ class LeanDecoder:
             last.extend(range(t0 + g.s - 1, t0 + g.b * g.s, g.s))
             t0 += g.b * g.s
         x = x.index_select(0, torch.tensor(last, device=x.device)).unsqueeze(1)           # [sum(b), 1, h]
-        return self.linear(self.norm(x), self.lm_w, self.lm_b)[:, -1]
+        return self._head(x)[:, -1]
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head of ``x`` ``[n, s, h]``: vocab-sharded logits ``[n, s, V_r]`` (soft-capped as
+        ``cap * tanh(logits / cap)`` when the family does: element-wise, so the same on each shard)."""
+        logits = self.linear(self.norm(x), self.lm_w, self.lm_b)
+        if self.final_cap is not None:
+            logits = torch.tanh(logits / self.final_cap) * self.final_cap
+        return logits
 
     # ---------------------------------------- verify's use (generate and serve step the Engine): rows 0..b-1
 

@@ -114,28 +114,53 @@ def packed_model(model) -> bool:
     return bool(model.__dict__.get(_MODEL_KEY))
 
 
-def pack_weights(model) -> dict:
-    """Replace the plain matmul weights of ``model`` (fused by
-    :func:`tensorpar.decode.prepare.fuse_projections`) with oneDNN-packed ones, freeing the plain storage one
-    matrix at a time (peak: the shard plus its largest matrix). Returns ``{id(module): {"qkv", "o", "gu", "down":
-    packed}, "lm_head": packed or None}`` (``None``: the head is tied to the embedding and stays plain). No
-    collectives."""
+def _fused_names(mod: nn.Module) -> tuple[str, ...]:
+    """The projections :func:`tensorpar.decode.prepare.fuse_projections` fused on ``mod``: q/k/v or gate/up."""
+    return ("q_proj", "k_proj", "v_proj") if hasattr(mod, "q_proj") else ("gate_proj", "up_proj")
+
+
+def pack_plan(model, ids: set[int]) -> list[tuple[nn.Module, tuple[str, ...] | None]]:
+    """What :func:`pack_weights` will pack for the weights whose ``id`` is in ``ids``: ``(owner, names)`` for a
+    fused weight (:data:`~tensorpar.layers.fused.FUSED_KEY` of ``owner``, the projections ``names``), ``(linear,
+    None)`` for a Linear's ``weight`` parameter. Changes nothing. Raises ValueError naming a weight that is neither,
+    or a Linear that is not a plain column/row-parallel one (its class could not become a packed one)."""
+    plan, found = [], set()
+    for name, mod in model.named_modules():
+        f = mod.__dict__.get(FUSED_KEY)
+        if f is not None and isinstance(f[0], torch.Tensor) and id(f[0]) in ids:
+            plan.append((mod, _fused_names(mod)))
+            found.add(id(f[0]))
+            continue
+        p = mod._parameters.get("weight")
+        if p is not None and id(p) in ids and id(p) not in found:
+            if not any(type(mod) is plain for plain, _ in _CLASSES):
+                raise ValueError(f"cannot pack {name} ({type(mod).__name__})")
+            plan.append((mod, None))
+            found.add(id(p))
+    if found != ids:
+        raise ValueError(f"{len(ids - found)} weight(s) to pack are not held by a Linear or a fused projection")
+    return plan
+
+
+def pack_weights(model, plan) -> dict[int, torch.Tensor]:
+    """Replace the plain matmul weights of :func:`pack_plan`'s ``plan`` with oneDNN-packed ones, freeing the plain
+    storage one matrix at a time (peak: the shard plus its largest matrix, when the caller holds no other
+    reference to them). Returns ``{id(plain weight): packed}`` (ids of the fused tensors and of the Linear weight
+    parameters). No collectives."""
     from tensorpar.decode.quantize import _release_freed_memory
-    done: list = []
-    out: dict = {}
-    for layer in model.model.layers:
-        a, m = layer.self_attn, layer.mlp
-        out[id(layer)] = {"qkv": _pack_fused(a, ("q_proj", "k_proj", "v_proj")), "o": _pack_linear(a.o_proj),
-                          "gu": _pack_fused(m, ("gate_proj", "up_proj")), "down": _pack_linear(m.down_proj)}
-        done += [(a, ("q_proj", "k_proj", "v_proj")), (a.o_proj, None), (m, ("gate_proj", "up_proj")),
-                 (m.down_proj, None)]
-    head, embed = model.lm_head, model.model.embed_tokens
-    out["lm_head"] = None
-    if head._parameters.get("weight") is not embed._parameters.get("weight"):
-        out["lm_head"] = _pack_linear(head)
-        done.append((head, None))
-    model.__dict__[_MODEL_KEY] = done
-    _release_freed_memory(embed.weight.device)
+    out: dict[int, torch.Tensor] = {}
+    done = model.__dict__.setdefault(_MODEL_KEY, [])
+    dev = None
+    for mod, names in plan:
+        if names is None:
+            key, dev = id(mod._parameters["weight"]), mod._parameters["weight"].device
+            out[key] = _pack_linear(mod)
+        else:
+            key = id(mod.__dict__[FUSED_KEY][0])
+            out[key] = _pack_fused(mod, names)
+        done.append((mod, names))
+    if dev is not None:
+        _release_freed_memory(dev)
     return out
 
 

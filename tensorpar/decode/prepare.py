@@ -5,7 +5,8 @@ projections (:func:`fuse_projections`). Shared by :mod:`tensorpar.decode.lean` a
 from __future__ import annotations
 
 from tensorpar.hf.families import why_not
-from tensorpar.hf.modules import TPAttention, TPGatedMLP
+from tensorpar.hf.modules import (TPAttention, TPExperts, TPGatedMLP, TPGPTNeoXAttention, TPMLP,
+                                  TPSharedExpertMoE)
 from tensorpar.layers.fused import fuse_linears, fused_weight
 
 
@@ -15,23 +16,41 @@ def lean_unsupported(model) -> str | None:
     why = why_not("fast_decode", model.config)   # the family's record and the config's window: the parent's rule
     if why is not None:
         return why
-    base = getattr(model, "model", None)
-    if base is None or not all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
-        return "not a decoder with model.embed_tokens / layers / norm / rotary_emb"
+    parts = decoder_parts(model)
+    if parts is None:
+        return ("not a decoder with model.embed_tokens / layers / norm / rotary_emb (or gpt_neox.embed_in / layers / "
+                "final_layer_norm / rotary_emb)")
     if getattr(model.tensorpar_plan, "sequence_parallel", False):
         return "sequence parallelism"
-    for layer in base.layers:
+    for layer in parts[1]:
+        if isinstance(getattr(layer, "attention", None), TPGPTNeoXAttention):
+            if type(layer.mlp) is not TPMLP:
+                return f"layer {layer.attention.layer_idx}'s MLP is not a TPMLP"
+            continue
         a, m = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if type(a) is not TPAttention or type(m) is not TPGatedMLP:
-            return f"layer {getattr(a, 'layer_idx', '?')} is not TPAttention + TPGatedMLP"
-        if a.fused or m.fused or a.q_norm is not None or a.softcap is not None:
-            return "fused checkpoint projections, q/k norms or soft-capping"
-        if a.sliding_window is not None:
-            return f"sliding_window={a.sliding_window}"
-        if a.output_dropout is not None or m.output_dropout is not None:
-            return "output dropout"
+        moe = type(m) is TPSharedExpertMoE or isinstance(getattr(m, "experts", None), TPExperts)
+        if not isinstance(a, TPAttention) or not (type(m) in (TPGatedMLP, TPMLP) or moe):
+            return f"layer {getattr(a, 'layer_idx', '?')} is not TPAttention + TPGatedMLP / TPMLP / tp experts"
+        if not (hasattr(layer, "input_layernorm") or hasattr(layer, "post_feedforward_layernorm")):
+            return f"layer {a.layer_idx} has neither input_layernorm nor post_feedforward_layernorm"
+        for mod in (a.output_dropout, getattr(m, "output_dropout", None)):
+            if mod is not None and mod.training and getattr(mod, "p", 1.0) > 0:
+                return "output dropout in training mode"
         if a._rope is None:
             return "no apply_rotary_pos_emb in the family module"
+        if a.sinks is not None:
+            return "attention sinks"
+    return None
+
+
+def decoder_parts(model):
+    """``(embed, layers, final_norm, rotary_emb)`` of a ``*ForCausalLM`` laid out as Llama's ``model.*`` or
+    GPT-NeoX's ``gpt_neox.*`` (``embed_in``, ``final_layer_norm``), or ``None`` for another layout."""
+    for base, names in (("model", ("embed_tokens", "layers", "norm", "rotary_emb")),
+                        ("gpt_neox", ("embed_in", "layers", "final_layer_norm", "rotary_emb"))):
+        b = getattr(model, base, None)
+        if b is not None and all(hasattr(b, n) for n in names):
+            return tuple(getattr(b, n) for n in names)
     return None
 
 
@@ -44,7 +63,7 @@ def fuse_projections(model) -> None:
     No collectives.
     """
     for mod in model.modules():
-        if type(mod) is TPAttention and not mod.fused:
+        if isinstance(mod, TPAttention) and not mod.fused:
             names = ("q_proj", "k_proj", "v_proj")
         elif type(mod) is TPGatedMLP and not mod.fused:
             names = ("gate_proj", "up_proj")

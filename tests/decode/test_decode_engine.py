@@ -127,12 +127,13 @@ def job_windowed(ctx, name, prompt_rows):
 def test_windowed_family_decodes_through_the_engine(pools, name):
     """Sliding windows (mistral 5, starcoder2 5, gemma2/gemma3 4 on alternate layers, qwen2 4 on its second layer)
     at tp=2, prompts of 9, 3 and 6 tokens: generate (one padded batch, through Engine.step) and the server's
-    engine (a request joining a running one) give each prompt's greedy tokens of transformers alone. Old code:
-    generate ran its own loop (no Engine.step) and Engine refused any window shorter than max_len."""
+    engine (a request joining a running one) give each prompt's greedy tokens of transformers alone, on the lean
+    path (windows narrow its masks over each slot's cache positions). Old code: generate ran its own loop (no
+    Engine.step) and Engine refused any window shorter than max_len; then the module path ran windowed families."""
     g = torch.Generator().manual_seed(3)
     rows = [torch.randint(1, 37, (n,), generator=g).tolist() for n in LENGTHS]
     for r, (want, got, served, steps, module_path) in enumerate(run_tp(pools, 2, job_windowed, name, rows)):
-        assert module_path and steps == N, f"{name} rank {r}: not the engine's module path"
+        assert not module_path and steps == N, f"{name} rank {r}: not the engine's lean path"
         assert got == want, f"{name} rank {r}: generate\n{got}\n{want}"
         assert served == want, f"{name} rank {r}: serve engine\n{served}\n{want}"
 

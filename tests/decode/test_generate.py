@@ -206,7 +206,7 @@ ROPE_LENGTHS = {"llama": (8, 29, 70), "phi3": (8, 70)}      # 70 long; 29 + 6 ne
 
 
 def make_rope_folder(path, arch: str, rope: str):
-    """A random llama (lean path) or phi3 (module path) with ``rope_scaling`` of type ``rope``: longrope whose long
+    """A random llama or phi3 (both on the lean path) with ``rope_scaling`` of type ``rope``: longrope whose long
     factors differ from its short ones (switching above :data:`ROPE_SWITCH`), or dynamic NTK."""
     from transformers import AutoConfig, AutoModelForCausalLM
     if arch == "llama":

@@ -182,7 +182,7 @@ def job_rope(ctx, folder, prompts):
 def test_rope_scaling_request_alone_equals_batched(pools, tmp_path, arch, rope):
     """rope_scaling whose factors depend on the length (longrope: short factors up to 32 tokens, long above): a
     short request's greedy tokens are the same alone, prefilled with a 70-token request, and decoding next to its
-    prefill, and equal transformers' generate of it alone (llama: the lean path; phi3: the module path); tp=2."""
+    prefill, and equal transformers' generate of it alone (both on the lean path since phi3 has it); tp=2."""
     from tests.decode.test_generate import hf_alone, make_rope_folder, rope_prompts
     folder = make_rope_folder(tmp_path / f"{arch}_{rope}", arch, rope)
     prompts = rope_prompts(arch)

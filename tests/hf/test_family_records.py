@@ -60,12 +60,15 @@ QWEN2_WINDOWED = dict(use_sliding_window=True, sliding_window=16, max_window_lay
 
 
 def test_quantize_is_refused_in_the_parent_for_what_the_ranks_refuse():
-    """Old code: the parent accepted any llama/mistral/qwen2 (a sliding-window config then failed in every rank)."""
+    """Windowed configs run the lean path (tensorpar/decode/block.py narrows the mask), so the parent accepts them
+    (old code: refused, "sliding_window=16 (the fast decode path implements no attention window)"); a family
+    without a fast path is still refused before any rank starts."""
     from tensorpar.decode.quantize import check_quantize
-    for c in (cfg("mistral", sliding_window=16), cfg("qwen2", **QWEN2_WINDOWED)):
-        with pytest.raises(ValueError, match=r"--quantize int8 .*sliding_window=16.*use --quantize none"):
-            check_quantize("int8", c, make_plan(c, 2))
-    check_quantize("int8", cfg("mistral", sliding_window=None), make_plan(cfg("mistral", sliding_window=None), 2))
+    for c in (cfg("mistral", sliding_window=16), cfg("qwen2", **QWEN2_WINDOWED), cfg("mistral", sliding_window=None)):
+        check_quantize("int8", c, make_plan(c, 2))
+    c = AutoConfig.for_model("gpt2", n_embd=32, n_head=4, n_layer=2)
+    with pytest.raises(ValueError, match=r"--quantize int8 .*'gpt2'.*use --quantize none"):
+        check_quantize("int8", c, make_plan(c, 2))
 
 
 def test_pipeline_refuses_every_windowed_family_not_only_mistral():
@@ -80,7 +83,9 @@ def test_pipeline_refuses_every_windowed_family_not_only_mistral():
 
 
 CONFIGS = [("llama", {}), ("mistral", {"sliding_window": None}), ("mistral", {"sliding_window": 16}),
-           ("qwen2", {}), ("qwen2", QWEN2_WINDOWED), ("qwen3", {"head_dim": 8})]
+           ("qwen2", {}), ("qwen2", QWEN2_WINDOWED), ("qwen3", {"head_dim": 8}), ("gemma2", {"head_dim": 8}),
+           ("gemma3_text", {"head_dim": 8}), ("phi3", {"pad_token_id": 0}), ("olmo2", {}), ("starcoder2", {}),
+           ("gpt_neox", {"num_key_value_heads": None}), ("mixtral", {"num_local_experts": 4})]
 
 
 @pytest.mark.parametrize("model_type,kw", CONFIGS, ids=[f"{m}-{i}" for i, (m, _) in enumerate(CONFIGS)])

@@ -72,7 +72,7 @@ def why_not(feature: str, config) -> str | None:
 
     * ``causal_lm``: a text decoder, not an image classifier.
     * ``fast_decode``: the lean decode path (:mod:`tensorpar.decode.lean`) and everything built on it (``--quantize``):
-      the family's record says so and no layer attends through a sliding window.
+      the family's record says so (sliding windows, soft-capping, q/k norms: :mod:`tensorpar.decode.block`).
     * ``pipeline``: :class:`~tensorpar.pipeline.stages.DecoderStage` can cut it (full causal attention).
     * ``sequence_parallel``: the family's plan splits the sequence between blocks.
     * ``expert_parallel``: a mixture-of-experts family with experts in this config.
@@ -93,7 +93,7 @@ def why_not(feature: str, config) -> str | None:
     if feature == "fast_decode":
         if r is None or not r.fast_decode:
             return f"model_type={mt!r} has no fast decode path (families with one: {_names(lambda r: r.fast_decode)})"
-        return None if w is None else f"sliding_window={w} (the fast decode path implements no attention window)"
+        return None
     if feature == "pipeline":
         if r is None or not r.pipeline_stages:
             return f"pipeline parallelism supports {_names(lambda r: r.pipeline_stages)}, not {mt!r}"

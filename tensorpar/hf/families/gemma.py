@@ -24,4 +24,5 @@ __all__ = ["plan", "Entry", "Replicated"]
 
 from tensorpar.hf.families.record import Family  # noqa: E402
 
-RECORDS = tuple(Family(mt, plan, sequence_parallel=True) for mt in ("gemma", "gemma2", "gemma3_text"))
+RECORDS = tuple(Family(mt, plan, fast_decode=True, sequence_parallel=True)
+                for mt in ("gemma", "gemma2", "gemma3_text"))

@@ -40,4 +40,4 @@ def plan(config, tp_size, *, sequence_parallel, head_split_weights, split_weight
 
 from tensorpar.hf.families.record import Family  # noqa: E402
 
-RECORDS = (Family("gpt_neox", plan, sequence_parallel=True),)
+RECORDS = (Family("gpt_neox", plan, fast_decode=True, sequence_parallel=True),)

@@ -45,10 +45,10 @@ from tensorpar.hf.styles import SequenceParallelEntry  # noqa: E402  (defined be
 
 from tensorpar.hf.families.record import Family  # noqa: E402
 
-# llama, mistral and qwen2 run the lean decode path; qwen3's per-head q/k norms do not (yet)
+# every llama-shaped family runs the lean decode path (qwen3: its per-head q/k norms, tensorpar.decode.block)
 RECORDS = (
     Family("llama", plan, fast_decode=True, pipeline_stages=True, sequence_parallel=True, context_parallel=True),
     Family("mistral", plan, fast_decode=True, pipeline_stages=True, sequence_parallel=True, context_parallel=True),
     Family("qwen2", plan, fast_decode=True, pipeline_stages=True, sequence_parallel=True, context_parallel=True),
-    Family("qwen3", plan, pipeline_stages=True, sequence_parallel=True, context_parallel=True),
+    Family("qwen3", plan, fast_decode=True, pipeline_stages=True, sequence_parallel=True, context_parallel=True),
 )

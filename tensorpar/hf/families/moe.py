@@ -84,8 +84,8 @@ from tensorpar.hf.families.record import Family  # noqa: E402
 # the per-expert checkpoint layout transformers writes (its conversion_mapping): block name, (gate, up, down)
 _PER_EXPERT = ("mlp", ("gate_proj", "up_proj", "down_proj"))
 RECORDS = (
-    Family("mixtral", plan, moe_checkpoint=("block_sparse_moe", ("w1", "w3", "w2"))),
-    Family("qwen2_moe", plan, moe_checkpoint=_PER_EXPERT),
-    Family("qwen3_moe", plan, moe_checkpoint=_PER_EXPERT),
-    Family("olmoe", plan, moe_checkpoint=_PER_EXPERT),
+    Family("mixtral", plan, fast_decode=True, moe_checkpoint=("block_sparse_moe", ("w1", "w3", "w2"))),
+    Family("qwen2_moe", plan, fast_decode=True, moe_checkpoint=_PER_EXPERT),
+    Family("qwen3_moe", plan, fast_decode=True, moe_checkpoint=_PER_EXPERT),
+    Family("olmoe", plan, fast_decode=True, moe_checkpoint=_PER_EXPERT),
 )

@@ -16,4 +16,4 @@ def plan(config, tp_size, **kw):
 
 from tensorpar.hf.families.record import Family  # noqa: E402
 
-RECORDS = (Family("phi3", plan, sequence_parallel=True),)
+RECORDS = (Family("phi3", plan, fast_decode=True, sequence_parallel=True),)

@@ -29,4 +29,4 @@ def plan(config, tp_size, *, sequence_parallel, **kw):
 
 from tensorpar.hf.families.record import Family  # noqa: E402
 
-RECORDS = (Family("starcoder2", plan, sequence_parallel=True),)
+RECORDS = (Family("starcoder2", plan, fast_decode=True, sequence_parallel=True),)
