@@ -61,7 +61,7 @@ class GenerationResult:
 def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                     sampling: SamplingConfig = SamplingConfig(), eos_token_id: int | list[int] | None = None,
                     pad_id: int = 0, on_token=None, check_speed: bool = False,
-                    path: str = "auto") -> GenerationResult:
+                    path: str = "auto", pp: Group | None = None) -> GenerationResult:
     """Generate from a model sharded by :func:`tensorpar.hf.apply.parallelize`.
 
     Args:
@@ -82,6 +82,10 @@ def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: t
             (:class:`tensorpar.decode.lean.LeanDecoder`: fused projections, static KV cache) when the family record
             allows it and the Hugging Face module path otherwise; ``"lean"`` requires it (ValueError naming why
             not); ``"hf"`` forces the module path.
+        pp: the pipeline group when ``model`` is one pipeline stage (:func:`tensorpar.job.load_model` at
+            ``pp > 1``; :mod:`tensorpar.pipeline.inference`): each step's residual stream goes from stage to stage,
+            the last stage picks the tokens and every stage gets them; ``input_ids`` are the same on every rank of
+            every stage, and so are the returned tokens.
 
     A model built with sequence parallelism generates as plain tensor parallelism (the prompt and the
     one-token decode steps are not split along the sequence; :func:`tensorpar.hf.apply.sequence_parallel_off`).
@@ -97,10 +101,11 @@ def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: t
 
     with sequence_parallel_off(model):
         return _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_id, on_token, check_speed,
-                         path)
+                         path, pp)
 
 
-def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_id, on_token, check_speed, path):
+def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_id, on_token, check_speed, path,
+              pp=None):
     from tensorpar.serve.engine import Engine
     from tensorpar.serve.plan import Row, StepPlan
     from tensorpar.speed import measure_speed
@@ -120,7 +125,7 @@ def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_
         if not p:
             raise ValueError(f"prompt row {i} has no tokens (its attention_mask is all 0)")
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
-    engine = Engine(model, tp, max_batch=b, max_len=s + sampling.max_new_tokens, path=path, warm_up=False)
+    engine = Engine(model, tp, max_batch=b, max_len=s + sampling.max_new_tokens, path=path, warm_up=False, pp=pp)
     greedy = sampling.temperature == 0
     samplers = None
     if not greedy and tp.rank == 0:     # one generator (the logits' device), drawing the rows in order each step
@@ -133,7 +138,7 @@ def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_
     ttft = 0.0
     warning, paused = None, 0.0
     for step in range(sampling.max_new_tokens):
-        counting = check_speed and step == 1 and tp.size > 1
+        counting = check_speed and step == 1 and tp.size > 1 and engine.pp.size == 1   # tp against one rank
         with comm.counting(tp, reset=False) if counting else contextlib.nullcontext() as counter:
             before = sum(counter.calls.values()) if counting else 0
             got = engine.step(StepPlan("step", rows), samplers=[samplers[r.slot] for r in rows] if samplers else None)
@@ -172,7 +177,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (built in, fetched and converted once), a Hugging Face-format folder, a hub "
                         "id already in the local Hugging Face cache, or a .gguf file")
-    add_launch_arguments(p, ep=True)
+    add_launch_arguments(p, ep=True, pp=True)
     p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch (default: a sample prompt)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="token budget per prompt (>= 1)")
     p.add_argument("--temperature", type=float, default=0.0,
@@ -269,7 +274,7 @@ def _rank_main(job) -> int:
         res = generate_tokens(model, ctx.tp, ids.to(ctx.device), mask.to(ctx.device), sampling=task.sampling,
                               eos_token_id=list(task.eos), pad_id=task.pad_id, on_token=on_token,
                               # fingerprints (compared before every collective) would be counted as link latency
-                              check_speed=tp_fingerprint is None)
+                              check_speed=tp_fingerprint is None, pp=ctx.pp)
         if printer is not None:
             printer.close()  # the characters still held back (a multi-byte character split over tokens)
         if single:
@@ -299,6 +304,14 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
         raise ValueError(f"--top-p must be in (0, 1] (1 = off), got {args.top_p}")
+    if args.pp < 1:
+        raise ValueError(f"--pp must be a positive integer (1 = no pipeline stages), got {args.pp}")
+    if args.pp > 1 and getattr(args, "ep", 1) > 1:
+        raise ValueError(f"--pp {args.pp} with --ep {args.ep}: expert parallelism runs without pipeline stages; drop "
+                         f"one of them")
+    if args.pp > 1 and getattr(args, "quantize", "none") != "none":
+        raise ValueError(f"--quantize {args.quantize} with --pp {args.pp}: the int8 weights are not cut into pipeline "
+                         f"stages; drop one of them")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.top_k < 0:
@@ -353,6 +366,8 @@ def validate(args: argparse.Namespace):
     check_model_config(config, f"{folder}/config.json")
     from tensorpar.cli import check_ep_for_model
     check_ep_for_model(args, config)
+    from tensorpar.pipeline.inference import check_stages
+    check_stages(config, args.pp)   # the rule each rank's stage_of applies
     follow_stored_ties(folder, config, getattr(torch, getattr(args, "dtype", "float32")))  # as the ranks will
     from tensorpar.verify.prove import resolve_flags
     resolve_flags(args, config)   # --discover-plan: the proven plan becomes the --plan-file the ranks read
@@ -376,7 +391,8 @@ def validate(args: argparse.Namespace):
                               0 if args.seed is None else args.seed)
     task = GenerateTask(prompts, ids, mask, sampling, tuple(eos_token_ids(folder, tok)), tok.pad_token_id, tok,
                         chat=args.chat, quantize=quantize)
-    return job_from_args(args, ParallelConfig(tp=args.tp, dp=getattr(args, "ep", 1), tp_weights=tp_weights),
+    parallel = ParallelConfig(tp=args.tp, pp=args.pp, dp=getattr(args, "ep", 1), tp_weights=tp_weights)
+    return job_from_args(args, parallel,
                          folder=str(folder), model_config=config, plan=None if tp_weights == "auto" else plan,
                          user_plan=user_plan, attn_implementation=attn, task=task)
 

@@ -90,16 +90,22 @@ class LeanDecoder:
         fuse_projections(model)
         base = model.model
         self.model, self.tp = model, tp
-        self.embed, self.rotary = base.embed_tokens, base.rotary_emb
+        # a pipeline stage (model.tensorpar_stage, tensorpar.pipeline.inference): its layers; the embedding on the
+        # first stage only, the final norm and LM head on the last only
+        stage = getattr(model, "tensorpar_stage", None)
+        self.first, self.last = stage is None or stage.first, stage is None or stage.last
+        self.hf_layers = list(base.layers) if stage is None else [base.layers[i] for i in stage.layers]
+        self.embed, self.rotary = base.embed_tokens if self.first else None, base.rotary_emb
         self.rope_switch = rope_switch_length(base.rotary_emb)
-        self.norm = rms_norm_fn(base.norm)
-        self.lm_w, self.lm_b = lean_weight(model.lm_head), getattr(model.lm_head, "bias", None)
+        self.norm = rms_norm_fn(base.norm) if self.last else None
+        self.lm_w, self.lm_b = ((lean_weight(model.lm_head), getattr(model.lm_head, "bias", None)) if self.last
+                                else (None, None))
         self.max_batch, self.max_len = max_batch, max_len
-        a0 = base.layers[0].self_attn
+        a0 = self.hf_layers[0].self_attn
         self.rope = a0._rope
-        w0 = self.lm_w
+        w0 = self.lm_w if self.last else lean_weight(a0.o_proj)
         dev = w0.device
-        self.layers: list[Layer] = [build_layer(layer, tp, int8=int8, probe_w=w0) for layer in base.layers]
+        self.layers: list[Layer] = [build_layer(layer, tp, int8=int8, probe_w=w0) for layer in self.hf_layers]
         n_q, n_kv, d = a0.layout.local_heads(tp.rank), a0.layout.local_kv_heads(tp.rank), a0.head_dim
         self.n_q, self.n_kv, self.head_dim = n_q, n_kv, d
         self.cache = LeanKVCache(len(self.layers), max_batch, n_kv, max_len, d, dtype=w0.dtype, device=dev)
@@ -126,8 +132,7 @@ class LeanDecoder:
         differ from ``torch.mm``'s (MKL) in the order of their sums, a few units in the last place (the probe
         checks 1e-5 relative), and run 1.4x (one row) to 1.8x (32 rows) faster at the decode shapes of SmolLM2
         (bench/results/matmul_pack.md)."""
-        base = model.model
-        a0 = base.layers[0].self_attn
+        a0 = self.hf_layers[0].self_attn
         w = fused_weight(a0, ("q_proj", "k_proj", "v_proj"))[0]
         probe = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
         got = packed_linear(probe, pack(a0, "qkv", w, (a0.q_proj.weight, a0.k_proj.weight, a0.v_proj.weight)),
@@ -138,14 +143,15 @@ class LeanDecoder:
         if not same:
             self.packed = False
             return
-        for layer, L in zip(base.layers, self.layers):
+        for layer, L in zip(self.hf_layers, self.layers):
             a, m = layer.self_attn, layer.mlp
             L.wqkv = pack(a, "qkv", fused_weight(a, ("q_proj", "k_proj", "v_proj"))[0],
                            (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight))
             L.wo = pack(a, "o", a.o_proj.weight)
             L.wgu = pack(m, "gu", fused_weight(m, ("gate_proj", "up_proj"))[0], (m.gate_proj.weight, m.up_proj.weight))
             L.wd = pack(m, "down", m.down_proj.weight)
-        self.lm_w = pack(model.lm_head, "w", self.lm_w)
+        if self.last:
+            self.lm_w = pack(model.lm_head, "w", self.lm_w)
         self.lin = self.linear = packed_linear
 
     def nbytes(self) -> int:
@@ -175,7 +181,10 @@ class LeanDecoder:
         prompts): the matmuls, norms and all-reduces run once over all their tokens, attention per segment.
 
         ``ids``, ``rope_pos`` ``[T]``: the segments' tokens and rotary positions one after the other, each
-        segment's ``[b, s]`` flattened row by row (``T = sum(b * s)``). A segment's cache writes and reads are those
+        segment's ``[b, s]`` flattened row by row (``T = sum(b * s)``). On a pipeline stage after the first
+        (``model.tensorpar_stage``, :mod:`tensorpar.pipeline.inference`) ``ids`` is the residual stream ``[T, h]``
+        the stage before returned; a stage before the last returns its residual stream ``[T, h]`` (after its
+        layers, before the final norm) instead of logits. A segment's cache writes and reads are those
         of :meth:`forward` with its fields. Returns the logits of each row's last position, ``[sum(b), V_r]`` in
         segment order (``last_only=False``, one segment: ``[b, s, V_r]``). Why one forward: a step's prefill
         rows as a forward of their own cost a second pass over every weight and the framework's per-layer calls
@@ -188,7 +197,10 @@ class LeanDecoder:
         if sum(g.b * g.s for g in segments) != T or rope_pos.shape[0] != T:
             raise ValueError(f"segments of {[(g.b, g.s) for g in segments]} rows x tokens do not add up to the "
                              f"{T} ids / {rope_pos.shape[0]} positions given")
-        x = self.embed(ids.view(1, T))                                                 # [1, T, h], all-reduced
+        if self.first:
+            x = self.embed(ids.view(1, T))                                             # [1, T, h], all-reduced
+        else:           # a later pipeline stage: the residual stream the stage before sent, [T, h]
+            x = ids.view(1, T, ids.shape[-1])
         h = x.shape[-1]
         if self.rope_switch is None:
             cos, sin = self.rotary(x, rope_pos.view(1, T))                             # [1, T, d]
@@ -221,6 +233,8 @@ class LeanDecoder:
             if L.bd is not None:
                 o = o + L.bd
             x.add_(o)
+        if not self.last:           # a pipeline stage before the last: the residual stream goes on, [T, h]
+            return x
         if len(segments) == 1:
             g = segments[0]
             x = x.view(g.b, g.s, h)

@@ -20,7 +20,8 @@ def lean_unsupported(model) -> str | None:
         return "not a decoder with model.embed_tokens / layers / norm / rotary_emb"
     if getattr(model.tensorpar_plan, "sequence_parallel", False):
         return "sequence parallelism"
-    for layer in base.layers:
+    stage = getattr(model, "tensorpar_stage", None)     # a pipeline stage holds only its layers
+    for layer in (base.layers if stage is None else [base.layers[i] for i in stage.layers]):
         a, m = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if type(a) is not TPAttention or type(m) is not TPGatedMLP:
             return f"layer {getattr(a, 'layer_idx', '?')} is not TPAttention + TPGatedMLP"

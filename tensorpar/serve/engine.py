@@ -136,14 +136,19 @@ class Engine:
         warm_up: run one 1-token prefill at construction (allocates the cache, warms every kernel).
         plans: the ranks that run rank 0's plans (:meth:`exchange`): ``None`` for ``tp``; every rank when ep
             replicas of the tp ranks hold the experts (``serve --ep``: they run the same steps).
+        pp: the pipeline group when the model is one pipeline stage (``model.tensorpar_stage``, loaded by
+            :func:`tensorpar.job.load_model` at ``pp > 1``): a step receives the residual stream from the stage
+            before, runs this stage's layers (its KV cache holds only those) and sends it on; the last stage picks
+            the tokens and broadcasts them to every stage (:mod:`tensorpar.pipeline.inference`).
 
     Raises:
         ValueError: ``max_len`` above the model's ``max_position_embeddings``; ``path`` not one of
-            auto/lean/hf, or ``"lean"`` for a model the lean path does not run (naming why).
+            auto/lean/hf, or ``"lean"`` for a model the lean path does not run (naming why); a stage model
+            without a pipeline group of its size, or a pipeline group without a stage model.
     """
 
     def __init__(self, model, tp: Group, *, max_batch: int, max_len: int, path: str = "auto", warm_up: bool = True,
-                 plans: Group | None = None):
+                 plans: Group | None = None, pp: Group | None = None):
         cfg = model.config
         if path not in ("auto", "lean", "hf"):
             raise ValueError(f"path must be 'auto', 'lean' or 'hf', got {path!r}")
@@ -154,6 +159,15 @@ class Engine:
         self.plans = plans or tp     # the ranks that run rank 0's plans: tp, or every rank (ep replicas of tp)
         self.vocab = model.tensorpar_plan.vocab
         self.device = next(model.parameters()).device
+        self.pp = pp or Group.single("pp")
+        self.stage = getattr(model, "tensorpar_stage", None)
+        if (self.stage.size if self.stage is not None else 1) != self.pp.size:
+            have = f"stage {self.stage.rank} of {self.stage.size}" if self.stage is not None else "the whole model"
+            raise ValueError(f"the model is {have} but the pipeline group has {self.pp.size} ranks; load it with "
+                             f"pp={self.pp.size}")
+        self.first = self.stage is None or self.stage.first
+        self.last = self.stage is None or self.stage.last
+        self.hidden = (cfg.hidden_size, next(model.parameters()).dtype)      # what travels between stages
 
         # the one decision of which path runs: the lean decoder when the family record (and the config) allow it
         why = None if path == "hf" else lean_unsupported(model)
@@ -209,6 +223,8 @@ class Engine:
         the matmuls once over every token, attention per batch); the module path one forward per batch.
         """
         parts = [self._segment(*bt) for bt in batches]
+        if self.stage is not None:
+            return self._stage_forward(parts)
         if self.lean is not None:
             segs = [Segment(i.shape[0], i.shape[1], m, n, slots=sl, cache_pos=p) for i, p, sl, m, n in parts]
             ids = torch.cat([i.reshape(-1) for i, *_ in parts])
@@ -223,6 +239,41 @@ class Engine:
                                 use_cache=False, logits_to_keep=1)
             out.append(lg.logits[:, -1])
         return out[0] if len(out) == 1 else torch.cat(out)
+
+    @torch.no_grad()
+    def _stage_forward(self, parts) -> torch.Tensor | None:
+        """:meth:`_forward` of one pipeline stage: the residual stream ``[T, h]`` of the step's ``T`` tokens
+        (every batch's ``[b, s]`` row by row, batch after batch) comes from the stage before (stage 0: the
+        embedding of the token ids), runs through this stage's layers and goes to the next stage; the last returns
+        the logits ``[sum(b), V_r]``, the others ``None``. The lean path runs all the batches as one forward, the
+        module path one forward per batch through the stage's layers (the masks and rotary tables of
+        :meth:`_forward`). Collectives: a recv and a send of ``[T, h]`` on the pipeline group, the stage's tp ones.
+        """
+        from tensorpar.pipeline.inference import recv_hidden, send_hidden
+
+        T = sum(i.numel() for i, *_ in parts)
+        x = None if self.first else recv_hidden((T, self.hidden[0]), self.hidden[1], self.device, self.pp)
+        if self.lean is not None:
+            segs = [Segment(i.shape[0], i.shape[1], m, n, slots=sl, cache_pos=p) for i, p, sl, m, n in parts]
+            ids = torch.cat([i.reshape(-1) for i, *_ in parts]) if x is None else x
+            out = self.lean.forward_segments(ids, torch.cat([p.reshape(-1) for _, p, *_ in parts]), segs)
+        else:
+            base, outs, off = self.model.model, [], 0
+            for ids_t, pos_t, slot_t, mask, length in parts:
+                b, s = ids_t.shape
+                self.cache.bind(slot_t, pos_t, length)
+                h = base.embed_tokens(ids_t) if x is None else x[off:off + b * s].view(b, s, -1)     # [b, s, h]
+                off += b * s
+                am, pe = self._layer_masks(pos_t, mask, length), base.rotary_emb(h, pos_t)
+                for i in self.stage.layers:
+                    h = base.layers[i](h, attention_mask=am, position_embeddings=pe, position_ids=pos_t,
+                                       cache=self.cache, use_cache=False)
+                outs.append(self.model.lm_head(base.norm(h[:, -1:]))[:, -1] if self.last else h.reshape(b * s, -1))
+            out = torch.cat(outs)
+        if self.last:
+            return out
+        send_hidden(out, self.pp)
+        return None
 
     @torch.no_grad()
     def step(self, plan: StepPlan, samplers) -> StepResult:
@@ -262,14 +313,16 @@ class Engine:
             batches.append(([rows[i].slot for i in idx], [rows[i].tokens for i in idx],
                             [list(range(rows[i].start, rows[i].start + n)) for i in idx]))
             order.extend(idx)
-        lg = self._forward(batches)                                                       # [n, V_r], in order
+        lg = self._forward(batches)                                # [n, V_r], in order (None: not the last stage)
+        lps: list[float | None] = [None] * len(rows)
+        top: list[list[tuple[int, float]] | None] = [None] * len(rows)
+        want = [r.logprobs for r in rows]
+        if lg is None:          # a stage before the last: the last stage's tokens (and log-probabilities)
+            return self._from_last_stage(len(rows), want)
         parts = {i: lg[j:j + 1] for j, i in enumerate(order)}
         logits = torch.cat([parts[i] for i in range(len(rows))])                           # [n, V_r]
         tokens = choose_tokens(logits, self.tp, partition=self.vocab,
                                sampled=[i for i, r in enumerate(rows) if r.sampled], samplers=samplers)   # [n]
-        lps: list[float | None] = [None] * len(rows)
-        top: list[list[tuple[int, float]] | None] = [None] * len(rows)
-        want = [r.logprobs for r in rows]
         if max(want, default=-1) >= 0:
             from tensorpar.layers.log_softmax import vocab_parallel_logprobs, vocab_parallel_topk_logprobs
             chosen = vocab_parallel_logprobs(logits.float(), tokens.to(logits.device), self.tp,
@@ -283,6 +336,33 @@ class Engine:
                     lps[i] = float(chosen[i])
                 if w > 0:
                     top[i] = [(int(ti[i, j]), float(tv[i, j])) for j in range(w)]
+        if self.pp.size > 1:    # the last stage: every stage builds the next step from these tokens
+            self._from_last_stage(len(rows), want, tokens, lps, top)
+        return StepResult([int(t) for t in tokens], lps, top)
+
+    def _from_last_stage(self, n: int, want: list[int], tokens=None, lps=None, top=None) -> StepResult:
+        """The step's result on every stage: the last stage (``tokens`` ``[n]``, ``lps``, ``top`` given) sends it,
+        the others receive it. One broadcast of ``[n]`` int64 over the pipeline group, and with log-probabilities
+        asked for one of ``[n, 1 + 2 k]`` float64 (``k``: the most top entries a row asked for)."""
+        from tensorpar.pipeline.inference import tokens_from_last
+
+        dev = self.device if self.device.type == "cuda" else torch.device("cpu")   # NCCL sends device tensors
+        t = tokens.to(dev) if tokens is not None else torch.zeros(n, dtype=torch.long, device=dev)
+        tokens = tokens_from_last(t, self.pp).cpu()
+        k = max(want, default=-1)
+        if k >= 0:
+            msg = torch.zeros(n, 1 + 2 * k, dtype=torch.float64)
+            if lps is not None:
+                for i, w in enumerate(want):
+                    msg[i, 0] = lps[i] if lps[i] is not None else 0.0
+                    for j, (tid, lp) in enumerate(top[i] or []):
+                        msg[i, 1 + 2 * j], msg[i, 2 + 2 * j] = tid, lp
+            msg = tokens_from_last(msg.to(dev), self.pp).cpu()
+            lps = [float(msg[i, 0]) if w >= 0 else None for i, w in enumerate(want)]
+            top = [[(int(msg[i, 1 + 2 * j]), float(msg[i, 2 + 2 * j])) for j in range(w)] if w > 0 else None
+                   for i, w in enumerate(want)]
+        else:
+            lps, top = [None] * n, [None] * n
         return StepResult([int(t) for t in tokens], lps, top)
 
     def exchange(self, plan: StepPlan | None) -> StepPlan:

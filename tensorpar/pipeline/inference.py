@@ -1,0 +1,97 @@
+"""Pipeline stages in inference (``generate --pp``): which layers a stage holds, and what moves between stages.
+
+The stages are cut by training's rule (:func:`tensorpar.pipeline.stages.stage_layers`, one chunk per pipeline
+rank): consecutive layer ranges whose sizes differ by at most one, the larger ones last; the first stage holds the
+embedding, the last the final norm and the LM head (a tied head: the embedding's tensor, so the last stage holds
+it too). A rank loads only its stage (:func:`tensorpar.pipeline.stages.keep_stage_modules` before the loader reads
+anything), and its KV cache holds only its stage's layers.
+
+A step of the decode engine (:meth:`tensorpar.serve.engine.Engine.step`) under ``pp`` stages, on every rank with
+the same plan: stage 0 embeds the step's tokens and runs its layers; stage ``k`` receives the residual stream
+``[T, h]`` (``T``: the step's tokens) from stage ``k - 1`` (:func:`recv_hidden`; tp rank ``r`` of one stage
+sends to tp rank ``r`` of the next, both hold the full ``[T, h]``), runs its layers and sends it on
+(:func:`send_hidden`); the last stage computes its vocabulary slice of the logits and picks the tokens
+(vocab-parallel, over its tp group) and broadcasts them over the pipeline group (:func:`tokens_from_last`) so
+that every stage builds the next step. One step has one micro-batch in flight: while stage ``k`` computes, the
+others wait, so each stage is busy ``1 / pp`` of the step (a bubble of ``(pp - 1) / pp``); what pp buys in
+inference is memory (each rank holds ``~1 / pp`` of the layers and their cache), not speed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from tensorpar.comm import Group
+from tensorpar.comm.group import _run
+from tensorpar.hf.families import why_not
+
+
+@dataclass(frozen=True)
+class Stage:
+    """The part of the model one pipeline rank holds.
+
+    Attributes:
+        rank, size: this rank's index in the pipeline and the number of stages.
+        layers: the decoder layers it holds (global indices, ascending).
+        first: it holds the embedding (and takes token ids).
+        last: it holds the final norm and the LM head (and returns logits).
+    """
+
+    rank: int
+    size: int
+    layers: tuple[int, ...]
+    first: bool
+    last: bool
+
+
+def stage_of(config, pp_rank: int, pp: int) -> Stage:
+    """The :class:`Stage` of pipeline rank ``pp_rank`` of ``pp`` for a model of ``config`` (training's cut, one
+    chunk per rank). Raises the ValueError of :func:`check_stages`."""
+    from tensorpar.pipeline.stages import stage_layers
+
+    check_stages(config, pp)
+    layers, first, last = stage_layers(config.num_hidden_layers, pp_rank, pp)
+    return Stage(pp_rank, pp, tuple(sorted(layers)), first, last)
+
+
+def check_stages(config, pp: int) -> None:
+    """The rule for ``--pp`` of ``generate``, made in the launching process and again in each rank: a family whose
+    record has a stage cut (``pipeline_stages``, full causal attention) and at least one layer per stage. Raises
+    ValueError naming ``--pp``, its value and what works."""
+    if pp < 1:
+        raise ValueError(f"--pp must be a positive integer (1 = no pipeline stages), got {pp}")
+    if pp == 1:
+        return
+    why = why_not("pipeline", config)
+    if why is not None:
+        raise ValueError(f"--pp {pp}: {why}; use --pp 1")
+    n = config.num_hidden_layers
+    if pp > n:
+        raise ValueError(f"--pp {pp} exceeds the model's {n} decoder layers (every stage needs at least one); "
+                         f"use --pp <= {n}")
+
+
+def send_hidden(x: torch.Tensor, pp: Group) -> None:
+    """Send the residual stream ``x`` ``[T, h]`` to the next stage (pipeline rank ``pp.rank + 1``, the same tp
+    rank). Point-to-point on the pipeline group; raises :class:`~tensorpar.comm.CollectiveError` on failure."""
+    x = x.contiguous()
+    pp.counter.record("send", x.numel(), x.element_size(), 2)
+    _run("send", pp, x, lambda: dist.send(x, group=pp.pg, group_dst=pp.rank + 1))
+
+
+def recv_hidden(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, pp: Group) -> torch.Tensor:
+    """Receive the residual stream ``[T, h]`` from the stage before (pipeline rank ``pp.rank - 1``)."""
+    x = torch.empty(shape, dtype=dtype, device=device)
+    pp.counter.record("recv", x.numel(), x.element_size(), 2)
+    _run("recv", pp, x, lambda: dist.recv(x, group=pp.pg, group_src=pp.rank - 1))
+    return x
+
+
+def tokens_from_last(t: torch.Tensor, pp: Group) -> torch.Tensor:
+    """Every stage gets the last stage's ``t`` (the step's tokens ``[n]``, or their log-probabilities): one
+    broadcast over the pipeline group from its last rank (the same shape and dtype on every stage)."""
+    from tensorpar import comm
+
+    return comm.broadcast(t, pp, src=pp.size - 1)
