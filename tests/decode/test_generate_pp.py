@@ -10,7 +10,8 @@ import torch
 from tensorpar.generate import SamplingConfig, generate_tokens
 from tensorpar.parallel import ParallelConfig
 from tensorpar.testing import WorkerPool
-from tests.decode.test_generate import ARCHS, hf_reference, make_model_folder, prompts
+from tests.decode.test_generate import ARCHS, hf_reference, make_model_folder, model_dirs, prompts  # noqa: F401
+from tests.decode.test_generate_cli import tiny_with_tokenizer  # noqa: F401  (fixture)
 
 # 4 layers: two stages of two layers (tied llama: the last stage holds the embedding as its head; untied qwen2 with
 # QKV biases; qwen3: q/k norms, no lean path, so the module path's stage forward)
@@ -49,37 +50,28 @@ def job_generate(ctx, folder, ids, mask, n, path):
     return res.tokens, sum(p.numel() * p.element_size() for p in model.parameters()), held
 
 
-def stage_bytes(folder, tp: int, pp: int) -> list[list[int]]:
-    """The parameter bytes each rank [stage][tp rank] should hold, from the unsharded transformers model: its stage's
-    layers, the embedding on the first stage (and on the last with a tied head), the final norm and head on the
-    last, each split over tp as the plan splits it (the vocabulary and the layers' matrices by rows or columns; the
-    norms replicated)."""
+def stage_bytes(folder, pp: int) -> list[int]:
+    """The parameter bytes each pipeline rank (tp 1) should hold, counted on the unsharded transformers model: its
+    stage's layers, the embedding on the first stage (and on the last with a tied head: the head is that tensor),
+    the final norm and the head on the last."""
     from transformers import AutoModelForCausalLM
 
-    from tensorpar.hf.plan import make_plan
     from tensorpar.pipeline.stages import stage_layers
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    plan = make_plan(model.config, tp)
     tied = model.config.tie_word_embeddings
     out = []
     for s in range(pp):
         layers, first, last = stage_layers(model.config.num_hidden_layers, s, pp)
-        row = []
-        for r in range(tp):
-            total = 0
-            for name, p in model.named_parameters(remove_duplicate=False):
-                if name.startswith("model.layers."):
-                    keep = int(name.split(".")[2]) in layers
-                elif name.startswith("model.embed_tokens"):
-                    keep = first or (last and tied)
-                else:                                           # model.norm, lm_head
-                    keep = last
-                if name == "lm_head.weight" and tied:
-                    keep = False                                # the embedding's tensor, counted once
-                if keep:
-                    total += p.numel() * 4
-            row.append(total)
-        out.append(row)
+        total = 0
+        for name, p in model.named_parameters():                # a tied head appears once, as the embedding
+            if name.startswith("model.layers."):
+                keep = int(name.split(".")[2]) in layers
+            elif name.startswith("model.embed_tokens"):
+                keep = first or (last and tied)
+            else:                                               # model.norm, lm_head
+                keep = last
+            total += p.numel() * p.element_size() if keep else 0
+        out.append(total)
     return out
 
 
@@ -128,10 +120,112 @@ def test_parameter_bytes_per_rank_are_the_stage_share(pool_pp2, pp_dirs):
         folder = pp_dirs[arch]
         ids, mask = prompts(53)
         got = [b for _, b, _ in pool_pp2.run(job_generate, folder, ids, mask, 2, "auto")]
-        assert got == [row[0] for row in stage_bytes(folder, 1, 2)], arch
+        assert got == stage_bytes(folder, 2), arch
 
 
 def _cli(*args, timeout=240):
     env = dict(os.environ, PYTHONPATH=os.getcwd(), TENSORPAR_THREADS="1")
     return subprocess.run([sys.executable, "-m", "tensorpar", "generate", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
+
+
+@pytest.mark.slow
+def test_cli_tp2_pp2_text_equals_transformers(tiny_with_tokenizer):
+    """``tensorpar generate --tp 2 --pp 2`` (four local ranks): the printed text is transformers' greedy
+    continuation (exact, as above)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_with_tokenizer)
+    enc = tok(["the cat"], return_tensors="pt")
+    ref = AutoModelForCausalLM.from_pretrained(tiny_with_tokenizer).generate(
+        **enc, max_new_tokens=5, do_sample=False, pad_token_id=tok.eos_token_id)
+    want = "the cat" + tok.decode(ref[0, enc["input_ids"].shape[1]:])
+    r = _cli("--model", tiny_with_tokenizer, "--tp", "2", "--pp", "2", "--prompt", "the cat", "--max-new-tokens", "5")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.startswith(want), (r.stdout, want)
+
+
+@pytest.mark.parametrize("arch,args,msg", [
+    ("llama", ["--pp", "3"], "--pp 3 exceeds the model's 2 decoder layers (every stage needs at least one); use "
+                             "--pp <= 2"),
+    ("gpt2", ["--pp", "2"], "--pp 2: pipeline parallelism supports llama, mistral, qwen2, qwen3, not 'gpt2'; "
+                            "use --pp 1"),
+    ("llama", ["--pp", "0"], "--pp must be a positive integer (1 = no pipeline stages), got 0"),
+    ("llama", ["--pp", "2", "--quantize", "int8"], "--quantize int8 with --pp 2: the int8 weights are not cut into "
+                                                    "pipeline stages; drop one of them"),
+])
+def test_bad_pp_is_one_line_before_any_rank(model_dirs, capsys, arch, args, msg):
+    """A --pp the stages cannot take: one line naming it, exit 2, no rank started (checked in this process: the
+    launching process's rule, :func:`tensorpar.pipeline.inference.check_stages`, which each rank's
+    :func:`~tensorpar.pipeline.inference.stage_of` applies too)."""
+    from tensorpar.cli import main
+    assert main(["generate", "--model", model_dirs[arch], *args]) == 2
+    err = capsys.readouterr().err
+    assert err == f"tensorpar: error: {msg}\n", err
+
+
+def _nshosts_unavailable():
+    from tensorpar.nshosts import unavailable
+    return unavailable()
+
+
+@pytest.mark.skipif(_nshosts_unavailable() is not None, reason=str(_nshosts_unavailable()))
+def test_generate_tp2_pp2_across_two_namespace_hosts(tiny_with_tokenizer):
+    """tp 2 inside each host, the two stages across two namespace hosts (tensorpar.nshosts: one torchrun agent per
+    host, two ranks each, a 1 Gbit/s link): the greedy text is transformers' (exact, as above); each host sent
+    through its link (the residual stream one way, the tokens the other), and the stages are on different hosts
+    (rank 0, the first stage, prints on one host only)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tensorpar.nshosts import NamespaceHosts
+    from tests.core.test_nshosts import env, sent_bytes
+    tok = AutoTokenizer.from_pretrained(tiny_with_tokenizer)
+    enc = tok(["the cat"], return_tensors="pt")
+    ref = AutoModelForCausalLM.from_pretrained(tiny_with_tokenizer).generate(
+        **enc, max_new_tokens=5, do_sample=False, pad_token_id=tok.eos_token_id)
+    want = "the cat" + tok.decode(ref[0, enc["input_ids"].shape[1]:])
+    with NamespaceHosts(2, "1gbit") as hosts:
+        res = hosts.run_torchrun(["-m", "tensorpar", "generate", "--model", tiny_with_tokenizer, "--pp", "2",
+                                  "--prompt", "the cat", "--max-new-tokens", "5", "--timeout", "60"],
+                                 nproc=2, timeout_s=300, env=env())
+        assert [r[0] for r in res] == [0, 0], "\n".join(r[2][-2000:] for r in res)
+        sent = [sent_bytes(hosts, i) for i in range(2)]
+    text = [r[1] for r in res if "tokens/s" in r[1]]
+    assert len(text) == 1, [r[1] for r in res]
+    assert text[0].startswith(want), (text[0], want)
+    assert all(b > 1000 for b in sent), sent
+
+
+@pytest.mark.slow
+@pytest.mark.network
+def test_smollm2_pp2_equals_transformers(pool_pp2):
+    """SmolLM2 (30 layers, tied head) in two stages of 15: transformers' 16 greedy tokens (fp32; the logits differ
+    from one process by reordered sums only, ~1e-5, far below the gaps between the top tokens of this prompt)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tensorpar.hub import resolve_model
+    folder = str(resolve_model("smollm2", progress=False))
+    enc = AutoTokenizer.from_pretrained(folder)(["The capital of France is"], return_tensors="pt")
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).generate(
+            **enc, max_new_tokens=16, do_sample=False, eos_token_id=None, min_new_tokens=16)
+    want = ref[:, enc["input_ids"].shape[1]:]
+    out = pool_pp2.run(job_generate, folder, enc["input_ids"], enc["attention_mask"], 16, "auto")
+    for tokens, _, _ in out:
+        torch.testing.assert_close(tokens, want, rtol=0, atol=0)
+    assert [held for _, _, held in out] == [list(range(15)), list(range(15, 30))]
+
+
+def test_torchrun_world_not_divisible_by_pp_is_one_line(model_dirs, capsys, monkeypatch):
+    """Under torchrun --tp is the world size / --pp: a world --pp does not divide, or a --tp that disagrees with
+    it, is one line before the model is read (the rule of :func:`tensorpar.cli.torchrun_tp`)."""
+    from tensorpar.cli import main
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert main(["generate", "--model", model_dirs["llama"], "--pp", "2"]) == 2
+    assert capsys.readouterr().err == "tensorpar: error: --pp 2 does not divide torchrun's 3 ranks (tp x pp); use " \
+                                      "--pp in [1, 3]\n"
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert main(["generate", "--model", model_dirs["llama"], "--pp", "2", "--tp", "4"]) == 2
+    assert capsys.readouterr().err == "tensorpar: error: --tp 4 x --pp 2 = 8 ranks, but torchrun started " \
+                                      "WORLD_SIZE=4; drop --tp under torchrun (it is the world size / --pp) or start " \
+                                      "8 ranks\n"
