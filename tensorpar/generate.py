@@ -304,14 +304,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
         raise ValueError(f"--top-p must be in (0, 1] (1 = off), got {args.top_p}")
-    if args.pp < 1:
-        raise ValueError(f"--pp must be a positive integer (1 = no pipeline stages), got {args.pp}")
-    if args.pp > 1 and getattr(args, "ep", 1) > 1:
-        raise ValueError(f"--pp {args.pp} with --ep {args.ep}: expert parallelism runs without pipeline stages; drop "
-                         f"one of them")
-    if args.pp > 1 and getattr(args, "quantize", "none") != "none":
-        raise ValueError(f"--quantize {args.quantize} with --pp {args.pp}: the int8 weights are not cut into pipeline "
-                         f"stages; drop one of them")
+    from tensorpar.pipeline.inference import check_pp_arguments
+    check_pp_arguments(args)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.top_k < 0:

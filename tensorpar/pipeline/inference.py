@@ -11,8 +11,9 @@ the same plan: stage 0 embeds the step's tokens and runs its layers; stage ``k``
 ``[T, h]`` (``T``: the step's tokens) from stage ``k - 1`` (:func:`recv_hidden`; tp rank ``r`` of one stage
 sends to tp rank ``r`` of the next, both hold the full ``[T, h]``), runs its layers and sends it on
 (:func:`send_hidden`); the last stage computes its vocabulary slice of the logits and picks the tokens
-(vocab-parallel, over its tp group) and broadcasts them over the pipeline group (:func:`tokens_from_last`) so
-that every stage builds the next step. One step has one micro-batch in flight: while stage ``k`` computes, the
+(vocab-parallel, over its tp group) and broadcasts them over the pipeline group (:func:`stage_tokens`; sampled
+rows are drawn on global rank 0, where the samplers are, from the logits the last stage sends) so that every
+stage builds the next step. One step has one micro-batch in flight: while stage ``k`` computes, the
 others wait, so each stage is busy ``1 / pp`` of the step (a bubble of ``(pp - 1) / pp``); what pp buys in
 inference is memory (each rank holds ``~1 / pp`` of the layers and their cache), not speed.
 """
@@ -73,6 +74,20 @@ def check_stages(config, pp: int) -> None:
                          f"use --pp <= {n}")
 
 
+def check_pp_arguments(args) -> None:
+    """The flag-only rules of ``--pp`` on ``generate`` and ``serve`` (launching process): a positive degree, not
+    with ``--ep`` (experts are split over the dp axis, which the stages do not cut) nor ``--quantize`` (the int8
+    weights are not cut into stages). Raises ValueError naming the flags."""
+    pp, ep, quantize = getattr(args, "pp", 1), getattr(args, "ep", 1), getattr(args, "quantize", "none")
+    if pp < 1:
+        raise ValueError(f"--pp must be a positive integer (1 = no pipeline stages), got {pp}")
+    if pp > 1 and ep > 1:
+        raise ValueError(f"--pp {pp} with --ep {ep}: expert parallelism runs without pipeline stages; drop one of them")
+    if pp > 1 and quantize != "none":
+        raise ValueError(f"--quantize {quantize} with --pp {pp}: the int8 weights are not cut into pipeline stages; "
+                         f"drop one of them")
+
+
 def send_hidden(x: torch.Tensor, pp: Group) -> None:
     """Send the residual stream ``x`` ``[T, h]`` to the next stage (pipeline rank ``pp.rank + 1``, the same tp
     rank). Point-to-point on the pipeline group; raises :class:`~tensorpar.comm.CollectiveError` on failure."""
@@ -95,3 +110,39 @@ def tokens_from_last(t: torch.Tensor, pp: Group) -> torch.Tensor:
     from tensorpar import comm
 
     return comm.broadcast(t, pp, src=pp.size - 1)
+
+
+def stage_tokens(logits: torch.Tensor | None, n: int, tp: Group, pp: Group, world: Group, *, partition,
+                 sampled: list[int], samplers, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The step's tokens ``[n]`` (int64, CPU), the same on every rank of every stage.
+
+    ``logits``: the last stage's vocab-sharded logits ``[n, V_r]`` (``None`` on the other stages). Greedy rows: the
+    last stage's vocab-parallel argmax (:func:`~tensorpar.serve.tokens.vocab_parallel_argmax`), broadcast over the
+    pipeline group. Rows ``sampled`` are drawn where the samplers live, global rank 0 (stage 0, tp rank 0; serve's
+    scheduler, generate's seeded generator), as at one stage: the last stage all-gathers their logits over its tp
+    group, broadcasts them ``[m, V]`` over the pipeline group, rank 0 draws each row with ``samplers[i]`` in row
+    order and broadcasts the tokens over ``world`` (every rank). Collectives: on the last stage an all-gather
+    ``[n, 2]`` (tp); one broadcast ``[n]`` (pp); with sampled rows an all-gather ``[m, V_r] -> [m, V]`` (tp), a
+    broadcast ``[m, V]`` (pp) and a broadcast ``[n]`` (world).
+    """
+    from tensorpar import comm
+    from tensorpar.serve.tokens import vocab_parallel_argmax
+
+    dev = device if device.type == "cuda" else torch.device("cpu")   # NCCL moves device tensors
+    last = logits is not None
+    greedy = len(sampled) < n
+    tokens = (vocab_parallel_argmax(logits, tp, partition=partition).to(dev) if last and greedy
+              else torch.zeros(n, dtype=torch.long, device=dev))
+    tokens = tokens_from_last(tokens, pp)
+    if not sampled:
+        return tokens.cpu()
+    vocab = partition.n
+    full = (comm.all_gather(logits.index_select(0, torch.tensor(sampled, device=logits.device)).contiguous(), tp,
+                            -1, partition).to(dev) if last
+            else torch.zeros(len(sampled), vocab, dtype=dtype, device=dev))                     # [m, V]
+    full = tokens_from_last(full, pp)
+    tokens = tokens.cpu()
+    if world.rank == 0 and samplers is not None:
+        for j, i in enumerate(sampled):
+            tokens[i] = int(samplers[i](full[j:j + 1]))
+    return comm.broadcast(tokens.to(dev), world, src=0).cpu()

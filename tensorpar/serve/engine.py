@@ -156,10 +156,13 @@ class Engine:
         if limit is not None and max_len > limit:
             raise ValueError(f"--max-model-len {max_len} exceeds the model's max_position_embeddings={limit}")
         self.model, self.tp = model, tp
-        self.plans = plans or tp     # the ranks that run rank 0's plans: tp, or every rank (ep replicas of tp)
         self.vocab = model.tensorpar_plan.vocab
         self.device = next(model.parameters()).device
         self.pp = pp or Group.single("pp")
+        if plans is None and self.pp.size > 1:      # every stage runs rank 0's plans and gets its sampled tokens
+            import torch.distributed as dist
+            plans = Group.from_pg(dist.group.WORLD, name="world")
+        self.plans = plans or tp     # the ranks that run rank 0's plans: tp, or every rank (ep replicas, stages)
         self.stage = getattr(model, "tensorpar_stage", None)
         if (self.stage.size if self.stage is not None else 1) != self.pp.size:
             have = f"stage {self.stage.rank} of {self.stage.size}" if self.stage is not None else "the whole model"
@@ -287,7 +290,9 @@ class Engine:
         ``f(logits [1, V]) -> token`` (the request's seeded sampler). Collectives: per forward two all-reduces
         per block and one for the embedding; then one all-gather ``[b, 2]`` (argmax), plus for sampled rows an
         all-gather of their logits and a broadcast of the tokens, plus for log-probabilities all-reduces of
-        ``[b]`` and an all-gather of ``[b, tp*k]``. Raises ValueError for a row outside the cache or with no
+        ``[b]`` and an all-gather of ``[b, tp*k]``. With pipeline stages: the stage's layers' collectives, a
+        recv and a send of the residual stream, and the broadcasts of :func:`tensorpar.pipeline.inference.stage_tokens`
+        (and of the log-probabilities, :meth:`_logprobs_from_last`). Raises ValueError for a row outside the cache or with no
         tokens, or two rows in one slot.
         """
         rows = plan.rows
@@ -314,56 +319,65 @@ class Engine:
                             [list(range(rows[i].start, rows[i].start + n)) for i in idx]))
             order.extend(idx)
         lg = self._forward(batches)                                # [n, V_r], in order (None: not the last stage)
+        logits = None
+        if lg is not None:
+            parts = {i: lg[j:j + 1] for j, i in enumerate(order)}
+            logits = torch.cat([parts[i] for i in range(len(rows))])                       # [n, V_r]
+        sampled = [i for i, r in enumerate(rows) if r.sampled]
+        if self.pp.size == 1:
+            tokens = choose_tokens(logits, self.tp, partition=self.vocab, sampled=sampled, samplers=samplers)  # [n]
+        else:       # the last stage's logits, rank 0's samplers (tensorpar.pipeline.inference)
+            from tensorpar.pipeline.inference import stage_tokens
+            tokens = stage_tokens(logits, len(rows), self.tp, self.pp, self.plans, partition=self.vocab,
+                                  sampled=sampled, samplers=samplers, dtype=self.hidden[1], device=self.device)
+        want = [r.logprobs for r in rows]
         lps: list[float | None] = [None] * len(rows)
         top: list[list[tuple[int, float]] | None] = [None] * len(rows)
-        want = [r.logprobs for r in rows]
-        if lg is None:          # a stage before the last: the last stage's tokens (and log-probabilities)
-            return self._from_last_stage(len(rows), want)
-        parts = {i: lg[j:j + 1] for j, i in enumerate(order)}
-        logits = torch.cat([parts[i] for i in range(len(rows))])                           # [n, V_r]
-        tokens = choose_tokens(logits, self.tp, partition=self.vocab,
-                               sampled=[i for i, r in enumerate(rows) if r.sampled], samplers=samplers)   # [n]
         if max(want, default=-1) >= 0:
-            from tensorpar.layers.log_softmax import vocab_parallel_logprobs, vocab_parallel_topk_logprobs
-            chosen = vocab_parallel_logprobs(logits.float(), tokens.to(logits.device), self.tp,
-                                             partition=self.vocab).cpu()
-            k = max(want)
-            if k > 0:
-                tv, ti = vocab_parallel_topk_logprobs(logits, k, self.tp, partition=self.vocab)
-                tv, ti = tv.cpu(), ti.cpu()
-            for i, w in enumerate(want):
-                if w >= 0:
-                    lps[i] = float(chosen[i])
-                if w > 0:
-                    top[i] = [(int(ti[i, j]), float(tv[i, j])) for j in range(w)]
-        if self.pp.size > 1:    # the last stage: every stage builds the next step from these tokens
-            self._from_last_stage(len(rows), want, tokens, lps, top)
+            if logits is not None:
+                lps, top = self._logprobs(logits, tokens, want)
+            if self.pp.size > 1:
+                lps, top = self._logprobs_from_last(want, lps, top)
         return StepResult([int(t) for t in tokens], lps, top)
 
-    def _from_last_stage(self, n: int, want: list[int], tokens=None, lps=None, top=None) -> StepResult:
-        """The step's result on every stage: the last stage (``tokens`` ``[n]``, ``lps``, ``top`` given) sends it,
-        the others receive it. One broadcast of ``[n]`` int64 over the pipeline group, and with log-probabilities
-        asked for one of ``[n, 1 + 2 k]`` float64 (``k``: the most top entries a row asked for)."""
+    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, want: list[int]):
+        """Per row: the chosen token's log-probability (``want[i] >= 0``) and the top ``want[i]`` ``(id, lp)``
+        (``want[i] > 0``), vocab-parallel over ``logits`` ``[n, V_r]``. Collectives: all-reduces of ``[n]``, an
+        all-gather of ``[n, tp*k]``."""
+        from tensorpar.layers.log_softmax import vocab_parallel_logprobs, vocab_parallel_topk_logprobs
+
+        lps: list[float | None] = [None] * len(want)
+        top: list[list[tuple[int, float]] | None] = [None] * len(want)
+        chosen = vocab_parallel_logprobs(logits.float(), tokens.to(logits.device), self.tp,
+                                         partition=self.vocab).cpu()
+        k = max(want)
+        if k > 0:
+            tv, ti = vocab_parallel_topk_logprobs(logits, k, self.tp, partition=self.vocab)
+            tv, ti = tv.cpu(), ti.cpu()
+        for i, w in enumerate(want):
+            if w >= 0:
+                lps[i] = float(chosen[i])
+            if w > 0:
+                top[i] = [(int(ti[i, j]), float(tv[i, j])) for j in range(w)]
+        return lps, top
+
+    def _logprobs_from_last(self, want: list[int], lps, top):
+        """The last stage's log-probabilities (:meth:`_logprobs`) on every stage: one broadcast of ``[n, 1 + 2 k]``
+        float64 over the pipeline group (``k``: the most top entries a row asked for)."""
         from tensorpar.pipeline.inference import tokens_from_last
 
+        n, k = len(want), max(want)
+        msg = torch.zeros(n, 1 + 2 * k, dtype=torch.float64)
+        if self.last:
+            for i, w in enumerate(want):
+                msg[i, 0] = lps[i] if lps[i] is not None else 0.0
+                for j, (tid, lp) in enumerate(top[i] or []):
+                    msg[i, 1 + 2 * j], msg[i, 2 + 2 * j] = tid, lp
         dev = self.device if self.device.type == "cuda" else torch.device("cpu")   # NCCL sends device tensors
-        t = tokens.to(dev) if tokens is not None else torch.zeros(n, dtype=torch.long, device=dev)
-        tokens = tokens_from_last(t, self.pp).cpu()
-        k = max(want, default=-1)
-        if k >= 0:
-            msg = torch.zeros(n, 1 + 2 * k, dtype=torch.float64)
-            if lps is not None:
-                for i, w in enumerate(want):
-                    msg[i, 0] = lps[i] if lps[i] is not None else 0.0
-                    for j, (tid, lp) in enumerate(top[i] or []):
-                        msg[i, 1 + 2 * j], msg[i, 2 + 2 * j] = tid, lp
-            msg = tokens_from_last(msg.to(dev), self.pp).cpu()
-            lps = [float(msg[i, 0]) if w >= 0 else None for i, w in enumerate(want)]
-            top = [[(int(msg[i, 1 + 2 * j]), float(msg[i, 2 + 2 * j])) for j in range(w)] if w > 0 else None
-                   for i, w in enumerate(want)]
-        else:
-            lps, top = [None] * n, [None] * n
-        return StepResult([int(t) for t in tokens], lps, top)
+        msg = tokens_from_last(msg.to(dev), self.pp).cpu()
+        return ([float(msg[i, 0]) if w >= 0 else None for i, w in enumerate(want)],
+                [[(int(msg[i, 1 + 2 * j]), float(msg[i, 2 + 2 * j])) for j in range(w)] if w > 0 else None
+                 for i, w in enumerate(want)])
 
     def exchange(self, plan: StepPlan | None) -> StepPlan:
         """Rank 0 sends ``plan`` to every rank of ``plans`` (default: tp); every rank returns it (rank 0: the same

@@ -37,15 +37,16 @@ def pp_dirs(tmp_path_factory):
     return out
 
 
-def job_generate(ctx, folder, ids, mask, n, path):
-    """This rank's tokens (the stage's load of :func:`tensorpar.job.load_model`), its parameter bytes and the
-    decoder layers it holds."""
+def job_generate(ctx, folder, ids, mask, n, path, sampling=None):
+    """This rank's tokens (the stage's load of :func:`tensorpar.job.load_model`; greedy, or ``sampling``), its
+    parameter bytes and the decoder layers it holds."""
     from transformers import AutoConfig
 
     from tensorpar.job import Job, load_model
     job = Job(parallel=ctx.config, timeout_s=60.0, folder=folder, model_config=AutoConfig.from_pretrained(folder))
     model, _ = load_model(job, ctx)
-    res = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=n), pp=ctx.pp, path=path)
+    res = generate_tokens(model, ctx.tp, ids, mask, sampling=sampling or SamplingConfig(max_new_tokens=n), pp=ctx.pp,
+                          path=path)
     held = [i for i, layer in enumerate(model.model.layers) if not isinstance(layer, torch.nn.Identity)]
     return res.tokens, sum(p.numel() * p.element_size() for p in model.parameters()), held
 
@@ -108,6 +109,25 @@ def test_greedy_pp2_equals_transformers(pool_pp2, pp_dirs, arch, path):
     ids, mask = prompts(53)
     want, _ = hf_reference(folder, ids, mask, 6)
     for tokens, _, _ in pool_pp2.run(job_generate, folder, ids, mask, 6, path):
+        torch.testing.assert_close(tokens, want, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_seeded_sampling_pp2_equals_one_process(pool_pp2, pp_dirs):
+    """Sampling (temperature, top-k, top-p, a seed) at pp 2 draws the tokens one process draws: the last stage's
+    logits go to rank 0, whose one seeded generator draws the rows in order, as at pp 1. Exact: the same generator
+    on logits that differ by reordered sums only (~1e-6; a draw could flip only at a boundary that close)."""
+    from tensorpar.job import Job, load_model
+    from tensorpar.parallel import ParallelContext
+    from transformers import AutoConfig
+    folder = pp_dirs["qwen2"]
+    ids, mask = prompts(53)
+    sampling = SamplingConfig(max_new_tokens=8, temperature=0.9, top_k=20, top_p=0.95, seed=1234)
+    ctx = ParallelContext.single()
+    model, _ = load_model(Job(parallel=ctx.config, timeout_s=60.0, folder=folder,
+                              model_config=AutoConfig.from_pretrained(folder)), ctx)
+    want = generate_tokens(model, ctx.tp, ids, mask, sampling=sampling).tokens
+    for tokens, _, _ in pool_pp2.run(job_generate, folder, ids, mask, 8, "auto", sampling):
         torch.testing.assert_close(tokens, want, rtol=0, atol=0)
 
 
