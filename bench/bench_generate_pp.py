@@ -6,7 +6,10 @@ Each layout (tp, pp) runs on a fresh pool of gloo ranks on this host (shared-mem
 rank). Each rank records its resident set after the imports, loads its stage (:func:`tensorpar.job.load_model`:
 only its layers' weights are read), generates once to warm up, then greedily generates ``--tokens`` tokens for one
 prompt (fp32). Reported per rank: the resident set above the post-import baseline once loaded and at the end (KV
-cache and the lean path's buffers included), its parameter bytes, and the decode milliseconds per token (rank 0).
+cache and the lean path's buffers included), its parameter bytes, the decode milliseconds per token (rank 0), and
+the share of the run it spent waiting on the pipeline group (the residual stream from the stage before, the tokens
+from the last stage): the measured bubble, (pp - 1) / pp with one micro-batch in flight when the stages cost the
+same.
 """
 from __future__ import annotations
 
@@ -41,8 +44,11 @@ def job(ctx, folder: str, n: int) -> dict:
     loaded = _rss()
     ids = AutoTokenizer.from_pretrained(folder)(PROMPT, return_tensors="pt")["input_ids"]
     generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=2), pp=ctx.pp)      # warm-up
-    res = generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=n), pp=ctx.pp)
-    return {"loaded_rss": loaded - base, "end_rss": _rss() - base,
+    from tensorpar import comm
+    with comm.counting(ctx.pp) as c:     # the seconds this rank waited on the pipeline group: its bubble
+        res = generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=n), pp=ctx.pp)
+    total = res.ttft_s + res.decode_s
+    return {"pp_wait_fraction": sum(c.exposed_seconds().values()) / total,"loaded_rss": loaded - base, "end_rss": _rss() - base,
             "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
             "ms_per_token": 1e3 / res.decode_tokens_per_s, "ttft_ms": res.ttft_s * 1e3,
             "tokens": res.tokens[0].tolist()}
@@ -89,15 +95,17 @@ def write(rows: list[dict], out: Path, n: int, load_before: tuple, load_after: t
         "(the machine was shared with other jobs: the timings are noisy, the memory is not).", "",
         "Per rank, in rank order (rank = stage x tp + tp rank): parameter bytes, resident set above the post-import "
         "baseline once loaded and at the end of the run (KV cache and decode buffers included).", "",
-        "| tp | pp | params MiB/rank | loaded RSS MiB/rank | end RSS MiB/rank | decode ms/token | same tokens |",
-        "|---:|---:|---|---|---|---:|---|",
+        "| tp | pp | params MiB/rank | loaded RSS MiB/rank | end RSS MiB/rank | decode ms/token | waiting on the "
+        "pipeline group (share of the run), per rank | same tokens |",
+        "|---:|---:|---|---|---|---:|---|---|",
     ]
     ref = rows[0]["ranks"][0]["tokens"]
     for r in rows:
         rk = r["ranks"]
         lines.append(f"| {r['tp']} | {r['pp']} | {[round(x['param_bytes'] / mib, 1) for x in rk]} | "
                      f"{[round(x['loaded_rss'] / mib) for x in rk]} | {[round(x['end_rss'] / mib) for x in rk]} | "
-                     f"{rk[0]['ms_per_token']:.1f} | {all(x['tokens'] == ref for x in rk)} |")
+                     f"{rk[0]['ms_per_token']:.1f} | {[round(x['pp_wait_fraction'], 2) for x in rk]} | "
+                     f"{all(x['tokens'] == ref for x in rk)} |")
     lines += ["", "Raw: generate_pp.json (bench/bench_generate_pp.py)."]
     (out / "generate_pp.md").write_text("\n".join(lines) + "\n")
     (out / "generate_pp.json").write_text(json.dumps({"tokens": n, "cpu": model_name, "load_before": load_before,

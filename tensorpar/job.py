@@ -106,7 +106,7 @@ def load_model(job: Job, ctx, **kwargs):
     job's config, plan, dtype and attention; the plan is made here only when the job carries none
     (:func:`rank_weights`). With ``job.parallel.dp > 1`` (``--ep`` of generate and serve) the experts are split
     whole over the dp axis (:func:`tensorpar.hf.modules.expert_parallelize`). With ``job.parallel.pp > 1``
-    (``generate --pp``) this rank reads and holds only its pipeline stage (training's cut,
+    (``generate`` and ``serve --pp``) this rank reads and holds only its pipeline stage (training's cut,
     :func:`tensorpar.pipeline.stages.keep_stage_modules`; the other layers are ``nn.Identity``) and the model
     carries ``tensorpar_stage`` (:class:`tensorpar.pipeline.inference.Stage`), which the decode engine reads."""
     from tensorpar.hf.load import build_parallel_model

@@ -93,14 +93,18 @@ def send_hidden(x: torch.Tensor, pp: Group) -> None:
     rank). Point-to-point on the pipeline group; raises :class:`~tensorpar.comm.CollectiveError` on failure."""
     x = x.contiguous()
     pp.counter.record("send", x.numel(), x.element_size(), 2)
+    t0 = pp.counter.start()
     _run("send", pp, x, lambda: dist.send(x, group=pp.pg, group_dst=pp.rank + 1))
+    pp.counter.blocked("send", t0)
 
 
 def recv_hidden(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, pp: Group) -> torch.Tensor:
     """Receive the residual stream ``[T, h]`` from the stage before (pipeline rank ``pp.rank - 1``)."""
     x = torch.empty(shape, dtype=dtype, device=device)
     pp.counter.record("recv", x.numel(), x.element_size(), 2)
+    t0 = pp.counter.start()
     _run("recv", pp, x, lambda: dist.recv(x, group=pp.pg, group_src=pp.rank - 1))
+    pp.counter.blocked("recv", t0)      # while counting: the time this stage waited for the one before
     return x
 
 
@@ -109,7 +113,10 @@ def tokens_from_last(t: torch.Tensor, pp: Group) -> torch.Tensor:
     broadcast over the pipeline group from its last rank (the same shape and dtype on every stage)."""
     from tensorpar import comm
 
-    return comm.broadcast(t, pp, src=pp.size - 1)
+    t0 = pp.counter.start()
+    out = comm.broadcast(t, pp, src=pp.size - 1)
+    pp.counter.blocked("broadcast", t0)   # while counting: a stage before the last waits here for the last
+    return out
 
 
 def stage_tokens(logits: torch.Tensor | None, n: int, tp: Group, pp: Group, world: Group, *, partition,

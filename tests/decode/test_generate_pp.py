@@ -83,6 +83,7 @@ def pool_pp2():
     p.close()
 
 
+@pytest.mark.slow
 def test_greedy_tp2_pp2_equals_transformers(pp_dirs):
     """(tp 2, pp 2), four ranks, lean path: every rank's tokens are transformers' greedy tokens for three prompts
     (two left-padded), and each stage holds exactly its two layers. Exact: fp32, the logits differ from one process
@@ -131,16 +132,29 @@ def test_seeded_sampling_pp2_equals_one_process(pool_pp2, pp_dirs):
         torch.testing.assert_close(tokens, want, rtol=0, atol=0)
 
 
-@pytest.mark.slow
-def test_parameter_bytes_per_rank_are_the_stage_share(pool_pp2, pp_dirs):
-    """Each pipeline rank holds exactly its stage's parameters (counted from the unsharded model: its layers, the
-    embedding on the first stage and also on the last for a tied head, the final norm and head on the last), and
-    the stages together hold the whole model once plus the tied embedding's second copy."""
-    for arch in ("llama", "qwen2"):
-        folder = pp_dirs[arch]
-        ids, mask = prompts(53)
-        got = [b for _, b, _ in pool_pp2.run(job_generate, folder, ids, mask, 2, "auto")]
-        assert got == stage_bytes(folder, 2), arch
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_parameter_bytes_per_rank_are_the_stage_share(pp_dirs, arch):
+    """Each pipeline rank's load (:func:`tensorpar.job.load_model` with that rank's place in a pp 2 grid; loading
+    runs no collective at tp 1) holds exactly its stage's parameters, counted on the unsharded model: its layers,
+    the embedding on the first stage and also on the last for a tied head (llama here; qwen2 untied), the final
+    norm and head on the last. The old load held the whole model on every rank."""
+    from transformers import AutoConfig
+
+    from tensorpar.comm import Group
+    from tensorpar.job import Job, load_model
+    from tensorpar.parallel import ParallelContext
+    folder = pp_dirs[arch]
+    cfg = ParallelConfig(pp=2)
+    job = Job(parallel=cfg, timeout_s=60.0, folder=folder, model_config=AutoConfig.from_pretrained(folder))
+    got = []
+    for r in range(2):
+        ctx = ParallelContext(config=cfg, rank=r, world_size=2, device=torch.device("cpu"), tp=Group.single("tp"),
+                              pp=Group(pg=None, rank=r, size=2, name="pp"), dp=Group.single("dp"),
+                              grid=torch.arange(2).view(1, 2, 1, 1))
+        model, _ = load_model(job, ctx)
+        got.append(sum(p.numel() * p.element_size() for p in model.parameters()))
+        assert model.tensorpar_stage.layers == ((0, 1) if r == 0 else (2, 3))
+    assert got == stage_bytes(folder, 2)
 
 
 def _cli(*args, timeout=240):
@@ -190,7 +204,8 @@ def _nshosts_unavailable():
 
 @pytest.mark.skipif(_nshosts_unavailable() is not None, reason=str(_nshosts_unavailable()))
 def test_generate_tp2_pp2_across_two_namespace_hosts(tiny_with_tokenizer):
-    """tp 2 inside each host, the two stages across two namespace hosts (tensorpar.nshosts: one torchrun agent per
+    """The CI case of pipeline stages in inference (one launch; the in-process layouts above are slow). tp 2 inside
+    each host, the two stages across two namespace hosts (tensorpar.nshosts: one torchrun agent per
     host, two ranks each, a 1 Gbit/s link): the greedy text is transformers' (exact, as above); each host sent
     through its link (the residual stream one way, the tokens the other), and the stages are on different hosts
     (rank 0, the first stage, prints on one host only)."""
