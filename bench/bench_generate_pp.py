@@ -48,7 +48,8 @@ def job(ctx, folder: str, n: int) -> dict:
     with comm.counting(ctx.pp) as c:     # the seconds this rank waited on the pipeline group: its bubble
         res = generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=n), pp=ctx.pp)
     total = res.ttft_s + res.decode_s
-    return {"pp_wait_fraction": sum(c.exposed_seconds().values()) / total,"loaded_rss": loaded - base, "end_rss": _rss() - base,
+    return {"pp_wait_fraction": sum(c.exposed_seconds().values()) / total,
+            "loaded_rss": loaded - base, "end_rss": _rss() - base,
             "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
             "ms_per_token": 1e3 / res.decode_tokens_per_s, "ttft_ms": res.ttft_s * 1e3,
             "tokens": res.tokens[0].tolist()}

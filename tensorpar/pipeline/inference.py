@@ -153,3 +153,46 @@ def stage_tokens(logits: torch.Tensor | None, n: int, tp: Group, pp: Group, worl
         for j, i in enumerate(sampled):
             tokens[i] = int(samplers[i](full[j:j + 1]))
     return comm.broadcast(tokens.to(dev), world, src=0).cpu()
+
+
+def module_stage_forward(model, stage: Stage, cache, parts, x: torch.Tensor | None, layer_masks) -> torch.Tensor:
+    """The module path's forward of one pipeline stage (families without the lean decoder), one forward per batch.
+
+    ``parts``: per batch ``(ids [b, s], pos [b, s], slots [b], mask, length)`` (the engine's
+    :meth:`~tensorpar.serve.engine.Engine._segment`); ``x``: the residual stream ``[T, h]`` from the stage before
+    (``None`` on the first stage, which embeds ``ids``); ``cache``: the engine's
+    :class:`~tensorpar.decode.slot_cache.SlotKVCache` (bound per batch; it holds only this stage's layers);
+    ``layer_masks(pos, mask, length)``: the engine's attention masks. Each batch runs the stage's Hugging Face
+    layers with the model's rotary table, as the model's own forward does. Returns the last stage's logits of each
+    row's last position ``[sum(b), V_r]``, the other stages' residual stream ``[T, h]``. Collectives: the layers' tp
+    all-reduces (and the embedding's on the first stage)."""
+    base, outs, off = model.model, [], 0
+    for ids_t, pos_t, slot_t, mask, length in parts:
+        b, s = ids_t.shape
+        cache.bind(slot_t, pos_t, length)
+        h = base.embed_tokens(ids_t) if x is None else x[off:off + b * s].view(b, s, -1)            # [b, s, h]
+        off += b * s
+        am, pe = layer_masks(pos_t, mask, length), base.rotary_emb(h, pos_t)
+        for i in stage.layers:
+            h = base.layers[i](h, attention_mask=am, position_embeddings=pe, position_ids=pos_t, cache=cache,
+                               use_cache=False)
+        outs.append(model.lm_head(base.norm(h[:, -1:]))[:, -1] if stage.last else h.reshape(b * s, -1))
+    return torch.cat(outs)
+
+
+def logprobs_from_last(want: list[int], lps, top, pp: Group, *, last: bool, device: torch.device):
+    """The last stage's log-probabilities on every stage: per row the chosen token's (``want[i] >= 0``) and the top
+    ``want[i]`` ``(id, lp)`` (``lps``, ``top`` as the last stage computed them; ignored elsewhere). One broadcast of
+    ``[n, 1 + 2 k]`` float64 over the pipeline group (``k``: the most top entries a row asked for)."""
+    n, k = len(want), max(want)
+    msg = torch.zeros(n, 1 + 2 * k, dtype=torch.float64)
+    if last:
+        for i in range(n):
+            msg[i, 0] = lps[i] if lps[i] is not None else 0.0
+            for j, (tid, lp) in enumerate(top[i] or []):
+                msg[i, 1 + 2 * j], msg[i, 2 + 2 * j] = tid, lp
+    dev = device if device.type == "cuda" else torch.device("cpu")   # NCCL moves device tensors
+    msg = tokens_from_last(msg.to(dev), pp).cpu()
+    return ([float(msg[i, 0]) if w >= 0 else None for i, w in enumerate(want)],
+            [[(int(msg[i, 1 + 2 * j]), float(msg[i, 2 + 2 * j])) for j in range(w)] if w > 0 else None
+             for i, w in enumerate(want)])

@@ -252,7 +252,7 @@ class Engine:
         module path one forward per batch through the stage's layers (the masks and rotary tables of
         :meth:`_forward`). Collectives: a recv and a send of ``[T, h]`` on the pipeline group, the stage's tp ones.
         """
-        from tensorpar.pipeline.inference import recv_hidden, send_hidden
+        from tensorpar.pipeline.inference import module_stage_forward, recv_hidden, send_hidden
 
         T = sum(i.numel() for i, *_ in parts)
         x = None if self.first else recv_hidden((T, self.hidden[0]), self.hidden[1], self.device, self.pp)
@@ -261,18 +261,7 @@ class Engine:
             ids = torch.cat([i.reshape(-1) for i, *_ in parts]) if x is None else x
             out = self.lean.forward_segments(ids, torch.cat([p.reshape(-1) for _, p, *_ in parts]), segs)
         else:
-            base, outs, off = self.model.model, [], 0
-            for ids_t, pos_t, slot_t, mask, length in parts:
-                b, s = ids_t.shape
-                self.cache.bind(slot_t, pos_t, length)
-                h = base.embed_tokens(ids_t) if x is None else x[off:off + b * s].view(b, s, -1)     # [b, s, h]
-                off += b * s
-                am, pe = self._layer_masks(pos_t, mask, length), base.rotary_emb(h, pos_t)
-                for i in self.stage.layers:
-                    h = base.layers[i](h, attention_mask=am, position_embeddings=pe, position_ids=pos_t,
-                                       cache=self.cache, use_cache=False)
-                outs.append(self.model.lm_head(base.norm(h[:, -1:]))[:, -1] if self.last else h.reshape(b * s, -1))
-            out = torch.cat(outs)
+            out = module_stage_forward(self.model, self.stage, self.cache, parts, x, self._layer_masks)
         if self.last:
             return out
         send_hidden(out, self.pp)
@@ -291,8 +280,8 @@ class Engine:
         per block and one for the embedding; then one all-gather ``[b, 2]`` (argmax), plus for sampled rows an
         all-gather of their logits and a broadcast of the tokens, plus for log-probabilities all-reduces of
         ``[b]`` and an all-gather of ``[b, tp*k]``. With pipeline stages: the stage's layers' collectives, a
-        recv and a send of the residual stream, and the broadcasts of :func:`tensorpar.pipeline.inference.stage_tokens`
-        (and of the log-probabilities, :meth:`_logprobs_from_last`). Raises ValueError for a row outside the cache or with no
+        recv and a send of the residual stream, the broadcasts of :func:`tensorpar.pipeline.inference.stage_tokens`
+        (and :func:`~tensorpar.pipeline.inference.logprobs_from_last`). Raises ValueError for a row outside the cache or with no
         tokens, or two rows in one slot.
         """
         rows = plan.rows
@@ -337,7 +326,8 @@ class Engine:
             if logits is not None:
                 lps, top = self._logprobs(logits, tokens, want)
             if self.pp.size > 1:
-                lps, top = self._logprobs_from_last(want, lps, top)
+                from tensorpar.pipeline.inference import logprobs_from_last
+                lps, top = logprobs_from_last(want, lps, top, self.pp, last=self.last, device=self.device)
         return StepResult([int(t) for t in tokens], lps, top)
 
     def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, want: list[int]):
@@ -360,24 +350,6 @@ class Engine:
             if w > 0:
                 top[i] = [(int(ti[i, j]), float(tv[i, j])) for j in range(w)]
         return lps, top
-
-    def _logprobs_from_last(self, want: list[int], lps, top):
-        """The last stage's log-probabilities (:meth:`_logprobs`) on every stage: one broadcast of ``[n, 1 + 2 k]``
-        float64 over the pipeline group (``k``: the most top entries a row asked for)."""
-        from tensorpar.pipeline.inference import tokens_from_last
-
-        n, k = len(want), max(want)
-        msg = torch.zeros(n, 1 + 2 * k, dtype=torch.float64)
-        if self.last:
-            for i, w in enumerate(want):
-                msg[i, 0] = lps[i] if lps[i] is not None else 0.0
-                for j, (tid, lp) in enumerate(top[i] or []):
-                    msg[i, 1 + 2 * j], msg[i, 2 + 2 * j] = tid, lp
-        dev = self.device if self.device.type == "cuda" else torch.device("cpu")   # NCCL sends device tensors
-        msg = tokens_from_last(msg.to(dev), self.pp).cpu()
-        return ([float(msg[i, 0]) if w >= 0 else None for i, w in enumerate(want)],
-                [[(int(msg[i, 1 + 2 * j]), float(msg[i, 2 + 2 * j])) for j in range(w)] if w > 0 else None
-                 for i, w in enumerate(want)])
 
     def exchange(self, plan: StepPlan | None) -> StepPlan:
         """Rank 0 sends ``plan`` to every rank of ``plans`` (default: tp); every rank returns it (rank 0: the same

@@ -9,7 +9,8 @@ import torch
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from tests.decode.test_serve import complete_ids, hf_greedy, make_folder, prompts, start_server, stop_server  # noqa: E402
+from tests.decode.test_serve import (complete_ids, hf_greedy, make_folder, prompts, start_server,  # noqa: E402
+                                     stop_server)
 
 
 @pytest.mark.slow
