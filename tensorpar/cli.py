@@ -140,6 +140,17 @@ def check_ep_for_model(args, config) -> None:
         raise ValueError(why)
 
 
+def check_model_degrees(args, config) -> None:
+    """``--ep`` and ``--pp`` of ``generate`` and ``serve`` (launching process): :func:`check_ep_for_model`, the flag
+    rules of ``--pp`` (:func:`tensorpar.pipeline.inference.check_pp_arguments`) and the stage cut the ranks make
+    (:func:`~tensorpar.pipeline.inference.check_stages`). Raises ValueError."""
+    from tensorpar.pipeline.inference import check_pp_arguments, check_stages
+
+    check_ep_for_model(args, config)
+    check_pp_arguments(args)
+    check_stages(config, getattr(args, "pp", 1))
+
+
 class ExplicitFlag(argparse.Action):
     """Stores the value and records the flag in ``namespace.explicit_flags`` (so a degree the user gave can be
     told from a default: ``train --plan``, :func:`torchrun_tp`)."""

@@ -82,10 +82,7 @@ def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: t
             (:class:`tensorpar.decode.lean.LeanDecoder`: fused projections, static KV cache) when the family record
             allows it and the Hugging Face module path otherwise; ``"lean"`` requires it (ValueError naming why
             not); ``"hf"`` forces the module path.
-        pp: the pipeline group when ``model`` is one pipeline stage (:func:`tensorpar.job.load_model` at
-            ``pp > 1``; :mod:`tensorpar.pipeline.inference`): each step's residual stream goes from stage to stage,
-            the last stage picks the tokens and every stage gets them; ``input_ids`` are the same on every rank of
-            every stage, and so are the returned tokens.
+        pp: the pipeline group when ``model`` is one stage (:mod:`tensorpar.pipeline.inference`).
 
     A model built with sequence parallelism generates as plain tensor parallelism (the prompt and the
     one-token decode steps are not split along the sequence; :func:`tensorpar.hf.apply.sequence_parallel_off`).
@@ -104,8 +101,7 @@ def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: t
                          path, pp)
 
 
-def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_id, on_token, check_speed, path,
-              pp=None):
+def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_id, on_token, check_speed, path, pp):
     from tensorpar.serve.engine import Engine
     from tensorpar.serve.plan import Row, StepPlan
     from tensorpar.speed import measure_speed
@@ -304,8 +300,6 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
         raise ValueError(f"--top-p must be in (0, 1] (1 = off), got {args.top_p}")
-    from tensorpar.pipeline.inference import check_pp_arguments
-    check_pp_arguments(args)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.top_k < 0:
@@ -358,10 +352,8 @@ def validate(args: argparse.Namespace):
         raise ValueError(f"{folder}: model_type={config.model_type!r} is an image classifier, not a text generator; "
                          f"run it with examples/classify_vit.py")
     check_model_config(config, f"{folder}/config.json")
-    from tensorpar.cli import check_ep_for_model
-    check_ep_for_model(args, config)
-    from tensorpar.pipeline.inference import check_stages
-    check_stages(config, args.pp)   # the rule each rank's stage_of applies
+    from tensorpar.cli import check_model_degrees
+    check_model_degrees(args, config)   # --ep, --pp: the rules the ranks apply
     follow_stored_ties(folder, config, getattr(torch, getattr(args, "dtype", "float32")))  # as the ranks will
     from tensorpar.verify.prove import resolve_flags
     resolve_flags(args, config)   # --discover-plan: the proven plan becomes the --plan-file the ranks read
@@ -386,9 +378,8 @@ def validate(args: argparse.Namespace):
     task = GenerateTask(prompts, ids, mask, sampling, tuple(eos_token_ids(folder, tok)), tok.pad_token_id, tok,
                         chat=args.chat, quantize=quantize)
     parallel = ParallelConfig(tp=args.tp, pp=args.pp, dp=getattr(args, "ep", 1), tp_weights=tp_weights)
-    return job_from_args(args, parallel,
-                         folder=str(folder), model_config=config, plan=None if tp_weights == "auto" else plan,
-                         user_plan=user_plan, attn_implementation=attn, task=task)
+    return job_from_args(args, parallel, folder=str(folder), model_config=config, user_plan=user_plan,
+                         plan=None if tp_weights == "auto" else plan, attn_implementation=attn, task=task)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -11,7 +11,8 @@ the same plan: stage 0 embeds the step's tokens and runs its layers; stage ``k``
 ``[T, h]`` (``T``: the step's tokens) from stage ``k - 1`` (:func:`recv_hidden`; tp rank ``r`` of one stage
 sends to tp rank ``r`` of the next, both hold the full ``[T, h]``), runs its layers and sends it on
 (:func:`send_hidden`); the last stage computes its vocabulary slice of the logits and picks the tokens
-(vocab-parallel, over its tp group) and broadcasts them over the pipeline group (:func:`stage_tokens`; sampled
+(vocab-parallel, over its tp group) and broadcasts them over the pipeline group
+(:func:`tensorpar.serve.tokens.choose_stage_tokens`; sampled
 rows are drawn on global rank 0, where the samplers are, from the logits the last stage sends) so that every
 stage builds the next step. One step has one micro-batch in flight: while stage ``k`` computes, the
 others wait, so each stage is busy ``1 / pp`` of the step (a bubble of ``(pp - 1) / pp``); what pp buys in
@@ -117,42 +118,6 @@ def tokens_from_last(t: torch.Tensor, pp: Group) -> torch.Tensor:
     out = comm.broadcast(t, pp, src=pp.size - 1)
     pp.counter.blocked("broadcast", t0)   # while counting: a stage before the last waits here for the last
     return out
-
-
-def stage_tokens(logits: torch.Tensor | None, n: int, tp: Group, pp: Group, world: Group, *, partition,
-                 sampled: list[int], samplers, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The step's tokens ``[n]`` (int64, CPU), the same on every rank of every stage.
-
-    ``logits``: the last stage's vocab-sharded logits ``[n, V_r]`` (``None`` on the other stages). Greedy rows: the
-    last stage's vocab-parallel argmax (:func:`~tensorpar.serve.tokens.vocab_parallel_argmax`), broadcast over the
-    pipeline group. Rows ``sampled`` are drawn where the samplers live, global rank 0 (stage 0, tp rank 0; serve's
-    scheduler, generate's seeded generator), as at one stage: the last stage all-gathers their logits over its tp
-    group, broadcasts them ``[m, V]`` over the pipeline group, rank 0 draws each row with ``samplers[i]`` in row
-    order and broadcasts the tokens over ``world`` (every rank). Collectives: on the last stage an all-gather
-    ``[n, 2]`` (tp); one broadcast ``[n]`` (pp); with sampled rows an all-gather ``[m, V_r] -> [m, V]`` (tp), a
-    broadcast ``[m, V]`` (pp) and a broadcast ``[n]`` (world).
-    """
-    from tensorpar import comm
-    from tensorpar.serve.tokens import vocab_parallel_argmax
-
-    dev = device if device.type == "cuda" else torch.device("cpu")   # NCCL moves device tensors
-    last = logits is not None
-    greedy = len(sampled) < n
-    tokens = (vocab_parallel_argmax(logits, tp, partition=partition).to(dev) if last and greedy
-              else torch.zeros(n, dtype=torch.long, device=dev))
-    tokens = tokens_from_last(tokens, pp)
-    if not sampled:
-        return tokens.cpu()
-    vocab = partition.n
-    full = (comm.all_gather(logits.index_select(0, torch.tensor(sampled, device=logits.device)).contiguous(), tp,
-                            -1, partition).to(dev) if last
-            else torch.zeros(len(sampled), vocab, dtype=dtype, device=dev))                     # [m, V]
-    full = tokens_from_last(full, pp)
-    tokens = tokens.cpu()
-    if world.rank == 0 and samplers is not None:
-        for j, i in enumerate(sampled):
-            tokens[i] = int(samplers[i](full[j:j + 1]))
-    return comm.broadcast(tokens.to(dev), world, src=0).cpu()
 
 
 def module_stage_forward(model, stage: Stage, cache, parts, x: torch.Tensor | None, layer_masks) -> torch.Tensor:

@@ -91,13 +91,10 @@ def validate(args: argparse.Namespace):
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
     from tensorpar.cli import check_launch_arguments
     check_launch_arguments(args)
-    from tensorpar.pipeline.inference import check_pp_arguments, check_stages
-    check_pp_arguments(args)
     folder = resolve_model(args.model)
     config = AutoConfig.from_pretrained(folder)
-    from tensorpar.cli import check_ep_for_model
-    check_ep_for_model(args, config)
-    check_stages(config, args.pp)   # the rule each rank's stage_of applies
+    from tensorpar.cli import check_model_degrees
+    check_model_degrees(args, config)   # --ep, --pp: the rules the ranks apply
     import torch
 
     from tensorpar.hf.load import follow_stored_ties, resolve_attn_implementation

@@ -63,7 +63,7 @@ from tensorpar.decode.rope import per_row_rope
 from tensorpar.decode.slot_cache import SlotKVCache
 from tensorpar.hf.families import attention_windows
 from tensorpar.serve.plan import PLAN_MAGIC, PLAN_WORDS, Row, StepPlan, decode_plan, encode_plan
-from tensorpar.serve.tokens import choose_tokens
+from tensorpar.serve.tokens import choose_stage_tokens, choose_tokens
 
 
 #: padded tokens (rows x longest prompt) one batched prefill forward may hold; a longer burst is split
@@ -280,8 +280,8 @@ class Engine:
         per block and one for the embedding; then one all-gather ``[b, 2]`` (argmax), plus for sampled rows an
         all-gather of their logits and a broadcast of the tokens, plus for log-probabilities all-reduces of
         ``[b]`` and an all-gather of ``[b, tp*k]``. With pipeline stages: the stage's layers' collectives, a
-        recv and a send of the residual stream, the broadcasts of :func:`tensorpar.pipeline.inference.stage_tokens`
-        (and :func:`~tensorpar.pipeline.inference.logprobs_from_last`). Raises ValueError for a row outside the cache or with no
+        recv and a send of the residual stream, the broadcasts of :func:`choose_stage_tokens` (and
+        :func:`~tensorpar.pipeline.inference.logprobs_from_last`). Raises ValueError for a row outside the cache or with no
         tokens, or two rows in one slot.
         """
         rows = plan.rows
@@ -316,9 +316,9 @@ class Engine:
         if self.pp.size == 1:
             tokens = choose_tokens(logits, self.tp, partition=self.vocab, sampled=sampled, samplers=samplers)  # [n]
         else:       # the last stage's logits, rank 0's samplers (tensorpar.pipeline.inference)
-            from tensorpar.pipeline.inference import stage_tokens
-            tokens = stage_tokens(logits, len(rows), self.tp, self.pp, self.plans, partition=self.vocab,
-                                  sampled=sampled, samplers=samplers, dtype=self.hidden[1], device=self.device)
+            tokens = choose_stage_tokens(logits, len(rows), self.tp, self.pp, self.plans, partition=self.vocab,
+                                         sampled=sampled, samplers=samplers, dtype=self.hidden[1],
+                                         device=self.device)
         want = [r.logprobs for r in rows]
         lps: list[float | None] = [None] * len(rows)
         top: list[list[tuple[int, float]] | None] = [None] * len(rows)
