@@ -52,7 +52,7 @@ def add_lora_argument(p) -> None:
                         "tensorpar train --lora checkpoint or export): merged into each rank's weight shards at load")
 
 
-def add_launch_arguments(p, *, tp_list: bool = False, tp_action=None, ep: bool = False) -> None:
+def add_launch_arguments(p, *, tp_list: bool = False, tp_action=None, ep: bool = False, pp: bool = False) -> None:
     """The launch flags that ``generate``, ``train``, ``serve`` and ``verify`` share, with one set of defaults:
     ``--tp`` (:data:`tensorpar.launch.DEFAULT_TP`; ``tp_list``: a comma-separated list of degrees, for ``verify``), ``--tp-weights``,
     ``--dtype`` (float32), ``--timeout`` (:data:`tensorpar.launch.DEFAULT_TIMEOUT_S` seconds), ``--fast-collectives`` (auto),
@@ -60,7 +60,9 @@ def add_launch_arguments(p, *, tp_list: bool = False, tp_action=None, ep: bool =
     validation rule.
     ``tp_action``: an argparse action class for ``--tp`` (``train`` records which flags the user gave).
     ``ep``: also ``--ep`` (``generate``, ``serve``, ``verify``; ``train`` has its own, on its dp axis): the experts of
-    a mixture-of-experts model split whole over ``ep`` replicas of the tp ranks (``tp x ep`` ranks in all)."""
+    a mixture-of-experts model split whole over ``ep`` replicas of the tp ranks (``tp x ep`` ranks in all).
+    ``pp``: also ``--pp`` (``generate``; ``train`` has its own): pipeline stages of ``tp`` ranks each, cut by
+    training's rule (``tp x pp`` ranks; tp inside a host, stages across hosts)."""
     from tensorpar.capacity import add_argument as add_tp_weights
     from tensorpar.launch import DEFAULT_TIMEOUT_S, DEFAULT_TP
 
@@ -76,6 +78,10 @@ def add_launch_arguments(p, *, tp_list: bool = False, tp_action=None, ep: bool =
                        help="expert-parallel degree: a mixture-of-experts model's experts split whole over this many "
                             "replicas of the tp ranks (tp x ep ranks; each keeps E/ep experts, tokens moved by "
                             "all-to-all); must divide the number of experts")
+    if pp:
+        p.add_argument("--pp", type=int, default=1,
+                       help="pipeline stages: the layers cut into this many consecutive stages of --tp ranks each "
+                            "(tp x pp ranks; each holds its stage's weights and KV cache; docs/generate.md)")
     p.add_argument("--dtype", type=dtype_name, choices=DTYPES, default="float32",
                    help="bfloat16: bf16 weights and compute for generate, serve and verify; bf16 autocast over "
                         "fp32 weights and optimizer state for train")
@@ -143,6 +149,17 @@ def check_ep_for_model(args, config) -> None:
         raise ValueError(why)
 
 
+def check_model_degrees(args, config) -> None:
+    """``--ep`` and ``--pp`` of ``generate`` and ``serve`` (launching process): :func:`check_ep_for_model`, the flag
+    rules of ``--pp`` (:func:`tensorpar.pipeline.inference.check_pp_arguments`) and the stage cut the ranks make
+    (:func:`~tensorpar.pipeline.inference.check_stages`). Raises ValueError."""
+    from tensorpar.pipeline.inference import check_pp_arguments, check_stages
+
+    check_ep_for_model(args, config)
+    check_pp_arguments(args)
+    check_stages(config, getattr(args, "pp", 1))
+
+
 class ExplicitFlag(argparse.Action):
     """Stores the value and records the flag in ``namespace.explicit_flags`` (so a degree the user gave can be
     told from a default: ``train --plan``, :func:`torchrun_tp`)."""
@@ -154,23 +171,31 @@ class ExplicitFlag(argparse.Action):
 
 
 def torchrun_tp(args) -> None:
-    """Under torchrun (this process is one of its ranks) set ``args.tp`` from its world size: ``WORLD_SIZE / ep``
-    (``generate``, ``serve``; the launching rule of ``--ep``). Raises ValueError when ``--ep`` does not divide it,
-    or when a ``--tp`` the user gave differs from it (never silently another degree)."""
+    """Under torchrun (this process is one of its ranks) set ``args.tp`` from its world size:
+    ``WORLD_SIZE / (ep x pp)`` (``generate``, ``serve``; the launching rule of ``--ep`` and ``--pp``). Raises
+    ValueError when ``ep x pp`` does not divide it, or when a ``--tp`` the user gave differs from it (never silently
+    another degree)."""
     import os
 
     from tensorpar.launch import under_torchrun
 
     if not under_torchrun():
         return
-    world, ep = int(os.environ["WORLD_SIZE"]), getattr(args, "ep", 1)
+    world, ep, pp = int(os.environ["WORLD_SIZE"]), getattr(args, "ep", 1), getattr(args, "pp", 1)
     if ep >= 1 and world % ep:
         raise ValueError(f"--ep {ep} does not divide torchrun's {world} ranks (tp x ep); use --ep in "
                          f"{[d for d in range(1, world + 1) if world % d == 0]}")
-    if "tp" in (getattr(args, "explicit_flags", None) or ()) and args.tp != world // max(ep, 1):
-        raise ValueError(f"--tp {args.tp} x --ep {ep} = {args.tp * ep} ranks, but torchrun started WORLD_SIZE={world}; "
-                         f"drop --tp under torchrun (it is the world size / --ep) or start {args.tp * ep} ranks")
-    args.tp = world // max(ep, 1)
+    other = max(ep, 1) * max(pp, 1)
+    if pp > 1 and world % other:
+        raise ValueError(f"--pp {pp} does not divide torchrun's {world} ranks (tp x pp); use --pp in "
+                         f"{[d for d in range(1, world + 1) if world % d == 0]}")
+    if "tp" in (getattr(args, "explicit_flags", None) or ()) and args.tp != world // other:
+        what = "--pp" if pp > 1 else "--ep"
+        n = args.tp * other
+        raise ValueError(f"--tp {args.tp} x {what} {pp if pp > 1 else ep} = {n} ranks, but torchrun started "
+                         f"WORLD_SIZE={world}; drop --tp under torchrun (it is the world size / {what}) or start "
+                         f"{n} ranks")
+    args.tp = world // other
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -61,7 +61,7 @@ class GenerationResult:
 def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                     sampling: SamplingConfig = SamplingConfig(), eos_token_id: int | list[int] | None = None,
                     pad_id: int = 0, on_token=None, check_speed: bool = False,
-                    path: str = "auto") -> GenerationResult:
+                    path: str = "auto", pp: Group | None = None) -> GenerationResult:
     """Generate from a model sharded by :func:`tensorpar.hf.apply.parallelize`.
 
     Args:
@@ -82,6 +82,7 @@ def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: t
             (:class:`tensorpar.decode.lean.LeanDecoder`: fused projections, static KV cache) when the family record
             allows it and the Hugging Face module path otherwise; ``"lean"`` requires it (ValueError naming why
             not); ``"hf"`` forces the module path.
+        pp: the pipeline group when ``model`` is one stage (:mod:`tensorpar.pipeline.inference`).
 
     A model built with sequence parallelism generates as plain tensor parallelism (the prompt and the
     one-token decode steps are not split along the sequence; :func:`tensorpar.hf.apply.sequence_parallel_off`).
@@ -97,10 +98,10 @@ def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: t
 
     with sequence_parallel_off(model):
         return _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_id, on_token, check_speed,
-                         path)
+                         path, pp)
 
 
-def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_id, on_token, check_speed, path):
+def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_id, on_token, check_speed, path, pp):
     from tensorpar.serve.engine import Engine
     from tensorpar.serve.plan import Row, StepPlan
     from tensorpar.speed import measure_speed
@@ -120,7 +121,7 @@ def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_
         if not p:
             raise ValueError(f"prompt row {i} has no tokens (its attention_mask is all 0)")
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
-    engine = Engine(model, tp, max_batch=b, max_len=s + sampling.max_new_tokens, path=path, warm_up=False)
+    engine = Engine(model, tp, max_batch=b, max_len=s + sampling.max_new_tokens, path=path, warm_up=False, pp=pp)
     greedy = sampling.temperature == 0
     samplers = None
     if not greedy and tp.rank == 0:     # one generator (the logits' device), drawing the rows in order each step
@@ -133,7 +134,7 @@ def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_
     ttft = 0.0
     warning, paused = None, 0.0
     for step in range(sampling.max_new_tokens):
-        counting = check_speed and step == 1 and tp.size > 1
+        counting = check_speed and step == 1 and tp.size > 1 and engine.pp.size == 1   # tp against one rank
         with comm.counting(tp, reset=False) if counting else contextlib.nullcontext() as counter:
             before = sum(counter.calls.values()) if counting else 0
             got = engine.step(StepPlan("step", rows), samplers=[samplers[r.slot] for r in rows] if samplers else None)
@@ -172,7 +173,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (built in, fetched and converted once), a Hugging Face-format folder, a hub "
                         "id already in the local Hugging Face cache, or a .gguf file")
-    add_launch_arguments(p, ep=True)
+    add_launch_arguments(p, ep=True, pp=True)
     add_lora_argument(p)
     p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch (default: a sample prompt)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="token budget per prompt (>= 1)")
@@ -270,7 +271,7 @@ def _rank_main(job) -> int:
         res = generate_tokens(model, ctx.tp, ids.to(ctx.device), mask.to(ctx.device), sampling=task.sampling,
                               eos_token_id=list(task.eos), pad_id=task.pad_id, on_token=on_token,
                               # fingerprints (compared before every collective) would be counted as link latency
-                              check_speed=tp_fingerprint is None)
+                              check_speed=tp_fingerprint is None, pp=ctx.pp)
         if printer is not None:
             printer.close()  # the characters still held back (a multi-byte character split over tokens)
         if single:
@@ -352,8 +353,8 @@ def validate(args: argparse.Namespace):
         raise ValueError(f"{folder}: model_type={config.model_type!r} is an image classifier, not a text generator; "
                          f"run it with examples/classify_vit.py")
     check_model_config(config, f"{folder}/config.json")
-    from tensorpar.cli import check_ep_for_model
-    check_ep_for_model(args, config)
+    from tensorpar.cli import check_model_degrees
+    check_model_degrees(args, config)   # --ep, --pp: the rules the ranks apply
     follow_stored_ties(folder, config, getattr(torch, getattr(args, "dtype", "float32")))  # as the ranks will
     from tensorpar.verify.prove import resolve_flags
     resolve_flags(args, config)   # --discover-plan: the proven plan becomes the --plan-file the ranks read
@@ -377,9 +378,9 @@ def validate(args: argparse.Namespace):
                               0 if args.seed is None else args.seed)
     task = GenerateTask(prompts, ids, mask, sampling, tuple(eos_token_ids(folder, tok)), tok.pad_token_id, tok,
                         chat=args.chat, quantize=quantize)
-    return job_from_args(args, ParallelConfig(tp=args.tp, dp=getattr(args, "ep", 1), tp_weights=tp_weights),
-                         folder=str(folder), model_config=config, plan=None if tp_weights == "auto" else plan,
-                         user_plan=user_plan, attn_implementation=attn, task=task)
+    parallel = ParallelConfig(tp=args.tp, pp=args.pp, dp=getattr(args, "ep", 1), tp_weights=tp_weights)
+    return job_from_args(args, parallel, folder=str(folder), model_config=config, user_plan=user_plan,
+                         plan=None if tp_weights == "auto" else plan, attn_implementation=attn, task=task)
 
 
 def main(args: argparse.Namespace) -> int:

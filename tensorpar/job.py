@@ -115,13 +115,25 @@ def load_model(job: Job, ctx, **kwargs):
     job's config, plan, dtype and attention; the plan is made here only when the job carries none
     (:func:`rank_weights`). With ``job.parallel.dp > 1`` (``--ep`` of generate and serve) the experts are split
     whole over the dp axis (:func:`tensorpar.hf.modules.expert_parallelize`). With ``job.lora`` the PEFT adapter is
-    merged into this rank's shards (:func:`tensorpar.hf.lora.merge_adapter`: merged at load, not applied unmerged)."""
+    merged into this rank's shards (:func:`tensorpar.hf.lora.merge_adapter`: merged at load, not applied unmerged).
+    With ``job.parallel.pp > 1``
+    (``generate`` and ``serve --pp``) this rank reads and holds only its pipeline stage (training's cut,
+    :func:`tensorpar.pipeline.stages.keep_stage_modules`; the other layers are ``nn.Identity``) and the model
+    carries ``tensorpar_stage`` (:class:`tensorpar.pipeline.inference.Stage`), which the decode engine reads."""
     from tensorpar.hf.load import build_parallel_model
 
+    stage = None
+    if job.parallel.pp > 1:
+        from tensorpar.pipeline.inference import stage_of
+        from tensorpar.pipeline.stages import keep_stage_modules
+        stage = stage_of(job.model_config, ctx.pp.rank, ctx.pp.size)
+        kwargs["keep"] = lambda m: keep_stage_modules(m, ctx.pp.rank, ctx.pp.size)
     model, plan = build_parallel_model(job.folder, ctx.tp, config=job.model_config, plan=job.plan,
                                        tp_weights=rank_weights(job, ctx), user_plan=job.user_plan,
                                        dtype=job.torch_dtype, device=ctx.device,
                                        attn_implementation=job.attn_implementation, **kwargs)
+    if stage is not None:
+        model.tensorpar_stage = stage
     if job.lora is not None:   # W_r += s * B A, this rank's part, before any decode preparation or quantization
         from tensorpar.hf.lora import merge_adapter
         merge_adapter(model, job.lora, ctx.tp.rank)

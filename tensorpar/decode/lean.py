@@ -100,15 +100,24 @@ class LeanDecoder:
         unpack_weights(model)           # a previous decoder packed it: plain weights again (this one may repack)
         fuse_projections(model)
         self.model, self.tp = model, tp
-        self.embed = embed
+        # a pipeline stage (model.tensorpar_stage, tensorpar.pipeline.inference): its layers; the embedding on the
+        # first stage only, the final norm and LM head on the last only
+        stage = getattr(model, "tensorpar_stage", None)
+        self.first, self.last = stage is None or stage.first, stage is None or stage.last
+        idx = list(range(len(layers))) if stage is None else list(stage.layers)
+        self.hf_layers = [layers[i] for i in idx]
+        self.embed = embed if self.first else None
         self.rope_switch = rope_switch_length(rotary)
-        self.norm = norm_fn(norm)
-        self.lm_w, self.lm_b = lean_weight(model.lm_head), getattr(model.lm_head, "bias", None)
+        self.norm = norm_fn(norm) if self.last else None
+        self.lm_w, self.lm_b = ((lean_weight(model.lm_head), getattr(model.lm_head, "bias", None)) if self.last
+                                else (None, None))
         #: Gemma 2/3's final logit soft-capping (element-wise, so exact on the vocab-sharded logits)
         self.final_cap = getattr(model.config, "final_logit_softcapping", None)
         self.max_batch, self.max_len = max_batch, max_len
-        a0 = getattr(layers[0], "self_attn", None) or layers[0].attention
-        w0 = self.lm_w
+        l0 = self.hf_layers[0]
+        a0 = getattr(l0, "self_attn", None) or l0.attention
+        w0 = self.lm_w if self.last else lean_weight(getattr(a0, "dense" if a0 is not getattr(l0, "self_attn", None)
+                                                             else a0.o_name))
         dev = w0.device
         # the rotary tables: one, or one per layer type where the module takes it (Gemma 3's local and global)
         types = getattr(model.config, "layer_types", None)
@@ -117,7 +126,7 @@ class LeanDecoder:
                        else {None: rotary})
         self.layers: list[Layer] = [build_layer(layer, tp, int8=int8, probe_w=w0,
                                                 rope=types[i] if per_type else None)
-                                    for i, layer in enumerate(layers)]
+                                    for i, layer in zip(idx, self.hf_layers)]
         n_q, n_kv, d = a0.layout.local_heads(tp.rank), a0.layout.local_kv_heads(tp.rank), a0.head_dim
         self.n_q, self.n_kv, self.head_dim = n_q, n_kv, d
         self.windows = sorted({L.window for L in self.layers if L.window is not None})
@@ -162,9 +171,9 @@ class LeanDecoder:
             self.packed = False
             return
         del w
-        tied = model.lm_head._parameters.get("weight") is self.embed._parameters.get("weight")
+        tied = model.lm_head._parameters.get("weight") is decoder_parts(model)[0]._parameters.get("weight")
         fields = [(L, field, id(w)) for L in self.layers for field, _, _, w, _ in L.packs]
-        head = None if tied else id(self.lm_w)
+        head = None if tied or not self.last else id(self.lm_w)     # not the last pipeline stage: no LM head
         try:
             plan = pack_plan(model, {i for *_, i in fields} | ({head} if head is not None else set()))
         except ValueError:                      # a weight outside a plain parallel Linear: keep them all plain
@@ -179,7 +188,7 @@ class LeanDecoder:
         for L, field, i in fields:
             setattr(L, field, packed[i])
         self.lin = packed_linear
-        if head is None:                        # tied to the embedding: the plain table, F.linear
+        if head is None:                        # tied to the embedding: the plain table, F.linear (or no head)
             self.lm_w = lm_w
         else:
             self.lm_w, self.linear = packed[head], packed_linear
@@ -211,7 +220,10 @@ class LeanDecoder:
         prompts): the matmuls, norms and all-reduces run once over all their tokens, attention per segment.
 
         ``ids``, ``rope_pos`` ``[T]``: the segments' tokens and rotary positions one after the other, each
-        segment's ``[b, s]`` flattened row by row (``T = sum(b * s)``). A segment's cache writes and reads are those
+        segment's ``[b, s]`` flattened row by row (``T = sum(b * s)``). On a pipeline stage after the first
+        (``model.tensorpar_stage``, :mod:`tensorpar.pipeline.inference`) ``ids`` is the residual stream ``[T, h]``
+        the stage before returned; a stage before the last returns its residual stream ``[T, h]`` (after its
+        layers, before the final norm) instead of logits. A segment's cache writes and reads are those
         of :meth:`forward` with its fields. Returns the logits of each row's last position, ``[sum(b), V_r]`` in
         segment order (``last_only=False``, one segment: ``[b, s, V_r]``). Why one forward: a step's prefill
         rows as a forward of their own cost a second pass over every weight and the framework's per-layer calls
@@ -224,7 +236,10 @@ class LeanDecoder:
         if sum(g.b * g.s for g in segments) != T or rope_pos.shape[0] != T:
             raise ValueError(f"segments of {[(g.b, g.s) for g in segments]} rows x tokens do not add up to the "
                              f"{T} ids / {rope_pos.shape[0]} positions given")
-        x = self.embed(ids.view(1, T))                                                 # [1, T, h], all-reduced
+        if self.first:
+            x = self.embed(ids.view(1, T))                                             # [1, T, h], all-reduced
+        else:           # a later pipeline stage: the residual stream the stage before sent, [T, h]
+            x = ids.view(1, T, ids.shape[-1])
         h = x.shape[-1]
         d, nq, nkv = self.head_dim, self.n_q, self.n_kv
         tables = {}
@@ -282,6 +297,8 @@ class LeanDecoder:
             if L.parallel:
                 o = o + x_attn          # transformers' order: mlp + attn + x
             x.add_(o)
+        if not self.last:           # a pipeline stage before the last: the residual stream goes on, [T, h]
+            return x
         if len(segments) == 1:
             g = segments[0]
             x = x.view(g.b, g.s, h)

@@ -22,7 +22,8 @@ def lean_unsupported(model) -> str | None:
                 "final_layer_norm / rotary_emb)")
     if getattr(model.tensorpar_plan, "sequence_parallel", False):
         return "sequence parallelism"
-    for layer in parts[1]:
+    stage = getattr(model, "tensorpar_stage", None)     # a pipeline stage holds only its layers
+    for layer in (parts[1] if stage is None else [parts[1][i] for i in stage.layers]):
         if isinstance(getattr(layer, "attention", None), TPGPTNeoXAttention):
             if type(layer.mlp) is not TPMLP:
                 return f"layer {layer.attention.layer_idx}'s MLP is not a TPMLP"

@@ -165,7 +165,11 @@ def merge_adapter(model: nn.Module, folder: str | Path, tp_rank: int) -> int:
         name, kind = _split_key(key)
         pairs.setdefault(name, {})[kind] = t
     params = dict(model.named_parameters())
+    stage = getattr(model, "tensorpar_stage", None)     # a pipeline stage (generate/serve --pp) holds its layers only
     for name, ab in pairs.items():
+        w = params.get(f"{name}.weight")
+        if w is None and stage is not None:            # another stage's layer (check_adapter saw the whole model)
+            continue
         w = params[f"{name}.weight"]
         a, b = ab["lora_A"].to(torch.float32), ab["lora_B"].to(torch.float32)        # [r, in], [out, r]
         r = a.shape[0]

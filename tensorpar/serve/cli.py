@@ -1,5 +1,9 @@
 """``tensorpar serve``: start the tp ranks, load the model sharded, serve the OpenAI API from rank 0.
 
+With ``--pp P`` the ranks are ``tp x pp`` (each holds its pipeline stage, :mod:`tensorpar.pipeline.inference`)
+and every rank follows rank 0's plans; one step (one micro-batch) is in flight at a time, so each stage is idle
+``(P - 1) / P`` of a step.
+
 Rank 0 runs uvicorn (FastAPI) in a thread and the scheduler on its main thread; ranks 1.. follow rank 0's
 broadcast plans (:func:`tensorpar.serve.engine.follow`). SIGINT/SIGTERM on any rank's launcher stops the
 scheduler, which ends in-flight requests, broadcasts ``"stop"``, and every rank exits 0.
@@ -22,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (built in), a Hugging Face-format folder, or a .gguf file")
     from tensorpar.cli import add_launch_arguments, add_lora_argument
-    add_launch_arguments(p, ep=True)
+    add_launch_arguments(p, ep=True, pp=True)
     add_lora_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the URL is printed)")
@@ -90,8 +94,8 @@ def validate(args: argparse.Namespace):
     check_launch_arguments(args)
     folder = resolve_model(args.model)
     config = AutoConfig.from_pretrained(folder)
-    from tensorpar.cli import check_ep_for_model
-    check_ep_for_model(args, config)
+    from tensorpar.cli import check_model_degrees
+    check_model_degrees(args, config)   # --ep, --pp: the rules the ranks apply
     import torch
 
     from tensorpar.hf.load import follow_stored_ties, resolve_attn_implementation
@@ -108,7 +112,8 @@ def validate(args: argparse.Namespace):
     tok = AutoTokenizer.from_pretrained(folder, config=config)  # the config read above, not again
     task = ServeTask(n, args.max_batch, args.max_waiting, args.host, args.port, args.served_model_name or args.model,
                      tok, quantize)
-    return job_from_args(args, ParallelConfig(tp=args.tp, dp=getattr(args, "ep", 1), tp_weights=tp_weights), folder=str(folder),
+    parallel = ParallelConfig(tp=args.tp, pp=args.pp, dp=getattr(args, "ep", 1), tp_weights=tp_weights)
+    return job_from_args(args, parallel, folder=str(folder),
                          model_config=config, plan=None if tp_weights == "auto" else plan,
                          attn_implementation=resolve_attn_implementation(config), task=task)
 
@@ -167,7 +172,8 @@ def _rank_main(job) -> int:
 
             from tensorpar.comm import Group
             plans = Group.from_pg(dist.group.WORLD, name="world")
-        engine = Engine(model, ctx.tp, max_batch=task.max_batch, max_len=task.max_len, plans=plans)
+        engine = Engine(model, ctx.tp, max_batch=task.max_batch, max_len=task.max_len, plans=plans,
+                        pp=ctx.pp)   # with --pp: this rank's stage; every rank follows rank 0's plans
         from tensorpar import fingerprint
         if job.check_collectives or fingerprint.enable_from_env(ctx.tp) is not None:
             check_collectives(engine, ctx.tp, timeout_s=min(job.timeout_s / 2, 60.0))
@@ -242,7 +248,8 @@ def _serve(engine, task: ServeTask, holder: dict) -> int:
     port = server.servers[0].sockets[0].getsockname()[1]
     kv = engine.cache.nbytes() / 2**20
     slots = f"{engine.max_batch} slot{'s' if engine.max_batch != 1 else ''}"
-    print(f"tensorpar serve: {name} at tp={engine.tp.size}, {slots} x {max_len} tokens "
+    at = f"tp={engine.tp.size}" + (f", pp={engine.pp.size}" if engine.pp.size > 1 else "")
+    print(f"tensorpar serve: {name} at {at}, {slots} x {max_len} tokens "
           f"(KV cache {kv:.0f} MiB on rank 0); ready at http://{_url_host(task.host)}:{port}/v1", flush=True)
     try:
         sched.run()

@@ -63,7 +63,7 @@ from tensorpar.decode.rope import per_row_rope
 from tensorpar.decode.slot_cache import SlotKVCache
 from tensorpar.hf.families import attention_windows
 from tensorpar.serve.plan import PLAN_MAGIC, PLAN_WORDS, Row, StepPlan, decode_plan, encode_plan
-from tensorpar.serve.tokens import choose_tokens
+from tensorpar.serve.tokens import choose_stage_tokens, choose_tokens
 
 
 #: padded tokens (rows x longest prompt) one batched prefill forward may hold; a longer burst is split
@@ -136,14 +136,19 @@ class Engine:
         warm_up: run one 1-token prefill at construction (allocates the cache, warms every kernel).
         plans: the ranks that run rank 0's plans (:meth:`exchange`): ``None`` for ``tp``; every rank when ep
             replicas of the tp ranks hold the experts (``serve --ep``: they run the same steps).
+        pp: the pipeline group when the model is one pipeline stage (``model.tensorpar_stage``, loaded by
+            :func:`tensorpar.job.load_model` at ``pp > 1``): a step receives the residual stream from the stage
+            before, runs this stage's layers (its KV cache holds only those) and sends it on; the last stage picks
+            the tokens and broadcasts them to every stage (:mod:`tensorpar.pipeline.inference`).
 
     Raises:
         ValueError: ``max_len`` above the model's ``max_position_embeddings``; ``path`` not one of
-            auto/lean/hf, or ``"lean"`` for a model the lean path does not run (naming why).
+            auto/lean/hf, or ``"lean"`` for a model the lean path does not run (naming why); a stage model
+            without a pipeline group of its size, or a pipeline group without a stage model.
     """
 
     def __init__(self, model, tp: Group, *, max_batch: int, max_len: int, path: str = "auto", warm_up: bool = True,
-                 plans: Group | None = None):
+                 plans: Group | None = None, pp: Group | None = None):
         cfg = model.config
         if path not in ("auto", "lean", "hf"):
             raise ValueError(f"path must be 'auto', 'lean' or 'hf', got {path!r}")
@@ -151,9 +156,21 @@ class Engine:
         if limit is not None and max_len > limit:
             raise ValueError(f"--max-model-len {max_len} exceeds the model's max_position_embeddings={limit}")
         self.model, self.tp = model, tp
-        self.plans = plans or tp     # the ranks that run rank 0's plans: tp, or every rank (ep replicas of tp)
         self.vocab = model.tensorpar_plan.vocab
         self.device = next(model.parameters()).device
+        self.pp = pp or Group.single("pp")
+        if plans is None and self.pp.size > 1:      # every stage runs rank 0's plans and gets its sampled tokens
+            import torch.distributed as dist
+            plans = Group.from_pg(dist.group.WORLD, name="world")
+        self.plans = plans or tp     # the ranks that run rank 0's plans: tp, or every rank (ep replicas, stages)
+        self.stage = getattr(model, "tensorpar_stage", None)
+        if (self.stage.size if self.stage is not None else 1) != self.pp.size:
+            have = f"stage {self.stage.rank} of {self.stage.size}" if self.stage is not None else "the whole model"
+            raise ValueError(f"the model is {have} but the pipeline group has {self.pp.size} ranks; load it with "
+                             f"pp={self.pp.size}")
+        self.first = self.stage is None or self.stage.first
+        self.last = self.stage is None or self.stage.last
+        self.hidden = (cfg.hidden_size, next(model.parameters()).dtype)      # what travels between stages
 
         # the one decision of which path runs: the lean decoder when the family record (and the config) allow it
         why = None if path == "hf" else lean_unsupported(model)
@@ -209,6 +226,8 @@ class Engine:
         the matmuls once over every token, attention per batch); the module path one forward per batch.
         """
         parts = [self._segment(*bt) for bt in batches]
+        if self.stage is not None:
+            return self._stage_forward(parts)
         if self.lean is not None:
             segs = [Segment(i.shape[0], i.shape[1], m, n, slots=sl, cache_pos=p) for i, p, sl, m, n in parts]
             ids = torch.cat([i.reshape(-1) for i, *_ in parts])
@@ -225,6 +244,30 @@ class Engine:
         return out[0] if len(out) == 1 else torch.cat(out)
 
     @torch.no_grad()
+    def _stage_forward(self, parts) -> torch.Tensor | None:
+        """:meth:`_forward` of one pipeline stage: the residual stream ``[T, h]`` of the step's ``T`` tokens
+        (every batch's ``[b, s]`` row by row, batch after batch) comes from the stage before (stage 0: the
+        embedding of the token ids), runs through this stage's layers and goes to the next stage; the last returns
+        the logits ``[sum(b), V_r]``, the others ``None``. The lean path runs all the batches as one forward, the
+        module path one forward per batch through the stage's layers (the masks and rotary tables of
+        :meth:`_forward`). Collectives: a recv and a send of ``[T, h]`` on the pipeline group, the stage's tp ones.
+        """
+        from tensorpar.pipeline.inference import module_stage_forward, recv_hidden, send_hidden
+
+        T = sum(i.numel() for i, *_ in parts)
+        x = None if self.first else recv_hidden((T, self.hidden[0]), self.hidden[1], self.device, self.pp)
+        if self.lean is not None:
+            segs = [Segment(i.shape[0], i.shape[1], m, n, slots=sl, cache_pos=p) for i, p, sl, m, n in parts]
+            ids = torch.cat([i.reshape(-1) for i, *_ in parts]) if x is None else x
+            out = self.lean.forward_segments(ids, torch.cat([p.reshape(-1) for _, p, *_ in parts]), segs)
+        else:
+            out = module_stage_forward(self.model, self.stage, self.cache, parts, x, self._layer_masks)
+        if self.last:
+            return out
+        send_hidden(out, self.pp)
+        return None
+
+    @torch.no_grad()
     def step(self, plan: StepPlan, samplers) -> StepResult:
         """Run ``plan`` (identical on every rank); return the tokens (the same on every rank).
 
@@ -236,7 +279,9 @@ class Engine:
         ``f(logits [1, V]) -> token`` (the request's seeded sampler). Collectives: per forward two all-reduces
         per block and one for the embedding; then one all-gather ``[b, 2]`` (argmax), plus for sampled rows an
         all-gather of their logits and a broadcast of the tokens, plus for log-probabilities all-reduces of
-        ``[b]`` and an all-gather of ``[b, tp*k]``. Raises ValueError for a row outside the cache or with no
+        ``[b]`` and an all-gather of ``[b, tp*k]``. With pipeline stages: the stage's layers' collectives, a
+        recv and a send of the residual stream, the broadcasts of :func:`choose_stage_tokens` (and
+        :func:`~tensorpar.pipeline.inference.logprobs_from_last`). Raises ValueError for a row outside the cache or with no
         tokens, or two rows in one slot.
         """
         rows = plan.rows
@@ -262,28 +307,49 @@ class Engine:
             batches.append(([rows[i].slot for i in idx], [rows[i].tokens for i in idx],
                             [list(range(rows[i].start, rows[i].start + n)) for i in idx]))
             order.extend(idx)
-        lg = self._forward(batches)                                                       # [n, V_r], in order
-        parts = {i: lg[j:j + 1] for j, i in enumerate(order)}
-        logits = torch.cat([parts[i] for i in range(len(rows))])                           # [n, V_r]
-        tokens = choose_tokens(logits, self.tp, partition=self.vocab,
-                               sampled=[i for i, r in enumerate(rows) if r.sampled], samplers=samplers)   # [n]
+        lg = self._forward(batches)                                # [n, V_r], in order (None: not the last stage)
+        logits = None
+        if lg is not None:
+            parts = {i: lg[j:j + 1] for j, i in enumerate(order)}
+            logits = torch.cat([parts[i] for i in range(len(rows))])                       # [n, V_r]
+        sampled = [i for i, r in enumerate(rows) if r.sampled]
+        if self.pp.size == 1:
+            tokens = choose_tokens(logits, self.tp, partition=self.vocab, sampled=sampled, samplers=samplers)  # [n]
+        else:       # the last stage's logits, rank 0's samplers (tensorpar.pipeline.inference)
+            tokens = choose_stage_tokens(logits, len(rows), self.tp, self.pp, self.plans, partition=self.vocab,
+                                         sampled=sampled, samplers=samplers, dtype=self.hidden[1],
+                                         device=self.device)
+        want = [r.logprobs for r in rows]
         lps: list[float | None] = [None] * len(rows)
         top: list[list[tuple[int, float]] | None] = [None] * len(rows)
-        want = [r.logprobs for r in rows]
         if max(want, default=-1) >= 0:
-            from tensorpar.layers.log_softmax import vocab_parallel_logprobs, vocab_parallel_topk_logprobs
-            chosen = vocab_parallel_logprobs(logits.float(), tokens.to(logits.device), self.tp,
-                                             partition=self.vocab).cpu()
-            k = max(want)
-            if k > 0:
-                tv, ti = vocab_parallel_topk_logprobs(logits, k, self.tp, partition=self.vocab)
-                tv, ti = tv.cpu(), ti.cpu()
-            for i, w in enumerate(want):
-                if w >= 0:
-                    lps[i] = float(chosen[i])
-                if w > 0:
-                    top[i] = [(int(ti[i, j]), float(tv[i, j])) for j in range(w)]
+            if logits is not None:
+                lps, top = self._logprobs(logits, tokens, want)
+            if self.pp.size > 1:
+                from tensorpar.pipeline.inference import logprobs_from_last
+                lps, top = logprobs_from_last(want, lps, top, self.pp, last=self.last, device=self.device)
         return StepResult([int(t) for t in tokens], lps, top)
+
+    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, want: list[int]):
+        """Per row: the chosen token's log-probability (``want[i] >= 0``) and the top ``want[i]`` ``(id, lp)``
+        (``want[i] > 0``), vocab-parallel over ``logits`` ``[n, V_r]``. Collectives: all-reduces of ``[n]``, an
+        all-gather of ``[n, tp*k]``."""
+        from tensorpar.layers.log_softmax import vocab_parallel_logprobs, vocab_parallel_topk_logprobs
+
+        lps: list[float | None] = [None] * len(want)
+        top: list[list[tuple[int, float]] | None] = [None] * len(want)
+        chosen = vocab_parallel_logprobs(logits.float(), tokens.to(logits.device), self.tp,
+                                         partition=self.vocab).cpu()
+        k = max(want)
+        if k > 0:
+            tv, ti = vocab_parallel_topk_logprobs(logits, k, self.tp, partition=self.vocab)
+            tv, ti = tv.cpu(), ti.cpu()
+        for i, w in enumerate(want):
+            if w >= 0:
+                lps[i] = float(chosen[i])
+            if w > 0:
+                top[i] = [(int(ti[i, j]), float(tv[i, j])) for j in range(w)]
+        return lps, top
 
     def exchange(self, plan: StepPlan | None) -> StepPlan:
         """Rank 0 sends ``plan`` to every rank of ``plans`` (default: tp); every rank returns it (rank 0: the same

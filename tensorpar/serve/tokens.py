@@ -114,3 +114,39 @@ def choose_tokens(logits: torch.Tensor, tp: Group, *, partition, sampled: list[i
         if tp.size > 1:
             tokens = comm.broadcast(tokens.to(logits.device), tp, src=0).cpu()
     return tokens
+
+
+def choose_stage_tokens(logits: torch.Tensor | None, n: int, tp: Group, pp: Group, world: Group, *, partition,
+                        sampled: list[int], samplers, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """:func:`choose_tokens` with pipeline stages (:mod:`tensorpar.pipeline.inference`): the step's tokens ``[n]``
+    (int64, CPU), the same on every rank of every stage.
+
+    ``logits``: the last stage's vocab-sharded logits ``[n, V_r]`` (``None`` on the other stages). Greedy rows: the
+    last stage's vocab-parallel argmax (:func:`vocab_parallel_argmax`), broadcast over the
+    pipeline group. Rows ``sampled`` are drawn where the samplers live, global rank 0 (stage 0, tp rank 0; serve's
+    scheduler, generate's seeded generator), as at one stage: the last stage all-gathers their logits over its tp
+    group, broadcasts them ``[m, V]`` over the pipeline group, rank 0 draws each row with ``samplers[i]`` in row
+    order and broadcasts the tokens over ``world`` (every rank). Collectives: on the last stage an all-gather
+    ``[n, 2]`` (tp); one broadcast ``[n]`` (pp); with sampled rows an all-gather ``[m, V_r] -> [m, V]`` (tp), a
+    broadcast ``[m, V]`` (pp) and a broadcast ``[n]`` (world).
+    """
+    from tensorpar.pipeline.inference import tokens_from_last
+
+    dev = device if device.type == "cuda" else torch.device("cpu")   # NCCL moves device tensors
+    last = logits is not None
+    greedy = len(sampled) < n
+    tokens = (vocab_parallel_argmax(logits, tp, partition=partition).to(dev) if last and greedy
+              else torch.zeros(n, dtype=torch.long, device=dev))
+    tokens = tokens_from_last(tokens, pp)
+    if not sampled:
+        return tokens.cpu()
+    vocab = partition.n
+    full = (comm.all_gather(logits.index_select(0, torch.tensor(sampled, device=logits.device)).contiguous(), tp,
+                            -1, partition).to(dev) if last
+            else torch.zeros(len(sampled), vocab, dtype=dtype, device=dev))                     # [m, V]
+    full = tokens_from_last(full, pp)
+    tokens = tokens.cpu()
+    if world.rank == 0 and samplers is not None:
+        for j, i in enumerate(sampled):
+            tokens[i] = int(samplers[i](full[j:j + 1]))
+    return comm.broadcast(tokens.to(dev), world, src=0).cpu()
