@@ -190,6 +190,8 @@ class Api:
             self.sched.submit(req)
         except QueueFull as e:
             raise BadRequest(str(e), None, status=429, kind="rate_limit_error") from e
+        except ValueError as e:             # larger than the KV pool: it could never run
+            raise BadRequest(str(e), "max_tokens") from e
         except RuntimeError as e:
             raise BadRequest(str(e), None, status=503, kind="server_error") from e
         return q
@@ -313,7 +315,7 @@ def build_app(api: Api):
                         if ev is None:
                             continue
                         if ev[0] == "error":
-                            yield _sse(error_body(ev[1], "server_error", None, 500))
+                            yield _sse(error_body(ev[1], "server_error", None, ev[2] if len(ev) > 2 else 500))
                             break
                         reason = None
                         if ev[0] == "token":
@@ -348,17 +350,28 @@ def build_app(api: Api):
             return StreamingResponse(events(), media_type="text/event-stream")
 
         entries, reason = [], None
+        gone = asyncio.Event()
+
+        async def watch():      # a client that goes away: the request ends at the next step (tokens or not)
+            while not await http.is_disconnected():
+                await asyncio.sleep(0.05)
+            gone.set()
+            req.cancel()
+
+        watcher = asyncio.create_task(watch())
         try:
             while reason is None:
                 try:
                     ev = await asyncio.wait_for(q.get(), timeout=1.0)
                 except asyncio.TimeoutError:
-                    if await http.is_disconnected():
-                        req.cancel()
-                        return Response(status_code=499)
+                    ev = None
+                if gone.is_set():
+                    return Response(status_code=499)
+                if ev is None:
                     continue
                 if ev[0] == "error":
-                    return JSONResponse(error_body(ev[1], "server_error", None, 500), status_code=500)
+                    code = ev[2] if len(ev) > 2 else 500
+                    return JSONResponse(error_body(ev[1], "server_error", None, code), status_code=code)
                 if ev[0] == "token":
                     _, tok, lp, top, is_eos = ev
                     if lp is not None and not is_eos:
@@ -366,6 +379,7 @@ def build_app(api: Api):
                 else:
                     reason = ev[1]
         finally:
+            watcher.cancel()
             req.cancel()
         text = api.texts(req.out, stops, final=True)
         if chat:

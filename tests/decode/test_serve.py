@@ -367,7 +367,7 @@ def test_scheduler_slots_waiting_and_queue_limit():
     assert [e[1] for e in events[0] if e[0] == "token"] == [1, 2]          # slot 0: positions 1, 2
     assert [e[1] for e in events[2] if e[0] == "token"] == [3, 4, 5, 6]     # slot 0 again, its own positions
     assert all(e[-1] == ("done", "length") for e in list(events.values())[:3])
-    assert s.running == {} and s._pending == 0
+    assert s.running == [] and s._pending == 0
 
 
 def test_chat_prompt_ids_are_apply_chat_templates(tmp_path):
