@@ -97,6 +97,10 @@ def parse_memory(text: str) -> tuple[str, float]:
     return "bytes", n
 
 
+def _size(n: int) -> str:
+    return f"{n} bytes" if n < 2**20 else f"{n} bytes ({n / 2**20:.1f} MiB)"
+
+
 def kv_pool(config, tp: int, dtype: str, max_len: int, max_batch: int, *, block_size: int, memory: str | None,
             weights=None, ranks_here: int = 1) -> tuple[int, int]:
     """``(num_blocks, bytes_per_block)`` of the KV pool each rank allocates: ``memory`` (``--kv-cache-memory``)
@@ -132,8 +136,8 @@ def kv_pool(config, tp: int, dtype: str, max_len: int, max_batch: int, *, block_
     if n < per_request:
         raise ValueError(f"--kv-cache-memory {memory} holds {n} KV block(s) of {block_size} positions "
                          f"({per_block} bytes each on a rank at tp={tp}); one request of --max-model-len {max_len} "
-                         f"needs {per_request}: give at least {per_request * per_block} bytes "
-                         f"({per_request * per_block / 2**20:.1f} MiB), or lower --max-model-len")
+                         f"needs {per_request}: give at least {_size(per_request * per_block)}, or lower "
+                         f"--max-model-len")
     return n, per_block
 
 

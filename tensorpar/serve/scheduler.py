@@ -33,7 +33,7 @@ class QueueFull(Exception):
     """More than ``max_waiting`` requests are waiting for a slot."""
 
 
-@dataclass
+@dataclass(eq=False)                    # requests compare by identity (the scheduler's lists hold them)
 class Request:
     """One generation request as the scheduler sees it.
 
@@ -237,10 +237,10 @@ class Scheduler:
                     continue
             self.running.append(req)
         rows = []
-        for req in self.running:
-            known = req.prompt + req.out
-            rows.append(Row(req.blocks[0], known[req.computed:], req.computed, req.temperature > 0, req.logprobs,
-                            list(req.blocks)))
+        for req in self.running:     # the tokens not in its blocks: the last one (decode), or after a prefix hit
+            n = len(req.prompt) + len(req.out)   # or a preemption the rest of its prompt and produced tokens
+            toks = [req.out[-1]] if req.out and req.computed == n - 1 else (req.prompt + req.out)[req.computed:]
+            rows.append(Row(req.blocks[0], toks, req.computed, req.temperature > 0, req.logprobs, list(req.blocks)))
         return StepPlan("step", rows), list(self.running)
 
     def _dequeue(self, req: Request) -> bool:
