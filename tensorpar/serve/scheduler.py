@@ -174,14 +174,20 @@ class Scheduler:
         if self.metrics:
             self.metrics.preempted()
 
-    def _admit(self, req: Request) -> bool:
+    def _admit(self, req: Request, computing: set) -> bool:
         """Give waiting ``req`` the blocks of its known tokens (prompt and any produced before a preemption):
         the cached ones of its longest cached prompt prefix (not the block of its last token, which must be
-        computed), then new ones. False (nothing taken) when too few are free."""
+        computed), then new ones. False (nothing taken) when too few are free, or when the next block of its
+        prefix is being computed by a running request (``computing``: those hashes): it then waits a step and
+        reuses it instead of computing it again (a burst of requests sharing a system prompt computes it once)."""
         bs, known = self.block_size, len(req.prompt) + len(req.out)
         if not req.hashes and self.blocks.caching:
             req.hashes = block_hashes(req.prompt, bs)
-        hit = self.blocks.match(req.hashes[:(known - 1) // bs])
+        cap = req.hashes[:(known - 1) // bs]
+        hit = self.blocks.match(cap)
+        if len(hit) < len(cap) and cap[len(hit)] in computing:
+            self.blocks.release(hit)
+            return False
         new = self.blocks.allocate(-(-known // bs) - len(hit))
         if new is None:
             self.blocks.release(hit)
@@ -220,10 +226,12 @@ class Scheduler:
                     req.blocks += got
                     break
                 self._preempt(self.running[-1])   # the newest running request gives its blocks back
+        computing = {h for r in self.running for h in r.hashes[r.registered:]} if self.blocks.caching else set()
         while self.waiting and len(self.running) < self.engine.max_batch:
             req = self.waiting[0]
-            if not self._admit(req):
-                break                               # FIFO: it waits for blocks, and so do the ones behind it
+            if not self._admit(req, computing):
+                break                               # FIFO: it waits, and so do the ones behind it
+            computing.update(req.hashes[req.registered:])
             self.waiting.pop(0)
             if not req.admitted:
                 self._dequeue(req)

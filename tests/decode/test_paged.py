@@ -260,3 +260,19 @@ def test_paged_prefix_cached_greedy_equals_transformers(pools, llama, tp, num_bl
         assert used == 0
         if num_blocks == 16:
             assert pre > 0
+
+
+def test_burst_sharing_a_prefix_computes_it_once():
+    """Requests sent together with the same system prompt: the first computes its blocks, the others wait one
+    step (the blocks are being computed) and then reuse them, instead of all computing the prefix at once."""
+    from tensorpar.serve.scheduler import Request, Scheduler
+    eng = _Engine(max_batch=4, num_blocks=32)
+    s = Scheduler(eng, eos=set(), heartbeat_s=0.01, prefix_caching=True)
+    shared = list(range(1, 13))                                   # 12 tokens: three full blocks of 4
+    ev = [[] for _ in range(4)]
+    for i in range(4):
+        s.submit(Request(prompt=shared + [100 + i], max_tokens=2, emit=ev[i].append))
+    _run(s, eng, ev)
+    assert [(r.start, len(r.tokens)) for r in eng.plans[0].rows] == [(0, 13)]       # one computes the prefix
+    assert sorted((r.start, len(r.tokens)) for r in eng.plans[1].rows) == [(12, 1)] * 3 + [(13, 1)]   # 3 hits, 1 decode
+    assert s.blocks.hits == 3 * 12 and s.blocks.used() == 0

@@ -300,13 +300,13 @@ def _metric(text, name):
     return 0.0
 
 
-def _idle(url, timeout=60):
-    """Poll /metrics until no request runs or waits and no KV block is held; return the last text."""
+def _idle(url, timeout=60, also=lambda text: True):
+    """Poll /metrics until no request runs or waits, no KV block is held and ``also(text)``; return the text."""
     deadline, text = time.monotonic() + timeout, ""
     while time.monotonic() < deadline:
         _, text = get(url, "/metrics")
         if all(_metric(text, m) == 0 for m in ("tensorpar_num_requests_running", "tensorpar_num_requests_waiting",
-                                               "tensorpar_kv_blocks_used")):
+                                               "tensorpar_kv_blocks_used")) and also(text):
             break
         time.sleep(0.1)
     return text
@@ -325,10 +325,13 @@ def test_disconnect_frees_slot_and_metrics(server):
     resp = conn.getresponse()
     assert resp.readline().startswith(b"data: ")          # the first chunk arrived: the request holds blocks
     conn.close()                                           # client goes away mid-stream
-    text = _idle(server["url"])
-    done = sum(_metric(text, f'tensorpar_requests_total{{finish_reason="{r}"}}') -
-               _metric(before, f'tensorpar_requests_total{{finish_reason="{r}"}}') for r in ("abort", "length"))
-    assert done == 1, [ln for ln in text.splitlines() if ln.startswith("tensorpar_") and "bucket" not in ln]
+
+    def ended(text):
+        return sum(_metric(text, f'tensorpar_requests_total{{finish_reason="{r}"}}') -
+                   _metric(before, f'tensorpar_requests_total{{finish_reason="{r}"}}') for r in ("abort", "length"))
+
+    text = _idle(server["url"], also=lambda t: ended(t) >= 1)
+    assert ended(text) == 1, [ln for ln in text.splitlines() if ln.startswith("tensorpar_") and "bucket" not in ln]
     assert _metric(text, "tensorpar_num_requests_running") == 0 and _metric(text, "tensorpar_kv_blocks_used") == 0
     for name in ("tensorpar_generation_tokens_total", "tensorpar_time_to_first_token_seconds_bucket",
                  "tensorpar_inter_token_latency_seconds_bucket", "tensorpar_num_requests_waiting",
