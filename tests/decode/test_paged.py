@@ -276,3 +276,21 @@ def test_burst_sharing_a_prefix_computes_it_once():
     assert [(r.start, len(r.tokens)) for r in eng.plans[0].rows] == [(0, 13)]       # one computes the prefix
     assert sorted((r.start, len(r.tokens)) for r in eng.plans[1].rows) == [(12, 1)] * 3 + [(13, 1)]   # 3 hits, 1 decode
     assert s.blocks.hits == 3 * 12 and s.blocks.used() == 0
+
+
+def test_request_larger_than_the_pool_is_a_400():
+    """The API answers a request the scheduler can never run (more KV blocks than the pool) with a 400 naming
+    the sizes, instead of queueing it forever."""
+    import asyncio
+
+    from tensorpar.serve.api import Api, BadRequest
+    from tensorpar.serve.scheduler import Request, Scheduler
+    s = Scheduler(_Engine(max_batch=2, num_blocks=3), eos=set())
+    api = Api(s, None, "m", 32, None)
+
+    async def go():
+        return api.run(Request(prompt=[1] * 10, max_tokens=8, emit=None), dict(stop=[]))
+
+    with pytest.raises(BadRequest, match="needs 10 \\+ 8 tokens: 5 KV blocks of 4; the pool has 3") as e:
+        asyncio.run(go())
+    assert e.value.status == 400
