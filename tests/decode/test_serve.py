@@ -427,6 +427,7 @@ def test_cancellation_storm_frees_every_block(server, reference, streams, after)
     text = _idle(server["url"])
     assert _metric(text, "tensorpar_num_requests_running") == 0
     assert _metric(text, "tensorpar_num_requests_waiting") == 0
+    assert "tensorpar_kv_blocks_used " in text and _metric(text, "tensorpar_kv_blocks_total") > 0
     assert _metric(text, "tensorpar_kv_blocks_used") == 0              # idle: only cached prefixes, none held
     aborted = _metric(text, 'tensorpar_requests_total{finish_reason="abort"}') - \
         _metric(before, 'tensorpar_requests_total{finish_reason="abort"}')
