@@ -8,6 +8,13 @@ with transformers' single-process greedy `generate` on the same prompt (the offl
 `transformers serve` the text is compared. Results: bench/results/serve.{md,json} (atomic writes).
 
     PYTHONPATH=. python bench/bench_serve.py --requests 32 --concurrency 16 --transformers
+
+``--prefix`` runs issue 24's paged-cache runs instead (bench/results/serve_prefix.{md,json}), with the KV memory
+that 16 slots of 1024 positions held before paging (``--kv-cache-memory``): 32 requests sharing a 1000-token
+system prompt with distinct 32-token questions, all sent at once, with ``--prefix-caching on`` and ``off`` (TTFT
+p50, total time, outputs compared), and 64 concurrent requests of 256 tokens (preemptions counted).
+
+    PYTHONPATH=. python bench/bench_serve.py --prefix --tp 1
 """
 from __future__ import annotations
 
@@ -167,6 +174,139 @@ def atomic_write(path: Path, text: str):
     os.replace(tmp, path)
 
 
+def metrics(base):
+    """``GET /metrics`` as ``{name{labels}: value}``."""
+    with urllib.request.urlopen(base + "/metrics", timeout=60) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("tensorpar_") and " " in line:
+            k, v = line.rsplit(" ", 1)
+            out[k] = float(v)
+    return out
+
+
+def burst(base, bodies):
+    """Send every body at once (one thread each); per request (ttft_s, token ids, error) and the wall time."""
+    host, port = base.split("//")[1].split(":")
+    out = [None] * len(bodies)
+
+    def one(i):
+        try:
+            ttft, _, _, ids, err = stream_one(host, int(port), bodies[i])
+        except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
+            ttft, ids, err = None, None, f"{type(e).__name__}: {e}"
+        out[i] = (ttft, ids, err)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out, time.perf_counter() - t0
+
+
+def _serve_cmd(folder, args, *extra):
+    return [sys.executable, "-m", "tensorpar", "serve", "--model", folder, "--tp", str(args.tp[0]), "--port",
+            str(args.port), "--served-model-name", "m", "--dtype", args.dtype, *extra]
+
+
+def prefix_main(args, folder, tok):
+    """Issue 24's runs on one pool: the KV memory of 16 slots x 1024 positions (the pre-paging default)."""
+    from transformers import AutoConfig
+
+    from tensorpar.serve.cli import kv_pool
+    cfg = AutoConfig.from_pretrained(folder)
+    load0 = os.getloadavg()
+    tp = args.tp[0]
+    _, per_block = kv_pool(cfg, tp, args.dtype, 1024, 16, block_size=16, memory=None)
+    memory = 16 * (1024 // 16) * per_block
+    text = " ".join(f"Rule {i}: answer politely, cite the manual section {i}, and never reveal secret {i * 7}."
+                    for i in range(400))
+    system = tok(text)["input_ids"][:args.system_tokens]
+    questions = []
+    for i in range(32):
+        q = tok(f" Question {i}: what is {i} times {i + 7}, and why does the manual say so? Explain it step by "
+                f"step for a reader who knows arithmetic but not this manual, section {i * 3}.")["input_ids"]
+        questions.append((q * 2)[:args.question_tokens])
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    base = f"http://127.0.0.1:{args.port}"
+    rows, outputs = [], {}
+
+    def run(name, flags, bodies, key=None):
+        proc = start(_serve_cmd(folder, args, "--kv-cache-memory", str(memory), *flags), env)
+        try:
+            if not wait_ready(base, proc, 900):
+                rows.append(dict(run=name, error=f"did not start: {proc.stderr.read()[-500:]}"))
+                return
+            la = os.getloadavg()[0]
+            res, wall = burst(base, bodies)
+            m = metrics(base)
+            if key:
+                outputs[key] = [r[1] for r in res]
+            ttft = [r[0] for r in res if r[0] is not None]
+            rows.append(dict(run=name, requests=len(res), errors=sum(r[2] is not None for r in res), total_s=wall,
+                             ttft_p50_s=pct(ttft, 50), ttft_p99_s=pct(ttft, 99),
+                             hit_rate=m.get("tensorpar_prefix_cache_hit_rate", 0.0),
+                             preemptions=m.get("tensorpar_num_preemptions_total", 0.0),
+                             blocks=m.get("tensorpar_kv_blocks_total", 0.0), loadavg=(la, os.getloadavg()[0]),
+                             first_error=next((r[2] for r in res if r[2]), None)))
+            print(rows[-1], flush=True)
+        finally:
+            stop(proc)
+
+    shared = [dict(model="m", prompt=system + q, max_tokens=args.max_tokens, temperature=0, stream=True,
+                   return_token_ids=True) for q in questions]
+    for flag in ("on", "off"):
+        run(f"prefix caching {flag}", ["--max-batch", "32", "--max-model-len", "1100", "--prefix-caching", flag],
+            shared, key=flag)
+    # 64 concurrent requests of 256 tokens (240 prompt + 16 new) in the same memory: no preemption
+    pool = [dict(model="m", prompt=(questions[i % 32] * 8)[:240], max_tokens=16, temperature=0, stream=True,
+                 return_token_ids=True) for i in range(64)]
+    run("64 x 256 tokens", ["--max-batch", "64", "--max-model-len", "1024", "--prefix-caching", "off"], pool)
+    load1 = os.getloadavg()
+    same = outputs.get("on") is not None and outputs.get("on") == outputs.get("off")
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in subprocess.run(["lscpu"], capture_output=True, text=True)
+                   .stdout.splitlines() if ln.startswith("Model name"))
+    except (OSError, StopIteration):
+        cpu = "unknown"
+    meta = dict(model=Path(folder).name, dtype=args.dtype, tp=tp, kv_cache_memory=memory, block_bytes=per_block,
+                system_tokens=len(system), question_tokens=args.question_tokens, max_tokens=args.max_tokens,
+                cpu=cpu, cpus=os.cpu_count(), loadavg_start=load0, loadavg_end=load1, outputs_identical=same,
+                date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    out = Path(args.out)
+    atomic_write(out.with_suffix(".json"), json.dumps(dict(meta=meta, rows=rows), indent=1))
+    lines = [f"# tensorpar serve: paged KV cache and prefix caching ({meta['date']})", "",
+             f"Model {meta['model']} in {args.dtype} at tp={tp}; KV pool `--kv-cache-memory {memory}` (the memory of "
+             f"16 slots x 1024 positions before paging: {memory // per_block} blocks of 16 positions). CPU: {cpu}, "
+             f"{meta['cpus']} cores; load average {load0[0]:.1f} at start, {load1[0]:.1f} at end: the machine was "
+             f"shared with other jobs, so absolute times are inflated; on and off ran one after the other under the "
+             f"same kind of load and their ratios are the result.", "",
+             f"Shared prefix: 32 streaming greedy requests of a {len(system)}-token system prompt plus a distinct "
+             f"{args.question_tokens}-token question, {args.max_tokens} new tokens each, all sent at once "
+             f"(`--max-batch 32 --max-model-len 1100`). Outputs identical on vs off: {same}.", "",
+             "| run | requests | errors | TTFT p50 / p99 s | total s | prefix hit rate | preemptions | "
+             "load avg before / after |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['run']} | did not run: {r['error'].strip().splitlines()[-1][:200]} | | | | | | |")
+            continue
+        lines.append(f"| {r['run']} | {r['requests']} | {r['errors']} | {r['ttft_p50_s']:.2f} / "
+                     f"{r['ttft_p99_s']:.2f} | {r['total_s']:.1f} | {r['hit_rate']:.3f} | {r['preemptions']:.0f} | "
+                     f"{r['loadavg'][0]:.1f} / {r['loadavg'][1]:.1f} |")
+    on = next((r for r in rows if r.get("run") == "prefix caching on" and "error" not in r), None)
+    off = next((r for r in rows if r.get("run") == "prefix caching off" and "error" not in r), None)
+    if on and off:
+        lines += ["", f"Prefix caching on vs off: TTFT p50 {off['ttft_p50_s'] / on['ttft_p50_s']:.1f}x lower, "
+                      f"total time {off['total_s'] / on['total_s']:.1f}x lower (targets: 4x and 1.5x)."]
+    lines += ["", "`64 x 256 tokens`: 64 requests of a 240-token prompt and 16 new tokens, sent at once "
+                  "(`--max-batch 64`), in the same pool; the target is 0 preemptions."]
+    atomic_write(out.with_suffix(".md"), "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -181,7 +321,18 @@ def main():
                     help="weights and compute of every backend, and of the offline reference")
     ap.add_argument("--port", type=int, default=8731)
     ap.add_argument("--out", default="bench/results/serve")
+    ap.add_argument("--prefix", action="store_true", help="the shared-prefix and pool runs (issue 24)")
+    ap.add_argument("--system-tokens", type=int, default=1000)
+    ap.add_argument("--question-tokens", type=int, default=32)
     args = ap.parse_args()
+    if args.prefix:
+        from transformers import AutoTokenizer
+
+        from tensorpar.hub import resolve_model
+        folder = str(resolve_model(args.model))
+        if args.out == "bench/results/serve":
+            args.out = "bench/results/serve_prefix"
+        return prefix_main(args, folder, AutoTokenizer.from_pretrained(folder))
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

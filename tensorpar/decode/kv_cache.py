@@ -1,6 +1,11 @@
-"""The lean decode path's KV cache and the attention that reads it (:class:`LeanKVCache`), and the batches of rows
-a step runs (:class:`Segment`). :class:`~tensorpar.decode.lean.LeanDecoder` owns one; the per-layer math around
-attention is in :mod:`tensorpar.decode.block`. No collectives.
+"""The lean decode path's KV cache, a pool of fixed-size blocks read through block tables, and the attention that
+reads it (:class:`LeanKVCache`), and the batches of rows a step runs (:class:`Segment`).
+:class:`~tensorpar.decode.lean.LeanDecoder` owns one; the per-layer math around attention is in
+:mod:`tensorpar.decode.block`. No collectives.
+
+Paging (Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving with PagedAttention",
+SOSP): position ``p`` of a row lives in block ``table[p // block_size]`` at offset ``p % block_size``. The static
+per-slot cache is the special case ``block_size = max_len`` with one block per row (``generate``, ``verify``).
 """
 from __future__ import annotations
 
@@ -10,22 +15,33 @@ import torch.nn.functional as F
 _RUNS_MIN_ROW_POSITIONS = 512   # batch rows x cached positions from which decode attention runs per KV-head run
 
 
+def block_bytes(num_layers: int, kv_local: int, block_size: int, head_dim: int, element_size: int) -> int:
+    """Bytes of one block of the pool on a rank holding ``kv_local`` KV heads: keys and values of
+    ``block_size`` positions of every layer. The serve launcher sizes the pool with this rule
+    (``--kv-cache-memory``) and every rank allocates it (:class:`LeanKVCache`, the module path's slots)."""
+    return 2 * num_layers * kv_local * block_size * head_dim * element_size
+
+
 class Segment:
     """A batch of rows within :meth:`~tensorpar.decode.lean.LeanDecoder.forward_segments`: ``b`` rows of ``s``
     tokens each.
 
-    K/V go to ``start`` (rows ``0..b-1`` of the cache, positions ``start .. start+s-1``) or, with ``slots`` ``[b]``
-    int64 and ``cache_pos`` ``[b, s]`` int64, to each row's own slot and positions; attention reads cache
-    entries ``[0, length)`` under ``mask`` ``[b, 1, s, length]`` bool (True = attend; ``None``: all of them).
+    K/V go to ``start`` (rows ``0..b-1`` are blocks ``0..b-1``, one block per row, positions
+    ``start .. start+s-1``) or, with ``blocks`` ``[b, nb]`` int64 (each row's block table: position ``p`` in block
+    ``blocks[row, p // block_size]``, ``nb * block_size >= length``) and ``cache_pos`` ``[b, s]`` int64, to each
+    row's own positions; ``write`` ``[b, s]`` bool (``None``: all) says which tokens are stored (a padded prefill's
+    pads are not: their position may lie beyond the row's table). Attention reads each row's positions
+    ``[0, length)`` under ``mask`` ``[b, 1, s, length]`` bool (True = attend; ``None``: all of them).
     """
-    __slots__ = ("b", "s", "mask", "length", "start", "slots", "cache_pos")
+    __slots__ = ("b", "s", "mask", "length", "start", "blocks", "cache_pos", "write")
 
     def __init__(self, b: int, s: int, mask: torch.Tensor | None, length: int, *, start: int | None = None,
-                 slots: torch.Tensor | None = None, cache_pos: torch.Tensor | None = None):
-        if (start is None) == (slots is None) or (slots is None) != (cache_pos is None):
-            raise ValueError("a segment takes either start or slots with cache_pos")
+                 blocks: torch.Tensor | None = None, cache_pos: torch.Tensor | None = None,
+                 write: torch.Tensor | None = None):
+        if (start is None) == (blocks is None) or (blocks is None) != (cache_pos is None):
+            raise ValueError("a segment takes either start or blocks with cache_pos")
         self.b, self.s, self.mask, self.length = b, s, mask, length
-        self.start, self.slots, self.cache_pos = start, slots, cache_pos
+        self.start, self.blocks, self.cache_pos, self.write = start, blocks, cache_pos, write
 
 
 def offsets(segments) -> list[int]:
@@ -38,19 +54,25 @@ def offsets(segments) -> list[int]:
 
 
 class LeanKVCache:
-    """A static KV cache of this rank's KV heads for all layers, ``[num_layers, max_batch, kv_local, max_len, d]``
-    for keys and as much for values, allocated once; a step takes the write and read views of all layers in one
-    call each (:meth:`views`), writes its new K/V in place and attends to a view of the first ``length`` entries
-    (:meth:`attention`).
+    """A pool of ``num_blocks`` KV blocks of ``block_size`` positions of this rank's KV heads for all layers,
+    ``[num_layers, kv_local, num_blocks, block_size, d]`` for keys and as much for values, allocated once.
 
-    Memory: ``2 * num_layers * max_batch * kv_local * max_len * head_dim`` elements of ``dtype``; a bf16/fp16 cache
-    on the CPU also keeps two fp32 buffers of one layer's ``[max_batch, kv_local, max_len, d]`` for decode attention.
+    A step takes each segment's write and read plan (:meth:`views`), writes its new K/V in place (a view when the
+    positions are contiguous in one block, else ``index_copy_`` to ``block * block_size + offset``) and attends
+    to each row's first ``length`` positions (:meth:`attention`): a view of the pool when the rows' blocks are
+    consecutive (one block per row in consecutive blocks, or one row in consecutive blocks: the layout puts the
+    KV head first so that a run of blocks is one contiguous range of positions), else gathered per layer by one
+    ``index_select`` (measured: bench/results/serve_prefix.md).
+
+    Memory: ``num_blocks * block_bytes(...)`` (:func:`block_bytes`); a bf16/fp16 cache on the CPU also keeps two
+    fp32 buffers of one layer's ``[max_batch, kv_local, max_len, d]`` for decode attention.
     """
 
-    def __init__(self, num_layers: int, max_batch: int, n_kv: int, max_len: int, head_dim: int, *,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(self, num_layers: int, num_blocks: int, n_kv: int, block_size: int, head_dim: int, *,
+                 max_batch: int, max_len: int, dtype: torch.dtype, device: torch.device):
+        self.num_blocks, self.block_size = num_blocks, block_size
         self.max_batch, self.max_len, self.n_kv, self.head_dim = max_batch, max_len, n_kv, head_dim
-        shape = (num_layers, max_batch, n_kv, max_len, head_dim)
+        shape = (num_layers, n_kv, num_blocks, block_size, head_dim)
         self.kcache = torch.zeros(shape, dtype=dtype, device=device)
         self.vcache = torch.zeros(shape, dtype=dtype, device=device)
         self.k, self.v = list(self.kcache.unbind(0)), list(self.vcache.unbind(0))
@@ -61,30 +83,66 @@ class LeanKVCache:
         return self.kcache.numel() * self.kcache.element_size() * 2
 
     def views(self, g: Segment):
-        """``(kw, vw, keys_all, vals_all)`` of segment ``g``: per-layer cache views the new K/V are written to
-        (``None``: scattered, written by index) and read from (``None``: scattered slots, gathered per layer)."""
-        b, s, length = g.b, g.s, g.length
-        kw = vw = keys_all = vals_all = None
-        if g.slots is None:
-            kw, vw = self.kcache[:, :b, :, g.start:g.start + s].unbind(0), \
-                self.vcache[:, :b, :, g.start:g.start + s].unbind(0)
-            return kw, vw, self.kcache[:, :b, :, :length].unbind(0), self.vcache[:, :b, :, :length].unbind(0)
-        slots, cache_pos = g.slots, g.cache_pos
-        if b == 1:                  # one serving slot: its rows as a contiguous range when it is one
-            j, p0 = int(slots[0]), int(cache_pos[0, 0])
-            if s == 1 or torch.equal(cache_pos[0], torch.arange(p0, p0 + s, device=cache_pos.device)):
-                kw, vw = self.kcache[:, j:j + 1, :, p0:p0 + s].unbind(0), self.vcache[:, j:j + 1, :, p0:p0 + s].unbind(0)
-            return kw, vw, self.kcache[:, j:j + 1, :, :length].unbind(0), self.vcache[:, j:j + 1, :, :length].unbind(0)
-        j = int(slots[0])           # serving rows in consecutive slots: read the cache through views
-        if torch.equal(slots, torch.arange(j, j + b, device=slots.device)):
-            keys_all = self.kcache[:, j:j + b, :, :length].unbind(0)
-            vals_all = self.vcache[:, j:j + b, :, :length].unbind(0)
-        return None, None, keys_all, vals_all
+        """``(kw, vw, dest, src, keys_all, vals_all, gather)`` of segment ``g``: per-layer views the new K/V are
+        written to (``None``: written by index, to flat pool positions ``dest`` ``[n]`` from the segment's tokens
+        ``src`` ``[n]``, ``None`` = all in order), and per-layer views read (``None``: gathered per layer, blocks
+        ``gather`` ``[b * nb]``). Raises ValueError for a row whose positions its block table does not cover."""
+        b, s, length, bs = g.b, g.s, g.length, self.block_size
+        kw = vw = dest = src = keys_all = vals_all = gather = None
+        if g.blocks is None:        # rows 0..b-1 are blocks 0..b-1
+            if g.start + s > bs or length > bs or b > self.num_blocks:
+                raise ValueError(f"a start segment needs one block per row of at least {max(g.start + s, length)} "
+                                 f"positions; blocks hold {bs}")
+            kw = [t.transpose(0, 1) for t in self.kcache[:, :, :b, g.start:g.start + s].unbind(0)]
+            vw = [t.transpose(0, 1) for t in self.vcache[:, :, :b, g.start:g.start + s].unbind(0)]
+            keys_all = [t.transpose(0, 1) for t in self.kcache[:, :, :b, :length].unbind(0)]
+            vals_all = [t.transpose(0, 1) for t in self.vcache[:, :, :b, :length].unbind(0)]
+            return kw, vw, dest, src, keys_all, vals_all, gather
+        blocks, pos = g.blocks, g.cache_pos
+        nb = -(-length // bs)                           # blocks each row reads
+        if blocks.shape[1] < nb:
+            raise ValueError(f"block tables of {blocks.shape[1]} blocks do not cover {length} positions of "
+                             f"{bs}-position blocks")
+        blocks = blocks[:, :nb]
+        j = int(blocks[0, 0])
+        p0 = int(pos[0, 0])
+        if b == 1 and g.write is None and (p0 % bs) + s <= bs and \
+                (s == 1 or torch.equal(pos[0], torch.arange(p0, p0 + s, device=pos.device))):
+            w = int(blocks[0, p0 // bs])                # one row's contiguous positions within one block: a view
+            o = p0 % bs
+            kw = [t[:, w:w + 1, o:o + s].transpose(0, 1) for t in self.k]
+            vw = [t[:, w:w + 1, o:o + s].transpose(0, 1) for t in self.v]
+        else:
+            blk = blocks.gather(1, (pos // bs).clamp(max=nb - 1))                      # [b, s]
+            flat = (blk * bs + pos % bs).reshape(-1)
+            if g.write is not None:
+                src = g.write.reshape(-1).nonzero().squeeze(1)
+                flat = flat.index_select(0, src)
+            dest = flat
+        run = torch.arange(j, j + b * nb, device=blocks.device).view(b, nb)
+        if torch.equal(blocks, run):            # consecutive blocks: the pool read through views
+            if nb == 1:                          # one block per row
+                keys_all = [t[:, j:j + b, :length].transpose(0, 1) for t in self.k]
+                vals_all = [t[:, j:j + b, :length].transpose(0, 1) for t in self.v]
+            elif b == 1:                         # one row over a run of blocks: one range of positions
+                n = self.n_kv
+                keys_all = [t[:, j:j + nb].reshape(n, nb * bs, -1)[None, :, :length] for t in self.k]
+                vals_all = [t[:, j:j + nb].reshape(n, nb * bs, -1)[None, :, :length] for t in self.v]
+        if keys_all is None:
+            gather = blocks.reshape(-1)
+        return kw, vw, dest, src, keys_all, vals_all, gather
+
+    def _gathered(self, t: torch.Tensor, gather: torch.Tensor, b: int, length: int) -> torch.Tensor:
+        """Layer tensor ``t`` ``[kv_local, num_blocks, block_size, d]`` read at blocks ``gather`` ``[b * nb]``
+        (each row's ``nb`` blocks in order): ``[b, kv_local, length, d]`` (a copy, then a view of it)."""
+        n, _, bs, d = t.shape
+        nb = gather.numel() // b
+        return t.index_select(1, gather).view(n, b, nb * bs, d)[:, :, :length].transpose(0, 1)
 
     def attention(self, i: int, L, qk: torch.Tensor, v_new: torch.Tensor, segments: list[Segment], views: list,
                   n_q: int) -> torch.Tensor:
-        """Layer ``i``'s attention for all segments: write each segment's new K/V into the cache, attend its
-        queries to the cache entries ``[0, length)``.
+        """Layer ``i``'s attention for all segments: write each segment's new K/V into the pool, attend its
+        queries to each row's positions ``[0, length)``.
 
         ``qk`` ``[T, q_local + kv_local, d]``: the rotated query and key heads; ``v_new`` ``[T, kv_local, d]``;
         ``views``: :meth:`views` of each segment; ``L``: the layer's :class:`~tensorpar.decode.block.Layer`
@@ -101,7 +159,7 @@ class LeanKVCache:
         dtype = qk.dtype
         low = dtype in (torch.bfloat16, torch.float16) and qk.device.type == "cpu"
         outs, t0 = [], 0
-        for g, (kw, vw, keys_all, vals_all) in zip(segments, views):
+        for g, (kw, vw, dest, src, keys_all, vals_all, gather) in zip(segments, views):
             b, s, t1 = g.b, g.s, t0 + g.b * g.s
             q = qk[t0:t1, :n_q].view(b, s, n_q, d).transpose(1, 2)                     # [b, q_local, s, d]
             k = qk[t0:t1, n_q:].view(b, s, nkv, d).transpose(1, 2)                     # [b, kv_local, s, d]
@@ -110,15 +168,17 @@ class LeanKVCache:
             if kw is not None:
                 kw[i].copy_(k)
                 vw[i].copy_(v)
-            else:
-                kc, vc = self.k[i], self.v[i]
-                kc[g.slots[:, None], :, g.cache_pos] = k.transpose(1, 2)
-                vc[g.slots[:, None], :, g.cache_pos] = v.transpose(1, 2)
+            else:                           # to flat positions block * block_size + offset of the pool
+                for new, pool in ((k, self.k[i]), (v, self.v[i])):
+                    x = new.permute(1, 0, 2, 3).reshape(nkv, b * s, d)                  # [kv_local, b*s, d]
+                    if src is not None:
+                        x = x.index_select(1, src)
+                    pool.view(nkv, -1, d).index_copy_(1, dest, x)
             if keys_all is not None:
                 keys, vals = keys_all[i], vals_all[i]
-            else:                           # rows in scattered slots: gather them
-                keys = self.k[i][:, :, :g.length].index_select(0, g.slots)
-                vals = self.v[i][:, :, :g.length].index_select(0, g.slots)
+            else:                           # rows in scattered blocks: gather them
+                keys = self._gathered(self.k[i], gather, b, g.length)
+                vals = self._gathered(self.v[i], gather, b, g.length)
             up = low and s == 1
             if up:                          # CPU decode in bf16/fp16: attention in fp32 (see low above)
                 q, keys, vals = q.float(), self._fp32(0, keys), self._fp32(1, vals)
@@ -142,12 +202,13 @@ class LeanKVCache:
 
     def _fp32(self, which: int, t: torch.Tensor) -> torch.Tensor:
         """``t`` (cache keys or values read for attention, ``[b, kv_local, L, d]``) cast into a view of fp32 buffer
-        ``which`` (0 keys, 1 values; ``[max_batch, kv_local, max_len, d]``, allocated on first use): a fresh
-        fp32 tensor per layer would be a large allocation each time, which glibc may serve by mmap and page
-        faults (measured: the casts then cost as much as the bf16 attention they replace)."""
+        ``which`` (0 keys, 1 values; ``[max_batch, kv_local, max_len, d]``, allocated on first use, larger if a
+        step needs more): a fresh fp32 tensor per layer would be a large allocation each time, which glibc may
+        serve by mmap and page faults (measured: the casts then cost as much as the bf16 attention they
+        replace)."""
         bufs = self._fp32_bufs
-        if bufs[which] is None:
-            bufs[which] = torch.empty(self.max_batch, self.n_kv, self.max_len, self.head_dim, dtype=torch.float32,
-                                      device=t.device)
         b, n, L, _ = t.shape
+        if bufs[which] is None or bufs[which].shape[0] < b or bufs[which].shape[2] < L:
+            bufs[which] = torch.empty(max(self.max_batch, b), self.n_kv, max(self.max_len, L), self.head_dim,
+                                      dtype=torch.float32, device=t.device)
         return bufs[which][:b, :n, :L].copy_(t)

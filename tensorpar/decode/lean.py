@@ -9,9 +9,10 @@ math directly on the rank's tensors:
 * one fused QKV matmul and one fused gate-up matmul per layer (:func:`fuse_projections`: the rank's q/k/v rows,
   and its gate/up rows, concatenated once; the original parameters become views of the fused tensor, so no
   second copy is kept and parameter names / ``state_dict`` keys are unchanged);
-* a static KV cache allocated once, ``[num_layers, max_batch, kv_local, max_len, d]``, holding only this rank's
-  KV heads; a step takes the write and read views of all layers in one call each, writes its new K/V in place
-  and attends to a view of the first ``length`` entries;
+* a KV cache allocated once, a pool of blocks ``[num_layers, kv_local, num_blocks, block_size, d]`` holding only
+  this rank's KV heads (:class:`~tensorpar.decode.kv_cache.LeanKVCache`; the static cache is one block of
+  ``max_len`` per row); a step writes its new K/V in place and attends to each row's blocks through its block
+  table (views where the blocks are consecutive, else gathered);
 * the rotary tables computed once per step for all layers; the decode mask is a view of a preallocated
   ``[max_batch, max_len]`` key-validity buffer (``None`` when no row is padded);
 * as few framework calls per layer as the math allows (the per-token cost every rank pays, which caps the
@@ -71,8 +72,11 @@ class LeanDecoder:
     Args:
         model: the sharded ``*ForCausalLM`` (:func:`lean_unsupported` must return ``None``).
         tp: its tensor-parallel group.
-        max_batch: rows (or serving slots) the cache holds.
+        max_batch: rows a step runs at most (and the blocks of the static cache).
         max_len: positions per row (prompt + new tokens).
+        block_size, num_blocks: the pool's blocks (:class:`~tensorpar.decode.kv_cache.LeanKVCache`); default one
+            block of ``max_len`` positions per row, ``max_batch`` of them (the static cache ``prefill`` and
+            ``decode`` use).
         prepack: run the matmuls on weights reordered once into oneDNN's blocked layout. bf16: bitwise the
             results of ``F.linear``, which on a bf16 CPU weight reorders it on every call (1.5x slower GEMV,
             measured in bench/results/decode.md). fp32: oneDNN's kernels instead of MKL's ``torch.mm``, within a
@@ -80,14 +84,15 @@ class LeanDecoder:
             fp32, or bf16 where oneDNN runs bf16. Never for a model quantized by
             :func:`tensorpar.decode.quantize.quantize_int8` (its matmuls read the int8 weights).
 
-    Memory: ``2 * num_layers * max_batch * kv_local * max_len * head_dim`` elements of the weights' dtype,
+    Memory: ``2 * num_layers * num_blocks * kv_local * block_size * head_dim`` elements of the weights' dtype,
     allocated here once. With ``prepack`` the packed weights replace the plain ones on the modules
     (:func:`tensorpar.decode.packed.pack_weights`: the rank holds its shard once); a decoder built on a packed
     model unpacks it first (:func:`~tensorpar.decode.packed.unpack_weights`), so the weights it reads are the
     current ones. Raises ValueError if the model cannot run this path.
     """
 
-    def __init__(self, model, tp: Group, *, max_batch: int, max_len: int, prepack: bool | None = None):
+    def __init__(self, model, tp: Group, *, max_batch: int, max_len: int, prepack: bool | None = None,
+                 block_size: int | None = None, num_blocks: int | None = None):
         why = lean_unsupported(model)
         if why is not None:
             raise ValueError(f"the lean decode path cannot run this model: {why}")
@@ -130,7 +135,8 @@ class LeanDecoder:
         n_q, n_kv, d = a0.layout.local_heads(tp.rank), a0.layout.local_kv_heads(tp.rank), a0.head_dim
         self.n_q, self.n_kv, self.head_dim = n_q, n_kv, d
         self.windows = sorted({L.window for L in self.layers if L.window is not None})
-        self.cache = LeanKVCache(len(self.layers), max_batch, n_kv, max_len, d, dtype=w0.dtype, device=dev)
+        self.cache = LeanKVCache(len(self.layers), num_blocks or max_batch, n_kv, block_size or max_len, d,
+                                 max_batch=max_batch, max_len=max_len, dtype=w0.dtype, device=dev)
         # rotate_half(x) * sin == x[..., perm] * sin_sign (the halves swapped, the sign moved onto sin: exact), over
         # the rotary features of a head (rd: all d, or the first rd with partial rotary)
         rd = next(iter(self.rotary.values()))(torch.zeros(1, dtype=w0.dtype, device=dev),
@@ -199,18 +205,19 @@ class LeanDecoder:
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, rope_pos: torch.Tensor, mask: torch.Tensor | None, *, length: int,
-                start: int | None = None, slots: torch.Tensor | None = None, cache_pos: torch.Tensor | None = None,
+                start: int | None = None, blocks: torch.Tensor | None = None, cache_pos: torch.Tensor | None = None,
                 last_only: bool = True) -> torch.Tensor:
         """Run ``ids`` ``[b, s]`` through the model, writing their K/V into the cache; return vocab-sharded logits.
 
-        Where the K/V go: either ``start`` (rows ``0..b-1``, positions ``start .. start+s-1``) or ``slots``
-        ``[b]`` with ``cache_pos`` ``[b, s]`` (each row its own slot and positions). Attention reads cache entries
+        Where the K/V go: either ``start`` (rows ``0..b-1`` in blocks ``0..b-1``, positions ``start .. start+s-1``)
+        or ``blocks`` ``[b, nb]`` (block tables) with ``cache_pos`` ``[b, s]`` (each row's positions). Attention reads
+        entries
         ``[0, length)``; ``mask`` is ``[b, 1, s, length]`` bool (True = attend) or ``None`` for all of them.
         ``rope_pos`` ``[b, s]``: the rotary positions. Returns ``[b, V_r]`` (the last position; ``[b, s, V_r]``
         with ``last_only=False``). Collectives: ``1 + 2 * num_layers`` all-reduces of ``[b, s, h]``.
         """
         b, s = ids.shape
-        seg = Segment(b, s, mask, length, start=start, slots=slots, cache_pos=cache_pos)
+        seg = Segment(b, s, mask, length, start=start, blocks=blocks, cache_pos=cache_pos)
         return self.forward_segments(ids.reshape(b * s), rope_pos.reshape(b * s), [seg], last_only=last_only)
 
     @torch.no_grad()

@@ -123,7 +123,7 @@ def tokens_from_last(t: torch.Tensor, pp: Group) -> torch.Tensor:
 def module_stage_forward(model, stage: Stage, cache, parts, x: torch.Tensor | None, layer_masks) -> torch.Tensor:
     """The module path's forward of one pipeline stage (families without the lean decoder), one forward per batch.
 
-    ``parts``: per batch ``(ids [b, s], pos [b, s], slots [b], mask, length)`` (the engine's
+    ``parts``: per batch ``(ids [b, s], pos [b, s], blocks [b, n], mask, length, write)`` (the engine's
     :meth:`~tensorpar.serve.engine.Engine._segment`); ``x``: the residual stream ``[T, h]`` from the stage before
     (``None`` on the first stage, which embeds ``ids``); ``cache``: the engine's
     :class:`~tensorpar.decode.slot_cache.SlotKVCache` (bound per batch; it holds only this stage's layers);
@@ -132,7 +132,8 @@ def module_stage_forward(model, stage: Stage, cache, parts, x: torch.Tensor | No
     row's last position ``[sum(b), V_r]``, the other stages' residual stream ``[T, h]``. Collectives: the layers' tp
     all-reduces (and the embedding's on the first stage)."""
     base, outs, off = model.model, [], 0
-    for ids_t, pos_t, slot_t, mask, length in parts:
+    for ids_t, pos_t, blocks_t, mask, length, _ in parts:     # module path: one block (slot) per row
+        slot_t = blocks_t[:, 0]
         b, s = ids_t.shape
         cache.bind(slot_t, pos_t, length)
         h = base.embed_tokens(ids_t) if x is None else x[off:off + b * s].view(b, s, -1)            # [b, s, h]

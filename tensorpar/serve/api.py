@@ -12,6 +12,7 @@ import math
 import time
 import uuid
 
+from tensorpar.serve.params import BadRequest, _num, error_body  # noqa: F401  (BadRequest re-exported)
 from tensorpar.serve.scheduler import QueueFull, Request
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
@@ -19,32 +20,6 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop"
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs"}
 CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 MAX_LOGPROBS = 20
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.message, self.param, self.status, self.kind = message, param, status, kind
-
-
-def error_body(message: str, kind: str, param: str | None, code: int) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def _num(body: dict, name: str, default, kind=(int, float), lo=None, hi=None, lo_open=False):
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, kind):
-        want = "an integer" if kind is int else "a number"
-        raise BadRequest(f"'{name}' must be {want}, got {json.dumps(v)}", name)
-    if isinstance(v, float) and not math.isfinite(v):      # Python's json reads NaN and Infinity
-        raise BadRequest(f"'{name}' must be a finite number, got {v}", name)
-    if lo is not None and (v <= lo if lo_open else v < lo):
-        raise BadRequest(f"'{name}' must be {'>' if lo_open else '>='} {lo}, got {v}", name)
-    if hi is not None and v > hi:
-        raise BadRequest(f"'{name}' must be <= {hi}, got {v}", name)
-    return v
 
 
 class Api:
@@ -190,6 +165,8 @@ class Api:
             self.sched.submit(req)
         except QueueFull as e:
             raise BadRequest(str(e), None, status=429, kind="rate_limit_error") from e
+        except ValueError as e:             # larger than the KV pool: it could never run
+            raise BadRequest(str(e), "max_tokens") from e
         except RuntimeError as e:
             raise BadRequest(str(e), None, status=503, kind="server_error") from e
         return q
@@ -313,7 +290,7 @@ def build_app(api: Api):
                         if ev is None:
                             continue
                         if ev[0] == "error":
-                            yield _sse(error_body(ev[1], "server_error", None, 500))
+                            yield _sse(error_body(ev[1], "server_error", None, ev[2] if len(ev) > 2 else 500))
                             break
                         reason = None
                         if ev[0] == "token":
@@ -348,17 +325,28 @@ def build_app(api: Api):
             return StreamingResponse(events(), media_type="text/event-stream")
 
         entries, reason = [], None
+        gone = asyncio.Event()
+
+        async def watch():      # a client that goes away: the request ends at the next step (tokens or not)
+            while not await http.is_disconnected():
+                await asyncio.sleep(0.05)
+            gone.set()
+            req.cancel()
+
+        watcher = asyncio.create_task(watch())
         try:
             while reason is None:
                 try:
                     ev = await asyncio.wait_for(q.get(), timeout=1.0)
                 except asyncio.TimeoutError:
-                    if await http.is_disconnected():
-                        req.cancel()
-                        return Response(status_code=499)
+                    ev = None
+                if gone.is_set():
+                    return Response(status_code=499)
+                if ev is None:
                     continue
                 if ev[0] == "error":
-                    return JSONResponse(error_body(ev[1], "server_error", None, 500), status_code=500)
+                    code = ev[2] if len(ev) > 2 else 500
+                    return JSONResponse(error_body(ev[1], "server_error", None, code), status_code=code)
                 if ev[0] == "token":
                     _, tok, lp, top, is_eos = ev
                     if lp is not None and not is_eos:
@@ -366,6 +354,7 @@ def build_app(api: Api):
                 else:
                     reason = ev[1]
         finally:
+            watcher.cancel()
             req.cancel()
         text = api.texts(req.out, stops, final=True)
         if chat:

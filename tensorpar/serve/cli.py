@@ -20,6 +20,7 @@ import threading
 from dataclasses import dataclass, field
 
 DEFAULT_MAX_MODEL_LEN = 1024
+DEFAULT_BLOCK_SIZE = 16
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,6 +36,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"prompt + generated tokens per request (KV cache length per slot; default "
                         f"min(max_position_embeddings, {DEFAULT_MAX_MODEL_LEN}))")
     p.add_argument("--max-waiting", type=int, default=256, help="requests allowed to wait for a slot (then 429)")
+    p.add_argument("--kv-cache-memory", default=None, metavar="BYTES|FRACTION",
+                   help="KV cache per rank: bytes (e.g. 96MiB, 2GiB, 100000000) or a fraction in (0, 1] of the "
+                        "memory available at launch (CPU: MemAvailable / ranks; CUDA: free device memory); default "
+                        "--max-batch x --max-model-len positions")
+    p.add_argument("--block-size", type=int, default=None,
+                   help=f"positions per KV cache block (default {DEFAULT_BLOCK_SIZE}; the module path keeps one "
+                        f"block of --max-model-len per request)")
+    p.add_argument("--prefix-caching", choices=("on", "off"), default=None,
+                   help="reuse the KV blocks of cached prompt prefixes (default on where the cache is paged)")
+    p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="end a request still running this long after it arrived (default: no limit)")
     from tensorpar.decode.quantize import add_quantize_argument
     add_quantize_argument(p)
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: --model)")
@@ -51,6 +63,9 @@ class ServeTask:
         name: the model id in the API (``--served-model-name``, else ``--model``).
         tokenizer: the model's tokenizer (rank 0 encodes requests and decodes answers).
         quantize: ``--quantize``.
+        block_size, num_blocks: the KV block pool every rank allocates (:func:`kv_pool`).
+        prefix_caching: ``--prefix-caching`` resolved (off where the cache is not paged).
+        timeout_s: ``--request-timeout`` (``None``: none).
     """
 
     max_len: int
@@ -61,6 +76,74 @@ class ServeTask:
     name: str
     tokenizer: object = field(repr=False, default=None)
     quantize: str = "none"
+    block_size: int | None = None
+    num_blocks: int | None = None
+    prefix_caching: bool = False
+    timeout_s: float | None = None
+
+
+def parse_memory(text: str) -> tuple[str, float]:
+    """``--kv-cache-memory``: ``("bytes", n)`` for ``12345``, ``96MiB``, ``2GB`` ... or ``("fraction", f)`` for a
+    plain number in (0, 1]. Raises ValueError naming the setting."""
+    import re
+
+    units = {"": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "kib": 2**10, "mib": 2**20,
+             "gib": 2**30}
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
+    if m is None or m.group(2) not in units:
+        raise ValueError(f"--kv-cache-memory must be bytes (e.g. 96MiB, 2GiB, 100000000) or a fraction in (0, 1] "
+                         f"of the available memory, got {text!r}")
+    v = float(m.group(1))
+    if not m.group(2) and 0 < v <= 1:
+        return "fraction", v
+    n = v * units[m.group(2)]
+    if n < 1:
+        raise ValueError(f"--kv-cache-memory must be positive, got {text!r}")
+    return "bytes", n
+
+
+def _size(n: int) -> str:
+    return f"{n} bytes" if n < 2**20 else f"{n} bytes ({n / 2**20:.1f} MiB)"
+
+
+def kv_pool(config, tp: int, dtype: str, max_len: int, max_batch: int, *, block_size: int, memory: str | None,
+            weights=None, ranks_here: int = 1) -> tuple[int, int]:
+    """``(num_blocks, bytes_per_block)`` of the KV pool each rank allocates: ``memory`` (``--kv-cache-memory``)
+    divided by the bytes of a block on the rank holding the most KV heads
+    (:func:`~tensorpar.decode.kv_cache.block_bytes`), or by default ``max_batch`` requests of ``max_len``
+    positions. Raises ValueError, naming the setting and what works, when the pool cannot hold one request of
+    ``max_len``."""
+    import torch
+
+    from tensorpar.decode.kv_cache import block_bytes
+    from tensorpar.layers.attention import HeadLayout
+
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    d = getattr(config, "head_dim", None) or config.hidden_size // heads
+    lay = HeadLayout.make(heads, kv, d, tp, split_weights=weights)
+    kv_local = max(lay.local_kv_heads(r) for r in range(tp))
+    per_block = block_bytes(config.num_hidden_layers, kv_local, block_size, d,
+                            torch.empty(0, dtype=getattr(torch, dtype)).element_size())
+    per_request = -(-max_len // block_size)
+    if memory is None:
+        return max_batch * per_request, per_block
+    kind, v = parse_memory(memory)
+    if kind == "fraction":
+        if torch.cuda.is_available():
+            avail = torch.cuda.mem_get_info()[0]
+        else:
+            with open("/proc/meminfo") as f:
+                avail = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
+            avail //= max(ranks_here, 1)
+        v *= avail
+    n = int(v // per_block)
+    if n < per_request:
+        raise ValueError(f"--kv-cache-memory {memory} holds {n} KV block(s) of {block_size} positions "
+                         f"({per_block} bytes each on a rank at tp={tp}); one request of --max-model-len {max_len} "
+                         f"needs {per_request}: give at least {_size(per_request * per_block)}, or lower "
+                         f"--max-model-len")
+    return n, per_block
 
 
 def validate(args: argparse.Namespace):
@@ -109,9 +192,29 @@ def validate(args: argparse.Namespace):
     n = args.max_model_len if args.max_model_len is not None else min(limit, DEFAULT_MAX_MODEL_LEN)
     if not 2 <= n <= limit:
         raise ValueError(f"--max-model-len must be in [2, {limit}] (the model's max_position_embeddings), got {n}")
+    from tensorpar.hf.families import why_not
+    paged_why = why_not("fast_decode", config)      # the engine's rule: the module path keeps one slot per request
+    prefix = getattr(args, "prefix_caching", None)
+    bs = getattr(args, "block_size", None)
+    if paged_why is not None and prefix == "on":
+        raise ValueError(f"--prefix-caching on needs the paged KV cache of the lean decode path; this model has "
+                         f"none ({paged_why}): leave --prefix-caching off")
+    if paged_why is not None and bs is not None and bs != n:
+        raise ValueError(f"--block-size {bs}: this model's KV cache keeps one slot of --max-model-len per request "
+                         f"({paged_why}); leave --block-size out")
+    if bs is not None and not 1 <= bs <= n:
+        raise ValueError(f"--block-size must be in [1, --max-model-len {n}], got {bs}")
+    bs = n if paged_why is not None else (bs or min(DEFAULT_BLOCK_SIZE, n))
+    timeout = getattr(args, "request_timeout", None)
+    if timeout is not None and not (timeout > 0 and timeout < float("inf")):
+        raise ValueError(f"--request-timeout must be a positive number of seconds, got {timeout:g}")
+    num_blocks, _ = kv_pool(config, args.tp, args.dtype, n, args.max_batch, block_size=bs,
+                            memory=getattr(args, "kv_cache_memory", None),
+                            weights=None if tp_weights in (None, "auto") else tp_weights,
+                            ranks_here=args.tp * getattr(args, "ep", 1))
     tok = AutoTokenizer.from_pretrained(folder, config=config)  # the config read above, not again
     task = ServeTask(n, args.max_batch, args.max_waiting, args.host, args.port, args.served_model_name or args.model,
-                     tok, quantize)
+                     tok, quantize, bs, num_blocks, paged_why is None and prefix != "off", timeout)
     parallel = ParallelConfig(tp=args.tp, pp=args.pp, dp=getattr(args, "ep", 1), tp_weights=tp_weights)
     return job_from_args(args, parallel, folder=str(folder),
                          model_config=config, plan=None if tp_weights == "auto" else plan,
@@ -173,7 +276,8 @@ def _rank_main(job) -> int:
             from tensorpar.comm import Group
             plans = Group.from_pg(dist.group.WORLD, name="world")
         engine = Engine(model, ctx.tp, max_batch=task.max_batch, max_len=task.max_len, plans=plans,
-                        pp=ctx.pp)   # with --pp: this rank's stage; every rank follows rank 0's plans
+                        pp=ctx.pp,   # with --pp: this rank's stage; every rank follows rank 0's plans
+                        block_size=task.block_size, num_blocks=task.num_blocks)
         from tensorpar import fingerprint
         if job.check_collectives or fingerprint.enable_from_env(ctx.tp) is not None:
             check_collectives(engine, ctx.tp, timeout_s=min(job.timeout_s / 2, 60.0))
@@ -228,7 +332,8 @@ def _serve(engine, task: ServeTask, holder: dict) -> int:
     tok, max_len = task.tokenizer, task.max_len
     eos = tok.eos_token_id
     metrics = ServeMetrics()
-    sched = Scheduler(engine, eos={eos} if eos is not None else set(), metrics=metrics, max_waiting=task.max_waiting)
+    sched = Scheduler(engine, eos={eos} if eos is not None else set(), metrics=metrics, max_waiting=task.max_waiting,
+                      prefix_caching=task.prefix_caching, timeout_s=task.timeout_s)
     holder["sched"] = sched
     if holder["stop"]:
         sched.stop()
@@ -247,10 +352,10 @@ def _serve(engine, task: ServeTask, holder: dict) -> int:
         return 2
     port = server.servers[0].sockets[0].getsockname()[1]
     kv = engine.cache.nbytes() / 2**20
-    slots = f"{engine.max_batch} slot{'s' if engine.max_batch != 1 else ''}"
     at = f"tp={engine.tp.size}" + (f", pp={engine.pp.size}" if engine.pp.size > 1 else "")
-    print(f"tensorpar serve: {name} at {at}, {slots} x {max_len} tokens "
-          f"(KV cache {kv:.0f} MiB on rank 0); ready at http://{_url_host(task.host)}:{port}/v1", flush=True)
+    print(f"tensorpar serve: {name} at {at}, up to {engine.max_batch} requests x {max_len} tokens "
+          f"(KV cache {kv:.0f} MiB on rank 0: {engine.num_blocks} blocks of {engine.block_size}, prefix caching "
+          f"{'on' if task.prefix_caching else 'off'}); ready at http://{_url_host(task.host)}:{port}/v1", flush=True)
     try:
         sched.run()
     finally:

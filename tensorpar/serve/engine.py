@@ -63,53 +63,8 @@ from tensorpar.decode.rope import per_row_rope
 from tensorpar.decode.slot_cache import SlotKVCache
 from tensorpar.hf.families import attention_windows
 from tensorpar.serve.plan import PLAN_MAGIC, PLAN_WORDS, Row, StepPlan, decode_plan, encode_plan
+from tensorpar.serve.prefill import PREFILL_TOKENS, prefill_groups, prefill_layout  # noqa: F401  (re-exported)
 from tensorpar.serve.tokens import choose_stage_tokens, choose_tokens
-
-
-#: padded tokens (rows x longest prompt) one batched prefill forward may hold; a longer burst is split
-PREFILL_TOKENS = 4096
-#: a prefill group grows while its padded size stays within this factor of its real tokens, plus
-#: :data:`PREFILL_FREE_PAD` pad tokens (cheaper than another forward's fixed cost)
-PREFILL_PAD_SLACK = 1.5
-PREFILL_FREE_PAD = 64
-
-
-def prefill_groups(lengths: list[int], *, budget: int = PREFILL_TOKENS, slack: float = PREFILL_PAD_SLACK,
-                   free_pad: int = PREFILL_FREE_PAD) -> list[list[int]]:
-    """Split prefill rows of token counts ``lengths`` into groups run as one padded forward each.
-
-    Rows are taken longest first; a group of longest length ``s`` takes the next row while
-    ``(rows + 1) * s <= budget`` and ``(rows + 1) * s <= slack * real_tokens + free_pad`` (so padding adds
-    at most ``slack - 1`` of the real work, or ``free_pad`` tokens). A row longer than ``budget`` is a group of
-    its own. Returns the indices into ``lengths`` of each group (deterministic: every rank gets the same groups
-    from the same plan).
-    """
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    groups: list[list[int]] = []
-    real = s = 0
-    for i in order:
-        n = lengths[i]
-        if groups and (len(groups[-1]) + 1) * s <= min(budget, slack * (real + n) + free_pad):
-            groups[-1].append(i)
-            real += n
-        else:
-            groups.append([i])
-            real = s = n
-    return groups
-
-
-def prefill_layout(prompts: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
-    """Token ids and positions ``[b, s]`` of a batched prefill (``s``: the longest prompt).
-
-    Row ``i`` of ``n`` tokens is ``[pad] * (s - n) + prompts[i]`` (the pad: its first token) at positions
-    ``[n, .., s-1, 0, .., n-1]``: the positions are both the cache entries written and the rotary positions, so
-    the prompt lands where a prefill alone puts it, and the last column is every row's last prompt token.
-    With the mask ``key_pos <= query_pos`` no prompt token attends to a pad (see the module docstring).
-    """
-    s = max(len(p) for p in prompts)
-    ids = [[p[0]] * (s - len(p)) + list(p) for p in prompts]
-    pos = [list(range(len(p), s)) + list(range(len(p))) for p in prompts]
-    return ids, pos
 
 
 @dataclass
@@ -127,8 +82,12 @@ class Engine:
     Args:
         model: a causal LM sharded by :func:`tensorpar.hf.apply.parallelize` (logits ``[b, s, V_r]``).
         tp: its tensor-parallel group.
-        max_batch: number of slots.
-        max_len: cache length per slot (prompt + generated tokens).
+        max_batch: rows a step runs at most (and, by default, the number of blocks).
+        max_len: positions per request (prompt + generated tokens).
+        block_size, num_blocks: the KV pool (:class:`~tensorpar.decode.kv_cache.LeanKVCache`): ``num_blocks`` blocks
+            of ``block_size`` positions of this rank's KV heads; default ``max_batch`` blocks of ``max_len`` (one
+            static block per row, what ``generate`` uses). The module path keeps one slot of ``max_len`` per block
+            (:class:`SlotKVCache`): ``block_size`` must then be ``max_len``.
         path: ``"auto"`` runs the lean decode path (:class:`~tensorpar.decode.lean.LeanDecoder`: fused projections, a
             static cache of this rank's KV heads) when :func:`tensorpar.decode.prepare.lean_unsupported` allows it (the
             family record) and the model's modules with a :class:`SlotKVCache` otherwise; ``"lean"`` requires
@@ -144,11 +103,13 @@ class Engine:
     Raises:
         ValueError: ``max_len`` above the model's ``max_position_embeddings``; ``path`` not one of
             auto/lean/hf, or ``"lean"`` for a model the lean path does not run (naming why); a stage model
-            without a pipeline group of its size, or a pipeline group without a stage model.
+            without a pipeline group of its size, or a pipeline group without a stage model; a ``block_size``
+            other than ``max_len`` on the module path.
     """
 
     def __init__(self, model, tp: Group, *, max_batch: int, max_len: int, path: str = "auto", warm_up: bool = True,
-                 plans: Group | None = None, pp: Group | None = None):
+                 plans: Group | None = None, pp: Group | None = None, block_size: int | None = None,
+                 num_blocks: int | None = None):
         cfg = model.config
         if path not in ("auto", "lean", "hf"):
             raise ValueError(f"path must be 'auto', 'lean' or 'hf', got {path!r}")
@@ -176,29 +137,43 @@ class Engine:
         why = None if path == "hf" else lean_unsupported(model)
         if path == "lean" and why is not None:
             raise ValueError(f"path='lean' cannot run this model: {why}; use path='auto' or 'hf'")
-        self.lean = LeanDecoder(model, tp, max_batch=max_batch, max_len=max_len) if path != "hf" and why is None \
-            else None
-        self.cache = self.lean if self.lean is not None else SlotKVCache(max_batch, max_len)
+        block_size, num_blocks = block_size or max_len, num_blocks or max_batch
+        lean = path != "hf" and why is None
+        if not lean and block_size != max_len:
+            raise ValueError(f"this model runs the module path ({why or 'path=hf'}), whose KV cache keeps one slot "
+                             f"of max_len={max_len} positions per request: block_size must be {max_len}, got "
+                             f"{block_size}")
+        self.lean = LeanDecoder(model, tp, max_batch=max_batch, max_len=max_len, block_size=block_size,
+                                num_blocks=num_blocks) if lean else None
+        self.cache = self.lean if self.lean is not None else SlotKVCache(num_blocks, max_len)
+        self.block_size, self.num_blocks = block_size, num_blocks
         self.windows = attention_windows(cfg)           # module path: the mask per kind of attention layer
         self.eager = getattr(cfg, "_attn_implementation", None) == "eager"   # additive float masks
         self.max_batch, self.max_len = max_batch, max_len
         if warm_up:
             self.step(StepPlan("step", [Row(0, [0], 0)]), samplers=None)          # allocate the cache, warm up
 
-    def _segment(self, slots: list[int], ids: list[list[int]], pos: list[list[int]]):
-        """Tensors of rows ``slots`` with tokens ``ids`` at positions ``pos`` (``[b, s]`` lists): ``(ids_t, pos_t,
-        slot_t, mask, length)``. Each query attends to its slot's entries at positions ``<=`` its own (``[b, 1, s,
-        L]`` bool mask, ``L = max(pos) + 1``; no mask for a decode in which every row is at ``L - 1``)."""
+    def _segment(self, tables: list[list[int]], ids: list[list[int]], pos: list[list[int]],
+                 write: list[list[bool]] | None = None):
+        """Tensors of rows with block tables ``tables`` and tokens ``ids`` at positions ``pos`` (``[b, s]`` lists;
+        ``write``: which tokens are stored, ``None`` all): ``(ids_t, pos_t, blocks_t, mask, length, write_t)``.
+        Each query attends to its row's positions ``<=`` its own (``[b, 1, s, L]`` bool mask, ``L = max(pos) + 1``;
+        no mask for a decode in which every row is at ``L - 1``); ``blocks_t`` ``[b, ceil(L / block_size)]``, the
+        tables padded with block 0 (read only under the mask)."""
         dev = self.device
         s = len(ids[0])
-        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
         ids_t = torch.tensor(ids, dtype=torch.long, device=dev)                               # [b, s]
         pos_t = torch.tensor(pos, dtype=torch.long, device=dev)                               # [b, s]
         length = max(max(p) for p in pos) + 1
+        nb = -(-length // self.block_size)
+        blocks_t = torch.tensor([(t + [0] * nb)[:nb] for t in tables], dtype=torch.long, device=dev)
         mask = None
         if not (s == 1 and min(p[0] for p in pos) == length - 1):   # else every row attends to all of [0, L)
             mask = pos_t[:, None, :, None] >= torch.arange(length, device=dev)              # [b, 1, s, L]
-        return ids_t, pos_t, slot_t, mask, length
+        write_t = None
+        if write is not None and not all(all(w) for w in write):
+            write_t = torch.tensor(write, dtype=torch.bool, device=dev)
+        return ids_t, pos_t, blocks_t, mask, length, write_t
 
     def _layer_masks(self, pos_t: torch.Tensor, mask: torch.Tensor | None, length: int):
         """The module path's ``attention_mask``: ``[b, 1, s, L]`` (``mask``, or all True when ``None``), and for a
@@ -220,7 +195,7 @@ class Engine:
 
     @torch.no_grad()
     def _forward(self, batches: list[tuple[list[int], list[list[int]], list[list[int]]]]) -> torch.Tensor:
-        """Logits of the last column of each row of each batch ``(slots, ids, pos)``, ``[sum(b), V_r]``.
+        """Logits of the last column of each row of each batch ``(tables, ids, pos, write)``, ``[sum(b), V_r]``.
 
         The lean path runs all the batches as one forward (:meth:`~tensorpar.decode.lean.LeanDecoder.forward_segments`:
         the matmuls once over every token, attention per batch); the module path one forward per batch.
@@ -229,13 +204,14 @@ class Engine:
         if self.stage is not None:
             return self._stage_forward(parts)
         if self.lean is not None:
-            segs = [Segment(i.shape[0], i.shape[1], m, n, slots=sl, cache_pos=p) for i, p, sl, m, n in parts]
+            segs = [Segment(i.shape[0], i.shape[1], m, n, blocks=bl, cache_pos=p, write=w)
+                    for i, p, bl, m, n, w in parts]
             ids = torch.cat([i.reshape(-1) for i, *_ in parts])
             pos = torch.cat([p.reshape(-1) for _, p, *_ in parts])
             return self.lean.forward_segments(ids, pos, segs)
         out = []
-        for ids_t, pos_t, slot_t, mask, length in parts:
-            self.cache.bind(slot_t, pos_t, length)
+        for ids_t, pos_t, blocks_t, mask, length, _ in parts:    # one block (slot) per row; pads written
+            self.cache.bind(blocks_t[:, 0], pos_t, length)
             with per_row_rope(self.model):      # longrope: each row the factors of its own length
                 lg = self.model(input_ids=ids_t, attention_mask=self._layer_masks(pos_t, mask, length),
                                 position_ids=pos_t, cache=self.cache,
@@ -257,7 +233,8 @@ class Engine:
         T = sum(i.numel() for i, *_ in parts)
         x = None if self.first else recv_hidden((T, self.hidden[0]), self.hidden[1], self.device, self.pp)
         if self.lean is not None:
-            segs = [Segment(i.shape[0], i.shape[1], m, n, slots=sl, cache_pos=p) for i, p, sl, m, n in parts]
+            segs = [Segment(i.shape[0], i.shape[1], m, n, blocks=bl, cache_pos=p, write=w)
+                    for i, p, bl, m, n, w in parts]
             ids = torch.cat([i.reshape(-1) for i, *_ in parts]) if x is None else x
             out = self.lean.forward_segments(ids, torch.cat([p.reshape(-1) for _, p, *_ in parts]), segs)
         else:
@@ -282,30 +259,37 @@ class Engine:
         ``[b]`` and an all-gather of ``[b, tp*k]``. With pipeline stages: the stage's layers' collectives, a
         recv and a send of the residual stream, the broadcasts of :func:`choose_stage_tokens` (and
         :func:`~tensorpar.pipeline.inference.logprobs_from_last`). Raises ValueError for a row outside the cache or with no
-        tokens, or two rows in one slot.
+        tokens, or two rows writing one block.
         """
         rows = plan.rows
+        bs, written = self.block_size, set()
         for r in rows:
-            if not r.tokens or not 0 <= r.slot < self.max_batch or r.start + len(r.tokens) > self.max_len \
-                    or r.start < 0:
-                raise ValueError(f"row {r} does not fit the cache ({self.max_batch} slots x {self.max_len})")
-        if len({r.slot for r in rows}) != len(rows):
-            raise ValueError(f"a step plan uses a slot twice: slots {[r.slot for r in rows]}")
+            t = r.table
+            if not r.tokens or r.start < 0 or r.start + len(r.tokens) > self.max_len \
+                    or len(t) < -(-(r.start + len(r.tokens)) // bs) or not all(0 <= x < self.num_blocks for x in t):
+                raise ValueError(f"row {r} does not fit the cache ({self.num_blocks} blocks of {bs} positions, "
+                                 f"{self.max_len} per row)")
+            mine = set(t[r.start // bs:(r.start + len(r.tokens) - 1) // bs + 1])
+            if mine & written:
+                raise ValueError(f"a step plan writes block(s) {sorted(mine & written)} from two rows")
+            written |= mine
         batches, order = [], []         # one forward: the prefill groups, then the continuations by token count
         new = [i for i, r in enumerate(rows) if r.start == 0]
         for group in prefill_groups([len(rows[i].tokens) for i in new]):
             idx = [new[j] for j in group]
             ids, pos = prefill_layout([rows[i].tokens for i in idx])
-            batches.append(([rows[i].slot for i in idx], ids, pos))
+            s = len(ids[0])
+            write = [[c >= s - len(rows[i].tokens) for c in range(s)] for i in idx]   # the pads are not stored
+            batches.append(([rows[i].table for i in idx], ids, pos, write))
             order.extend(idx)
         by_count: dict[int, list[int]] = {}
         for i, r in enumerate(rows):
             if r.start > 0:
                 by_count.setdefault(len(r.tokens), []).append(i)
         for n, idx in sorted(by_count.items()):
-            idx = sorted(idx, key=lambda i: rows[i].slot)   # slot order: consecutive slots read the cache as views
-            batches.append(([rows[i].slot for i in idx], [rows[i].tokens for i in idx],
-                            [list(range(rows[i].start, rows[i].start + n)) for i in idx]))
+            idx = sorted(idx, key=lambda i: rows[i].table)   # block order: consecutive blocks read as views
+            batches.append(([rows[i].table for i in idx], [rows[i].tokens for i in idx],
+                            [list(range(rows[i].start, rows[i].start + n)) for i in idx], None))
             order.extend(idx)
         lg = self._forward(batches)                                # [n, V_r], in order (None: not the last stage)
         logits = None

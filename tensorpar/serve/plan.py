@@ -11,10 +11,13 @@ import torch
 
 @dataclass
 class Row:
-    """One request's part of a step: feed ``tokens`` into ``slot`` at positions ``start ..``.
+    """One request's part of a step: feed ``tokens`` at positions ``start ..`` of the row's KV blocks.
 
-    ``start == 0`` is a prefill (batched with the step's other prefills); otherwise a continuation, usually the
-    one last token (decode; continuations of equal token counts run together).
+    ``blocks``: the row's block table (position ``p`` lives in block ``blocks[p // block_size]`` of the engine's
+    pool); ``None``: the one block ``[slot]`` (the static layout of ``generate``: one block of ``max_len`` per
+    row). ``slot`` is otherwise only the row's name. ``start == 0`` is a prefill (batched with the step's other
+    prefills); otherwise a continuation: the one last token (decode; continuations of equal token counts run
+    together) or, after a prefix-cache hit or a preemption, the tokens not in the cache.
     ``sampled``: the token is sampled on rank 0 (else greedy). ``logprobs``: -1 none, 0 the chosen token's
     log-probability, k > 0 also the top-k.
     """
@@ -24,6 +27,12 @@ class Row:
     start: int
     sampled: bool = False
     logprobs: int = -1
+    blocks: list[int] | None = None
+
+    @property
+    def table(self) -> list[int]:
+        """The row's block table: ``blocks``, or ``[slot]``."""
+        return self.blocks if self.blocks is not None else [self.slot]
 
 
 @dataclass
@@ -34,27 +43,31 @@ class StepPlan:
     rows: list[Row] = field(default_factory=list)
 
 
-#: words of the fixed-size plan message (8 KiB); a longer plan sends the rest in a second broadcast
-PLAN_WORDS = 1024
+#: words of the fixed-size plan message (32 KiB: 64 decode rows with 16-block tables fit); a longer plan sends
+#: the rest in a second broadcast
+PLAN_WORDS = 4096
 _OPS = ("stop", "step", "noop")
 PLAN_MAGIC = 0x7470_5350                # "tpSP": a desynchronised message fails loudly instead of running garbage
-_HEAD = 5                           # magic, op, rows, tokens, total words
-_ROW = 5                            # slot, start, tokens, sampled, logprobs
+_HEAD = 5                           # magic, op, rows, tokens + block-table words, total words
+_ROW = 6                            # slot, start, tokens, sampled, logprobs, blocks (-1: None)
 
 
 def encode_plan(plan: StepPlan) -> torch.Tensor:
     """``plan`` as a 1-D int64 CPU tensor: a header ``[magic, op, rows, tokens, total words]``, then per row
-    ``[slot, start, len(tokens), sampled, logprobs]``, then every row's tokens in row order
-    (``5 + 5 * rows + tokens`` words; :func:`decode_plan` inverts it). Raises ValueError for an unknown op."""
+    ``[slot, start, len(tokens), sampled, logprobs, len(blocks) or -1]``, then every row's tokens and block table
+    in row order (``5 + 6 * rows + tokens + blocks`` words; :func:`decode_plan` inverts it). Raises ValueError for
+    an unknown op."""
     if plan.op not in _OPS:
         raise ValueError(f"StepPlan.op must be one of {_OPS}, got {plan.op!r}")
     rows = plan.rows
-    ntok = sum(len(r.tokens) for r in rows)
+    ntok = sum(len(r.tokens) + len(r.blocks or ()) for r in rows)
     words = [PLAN_MAGIC, _OPS.index(plan.op), len(rows), ntok, _HEAD + _ROW * len(rows) + ntok]
     for r in rows:
-        words += (r.slot, r.start, len(r.tokens), int(r.sampled), r.logprobs)
+        words += (r.slot, r.start, len(r.tokens), int(r.sampled), r.logprobs,
+                  -1 if r.blocks is None else len(r.blocks))
     for r in rows:
         words += r.tokens
+        words += r.blocks or ()
     return torch.tensor(words, dtype=torch.int64)
 
 
@@ -66,7 +79,8 @@ def decode_plan(t: torch.Tensor) -> StepPlan:
         raise ValueError(f"not a step plan message (header {w[:_HEAD]}): the tp ranks are out of step")
     n, rows, off = w[2], [], _HEAD + _ROW * w[2]
     for i in range(n):
-        slot, start, k, sampled, lp = w[_HEAD + _ROW * i:_HEAD + _ROW * (i + 1)]
-        rows.append(Row(slot, w[off:off + k], start, bool(sampled), lp))
-        off += k
+        slot, start, k, sampled, lp, nb = w[_HEAD + _ROW * i:_HEAD + _ROW * (i + 1)]
+        blocks = None if nb < 0 else w[off + k:off + k + nb]
+        rows.append(Row(slot, w[off:off + k], start, bool(sampled), lp, blocks))
+        off += k + max(nb, 0)
     return StepPlan(_OPS[w[1]], rows)

@@ -125,7 +125,10 @@ def _plans():
     return [StepPlan("stop"), StepPlan("noop"), StepPlan("step"),
             StepPlan("step", [Row(3, [1, 2, 3], 0, True, 5), Row(0, [9], 17, False, -1),
                               Row(31, [0], 1023, True, 0), Row(2, [2**40, 5], 4, False, 20)]),
-            StepPlan("step", [Row(1, long, 0, False, -1), Row(5, [4], 9, True, 2)])]
+            StepPlan("step", [Row(1, long, 0, False, -1), Row(5, [4], 9, True, 2)]),
+            # block tables (paged serving): with the tokens, between rows of the static layout
+            StepPlan("step", [Row(4, [1, 2], 20, False, -1, [4, 9, 2, 40]), Row(0, [3], 5, True, 0),
+                              Row(7, [8], 70, False, 3, list(range(100, 100 + PLAN_WORDS)))])]
 
 
 def test_plan_encoding_round_trips_every_field():
