@@ -1,5 +1,6 @@
-"""int8 weight-only quantization (tensorpar/decode/quantize.py, int8.py): the quantized model at tp 1/2/3 equals the
-plain-PyTorch quantized unsharded model (per-output-channel absmax scales of the FULL weights), token for token."""
+"""int8 quantization (tensorpar/decode/quantize.py, int8.py, q8_kernel.py): the quantized model at tp 1/2/3 equals the
+plain-PyTorch quantized unsharded model (weights and each Linear's input quantized per block of 32 inputs, absmax
+scales, llama.cpp's Q8_0 x Q8_0), token for token; the VNNI kernel equals the same math written in PyTorch."""
 import argparse
 
 import pytest
@@ -7,29 +8,50 @@ import torch
 
 from tensorpar.generate import SamplingConfig, generate_tokens
 from tests._ranks import run_tp
+import tests.decode.test_generate as tg
 from tests.decode.test_generate import ARCHS, make_model_folder, prompts
 
 N_NEW = 16
+#: the test models with every rank's share of each Linear's input a whole number of blocks of 32 at the tp they run:
+#: llama hidden 288, 9 q heads / 3 KV heads of 32 (tp=2: 5 and 4 heads, uneven), MLP 192 (tp 2: 96, tp 3: 64), tied embedding;
+#: qwen2 4 q / 2 KV heads of 16 (tp=2: 32 each), q/k/v biases, untied
+QARCHS = {
+    "llama": {**ARCHS["llama"], "hidden_size": 288, "intermediate_size": 192, "head_dim": 32},
+    "qwen2": {**ARCHS["qwen2"], "hidden_size": 64, "intermediate_size": 192, "num_attention_heads": 4},
+}
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("quant")
-    return {a: str(make_model_folder(root / a, a)) for a in ("llama", "qwen2")}
+    with pytest.MonkeyPatch.context() as mp:
+        for a, kw in QARCHS.items():
+            mp.setitem(tg.ARCHS, a, kw)
+        return {a: str(make_model_folder(root / a, a)) for a in QARCHS}
+
+
+def _q8(t, scale_dtype):
+    """Plain PyTorch: ``t`` ``[..., K]`` -> its values quantized per block of 32 along K (absmax / 127 scales, stored
+    in ``scale_dtype``; round half to even; 0 where the scale is 0), dequantized, float32."""
+    b = t.float().unflatten(-1, (-1, 32))
+    s = (b.abs().amax(-1, keepdim=True) / 127).to(scale_dtype).float()
+    q = torch.where(s != 0, torch.round(b * torch.where(s != 0, 1 / s, 0)) if scale_dtype == torch.float32
+                    else torch.round(b / s), 0).clamp(-127, 127)
+    return (q * s).flatten(-2)
 
 
 def fake_quant_reference(folder, ids, mask, n, dtype=torch.float32):
-    """transformers' unsharded model with every decoder Linear and the LM head replaced, in plain PyTorch, by
-    ``round(W / s) * s``, ``s = max|W[o, :]| / 127`` per output row of the full weight; its greedy tokens and
-    all-position logits."""
+    """transformers' unsharded model with every decoder Linear and the LM head replaced, in plain PyTorch, by the
+    Q8_0 x Q8_0 math: weights ``round(W / s) * s`` with one fp16 ``s = max|W_block| / 127`` per block of 32 inputs
+    of the full weight, inputs ``round(x * (1/d)) * d`` per row and block of 32 with fp32 ``d``; its greedy tokens
+    and all-position logits."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     linears = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
     with torch.no_grad():
         for m in linears + [model.lm_head]:
-            w = m.weight.float()
-            s = (w.abs().amax(1, keepdim=True) / 127).to(dtype).float()
-            m.weight.copy_((torch.round(w / s).clamp(-127, 127) * s).to(dtype))
+            m.weight.copy_(_q8(m.weight, torch.float16).to(dtype))
+            m.register_forward_pre_hook(lambda mod, args: (_q8(args[0], torch.float32).to(args[0].dtype),))
         out = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, eos_token_id=None,
                              pad_token_id=0, min_new_tokens=n)
         logits = model(ids[:1]).logits[0].float()
@@ -92,24 +114,56 @@ def test_int8_bf16_same_tokens_at_tp_1_and_2(pools, folders):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k", [40, 48])     # bf16: 48 runs torch._weight_int8pack_mm, 40 the dequantizing matmul
-@pytest.mark.parametrize("chunk", [2 ** 21, 100])   # 100: the dequantizing matmul runs in chunks of 2 rows
-def test_int8_linear_matches_dequantized_matmul(dtype, k, chunk, monkeypatch):
+@pytest.mark.parametrize("k", [64, 96])             # 96: an odd number of blocks (the kernel's 256-bit tail)
+@pytest.mark.parametrize("chunk", [2 ** 21, 100])   # 100: the PyTorch path dequantizes 1 row at a time
+def test_int8_linear_matches_blockwise_reference(dtype, k, chunk, monkeypatch):
+    """int8_linear (the VNNI kernel where the CPU has it) and int8_linear_reference equal the plain-PyTorch
+    blockwise math in float64 within fp32 summation error: 1e-5 of the largest output (K <= 96 terms of
+    magnitude <= the output scale; the int32 block sums are exact), bf16 outputs within 2 ulp (2 ** -7)."""
     from tensorpar.decode import int8 as quant
-    from tensorpar.decode.int8 import int8_linear, quantize_rows
+    from tensorpar.decode.int8 import int8_linear, int8_linear_reference, quantize_blocks, quantize_weight
     monkeypatch.setattr(quant, "_CHUNK_ELEMS", chunk)
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(48, k, generator=g).to(dtype)
+    w = torch.randn(37, k, generator=g).to(dtype)
+    w[3, :32] = 0                                       # an all-zero block: scale 0, q 0
     x = torch.randn(3, 5, k, generator=g).to(dtype)
-    b = torch.randn(48, generator=g).to(dtype)
-    q = quantize_rows(w, None)                          # w now holds q * s
-    assert q.q.dtype == torch.int8 and q.q.abs().max() == 127
-    want = (x.double() @ (q.q.double() * q.scale.double()[:, None]).T + b.double())
-    got = int8_linear(x, q, b)
-    assert got.dtype == dtype and got.shape == (3, 5, 48)
-    tol = 1e-5 if dtype == torch.float32 else 2 ** -7       # relative to the largest output; bf16: ~2 ulp
-    assert (got.double() - want).abs().max().item() < tol * want.abs().max().item()
-    assert torch.equal(w, (q.q.float() * q.scale.float()[:, None]).to(dtype))
+    x[0, 0, 32:64] = 0
+    b = torch.randn(37, generator=g).to(dtype)
+    q = quantize_weight(w)                              # w now holds q * s
+    assert q.q.dtype == torch.int8 and q.scale.dtype == torch.float16 and q.scale.shape == (37, k // 32)
+    assert q.q.abs().max() == 127 and q.q[3, :32].abs().max() == 0
+    assert torch.equal(w, _q8(w, torch.float16).to(dtype))
+    xq, d = quantize_blocks(x)
+    assert torch.equal(xq.float() * d.repeat_interleave(32, -1), _q8(x, torch.float32))
+    want = _q8(x, torch.float32).double() @ w.double().T + b.double()
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    for f in (int8_linear, int8_linear_reference):
+        got = f(x, q, b)
+        assert got.dtype == dtype and got.shape == (3, 5, 37)
+        err = (got.double() - want).abs().max().item()
+        assert err < tol * want.abs().max().item(), f"{f.__name__}: {err}"
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 2048, 64), (4, 576, 33), (2, 160, 7)])
+def test_q8_kernel_equals_pytorch_path(m, k, n):
+    """The VNNI kernel (tensorpar.decode.q8_kernel) against the same math in PyTorch on decode shapes, 1 and 2
+    threads: equal within fp32 summation order (1e-5 of the largest output; K <= 2048 terms)."""
+    from tensorpar.decode import q8_kernel
+    from tensorpar.decode.int8 import int8_linear_reference, quantize_weight
+    if not q8_kernel.available():
+        pytest.skip("no AVX512-VNNI or no C++ compiler: int8_linear runs the PyTorch path")
+    g = torch.Generator().manual_seed(1)
+    q = quantize_weight(torch.randn(n, k, generator=g), write=False)
+    x = torch.randn(m, k, generator=g) * 3
+    want = int8_linear_reference(x, q)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            got = torch.ops.tensorpar.q8_linear(x, q.q, q.scale, None)
+            assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_quantize_refused_before_ranks_start(tmp_path):
@@ -122,6 +176,31 @@ def test_quantize_refused_before_ranks_start(tmp_path):
     check_quantize("none", cfg, None)
     with pytest.raises(ValueError, match="sequence parallelism"):
         check_quantize("int8", AutoConfig.for_model("llama"), argparse.Namespace(sequence_parallel=True))
+
+
+def test_quantize_refuses_blocks_split_over_ranks(tmp_path):
+    """A rank's share of a Linear's input that is not a whole number of blocks of 32 is refused with one line
+    naming the layer and its split: in the launching process from the plan, and on the ranks (quantize_int8) from
+    the modules, by the same rule (tensorpar.decode.int8.block_misfit)."""
+    from transformers import AutoConfig
+
+    from tensorpar.decode.quantize import check_quantize, quantize_int8
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.hf.plan import make_plan
+    from tensorpar.parallel import ParallelContext
+    kw = dict(QARCHS["llama"])
+    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    for tp in (1, 2, 3):
+        check_quantize("int8", cfg, make_plan(cfg, tp))
+    with pytest.raises(ValueError, match=r"--quantize int8 .* down_proj is split as \[48, 48, 48, 48\]; use another "
+                                         r"--tp or --quantize none"):
+        check_quantize("int8", cfg, make_plan(cfg, 4))
+    small = AutoConfig.for_model("llama", **{k: v for k, v in ARCHS["llama"].items() if k != "model_type"})
+    with pytest.raises(ValueError, match=r"the hidden size is split as \[36\]"):
+        check_quantize("int8", small, make_plan(small, 1))
+    model, _ = build_parallel_model(str(make_model_folder(tmp_path / "m", "llama")), ParallelContext.single().tp)
+    with pytest.raises(ValueError, match=r"the hidden size is split as \[36\]"):       # hidden 36 (test_generate)
+        quantize_int8(model, ParallelContext.single().tp)
 
 
 def job_engine_int8(ctx, folder, prompt, n):
@@ -167,10 +246,20 @@ def test_smollm2_int8_tp2_equals_quantized_reference(pools):
 
 
 def job_verify_int8(ctx, quantize_ref):
+    import copy
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     from tensorpar.decode.quantize import quantize_int8, quantize_reference_int8
+    from tensorpar.hf.apply import parallelize
+    from tensorpar.hf.plan import make_plan
     from tensorpar.verify import compare_to_reference
-    from tests.verify.test_verify import _pair
-    ref, par, ids = _pair(ctx, "llama")
+    kw = dict(QARCHS["llama"])
+    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(cfg).float()
+    par = parallelize(copy.deepcopy(ref), make_plan(cfg, ctx.tp.size), ctx.tp)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     quantize_int8(par, ctx.tp)
     if quantize_ref:
         quantize_reference_int8(ref)
@@ -200,7 +289,7 @@ def test_int8_weight_bytes_counts_one_byte_per_weight_plus_scales(folders):
            and "embed" not in n]
     quantize_int8(model, ctx.tp)
     assert len(lin) == 2 * 7 + 1                                   # q, k, v, o, gate, up, down per layer; LM head
-    assert int8_weight_bytes(model) == sum(o * i for o, i in lin) + 4 * sum(o for o, _ in lin)
+    assert int8_weight_bytes(model) == sum(o * i for o, i in lin) + 2 * sum(o * i // 32 for o, i in lin)
     with pytest.raises(ValueError, match="already quantized"):
         quantize_int8(model, ctx.tp)
 
@@ -224,7 +313,6 @@ def job_memory(ctx, folder, ids, mask, n):
     fp = [weakref.ref(m.weight) for _, m in lin]
     fp += [weakref.ref(m.__dict__["_lean_fused"][0]) for m in model.modules() if "_lean_fused" in m.__dict__]
     n_q = sum(m.weight.numel() for _, m in lin)                      # this rank's quantized weights
-    n_rows = sum(m.weight.shape[0] for _, m in lin)                  # one fp32 scale per local output row
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     before = resident_weight_bytes(model)
     quantize_int8(model, ctx.tp)
@@ -236,7 +324,7 @@ def job_memory(ctx, folder, ids, mask, n):
     tokens = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=n), path="lean").tokens
     module = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=n), path="hf").tokens
     gc.collect()
-    return dict(alive=alive, n_fp=len(fp), float_2d=float_2d, before=before, after=after, n_q=n_q, n_rows=n_rows,
+    return dict(alive=alive, n_fp=len(fp), float_2d=float_2d, before=before, after=after, n_q=n_q,
                 tied=tied, after_generate=resident_weight_bytes(model), tokens=tokens, module=module)
 
 
@@ -244,7 +332,7 @@ def job_memory(ctx, folder, ids, mask, n):
 def test_int8_frees_the_fp_weights(pools, folders, arch, tp):
     """After quantize_int8 no fp copy of a quantized weight is alive (not the parameters, not the lean path's fused
     buffers, not a tied embedding table), the model's storages shrink by exactly 3 bytes per quantized weight less
-    the scales (tp=1: the quantized count computed from the config), generating does not bring them back, and the
+    2 bytes of scale per 32 of them (tp=1: the quantized count computed from the config), generating does not bring them back, and the
     tokens (lean and module path) still equal the plain-PyTorch quantized reference. llama ties its embedding to
     the LM head (the table then reads the head's int8 rows); qwen2 does not (its embedding stays fp32) and has
     q/k/v biases."""
@@ -262,7 +350,7 @@ def test_int8_frees_the_fp_weights(pools, folders, arch, tp):
         assert res["float_2d"] == ([] if res["tied"] else ["model.embed_tokens.weight"]), res["float_2d"]
         if tp == 1:
             assert res["n_q"] == n_q_full
-        assert res["after"] == res["before"] - 3 * res["n_q"] + 4 * res["n_rows"], res
+        assert res["after"] == res["before"] - 3 * res["n_q"] + 2 * (res["n_q"] // 32), res   # fp16 per 32
         assert res["after"] < 0.5 * res["before"], res               # fp32: 4 bytes per weight before
         assert res["after_generate"] == res["after"], "generating re-created fp weights"
         assert torch.equal(res["tokens"], want) and torch.equal(res["module"], want), f"rank {r}: tokens changed"
