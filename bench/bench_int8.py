@@ -1,11 +1,10 @@
-"""int8 weight-only decode (``--quantize int8``) against fp32 and bf16, side by side in one run.
+"""int8 decode (``--quantize int8``, Q8_0-style blocks) against fp32 and bf16, side by side in one run.
 
 In one run this script
 
-1. times the candidate int8 matmul kernels on a ``[1, 576] x [576, 1536]`` GEMV (SmolLM2's gate/up shape), one
-   thread, cycling over 90 distinct weights (≈ 80 MB of int8, more than the caches) so each call reads its weight
-   from memory: fp32 and bf16 ``F.linear`` (references), ``torch._weight_int8pack_mm`` with fp32 and with bf16
-   activations, and ``F.linear(x, q.to(x.dtype)) * s`` (dequantizing) in fp32 and bf16;
+1. times the candidate int8 matmul kernels at the 1.1B random Llama's decode shapes (:func:`kernels`): our VNNI
+   kernel, the PyTorch path, ``torch._weight_int8pack_mm``, fbgemm's dynamic linear, fp32 and bf16 ``F.linear``,
+   one thread, each call reading its weight from memory; GB/s by wall and by CPU time;
 2. measures the memory bandwidth of 1 and of 2 processes (bench_decode.py's GEMV);
 3. runs greedy decode of SmolLM2-135M (``--tokens`` new tokens, lean path, 1 thread per rank, each row in fresh
    processes): fp32 tp=1/2, int8 tp=1/2 (fp32 activations), bf16 tp=2, int8 with bf16 activations tp=1/2; each
@@ -18,9 +17,11 @@ In one run this script
    once) and the process's resident set (``VmRSS`` of /proc/self/status) before loading, after loading (and
    quantizing), after glibc's ``malloc_trim(0)`` (freed heap memory glibc had kept), after an 8-token generate,
    and the peak (``VmHWM``);
-6. a torch.profiler breakdown per token (matmul, attention, collectives, the rest) of int8 + bf16 at tp 1 and 2.
+6. a torch.profiler breakdown per token (matmul, attention, collectives, the rest) of int8 + bf16 at tp 1 and 2;
+7. greedy tokens of int8 against fp32 (tp=1) for three prompts.
 
     python bench/bench_int8.py [--tokens 32] [--out bench/results]
+    python bench/bench_int8.py --only kernels,quality     # items 1, the 1-process bandwidth, 4 (int8) and 7
 
 Writes ``decode_int8.json`` and ``decode_int8.md`` under ``--out`` with the load average at start and end.
 """
@@ -42,39 +43,97 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import PROMPT, job_bandwidth, job_tp, perplexity  # noqa: E402
 
 
-def kernels(n_weights: int = 90, reps: int = 5) -> dict:
-    """µs per call of each candidate (see the module docstring), best of 3 sweeps."""
+#: the matmuls of one decoder layer of the 1.1B random Llama (TinyLlama's shapes: hidden 2048, 32 q / 4 KV heads of
+#: 64, MLP 5632) at tp=1, ``(name, K, N)``; at tp=2 each rank runs half of N (q/k/v, gate/up) or of K (o, down)
+SHAPES_1B = [("q/k/v", 2048, 2560), ("o_proj", 2048, 2048), ("gate/up", 2048, 11264), ("down_proj", 5632, 2048)]
+
+
+def kernels(min_mb: int = 160, sweeps: int = 3) -> dict:
+    """Per candidate and 1.1B decode shape (:data:`SHAPES_1B`, one row ``M = 1``, 1 thread): µs per call and GB/s of
+    the bytes its weight format holds, cycling over enough distinct weights (>= ``min_mb`` MB, beyond the 32 MB L3)
+    that each call reads its weight from memory; best of ``sweeps``. Wall time, and the thread's CPU time (the
+    machine is shared: a descheduled thread stops its CPU clock, not the wall clock). Candidates: our VNNI kernel
+    (blockwise fp16 scales), the same math in PyTorch (the fallback), ``torch._weight_int8pack_mm`` (bf16
+    activations, per-channel scales), fbgemm's ``torch.ops.quantized.linear_dynamic`` (per-channel weights,
+    per-tensor dynamic uint8 activations), fp32 and bf16 ``F.linear``."""
+    import warnings
+
     import torch.nn.functional as F
 
-    from tensorpar.decode.int8 import Int8Weight, quantize_rows
+    from tensorpar.decode import q8_kernel
+    from tensorpar.decode.int8 import int8_linear, int8_linear_reference, quantize_weight
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message=".*quantize_per.*deprecated")
     g = torch.Generator().manual_seed(0)
-    ws = [torch.randn(1536, 576, generator=g) for _ in range(n_weights)]
-    qs = [quantize_rows(w.clone(), None) for w in ws]
-    qb = [Int8Weight(q.q, q.scale.bfloat16()) for q in qs]
-    wb = [w.bfloat16() for w in ws]
-    x = torch.randn(1, 576, generator=g)
-    xb = x.bfloat16()
-    cands = {
-        "fp32 F.linear (fp32 weights)": lambda i: F.linear(x, ws[i]),
-        "bf16 F.linear (bf16 weights)": lambda i: F.linear(xb, wb[i]),
-        "torch._weight_int8pack_mm, fp32 x": lambda i: torch._weight_int8pack_mm(x, qs[i].q, qs[i].scale),
-        "torch._weight_int8pack_mm, bf16 x": lambda i: torch._weight_int8pack_mm(xb, qb[i].q, qb[i].scale),
-        "F.linear(x, q.float()) * s, fp32 x": lambda i: F.linear(x, qs[i].q.to(x.dtype)) * qs[i].scale,
-        "F.linear(x, q.bfloat16()) * s, bf16 x": lambda i: F.linear(xb, qb[i].q.to(xb.dtype)) * qb[i].scale,
-    }
-    out = {}
-    for name, f in cands.items():
-        f(0)
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                for i in range(n_weights):
+    out = {"kernel_available": q8_kernel.available(), "shapes": {}}
+    for name, K, N in SHAPES_1B:
+        n = max(2, (min_mb << 20) // (N * K))
+        ws = [torch.randn(N, K, generator=g) * 0.02 for _ in range(n)]
+        x = torch.randn(1, K, generator=g)
+        xb = x.bfloat16()
+        cands = {}
+        q8 = [quantize_weight(w, write=False) for w in ws]
+        if out["kernel_available"]:
+            cands["ours: int8 x int8 VNNI, blockwise fp16 scales"] = (lambda i: int8_linear(x, q8[i]), N * K * 17 / 16)
+        cands["PyTorch path (dequantize, fp32 matmul), blockwise"] = (lambda i: int8_linear_reference(x, q8[i]),
+                                                                       N * K * 17 / 16)
+        chs = [(w.abs().amax(1) / 127) for w in ws]
+        qc = [torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8) for w, s in zip(ws, chs)]
+        sb = [s.bfloat16() for s in chs]
+        cands["torch._weight_int8pack_mm, bf16 x, per-channel"] = (
+            lambda i: torch._weight_int8pack_mm(xb, qc[i], sb[i]), N * K + 2 * N)
+        packed = [torch.ops.quantized.linear_prepack(torch.quantize_per_channel(
+            w, s, torch.zeros(N, dtype=torch.long), 0, torch.qint8), None) for w, s in zip(ws, chs)]
+        cands["fbgemm quantized.linear_dynamic, per-channel"] = (
+            lambda i: torch.ops.quantized.linear_dynamic(x, packed[i]), N * K + 8 * N)
+        nf = max(2, n // 4)         # fp32 weights are 4x larger: fewer of them exceed the caches as well
+        cands["fp32 F.linear"] = (lambda i: F.linear(x, ws[i % nf]), 4 * N * K)
+        wb = [w.bfloat16() for w in ws[:max(2, n // 2)]]
+        cands["bf16 F.linear"] = (lambda i: F.linear(xb, wb[i % len(wb)]), 2 * N * K)
+        res = {}
+        for _ in range(sweeps):             # sweeps interleave the candidates: load changes hit all alike
+            for cname, (f, nbytes) in cands.items():
+                f(0)
+                t0, c0 = time.perf_counter(), time.thread_time()
+                for i in range(n):
                     f(i)
-            best = min(best, (time.perf_counter() - t0) / (reps * n_weights))
-        out[name] = best * 1e6
-        print(f"{name:<44} {out[name]:8.1f} us", flush=True)
+                wall, cpu = (time.perf_counter() - t0) / n, (time.thread_time() - c0) / n
+                r = res.setdefault(cname, {"us": float("inf"), "cpu_us": float("inf"), "bytes": nbytes})
+                r["us"], r["cpu_us"] = min(r["us"], wall * 1e6), min(r["cpu_us"], cpu * 1e6)
+        for cname, r in res.items():
+            r["GB_s"], r["cpu_GB_s"] = r["bytes"] / r["us"] / 1e3, r["bytes"] / r["cpu_us"] / 1e3
+            print(f"{name:<10} {cname:<52} {r['us']:8.0f} us {r['GB_s']:6.2f} GB/s (CPU time: {r['cpu_GB_s']:6.2f})",
+                  flush=True)
+        out["shapes"][f"{name} [1, {K}] x [{K}, {N}]"] = res
+        del ws, packed, qc
+    return out
+
+
+def greedy_vs_fp32(folder: str, n: int) -> dict:
+    """Greedy tokens of the lean path (tp=1, fp32 activations) with ``--quantize int8`` against fp32, for the
+    benchmark prompt and two more: how many of ``n`` are equal, and the first that differs."""
+    from transformers import AutoTokenizer
+
+    from tensorpar.decode.quantize import quantize_int8
+    from tensorpar.generate import SamplingConfig, generate_tokens
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.parallel import ParallelContext
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(folder)
+    ctx = ParallelContext.single()
+    out = {}
+    for prompt in (PROMPT, "Once upon a time, in a small village,", "def fibonacci(n):"):
+        ids = tok([prompt], return_tensors="pt")["input_ids"]
+        toks = {}
+        for q in (False, True):
+            model, _ = build_parallel_model(folder, ctx.tp)
+            if q:
+                quantize_int8(model, ctx.tp)
+            toks[q] = generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=n),
+                                      path="lean").tokens[0]
+        same = toks[True] == toks[False]
+        out[prompt] = {"equal": int(same.sum()), "first_diff": None if bool(same.all()) else int((~same).nonzero()[0])}
+        print(f"greedy {prompt!r}: {out[prompt]}", flush=True)
     return out
 
 
@@ -171,7 +230,8 @@ def run(folder: str, n: int, mb: int) -> dict:
         prof[f"tp={world}"] = pool_run(world, job_tp, folder, n, "bfloat16", "lean", 1, True, "int8")[0]["profile"]
         print(f"profile int8 + bf16 tp={world}: {prof[f'tp={world}']}", flush=True)
     mem = memory(folder)
-    return {"kernels_us": kern, "bandwidth_bytes_per_s": {"1 process": bw[1], "2 processes": bw[2]}, "rows": rows,
+    greedy = greedy_vs_fp32(folder, n)
+    return {"kernels": kern, "greedy": greedy, "bandwidth_bytes_per_s": {"1 process": bw[1], "2 processes": bw[2]}, "rows": rows,
             "perplexity": {"work": work, "tokens": count, **ppl}, "profile": prof, "memory": mem, "load_start": load_start,
             "load_end": os.getloadavg()}
 
@@ -191,12 +251,8 @@ def write(res: dict, out: Path, n: int) -> None:
              f"{meta['torch']}, {meta['date']}. Load average at start {ls[0]:.2f} / {ls[1]:.2f} / {ls[2]:.2f}, at "
              f"end {le[0]:.2f} / {le[1]:.2f} / {le[2]:.2f} (shared machine: 2 cores; rows measured under load are "
              f"slower than they could be).", "",
-             "int8: weight-only, per-output-channel scales, every decoder Linear and the LM head "
-             "(tensorpar/decode/quantize.py); fp32 activations run `F.linear(x, q.float()) * s`, bf16 activations "
-             "`torch._weight_int8pack_mm`.", "",
-             "Kernel candidates, one [1, 576] x [576, 1536] GEMV, 1 thread, 90 distinct weights cycled (from memory), "
-             "best of 3 sweeps:", "", "| kernel | µs per call |", "|---|---|"]
-    lines += [f"| {k} | {v:.1f} |" for k, v in res["kernels_us"].items()]
+             FORMAT, ""]
+    lines += kernel_lines(res["kernels"])
     lines += ["", f"Memory bandwidth (bench_decode.py's GEMV, 1 thread per process, best of 30): 1 process "
               f"{bw['1 process'] / 1e9:.2f} GB/s, 2 processes {bw['2 processes'] / 1e9:.2f} GB/s.", "",
               "| configuration | weight MB/token | tokens/s | best step tokens/s | roofline tokens/s | fraction of "
@@ -218,6 +274,7 @@ def write(res: dict, out: Path, n: int) -> None:
                                                                                           "int8 + bf16"))
     lines += [f"* Quality: perplexity of the lean path (tp=1) on {p['tokens']} held-out tokens of Shakespeare "
               f"({p['work']}, the corpus' validation split, as in decode.md): {ppl}."]
+    lines += greedy_lines(res["greedy"], n)
     pr = res["profile"]
     keys = list(pr["tp=1"])
     lines += ["", "Where the time goes per token, int8 + bf16 (rank 0; torch.profiler over one generate call of the "
@@ -229,6 +286,87 @@ def write(res: dict, out: Path, n: int) -> None:
     tmp = out / "decode_int8.md.tmp"
     tmp.write_text("\n".join(lines) + "\n")
     os.replace(tmp, out / "decode_int8.md")
+    print("\n".join(lines))
+
+
+FORMAT = ("int8: every decoder Linear and the LM head as int8 with one fp16 scale per block of 32 inputs (llama.cpp's "
+          "Q8_0), activations quantized per row and block of 32 in each matmul, int8 x int8 products "
+          "(tensorpar/decode/int8.py; on AVX512-VNNI our kernel, tensorpar/decode/q8_kernel.py).")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
+    except OSError:
+        return platform.processor() or "?"
+
+
+def kernel_lines(k: dict) -> list[str]:
+    """The kernel table (see :func:`kernels`)."""
+    lines = ["Kernel candidates at the 1.1B random Llama's decode shapes (one row, 1 thread), each call reading its "
+             "weight from memory (distinct weights cycled, >= 160 MB), best of 3 interleaved sweeps; GB/s of the "
+             "bytes the format holds (int8 + scales; fp32/bf16 weights), from wall time and from the thread's CPU "
+             "time (less disturbed by the other processes on a shared machine)"
+             + ("" if k["kernel_available"] else "; our kernel is not available on this machine") + ":", "",
+             "| shape | kernel | µs per call | GB/s | GB/s (CPU time) |", "|---|---|---|---|---|"]
+    for shape, res in k["shapes"].items():
+        for name, r in res.items():
+            lines.append(f"| {shape} | {name} | {r['us']:.0f} | {r['GB_s']:.2f} | {r['cpu_GB_s']:.2f} |")
+    return lines
+
+
+def greedy_lines(g: dict, n: int) -> list[str]:
+    return [f"* Greedy tokens, int8 against fp32 (tp=1, lean path, {n} new tokens): "
+            + "; ".join(f"{p!r}: {r['equal']} of {n} equal" + ("" if r["first_diff"] is None else
+                                                             f" (first difference at token {r['first_diff']})")
+                        for p, r in g.items()) + "."]
+
+
+def run_parts(folder: str, parts: set[str], n: int, mb: int, out: Path) -> None:
+    """``--only``: the kernel table and the memory bandwidth of one process (``kernels``), and/or the greedy and
+    perplexity comparison of int8 against fp32 (``quality``); writes decode_int8.md / .json with those sections
+    only (the decode rows, profile and memory tables need the full run)."""
+    from tensorpar.testing import WorkerPool
+    load_start = os.getloadavg()
+    res: dict = {}
+    if "kernels" in parts:
+        res["kernels"] = kernels()
+        with WorkerPool(1, collective_timeout_s=120, job_timeout_s=1200) as pool:
+            res["bandwidth_1_process"] = pool.run(job_bandwidth, mb, 30)[0]["bytes_per_s"]
+    if "quality" in parts:
+        res["greedy"] = greedy_vs_fp32(folder, n)
+        ppl = {}
+        for key, dt, q in [("fp32", "float32", "none"), ("int8", "float32", "int8"),
+                           ("int8 + bf16", "bfloat16", "int8")]:
+            ppl[key], work, count = perplexity(folder, 1024, dt, quantize=q)
+            print(f"perplexity {key}: {ppl[key]:.3f} on {count} tokens of {work}", flush=True)
+        res["perplexity"] = {"work": work, "tokens": count, **ppl}
+    le = os.getloadavg()
+    meta = {"machine": f"{cpu_model()}, {platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M"), "load_start": load_start, "load_end": le, "parts": sorted(parts)}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode_int8.json.tmp").write_text(json.dumps({"meta": meta, **res}, indent=2))
+    os.replace(out / "decode_int8.json.tmp", out / "decode_int8.json")
+    ls = load_start
+    lines = [f"bench/bench_int8.py --only {','.join(sorted(parts))}; {meta['machine']}, torch {meta['torch']}, "
+             f"{meta['date']}. Load average at start {ls[0]:.2f} / {ls[1]:.2f} / {ls[2]:.2f}, at end {le[0]:.2f} / "
+             f"{le[1]:.2f} / {le[2]:.2f} (shared machine: 2 cores, other jobs running; wall-time rows are slower than "
+             f"the machine can do). The SmolLM2 decode rows, profile and memory tables need the full run (no --only).",
+             "", FORMAT, ""]
+    if "kernels" in res:
+        lines += kernel_lines(res["kernels"])
+        lines += ["", f"Memory bandwidth of one process (bench_decode.py's fp32 GEMV, 1 thread, best of 30): "
+                      f"{res['bandwidth_1_process'] / 1e9:.2f} GB/s."]
+    if "perplexity" in res:
+        p = res["perplexity"]
+        ppl = ", ".join(f"{k} {p[k]:.3f} ({(p[k] / p['fp32'] - 1) * 100:+.2f}%)" for k in ("fp32", "int8",
+                                                                                              "int8 + bf16"))
+        lines += ["", f"* Quality, SmolLM2-135M: perplexity of the lean path (tp=1) on {p['tokens']} held-out tokens "
+                      f"of Shakespeare ({p['work']}, the corpus' validation split, as in decode.md): {ppl}."]
+        lines += greedy_lines(res["greedy"], n)
+    (out / "decode_int8.md.tmp").write_text("\n".join(lines) + "\n")
+    os.replace(out / "decode_int8.md.tmp", out / "decode_int8.md")
     print("\n".join(lines))
 
 
@@ -261,9 +399,18 @@ def main() -> None:
     p.add_argument("--gemv-mb", type=int, default=256, help="MB of the matrix each process streams")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     p.add_argument("--memory-only", action="store_true", help="print the memory table only (writes no files)")
+    p.add_argument("--only", default=None, help="comma-separated parts: kernels (the 1.1B-shape kernel table and "
+                                                "one process's bandwidth), quality (greedy and perplexity, int8 "
+                                                "against fp32); writes decode_int8.md with those sections only")
     a = p.parse_args()
     from tensorpar.hub import resolve_model
     folder = str(resolve_model(a.model))
+    if a.only:
+        parts = set(a.only.split(","))
+        if not parts <= {"kernels", "quality"}:
+            p.error(f"--only {a.only}: the parts are kernels and quality")
+        run_parts(folder, parts, a.tokens, a.gemv_mb, Path(a.out))
+        return
     if a.memory_only:
         print("\n".join(memory_lines(memory(folder))))
         return

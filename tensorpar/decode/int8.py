@@ -1,13 +1,15 @@
-"""The int8 weight format of ``--quantize int8`` (:mod:`tensorpar.decode.quantize` makes it): :class:`Int8Weight`
-(``q`` int8 and one scale per output row), its matmul (:func:`int8_linear`), the per-row quantizer
-(:func:`quantize_rows`), and the Linear / embedding classes a module becomes once its fp weight is freed.
+"""The int8 format of ``--quantize int8`` (:mod:`tensorpar.decode.quantize` makes it): :class:`Int8Weight` (``q``
+int8 and one fp16 scale per block of 32 inputs of each output row, llama.cpp's Q8_0 layout split in two tensors),
+its matmul (:func:`int8_linear`), the quantizers (:func:`quantize_weight`, :func:`quantize_blocks`), and the
+Linear / embedding classes a module becomes once its fp weight is freed.
 
-Compute (:func:`int8_linear`): ``torch._weight_int8pack_mm(x, q, s)`` (gpt-fast's CPU int8 kernel) for bfloat16
-activations on CPU when ``in_features % 16 == 0`` (torch 2.13 segfaults otherwise); for float32 that kernel is
-slower than the fp32 matmul itself (bench/results/decode_int8.md), so float32 (and every other case, CUDA
-included) runs ``F.linear(x, q.to(x.dtype)) * s``, dequantizing at most 2M weights at a time. That path is
-correct but slower than fp32 decode on this CPU (the int8 -> fp32 conversion dominates; docs/quantize.md):
-int8 pays off with ``--dtype bfloat16``.
+Compute (:func:`int8_linear`, llama.cpp's Q8_0 x Q8_0): the activations are quantized on the fly per row and block
+of 32 (``d = max|x| / 127``, ``xq = round(x / d)`` as ``round(x * (1/d))``, half to even), each block's int8 x int8
+dot product is summed exactly in int32 and multiplied by ``d * s`` in fp32. On a CPU with AVX512-VNNI this is our
+kernel (:mod:`tensorpar.decode.q8_kernel`); elsewhere (CUDA, other CPUs, no compiler) the same math in PyTorch
+(:func:`int8_linear_reference`: dequantized activations and weights, an fp32 matmul; equal up to fp32 summation
+order, since ``(xq d)(q s)`` is exactly the per-element product the blocks sum). The result is cast to ``x``'s
+dtype (fp32 or bf16 models alike).
 """
 from __future__ import annotations
 
@@ -17,23 +19,23 @@ import torch
 import torch.nn.functional as F
 
 from tensorpar import comm
-from tensorpar.comm import Group
+from tensorpar.decode import q8_kernel
 from tensorpar.layers.embedding import VocabParallelEmbedding
 from tensorpar.layers.linear import ColumnParallelLinear, RowParallelLinear
 
-#: weights dequantized per call of the float32 path (8 MB of fp32): a chunk stays in the allocator's reuse range
+#: inputs per scale (llama.cpp's QK8_0): weights and activations are quantized in blocks of 32 along the input dim
+BLOCK = 32
+#: weights dequantized per call of the PyTorch path (8 MB of fp32): a chunk stays in the allocator's reuse range
 _CHUNK_ELEMS = 2 ** 21
 
 
 class Int8Weight(NamedTuple):
-    """``q`` ``[out_local, in_local]`` int8 and ``scale`` ``[out_local]`` in the compute dtype;
-    ``W ≈ q * scale[:, None]``. ``dtype``, ``device`` and ``shape`` are those of the weight it stands for."""
+    """``q`` ``[out_local, in_local]`` int8, ``scale`` ``[out_local, in_local / 32]`` float16 (one per block of 32
+    consecutive inputs of a row), ``dtype`` the model's compute dtype; ``W[o, k] ≈ q[o, k] * scale[o, k // 32]``.
+    ``device`` and ``shape`` are those of the weight it stands for."""
     q: torch.Tensor
     scale: torch.Tensor
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.scale.dtype
+    dtype: torch.dtype
 
     @property
     def device(self) -> torch.device:
@@ -43,72 +45,133 @@ class Int8Weight(NamedTuple):
     def shape(self) -> torch.Size:
         return self.q.shape
 
-    def dequantize(self) -> torch.Tensor:
-        """``q * s`` ``[out_local, in_local]`` in the compute dtype (a new tensor): the values
-        :func:`quantize_rows` wrote into the fp weight, bit for bit."""
-        return (self.q.float() * self.scale.float()[:, None]).to(self.scale.dtype)
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``q * s`` ``[out_local, in_local]`` in ``dtype`` (default the compute dtype; a new tensor)."""
+        return _dequantize(self.q, self.scale).to(dtype or self.dtype)
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``q`` ``[..., K]`` int8, ``scale`` ``[..., K / 32]`` -> ``q * scale`` per block, float32 ``[..., K]``."""
+    return (q.float().unflatten(-1, (-1, BLOCK)) * scale.float().unsqueeze(-1)).flatten(-2)
+
+
+def quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activations' quantization (llama.cpp's ``quantize_row_q8_0``, scales kept in fp32): ``x`` ``[..., K]``
+    (``K % 32 == 0``) -> ``xq`` int8 ``[..., K]``, ``d`` float32 ``[..., K / 32]`` with ``d = max|x_block| / 127``
+    and ``xq = round(x * (1/d))`` (half to even; 0 where ``d == 0``), in fp32: bit for bit what the kernel
+    computes. No collectives."""
+    xb = x.float().unflatten(-1, (-1, BLOCK))
+    d = xb.abs().amax(-1) / 127
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    return torch.round(xb * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8).flatten(-2), d
+
+
+def fake_quantize_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[..., K]`` replaced by its blockwise-quantized values ``xq * d`` (:func:`quantize_blocks`), in ``x``'s
+    dtype: the input a plain-PyTorch reference Linear sees (:func:`tensorpar.decode.quantize.quantize_reference_int8`)."""
+    return _dequantize(*quantize_blocks(x)).to(x.dtype)
+
+
+def int8_linear_reference(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`int8_linear` in PyTorch: ``x`` quantized by :func:`quantize_blocks` and dequantized, times the
+    dequantized weight, in fp32 (at most ``_CHUNK_ELEMS`` weights dequantized at a time: a whole LM head at once
+    would be a fresh buffer per call, page-faulted in every time), plus ``bias``; cast to ``x``'s dtype."""
+    xq, d = quantize_blocks(x)
+    xd = _dequantize(xq, d)
+    step = max(1, _CHUNK_ELEMS // w.q.shape[1])
+    n = w.q.shape[0]
+    y = torch.cat([F.linear(xd, _dequantize(w.q[c:c + step], w.scale[c:c + step])) for c in range(0, n, step)],
+                  dim=-1)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
 
 
 def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ (q * s)^T + bias`` for ``x`` ``[..., in]``; returns ``[..., out]`` in ``x``'s dtype. No collectives."""
-    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[-1] % 16 == 0:
-        # torch 2.13's CPU kernel crashes (SIGSEGV, no error) unless in_features is a multiple of 16
-        y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), w.q, w.scale).view(*x.shape[:-1], -1)
-    else:
-        # dequantize at most _CHUNK_ELEMS weights at a time: a whole LM head (SmolLM2: 28M) dequantized at once
-        # is a fresh 113 MB buffer per call, page-faulted in every time (12x slower than fp32, measured)
-        step = max(1, _CHUNK_ELEMS // w.q.shape[1])
-        n = w.q.shape[0]
-        if n <= step:
-            y = F.linear(x, w.q.to(x.dtype))
-        else:
-            y = torch.cat([F.linear(x, w.q[c:c + step].to(x.dtype)) for c in range(0, n, step)], dim=-1)
-        y = y * w.scale
-    return y if bias is None else y + bias
+    """``x @ W^T + bias`` for ``x`` ``[..., in]`` with ``x`` quantized per block of 32 (see the module docstring);
+    returns ``[..., out]`` in ``x``'s dtype. Our VNNI kernel on a CPU that has it, else
+    :func:`int8_linear_reference`. No collectives."""
+    if x.device.type == "cpu" and q8_kernel.available():
+        y = torch.ops.tensorpar.q8_linear(x.reshape(-1, x.shape[-1]).float(), w.q, w.scale,
+                                          None if bias is None else bias.float())
+        return y.view(*x.shape[:-1], -1).to(x.dtype)
+    return int8_linear_reference(x, w, bias)
 
 
-def quantize_rows(w: torch.Tensor, tp: Group | None, *, write: bool = True) -> Int8Weight:
-    """Quantize ``w`` ``[out, in_local]``; ``tp``: all-reduce the row absmax (row-parallel: the input dim is
-    sharded), ``None``: the rows are whole. ``write``: overwrite ``w`` in place with ``q * s``. Works on blocks of
-    at most ``_CHUNK_ELEMS`` weights, so its temporaries stay small (a whole fp32 LM head would need three
-    transient copies); the result is the same elementwise."""
+def quantize_weight(w: torch.Tensor, *, write: bool = True) -> Int8Weight:
+    """Quantize ``w`` ``[out, in]`` (``in % 32 == 0``) per block of 32 inputs of each row: ``s = max|w_block| / 127``
+    stored as float16, ``q = round(w / s)`` clamped to [-127, 127] (0 where ``s`` is 0). ``write``: overwrite ``w``
+    in place with ``q * s`` (the fake-quantized weight). Works on at most ``_CHUNK_ELEMS`` weights at a time, so its
+    temporaries stay small. No collectives: a block never spans two ranks (:func:`block_misfit`)."""
+    if w.shape[1] % BLOCK:
+        raise ValueError(f"--quantize int8: a weight with {w.shape[1]} inputs is not a whole number of blocks of "
+                         f"{BLOCK}; use --quantize none")
     rows = range(0, w.shape[0], max(1, _CHUNK_ELEMS // max(1, w.shape[1])))
     step = rows.step
     wd = w.detach()
-    amax = torch.cat([wd[r:r + step].float().abs().amax(dim=1) for r in rows])
-    if tp is not None:
-        amax = comm.all_reduce(amax, tp, op="max")
-    scale = (amax.clamp_min(1e-12) / 127).to(w.dtype)        # the stored scale, in the compute dtype
-    sf = scale.float()[:, None]
     q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    scale = torch.empty(w.shape[0], w.shape[1] // BLOCK, dtype=torch.float16, device=w.device)
     for r in rows:
-        q[r:r + step] = torch.round(wd[r:r + step].float() / sf[r:r + step]).clamp_(-127, 127)
-    out = Int8Weight(q, scale.contiguous())
+        b = wd[r:r + step].float().unflatten(-1, (-1, BLOCK))
+        s = (b.abs().amax(-1) / 127).clamp_(max=65504).to(torch.float16)
+        sf = s.float().unsqueeze(-1)
+        qb = torch.where(sf != 0, torch.round(b / sf), torch.zeros_like(b)).clamp_(-127, 127)
+        q[r:r + step] = qb.flatten(-2).to(torch.int8)
+        scale[r:r + step] = s
+    out = Int8Weight(q, scale, w.dtype)
     if write:
         with torch.no_grad():
             for r in rows:
-                w[r:r + step] = Int8Weight(q[r:r + step], out.scale[r:r + step]).dequantize()
+                w[r:r + step] = _dequantize(q[r:r + step], scale[r:r + step]).to(w.dtype)
     return out
+
+
+def block_misfit(sizes: dict[str, list[int]]) -> str | None:
+    """``sizes``: per quantized weight name, the input features each rank holds. ``None`` if every one is a
+    multiple of 32 (then no block of 32 spans two ranks, and the tp=k model quantizes exactly as tp=1), else a
+    line saying which is not. The launching process (:func:`tensorpar.decode.quantize.check_quantize`, from the
+    sharding plan) and every rank (:func:`tensorpar.decode.quantize.quantize_int8`, from the modules) apply it."""
+    for name, ks in sizes.items():
+        bad = [k for k in ks if k % BLOCK]
+        if bad:
+            return (f"--quantize int8 needs every rank's share of each Linear's input features to be a multiple of "
+                    f"{BLOCK} (its scale blocks); {name} is split as {list(ks)}; use another --tp or --quantize none")
+    return None
 
 
 class _Int8Weighted:
     """Mixin of a Linear whose fp ``weight`` parameter was freed by :func:`quantize_int8`: ``weight`` dequantizes
     ``_int8_weight`` (an :class:`Int8Weight`) on each access, so the module's own forward computes the quantized
-    model with a transient fp copy of this one matrix. Inference only (the dequantized tensor has no gradient)."""
+    model with a transient fp copy of this one matrix, except the local product, which is :func:`int8_linear`
+    (``forward_local``, what :func:`~tensorpar.layers.linear.column_parallel_linears` calls). Inference only."""
 
     @property
     def weight(self) -> torch.Tensor:
         return self.__dict__["_int8_weight"].dequantize()
 
+    def forward_local(self, x: torch.Tensor) -> torch.Tensor:
+        """``int8_linear(x, W_r, b)``: the lean path's matmul (activations quantized per block), no collectives."""
+        return int8_linear(x, self.__dict__["_int8_weight"], self.bias)
+
 
 class Int8ColumnParallelLinear(_Int8Weighted, ColumnParallelLinear):
     """A :class:`~tensorpar.layers.linear.ColumnParallelLinear` quantized by :func:`quantize_int8` (shapes and
-    collectives unchanged; ``weight`` ``[n_r, in]`` is dequantized on access, see :class:`_Int8Weighted`)."""
+    collectives unchanged; its local product is :func:`int8_linear`, as on the lean path; ``weight`` ``[n_r, in]``
+    is dequantized on access, see :class:`_Int8Weighted`)."""
 
 
 class Int8RowParallelLinear(_Int8Weighted, RowParallelLinear):
-    """A :class:`~tensorpar.layers.linear.RowParallelLinear` quantized by :func:`quantize_int8` (shapes and
-    collectives unchanged; ``weight`` ``[out, k_r]`` is dequantized on access, see :class:`_Int8Weighted`)."""
+    """A :class:`~tensorpar.layers.linear.RowParallelLinear` quantized by :func:`quantize_int8`. Shapes: ``x``
+    ``[*, k_r]`` (or ``[*, in]`` if not ``input_is_parallel``) -> ``[*, out]`` replicated. Collectives: forward the
+    all-reduce of the partial products (a scatter of the input first if not ``input_is_parallel``), as the fp
+    module; sequence parallelism is refused by :func:`quantize_int8`. The partial product is :func:`int8_linear`
+    (the bias added after the reduction); ``weight`` ``[out, k_r]`` is dequantized on access."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = comm.scatter_to_tp_region(x, self.tp, self.partition)
+        y = comm.reduce_from_tp_region(int8_linear(x, self.__dict__["_int8_weight"]), self.tp)
+        return y if self.bias is None else y + self.bias
 
 
 class Int8VocabParallelEmbedding(VocabParallelEmbedding):
@@ -130,7 +193,7 @@ class Int8VocabParallelEmbedding(VocabParallelEmbedding):
         else:           # as VocabParallelEmbedding.forward: rows of other ranks are looked up as row 0, then zeroed
             outside = (ids < self.vocab_start) | (ids >= self.vocab_stop)
             local = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = (w.q[local].float() * w.scale.float()[local].unsqueeze(-1)).to(w.scale.dtype)     # [*, h]
+        out = _dequantize(w.q[local], w.scale[local]).to(w.dtype)                              # [*, h]
         if outside is not None:
             out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.embed_scale is not None:

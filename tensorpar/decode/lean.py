@@ -23,7 +23,8 @@ math directly on the rank's tensors:
   second copy; the modules convert back on access); ``F.linear`` calls the same oneDNN matmul but reorders the
   weight on every call, which made bf16 GEMV 1.5x slower than it needs to be (same bits);
 * a model quantized by :func:`tensorpar.decode.quantize.quantize_int8` (its fp weights freed) runs every matmul as
-  :func:`tensorpar.decode.int8.int8_linear` on the int8 ``[out, in]`` weights: no ``[in, out]`` views, no prepacking;
+  :func:`tensorpar.decode.int8.int8_linear` (Q8_0 x Q8_0: the input quantized per block of 32, int8 x int8) on the
+  int8 ``[out, in]`` weights: no ``[in, out]`` views, no prepacking;
 * collectives: one all-reduce for the embedding (vocabulary-parallel), two per layer (attention and MLP outputs,
   after the row-parallel projections), exactly those of the module path, through :func:`tensorpar.comm.all_reduce`
   (the shared-memory path when it is on); with ``tp.compression == "int8"`` (``--tp-comm int8``) the per-layer
@@ -146,7 +147,7 @@ class LeanDecoder:
         self.perm = torch.cat([torch.arange(half, rd), torch.arange(0, half)]).to(dev)
         self.sign = torch.cat([-torch.ones(half), torch.ones(rd - half)]).to(dev, w0.dtype)
         # the matmuls: self.lin for the layers (2-D input), self.linear for the LM head
-        if int8:        # the int8 weights (lean_weight / fused_weight gave them above), dequantized on the fly
+        if int8:        # the int8 weights (lean_weight / fused_weight gave them above), int8 x int8 per block
             self.lin = self.linear = int8_linear
         else:
             self.lin, self.linear = mm, F.linear

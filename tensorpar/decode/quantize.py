@@ -1,31 +1,31 @@
-"""int8 weight-only quantization for the lean decode path (``--quantize int8``): :func:`quantize_int8` on every
-rank, the plain-PyTorch reference (:func:`quantize_reference_int8`) and the ``--quantize`` flag. The int8 format,
-its matmul and the modules that read it: :mod:`tensorpar.decode.int8`.
+"""int8 quantization for the lean decode path (``--quantize int8``): :func:`quantize_int8` on every rank, the
+plain-PyTorch reference (:func:`quantize_reference_int8`) and the ``--quantize`` flag. The int8 format, its matmul
+and the modules that read it: :mod:`tensorpar.decode.int8`.
 
 Every Linear of the decoder (the fused q/k/v and gate/up projections, o_proj, down_proj) and the LM head is stored
-as ``int8`` with one scale per output channel (symmetric absmax, round to nearest: ``s = max|W[o, :]| / 127``,
-``q = round(W / s)`` clamped to [-127, 127]; the scheme of gpt-fast's ``WeightOnlyInt8QuantHandler`` and of
-LLM.int8()'s weight side). Activations stay in the model's dtype; the matmul dequantizes on the fly.
+as ``int8`` with one fp16 scale per block of 32 consecutive input features of each output row (llama.cpp's Q8_0:
+symmetric absmax, ``s = max|W_block| / 127``, ``q = round(W / s)`` clamped to [-127, 127]). Each matmul quantizes
+its input activations the same way per row and block of 32 (fp32 scales) and multiplies int8 by int8
+(:func:`tensorpar.decode.int8.int8_linear`).
 
-Sharding invariance: a scale covers a whole row of the *full* (unsharded) weight. Column-parallel layers and the
-vocabulary-parallel LM head hold whole rows, so their local absmax is the full row's. Row-parallel layers
-(o_proj, down_proj) hold a slice of every row: their absmax is all-reduced with ``op="max"`` over the
-tensor-parallel group, which gives the scale of the full row. ``q`` is elementwise given ``s``, so each rank
-holds exactly the slice of the full quantized weight, and a row-parallel partial sum ``x_r q_r^T`` times the
-common ``s`` sums to ``(x q^T) s``: the quantized model at any tp equals the quantized model at tp=1 up to
-floating-point summation order (tests/decode/test_quant.py: greedy tokens equal at tp 1/2/3). No group scales are
-used, so no shard boundary can cut a group.
+Sharding invariance: a block never spans two ranks. Column-parallel layers and the vocabulary-parallel LM head hold
+whole rows; row-parallel layers (o_proj, down_proj) hold a slice of every row, and each rank's slice must be a
+whole number of blocks (:func:`tensorpar.decode.int8.block_misfit`: refused in the launching process by
+:func:`check_quantize` and on the ranks by :func:`quantize_int8`, one line). Then each rank holds exactly its slice
+of the full quantized weight and quantizes exactly its slice of the full activation row, so the quantized model at
+any tp equals the one at tp=1 up to floating-point summation order (tests/decode/test_quant.py: greedy tokens equal
+at tp 1/2/3); quantizing needs no collective.
 
 Memory: the floating-point weights of every quantized Linear are freed (:func:`quantize_int8`): each such module
 loses its ``weight`` parameter and becomes :class:`~tensorpar.decode.int8.Int8ColumnParallelLinear` /
-:class:`~tensorpar.decode.int8.Int8RowParallelLinear`, whose ``weight`` is a property that dequantizes ``q * s``
-on access (the module path, ``path="hf"``, and :mod:`tensorpar.verify` compute with exactly the values the
-fake-quantized model had, one matrix at a time); the lean path's fused q/k/v and gate/up fp buffers are replaced by
-their int8 tensors (the per-projection modules hold row views of them). A tied embedding (SmolLM2) holds the LM
-head's dequantized values, so it becomes :class:`~tensorpar.decode.int8.Int8VocabParallelEmbedding`, which looks
-up and dequantizes rows of the LM head's int8 tensor (bit-equal to the fake-quantized table); an untied embedding stays in its dtype, unquantized. Resident weights per rank:
-one byte per quantized weight, plus the scales, norms, biases and an untied embedding
-(:func:`resident_weight_bytes`; bench/results/decode_int8.md has the measured bytes and RSS).
+:class:`~tensorpar.decode.int8.Int8RowParallelLinear`, whose local product is ``int8_linear`` (the module path,
+``path="hf"``, and :mod:`tensorpar.verify` compute what the lean path computes) and whose ``weight`` is a property
+that dequantizes ``q * s`` on access; the lean path's fused q/k/v and gate/up fp buffers are replaced by their int8
+tensors (the per-projection modules hold row views of them). A tied embedding (SmolLM2) holds the LM head's
+dequantized values, so it becomes :class:`~tensorpar.decode.int8.Int8VocabParallelEmbedding`, which looks up and
+dequantizes rows of the LM head's int8 tensor; an untied embedding stays in its dtype, unquantized. Resident
+weights per rank: one byte per quantized weight plus 2 bytes per 32 (the scales), the norms, biases and an untied
+embedding (:func:`resident_weight_bytes`; bench/results/decode_int8.md has the measured bytes and RSS).
 Not supported on a quantized model: training, ``.to(dtype/device)`` (quantize after it), saving a checkpoint (the
 quantized Linears have no ``weight`` parameter in ``state_dict``).
 """
@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from tensorpar.comm import Group
-from tensorpar.decode.int8 import Int8Weight, free_weight, quantize_rows
+from tensorpar.decode.int8 import Int8Weight, block_misfit, fake_quantize_input, free_weight, quantize_weight
 from tensorpar.decode.prepare import fuse_projections, lean_unsupported
 from tensorpar.hf.families import why_not
 from tensorpar.layers.fused import FUSED_KEY, fused_weight
@@ -66,38 +66,37 @@ def _quantize_fused(owner, names: tuple[str, ...]) -> Int8Weight:
     then free it: each projection module reads its row view of the int8 tensor, and ``owner``'s fused entry
     (:func:`tensorpar.layers.fused.fused_weight`) becomes ``(Int8Weight, fused fp bias or None)``."""
     fw, fb = fused_weight(owner, names)
-    w8 = quantize_rows(fw, None, write=False)
+    w8 = quantize_weight(fw, write=False)
     del fw
     off = 0
     for n in names:
         mod = getattr(owner, n)
         rows = mod._parameters["weight"].shape[0]
-        free_weight(mod, Int8Weight(w8.q[off:off + rows], w8.scale[off:off + rows]))
+        free_weight(mod, Int8Weight(w8.q[off:off + rows], w8.scale[off:off + rows], w8.dtype))
         off += rows
     owner.__dict__[FUSED_KEY] = (w8, fb)
     return w8
 
 
-def _quantize_linear(mod, tp: Group | None) -> Int8Weight:
-    """Quantize ``mod.weight`` (``tp``: row-parallel, see :func:`quantize_rows`) and free it."""
-    w8 = quantize_rows(mod._parameters["weight"], tp, write=False)
+def _quantize_linear(mod) -> Int8Weight:
+    """Quantize ``mod.weight`` (:func:`~tensorpar.decode.int8.quantize_weight`) and free it."""
+    w8 = quantize_weight(mod._parameters["weight"], write=False)
     free_weight(mod, w8)
     return w8
 
 
 def quantize_int8(model, tp: Group) -> None:
     """Quantize the decoder's Linears and the LM head of ``model`` (sharded by
-    :func:`tensorpar.hf.apply.parallelize`, a family the lean path runs) to int8 with per-output-channel scales,
-    in place, and free their floating-point weights (see the module docstring): the int8 tensors are read by
+    :func:`tensorpar.hf.apply.parallelize`, a family the lean path runs) to int8 with a scale per block of 32
+    inputs, in place, and free their floating-point weights (see the module docstring): the int8 tensors are read by
     :class:`tensorpar.decode.lean.LeanDecoder`, and the modules' own forwards dequantize one matrix at a time.
 
     Per-rank resident weights afterwards (``h`` hidden, ``V_r`` this rank's vocabulary rows): one byte per
-    quantized weight, one scale (compute dtype) per local output row (row-parallel layers: per global output
-    row), the norms and biases in the compute dtype, and an untied embedding ``[V_r, h]`` in the compute dtype (a
+    quantized weight, one fp16 scale per 32 of them, the norms and biases in the compute dtype, and an untied embedding ``[V_r, h]`` in the compute dtype (a
     tied one reads the LM head's int8 rows).
 
-    Collectives: one all-reduce (max) of ``[h]`` per row-parallel layer (2 per decoder layer), in layer order on
-    every rank. Raises ValueError if the model cannot run the lean path or is already quantized.
+    Collectives: none. Raises ValueError if the model cannot run the lean path, is already quantized, or a
+    rank's share of a Linear's input features is not a whole number of blocks of 32 (:func:`block_misfit`).
     """
     why = lean_unsupported(model)
     if why is not None:
@@ -105,15 +104,20 @@ def quantize_int8(model, tp: Group) -> None:
                          f"use --quantize none")
     if model.__dict__.get("_tensorpar_int8") is not None:
         raise ValueError("the model is already quantized (quantize_int8 was called twice)")
+    a0, m0 = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    why = block_misfit({"the hidden size": [model.lm_head.in_features],
+                        "o_proj": list(a0.o_proj.partition.sizes), "down_proj": list(m0.down_proj.partition.sizes)})
+    if why is not None:
+        raise ValueError(why)
     fuse_projections(model)
     head, embed = model.lm_head, model.model.embed_tokens
     tied = head._parameters.get("weight") is embed._parameters.get("weight")
     q = {"dtype": head.weight.dtype}
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
-        q[id(a)] = {"qkv": _quantize_fused(a, ("q_proj", "k_proj", "v_proj")), "o": _quantize_linear(a.o_proj, tp)}
-        q[id(m)] = {"gu": _quantize_fused(m, ("gate_proj", "up_proj")), "down": _quantize_linear(m.down_proj, tp)}
-    q["lm_head"] = _quantize_linear(head, None)
+        q[id(a)] = {"qkv": _quantize_fused(a, ("q_proj", "k_proj", "v_proj")), "o": _quantize_linear(a.o_proj)}
+        q[id(m)] = {"gu": _quantize_fused(m, ("gate_proj", "up_proj")), "down": _quantize_linear(m.down_proj)}
+    q["lm_head"] = _quantize_linear(head)
     if tied:      # the shared table held the LM head's values: the embedding now reads the head's int8 rows
         free_weight(embed, q["lm_head"])
     model.__dict__["_tensorpar_int8"] = q
@@ -151,10 +155,13 @@ def resident_weight_bytes(model) -> int:
 def quantize_reference_int8(model) -> None:
     """The same quantization on an unsharded ``*ForCausalLM`` (the reference of :mod:`tensorpar.verify`), in plain
     PyTorch: every ``nn.Linear`` under ``model.model.layers`` and the LM head get ``round(W / s) * s`` with
-    ``s = max|W[o, :]| / 127`` per output row, in place. No int8 tensors are kept; no collectives."""
+    ``s = max|W_block| / 127`` (fp16) per block of 32 inputs, in place, and a forward pre-hook that replaces their
+    input by its per-block quantized values (:func:`~tensorpar.decode.int8.fake_quantize_input`). No int8 tensors
+    are kept; no collectives."""
     linears = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
     for m in linears + [model.lm_head]:
-        quantize_rows(m.weight, None)
+        quantize_weight(m.weight)
+        m.register_forward_pre_hook(lambda mod, args: (fake_quantize_input(args[0]),) + tuple(args[1:]))
 
 
 # ---------------------------------------------------------------- the --quantize flag (generate, serve, verify)
@@ -162,8 +169,9 @@ def quantize_reference_int8(model) -> None:
 def add_quantize_argument(p) -> None:
     """``--quantize {none,int8}`` (generate, serve, verify)."""
     p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none",
-                   help="int8: weight-only int8 with per-output-channel scales for every decoder Linear and the "
-                        "LM head (lean decode path; tensorpar/decode/quantize.py)")
+                   help="int8: int8 weights with a scale per block of 32 inputs (llama.cpp's Q8_0) for every decoder "
+                        "Linear and the LM head, activations quantized the same way per matmul (lean decode path; "
+                        "tensorpar/decode/quantize.py)")
 
 
 def check_quantize(quantize: str, config, plan) -> None:
@@ -177,6 +185,13 @@ def check_quantize(quantize: str, config, plan) -> None:
     if getattr(plan, "sequence_parallel", False):
         raise ValueError(f"--quantize {quantize} cannot run with sequence parallelism (the lean path does not); "
                          f"use a plan without it or --quantize none")
+    heads = getattr(plan, "heads", None)
+    if heads is not None:       # the rule quantize_int8 applies on the ranks, from the plan's splits
+        why = block_misfit({"the hidden size": [config.hidden_size],
+                            "o_proj": [heads.local_heads(r) * heads.head_dim for r in range(plan.tp_size)],
+                            "down_proj": list(plan.intermediate.sizes)})
+        if why is not None:
+            raise ValueError(why)
 
 
 def apply_quantize(model, tp: Group, quantize: str) -> None:

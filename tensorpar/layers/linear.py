@@ -142,6 +142,11 @@ def column_parallel_linears(x: torch.Tensor, linears, tp: Group, *, sequence_par
     Raises:
         ValueError: from :func:`~tensorpar.comm.all_gather` when the shard sizes do not match ``x``.
     """
+    if all(hasattr(m, "forward_local") for m in linears) and not (torch.is_grad_enabled() and (
+            x.requires_grad or any(p.requires_grad for m in linears for p in m.parameters()))):
+        # no gradient needed: each module's own local product (F.linear; the int8 matmul of a quantized module)
+        total = comm.all_gather(x, tp, seq_dim, sizes) if sequence_parallel and tp.size > 1 else x
+        return [m.forward_local(total) for m in linears]
     weights = [m.weight for m in linears]
     biases = [m.bias for m in linears]
     if tp.size == 1:

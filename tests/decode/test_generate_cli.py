@@ -17,14 +17,18 @@ def _cli(*args, timeout=240):
 @pytest.fixture(scope="module")
 def tiny_with_tokenizer(tmp_path_factory):
     """A random llama with the SmolLM2-style byte-level BPE tokenizer of a tiny vocabulary."""
+    folder = make_model_folder(tmp_path_factory.mktemp("cli") / "tiny", "llama")
+    _add_tokenizer(folder)
+    return str(folder)
+
+
+def _add_tokenizer(folder):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    folder = make_model_folder(tmp_path_factory.mktemp("cli") / "tiny", "llama")
     vocab = {chr(ord("a") + i): i for i in range(26)} | {" ": 26, ".": 27, "<eos>": 28}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
     tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<eos>").save_pretrained(folder)
-    return str(folder)
 
 
 def test_generate_tp2_runs_and_exits_clean(tiny_with_tokenizer):
@@ -140,14 +144,23 @@ def test_check_collectives_flag_runs_clean(tiny_with_tokenizer):
     assert r.returncode == 0, r.stderr[-2000:]
 
 
-def test_quantize_int8_tp2_text_equals_tp1(tiny_with_tokenizer):
+def test_quantize_int8_tp2_text_equals_tp1(tiny_with_tokenizer, tmp_path):
+    """int8 blocks of 32 inputs: a model whose inputs are whole blocks at tp 1 and 2 (tests/decode/test_quant.py's
+    llama) prints the same text at both; the tiny llama (hidden 36) is refused before any rank starts."""
+    import tests.decode.test_generate as tg
+    from tests.decode.test_quant import QARCHS
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(tg.ARCHS, "llama", QARCHS["llama"])
+        folder = str(make_model_folder(tmp_path / "q", "llama"))
+    _add_tokenizer(folder)
     outs = []
     for tp in ("1", "2"):
-        r = _cli("--model", tiny_with_tokenizer, "--tp", tp, "--prompt", "the cat", "--max-new-tokens", "8",
-                 "--quantize", "int8")
+        r = _cli("--model", folder, "--tp", tp, "--prompt", "the cat", "--max-new-tokens", "8", "--quantize", "int8")
         assert r.returncode == 0, r.stderr[-3000:]
         outs.append(r.stdout.splitlines()[0])
     assert outs[0] == outs[1] and outs[0].startswith("the cat")
+    r = _cli("--model", tiny_with_tokenizer, "--tp", "1", "--prompt", "the cat", "--quantize", "int8")
+    assert r.returncode == 2 and "the hidden size is split as [36]" in r.stderr, r.stderr[-2000:]
 
 
 def test_quantize_int8_refused_for_a_family_without_the_lean_path(tmp_path):

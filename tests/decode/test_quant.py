@@ -1,5 +1,6 @@
-"""int8 weight-only quantization (tensorpar/decode/quantize.py, int8.py): the quantized model at tp 1/2/3 equals the
-plain-PyTorch quantized unsharded model (per-output-channel absmax scales of the FULL weights), token for token."""
+"""int8 quantization (tensorpar/decode/quantize.py, int8.py, q8_kernel.py): the quantized model at tp 1/2/3 equals the
+plain-PyTorch quantized unsharded model (weights and each Linear's input quantized per block of 32 inputs, absmax
+scales, llama.cpp's Q8_0 x Q8_0), token for token; the VNNI kernel equals the same math written in PyTorch."""
 import argparse
 
 import pytest
@@ -7,29 +8,50 @@ import torch
 
 from tensorpar.generate import SamplingConfig, generate_tokens
 from tests._ranks import run_tp
+import tests.decode.test_generate as tg
 from tests.decode.test_generate import ARCHS, make_model_folder, prompts
 
 N_NEW = 16
+#: the test models with every rank's share of each Linear's input a whole number of blocks of 32 at the tp they run:
+#: llama hidden 288, 9 q heads / 3 KV heads of 32 (tp=2: 5 and 4 heads, uneven), MLP 192 (tp 2: 96, tp 3: 64), tied embedding;
+#: qwen2 4 q / 2 KV heads of 16 (tp=2: 32 each), q/k/v biases, untied
+QARCHS = {
+    "llama": {**ARCHS["llama"], "hidden_size": 288, "intermediate_size": 192, "head_dim": 32},
+    "qwen2": {**ARCHS["qwen2"], "hidden_size": 64, "intermediate_size": 192, "num_attention_heads": 4},
+}
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("quant")
-    return {a: str(make_model_folder(root / a, a)) for a in ("llama", "qwen2")}
+    with pytest.MonkeyPatch.context() as mp:
+        for a, kw in QARCHS.items():
+            mp.setitem(tg.ARCHS, a, kw)
+        return {a: str(make_model_folder(root / a, a)) for a in QARCHS}
+
+
+def _q8(t, scale_dtype):
+    """Plain PyTorch: ``t`` ``[..., K]`` -> its values quantized per block of 32 along K (absmax / 127 scales, stored
+    in ``scale_dtype``; round half to even; 0 where the scale is 0), dequantized, float32."""
+    b = t.float().unflatten(-1, (-1, 32))
+    s = (b.abs().amax(-1, keepdim=True) / 127).to(scale_dtype).float()
+    q = torch.where(s != 0, torch.round(b * torch.where(s != 0, 1 / s, 0)) if scale_dtype == torch.float32
+                    else torch.round(b / s), 0).clamp(-127, 127)
+    return (q * s).flatten(-2)
 
 
 def fake_quant_reference(folder, ids, mask, n, dtype=torch.float32):
-    """transformers' unsharded model with every decoder Linear and the LM head replaced, in plain PyTorch, by
-    ``round(W / s) * s``, ``s = max|W[o, :]| / 127`` per output row of the full weight; its greedy tokens and
-    all-position logits."""
+    """transformers' unsharded model with every decoder Linear and the LM head replaced, in plain PyTorch, by the
+    Q8_0 x Q8_0 math: weights ``round(W / s) * s`` with one fp16 ``s = max|W_block| / 127`` per block of 32 inputs
+    of the full weight, inputs ``round(x * (1/d)) * d`` per row and block of 32 with fp32 ``d``; its greedy tokens
+    and all-position logits."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     linears = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
     with torch.no_grad():
         for m in linears + [model.lm_head]:
-            w = m.weight.float()
-            s = (w.abs().amax(1, keepdim=True) / 127).to(dtype).float()
-            m.weight.copy_((torch.round(w / s).clamp(-127, 127) * s).to(dtype))
+            m.weight.copy_(_q8(m.weight, torch.float16).to(dtype))
+            m.register_forward_pre_hook(lambda mod, args: (_q8(args[0], torch.float32).to(args[0].dtype),))
         out = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, eos_token_id=None,
                              pad_token_id=0, min_new_tokens=n)
         logits = model(ids[:1]).logits[0].float()
@@ -76,40 +98,75 @@ def test_int8_changes_the_model(pools, folders):
     assert (q - fp).abs().max().item() > 1e-3
 
 
-def test_int8_bf16_same_tokens_at_tp_1_and_2(pools, folders):
-    """bf16 activations run torch._weight_int8pack_mm; tp=2 gives tp=1's tokens and the logits stay within bf16
-    rounding of the fp32 quantized reference."""
+def test_int8_bf16_tp_1_and_2(pools, folders):
+    """bf16 models run the same int8 matmul (fp32 inside, the output cast to bf16): at tp 1 and 2 the prompt logits
+    stay within bf16 rounding of the fp32 quantized reference (0.05; logits of magnitude ~1) and of each other, and
+    the first new token is the same. Later greedy tokens may differ: at tp=2 the row-parallel partial products are
+    rounded to bf16 before the all-reduce, and this random model has near-ties (row 2 flips at step 9 of 16)."""
     ids, mask = prompts(ARCHS["llama"]["vocab_size"])
     _, ref_logits = fake_quant_reference(folders["llama"], ids, mask, 1)
-    outs = [run_tp(pools, tp, job_int8, folders["llama"], ids, mask, N_NEW, torch.bfloat16) for tp in (1, 2)]
-    one = outs[0][0]
+    outs = [run_tp(pools, tp, job_int8, folders["llama"], ids, mask, 2, torch.bfloat16) for tp in (1, 2)]
+    one_tokens, _, one_logits, _ = outs[0][0]
     for tp, res in zip((1, 2), outs):
         for tokens, _, logits, kernel in res:
             assert kernel == "int8_linear"
-            assert torch.equal(tokens, one[0]), f"bf16 int8 tp={tp} tokens != tp=1"
+            assert torch.equal(tokens[:, 0], one_tokens[:, 0]), f"bf16 int8 tp={tp} first token != tp=1"
             err = (logits - ref_logits).abs().max().item()
             assert err < 0.05, f"bf16 int8 tp={tp}: logits differ from the fp32 quantized reference by {err}"
+            assert (logits - one_logits).abs().max().item() < 0.05
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k", [40, 48])     # bf16: 48 runs torch._weight_int8pack_mm, 40 the dequantizing matmul
-@pytest.mark.parametrize("chunk", [2 ** 21, 100])   # 100: the dequantizing matmul runs in chunks of 2 rows
-def test_int8_linear_matches_dequantized_matmul(dtype, k, chunk, monkeypatch):
+@pytest.mark.parametrize("k", [64, 96])             # 96: an odd number of blocks (the kernel's 256-bit tail)
+@pytest.mark.parametrize("chunk", [2 ** 21, 100])   # 100: the PyTorch path dequantizes 1 row at a time
+def test_int8_linear_matches_blockwise_reference(dtype, k, chunk, monkeypatch):
+    """int8_linear (the VNNI kernel where the CPU has it) and int8_linear_reference equal the plain-PyTorch
+    blockwise math in float64 within fp32 summation error: 1e-5 of the largest output (K <= 96 terms of
+    magnitude <= the output scale; the int32 block sums are exact), bf16 outputs within 2 ulp (2 ** -7)."""
     from tensorpar.decode import int8 as quant
-    from tensorpar.decode.int8 import int8_linear, quantize_rows
+    from tensorpar.decode.int8 import int8_linear, int8_linear_reference, quantize_blocks, quantize_weight
     monkeypatch.setattr(quant, "_CHUNK_ELEMS", chunk)
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(48, k, generator=g).to(dtype)
+    w = torch.randn(37, k, generator=g).to(dtype)
+    w[3, :32] = 0                                       # an all-zero block: scale 0, q 0
     x = torch.randn(3, 5, k, generator=g).to(dtype)
-    b = torch.randn(48, generator=g).to(dtype)
-    q = quantize_rows(w, None)                          # w now holds q * s
-    assert q.q.dtype == torch.int8 and q.q.abs().max() == 127
-    want = (x.double() @ (q.q.double() * q.scale.double()[:, None]).T + b.double())
-    got = int8_linear(x, q, b)
-    assert got.dtype == dtype and got.shape == (3, 5, 48)
-    tol = 1e-5 if dtype == torch.float32 else 2 ** -7       # relative to the largest output; bf16: ~2 ulp
-    assert (got.double() - want).abs().max().item() < tol * want.abs().max().item()
-    assert torch.equal(w, (q.q.float() * q.scale.float()[:, None]).to(dtype))
+    x[0, 0, 32:64] = 0
+    b = torch.randn(37, generator=g).to(dtype)
+    q = quantize_weight(w)                              # w now holds q * s
+    assert q.q.dtype == torch.int8 and q.scale.dtype == torch.float16 and q.scale.shape == (37, k // 32)
+    assert q.q.abs().max() == 127 and q.q[3, :32].abs().max() == 0
+    assert torch.equal(w, _q8(w, torch.float16).to(dtype))
+    xq, d = quantize_blocks(x)
+    assert torch.equal(xq.float() * d.repeat_interleave(32, -1), _q8(x, torch.float32))
+    want = _q8(x, torch.float32).double() @ w.double().T + b.double()
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    for f in (int8_linear, int8_linear_reference):
+        got = f(x, q, b)
+        assert got.dtype == dtype and got.shape == (3, 5, 37)
+        err = (got.double() - want).abs().max().item()
+        assert err < tol * want.abs().max().item(), f"{f.__name__}: {err}"
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 2048, 64), (4, 576, 33), (2, 160, 7)])
+def test_q8_kernel_equals_pytorch_path(m, k, n):
+    """The VNNI kernel (tensorpar.decode.q8_kernel) against the same math in PyTorch on decode shapes, 1 and 2
+    threads: equal within fp32 summation order (1e-5 of the largest output; K <= 2048 terms)."""
+    from tensorpar.decode import q8_kernel
+    from tensorpar.decode.int8 import int8_linear_reference, quantize_weight
+    if not q8_kernel.available():
+        pytest.skip("no AVX512-VNNI or no C++ compiler: int8_linear runs the PyTorch path")
+    g = torch.Generator().manual_seed(1)
+    q = quantize_weight(torch.randn(n, k, generator=g), write=False)
+    x = torch.randn(m, k, generator=g) * 3
+    want = int8_linear_reference(x, q)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            got = torch.ops.tensorpar.q8_linear(x, q.q, q.scale, None)
+            assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_quantize_refused_before_ranks_start(tmp_path):
@@ -122,6 +179,31 @@ def test_quantize_refused_before_ranks_start(tmp_path):
     check_quantize("none", cfg, None)
     with pytest.raises(ValueError, match="sequence parallelism"):
         check_quantize("int8", AutoConfig.for_model("llama"), argparse.Namespace(sequence_parallel=True))
+
+
+def test_quantize_refuses_blocks_split_over_ranks(tmp_path):
+    """A rank's share of a Linear's input that is not a whole number of blocks of 32 is refused with one line
+    naming the layer and its split: in the launching process from the plan, and on the ranks (quantize_int8) from
+    the modules, by the same rule (tensorpar.decode.int8.block_misfit)."""
+    from transformers import AutoConfig
+
+    from tensorpar.decode.quantize import check_quantize, quantize_int8
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.hf.plan import make_plan
+    from tensorpar.parallel import ParallelContext
+    kw = dict(QARCHS["llama"])
+    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    for tp in (1, 2, 3):
+        check_quantize("int8", cfg, make_plan(cfg, tp))
+    with pytest.raises(ValueError, match=r"--quantize int8 .* down_proj is split as \[48, 48, 48, 48\]; use another "
+                                         r"--tp or --quantize none"):
+        check_quantize("int8", cfg, make_plan(cfg, 4))
+    small = AutoConfig.for_model("llama", **{k: v for k, v in ARCHS["llama"].items() if k != "model_type"})
+    with pytest.raises(ValueError, match=r"the hidden size is split as \[36\]"):
+        check_quantize("int8", small, make_plan(small, 1))
+    model, _ = build_parallel_model(str(make_model_folder(tmp_path / "m", "llama")), ParallelContext.single().tp)
+    with pytest.raises(ValueError, match=r"the hidden size is split as \[36\]"):       # hidden 36 (test_generate)
+        quantize_int8(model, ParallelContext.single().tp)
 
 
 def job_engine_int8(ctx, folder, prompt, n):
@@ -150,8 +232,11 @@ def test_serve_engine_int8_equals_quantized_reference(pools, folders):
 @pytest.mark.slow
 def test_smollm2_int8_tp2_equals_quantized_reference(pools):
     """SmolLM2-135M (9 q heads, 3 KV heads, tied embedding, vocab 49152): int8 at tp=2 gives the greedy tokens of
-    transformers' unsharded model quantized in plain PyTorch, and its prompt logits within 1e-3 (fp32; logits of
-    magnitude ~20)."""
+    transformers' unsharded model quantized in plain PyTorch (Q8_0 weights and inputs), and its prompt logits within
+    2.0 (fp32; logits up to ~27): an activation whose x / d lies within summation-order rounding of a half step
+    rounds the other way, which moves it by one step d = max|x_block| / 127, the size of the quantization error
+    itself; SmolLM2's outlier features make d large (measured: 0.85 between our kernel and our PyTorch path at
+    tp=1, the same math in another order)."""
     from transformers import AutoTokenizer
 
     from tensorpar.hub import resolve_model
@@ -163,14 +248,67 @@ def test_smollm2_int8_tp2_equals_quantized_reference(pools):
         assert kernel == "int8_linear"
         assert torch.equal(tokens, want) and torch.equal(module, want)
         err = (logits - want_logits).abs().max().item()
-        assert err < 1e-3, f"SmolLM2 int8 tp=2 logits differ from the quantized reference by {err}"
+        assert err < 2.0, f"SmolLM2 int8 tp=2 logits differ from the quantized reference by {err}"
+
+
+@pytest.mark.network
+@pytest.mark.slow
+@pytest.mark.timeout(1800)      # two SmolLM2 decodes of 32 tokens: ~1 min idle, past 10 min on the loaded machine
+def test_smollm2_int8_greedy_close_to_fp32():
+    """Issue 28: SmolLM2-135M int8 (tp=1, lean path) keeps at least 30 of fp32's 32 greedy tokens after 'The capital
+    of France is' (llama.cpp's Q8_0 keeps 32 of 32, bench/results/llamacpp.md; the per-output-channel int8 this
+    replaced kept 19). The fp32 tokens are transformers' (tests/decode/test_smollm2.py checks lean == transformers).
+    One thread, the issue's configuration (one per rank): with two, the ops around the matmuls sum in another order,
+    an activation rounds to the other int8 step, and token 19 (' ' against '\\n' before a generated date, a
+    near-tie) flips: 19 of 32 (measured); the int8 matmul itself gives the same bits at any thread count."""
+    from transformers import AutoTokenizer
+
+    from tensorpar.hub import resolve_model
+    folder = str(resolve_model("smollm2", progress=False))
+    ids = AutoTokenizer.from_pretrained(folder)(["The capital of France is"], return_tensors="pt")["input_ids"]
+    mask = torch.ones_like(ids)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        same = _smollm2_int8_fp32_equal(folder, ids, mask)
+    finally:
+        torch.set_num_threads(threads)
+    assert same >= 30, f"int8 kept {same} of 32 fp32 greedy tokens"
+
+
+def _smollm2_int8_fp32_equal(folder, ids, mask) -> int:
+    from transformers import AutoModelForCausalLM
+
+    from tensorpar.decode.quantize import quantize_int8
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.parallel import ParallelContext
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = ref.generate(ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:]
+    del ref
+    ctx = ParallelContext.single()
+    model, _ = build_parallel_model(folder, ctx.tp)
+    quantize_int8(model, ctx.tp)
+    got = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=32), path="lean").tokens[0]
+    return int((got == want).sum())
 
 
 def job_verify_int8(ctx, quantize_ref):
+    import copy
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     from tensorpar.decode.quantize import quantize_int8, quantize_reference_int8
+    from tensorpar.hf.apply import parallelize
+    from tensorpar.hf.plan import make_plan
     from tensorpar.verify import compare_to_reference
-    from tests.verify.test_verify import _pair
-    ref, par, ids = _pair(ctx, "llama")
+    kw = dict(QARCHS["llama"])
+    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(cfg).float()
+    par = parallelize(copy.deepcopy(ref), make_plan(cfg, ctx.tp.size), ctx.tp)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     quantize_int8(par, ctx.tp)
     if quantize_ref:
         quantize_reference_int8(ref)
@@ -200,7 +338,7 @@ def test_int8_weight_bytes_counts_one_byte_per_weight_plus_scales(folders):
            and "embed" not in n]
     quantize_int8(model, ctx.tp)
     assert len(lin) == 2 * 7 + 1                                   # q, k, v, o, gate, up, down per layer; LM head
-    assert int8_weight_bytes(model) == sum(o * i for o, i in lin) + 4 * sum(o for o, _ in lin)
+    assert int8_weight_bytes(model) == sum(o * i for o, i in lin) + 2 * sum(o * i // 32 for o, i in lin)
     with pytest.raises(ValueError, match="already quantized"):
         quantize_int8(model, ctx.tp)
 
@@ -224,7 +362,6 @@ def job_memory(ctx, folder, ids, mask, n):
     fp = [weakref.ref(m.weight) for _, m in lin]
     fp += [weakref.ref(m.__dict__["_lean_fused"][0]) for m in model.modules() if "_lean_fused" in m.__dict__]
     n_q = sum(m.weight.numel() for _, m in lin)                      # this rank's quantized weights
-    n_rows = sum(m.weight.shape[0] for _, m in lin)                  # one fp32 scale per local output row
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     before = resident_weight_bytes(model)
     quantize_int8(model, ctx.tp)
@@ -236,7 +373,7 @@ def job_memory(ctx, folder, ids, mask, n):
     tokens = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=n), path="lean").tokens
     module = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=n), path="hf").tokens
     gc.collect()
-    return dict(alive=alive, n_fp=len(fp), float_2d=float_2d, before=before, after=after, n_q=n_q, n_rows=n_rows,
+    return dict(alive=alive, n_fp=len(fp), float_2d=float_2d, before=before, after=after, n_q=n_q,
                 tied=tied, after_generate=resident_weight_bytes(model), tokens=tokens, module=module)
 
 
@@ -244,7 +381,7 @@ def job_memory(ctx, folder, ids, mask, n):
 def test_int8_frees_the_fp_weights(pools, folders, arch, tp):
     """After quantize_int8 no fp copy of a quantized weight is alive (not the parameters, not the lean path's fused
     buffers, not a tied embedding table), the model's storages shrink by exactly 3 bytes per quantized weight less
-    the scales (tp=1: the quantized count computed from the config), generating does not bring them back, and the
+    2 bytes of scale per 32 of them (tp=1: the quantized count computed from the config), generating does not bring them back, and the
     tokens (lean and module path) still equal the plain-PyTorch quantized reference. llama ties its embedding to
     the LM head (the table then reads the head's int8 rows); qwen2 does not (its embedding stays fp32) and has
     q/k/v biases."""
@@ -262,7 +399,7 @@ def test_int8_frees_the_fp_weights(pools, folders, arch, tp):
         assert res["float_2d"] == ([] if res["tied"] else ["model.embed_tokens.weight"]), res["float_2d"]
         if tp == 1:
             assert res["n_q"] == n_q_full
-        assert res["after"] == res["before"] - 3 * res["n_q"] + 4 * res["n_rows"], res
+        assert res["after"] == res["before"] - 3 * res["n_q"] + 2 * (res["n_q"] // 32), res   # fp16 per 32
         assert res["after"] < 0.5 * res["before"], res               # fp32: 4 bytes per weight before
         assert res["after_generate"] == res["after"], "generating re-created fp weights"
         assert torch.equal(res["tokens"], want) and torch.equal(res["module"], want), f"rank {r}: tokens changed"

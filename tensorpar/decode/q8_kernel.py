@@ -1,0 +1,110 @@
+"""Our int8 x int8 matmul with blockwise scales (csrc/q8_linear.cpp), built once per machine and registered as the
+torch custom op ``tensorpar::q8_linear`` so a compiled step can call it.
+
+Why our own kernel: the library int8 kernels of torch 2.13 (CPU) take per-output-channel weight scales, none takes
+a scale per block of 32 inputs: ``torch._weight_int8pack_mm`` (bf16 activations, weight-only: it converts every
+weight to bf16), ``torch.ops.quantized.linear_dynamic`` (fbgemm; one activation scale per tensor) and
+``torch.ops.onednn.qlinear_pointwise`` (static activation scales). bench/bench_int8.py measures them at the 1.1B
+decode shapes against this kernel (bench/results/decode_int8.md).
+
+Build: ``g++ -O3 -mavx512f -mavx512bw -mavx512vl -mavx512vnni -mf16c -fopenmp -shared`` of the one C++ file (no
+torch headers: about a second), into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``) under a name carrying a hash of the source and flags, written atomically; loaded
+with ctypes. Used only where /proc/cpuinfo lists avx512f, avx512bw, avx512vl, avx512_vnni and f16c and the build
+succeeded (:func:`available`); elsewhere (no compiler, another CPU, CUDA) :func:`tensorpar.decode.int8.int8_linear`
+runs the same math in PyTorch.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+_SRC = Path(__file__).with_name("csrc") / "q8_linear.cpp"
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-fopenmp", "-shared",
+          "-fPIC", "-std=c++17"]
+_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
+
+
+def _cpu_has_features() -> bool:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return all(f in flags for f in _FEATURES)
+
+
+def _build() -> Path | None:
+    """The shared library's path, compiling it on first use; ``None`` if no C++ compiler works."""
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        return None
+    src = _SRC.read_bytes()
+    tag = hashlib.sha256(src + " ".join([cxx] + _FLAGS).encode()).hexdigest()[:16]
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    lib = root / f"tensorpar_q8_{tag}.so"
+    if lib.exists():
+        return lib
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
+        os.close(fd)
+        r = subprocess.run([cxx, *_FLAGS, str(_SRC), "-o", tmp], capture_output=True, timeout=300)
+        if r.returncode != 0:
+            os.unlink(tmp)
+            return None
+        os.replace(tmp, lib)            # atomic: concurrent ranks may build at once
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return lib
+
+
+@lru_cache(maxsize=1)
+def _lib():
+    if os.environ.get("TENSORPAR_Q8_KERNEL", "1") == "0" or not _cpu_has_features():
+        return None
+    path = _build()
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError:
+        return None
+    lib.tp_q8_linear.restype = None
+    lib.tp_q8_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    return lib
+
+
+def available() -> bool:
+    """Whether this process can run the kernel (the CPU features, a compiler, ``TENSORPAR_Q8_KERNEL`` not ``0``)."""
+    return _lib() is not None
+
+
+@torch.library.custom_op("tensorpar::q8_linear", mutates_args=())
+def q8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x`` ``[M, K]`` float32 (CPU), ``q`` ``[N, K]`` int8, ``scale`` ``[N, K/32]`` float16, ``bias`` ``[N]``
+    float32 or None -> ``[M, N]`` float32: ``x`` quantized per row and block of 32 (absmax / 127, round half to
+    even), int8 dot products per block, times both scales, summed in fp32 (see the module docstring). Runs on
+    ``torch.get_num_threads()`` threads. Requires :func:`available`."""
+    M, K = x.shape
+    N = q.shape[0]
+    x, q, scale = x.contiguous(), q.contiguous(), scale.contiguous()
+    y = torch.empty(M, N, dtype=torch.float32)
+    b = bias.contiguous() if bias is not None else None
+    _lib().tp_q8_linear(x.data_ptr(), M, K, q.data_ptr(), scale.data_ptr(), N,
+                        b.data_ptr() if b is not None else None, y.data_ptr(), torch.get_num_threads())
+    return y
+
+
+@q8_linear.register_fake
+def _(x, q, scale, bias):
+    return x.new_empty(x.shape[0], q.shape[0])
