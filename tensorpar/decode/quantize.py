@@ -102,6 +102,9 @@ def quantize_int8(model, tp: Group) -> None:
     if why is not None:
         raise ValueError(f"--quantize int8 runs on the lean decode path, which cannot run this model: {why}; "
                          f"use --quantize none")
+    why = why_not("int8", model.config)     # the launching process's rule (check_quantize)
+    if why is not None:
+        raise ValueError(f"{why}; use --quantize none")
     if model.__dict__.get("_tensorpar_int8") is not None:
         raise ValueError("the model is already quantized (quantize_int8 was called twice)")
     a0, m0 = model.model.layers[0].self_attn, model.model.layers[0].mlp
@@ -182,6 +185,9 @@ def check_quantize(quantize: str, config, plan) -> None:
     if why is not None:
         raise ValueError(f"--quantize {quantize} runs on the lean decode path, which cannot run this model: {why}; "
                          f"use --quantize none")
+    why = why_not("int8", config)          # the layout quantize_int8 reads: the same rule on the ranks
+    if why is not None:
+        raise ValueError(f"{why}; use --quantize none")
     if getattr(plan, "sequence_parallel", False):
         raise ValueError(f"--quantize {quantize} cannot run with sequence parallelism (the lean path does not); "
                          f"use a plan without it or --quantize none")

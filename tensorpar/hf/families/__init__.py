@@ -23,7 +23,7 @@ FAMILIES = {mt: r.plan for mt, r in RECORDS.items()}
 MODEL_CLASSES = {mt: r.model_class for mt, r in RECORDS.items() if not r.causal_lm}
 
 #: the features :func:`why_not` answers for
-FEATURES = ("causal_lm", "fast_decode", "pipeline", "sequence_parallel", "expert_parallel", "context_parallel")
+FEATURES = ("causal_lm", "fast_decode", "int8", "pipeline", "sequence_parallel", "expert_parallel", "context_parallel")
 
 
 def is_causal_lm(model_type: str) -> bool:
@@ -73,6 +73,8 @@ def why_not(feature: str, config) -> str | None:
     * ``causal_lm``: a text decoder, not an image classifier.
     * ``fast_decode``: the lean decode path (:mod:`tensorpar.decode.lean`) and everything built on it (``--quantize``):
       the family's record says so (sliding windows, soft-capping, q/k norms: :mod:`tensorpar.decode.block`).
+    * ``int8``: ``--quantize int8`` (the lean path, and layers of the layout
+      :func:`tensorpar.decode.quantize.quantize_int8` reads).
     * ``pipeline``: :class:`~tensorpar.pipeline.stages.DecoderStage` can cut it (full causal attention).
     * ``sequence_parallel``: the family's plan splits the sequence between blocks.
     * ``expert_parallel``: a mixture-of-experts family with experts in this config.
@@ -93,6 +95,12 @@ def why_not(feature: str, config) -> str | None:
     if feature == "fast_decode":
         if r is None or not r.fast_decode:
             return f"model_type={mt!r} has no fast decode path (families with one: {_names(lambda r: r.fast_decode)})"
+        return None
+    if feature == "int8":
+        if r is None or not r.fast_decode:
+            return f"model_type={mt!r} has no fast decode path (families with one: {_names(lambda r: r.fast_decode)})"
+        if not r.int8:
+            return f"--quantize int8 supports {_names(lambda r: r.int8)}, not {mt!r}"
         return None
     if feature == "pipeline":
         if r is None or not r.pipeline_stages:

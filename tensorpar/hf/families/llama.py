@@ -47,8 +47,8 @@ from tensorpar.hf.families.record import Family  # noqa: E402
 
 # every llama-shaped family runs the lean decode path (qwen3: its per-head q/k norms, tensorpar.decode.block)
 RECORDS = (
-    Family("llama", plan, fast_decode=True, pipeline_stages=True, sequence_parallel=True, context_parallel=True),
-    Family("mistral", plan, fast_decode=True, pipeline_stages=True, sequence_parallel=True, context_parallel=True),
-    Family("qwen2", plan, fast_decode=True, pipeline_stages=True, sequence_parallel=True, context_parallel=True),
-    Family("qwen3", plan, fast_decode=True, pipeline_stages=True, sequence_parallel=True, context_parallel=True),
+    Family("llama", plan, fast_decode=True, int8=True, pipeline_stages=True, sequence_parallel=True, context_parallel=True),
+    Family("mistral", plan, fast_decode=True, int8=True, pipeline_stages=True, sequence_parallel=True, context_parallel=True),
+    Family("qwen2", plan, fast_decode=True, int8=True, pipeline_stages=True, sequence_parallel=True, context_parallel=True),
+    Family("qwen3", plan, fast_decode=True, int8=True, pipeline_stages=True, sequence_parallel=True, context_parallel=True),
 )

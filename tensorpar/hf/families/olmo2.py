@@ -23,4 +23,4 @@ def plan(config, tp_size, *, sequence_parallel, **kw):
 
 from tensorpar.hf.families.record import Family  # noqa: E402
 
-RECORDS = (Family("olmo2", plan, fast_decode=True, sequence_parallel=True),)
+RECORDS = (Family("olmo2", plan, fast_decode=True, int8=True, sequence_parallel=True),)

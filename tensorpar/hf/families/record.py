@@ -23,6 +23,9 @@ class Family:
         model_class: the transformers auto class the plan's module names are written for.
         fast_decode: the lean decode path (:class:`tensorpar.decode.lean.LeanDecoder`: fused QKV and gate-up matmuls,
             static KV cache) runs this family; it is also what ``--quantize int8`` needs.
+        int8: ``--quantize int8`` (:func:`tensorpar.decode.quantize.quantize_int8`) quantizes it: its layers are
+            separate q/k/v projections and a gated MLP with separate gate/up projections (the fused and plain-MLP
+            layouts of Phi-3, StarCoder2 and GPT-NeoX and the expert blocks are not quantized yet).
         pipeline_stages: :class:`tensorpar.pipeline.stages.DecoderStage` can cut it (blocks that need only the
             causal mask and the shared rotary table).
         sequence_parallel: its plan splits the sequence between blocks (parity proven in the family tests).
@@ -37,6 +40,7 @@ class Family:
     plan: Callable
     model_class: str = "AutoModelForCausalLM"
     fast_decode: bool = False
+    int8: bool = False
     pipeline_stages: bool = False
     sequence_parallel: bool = False
     context_parallel: bool = False
