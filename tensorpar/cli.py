@@ -82,6 +82,10 @@ def add_launch_arguments(p, *, tp_list: bool = False, tp_action=None, ep: bool =
         p.add_argument("--pp", type=int, default=1,
                        help="pipeline stages: the layers cut into this many consecutive stages of --tp ranks each "
                             "(tp x pp ranks; each holds its stage's weights and KV cache; docs/generate.md)")
+        # context parallelism in inference is not done: a clear refusal instead of argparse's "unrecognized"
+        p.add_argument("--cp", dest="inference_cp", type=int, default=1,
+                       help="context parallelism is for training (tensorpar train --cp); here only --cp 1: a prompt's "
+                            "KV cache is not split by sequence in generate and serve")
     p.add_argument("--dtype", type=dtype_name, choices=DTYPES, default="float32",
                    help="bfloat16: bf16 weights and compute for generate, serve and verify; bf16 autocast over "
                         "fp32 weights and optimizer state for train")
@@ -110,7 +114,8 @@ def check_launch_arguments(args, *, exact: str | None = None) -> None:
     Raises:
         ValueError: ``--timeout`` not a number of seconds in [1, 1e8] (below 1 s the ranks' store cannot even
             start; 1e8 is torch's timedelta limit); ``--tp-comm int8`` with ``exact`` given (train, verify);
-            ``--ep`` below 1.
+            ``--ep`` below 1; ``--cp`` other than 1 on generate or serve (context parallelism in inference is not
+            done: a prompt's KV cache is not split by sequence).
     """
     import math
     import os
@@ -132,6 +137,12 @@ def check_launch_arguments(args, *, exact: str | None = None) -> None:
     ep = getattr(args, "ep", 1)
     if ep < 1:
         raise ValueError(f"--ep must be a positive integer (1 = experts not split), got {ep}")
+    cp = getattr(args, "inference_cp", 1)
+    if cp != 1:
+        raise ValueError(f"--cp {cp}: context parallelism runs in training only (tensorpar train --cp); generate and "
+                         f"serve keep a prompt's whole KV cache on every rank of its tp group, so a prompt and its new "
+                         f"tokens must fit the model's max_position_embeddings and one rank's KV memory (serve: "
+                         f"--max-model-len, --kv-cache-memory); use --cp 1")
 
     t = args.timeout
     if not (math.isfinite(t) and 1 <= t <= 10 ** 8):

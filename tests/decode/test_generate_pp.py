@@ -197,6 +197,18 @@ def test_bad_pp_is_one_line_before_any_rank(model_dirs, capsys, arch, args, msg)
     assert err == f"tensorpar: error: {msg}\n", err
 
 
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_cp_in_inference_is_refused_naming_the_limit(model_dirs, capsys, command):
+    """Issue 25 item 6 (not done: a prompt's KV cache is not split by sequence in inference): --cp 2 on generate or
+    serve is one line naming the limit a prompt must fit, exit 2 (was argparse's 'unrecognized arguments')."""
+    from tensorpar.cli import main
+    assert main([command, "--model", model_dirs["llama"], "--cp", "2"]) == 2
+    err = capsys.readouterr().err
+    prefix = "tensorpar serve: error: " if command == "serve" else "tensorpar: error: "
+    assert err.startswith(prefix + "--cp 2: context parallelism runs in training only"), err
+    assert "max_position_embeddings" in err and err.count("\n") == 1, err
+
+
 def _nshosts_unavailable():
     from tensorpar.nshosts import unavailable
     return unavailable()
