@@ -307,10 +307,15 @@ class RowParallelLinear(nn.Module):
     def in_features_local(self) -> int:
         return self.partition.sizes[self.tp.rank]
 
+    def partial_product(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum ``x_r @ W_r^T`` ``[*, out]`` before the all-reduce (no collectives; a LoRA layer
+        adds its adapter's partial here, so one all-reduce sums both)."""
+        return F.linear(x, self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = comm.scatter_to_tp_region(x, self.tp, self.partition)
-        y = F.linear(x, self.weight)
+        y = self.partial_product(x)
         if self.sequence_parallel:
             y = comm.reduce_scatter_to_sequence_region(y, self.tp, self.seq_dim)
         else:

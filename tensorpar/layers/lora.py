@@ -186,17 +186,9 @@ class LoraRowParallelLinear(_Adapter, RowParallelLinear):
         out._take_adapter(layer, tp, split="A", partition=out.partition)
         return out
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.input_is_parallel:
-            x = comm.scatter_to_tp_region(x, self.tp, self.partition)
-        y = F.linear(x, self.weight) + self.lora_delta(x)          # [*, out]: this rank's partial sum
-        if self.sequence_parallel:
-            y = comm.reduce_scatter_to_sequence_region(y, self.tp, self.seq_dim)
-        else:
-            y = comm.reduce_from_tp_region(y, self.tp)
-        if self.bias is not None:
-            y = y + self.bias
-        return y
+    def partial_product(self, x: torch.Tensor) -> torch.Tensor:
+        """Base and adapter partial sums together ``[*, out]``: the base class's forward all-reduces them once."""
+        return F.linear(x, self.weight) + self.lora_delta(x)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", lora r={self.r}, scaling={self.scaling:g} (A by columns, B replicated)"
