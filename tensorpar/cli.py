@@ -81,7 +81,7 @@ def add_launch_arguments(p, *, tp_list: bool = False, tp_action=None, ep: bool =
     if pp:
         p.add_argument("--pp", type=int, default=1,
                        help="pipeline stages: the layers cut into this many consecutive stages of --tp ranks each "
-                            "(tp x pp ranks; each holds its stage's weights and KV cache; docs/generate.md)")
+                            "(tp x pp ranks; each holds its stage's weights and KV cache; docs/hosts.md)")
         # context parallelism in inference is not done: a clear refusal instead of argparse's "unrecognized"
         p.add_argument("--cp", dest="inference_cp", type=int, default=1,
                        help="context parallelism is for training (tensorpar train --cp); here only --cp 1: a prompt's "

@@ -282,7 +282,7 @@ def _rank_main(job) -> int:
                 print0(ctx, f"{chat_header(p)}{answer}\n" if task.chat else f"{p}{answer}")
         if res.speed_warning:
             print0(ctx, res.speed_warning, file=sys.stderr)
-        print0(ctx, stats_line(ctx.tp.size, res.ttft_s, res.decode_s, res.tokens.shape[1]))
+        print0(ctx, stats_line(ctx.tp.size, res.ttft_s, res.decode_s, res.tokens.shape[1], ctx.pp.size))
     finally:
         ctx.destroy()
     return 0

@@ -64,6 +64,17 @@ def add_lora(model: nn.Module, config, seed_of) -> nn.Module:
         raise ValueError(f"--lora-target-modules {shown}: matches no module of the "
                          f"{getattr(model.config, 'model_type', 'model')} model; its linear layers are "
                          f"{','.join(linears)}") from None
+    targets = config.target_modules
+    if isinstance(targets, (set, list, tuple)):     # every name must match (PEFT only needs one to): none dropped
+        wrapped = [n for n, m in model.named_modules() if is_lora_layer(m)]
+        missing = sorted(t for t in targets if not any(n == t or n.endswith("." + t) for n in wrapped))
+        if missing:
+            linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                              if is_lora_layer(m) or (isinstance(m, nn.Linear) and ".lora_" not in n
+                                                      and not n.endswith(".base_layer"))})
+            raise ValueError(f"--lora-target-modules: {','.join(missing)} match{'es' if len(missing) == 1 else ''} "
+                             f"no module of the {getattr(model.config, 'model_type', 'model')} model (the other "
+                             f"names do); its linear layers are {','.join(linears)}")
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         for name, m in model.named_modules():
             if not is_lora_layer(m):
@@ -107,8 +118,17 @@ def read_adapter(folder: str | Path):
     if not (folder / ADAPTER_CONFIG).is_file() or not (folder / ADAPTER_WEIGHTS).is_file():
         raise ValueError(f"--lora {str(folder)!r}: not a PEFT adapter folder (needs {ADAPTER_CONFIG} and "
                          f"{ADAPTER_WEIGHTS}, as PeftModel.save_pretrained or tensorpar train --lora write)")
-    config = peft.LoraConfig.from_pretrained(str(folder))
-    return config, load_file(str(folder / ADAPTER_WEIGHTS))
+    try:
+        config = peft.LoraConfig.from_pretrained(str(folder))
+    except (ValueError, TypeError) as e:   # json.JSONDecodeError is a ValueError; unknown fields a TypeError
+        raise ValueError(f"--lora {str(folder)!r}: {ADAPTER_CONFIG} cannot be read as a LoRA config: "
+                         f"{' '.join(str(e).split())}") from None
+    try:
+        tensors = load_file(str(folder / ADAPTER_WEIGHTS))
+    except Exception as e:                  # safetensors raises its own error types for a damaged file
+        raise ValueError(f"--lora {str(folder)!r}: {ADAPTER_WEIGHTS} cannot be read: {' '.join(str(e).split())}") \
+            from None
+    return config, tensors
 
 
 def check_adapter(folder: str | Path, model_config) -> str:
@@ -135,6 +155,15 @@ def check_adapter(folder: str | Path, model_config) -> str:
         if tuple(t.shape) != want and not (config.rank_pattern or {}):
             raise ValueError(f"--lora {str(folder)!r}: {key} has shape {list(t.shape)} but this model needs "
                              f"{list(want)}; the adapter was trained on another base")
+    kinds: dict[str, set] = {}
+    for key in tensors:
+        name, kind = _split_key(key)
+        kinds.setdefault(name, set()).add(kind)
+    half = next((n for n, k in kinds.items() if k != {"lora_A", "lora_B"}), None)
+    if half is not None:        # a matrix missing: the ranks' merge would fail on it
+        have = ", ".join(sorted(kinds[half]))
+        raise ValueError(f"--lora {str(folder)!r}: {half} has {have} but not both lora_A and lora_B; the adapter "
+                         f"file is incomplete")
     return str(folder)
 
 

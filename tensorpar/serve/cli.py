@@ -87,12 +87,13 @@ def parse_memory(text: str) -> tuple[str, float]:
     plain number in (0, 1]. Raises ValueError naming the setting."""
     import re
 
-    units = {"": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "kib": 2**10, "mib": 2**20,
-             "gib": 2**30}
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
+    units = {"": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
     if m is None or m.group(2) not in units:
-        raise ValueError(f"--kv-cache-memory must be bytes (e.g. 96MiB, 2GiB, 100000000) or a fraction in (0, 1] "
-                         f"of the available memory, got {text!r}")
+        raise ValueError(f"--kv-cache-memory must be bytes (a number with an optional unit: KB, MB, GB, TB, KiB, MiB, "
+                         f"GiB, TiB; e.g. 96MiB, 2GiB, 100000000) or a fraction in (0, 1] of the available memory, "
+                         f"got {text!r}")
     v = float(m.group(1))
     if not m.group(2) and 0 < v <= 1:
         return "fraction", v
@@ -129,14 +130,17 @@ def kv_pool(config, tp: int, dtype: str, max_len: int, max_batch: int, *, block_
     if memory is None:
         return max_batch * per_request, per_block
     kind, v = parse_memory(memory)
+    if torch.cuda.is_available():
+        avail = torch.cuda.mem_get_info()[0]
+    else:
+        with open("/proc/meminfo") as f:
+            avail = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
+        avail //= max(ranks_here, 1)
     if kind == "fraction":
-        if torch.cuda.is_available():
-            avail = torch.cuda.mem_get_info()[0]
-        else:
-            with open("/proc/meminfo") as f:
-                avail = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
-            avail //= max(ranks_here, 1)
         v *= avail
+    elif v > avail:             # else the allocation fails inside every rank (or the OOM killer ends one)
+        raise ValueError(f"--kv-cache-memory {memory} is more than the {_size(int(avail))} available per rank here; "
+                         f"give at most that, or a fraction such as 0.5")
     n = int(v // per_block)
     if n < per_request:
         raise ValueError(f"--kv-cache-memory {memory} holds {n} KV block(s) of {block_size} positions "

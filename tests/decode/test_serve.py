@@ -584,3 +584,10 @@ def test_kv_pool_sizes():
     assert kv_pool(cfg, 2, "float32", 1024, 16, block_size=16, memory=None) == (16 * 64, 3072)
     # the memory of 16 requests of 1024 positions holds 64 requests of 256
     assert kv_pool(cfg, 2, "float32", 256, 64, block_size=16, memory=str(16 * 64 * 3072))[0] == 64 * 16
+    # review: TiB and negative exponents parse; a pool larger than the memory here is refused before any rank
+    # starts, naming the setting (it failed inside the rank with "DefaultCPUAllocator: can't allocate memory")
+    assert parse_memory("1TiB") == ("bytes", 2**40) and parse_memory("5e-1") == ("fraction", 0.5)
+    with pytest.raises(ValueError, match=r"--kv-cache-memory 999TiB is more than the .* available per rank here"):
+        kv_pool(cfg, 2, "float32", 256, 64, block_size=16, memory="999TiB")
+    with pytest.raises(ValueError, match=r"optional unit: KB, MB, GB, TB, KiB, MiB, GiB, TiB"):
+        parse_memory("64XB")

@@ -216,3 +216,20 @@ def test_lora_adapter_of_another_base_is_refused(tmp_path):
     with pytest.raises(ValueError, match="not a PEFT adapter folder"):
         job_from_args(types.SimpleNamespace(timeout=60, lora=str(tmp_path)), ParallelConfig(tp=2),
                       model_config=config)
+    # review: a damaged adapter reached the ranks ("'lora_B' (rank 0)") or printed a bare JSON error
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    base = AutoModelForCausalLM.from_config(family_config("llama")).float()
+    peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(str(tmp_path / "b"))
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
+    w = load_file(str(tmp_path / "c" / "adapter_model.safetensors"))
+    save_file({k: v for k, v in w.items() if not ("layers.1." in k and "lora_B" in k)},
+              str(tmp_path / "c" / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.q_proj has lora_A but not both lora_A and lora_B"):
+        job_from_args(types.SimpleNamespace(timeout=60, lora=str(tmp_path / "c")), ParallelConfig(tp=2),
+                      model_config=config)
+    (tmp_path / "b" / "adapter_config.json").write_text("{oops")
+    with pytest.raises(ValueError, match=r"--lora .*adapter_config.json cannot be read as a LoRA config"):
+        job_from_args(types.SimpleNamespace(timeout=60, lora=str(tmp_path / "b")), ParallelConfig(tp=2),
+                      model_config=config)
