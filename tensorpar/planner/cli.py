@@ -190,6 +190,11 @@ def build_assumptions(args, model: ms.ModelSpec) -> Assumptions:
         cp = tuple(int(v) for v in str(getattr(args, "cp", "1")).split(","))
     except ValueError:
         raise ValueError(f"--cp ({args.cp!r}) must be integers like 1,2,4") from None
+    gpus = getattr(args, "gpus", None)
+    if gpus and cp and all(c >= 1 and gpus % c for c in cp):   # else an empty table that does not say why
+        fits = ",".join(str(c) for c in range(1, gpus + 1) if gpus % c == 0 and c <= 64)
+        raise ValueError(f"--cp {args.cp}: no listed cp divides --gpus {gpus} (the devices are tp x cp x pp x dp); "
+                         f"use cp values among {fits}")
     attention = args.attention or ("eager" if model.kernels == "megatron" else "sdpa")
     size = DTYPE_BYTES
     return Assumptions(activation_bytes=size[args.dtype], param_bytes=size[args.dtype],

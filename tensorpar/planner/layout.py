@@ -122,9 +122,9 @@ class Assumptions:
         if not self.capacity_factor > 0:
             raise ValueError(f"--capacity-factor ({self.capacity_factor}) must be > 0 (1: no padding)")
         if not self.virtual_stages or min(self.virtual_stages) < 1:
-            raise ValueError(f"--virtual-stages ({self.virtual_stages}) must list integers >= 1")
+            raise ValueError(f"--virtual-stages {','.join(map(str, self.virtual_stages))} must list integers >= 1")
         if not self.context_parallel or min(self.context_parallel) < 1:
-            raise ValueError(f"--cp ({self.context_parallel}) must list integers >= 1, e.g. 1,2,4")
+            raise ValueError(f"--cp {','.join(map(str, self.context_parallel))} must list integers >= 1, e.g. 1,2,4")
 
     def matmul_efficiency(self, device) -> float:
         """``efficiency`` if given, else the device's ``matmul_efficiency``."""

@@ -129,3 +129,16 @@ def test_evaluate_ranks_a_cp_layout_among_its_own(capsys):
                "--evaluate", "tp=1,pp=1,cp=4,cp_mode=all2all"])
     out = " ".join(capsys.readouterr().out.split())
     assert rc == 0 and "cp=4 all2all: rank 2 of" in out and "usable." not in out, out
+
+
+def test_cp_values_that_cannot_divide_the_devices_are_one_line(capsys):
+    """Review: `plan --gpus 8 --cp 3` printed an empty table ("No valid layout: nothing.") without saying why, and
+    `--cp 0` showed a Python tuple."""
+    from tensorpar.cli import main
+    base = ["plan", "--model", "smollm2", "--global-batch", "8", "--seq", "4096", "--gpus", "8"]
+    assert main([*base, "--cp", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("tensorpar plan: error: --cp 3: no listed cp divides --gpus 8 (the devices are tp x cp x pp x "
+                   "dp); use cp values among 1,2,4,8"), err
+    assert main([*base, "--cp", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "tensorpar plan: error: --cp 0 must list integers >= 1, e.g. 1,2,4"
