@@ -8,7 +8,7 @@ tensorpar's in the same run (issue 13, item 3). In one run it
    to F32 and to Q8_0, once, cached beside it under ``<cache>/gguf`` (``~/.cache/tensorpar``). tensorpar
    dequantizes the same Q4_1 file to fp32, so the F32 rows and tensorpar's fp32 rows run the same weights; the
    Q8_0 file is llama.cpp's 8-bit requantization of them (blocks of 32 with one fp16 scale each), tensorpar's int8
-   its own (per output channel) of the same fp32 weights;
+   its own (blocks of 32 inputs with one fp16 scale, as Q8_0) of the same fp32 weights;
 2. measures the memory bandwidth of 1 and 2 processes (``bench_decode.job_bandwidth``: a GEMV over a private fp32
    matrix per process, best of 30), at the start and at the end of the run;
 3. in ``--rounds`` rounds (the order reversed every other round, so load drift hits every row), each row in fresh
@@ -665,8 +665,8 @@ def write(res: dict, out: Path, n: int, stem: str) -> None:
                                                 for ft in LLAMA_FTYPES if ft != "F32" or not m["config"])
                   + (f"; F32 {q['F32']['bytes'] / 1e6:.0f} MB" if m["config"] else "")
                   + ". tensorpar reads the same weights from the safetensors folder (fp32, or cast to bf16); its "
-                  "int8 is its own per-output-channel quantization (llama.cpp's Q8_0: blocks of 32, one fp16 scale "
-                  "each).", ""]
+                  "int8 is its own quantization of the same fp32 weights in llama.cpp's Q8_0 format (blocks of 32 "
+                  "inputs, one fp16 scale each; tensorpar.decode.int8).", ""]
     else:
         lines += ["llama.cpp: not available in this run (no rows); see bench/README.md to build it.", ""]
     if sr:
