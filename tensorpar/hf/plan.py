@@ -159,6 +159,10 @@ def _refuse_dropped(entry: Entry, name: str, module: nn.Module) -> None:
     tensors = [n for n, _ in module.named_parameters(remove_duplicate=False)]
     tensors += [n for n, _ in module.named_buffers(remove_duplicate=False)]
     dropped = [n for n in tensors if not any(r.match(n) for r in rx)]
+    if dropped and type(module).__module__.startswith("peft.") and any(n.startswith("lora_") for n in dropped):
+        raise ValueError(f"LoRA on {name}: its plan style {entry.style.name!r} takes no adapters (tensorpar splits "
+                         f"adapters with column- and row-parallel linears only); leave "
+                         f"{name.rsplit('.', 1)[-1]} out of --lora-target-modules / target_modules")
     if dropped:
         more = f" (and {len(dropped) - 6} more)" if len(dropped) > 6 else ""
         raise ValueError(f"plan entry {entry.pattern!r}: style {entry.style.name!r} does not know "

@@ -352,14 +352,17 @@ def _serve(engine, task: ServeTask, holder: dict) -> int:
     if not thread.is_alive():
         sched.stop()
         sched.run()                        # tells the other ranks to stop
-        print(f"tensorpar serve: error: cannot listen on {task.host}:{task.port}", file=sys.stderr, flush=True)
+        print(f"tensorpar: error: --host {task.host} --port {task.port}: cannot listen there (taken since the check "
+              f"before launch?); pick another --port, or --port 0 for any free one", file=sys.stderr, flush=True)
         return 2
     port = server.servers[0].sockets[0].getsockname()[1]
     kv = engine.cache.nbytes() / 2**20
     at = f"tp={engine.tp.size}" + (f", pp={engine.pp.size}" if engine.pp.size > 1 else "")
-    print(f"tensorpar serve: {name} at {at}, up to {engine.max_batch} requests x {max_len} tokens "
-          f"(KV cache {kv:.0f} MiB on rank 0: {engine.num_blocks} blocks of {engine.block_size}, prefix caching "
-          f"{'on' if task.prefix_caching else 'off'}); ready at http://{_url_host(task.host)}:{port}/v1", flush=True)
+    positions = engine.num_blocks * engine.block_size
+    print(f"tensorpar serve: {name} at {at}, up to {engine.max_batch} running requests of up to {max_len} tokens; "
+          f"KV cache {kv:.0f} MiB on rank 0: {engine.num_blocks} blocks of {engine.block_size} = {positions} "
+          f"positions ({positions // max_len} requests at the full {max_len}), prefix caching "
+          f"{'on' if task.prefix_caching else 'off'}; ready at http://{_url_host(task.host)}:{port}/v1", flush=True)
     try:
         sched.run()
     finally:
@@ -377,7 +380,7 @@ def main(args: argparse.Namespace) -> int:
         torchrun_tp(args)   # under torchrun: tp x ep is its world size
         job = validate(args)
     except (ValueError, FileNotFoundError, OSError) as e:
-        report_error(str(e), prog="tensorpar serve")
+        report_error(str(e))
         return 2
     rc = run_ranks(_rank_main, job.world_size, job, verbose=job.verbose)
     return 0 if rc == 130 else rc       # SIGINT/SIGTERM is how a server is stopped: every rank exited

@@ -203,6 +203,12 @@ def check_resume_model(model_config, ckpt: Path, cfg: TrainConfig | None = None)
         parts = [f"{len(v)} {what} ({', '.join(v[:3])})" for v, what in
                  ((missing, "tensors missing from it"), (extra, "tensors the model lacks"),
                   (shape, "tensors of another shape")) if v]
+        if cfg.lora_r and all(".lora_" in n for n in missing + extra + shape):
+            ranks = sorted({s[0] for n, s in stored.items() if ".lora_A." in n})
+            saved = f" (it holds rank {','.join(map(str, ranks))})" if ranks else ""
+            raise ValueError(f"checkpoint {ckpt} holds LoRA adapters of another rank or other target modules than "
+                             f"--lora {cfg.lora_r}{saved}: {'; '.join(parts)}; resume with the --lora and "
+                             f"--lora-target-modules of the run that saved it")
         raise ValueError(f"checkpoint {ckpt} is of another model than --model: {'; '.join(parts)}; resume with the "
                          f"model it was trained with")
 

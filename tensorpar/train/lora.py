@@ -65,10 +65,13 @@ def check_lora_model(cfg, model_config, plan) -> None:
     module, and ``plan`` shards every one of them (:meth:`~tensorpar.hf.plan.ShardingPlan.check`, the rule
     ``parallelize`` applies on the ranks). Raises ValueError (one line)."""
     import copy
+    import warnings
 
     from tensorpar.hf.plan import meta_model
 
-    model = add_run_lora(meta_model(copy.deepcopy(model_config)), cfg)
+    with warnings.catch_warnings():     # PEFT's warnings on this throw-away meta model (e.g. a tied lm_head target)
+        warnings.simplefilter("ignore")  # would come before the one-line refusal below; the ranks still show them
+        model = add_run_lora(meta_model(copy.deepcopy(model_config)), cfg)
     if plan is not None:
         plan.check(model)
 

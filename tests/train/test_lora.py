@@ -180,6 +180,18 @@ def test_lora_checkpoint_loads_in_peft(runs):
     assert_parity("logits of PeftModel.from_pretrained", probe(model), runs[2][0]["logits"])
 
 
+def test_lora_resume_with_another_rank_names_the_ranks(runs):
+    """Review: resuming the rank-4 checkpoint with --lora 8 said "another model than --model"; it names both ranks."""
+    from pathlib import Path
+
+    from tensorpar.train.cli import check_resume_model
+    ckpt = Path(runs[2][0]["checkpoint"])
+    with pytest.raises(ValueError) as e:
+        check_resume_model(tiny_config(), ckpt, LORA.replace(lora_r=8, lora_alpha=16.0))
+    msg = str(e.value)
+    assert "\n" not in msg and "--lora 8" in msg and "rank 4" in msg and "another model" not in msg, msg
+
+
 def test_lora_bad_inputs_are_refused_in_one_line():
     """Before any rank starts: a rank <= 0, target modules matching nothing, a target the plan cannot shard
     (the embedding), options without --lora."""
@@ -203,6 +215,9 @@ def test_lora_bad_inputs_are_refused_in_one_line():
              "--lora-target-modules qproj", "matches no module", "q_proj")
     one_line(lambda: check_lora_model(LORA.replace(lora_target_modules=("embed_tokens",)), config, plan),
              "model.embed_tokens", "nn.Linear")
+    # review: the tied LM head as a target gave a plan author's message ("style 'lm_head' does not know ...")
+    one_line(lambda: check_lora_model(LORA.replace(lora_target_modules=("lm_head",)), config, plan),
+             "LoRA on lm_head", "--lora-target-modules")
     # review: one bad name next to a good one was dropped silently (PEFT needs only one name to match)
     one_line(lambda: check_lora_model(LORA.replace(lora_target_modules=("q_proj", "bogus")), config, plan),
              "--lora-target-modules: bogus matches no module", "q_proj")
