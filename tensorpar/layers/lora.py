@@ -108,6 +108,17 @@ class ColumnKeyedDropout(KeyedDropout):
 class _Adapter:
     """What both LoRA linears share: the adapter's name, scaling, matrices and dropout."""
 
+    _split: str       # which adapter matrix follows the base weight's split: "B" (column-parallel) or "A" (row)
+
+    @classmethod
+    def from_peft(cls, layer: nn.Module, tp: Group, **kwargs):
+        """The sharded layer of a PEFT ``lora.Linear`` ``layer`` (its ``base_layer`` an ``nn.Linear`` holding the
+        full weight): the base weight split as the class splits it, the adapter as :meth:`_take_adapter`."""
+        base = layer.base_layer
+        out = cls(base.in_features, base.out_features, tp=tp, bias=base.bias is not None, _full=base, **kwargs)
+        out._take_adapter(layer, tp, split=cls._split, partition=out.partition)
+        return out
+
     def _take_adapter(self, layer: nn.Module, tp: Group, *, split: str, partition) -> None:
         """Copy ``layer``'s (a PEFT ``lora.Linear``) adapter into this module: ``split`` "B" (column-parallel
         base: ``B`` rows of ``partition``, ``A`` replicated) or "A" (row-parallel: ``A`` columns, ``B``
@@ -151,12 +162,7 @@ class LoraColumnParallelLinear(_Adapter, ColumnParallelLinear):
     :func:`~tensorpar.grads.sync_sequence_parallel_grads`).
     """
 
-    @classmethod
-    def from_peft(cls, layer: nn.Module, tp: Group, **kwargs) -> "LoraColumnParallelLinear":
-        base = layer.base_layer
-        out = cls(base.in_features, base.out_features, tp=tp, bias=base.bias is not None, _full=base, **kwargs)
-        out._take_adapter(layer, tp, split="B", partition=out.partition)
-        return out
+    _split = "B"
 
     def forward_local(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias) + self.lora_delta(x)
@@ -179,12 +185,7 @@ class LoraRowParallelLinear(_Adapter, RowParallelLinear):
     parallelism), backward as the base class; the sum of ``B``'s gradient over tp after backward.
     """
 
-    @classmethod
-    def from_peft(cls, layer: nn.Module, tp: Group, **kwargs) -> "LoraRowParallelLinear":
-        base = layer.base_layer
-        out = cls(base.in_features, base.out_features, tp=tp, bias=base.bias is not None, _full=base, **kwargs)
-        out._take_adapter(layer, tp, split="A", partition=out.partition)
-        return out
+    _split = "A"
 
     def partial_product(self, x: torch.Tensor) -> torch.Tensor:
         """Base and adapter partial sums together ``[*, out]``: the base class's forward all-reduces them once."""
