@@ -19,6 +19,8 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
+from tensorpar.rank_errors import under_torchrun
+
 DEFAULT_MAX_MODEL_LEN = 1024
 DEFAULT_BLOCK_SIZE = 16
 
@@ -172,7 +174,8 @@ def validate(args: argparse.Namespace):
                              f"{args.host!r}") from None
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ValueError("--served-model-name must not be empty (leave it out to use --model)")
-    _check_listen(args.host, args.port)
+    if not under_torchrun() or os.environ.get("RANK") == "0":   # only rank 0 listens: under torchrun on several
+        _check_listen(args.host, args.port)                      # hosts --host is an address of rank 0's host only
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.max_waiting < 0:

@@ -1,5 +1,6 @@
 """Pipeline stages in generation (``generate --pp``): the greedy tokens equal transformers' single-process generate,
 each rank holds its stage's parameters only, and a bad ``--pp`` is one line before any rank starts."""
+import json
 import os
 import subprocess
 import sys
@@ -239,6 +240,66 @@ def test_generate_tp2_pp2_across_two_namespace_hosts(tiny_with_tokenizer):
     assert len(text) == 1, [r[1] for r in res]
     assert text[0].startswith(want), (text[0], want)
     assert all(b > 1000 for b in sent), sent
+
+
+_CLIENT = """
+import json, sys, time, urllib.request
+base = sys.argv[1]
+t0 = time.monotonic()
+while True:
+    try:
+        with urllib.request.urlopen(base + "/health", timeout=5) as r:
+            if r.status == 200:
+                break
+    except OSError:
+        pass
+    if time.monotonic() - t0 > 240:
+        sys.exit("server not ready")
+    time.sleep(0.5)
+body = json.dumps({"model": "m", "prompt": "the cat", "max_tokens": 5, "temperature": 0,
+                   "return_token_ids": True}).encode()
+req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
+with urllib.request.urlopen(req, timeout=120) as r:
+    print(json.dumps(json.load(r)["choices"][0]["token_ids"]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_nshosts_unavailable() is not None, reason=str(_nshosts_unavailable()))
+def test_serve_tp2_pp2_across_two_namespace_hosts(tiny_with_tokenizer):
+    """``serve --pp 2`` across two namespace hosts (tp 2 inside each, one torchrun agent per host, 1 Gbit/s): a
+    client in the first host gets transformers' greedy tokens; SIGINT to both agents stops every rank."""
+    import signal
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tensorpar.nshosts import IFNAME, NamespaceHosts
+    from tests.core.test_nshosts import env
+    tok = AutoTokenizer.from_pretrained(tiny_with_tokenizer)
+    enc = tok(["the cat"], return_tensors="pt")
+    ref = AutoModelForCausalLM.from_pretrained(tiny_with_tokenizer).generate(
+        **enc, max_new_tokens=5, do_sample=False, pad_token_id=tok.eos_token_id)
+    want = ref[0, enc["input_ids"].shape[1]:].tolist()
+    with NamespaceHosts(2, "1gbit") as hosts:
+        port, e = 8123, dict(env(), GLOO_SOCKET_IFNAME=IFNAME)
+        cmd = ["-m", "tensorpar", "serve", "--model", tiny_with_tokenizer, "--pp", "2", "--host",
+               hosts.hosts[0].addr, "--port", str(port), "--max-model-len", "64", "--served-model-name", "m"]
+        agents = [hosts.popen(i, hosts.torchrun_argv(i, 2, cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=e) for i in range(2)]
+        client = hosts.popen(0, [sys.executable, "-c", _CLIENT, f"http://{hosts.hosts[0].addr}:{port}"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+        try:
+            out, err = client.communicate(timeout=360)
+        finally:
+            for a in agents:
+                if a.poll() is None:
+                    os.killpg(a.pid, signal.SIGINT)
+            logs = [a.communicate(timeout=90) for a in agents]
+        assert client.returncode == 0, (err[-2000:], [lg[0][-1500:] + lg[1][-1500:] for lg in logs])
+        assert json.loads(out) == want, (out, want)
+        # rank 0 (first host) stopped its scheduler and told every rank; torchrun's agents themselves exit 1 with a
+        # SignalException traceback on SIGINT (torch.distributed.elastic's behaviour, not tensorpar's)
+        assert "tensorpar serve: stopped" in logs[0][0], logs[0][0][-2000:]
 
 
 @pytest.mark.slow
