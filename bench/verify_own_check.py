@@ -8,20 +8,15 @@ import types
 
 import torch
 import torch.nn.functional as F
-from tensorpar.testing import WorkerPool
+from tensorpar.testing import WorkerPool, random_model
 from tensorpar.hf.apply import parallelize
 from tensorpar.hf.plan import make_plan
 from tensorpar.verify import compare_to_reference
 from tests.families import config, FAMILIES
 
 def job(ctx, model_type, fault, dtype, sp=False):
-    from transformers import AutoModelForCausalLM
     cfg = config(model_type)
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(cfg).float()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    ref = random_model(cfg)
     ref = ref.to(dtype)
     par = parallelize(copy.deepcopy(ref), make_plan(cfg, ctx.tp.size, sequence_parallel=sp), ctx.tp)
     ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))

@@ -164,6 +164,21 @@ class WorkerPool:
 # ---------------------------------------------------------------- comparison
 
 
+def random_model(config, *, seed: int = 0, scale: float = 0.05, auto_class=None, **kwargs) -> torch.nn.Module:
+    """The unsharded reference of a parity check: ``auto_class.from_config(config, **kwargs)`` (default
+    ``AutoModelForCausalLM``) in fp32, built after ``torch.manual_seed(seed)``, every parameter then perturbed by
+    ``scale`` x N(0, 1) so that biases, norm weights (Gemma's ``1 + w`` norms start at 0) and every expert matter.
+    Same seed, same weights on every rank. Returns the model in train mode (``from_config``'s)."""
+    if auto_class is None:
+        from transformers import AutoModelForCausalLM as auto_class
+    torch.manual_seed(seed)
+    model = auto_class.from_config(config, **kwargs).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * scale)
+    return model
+
+
 @dataclass
 class Diff:
     """Result of one comparison: name, kind (exact/close), max abs difference, bound."""

@@ -10,6 +10,8 @@ import copy
 import pytest
 import torch
 
+from tensorpar.testing import random_model
+
 from tensorpar.generate import SamplingConfig, generate_tokens
 from tests._ranks import run_tp
 from tests.decode.test_generate import make_model_folder, prompts
@@ -83,13 +85,8 @@ def job_windowed(ctx, name, prompt_rows):
     from tensorpar.hf.plan import make_plan
     from tensorpar.serve.engine import Engine
     from tensorpar.serve.plan import Row, StepPlan
-    from transformers import AutoModelForCausalLM
     cfg = _windowed_config(name)
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(cfg).float().eval()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    ref = random_model(cfg).eval()
     par = parallelize(copy.deepcopy(ref), make_plan(cfg, ctx.tp.size), ctx.tp).eval()
     want = []
     with torch.no_grad():

@@ -14,6 +14,8 @@ import sys
 import pytest
 import torch
 
+from tensorpar.testing import random_model
+
 SYMBOLS = [chr(ord("a") + i) for i in range(26)] + [" ", "."] + [str(d) for d in range(8)]   # ids 0..35
 EOS = 36
 
@@ -28,16 +30,12 @@ def _cli(cmd, *args, timeout=400):
 def moe_folder(tmp_path_factory):
     """A random Mixtral (4 experts) saved with a tokenizer of one character per id (37 ids, the last <eos>)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     from tests.families_moe import config
     cfg = config("mixtral")
     cfg.eos_token_id, cfg.bos_token_id, cfg.pad_token_id = EOS, None, EOS
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).float()
-    with torch.no_grad():       # larger weights than the init's: routing and tokens depend on every expert
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    model = random_model(cfg)
     folder = tmp_path_factory.mktemp("moe") / "mixtral"
     model.save_pretrained(folder)
     tk = Tokenizer(models.WordLevel({s: i for i, s in enumerate(SYMBOLS)} | {"<eos>": EOS}, unk_token="<eos>"))

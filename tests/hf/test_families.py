@@ -15,7 +15,7 @@ from tensorpar.grads import grad_norm, sync_duplicated_grads, sync_sequence_para
 from tensorpar.hf.apply import parallelize
 from tensorpar.hf.plan import make_plan
 from tensorpar.layers import vocab_parallel_cross_entropy
-from tensorpar.testing import assert_parity, compare_grads
+from tensorpar.testing import assert_parity, compare_grads, random_model
 from tests._ranks import run_tp
 from tests.families import FAMILIES, config
 
@@ -25,14 +25,9 @@ def job_family(ctx, model_type, sequence_parallel=False, configs="tests.families
     With sequence parallelism, 12 tokens (divisible by tp = 2, 3, 4) and a check that the sequence was split."""
     import importlib
 
-    from transformers import AutoModelForCausalLM
     tp = ctx.tp
     cfg = importlib.import_module(configs).config(model_type)
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(cfg).float()
-    with torch.no_grad():               # random weights everywhere, norms too (Gemma's (1 + w) norms start at 0)
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    ref = random_model(cfg)
     par = parallelize(copy.deepcopy(ref), make_plan(cfg, tp.size, sequence_parallel=sequence_parallel), tp)
     ids = torch.randint(0, cfg.vocab_size, (2, 12 if sequence_parallel else 9))
     logits_ref = ref(ids).logits

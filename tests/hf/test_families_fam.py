@@ -12,7 +12,7 @@ from tensorpar import comm
 from tensorpar.grads import grad_norm
 from tensorpar.hf.apply import parallelize
 from tensorpar.hf.plan import make_plan
-from tensorpar.testing import assert_parity
+from tensorpar.testing import assert_parity, random_model
 from tests._ranks import run_tp
 from tests.families_fam import FAMILIES, VARIANTS, config
 
@@ -34,16 +34,6 @@ def test_family_parity(pools, name, tp):
 def test_variant_parity_tp3(pools, name):
     diff, n = run_tp(pools, 3, job_family, name)[0]
     assert n > 10
-
-
-def _random_model(cfg):
-    from transformers import AutoModelForCausalLM
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(cfg).float()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return ref
 
 
 def job_load(ctx, folder):
@@ -71,7 +61,7 @@ def job_load(ctx, folder):
 
 @pytest.mark.parametrize("name", ["starcoder2", "gpt_neox", "olmo2"])
 def test_sharded_load_from_checkpoint(pools, tmp_path, name):
-    ref = _random_model(config(name))
+    ref = random_model(config(name))
     ref.save_pretrained(tmp_path)
     n = run_tp(pools, 3, job_load, str(tmp_path))
     assert all(k == n[0] for k in n) and n[0] > 10
@@ -86,7 +76,7 @@ def job_starcoder2_dropout(ctx, sequence_parallel):
     tp = ctx.tp
     cfg = config("starcoder2")
     cfg.residual_dropout, cfg.embedding_dropout = 0.3, 0.3
-    ref = _random_model(cfg)
+    ref = random_model(cfg)
     one = ParallelContext.single().tp
     base = parallelize(copy.deepcopy(ref), make_plan(cfg, 1), one, dropout_seed=7).train()
     par = parallelize(copy.deepcopy(ref), make_plan(cfg, tp.size, sequence_parallel=sequence_parallel), tp,

@@ -18,19 +18,14 @@ from tensorpar.grads import grad_norm, sync_duplicated_grads, sync_sequence_para
 from tensorpar.hf.apply import parallelize
 from tensorpar.hf.plan import make_plan
 from tensorpar.layers import vocab_parallel_cross_entropy
-from tensorpar.testing import assert_parity, compare_grads
+from tensorpar.testing import assert_parity, compare_grads, random_model
 from tests._ranks import run_tp
 from tests.families_moe import FAMILIES, config
 
 
 def _models(tp, model_type):
-    from transformers import AutoModelForCausalLM
     cfg = config(model_type)
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(cfg).float()
-    with torch.no_grad():               # random weights everywhere (Qwen routers start at zero)
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    ref = random_model(cfg)
     par = parallelize(copy.deepcopy(ref), make_plan(cfg, tp.size), tp)
     return cfg, ref, par
 
@@ -265,13 +260,8 @@ def test_moe_expert_parallel_parity(pools, model_type, ep):
 
 
 def _save_random(model_type, folder):
-    from transformers import AutoModelForCausalLM
     cfg = config(model_type)
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(cfg).float()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    ref = random_model(cfg)
     ref.save_pretrained(folder)
 
 
@@ -426,7 +416,6 @@ def _force_idle(model, experts: range):
 def job_three_steps(ctx, model_type, intermediate, with_tp):
     """3 AdamW steps (weight decay, clipping at the global grad norm) of the expert-parallel model, the last ep
     rank's experts never receiving a token, against the same steps of the unsharded model on the whole batch."""
-    from transformers import AutoModelForCausalLM
 
     from tensorpar.grads import clip_grad_norm_
     from tensorpar.hf.modules import ep_load_balancing_loss, expert_parallelize
@@ -437,11 +426,7 @@ def job_three_steps(ctx, model_type, intermediate, with_tp):
     cfg = config(model_type)
     if intermediate:
         setattr(cfg, "moe_intermediate_size" if model_type != "mixtral" else "intermediate_size", intermediate)
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(cfg).float()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    ref = random_model(cfg)
     par = copy.deepcopy(ref)
     if with_tp:
         par = parallelize(par, make_plan(cfg, tp.size), tp)

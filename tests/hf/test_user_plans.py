@@ -20,7 +20,7 @@ from tensorpar.hf.apply import parallelize
 from tensorpar.hf.plan import make_plan
 from tensorpar.hf.user_plan import load_user_plan
 from tensorpar.layers import vocab_parallel_cross_entropy
-from tensorpar.testing import assert_parity, compare_grads
+from tensorpar.testing import assert_parity, compare_grads, random_model
 from tests._ranks import run_tp
 from tests.families import config as family_config
 
@@ -44,13 +44,8 @@ def granite_config():
 
 
 def _parity(ctx, cfg, user_plan, generate=True):
-    from transformers import AutoModelForCausalLM
     tp = ctx.tp
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(cfg).float()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    ref = random_model(cfg)
     plan = make_plan(cfg, tp.size, user_plan=user_plan)
     par = parallelize(copy.deepcopy(ref), plan, tp)
     ids = torch.randint(0, cfg.vocab_size, (2, 9))

@@ -11,7 +11,7 @@ import torch
 from tensorpar.grads import grad_norm, sync_duplicated_grads
 from tensorpar.hf.apply import parallelize
 from tensorpar.hf.plan import make_plan, meta_model
-from tensorpar.testing import assert_parity, compare_grads
+from tensorpar.testing import assert_parity, compare_grads, random_model
 from tests._ranks import run_tp
 
 MODELS = ["vit", "dinov2", "dinov2_swiglu", "siglip"]
@@ -50,11 +50,7 @@ def job_classifier(ctx, name):
     from transformers import AutoModelForImageClassification
     tp = ctx.tp
     cfg = config(name)
-    torch.manual_seed(0)
-    ref = AutoModelForImageClassification.from_config(cfg).float()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    ref = random_model(cfg, auto_class=AutoModelForImageClassification)
     par = parallelize(copy.deepcopy(ref), make_plan(cfg, tp.size), tp)
     pixels = torch.randn(3, 3, 16, 16)
     labels = torch.tensor([1, 6, 3])

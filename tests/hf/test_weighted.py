@@ -15,7 +15,7 @@ from tensorpar import capacity
 from tensorpar.hf.plan import make_plan
 from tensorpar.parallel import ParallelConfig, ParallelContext
 from tensorpar.shard import split_sizes
-from tensorpar.testing import assert_parity
+from tensorpar.testing import assert_parity, random_model
 from tests._ranks import run_tp
 from tests._train_jobs import BASE, job_runs, train_run
 from tests.decode.test_generate import hf_reference, make_model_folder, prompts
@@ -173,11 +173,7 @@ def job_weighted(ctx, weights, folder, n_tokens):
         par = parallelize(copy.deepcopy(ref), make_plan(cfg, tp.size, sequence_parallel=sp, tp_weights=weights), tp)
         out["n"] += len(_parity_step(cfg, ref, par, tp, torch.randint(0, cfg.vocab_size, (2, 12))))
     cfg = moe_config("qwen2_moe")
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(cfg).float()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    ref = random_model(cfg)
     par = parallelize(copy.deepcopy(ref), make_plan(cfg, tp.size, tp_weights=weights), tp)
     out["n"] += len(_parity_step(cfg, ref, par, tp, torch.randint(0, cfg.vocab_size, (2, 9))))
     out["moe_sizes"] = [p.shape[-1] for n, p in par.named_parameters() if n.endswith("layers.0.mlp.experts.down_proj")]

@@ -18,6 +18,8 @@ import types
 
 import pytest
 import torch
+
+from tensorpar.testing import random_model
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -30,13 +32,8 @@ from tests.families import config
 
 
 def _pair(ctx, model_type, sequence_parallel=False, prepare=None, dtype=torch.float32):
-    from transformers import AutoModelForCausalLM
     cfg = config(model_type)
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(cfg).float()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    ref = random_model(cfg)
     ref = ref.to(dtype)
     if prepare is not None:
         prepare(ref)
