@@ -55,6 +55,7 @@ import torch.nn.functional as F
 
 from tensorpar import comm
 from tensorpar.comm import Group
+from tensorpar.comm.compress import BLOCK as COMPRESS_BLOCK
 from tensorpar.decode.block import Layer, build_layer, norm_fn, rotate, windowed
 from tensorpar.decode.int8 import int8_linear, int8_weights, lean_weight
 from tensorpar.decode.kernels import can_pack, mm, pack, packed_linear
@@ -71,6 +72,26 @@ __all__ = ["LeanDecoder", "Segment", "DETERMINISTIC_TILE"]
 #: tile padded with zero rows), so the kernels, their blocking and their thread split are the same whatever the
 #: step's token count; 16 = serve's default ``--max-batch`` (a full decode batch is one tile)
 DETERMINISTIC_TILE = 16
+
+
+def deterministic_unsupported(config, *, lean_why: str | None, pp: int, tp_comm: str) -> str | None:
+    """Why ``serve --deterministic`` cannot run ``config`` with these settings (``None``: it can): the rule the
+    launcher applies before any rank starts; the ranks apply the same one to the loaded model
+    (:class:`~tensorpar.serve.engine.Engine`, :class:`LeanDecoder`). ``lean_why``: why the model has no lean
+    decode path (:func:`tensorpar.hf.families.why_not` of ``"fast_decode"``), ``pp``: ``--pp``, ``tp_comm``:
+    ``--tp-comm``."""
+    from tensorpar.hf.families.moe import moe_layers
+    if lean_why is not None:
+        return f"it needs the lean decode path, which this model has not ({lean_why})"
+    if pp > 1:
+        return f"it runs the whole model on each rank: --pp {pp} is not supported, use --pp 1"
+    if moe_layers(config):
+        return "this model has mixture-of-experts blocks, which route the step's tokens together"
+    h = config.hidden_size
+    if tp_comm == "int8" and h % COMPRESS_BLOCK:
+        return (f"--tp-comm int8 quantizes blocks of {COMPRESS_BLOCK} values, which would span two tokens of this "
+                f"model's hidden size {h}; use --tp-comm fp32")
+    return None
 
 
 def ordered_all_reduce(x: torch.Tensor, tp: Group) -> torch.Tensor:
@@ -190,6 +211,10 @@ class LeanDecoder:
             if moe is not None:
                 raise ValueError(f"deterministic (batch-invariant) decoding cannot run layer {moe}'s "
                                  f"mixture-of-experts block: it routes the step's tokens together")
+            h = model.config.hidden_size
+            if tp.compression == "int8" and h % COMPRESS_BLOCK:
+                raise ValueError(f"deterministic (batch-invariant) decoding with --tp-comm int8 needs a hidden "
+                                 f"size that is a multiple of {COMPRESS_BLOCK}, got {h}; use --tp-comm fp32")
 
     def _use_packed(self, model) -> None:
         """Run the matmuls on oneDNN-packed weights that replace the plain ones on the modules

@@ -78,3 +78,55 @@ def test_deterministic_alone_equals_batched_tp2(pools, tmp_path):
     alone, batched = alone_and_batched(pools, 2, "float32", False, tmp_path)
     assert [t for t, *_ in batched] == [t for t, *_ in alone]       # greedy tokens agree on this model ...
     assert batched != alone, "without --deterministic the batch did not change any bit: the test proves nothing"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,dtype", [(1, "float32"), (1, "bfloat16"), (2, "bfloat16"), (3, "float32"),
+                                      (3, "bfloat16")])
+def test_deterministic_alone_equals_batched(pools, tmp_path, tp, dtype):
+    """The other tp degrees and bf16 (tp=3: 3 of the 9 query heads and one KV head per rank; the gloo all-reduce
+    of three ranks, replaced by an all-gather summed in rank order)."""
+    alone, batched = alone_and_batched(pools, tp, dtype, True, tmp_path)
+    assert batched == alone
+
+
+def _args(folder, *extra):
+    from tensorpar.serve import cli
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    return p.parse_args(["--model", folder, "--port", "0", *extra])
+
+
+def test_deterministic_flag_reaches_the_task_and_bad_combinations_are_refused(tmp_path):
+    """--deterministic goes into the job every rank runs (prefix caching stays on: cached blocks are bitwise what
+    the request computes alone); what cannot be batch-invariant is one line before launch, and the ranks apply
+    the same rule to the loaded model."""
+    from transformers import MixtralConfig
+
+    from tensorpar.decode.lean import deterministic_unsupported
+    from tensorpar.serve import cli
+    from tests.decode.test_generate import make_model_folder
+    folder = make_folder(tmp_path / "tiny")
+    task = cli.validate(_args(folder, "--deterministic", "--tp", "2")).task
+    assert task.deterministic and task.prefix_caching
+    assert not cli.validate(_args(folder, "--tp", "2")).task.deterministic
+    gpt2 = str(make_model_folder(tmp_path / "gpt2", "gpt2"))
+    for folder_, extra, msg in [
+            (gpt2, (), r"--deterministic: it needs the lean decode path, which this model has not \("),
+            (folder, ("--pp", "2"), r"--deterministic: it runs the whole model on each rank: --pp 2 is not "
+                                    r"supported, use --pp 1"),
+            (folder, ("--tp", "2", "--tp-comm", "int8"), r"--deterministic: --tp-comm int8 quantizes blocks of 32 "
+                                                         r"values, which would span two tokens of this model's "
+                                                         r"hidden size 36; use --tp-comm fp32")]:
+        with pytest.raises(ValueError, match=msg):
+            cli.validate(_args(folder_, "--deterministic", *extra))
+    moe = MixtralConfig(hidden_size=32, num_hidden_layers=2, num_local_experts=4)
+    assert "mixture-of-experts" in deterministic_unsupported(moe, lean_why=None, pp=1, tp_comm="fp32")
+    # the ranks' rule on the loaded model: the module path refuses the mode
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.parallel import ParallelContext
+    from tensorpar.serve.engine import Engine
+    ctx = ParallelContext.single()
+    model, _ = build_parallel_model(gpt2, ctx.tp, dtype=torch.float32)
+    with pytest.raises(ValueError, match="deterministic .batch-invariant. decoding needs the lean decode path"):
+        Engine(model, ctx.tp, max_batch=2, max_len=16, deterministic=True)
