@@ -130,3 +130,33 @@ def test_deterministic_flag_reaches_the_task_and_bad_combinations_are_refused(tm
     model, _ = build_parallel_model(gpt2, ctx.tp, dtype=torch.float32)
     with pytest.raises(ValueError, match="deterministic .batch-invariant. decoding needs the lean decode path"):
         Engine(model, ctx.tp, max_batch=2, max_len=16, deterministic=True)
+
+
+def test_generate_deterministic_batch_equals_alone(tmp_path):
+    """``generate --deterministic``: the flag reaches the task (refused where serve refuses it), and a batch of
+    prompts of different lengths gives each prompt bitwise its tokens alone (bf16, tp=1: the rounding to bf16
+    after each matmul makes a batch change greedy choices when the mode is off)."""
+    from tensorpar import generate as gen
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.parallel import ParallelContext
+    from tensorpar.serve.tokens import SamplingConfig
+    from tests.decode.test_generate import make_model_folder
+    folder = make_folder(tmp_path / "tiny")
+    p = argparse.ArgumentParser()
+    gen.add_arguments(p)
+    assert gen.validate(p.parse_args(["--model", folder, "--deterministic"])).task.deterministic
+    gpt2 = str(make_model_folder(tmp_path / "gpt2", "gpt2"))
+    with pytest.raises(ValueError, match="--deterministic: it needs the lean decode path"):
+        gen.validate(p.parse_args(["--model", gpt2, "--deterministic"]))
+    ctx = ParallelContext.single()
+    model, _ = build_parallel_model(folder, ctx.tp, dtype=torch.bfloat16)
+    target, others = _prompts()
+    rows = [target] + others[::3]
+    s = max(len(r) for r in rows)
+    ids = torch.tensor([[0] * (s - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (s - len(r)) + [1] * len(r) for r in rows])
+    sampling = SamplingConfig(NEW)
+    batch = gen.generate_tokens(model, ctx.tp, ids, mask, sampling=sampling, deterministic=True).tokens.tolist()
+    alone = [gen.generate_tokens(model, ctx.tp, torch.tensor([r]), sampling=sampling,
+                                 deterministic=True).tokens[0].tolist() for r in rows]
+    assert batch == alone
