@@ -224,20 +224,18 @@ class LeanKVCache:
         q_local * d]``."""
         b, nq, s, d = q.shape
         out = q.new_zeros(b, s, nq, d)
-        w = L.window
-        idx = L.kv_idx
+        w, idx = L.window, L.kv_idx
+        if idx is not None:                 # KV heads copied per query head (uneven layouts), once per segment
+            keys, vals = keys.index_select(1, idx), vals.index_select(1, idx)
+        gqa = idx is None and L.gqa
+        fresh = dict(dtype=torch.float32 if low else q.dtype, memory_format=torch.contiguous_format, copy=True)
         for r, c, p in tokens:
             lo = 0 if w is None else max(0, p - w + 1)
-            qt = q[r:r + 1, :, c:c + 1].clone(memory_format=torch.contiguous_format)       # [1, q_local, 1, d]
-            kt, vt = (t[r:r + 1, :, lo:p + 1] for t in (keys, vals))                      # [1, kv_local, n, d]
-            if idx is not None:             # KV heads copied per query head (uneven layouts)
-                kt, vt = kt.index_select(1, idx), vt.index_select(1, idx)
-            kt = kt.clone(memory_format=torch.contiguous_format)
-            vt = vt.clone(memory_format=torch.contiguous_format)
-            if low:
-                qt, kt, vt = qt.float(), kt.float(), vt.float()
-            o = L.sdpa(qt, kt, vt, scale=L.scaling, enable_gqa=idx is None and L.gqa)     # [1, q_local, 1, d]
-            out[r, c] = o[0, :, 0].to(out.dtype)
+            qt = q[r:r + 1, :, c:c + 1].to(**fresh)                                         # [1, q_local, 1, d]
+            kt = keys[r:r + 1, :, lo:p + 1].to(**fresh)                                     # [1, heads, n, d]
+            vt = vals[r:r + 1, :, lo:p + 1].to(**fresh)
+            o = L.sdpa(qt, kt, vt, scale=L.scaling, enable_gqa=gqa)                        # [1, q_local, 1, d]
+            out[r, c] = o[0, :, 0]
         return out.view(b * s, nq * d)
 
     def _fp32(self, which: int, t: torch.Tensor) -> torch.Tensor:
