@@ -27,7 +27,7 @@ def _prompts():
     return target, others
 
 
-def job_alone_vs_batched(ctx, folder, dtype, deterministic):
+def job_alone_vs_batched(ctx, folder, dtype, deterministic, quantize="none"):
     """Rank 0 schedules (the serve scheduler), the others follow its plans. Returns rank 0's (tokens, logprobs,
     top-3) of the target alone, then of the target submitted with 16 others (max_tokens differing, so the batch
     changes under it), or ``None`` on the other ranks."""
@@ -35,6 +35,8 @@ def job_alone_vs_batched(ctx, folder, dtype, deterministic):
     from tensorpar.serve.engine import Engine, follow
     from tensorpar.serve.scheduler import Request, Scheduler
     model, _ = build_parallel_model(folder, ctx.tp, dtype=getattr(torch, dtype))
+    from tensorpar.decode.quantize import apply_quantize
+    apply_quantize(model, ctx.tp, quantize)
     engine = Engine(model, ctx.tp, max_batch=17, max_len=64, block_size=4, num_blocks=17 * 16,
                     deterministic=deterministic)
     target, others = _prompts()
@@ -63,9 +65,9 @@ def job_alone_vs_batched(ctx, folder, dtype, deterministic):
     return results if ctx.tp.rank == 0 else None
 
 
-def alone_and_batched(pools, tp, dtype, deterministic, tmp_path):
-    folder = make_folder(tmp_path / "tiny")
-    alone, batched = run_tp(pools, tp, job_alone_vs_batched, folder, dtype, deterministic)[0]
+def alone_and_batched(pools, tp, dtype, deterministic, tmp_path, quantize="none"):
+    folder = make_folder(tmp_path / "tiny") if quantize == "none" else make_q8_folder(tmp_path / "q8")
+    alone, batched = run_tp(pools, tp, job_alone_vs_batched, folder, dtype, deterministic, quantize)[0]
     assert len(alone) == len(batched) == NEW
     return alone, batched
 
@@ -87,6 +89,25 @@ def test_deterministic_alone_equals_batched(pools, tmp_path, tp, dtype):
     """The other tp degrees and bf16 (tp=3: 3 of the 9 query heads and one KV head per rank; the gloo all-reduce
     of three ranks, replaced by an all-gather summed in rank order)."""
     alone, batched = alone_and_batched(pools, tp, dtype, True, tmp_path)
+    assert batched == alone
+
+
+def make_q8_folder(path):
+    """A random Llama whose matmul inputs are whole blocks of 32 (``--quantize int8`` takes it)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    cfg = LlamaConfig(vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                      tie_word_embeddings=False, initializer_range=0.5)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).float().save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_deterministic_int8_weights(pools, tmp_path, tp):
+    """``--quantize int8`` (the int8 x int8 matmul per block of 32, on tiles of fixed row count too)."""
+    alone, batched = alone_and_batched(pools, tp, "float32", True, tmp_path, quantize="int8")
     assert batched == alone
 
 
