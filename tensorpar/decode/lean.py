@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from tensorpar import comm
 from tensorpar.comm import Group
 from tensorpar.comm.compress import BLOCK as COMPRESS_BLOCK
-from tensorpar.decode.block import Layer, build_layer, norm_fn, rotate, windowed
+from tensorpar.decode.block import Layer, build_layer, norm_fn, ordered_all_reduce, rotate, windowed
 from tensorpar.decode.int8 import int8_linear, int8_weights, lean_weight
 from tensorpar.decode.kernels import can_pack, mm, pack, packed_linear
 from tensorpar.decode.packed import pack_plan, pack_weights, unpack_weights
@@ -92,22 +92,6 @@ def deterministic_unsupported(config, *, lean_why: str | None, pp: int, tp_comm:
         return (f"--tp-comm int8 quantizes blocks of {COMPRESS_BLOCK} values, which would span two tokens of this "
                 f"model's hidden size {h}; use --tp-comm fp32")
     return None
-
-
-def ordered_all_reduce(x: torch.Tensor, tp: Group) -> torch.Tensor:
-    """Sum of ``x`` over ``tp`` in which every element is added in rank order, whatever ``x``'s shape: the
-    shared-memory all-reduce (one host) and any all-reduce of two ranks (``a + b == b + a`` exactly) as they are;
-    else (a ring or tree over three or more ranks, whose order per element depends on where the element falls in
-    the chunks) one all-gather and a sum in rank order. Shapes: any -> the same. Collectives: one all-reduce, or
-    one all-gather of ``[tp, *x.shape]``."""
-    from tensorpar.shm.hierarchical import HierarchicalComm
-    if tp.size <= 2 or (tp.fast is not None and x.is_cpu and not isinstance(tp.fast, HierarchicalComm)):
-        return comm.all_reduce(x, tp)
-    parts = comm.all_gather(x.unsqueeze(0), tp, dim=0)                                  # [tp, *x.shape]
-    out = parts[0].clone()
-    for r in range(1, tp.size):
-        out.add_(parts[r])
-    return out
 
 
 class LeanDecoder:
@@ -175,7 +159,7 @@ class LeanDecoder:
         per_type = types is not None and "layer_type" in inspect.signature(rotary.forward).parameters
         self.rotary = ({t: functools.partial(rotary, layer_type=t) for t in set(types)} if per_type
                        else {None: rotary})
-        self.layers: list[Layer] = [build_layer(layer, tp, int8=int8, probe_w=w0,
+        self.layers: list[Layer] = [build_layer(layer, tp, int8=int8, probe_w=w0, ordered=deterministic,
                                                 rope=types[i] if per_type else None)
                                     for i, layer in zip(idx, self.hf_layers)]
         n_q, n_kv, d = a0.layout.local_heads(tp.rank), a0.layout.local_kv_heads(tp.rank), a0.head_dim

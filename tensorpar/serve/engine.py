@@ -327,7 +327,7 @@ class Engine:
     def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, want: list[int]):
         """Per row: the chosen token's log-probability (``want[i] >= 0``) and the top ``want[i]`` ``(id, lp)``
         (``want[i] > 0``), vocab-parallel over ``logits`` ``[n, V_r]``. Collectives: all-reduces of ``[n]``, an
-        all-gather of ``[n, tp*k]``."""
+        all-gather of ``[n, tp*k]`` (deterministic: those of ``[1]`` and ``[1, tp*k]`` per row)."""
         from tensorpar.layers.log_softmax import vocab_parallel_logprobs, vocab_parallel_topk_logprobs
 
         lps: list[float | None] = [None] * len(want)
