@@ -65,8 +65,9 @@ def job_alone_vs_batched(ctx, folder, dtype, deterministic, quantize="none"):
     return results if ctx.tp.rank == 0 else None
 
 
-def alone_and_batched(pools, tp, dtype, deterministic, tmp_path, quantize="none"):
-    folder = make_folder(tmp_path / "tiny") if quantize == "none" else make_q8_folder(tmp_path / "q8")
+def alone_and_batched(pools, tp, dtype, deterministic, tmp_path, quantize="none", folder=None):
+    if folder is None:
+        folder = make_folder(tmp_path / "tiny") if quantize == "none" else make_q8_folder(tmp_path / "q8")
     alone, batched = run_tp(pools, tp, job_alone_vs_batched, folder, dtype, deterministic, quantize)[0]
     assert len(alone) == len(batched) == NEW
     return alone, batched
@@ -108,6 +109,28 @@ def make_q8_folder(path):
 def test_deterministic_int8_weights(pools, tmp_path, tp):
     """``--quantize int8`` (the int8 x int8 matmul per block of 32, on tiles of fixed row count too)."""
     alone, batched = alone_and_batched(pools, tp, "float32", True, tmp_path, quantize="int8")
+    assert batched == alone
+
+
+FAMILIES = {       # a sliding window shorter than the prompts; soft-capping and a window; OLMo 2's q/k norm
+    "mistral": dict(sliding_window=8, head_dim=4),
+    "gemma2": dict(sliding_window=8, head_dim=4, attn_logit_softcapping=20.0, final_logit_softcapping=10.0,
+                   query_pre_attn_scalar=4),
+    "olmo2": dict(eos_token_id=None, pad_token_id=None, bos_token_id=None)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,tp", [("mistral", 2), ("gemma2", 2), ("olmo2", 3)])
+def test_deterministic_families(pools, tmp_path, arch, tp):
+    """Per-token attention over a sliding window (and Gemma 2's soft-capped kernel); OLMo 2's q/k-norm all-reduce
+    over three gloo ranks (summed in rank order)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.for_model(arch, vocab_size=len(VOCAB), hidden_size=24, intermediate_size=40, num_hidden_layers=2,
+                               num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128,
+                               tie_word_embeddings=False, **FAMILIES[arch])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).float().save_pretrained(tmp_path / arch)
+    alone, batched = alone_and_batched(pools, tp, "float32", True, tmp_path, folder=str(tmp_path / arch))
     assert batched == alone
 
 
