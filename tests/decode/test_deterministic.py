@@ -1,6 +1,7 @@
 """``serve --deterministic``: a request's greedy tokens and log-probabilities are bitwise the same alone and in a
-batch of 16 other concurrent requests (different prompt lengths, one sharing its prompt prefix: a prefix-cache
-hit), through the real scheduler (continuous batching, paged KV blocks, prefix caching) at tp=2 on gloo.
+batch of 16 other concurrent requests (different prompt lengths and output lengths; one, submitted first, shares
+two prompt blocks with it, which it then takes from the prefix cache and computes only the rest), through the real
+scheduler (continuous batching, paged KV blocks, prefix caching) at tp=2 on gloo.
 
 The reference is the same server running the request alone; "bitwise" is ``==`` on the floats (no tolerance:
 that is the property). Without the flag the same schedule gives log-probabilities that differ in their last bits
@@ -23,14 +24,15 @@ def _prompts():
     target = torch.randint(0, len(VOCAB) - 1, (TARGET,), generator=g).tolist()
     others = [torch.randint(0, len(VOCAB) - 1, (n,), generator=g).tolist()
               for n in (1, 2, 3, 5, 6, 8, 9, 11, 14, 17, 20, 23, 26, 29, 31)]
-    others.append(target[:9] + [3, 1, 4])           # shares 2 blocks of 4 with the target: a prefix-cache hit
-    return target, others
+    # first: shares 2 blocks of 4 with the target, which then waits a step and reuses them (a prefix-cache hit)
+    return target, [target[:9] + [3, 1, 4]] + others
 
 
 def job_alone_vs_batched(ctx, folder, dtype, deterministic, quantize="none"):
     """Rank 0 schedules (the serve scheduler), the others follow its plans. Returns rank 0's (tokens, logprobs,
-    top-3) of the target alone, then of the target submitted with 16 others (max_tokens differing, so the batch
-    changes under it), or ``None`` on the other ranks."""
+    top-3) of the target alone, then of the target submitted second among 16 others (max_tokens differing, so the
+    batch changes under it), and the prompt tokens found in the prefix cache in that second run; ``None`` on the
+    other ranks."""
     from tensorpar.hf.load import build_parallel_model
     from tensorpar.serve.engine import Engine, follow
     from tensorpar.serve.scheduler import Request, Scheduler
@@ -41,12 +43,12 @@ def job_alone_vs_batched(ctx, folder, dtype, deterministic, quantize="none"):
                     deterministic=deterministic)
     target, others = _prompts()
     results = []
-    for batch in ([], others):
+    for batch in ([target], others[:1] + [target] + others[1:]):
         if ctx.tp.rank != 0:
             follow(engine)
             continue
         sched = Scheduler(engine, eos=set(), prefix_caching=True)
-        outs, left = [], [1 + len(batch)]
+        outs, left = [], [len(batch)]
 
         def emit(ev, out):
             if ev[0] == "token":
@@ -56,20 +58,21 @@ def job_alone_vs_batched(ctx, folder, dtype, deterministic, quantize="none"):
                 left[0] -= 1
                 if not left[0]:
                     sched.stop()
-        for i, p in enumerate([target] + batch):
+        for i, p in enumerate(batch):
             out = []
             outs.append(out)
-            sched.submit(Request(p, NEW if i == 0 else 3 + i % 11, lambda ev, out=out: emit(ev, out), logprobs=3))
+            n = NEW if p is target else 3 + i % 11
+            sched.submit(Request(p, n, lambda ev, out=out: emit(ev, out), logprobs=3))
         sched.run()
-        results.append(outs[0])
-    return results if ctx.tp.rank == 0 else None
+        results.append(next(o for o, p in zip(outs, batch) if p is target))
+    return (*results, sched.blocks.hits) if ctx.tp.rank == 0 else None
 
 
 def alone_and_batched(pools, tp, dtype, deterministic, tmp_path, quantize="none", folder=None):
     if folder is None:
         folder = make_folder(tmp_path / "tiny") if quantize == "none" else make_q8_folder(tmp_path / "q8")
-    alone, batched = run_tp(pools, tp, job_alone_vs_batched, folder, dtype, deterministic, quantize)[0]
-    assert len(alone) == len(batched) == NEW
+    alone, batched, hits = run_tp(pools, tp, job_alone_vs_batched, folder, dtype, deterministic, quantize)[0]
+    assert len(alone) == len(batched) == NEW and hits == 8      # the target's first 8 tokens came from the cache
     return alone, batched
 
 
