@@ -61,7 +61,7 @@ class GenerationResult:
 def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                     sampling: SamplingConfig = SamplingConfig(), eos_token_id: int | list[int] | None = None,
                     pad_id: int = 0, on_token=None, check_speed: bool = False,
-                    path: str = "auto", pp: Group | None = None) -> GenerationResult:
+                    path: str = "auto", pp: Group | None = None, deterministic: bool = False) -> GenerationResult:
     """Generate from a model sharded by :func:`tensorpar.hf.apply.parallelize`.
 
     Args:
@@ -83,6 +83,8 @@ def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: t
             allows it and the Hugging Face module path otherwise; ``"lean"`` requires it (ValueError naming why
             not); ``"hf"`` forces the module path.
         pp: the pipeline group when ``model`` is one stage (:mod:`tensorpar.pipeline.inference`).
+        deterministic: batch-invariant results (``--deterministic``): each row's greedy tokens are bitwise those of
+            its prompt generated alone (:class:`~tensorpar.serve.engine.Engine`'s ``deterministic``).
 
     A model built with sequence parallelism generates as plain tensor parallelism (the prompt and the
     one-token decode steps are not split along the sequence; :func:`tensorpar.hf.apply.sequence_parallel_off`).
@@ -98,10 +100,11 @@ def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: t
 
     with sequence_parallel_off(model):
         return _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_id, on_token, check_speed,
-                         path, pp)
+                         path, pp, deterministic)
 
 
-def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_id, on_token, check_speed, path, pp):
+def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_id, on_token, check_speed, path, pp,
+              deterministic=False):
     from tensorpar.serve.engine import Engine
     from tensorpar.serve.plan import Row, StepPlan
     from tensorpar.speed import measure_speed
@@ -121,7 +124,8 @@ def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_
         if not p:
             raise ValueError(f"prompt row {i} has no tokens (its attention_mask is all 0)")
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
-    engine = Engine(model, tp, max_batch=b, max_len=s + sampling.max_new_tokens, path=path, warm_up=False, pp=pp)
+    engine = Engine(model, tp, max_batch=b, max_len=s + sampling.max_new_tokens, path=path, warm_up=False, pp=pp,
+                    deterministic=deterministic)
     greedy = sampling.temperature == 0
     samplers = None
     if not greedy and tp.rank == 0:     # one generator (the logits' device), drawing the rows in order each step
@@ -185,6 +189,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling generator (rank 0; default 0)")
     add_quantize_argument(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant results: each prompt's greedy tokens are bitwise those it gets alone "
+                        "(slower; docs/serve.md)")
     p.add_argument("--print-plan", action="store_true", help="print the sharding plan and exit")
     p.add_argument("--plan-file", default=None, help="a .json/.yaml sharding plan that overrides or extends the "
                                                      "built-in table, or shards an architecture without one "
@@ -222,6 +229,7 @@ class GenerateTask:
         tokenizer: the model's tokenizer (rank 0 prints its decoded text).
         chat: the prompts were wrapped in the chat template.
         quantize: ``--quantize``.
+        deterministic: ``--deterministic`` (batch-invariant results).
     """
 
     prompts: tuple[str, ...]
@@ -233,6 +241,7 @@ class GenerateTask:
     tokenizer: object = field(repr=False, default=None)
     chat: bool = False
     quantize: str = "none"
+    deterministic: bool = False
 
 
 def _rank_main(job) -> int:
@@ -271,7 +280,7 @@ def _rank_main(job) -> int:
         res = generate_tokens(model, ctx.tp, ids.to(ctx.device), mask.to(ctx.device), sampling=task.sampling,
                               eos_token_id=list(task.eos), pad_id=task.pad_id, on_token=on_token,
                               # fingerprints (compared before every collective) would be counted as link latency
-                              check_speed=tp_fingerprint is None, pp=ctx.pp)
+                              check_speed=tp_fingerprint is None, pp=ctx.pp, deterministic=task.deterministic)
         if printer is not None:
             printer.close()  # the characters still held back (a multi-byte character split over tokens)
         if single:
@@ -364,6 +373,14 @@ def validate(args: argparse.Namespace):
     quantize = getattr(args, "quantize", "none")
     check_quantize(quantize, config, plan)
     check_checkpoint(folder, config)  # headers vs config, both directions, before any rank starts
+    deterministic = bool(getattr(args, "deterministic", False))
+    if deterministic:                 # the rule the engine applies on the ranks
+        from tensorpar.decode.lean import deterministic_unsupported
+        from tensorpar.hf.families import why_not
+        why = deterministic_unsupported(config, lean_why=why_not("fast_decode", config), pp=getattr(args, "pp", 1),
+                                        tp_comm=getattr(args, "tp_comm", "fp32"))
+        if why is not None:
+            raise ValueError(f"--deterministic: {why}")
     tok = AutoTokenizer.from_pretrained(folder, config=config)  # the config read above, not again
     if args.chat and not getattr(tok, "chat_template", None):
         raise ValueError(f"--chat: {args.model} has no chat template (its tokenizer_config.json names none); drop "
@@ -377,7 +394,7 @@ def validate(args: argparse.Namespace):
     sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                               0 if args.seed is None else args.seed)
     task = GenerateTask(prompts, ids, mask, sampling, tuple(eos_token_ids(folder, tok)), tok.pad_token_id, tok,
-                        chat=args.chat, quantize=quantize)
+                        chat=args.chat, quantize=quantize, deterministic=deterministic)
     parallel = ParallelConfig(tp=args.tp, pp=args.pp, dp=getattr(args, "ep", 1), tp_weights=tp_weights)
     return job_from_args(args, parallel, folder=str(folder), model_config=config, user_plan=user_plan,
                          plan=None if tp_weights == "auto" else plan, attn_implementation=attn, task=task)

@@ -18,6 +18,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
+from tensorpar import comm
 from tensorpar.comm import Group
 from tensorpar.decode.int8 import lean_weight
 from tensorpar.decode.kernels import is_silu, kv_runs, rms_norm_fn
@@ -94,7 +95,23 @@ def softcap_sdpa(cap: float):
     return sdpa
 
 
-def _qk_norm(a, tp: Group):
+def ordered_all_reduce(x: torch.Tensor, tp: Group) -> torch.Tensor:
+    """Sum of ``x`` over ``tp`` in which every element is added in rank order, whatever ``x``'s shape: the
+    shared-memory all-reduce (one host) and any all-reduce of two ranks (``a + b == b + a`` exactly) as they are;
+    else (a ring or tree over three or more ranks, whose order per element depends on where the element falls in
+    the chunks) one all-gather and a sum in rank order. Shapes: any -> the same. Collectives: one all-reduce, or
+    one all-gather of ``[tp, *x.shape]``."""
+    from tensorpar.shm.hierarchical import HierarchicalComm
+    if tp.size <= 2 or (tp.fast is not None and x.is_cpu and not isinstance(tp.fast, HierarchicalComm)):
+        return comm.all_reduce(x, tp)
+    parts = comm.all_gather(x.unsqueeze(0), tp, dim=0)                                  # [tp, *x.shape]
+    out = parts[0].clone()
+    for r in range(1, tp.size):
+        out.add_(parts[r])
+    return out
+
+
+def _qk_norm(a, tp: Group, ordered: bool = False):
     """The layer's q/k norm as ``(q [T, q_local, d], k [T, kv_local, d]) -> (q, k)``, or ``None``."""
     if a.q_norm is None:
         return None
@@ -104,7 +121,8 @@ def _qk_norm(a, tp: Group):
         def full(q, k):
             T = q.shape[0]
             qf, kf = q.reshape(T, -1), k.reshape(T, -1)
-            ss = all_reduce_sum(torch.cat([qn.local_sum_of_squares(qf), kn.local_sum_of_squares(kf)], -1), tp)
+            ss = (ordered_all_reduce if ordered else all_reduce_sum)(
+                torch.cat([qn.local_sum_of_squares(qf), kn.local_sum_of_squares(kf)], -1), tp)
             return qn.normalize(qf, ss[:, :1]).view_as(q), kn.normalize(kf, ss[:, 1:]).view_as(k)
         return full
     if isinstance(a.q_norm, TPRMSNorm):       # OLMoE's norm over all heads: its module, all-reduce and all
@@ -155,14 +173,16 @@ def _mlp(L: Layer, m, int8: bool, probe_w: torch.Tensor) -> None:
     L.silu = is_silu(m.act_fn, probe_w)
 
 
-def build_layer(layer, tp: Group, *, int8: bool, probe_w: torch.Tensor, rope=None) -> Layer:
+def build_layer(layer, tp: Group, *, int8: bool, probe_w: torch.Tensor, rope=None,
+                ordered: bool = False) -> Layer:
     """The :class:`Layer` of sharded decoder layer ``layer`` (``self_attn`` a
     :class:`~tensorpar.hf.modules.TPAttention`, or ``attention`` a :class:`~tensorpar.hf.modules.TPGPTNeoXAttention`;
     ``mlp`` a :class:`~tensorpar.hf.modules.TPGatedMLP`,
     :class:`~tensorpar.hf.modules.TPMLP` or a mixture-of-experts block; the projections fused by
     :func:`~tensorpar.decode.prepare.fuse_projections`). ``int8``: the model was quantized (its weights are
     :class:`~tensorpar.decode.int8.Int8Weight`); ``probe_w``: a weight whose dtype and device the activation
-    probe uses; ``rope``: the key of the layer's rotary table."""
+    probe uses; ``rope``: the key of the layer's rotary table; ``ordered``: OLMo 2's q/k norm all-reduce adds in rank
+    order (:func:`ordered_all_reduce`, the deterministic mode)."""
     neox = isinstance(getattr(layer, "attention", None), TPGPTNeoXAttention)
     a, m = (layer.attention if neox else layer.self_attn), layer.mlp
     L = Layer()
@@ -180,7 +200,7 @@ def build_layer(layer, tp: Group, *, int8: bool, probe_w: torch.Tensor, rope=Non
     L.moe = None if isinstance(m, (TPGatedMLP, TPMLP)) else m      # routed per token by the block itself
     if L.moe is None:
         _mlp(L, m, int8, probe_w)
-    L.qk_norm = None if neox else _qk_norm(a, tp)
+    L.qk_norm = None if neox else _qk_norm(a, tp, ordered)
     L.gqa = a._group is not None and a._group > 1
     idx = a.layout.kv_index(tp.rank)
     # query heads whose KV heads are not in equal groups (heads split unevenly): attention per KV head on

@@ -44,6 +44,15 @@ class Segment:
         self.start, self.blocks, self.cache_pos, self.write = start, blocks, cache_pos, write
 
 
+def token_positions(g: Segment) -> list[tuple[int, int, int]]:
+    """``(row, column, cache position)`` of each token of segment ``g`` whose K/V are stored (a padded prefill's
+    pads are left out): the queries the deterministic attention runs one by one (:meth:`LeanKVCache.attention`)."""
+    pos = (g.cache_pos.tolist() if g.cache_pos is not None
+           else [list(range(g.start, g.start + g.s))] * g.b)
+    write = g.write.tolist() if g.write is not None else None
+    return [(r, c, pos[r][c]) for r in range(g.b) for c in range(g.s) if write is None or write[r][c]]
+
+
 def offsets(segments) -> list[int]:
     """Where each segment's tokens start in a ``forward_segments`` call."""
     out, o = [], 0
@@ -140,13 +149,19 @@ class LeanKVCache:
         return t.index_select(1, gather).view(n, b, nb * bs, d)[:, :, :length].transpose(0, 1)
 
     def attention(self, i: int, L, qk: torch.Tensor, v_new: torch.Tensor, segments: list[Segment], views: list,
-                  n_q: int) -> torch.Tensor:
+                  n_q: int, per_token: list | None = None) -> torch.Tensor:
         """Layer ``i``'s attention for all segments: write each segment's new K/V into the pool, attend its
         queries to each row's positions ``[0, length)``.
 
         ``qk`` ``[T, q_local + kv_local, d]``: the rotated query and key heads; ``v_new`` ``[T, kv_local, d]``;
         ``views``: :meth:`views` of each segment; ``L``: the layer's :class:`~tensorpar.decode.block.Layer`
         (``scaling``, ``gqa``, ``kv_runs``, ``kv_idx``). Returns ``[T, q_local * d]`` in the cache's dtype.
+
+        ``per_token`` (the deterministic mode): per segment, :func:`token_positions`; each of those queries then
+        attends alone (``[1, q_local, 1, d]``) to fresh contiguous copies of its row's keys and values at positions
+        ``[lo, p]`` (``lo = p - window + 1`` on a sliding-window layer, else 0), in fp32 for a bf16/fp16 cache on
+        the CPU, so its result is that of the same token decoded alone, whatever the segment's rows, length or
+        padding; the pads' outputs are zeros.
         """
         d, nkv = self.head_dim, self.n_kv
         sdpa = L.sdpa       # the layer's kernel (tensorpar.decode.block: F.scaled_dot_product_attention or soft-capped)
@@ -179,6 +194,9 @@ class LeanKVCache:
             else:                           # rows in scattered blocks: gather them
                 keys = self._gathered(self.k[i], gather, b, g.length)
                 vals = self._gathered(self.v[i], gather, b, g.length)
+            if per_token is not None:
+                outs.append(self._per_token(L, q, keys, vals, per_token[len(outs)], low))
+                continue
             up = low and s == 1
             if up:                          # CPU decode in bf16/fp16: attention in fp32 (see low above)
                 q, keys, vals = q.float(), self._fp32(0, keys), self._fp32(1, vals)
@@ -199,6 +217,26 @@ class LeanKVCache:
                 o = o.to(dtype)
             outs.append(o.transpose(1, 2).reshape(b * s, -1))                          # [b*s, q_local*d]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _per_token(self, L, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, tokens: list, low: bool):
+        """:meth:`attention` of one segment in the deterministic mode: ``q`` ``[b, q_local, s, d]``, ``keys`` /
+        ``vals`` ``[b, kv_local, length, d]``, ``tokens`` its :func:`token_positions`. Returns ``[b * s,
+        q_local * d]``."""
+        b, nq, s, d = q.shape
+        out = q.new_zeros(b, s, nq, d)
+        w, idx = L.window, L.kv_idx
+        if idx is not None:                 # KV heads copied per query head (uneven layouts), once per segment
+            keys, vals = keys.index_select(1, idx), vals.index_select(1, idx)
+        gqa = idx is None and L.gqa
+        fresh = dict(dtype=torch.float32 if low else q.dtype, memory_format=torch.contiguous_format, copy=True)
+        for r, c, p in tokens:
+            lo = 0 if w is None else max(0, p - w + 1)
+            qt = q[r:r + 1, :, c:c + 1].to(**fresh)                                         # [1, q_local, 1, d]
+            kt = keys[r:r + 1, :, lo:p + 1].to(**fresh)                                     # [1, heads, n, d]
+            vt = vals[r:r + 1, :, lo:p + 1].to(**fresh)
+            o = L.sdpa(qt, kt, vt, scale=L.scaling, enable_gqa=gqa)                        # [1, q_local, 1, d]
+            out[r, c] = o[0, :, 0]
+        return out.view(b * s, nq * d)
 
     def _fp32(self, which: int, t: torch.Tensor) -> torch.Tensor:
         """``t`` (cache keys or values read for attention, ``[b, kv_local, L, d]``) cast into a view of fp32 buffer

@@ -55,16 +55,43 @@ import torch.nn.functional as F
 
 from tensorpar import comm
 from tensorpar.comm import Group
-from tensorpar.decode.block import Layer, build_layer, norm_fn, rotate, windowed
+from tensorpar.comm.compress import BLOCK as COMPRESS_BLOCK
+from tensorpar.decode.block import Layer, build_layer, norm_fn, ordered_all_reduce, rotate, windowed
 from tensorpar.decode.int8 import int8_linear, int8_weights, lean_weight
 from tensorpar.decode.kernels import can_pack, mm, pack, packed_linear
 from tensorpar.decode.packed import pack_plan, pack_weights, unpack_weights
-from tensorpar.decode.kv_cache import LeanKVCache, Segment, offsets
+from tensorpar.decode.kv_cache import LeanKVCache, Segment, offsets, token_positions
 from tensorpar.decode.prepare import decoder_parts, fuse_projections, lean_unsupported
 from tensorpar.decode.rope import rope_switch_length, row_rotary
 from tensorpar.layers.fused import fused_weight
 
-__all__ = ["LeanDecoder", "Segment"]
+__all__ = ["LeanDecoder", "Segment", "DETERMINISTIC_TILE"]
+
+#: tokens per tile of the batch-invariant mode (``LeanDecoder(deterministic=True)``): every matmul, norm,
+#: element-wise op and all-reduce of the token-wise work runs on ``[DETERMINISTIC_TILE, ...]`` tensors (the last
+#: tile padded with zero rows), so the kernels, their blocking and their thread split are the same whatever the
+#: step's token count; 16 = serve's default ``--max-batch`` (a full decode batch is one tile)
+DETERMINISTIC_TILE = 16
+
+
+def deterministic_unsupported(config, *, lean_why: str | None, pp: int, tp_comm: str) -> str | None:
+    """Why ``serve --deterministic`` cannot run ``config`` with these settings (``None``: it can): the rule the
+    launcher applies before any rank starts; the ranks apply the same one to the loaded model
+    (:class:`~tensorpar.serve.engine.Engine`, :class:`LeanDecoder`). ``lean_why``: why the model has no lean
+    decode path (:func:`tensorpar.hf.families.why_not` of ``"fast_decode"``), ``pp``: ``--pp``, ``tp_comm``:
+    ``--tp-comm``."""
+    from tensorpar.hf.families.moe import moe_layers
+    if lean_why is not None:
+        return f"it needs the lean decode path, which this model has not ({lean_why})"
+    if pp > 1:
+        return f"it runs the whole model on each rank: --pp {pp} is not supported, use --pp 1"
+    if moe_layers(config):
+        return "this model has mixture-of-experts blocks, which route the step's tokens together"
+    h = config.hidden_size
+    if tp_comm == "int8" and h % COMPRESS_BLOCK:
+        return (f"--tp-comm int8 quantizes blocks of {COMPRESS_BLOCK} values, which would span two tokens of this "
+                f"model's hidden size {h}; use --tp-comm fp32")
+    return None
 
 
 class LeanDecoder:
@@ -93,10 +120,12 @@ class LeanDecoder:
     """
 
     def __init__(self, model, tp: Group, *, max_batch: int, max_len: int, prepack: bool | None = None,
-                 block_size: int | None = None, num_blocks: int | None = None):
+                 block_size: int | None = None, num_blocks: int | None = None, deterministic: bool = False):
         why = lean_unsupported(model)
         if why is not None:
             raise ValueError(f"the lean decode path cannot run this model: {why}")
+        if deterministic and getattr(model, "tensorpar_stage", None) is not None:
+            raise ValueError("deterministic (batch-invariant) decoding runs the whole model on each rank (pp=1)")
         q8 = int8_weights(model)        # tensorpar.decode.quantize.quantize_int8 ran: its fp weights were freed
         embed, layers, norm, rotary = decoder_parts(model)
         if q8 is not None and q8["dtype"] != norm.weight.dtype:
@@ -130,7 +159,7 @@ class LeanDecoder:
         per_type = types is not None and "layer_type" in inspect.signature(rotary.forward).parameters
         self.rotary = ({t: functools.partial(rotary, layer_type=t) for t in set(types)} if per_type
                        else {None: rotary})
-        self.layers: list[Layer] = [build_layer(layer, tp, int8=int8, probe_w=w0,
+        self.layers: list[Layer] = [build_layer(layer, tp, int8=int8, probe_w=w0, ordered=deterministic,
                                                 rope=types[i] if per_type else None)
                                     for i, layer in zip(idx, self.hf_layers)]
         n_q, n_kv, d = a0.layout.local_heads(tp.rank), a0.layout.local_kv_heads(tp.rank), a0.head_dim
@@ -158,6 +187,18 @@ class LeanDecoder:
         #: key validity per row and position (False: left padding); decode masks are views of it
         self.valid = torch.ones(max_batch, max_len, dtype=torch.bool, device=dev)
         self.padded = False
+        #: batch-invariant mode (``deterministic``): token-wise work in tiles of this many tokens, attention per
+        #: token (:meth:`forward_segments`); ``None``: off
+        self.tile = DETERMINISTIC_TILE if deterministic else None
+        if deterministic:
+            moe = next((i for i, L in zip(idx, self.layers) if L.moe is not None), None)
+            if moe is not None:
+                raise ValueError(f"deterministic (batch-invariant) decoding cannot run layer {moe}'s "
+                                 f"mixture-of-experts block: it routes the step's tokens together")
+            h = model.config.hidden_size
+            if tp.compression == "int8" and h % COMPRESS_BLOCK:
+                raise ValueError(f"deterministic (batch-invariant) decoding with --tp-comm int8 needs a hidden "
+                                 f"size that is a multiple of {COMPRESS_BLOCK}, got {h}; use --tp-comm fp32")
 
     def _use_packed(self, model) -> None:
         """Run the matmuls on oneDNN-packed weights that replace the plain ones on the modules
@@ -238,76 +279,67 @@ class LeanDecoder:
         again (one new prompt next to 31 decode rows of SmolLM2 at tp=2, fp32: +41.6 ms on an 85 ms step as its
         own forward, +15.2 ms in the same forward; bench/results/serve_step.md). Collectives: ``1 + 2 * num_layers`` all-reduces of
         ``[T, h]``. Raises ValueError when the segments' tokens do not add up to ``T``.
+
+        Deterministic mode (``deterministic=True``, :attr:`tile` set): a token's logits and the K/V it writes do not
+        depend on the other tokens of the step (batch invariance). The token-wise work (norms, projections,
+        rotary, activation, residual adds, the all-reduces, the LM head) runs tile by tile on
+        ``[DETERMINISTIC_TILE, ...]`` tensors, the last tile padded with zero rows, so every kernel sees the same
+        shapes whatever ``T`` (a matmul's blocking and reduction order depend on its row count; a row's result
+        does not depend on its place in a tile of fixed size, checked in tests/decode/test_deterministic.py);
+        attention runs per token over its row's positions ``[0, p]`` (:meth:`LeanKVCache.attention`), and the
+        all-reduces add in rank order (:func:`ordered_all_reduce`). Collectives: ``1 + 2 * num_layers *
+        ceil(T / DETERMINISTIC_TILE)`` all-reduces of ``[DETERMINISTIC_TILE, h]`` (the first of ``[T, h]``).
         """
         tp = self.tp
         T = ids.shape[0]
         if sum(g.b * g.s for g in segments) != T or rope_pos.shape[0] != T:
             raise ValueError(f"segments of {[(g.b, g.s) for g in segments]} rows x tokens do not add up to the "
                              f"{T} ids / {rope_pos.shape[0]} positions given")
+        R = self.tile
+        if R is not None and not last_only:
+            raise ValueError("the deterministic mode returns the last position's logits only (last_only=True)")
         if self.first:
             x = self.embed(ids.view(1, T))                                             # [1, T, h], all-reduced
         else:           # a later pipeline stage: the residual stream the stage before sent, [T, h]
             x = ids.view(1, T, ids.shape[-1])
         h = x.shape[-1]
-        d, nq, nkv = self.head_dim, self.n_q, self.n_kv
-        tables = {}
-        for key, rotary in self.rotary.items():
-            if self.rope_switch is None:
-                cos, sin = rotary(x, rope_pos.view(1, T))                              # [1, T, rd]
-            else:   # longrope: each row the factors of its own length (tensorpar/decode/rope.py)
-                last = torch.cat([rope_pos[o:o + g.b * g.s].view(g.b, g.s)[:, -1:].expand(g.b, g.s).reshape(-1)
-                                  for g, o in zip(segments, offsets(segments))])
-                cos, sin = row_rotary(rotary, x, rope_pos.view(1, T), last.view(1, T), self.rope_switch)
-            tables[key] = cos.view(T, 1, -1), (sin * self.sign).view(T, 1, -1)
-        perm, lin, cache = self.perm, self.lin, self.cache
-        all_reduce = comm.reduce_partial if tp.compression == "int8" else comm.all_reduce   # --tp-comm
+        last = None
+        if self.rope_switch is not None:  # longrope: each row the factors of its own length (tensorpar/decode/rope.py)
+            last = torch.cat([rope_pos[o:o + g.b * g.s].view(g.b, g.s)[:, -1:].expand(g.b, g.s).reshape(-1)
+                              for g, o in zip(segments, offsets(segments))])
+        # deterministic: the residual stream padded with zero rows to whole tiles, Tp tokens ([Tp, h] everywhere)
+        Tp = T if R is None else -(-T // R) * R
+        tiles = [(0, T)] if R is None else [(a, a + R) for a in range(0, Tp, R)]
+        if Tp > T:
+            pad = Tp - T
+            x = torch.cat([x, x.new_zeros(1, pad, h)], 1)
+            rope_pos = torch.cat([rope_pos, rope_pos.new_zeros(pad)])
+            last = None if last is None else torch.cat([last, last.new_zeros(pad)])
+        tables = {key: [self._rotary(rotary, x[:, a:b], rope_pos[a:b], None if last is None else last[a:b])
+                        for a, b in tiles] for key, rotary in self.rotary.items()}
+        cache = self.cache
+        if R is not None:
+            all_reduce = ordered_all_reduce if tp.compression != "int8" else comm.reduce_partial
+        else:
+            all_reduce = comm.reduce_partial if tp.compression == "int8" else comm.all_reduce   # --tp-comm
         views = [cache.views(g) for g in segments]
         # sliding-window layers read the segments with their masks narrowed to the window (block.windowed)
         segs = {None: segments} | {w: windowed(segments, w, x.device) for w in self.windows}
-        x = x.reshape(T, h).clone()                                                    # the residual stream, in place
+        per_token = None if R is None else [token_positions(g) for g in segments]
+        x = x.reshape(Tp, h).clone()                                                   # the residual stream, in place
         for i, L in enumerate(self.layers):
-            qkv = lin(x if L.ln1 is None else L.ln1(x), L.wqkv, L.bqkv).view(T, nq + 2 * nkv, d)   # [T, heads, d]
-            if L.interleaved:           # [T, (head, q/k/v), d] -> [T, (q/k/v, head), d]
-                qkv = qkv.view(T, nq, 3, d).transpose(1, 2).reshape(T, 3 * nq, d)
-            if L.qk_norm is None:
-                qk = qkv[:, :nq + nkv]
-            else:
-                qk = torch.cat(L.qk_norm(qkv[:, :nq], qkv[:, nq:nq + nkv]), 1)
-            # rotary on the q and k heads together: q*cos + rotate_half(q)*sin, the family's formula
-            cos, sin = tables[L.rope]
-            qk = rotate(qk, cos, sin, perm)                                            # [T, q_local + kv_local, d]
-            o = cache.attention(i, L, qk, qkv[:, nq + nkv:], segs[L.window], views, nq)   # [T, q_local * d]
-            o = all_reduce(lin(o, L.wo, None), tp)
-            if L.bo is not None:
-                o = o + L.bo
-            if L.post_attn is not None:
-                o = L.post_attn(o)
-            if L.parallel:              # GPT-NeoX: the MLP reads the layer's input, x + attn + mlp
-                h2, x_attn = L.ln2(x), o
-            else:
-                x.add_(o)
-                h2 = x if L.ln2 is None else L.ln2(x)
-            if L.moe is not None:        # a mixture-of-experts block: routed, combined and all-reduced by itself
-                o = L.moe(h2.view(1, T, h)).view(T, h)
-                x.add_(o if L.post_ff is None else L.post_ff(o))
-                continue
-            gu = lin(h2, L.wgu, L.bgu)                                                  # [T, 2 f] (gated) or [T, f]
-            if L.gated:
-                g_, u = gu[:, :L.f], gu[:, L.f:]
-                a = (F.silu(g_, inplace=True) if L.silu else L.act(g_)).mul_(u)
-            else:
-                a = F.silu(gu, inplace=True) if L.silu else L.act(gu)
-            o = all_reduce(lin(a, L.wd, None), tp)
-            if L.bd is not None:
-                o = o + L.bd
-            if L.post_ff is not None:
-                o = L.post_ff(o)
-            if L.parallel:
-                o = o + x_attn          # transformers' order: mlp + attn + x
-            x.add_(o)
+            parts = [self._attn_in(L, x[a:b], *tables[L.rope][j]) for j, (a, b) in enumerate(tiles)]
+            qk = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts])   # [Tp, q_local + kv_local, d]
+            v = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts])    # [Tp, kv_local, d]
+            o = cache.attention(i, L, qk[:T], v[:T], segs[L.window], views, self.n_q,
+                                per_token=per_token)                                   # [T, q_local * d]
+            if Tp > T:
+                o = torch.cat([o, o.new_zeros(Tp - T, o.shape[1])])
+            for a, b in tiles:
+                self._attn_out(L, x[a:b], o[a:b], all_reduce)
         if not self.last:           # a pipeline stage before the last: the residual stream goes on, [T, h]
             return x
-        if len(segments) == 1:
+        if len(segments) == 1 and R is None:
             g = segments[0]
             x = x.view(g.b, g.s, h)
             if last_only:
@@ -316,12 +348,76 @@ class LeanDecoder:
             return logits[:, -1] if last_only else logits
         if not last_only:
             raise ValueError("last_only=False takes one segment")
-        last, t0 = [], 0
+        rows, t0 = [], 0
         for g in segments:          # the last position of each row
-            last.extend(range(t0 + g.s - 1, t0 + g.b * g.s, g.s))
+            rows.extend(range(t0 + g.s - 1, t0 + g.b * g.s, g.s))
             t0 += g.b * g.s
-        x = x.index_select(0, torch.tensor(last, device=x.device)).unsqueeze(1)           # [sum(b), 1, h]
-        return self._head(x)[:, -1]
+        x = x.index_select(0, torch.tensor(rows, device=x.device)).unsqueeze(1)           # [sum(b), 1, h]
+        if R is None:
+            return self._head(x)[:, -1]
+        n = x.shape[0]
+        if n % R:
+            x = torch.cat([x, x.new_zeros(R - n % R, 1, h)])
+        return torch.cat([self._head(x[a:a + R]) for a in range(0, x.shape[0], R)])[:n, -1]
+
+    def _rotary(self, rotary, x: torch.Tensor, pos: torch.Tensor, last: torch.Tensor | None):
+        """The rotary tables ``(cos, sin_sign)`` ``[n, 1, rd]`` of ``n`` tokens at rotary positions ``pos`` ``[n]``
+        (``x`` ``[1, n, h]`` gives the dtype and device; ``last``: longrope's per-token row lengths)."""
+        n = pos.shape[0]
+        if last is None:
+            cos, sin = rotary(x, pos.view(1, n))                                           # [1, n, rd]
+        else:
+            cos, sin = row_rotary(rotary, x, pos.view(1, n), last.view(1, n), self.rope_switch)
+        return cos.view(n, 1, -1), (sin * self.sign).view(n, 1, -1)
+
+    def _attn_in(self, L: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Token-wise first half of layer ``L``: ``x`` ``[n, h]`` -> rotated q and k heads ``[n, q_local + kv_local,
+        d]`` and the values ``[n, kv_local, d]``. Collectives: OLMo 2's q/k norm all-reduce."""
+        n, nq, nkv, d = x.shape[0], self.n_q, self.n_kv, self.head_dim
+        qkv = self.lin(x if L.ln1 is None else L.ln1(x), L.wqkv, L.bqkv).view(n, nq + 2 * nkv, d)   # [n, heads, d]
+        if L.interleaved:           # [n, (head, q/k/v), d] -> [n, (q/k/v, head), d]
+            qkv = qkv.view(n, nq, 3, d).transpose(1, 2).reshape(n, 3 * nq, d)
+        if L.qk_norm is None:
+            qk = qkv[:, :nq + nkv]
+        else:
+            qk = torch.cat(L.qk_norm(qkv[:, :nq], qkv[:, nq:nq + nkv]), 1)
+        # rotary on the q and k heads together: q*cos + rotate_half(q)*sin, the family's formula
+        return rotate(qk, cos, sin, self.perm), qkv[:, nq + nkv:]
+
+    def _attn_out(self, L: Layer, x: torch.Tensor, o: torch.Tensor, all_reduce) -> None:
+        """Token-wise second half of layer ``L``, in place on the residual stream ``x`` ``[n, h]`` (a view is
+        written through): the output projection of attention's ``o`` ``[n, q_local * d]``, the MLP (or the
+        mixture-of-experts block), the residual adds. Collectives: two all-reduces of ``[n, h]``
+        (``all_reduce``), or the expert block's own."""
+        tp, lin, n, h = self.tp, self.lin, x.shape[0], x.shape[1]
+        o = all_reduce(lin(o, L.wo, None), tp)
+        if L.bo is not None:
+            o = o + L.bo
+        if L.post_attn is not None:
+            o = L.post_attn(o)
+        if L.parallel:              # GPT-NeoX: the MLP reads the layer's input, x + attn + mlp
+            h2, x_attn = L.ln2(x), o
+        else:
+            x.add_(o)
+            h2 = x if L.ln2 is None else L.ln2(x)
+        if L.moe is not None:        # a mixture-of-experts block: routed, combined and all-reduced by itself
+            o = L.moe(h2.view(1, n, h)).view(n, h)
+            x.add_(o if L.post_ff is None else L.post_ff(o))
+            return
+        gu = lin(h2, L.wgu, L.bgu)                                                      # [n, 2 f] (gated) or [n, f]
+        if L.gated:
+            g_, u = gu[:, :L.f], gu[:, L.f:]
+            a = (F.silu(g_, inplace=True) if L.silu else L.act(g_)).mul_(u)
+        else:
+            a = F.silu(gu, inplace=True) if L.silu else L.act(gu)
+        o = all_reduce(lin(a, L.wd, None), tp)
+        if L.bd is not None:
+            o = o + L.bd
+        if L.post_ff is not None:
+            o = L.post_ff(o)
+        if L.parallel:
+            o = o + x_attn          # transformers' order: mlp + attn + x
+        x.add_(o)
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head of ``x`` ``[n, s, h]``: vocab-sharded logits ``[n, s, V_r]`` (soft-capped as

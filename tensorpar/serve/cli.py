@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"block of --max-model-len per request)")
     p.add_argument("--prefix-caching", choices=("on", "off"), default=None,
                    help="reuse the KV blocks of cached prompt prefixes (default on where the cache is paged)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant results: a request's greedy tokens and logprobs are bitwise those it gets "
+                        "alone, whatever else runs with it (slower; docs/serve.md)")
     p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                    help="end a request still running this long after it arrived (default: no limit)")
     from tensorpar.decode.quantize import add_quantize_argument
@@ -68,6 +71,7 @@ class ServeTask:
         block_size, num_blocks: the KV block pool every rank allocates (:func:`kv_pool`).
         prefix_caching: ``--prefix-caching`` resolved (off where the cache is not paged).
         timeout_s: ``--request-timeout`` (``None``: none).
+        deterministic: ``--deterministic`` (batch-invariant results, :class:`~tensorpar.serve.engine.Engine`).
     """
 
     max_len: int
@@ -82,6 +86,7 @@ class ServeTask:
     num_blocks: int | None = None
     prefix_caching: bool = False
     timeout_s: float | None = None
+    deterministic: bool = False
 
 
 def parse_memory(text: str) -> tuple[str, float]:
@@ -212,6 +217,13 @@ def validate(args: argparse.Namespace):
     if bs is not None and not 1 <= bs <= n:
         raise ValueError(f"--block-size must be in [1, --max-model-len {n}], got {bs}")
     bs = n if paged_why is not None else (bs or min(DEFAULT_BLOCK_SIZE, n))
+    deterministic = bool(getattr(args, "deterministic", False))
+    if deterministic:
+        from tensorpar.decode.lean import deterministic_unsupported
+        why = deterministic_unsupported(config, lean_why=paged_why, pp=getattr(args, "pp", 1),
+                                        tp_comm=getattr(args, "tp_comm", "fp32"))
+        if why is not None:
+            raise ValueError(f"--deterministic: {why}")
     timeout = getattr(args, "request_timeout", None)
     if timeout is not None and not (timeout > 0 and timeout < float("inf")):
         raise ValueError(f"--request-timeout must be a positive number of seconds, got {timeout:g}")
@@ -221,7 +233,7 @@ def validate(args: argparse.Namespace):
                             ranks_here=args.tp * getattr(args, "ep", 1))
     tok = AutoTokenizer.from_pretrained(folder, config=config)  # the config read above, not again
     task = ServeTask(n, args.max_batch, args.max_waiting, args.host, args.port, args.served_model_name or args.model,
-                     tok, quantize, bs, num_blocks, paged_why is None and prefix != "off", timeout)
+                     tok, quantize, bs, num_blocks, paged_why is None and prefix != "off", timeout, deterministic)
     parallel = ParallelConfig(tp=args.tp, pp=args.pp, dp=getattr(args, "ep", 1), tp_weights=tp_weights)
     return job_from_args(args, parallel, folder=str(folder),
                          model_config=config, plan=None if tp_weights == "auto" else plan,
@@ -284,7 +296,7 @@ def _rank_main(job) -> int:
             plans = Group.from_pg(dist.group.WORLD, name="world")
         engine = Engine(model, ctx.tp, max_batch=task.max_batch, max_len=task.max_len, plans=plans,
                         pp=ctx.pp,   # with --pp: this rank's stage; every rank follows rank 0's plans
-                        block_size=task.block_size, num_blocks=task.num_blocks)
+                        block_size=task.block_size, num_blocks=task.num_blocks, deterministic=task.deterministic)
         from tensorpar import fingerprint
         if job.check_collectives or fingerprint.enable_from_env(ctx.tp) is not None:
             check_collectives(engine, ctx.tp, timeout_s=min(job.timeout_s / 2, 60.0))
@@ -365,7 +377,8 @@ def _serve(engine, task: ServeTask, holder: dict) -> int:
     print(f"tensorpar serve: {name} at {at}, up to {engine.max_batch} running requests of up to {max_len} tokens; "
           f"KV cache {kv:.0f} MiB on rank 0: {engine.num_blocks} blocks of {engine.block_size} = {positions} "
           f"positions ({positions // max_len} requests at the full {max_len}), prefix caching "
-          f"{'on' if task.prefix_caching else 'off'}; ready at http://{_url_host(task.host)}:{port}/v1", flush=True)
+          f"{'on' if task.prefix_caching else 'off'}{', deterministic' if task.deterministic else ''}; "
+          f"ready at http://{_url_host(task.host)}:{port}/v1", flush=True)
     try:
         sched.run()
     finally:

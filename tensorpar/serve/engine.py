@@ -99,17 +99,23 @@ class Engine:
             :func:`tensorpar.job.load_model` at ``pp > 1``): a step receives the residual stream from the stage
             before, runs this stage's layers (its KV cache holds only those) and sends it on; the last stage picks
             the tokens and broadcasts them to every stage (:mod:`tensorpar.pipeline.inference`).
+        deterministic: batch-invariant results (``serve --deterministic``): a row's logits, greedy token and
+            log-probabilities are bitwise those of the same request run alone, whatever else the step runs
+            (the lean decoder's deterministic mode, :meth:`~tensorpar.decode.lean.LeanDecoder.forward_segments`;
+            log-probabilities row by row). Needs the lean path, the whole model on each rank (pp=1) and no
+            mixture-of-experts block.
 
     Raises:
         ValueError: ``max_len`` above the model's ``max_position_embeddings``; ``path`` not one of
-            auto/lean/hf, or ``"lean"`` for a model the lean path does not run (naming why); a stage model
+            auto/lean/hf, or ``"lean"`` for a model the lean path does not run (naming why); ``deterministic``
+            on the module path, a pipeline stage or a mixture-of-experts model; a stage model
             without a pipeline group of its size, or a pipeline group without a stage model; a ``block_size``
             other than ``max_len`` on the module path.
     """
 
     def __init__(self, model, tp: Group, *, max_batch: int, max_len: int, path: str = "auto", warm_up: bool = True,
                  plans: Group | None = None, pp: Group | None = None, block_size: int | None = None,
-                 num_blocks: int | None = None):
+                 num_blocks: int | None = None, deterministic: bool = False):
         cfg = model.config
         if path not in ("auto", "lean", "hf"):
             raise ValueError(f"path must be 'auto', 'lean' or 'hf', got {path!r}")
@@ -139,12 +145,16 @@ class Engine:
             raise ValueError(f"path='lean' cannot run this model: {why}; use path='auto' or 'hf'")
         block_size, num_blocks = block_size or max_len, num_blocks or max_batch
         lean = path != "hf" and why is None
+        if deterministic and not lean:
+            raise ValueError(f"deterministic (batch-invariant) decoding needs the lean decode path; this model runs "
+                             f"the module path ({why or 'path=hf'})")
         if not lean and block_size != max_len:
             raise ValueError(f"this model runs the module path ({why or 'path=hf'}), whose KV cache keeps one slot "
                              f"of max_len={max_len} positions per request: block_size must be {max_len}, got "
                              f"{block_size}")
         self.lean = LeanDecoder(model, tp, max_batch=max_batch, max_len=max_len, block_size=block_size,
-                                num_blocks=num_blocks) if lean else None
+                                num_blocks=num_blocks, deterministic=deterministic) if lean else None
+        self.deterministic = deterministic
         self.cache = self.lean if self.lean is not None else SlotKVCache(num_blocks, max_len)
         self.block_size, self.num_blocks = block_size, num_blocks
         self.windows = attention_windows(cfg)           # module path: the mask per kind of attention layer
@@ -317,17 +327,20 @@ class Engine:
     def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, want: list[int]):
         """Per row: the chosen token's log-probability (``want[i] >= 0``) and the top ``want[i]`` ``(id, lp)``
         (``want[i] > 0``), vocab-parallel over ``logits`` ``[n, V_r]``. Collectives: all-reduces of ``[n]``, an
-        all-gather of ``[n, tp*k]``."""
+        all-gather of ``[n, tp*k]`` (deterministic: those of ``[1]`` and ``[1, tp*k]`` per row)."""
         from tensorpar.layers.log_softmax import vocab_parallel_logprobs, vocab_parallel_topk_logprobs
 
         lps: list[float | None] = [None] * len(want)
         top: list[list[tuple[int, float]] | None] = [None] * len(want)
-        chosen = vocab_parallel_logprobs(logits.float(), tokens.to(logits.device), self.tp,
-                                         partition=self.vocab).cpu()
+        # deterministic: row by row (a reduction over the vocabulary splits across threads by the row count)
+        rows = [slice(j, j + 1) for j in range(len(want))] if self.deterministic else [slice(None)]
+        tokens = tokens.to(logits.device)
+        chosen = torch.cat([vocab_parallel_logprobs(logits[r].float(), tokens[r], self.tp, partition=self.vocab)
+                            for r in rows]).cpu()
         k = max(want)
         if k > 0:
-            tv, ti = vocab_parallel_topk_logprobs(logits, k, self.tp, partition=self.vocab)
-            tv, ti = tv.cpu(), ti.cpu()
+            got = [vocab_parallel_topk_logprobs(logits[r], k, self.tp, partition=self.vocab) for r in rows]
+            tv, ti = torch.cat([v for v, _ in got]).cpu(), torch.cat([i for _, i in got]).cpu()
         for i, w in enumerate(want):
             if w >= 0:
                 lps[i] = float(chosen[i])
