@@ -37,7 +37,7 @@ OUT = "give the plan yourself with --plan-file (docs/plans.md)"
 
 #: model types without a table whose discovered plan CI proves at tp = 2 and 3 (tests/hf/test_discover.py); the
 #: table families llama, qwen3 and phi3 are proven there too (docs/discover.md).
-PROVEN = ("arcee", "cohere", "exaone4", "glm", "granite", "helium", "olmo")
+PROVEN = ("arcee", "cohere", "exaone4", "glm", "glm4_moe", "granite", "granitemoe", "helium", "olmo")
 
 
 class DiscoveryError(ValueError):
@@ -61,17 +61,53 @@ def _tensors(m: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(m.named_parameters(remove_duplicate=False)) + list(m.named_buffers(remove_duplicate=False))
 
 
-def _blocks(model: nn.Module, n: int) -> tuple[str, nn.ModuleList]:
+def _blocks(model: nn.Module, n: int, config=None) -> tuple[str, nn.ModuleList, dict[str, dict]]:
+    """The block list's name, the blocks, and the entries by block index of the children that are dense in some
+    blocks and mixture-of-experts in others (:func:`_mixed_moe`; ``config`` given)."""
     lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n]
     if not lists:
         raise _fail(f"no list of {n} blocks (num_hidden_layers) in {type(model).__name__}")
     name, blocks = lists[0]
-    sig0 = [(k, tuple(t.shape)) for k, t in _tensors(blocks[0])]
+    mixed = _mixed_moe(name, blocks, config) if config is not None else {}
+
+    def sig(b):
+        return [(k, tuple(t.shape)) for k, t in _tensors(b) if k.split(".")[0] not in mixed]
+    sig0 = sig(blocks[0])
     for i, b in enumerate(blocks):
-        if [(k, tuple(t.shape)) for k, t in _tensors(b)] != sig0:
+        if sig(b) != sig0:
             raise _fail(f"block {name}.{i} ({type(b).__name__}) differs from block 0 (a hybrid or mixed-layer "
                         f"model: linear attention, experts in some layers)")
-    return name, blocks
+    return name, blocks, {k: v for c in mixed.values() for k, v in c.items()}
+
+
+def _mixed_moe(bname: str, blocks: nn.ModuleList, config) -> dict[str, dict[str, dict]]:
+    """``{child: {"{bname}.{i}.{child}[.sub]": style}}`` for each child of the blocks that is a dense MLP in some
+    blocks and a sparse mixture-of-experts block in others (Qwen-MoE's ``mlp_only_layers``, GLM-4-MoE's first
+    dense layers), placed block by block (as the MoE table does); ``{}`` when there is none, or when a differing
+    child is neither (the caller then refuses the blocks as unlike block 0)."""
+    h = config.hidden_size
+    if _num_experts(config) is None:
+        return {}
+    kids = [[n for n, c in b.named_children() if _tensors(c)] for b in blocks]
+    if any(k != kids[0] for k in kids):
+        return {}
+    out: dict[str, dict[str, dict]] = {}
+    for child in kids[0]:
+        sigs = {tuple((k, tuple(t.shape)) for k, t in _tensors(getattr(b, child))) for b in blocks}
+        if len(sigs) == 1:
+            continue
+        placed: dict[str, dict] = {}
+        for i, b in enumerate(blocks):
+            where, m = f"{bname}.{i}.{child}", getattr(b, child)
+            style = _discover_moe(where, m, config, h)
+            if style is None:
+                dense = _mlp(where, m, h)
+                if dense is None:
+                    return {}
+                style = {"": dense}
+            placed.update({f"{where}{sub}": st for sub, st in style.items()})
+        out[child] = placed
+    return out
 
 
 def _linears(m: nn.Module) -> list[tuple[str, nn.Linear]]:
@@ -271,9 +307,10 @@ def discover_plan(config, model: nn.Module | None = None) -> UserPlan:
         entries[names[id(head)]] = {"style": "lm_head"}
     elif head is not None:
         raise _fail(f"LM head {names[id(head)]} ({type(head).__name__}) is not a linear of {vocab} rows")
-    bname, blocks = _blocks(model, config.num_hidden_layers)
+    bname, blocks, by_index = _blocks(model, config.num_hidden_layers, config)
+    entries.update(by_index)
     for child, m in blocks[0].named_children():
-        if not _tensors(m):
+        if not _tensors(m) or any(k.startswith(f"{bname}.0.{child}") for k in by_index):
             continue
         where = f"{bname}.0.{child}"
         style = _attention(where, m, config, h) or _mlp(where, m, h)
