@@ -11,11 +11,15 @@ decoder blocks are the ``nn.ModuleList`` of ``num_hidden_layers`` blocks, all of
   are kept with it; the head counts come from the config and are verified against these shapes;
 * the MLP is the child whose linears take the hidden size to ``f`` (one projection: ``mlp``; two, or one of
   ``2 f`` rows: ``gated_mlp``) and back;
-* a child whose tensors are all 1-D of at most the hidden size (norms, scales) is replicated.
+* a child whose tensors are all 1-D of at most the hidden size (norms, scales) is replicated;
+* a sparse mixture-of-experts block (:func:`_discover_moe`) is the child holding ``[E, ...]`` 3-D experts
+  (``E`` the config's expert count): its router (one ``[E, h]`` weight) replicated, its stacked experts
+  ``moe_experts``, shared experts as MLPs, a ``[1, h]`` shared-expert gate replicated (Qwen2-MoE's block whole:
+  ``moe_block``); blocks that are dense in some layers and sparse in others are placed by block index.
 
 The result is a :class:`~tensorpar.hf.user_plan.UserPlan`, the object ``--plan-file`` reads, so a discovered plan
-saved with :func:`save_plan` is a plan file (one path). Anything it cannot place (experts, a module with unknown
-parameters, linear attention, a block unlike the others, remote code) is a ValueError naming the module and the
+saved with :func:`save_plan` is a plan file (one path). Anything it cannot place (experts the ``moe_experts``
+style cannot split, a module with unknown parameters, linear attention, a block unlike the others, remote code) is a ValueError naming the module and the
 way out (``--plan-file``). :func:`tensorpar.verify.prove.prove_plan` then runs the plan at tp = 2 and 3 against
 the unsharded model (:func:`~tensorpar.verify.compare.compare_to_reference`: every watched module, the logits,
 with ``train`` the loss and every gradient) on :func:`tiny_config` (few blocks, the same head structure) and

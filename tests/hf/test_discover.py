@@ -102,6 +102,21 @@ def test_olmoe_sparse_block_is_discovered_as_the_table():
     assert _shards(merged, model) == _shards(table, model)
 
 
+def test_moe_plan_styles_refuse_what_they_cannot_split():
+    """The plan-file styles discovery proposes for experts check their module at plan time, one line each."""
+    c = cfg("mixtral")
+    with pytest.raises(ValueError, match=r"plan entry 'model.layers.\*.mlp': style 'moe_block' needs a sparse block "
+                       r"with gate, experts, shared_expert, shared_expert_gate \(Qwen2-MoE's\); "
+                       r"MixtralSparseMoeBlock has gate, experts$"):
+        make_plan(c, 2, user_plan={"model.layers.*.mlp": "moe_block"})
+    with pytest.raises(ValueError, match=r"plan entry 'model.layers.\*.mlp.gate': style 'moe_experts' needs stacked "
+                       r"experts .*; MixtralTopKRouter has weight \[8, 48\]$"):
+        make_plan(c, 2, user_plan={"model.layers.*.mlp.gate": "moe_experts"})
+    with pytest.raises(ValueError, match=r"plan entry 'model.layers.\*.mlp.experts': size=32 but the module's "
+                       r"projection has 40 rows"):
+        make_plan(c, 2, user_plan={"model.layers.*.mlp.experts": {"style": "moe_experts", "size": 32}})
+
+
 def test_saved_plan_is_a_plan_file(tmp_path):
     """--save-plan writes the user-plan JSON --plan-file reads: the same plan, one path."""
     c = cfg("granite")
