@@ -19,11 +19,12 @@ decoder blocks are the ``nn.ModuleList`` of ``num_hidden_layers`` blocks, all of
 
 The result is a :class:`~tensorpar.hf.user_plan.UserPlan`, the object ``--plan-file`` reads, so a discovered plan
 saved with :func:`save_plan` is a plan file (one path). Anything it cannot place (experts the ``moe_experts``
-style cannot split, a module with unknown parameters, linear attention, a block unlike the others, remote code) is a ValueError naming the module and the
-way out (``--plan-file``). :func:`tensorpar.verify.prove.prove_plan` then runs the plan at tp = 2 and 3 against
-the unsharded model (:func:`~tensorpar.verify.compare.compare_to_reference`: every watched module, the logits,
-with ``train`` the loss and every gradient) on :func:`tiny_config` (few blocks, the same head structure) and
-refuses a plan that fails, naming the first module over tolerance.
+style cannot split, a module with unknown parameters, linear attention, a block unlike the others, remote code)
+is a ValueError naming the module and the way out (``--plan-file``). :func:`tensorpar.verify.prove.prove_plan`
+then runs the plan at tp = 2 and 3 against the unsharded model
+(:func:`~tensorpar.verify.compare.compare_to_reference`: every watched module, the logits, with ``train`` the loss
+and every gradient) on :func:`tiny_config` (few blocks, the same head structure) and refuses a plan that fails,
+naming the first module over tolerance.
 """
 from __future__ import annotations
 
@@ -276,7 +277,8 @@ def _discover_moe(where: str, m: nn.Module, config, h: int) -> dict[str, dict] |
         raise _fail(f"{where} ({type(m).__name__}) holds {len(routers)} routers ([{e}, {h}] weights) and "
                     f"{list(styles.values()).count('moe_experts')} stacked experts; a sparse block has one of each")
     if styles == {".gate": "replicated", ".experts": "moe_experts", ".shared_expert": "gated_mlp",
-                  ".shared_expert_gate": "replicated"} and routers == [".gate"] and "fused" not in out[".shared_expert"]:
+                  ".shared_expert_gate": "replicated"} and routers == [".gate"] and \
+            "fused" not in out[".shared_expert"]:
         return {"": {"style": "moe_block"}}
     return out
 
@@ -314,7 +316,7 @@ def discover_plan(config, model: nn.Module | None = None) -> UserPlan:
     bname, blocks, by_index = _blocks(model, config.num_hidden_layers, config)
     entries.update(by_index)
     for child, m in blocks[0].named_children():
-        if not _tensors(m) or any(k.startswith(f"{bname}.0.{child}") for k in by_index):
+        if not _tensors(m) or any(k == f"{bname}.0.{child}" or k.startswith(f"{bname}.0.{child}.") for k in by_index):
             continue
         where = f"{bname}.0.{child}"
         style = _attention(where, m, config, h) or _mlp(where, m, h)
