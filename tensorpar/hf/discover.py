@@ -11,15 +11,20 @@ decoder blocks are the ``nn.ModuleList`` of ``num_hidden_layers`` blocks, all of
   are kept with it; the head counts come from the config and are verified against these shapes;
 * the MLP is the child whose linears take the hidden size to ``f`` (one projection: ``mlp``; two, or one of
   ``2 f`` rows: ``gated_mlp``) and back;
-* a child whose tensors are all 1-D of at most the hidden size (norms, scales) is replicated.
+* a child whose tensors are all 1-D of at most the hidden size (norms, scales) is replicated;
+* a sparse mixture-of-experts block (:func:`_discover_moe`) is the child holding ``[E, ...]`` 3-D experts
+  (``E`` the config's expert count): its router (one ``[E, h]`` weight) replicated, its stacked experts
+  ``moe_experts``, shared experts as MLPs, a ``[1, h]`` shared-expert gate replicated (Qwen2-MoE's block whole:
+  ``moe_block``); blocks that are dense in some layers and sparse in others are placed by block index.
 
 The result is a :class:`~tensorpar.hf.user_plan.UserPlan`, the object ``--plan-file`` reads, so a discovered plan
-saved with :func:`save_plan` is a plan file (one path). Anything it cannot place (experts, a module with unknown
-parameters, linear attention, a block unlike the others, remote code) is a ValueError naming the module and the
-way out (``--plan-file``). :func:`tensorpar.verify.prove.prove_plan` then runs the plan at tp = 2 and 3 against
-the unsharded model (:func:`~tensorpar.verify.compare.compare_to_reference`: every watched module, the logits,
-with ``train`` the loss and every gradient) on :func:`tiny_config` (few blocks, the same head structure) and
-refuses a plan that fails, naming the first module over tolerance.
+saved with :func:`save_plan` is a plan file (one path). Anything it cannot place (experts the ``moe_experts``
+style cannot split, a module with unknown parameters, linear attention, a block unlike the others, remote code)
+is a ValueError naming the module and the way out (``--plan-file``). :func:`tensorpar.verify.prove.prove_plan`
+then runs the plan at tp = 2 and 3 against the unsharded model
+(:func:`~tensorpar.verify.compare.compare_to_reference`: every watched module, the logits, with ``train`` the loss
+and every gradient) on :func:`tiny_config` (few blocks, the same head structure) and refuses a plan that fails,
+naming the first module over tolerance.
 """
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ OUT = "give the plan yourself with --plan-file (docs/plans.md)"
 
 #: model types without a table whose discovered plan CI proves at tp = 2 and 3 (tests/hf/test_discover.py); the
 #: table families llama, qwen3 and phi3 are proven there too (docs/discover.md).
-PROVEN = ("arcee", "cohere", "exaone4", "glm", "granite", "helium", "olmo")
+PROVEN = ("arcee", "cohere", "ernie4_5_moe", "exaone4", "glm", "glm4_moe", "granite", "granitemoe", "helium", "olmo")
 
 
 class DiscoveryError(ValueError):
@@ -61,17 +66,53 @@ def _tensors(m: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(m.named_parameters(remove_duplicate=False)) + list(m.named_buffers(remove_duplicate=False))
 
 
-def _blocks(model: nn.Module, n: int) -> tuple[str, nn.ModuleList]:
+def _blocks(model: nn.Module, n: int, config=None) -> tuple[str, nn.ModuleList, dict[str, dict]]:
+    """The block list's name, the blocks, and the entries by block index of the children that are dense in some
+    blocks and mixture-of-experts in others (:func:`_mixed_moe`; ``config`` given)."""
     lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n]
     if not lists:
         raise _fail(f"no list of {n} blocks (num_hidden_layers) in {type(model).__name__}")
     name, blocks = lists[0]
-    sig0 = [(k, tuple(t.shape)) for k, t in _tensors(blocks[0])]
+    mixed = _mixed_moe(name, blocks, config) if config is not None else {}
+
+    def sig(b):
+        return [(k, tuple(t.shape)) for k, t in _tensors(b) if k.split(".")[0] not in mixed]
+    sig0 = sig(blocks[0])
     for i, b in enumerate(blocks):
-        if [(k, tuple(t.shape)) for k, t in _tensors(b)] != sig0:
+        if sig(b) != sig0:
             raise _fail(f"block {name}.{i} ({type(b).__name__}) differs from block 0 (a hybrid or mixed-layer "
                         f"model: linear attention, experts in some layers)")
-    return name, blocks
+    return name, blocks, {k: v for c in mixed.values() for k, v in c.items()}
+
+
+def _mixed_moe(bname: str, blocks: nn.ModuleList, config) -> dict[str, dict[str, dict]]:
+    """``{child: {"{bname}.{i}.{child}[.sub]": style}}`` for each child of the blocks that is a dense MLP in some
+    blocks and a sparse mixture-of-experts block in others (Qwen-MoE's ``mlp_only_layers``, GLM-4-MoE's first
+    dense layers), placed block by block (as the MoE table does); ``{}`` when there is none, or when a differing
+    child is neither (the caller then refuses the blocks as unlike block 0)."""
+    h = config.hidden_size
+    if _num_experts(config) is None:
+        return {}
+    kids = [[n for n, c in b.named_children() if _tensors(c)] for b in blocks]
+    if any(k != kids[0] for k in kids):
+        return {}
+    out: dict[str, dict[str, dict]] = {}
+    for child in kids[0]:
+        sigs = {tuple((k, tuple(t.shape)) for k, t in _tensors(getattr(b, child))) for b in blocks}
+        if len(sigs) == 1:
+            continue
+        placed: dict[str, dict] = {}
+        for i, b in enumerate(blocks):
+            where, m = f"{bname}.{i}.{child}", getattr(b, child)
+            style = _discover_moe(where, m, config, h)
+            if style is None:
+                dense = _mlp(where, m, h)
+                if dense is None:
+                    return {}
+                style = {"": dense}
+            placed.update({f"{where}{sub}": st for sub, st in style.items()})
+        out[child] = placed
+    return out
 
 
 def _linears(m: nn.Module) -> list[tuple[str, nn.Linear]]:
@@ -157,6 +198,91 @@ def _mlp(name: str, m: nn.Module, h: int) -> dict | None:
     return style
 
 
+def _num_experts(config) -> int | None:
+    """The routed experts per MoE layer the config states (the field's name varies by family)."""
+    for k in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"):
+        v = getattr(config, k, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def _router(m: nn.Module, e: int, h: int) -> bool:
+    """A router: one ``[E, h]`` weight (a linear to the expert logits), maybe ``[E]`` biases / score corrections."""
+    ts = [t for _, t in _tensors(m)]
+    return sum(tuple(t.shape) == (e, h) for t in ts) == 1 and \
+        all(tuple(t.shape) == (e, h) or t.numel() == e for t in ts)
+
+
+def _experts(where: str, m: nn.Module, e: int, h: int) -> dict | None:
+    """The ``moe_experts`` entry of stacked experts (``gate_up_proj [E, 2f, h]``, ``down_proj [E, h, f]``), None
+    when ``m`` holds no ``[E, ...]`` 3-D tensor or list of ``E`` modules; a layout the style cannot split fails."""
+    from tensorpar.hf.user_plan import _stacked_experts
+
+    ts = _tensors(m)
+    if isinstance(m, nn.ModuleList) and len(m) == e:
+        raise _fail(f"{where} ({type(m).__name__}) is a list of {e} expert modules: the moe_experts style splits "
+                    f"stacked experts (gate_up_proj [E, 2f, h], down_proj [E, h, f])")
+    if not any(t.dim() == 3 and t.shape[0] == e for _, t in ts):
+        return None
+    try:
+        ne, f = _stacked_experts(where, m)
+    except ValueError as err:
+        raise _fail(f"{where} ({type(m).__name__}): {str(err).split(': ', 1)[1]}") from None
+    extra = [f"{n} {list(t.shape)}" for n, t in ts if n not in ("gate_up_proj", "down_proj")]
+    if ne != e or extra or tuple(m.gate_up_proj.shape[2:]) != (h,):
+        raise _fail(f"{where} ({type(m).__name__}) holds {', '.join(extra) or f'{ne} experts of width {h}'} "
+                    f"besides {e} stacked experts gate_up_proj [E, 2f, {h}], down_proj [E, {h}, f]")
+    return {"style": "moe_experts"}
+
+
+def _discover_moe(where: str, m: nn.Module, config, h: int) -> dict[str, dict] | None:
+    """The entries of a sparse mixture-of-experts block ``m`` (``{"": style}`` for the whole block, or
+    ``{".child": style}``), None when ``m`` holds no experts. Found by shape: the router (one ``[E, h]`` weight,
+    ``E`` the config's expert count: replicated, so every rank routes every token alike), the stacked experts
+    (``moe_experts``: every expert split over its intermediate size, one all-reduce after the combine), shared
+    experts (an MLP ``h -> f -> h``: ``gated_mlp`` / ``mlp``) and a shared-expert gate (``[1, h]``: replicated).
+    A block of exactly router ``gate``, ``experts``, a gated ``shared_expert`` and ``shared_expert_gate``
+    (Qwen2-MoE) is one ``moe_block`` entry, as in the table: routed and shared experts reduced together.
+    Anything else in the block fails, naming it."""
+    e = _num_experts(config)
+    kids = [(n, c) for n, c in m.named_children() if _tensors(c)]
+    if e is None or not any(_experts(f"{where}.{n}", c, e, h) for n, c in kids):
+        return None
+    jitter = getattr(config, "router_jitter_noise", 0.0) or 0.0
+    if jitter:
+        raise _fail(f"{where}: router_jitter_noise={jitter}: the router's training-time jitter is not the same on "
+                    f"every rank (tokens would be routed differently); set router_jitter_noise=0.0")
+    own = [f"{n} {list(t.shape)}" for n, t in m.named_parameters(recurse=False)]
+    own += [f"{n} {list(t.shape)}" for n, t in m.named_buffers(recurse=False)]
+    if own:
+        raise _fail(f"{where} ({type(m).__name__}) holds {', '.join(own[:4])} besides its router and experts")
+    out: dict[str, dict] = {}
+    for n, c in kids:
+        sub = f"{where}.{n}"
+        if _router(c, e, h):
+            out[f".{n}"] = {"style": "replicated", "why": "router: every rank routes every token"}
+        elif tuple(getattr(c, "weight", torch.empty(0)).shape) == (1, h) and _router(c, 1, h):
+            out[f".{n}"] = {"style": "replicated", "why": "shared-expert gate"}
+        else:
+            style = _experts(sub, c, e, h) or _mlp(sub, c, h)
+            if style is None:
+                shapes = ", ".join(f"{k} {list(t.shape)}" for k, t in _tensors(c)[:4])
+                raise _fail(f"cannot place {sub} ({type(c).__name__}: {shapes}) in a mixture-of-experts block as "
+                            f"a router ([{e}, {h}]), stacked experts, a shared expert MLP or a [1, {h}] gate")
+            out[f".{n}"] = style
+    styles = {k: v["style"] for k, v in out.items()}
+    routers = [k for k, v in out.items() if v.get("why", "").startswith("router")]
+    if len(routers) != 1 or list(styles.values()).count("moe_experts") != 1:
+        raise _fail(f"{where} ({type(m).__name__}) holds {len(routers)} routers ([{e}, {h}] weights) and "
+                    f"{list(styles.values()).count('moe_experts')} stacked experts; a sparse block has one of each")
+    if styles == {".gate": "replicated", ".experts": "moe_experts", ".shared_expert": "gated_mlp",
+                  ".shared_expert_gate": "replicated"} and routers == [".gate"] and \
+            "fused" not in out[".shared_expert"]:
+        return {"": {"style": "moe_block"}}
+    return out
+
+
 def _small(m: nn.Module, h: int) -> bool:
     return all(t.dim() <= 1 and t.numel() <= h for _, t in _tensors(m))
 
@@ -187,20 +313,20 @@ def discover_plan(config, model: nn.Module | None = None) -> UserPlan:
         entries[names[id(head)]] = {"style": "lm_head"}
     elif head is not None:
         raise _fail(f"LM head {names[id(head)]} ({type(head).__name__}) is not a linear of {vocab} rows")
-    bname, blocks = _blocks(model, config.num_hidden_layers)
+    bname, blocks, by_index = _blocks(model, config.num_hidden_layers, config)
+    entries.update(by_index)
     for child, m in blocks[0].named_children():
-        if not _tensors(m):
+        if not _tensors(m) or any(k == f"{bname}.0.{child}" or k.startswith(f"{bname}.0.{child}.") for k in by_index):
             continue
         where = f"{bname}.0.{child}"
         style = _attention(where, m, config, h) or _mlp(where, m, h)
         if style is None and _small(m, h):
             style = {"style": "replicated", "why": "per-hidden (norm, scale)"}
         if style is None:
-            ne = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-            if any(isinstance(c, nn.ModuleList) for c in m.modules()) or (ne and any(
-                    t.dim() >= 3 and t.shape[0] == ne for _, t in _tensors(m))):
-                raise _fail(f"{where} ({type(m).__name__}) holds experts: discovery does not place mixture-of-experts "
-                            f"blocks yet")
+            moe = _discover_moe(where, m, config, h)
+            if moe is not None:
+                entries.update({f"{bname}.*.{child}{sub}": st for sub, st in moe.items()})
+                continue
             shapes = ", ".join(f"{n} {list(t.shape)}" for n, t in _tensors(m)[:4])
             raise _fail(f"cannot place {where} ({type(m).__name__}: {shapes}) as attention (heads x head_dim "
                         f"projections), MLP or a per-hidden module (linear attention, a state-space layer?)")
@@ -264,4 +390,19 @@ def tiny_config(config, layers: int | None = None, vocab: int = 96, intermediate
             setattr(c, k, None if k != "pad_token_id" else 0)
     if getattr(c, "intermediate_size", None):
         c.intermediate_size = min(intermediate, c.intermediate_size)
+    _tiny_moe(c, intermediate)
     return c
+
+
+def _tiny_moe(c, intermediate: int, experts: int = 8) -> None:
+    """The proof instance's mixture-of-experts sizes, in place: at most ``experts`` routed experts (at least the
+    top-k, so routing still chooses), expert and shared-expert widths at most ``intermediate``."""
+    e = _num_experts(c)
+    if e is not None and e > experts:
+        k = getattr(c, "num_experts_per_tok", None) or 1
+        for f in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"):
+            if isinstance(getattr(c, f, None), int):
+                setattr(c, f, max(experts, k))
+    for f in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        if isinstance(getattr(c, f, None), int):
+            setattr(c, f, min(intermediate, getattr(c, f)))

@@ -24,7 +24,27 @@ def layout(model_type: str | None) -> tuple[str, tuple[str, str, str]] | None:
     from tensorpar.hf.families import RECORDS
 
     r = RECORDS.get(model_type)
-    return None if r is None else r.moe_checkpoint
+    return r.moe_checkpoint if r is not None else _transformers_layout(model_type)
+
+
+def _transformers_layout(model_type: str | None) -> tuple[str, tuple[str, str, str]] | None:
+    """The per-expert layout of a family without a record (a ``--discover-plan`` family such as GLM-4-MoE), read
+    from transformers' own checkpoint conversion for it: ``mlp.experts.*.{gate}.weight`` and
+    ``mlp.experts.*.{up}.weight`` merged into ``mlp.experts.gate_up_proj``, ``mlp.experts.*.{down}.weight``
+    into ``mlp.experts.down_proj``; None when it has no such conversion (or this transformers has no table)."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:
+        return None
+    names: dict[str, list[str]] = {}
+    for t in get_checkpoint_conversion_mapping(model_type) or []:
+        targets = list(getattr(t, "target_patterns", None) or [])
+        if targets in (["mlp.experts.gate_up_proj"], ["mlp.experts.down_proj"]):
+            src = [re.fullmatch(r"mlp\.experts\.\*\.(\w+)\.weight", x) for x in t.source_patterns]
+            if all(src):
+                names[targets[0]] = [x[1] for x in src]
+    gu, dn = names.get("mlp.experts.gate_up_proj", []), names.get("mlp.experts.down_proj", [])
+    return ("mlp", (gu[0], gu[1], dn[0])) if len(gu) == 2 and len(dn) == 1 else None
 
 
 _STACKED = re.compile(r"^(?P<pre>.*)\.mlp\.experts\.(?P<w>gate_up_proj|down_proj)$")

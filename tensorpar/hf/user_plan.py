@@ -41,8 +41,8 @@ from pathlib import Path
 import torch.nn as nn
 
 from tensorpar.hf.plan import ShardingPlan, _get, pattern_regex
-from tensorpar.hf.styles import (MLP, Attention, EncoderAttention, Entry, GatedMLP, LMHead, Replicated, Style,
-                                 VocabEmbedding)
+from tensorpar.hf.styles import (MLP, Attention, EncoderAttention, Entry, GatedMLP, LMHead, MoEExperts, Replicated,
+                                 SharedExpertMoE, Style, VocabEmbedding)
 from tensorpar.layers.attention import HeadLayout
 from tensorpar.shard import Partition
 
@@ -234,6 +234,45 @@ def _mlp(entry, mod, config, tp_size, args, ctx):
                sequence_parallel=args.pop("sequence_parallel", ctx["sequence_parallel"]))
 
 
+def _stacked_experts(entry, mod) -> tuple[int, int]:
+    """``(E, f)`` of a stacked-experts module (``gate_up_proj [E, 2f, h]``, ``down_proj [E, h, f]``), or a
+    ValueError naming what does not fit (a tensor missing or of another shape, a layout the sharded experts do not
+    take: biases, transposed or interleaved weights, ungated experts)."""
+    from tensorpar.hf.modules.experts import _check_expert_layout
+
+    try:
+        _check_expert_layout(mod)
+    except ValueError as e:
+        raise ValueError(f"plan entry {entry!r}: {e}") from None
+    gu, dn = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
+    if gu is None or dn is None or gu.dim() != 3 or dn.dim() != 3 or gu.shape[1] % 2 or \
+            tuple(dn.shape) != (gu.shape[0], gu.shape[2], gu.shape[1] // 2):
+        shapes = ", ".join(f"{n} {list(t.shape)}" for n, t in mod.named_parameters()) or "no parameters"
+        raise ValueError(f"plan entry {entry!r}: style 'moe_experts' needs stacked experts gate_up_proj [E, 2f, h] "
+                         f"and down_proj [E, h, f]; {type(mod).__name__} has {shapes}")
+    return gu.shape[0], gu.shape[1] // 2
+
+
+def _moe_experts(entry, mod, config, tp_size, args, ctx):
+    e, f = _stacked_experts(entry, mod)
+    return MoEExperts(_mlp_partition(entry, args, f, ctx), e)
+
+
+def _moe_block(entry, mod, config, tp_size, args, ctx):
+    kids = dict(mod.named_children())
+    need = ("gate", "experts", "shared_expert", "shared_expert_gate")
+    if any(k not in kids for k in need):
+        raise ValueError(f"plan entry {entry!r}: style 'moe_block' needs a sparse block with {', '.join(need)} "
+                         f"(Qwen2-MoE's); {type(mod).__name__} has {', '.join(kids) or 'none'}")
+    e, f = _stacked_experts(f"{entry}.experts", kids["experts"])
+    se = kids["shared_expert"]
+    for p in ("gate_proj", "up_proj", "down_proj"):
+        _out(se, p, "projection", f"{entry}.shared_expert")
+    return SharedExpertMoE(_mlp_partition(entry, args, f, ctx),
+                           _mlp_partition(f"{entry}.shared_expert", {"size": args.pop("shared_size", None)},
+                                          se.gate_proj.weight.shape[0], ctx), e)
+
+
 def _vocab(entry, args, rows, ctx):
     size = args.pop("size", None) or rows
     if size != rows:
@@ -273,6 +312,8 @@ STYLES = {
     "encoder_attention": _encoder_attention,
     "gated_mlp": _gated_mlp,
     "mlp": _mlp,
+    "moe_experts": _moe_experts,
+    "moe_block": _moe_block,
 }
 
 
@@ -352,7 +393,7 @@ def _plan(base, entries, built, user, config, model, tp_size, sp) -> ShardingPla
     heads = att.layout if att is not None else (base.heads if base else None)
     voc = first((VocabEmbedding, LMHead))
     vocab = voc.partition if voc is not None else (base.vocab if base else None)
-    mlp = first((GatedMLP, MLP))
+    mlp = first((MoEExperts, SharedExpertMoE)) or first((GatedMLP, MLP))   # the expert size, as the MoE table
     inter = mlp.partition if mlp is not None else (base.intermediate if base else None)
     blocks = user.blocks or (base.blocks if base else None)
     if blocks is None:   # the parent of the first attention pattern: model.layers.*.self_attn -> model.layers.*

@@ -244,6 +244,8 @@ def compare_to_reference(ref: nn.Module, par: nn.Module, tp: Group, input_ids: t
         refp = dict(ref.named_parameters())
         for n, p in par.named_parameters():
             rp = refp[n]
+            if not p.requires_grad and not rp.requires_grad:   # frozen in the model (a router's score correction)
+                continue
             if p.grad is None or rp.grad is None:
                 diffs.append(ModuleDiff(f"grad {n}", _layer_of(n, plan), "grad", math.inf, 0.0))
                 continue
