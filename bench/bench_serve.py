@@ -32,6 +32,7 @@ import http.client
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -392,8 +393,13 @@ def backends(args, folder):
         port += 1
     if args.transformers:
         threads = str(max(1, (os.cpu_count() or 2)))
+        # its KV pool as large as tensorpar's (max_batch x max_model_len positions in blocks of 16): by default it
+        # sizes the pool from the free memory (14.5 GB resident on this 23 GB machine), and was killed by the OOM
+        # killer under other jobs' memory
+        blocks = args.max_batch * -(-args.max_model_len // 16)
         cmd = [os.path.join(os.path.dirname(sys.executable), "transformers"), "serve", folder, "--host", "127.0.0.1",
-               "--port", str(port), "--device", "cpu", "--dtype", args.dtype, "--continuous-batching"]
+               "--port", str(port), "--device", "cpu", "--dtype", args.dtype, "--continuous-batching",
+               "--cb-block-size", "16", "--cb-num-blocks", str(blocks)]
         out.append(dict(name="transformers serve --continuous-batching", cmd=cmd,
                         env=dict(env, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=threads), base=f"http://127.0.0.1:{port}",
                         model=folder, extra={}, kv=False))
@@ -401,13 +407,24 @@ def backends(args, folder):
 
 
 def launch(b):
-    """Start backend ``b`` and wait for its /health; (process, None) or (None, why it did not start)."""
+    """Start backend ``b``, wait for its /health, then send one short warm-up completion (not measured:
+    `transformers serve` loads the model at its first request, which took 30 s here); (process, None) or
+    (None, why it did not start)."""
     proc = start(b["cmd"], b["env"])
-    if wait_ready(b["base"], proc, 900):
-        return proc, None
-    why = err_tail(proc, 800) if proc.poll() is not None else "no /health within 900 s"
-    stop(proc)
-    return None, why
+    if not wait_ready(b["base"], proc, 900):
+        why = err_tail(proc, 800) if proc.poll() is not None else "no /health within 900 s"
+        stop(proc)
+        return None, why
+    host, port = b["base"].split("//")[1].split(":")
+    try:
+        err = stream_one(host, int(port), dict(model=b["model"], prompt=PROMPTS[0], max_tokens=2, temperature=0,
+                                               stream=True, **b["extra"]))[4]
+    except Exception as e:  # noqa: BLE001 - reported as the backend's failure
+        err = f"{type(e).__name__}: {e}"
+    if err is not None:
+        stop(proc)
+        return None, f"warm-up request failed: {err}"
+    return proc, None
 
 
 def closed_loop_main(args, folder, tok):
@@ -552,10 +569,15 @@ def latency_main(args, folder, tok):
                 print("saturation", sat[b["name"]], flush=True)
         points = ([(None, r) for r in args.rates] if args.rates else [(f, None) for f in args.rate_factors])
         for factor, fixed in points:
-            for b in live:
+            for b, proc in zip(live, procs):
                 rate = fixed if fixed else factor * sat[b["name"]]["req_per_s"]
+                if proc.poll() is not None:
+                    rows.append(dict(backend=b["name"], factor=factor,
+                                     error=f"server exited ({proc.returncode}): {err_tail(proc)}"))
+                    continue
                 if not rate > 0:
-                    rows.append(dict(backend=b["name"], factor=factor, error="no saturating rate measured"))
+                    rows.append(dict(backend=b["name"], factor=factor, error="no saturating rate measured: "
+                                     f"{sat[b['name']]['first_error']}"))
                     continue
                 rows.append(dict(factor=factor, **open_loop(b, rate, args, ref_ids, ref_text, tok)))
                 print(rows[-1], flush=True)
@@ -666,9 +688,36 @@ def plot_latency(meta, rows, path: Path):
     os.replace(tmp, path)
 
 
+def tiny_random(smollm2: Path) -> str:
+    """``--model tiny-random``: a seeded random Llama (2 layers, hidden 64, 4 heads, 2 KV heads) with SmolLM2's
+    tokenizer, written once to ~/.cache/tensorpar/models/tiny-random-llama-smollm2-tok: a model whose step is
+    cheap, for runs that must be short on a loaded machine (its outputs are not meaningful text)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path.home() / ".cache/tensorpar/models/tiny-random-llama-smollm2-tok"
+    if (folder / "config.json").exists():
+        return str(folder)
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    cfg = AutoConfig.for_model("llama", vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
+                               eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + "."))
+    AutoModelForCausalLM.from_config(cfg).float().save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    try:
+        os.replace(tmp, folder)          # atomic: a concurrent first use keeps whichever folder landed first
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(folder)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--model", default="smollm2",
+                    help="a model for tensorpar.hub.resolve_model, or tiny-random (see tiny_random)")
     ap.add_argument("--tp", type=int, nargs="*", default=[1, 2], help="tensorpar backends, one per tp degree")
     ap.add_argument("--pp", type=int, nargs="*", default=[],
                     help="also tensorpar --tp 1 --pp P for each P (pipeline stages, one micro-batch in flight)")
@@ -705,7 +754,7 @@ def main():
     from transformers import AutoTokenizer
 
     from tensorpar.hub import resolve_model
-    folder = str(resolve_model(args.model))
+    folder = tiny_random(resolve_model("smollm2")) if args.model == "tiny-random" else str(resolve_model(args.model))
     tok = AutoTokenizer.from_pretrained(folder)
     mode = "prefix" if args.prefix else "latency" if args.latency else "closed"
     args.out = args.out or {"prefix": "bench/results/serve_prefix", "latency": "bench/results/serve_latency",
