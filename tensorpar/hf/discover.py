@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -37,7 +38,7 @@ OUT = "give the plan yourself with --plan-file (docs/plans.md)"
 
 #: model types without a table whose discovered plan CI proves at tp = 2 and 3 (tests/hf/test_discover.py); the
 #: table families llama, qwen3 and phi3 are proven there too (docs/discover.md).
-PROVEN = ("arcee", "cohere", "exaone4", "glm", "granite", "helium", "olmo")
+PROVEN = ("arcee", "cohere", "exaone4", "glm", "gpt_bigcode", "granite", "helium", "olmo", "olmo3", "phi")
 
 
 class DiscoveryError(ValueError):
@@ -74,8 +75,34 @@ def _blocks(model: nn.Module, n: int) -> tuple[str, nn.ModuleList]:
     return name, blocks
 
 
-def _linears(m: nn.Module) -> list[tuple[str, nn.Linear]]:
-    return [(n, c) for n, c in m.named_children() if isinstance(c, nn.Linear)]
+class _Conv1DShape(NamedTuple):
+    """A GPT-2 ``Conv1D`` child (``y = x @ W + b``, weight ``[in, out]``) seen with a linear's shape names."""
+
+    in_features: int
+    out_features: int
+
+
+def _linears(m: nn.Module) -> list[tuple[str, nn.Linear | _Conv1DShape]]:
+    """The children of ``m`` that are linear maps: ``nn.Linear``, and transformers' ``Conv1D`` (its ``[in, out]``
+    weight read as ``in -> out``; the styles shard it as GPT-2's table does)."""
+    from transformers.pytorch_utils import Conv1D
+
+    return [(n, c if isinstance(c, nn.Linear) else _Conv1DShape(*c.weight.shape))
+            for n, c in m.named_children() if isinstance(c, (nn.Linear, Conv1D))]
+
+
+def _kv_heads(config, ins: list, nh: int, hd: int) -> int:
+    """The KV heads: the config's ``num_key_value_heads``; a config that states none (GPT-BigCode's and Falcon's
+    ``multi_query``) gets them from the shapes: a fused projection of ``(heads + 2 kv) x head_dim`` rows, or key
+    rows ``kv x head_dim`` beside the ``heads x head_dim`` query rows; else ``heads``."""
+    if getattr(config, "num_key_value_heads", None):
+        return int(config.num_key_value_heads)
+    rows = sorted({l.out_features for _, l in ins})
+    if len(rows) == 1 and rows[0] > nh * hd and (rows[0] // hd - nh) % 2 == 0 and rows[0] % hd == 0:
+        kv = (rows[0] // hd - nh) // 2
+        return kv if kv and nh % kv == 0 else nh
+    kv = [r // hd for r in rows if r != nh * hd and r % hd == 0 and r // hd and nh % (r // hd) == 0]
+    return kv[0] if len(kv) == 1 else nh
 
 
 def _attention(name: str, m: nn.Module, config, h: int) -> dict | None:
@@ -85,6 +112,7 @@ def _attention(name: str, m: nn.Module, config, h: int) -> dict | None:
     outs = [n for n, l in lin if l.in_features == nh * hd and l.out_features == h]
     o_name = outs[-1] if outs else None
     ins = [(n, l) for n, l in lin if l.in_features == h and n != o_name]
+    nkv = _kv_heads(config, ins, nh, hd)
     q_rows = [n for n, l in ins if l.out_features == nh * hd]
     fused = [n for n, l in ins if l.out_features == (nh + 2 * nkv) * hd]
     if o_name is None or not (q_rows or fused):
@@ -114,16 +142,21 @@ def _attention(name: str, m: nn.Module, config, h: int) -> dict | None:
                         f"rotary-decoder attention the attention style runs")
     if not hasattr(sys.modules[type(m).__module__], "eager_attention_forward"):
         raise _fail(f"{name} ({type(m).__name__}): its module defines no eager_attention_forward")
+    full = {"q_norm": nh * hd, "k_norm": nkv * hd}           # a norm over the whole projection (OLMo 2)
     for n, t in _tensors(m):
         top = n.split(".")[0]
         if top in proj or top == o_name:
             continue
         if top in ("q_norm", "k_norm") and t.numel() == hd:
             continue                                         # per head: [head_dim], replicated
+        if top in full and n == f"{top}.weight" and t.numel() == full[top] and not fused and o_name == "o_proj":
+            args["qk_norm"] = "full"                         # sharded with its heads, sum of squares all-reduced
+            continue
         if n == "sinks" and tuple(t.shape) == (nh,):
             continue                                         # per head: sharded with the query heads
         raise _fail(f"{name}.{n} {list(t.shape)} ({type(m).__name__}) is neither a projection nor a per-head "
-                    f"parameter ([head_dim]={hd} norms, [heads]={nh} sinks)")
+                    f"parameter ([head_dim]={hd} norms, [heads]={nh} sinks, q/k norms over the whole projection "
+                    f"[{nh * hd}], [{nkv * hd}])")
     return {"style": "attention", **args}
 
 

@@ -13,19 +13,23 @@ from tensorpar.verify.prove import prove_plan, resolve_flags
 from tensorpar.hf.plan import make_plan
 
 
+#: configs that state no KV-head count (GPT-BigCode's multi_query: 1; GPT-2: one per query head), whose causal-mask
+#: buffer or position table follows max_position_embeddings
+NO_KV_COUNT = dict(num_key_value_heads=None, max_position_embeddings=256)
+QUIRKS = {"gpt_bigcode": NO_KV_COUNT, "gpt2": NO_KV_COUNT, "gpt-sw3": NO_KV_COUNT}
+
+
 def cfg(model_type, **kw):
     """6 query heads, 2 KV heads of 8: at tp 3 a KV head is shared by ranks (a GQA group straddles two)."""
     base = dict(num_hidden_layers=2, hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=8,
                 intermediate_size=40, vocab_size=61, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    return T.AutoConfig.for_model(model_type, **{**base, **kw})
+    return T.AutoConfig.for_model(model_type, **{**base, **QUIRKS.get(model_type, {}), **kw})
 
 
 TABLES = ("llama", "qwen3", "phi3")
 
 
-@pytest.mark.parametrize("model_type", sorted(PROVEN) + list(TABLES))
-def test_discovered_plan_proves_at_tp2_and_tp3(pools, model_type):
-    c = cfg(model_type)
+def _proves(pools, c):
     reports = prove_plan(c, discover_plan(c), pools=pools)
     assert [r["tp_size"] for r in reports] == [2, 3]
     n_params = sum(1 for _ in T.AutoModelForCausalLM.from_config(c).parameters())
@@ -35,17 +39,49 @@ def test_discovered_plan_proves_at_tp2_and_tp3(pools, model_type):
         assert len(grads) == n_params and any(d["name"] == "logits" for d in r["diffs"])
 
 
-@pytest.mark.parametrize("model_type", TABLES)
+@pytest.mark.parametrize("model_type", sorted(PROVEN) + list(TABLES))
+def test_discovered_plan_proves_at_tp2_and_tp3(pools, model_type):
+    """Among them: phi (partial rotary applied in its attention forward, parallel residual, output ``dense``),
+    gpt_bigcode (one fused ``c_attn`` of (6 + 2 x 1) x 8 rows: multi-query, its KV heads read from the shapes),
+    olmo3 (q/k RMSNorms over the whole projection, OLMo 2's style; sliding-window layers)."""
+    _proves(pools, cfg(model_type))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["stablelm", "olmo2", "gpt2", "gpt-sw3"])
+def test_more_discovered_plans_prove(pools, model_type):
+    """stablelm: partial rotary in the attention forward; olmo2 (a table family): full-width q/k norms; gpt2 (a
+    table family) and gpt-sw3: GPT-2's Conv1D projections ([in, out] weights), fused c_attn."""
+    _proves(pools, cfg(model_type))
+
+
+@pytest.mark.parametrize("model_type", TABLES + ("gpt2", "olmo2"))
 def test_discovered_plan_splits_as_the_table(model_type):
-    """On a table family the discovered plan splits heads, MLP and vocabulary exactly as the table does."""
+    """On a table family the discovered plan splits heads, MLP and vocabulary exactly as the table does, with the
+    table's style on each module both name (GPT-2: the Conv1D styles; OLMo 2: the full-width q/k norm style)."""
     c = cfg(model_type)
     a, b = make_plan(c, 3, discover=True), make_plan(c, 3)
     assert a.heads == b.heads and a.intermediate.sizes == b.intermediate.sizes and a.vocab.sizes == b.vocab.sizes
     assert a.blocks == b.blocks and a.num_layers == b.num_layers
-    fused = {e.pattern: e.style for e in a.entries}
+    found, table = ({e.pattern: e.style for e in p.entries} for p in (a, b))
+    both = set(found) & set(table)
+    assert {p for p in table if p.endswith(("attn", "self_attn", "mlp"))} <= both
+    for p in both:
+        assert type(found[p]) is type(table[p]), p
     if model_type == "phi3":
-        assert fused["model.layers.*.self_attn"].fused == "qkv_proj"
-        assert fused["model.layers.*.mlp"].fused == "gate_up_proj"
+        assert found["model.layers.*.self_attn"].fused == "qkv_proj"
+        assert found["model.layers.*.mlp"].fused == "gate_up_proj"
+
+
+def test_full_width_qk_norm_argument_is_checked():
+    """qk_norm='full' (OLMo 2's style) needs separate projections and norms over the whole projection."""
+    c = cfg("llama")
+    spec = {"model.layers.*.self_attn": {"style": "attention", "qk_norm": "full"}}
+    with pytest.raises(ValueError, match=r"qk_norm='full' needs q_norm.weight of 6x8 = 48 elements; LlamaAttention "
+                                         r"has None"):
+        make_plan(c, 2, user_plan=spec)
+    with pytest.raises(ValueError, match=r"qk_norm='per-head'; one of 'head' .* or 'full'"):
+        make_plan(c, 2, user_plan={"model.layers.*.self_attn": {"style": "attention", "qk_norm": "per-head"}})
 
 
 def test_saved_plan_is_a_plan_file(tmp_path):
@@ -74,8 +110,8 @@ def test_plan_that_does_not_prove_is_refused_naming_the_module(pools):
 
 @pytest.mark.parametrize("model_type, kw, match", [
     ("mixtral", {"num_local_experts": 4}, r"model.layers.0.mlp \(MixtralSparseMoeBlock\) holds experts"),
-    ("olmo3", {}, r"model.layers.0.self_attn.q_norm.weight \[48\] \(Olmo3Attention\) is neither a projection nor "
-                  r"a per-head parameter"),
+    ("persimmon", {}, r"model.layers.0.self_attn.q_layernorm.weight \[8\] \(PersimmonAttention\) is neither a "
+                      r"projection nor a per-head parameter"),
     ("apertus", {}, r"model.layers.0.mlp \(ApertusMLP\) holds act_fn.alpha_p \[1\]"),
     ("bloom", {}, r"transformer.h.0.self_attention \(BloomAttention\)"),
     ("qwen3_next", {}, r"cannot place model.layers.0.linear_attn \(Qwen3NextGatedDeltaNet: .*linear attention"),

@@ -129,13 +129,13 @@ class TPAttention(nn.Module):
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)                     # [b, heads, s, d]
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
-        cache = cache if cache is not None else kwargs.pop("past_key_values", None)
-        kwargs.pop("past_key_values", None)
+        for key in ("past_key_values", "layer_past"):   # the cache's name in the family's block (GPT-BigCode)
+            c = kwargs.pop(key, None)
+            cache = cache if cache is not None else c
         q, k, v = self._qkv(hidden_states)                                                # [b, heads, s, d]
         b, s = q.shape[0], q.shape[2]
         if position_embeddings is not None and self._rope is not None:
-            cos, sin = position_embeddings
-            q, k = self._rope(q, k, cos, sin)
+            q, k = self._rotate(q, k, *position_embeddings)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
         if self._group is None:
@@ -152,6 +152,18 @@ class TPAttention(nn.Module):
         if self.output_dropout is not None:
             out = self.output_dropout(out)
         return out, weights
+
+    def _rotate(self, q, k, cos, sin):
+        """The family's rotary embedding on q, k ``[b, heads, s, d]``. Partial rotary (tables ``[.., r]`` with
+        ``r < d``: Phi, StableLM, Persimmon rotate the first ``r`` features of each head in the attention forward
+        and pass the rest): the family's function gets those ``r`` features only (a function that splits them
+        itself, GLM's or GPT-NeoX's, sees ``r`` of ``r`` and passes nothing)."""
+        r, d = cos.shape[-1], q.shape[-1]
+        if r >= d:
+            return self._rope(q, k, cos, sin)
+        (qr, qp), (kr, kp) = q.split([r, d - r], -1), k.split([r, d - r], -1)
+        qr, kr = self._rope(qr, kr, cos, sin)
+        return torch.cat([qr, qp], -1), torch.cat([kr, kp], -1)
 
     def _attend(self, q, k, v, attention_mask, **kwargs):
         """The kernel of one process over the whole sequence: ``(out [b, s, heads, d], weights)``."""
