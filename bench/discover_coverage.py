@@ -47,6 +47,9 @@ SHRINK = dict(num_local_experts=4, num_experts=4, n_routed_experts=4, num_expert
               kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
               first_k_dense_replace=0, n_group=1, topk_group=1, num_kv_heads=2, multi_query_group_num=2,
               sliding_window=4096, max_position_embeddings=256, n_positions=256)
+#: scalar multipliers set away from 1 where the config has them at 1 (else the proof would not see them)
+MULTIPLIERS = dict(embedding_multiplier=4.0, logits_scaling=2.0, residual_multiplier=0.5, attention_multiplier=0.25,
+                   logit_scale=0.5, scale_emb=4.0, embedding_multiplier_scale=4.0, output_multiplier_scale=0.5)
 #: module class names that mark a state-space / recurrent layer, or linear attention (case-sensitive: class names)
 STATE_SPACE = re.compile(r"Mamba|SSM|Ssm[A-Z]|Rwkv|xLSTM|Mlstm|Slstm|Recurrent|Rglru|Hgrn|Retention")
 LINEAR_ATTN = re.compile(r"DeltaNet|LinearAttention|Lightning|ShortConv|Kda[A-Z]|GatedDelta")
@@ -64,6 +67,9 @@ def small_config(mt: str):
     for k, v in SHRINK.items():
         cur = getattr(default, k, None)
         if k in have and isinstance(cur, int) and not isinstance(cur, bool) and cur > v:
+            kw[k] = v
+    for k, v in MULTIPLIERS.items():
+        if k in have and getattr(default, k, None) in (1, 1.0):
             kw[k] = v
     try:
         return T.AutoConfig.for_model(mt, **kw)
@@ -86,8 +92,9 @@ def kinds(config, plan) -> list[str]:
         getattr(config, "partial_rotary_factor", None) or getattr(config, "rotary_pct", None)
     if (prf is not None and prf < 1) or getattr(config, "rotary_dim", None):
         out.append("partial rotary")
+    norms = [e for e in ents.values() if e.style == "replicated" and "*" in e.pattern]
     if any(getattr(config, k, False) for k in ("use_parallel_residual", "parallel_attn", "parallel_block")) or \
-            config.model_type in ("cohere", "phi", "gptj", "codegen"):
+            (plan is not None and len(norms) == 1):    # one norm in the block feeds attention and MLP alike
         out.append("parallel residual")
     if any(getattr(config, k, None) not in (None, 1, 1.0) for k in (
             "embedding_multiplier", "logits_scaling", "logit_scale", "scale_emb", "dim_model_base",

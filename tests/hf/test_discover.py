@@ -16,7 +16,10 @@ from tensorpar.hf.plan import make_plan
 #: configs that state no KV-head count (GPT-BigCode's multi_query: 1; GPT-2: one per query head), whose causal-mask
 #: buffer or position table follows max_position_embeddings
 NO_KV_COUNT = dict(num_key_value_heads=None, max_position_embeddings=256)
-QUIRKS = {"gpt_bigcode": NO_KV_COUNT, "gpt2": NO_KV_COUNT, "gpt-sw3": NO_KV_COUNT}
+QUIRKS = {"gpt_bigcode": NO_KV_COUNT, "gpt2": NO_KV_COUNT, "gpt-sw3": NO_KV_COUNT,
+          # Granite's four scalars away from their default 1, so the proof sees them (values of granite-3.0)
+          "granite": dict(embedding_multiplier=12.0, logits_scaling=8.0, residual_multiplier=0.22,
+                          attention_multiplier=0.0078125)}
 
 
 def cfg(model_type, **kw):
@@ -48,10 +51,11 @@ def test_discovered_plan_proves_at_tp2_and_tp3(pools, model_type):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["stablelm", "olmo2", "gpt2", "gpt-sw3"])
+@pytest.mark.parametrize("model_type", ["stablelm", "olmo2", "gpt2", "gpt-sw3", "nanochat"])
 def test_more_discovered_plans_prove(pools, model_type):
     """stablelm: partial rotary in the attention forward; olmo2 (a table family): full-width q/k norms; gpt2 (a
-    table family) and gpt-sw3: GPT-2's Conv1D projections ([in, out] weights), fused c_attn."""
+    table family) and gpt-sw3: GPT-2's Conv1D projections ([in, out] weights), fused c_attn; nanochat: its final
+    norm runs twice (after the embedding and after the blocks), each call compared with the reference's same call."""
     _proves(pools, cfg(model_type))
 
 
@@ -110,8 +114,8 @@ def test_plan_that_does_not_prove_is_refused_naming_the_module(pools):
 
 @pytest.mark.parametrize("model_type, kw, match", [
     ("mixtral", {"num_local_experts": 4}, r"model.layers.0.mlp \(MixtralSparseMoeBlock\) holds experts"),
-    ("persimmon", {}, r"model.layers.0.self_attn.q_layernorm.weight \[8\] \(PersimmonAttention\) is neither a "
-                      r"projection nor a per-head parameter"),
+    ("persimmon", {"num_key_value_heads": None}, r"model.layers.0.self_attn.q_layernorm.weight \[8\] "
+                                                  r"\(PersimmonAttention\) is neither a projection nor a per-head"),
     ("apertus", {}, r"model.layers.0.mlp \(ApertusMLP\) holds act_fn.alpha_p \[1\]"),
     ("bloom", {}, r"transformer.h.0.self_attention \(BloomAttention\)"),
     ("qwen3_next", {}, r"cannot place model.layers.0.linear_attn \(Qwen3NextGatedDeltaNet: .*linear attention"),
