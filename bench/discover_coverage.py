@@ -6,7 +6,8 @@ the proof to :func:`~tensorpar.hf.discover.proof_layers`), is classified as
 * ``not attempted``: the config or the model does not build; remote code; an encoder-decoder; a bidirectional
   encoder with a decoder mode (it is also a masked LM); state-space / recurrent layers; linear attention;
 * ``refused by discovery``: :func:`tensorpar.hf.discover.discover_plan`'s one-line reason;
-* ``refused by the proof``: :func:`tensorpar.verify.prove.prove_plan`'s reason (the first module over tolerance);
+* ``refused by the proof``: :func:`tensorpar.verify.prove.prove_discovered`'s reason (the first module over
+  tolerance; a fused projection's other row layout is tried too: :func:`tensorpar.hf.discover.variants`);
 * ``proven``: the discovered plan passes at tp 2 and tp 3 (logits, every module, the loss, every gradient), with
   the largest forward and gradient difference at each tp.
 
@@ -100,6 +101,8 @@ def kinds(config, plan) -> list[str]:
             "embedding_multiplier", "logits_scaling", "logit_scale", "scale_emb", "dim_model_base",
             "embedding_multiplier_scale", "output_multiplier_scale", "residual_multiplier", "attention_multiplier")):
         out.append("multipliers")
+    elif getattr(config, "scale_embedding", False):
+        out.append("multipliers (embedding scale)")
     if any(getattr(config, k, 0) for k in ("num_local_experts", "num_experts", "n_routed_experts")):
         out.append("MoE")
     return out
@@ -155,7 +158,7 @@ def sweep_one(mt: str, pools, discover_only: bool) -> dict:
     from tensorpar.hf.discover import discover_plan, plan_dict
     from tensorpar.hf.families import FAMILIES
     from tensorpar.hf.plan import meta_model
-    from tensorpar.verify.prove import prove_plan
+    from tensorpar.verify.prove import prove_discovered
 
     row: dict = {"model_type": mt, "table": mt in FAMILIES}
     t0 = time.monotonic()
@@ -183,9 +186,11 @@ def sweep_one(mt: str, pools, discover_only: bool) -> dict:
     if discover_only:
         return {**row, "status": "discovered (not proven: --discover-only)"}
     try:
-        reports = prove_plan(config, plan, pools=pools)
+        proven, reports = prove_discovered(config, plan, pools=pools)
     except Exception as e:  # noqa: BLE001
         return {**row, "status": "refused by the proof", "reason": short(e), "seconds": round(time.monotonic() - t0, 1)}
+    if proven is not plan:      # another row layout of a fused projection passed (GPT-NeoX's per-head rows)
+        row.update(kinds=kinds(config, proven), plan=plan_dict(proven))
     res = {}
     for r in reports:
         fwd = [d["max_abs"] for d in r["diffs"] if d["kind"] != "grad"]

@@ -130,7 +130,9 @@ def _attention(name: str, m: nn.Module, config, h: int) -> dict | None:
     else:
         kv = [n for n, l in ins if l.out_features == nkv * hd and n not in q_rows[:1]]
         names = [q_rows[0]] + kv[:2]
-        if len(kv) < 2 or names != ["q_proj", "k_proj", "v_proj"]:
+        if nkv == nh and sorted(q_rows) == ["k_proj", "q_proj", "v_proj"]:
+            names = ["q_proj", "k_proj", "v_proj"]      # one KV head per query head: the three have the same rows
+        elif len(kv) < 2 or names != ["q_proj", "k_proj", "v_proj"]:
             raise _fail(f"{name} ({type(m).__name__}): query/key/value projections {', '.join(names)} (rows "
                         f"{nh}x{hd}, {nkv}x{hd}) are not named q_proj, k_proj, v_proj as the attention style needs")
         proj = set(names)
@@ -190,6 +192,21 @@ def _mlp(name: str, m: nn.Module, h: int) -> dict | None:
     return style
 
 
+def _block_mlp(bname: str, block: nn.Module, h: int) -> dict:
+    """An MLP written into the block itself (OPT, BioGPT: ``fc1`` h -> f and ``fc2`` f -> h are children of the
+    block, the activation its attribute): ``column`` and ``row`` entries on the two linears, the block's forward
+    kept. Empty when the block holds no such pair."""
+    lin = [(n, l) for n, l in block.named_children() if isinstance(l, nn.Linear)]
+    ups = [(n, l) for n, l in lin if l.in_features == h and l.out_features != h]
+    downs = [(n, l) for n, l in lin if l.out_features == h and l.in_features != h]
+    if len(lin) != 2 or len(ups) != 1 or len(downs) != 1 or ups[0][1].out_features != downs[0][1].in_features:
+        return {}
+    if not any(hasattr(block, a) for a in ("act_fn", "activation_fn", "act")):
+        raise _fail(f"{bname}.0 ({type(block).__name__}) holds {ups[0][0]} and {downs[0][0]} itself but no "
+                    f"act_fn / activation_fn / act between them")
+    return {f"{bname}.*.{ups[0][0]}": {"style": "column"}, f"{bname}.*.{downs[0][0]}": {"style": "row"}}
+
+
 def _small(m: nn.Module, h: int) -> bool:
     return all(t.dim() <= 1 and t.numel() <= h for _, t in _tensors(m))
 
@@ -221,8 +238,9 @@ def discover_plan(config, model: nn.Module | None = None) -> UserPlan:
     elif head is not None:
         raise _fail(f"LM head {names[id(head)]} ({type(head).__name__}) is not a linear of {vocab} rows")
     bname, blocks = _blocks(model, config.num_hidden_layers)
+    entries.update(_block_mlp(bname, blocks[0], h))
     for child, m in blocks[0].named_children():
-        if not _tensors(m):
+        if not _tensors(m) or f"{bname}.*.{child}" in entries:
             continue
         where = f"{bname}.0.{child}"
         style = _attention(where, m, config, h) or _mlp(where, m, h)
@@ -250,6 +268,22 @@ def discover_plan(config, model: nn.Module | None = None) -> UserPlan:
             entries[owner] = {"style": "replicated", "why": "per-hidden (norm, scale)"}
     return UserPlan([UserEntry(p, v["style"], {k: x for k, x in v.items() if k != "style"})
                      for p, v in entries.items()], f"{bname}.*", DEFAULT_REPLICATE_THRESHOLD, SOURCE)
+
+
+def variants(plan: UserPlan) -> list[UserPlan]:
+    """Plans with the same shapes that the proof tells apart: a fused projection of one KV head per query head has
+    the shape of ``[q heads | k heads | v heads]`` and of GPT-NeoX's per-head ``[h0: q, k, v | h1: ...]`` rows
+    alike; each such attention entry gets ``fused_layout: per_head`` in one further plan (where its names are the
+    ones that layout's style takes). The first is ``plan`` itself."""
+    out = [plan]
+    for i, e in enumerate(plan.entries):
+        a = e.args
+        if e.style == "attention" and a.get("fused") == "query_key_value" and a.get("o_name") == "dense" and \
+                a.get("kv_heads") == a.get("heads"):
+            entries = list(plan.entries)
+            entries[i] = UserEntry(e.pattern, e.style, {**a, "fused_layout": "per_head"})
+            out.append(UserPlan(entries, plan.blocks, plan.replicate_threshold, plan.source))
+    return out
 
 
 def plan_dict(plan: UserPlan) -> dict:

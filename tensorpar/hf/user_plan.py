@@ -41,8 +41,9 @@ from pathlib import Path
 import torch.nn as nn
 
 from tensorpar.hf.plan import ShardingPlan, _get, pattern_regex
-from tensorpar.hf.styles import (MLP, Attention, Conv1DAttention, Conv1DMLP, EncoderAttention, Entry,
-                                 FullWidthQKNormAttention, GatedMLP, LMHead, Replicated, Style, VocabEmbedding)
+from tensorpar.hf.styles import (MLP, Attention, ColumnLinear, Conv1DAttention, Conv1DMLP, EncoderAttention, Entry,
+                                 FullWidthQKNormAttention, GatedMLP, LMHead, NeoXAttention, Replicated, RowLinear,
+                                 Style, VocabEmbedding)
 from tensorpar.layers.attention import HeadLayout
 from tensorpar.shard import Partition
 
@@ -192,6 +193,16 @@ def _attention(entry, mod, config, tp_size, args, ctx):
                              f"head_dim] with one KV head per query head; got {tuple(mod.c_attn.weight.shape)}, "
                              f"kv_heads={lay.num_kv_heads}")
         return Conv1DAttention(lay)
+    layout = args.pop("fused_layout", "qkv")
+    if layout not in ("qkv", "per_head") or (layout == "per_head" and (
+            (fused, o_name) != ("query_key_value", "dense") or lay.num_kv_heads != lay.num_heads)):
+        raise ValueError(f"plan entry {entry!r}: fused_layout={layout!r}; 'qkv' (rows [q heads | k heads | v heads]) "
+                         f"or 'per_head' (rows [h0: q, k, v | h1: ...], GPT-NeoX's: fused 'query_key_value', o_name "
+                         f"'dense', one KV head per query head)")
+    if layout == "per_head":
+        _rows_check(entry, mod, _out(mod, fused, "fused projection", entry), 3 * lay.num_heads * lay.head_dim,
+                    "3 x heads x head_dim", lay)
+        return NeoXAttention(lay, sequence_parallel=args.pop("sequence_parallel", ctx["sequence_parallel"]))
     if fused:
         _rows_check(entry, mod, _out(mod, fused, "fused projection", entry),
                     (lay.num_heads + 2 * lay.num_kv_heads) * lay.head_dim, "(heads + 2 kv_heads) x head_dim", lay)
@@ -274,6 +285,21 @@ def _mlp(entry, mod, config, tp_size, args, ctx):
                sequence_parallel=args.pop("sequence_parallel", ctx["sequence_parallel"]))
 
 
+def _linear(entry, mod, what):
+    if not isinstance(mod, nn.Linear):
+        raise ValueError(f"plan entry {entry!r}: style {what!r} needs an nn.Linear, got {type(mod).__name__}")
+
+
+def _column(entry, mod, config, tp_size, args, ctx):
+    _linear(entry, mod, "column")
+    return ColumnLinear(_mlp_partition(entry, args, mod.out_features, ctx))
+
+
+def _row(entry, mod, config, tp_size, args, ctx):
+    _linear(entry, mod, "row")
+    return RowLinear(_mlp_partition(entry, args, mod.in_features, ctx))
+
+
 def _vocab(entry, args, rows, ctx):
     size = args.pop("size", None) or rows
     if size != rows:
@@ -313,6 +339,8 @@ STYLES = {
     "encoder_attention": _encoder_attention,
     "gated_mlp": _gated_mlp,
     "mlp": _mlp,
+    "column": _column,
+    "row": _row,
 }
 
 
@@ -388,16 +416,16 @@ def _plan(base, entries, built, user, config, model, tp_size, sp) -> ShardingPla
     def first(kind):
         return next((e.style for e in built if isinstance(e.style, kind)), None)
 
-    att = first((Attention, EncoderAttention, Conv1DAttention))
+    att = first((Attention, EncoderAttention, Conv1DAttention, NeoXAttention))
     heads = att.layout if att is not None else (base.heads if base else None)
     voc = first((VocabEmbedding, LMHead))
     vocab = voc.partition if voc is not None else (base.vocab if base else None)
-    mlp = first((GatedMLP, MLP, Conv1DMLP))
+    mlp = first((GatedMLP, MLP, Conv1DMLP, ColumnLinear))
     inter = mlp.partition if mlp is not None else (base.intermediate if base else None)
     blocks = user.blocks or (base.blocks if base else None)
     if blocks is None:   # the parent of the first attention pattern: model.layers.*.self_attn -> model.layers.*
-        pat = next((e.pattern for e in built if isinstance(e.style, (Attention, EncoderAttention, Conv1DAttention))),
-                   None)
+        pat = next((e.pattern for e in built if isinstance(e.style, (Attention, EncoderAttention, Conv1DAttention,
+                                                                          NeoXAttention))), None)
         if pat is None or "." not in pat:
             raise ValueError(f"{user.source}: give 'blocks' (the pattern of the transformer blocks, e.g. "
                              f"'model.layers.*'): it cannot be found from an attention entry")

@@ -8,8 +8,8 @@ import json
 import pytest
 import transformers as T
 
-from tensorpar.hf.discover import PROVEN, DiscoveryError, discover_plan, save_plan
-from tensorpar.verify.prove import prove_plan, resolve_flags
+from tensorpar.hf.discover import PROVEN, DiscoveryError, discover_plan, plan_dict, save_plan, variants
+from tensorpar.verify.prove import prove_discovered, prove_plan, resolve_flags
 from tensorpar.hf.plan import make_plan
 
 
@@ -17,6 +17,7 @@ from tensorpar.hf.plan import make_plan
 #: buffer or position table follows max_position_embeddings
 NO_KV_COUNT = dict(num_key_value_heads=None, max_position_embeddings=256)
 QUIRKS = {"gpt_bigcode": NO_KV_COUNT, "gpt2": NO_KV_COUNT, "gpt-sw3": NO_KV_COUNT,
+          "opt": dict(NO_KV_COUNT, ffn_dim=40), "biogpt": NO_KV_COUNT, "gpt_neox": NO_KV_COUNT,
           # Granite's four scalars away from their default 1, so the proof sees them (values of granite-3.0)
           "granite": dict(embedding_multiplier=12.0, logits_scaling=8.0, residual_multiplier=0.22,
                           attention_multiplier=0.0078125)}
@@ -33,7 +34,7 @@ TABLES = ("llama", "qwen3", "phi3")
 
 
 def _proves(pools, c):
-    reports = prove_plan(c, discover_plan(c), pools=pools)
+    _, reports = prove_discovered(c, discover_plan(c), pools=pools)
     assert [r["tp_size"] for r in reports] == [2, 3]
     n_params = sum(1 for _ in T.AutoModelForCausalLM.from_config(c).parameters())
     for r in reports:
@@ -51,12 +52,28 @@ def test_discovered_plan_proves_at_tp2_and_tp3(pools, model_type):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["stablelm", "olmo2", "gpt2", "gpt-sw3", "nanochat"])
+@pytest.mark.parametrize("model_type", ["stablelm", "olmo2", "gpt2", "gpt-sw3", "nanochat", "opt", "biogpt",
+                                        "gpt_neox"])
 def test_more_discovered_plans_prove(pools, model_type):
     """stablelm: partial rotary in the attention forward; olmo2 (a table family): full-width q/k norms; gpt2 (a
     table family) and gpt-sw3: GPT-2's Conv1D projections ([in, out] weights), fused c_attn; nanochat: its final
-    norm runs twice (after the embedding and after the blocks), each call compared with the reference's same call."""
+    norm runs twice (after the embedding and after the blocks), each call compared with the reference's same call;
+    opt, biogpt: the MLP written into the block (fc1 column, fc2 row); biogpt's embedding scale is a float;
+    gpt_neox (a table family): its fused query_key_value rows are per head, the proof refuses [q | k | v] and
+    passes the per-head variant."""
     _proves(pools, cfg(model_type))
+
+
+def test_mlp_written_into_the_block_is_found():
+    """OPT's fc1 / fc2 are children of the decoder block (no MLP module): split in place as column / row, the
+    block's forward kept; its attention declares k_proj, v_proj, q_proj (in that order) and out_proj."""
+    c = cfg("opt", ffn_dim=40)
+    spec = plan_dict(discover_plan(c))["entries"]
+    assert spec["model.decoder.layers.*.fc1"] == {"style": "column"}
+    assert spec["model.decoder.layers.*.fc2"] == {"style": "row"}
+    assert spec["model.decoder.layers.*.self_attn"] == {"style": "attention", "heads": 6, "kv_heads": 6,
+                                                        "head_dim": 8, "o_name": "out_proj"}
+    assert make_plan(c, 3, discover=True).intermediate.sizes == (14, 13, 13)   # fc1's 40 rows
 
 
 @pytest.mark.parametrize("model_type", TABLES + ("gpt2", "olmo2"))
@@ -75,6 +92,19 @@ def test_discovered_plan_splits_as_the_table(model_type):
     if model_type == "phi3":
         assert found["model.layers.*.self_attn"].fused == "qkv_proj"
         assert found["model.layers.*.mlp"].fused == "gate_up_proj"
+
+
+def test_fused_per_head_variant_is_the_neox_table_style():
+    """GPT-NeoX's fused query_key_value has the shape of [q | k | v] rows; the variant the proof tries next has
+    fused_layout per_head, which builds the style of GPT-NeoX's table, splitting heads as the table does."""
+    c = cfg("gpt_neox")
+    plans = variants(discover_plan(c))
+    assert [e.args.get("fused_layout") for p in plans for e in p.entries if e.style == "attention"] == \
+        [None, "per_head"]
+    a, b = make_plan(c, 3, user_plan=plans[1]), make_plan(c, 3)
+    found, table = ({e.pattern: e.style for e in p.entries} for p in (a, b))
+    assert type(found["gpt_neox.layers.*.attention"]) is type(table["gpt_neox.layers.*.attention"])
+    assert a.heads == b.heads and a.intermediate.sizes == b.intermediate.sizes and a.vocab.sizes == b.vocab.sizes
 
 
 def test_full_width_qk_norm_argument_is_checked():
