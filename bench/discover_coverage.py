@@ -216,9 +216,14 @@ def markdown(rows: list[dict], head: dict) -> str:
     lines = [f"Discovery coverage: transformers {head['transformers']}, {head['date']}, {head['cpu']} "
              f"({head['cores']} cores, load {head['loadavg_start'][0]:.1f} at start), "
              f"{len(rows)} model types with a `*ForCausalLM` class; config: hidden 48, 6 query heads, 2 KV heads "
-             f"of 8, each family's default layer count (the proof keeps 2 to 8 blocks: `proof_layers`) (`bench/discover_coverage.py`).", "",
+             f"of 8, each family's default layer count (the proof keeps 2 to 8 blocks: `proof_layers`) "
+             f"(`bench/discover_coverage.py`).", "",
              f"**Proven at tp 2 and 3: {len(proven)}** ({len(beyond)} without a built-in table); " +
              ", ".join(f"{k}: {v}" for k, v in sorted(count.items()) if k != "proven") + ".", "",
+             "Kinds among those proven without a table: " + "; ".join(
+                 f"{k}: {', '.join(r['model_type'] for r in beyond if k in ' '.join(r.get('kinds', [])))}"
+                 for k in ("fused QKV", "partial rotary", "parallel residual", "multipliers", "full-width q/k norms",
+                           "MoE")) + ".", "",
              "| model_type | table | result | kinds | max fwd diff tp 2 / tp 3 | reason |", "|---|---|---|---|---|---|"]
     order = {"proven": 0, "refused by the proof": 1, "refused by discovery": 2, "not attempted": 3}
     for r in sorted(rows, key=lambda r: (order.get(r["status"], 4), r["model_type"])):
@@ -258,7 +263,16 @@ def main() -> None:
     ap.add_argument("--docs", default="docs/discover.md")
     ap.add_argument("--no-docs", action="store_true")
     ap.add_argument("--discover-only", action="store_true", help="discovery only, no proofs (nothing written)")
+    ap.add_argument("--from-json", action="store_true", help="rewrite the .md and the docs table from --out's .json")
     a = ap.parse_args()
+    if a.from_json:
+        data = json.loads((Path(a.out) / "discover_coverage.json").read_text())
+        md = markdown(data.pop("rows"), data)
+        (Path(a.out) / "discover_coverage.md").write_text(md)
+        if not a.no_docs:
+            write_docs(Path(a.docs), md)
+        print(md)
+        return
     os.environ.setdefault("TENSORPAR_THREADS", "1")
     mts = a.only.split(",") if a.only else families()
     made: dict = {}

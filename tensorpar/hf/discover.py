@@ -38,7 +38,7 @@ OUT = "give the plan yourself with --plan-file (docs/plans.md)"
 
 #: model types without a table whose discovered plan CI proves at tp = 2 and 3 (tests/hf/test_discover.py); the
 #: table families llama, qwen3 and phi3 are proven there too (docs/discover.md).
-PROVEN = ("arcee", "cohere", "exaone4", "glm", "gpt_bigcode", "granite", "helium", "olmo", "olmo3", "phi")
+PROVEN = ("arcee", "cohere", "glm", "gpt_bigcode", "granite", "helium", "olmo", "olmo3", "phi")
 
 
 class DiscoveryError(ValueError):
