@@ -221,7 +221,7 @@ def markdown(rows: list[dict], head: dict) -> str:
              f"**Proven at tp 2 and 3: {len(proven)}** ({len(beyond)} without a built-in table); " +
              ", ".join(f"{k}: {v}" for k, v in sorted(count.items()) if k != "proven") + ".", "",
              "Kinds among those proven without a table: " + "; ".join(
-                 f"{k}: {', '.join(r['model_type'] for r in beyond if k in ' '.join(r.get('kinds', [])))}"
+                 f"{k}: {', '.join(r['model_type'] for r in beyond if k in ' '.join(r.get('kinds', []))) or 'none'}"
                  for k in ("fused QKV", "partial rotary", "parallel residual", "multipliers", "full-width q/k norms",
                            "MoE")) + ".", "",
              "| model_type | table | result | kinds | max fwd diff tp 2 / tp 3 | reason |", "|---|---|---|---|---|---|"]
