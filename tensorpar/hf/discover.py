@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -42,7 +43,8 @@ OUT = "give the plan yourself with --plan-file (docs/plans.md)"
 
 #: model types without a table whose discovered plan CI proves at tp = 2 and 3 (tests/hf/test_discover.py); the
 #: table families llama, qwen3 and phi3 are proven there too (docs/discover.md).
-PROVEN = ("arcee", "cohere", "ernie4_5_moe", "exaone4", "glm", "glm4_moe", "granite", "granitemoe", "helium", "olmo")
+PROVEN = ("arcee", "cohere", "ernie4_5_moe", "glm", "glm4_moe", "gpt_bigcode", "granite", "granitemoe", "helium",
+          "olmo", "olmo3", "phi")
 
 
 class DiscoveryError(ValueError):
@@ -115,8 +117,34 @@ def _mixed_moe(bname: str, blocks: nn.ModuleList, config) -> dict[str, dict[str,
     return out
 
 
-def _linears(m: nn.Module) -> list[tuple[str, nn.Linear]]:
-    return [(n, c) for n, c in m.named_children() if isinstance(c, nn.Linear)]
+class _Conv1DShape(NamedTuple):
+    """A GPT-2 ``Conv1D`` child (``y = x @ W + b``, weight ``[in, out]``) seen with a linear's shape names."""
+
+    in_features: int
+    out_features: int
+
+
+def _linears(m: nn.Module) -> list[tuple[str, nn.Linear | _Conv1DShape]]:
+    """The children of ``m`` that are linear maps: ``nn.Linear``, and transformers' ``Conv1D`` (its ``[in, out]``
+    weight read as ``in -> out``; the styles shard it as GPT-2's table does)."""
+    from transformers.pytorch_utils import Conv1D
+
+    return [(n, c if isinstance(c, nn.Linear) else _Conv1DShape(*c.weight.shape))
+            for n, c in m.named_children() if isinstance(c, (nn.Linear, Conv1D))]
+
+
+def _kv_heads(config, ins: list, nh: int, hd: int) -> int:
+    """The KV heads: the config's ``num_key_value_heads``; a config that states none (GPT-BigCode's and Falcon's
+    ``multi_query``) gets them from the shapes: a fused projection of ``(heads + 2 kv) x head_dim`` rows, or key
+    rows ``kv x head_dim`` beside the ``heads x head_dim`` query rows; else ``heads``."""
+    if getattr(config, "num_key_value_heads", None):
+        return int(config.num_key_value_heads)
+    rows = sorted({l.out_features for _, l in ins})
+    if len(rows) == 1 and rows[0] > nh * hd and (rows[0] // hd - nh) % 2 == 0 and rows[0] % hd == 0:
+        kv = (rows[0] // hd - nh) // 2
+        return kv if kv and nh % kv == 0 else nh
+    kv = [r // hd for r in rows if r != nh * hd and r % hd == 0 and r // hd and nh % (r // hd) == 0]
+    return kv[0] if len(kv) == 1 else nh
 
 
 def _attention(name: str, m: nn.Module, config, h: int) -> dict | None:
@@ -126,6 +154,7 @@ def _attention(name: str, m: nn.Module, config, h: int) -> dict | None:
     outs = [n for n, l in lin if l.in_features == nh * hd and l.out_features == h]
     o_name = outs[-1] if outs else None
     ins = [(n, l) for n, l in lin if l.in_features == h and n != o_name]
+    nkv = _kv_heads(config, ins, nh, hd)
     q_rows = [n for n, l in ins if l.out_features == nh * hd]
     fused = [n for n, l in ins if l.out_features == (nh + 2 * nkv) * hd]
     if o_name is None or not (q_rows or fused):
@@ -143,7 +172,9 @@ def _attention(name: str, m: nn.Module, config, h: int) -> dict | None:
     else:
         kv = [n for n, l in ins if l.out_features == nkv * hd and n not in q_rows[:1]]
         names = [q_rows[0]] + kv[:2]
-        if len(kv) < 2 or names != ["q_proj", "k_proj", "v_proj"]:
+        if nkv == nh and sorted(q_rows) == ["k_proj", "q_proj", "v_proj"]:
+            names = ["q_proj", "k_proj", "v_proj"]      # one KV head per query head: the three have the same rows
+        elif len(kv) < 2 or names != ["q_proj", "k_proj", "v_proj"]:
             raise _fail(f"{name} ({type(m).__name__}): query/key/value projections {', '.join(names)} (rows "
                         f"{nh}x{hd}, {nkv}x{hd}) are not named q_proj, k_proj, v_proj as the attention style needs")
         proj = set(names)
@@ -155,16 +186,21 @@ def _attention(name: str, m: nn.Module, config, h: int) -> dict | None:
                         f"rotary-decoder attention the attention style runs")
     if not hasattr(sys.modules[type(m).__module__], "eager_attention_forward"):
         raise _fail(f"{name} ({type(m).__name__}): its module defines no eager_attention_forward")
+    full = {"q_norm": nh * hd, "k_norm": nkv * hd}           # a norm over the whole projection (OLMo 2)
     for n, t in _tensors(m):
         top = n.split(".")[0]
         if top in proj or top == o_name:
             continue
         if top in ("q_norm", "k_norm") and t.numel() == hd:
             continue                                         # per head: [head_dim], replicated
+        if top in full and n == f"{top}.weight" and t.numel() == full[top] and not fused and o_name == "o_proj":
+            args["qk_norm"] = "full"                         # sharded with its heads, sum of squares all-reduced
+            continue
         if n == "sinks" and tuple(t.shape) == (nh,):
             continue                                         # per head: sharded with the query heads
         raise _fail(f"{name}.{n} {list(t.shape)} ({type(m).__name__}) is neither a projection nor a per-head "
-                    f"parameter ([head_dim]={hd} norms, [heads]={nh} sinks)")
+                    f"parameter ([head_dim]={hd} norms, [heads]={nh} sinks, q/k norms over the whole projection "
+                    f"[{nh * hd}], [{nkv * hd}])")
     return {"style": "attention", **args}
 
 
@@ -283,6 +319,21 @@ def _discover_moe(where: str, m: nn.Module, config, h: int) -> dict[str, dict] |
     return out
 
 
+def _block_mlp(bname: str, block: nn.Module, h: int) -> dict:
+    """An MLP written into the block itself (OPT, BioGPT: ``fc1`` h -> f and ``fc2`` f -> h are children of the
+    block, the activation its attribute): ``column`` and ``row`` entries on the two linears, the block's forward
+    kept. Empty when the block holds no such pair."""
+    lin = [(n, l) for n, l in block.named_children() if isinstance(l, nn.Linear)]
+    ups = [(n, l) for n, l in lin if l.in_features == h and l.out_features != h]
+    downs = [(n, l) for n, l in lin if l.out_features == h and l.in_features != h]
+    if len(lin) != 2 or len(ups) != 1 or len(downs) != 1 or ups[0][1].out_features != downs[0][1].in_features:
+        return {}
+    if not any(hasattr(block, a) for a in ("act_fn", "activation_fn", "act")):
+        raise _fail(f"{bname}.0 ({type(block).__name__}) holds {ups[0][0]} and {downs[0][0]} itself but no "
+                    f"act_fn / activation_fn / act between them")
+    return {f"{bname}.*.{ups[0][0]}": {"style": "column"}, f"{bname}.*.{downs[0][0]}": {"style": "row"}}
+
+
 def _small(m: nn.Module, h: int) -> bool:
     return all(t.dim() <= 1 and t.numel() <= h for _, t in _tensors(m))
 
@@ -315,8 +366,10 @@ def discover_plan(config, model: nn.Module | None = None) -> UserPlan:
         raise _fail(f"LM head {names[id(head)]} ({type(head).__name__}) is not a linear of {vocab} rows")
     bname, blocks, by_index = _blocks(model, config.num_hidden_layers, config)
     entries.update(by_index)
+    entries.update(_block_mlp(bname, blocks[0], h))
     for child, m in blocks[0].named_children():
-        if not _tensors(m) or any(k == f"{bname}.0.{child}" or k.startswith(f"{bname}.0.{child}.") for k in by_index):
+        if not _tensors(m) or f"{bname}.*.{child}" in entries or \
+                any(k == f"{bname}.0.{child}" or k.startswith(f"{bname}.0.{child}.") for k in by_index):
             continue
         where = f"{bname}.0.{child}"
         style = _attention(where, m, config, h) or _mlp(where, m, h)
@@ -343,6 +396,22 @@ def discover_plan(config, model: nn.Module | None = None) -> UserPlan:
             entries[owner] = {"style": "replicated", "why": "per-hidden (norm, scale)"}
     return UserPlan([UserEntry(p, v["style"], {k: x for k, x in v.items() if k != "style"})
                      for p, v in entries.items()], f"{bname}.*", DEFAULT_REPLICATE_THRESHOLD, SOURCE)
+
+
+def variants(plan: UserPlan) -> list[UserPlan]:
+    """Plans with the same shapes that the proof tells apart: a fused projection of one KV head per query head has
+    the shape of ``[q heads | k heads | v heads]`` and of GPT-NeoX's per-head ``[h0: q, k, v | h1: ...]`` rows
+    alike; each such attention entry gets ``fused_layout: per_head`` in one further plan (where its names are the
+    ones that layout's style takes). The first is ``plan`` itself."""
+    out = [plan]
+    for i, e in enumerate(plan.entries):
+        a = e.args
+        if e.style == "attention" and a.get("fused") == "query_key_value" and a.get("o_name") == "dense" and \
+                a.get("kv_heads") == a.get("heads"):
+            entries = list(plan.entries)
+            entries[i] = UserEntry(e.pattern, e.style, {**a, "fused_layout": "per_head"})
+            out.append(UserPlan(entries, plan.blocks, plan.replicate_threshold, plan.source))
+    return out
 
 
 def plan_dict(plan: UserPlan) -> dict:

@@ -41,8 +41,9 @@ from pathlib import Path
 import torch.nn as nn
 
 from tensorpar.hf.plan import ShardingPlan, _get, pattern_regex
-from tensorpar.hf.styles import (MLP, Attention, EncoderAttention, Entry, GatedMLP, LMHead, MoEExperts, Replicated,
-                                 SharedExpertMoE, Style, VocabEmbedding)
+from tensorpar.hf.styles import (MLP, Attention, ColumnLinear, Conv1DAttention, Conv1DMLP, EncoderAttention, Entry,
+                                 FullWidthQKNormAttention, GatedMLP, LMHead, MoEExperts, NeoXAttention, Replicated,
+                                 RowLinear, SharedExpertMoE, Style, VocabEmbedding)
 from tensorpar.layers.attention import HeadLayout
 from tensorpar.shard import Partition
 
@@ -170,9 +171,38 @@ def _rows_check(entry, mod, proj, want, what, lay):
                          f"head_dim={lay.head_dim}): give the heads, kv_heads and head_dim of this module")
 
 
+def _conv1d(m) -> bool:
+    """A transformers ``Conv1D`` (GPT-2's projections: weight ``[in, out]``)."""
+    from transformers.pytorch_utils import Conv1D
+    return isinstance(m, Conv1D)
+
+
+def _conv1d_names(entry, mod, got: tuple, want: tuple):
+    if got != want:
+        raise ValueError(f"plan entry {entry!r}: {type(mod).__name__} projects with GPT-2's Conv1D; the Conv1D "
+                         f"style takes projections named {', '.join(want)}, got {', '.join(map(str, got))}")
+
+
 def _attention(entry, mod, config, tp_size, args, ctx):
     fused, o_name = args.pop("fused", None), args.pop("o_name", "o_proj")
     lay = _heads(entry, config, tp_size, args, ctx["head_split_weights"])
+    if fused and _conv1d(_out(mod, fused, "fused projection", entry)):   # GPT-2: c_attn [h, 3h], c_proj
+        _conv1d_names(entry, mod, (fused, o_name), ("c_attn", "c_proj"))
+        if lay.num_kv_heads != lay.num_heads or mod.c_attn.weight.shape[1] != 3 * lay.num_heads * lay.head_dim:
+            raise ValueError(f"plan entry {entry!r}: the Conv1D attention style takes c_attn [h, 3 x heads x "
+                             f"head_dim] with one KV head per query head; got {tuple(mod.c_attn.weight.shape)}, "
+                             f"kv_heads={lay.num_kv_heads}")
+        return Conv1DAttention(lay)
+    layout = args.pop("fused_layout", "qkv")
+    if layout not in ("qkv", "per_head") or (layout == "per_head" and (
+            (fused, o_name) != ("query_key_value", "dense") or lay.num_kv_heads != lay.num_heads)):
+        raise ValueError(f"plan entry {entry!r}: fused_layout={layout!r}; 'qkv' (rows [q heads | k heads | v heads]) "
+                         f"or 'per_head' (rows [h0: q, k, v | h1: ...], GPT-NeoX's: fused 'query_key_value', o_name "
+                         f"'dense', one KV head per query head)")
+    if layout == "per_head":
+        _rows_check(entry, mod, _out(mod, fused, "fused projection", entry), 3 * lay.num_heads * lay.head_dim,
+                    "3 x heads x head_dim", lay)
+        return NeoXAttention(lay, sequence_parallel=args.pop("sequence_parallel", ctx["sequence_parallel"]))
     if fused:
         _rows_check(entry, mod, _out(mod, fused, "fused projection", entry),
                     (lay.num_heads + 2 * lay.num_kv_heads) * lay.head_dim, "(heads + 2 kv_heads) x head_dim", lay)
@@ -183,8 +213,23 @@ def _attention(entry, mod, config, tp_size, args, ctx):
             _rows_check(entry, mod, _out(mod, p, "projection", entry), lay.num_kv_heads * lay.head_dim,
                         "kv_heads x head_dim", lay)
     _out(mod, o_name, "output projection", entry)
-    return Attention(lay, sequence_parallel=args.pop("sequence_parallel", ctx["sequence_parallel"]), fused=fused,
-                     o_name=o_name)
+    sp = args.pop("sequence_parallel", ctx["sequence_parallel"])
+    qk_norm = args.pop("qk_norm", "head")
+    if qk_norm == "full":       # OLMo 2's q/k RMSNorms over the whole projection: sharded with the heads
+        if fused or o_name != "o_proj":
+            raise ValueError(f"plan entry {entry!r}: qk_norm='full' takes separate q_proj, k_proj, v_proj and "
+                             f"o_proj (fused={fused!r}, o_name={o_name!r})")
+        for norm, rows in (("q_norm", lay.num_heads), ("k_norm", lay.num_kv_heads)):
+            w = getattr(getattr(mod, norm, None), "weight", None)
+            if w is None or w.numel() != rows * lay.head_dim:
+                raise ValueError(f"plan entry {entry!r}: qk_norm='full' needs {norm}.weight of {rows}x"
+                                 f"{lay.head_dim} = {rows * lay.head_dim} elements; {type(mod).__name__} has "
+                                 f"{None if w is None else w.numel()}")
+        return FullWidthQKNormAttention(lay, sequence_parallel=sp)
+    if qk_norm != "head":
+        raise ValueError(f"plan entry {entry!r}: qk_norm={qk_norm!r}; one of 'head' (per-head q/k norms, "
+                         f"replicated) or 'full' (norms over the whole projection, sharded with the heads)")
+    return Attention(lay, sequence_parallel=sp, fused=fused, o_name=o_name)
 
 
 def _encoder_attention(entry, mod, config, tp_size, args, ctx):
@@ -228,8 +273,14 @@ def _gated_mlp(entry, mod, config, tp_size, args, ctx):
 def _mlp(entry, mod, config, tp_size, args, ctx):
     _not_attention(entry, mod, "mlp")
     up, down = args.pop("up", "c_fc"), args.pop("down", "c_proj")
-    rows = _out(mod, up, "up projection", entry).weight.shape[0]
+    up_mod = _out(mod, up, "up projection", entry)
     _out(mod, down, "down projection", entry)
+    if _conv1d(up_mod):                                       # GPT-2: Conv1D c_fc [h, f], c_proj [f, h]
+        _conv1d_names(entry, mod, (up, down), ("c_fc", "c_proj"))
+        if args.pop("sequence_parallel", False):
+            raise ValueError(f"plan entry {entry!r}: the Conv1D MLP style has no sequence_parallel")
+        return Conv1DMLP(_mlp_partition(entry, args, up_mod.weight.shape[1], ctx))
+    rows = up_mod.weight.shape[0]
     return MLP(_mlp_partition(entry, args, rows, ctx), up=up, down=down,
                sequence_parallel=args.pop("sequence_parallel", ctx["sequence_parallel"]))
 
@@ -273,6 +324,21 @@ def _moe_block(entry, mod, config, tp_size, args, ctx):
                                           se.gate_proj.weight.shape[0], ctx), e)
 
 
+def _linear(entry, mod, what):
+    if not isinstance(mod, nn.Linear):
+        raise ValueError(f"plan entry {entry!r}: style {what!r} needs an nn.Linear, got {type(mod).__name__}")
+
+
+def _column(entry, mod, config, tp_size, args, ctx):
+    _linear(entry, mod, "column")
+    return ColumnLinear(_mlp_partition(entry, args, mod.out_features, ctx))
+
+
+def _row(entry, mod, config, tp_size, args, ctx):
+    _linear(entry, mod, "row")
+    return RowLinear(_mlp_partition(entry, args, mod.in_features, ctx))
+
+
 def _vocab(entry, args, rows, ctx):
     size = args.pop("size", None) or rows
     if size != rows:
@@ -314,6 +380,8 @@ STYLES = {
     "mlp": _mlp,
     "moe_experts": _moe_experts,
     "moe_block": _moe_block,
+    "column": _column,
+    "row": _row,
 }
 
 
@@ -389,15 +457,17 @@ def _plan(base, entries, built, user, config, model, tp_size, sp) -> ShardingPla
     def first(kind):
         return next((e.style for e in built if isinstance(e.style, kind)), None)
 
-    att = first((Attention, EncoderAttention))
+    att = first((Attention, EncoderAttention, Conv1DAttention, NeoXAttention))
     heads = att.layout if att is not None else (base.heads if base else None)
     voc = first((VocabEmbedding, LMHead))
     vocab = voc.partition if voc is not None else (base.vocab if base else None)
-    mlp = first((MoEExperts, SharedExpertMoE)) or first((GatedMLP, MLP))   # the expert size, as the MoE table
+    # the expert size where there are experts, as the MoE table
+    mlp = first((MoEExperts, SharedExpertMoE)) or first((GatedMLP, MLP, Conv1DMLP, ColumnLinear))
     inter = mlp.partition if mlp is not None else (base.intermediate if base else None)
     blocks = user.blocks or (base.blocks if base else None)
     if blocks is None:   # the parent of the first attention pattern: model.layers.*.self_attn -> model.layers.*
-        pat = next((e.pattern for e in built if isinstance(e.style, (Attention, EncoderAttention))), None)
+        pat = next((e.pattern for e in built if isinstance(e.style, (Attention, EncoderAttention, Conv1DAttention,
+                                                                          NeoXAttention))), None)
         if pat is None or "." not in pat:
             raise ValueError(f"{user.source}: give 'blocks' (the pattern of the transformer blocks, e.g. "
                              f"'model.layers.*'): it cannot be found from an attention entry")

@@ -51,8 +51,8 @@ class VocabParallelEmbedding(nn.Module):
         w = _slice(full.weight.detach(), 0, self.partition, tp.rank).clone()
         self.weight = mark_sharded(nn.Parameter(w, requires_grad=full.weight.requires_grad), 0, self.partition)
         scale = getattr(full, "embed_scale", None)  # Gemma's scaled embedding: output * sqrt(h), kept as a buffer
-        if scale is not None:
-            self.register_buffer("embed_scale", scale.detach().clone(), persistent=False)
+        if scale is not None:                       # (a tensor; BioGPT's is a Python float)
+            self.register_buffer("embed_scale", torch.as_tensor(scale).detach().clone(), persistent=False)
         else:
             self.embed_scale = None
 

@@ -150,7 +150,7 @@ def compare_to_reference(ref: nn.Module, par: nn.Module, tp: Group, input_ids: t
     dtype = next(ref.parameters()).dtype
     k = _reduction_len(ref)
     nl = plan.num_layers
-    ref_out: dict[str, torch.Tensor] = {}
+    ref_out: dict[str, list[torch.Tensor]] = {}     # per call: a module may run twice (NanoChat's norm)
     seen: set[str] = set()
     diffs: list[ModuleDiff] = []
 
@@ -171,29 +171,31 @@ def compare_to_reference(ref: nn.Module, par: nn.Module, tp: Group, input_ids: t
             t += Q8_FLIPS / 127 * (d + 1) * (scale if relative else max(1.0, scale))
         return t
 
-    ref_in: dict[str, torch.Size] = {}
+    ref_in: dict[str, list[torch.Size]] = {}
+    par_calls: dict[str, int] = {}
 
     def ref_hook(name):
         def hook(_m, args, kwargs, out):
             t, x = _first_tensor(out), _input_tensor(args, kwargs)
             if t is not None:
-                ref_out[name] = t.detach()
-            if x is not None:
-                ref_in[name] = x.shape
+                ref_out.setdefault(name, []).append(t.detach())
+                ref_in.setdefault(name, []).append(x.shape if x is not None else None)
         return hook
 
     def par_hook(name, kind, layer):
         def hook(_m, args, kwargs, out):
-            t, r = _first_tensor(out), ref_out.get(name)
-            if t is None or r is None:
+            i = par_calls[name] = par_calls.get(name, -1) + 1        # the i-th call against the reference's i-th
+            t, r = _first_tensor(out), (ref_out.get(name) or [])[i:i + 1]
+            if t is None or not r:
                 return
+            r, x_shape = r[0], ref_in[name][i]
             full = _to_full(t, r.shape, tp, plan.vocab)
             seen.add(name)
             if full.shape != r.shape:   # a layout this check cannot gather: a failure, not a silent skip
                 diffs.append(ModuleDiff(name, layer, kind, math.inf, 0.0))
                 return
             diffs.append(_diff(name, layer, kind, full, r, tol_of, depth(kind, layer)))
-            diffs.append(_own_diff(ref.get_submodule(name), args, kwargs, ref_in.get(name), full, tp, name, layer,
+            diffs.append(_own_diff(ref.get_submodule(name), args, kwargs, x_shape, full, tp, name, layer,
                                    kind, tol_of))
         return hook
 

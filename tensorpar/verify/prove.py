@@ -10,7 +10,8 @@ import copy
 
 import torch
 
-from tensorpar.hf.discover import UserPlan, _fail, _heads, discover_plan, plan_dict, save_plan, tiny_config
+from tensorpar.hf.discover import (DiscoveryError, UserPlan, _fail, _heads, discover_plan, plan_dict, save_plan,
+                                   tiny_config, variants)
 
 def _proof_job(ctx, config, spec: dict, train: bool):
     """One rank of the proof: random weights (seed 0, every tensor perturbed so biases and norms are not their
@@ -76,6 +77,19 @@ def prove_plan(config, plan: UserPlan, *, tps=(2, 3), train: bool = True, pools=
     return reports
 
 
+def prove_discovered(config, plan: UserPlan, *, tps=(2, 3), train: bool = True, pools=None):
+    """Prove ``plan`` or, when the proof refuses it, each of its :func:`~tensorpar.hf.discover.variants` (a fused
+    projection's other row layout) in turn; return ``(the plan that passed, its reports)``. Raises the first
+    plan's DiscoveryError when none passes."""
+    first = None
+    for p in variants(plan):
+        try:
+            return p, prove_plan(config, p, tps=tps, train=train, pools=pools)
+        except DiscoveryError as e:
+            first = first or e
+    raise first
+
+
 def discovered_plan_file(config, *, save: str | None = None, train: bool = True, tps=(2, 3), pools=None) -> str:
     """``--discover-plan`` in the launching process: discover, prove (:func:`prove_plan`), write the plan file
     (``save``, or a file in the temporary directory) and return its path, which the ranks read as
@@ -83,8 +97,7 @@ def discovered_plan_file(config, *, save: str | None = None, train: bool = True,
     import os
     import tempfile
 
-    plan = discover_plan(config)
-    prove_plan(config, plan, tps=tps, train=train, pools=pools)
+    plan, _ = prove_discovered(config, discover_plan(config), tps=tps, train=train, pools=pools)
     if save is None:
         fd, save = tempfile.mkstemp(prefix=f"tensorpar-{config.model_type}-", suffix=".json")
         os.close(fd)

@@ -137,7 +137,7 @@ def test_pattern_matching_nothing_names_the_entry():
 
 def test_unknown_style_names_the_entry_and_lists_styles():
     _err({"model.layers.*.mlp": {"style": "swiglu"}},
-         r"plan entry 'model.layers.\*.mlp': style 'swiglu' does not exist; styles: attention, encoder_attention")
+         r"plan entry 'model.layers.\*.mlp': style 'swiglu' does not exist; styles: attention, column, encoder_attention")
 
 
 def test_unknown_argument_names_the_entry():

@@ -15,6 +15,15 @@ from tensorpar.hf.modules.norms import TPRMSNorm, TPSpanningRMSNorm, all_reduce_
 from tensorpar.layers.attention import HeadLayout
 from tensorpar.layers.linear import ColumnParallelLinear, RowParallelLinear
 
+def _partial_rotary_dim(config, head_dim: int) -> int | None:
+    """The rotated features of a head under partial rotary (``partial_rotary_factor`` < 1, in the config or its
+    ``rope_parameters``), else None."""
+    rp = getattr(config, "rope_parameters", None)
+    f = rp.get("partial_rotary_factor") if isinstance(rp, dict) else None
+    f = f if f is not None else getattr(config, "partial_rotary_factor", None)
+    return int(head_dim * f) if isinstance(f, (int, float)) and 0 < f < 1 else None
+
+
 class TPAttention(nn.Module):
     """Self-attention with query heads split and KV heads selected per rank (:class:`HeadLayout`).
 
@@ -68,6 +77,7 @@ class TPAttention(nn.Module):
         self.num_key_value_groups = self._group or 1
         family = sys.modules[type(attn).__module__]
         self._rope = getattr(family, "apply_rotary_pos_emb", None)
+        self._rotary_dim = _partial_rotary_dim(attn.config, layout.head_dim)
         self._attn_default = family.eager_attention_forward
         self._n_q = layout.local_heads(tp.rank) * layout.head_dim
         self._n_kv = layout.local_kv_heads(tp.rank) * layout.head_dim
@@ -129,13 +139,13 @@ class TPAttention(nn.Module):
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)                     # [b, heads, s, d]
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
-        cache = cache if cache is not None else kwargs.pop("past_key_values", None)
-        kwargs.pop("past_key_values", None)
+        for key in ("past_key_values", "layer_past"):   # the cache's name in the family's block (GPT-BigCode)
+            c = kwargs.pop(key, None)
+            cache = cache if cache is not None else c
         q, k, v = self._qkv(hidden_states)                                                # [b, heads, s, d]
         b, s = q.shape[0], q.shape[2]
         if position_embeddings is not None and self._rope is not None:
-            cos, sin = position_embeddings
-            q, k = self._rope(q, k, cos, sin)
+            q, k = self._rotate(q, k, *position_embeddings)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
         if self._group is None:
@@ -152,6 +162,20 @@ class TPAttention(nn.Module):
         if self.output_dropout is not None:
             out = self.output_dropout(out)
         return out, weights
+
+    def _rotate(self, q, k, cos, sin):
+        """The family's rotary embedding on q, k ``[b, heads, s, d]``. Partial rotary (the config's
+        ``partial_rotary_factor`` < 1 and tables ``[.., r]`` of ``r = d * factor`` features: Phi and StableLM rotate
+        the first ``r`` features of each head in the attention forward and pass the rest): the family's function
+        gets those ``r`` features only (one that splits them itself, GLM's, sees ``r`` of ``r`` and passes
+        nothing). Tables narrower than the head for another reason (GPT-OSS's half-width ones, factor 1) go to the
+        family's function whole, as before."""
+        r, d = cos.shape[-1], q.shape[-1]
+        if r >= d or r != self._rotary_dim:
+            return self._rope(q, k, cos, sin)
+        (qr, qp), (kr, kp) = q.split([r, d - r], -1), k.split([r, d - r], -1)
+        qr, kr = self._rope(qr, kr, cos, sin)
+        return torch.cat([qr, qp], -1), torch.cat([kr, kp], -1)
 
     def _attend(self, q, k, v, attention_mask, **kwargs):
         """The kernel of one process over the whole sequence: ``(out [b, s, heads, d], weights)``."""

@@ -17,6 +17,8 @@ style                     what it does (collectives: forward / backward)
                           all-reduce / - at the output projection)
 ``GatedMLP``, ``MLP``     column, (column,) row over the intermediate dim (all-reduce at the output / at entry)
 ``Conv1DAttention``       GPT-2's fused ``c_attn`` (each rank's q, k and v heads) and ``c_proj``
+``ColumnLinear``,         one linear split by output / input features: an MLP written into its block (OPT's
+``RowLinear``             ``fc1``, ``fc2``; the block's forward runs) (- / all-reduce; all-reduce / -)
 ``LMHead``                column-parallel over the vocabulary, logits stay sharded; may be tied
 ``MoEExperts``            stacked MoE experts split inside every expert (gate/up rows column, down row); one
                           all-reduce per MoE layer after the combine (:class:`~tensorpar.hf.modules.TPExperts`)
@@ -29,12 +31,12 @@ styles), :mod:`.dense` (attention and MLPs), :mod:`.family` (one family's varian
 """
 from tensorpar.hf.styles.base import (ApplyContext, Entry, LMHead, Replicated, SequenceParallelEntry, Style,
                                       VocabEmbedding)
-from tensorpar.hf.styles.dense import MLP, Attention, Conv1DAttention, Conv1DMLP, GatedMLP
+from tensorpar.hf.styles.dense import MLP, Attention, ColumnLinear, Conv1DAttention, Conv1DMLP, GatedMLP, RowLinear
 from tensorpar.hf.styles.family import (EncoderAttention, FullWidthQKNormAttention, KeyedEmbeddingDropout,
                                         NeoXAttention, OlmoeAttention, ResidualDropoutMLP, Starcoder2Attention)
 from tensorpar.hf.styles.moe import MoEExperts, SharedExpertMoE
 
 __all__ = ["ApplyContext", "Entry", "LMHead", "Replicated", "SequenceParallelEntry", "Style", "VocabEmbedding",
-           "MLP", "Attention", "Conv1DAttention", "Conv1DMLP", "GatedMLP", "EncoderAttention",
-           "FullWidthQKNormAttention", "KeyedEmbeddingDropout", "NeoXAttention", "OlmoeAttention",
+           "MLP", "Attention", "ColumnLinear", "Conv1DAttention", "Conv1DMLP", "GatedMLP", "RowLinear",
+           "EncoderAttention", "FullWidthQKNormAttention", "KeyedEmbeddingDropout", "NeoXAttention", "OlmoeAttention",
            "ResidualDropoutMLP", "Starcoder2Attention", "MoEExperts", "SharedExpertMoE"]

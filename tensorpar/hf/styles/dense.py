@@ -157,3 +157,44 @@ class Conv1DMLP(Style):
 
     def rows(self):
         return [("c_fc", "column", "Conv1D"), ("c_proj", "row", "Conv1D, all-reduce")]
+
+
+@dataclass
+class ColumnLinear(Style):
+    """One ``nn.Linear`` whose output features are split: the input projection of an MLP written into its block
+    (OPT's, BioGPT's ``fc1``; the block's own forward runs): :class:`~tensorpar.layers.ColumnParallelLinear`, input
+    ``[*, h]`` replicated, output ``[*, f_r]`` kept split for the elementwise activation the block applies next
+    and the :class:`RowLinear` after it. Collectives: forward none; backward all-reduce of the input gradient."""
+
+    partition: Partition
+    name = "column"
+
+    def apply(self, module, fqn, ctx):
+        from tensorpar.layers.linear import ColumnParallelLinear
+        return ColumnParallelLinear.from_linear(module, ctx.tp, partition=self.partition)
+
+    def keeps(self):
+        return ("weight", "bias")
+
+    def detail(self):
+        return f"out features {self.partition.n} -> {list(self.partition.sizes)}"
+
+
+@dataclass
+class RowLinear(Style):
+    """One ``nn.Linear`` whose input features are split (OPT's ``fc2`` after a :class:`ColumnLinear`):
+    :class:`~tensorpar.layers.RowParallelLinear`, input ``[*, f_r]``, output ``[*, h]`` replicated, bias added once.
+    Collectives: forward all-reduce; backward none."""
+
+    partition: Partition
+    name = "row"
+
+    def apply(self, module, fqn, ctx):
+        from tensorpar.layers.linear import RowParallelLinear
+        return RowParallelLinear.from_linear(module, ctx.tp, partition=self.partition)
+
+    def keeps(self):
+        return ("weight", "bias")
+
+    def detail(self):
+        return f"in features {self.partition.n} -> {list(self.partition.sizes)}, all-reduce"
