@@ -105,3 +105,25 @@ def test_shared_cores_do_not_slow_the_wire():
     step = step_cost(model, layout, ClusterSpec(shared, 2, 1), work, assume).step
     assert step.tp_comm == pytest.approx(alone.tp_comm, rel=1e-9)
     assert step.compute > 2 * alone.compute   # the cores' share: 2 of 1 + 6 runnable threads
+
+
+def test_cli_plans_layouts_across_hosts(capsys):
+    import json
+
+    from tensorpar import cli
+
+    args = ["plan", "--inference", "--model", "smollm2", "--gpus", "4", "--gpus-per-node", "2", "--batch", "1",
+            "--prompt-len", "8", "--max-new-tokens", "32", "--inter-node-bw", "0.125", "--inter-node-latency-us", "500"]
+    assert cli.main([*args, "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)
+    layouts = {(p["tp"], p["pp"]): p for p in plans}
+    assert set(layouts) == {(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (1, 4)}
+    assert layouts[(2, 2)]["across_nodes"] == {"tp": False, "pp": True}
+    assert layouts[(4, 1)]["across_nodes"] == {"tp": True, "pp": False}
+    assert layouts[(2, 2)]["decode_breakdown_ms"]["pp_comm"] > 0
+    assert cli.main([*args, "--tp-comm", "int8"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "link between nodes 0.125 GB/s, 500 us; --tp-comm int8" in out
+    assert cli.main(["plan", "--model", "smollm2", "--gpus", "2", "--global-batch", "8", "--seq", "128",
+                     "--tp-comm", "int8"]) == 2
+    assert "--tp-comm int8 plans generation (--inference)" in capsys.readouterr().err
