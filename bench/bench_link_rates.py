@@ -23,6 +23,7 @@ load average before and after are recorded, and every number moves with the load
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime as _dt
 import json
 import os
@@ -41,6 +42,9 @@ from machine import cpu_model  # noqa: E402
 from tensorpar.nshosts import NamespaceHosts, rate_bits  # noqa: E402
 
 RATES = ("1gbit", "10gbit")
+#: (name, generate flags, tp, pp, --tp-comm) of the decode rows, one rank per host
+DECODE_ROWS = (("tp=2 across", ["--tp", "2"], 2, 1, "fp32"), ("pp=2 across", ["--pp", "2"], 1, 2, "fp32"),
+               ("tp=2 across, --tp-comm int8", ["--tp", "2", "--tp-comm", "int8"], 2, 1, "int8"))
 HOSTNAMES = ["linkbench-h0", "linkbench-h1"]
 PROMPT = "The capital of France is"
 
@@ -83,10 +87,10 @@ def generate(h: NamespaceHosts | None, folder: str, new_tokens: int, extra: list
 
 
 def train(h: NamespaceHosts, layout: dict, link: dict, data: str, steps: int, workdir: str) -> dict:
-    plan = Path(workdir) / f"plan-tp{layout['tp']}-pp{layout['pp']}.json"
+    plan = Path(tempfile.mkdtemp(dir=workdir)) / f"plan-tp{layout['tp']}-pp{layout['pp']}.json"
     plan.write_text(json.dumps(layout))
     cmd = ["-m", "tensorpar", "train", "--model", "small", "--data", data, "--seq-len", "128", "--batch-size", "8",
-           "--steps", str(steps), "--plan", str(plan), "--out", str(Path(workdir) / f"run-{plan.stem}"),
+           "--steps", str(steps), "--plan", str(plan), "--out", str(plan.parent / "run"),
            "--no-progress", "--eval-every", "0", "--save-every", "0",
            "--inter-node-bw", f"{link['bandwidth_gbps']:.6g}", "--inter-node-latency-us", f"{link['latency_us']:.6g}"]
     res = h.run_torchrun(cmd, nproc=1, timeout_s=900, env=env())
@@ -112,7 +116,14 @@ def seed_calibration(hostnames: list[str]) -> list[Path]:
             dst = calibration_path()
         dst.write_text(src.read_text())
         out.append(dst)
+    atexit.register(lambda: [path.unlink(missing_ok=True) for path in out])   # also when the run fails
     return out
+
+
+def _median_run(runs: list[dict], key: str) -> dict:
+    """The run (measured or predicted part) of median ms/token."""
+    ordered = sorted((r[key] for r in runs), key=lambda x: x["ms_per_token"])
+    return ordered[len(ordered) // 2]
 
 
 def decode_device(folder: str, tp1_ms: float, link: dict):
@@ -148,10 +159,13 @@ def to_markdown(r: dict) -> str:
              f"{m['loadavg_before']}, after {m['loadavg_after']} (a shared machine: other sessions' work runs on the "
              "same cores, and the two namespace hosts share them too).", "",
              f"Decode: SmolLM2-135M-Instruct, fp32, greedy, one prompt, {m['new_tokens']} new tokens, one rank per "
-             f"host. The planner's device: SmolLM2 at tp=1 on one rank here, {m['tp1_ms']:.1f} ms/token "
-             f"(read rate {m['read_gbps']:.2f} GB/s), and the link of each rate as measured (gloo all-reduce fit).",
+             f"host; {m.get('repeats', 1)} run(s) of each row, interleaved, the median shown. The planner's device: "
+             f"SmolLM2 at tp=1 on one rank here, measured just before each round of rows (median "
+             f"{m['tp1_ms']:.1f} ms/token), as the read rate, and the link of each rate as measured (gloo all-reduce "
+             "fit). Load: the 1-minute load average when each run ended.",
              "", "| link | measured link: latency (us), bandwidth (GB/s) | layout | measured ms/token | predicted "
-             "ms/token | error | predicted: reads, tp comm, pp comm (ms) |", "|---|---|---|---:|---:|---:|---|"]
+             "ms/token | error | predicted: reads, tp comm, pp comm (ms) | runs: measured / predicted (load) |",
+             "|---|---|---|---:|---:|---:|---|---|"]
     for rate, rec in r["rates"].items():
         f = rec["link"]["fit"]["allreduce"]
         for row in rec["decode"]:
@@ -159,7 +173,13 @@ def to_markdown(r: dict) -> str:
             lines.append(f"| {rate} | {f['latency_us']:.0f}, {f['bandwidth_gbps']:.3f} | {row['layout']} | "
                          f"{row['measured']['ms_per_token']:.1f} | {p['ms_per_token']:.1f} | "
                          f"{100 * (p['ms_per_token'] / row['measured']['ms_per_token'] - 1):+.0f}% | "
-                         f"{p['reads_ms']:.1f}, {p['tp_comm_ms']:.1f}, {p['pp_comm_ms']:.1f} |")
+                         f"{p['reads_ms']:.1f}, {p['tp_comm_ms']:.1f}, {p['pp_comm_ms']:.1f} | "
+                         + ", ".join(f"{x['measured']['ms_per_token']:.0f} / {x['predicted']['ms_per_token']:.0f} "
+                                     f"({x['measured'].get('load', float('nan')):.0f})" for x in row.get("runs", []))
+                         + " |")
+        for t in rec.get("tp1", []):
+            lines.append(f"| {rate} | | tp=1, one rank (the device's reference) | {t['ms_per_token']:.1f} | | | | "
+                         f"(load {t.get('load', float('nan')):.0f}) |")
     lines += ["", f"Training step: `tensorpar train --plan FILE` (preset `small`, batch 8 x 128 tokens, "
               f"{m['train_steps']} steps, the median after 2 warm-up, slowest rank), with `--inter-node-bw` and "
               "`--inter-node-latency-us` of the measured link; predicted: the trainer's calibrated device:", "",
@@ -176,12 +196,31 @@ def to_markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write(result: dict, args, load_before, tp1_all: list, read: float, torch_version: str) -> str:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip() or "unknown"
+    result["meta"] = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "cpu": cpu_model(),
+                      "cpus": os.cpu_count(), "torch": torch_version, "commit": commit, "model": args.model,
+                      "new_tokens": args.new_tokens, "iters": args.iters, "train_steps": args.train_steps,
+                      "tp1_ms": sorted(tp1_all)[len(tp1_all) // 2] if tp1_all else float("nan"),
+                      "repeats": args.repeats, "read_gbps": read,
+                      "loadavg_before": [round(v, 2) for v in load_before],
+                      "loadavg_after": [round(v, 2) for v in os.getloadavg()]}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "link_rates.json").write_text(json.dumps(result, indent=1) + "\n")
+    md = to_markdown(result)
+    (args.out / "link_rates.md").write_text(md)
+    return md
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--iters", type=int, default=20, help="timed calls per size of the link job")
     ap.add_argument("--train-steps", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=1, help="decode runs of each row (and of the tp=1 reference before "
+                                                           "them), interleaved; the median is shown")
     ap.add_argument("--rates", default=",".join(RATES))
     ap.add_argument("--no-train", action="store_true")
     ap.add_argument("--no-decode", action="store_true", help="(testing the bench) training rows only")
@@ -196,11 +235,10 @@ def main(argv=None) -> int:
         rate_bits(rate)
     folder = str(resolve_model(args.model))   # fetched here: the namespace hosts have no way out
     cached_calibration()                       # the trainer's calibration, measured here once (cached)
-    seeded = seed_calibration(HOSTNAMES)
+    seed_calibration(HOSTNAMES)
     load_before = os.getloadavg()
-    tp1 = (generate(None, folder, args.new_tokens, ["--tp", "1"]) if not args.no_decode else
-           {"ms_per_token": float("nan"), "line": ""})
     prompt_len = 6
+    tp1_all = []
     result, read = {"rates": {}}, float("nan")
     with tempfile.TemporaryDirectory() as work:
         data = Path(work) / "data.txt"
@@ -210,17 +248,21 @@ def main(argv=None) -> int:
             with NamespaceHosts(2, rate, hostnames=HOSTNAMES) as h:
                 rec["link"] = link_fit(h, args.iters)
                 link = rec["link"]["fit"]["allreduce"]
-                if not args.no_decode:
+                rows = {name: [] for name, *_ in DECODE_ROWS}
+                rec["tp1"] = []
+                for _ in range(0 if args.no_decode else args.repeats):   # interleaved: load drift hits every row
+                    # this machine's decode speed now: one rank alone at tp 1 (outside the namespace hosts)
+                    tp1 = dict(generate(None, folder, args.new_tokens, ["--tp", "1"]), load=os.getloadavg()[0])
+                    rec["tp1"].append(tp1)
+                    tp1_all.append(tp1["ms_per_token"])
                     model, device, read = decode_device(folder, tp1["ms_per_token"], link)
-                rec["decode"] = []
-                for name, extra, tp, pp, comm in () if args.no_decode else (("tp=2 across", ["--tp", "2"], 2, 1, "fp32"),
-                                                  ("pp=2 across", ["--pp", "2"], 1, 2, "fp32"),
-                                                  ("tp=2 across, --tp-comm int8", ["--tp", "2", "--tp-comm", "int8"],
-                                                   2, 1, "int8")):
-                    rec["decode"].append({"layout": name, "measured": generate(h, folder, args.new_tokens, extra),
-                                          "predicted": predict_decode(model, device, tp, pp, comm, args.new_tokens,
-                                                                      prompt_len)})
-                    print(json.dumps(rec["decode"][-1]), file=sys.stderr, flush=True)
+                    for name, extra, tp, pp, comm in DECODE_ROWS:
+                        run = {"measured": dict(generate(h, folder, args.new_tokens, extra), load=os.getloadavg()[0]),
+                               "predicted": predict_decode(model, device, tp, pp, comm, args.new_tokens, prompt_len)}
+                        rows[name].append(run)
+                        print(json.dumps({"layout": name, **run}), file=sys.stderr, flush=True)
+                rec["decode"] = [{"layout": name, "runs": runs, "measured": _median_run(runs, "measured"),
+                                  "predicted": _median_run(runs, "predicted")} for name, runs in rows.items() if runs]
                 rec["train"] = []
                 if not args.no_train:
                     for name, lay in (("tp=2 across", {"tp": 2, "pp": 1, "dp": 1, "micro_batch": 4}),
@@ -229,22 +271,8 @@ def main(argv=None) -> int:
                         rec["train"].append({"layout": name, **row})
                         print(json.dumps(rec["train"][-1]), file=sys.stderr, flush=True)
             result["rates"][rate] = rec
-    for path in seeded:
-        path.unlink(missing_ok=True)
-    load_after = os.getloadavg()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT).stdout.strip() or "unknown"
-    result["meta"] = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "cpu": cpu_model(),
-                      "cpus": os.cpu_count(), "torch": torch.__version__, "commit": commit, "model": args.model,
-                      "new_tokens": args.new_tokens, "iters": args.iters, "train_steps": args.train_steps,
-                      "tp1_ms": tp1["ms_per_token"], "tp1_line": tp1["line"], "read_gbps": read,
-                      "loadavg_before": [round(v, 2) for v in load_before],
-                      "loadavg_after": [round(v, 2) for v in load_after]}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "link_rates.json").write_text(json.dumps(result, indent=1) + "\n")
-    md = to_markdown(result)
-    (args.out / "link_rates.md").write_text(md)
-    print(md)
+            md = write(result, args, load_before, tp1_all, read, torch.__version__)  # after each rate: a later
+    print(md)                                                                    # failure keeps what was measured
     return 0
 
 
