@@ -57,10 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hw.add_argument("--memory-gb", type=float, help="override device memory, GiB")
     hw.add_argument("--peak-tflops", type=float, help="override dense 16-bit peak, TFLOP/s")
     hw.add_argument("--intra-node-bw", type=float, help="override intra-node bandwidth, GB/s per direction")
-    hw.add_argument("--inter-node-bw", type=float, help="override inter-node bandwidth per device, GB/s")
+    hw.add_argument("--inter-node-bw", type=float,
+                    help="override inter-node bandwidth per device, GB/s (1 Gbit/s = 0.125); with --device-file: the "
+                         "link between hosts, used by groups that span hosts (docs/hosts.md)")
     hw.add_argument("--hbm-gbps", type=float, help="override device-memory bandwidth, GB/s")
     hw.add_argument("--intra-node-latency-us", type=float)
-    hw.add_argument("--inter-node-latency-us", type=float)
+    hw.add_argument("--inter-node-latency-us", type=float,
+                    help="override the latency of one small collective or send between nodes, microseconds")
 
     work = parser.add_argument_group("workload and assumptions")
     work.add_argument("--global-batch", type=int, help="sequences per optimizer step")
@@ -93,6 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     inf.add_argument("--prompt-len", type=int, help="prompt tokens per sequence")
     inf.add_argument("--max-new-tokens", type=int, help="tokens generated per sequence")
     inf.add_argument("--latency-target-ms", type=float, help="largest acceptable decode time per token, ms")
+    inf.add_argument("--tp-comm", choices=("fp32", "int8"), default="fp32",
+                     help="the tp all-reduce of partial sums as generate --tp-comm runs it: exact, or blockwise int8 "
+                          "on the wire (~0.28x the fp32 bytes; pays on a slow link between hosts)")
 
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=int, default=10, help="plans to show (0: all)")
@@ -214,6 +220,9 @@ def main(args) -> int:
             return _plan_devices(args)
         if args.inference:
             return _plan_inference(args)
+        if getattr(args, "tp_comm", "fp32") != "fp32":
+            raise ValueError(f"--tp-comm {args.tp_comm} plans generation (--inference); training's tp all-reduce is "
+                             "exact: drop --tp-comm or add --inference")
         return _plan(args)
     except ValueError as err:
         print(f"tensorpar plan: error: {err}", file=sys.stderr)
@@ -271,7 +280,8 @@ def _plan_inference(args) -> int:
     size = DTYPE_BYTES[args.dtype]
     work = InferenceWorkload(args.batch, args.prompt_len, args.max_new_tokens, weight_bytes=size, kv_bytes=size,
                              latency_target_ms=args.latency_target_ms,
-                             reserve_gib=InferenceWorkload.reserve_gib if args.reserve_gb is None else args.reserve_gb)
+                             reserve_gib=InferenceWorkload.reserve_gib if args.reserve_gb is None else args.reserve_gb,
+                             tp_comm=getattr(args, "tp_comm", "fp32"))
     plans = plan_inference(model, hw, work)
     ok = bool(plans) and plans[0].fits
     if args.json:
@@ -286,15 +296,18 @@ def _plan_inference(args) -> int:
 
     title = (f"{model.name} inference on {hw.num_devices} x {hw.device.name}: batch {work.batch}, prompt "
              f"{work.prompt_len}, {work.max_new_tokens} new tokens"
-             + (f", target {work.latency_target_ms:g} ms/token" if work.latency_target_ms else ""))
+             + (f", target {work.latency_target_ms:g} ms/token" if work.latency_target_ms else "")
+             + (f"; {hw.devices_per_node} per node, link between nodes {hw.device.inter_node_gbps:g} GB/s, "
+                f"{hw.device.inter_node_latency_us:g} us" if hw.num_devices > hw.devices_per_node else "")
+             + ("; --tp-comm int8" if work.tp_comm == "int8" else ""))
     table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
-    for name in ("#", "tp", "replicas", "KV heads/rank", "weights GiB", "KV GiB", "total GiB", "TTFT ms",
+    for name in ("#", "tp", "pp", "replicas", "KV heads/rank", "weights GiB", "KV GiB", "total GiB", "TTFT ms",
                  "decode ms/token", "tokens/s"):
         table.add_column(name, justify="right")
     for i, q in enumerate(plans):
         total = f"{q.memory / GIB:.2f}" if q.fits else f"[red]{q.memory / GIB:.2f}[/red]"
         decode = f"{q.decode * 1e3:.2f}" if q.meets(work.latency_target_ms) else f"[red]{q.decode * 1e3:.2f}[/red]"
-        table.add_row(str(i + 1) if q.fits else "-", str(q.tp), str(q.replicas), str(q.kv_heads_per_rank), f"{q.weights / GIB:.2f}",
+        table.add_row(str(i + 1) if q.fits else "-", str(q.tp), str(q.pp), str(q.replicas), str(q.kv_heads_per_rank), f"{q.weights / GIB:.2f}",
                       f"{q.kv_cache / GIB:.2f}", total, f"{q.ttft * 1e3:.1f}", decode, f"{q.tokens_per_s:.0f}")
     con = console()
     con.print(table)

@@ -172,23 +172,36 @@ class ClusterSpec:
         node by the intra-node links; so the group gets ``per_node`` NICs' bandwidth, at most the intra-node
         link's. A data-parallel group at tp x pp = 1 has all 8 ranks of a DGX node (8 NICs, 200 GB/s); at
         tp x pp >= 8 one rank per node (one NIC, 25 GB/s). A device with a measured local link
-        (``--calibrate``) uses that link for every group, except the tensor-parallel group (``group="tp"``)
-        when the device has a measured ``tp_link_gbps`` of its own (another backend for that group).
+        (``--calibrate``) uses that link for every group inside a node, except the tensor-parallel group
+        (``group="tp"``) when the device has a measured ``tp_link_gbps`` of its own (another backend for that
+        group); a group that leaves the node uses the inter-node link where the device gives one
+        (``inter_node_gbps`` > 0, e.g. ``--inter-node-bw`` with ``--device-file``: the link between hosts), else
+        the local link too (a calibration knows only its own host).
         """
         d = self.device
-        if group == "tp" and d.tp_link_gbps > 0 and span <= self.devices_per_node:
+        inside = span <= self.devices_per_node
+        if group == "tp" and d.tp_link_gbps > 0 and inside:
             return d.tp_link_gbps * 1e9, d.tp_link_latency_us * 1e-6
-        if d.local_link_gbps > 0:  # a calibrated single host: every group uses the measured local link
-            return d.local_link_gbps * 1e9, d.local_link_latency_us * 1e-6
-        if span <= self.devices_per_node:
+        if d.local_link_gbps > 0 and (inside or not d.inter_node_gbps > 0):
+            return d.local_link_gbps * 1e9, d.local_link_latency_us * 1e-6  # a calibrated host: its measured link
+        if inside:
             return d.intra_node_gbps * 1e9, d.intra_node_latency_us * 1e-6
-        return min(d.inter_node_gbps * max(1, per_node), d.intra_node_gbps) * 1e9, d.inter_node_latency_us * 1e-6
+        cap = d.intra_node_gbps or d.local_link_gbps or float("inf")  # a calibrated host's link inside the node
+        nics = max(d.inter_node_gbps, min(d.inter_node_gbps * max(1, per_node), cap))  # at least one NIC's
+        return nics * 1e9, d.inter_node_latency_us * 1e-6
+
+    def crosses_nodes(self, span: int) -> bool:
+        """Whether a group of ranks ``span`` consecutive ranks apart at most leaves a node (uses the inter-node
+        link: :meth:`link`)."""
+        return span > self.devices_per_node
 
     def p2p_link(self, span: int) -> tuple[float, float]:
         """(bytes/s, seconds latency) of a pipeline send between ranks ``span`` apart: the device's measured
-        point-to-point link where it has one, else :meth:`link`."""
+        point-to-point link where it has one (inside a node, or with no inter-node link given), else :meth:`link`."""
         d = self.device
         bandwidth, latency = self.link(span)
+        if self.crosses_nodes(span) and d.inter_node_gbps > 0:  # between hosts: the inter-node link
+            return bandwidth, latency
         if d.p2p_link_latency_us > 0 or d.p2p_link_gbps > 0:  # measured; a bandwidth it could not resolve: the link's
             return (d.p2p_link_gbps * 1e9 if d.p2p_link_gbps > 0 else bandwidth), d.p2p_link_latency_us * 1e-6
         return bandwidth, latency

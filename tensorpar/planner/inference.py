@@ -1,7 +1,7 @@
-"""Inference planning: for each tensor-parallel degree, the memory per rank (weights and KV cache), the
-time to first token and the per-token decode latency of a batch, and how many replicas the devices hold.
+"""Inference planning: for each tensor-parallel and pipeline degree, the memory per rank (weights and KV cache),
+the time to first token and the per-token decode latency of a batch, and how many replicas the devices hold.
 
-Model (one replica of ``tp`` ranks, batch B, prompt P, N new tokens; all per rank, busiest rank):
+Model (one replica of ``tp x pp`` ranks, batch B, prompt P, N new tokens; all per rank, busiest rank):
 
 * weights: the layers at the rank's heads and MLP columns, its vocabulary shards of the embedding and
   of the output layer (one shared copy when tied), the norms, at ``weight_bytes`` per parameter;
@@ -27,7 +27,21 @@ Model (one replica of ``tp`` ranks, batch B, prompt P, N new tokens; all per ran
 * every layer of every forward pass also pays the device's ``layer_overhead_us`` (Python, framework and
   kernel launches; 0 unless measured, e.g. by ``bench/bench_plan_inference.py``: the lean decode path on the
   same model with 8-wide matrices);
-* throughput: ``replicas x B / decode seconds per token``, replicas = devices // tp.
+* pipeline stages (``pp`` > 1, ``generate --pp``; only on a cluster of several nodes, where a stage can be a
+  node): the layers cut as training cuts them (:func:`~tensorpar.planner.partition.stage_layers`), the
+  embedding on the first stage and the head on the last (a tied head: on both); one micro-batch in flight, so
+  a step runs the stages one after another: the reads, compute, tp collectives and overhead of the whole model
+  (as at pp 1) plus ``pp - 1`` sends of the step's ``B x h`` hidden state (``T x h`` in prefill) over the
+  pipeline's link (:meth:`ClusterSpec.p2p_link`) and one broadcast of the ``B + 1`` int64 tokens over the
+  pipeline group; memory per rank is the busiest stage's;
+* the links: a group that stays in a node uses the node's links; a tp group or a pipeline that spans nodes
+  uses the inter-node link (``inter_node_gbps``, ``inter_node_latency_us``: :meth:`ClusterSpec.link`), each
+  collective at its latency + bytes / bandwidth (a measured ``decode_collective_us`` is a node's own link and
+  is not used across nodes). tp spans whole nodes when it leaves one (``tp`` a multiple of the ranks per node);
+* ``tp_comm="int8"`` (``--tp-comm int8``): the ``2 x layers + 1`` all-reduces of partial sums are one all-gather
+  of each rank's blockwise int8 partial (:func:`tensorpar.comm.compress.payload_bytes`, ~1.125 bytes per element):
+  latency + ``(tp - 1) x payload / bandwidth`` (the quantization's CPU time is not modelled);
+* throughput: ``replicas x B / decode seconds per token``, replicas = devices // (tp x pp).
 
 The winner: among layouts that fit (and meet ``latency_target_ms`` per decoded token, when given), the
 highest decode throughput; ties go to the lower latency. When a target is given and no fitting layout meets
@@ -42,7 +56,7 @@ from tensorpar.planner.enumerate import divisors
 from tensorpar.planner.flops import layer_forward_flops, logit_forward_flops
 from tensorpar.planner.memory import GIB
 from tensorpar.planner.model_spec import ModelSpec
-from tensorpar.planner.partition import busiest_heads, max_ffn_columns, max_vocab_rows, split_problems
+from tensorpar.planner.partition import busiest_heads, max_ffn_columns, max_vocab_rows, split_problems, stage_layers
 
 
 @dataclass(frozen=True)
@@ -56,8 +70,11 @@ class InferenceWorkload:
     kv_bytes: int = 2
     latency_target_ms: float | None = None
     reserve_gib: float = 2.0
+    tp_comm: str = "fp32"  # the tp all-reduce of partial sums: "fp32" (exact, at weight_bytes) or "int8"
 
     def __post_init__(self) -> None:
+        if self.tp_comm not in ("fp32", "int8"):
+            raise ValueError(f"--tp-comm ({self.tp_comm!r}) must be fp32 or int8")
         for knob, flag in (("batch", "--batch"), ("prompt_len", "--prompt-len"), ("max_new_tokens", "--max-new-tokens")):
             if getattr(self, knob) < 1:
                 raise ValueError(f"{flag} ({getattr(self, knob)}) must be >= 1")
@@ -83,6 +100,15 @@ class InferencePlan:
     kv_heads_per_rank: int
     batch: int
     decode_overhead: float = 0.0  # layers x layer_overhead_us, seconds
+    pp: int = 1
+    decode_pp_comm: float = 0.0  # part of ``decode``: the pipeline's sends and token broadcast, seconds
+    tp_across_nodes: bool = False
+    pp_across_nodes: bool = False
+
+    @property
+    def name(self) -> str:
+        """``tp=2`` or ``tp=2 pp=2``."""
+        return f"tp={self.tp}" + (f" pp={self.pp}" if self.pp > 1 else "")
 
     @property
     def memory(self) -> float:
@@ -100,7 +126,8 @@ class InferencePlan:
         return target_ms is None or self.decode * 1e3 <= target_ms
 
     def to_json(self) -> dict:
-        return {"tp": self.tp, "replicas": self.replicas, "fits": self.fits,
+        return {"tp": self.tp, "pp": self.pp, "replicas": self.replicas, "fits": self.fits,
+                "across_nodes": {"tp": self.tp_across_nodes, "pp": self.pp_across_nodes},
                 "memory_gb": {k: round(v / GIB, 3) for k, v in (("weights", self.weights), ("kv_cache", self.kv_cache),
                                                                 ("working_set", self.working_set),
                                                                 ("total", self.memory))},
@@ -109,22 +136,32 @@ class InferencePlan:
                 "decode_breakdown_ms": {"memory": round(self.decode_memory * 1e3, 4),
                                         "compute": round(self.decode_compute * 1e3, 4),
                                         "tp_comm": round(self.decode_comm * 1e3, 4),
+                                        "pp_comm": round(self.decode_pp_comm * 1e3, 4),
                                         "overhead": round(self.decode_overhead * 1e3, 4)},
                 "tokens_per_s": round(self.tokens_per_s, 2)}
 
 
-def weight_params_per_rank(model: ModelSpec, tp: int) -> float:
-    """Parameters the busiest rank holds for inference (no pipeline)."""
+def weight_params_per_rank(model: ModelSpec, tp: int, pp: int = 1) -> float:
+    """Parameters the busiest rank holds for inference: at ``pp`` = 1 the whole model's tp shard; at ``pp`` > 1 the
+    busiest stage's (its layers, the embedding on the first stage, the head on the last, a tied one on both)."""
     heads = busiest_heads(model.num_heads, model.num_kv_heads, tp)
-    layers = model.num_layers * model.layer_params(heads.q, heads.kv, max_ffn_columns(model.ffn_hidden_size, tp))
-    vocab = model.embedding_params(max_vocab_rows(model.vocab_size, tp)) * (1 if model.tied_embeddings else 2)
-    return layers + vocab + model.learned_positions * model.hidden_size + model.norm_params()
+    layer = model.layer_params(heads.q, heads.kv, max_ffn_columns(model.ffn_hidden_size, tp))
+    vocab = model.embedding_params(max_vocab_rows(model.vocab_size, tp))
+    if pp == 1:
+        return (model.num_layers * layer + vocab * (1 if model.tied_embeddings else 2)
+                + model.learned_positions * model.hidden_size + model.norm_params())
+    sizes = stage_layers(model.num_layers, pp)
+    first = sizes[0] * layer + vocab + model.learned_positions * model.hidden_size
+    last = sizes[-1] * layer + vocab + model.norm_params()  # the head (a tied head is a copy of the embedding)
+    return max(first, last, *(n * layer for n in sizes[1:-1]))
 
 
-def kv_cache_bytes(model: ModelSpec, tp: int, batch: int, tokens: int, kv_bytes: int = 2) -> float:
-    """K and V of every layer for ``batch x tokens`` positions, for the KV heads the busiest rank holds."""
+def kv_cache_bytes(model: ModelSpec, tp: int, batch: int, tokens: int, kv_bytes: int = 2, layers: int | None = None
+                   ) -> float:
+    """K and V of ``layers`` layers (default: every layer) for ``batch x tokens`` positions, for the KV heads the
+    busiest rank holds."""
     kv = busiest_heads(model.num_heads, model.num_kv_heads, tp).kv
-    return 2 * model.num_layers * batch * tokens * kv * model.head_dim * kv_bytes
+    return 2 * (model.num_layers if layers is None else layers) * batch * tokens * kv * model.head_dim * kv_bytes
 
 
 def decode_matrices(model: ModelSpec, tp: int) -> tuple[list[tuple[int, int]], tuple[int, int]]:
@@ -139,14 +176,15 @@ def decode_matrices(model: ModelSpec, tp: int) -> tuple[list[tuple[int, int]], t
     return layer, (max_vocab_rows(model.vocab_size, tp), h)
 
 
-def decode_read_gbps(cluster: ClusterSpec) -> float:
+def decode_read_gbps(cluster: ClusterSpec, pp: int = 1) -> float:
     """GB/s at which one rank reads its weights in decode: the device's ``decode_read_gbps`` (``hbm_gbps`` when 0),
-    at most ``decode_read_host_gbps`` shared by the node's ranks (``min(num_devices, devices_per_node)``, all
-    decoding at once) where the node's ranks share one memory."""
+    at most ``decode_read_host_gbps`` shared by the node's ranks that read at once (``min(num_devices,
+    devices_per_node)``, a ``1 / pp`` share of them with one micro-batch in flight through ``pp`` stages) where
+    the node's ranks share one memory."""
     d = cluster.device
     alone = d.decode_read_gbps or d.hbm_gbps
     if d.decode_read_host_gbps > 0:
-        return min(alone, d.decode_read_host_gbps / min(cluster.num_devices, cluster.devices_per_node))
+        return min(alone, d.decode_read_host_gbps / max(1, min(cluster.num_devices, cluster.devices_per_node) // pp))
     return alone
 
 
@@ -156,28 +194,53 @@ def decode_collectives(model: ModelSpec, tp: int) -> int:
     return 0 if tp == 1 else 2 * model.num_layers + 3
 
 
-def _all_reduce_seconds(elements: float, nbytes: int, tp: int, cluster: ClusterSpec) -> float:
+def _all_reduce_seconds(elements: float, nbytes: int, tp: int, cluster: ClusterSpec, tp_comm: str = "fp32") -> float:
+    """One tp all-reduce of partial sums: a ring, ``2 (tp - 1) / tp x elements x nbytes`` over the tp link; with
+    ``tp_comm="int8"`` one all-gather of every rank's compressed partial (``(tp - 1) x payload_bytes``)."""
     if tp == 1:
         return 0.0
     bandwidth, latency = cluster.link(tp, "tp")
+    if tp_comm == "int8":
+        from tensorpar.comm.compress import payload_bytes
+
+        return latency + (tp - 1) * payload_bytes(int(elements)) / bandwidth
     return latency + 2 * (tp - 1) / tp * elements * nbytes / bandwidth
 
 
-def _decode_comm_seconds(model: ModelSpec, tp: int, cluster: ClusterSpec, batch: int, nbytes: int) -> float:
+def _decode_comm_seconds(model: ModelSpec, tp: int, cluster: ClusterSpec, batch: int, nbytes: int,
+                         tp_comm: str = "fp32") -> float:
     """The TP collectives of one greedy decode step (:func:`decode_collectives`): the device's measured
-    ``decode_collective_us`` each where it has one; else latency + bytes / bandwidth of the tp link: ``2 x layers
-    + 1`` all-reduces of ``B x h`` at ``nbytes``, the all-gather of ``B x 2`` fp64 (``(tp - 1) x 16 B`` bytes
-    received per row) and the broadcast of ``B + 1`` int64."""
+    ``decode_collective_us`` each where it has one and the tp group stays in a node (or no inter-node link is
+    given); else latency + bytes / bandwidth of the tp link: ``2 x layers + 1`` all-reduces of ``B x h`` at
+    ``nbytes`` (``tp_comm``: :func:`_all_reduce_seconds`), the all-gather of ``B x 2`` fp64 (``(tp - 1) x 16 B``
+    bytes received per row) and the broadcast of ``B + 1`` int64."""
     if tp == 1:
         return 0.0
-    if cluster.device.decode_collective_us > 0:
+    across = cluster.crosses_nodes(tp) and cluster.device.inter_node_gbps > 0
+    if cluster.device.decode_collective_us > 0 and not across:
         return decode_collectives(model, tp) * cluster.device.decode_collective_us * 1e-6
     bandwidth, latency = cluster.link(tp, "tp")
     pick = 2 * latency + ((tp - 1) * batch * 16 + (batch + 1) * 8) / bandwidth
-    return (2 * model.num_layers + 1) * _all_reduce_seconds(batch * model.hidden_size, nbytes, tp, cluster) + pick
+    return ((2 * model.num_layers + 1) * _all_reduce_seconds(batch * model.hidden_size, nbytes, tp, cluster, tp_comm)
+            + pick)
 
 
-def plan_one(model: ModelSpec, tp: int, cluster: ClusterSpec, work: InferenceWorkload) -> InferencePlan:
+def _pipeline_seconds(tokens: int, batch: int, hidden: int, nbytes: int, tp: int, pp: int,
+                      cluster: ClusterSpec) -> float:
+    """One step's pipeline traffic (``generate --pp``): ``pp - 1`` sends of the ``tokens x h`` hidden state (tp rank
+    r to tp rank r of the next stage, at the same time) over :meth:`ClusterSpec.p2p_link`, and the broadcast of the
+    ``batch + 1`` int64 tokens from the last stage over the pipeline group (ranks ``tp`` apart, spanning
+    ``tp x pp``)."""
+    if pp == 1:
+        return 0.0
+    bandwidth, latency = cluster.p2p_link(tp * pp)
+    sends = (pp - 1) * (latency + tokens * hidden * nbytes / bandwidth)
+    bandwidth, latency = cluster.link(tp * pp)
+    return sends + latency + (batch + 1) * 8 / bandwidth
+
+
+def plan_one(model: ModelSpec, tp: int, cluster: ClusterSpec, work: InferenceWorkload, pp: int = 1) -> InferencePlan:
+    """The plan of ``tp x pp`` ranks per replica (module docstring)."""
     dev = cluster.device
     if not dev.hbm_gbps:
         raise ValueError(f"device {dev.name} has no hbm_gbps (device-memory bandwidth), which decode time needs; "
@@ -185,8 +248,9 @@ def plan_one(model: ModelSpec, tp: int, cluster: ClusterSpec, work: InferenceWor
     heads = busiest_heads(model.num_heads, model.num_kv_heads, tp)
     ffn = max_ffn_columns(model.ffn_hidden_size, tp)
     b, p, n, e = work.batch, work.prompt_len, work.max_new_tokens, work.weight_bytes
-    weights = weight_params_per_rank(model, tp) * e
-    kv_total = kv_cache_bytes(model, tp, b, p + n, work.kv_bytes)
+    weights = weight_params_per_rank(model, tp, pp) * e
+    read_weights = weight_params_per_rank(model, tp) * e  # the stages run one after another: every stage's reads
+    kv_total = kv_cache_bytes(model, tp, b, p + n, work.kv_bytes, layers=max(stage_layers(model.num_layers, pp)))
     working = (b * p * (model.head_dim * (heads.q + 2 * heads.kv) + 3 * model.active_ffn(ffn) + 2 * model.hidden_size) * e
                + 4 * b * max_vocab_rows(model.vocab_size, tp) * (1 + (tp > 1)))
     rate = dev.peak_tflops * 1e12 * dev.matmul_efficiency
@@ -199,23 +263,45 @@ def plan_one(model: ModelSpec, tp: int, cluster: ClusterSpec, work: InferenceWor
 
     layer = layer_forward_flops(model, heads, ffn, b * p, p)
     prefill_flops = model.num_layers * (layer["linear"] + layer["attention"]) + logit_forward_flops(model, vocab_rows, b)
-    prefill_comm = ((2 * model.num_layers + 1) * _all_reduce_seconds(b * p * model.hidden_size, e, tp, cluster)
+    prefill_comm = ((2 * model.num_layers + 1) * _all_reduce_seconds(b * p * model.hidden_size, e, tp, cluster,
+                                                                     work.tp_comm)
                     + pick_comm)
-    ttft = max(prefill_flops / rate, weights / hbm) + prefill_comm + overhead
+    ttft = (max(prefill_flops / rate, read_weights / hbm) + prefill_comm + overhead
+            + _pipeline_seconds(b * p, b, model.hidden_size, e, tp, pp, cluster))
 
     context = p + n / 2  # mean context length over the generated tokens
     decode_layer = layer_forward_flops(model, heads, ffn, b, context)
     decode_flops = model.num_layers * (decode_layer["linear"] + decode_layer["attention"]) + \
         logit_forward_flops(model, vocab_rows, b)
-    read = decode_read_gbps(cluster) * 1e9
-    decode_memory = (weights + kv_cache_bytes(model, tp, b, context, work.kv_bytes)) / read
+    read = decode_read_gbps(cluster, pp) * 1e9
+    decode_memory = (read_weights + kv_cache_bytes(model, tp, b, context, work.kv_bytes)) / read
     decode_compute = decode_flops / rate
-    decode_comm = _decode_comm_seconds(model, tp, cluster, b, e)
-    decode = max(decode_memory, decode_compute) + decode_comm + overhead
-    return InferencePlan(tp=tp, replicas=cluster.num_devices // tp, weights=weights, kv_cache=kv_total,
+    decode_comm = _decode_comm_seconds(model, tp, cluster, b, e, work.tp_comm)
+    decode_pp = _pipeline_seconds(b, b, model.hidden_size, e, tp, pp, cluster)
+    decode = max(decode_memory, decode_compute) + decode_comm + decode_pp + overhead
+    return InferencePlan(tp=tp, replicas=cluster.num_devices // (tp * pp), weights=weights, kv_cache=kv_total,
                          working_set=working, usable=(dev.memory_gib - work.reserve_gib) * GIB, ttft=ttft,
                          decode=decode, decode_memory=decode_memory, decode_compute=decode_compute,
-                         decode_comm=decode_comm, kv_heads_per_rank=heads.kv, batch=b, decode_overhead=overhead)
+                         decode_comm=decode_comm, kv_heads_per_rank=heads.kv, batch=b, decode_overhead=overhead,
+                         pp=pp, decode_pp_comm=decode_pp, tp_across_nodes=tp > 1 and cluster.crosses_nodes(tp),
+                         pp_across_nodes=pp > 1 and cluster.crosses_nodes(tp * pp))
+
+
+def candidate_layouts(model: ModelSpec, cluster: ClusterSpec) -> list[tuple[int, int]]:
+    """``(tp, pp)`` with ``tp x pp`` dividing the device count: tp inside a node (dividing its ranks) as
+    :func:`candidate_tps`, and on a cluster of several nodes also tp over whole nodes (a multiple of the ranks per
+    node) and pp up to the layers (stages across nodes); on one node pp stays 1 (it buys memory, not speed)."""
+    n, per_node = cluster.num_devices, cluster.devices_per_node
+    nodes = n > per_node
+    out = []
+    for t in divisors(n):
+        inside = t <= per_node and per_node % t == 0
+        if not (inside or (nodes and t % per_node == 0)):
+            continue
+        if split_problems(model.num_heads, model.num_kv_heads, model.ffn_hidden_size, model.vocab_size, t):
+            continue
+        out += [(t, p) for p in divisors(n // t) if p == 1 or (nodes and p <= model.num_layers)]
+    return out
 
 
 def candidate_tps(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
@@ -226,15 +312,15 @@ def candidate_tps(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
 
 
 def plan_inference(model: ModelSpec, cluster: ClusterSpec, work: InferenceWorkload) -> list[InferencePlan]:
-    """Every candidate tp, best first: fitting and meeting the latency target, by throughput, then latency.
+    """Every candidate layout (:func:`candidate_layouts`), best first: fitting and meeting the latency target, by throughput, then latency.
     When no fitting tp meets the target, the fitting ones are ranked by decode latency (fastest first)."""
     model.check_seq_len(work.prompt_len + work.max_new_tokens,
                         f"--prompt-len + --max-new-tokens ({work.prompt_len} + {work.max_new_tokens})")
-    plans = [plan_one(model, t, cluster, work) for t in candidate_tps(model, cluster)]
+    plans = [plan_one(model, t, cluster, work, p) for t, p in candidate_layouts(model, cluster)]
     target = work.latency_target_ms
     if target is not None and not any(q.fits and q.meets(target) for q in plans):
-        return sorted(plans, key=lambda q: (not q.fits, q.decode, -q.tokens_per_s, q.tp))
-    return sorted(plans, key=lambda q: (not q.fits, not q.meets(target), -q.tokens_per_s, q.decode, q.tp))
+        return sorted(plans, key=lambda q: (not q.fits, q.decode, -q.tokens_per_s, q.tp, q.pp))
+    return sorted(plans, key=lambda q: (not q.fits, not q.meets(target), -q.tokens_per_s, q.decode, q.tp, q.pp))
 
 
 def explain_inference(plans: list[InferencePlan], work: InferenceWorkload) -> list[str]:
@@ -242,18 +328,22 @@ def explain_inference(plans: list[InferencePlan], work: InferenceWorkload) -> li
     best = plans[0] if plans else None
     if best is None or not best.fits:
         small = min(plans, key=lambda q: q.memory) if plans else None
-        lines.append("No tp fits" + (f": the smallest, tp={small.tp}, needs {small.memory / GIB:.1f} GiB > "
+        lines.append("No tp fits" + (f": the smallest, {small.name}, needs {small.memory / GIB:.1f} GiB > "
                                      f"{small.usable / GIB:.1f} GiB usable" if small else "") + ".")
         return lines
     target = work.latency_target_ms
     if not best.meets(target):
         # plan_inference ranks by latency in this case: best is the fastest layout that fits
-        lines.append(f"No tp meets {target:g} ms per token; picked the fastest that fits, tp={best.tp} at "
+        lines.append(f"No tp meets {target:g} ms per token; picked the fastest that fits, {best.name} at "
                      f"{best.decode * 1e3:.2f} ms (rest ranked by latency).")
     bound = "device-memory reads" if best.decode_memory >= best.decode_compute else "compute"
-    lines.append(f"tp={best.tp} x {best.replicas} replicas: {best.tokens_per_s:.0f} tokens/s, "
+    where = ", ".join(f"{k} across nodes" for k, v in (("tp", best.tp_across_nodes), ("pp", best.pp_across_nodes))
+                      if v)
+    lines.append(f"{best.name} x {best.replicas} replicas{' (' + where + ')' if where else ''}: "
+                 f"{best.tokens_per_s:.0f} tokens/s, "
                  f"{best.decode * 1e3:.2f} ms per token ({bound} {max(best.decode_memory, best.decode_compute) * 1e3:.2f}"
-                 f" + TP all-reduces {best.decode_comm * 1e3:.2f}), first token {best.ttft * 1e3:.1f} ms; "
+                 f" + TP all-reduces {best.decode_comm * 1e3:.2f}"
+                 + (f" + pipeline sends {best.decode_pp_comm * 1e3:.2f}" if best.pp > 1 else "") + f"), first token {best.ttft * 1e3:.1f} ms; "
                  f"{best.memory / GIB:.1f} GiB per rank (weights {best.weights / GIB:.1f}, KV cache "
                  f"{best.kv_cache / GIB:.1f} with {best.kv_heads_per_rank} KV heads per rank).")
     for q in plans[1:]:
@@ -263,5 +353,5 @@ def explain_inference(plans: list[InferencePlan], work: InferenceWorkload) -> li
             why = f"{q.decode * 1e3:.2f} ms per token misses the {target:g} ms target"
         else:
             why = f"{q.tokens_per_s:.0f} tokens/s at {q.decode * 1e3:.2f} ms per token"
-        lines.append(f"tp={q.tp}: {why}.")
+        lines.append(f"{q.name}: {why}.")
     return lines

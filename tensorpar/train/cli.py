@@ -53,6 +53,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "cached) or a file saved by 'tensorpar plan --json'; prints predicted vs measured at the end")
     p.add_argument("--nproc", type=int, default=None, help="ranks to start with --plan (under torchrun: its "
                                                            "WORLD_SIZE)")
+    p.add_argument("--inter-node-bw", type=float, default=None, metavar="GB/s",
+                   help="with --plan: the bandwidth of the link between hosts, GB/s per rank (1 Gbit/s = 0.125), "
+                        "which prices the groups that span hosts (torchrun's nodes); default: this host's measured "
+                        "link (docs/hosts.md)")
+    p.add_argument("--inter-node-latency-us", type=float, default=None, metavar="US",
+                   help="with --plan and --inter-node-bw: the latency of one small collective or send between hosts, "
+                        "microseconds (default 20)")
     p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per replica and step (default: "
                                                                    "pp, so that every stage has work; 1 without pp) "
                                                                               "(gradient accumulation)")
@@ -296,6 +303,10 @@ def main(args: argparse.Namespace) -> int:
         elif getattr(args, "nproc", None) is not None:
             raise ValueError(f"--nproc {args.nproc} goes with --plan (auto or a plan file); without --plan the ranks "
                              f"are --tp x --pp x --cp x --dp")
+        elif getattr(args, "inter_node_bw", None) is not None or getattr(args, "inter_node_latency_us", None) is not None:
+            flag = "--inter-node-bw" if getattr(args, "inter_node_bw", None) is not None else "--inter-node-latency-us"
+            raise ValueError(f"{flag} goes with --plan (it prices the planned layout's groups that span hosts); "
+                             f"add --plan auto or drop {flag}")
         else:
             from tensorpar.launch import rank0_print
             cfg, notes = drop_no_ops(args, cfg)
@@ -344,6 +355,25 @@ def main(args: argparse.Namespace) -> int:
         lock.close()
 
 
+def inter_node_link(args: argparse.Namespace) -> dict:
+    """The :class:`~tensorpar.planner.cluster.DeviceSpec` fields of the link between hosts that ``--inter-node-bw``
+    (GB/s) and ``--inter-node-latency-us`` give (``{}``: none given); the planner prices the groups that span
+    torchrun's nodes with it (:meth:`tensorpar.planner.cluster.ClusterSpec.link`). Raises ValueError naming the
+    flag: a bandwidth that is not a finite number > 0, a latency below 0, a latency without a bandwidth."""
+    import math
+
+    bw, lat = getattr(args, "inter_node_bw", None), getattr(args, "inter_node_latency_us", None)
+    if bw is None:
+        if lat is not None:
+            raise ValueError(f"--inter-node-latency-us {lat:g} needs --inter-node-bw (the link's bandwidth, GB/s)")
+        return {}
+    if not (math.isfinite(bw) and bw > 0):
+        raise ValueError(f"--inter-node-bw {bw:g}: must be a finite number of GB/s > 0 (1 Gbit/s = 0.125)")
+    if lat is not None and not (math.isfinite(lat) and lat >= 0):
+        raise ValueError(f"--inter-node-latency-us {lat:g}: must be a finite number of microseconds >= 0")
+    return {"inter_node_gbps": bw, **({} if lat is None else {"inter_node_latency_us": lat})}
+
+
 def plan_config(args: argparse.Namespace, cfg: TrainConfig):
     """``--plan auto | FILE``: the :class:`TrainConfig` of the planner's layout and the
     :class:`~tensorpar.train.autoplan.Choice`; prints the choice in one line (rank 0 under torchrun).
@@ -351,9 +381,12 @@ def plan_config(args: argparse.Namespace, cfg: TrainConfig):
     Raises ValueError naming the setting: --plan together with --tp/--pp/--dp (or the other flags the plan
     sets), a rank count that is missing or differs from torchrun's, a plan that does not fit the ranks or model.
     """
+    from dataclasses import replace
+
     from tensorpar.launch import rank0_print
     from tensorpar.train import autoplan
 
+    link = inter_node_link(args)
     explicit = set(getattr(args, "explicit_flags", None) or ())
     set_here = [f"--{k} {getattr(args, k)}" for k in ("tp", "pp", "dp", "cp") if k in explicit]
     if getattr(args, "micro_batches", None) is not None:
@@ -378,7 +411,7 @@ def plan_config(args: argparse.Namespace, cfg: TrainConfig):
                                progress=not args.no_progress)
     cal, path, cached = autoplan.cached_calibration(log=lambda m: rank0_print(f"tensorpar: {m}", file=sys.stderr))
     note = autoplan.describe_device_source(path, cached)
-    device = autoplan.rank_device(cal, plan_ranks, local or plan_ranks, load_now=autoplan._loadavg())
+    device = replace(autoplan.rank_device(cal, plan_ranks, local or plan_ranks, load_now=autoplan._loadavg()), **link)
     if args.plan == "auto":
         choice = autoplan.choose_auto(cfg, source_cfg.config, device, nproc, local, note=note)
     else:

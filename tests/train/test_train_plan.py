@@ -35,6 +35,10 @@ def common(tmp_path, text):
     (["--plan", "auto", "--nproc", "2", "--micro-batches", "2"], "--plan auto and --micro-batches 2 both set"),
     (["--plan", "auto"], "--plan auto needs the number of ranks to plan for: add --nproc N"),
     (["--nproc", "2"], "--nproc 2 goes with --plan"),
+    (["--inter-node-bw", "0.125"], "--inter-node-bw goes with --plan"),
+    (["--plan", "auto", "--nproc", "2", "--inter-node-bw", "0"], "--inter-node-bw 0: must be a finite number of GB/s > 0"),
+    (["--plan", "auto", "--nproc", "2", "--inter-node-latency-us", "50"], "--inter-node-latency-us 50 needs "
+                                                                         "--inter-node-bw"),
 ])
 def test_plan_flags_conflicts(tmp_path, text, capsys, extra, msg):
     rc = run_main(extra + common(tmp_path, text))
