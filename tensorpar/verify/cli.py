@@ -235,11 +235,8 @@ def build_pair(spec: str, folder: str | None, tp: Group, *, dtype=torch.float32,
         config = _model_config(spec, seq_len)[0] if config is None else copy.deepcopy(config)
         from tensorpar.hf.load import resolve_attn_implementation
         config._attn_implementation = attn_implementation or resolve_attn_implementation(config)
-        torch.manual_seed(0)
-        ref = AutoModelForCausalLM.from_config(config).float()
-        with torch.no_grad():
-            for p in ref.parameters():
-                p.add_(torch.randn_like(p) * 0.05)
+        from tensorpar.testing import random_model
+        ref = random_model(config)
         ref = ref.to(dtype)
         if plan is None:
             plan = make_plan(config, tp.size, sequence_parallel=sequence_parallel, tp_weights=tp_weights,

@@ -17,18 +17,12 @@ def _proof_job(ctx, config, spec: dict, train: bool):
     """One rank of the proof: random weights (seed 0, every tensor perturbed so biases and norms are not their
     init), the sharded copy made with ``spec``, :func:`compare_to_reference` at this pool's tp. Returns the
     report as a dict (rank 0's is the over-ranks maximum on every rank)."""
-    from transformers import AutoModelForCausalLM
-
     from tensorpar.hf.apply import parallelize
     from tensorpar.hf.plan import make_plan
+    from tensorpar.testing import random_model
     from tensorpar.verify.compare import compare_to_reference
 
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager").float()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    ref.eval()
+    ref = random_model(copy.deepcopy(config), attn_implementation="eager").eval()
     par = parallelize(copy.deepcopy(ref), make_plan(config, ctx.tp.size, user_plan=spec), ctx.tp).eval()
     ids = torch.randint(0, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1234))
     return compare_to_reference(ref, par, ctx.tp, ids, train=train).to_dict()
