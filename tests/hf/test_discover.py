@@ -342,3 +342,19 @@ def test_generate_discover_plan_moe_gives_transformers_tokens(tmp_path, model_ty
                         "--fast-collectives", "off"], capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.splitlines()[0] == "the cat" + text
+
+
+def test_output_dropout_inside_attention_is_kept():
+    """GPT-BigCode applies an nn.Dropout (resid_dropout, p = resid_pdrop) after its output projection; the discovered
+    attention style dropped it (the proof runs in eval mode and cannot see it), so training a saved discovered plan
+    ran without it. It is kept as the families' output dropouts are: a keyed dropout of the same rate."""
+    import copy
+
+    from tensorpar.hf.apply import parallelize
+    from tensorpar.parallel import ParallelContext
+    from tensorpar.testing import random_model
+    c = cfg("gpt_bigcode")
+    assert c.resid_pdrop > 0
+    par = parallelize(copy.deepcopy(random_model(c)), make_plan(c, 1, discover=True), ParallelContext.single().tp)
+    drops = [b.attn.output_dropout for b in par.transformer.h]
+    assert all(d is not None and d.p == c.resid_pdrop for d in drops), drops

@@ -99,7 +99,10 @@ class TPAttention(nn.Module):
             setattr(self, norm, m)
         self.sinks = self._shard_sinks(getattr(attn, "sinks", None))
         self.attention_fn = None
-        self.output_dropout = None
+        # an nn.Dropout the module applies after its output projection (GPT-BigCode's resid_dropout): kept, made a
+        # keyed dropout by parallelize like the families' output dropouts
+        rd = getattr(attn, "resid_dropout", None)
+        self.output_dropout = nn.Dropout(rd.p) if isinstance(rd, nn.Dropout) and rd.p > 0 else None
         self.overlap_grad_comm = True
         self.cp, self.cp_mode = None, "ring"
 
