@@ -10,6 +10,15 @@ GB/s = weight bytes / time (median and best of ``--repeats``); the limit is benc
 (bench_llamacpp's), best of its start and end runs. Results: bench/results/gemv.{md,json}.
 
     PYTHONPATH=. python bench/bench_gemv.py [--rows 1 4] [--mb 128]
+
+``--e2e``: instead, greedy decode of the 1.1B random Llama (bench_llamacpp's ``tinyllama-random``, 1 thread per
+rank, ``bench_decode.job_tp``) at tp=1 and tp=2, fp32 and bf16, with our kernel (the lean path's default) and
+without it (``TENSORPAR_GEMV_KERNEL=0``: oneDNN on prepacked weights, as before), the rows interleaved over
+``--rounds`` (order reversed every other round), each row in fresh processes; tokens/s as a fraction of the
+memory-read limit (1 thread for tp=1, 2 for tp=2; bench/stream_read.c at start and end, the better). Results:
+bench/results/gemv_decode.{md,json}.
+
+    PYTHONPATH=. python bench/bench_gemv.py --e2e [--tokens 8] [--rounds 1]
 """
 from __future__ import annotations
 
@@ -37,6 +46,79 @@ def shapes(tp: int) -> list[tuple[str, int, int]]:
             ("down", H, F_ // tp), ("lm_head", V // tp, H)]
 
 
+def e2e(args) -> None:
+    """The ``--e2e`` run (module docstring)."""
+    import argparse as _ap
+
+    from bench_decode import job_tp
+    from bench_llamacpp import TINYLLAMA_RANDOM, prepare_model
+    from tensorpar.testing import WorkerPool
+
+    m = prepare_model(_ap.Namespace(model=TINYLLAMA_RANDOM, gguf=None))
+    folder, prompt_ids = str(m["folder"]), m["prompt_ids"]
+    exe = _stream_binary()
+    m0 = machine()
+    sr0 = _stream_read(exe, 256)
+    configs = [(dt, tp, kernel) for dt in ("float32", "bfloat16") for tp in (1, 2) for kernel in (False, True)]
+    res = {c: [] for c in configs}
+    loads = []
+    for rnd in range(args.rounds):
+        for dt, tp, kernel in (configs if rnd % 2 == 0 else configs[::-1]):
+            os.environ["TENSORPAR_GEMV_KERNEL"] = "1" if kernel else "0"     # read by the spawned ranks
+            loads.append(os.getloadavg()[0])
+            with WorkerPool(tp, collective_timeout_s=600, job_timeout_s=3600) as pool:
+                out = pool.run(job_tp, folder, args.tokens, dt, "lean", 1, False, "none", prompt_ids, False)
+            r = dict(out[0], load=loads[-1], ranks_agree=all(o["tokens"] == out[0]["tokens"] for o in out))
+            res[(dt, tp, kernel)].append(r)
+            print(f"round {rnd + 1} {dt} tp={tp} {'ours' if kernel else 'oneDNN'}: {r['decode_tok_s']:.2f} tok/s, "
+                  f"best step {r['best_step_tok_s']:.2f}, load {loads[-1]:.2f}", flush=True)
+    os.environ.pop("TENSORPAR_GEMV_KERNEL", None)
+    sr1 = _stream_read(exe, 256)
+    limit = {t: max(sr0[t], sr1[t]) for t in (1, 2)} if sr0 else None
+    m1 = machine()
+    rows = []
+    for (dt, tp, kernel), rs in res.items():
+        read = rs[0]["weight_bytes"] - rs[0]["untied_embedding_bytes"]
+        med = statistics.median(x["decode_tok_s"] for x in rs)
+        best = max(x["best_step_tok_s"] for x in rs)
+        rows.append(dict(dtype=dt, tp=tp, matmuls="ours" if kernel else "oneDNN prepacked", read_bytes=read,
+                         median_tok_s=med, best_step_tok_s=best, rounds=[x["decode_tok_s"] for x in rs],
+                         limit_tok_s=limit[tp] / read if limit else None, tokens=rs[0]["tokens"],
+                         same_tokens_every_round=all(x["tokens"] == rs[0]["tokens"] for x in rs),
+                         ranks_agree=all(x["ranks_agree"] for x in rs), loads=[x["load"] for x in rs]))
+    meta = dict(machine=m0, machine_end=m1, stream_read_start=sr0, stream_read_end=sr1, limit=limit,
+                tokens=args.tokens, rounds=args.rounds, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    out = Path(args.out).with_name("gemv_decode")
+    atomic_write(out.with_suffix(".json"), json.dumps(dict(meta=meta, rows=rows), indent=1))
+    la0, la1 = m0["loadavg"], m1["loadavg"]
+    lines = [f"# 1.1B random Llama decode: our GEMV against oneDNN prepacked ({meta['date']})", "",
+             f"{m0['cpu']}, {m0['cores']} cores; bench/bench_gemv.py --e2e: greedy decode of {args.tokens} new "
+             f"tokens (1 thread per rank, bench_decode.job_tp, the first token not timed), {args.rounds} round(s), "
+             f"rows interleaved, each in fresh processes. Load average {la0[0]:.2f} / {la0[1]:.2f} / {la0[2]:.2f} "
+             f"at start, {la1[0]:.2f} / {la1[1]:.2f} / {la1[2]:.2f} at end, 1-minute value before each row "
+             f"{min(loads):.2f} to {max(loads):.2f}: the machine was shared (2 cores), so these are not the "
+             f"machine's numbers; compare the rows of one run only.",
+             "", "Memory-read limit (bench/stream_read.c): " + (
+                 f"1 thread {limit[1] / 1e9:.1f} GB/s, 2 threads {limit[2] / 1e9:.1f} GB/s (start {sr0[1] / 1e9:.1f}"
+                 f" / {sr0[2] / 1e9:.1f}, end {sr1[1] / 1e9:.1f} / {sr1[2] / 1e9:.1f})." if limit else "not measured"),
+             "", "| dtype | tp | matmuls | MB read per token | tokens/s (median) | best step tokens/s | limit tokens/s | "
+             "fraction of limit (median / best step) | tokens equal across rounds, ranks |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lim = r["limit_tok_s"]
+        frac = f"{r['median_tok_s'] / lim:.2f} / {r['best_step_tok_s'] / lim:.2f}" if lim else "-"
+        lines.append(f"| {r['dtype']} | {r['tp']} | {r['matmuls']} | {r['read_bytes'] / 1e6:.0f} | "
+                     f"{r['median_tok_s']:.2f} | {r['best_step_tok_s']:.2f} | {lim or 0:.2f} | {frac} | "
+                     f"{r['same_tokens_every_round']}, {r['ranks_agree']} |")
+    same = {(r["dtype"], r["tp"]): r["tokens"] for r in rows if r["matmuls"] == "oneDNN prepacked"}
+    lines += ["", "Greedy tokens, ours against oneDNN's at the same dtype and tp (positions equal, of "
+              f"{args.tokens}): " + ", ".join(
+                  f"{r['dtype']} tp={r['tp']} {sum(a == b for a, b in zip(r['tokens'], same[(r['dtype'], r['tp'])]))}"
+                  for r in rows if r["matmuls"] == "ours"), ""]
+    atomic_write(out.with_suffix(".md"), "\n".join(lines))
+    print("\n".join(lines))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4])
@@ -47,7 +129,12 @@ def main():
     ap.add_argument("--mb", type=int, default=128, help="MB of distinct copies each measurement reads at least")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--out", default="bench/results/gemv")
+    ap.add_argument("--e2e", action="store_true", help="end-to-end 1.1B decode instead (module docstring)")
+    ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=1)
     args = ap.parse_args()
+    if args.e2e:
+        return e2e(args)
     import torch
     from tensorpar.decode import gemv_kernel
     from tensorpar.decode.kernels import pack, packed_linear
@@ -65,10 +152,12 @@ def main():
     rows = []
     for dname in args.dtypes:
         dt = dts[dname]
-        variants = {"onednn": None, "ours": dict(mode=0, prefetch=0), "ours_pf": dict(mode=0, prefetch=1024)}
-        if dt == torch.bfloat16:
-            variants["ours_widen"] = dict(mode=1, prefetch=0)
         for tp, name, n, k, m in cases:
+            variants = {"onednn": None, "ours": dict(mode=0, prefetch=0), "ours_pf": dict(mode=0, prefetch=1024)}
+            if dt == torch.bfloat16:
+                variants["ours_widen"] = dict(mode=1, prefetch=0)
+            if m > 1:
+                variants["ours_pairs"] = dict(mode=2, prefetch=0)
             nbytes = n * k * dt.itemsize
             copies = max(1, -(-args.mb * 2 ** 20 // nbytes))
             ws = [torch.randn(n, k, generator=g).to(dt) for _ in range(copies)]
@@ -105,7 +194,7 @@ def main():
     limit = max(sr0[1], sr1[1]) if sr0 else None
     meta = dict(machine=m0, machine_end=machine(), torch=torch.__version__, threads=1,
                 stream_read_start=sr0, stream_read_end=sr1, limit_1t=limit, repeats=args.repeats,
-                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), bf16_mode=gemv_kernel.BF16_MODE)
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), modes={str(k): v for k, v in gemv_kernel.MODES.items()})
     out = Path(args.out)
     atomic_write(out.with_suffix(".json"), json.dumps(dict(meta=meta, rows=rows), indent=1))
     la0, la1 = m0["loadavg"], meta["machine_end"]["loadavg"]
@@ -118,24 +207,29 @@ def main():
                 f"{limit / 1e9:.1f} GB/s." if sr0 else "not measured (no gcc)."), "",
              "Each cell: median GB/s over the repeats (best in parentheses), its fraction of the limit. oneDNN: "
              "`_linear_pointwise` on the `_reorder_linear_weight` weight (the lean path before); ours: "
-             "tensorpar.decode.gemv_kernel on the plain [out, in] weight (bf16: `vdpbf16ps`); ours pf: with a "
-             "software prefetch 1024 elements ahead; ours widen (bf16): weights widened to fp32 and fma. max rel: "
-             "largest |y - fp64 reference| / max |reference| of the first copy.", ""]
+             "tensorpar.decode.gemv_kernel on the plain [out, in] weight, one weight row at a time (bf16: "
+             "`vdpbf16ps`); ours pf: with a software prefetch 1024 elements ahead; ours widen (bf16): weights "
+             "widened to fp32 and fma; ours pairs (more than one row): two weight rows at a time, each input vector "
+             "loaded once for both. ours / oneDNN: the better of ours and ours pairs. max rel: largest |y - fp64 "
+             "reference| / max |reference| of the first copy (ours).", ""]
     for dname in args.dtypes:
         sel = [r for r in rows if r["dtype"] == dname]
         if not sel:
             continue
-        vns = [k[:-4] for k in sel[0] if k.endswith("_gbs") and not k.endswith("_best_gbs")]
+        vns = list(dict.fromkeys(k[:-4] for r in sel for k in r if k.endswith("_gbs") and not k.endswith("_best_gbs")))
         lines += [f"## {dname}", "", "| tp | matrix | out x in | rows | MB read | "
                   + " | ".join(vns) + " | ours / oneDNN | max rel (oneDNN / ours) | load |",
                   "|---|---|---|---|---|" + "---|" * len(vns) + "---|---|---|"]
         for r in sel:
             cells = []
             for vn in vns:
+                if vn + "_gbs" not in r:
+                    cells.append("-")
+                    continue
                 frac = f", {r[vn + '_gbs'] * 1e9 / limit:.2f}" if limit else ""
                 cells.append(f"{r[vn + '_gbs']:.1f} ({r[vn + '_best_gbs']:.1f}){frac}")
             lines.append(f"| {r['tp']} | {r['matrix']} | {r['out']} x {r['inp']} | {r['rows']} | {r['mb']:.0f} | "
-                         + " | ".join(cells) + f" | {r['ours_gbs'] / r['onednn_gbs']:.2f}x | "
+                         + " | ".join(cells) + f" | {max(r['ours_gbs'], r.get('ours_pairs_gbs', 0)) / r['onednn_gbs']:.2f}x | "
                          f"{r['onednn_maxrel']:.1e} / {r['ours_maxrel']:.1e} | {r['load']:.2f} |")
         lines.append("")
     atomic_write(out.with_suffix(".md"), "\n".join(lines))

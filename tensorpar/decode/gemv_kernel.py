@@ -11,7 +11,7 @@ step and pack the weight themselves (a second copy).
 
 The layout is the plain weight ``[out, in]`` row-major, the one the modules, checkpoints and verify read: reading
 one output row after the other the matrix is one sequential stream, so nothing is packed and nothing converted.
-Sums in fp32 (bf16: ``vdpbf16ps`` pairs, :data:`BF16_MODE`), rounded to bf16 once at the end for bf16 weights.
+Sums in fp32 (bf16: ``vdpbf16ps`` pairs, :data:`MODES`), rounded to bf16 once at the end for bf16 weights.
 
 Build: ``g++ -O3 -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -fopenmp -shared`` of the one C++ file (no torch
 headers), cached like :mod:`tensorpar.decode.q8_kernel`'s; loaded with ctypes. Used only where /proc/cpuinfo lists
@@ -34,9 +34,10 @@ _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fope
           "-std=c++17"]
 _FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-#: bf16 products: 0 = ``vdpbf16ps`` on the bf16 input, 1 = the weights widened to fp32 and fma with the input in
-#: fp32 (bench/bench_gemv.py measures both)
-BF16_MODE = 0
+#: the kernel's mode per dtype: 0 = one weight row at a time (bf16: ``vdpbf16ps`` on the bf16 input); 1 (bf16) =
+#: the weights widened to fp32 and fma with the input in fp32; 2 = as 0 for one input row, two weight rows at a
+#: time for 2-4 input rows (each input vector loaded once for both). bench/bench_gemv.py measures them.
+MODES = {torch.float32: 2, torch.bfloat16: 2}
 #: software prefetch distance in elements (0: none; the hardware prefetcher follows the one stream)
 PREFETCH = 0
 #: the most rows the lean path runs through this kernel (more: oneDNN; bench/results/gemv.md)
@@ -72,7 +73,7 @@ def supports(w: torch.Tensor) -> bool:
             and available())
 
 
-def gemv_raw(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, *, mode: int = BF16_MODE,
+def gemv_raw(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, *, mode: int | None = None,
              prefetch: int = PREFETCH, threads: int | None = None) -> torch.Tensor:
     """:func:`gemv` with the kernel's settings given (bench/bench_gemv.py). ``x`` ``[M, K]``, ``w`` ``[N, K]``,
     ``bias`` ``[N]`` or None, all of ``w``'s dtype -> ``[M, N]``."""
@@ -85,9 +86,22 @@ def gemv_raw(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, *, mod
     x, w = x.contiguous(), w.contiguous()
     b = bias.contiguous() if bias is not None else None
     y = torch.empty(M, N, dtype=w.dtype)
-    _lib().tp_gemv(_DTYPES[w.dtype], mode, x.data_ptr(), M, K, w.data_ptr(), N,
+    _lib().tp_gemv(_DTYPES[w.dtype], MODES[w.dtype] if mode is None else mode, x.data_ptr(), M, K, w.data_ptr(), N,
                    b.data_ptr() if b is not None else None, y.data_ptr(),
                    torch.get_num_threads() if threads is None else threads, prefetch)
+    return y
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`gemv` without the custom op's dispatch and :func:`gemv_raw`'s checks (about 45 us less per call, 89
+    calls per token for the 1.1B Llama): what the lean path calls, eagerly, on weights it checked with
+    :func:`supports`. ``x`` ``[M, K]`` of ``w``'s dtype, ``w`` ``[N, K]`` contiguous, ``bias`` ``[N]`` or None."""
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], w.shape[0], dtype=w.dtype)
+    _lib().tp_gemv(_DTYPES[w.dtype], MODES[w.dtype], x.data_ptr(),
+                   x.shape[0], x.shape[1], w.data_ptr(), w.shape[0],
+                   None if bias is None else bias.contiguous().data_ptr(), y.data_ptr(), torch.get_num_threads(),
+                   PREFETCH)
     return y
 
 

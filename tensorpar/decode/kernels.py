@@ -56,7 +56,7 @@ def gemv_mm(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None) -> torch.
     weight) through our GEMV (:mod:`tensorpar.decode.gemv_kernel`, on ``wt.t()`` as it is) when ``n`` is at most
     :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS`, else :func:`mm`."""
     if x.shape[0] <= gemv_kernel.MAX_ROWS:
-        return torch.ops.tensorpar.gemv(x, wt.t(), b)
+        return gemv_kernel.linear(x, wt.t(), b)
     return mm(x, wt, b)
 
 
@@ -65,7 +65,7 @@ def gemv_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tor
     :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS` rows, else ``F.linear``."""
     k = x.shape[-1]
     if x.numel() <= gemv_kernel.MAX_ROWS * k:
-        return torch.ops.tensorpar.gemv(x.reshape(-1, k), w, b).view(*x.shape[:-1], w.shape[0])
+        return gemv_kernel.linear(x.reshape(-1, k), w, b).view(*x.shape[:-1], w.shape[0])
     return F.linear(x, w, b)
 
 

@@ -71,6 +71,55 @@ static void f32_rows(const float* x, int64_t K, const float* w, int64_t n0, int6
     }
 }
 
+// two weight rows at a time for R (2..4) input rows: each x vector loaded once for both rows (at 4 input rows the
+// loads of x, not the weights' stream, bound f32_rows)
+template <int R>
+static void f32_rows2(const float* x, int64_t K, const float* w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+    const int64_t K32 = K & ~(int64_t)31, K16 = K & ~(int64_t)15;
+    const __mmask16 tail = (__mmask16)((1u << (K - K16)) - 1);
+    int64_t n = n0;
+    for (; n + 2 <= n1; n += 2) {
+        const float* w0 = w + n * K;
+        const float* w1 = w0 + K;
+        __m512 a[R][2][2];
+        for (int r = 0; r < R; ++r)
+            for (int j = 0; j < 2; ++j) a[r][j][0] = a[r][j][1] = _mm512_setzero_ps();
+        int64_t k = 0;
+        for (; k < K32; k += 32) {
+            const __m512 u0 = _mm512_loadu_ps(w0 + k), u1 = _mm512_loadu_ps(w0 + k + 16);
+            const __m512 v0 = _mm512_loadu_ps(w1 + k), v1 = _mm512_loadu_ps(w1 + k + 16);
+            for (int r = 0; r < R; ++r) {
+                const __m512 x0 = _mm512_loadu_ps(x + r * K + k), x1 = _mm512_loadu_ps(x + r * K + k + 16);
+                a[r][0][0] = _mm512_fmadd_ps(u0, x0, a[r][0][0]);
+                a[r][0][1] = _mm512_fmadd_ps(u1, x1, a[r][0][1]);
+                a[r][1][0] = _mm512_fmadd_ps(v0, x0, a[r][1][0]);
+                a[r][1][1] = _mm512_fmadd_ps(v1, x1, a[r][1][1]);
+            }
+        }
+        for (; k < K16; k += 16) {
+            const __m512 u0 = _mm512_loadu_ps(w0 + k), v0 = _mm512_loadu_ps(w1 + k);
+            for (int r = 0; r < R; ++r) {
+                const __m512 x0 = _mm512_loadu_ps(x + r * K + k);
+                a[r][0][0] = _mm512_fmadd_ps(u0, x0, a[r][0][0]);
+                a[r][1][0] = _mm512_fmadd_ps(v0, x0, a[r][1][0]);
+            }
+        }
+        if (tail) {
+            const __m512 u0 = _mm512_maskz_loadu_ps(tail, w0 + k), v0 = _mm512_maskz_loadu_ps(tail, w1 + k);
+            for (int r = 0; r < R; ++r) {
+                const __m512 x0 = _mm512_maskz_loadu_ps(tail, x + r * K + k);
+                a[r][0][1] = _mm512_fmadd_ps(u0, x0, a[r][0][1]);
+                a[r][1][1] = _mm512_fmadd_ps(v0, x0, a[r][1][1]);
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            out[r * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(a[r][0][0], a[r][0][1]));
+            out[r * ldo + n + 1] = _mm512_reduce_add_ps(_mm512_add_ps(a[r][1][0], a[r][1][1]));
+        }
+    }
+    if (n < n1) f32_rows<R>(x, K, w, n, n1, out, ldo, 0);
+}
+
 // ---------------------------------------------------------------------------------------------- bf16 weights
 // mode 0: vdpbf16ps on x (bf16, row stride K); mode 1: weights widened to fp32, x given in fp32 (xf)
 template <int R, int MODE>
@@ -149,6 +198,54 @@ static void bf16_rows(const uint16_t* x, const float* xf, int64_t K, const uint1
     }
 }
 
+// two weight rows at a time for R (2..4) input rows, vdpbf16ps (as f32_rows2: each x vector loaded once for both)
+template <int R>
+static void bf16_rows2(const uint16_t* x, int64_t K, const uint16_t* w, int64_t n0, int64_t n1, float* out,
+                       int64_t ldo) {
+    const int64_t K64 = K & ~(int64_t)63;
+    int64_t n = n0;
+    for (; n + 2 <= n1; n += 2) {
+        const uint16_t* w0 = w + n * K;
+        const uint16_t* w1 = w0 + K;
+        __m512 a[R][2][2];
+        for (int r = 0; r < R; ++r)
+            for (int j = 0; j < 2; ++j) a[r][j][0] = a[r][j][1] = _mm512_setzero_ps();
+        int64_t k = 0;
+        for (; k < K64; k += 64) {
+            const __m512i u0 = _mm512_loadu_si512(w0 + k), u1 = _mm512_loadu_si512(w0 + k + 32);
+            const __m512i v0 = _mm512_loadu_si512(w1 + k), v1 = _mm512_loadu_si512(w1 + k + 32);
+            for (int r = 0; r < R; ++r) {
+                const __m512i x0 = _mm512_loadu_si512(x + r * K + k), x1 = _mm512_loadu_si512(x + r * K + k + 32);
+                a[r][0][0] = _mm512_dpbf16_ps(a[r][0][0], (__m512bh)x0, (__m512bh)u0);
+                a[r][0][1] = _mm512_dpbf16_ps(a[r][0][1], (__m512bh)x1, (__m512bh)u1);
+                a[r][1][0] = _mm512_dpbf16_ps(a[r][1][0], (__m512bh)x0, (__m512bh)v0);
+                a[r][1][1] = _mm512_dpbf16_ps(a[r][1][1], (__m512bh)x1, (__m512bh)v1);
+            }
+        }
+        if (k < K) {    // the last < 64 inputs (K % 64): scalar fp32 products
+            float part[4][2];
+            for (int j = 0; j < 2; ++j) {
+                for (int r = 0; r < R; ++r) {
+                    float s = 0.0f;
+                    for (int64_t kk = k; kk < K; ++kk)
+                        s += bf16_to_f32(x[r * K + kk]) * bf16_to_f32(w[(n + j) * K + kk]);
+                    part[r][j] = s;
+                }
+            }
+            for (int r = 0; r < R; ++r) {
+                out[r * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(a[r][0][0], a[r][0][1])) + part[r][0];
+                out[r * ldo + n + 1] = _mm512_reduce_add_ps(_mm512_add_ps(a[r][1][0], a[r][1][1])) + part[r][1];
+            }
+        } else {
+            for (int r = 0; r < R; ++r) {
+                out[r * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(a[r][0][0], a[r][0][1]));
+                out[r * ldo + n + 1] = _mm512_reduce_add_ps(_mm512_add_ps(a[r][1][0], a[r][1][1]));
+            }
+        }
+    }
+    if (n < n1) bf16_rows<R, 0>(x, nullptr, K, w, n, n1, out, ldo, 0);
+}
+
 // ------------------------------------------------------------------------------------------------ the driver
 // one thread's rows [n0, n1): chunks of rows that stay in L2 while each group of <= 4 input rows reads them
 static void run_rows(int dtype, int mode, const void* x, const float* xf, int64_t M, int64_t K, const void* w,
@@ -164,17 +261,35 @@ static void run_rows(int dtype, int mode, const void* x, const float* xf, int64_
             if (dtype == 0) {
                 const float* xm = (const float*)x + m * K;
                 const float* wf = (const float*)w;
+                if (mode == 2) {
+                    switch (R) {
+                        case 1: f32_rows<1>(xm, K, wf, c0, c1, o, N, pf); break;
+                        case 2: f32_rows2<2>(xm, K, wf, c0, c1, o, N); break;
+                        case 3: f32_rows2<3>(xm, K, wf, c0, c1, o, N); break;
+                        default: f32_rows2<4>(xm, K, wf, c0, c1, o, N); break;
+                    }
+                } else {
+                    switch (R) {
+                        case 1: f32_rows<1>(xm, K, wf, c0, c1, o, N, pf); break;
+                        case 2: f32_rows<2>(xm, K, wf, c0, c1, o, N, pf); break;
+                        case 3: f32_rows<3>(xm, K, wf, c0, c1, o, N, pf); break;
+                        default: f32_rows<4>(xm, K, wf, c0, c1, o, N, pf); break;
+                    }
+                }
+            } else if (mode == 2 && R > 1) {
+                const uint16_t* xm = (const uint16_t*)x + m * K;
+                const uint16_t* wb = (const uint16_t*)w;
                 switch (R) {
-                    case 1: f32_rows<1>(xm, K, wf, c0, c1, o, N, pf); break;
-                    case 2: f32_rows<2>(xm, K, wf, c0, c1, o, N, pf); break;
-                    case 3: f32_rows<3>(xm, K, wf, c0, c1, o, N, pf); break;
-                    default: f32_rows<4>(xm, K, wf, c0, c1, o, N, pf); break;
+                    case 2: bf16_rows2<2>(xm, K, wb, c0, c1, o, N); break;
+                    case 3: bf16_rows2<3>(xm, K, wb, c0, c1, o, N); break;
+                    default: bf16_rows2<4>(xm, K, wb, c0, c1, o, N); break;
                 }
             } else {
                 const uint16_t* xm = (const uint16_t*)x + m * K;
                 const float* xfm = xf ? xf + m * K : nullptr;
                 const uint16_t* wb = (const uint16_t*)w;
-#define TP_BF16(RR) (mode == 0 ? bf16_rows<RR, 0>(xm, xfm, K, wb, c0, c1, o, N, pf) \
+                const int bmode = mode == 2 ? 0 : mode;
+#define TP_BF16(RR) (bmode == 0 ? bf16_rows<RR, 0>(xm, xfm, K, wb, c0, c1, o, N, pf) \
                                : bf16_rows<RR, 1>(xm, xfm, K, wb, c0, c1, o, N, pf))
                 switch (R) {
                     case 1: TP_BF16(1); break;
@@ -189,7 +304,8 @@ static void run_rows(int dtype, int mode, const void* x, const float* xf, int64_
 }
 
 // y [M, N] = x [M, K] @ w[N, K]^T + bias. dtype 0: x, w, bias, y fp32; dtype 1: x, w, bias, y bf16 (bias may be
-// null), sums in fp32, mode 0 vdpbf16ps / 1 widen-and-fma. pf: software prefetch distance in elements (0: none).
+// null), sums in fp32, mode 0 vdpbf16ps / 1 widen-and-fma; mode 2: 2..4 input rows two weight rows at a time
+// (one row: as mode 0). pf: software prefetch distance in elements (0: none).
 // threads > 1: OpenMP over chunks of 64 output rows.
 extern "C" void tp_gemv(int dtype, int mode, const void* x, int64_t M, int64_t K, const void* w, int64_t N,
                         const void* bias, void* y, int threads, int64_t pf) {
