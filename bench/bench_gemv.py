@@ -101,7 +101,8 @@ def e2e(args) -> None:
              "", "Memory-read limit (bench/stream_read.c): " + (
                  f"1 thread {limit[1] / 1e9:.1f} GB/s, 2 threads {limit[2] / 1e9:.1f} GB/s (start {sr0[1] / 1e9:.1f}"
                  f" / {sr0[2] / 1e9:.1f}, end {sr1[1] / 1e9:.1f} / {sr1[2] / 1e9:.1f})." if limit else "not measured"),
-             "", "| dtype | tp | matmuls | MB read per token | tokens/s (median) | best step tokens/s | limit tokens/s | "
+             "", "| dtype | tp | matmuls | MB read per token | tokens/s (median) | best step tokens/s | "
+             "limit tokens/s | "
              "fraction of limit (median / best step) | tokens equal across rounds, ranks |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -194,7 +195,7 @@ def main():
     limit = max(sr0[1], sr1[1]) if sr0 else None
     meta = dict(machine=m0, machine_end=machine(), torch=torch.__version__, threads=1,
                 stream_read_start=sr0, stream_read_end=sr1, limit_1t=limit, repeats=args.repeats,
-                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), modes={str(k): v for k, v in gemv_kernel.MODES.items()})
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), max_rows=gemv_kernel.MAX_ROWS)
     out = Path(args.out)
     atomic_write(out.with_suffix(".json"), json.dumps(dict(meta=meta, rows=rows), indent=1))
     la0, la1 = m0["loadavg"], meta["machine_end"]["loadavg"]
@@ -229,7 +230,8 @@ def main():
                 frac = f", {r[vn + '_gbs'] * 1e9 / limit:.2f}" if limit else ""
                 cells.append(f"{r[vn + '_gbs']:.1f} ({r[vn + '_best_gbs']:.1f}){frac}")
             lines.append(f"| {r['tp']} | {r['matrix']} | {r['out']} x {r['inp']} | {r['rows']} | {r['mb']:.0f} | "
-                         + " | ".join(cells) + f" | {max(r['ours_gbs'], r.get('ours_pairs_gbs', 0)) / r['onednn_gbs']:.2f}x | "
+                         + " | ".join(cells)
+                         + f" | {max(r['ours_gbs'], r.get('ours_pairs_gbs', 0)) / r['onednn_gbs']:.2f}x | "
                          f"{r['onednn_maxrel']:.1e} / {r['ours_maxrel']:.1e} | {r['load']:.2f} |")
         lines.append("")
     atomic_write(out.with_suffix(".md"), "\n".join(lines))

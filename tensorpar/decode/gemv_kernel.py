@@ -11,7 +11,8 @@ step and pack the weight themselves (a second copy).
 
 The layout is the plain weight ``[out, in]`` row-major, the one the modules, checkpoints and verify read: reading
 one output row after the other the matrix is one sequential stream, so nothing is packed and nothing converted.
-Sums in fp32 (bf16: ``vdpbf16ps`` pairs, :data:`MODES`), rounded to bf16 once at the end for bf16 weights.
+Sums in fp32 (bf16: the weights widened to fp32, or ``vdpbf16ps`` pairs: :func:`mode`), rounded to bf16 once at
+the end for bf16 weights.
 
 Build: ``g++ -O3 -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -fopenmp -shared`` of the one C++ file (no torch
 headers), cached like :mod:`tensorpar.decode.q8_kernel`'s; loaded with ctypes. Used only where /proc/cpuinfo lists
@@ -34,14 +35,27 @@ _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fope
           "-std=c++17"]
 _FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-#: the kernel's mode per dtype: 0 = one weight row at a time (bf16: ``vdpbf16ps`` on the bf16 input); 1 (bf16) =
-#: the weights widened to fp32 and fma with the input in fp32; 2 = as 0 for one input row, two weight rows at a
-#: time for 2-4 input rows (each input vector loaded once for both). bench/bench_gemv.py measures them.
-MODES = {torch.float32: 2, torch.bfloat16: 2}
-#: software prefetch distance in elements (0: none; the hardware prefetcher follows the one stream)
+#: the kernel's modes: 0 = one weight row at a time (bf16: ``vdpbf16ps`` on the bf16 input); 1 (bf16) = the
+#: weights widened to fp32 and fma with the input in fp32; 2 = as 0 for one input row, two weight rows at a time for
+#: 2-4 input rows (each input vector loaded once for both). bench/bench_gemv.py measures them (bench/results/gemv.md,
+#: gemv-0014.md): :func:`mode` picks the faster.
+MODE_ONE_ROW, MODE_WIDEN, MODE_PAIRS = 0, 1, 2
+#: software prefetch distance in elements (0: none: measured slower, the hardware prefetcher follows the one stream)
 PREFETCH = 0
-#: the most rows the lean path runs through this kernel (more: oneDNN; bench/results/gemv.md)
-MAX_ROWS = 4
+#: the most rows the lean path runs through this kernel: faster than oneDNN's prepacked GEMV at 1 and 2 rows, not
+#: at 4 (bench/results/gemv.md)
+MAX_ROWS = 2
+
+
+def mode(dtype: torch.dtype, rows: int) -> int:
+    """The kernel mode for ``rows`` input rows of ``dtype``: bf16 at one row widens the weights to fp32 (it read
+    up to 0.91 of the memory-read limit against ``vdpbf16ps``'s 0.83 at the least loaded run; at more rows the
+    input in fp32 costs more than it gains); otherwise one weight row at a time (two at a time was not faster at
+    2 rows)."""
+    return MODE_WIDEN if dtype == torch.bfloat16 and rows == 1 else MODE_ONE_ROW
+
+
+_mode = mode
 
 
 @lru_cache(maxsize=1)
@@ -86,7 +100,7 @@ def gemv_raw(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, *, mod
     x, w = x.contiguous(), w.contiguous()
     b = bias.contiguous() if bias is not None else None
     y = torch.empty(M, N, dtype=w.dtype)
-    _lib().tp_gemv(_DTYPES[w.dtype], MODES[w.dtype] if mode is None else mode, x.data_ptr(), M, K, w.data_ptr(), N,
+    _lib().tp_gemv(_DTYPES[w.dtype], _mode(w.dtype, M) if mode is None else mode, x.data_ptr(), M, K, w.data_ptr(), N,
                    b.data_ptr() if b is not None else None, y.data_ptr(),
                    torch.get_num_threads() if threads is None else threads, prefetch)
     return y
@@ -98,7 +112,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
     :func:`supports`. ``x`` ``[M, K]`` of ``w``'s dtype, ``w`` ``[N, K]`` contiguous, ``bias`` ``[N]`` or None."""
     x = x.contiguous()
     y = torch.empty(x.shape[0], w.shape[0], dtype=w.dtype)
-    _lib().tp_gemv(_DTYPES[w.dtype], MODES[w.dtype], x.data_ptr(),
+    _lib().tp_gemv(_DTYPES[w.dtype], _mode(w.dtype, x.shape[0]), x.data_ptr(),
                    x.shape[0], x.shape[1], w.data_ptr(), w.shape[0],
                    None if bias is None else bias.contiguous().data_ptr(), y.data_ptr(), torch.get_num_threads(),
                    PREFETCH)

@@ -22,8 +22,8 @@ math directly on the rank's tensors:
   layout (:func:`pack`), which *replaces* the plain weights (:func:`tensorpar.decode.packed.pack_weights`: no
   second copy; the modules convert back on access); ``F.linear`` calls the same oneDNN matmul but reorders the
   weight on every call, which made bf16 GEMV 1.5x slower than it needs to be (same bits);
-* fp32 and bf16 on a CPU with AVX-512 BF16, a decoder of ``max_batch`` <= 4 (generate's batch 1): the steps of at
-  most 4 rows run our GEMV on the plain ``[out, in]`` weights (:mod:`tensorpar.decode.gemv_kernel`: one sequential
+* fp32 and bf16 on a CPU with AVX-512 BF16, a decoder of ``max_batch`` <= 2 (generate's batch 1): the steps of at
+  most 2 rows run our GEMV on the plain ``[out, in]`` weights (:mod:`tensorpar.decode.gemv_kernel`: one sequential
   stream of the weights, faster than oneDNN's prepacked GEMV, within 1e-5 relative of ``F.linear`` in fp32, one
   bf16 rounding in bf16), prefill the plain ``torch.mm`` / ``F.linear``; nothing is packed;
 * a model quantized by :func:`tensorpar.decode.quantize.quantize_int8` (its fp weights freed) runs every matmul as
@@ -172,8 +172,9 @@ class LeanDecoder:
         """Run the matmuls of steps of at most :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS` rows (decode at batch
         1) through our GEMV on the plain weights, the rest (prefill) through ``torch.mm`` / ``F.linear`` on the same
         weights: nothing packed, nothing converted. It streams the weights faster than oneDNN's prepacked GEMV
-        (fp32 1.1-1.5x, bf16 1.3-2.1x at one row on the 1.1B Llama's shapes, bench/results/gemv.md) but not at 4
-        or more rows, hence only for decoders of ``max_batch`` <= ``MAX_ROWS``. Taken when the kernel runs here
+        (fp32 1.2-1.5x, bf16 1.3-2.1x at one row on the 1.1B Llama's shapes, bench/results/gemv-0014.md) but not
+        at 4 rows (bench/results/gemv.md), hence only for decoders of ``max_batch`` <= ``MAX_ROWS``. Taken when
+        the kernel runs here
         (:func:`~tensorpar.decode.gemv_kernel.supports` every weight: CPU, fp32 or bf16, contiguous) and a probe
         is within the kernel's tolerance of ``F.linear`` (fp32: 1e-5 relative, the order of the fp32 sums; bf16:
         one bf16 rounding, 2^-8 relative)."""

@@ -27,15 +27,18 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("m,n,k", [(1, 1280, 2048), (1, 2048, 2816), (3, 96, 80), (4, 33, 130), (6, 40, 2050)])
 def test_gemv_equals_linear(dtype, m, n, k):
     """The kernel on decode-like shapes (and odd ones: tails of K, more than 4 rows) with and without bias, 1 and 2
-    threads, equals ``F.linear`` within :func:`_close`'s tolerance."""
+    threads, each mode (the default one, one weight row at a time, bf16 widened, two weight rows at a time), the
+    lean path's entry and the custom op, equals ``F.linear`` within :func:`_close`'s tolerance."""
     g = torch.Generator().manual_seed(m * n + k)
     x, w, b = (torch.randn(*s, generator=g).to(dtype) for s in ((m, k), (n, k), (n,)))
     for bias in (None, b):
         want = F.linear(x, w, bias)
         for threads in (1, 2):
-            got = gemv_kernel.gemv_raw(x, w, bias, threads=threads)
-            assert got.dtype == dtype and got.shape == (m, n)
-            _close(got, want, dtype)
+            for mode in (None, gemv_kernel.MODE_ONE_ROW, gemv_kernel.MODE_WIDEN, gemv_kernel.MODE_PAIRS):
+                got = gemv_kernel.gemv_raw(x, w, bias, threads=threads, mode=mode)
+                assert got.dtype == dtype and got.shape == (m, n)
+                _close(got, want, dtype)
+        _close(gemv_kernel.linear(x, w, bias), want, dtype)
         _close(torch.ops.tensorpar.gemv(x, w, bias), want, dtype)
 
 
