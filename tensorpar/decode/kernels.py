@@ -1,12 +1,15 @@
 """The per-layer pieces of :class:`~tensorpar.decode.lean.LeanDecoder` that replace framework calls: RMSNorm in
 fewer calls where a probe shows it bitwise equal (:func:`rms_norm_fn`), the in-place SiLU check, the 2-D matmul
-without ``F.linear``'s dispatch (:func:`mm`), oneDNN-prepacked weights (:func:`pack`, :func:`packed_linear`), and
-the runs of query heads that share a KV head (:func:`kv_runs`). No collectives.
+without ``F.linear``'s dispatch (:func:`mm`), oneDNN-prepacked weights (:func:`pack`, :func:`packed_linear`), our
+GEMV on the plain weights at a few rows (:func:`gemv_mm`, :func:`gemv_linear`), and the runs of query heads that
+share a KV head (:func:`kv_runs`). No collectives.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from tensorpar.decode import gemv_kernel
 
 
 def rms_norm_fn(mod):
@@ -46,6 +49,24 @@ def is_silu(act, w: torch.Tensor) -> bool:
 def mm(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """``x [n, in] @ wt [in, out] (+ b)``: ``F.linear(x, wt.t(), b)``'s own call for 2-D input, without its dispatch."""
     return torch.mm(x, wt) if b is None else torch.addmm(b, x, wt)
+
+
+def gemv_mm(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """:func:`mm` (``x [n, in] @ wt [in, out] (+ b)``, ``wt`` the ``[in, out]`` view of a row-major ``[out, in]``
+    weight) through our GEMV (:mod:`tensorpar.decode.gemv_kernel`, on ``wt.t()`` as it is) when ``n`` is at most
+    :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS`, else :func:`mm`."""
+    if x.shape[0] <= gemv_kernel.MAX_ROWS:
+        return gemv_kernel.linear(x, wt.t(), b)
+    return mm(x, wt, b)
+
+
+def gemv_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, w, b)`` (``x [..., in]``, ``w [out, in]`` row-major) through our GEMV when ``x`` has at most
+    :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS` rows, else ``F.linear``."""
+    k = x.shape[-1]
+    if x.numel() <= gemv_kernel.MAX_ROWS * k:
+        return gemv_kernel.linear(x.reshape(-1, k), w, b).view(*x.shape[:-1], w.shape[0])
+    return F.linear(x, w, b)
 
 
 def packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

@@ -22,6 +22,10 @@ math directly on the rank's tensors:
   layout (:func:`pack`), which *replaces* the plain weights (:func:`tensorpar.decode.packed.pack_weights`: no
   second copy; the modules convert back on access); ``F.linear`` calls the same oneDNN matmul but reorders the
   weight on every call, which made bf16 GEMV 1.5x slower than it needs to be (same bits);
+* fp32 and bf16 on a CPU with AVX-512 BF16, a decoder of ``max_batch`` <= 2 (generate's batch 1): the steps of at
+  most 2 rows run our GEMV on the plain ``[out, in]`` weights (:mod:`tensorpar.decode.gemv_kernel`: one sequential
+  stream of the weights, faster than oneDNN's prepacked GEMV, within 1e-5 relative of ``F.linear`` in fp32, one
+  bf16 rounding in bf16), prefill the plain ``torch.mm`` / ``F.linear``; nothing is packed;
 * a model quantized by :func:`tensorpar.decode.quantize.quantize_int8` (its fp weights freed) runs every matmul as
   :func:`tensorpar.decode.int8.int8_linear` (Q8_0 x Q8_0: the input quantized per block of 32, int8 x int8) on the
   int8 ``[out, in]`` weights: no ``[in, out]`` views, no prepacking;
@@ -58,7 +62,8 @@ from tensorpar.comm import Group
 from tensorpar.comm.compress import BLOCK as COMPRESS_BLOCK
 from tensorpar.decode.block import Layer, build_layer, norm_fn, ordered_all_reduce, rotate, windowed
 from tensorpar.decode.int8 import int8_linear, int8_weights, lean_weight
-from tensorpar.decode.kernels import can_pack, mm, pack, packed_linear
+from tensorpar.decode import gemv_kernel
+from tensorpar.decode.kernels import can_pack, gemv_linear, gemv_mm, mm, pack, packed_linear
 from tensorpar.decode.packed import pack_plan, pack_weights, unpack_weights
 from tensorpar.decode.kv_cache import LeanKVCache, Segment, offsets, token_positions
 from tensorpar.decode.prepare import decoder_parts, fuse_projections, lean_unsupported
@@ -108,8 +113,10 @@ class LeanDecoder:
         prepack: run the matmuls on weights reordered once into oneDNN's blocked layout. bf16: bitwise the
             results of ``F.linear``, which on a bf16 CPU weight reorders it on every call (1.5x slower GEMV,
             measured in bench/results/decode.md). fp32: oneDNN's kernels instead of MKL's ``torch.mm``, within a
-            few units in the last place of it and faster (:meth:`_use_packed`). ``None``: for CPU weights in
-            fp32, or bf16 where oneDNN runs bf16. Never for a model quantized by
+            few units in the last place of it and faster (:meth:`_use_packed`). ``None``: our GEMV on the plain
+            weights (:meth:`_use_gemv`) where it runs and ``max_batch`` is at most
+            :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS`, else prepacked for CPU weights in fp32, or bf16 where
+            oneDNN runs bf16. ``False``: plain ``torch.mm`` / ``F.linear``. Never for a model quantized by
             :func:`tensorpar.decode.quantize.quantize_int8` (its matmuls read the int8 weights).
 
     Memory: ``2 * num_layers * num_blocks * kv_local * block_size * head_dim`` elements of the weights' dtype,
@@ -180,7 +187,9 @@ class LeanDecoder:
             self.lin = self.linear = int8_linear
         else:
             self.lin, self.linear = mm, F.linear
-        self.packed = (not int8 and (prepack if prepack is not None else can_pack(w0))
+        #: our GEMV on the plain weights for steps of at most gemv_kernel.MAX_ROWS rows (:meth:`_use_gemv`)
+        self.gemv = (not int8 and prepack is None and max_batch <= gemv_kernel.MAX_ROWS and self._use_gemv())
+        self.packed = (not int8 and not self.gemv and (prepack if prepack is not None else can_pack(w0))
                        and w0.device.type == "cpu" and torch.backends.mkldnn.is_available())
         if self.packed:
             self._use_packed(model)
@@ -199,6 +208,29 @@ class LeanDecoder:
             if tp.compression == "int8" and h % COMPRESS_BLOCK:
                 raise ValueError(f"deterministic (batch-invariant) decoding with --tp-comm int8 needs a hidden "
                                  f"size that is a multiple of {COMPRESS_BLOCK}, got {h}; use --tp-comm fp32")
+
+    def _use_gemv(self) -> bool:
+        """Run the matmuls of steps of at most :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS` rows (decode at batch
+        1) through our GEMV on the plain weights, the rest (prefill) through ``torch.mm`` / ``F.linear`` on the same
+        weights: nothing packed, nothing converted. It streams the weights faster than oneDNN's prepacked GEMV
+        (fp32 1.2-1.5x, bf16 1.3-2.1x at one row on the 1.1B Llama's shapes, bench/results/gemv-0014.md) but not
+        at 4 rows (bench/results/gemv.md), hence only for decoders of ``max_batch`` <= ``MAX_ROWS``. Taken when
+        the kernel runs here
+        (:func:`~tensorpar.decode.gemv_kernel.supports` every weight: CPU, fp32 or bf16, contiguous) and a probe
+        is within the kernel's tolerance of ``F.linear`` (fp32: 1e-5 relative, the order of the fp32 sums; bf16:
+        one bf16 rounding, 2^-8 relative)."""
+        ws = [w for L in self.layers for *_, w, _ in L.packs] + ([self.lm_w] if self.last else [])
+        if not ws or not all(isinstance(w, torch.Tensor) and gemv_kernel.supports(w) for w in ws):
+            return False
+        w = ws[0]
+        probe = torch.randn(1, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
+        with torch.no_grad():
+            got, want = gemv_kernel.gemv(probe, w, None).float(), F.linear(probe, w).float()
+        tol = 1e-5 if w.dtype == torch.float32 else 2.0 ** -8
+        if not torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max())):
+            return False
+        self.lin, self.linear = gemv_mm, gemv_linear
+        return True
 
     def _use_packed(self, model) -> None:
         """Run the matmuls on oneDNN-packed weights that replace the plain ones on the modules

@@ -33,31 +33,32 @@ _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16
 _FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
 
 
-def _cpu_has_features() -> bool:
+def _cpu_has_features(features=_FEATURES) -> bool:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
     flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return all(f in flags for f in _FEATURES)
+    return all(f in flags for f in features)
 
 
-def _build() -> Path | None:
-    """The shared library's path, compiling it on first use; ``None`` if no C++ compiler works."""
+def _build(src_path: Path = _SRC, flags: list[str] = _FLAGS, name: str = "q8") -> Path | None:
+    """The shared library's path (``src_path`` compiled with ``flags``), compiling it on first use; ``None`` if no
+    C++ compiler works. Also builds :mod:`tensorpar.decode.gemv_kernel`'s source."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         return None
-    src = _SRC.read_bytes()
-    tag = hashlib.sha256(src + " ".join([cxx] + _FLAGS).encode()).hexdigest()[:16]
+    src = src_path.read_bytes()
+    tag = hashlib.sha256(src + " ".join([cxx] + flags).encode()).hexdigest()[:16]
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
-    lib = root / f"tensorpar_q8_{tag}.so"
+    lib = root / f"tensorpar_{name}_{tag}.so"
     if lib.exists():
         return lib
     try:
         root.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
         os.close(fd)
-        r = subprocess.run([cxx, *_FLAGS, str(_SRC), "-o", tmp], capture_output=True, timeout=300)
+        r = subprocess.run([cxx, *flags, str(src_path), "-o", tmp], capture_output=True, timeout=300)
         if r.returncode != 0:
             os.unlink(tmp)
             return None

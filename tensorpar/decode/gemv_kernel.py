@@ -1,0 +1,133 @@
+"""Our fp32 / bf16 GEMV for the lean decode path's matmuls at a few rows (csrc/gemv.cpp), built once per machine
+and registered as the torch custom op ``tensorpar::gemv`` so a compiled step can call it.
+
+Why our own kernel: at one row (a decode step) the matmul reads every weight once and does two flops per weight,
+so it should stream at the memory-read limit. oneDNN's prepacked GEMV (what the lean path ran,
+:func:`tensorpar.decode.kernels.packed_linear`) read bf16 weights at well below it on this AMD EPYC (Zen 4:
+AVX-512 BF16, no AMX), below its own fp32 rate per byte; measured per shape in bench/bench_gemv.py
+(bench/results/gemv.md). Torch 2.13's other CPU paths do not help there: ``F.linear`` on a bf16 weight is the
+same oneDNN matmul plus a weight reorder per call, Inductor's CPU GEMM templates (``max_autotune``) need a compiled
+step and pack the weight themselves (a second copy).
+
+The layout is the plain weight ``[out, in]`` row-major, the one the modules, checkpoints and verify read: reading
+one output row after the other the matrix is one sequential stream, so nothing is packed and nothing converted.
+Sums in fp32 (bf16: the weights widened to fp32, or ``vdpbf16ps`` pairs: :func:`mode`), rounded to bf16 once at
+the end for bf16 weights.
+
+Build: ``g++ -O3 -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -fopenmp -shared`` of the one C++ file (no torch
+headers), cached like :mod:`tensorpar.decode.q8_kernel`'s; loaded with ctypes. Used only where /proc/cpuinfo lists
+avx512f, avx512bw, avx512vl and avx512_bf16 and the build succeeded (:func:`available`, ``TENSORPAR_GEMV_KERNEL=0``
+turns it off); elsewhere the lean path runs oneDNN on prepacked weights as before.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from tensorpar.decode.q8_kernel import _build, _cpu_has_features
+
+_SRC = Path(__file__).with_name("csrc") / "gemv.cpp"
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC",
+          "-std=c++17"]
+_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+#: the kernel's modes: 0 = one weight row at a time (bf16: ``vdpbf16ps`` on the bf16 input); 1 (bf16) = the
+#: weights widened to fp32 and fma with the input in fp32; 2 = as 0 for one input row, two weight rows at a time for
+#: 2-4 input rows (each input vector loaded once for both). bench/bench_gemv.py measures them (bench/results/gemv.md,
+#: gemv-0014.md): :func:`mode` picks the faster.
+MODE_ONE_ROW, MODE_WIDEN, MODE_PAIRS = 0, 1, 2
+#: software prefetch distance in elements (0: none: measured slower, the hardware prefetcher follows the one stream)
+PREFETCH = 0
+#: the most rows the lean path runs through this kernel: faster than oneDNN's prepacked GEMV at 1 and 2 rows, not
+#: at 4 (bench/results/gemv.md)
+MAX_ROWS = 2
+
+
+def mode(dtype: torch.dtype, rows: int) -> int:
+    """The kernel mode for ``rows`` input rows of ``dtype``: bf16 at one row widens the weights to fp32 (it read
+    up to 0.91 of the memory-read limit against ``vdpbf16ps``'s 0.83 at the least loaded run; at more rows the
+    input in fp32 costs more than it gains); otherwise one weight row at a time (two at a time was not faster at
+    2 rows)."""
+    return MODE_WIDEN if dtype == torch.bfloat16 and rows == 1 else MODE_ONE_ROW
+
+
+_mode = mode
+
+
+@lru_cache(maxsize=1)
+def _lib():
+    if os.environ.get("TENSORPAR_GEMV_KERNEL", "1") == "0" or not _cpu_has_features(_FEATURES):
+        return None
+    path = _build(_SRC, _FLAGS, "gemv")
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError:
+        return None
+    lib.tp_gemv.restype = None
+    lib.tp_gemv.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                            ctypes.c_int64]
+    return lib
+
+
+def available() -> bool:
+    """Whether this process can run the kernel (the CPU features, a compiler, ``TENSORPAR_GEMV_KERNEL`` not ``0``)."""
+    return _lib() is not None
+
+
+def supports(w: torch.Tensor) -> bool:
+    """Whether :func:`gemv` takes weight ``w``: a contiguous 2-D fp32 or bf16 CPU tensor, and :func:`available`."""
+    return (w.device.type == "cpu" and w.dim() == 2 and w.dtype in _DTYPES and w.is_contiguous()
+            and available())
+
+
+def gemv_raw(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, *, mode: int | None = None,
+             prefetch: int = PREFETCH, threads: int | None = None) -> torch.Tensor:
+    """:func:`gemv` with the kernel's settings given (bench/bench_gemv.py). ``x`` ``[M, K]``, ``w`` ``[N, K]``,
+    ``bias`` ``[N]`` or None, all of ``w``'s dtype -> ``[M, N]``."""
+    M, K = x.shape
+    N = w.shape[0]
+    if w.shape[1] != K or x.dtype != w.dtype or (bias is not None and (bias.dtype != w.dtype or bias.numel() != N)):
+        raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}, bias "
+                         f"{None if bias is None else (tuple(bias.shape), bias.dtype)}: takes x [M, K], w [N, K], "
+                         f"bias [N], one dtype (float32 or bfloat16)")
+    x, w = x.contiguous(), w.contiguous()
+    b = bias.contiguous() if bias is not None else None
+    y = torch.empty(M, N, dtype=w.dtype)
+    _lib().tp_gemv(_DTYPES[w.dtype], _mode(w.dtype, M) if mode is None else mode, x.data_ptr(), M, K, w.data_ptr(), N,
+                   b.data_ptr() if b is not None else None, y.data_ptr(),
+                   torch.get_num_threads() if threads is None else threads, prefetch)
+    return y
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`gemv` without the custom op's dispatch and :func:`gemv_raw`'s checks (about 45 us less per call, 89
+    calls per token for the 1.1B Llama): what the lean path calls, eagerly, on weights it checked with
+    :func:`supports`. ``x`` ``[M, K]`` of ``w``'s dtype, ``w`` ``[N, K]`` contiguous, ``bias`` ``[N]`` or None."""
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], w.shape[0], dtype=w.dtype)
+    _lib().tp_gemv(_DTYPES[w.dtype], _mode(w.dtype, x.shape[0]), x.data_ptr(),
+                   x.shape[0], x.shape[1], w.data_ptr(), w.shape[0],
+                   None if bias is None else bias.contiguous().data_ptr(), y.data_ptr(), torch.get_num_threads(),
+                   PREFETCH)
+    return y
+
+
+@torch.library.custom_op("tensorpar::gemv", mutates_args=())
+def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, w, bias)`` for ``x`` ``[M, K]``, ``w`` ``[N, K]`` (plain row-major), ``bias`` ``[N]`` or None,
+    one dtype, float32 or bfloat16 (CPU) -> ``[M, N]``: sums in fp32 in another order than oneDNN/MKL (fp32: within
+    1e-5 relative of ``F.linear``; bf16: the fp32 sum rounded to bf16 once, so within one bf16 rounding of it).
+    Runs on ``torch.get_num_threads()`` threads. Requires :func:`supports` (w)."""
+    return gemv_raw(x, w, bias)
+
+
+@gemv.register_fake
+def _(x, w, bias):
+    return x.new_empty(x.shape[0], w.shape[0])

@@ -1,0 +1,87 @@
+"""Our fp32 / bf16 GEMV (tensorpar/decode/gemv_kernel.py, csrc/gemv.cpp) against ``F.linear``, and the lean path
+that runs it on the plain weights for decoders of a few rows (tensorpar/decode/lean.py ``_use_gemv``)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tensorpar.decode import gemv_kernel
+from tests.decode.test_generate import ARCHS, hf_reference, make_model_folder, prompts
+
+needs_kernel = pytest.mark.skipif(not gemv_kernel.available(), reason="no AVX-512 BF16 CPU or no C++ compiler")
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """fp32: 1e-5 of the largest |output| (the same products summed in another order than MKL/oneDNN); bf16: both
+    round an fp32 sum of the same products to bf16, so they differ by at most one bf16 rounding of it (2^-8
+    relative) plus the fp32 order (1e-5)."""
+    got, want = got.double(), want.double()
+    scale = float(want.abs().max())
+    if dtype == torch.float32:
+        assert (got - want).abs().max() <= 1e-5 * scale
+    else:
+        assert ((got - want).abs() <= 2.0 ** -8 * want.abs() + 1e-5 * scale).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k", [(1, 1280, 2048), (1, 2048, 2816), (3, 96, 80), (4, 33, 130), (6, 40, 2050)])
+def test_gemv_equals_linear(dtype, m, n, k):
+    """The kernel on decode-like shapes (and odd ones: tails of K, more than 4 rows) with and without bias, 1 and 2
+    threads, each mode (the default one, one weight row at a time, bf16 widened, two weight rows at a time), the
+    lean path's entry and the custom op, equals ``F.linear`` within :func:`_close`'s tolerance."""
+    g = torch.Generator().manual_seed(m * n + k)
+    x, w, b = (torch.randn(*s, generator=g).to(dtype) for s in ((m, k), (n, k), (n,)))
+    for bias in (None, b):
+        want = F.linear(x, w, bias)
+        for threads in (1, 2):
+            for mode in (None, gemv_kernel.MODE_ONE_ROW, gemv_kernel.MODE_WIDEN, gemv_kernel.MODE_PAIRS):
+                got = gemv_kernel.gemv_raw(x, w, bias, threads=threads, mode=mode)
+                assert got.dtype == dtype and got.shape == (m, n)
+                _close(got, want, dtype)
+        _close(gemv_kernel.linear(x, w, bias), want, dtype)
+        _close(torch.ops.tensorpar.gemv(x, w, bias), want, dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_runs_gemv_on_the_plain_weights(tmp_path, dtype):
+    """A decoder of batch 1 takes our GEMV (not oneDNN's packing): the model keeps its parameters (same storage,
+    nothing packed or copied), its prefill and decode logits are within the kernel's tolerance of the plain
+    ``torch.mm`` / ``F.linear`` decoder (``prepack=False``), and fp32 greedy tokens at batch 1 equal transformers'."""
+    from tensorpar.decode.lean import LeanDecoder
+    from tensorpar.decode.packed import packed_model
+    from tensorpar.generate import SamplingConfig, generate_tokens
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.parallel import ParallelContext
+    folder = make_model_folder(tmp_path / "llama", "llama")
+    ctx = ParallelContext.single()
+    model, _ = build_parallel_model(folder, ctx.tp, dtype=dtype)
+    ids, mask = prompts(ARCHS["llama"]["vocab_size"])
+    ids, mask = ids[:1], mask[:1]
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+
+    def logits(prepack):
+        lean = LeanDecoder(model, ctx.tp, max_batch=1, max_len=ids.shape[1] + 2, prepack=prepack)
+        first = lean.prefill(ids, mask, pos)
+        steps = [lean.decode(first.argmax(-1, keepdim=True), pos[:, -1:] + 1, ids.shape[1])]
+        steps.append(lean.decode(steps[-1].argmax(-1, keepdim=True), pos[:, -1:] + 2, ids.shape[1] + 1))
+        return lean, first, steps
+
+    def storage_bytes():
+        return sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                    for p in model.parameters()}.values())
+
+    before = storage_bytes()
+    lean, first, steps = logits(None)
+    assert lean.gemv and not lean.packed and not packed_model(model)
+    assert storage_bytes() == before            # the parameters hold the weights, once (q/k/v fused in place)
+    _, first_plain, steps_plain = logits(False)
+    # prefill: the layers' 7 rows (> MAX_ROWS) the same torch.mm / F.linear, the LM head's one row our GEMV;
+    # decode: our GEMV everywhere, the layers compound the kernel's tolerance a little
+    for got, want in zip([first] + steps, [first_plain] + steps_plain):
+        tol = (1e-4 if dtype == torch.float32 else 5e-2) * float(want.float().abs().max())
+        assert (got.float() - want.float()).abs().max() <= tol
+    if dtype == torch.float32:
+        want_tokens, _ = hf_reference(folder, ids, mask, 12)
+        got_tokens = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=12)).tokens
+        assert torch.equal(got_tokens, want_tokens)
