@@ -7,6 +7,7 @@ prove, write the plan file the ranks read as ``--plan-file``. Discovery itself i
 from __future__ import annotations
 
 import copy
+import re
 
 import torch
 
@@ -28,6 +29,16 @@ def _proof_job(ctx, config, spec: dict, train: bool):
     return compare_to_reference(ref, par, ctx.tp, ids, train=train).to_dict()
 
 
+def instance_spec(plan: UserPlan, n: int) -> dict:
+    """The plan-file form of ``plan`` for an instance of ``n`` blocks: entries placed block by block (dense and MoE
+    layers mixed, ``model.layers.5.mlp``) for blocks it does not have are left out (they would match nothing)."""
+    spec = plan_dict(plan)
+    blocks = re.escape(plan.blocks.removesuffix(".*"))
+    spec["entries"] = {p: e for p, e in spec["entries"].items()
+                       if not (m := re.match(rf"{blocks}\.(\d+)\.", p)) or int(m.group(1)) < n}
+    return spec
+
+
 def prove_plan(config, plan: UserPlan, *, tps=(2, 3), train: bool = True, pools=None) -> list[dict]:
     """Run ``plan`` on :func:`tiny_config` of ``config`` at each tp in ``tps`` against the unsharded model
     (logits, every watched module, with ``train`` the loss and every gradient); return the reports
@@ -40,7 +51,7 @@ def prove_plan(config, plan: UserPlan, *, tps=(2, 3), train: bool = True, pools=
     from tensorpar.testing import RankFailure, WorkerPool
 
     small = tiny_config(config)
-    spec = plan_dict(plan)
+    spec = instance_spec(plan, small.num_hidden_layers)
     nh = _heads(small)[0]
     reports = []
     for t in tps:

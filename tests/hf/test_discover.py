@@ -358,3 +358,17 @@ def test_output_dropout_inside_attention_is_kept():
     par = parallelize(copy.deepcopy(random_model(c)), make_plan(c, 1, discover=True), ParallelContext.single().tp)
     drops = [b.attn.output_dropout for b in par.transformer.h]
     assert all(d is not None and d.p == c.resid_pdrop for d in drops), drops
+
+
+def test_proof_instance_drops_entries_of_blocks_it_lacks():
+    """A MoE family with dense and sparse blocks mixed is placed block by block; on its default layer count the
+    proof's smaller instance had entries for blocks it lacks ('model.layers.2.mlp.gate' matches no module), so the
+    coverage sweep refused ernie4_5_moe. The instance's plan keeps the entries of its own blocks only."""
+    from tensorpar.verify.prove import instance_spec, tiny_config
+    c = cfg("ernie4_5_moe", num_hidden_layers=6)
+    plan = discover_plan(c)
+    small = tiny_config(c)
+    assert small.num_hidden_layers < 6 and any(".5." in e.pattern for e in plan.entries)
+    spec = instance_spec(plan, small.num_hidden_layers)
+    assert not any(f".{i}." in p for p in spec["entries"] for i in range(small.num_hidden_layers, 6))
+    make_plan(small, 2, user_plan=spec)    # builds (raised "matches no module" before)
