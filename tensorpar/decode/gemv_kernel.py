@@ -22,13 +22,12 @@ turns it off); elsewhere the lean path runs oneDNN on prepacked weights as befor
 from __future__ import annotations
 
 import ctypes
-import os
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from tensorpar.decode.q8_kernel import _build, _cpu_has_features
+from tensorpar.decode.q8_kernel import load_kernel
 
 _SRC = Path(__file__).with_name("csrc") / "gemv.cpp"
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC",
@@ -60,14 +59,8 @@ _mode = mode
 
 @lru_cache(maxsize=1)
 def _lib():
-    if os.environ.get("TENSORPAR_GEMV_KERNEL", "1") == "0" or not _cpu_has_features(_FEATURES):
-        return None
-    path = _build(_SRC, _FLAGS, "gemv")
-    if path is None:
-        return None
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError:
+    lib = load_kernel(_SRC, _FLAGS, "gemv", _FEATURES, "TENSORPAR_GEMV_KERNEL")
+    if lib is None:
         return None
     lib.tp_gemv.restype = None
     lib.tp_gemv.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,

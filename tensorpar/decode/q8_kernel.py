@@ -68,16 +68,24 @@ def _build(src_path: Path = _SRC, flags: list[str] = _FLAGS, name: str = "q8") -
     return lib
 
 
-@lru_cache(maxsize=1)
-def _lib():
-    if os.environ.get("TENSORPAR_Q8_KERNEL", "1") == "0" or not _cpu_has_features():
+def load_kernel(src_path: Path, flags: list[str], name: str, features, env: str):
+    """The ctypes library of one of our C++ kernels, or None where it cannot run: ``env`` set to ``0`` in the
+    environment, a CPU without ``features`` (/proc/cpuinfo flags), no compiler or a failed build, a load error."""
+    if os.environ.get(env, "1") == "0" or not _cpu_has_features(features):
         return None
-    path = _build()
+    path = _build(src_path, flags, name)
     if path is None:
         return None
     try:
-        lib = ctypes.CDLL(str(path))
+        return ctypes.CDLL(str(path))
     except OSError:
+        return None
+
+
+@lru_cache(maxsize=1)
+def _lib():
+    lib = load_kernel(_SRC, _FLAGS, "q8", _FEATURES, "TENSORPAR_Q8_KERNEL")
+    if lib is None:
         return None
     lib.tp_q8_linear.restype = None
     lib.tp_q8_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
