@@ -256,12 +256,16 @@ def main() -> None:
     from machine import machine
     from tensorpar.testing import WorkerPool
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description="Plan discovery and its proof at tp 2 and 3 on every model type of the "
+                                 "installed transformers with a *ForCausalLM class: each is proven, refused by the "
+                                 "proof, refused by discovery or not attempted (with the reason); writes "
+                                 "discover_coverage.{json,md} and the table of docs/discover.md.",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--only", default=None, help="comma-separated model types (printed, nothing written)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per proof job (one tp) of a family")
-    ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--docs", default="docs/discover.md")
-    ap.add_argument("--no-docs", action="store_true")
+    ap.add_argument("--out", default="bench/results", help="folder of discover_coverage.json and .md")
+    ap.add_argument("--docs", default="docs/discover.md", help="the page whose coverage-table markers get the table")
+    ap.add_argument("--no-docs", action="store_true", help="leave --docs as it is")
     ap.add_argument("--discover-only", action="store_true", help="discovery only, no proofs (nothing written)")
     ap.add_argument("--from-json", action="store_true", help="rewrite the .md and the docs table from --out's .json")
     a = ap.parse_args()

@@ -193,11 +193,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="batch-invariant results: each prompt's greedy tokens are bitwise those it gets alone "
                         "(slower; docs/serve.md)")
     p.add_argument("--print-plan", action="store_true", help="print the sharding plan and exit")
-    p.add_argument("--plan-file", default=None, help="a .json/.yaml sharding plan that overrides or extends the "
-                                                     "built-in table, or shards an architecture without one "
-                                                     "(docs/plans.md)")
-    from tensorpar.verify.prove import add_arguments as add_discover_arguments
-    add_discover_arguments(p)
+    from tensorpar.verify.prove import add_arguments as add_plan_arguments
+    add_plan_arguments(p, plan_file=True)
 
 
 def _encode(tok, prompts: list[str], chat: bool):

@@ -242,7 +242,7 @@ def make_plan(config, tp_size: int, *, sequence_parallel: bool = False, head_spl
     if mt not in FAMILIES and user_plan is None:
         raise ValueError(f"unsupported architecture model_type={mt!r}; tensorpar has plans for: "
                          f"{', '.join(sorted(FAMILIES))}; for another architecture give a plan file "
-                         f"(tensorpar generate --plan-file, or make_plan(..., user_plan=...) in Python): see "
+                         f"(generate, serve, verify: --plan-file; Python: make_plan(..., user_plan=...)): see "
                          f"docs/plans.md; or let tensorpar find and prove one: --discover-plan (docs/discover.md)")
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}")

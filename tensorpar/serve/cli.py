@@ -54,6 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="end a request still running this long after it arrived (default: no limit)")
     from tensorpar.decode.quantize import add_quantize_argument
     add_quantize_argument(p)
+    from tensorpar.verify.prove import add_arguments as add_plan_arguments
+    add_plan_arguments(p, plan_file=True)
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: --model)")
 
 
@@ -196,7 +198,10 @@ def validate(args: argparse.Namespace):
     from tensorpar.hf.load import follow_stored_ties, resolve_attn_implementation
     follow_stored_ties(folder, config, getattr(torch, args.dtype))  # before the plan (a stored, untied head)
     from tensorpar.capacity import plan_for_model
-    tp_weights, plan = plan_for_model(getattr(args, "tp_weights", None), args.tp, config)
+    from tensorpar.verify.prove import resolve_flags
+    resolve_flags(args, config)   # --discover-plan: the proven plan becomes the --plan-file the ranks read
+    user_plan = os.path.abspath(args.plan_file) if args.plan_file is not None else None
+    tp_weights, plan = plan_for_model(getattr(args, "tp_weights", None), args.tp, config, user_plan=user_plan)
     from tensorpar.decode.quantize import check_quantize
     quantize = getattr(args, "quantize", "none")
     check_quantize(quantize, config, plan)
@@ -235,7 +240,7 @@ def validate(args: argparse.Namespace):
     task = ServeTask(n, args.max_batch, args.max_waiting, args.host, args.port, args.served_model_name or args.model,
                      tok, quantize, bs, num_blocks, paged_why is None and prefix != "off", timeout, deterministic)
     parallel = ParallelConfig(tp=args.tp, pp=args.pp, dp=getattr(args, "ep", 1), tp_weights=tp_weights)
-    return job_from_args(args, parallel, folder=str(folder),
+    return job_from_args(args, parallel, folder=str(folder), user_plan=user_plan,
                          model_config=config, plan=None if tp_weights == "auto" else plan,
                          attn_implementation=resolve_attn_implementation(config), task=task)
 

@@ -112,8 +112,13 @@ def discovered_plan_file(config, *, save: str | None = None, train: bool = True,
 
 # ---------------------------------------------------------------- command-line flags
 
-def add_arguments(p) -> None:
-    """``--discover-plan`` and ``--save-plan`` (generate, verify)."""
+def add_arguments(p, *, plan_file: bool = False) -> None:
+    """``--discover-plan`` and ``--save-plan`` (generate, serve, verify); with ``plan_file`` also ``--plan-file``
+    (generate, serve)."""
+    if plan_file:
+        p.add_argument("--plan-file", default=None,
+                       help="a .json/.yaml sharding plan that overrides or extends the built-in table, or shards an "
+                            "architecture without one (docs/plans.md)")
     p.add_argument("--discover-plan", action="store_true",
                    help="find the sharding plan from the model's modules and shapes, prove it at tp 2 and 3 on a "
                         "small random-weight instance, then use it (docs/discover.md); not --plan auto")

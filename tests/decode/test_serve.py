@@ -591,3 +591,23 @@ def test_kv_pool_sizes():
         kv_pool(cfg, 2, "float32", 256, 64, block_size=16, memory="999TiB")
     with pytest.raises(ValueError, match=r"optional unit: KB, MB, GB, TB, KiB, MiB, GiB, TiB"):
         parse_memory("64XB")
+
+
+def test_serve_takes_a_plan_file(tmp_path_factory):
+    """Review: serve refused a model without a table pointing at --plan-file / --discover-plan, flags it did not
+    take. It takes both now (the one path generate takes): a plan file reaches the job and makes its plan."""
+    import argparse
+
+    from transformers import AutoConfig
+
+    from tensorpar.hf.discover import discover_plan, save_plan
+    from tensorpar.serve import cli
+    folder = make_folder(tmp_path_factory.mktemp("planfile") / "tiny")
+    path = str(tmp_path_factory.mktemp("plans") / "plan.json")
+    save_plan(discover_plan(AutoConfig.from_pretrained(folder)), path)
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    job = cli.validate(p.parse_args(["--model", folder, "--tp", "2", "--port", "0", "--plan-file", path]))
+    assert job.user_plan == path and all(f"plan file '{path}'" in e.notes for e in job.plan.entries)
+    with pytest.raises(ValueError, match="--save-plan p.json: needs --discover-plan"):
+        cli.validate(p.parse_args(["--model", folder, "--port", "0", "--save-plan", "p.json"]))
