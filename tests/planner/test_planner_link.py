@@ -127,3 +127,12 @@ def test_cli_plans_layouts_across_hosts(capsys):
     assert cli.main(["plan", "--model", "smollm2", "--gpus", "2", "--global-batch", "8", "--seq", "128",
                      "--tp-comm", "int8"]) == 2
     assert "--tp-comm int8 plans generation (--inference)" in capsys.readouterr().err
+
+
+def test_link_flags_on_one_node_say_they_are_unused(capsys):
+    """Review: --inter-node-bw on a cluster of one node was taken without a word; it says the link is unused."""
+    from tensorpar.cli import main
+    assert main(["plan", "--inference", "--model", "smollm2", "--gpus", "2", "--batch", "1", "--prompt-len", "8",
+                 "--max-new-tokens", "4", "--inter-node-bw", "0.125", "--json"]) == 0
+    err = capsys.readouterr().err
+    assert "--inter-node-bw: all 2 devices are on one node" in err and err.count("\n") == 1, err
