@@ -342,10 +342,12 @@ class Engine:
             got = [vocab_parallel_topk_logprobs(logits[r], k, self.tp, partition=self.vocab) for r in rows]
             tv, ti = torch.cat([v for v, _ in got]).cpu(), torch.cat([i for _, i in got]).cpu()
         for i, w in enumerate(want):
-            if w >= 0:
-                lps[i] = float(chosen[i])
             if w > 0:
                 top[i] = [(int(ti[i, j]), float(tv[i, j])) for j in range(w)]
+            if w >= 0:   # a chosen token among the top ones gets the very value listed there (the two paths' sums
+                #          differ in the last bits; clients compare them)
+                lps[i] = next((lp for t, lp in top[i] if t == int(tokens[i])), None) if w > 0 else None
+                lps[i] = float(chosen[i]) if lps[i] is None else lps[i]
         return lps, top
 
     def exchange(self, plan: StepPlan | None) -> StepPlan:

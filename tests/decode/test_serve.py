@@ -209,6 +209,11 @@ def test_logprobs_match_unsharded_model(server, reference):
         top = r.choices[0].logprobs.top_logprobs[j]
         want = row.topk(3)
         assert sorted(top.values(), reverse=True) == pytest.approx(want.values.tolist(), abs=1e-4)
+        # the chosen token's value is the one its top_logprobs entry lists (review: SmolLM2 at tp=2 gave the two
+        # from two reductions, 1e-6 apart)
+        name = r.choices[0].logprobs.tokens[j]
+        if name in top:
+            assert top[name] == r.choices[0].logprobs.token_logprobs[j], (name, top)
 
 
 def test_chat_template_and_stream(server, reference):
