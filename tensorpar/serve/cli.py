@@ -11,7 +11,6 @@ scheduler, which ends in-flight requests, broadcasts ``"stop"``, and every rank 
 from __future__ import annotations
 
 import argparse
-import errno
 import ipaddress
 import os
 import signal
@@ -20,6 +19,7 @@ import threading
 from dataclasses import dataclass, field
 
 from tensorpar.rank_errors import under_torchrun
+from tensorpar.serve.params import check_listen, url_host
 
 DEFAULT_MAX_MODEL_LEN = 1024
 DEFAULT_BLOCK_SIZE = 16
@@ -182,7 +182,7 @@ def validate(args: argparse.Namespace):
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ValueError("--served-model-name must not be empty (leave it out to use --model)")
     if not under_torchrun() or os.environ.get("RANK") == "0":   # only rank 0 listens: under torchrun on several
-        _check_listen(args.host, args.port)                      # hosts --host is an address of rank 0's host only
+        check_listen(args.host, args.port)                      # hosts --host is an address of rank 0's host only
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.max_waiting < 0:
@@ -243,33 +243,6 @@ def validate(args: argparse.Namespace):
     return job_from_args(args, parallel, folder=str(folder), user_plan=user_plan,
                          model_config=config, plan=None if tp_weights == "auto" else plan,
                          attn_implementation=resolve_attn_implementation(config), task=task)
-
-
-def _check_listen(host: str, port: int) -> None:
-    """Bind ``host:port`` once and release it, so that an address in use or not on this machine is refused before
-    the ranks load the model (another process can still take the port in between). Raises ValueError."""
-    import socket
-
-    if port == 0:
-        return
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as e:
-        raise ValueError(f"--host {host}: cannot resolve it ({e.strerror or e})") from None
-    family, _, _, _, addr = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)        # as uvicorn binds
-        try:
-            sock.bind(addr)
-        except OSError as e:
-            hint = ("another process listens there; pick another --port, or --port 0 for any free one"
-                    if e.errno == errno.EADDRINUSE else "use an address of this machine, e.g. 127.0.0.1 or 0.0.0.0")
-            raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); {hint}") from None
-
-
-def _url_host(host: str) -> str:
-    """``host`` as it goes in a URL (an IPv6 address in brackets)."""
-    return f"[{host}]" if ":" in host else host
 
 
 def _rank_main(job) -> int:
@@ -383,7 +356,7 @@ def _serve(engine, task: ServeTask, holder: dict) -> int:
           f"KV cache {kv:.0f} MiB on rank 0: {engine.num_blocks} blocks of {engine.block_size} = {positions} "
           f"positions ({positions // max_len} requests at the full {max_len}), prefix caching "
           f"{'on' if task.prefix_caching else 'off'}{', deterministic' if task.deterministic else ''}; "
-          f"ready at http://{_url_host(task.host)}:{port}/v1", flush=True)
+          f"ready at http://{url_host(task.host)}:{port}/v1", flush=True)
     try:
         sched.run()
     finally:

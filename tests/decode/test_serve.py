@@ -557,7 +557,8 @@ def test_port_in_use_refused_before_launch(tmp_path_factory):
         port = s.getsockname()[1]
         with pytest.raises(ValueError, match=f"--port {port}: cannot listen there .*another process listens there"):
             cli.validate(p.parse_args(["--model", folder, "--port", str(port)]))
-    assert cli._url_host("::1") == "[::1]" and cli._url_host("127.0.0.1") == "127.0.0.1"
+    from tensorpar.serve.params import url_host
+    assert url_host("::1") == "[::1]" and url_host("127.0.0.1") == "127.0.0.1"
 
 
 def test_module_path_refuses_prefix_caching_and_block_size(tmp_path):

@@ -288,6 +288,7 @@ def test_auto_weights_too_skewed_for_the_model_are_raised():
 from tests.decode.test_generate_cli import tiny_with_tokenizer  # noqa: E402,F401  (the fixture: a model with a tokenizer)
 
 
+@pytest.mark.slow   # ~30-60 s: three launches; the weighted split's tokens are proven in process above
 def test_generate_cli_weighted_and_auto_print_the_even_text(tiny_with_tokenizer):  # noqa: F811
     import os
     import subprocess
