@@ -22,6 +22,8 @@ style builders that make them are :mod:`tensorpar.hf.user_styles`):
 * a style name that does not exist (listing those that do), or an argument the style does not take;
 * a split that would cut a head: ``heads x head_dim`` that does not match the projections' rows, a tp larger
   than the head count, or an MLP / replicated-only style given an attention module;
+* heads that are not the module's: a ``head_dim`` other than its own (rows that match with other heads), or
+  ``heads x head_dim`` other than the output projection's input features (the rules the ranks would fail on);
 * sizes that do not match the module (an MLP ``size`` other than its projection's rows, a vocabulary other
   than the embedding's rows).
 
@@ -168,7 +170,7 @@ def merge_user_plan(base: ShardingPlan | None, user: UserPlan, config, model: nn
         raise ValueError(f"{config.model_type}: sequence_parallel=True needs a built-in table (it inserts the "
                          f"sequence split before the first block); run the user plan with sequence_parallel=False")
     ctx = dict(tp_size=tp_size, sequence_parallel=sequence_parallel, head_split_weights=head_split_weights,
-               split_weights=split_weights, model=model)
+               split_weights=split_weights, model=model, source=user.source)
     built: list[Entry] = []
     for u in user.entries:
         try:

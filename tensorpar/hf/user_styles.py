@@ -49,6 +49,35 @@ def _rows_check(entry, mod, proj, want, what, lay):
                          f"head_dim={lay.head_dim}): give the heads, kv_heads and head_dim of this module")
 
 
+def _head_check(entry, mod, lay, o_name, ctx):
+    """The head structure a rank will compute with, checked on the meta model: row counts can match with other
+    heads and head_dim (8 heads of 4 rows for 4 of 8) and pass :func:`_rows_check`, then fail on a rank. The ranks'
+    rules: the output projection's row-parallel split is ``heads x head_dim`` of its input features
+    (:class:`~tensorpar.layers.RowParallelLinear` refuses another), and the heads are as wide as the module's own
+    ``head_dim`` (``head_size``: GPT-NeoX, ``attention_head_size``: ViT), the width its rotary tables, scaling
+    and per-head norms are built for (another width fails in the rotary kernel). One line naming the plan file,
+    the entry, the value and the heads that fit."""
+    where = f"plan entry {entry!r} ({ctx['source']})"
+    o = _out(mod, o_name, "output projection", entry)
+    o_in = getattr(o, "in_features", None) or o.weight.shape[0]          # nn.Linear, else Conv1D [in, out]
+    if o_in != lay.num_heads * lay.head_dim:
+        raise ValueError(f"{where}: heads x head_dim = {lay.num_heads}x{lay.head_dim} = "
+                         f"{lay.num_heads * lay.head_dim} but {type(mod).__name__}.{o_name} takes {o_in} input "
+                         f"features (heads={lay.num_heads}, kv_heads={lay.num_kv_heads}, head_dim={lay.head_dim}): "
+                         f"give the heads, kv_heads and head_dim of this module")
+    hd = next((v for a in ("head_dim", "head_size", "attention_head_size")
+               if isinstance(v := getattr(mod, a, None), int) and not isinstance(v, bool) and v > 0), None)
+    if hd is None or hd == lay.head_dim:
+        return
+    fit = ""
+    if (lay.num_heads * lay.head_dim) % hd == 0 and (lay.num_kv_heads * lay.head_dim) % hd == 0:
+        fit = (f": give heads={lay.num_heads * lay.head_dim // hd}, kv_heads={lay.num_kv_heads * lay.head_dim // hd}, "
+               f"head_dim={hd}")
+    raise ValueError(f"{where}: head_dim={lay.head_dim} (heads={lay.num_heads}, kv_heads={lay.num_kv_heads}) but "
+                     f"{type(mod).__name__}'s heads are {hd} wide (its head_dim: its rotary tables, scaling and "
+                     f"per-head norms are built for it); the rows match, the heads do not{fit}")
+
+
 def _conv1d(m) -> bool:
     """A transformers ``Conv1D`` (GPT-2's projections: weight ``[in, out]``)."""
     from transformers.pytorch_utils import Conv1D
@@ -70,6 +99,7 @@ def _attention(entry, mod, config, tp_size, args, ctx):
             raise ValueError(f"plan entry {entry!r}: the Conv1D attention style takes c_attn [h, 3 x heads x "
                              f"head_dim] with one KV head per query head; got {tuple(mod.c_attn.weight.shape)}, "
                              f"kv_heads={lay.num_kv_heads}")
+        _head_check(entry, mod, lay, o_name, ctx)
         return Conv1DAttention(lay)
     layout = args.pop("fused_layout", "qkv")
     if layout not in ("qkv", "per_head") or (layout == "per_head" and (
@@ -80,6 +110,7 @@ def _attention(entry, mod, config, tp_size, args, ctx):
     if layout == "per_head":
         _rows_check(entry, mod, _out(mod, fused, "fused projection", entry), 3 * lay.num_heads * lay.head_dim,
                     "3 x heads x head_dim", lay)
+        _head_check(entry, mod, lay, o_name, ctx)
         return NeoXAttention(lay, sequence_parallel=args.pop("sequence_parallel", ctx["sequence_parallel"]))
     if fused:
         _rows_check(entry, mod, _out(mod, fused, "fused projection", entry),
@@ -90,7 +121,7 @@ def _attention(entry, mod, config, tp_size, args, ctx):
         for p in ("k_proj", "v_proj"):
             _rows_check(entry, mod, _out(mod, p, "projection", entry), lay.num_kv_heads * lay.head_dim,
                         "kv_heads x head_dim", lay)
-    _out(mod, o_name, "output projection", entry)
+    _head_check(entry, mod, lay, o_name, ctx)
     sp = args.pop("sequence_parallel", ctx["sequence_parallel"])
     qk_norm = args.pop("qk_norm", "head")
     if qk_norm == "full":       # OLMo 2's q/k RMSNorms over the whole projection: sharded with the heads
@@ -116,7 +147,7 @@ def _encoder_attention(entry, mod, config, tp_size, args, ctx):
     for p in ("q_proj", "k_proj", "v_proj"):
         _rows_check(entry, mod, _out(mod, p, "projection", entry), lay.num_heads * lay.head_dim,
                     "heads x head_dim", lay)
-    _out(mod, o_name, "output projection", entry)
+    _head_check(entry, mod, lay, o_name, ctx)
     return EncoderAttention(lay, o_name=o_name)
 
 
