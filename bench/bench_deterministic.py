@@ -26,8 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.bench_serve import PROMPTS, atomic_write  # noqa: E402
-from bench.machine import machine  # noqa: E402
+from bench.bench_serve import PROMPTS  # noqa: E402
+from bench.machine import machine, write_results  # noqa: E402
 
 
 def _run(engine, ctx, prompts, max_tokens):
@@ -162,10 +162,7 @@ def main():
                      f"{r['decode_step_ms_median']:.1f} / {r['decode_step_cpu_ms_median']:.1f} | "
                      f"{r['alone_decode_step_ms_median']:.1f} / {r['alone_decode_step_cpu_ms_median']:.1f} | "
                      f"{r['same_bits']}/{r['prompts']} |")
-    out = Path(args.out)
-    atomic_write(out.with_suffix(".json"), json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
-    atomic_write(out.with_suffix(".md"), "\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(Path(args.out), meta, rows, lines)
 
 
 if __name__ == "__main__":

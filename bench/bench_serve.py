@@ -43,7 +43,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from machine import cpu_model   # bench/machine.py (sys.path[0] is bench/ when run as a script)
+from machine import atomic_write, cpu_model   # bench/machine.py (sys.path[0] is bench/ when run as a script)
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.",
            "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -216,15 +216,6 @@ def stop(proc):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     proc.errfile.close()
-
-
-def atomic_write(path: Path, text: str):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
 
 
 def metrics(base):

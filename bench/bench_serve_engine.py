@@ -32,7 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.bench_serve import PROMPTS, atomic_write  # noqa: E402
+from bench.bench_serve import PROMPTS  # noqa: E402
+from bench.machine import write_results  # noqa: E402
 
 
 def _old_exchange(engine):
@@ -206,10 +207,7 @@ def main():
                          f"{r['exchange_ms_median']:.2f} | {r['prefill_step_ms_median']:.0f} | "
                          f"{r['decode_step_ms_median']:.0f} / {r['decode_step_ms_best']:.0f} | "
                          f"{r['equal']}/{args.requests} |")
-    out = Path(args.out)
-    atomic_write(out.with_suffix(".json"), json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
-    atomic_write(out.with_suffix(".md"), "\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(Path(args.out), meta, rows, lines)
 
 
 if __name__ == "__main__":

@@ -15,12 +15,15 @@ built-in pattern replaces that entry's style in place; every other user entry go
 (user entries win, in file order). Built-in entries that no longer match any module (the user's entries cover
 them all) are dropped. Without a built-in table the user plan is the whole plan.
 
-Checks, all at plan time on the meta-device model, each a ValueError naming the entry (``plan entry 'P'``):
+Checks, all at plan time on the meta-device model, each a ValueError naming the entry (``plan entry 'P'``; the
+style builders that make them are :mod:`tensorpar.hf.user_styles`):
 
 * a pattern that matches no module of the model (with the closest module names);
 * a style name that does not exist (listing those that do), or an argument the style does not take;
 * a split that would cut a head: ``heads x head_dim`` that does not match the projections' rows, a tp larger
   than the head count, or an MLP / replicated-only style given an attention module;
+* heads that are not the module's: a ``head_dim`` other than its own (rows that match with other heads), or
+  ``heads x head_dim`` other than the output projection's input features (the rules the ranks would fail on);
 * sizes that do not match the module (an MLP ``size`` other than its projection's rows, a vocabulary other
   than the embedding's rows).
 
@@ -40,12 +43,10 @@ from pathlib import Path
 
 import torch.nn as nn
 
-from tensorpar.hf.plan import ShardingPlan, _get, pattern_regex
+from tensorpar.hf.plan import ShardingPlan, pattern_regex
 from tensorpar.hf.styles import (MLP, Attention, ColumnLinear, Conv1DAttention, Conv1DMLP, EncoderAttention, Entry,
-                                 FullWidthQKNormAttention, GatedMLP, LMHead, MoEExperts, NeoXAttention, Replicated,
-                                 RowLinear, SharedExpertMoE, Style, VocabEmbedding)
-from tensorpar.layers.attention import HeadLayout
-from tensorpar.shard import Partition
+                                 GatedMLP, LMHead, MoEExperts, NeoXAttention, SharedExpertMoE, Style, VocabEmbedding)
+from tensorpar.hf.user_styles import STYLES
 
 DEFAULT_REPLICATE_THRESHOLD = 1_000_000
 
@@ -131,261 +132,12 @@ def load_user_plan(spec) -> UserPlan:
     return UserPlan(entries, blocks, threshold, source)
 
 
-# ---------------------------------------------------------------- style builders
+# ---------------------------------------------------------------- merging
 
 def _first(model: nn.Module, pattern: str) -> tuple[str, nn.Module]:
     rx = pattern_regex(pattern)
     return next((n, m) for n, m in model.named_modules() if rx.match(n))
 
-
-def _out(model_mod: nn.Module, name: str, what: str, entry: str) -> nn.Linear:
-    m = getattr(model_mod, name, None)
-    if m is None or not hasattr(m, "weight"):
-        kids = ", ".join(n for n, _ in model_mod.named_children()) or "none"
-        raise ValueError(f"plan entry {entry!r}: {type(model_mod).__name__} has no {what} {name!r} "
-                         f"(its submodules: {kids})")
-    return m
-
-
-def _looks_like_attention(m: nn.Module) -> bool:
-    return "Attention" in type(m).__name__ or any(hasattr(m, a) for a in ("q_proj", "qkv_proj", "c_attn", "query"))
-
-
-def _heads(entry, config, tp_size, args, weights, encoder=False) -> HeadLayout:
-    nh = args.pop("heads", None) or _get(config, "num_attention_heads")
-    if nh is None:
-        raise ValueError(f"plan entry {entry!r}: the config has no num_attention_heads; give \"heads\"")
-    nkv = args.pop("kv_heads", None) or (nh if encoder else _get(config, "num_key_value_heads", default=nh))
-    hd = args.pop("head_dim", None) or _get(config, "head_dim", default=config.hidden_size // nh)
-    try:
-        return HeadLayout.make(int(nh), int(nkv), int(hd), tp_size, split_weights=weights)
-    except ValueError as e:
-        raise ValueError(f"plan entry {entry!r}: {e}") from None
-
-
-def _rows_check(entry, mod, proj, want, what, lay):
-    got = proj.weight.shape[0]
-    if got != want:
-        raise ValueError(f"plan entry {entry!r}: {what} = {want} rows but {type(mod).__name__} has {got}; a split "
-                         f"by these sizes would cut a head (heads={lay.num_heads}, kv_heads={lay.num_kv_heads}, "
-                         f"head_dim={lay.head_dim}): give the heads, kv_heads and head_dim of this module")
-
-
-def _conv1d(m) -> bool:
-    """A transformers ``Conv1D`` (GPT-2's projections: weight ``[in, out]``)."""
-    from transformers.pytorch_utils import Conv1D
-    return isinstance(m, Conv1D)
-
-
-def _conv1d_names(entry, mod, got: tuple, want: tuple):
-    if got != want:
-        raise ValueError(f"plan entry {entry!r}: {type(mod).__name__} projects with GPT-2's Conv1D; the Conv1D "
-                         f"style takes projections named {', '.join(want)}, got {', '.join(map(str, got))}")
-
-
-def _attention(entry, mod, config, tp_size, args, ctx):
-    fused, o_name = args.pop("fused", None), args.pop("o_name", "o_proj")
-    lay = _heads(entry, config, tp_size, args, ctx["head_split_weights"])
-    if fused and _conv1d(_out(mod, fused, "fused projection", entry)):   # GPT-2: c_attn [h, 3h], c_proj
-        _conv1d_names(entry, mod, (fused, o_name), ("c_attn", "c_proj"))
-        if lay.num_kv_heads != lay.num_heads or mod.c_attn.weight.shape[1] != 3 * lay.num_heads * lay.head_dim:
-            raise ValueError(f"plan entry {entry!r}: the Conv1D attention style takes c_attn [h, 3 x heads x "
-                             f"head_dim] with one KV head per query head; got {tuple(mod.c_attn.weight.shape)}, "
-                             f"kv_heads={lay.num_kv_heads}")
-        return Conv1DAttention(lay)
-    layout = args.pop("fused_layout", "qkv")
-    if layout not in ("qkv", "per_head") or (layout == "per_head" and (
-            (fused, o_name) != ("query_key_value", "dense") or lay.num_kv_heads != lay.num_heads)):
-        raise ValueError(f"plan entry {entry!r}: fused_layout={layout!r}; 'qkv' (rows [q heads | k heads | v heads]) "
-                         f"or 'per_head' (rows [h0: q, k, v | h1: ...], GPT-NeoX's: fused 'query_key_value', o_name "
-                         f"'dense', one KV head per query head)")
-    if layout == "per_head":
-        _rows_check(entry, mod, _out(mod, fused, "fused projection", entry), 3 * lay.num_heads * lay.head_dim,
-                    "3 x heads x head_dim", lay)
-        return NeoXAttention(lay, sequence_parallel=args.pop("sequence_parallel", ctx["sequence_parallel"]))
-    if fused:
-        _rows_check(entry, mod, _out(mod, fused, "fused projection", entry),
-                    (lay.num_heads + 2 * lay.num_kv_heads) * lay.head_dim, "(heads + 2 kv_heads) x head_dim", lay)
-    else:
-        _rows_check(entry, mod, _out(mod, "q_proj", "projection", entry), lay.num_heads * lay.head_dim,
-                    "heads x head_dim", lay)
-        for p in ("k_proj", "v_proj"):
-            _rows_check(entry, mod, _out(mod, p, "projection", entry), lay.num_kv_heads * lay.head_dim,
-                        "kv_heads x head_dim", lay)
-    _out(mod, o_name, "output projection", entry)
-    sp = args.pop("sequence_parallel", ctx["sequence_parallel"])
-    qk_norm = args.pop("qk_norm", "head")
-    if qk_norm == "full":       # OLMo 2's q/k RMSNorms over the whole projection: sharded with the heads
-        if fused or o_name != "o_proj":
-            raise ValueError(f"plan entry {entry!r}: qk_norm='full' takes separate q_proj, k_proj, v_proj and "
-                             f"o_proj (fused={fused!r}, o_name={o_name!r})")
-        for norm, rows in (("q_norm", lay.num_heads), ("k_norm", lay.num_kv_heads)):
-            w = getattr(getattr(mod, norm, None), "weight", None)
-            if w is None or w.numel() != rows * lay.head_dim:
-                raise ValueError(f"plan entry {entry!r}: qk_norm='full' needs {norm}.weight of {rows}x"
-                                 f"{lay.head_dim} = {rows * lay.head_dim} elements; {type(mod).__name__} has "
-                                 f"{None if w is None else w.numel()}")
-        return FullWidthQKNormAttention(lay, sequence_parallel=sp)
-    if qk_norm != "head":
-        raise ValueError(f"plan entry {entry!r}: qk_norm={qk_norm!r}; one of 'head' (per-head q/k norms, "
-                         f"replicated) or 'full' (norms over the whole projection, sharded with the heads)")
-    return Attention(lay, sequence_parallel=sp, fused=fused, o_name=o_name)
-
-
-def _encoder_attention(entry, mod, config, tp_size, args, ctx):
-    o_name = args.pop("o_name", "o_proj")
-    lay = _heads(entry, config, tp_size, args, ctx["head_split_weights"], encoder=True)
-    for p in ("q_proj", "k_proj", "v_proj"):
-        _rows_check(entry, mod, _out(mod, p, "projection", entry), lay.num_heads * lay.head_dim,
-                    "heads x head_dim", lay)
-    _out(mod, o_name, "output projection", entry)
-    return EncoderAttention(lay, o_name=o_name)
-
-
-def _not_attention(entry, mod, style):
-    if _looks_like_attention(mod):
-        raise ValueError(f"plan entry {entry!r}: style {style!r} on the attention module {type(mod).__name__} "
-                         f"would split its projections without regard to heads; use 'attention' (or "
-                         f"'encoder_attention') or 'replicated'")
-
-
-def _mlp_partition(entry, args, rows, ctx):
-    size = args.pop("size", None) or rows
-    if size != rows:
-        raise ValueError(f"plan entry {entry!r}: size={size} but the module's projection has {rows} rows")
-    try:
-        return Partition.make(int(size), ctx["tp_size"], weights=ctx["split_weights"], name=f"{entry} size")
-    except ValueError as e:
-        raise ValueError(f"plan entry {entry!r}: {e}") from None
-
-
-def _gated_mlp(entry, mod, config, tp_size, args, ctx):
-    _not_attention(entry, mod, "gated_mlp")
-    fused = args.pop("fused", None)
-    rows = _out(mod, fused, "fused projection", entry).weight.shape[0] // 2 if fused else \
-        _out(mod, "gate_proj", "projection", entry).weight.shape[0]
-    if not fused:
-        _out(mod, "up_proj", "projection", entry), _out(mod, "down_proj", "projection", entry)
-    return GatedMLP(_mlp_partition(entry, args, rows, ctx), sequence_parallel=args.pop(
-        "sequence_parallel", ctx["sequence_parallel"]), fused=fused)
-
-
-def _mlp(entry, mod, config, tp_size, args, ctx):
-    _not_attention(entry, mod, "mlp")
-    up, down = args.pop("up", "c_fc"), args.pop("down", "c_proj")
-    up_mod = _out(mod, up, "up projection", entry)
-    _out(mod, down, "down projection", entry)
-    if _conv1d(up_mod):                                       # GPT-2: Conv1D c_fc [h, f], c_proj [f, h]
-        _conv1d_names(entry, mod, (up, down), ("c_fc", "c_proj"))
-        if args.pop("sequence_parallel", False):
-            raise ValueError(f"plan entry {entry!r}: the Conv1D MLP style has no sequence_parallel")
-        return Conv1DMLP(_mlp_partition(entry, args, up_mod.weight.shape[1], ctx))
-    rows = up_mod.weight.shape[0]
-    return MLP(_mlp_partition(entry, args, rows, ctx), up=up, down=down,
-               sequence_parallel=args.pop("sequence_parallel", ctx["sequence_parallel"]))
-
-
-def _stacked_experts(entry, mod) -> tuple[int, int]:
-    """``(E, f)`` of a stacked-experts module (``gate_up_proj [E, 2f, h]``, ``down_proj [E, h, f]``), or a
-    ValueError naming what does not fit (a tensor missing or of another shape, a layout the sharded experts do not
-    take: biases, transposed or interleaved weights, ungated experts)."""
-    from tensorpar.hf.modules.experts import _check_expert_layout
-
-    try:
-        _check_expert_layout(mod)
-    except ValueError as e:
-        raise ValueError(f"plan entry {entry!r}: {e}") from None
-    gu, dn = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
-    if gu is None or dn is None or gu.dim() != 3 or dn.dim() != 3 or gu.shape[1] % 2 or \
-            tuple(dn.shape) != (gu.shape[0], gu.shape[2], gu.shape[1] // 2):
-        shapes = ", ".join(f"{n} {list(t.shape)}" for n, t in mod.named_parameters()) or "no parameters"
-        raise ValueError(f"plan entry {entry!r}: style 'moe_experts' needs stacked experts gate_up_proj [E, 2f, h] "
-                         f"and down_proj [E, h, f]; {type(mod).__name__} has {shapes}")
-    return gu.shape[0], gu.shape[1] // 2
-
-
-def _moe_experts(entry, mod, config, tp_size, args, ctx):
-    e, f = _stacked_experts(entry, mod)
-    return MoEExperts(_mlp_partition(entry, args, f, ctx), e)
-
-
-def _moe_block(entry, mod, config, tp_size, args, ctx):
-    kids = dict(mod.named_children())
-    need = ("gate", "experts", "shared_expert", "shared_expert_gate")
-    if any(k not in kids for k in need):
-        raise ValueError(f"plan entry {entry!r}: style 'moe_block' needs a sparse block with {', '.join(need)} "
-                         f"(Qwen2-MoE's); {type(mod).__name__} has {', '.join(kids) or 'none'}")
-    e, f = _stacked_experts(f"{entry}.experts", kids["experts"])
-    se = kids["shared_expert"]
-    for p in ("gate_proj", "up_proj", "down_proj"):
-        _out(se, p, "projection", f"{entry}.shared_expert")
-    return SharedExpertMoE(_mlp_partition(entry, args, f, ctx),
-                           _mlp_partition(f"{entry}.shared_expert", {"size": args.pop("shared_size", None)},
-                                          se.gate_proj.weight.shape[0], ctx), e)
-
-
-def _linear(entry, mod, what):
-    if not isinstance(mod, nn.Linear):
-        raise ValueError(f"plan entry {entry!r}: style {what!r} needs an nn.Linear, got {type(mod).__name__}")
-
-
-def _column(entry, mod, config, tp_size, args, ctx):
-    _linear(entry, mod, "column")
-    return ColumnLinear(_mlp_partition(entry, args, mod.out_features, ctx))
-
-
-def _row(entry, mod, config, tp_size, args, ctx):
-    _linear(entry, mod, "row")
-    return RowLinear(_mlp_partition(entry, args, mod.in_features, ctx))
-
-
-def _vocab(entry, args, rows, ctx):
-    size = args.pop("size", None) or rows
-    if size != rows:
-        raise ValueError(f"plan entry {entry!r}: size={size} but the module has {rows} vocabulary rows")
-    return Partition.make(int(size), ctx["tp_size"], weights=ctx["split_weights"], name="vocab_size")
-
-
-def _vocab_embedding(entry, mod, config, tp_size, args, ctx):
-    if not isinstance(mod, nn.Embedding):
-        raise ValueError(f"plan entry {entry!r}: style 'vocab_embedding' needs an nn.Embedding, "
-                         f"got {type(mod).__name__}")
-    return VocabEmbedding(_vocab(entry, args, mod.num_embeddings, ctx))
-
-
-def _lm_head(entry, mod, config, tp_size, args, ctx):
-    if not isinstance(mod, nn.Linear):
-        raise ValueError(f"plan entry {entry!r}: style 'lm_head' needs an nn.Linear, got {type(mod).__name__}")
-    tied = args.pop("tied_to", None)
-    if tied is None:   # tied weights are found on the model, not guessed from the config
-        tied = next((n for n, m in ctx["model"].named_modules()
-                     if isinstance(m, nn.Embedding) and m.weight is mod.weight), None)
-    return LMHead(_vocab(entry, args, mod.out_features, ctx), tied_to=tied,
-                  sequence_parallel=args.pop("sequence_parallel", ctx["sequence_parallel"]))
-
-
-def _replicated(entry, mod, config, tp_size, args, ctx):
-    return Replicated(sequence_parallel=args.pop("sequence_parallel", False), why=args.pop("why", "user plan"))
-
-
-#: style name -> builder ``(entry, first matched module, config, tp_size, args, ctx) -> Style``; the arguments
-#: each takes are documented in docs/plans.md.
-STYLES = {
-    "replicated": _replicated,
-    "vocab_embedding": _vocab_embedding,
-    "lm_head": _lm_head,
-    "attention": _attention,
-    "encoder_attention": _encoder_attention,
-    "gated_mlp": _gated_mlp,
-    "mlp": _mlp,
-    "moe_experts": _moe_experts,
-    "moe_block": _moe_block,
-    "column": _column,
-    "row": _row,
-}
-
-
-# ---------------------------------------------------------------- merging
 
 def _suggest(model: nn.Module, pattern: str) -> str:
     names = sorted({re.sub(r"\.\d+(?=\.|$)", ".*", n) for n, _ in model.named_modules() if n})
@@ -418,7 +170,7 @@ def merge_user_plan(base: ShardingPlan | None, user: UserPlan, config, model: nn
         raise ValueError(f"{config.model_type}: sequence_parallel=True needs a built-in table (it inserts the "
                          f"sequence split before the first block); run the user plan with sequence_parallel=False")
     ctx = dict(tp_size=tp_size, sequence_parallel=sequence_parallel, head_split_weights=head_split_weights,
-               split_weights=split_weights, model=model)
+               split_weights=split_weights, model=model, source=user.source)
     built: list[Entry] = []
     for u in user.entries:
         try:

@@ -8,8 +8,9 @@ Writes into ``--out``: ``metrics.jsonl`` (one line per step and per evaluation),
 end), ``checkpoints/step_NNNNNN/`` (every ``--save-every`` steps and at the end; tp-independent) and,
 with ``--export DIR``, a Hugging Face model folder. Everything is checked before any rank starts.
 
-The ranks' side (:func:`prepare`, :func:`run`) is in :mod:`tensorpar.train.ranks`; this module holds the
-command line, the checks the launching process makes, and :func:`main`.
+The ranks' side (:func:`prepare`, :func:`run`) is in :mod:`tensorpar.train.ranks`, the checks of ``--resume`` in
+:mod:`tensorpar.train.resume`; this module holds the command line, the other checks the launching process makes,
+and :func:`main`.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from tensorpar.cli import ExplicitFlag
 from tensorpar.train.config import DP_MODES, TrainConfig
 from tensorpar.hf.presets import PRESETS
 from tensorpar.train.ranks import _rank_main, check_fast_collectives, prepare
+from tensorpar.train.resume import check_resume, check_resume_data, check_resume_model, resume_after_restart
 # also importable from here, as before the split (tests, bench_train)
 from tensorpar.train.ranks import enable_tp_fast_collectives, run  # noqa: F401
 
@@ -192,74 +194,6 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
                        lora_target_modules=getattr(args, "lora_target_modules", None))
 
 
-def check_resume_model(model_config, ckpt: Path, cfg: TrainConfig | None = None) -> None:
-    """The checkpoint holds the tensors of the model being trained (names and full shapes, from its
-    ``trainer_state.json``; the unsharded model is built on the meta device; under ``cfg.lora_r`` its adapters
-    only). Raises ValueError naming the first differences, before any rank starts."""
-    from tensorpar.train.checkpoint import read_state
-    from tensorpar.train.lora import trainable_meta_shapes
-
-    stored = {n: tuple(s) for n, s in (read_state(ckpt).get("tensors") or {}).items()}
-    if not stored:
-        return
-    model = trainable_meta_shapes(cfg, model_config)
-    missing = sorted(set(model) - set(stored))
-    extra = sorted(set(stored) - set(model))
-    shape = sorted(n for n in set(model) & set(stored) if model[n] != stored[n])
-    if missing or extra or shape:
-        parts = [f"{len(v)} {what} ({', '.join(v[:3])})" for v, what in
-                 ((missing, "tensors missing from it"), (extra, "tensors the model lacks"),
-                  (shape, "tensors of another shape")) if v]
-        if cfg.lora_r and all(".lora_" in n for n in missing + extra + shape):
-            ranks = sorted({s[0] for n, s in stored.items() if ".lora_A." in n})
-            saved = f" (it holds rank {','.join(map(str, ranks))})" if ranks else ""
-            raise ValueError(f"checkpoint {ckpt} holds LoRA adapters of another rank or other target modules than "
-                             f"--lora {cfg.lora_r}{saved}: {'; '.join(parts)}; resume with the --lora and "
-                             f"--lora-target-modules of the run that saved it")
-        raise ValueError(f"checkpoint {ckpt} is of another model than --model: {'; '.join(parts)}; resume with the "
-                         f"model it was trained with")
-
-
-def check_resume(cfg: TrainConfig, resume: str) -> Path:
-    """Checks before resuming: a consistent checkpoint, ``--steps`` above its step, metrics that reach it.
-
-    Returns the checkpoint folder. Raises FileNotFoundError (no checkpoint), CheckpointError (a damaged
-    state, naming the field; a truncated or corrupt tensor file, naming an older checkpoint) or ValueError
-    (``--steps``, metrics).
-    """
-    from tensorpar.train.checkpoint import check_files, latest_checkpoint, read_state
-    from tensorpar.train.metrics import check_metrics
-
-    ckpt = latest_checkpoint(Path(cfg.out_dir) / "checkpoints" if resume == "auto" else resume)
-    state = read_state(ckpt)
-    check_files(ckpt, state)  # a truncated shard: one line now, not a failed rank later
-    step = state["step"]
-    if cfg.steps <= step:
-        raise ValueError(f"--steps {cfg.steps} is not above the checkpoint's step {step} ({ckpt}); pass --steps "
-                         f"greater than {step} to continue training")
-    check_metrics(Path(cfg.out_dir) / "metrics.jsonl", step, log_every=cfg.log_every)
-    return ckpt
-
-
-def check_resume_data(cfg: TrainConfig, data, ckpt: Path) -> None:
-    """The checkpoint's data position fits this data and these settings, and matches its step.
-
-    Every optimiser step takes one batch, so the position (``epoch * batches_per_epoch + batch_in_epoch``)
-    equals the step. Raises ValueError (settings or corpus differ; a position that is not the step's)
-    or CheckpointError.
-    """
-    from tensorpar.train.checkpoint import CheckpointError, read_state
-
-    state = read_state(ckpt)
-    batches = data.train_batches(batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
-    batches.load_state_dict(state.get("data", {}))
-    pos = batches.epoch * batches.batches_per_epoch + batches.batch_in_epoch
-    if pos != state["step"]:
-        raise CheckpointError(f"{ckpt}: the data position (epoch {batches.epoch}, batch {batches.batch_in_epoch}, "
-                              f"i.e. {pos} batches) does not match step {state['step']}; the checkpoint is "
-                              f"damaged, resume from another one")
-
-
 def main(args: argparse.Namespace) -> int:
     from tensorpar.launch import locked_folder, run_ranks, under_torchrun
     from tensorpar.train.checkpoint import CheckpointError
@@ -267,28 +201,8 @@ def main(args: argparse.Namespace) -> int:
     from tensorpar.train.export import check_export_dir
 
     if under_torchrun() and args.resume is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        # torchrun restarted the group after a rank died (--max-restarts): continue from the run's last checkpoint
-        from tensorpar.launch import rank0_print
-        from tensorpar.train.checkpoint import latest_checkpoint, read_state
-        note = f"tensorpar: torchrun restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: "
-        try:
-            last = latest_checkpoint(Path(args.out) / "checkpoints", missing_ok=True)
-        except CheckpointError:  # damaged: --resume below reports it in one line
-            last, args.resume = None, "auto"
-        try:
-            done = last is not None and args.export is None and read_state(last)["step"] >= args.steps
-        except (OSError, ValueError, KeyError, CheckpointError):  # damaged: --resume below reports it in one line
-            done = False
-        if done:
-            # a rank died after the final checkpoint (e.g. while exiting): the run is complete, nothing to redo
-            rank0_print(note + f"the run is complete ({last} is at --steps {args.steps}); nothing to do",
-                        file=sys.stderr)
+        if resume_after_restart(args):   # a rank died after the final checkpoint: nothing to redo
             return 0
-        if last is not None:
-            args.resume = "auto"
-        if args.resume is None or last is not None:
-            rank0_print(note + (f"resuming from {last}" if last is not None else "no checkpoint yet, starting afresh"),
-                        file=sys.stderr)
     lock = contextlib.ExitStack()  # the --out lock, once taken
     try:  # every check that the launching process can make, cheapest first, before any rank starts
         if getattr(args, "plan", None) is not None and getattr(args, "ep", 1) > 1:

@@ -11,8 +11,8 @@ import re
 
 import torch
 
-from tensorpar.hf.discover import (DiscoveryError, UserPlan, _fail, _heads, discover_plan, plan_dict, save_plan,
-                                   tiny_config, variants)
+from tensorpar.hf.discover import UserPlan, discover_plan, plan_dict, save_plan, tiny_config, variants
+from tensorpar.hf.discover_block import DiscoveryError, _fail, _heads
 
 def _proof_job(ctx, config, spec: dict, train: bool):
     """One rank of the proof: random weights (seed 0, every tensor perturbed so biases and norms are not their

@@ -8,7 +8,8 @@ import json
 import pytest
 import transformers as T
 
-from tensorpar.hf.discover import PROVEN, DiscoveryError, discover_plan, plan_dict, save_plan, variants
+from tensorpar.hf.discover import PROVEN, discover_plan, plan_dict, save_plan, variants
+from tensorpar.hf.discover_block import DiscoveryError
 from tensorpar.verify.prove import prove_discovered, prove_plan, resolve_flags
 from tensorpar.hf.plan import make_plan, meta_model
 from tensorpar.hf.styles import Replicated
@@ -161,7 +162,7 @@ def test_olmoe_sparse_block_is_discovered_as_the_table():
     """OLMoE's sparse block alone (``_discover_moe``) is placed as the table places it: the router replicated, the
     stacked experts split by moe_experts over the same widths. (The whole plan is discovered too; its attention
     is OLMo 2's full-width q/k-norm style, a class other than the table's OLMoE style, so it is not compared.)"""
-    from tensorpar.hf.discover import _discover_moe
+    from tensorpar.hf.discover_block import _discover_moe
     from tensorpar.hf.user_plan import load_user_plan, merge_user_plan
     c = cfg("olmoe")
     model = meta_model(c)

@@ -224,6 +224,62 @@ def test_generate_with_plan_file(tmp_path):
     assert "time to first token" in r.stdout
 
 
+def _llama_folder(path):
+    """A random Llama of 4 query heads, 2 KV heads of head_dim 8 (hidden 32), saved with a tokenizer."""
+    from transformers import LlamaConfig
+
+    from tests.decode.test_generate_cli import _add_tokenizer
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    random_model(cfg).save_pretrained(path)
+    _add_tokenizer(path)
+    return cfg
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_plan_file_with_rows_that_match_other_heads_fails_before_launch(tmp_path, monkeypatch, capsys, command):
+    """8 heads of 4 rows (kv 4 x 4) have the rows of the model's 4 heads of 8 (kv 2 x 8): every row count matches,
+    and the ranks used to start and fail in the rotary kernel (head_dim 8 tables on 4-wide heads: a traceback on a
+    rank). The launching process refuses it in one line naming the plan file, the entry, the value and the heads
+    that fit, and starts no rank."""
+    from tensorpar.cli import main
+    from tensorpar import launch
+
+    _llama_folder(tmp_path / "m")
+    plan = tmp_path / "p.json"
+    plan.write_text(json.dumps({"model.layers.*.self_attn": {"style": "attention", "heads": 8, "kv_heads": 4,
+                                                             "head_dim": 4}}))
+    started = []
+    monkeypatch.setattr(launch, "run_ranks", lambda *a, **k: started.append(a) or 0)
+    extra = ["--max-new-tokens", "2"] if command == "generate" else ["--port", "0"]
+    capsys.readouterr()
+    assert main([command, "--model", str(tmp_path / "m"), "--tp", "2", "--plan-file", str(plan), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"tensorpar: error: plan entry 'model.layers.*.self_attn' (plan file '{plan}'): head_dim=4 "
+                   f"(heads=8, kv_heads=4) but LlamaAttention's heads are 8 wide (its head_dim: its rotary tables, "
+                   f"scaling and per-head norms are built for it); the rows match, the heads do not: give heads=4, "
+                   f"kv_heads=2, head_dim=8\n"), err
+    assert started == []
+    plan.write_text(json.dumps({"model.layers.*.self_attn": {"style": "attention", "heads": 4, "kv_heads": 2,
+                                                             "head_dim": 8}}))
+    assert main([command, "--model", str(tmp_path / "m"), "--tp", "2", "--plan-file", str(plan), *extra]) == 0
+    assert len(started) == 1     # the heads that fit: launched
+
+
+def test_fused_projection_heads_must_fit_the_output_projection():
+    """Phi-3's fused qkv_proj holds (heads + 2 kv_heads) x head_dim rows: the family config's 6 heads and 2 KV
+    heads of 8 give 80, and so do 8 heads and 1 KV head. The output projection takes 6 x 8 = 48 input features,
+    which the ranks' row-parallel split (RowParallelLinear: heads x head_dim of them) would refuse on every rank:
+    refused at plan time instead."""
+    cfg = family_config("phi3")
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size) == (6, 2, 48)
+    _err({"model.layers.*.self_attn": {"style": "attention", "fused": "qkv_proj", "heads": 8, "kv_heads": 1,
+                                       "head_dim": 8}},
+         r"plan entry 'model.layers.\*.self_attn' \(user plan\): heads x head_dim = 8x8 = 64 but "
+         r"Phi3Attention.o_proj takes 48 input features \(heads=8, kv_heads=1, head_dim=8\): give the heads, "
+         r"kv_heads and head_dim of this module", cfg=cfg)
+
+
 def test_user_plan_on_a_vision_table():
     """encoder_attention in a user plan over the ViT table: the documented heads x head_dim are accepted, a
     head_dim that would cut heads (ViT's q_proj has 5 x 12 = 60 rows) is refused naming the entry."""

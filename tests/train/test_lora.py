@@ -184,7 +184,7 @@ def test_lora_resume_with_another_rank_names_the_ranks(runs):
     """Review: resuming the rank-4 checkpoint with --lora 8 said "another model than --model"; it names both ranks."""
     from pathlib import Path
 
-    from tensorpar.train.cli import check_resume_model
+    from tensorpar.train.resume import check_resume_model
     ckpt = Path(runs[2][0]["checkpoint"])
     with pytest.raises(ValueError) as e:
         check_resume_model(tiny_config(), ckpt, LORA.replace(lora_r=8, lora_alpha=16.0))

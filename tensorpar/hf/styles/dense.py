@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from tensorpar.hf.styles.base import Style, _linears
 from tensorpar.layers.attention import HeadLayout
+from tensorpar.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tensorpar.shard import Partition
 
 
@@ -160,41 +161,41 @@ class Conv1DMLP(Style):
 
 
 @dataclass
-class ColumnLinear(Style):
+class _OneLinear(Style):
+    """One ``nn.Linear`` replaced by the parallel linear ``layer`` (its ``from_linear``), split by ``partition``
+    over its ``features`` ("out" or "in"); its weight and bias carried over. The two below set the three."""
+
+    partition: Partition
+    layer = None
+    features = ""
+    collective = ""
+
+    def apply(self, module, fqn, ctx):
+        return self.layer.from_linear(module, ctx.tp, partition=self.partition)
+
+    def keeps(self):
+        return ("weight", "bias")
+
+    def detail(self):
+        return f"{self.features} features {self.partition.n} -> {list(self.partition.sizes)}{self.collective}"
+
+
+@dataclass
+class ColumnLinear(_OneLinear):
     """One ``nn.Linear`` whose output features are split: the input projection of an MLP written into its block
     (OPT's, BioGPT's ``fc1``; the block's own forward runs): :class:`~tensorpar.layers.ColumnParallelLinear`, input
     ``[*, h]`` replicated, output ``[*, f_r]`` kept split for the elementwise activation the block applies next
     and the :class:`RowLinear` after it. Collectives: forward none; backward all-reduce of the input gradient."""
 
-    partition: Partition
     name = "column"
-
-    def apply(self, module, fqn, ctx):
-        from tensorpar.layers.linear import ColumnParallelLinear
-        return ColumnParallelLinear.from_linear(module, ctx.tp, partition=self.partition)
-
-    def keeps(self):
-        return ("weight", "bias")
-
-    def detail(self):
-        return f"out features {self.partition.n} -> {list(self.partition.sizes)}"
+    layer, features = ColumnParallelLinear, "out"
 
 
 @dataclass
-class RowLinear(Style):
+class RowLinear(_OneLinear):
     """One ``nn.Linear`` whose input features are split (OPT's ``fc2`` after a :class:`ColumnLinear`):
     :class:`~tensorpar.layers.RowParallelLinear`, input ``[*, f_r]``, output ``[*, h]`` replicated, bias added once.
     Collectives: forward all-reduce; backward none."""
 
-    partition: Partition
     name = "row"
-
-    def apply(self, module, fqn, ctx):
-        from tensorpar.layers.linear import RowParallelLinear
-        return RowParallelLinear.from_linear(module, ctx.tp, partition=self.partition)
-
-    def keeps(self):
-        return ("weight", "bias")
-
-    def detail(self):
-        return f"in features {self.partition.n} -> {list(self.partition.sizes)}, all-reduce"
+    layer, features, collective = RowParallelLinear, "in", ", all-reduce"
