@@ -52,7 +52,8 @@ def add_lora_argument(p) -> None:
                         "tensorpar train --lora checkpoint or export): merged into each rank's weight shards at load")
 
 
-def add_launch_arguments(p, *, tp_list: bool = False, tp_action=None, ep: bool = False, pp: bool = False) -> None:
+def add_launch_arguments(p, *, tp_list: bool = False, tp_action=None, ep: bool = False, pp: bool = False,
+                         plan: bool = False) -> None:
     """The launch flags that ``generate``, ``train``, ``serve`` and ``verify`` share, with one set of defaults:
     ``--tp`` (:data:`tensorpar.launch.DEFAULT_TP`; ``tp_list``: a comma-separated list of degrees, for ``verify``), ``--tp-weights``,
     ``--dtype`` (float32), ``--timeout`` (:data:`tensorpar.launch.DEFAULT_TIMEOUT_S` seconds), ``--fast-collectives`` (auto),
@@ -62,7 +63,8 @@ def add_launch_arguments(p, *, tp_list: bool = False, tp_action=None, ep: bool =
     ``ep``: also ``--ep`` (``generate``, ``serve``, ``verify``; ``train`` has its own, on its dp axis): the experts of
     a mixture-of-experts model split whole over ``ep`` replicas of the tp ranks (``tp x ep`` ranks in all).
     ``pp``: also ``--pp`` (``generate``; ``train`` has its own): pipeline stages of ``tp`` ranks each, cut by
-    training's rule (``tp x pp`` ranks; tp inside a host, stages across hosts)."""
+    training's rule (``tp x pp`` ranks; tp inside a host, stages across hosts).
+    ``plan``: also ``--plan auto`` and its inputs (``generate``: :func:`add_plan_arguments`)."""
     from tensorpar.capacity import add_argument as add_tp_weights
     from tensorpar.launch import DEFAULT_TIMEOUT_S, DEFAULT_TP
 
@@ -79,13 +81,15 @@ def add_launch_arguments(p, *, tp_list: bool = False, tp_action=None, ep: bool =
                             "replicas of the tp ranks (tp x ep ranks; each keeps E/ep experts, tokens moved by "
                             "all-to-all); must divide the number of experts")
     if pp:
-        p.add_argument("--pp", type=int, default=1,
+        p.add_argument("--pp", type=int, default=1, action=ExplicitFlag,
                        help="pipeline stages: the layers cut into this many consecutive stages of --tp ranks each "
                             "(tp x pp ranks; each holds its stage's weights and KV cache; docs/hosts.md)")
         # context parallelism in inference is not done: a clear refusal instead of argparse's "unrecognized"
         p.add_argument("--cp", dest="inference_cp", type=int, default=1,
                        help="context parallelism is for training (tensorpar train --cp); here only --cp 1: a prompt's "
                             "KV cache is not split by sequence in generate and serve")
+    if plan:
+        add_plan_arguments(p)
     p.add_argument("--dtype", type=dtype_name, choices=DTYPES, default="float32",
                    help="bfloat16: bf16 weights and compute for generate, serve and verify; bf16 autocast over "
                         "fp32 weights and optimizer state for train")
@@ -102,6 +106,63 @@ def add_launch_arguments(p, *, tp_list: bool = False, tp_action=None, ep: bool =
                    help="debug: fingerprint every collective and compare the tp ranks' fingerprints and inputs at "
                         "the first step and every 50 steps (also TENSORPAR_CHECK_COLLECTIVES=1)")
     p.add_argument("--verbose", action="store_true", help="show full tracebacks of errors")
+
+
+def add_plan_arguments(p) -> None:
+    """``--plan auto`` of ``generate`` (the layout from the inference planner, as ``train --plan auto`` takes its
+    layout from the training planner) and its inputs: ``--nproc`` (the ranks; under torchrun its world size, whose
+    nodes are the hosts), ``--device-file`` (instead of this machine's cached calibration) and the link between hosts,
+    ``--inter-node-bw`` / ``--inter-node-latency-us`` (the names and units of ``train --plan`` and ``tensorpar
+    plan``). :func:`check_plan_arguments` is their flag rule."""
+    p.add_argument("--plan", choices=["auto"], default=None,
+                   help="take --tp and --pp from the inference planner: the fastest layout of --nproc ranks (under "
+                        "torchrun: its ranks and hosts) that fits, for these prompts and --max-new-tokens, on this "
+                        "machine (measured once and cached, as train --plan auto) or --device-file; prints predicted "
+                        "vs measured decode at the end")
+    p.add_argument("--nproc", type=int, default=None, help="ranks to plan for with --plan auto (under torchrun: its "
+                                                           "WORLD_SIZE)")
+    p.add_argument("--device-file", default=None, metavar="FILE",
+                   help="with --plan auto: one rank's device as a JSON DeviceSpec (the 'device' of tensorpar plan "
+                        "--calibrate --json, or written for your hardware) instead of this machine's calibration")
+    p.add_argument("--inter-node-bw", type=float, default=None, metavar="GB/s",
+                   help="with --plan auto: the bandwidth of the link between hosts, GB/s per rank (1 Gbit/s = 0.125), "
+                        "which prices the groups that span hosts (torchrun's nodes); default: this host's link")
+    p.add_argument("--inter-node-latency-us", type=float, default=None, metavar="US",
+                   help="with --plan auto and --inter-node-bw: the latency of one small collective or send between "
+                        "hosts, microseconds (default 20)")
+
+
+def check_plan_arguments(args) -> None:
+    """The flag rule of :func:`add_plan_arguments` (launching process, before the model is read): ``--nproc``,
+    ``--device-file`` and the link flags go with ``--plan auto``; ``--nproc`` is a positive count and, under
+    torchrun, its world size; ``--plan auto`` plans neither expert parallelism (``--ep``), a weighted split
+    (``--tp-weights``) nor int8 weights (``--quantize``). The link's values: :func:`tensorpar.planner.cluster.inter_node_link`. Raises ValueError."""
+    import os
+
+    from tensorpar.launch import under_torchrun
+
+    given = [f for f, k in (("--nproc", "nproc"), ("--device-file", "device_file"), ("--inter-node-bw", "inter_node_bw"),
+                            ("--inter-node-latency-us", "inter_node_latency_us")) if getattr(args, k, None) is not None]
+    if getattr(args, "plan", None) is None:
+        if given:
+            raise ValueError(f"{given[0]} goes with --plan auto (it is an input of the planner); add --plan auto or "
+                             f"drop {given[0]}")
+        return
+    nproc = getattr(args, "nproc", None)
+    if nproc is not None and nproc < 1:
+        raise ValueError(f"--nproc {nproc}: must be a positive number of ranks")
+    if nproc is not None and under_torchrun() and nproc != int(os.environ["WORLD_SIZE"]):
+        raise ValueError(f"--nproc {nproc} differs from torchrun's WORLD_SIZE={os.environ['WORLD_SIZE']}; drop "
+                         f"--nproc under torchrun")
+    if getattr(args, "ep", 1) > 1:
+        raise ValueError(f"--plan auto and --ep {args.ep}: the planner does not plan expert parallelism; drop --plan "
+                         f"and give --tp, --pp and --ep, or drop --ep")
+    if getattr(args, "tp_weights", None) is not None:
+        raise ValueError(f"--plan auto and --tp-weights {args.tp_weights}: the planner prices an even split; drop "
+                         f"--plan and give --tp, or drop --tp-weights")
+    if getattr(args, "quantize", "none") != "none":
+        raise ValueError(f"--plan auto and --quantize {args.quantize}: the planner prices fp32 or bf16 weights (--dtype); "
+                         f"drop --plan and give --tp, or drop --quantize")
 
 
 def check_launch_arguments(args, *, exact: str | None = None) -> None:

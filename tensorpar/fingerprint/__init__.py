@@ -8,7 +8,7 @@ module state). The call site is the qualified name of the module that issued the
 (``model.layers.3.mlp.down_proj``; forward hooks on every module of the ``model`` given to :func:`enable`), with
 `` backward`` appended for a collective of tensorpar's autograd collectives run in backward; outside any module,
 the autograd node running it (``backward (_ColumnLinearsBackward)``) or the calling function
-(``tensorpar/generate.py:generate_tokens``).
+(``tensorpar/generate/__init__.py:generate_tokens``).
 
 Two comparisons, both through the process group's key-value store (not a collective: a rank blocked in a
 collective the others did not issue cannot block them), as JSON (nothing read back is unpickled):

@@ -234,3 +234,51 @@ def device_from_file(path: str | Path) -> DeviceSpec:
 def override(device: DeviceSpec, **changes) -> DeviceSpec:
     """The device with the given fields replaced (``None`` values keep the preset)."""
     return replace(device, **{k: v for k, v in changes.items() if v is not None})
+
+
+#: GB/s per rank that a link between hosts plausibly has: 0.01 (80 Mbit/s, below any data-centre or office
+#: Ethernet) to 1000 (8 Tbit/s, above NVLink 5's 900 GB/s per direction, the fastest link that spans hosts today,
+#: an NVL72 rack). A value outside is used as given, with one note: it is most often a unit slip (Gbit/s for GB/s)
+PLAUSIBLE_INTER_NODE_GBPS = (0.01, 1000.0)
+
+
+def inter_node_link(args, device: DeviceSpec | None = None) -> dict:
+    """The :class:`DeviceSpec` fields of the link between hosts that ``--inter-node-bw`` (GB/s per rank) and
+    ``--inter-node-latency-us`` give (``{}``: none given): the one rule of ``tensorpar plan``, ``train --plan`` and
+    ``generate --plan auto`` (launching process). ``device``: the device they override (a preset has a NIC of its
+    own; ``None``: a calibrated host, which has none).
+
+    A bandwidth outside :data:`PLAUSIBLE_INTER_NODE_GBPS`, or more than 10x the link inside the node (``device``'s
+    NVLink or measured local link), is used with one note on stderr (rank 0): check its unit.
+
+    Raises ValueError naming the flag: a bandwidth that is not a finite number > 0, a latency that is not a finite
+    number >= 0, a latency without a bandwidth (neither ``--inter-node-bw`` nor the device's own link between nodes:
+    the latency alone would price nothing).
+    """
+    import math
+    import os
+    import sys
+
+    bw, lat = getattr(args, "inter_node_bw", None), getattr(args, "inter_node_latency_us", None)
+    if lat is not None and not (math.isfinite(lat) and lat >= 0):
+        raise ValueError(f"--inter-node-latency-us {lat:g}: must be a finite number of microseconds >= 0")
+    if bw is None:
+        if lat is not None and not (device is not None and device.inter_node_gbps > 0):
+            what = f"device {device.name}" if device is not None else "this calibrated host"
+            raise ValueError(f"--inter-node-latency-us {lat:g} needs --inter-node-bw (the link's bandwidth, GB/s per "
+                             f"rank; 1 Gbit/s = 0.125): {what} has no link between hosts of its own")
+        return {} if lat is None else {"inter_node_latency_us": lat}
+    if not (math.isfinite(bw) and bw > 0):
+        raise ValueError(f"--inter-node-bw {bw:g}: must be a finite number of GB/s > 0 (1 Gbit/s = 0.125)")
+    low, high = PLAUSIBLE_INTER_NODE_GBPS
+    inside = (device.intra_node_gbps or device.local_link_gbps) if device is not None else 0.0
+    note = None
+    if not low <= bw <= high:
+        note = (f"outside {low:g}-{high:g} GB/s, the links between hosts that exist (80 Mbit/s Ethernet to an NVLink "
+                f"rack)")
+    elif inside > 0 and bw > 10 * inside:
+        note = f"more than 10x the link inside a node ({inside:g} GB/s)"
+    if note and os.environ.get("RANK", "0") == "0":
+        print(f"tensorpar: note: --inter-node-bw {bw:g} GB/s is {note}; used as given: is the unit right? (GB/s per "
+              f"rank; 1 Gbit/s = 0.125)", file=sys.stderr)
+    return {"inter_node_gbps": bw, **({} if lat is None else {"inter_node_latency_us": lat})}

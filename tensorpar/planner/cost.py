@@ -276,61 +276,6 @@ def optimizer_seconds(params: float, layout: Layout, cluster: ClusterSpec, assum
     return updated * per_param / (hbm * 1e9)
 
 
-def _shared_core_step(per_stage: list[tuple], slowest: int, after: tuple, p2p: float, layout: Layout, m: int,
-                      cluster: ClusterSpec, wire_tp: bool = False) -> StepTime:
-    """Step time when the ranks of a node share ``host_cores`` CPU cores (:mod:`tensorpar.planner.sharing`).
-
-    ``per_stage[i] = (micro-batch time, compute, tp, ep, forward part, cp)`` at full speed (every thread alone on a
-    core). The schedule runs through :func:`~tensorpar.planner.sharing.pipeline_makespan` (pp = 1: ``m``
-    micro-batches back to back), each runnable stage at the share of a core its threads get among the runnable
-    ranks' threads and the host's other users' (``external_threads`` in ``external_groups`` scheduling groups:
-    :func:`~tensorpar.planner.sharing.thread_share`); the pipeline sends are delays between
-    ranks. The per-step work after the last backward (TP step collectives, DP reduction, optimizer) runs on
-    every rank at once. Reported: compute, TP and EP at the all-ranks-busy share, the sends, and as bubble what
-    the schedule adds to that (0 when the freed cores make up for it; then the other terms are scaled to the
-    schedule's time). ``wire_tp``: the tp group spans hosts over a link between them (``inter_node_*``), whose
-    time is the wire's, not the cores': its collectives are taken out of the shared work and added unscaled, one
-    after another with it (the stage waits for them).
-    """
-    from tensorpar.planner.sharing import pipeline_makespan, schedule_order, thread_share
-
-    d = cluster.device
-    t, p, v = layout.tp, layout.pp, layout.virtual_stages
-    host_ranks = min(cluster.num_devices, cluster.devices_per_node)
-    per_stage_ranks = host_ranks / p  # the dp replicas of a stage run in step with it
-
-    def speed(running_stages: int) -> float:
-        return thread_share(running_stages * per_stage_ranks * d.threads_per_rank, d.host_cores,
-                            d.external_threads, d.external_groups)
-
-    full = speed(p)
-    hop = p2p / (2 * v)  # one send of the 2 v per micro-batch
-    fwd, bwd = [], []
-    for i, (micro, _c, tp_i, _e, forward, _cp) in enumerate(per_stage):
-        work = micro - p2p
-        if wire_tp:  # half of a layer's tp collectives run in its forward, half in its backward (hf kernels)
-            work, forward = work - tp_i, forward - tp_i / 2
-        f = [forward / v] * v
-        b = [(work - forward) / v] * v
-        fwd.append(f)
-        bwd.append(b)
-    schedule = "interleaved-1f1b" if v > 1 else "1f1b"
-    makespan = pipeline_makespan(schedule_order(schedule, p, v, m), fwd, bwd, hop if p > 1 else 0.0, speed)
-    _, compute, tp, ep, _, cp = per_stage[slowest]
-    wire = m * tp if wire_tp else 0.0
-    parts = [m * compute / full, 0.0 if wire_tp else m * tp / full, m * ep / full, m * p2p, m * cp / full]
-    nominal = sum(parts)
-    bubble = makespan - nominal
-    if bubble < 0:  # freed cores made the schedule faster than all ranks busy all the time
-        parts = [x * makespan / nominal for x in parts]
-    if bubble < 1e-9 * nominal:  # none (or rounding)
-        bubble = 0.0
-    tp_once, dp, opt, cp_once = after
-    return StepTime(compute=parts[0], tp_comm=parts[1] + wire + tp_once / (1 if wire_tp else full),
-                    ep_comm=parts[2], pp_comm=parts[3],
-                    bubble=bubble, dp_comm=dp / full, optimizer=opt / full, cp_comm=parts[4] + cp_once / full)
-
-
 def step_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Workload, assume: Assumptions) -> Cost:
     """Step time of ``layout``. Ranks form tensorpar's grid ``arange(N).view(dp, pp, tp)``: a TP group is
     ``tp`` consecutive ranks, a pipeline spans ``tp * pp`` and a DP group all ``N`` ranks; a group whose
@@ -396,7 +341,8 @@ def step_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Work
     _, tp_once, dp, opt, cp_once = max(after_backward)
     if cluster.device.host_cores > 0:
         wire_tp = t > 1 and cluster.crosses_nodes(t) and cluster.device.inter_node_gbps > 0
-        step = _shared_core_step(per_stage, slowest, (tp_once, dp, opt, cp_once), p2p, layout, m, cluster, wire_tp)
+        from tensorpar.planner.sharing import shared_core_step
+        step = shared_core_step(per_stage, slowest, (tp_once, dp, opt, cp_once), p2p, layout, m, cluster, wire_tp)
     else:
         step = StepTime(compute=m * compute, tp_comm=m * tp + tp_once, pp_comm=m * p2p,
                         bubble=(p - 1) / v * micro, dp_comm=dp, optimizer=opt, ep_comm=m * ep,

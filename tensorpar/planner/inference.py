@@ -287,10 +287,12 @@ def plan_one(model: ModelSpec, tp: int, cluster: ClusterSpec, work: InferenceWor
                          pp_across_nodes=pp > 1 and cluster.crosses_nodes(tp * pp))
 
 
-def candidate_layouts(model: ModelSpec, cluster: ClusterSpec) -> list[tuple[int, int]]:
+def candidate_layouts(model: ModelSpec, cluster: ClusterSpec, one_replica: bool = False) -> list[tuple[int, int]]:
     """``(tp, pp)`` with ``tp x pp`` dividing the device count: tp inside a node (dividing its ranks) as
     :func:`candidate_tps`, and on a cluster of several nodes also tp over whole nodes (a multiple of the ranks per
-    node) and pp up to the layers (stages across nodes); on one node pp stays 1 (it buys memory, not speed)."""
+    node) and pp up to the layers (stages across nodes); on one node pp stays 1 (it buys memory, not speed).
+    ``one_replica``: only ``tp x pp`` = the device count (``generate --plan auto``: one replica of every rank); on
+    one node pp > 1 only where tp alone cannot split the model."""
     n, per_node = cluster.num_devices, cluster.devices_per_node
     nodes = n > per_node
     out = []
@@ -300,7 +302,10 @@ def candidate_layouts(model: ModelSpec, cluster: ClusterSpec) -> list[tuple[int,
             continue
         if split_problems(model.num_heads, model.num_kv_heads, model.ffn_hidden_size, model.vocab_size, t):
             continue
-        out += [(t, p) for p in divisors(n // t) if p == 1 or (nodes and p <= model.num_layers)]
+        out += [(t, p) for p in divisors(n // t) if (p == 1 or ((nodes or one_replica) and p <= model.num_layers))
+                and (not one_replica or t * p == n)]
+    if one_replica and not nodes and (n, 1) in out:
+        return [(n, 1)]  # one node: stages only where tp alone cannot split the model
     return out
 
 
@@ -311,12 +316,14 @@ def candidate_tps(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
             and not split_problems(model.num_heads, model.num_kv_heads, model.ffn_hidden_size, model.vocab_size, t)]
 
 
-def plan_inference(model: ModelSpec, cluster: ClusterSpec, work: InferenceWorkload) -> list[InferencePlan]:
-    """Every candidate layout (:func:`candidate_layouts`), best first: fitting and meeting the latency target, by throughput, then latency.
+def plan_inference(model: ModelSpec, cluster: ClusterSpec, work: InferenceWorkload, one_replica: bool = False
+                   ) -> list[InferencePlan]:
+    """Every candidate layout (:func:`candidate_layouts`; ``one_replica``: of all the devices), best first: fitting
+    and meeting the latency target, by throughput, then latency.
     When no fitting tp meets the target, the fitting ones are ranked by decode latency (fastest first)."""
     model.check_seq_len(work.prompt_len + work.max_new_tokens,
                         f"--prompt-len + --max-new-tokens ({work.prompt_len} + {work.max_new_tokens})")
-    plans = [plan_one(model, t, cluster, work, p) for t, p in candidate_layouts(model, cluster)]
+    plans = [plan_one(model, t, cluster, work, p) for t, p in candidate_layouts(model, cluster, one_replica)]
     target = work.latency_target_ms
     if target is not None and not any(q.fits and q.meets(target) for q in plans):
         return sorted(plans, key=lambda q: (not q.fits, q.decode, -q.tokens_per_s, q.tp, q.pp))

@@ -16,7 +16,8 @@ variable, it does not spin) gives its share to the others. Then:
   order of torch.distributed.pipelining's GPipe, 1F1B and interleaved 1F1B, :func:`schedule_order`) through an
   event simulation in which every runnable stage progresses at the speed of the share of the moment.
 
-Pure Python (no torch); used by :mod:`tensorpar.planner.cost` only for a device with ``host_cores`` > 0.
+Pure Python (no torch); used by :mod:`tensorpar.planner.cost` only for a device with ``host_cores`` > 0
+(:func:`shared_core_step`: a training step's time under it).
 """
 from __future__ import annotations
 
@@ -179,3 +180,60 @@ def pipeline_makespan(order: list[list[tuple[str, int, int]]], forward: list[lis
                     k2, _, c2 = order[r][index[r]]
                     left[r] = (forward if k2 == "F" else backward)[r][c2]
     return now
+
+
+def shared_core_step(per_stage: list[tuple], slowest: int, after: tuple, p2p: float, layout, m: int,
+                     cluster, wire_tp: bool = False):
+    """:class:`~tensorpar.planner.cost.StepTime` of ``layout`` (a :class:`~tensorpar.planner.layout.Layout`, ``m``
+    micro-batches) when the ranks of a node of ``cluster`` (a :class:`~tensorpar.planner.cluster.ClusterSpec`) share
+    its ``host_cores`` CPU cores; :func:`tensorpar.planner.cost.step_cost` calls it for such a device.
+
+    ``per_stage[i] = (micro-batch time, compute, tp, ep, forward part, cp)`` at full speed (every thread alone on a
+    core). The schedule runs through :func:`~tensorpar.planner.sharing.pipeline_makespan` (pp = 1: ``m``
+    micro-batches back to back), each runnable stage at the share of a core its threads get among the runnable
+    ranks' threads and the host's other users' (``external_threads`` in ``external_groups`` scheduling groups:
+    :func:`~tensorpar.planner.sharing.thread_share`); the pipeline sends are delays between
+    ranks. The per-step work after the last backward (TP step collectives, DP reduction, optimizer) runs on
+    every rank at once. Reported: compute, TP and EP at the all-ranks-busy share, the sends, and as bubble what
+    the schedule adds to that (0 when the freed cores make up for it; then the other terms are scaled to the
+    schedule's time). ``wire_tp``: the tp group spans hosts over a link between them (``inter_node_*``), whose
+    time is the wire's, not the cores': its collectives are taken out of the shared work and added unscaled, one
+    after another with it (the stage waits for them).
+    """
+    from tensorpar.planner.cost import StepTime
+
+    d = cluster.device
+    t, p, v = layout.tp, layout.pp, layout.virtual_stages
+    host_ranks = min(cluster.num_devices, cluster.devices_per_node)
+    per_stage_ranks = host_ranks / p  # the dp replicas of a stage run in step with it
+
+    def speed(running_stages: int) -> float:
+        return thread_share(running_stages * per_stage_ranks * d.threads_per_rank, d.host_cores,
+                            d.external_threads, d.external_groups)
+
+    full = speed(p)
+    hop = p2p / (2 * v)  # one send of the 2 v per micro-batch
+    fwd, bwd = [], []
+    for i, (micro, _c, tp_i, _e, forward, _cp) in enumerate(per_stage):
+        work = micro - p2p
+        if wire_tp:  # half of a layer's tp collectives run in its forward, half in its backward (hf kernels)
+            work, forward = work - tp_i, forward - tp_i / 2
+        f = [forward / v] * v
+        b = [(work - forward) / v] * v
+        fwd.append(f)
+        bwd.append(b)
+    schedule = "interleaved-1f1b" if v > 1 else "1f1b"
+    makespan = pipeline_makespan(schedule_order(schedule, p, v, m), fwd, bwd, hop if p > 1 else 0.0, speed)
+    _, compute, tp, ep, _, cp = per_stage[slowest]
+    wire = m * tp if wire_tp else 0.0
+    parts = [m * compute / full, 0.0 if wire_tp else m * tp / full, m * ep / full, m * p2p, m * cp / full]
+    nominal = sum(parts)
+    bubble = makespan - nominal
+    if bubble < 0:  # freed cores made the schedule faster than all ranks busy all the time
+        parts = [x * makespan / nominal for x in parts]
+    if bubble < 1e-9 * nominal:  # none (or rounding)
+        bubble = 0.0
+    tp_once, dp, opt, cp_once = after
+    return StepTime(compute=parts[0], tp_comm=parts[1] + wire + tp_once / (1 if wire_tp else full),
+                    ep_comm=parts[2], pp_comm=parts[3],
+                    bubble=bubble, dp_comm=dp / full, optimizer=opt / full, cp_comm=parts[4] + cp_once / full)

@@ -23,6 +23,7 @@ from pathlib import Path
 from tensorpar.cli import ExplicitFlag
 from tensorpar.train.config import DP_MODES, TrainConfig
 from tensorpar.hf.presets import PRESETS
+from tensorpar.planner.cluster import inter_node_link  # the one rule of the link flags (plan, generate)
 from tensorpar.train.ranks import _rank_main, check_fast_collectives, prepare
 from tensorpar.train.resume import check_resume, check_resume_data, check_resume_model, resume_after_restart
 # also importable from here, as before the split (tests, bench_train)
@@ -267,25 +268,6 @@ def main(args: argparse.Namespace) -> int:
         return run_ranks(_rank_main, job.world_size, job, verbose=job.verbose)
     finally:
         lock.close()
-
-
-def inter_node_link(args: argparse.Namespace) -> dict:
-    """The :class:`~tensorpar.planner.cluster.DeviceSpec` fields of the link between hosts that ``--inter-node-bw``
-    (GB/s) and ``--inter-node-latency-us`` give (``{}``: none given); the planner prices the groups that span
-    torchrun's nodes with it (:meth:`tensorpar.planner.cluster.ClusterSpec.link`). Raises ValueError naming the
-    flag: a bandwidth that is not a finite number > 0, a latency below 0, a latency without a bandwidth."""
-    import math
-
-    bw, lat = getattr(args, "inter_node_bw", None), getattr(args, "inter_node_latency_us", None)
-    if bw is None:
-        if lat is not None:
-            raise ValueError(f"--inter-node-latency-us {lat:g} needs --inter-node-bw (the link's bandwidth, GB/s)")
-        return {}
-    if not (math.isfinite(bw) and bw > 0):
-        raise ValueError(f"--inter-node-bw {bw:g}: must be a finite number of GB/s > 0 (1 Gbit/s = 0.125)")
-    if lat is not None and not (math.isfinite(lat) and lat >= 0):
-        raise ValueError(f"--inter-node-latency-us {lat:g}: must be a finite number of microseconds >= 0")
-    return {"inter_node_gbps": bw, **({} if lat is None else {"inter_node_latency_us": lat})}
 
 
 def plan_config(args: argparse.Namespace, cfg: TrainConfig):

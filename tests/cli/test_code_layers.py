@@ -11,8 +11,8 @@ KNOWN_CYCLES: set[tuple[str, str]] = set()
 
 MAX_MODULE_LINES = 400
 # modules allowed over the limit: grown past it by this round's merges (2026-12-02), to be split next round
-# (lean.py: the GEMV and deterministic set-up; the CLIs: validation helpers); none may grow further than listed
-OVER_LIMIT_LINES = {"tensorpar/generate.py": 414, "tensorpar/planner/cost.py": 405, "tensorpar/decode/lean.py": 480}
+# (lean.py: the GEMV and deterministic set-up); none may grow further than listed
+OVER_LIMIT_LINES = {"tensorpar/decode/lean.py": 480}
 OVER_LIMIT: set[str] = set(OVER_LIMIT_LINES)
 
 

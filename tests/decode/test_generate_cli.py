@@ -177,3 +177,126 @@ def test_chat_without_a_chat_template_is_one_line(tiny_with_tokenizer):
     r = _cli("--model", tiny_with_tokenizer, "--tp", "2", "--prompt", "the cat", "--chat", "--max-new-tokens", "2")
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "--chat:" in r.stderr and "has no chat template" in r.stderr and "drop --chat" in r.stderr
+
+
+# ---------------------------------------------------------------- --plan auto (issue 23.5: the planner chooses for the link)
+
+# One rank's device for the planner, written as a --device-file (no calibration of this machine in these tests): a
+# made-up host whose own link is 50 us per collective; the link between hosts comes from the flags.
+PLAN_DEVICE = {"name": "test host", "memory_gib": 4.0, "peak_tflops": 0.1, "intra_node_gbps": 0.0,
+               "inter_node_gbps": 0.0, "hbm_gbps": 10.0, "local_link_gbps": 2.0, "local_link_latency_us": 50.0}
+SLOW_LINK = ["--inter-node-bw", "0.125", "--inter-node-latency-us", "500"]   # 1 Gbit/s
+
+
+@pytest.fixture
+def device_file(tmp_path):
+    import json
+    path = tmp_path / "device.json"
+    path.write_text(json.dumps(PLAN_DEVICE))
+    return str(path)
+
+
+def _parse(*argv):
+    import argparse
+
+    from tensorpar import generate
+    p = argparse.ArgumentParser()
+    generate.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def _torchrun_env(monkeypatch, world: int, local: int) -> None:
+    """This process as rank 0 of a torchrun of ``world`` ranks, ``local`` per host (what the planner reads)."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+
+
+def test_plan_auto_chooses_tp_on_one_host_and_pp_across_a_slow_link(tiny_with_tokenizer, device_file, monkeypatch,
+                                                                     capsys):
+    """The launching process's choice (no rank started): 2 ranks on one host -> tp=2 (stages on one host buy memory,
+    not speed); 2 hosts of 1 rank at 1 Gbit/s -> tp=1 pp=2 (tp across would pay 2 x 2 + 3 collectives per token at
+    500 us, pp one send and one broadcast); 2 hosts of 2 ranks -> tp=2 inside each host, pp=2 across. Each prints one
+    line naming the layout; the Job's degrees are the plan's."""
+    from tensorpar import generate
+    job = generate.validate(_parse("--model", tiny_with_tokenizer, "--plan", "auto", "--nproc", "2", "--device-file",
+                                   device_file, "--prompt", "the cat", "--max-new-tokens", "4"))
+    assert (job.parallel.tp, job.parallel.pp) == (2, 1)
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "plan (auto) for 2 ranks on 1 host: tp=2 pp=1" in out, out
+    assert job.task.plan_prediction["layout"] == "tp=2" and job.task.plan_prediction["decode_ms"] > 0
+    for world, local, want in ((2, 1, (1, 2)), (4, 2, (2, 2))):
+        _torchrun_env(monkeypatch, world, local)
+        job = generate.validate(_parse("--model", tiny_with_tokenizer, "--plan", "auto", "--device-file", device_file,
+                                       *SLOW_LINK, "--prompt", "the cat", "--max-new-tokens", "4"))
+        assert (job.parallel.tp, job.parallel.pp) == want
+        out = " ".join(capsys.readouterr().out.split())
+        assert (f"plan (auto) for {world} ranks on 2 hosts, link between hosts 0.125 GB/s 500 us: "
+                f"tp={want[0]} pp={want[1]}") in out and "pp across nodes" in out, out
+
+
+def test_plan_auto_choice_by_hand():
+    """The same rule on the planner's numbers: at 1 Gbit/s (500 us) tp=2 across 2 hosts costs 7 collectives per
+    token, pp=2 across costs 2 messages; the chosen plan is the faster and the runner-up is the other."""
+    from dataclasses import replace
+
+    from tensorpar.generate.autoplan import choose
+    from tensorpar.planner.cluster import ClusterSpec, DeviceSpec
+    from tensorpar.planner.inference import InferenceWorkload
+    from tensorpar.planner.model_spec import ModelSpec
+
+    model = ModelSpec("tiny", num_layers=2, hidden_size=64, num_heads=8, num_kv_heads=2, ffn_hidden_size=128,
+                      vocab_size=1000, max_positions=256)
+    dev = replace(DeviceSpec(**PLAN_DEVICE), inter_node_gbps=0.125, inter_node_latency_us=500.0)
+    work = InferenceWorkload(1, 8, 8, weight_bytes=4, kv_bytes=4, reserve_gib=0)
+    best, plans = choose(model, ClusterSpec(dev, 2, 1), work)
+    assert (best.tp, best.pp) == (1, 2) and [(q.tp, q.pp) for q in plans] == [(1, 2), (2, 1)]
+    assert best.decode_pp_comm == pytest.approx(500e-6 + 256 / 1.25e8 + 500e-6 + 16 / 1.25e8, rel=1e-9)
+    assert plans[1].decode_comm > 7 * 500e-6
+    best, plans = choose(model, ClusterSpec(dev, 2, 2), work)     # one host: tp only
+    assert (best.tp, best.pp) == (2, 1) and len(plans) == 1
+    with pytest.raises(ValueError, match=r"no tp x pp layout of 9 ranks splits --model \(8 heads, 2 layers\); "
+                                         r"rank counts with one: 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16"):
+        choose(model, ClusterSpec(dev, 9, 9), work)
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--plan", "auto", "--nproc", "2", "--tp", "1"],
+     "--plan auto chose tp=2 pp=1 for 2 ranks, but --tp 1 was given; drop --tp (the plan sets them) or drop --plan auto"),
+    (["--plan", "auto", "--nproc", "2", "--pp", "2"], "but --pp 2 was given"),
+    (["--plan", "auto", "--nproc", "40"], "--plan auto: no tp x pp layout of 40 ranks splits --model"),
+    (["--plan", "auto"], "--plan auto needs the number of ranks to plan for: add --nproc N"),
+    (["--plan", "auto", "--nproc", "0"], "--nproc 0: must be a positive number of ranks"),
+    (["--nproc", "2"], "--nproc goes with --plan auto"),
+    (["--inter-node-bw", "1"], "--inter-node-bw goes with --plan auto"),
+    (["--plan", "auto", "--nproc", "2", "--ep", "2"], "the planner does not plan expert parallelism"),
+    (["--plan", "auto", "--nproc", "2", "--inter-node-latency-us", "500"],
+     "--inter-node-latency-us 500 needs --inter-node-bw"),
+    (["--plan", "auto", "--nproc", "2", "--inter-node-bw", "-1"], "--inter-node-bw -1: must be a finite number"),
+])
+def test_plan_auto_bad_input_is_one_line_before_any_rank(tiny_with_tokenizer, device_file, capsys, args, msg):
+    from tensorpar import generate
+    device = ["--device-file", device_file] if "--plan" in args else []
+    assert generate.main(_parse("--model", tiny_with_tokenizer, *device, "--prompt", "the cat", *args)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and msg in err, err
+
+
+@pytest.mark.slow   # two launches of 2 ranks (~50 s on the loaded 2-core machine); the choice is tested fast above
+def test_plan_auto_runs_the_chosen_layout_and_prints_predicted_vs_measured(tiny_with_tokenizer, device_file):
+    """Launched: --plan auto on 2 local ranks runs tp=2 through the one generate path; its text equals the
+    explicit --tp 2 run's (greedy: the same tokens), and the end line puts the predicted decode ms/token and time to
+    first token next to the measured ones."""
+    r = _cli("--model", tiny_with_tokenizer, "--plan", "auto", "--nproc", "2", "--device-file", device_file,
+             "--prompt", "the cat", "--max-new-tokens", "6", "--fast-collectives", "off")
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("tensorpar: plan (auto) for 2 ranks on 1 host: tp=2 pp=1"), r.stdout
+    text = next(x for x in lines if x.startswith("the cat"))
+    end = next(x for x in lines if x.startswith("tensorpar: plan vs measured (tp=2): decode per token "))
+    assert "ms predicted," in end and "measured (" in end and "first token" in end, end
+    explicit = _cli("--model", tiny_with_tokenizer, "--tp", "2", "--prompt", "the cat", "--max-new-tokens", "6",
+                    "--fast-collectives", "off")
+    assert explicit.returncode == 0, explicit.stderr[-3000:]
+    assert text == next(x for x in explicit.stdout.splitlines() if x.startswith("the cat"))

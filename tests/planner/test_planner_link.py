@@ -136,3 +136,62 @@ def test_link_flags_on_one_node_say_they_are_unused(capsys):
                  "--max-new-tokens", "4", "--inter-node-bw", "0.125", "--json"]) == 0
     err = capsys.readouterr().err
     assert "--inter-node-bw: all 2 devices are on one node" in err and err.count("\n") == 1, err
+
+
+def _plan_cli(capsys, *flags, device_file=None):
+    from tensorpar.cli import main
+    device = ["--device-file", device_file] if device_file else []
+    rc = main(["plan", "--inference", "--model", "smollm2", "--gpus", "2", "--gpus-per-node", "1", *device, "--batch",
+               "1", "--prompt-len", "8", "--max-new-tokens", "4", "--json", *flags])
+    return rc, capsys.readouterr().err
+
+
+@pytest.fixture
+def host_file(tmp_path):
+    """A calibrated host's device file: its own measured link, no link between hosts (as --calibrate --json)."""
+    import json
+    from dataclasses import asdict
+    path = tmp_path / "host.json"
+    path.write_text(json.dumps({"device": asdict(replace(HOST, memory_gib=8.0, inter_node_gbps=0.0))}))
+    return str(path)
+
+
+def test_latency_without_bandwidth_is_refused_by_plan_as_by_train(capsys, host_file):
+    """Review (issue 23.5): `plan --inter-node-latency-us` without `--inter-node-bw` on a calibrated host (no link
+    between hosts of its own) was taken and priced nothing, while `train --plan` refused it; one rule now
+    (tensorpar.planner.cluster.inter_node_link, which train imports). A preset has a NIC: its latency alone may change."""
+    rc, err = _plan_cli(capsys, "--inter-node-latency-us", "500", device_file=host_file)
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "--inter-node-latency-us 500 needs --inter-node-bw" in err and "has no link between hosts" in err
+    rc, err = _plan_cli(capsys, "--inter-node-latency-us", "500", "--device", "a100-80gb")
+    assert rc == 0 and err == "", err
+    from types import SimpleNamespace
+
+    import tensorpar.train.cli as train_cli
+    from tensorpar.planner.cluster import inter_node_link
+    assert train_cli.inter_node_link is inter_node_link
+    with pytest.raises(ValueError, match="--inter-node-latency-us 500 needs --inter-node-bw"):
+        inter_node_link(SimpleNamespace(inter_node_bw=None, inter_node_latency_us=500.0))  # train's calibrated host
+
+
+@pytest.mark.parametrize("bw,note", [("1e-9", "--inter-node-bw 1e-09 GB/s is outside 0.01-1000 GB/s"),
+                                     ("5000", "--inter-node-bw 5000 GB/s is outside 0.01-1000 GB/s"),
+                                     ("100", "--inter-node-bw 100 GB/s is more than 10x the link inside a node (2 GB/s)"),
+                                     ("0.125", None)])
+def test_implausible_link_bandwidth_gets_one_note(capsys, host_file, bw, note):
+    """Review: 1e-9 GB/s (or a Gbit/s figure typed as GB/s) was planned without a word; now one note (the range of
+    links that exist between hosts) and the plan as given."""
+    rc, err = _plan_cli(capsys, "--inter-node-bw", bw, device_file=host_file)
+    assert rc == 0
+    if note is None:
+        assert err == "", err
+    else:
+        assert err.count("\n") == 1 and err.startswith(f"tensorpar: note: {note}") and "1 Gbit/s = 0.125" in err, err
+
+
+@pytest.mark.parametrize("bw", ["0", "-1", "nan"])
+def test_non_positive_link_bandwidth_is_refused(capsys, host_file, bw):
+    """Review: `--inter-node-bw 0` with a calibrated host's file was taken (its 0 means 'not measured') and the
+    groups across hosts were priced on the loopback link; refused in one line."""
+    rc, err = _plan_cli(capsys, "--inter-node-bw", bw, device_file=host_file)
+    assert rc == 2 and err.count("\n") == 1 and f"--inter-node-bw {bw}: must be a finite number of GB/s > 0" in err, err

@@ -29,7 +29,8 @@ import torch
 
 from tensorpar import comm
 from tensorpar.comm import Group
-from tensorpar.decode.quantize import add_quantize_argument, apply_quantize, check_quantize
+from tensorpar.decode.quantize import apply_quantize, check_quantize
+from tensorpar.generate.flags import add_arguments, check_flags  # noqa: F401  (the command's flags)
 from tensorpar.streaming import chat_prompt_ids
 from tensorpar.serve.tokens import SamplingConfig
 
@@ -171,32 +172,6 @@ def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_
 LONG_PREFILL_TOKENS = 512
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from tensorpar.cli import add_launch_arguments, add_lora_argument
-
-    p.add_argument("--model", default="smollm2",
-                   help="'smollm2' (built in, fetched and converted once), a Hugging Face-format folder, a hub "
-                        "id already in the local Hugging Face cache, or a .gguf file")
-    add_launch_arguments(p, ep=True, pp=True)
-    add_lora_argument(p)
-    p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch (default: a sample prompt)")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="token budget per prompt (>= 1)")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="softmax temperature (default 0 = greedy; unlike serve's default 1); --top-k, --top-p and "
-                        "--seed need a temperature > 0")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
-    p.add_argument("--seed", type=int, default=None, help="seed of the sampling generator (rank 0; default 0)")
-    add_quantize_argument(p)
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--deterministic", action="store_true",
-                   help="batch-invariant results: each prompt's greedy tokens are bitwise those it gets alone "
-                        "(slower; docs/serve.md)")
-    p.add_argument("--print-plan", action="store_true", help="print the sharding plan and exit")
-    from tensorpar.verify.prove import add_arguments as add_plan_arguments
-    add_plan_arguments(p, plan_file=True)
-
-
 def _encode(tok, prompts: list[str], chat: bool):
     """``[b, s]`` left-padded ids and attention mask of ``prompts`` (with ``chat``: :func:`chat_prompt_ids`
     of one user message each)."""
@@ -213,6 +188,24 @@ def _encode(tok, prompts: list[str], chat: bool):
     return enc["input_ids"], enc["attention_mask"]
 
 
+def _tokenize(args, folder, config):
+    """``(tokenizer, prompts, ids, mask)`` of the command's prompts (:func:`_encode`), checked: ``--chat`` needs a chat
+    template, the prompt plus ``--max-new-tokens`` must fit the model's positions."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder, config=config)  # the config read already, not again
+    if args.chat and not getattr(tok, "chat_template", None):
+        raise ValueError(f"--chat: {args.model} has no chat template (its tokenizer_config.json names none); drop "
+                         f"--chat to generate from the plain prompt")
+    prompts = tuple(args.prompt or ["The capital of France is"])
+    ids, mask = _encode(tok, list(prompts), args.chat)
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and ids.shape[1] + args.max_new_tokens > limit:
+        raise ValueError(f"prompt of {ids.shape[1]} tokens plus --max-new-tokens {args.max_new_tokens} exceeds the "
+                         f"model's max_position_embeddings={limit}")
+    return tok, prompts, ids, mask
+
+
 @dataclass(frozen=True)
 class GenerateTask:
     """What every rank of ``tensorpar generate`` runs (:attr:`tensorpar.job.Job.task`), resolved once.
@@ -227,6 +220,8 @@ class GenerateTask:
         chat: the prompts were wrapped in the chat template.
         quantize: ``--quantize``.
         deterministic: ``--deterministic`` (batch-invariant results).
+        plan_prediction: with ``--plan auto``, the planner's prediction (:func:`tensorpar.generate.autoplan.
+            choose_layout`), printed by rank 0 next to the measured decode at the end; else ``None``.
     """
 
     prompts: tuple[str, ...]
@@ -239,6 +234,7 @@ class GenerateTask:
     chat: bool = False
     quantize: str = "none"
     deterministic: bool = False
+    plan_prediction: dict | None = None
 
 
 def _rank_main(job) -> int:
@@ -289,44 +285,12 @@ def _rank_main(job) -> int:
         if res.speed_warning:
             print0(ctx, res.speed_warning, file=sys.stderr)
         print0(ctx, stats_line(ctx.tp.size, res.ttft_s, res.decode_s, res.tokens.shape[1], ctx.pp.size))
+        if task.plan_prediction is not None:   # --plan auto: predicted vs measured
+            from tensorpar.generate.autoplan import comparison_line
+            print0(ctx, comparison_line(task.plan_prediction, res.ttft_s, res.decode_s, res.tokens.shape[1]))
     finally:
         ctx.destroy()
     return 0
-
-
-def _check_flags(args: argparse.Namespace) -> None:
-    """The checks of the flags alone (no model read). Raises ValueError naming the flag."""
-    import math
-
-    from tensorpar.cli import check_launch_arguments
-
-    if args.tp < 1:
-        raise ValueError(f"--tp must be a positive integer (ranks to start), got {args.tp}")
-    check_launch_arguments(args)
-    if not math.isfinite(args.temperature) or args.temperature < 0:
-        raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
-    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
-        raise ValueError(f"--top-p must be in (0, 1] (1 = off), got {args.top_p}")
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.top_k < 0:
-        raise ValueError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
-    if args.seed is not None and not 0 <= args.seed < 2 ** 63:
-        raise ValueError(f"--seed must be in [0, 2**63), got {args.seed}")
-    if args.temperature == 0:       # greedy: these would silently do nothing
-        unused = [f"{name} {v}" for name, v, off in (("--top-p", args.top_p, 1.0), ("--top-k", args.top_k, 0),
-                                                      ("--seed", args.seed, None)) if v != off]
-        if unused:
-            raise ValueError(f"{', '.join(unused)}: sampling options need --temperature > 0 (the default 0 is "
-                             f"greedy, which ignores them); add e.g. --temperature 1 or drop them")
-    for p in args.prompt or []:
-        try:
-            p.encode("utf-8")
-        except UnicodeEncodeError as e:  # argv bytes that are not UTF-8 arrive as lone surrogates
-            raise ValueError(f"--prompt {p[:20]!r}... is not valid UTF-8 (character {e.start}); pass UTF-8 text") \
-                from None
-        if not p.strip():
-            raise ValueError("--prompt must not be empty; give the text to continue")
 
 
 def validate(args: argparse.Namespace):
@@ -335,7 +299,7 @@ def validate(args: argparse.Namespace):
     ``--tp-weights auto``: each rank makes it after measuring), the prompts tokenized once."""
     import os
 
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     from tensorpar.capacity import plan_for_model
     from tensorpar.hf.families import is_causal_lm
@@ -345,7 +309,7 @@ def validate(args: argparse.Namespace):
     from tensorpar.streaming import eos_token_ids
     from tensorpar.train.config import check_model_config, config_error
 
-    _check_flags(args)
+    check_flags(args)
     from tensorpar.hub import resolve_model
 
     folder = resolve_model(args.model)
@@ -359,6 +323,11 @@ def validate(args: argparse.Namespace):
         raise ValueError(f"{folder}: model_type={config.model_type!r} is an image classifier, not a text generator; "
                          f"run it with examples/classify_vit.py")
     check_model_config(config, f"{folder}/config.json")
+    prediction, encoded = None, None
+    if getattr(args, "plan", None) == "auto":   # --tp and --pp from the planner, for these prompts
+        from tensorpar.generate.autoplan import choose_layout
+        encoded = _tokenize(args, folder, config)
+        prediction = choose_layout(args, config, str(args.model), *encoded[2].shape)
     from tensorpar.cli import check_model_degrees
     check_model_degrees(args, config)   # --ep, --pp: the rules the ranks apply
     follow_stored_ties(folder, config, getattr(torch, getattr(args, "dtype", "float32")))  # as the ranks will
@@ -378,20 +347,11 @@ def validate(args: argparse.Namespace):
                                         tp_comm=getattr(args, "tp_comm", "fp32"))
         if why is not None:
             raise ValueError(f"--deterministic: {why}")
-    tok = AutoTokenizer.from_pretrained(folder, config=config)  # the config read above, not again
-    if args.chat and not getattr(tok, "chat_template", None):
-        raise ValueError(f"--chat: {args.model} has no chat template (its tokenizer_config.json names none); drop "
-                         f"--chat to generate from the plain prompt")
-    prompts = tuple(args.prompt or ["The capital of France is"])
-    ids, mask = _encode(tok, list(prompts), args.chat)
-    limit = getattr(config, "max_position_embeddings", None)
-    if limit is not None and ids.shape[1] + args.max_new_tokens > limit:
-        raise ValueError(f"prompt of {ids.shape[1]} tokens plus --max-new-tokens {args.max_new_tokens} exceeds the "
-                         f"model's max_position_embeddings={limit}")
+    tok, prompts, ids, mask = encoded or _tokenize(args, folder, config)
     sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                               0 if args.seed is None else args.seed)
     task = GenerateTask(prompts, ids, mask, sampling, tuple(eos_token_ids(folder, tok)), tok.pad_token_id, tok,
-                        chat=args.chat, quantize=quantize, deterministic=deterministic)
+                        chat=args.chat, quantize=quantize, deterministic=deterministic, plan_prediction=prediction)
     parallel = ParallelConfig(tp=args.tp, pp=args.pp, dp=getattr(args, "ep", 1), tp_weights=tp_weights)
     return job_from_args(args, parallel, folder=str(folder), model_config=config, user_plan=user_plan,
                          plan=None if tp_weights == "auto" else plan, attn_implementation=attn, task=task)

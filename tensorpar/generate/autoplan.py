@@ -1,0 +1,187 @@
+"""``tensorpar generate --plan auto``: the layout (tp, pp) from the inference planner, and its prediction next to the
+measured decode at the end.
+
+The launching process (every rank's, under torchrun: they read the same cached calibration and choose the same):
+
+* the ranks and hosts (:func:`plan_ranks`): torchrun's ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` (its nodes are the
+  hosts), else ``--nproc`` on this host, else an explicit ``--tp`` x ``--pp``;
+* one rank's device (:func:`inference_device`): ``--device-file``, or this machine's calibration as ``train --plan
+  auto`` measures and caches it (:func:`tensorpar.train.autoplan.rank_device`; the tp group on tensorpar's
+  shared-memory collectives unless ``--fast-collectives off``), with the link between hosts of ``--inter-node-bw``
+  / ``--inter-node-latency-us`` (:func:`tensorpar.planner.cluster.inter_node_link`, the rule of ``tensorpar plan``
+  and ``train --plan``);
+* the request (batch = prompts, prompt = the padded prompt length, ``--max-new-tokens``, ``--dtype``,
+  ``--tp-comm``) goes to :func:`tensorpar.planner.inference.plan_inference` over the layouts of one replica of every
+  rank (``tp x pp`` = ranks); the fastest that fits and that generate runs (:func:`runtime_problem`: the stage cut,
+  the sharding plan's split, ``--deterministic``) is taken (:func:`choose`), and one line says which and why
+  (:func:`explain_line`).
+
+Rank 0 prints :func:`comparison_line` at the end: predicted against measured decode ms/token and time to first token.
+"""
+from __future__ import annotations
+
+import copy
+import sys
+
+
+def plan_ranks(args) -> tuple[int, int]:
+    """``(ranks, ranks per host)`` to plan for (module docstring). Raises ValueError when nothing gives them."""
+    from tensorpar.train.autoplan import env_nproc
+
+    world, local = env_nproc()
+    if world is not None:
+        return world, local if local and world % local == 0 else world
+    if getattr(args, "nproc", None) is not None:
+        return args.nproc, args.nproc
+    explicit = set(getattr(args, "explicit_flags", None) or ())
+    if explicit & {"tp", "pp"}:
+        return args.tp * args.pp, args.tp * args.pp
+    raise ValueError("--plan auto needs the number of ranks to plan for: add --nproc N (or launch with torchrun)")
+
+
+def inference_device(args, nproc: int, local: int):
+    """``(DeviceSpec of one rank, where it came from)``: ``--device-file``, or this machine's cached calibration
+    (:func:`tensorpar.train.autoplan.cached_calibration`, measured on first use), with the link between hosts of the
+    flags (:func:`tensorpar.planner.cluster.inter_node_link`). Raises ValueError (a bad file, a bad link flag)."""
+    from dataclasses import replace
+
+    from tensorpar.planner import cluster as cl
+
+    if getattr(args, "device_file", None):
+        device, note = cl.device_from_file(args.device_file), f"device file {args.device_file}"
+    else:
+        from tensorpar.launch import rank0_print
+        from tensorpar.train import autoplan
+
+        try:
+            cal, path, cached = autoplan.cached_calibration(log=lambda m: rank0_print(f"tensorpar: {m}",
+                                                                                      file=sys.stderr))
+        except RuntimeError as e:   # a calibration worker failed
+            raise ValueError(f"--plan auto: {e}") from None
+        measured = cal["collective"].get("by_backend") or {}
+        tp_backend = "shm" if getattr(args, "fast_collectives", "auto") != "off" and "shm" in measured else None
+        device = autoplan.rank_device(cal, nproc, local, load_now=autoplan._loadavg(), tp_backend=tp_backend)
+        note = autoplan.describe_device_source(path, cached)
+    return replace(device, **cl.inter_node_link(args, device)), note
+
+
+def runtime_problem(args, config, tp: int, pp: int) -> str | None:
+    """Why ``generate`` cannot run ``tp`` x ``pp`` for this model and these flags (None when it can): the launching
+    process's own checks (:func:`tensorpar.cli.check_model_degrees`: the stage cut and the ``--pp`` rules; the
+    sharding plan's split, :func:`tensorpar.hf.plan.make_plan`; ``--deterministic``), as one line."""
+    from tensorpar.cli import check_model_degrees
+    from tensorpar.hf.plan import make_plan
+
+    trial = copy.copy(args)
+    trial.tp, trial.pp = tp, pp
+    try:
+        check_model_degrees(trial, config)
+        make_plan(config, tp)
+        if getattr(args, "deterministic", False):
+            from tensorpar.decode.lean import deterministic_unsupported
+            from tensorpar.hf.families import why_not
+
+            why = deterministic_unsupported(config, lean_why=why_not("fast_decode", config), pp=pp,
+                                            tp_comm=getattr(args, "tp_comm", "fp32"))
+            if why is not None:
+                raise ValueError(f"--deterministic: {why}")
+    except ValueError as e:
+        return " ".join(str(e).split())
+    return None
+
+
+def choose(model, cluster, work, runnable=None, what: str = "--model"):
+    """``(the plan to run, every plan ranked)``: the first of :func:`~tensorpar.planner.inference.plan_inference`'s
+    one-replica layouts (``tp x pp`` = the cluster's devices) that fits and that ``runnable(tp, pp)`` (None: any)
+    does not refuse. Raises ValueError with one line: no layout of that many ranks (with the rank counts that have
+    one), none that fits (the smallest's memory), or none that generate runs (the first reason)."""
+    from tensorpar.planner.inference import candidate_layouts, plan_inference
+    from tensorpar.planner.memory import GIB
+
+    n = cluster.num_devices
+    plans = plan_inference(model, cluster, work, one_replica=True)
+    if not plans:
+        from dataclasses import replace
+        counts = [k for k in range(1, 2 * n + 1)     # as one host: the counts whose tp x pp split the model
+                  if candidate_layouts(model, replace(cluster, num_devices=k, devices_per_node=k), one_replica=True)]
+        raise ValueError(f"--plan auto: no tp x pp layout of {n} ranks splits {what} ({model.num_heads} heads, "
+                         f"{model.num_layers} layers); rank counts with one: {', '.join(map(str, counts)) or 'none'}")
+    reasons = []
+    for plan in plans:
+        if not plan.fits:
+            break
+        why = runnable(plan.tp, plan.pp) if runnable is not None else None
+        if why is None:
+            return plan, plans
+        reasons.append(f"{plan.name}: {why}")
+    if reasons:
+        raise ValueError(f"--plan auto: no layout of {n} ranks that fits is runnable (first: {reasons[0]})")
+    small = min(plans, key=lambda q: q.memory)
+    raise ValueError(f"--plan auto: no layout of {n} ranks fits; the smallest, {small.name}, needs "
+                     f"{small.memory / GIB:.2f} GiB > {small.usable / GIB:.2f} GiB usable per rank; use more ranks, "
+                     f"fewer prompts or fewer --max-new-tokens")
+
+
+def explain_line(best, plans, work, cluster, note: str = "") -> str:
+    """One line: the layout chosen, its prediction (the planner's explanation) and the runner-up."""
+    from tensorpar.planner.inference import explain_inference
+
+    others = [q for q in plans if q is not best]
+    lines = explain_inference([best, *others], work)
+    hosts = cluster.num_devices // cluster.devices_per_node if cluster.num_devices > cluster.devices_per_node else 1
+    link = (f", link between hosts {cluster.device.inter_node_gbps:g} GB/s {cluster.device.inter_node_latency_us:g} us"
+            if hosts > 1 and cluster.device.inter_node_gbps > 0 else "")
+    head = (f"plan (auto) for {cluster.num_devices} ranks on {hosts} host{'s' if hosts > 1 else ''}{link}: "
+            f"tp={best.tp} pp={best.pp}, the fastest that fits and runs: {lines[0]}")
+    runner = f" Next: {lines[1]}" if len(lines) > 1 else ""
+    return head + runner + (f" (device: {cluster.device.name}; {note})" if note else "")
+
+
+def choose_layout(args, config, model_name: str, batch: int, prompt_len: int) -> dict:
+    """``--plan auto`` in the launching process: choose (:func:`choose`), print the one line (rank 0), set
+    ``args.tp`` and ``args.pp`` to the layout and return its prediction (``layout``, ``decode_ms``, ``ttft_ms``).
+
+    Raises ValueError: a ``--tp`` or ``--pp`` given that differs from the choice, and :func:`choose`'s."""
+    from tensorpar.launch import rank0_print
+    from tensorpar.planner.cluster import ClusterSpec
+    from tensorpar.planner.inference import InferenceWorkload
+    from tensorpar.planner.model_spec import from_hf_config
+    from tensorpar.train.autoplan import CPU_RESERVE_GIB
+
+    nproc, local = plan_ranks(args)
+    device, note = inference_device(args, nproc, local)
+    try:
+        model = from_hf_config(config.to_dict(), name=model_name)
+    except ValueError as e:
+        raise ValueError(f"--plan auto: the planner cannot read {model_name}: {e}") from None
+    nbytes = 2 if getattr(args, "dtype", "float32") == "bfloat16" else 4
+    reserve = CPU_RESERVE_GIB if device.host_cores > 0 else InferenceWorkload.reserve_gib
+    work = InferenceWorkload(batch, prompt_len, args.max_new_tokens, weight_bytes=nbytes, kv_bytes=nbytes,
+                             reserve_gib=reserve, tp_comm=getattr(args, "tp_comm", "fp32"))
+    cluster = ClusterSpec(device, nproc, local)
+    best, plans = choose(model, cluster, work, lambda tp, pp: runtime_problem(args, config, tp, pp),
+                         what=f"--model {model_name}")
+    explicit = set(getattr(args, "explicit_flags", None) or ())
+    differ = [f"--{k} {getattr(args, k)}" for k in ("tp", "pp") if k in explicit and getattr(args, k) != getattr(best, k)]
+    if differ:
+        raise ValueError(f"--plan auto chose tp={best.tp} pp={best.pp} for {nproc} ranks, but {' and '.join(differ)} "
+                         f"was given; drop {' and '.join(d.split()[0] for d in differ)} (the plan sets them) or drop "
+                         f"--plan auto")
+    rank0_print(f"tensorpar: {explain_line(best, plans, work, cluster, note)}")
+    args.tp, args.pp = best.tp, best.pp
+    return {"layout": best.name, "decode_ms": best.decode * 1e3, "ttft_ms": best.ttft * 1e3}
+
+
+def comparison_line(prediction: dict, ttft_s: float, decode_s: float, new_tokens: int) -> str:
+    """``plan vs measured``: the predicted decode ms/token and time to first token next to the measured ones (decode:
+    ``decode_s`` over the ``new_tokens - 1`` steps after the first token), with the relative errors."""
+    def pair(what: str, predicted: float, measured: float | None) -> str:
+        if measured is None:
+            return f"{what} {predicted:.2f} ms predicted, not measured (one new token)"
+        return (f"{what} {predicted:.2f} ms predicted, {measured:.2f} measured "
+                f"({(predicted / measured - 1) * 100:+.0f}% off)" if measured > 0 else f"{what} {predicted:.2f} ms")
+
+    decode = decode_s / (new_tokens - 1) * 1e3 if new_tokens > 1 else None
+    return (f"tensorpar: plan vs measured ({prediction['layout']}): "
+            f"{pair('decode per token', prediction['decode_ms'], decode)}; "
+            f"{pair('first token', prediction['ttft_ms'], ttft_s * 1e3)}")
