@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (built in), a Hugging Face-format folder, or a .gguf file")
     from tensorpar.cli import add_launch_arguments, add_lora_argument
-    add_launch_arguments(p, ep=True, pp=True)
+    add_launch_arguments(p, ep=True, pp=True, plan=True)
     add_lora_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the URL is printed)")
@@ -74,6 +74,8 @@ class ServeTask:
         prefix_caching: ``--prefix-caching`` resolved (off where the cache is not paged).
         timeout_s: ``--request-timeout`` (``None``: none).
         deterministic: ``--deterministic`` (batch-invariant results, :class:`~tensorpar.serve.engine.Engine`).
+        plan_prediction: ``--plan auto``'s prediction (:func:`tensorpar.inference_plan.choose_layout`), printed by
+            rank 0 at shutdown next to its metrics (:func:`~tensorpar.inference_plan.serve_comparison_line`).
     """
 
     max_len: int
@@ -89,6 +91,7 @@ class ServeTask:
     prefix_caching: bool = False
     timeout_s: float | None = None
     deterministic: bool = False
+    plan_prediction: dict | None = None
 
 
 def parse_memory(text: str) -> tuple[str, float]:
@@ -187,10 +190,21 @@ def validate(args: argparse.Namespace):
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
-    from tensorpar.cli import check_launch_arguments
+    from tensorpar.cli import check_launch_arguments, check_plan_arguments
     check_launch_arguments(args)
+    check_plan_arguments(args)   # --plan auto and its inputs
     folder = resolve_model(args.model)
     config = AutoConfig.from_pretrained(folder)
+    limit = getattr(config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
+    n = args.max_model_len if args.max_model_len is not None else min(limit, DEFAULT_MAX_MODEL_LEN)
+    if not 2 <= n <= limit:
+        raise ValueError(f"--max-model-len must be in [2, {limit}] (the model's max_position_embeddings), got {n}")
+    prediction = None
+    if getattr(args, "plan", None) == "auto":   # --tp and --pp from the planner, for a full server
+        from tensorpar.inference_plan import choose_layout, serve_workload
+        shape, words = serve_workload(args.max_batch, n)
+        prediction = choose_layout(args, config, str(args.model), *shape, workload=words,
+                                   smaller="a lower --max-batch or --max-model-len")
     from tensorpar.cli import check_model_degrees
     check_model_degrees(args, config)   # --ep, --pp: the rules the ranks apply
     import torch
@@ -205,10 +219,6 @@ def validate(args: argparse.Namespace):
     from tensorpar.decode.quantize import check_quantize
     quantize = getattr(args, "quantize", "none")
     check_quantize(quantize, config, plan)
-    limit = getattr(config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
-    n = args.max_model_len if args.max_model_len is not None else min(limit, DEFAULT_MAX_MODEL_LEN)
-    if not 2 <= n <= limit:
-        raise ValueError(f"--max-model-len must be in [2, {limit}] (the model's max_position_embeddings), got {n}")
     from tensorpar.hf.families import why_not
     paged_why = why_not("fast_decode", config)      # the engine's rule: the module path keeps one slot per request
     prefix = getattr(args, "prefix_caching", None)
@@ -238,7 +248,8 @@ def validate(args: argparse.Namespace):
                             ranks_here=args.tp * getattr(args, "ep", 1))
     tok = AutoTokenizer.from_pretrained(folder, config=config)  # the config read above, not again
     task = ServeTask(n, args.max_batch, args.max_waiting, args.host, args.port, args.served_model_name or args.model,
-                     tok, quantize, bs, num_blocks, paged_why is None and prefix != "off", timeout, deterministic)
+                     tok, quantize, bs, num_blocks, paged_why is None and prefix != "off", timeout, deterministic,
+                     prediction)
     parallel = ParallelConfig(tp=args.tp, pp=args.pp, dp=getattr(args, "ep", 1), tp_weights=tp_weights)
     return job_from_args(args, parallel, folder=str(folder), user_plan=user_plan,
                          model_config=config, plan=None if tp_weights == "auto" else plan,
@@ -362,6 +373,9 @@ def _serve(engine, task: ServeTask, holder: dict) -> int:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+    if task.plan_prediction is not None:   # --plan auto: predicted vs what the metrics counted
+        from tensorpar.inference_plan import serve_comparison_line
+        print(serve_comparison_line(task.plan_prediction, metrics.registry), flush=True)
     print("tensorpar serve: stopped", flush=True)
     return 0
 
