@@ -68,10 +68,11 @@ def inference_device(args, nproc: int, local: int):
     return replace(device, **cl.inter_node_link(args, device)), note
 
 
-def runtime_problem(args, config, tp: int, pp: int) -> str | None:
-    """Why ``generate`` cannot run ``tp`` x ``pp`` for this model and these flags (None when it can): the launching
-    process's own checks (:func:`tensorpar.cli.check_model_degrees`: the stage cut and the ``--pp`` rules; the
-    sharding plan's split, :func:`tensorpar.hf.plan.make_plan`; ``--deterministic``), as one line."""
+def runtime_problem(args, config, tp: int, pp: int, extra=None) -> str | None:
+    """Why ``generate`` or ``serve`` cannot run ``tp`` x ``pp`` for this model and these flags (None when it can):
+    the launching process's own checks (:func:`tensorpar.cli.check_model_degrees`: the stage cut and the ``--pp``
+    rules; the sharding plan's split, :func:`tensorpar.hf.plan.make_plan`; ``--deterministic``; ``extra(tp, pp)``:
+    the command's own, raising ValueError, e.g. serve's KV pool), as one line."""
     from tensorpar.cli import check_model_degrees
     from tensorpar.hf.plan import make_plan
 
@@ -88,6 +89,8 @@ def runtime_problem(args, config, tp: int, pp: int) -> str | None:
                                             tp_comm=getattr(args, "tp_comm", "fp32"))
             if why is not None:
                 raise ValueError(f"--deterministic: {why}")
+        if extra is not None:
+            extra(tp, pp)
     except ValueError as e:
         return " ".join(str(e).split())
     return None
@@ -145,11 +148,11 @@ def explain_line(best, plans, work, cluster, note: str = "", workload: str = "")
 
 
 def choose_layout(args, config, model_name: str, batch: int, prompt_len: int, new_tokens: int | None = None, *,
-                  workload: str = "", smaller: str = "fewer prompts or fewer --max-new-tokens") -> dict:
+                  workload: str = "", smaller: str = "fewer prompts or fewer --max-new-tokens", extra=None) -> dict:
     """``--plan auto`` in the launching process (generate and serve): plan ``batch`` sequences of ``prompt_len`` +
     ``new_tokens`` (None: ``--max-new-tokens``), choose (:func:`choose`), print the one line (rank 0; ``workload``:
     the words for what was planned, :func:`explain_line`), set ``args.tp`` and ``args.pp`` to the layout and return
-    its prediction (``layout``, ``batch``, ``decode_ms``, ``ttft_ms``).
+    its prediction (``layout``, ``batch``, ``decode_ms``, ``ttft_ms``). ``extra``: :func:`runtime_problem`'s.
 
     Raises ValueError: a ``--tp`` or ``--pp`` given that differs from the choice, and :func:`choose`'s."""
     from tensorpar.launch import rank0_print
@@ -170,7 +173,7 @@ def choose_layout(args, config, model_name: str, batch: int, prompt_len: int, ne
     work = InferenceWorkload(batch, prompt_len, new_tokens, weight_bytes=nbytes, kv_bytes=nbytes,
                              reserve_gib=reserve, tp_comm=getattr(args, "tp_comm", "fp32"))
     cluster = ClusterSpec(device, nproc, local)
-    best, plans = choose(model, cluster, work, lambda tp, pp: runtime_problem(args, config, tp, pp),
+    best, plans = choose(model, cluster, work, lambda tp, pp: runtime_problem(args, config, tp, pp, extra),
                          what=f"--model {model_name}", smaller=smaller)
     explicit = set(getattr(args, "explicit_flags", None) or ())
     differ = [f"--{k} {getattr(args, k)}" for k in ("tp", "pp") if k in explicit and getattr(args, k) != getattr(best, k)]

@@ -199,12 +199,28 @@ def validate(args: argparse.Namespace):
     n = args.max_model_len if args.max_model_len is not None else min(limit, DEFAULT_MAX_MODEL_LEN)
     if not 2 <= n <= limit:
         raise ValueError(f"--max-model-len must be in [2, {limit}] (the model's max_position_embeddings), got {n}")
+    from tensorpar.hf.families import why_not
+    paged_why = why_not("fast_decode", config)      # the engine's rule: the module path keeps one slot per request
+    prefix = getattr(args, "prefix_caching", None)
+    bs = getattr(args, "block_size", None)
+    if paged_why is not None and prefix == "on":
+        raise ValueError(f"--prefix-caching on needs the paged KV cache of the lean decode path; this model has "
+                         f"none ({paged_why}): leave --prefix-caching off")
+    if paged_why is not None and bs is not None and bs != n:
+        raise ValueError(f"--block-size {bs}: this model's KV cache keeps one slot of --max-model-len per request "
+                         f"({paged_why}); leave --block-size out")
+    if bs is not None and not 1 <= bs <= n:
+        raise ValueError(f"--block-size must be in [1, --max-model-len {n}], got {bs}")
+    bs = n if paged_why is not None else (bs or min(DEFAULT_BLOCK_SIZE, n))
     prediction = None
     if getattr(args, "plan", None) == "auto":   # --tp and --pp from the planner, for a full server
         from tensorpar.inference_plan import choose_layout, serve_workload
         shape, words = serve_workload(args.max_batch, n)
         prediction = choose_layout(args, config, str(args.model), *shape, workload=words,
-                                   smaller="a lower --max-batch or --max-model-len")
+                                   smaller="a lower --max-batch or --max-model-len",
+                                   extra=lambda tp, pp: kv_pool(config, tp, args.dtype, n, args.max_batch,  # its rule
+                                                                block_size=bs, memory=args.kv_cache_memory,
+                                                                ranks_here=tp))
     from tensorpar.cli import check_model_degrees
     check_model_degrees(args, config)   # --ep, --pp: the rules the ranks apply
     import torch
@@ -219,19 +235,6 @@ def validate(args: argparse.Namespace):
     from tensorpar.decode.quantize import check_quantize
     quantize = getattr(args, "quantize", "none")
     check_quantize(quantize, config, plan)
-    from tensorpar.hf.families import why_not
-    paged_why = why_not("fast_decode", config)      # the engine's rule: the module path keeps one slot per request
-    prefix = getattr(args, "prefix_caching", None)
-    bs = getattr(args, "block_size", None)
-    if paged_why is not None and prefix == "on":
-        raise ValueError(f"--prefix-caching on needs the paged KV cache of the lean decode path; this model has "
-                         f"none ({paged_why}): leave --prefix-caching off")
-    if paged_why is not None and bs is not None and bs != n:
-        raise ValueError(f"--block-size {bs}: this model's KV cache keeps one slot of --max-model-len per request "
-                         f"({paged_why}); leave --block-size out")
-    if bs is not None and not 1 <= bs <= n:
-        raise ValueError(f"--block-size must be in [1, --max-model-len {n}], got {bs}")
-    bs = n if paged_why is not None else (bs or min(DEFAULT_BLOCK_SIZE, n))
     deterministic = bool(getattr(args, "deterministic", False))
     if deterministic:
         from tensorpar.decode.lean import deterministic_unsupported
