@@ -64,7 +64,7 @@ def add_launch_arguments(p, *, tp_list: bool = False, tp_action=None, ep: bool =
     a mixture-of-experts model split whole over ``ep`` replicas of the tp ranks (``tp x ep`` ranks in all).
     ``pp``: also ``--pp`` (``generate``; ``train`` has its own): pipeline stages of ``tp`` ranks each, cut by
     training's rule (``tp x pp`` ranks; tp inside a host, stages across hosts).
-    ``plan``: also ``--plan auto`` and its inputs (``generate``: :func:`add_plan_arguments`)."""
+    ``plan``: also ``--plan auto`` and its inputs (``generate``, ``serve``: :func:`add_plan_arguments`)."""
     from tensorpar.capacity import add_argument as add_tp_weights
     from tensorpar.launch import DEFAULT_TIMEOUT_S, DEFAULT_TP
 
@@ -109,16 +109,16 @@ def add_launch_arguments(p, *, tp_list: bool = False, tp_action=None, ep: bool =
 
 
 def add_plan_arguments(p) -> None:
-    """``--plan auto`` of ``generate`` (the layout from the inference planner, as ``train --plan auto`` takes its
-    layout from the training planner) and its inputs: ``--nproc`` (the ranks; under torchrun its world size, whose
-    nodes are the hosts), ``--device-file`` (instead of this machine's cached calibration) and the link between hosts,
-    ``--inter-node-bw`` / ``--inter-node-latency-us`` (the names and units of ``train --plan`` and ``tensorpar
+    """``--plan auto`` of ``generate`` and ``serve`` (the layout from the inference planner, as ``train --plan auto``
+    takes its layout from the training planner) and its inputs: ``--nproc`` (the ranks; under torchrun its world
+    size, whose nodes are the hosts), ``--device-file`` (instead of this machine's cached calibration) and the link
+    between hosts, ``--inter-node-bw`` / ``--inter-node-latency-us`` (the names and units of ``train --plan`` and ``tensorpar
     plan``). :func:`check_plan_arguments` is their flag rule."""
     p.add_argument("--plan", choices=["auto"], default=None,
                    help="take --tp and --pp from the inference planner: the fastest layout of --nproc ranks (under "
-                        "torchrun: its ranks and hosts) that fits, for these prompts and --max-new-tokens, on this "
-                        "machine (measured once and cached, as train --plan auto) or --device-file; prints predicted "
-                        "vs measured decode at the end")
+                        "torchrun: its ranks and hosts) that fits, for these prompts and --max-new-tokens (serve: "
+                        "--max-batch rows of --max-model-len), on this machine (measured once and cached, as train "
+                        "--plan auto) or --device-file; prints predicted vs measured decode at the end")
     p.add_argument("--nproc", type=int, default=None, help="ranks to plan for with --plan auto (under torchrun: its "
                                                            "WORLD_SIZE)")
     p.add_argument("--device-file", default=None, metavar="FILE",

@@ -220,7 +220,7 @@ class GenerateTask:
         chat: the prompts were wrapped in the chat template.
         quantize: ``--quantize``.
         deterministic: ``--deterministic`` (batch-invariant results).
-        plan_prediction: with ``--plan auto``, the planner's prediction (:func:`tensorpar.generate.autoplan.
+        plan_prediction: with ``--plan auto``, the planner's prediction (:func:`tensorpar.inference_plan.
             choose_layout`), printed by rank 0 next to the measured decode at the end; else ``None``.
     """
 
@@ -286,7 +286,7 @@ def _rank_main(job) -> int:
             print0(ctx, res.speed_warning, file=sys.stderr)
         print0(ctx, stats_line(ctx.tp.size, res.ttft_s, res.decode_s, res.tokens.shape[1], ctx.pp.size))
         if task.plan_prediction is not None:   # --plan auto: predicted vs measured
-            from tensorpar.generate.autoplan import comparison_line
+            from tensorpar.inference_plan import comparison_line
             print0(ctx, comparison_line(task.plan_prediction, res.ttft_s, res.decode_s, res.tokens.shape[1]))
     finally:
         ctx.destroy()
@@ -325,7 +325,7 @@ def validate(args: argparse.Namespace):
     check_model_config(config, f"{folder}/config.json")
     prediction, encoded = None, None
     if getattr(args, "plan", None) == "auto":   # --tp and --pp from the planner, for these prompts
-        from tensorpar.generate.autoplan import choose_layout
+        from tensorpar.inference_plan import choose_layout
         encoded = _tokenize(args, folder, config)
         prediction = choose_layout(args, config, str(args.model), *encoded[2].shape)
     from tensorpar.cli import check_model_degrees

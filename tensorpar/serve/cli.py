@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (built in), a Hugging Face-format folder, or a .gguf file")
     from tensorpar.cli import add_launch_arguments, add_lora_argument
-    add_launch_arguments(p, ep=True, pp=True)
+    add_launch_arguments(p, ep=True, pp=True, plan=True)
     add_lora_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the URL is printed)")
@@ -74,6 +74,8 @@ class ServeTask:
         prefix_caching: ``--prefix-caching`` resolved (off where the cache is not paged).
         timeout_s: ``--request-timeout`` (``None``: none).
         deterministic: ``--deterministic`` (batch-invariant results, :class:`~tensorpar.serve.engine.Engine`).
+        plan_prediction: ``--plan auto``'s prediction (:func:`tensorpar.inference_plan.choose_layout`), printed by
+            rank 0 at shutdown next to its metrics (:func:`~tensorpar.inference_plan.serve_comparison_line`).
     """
 
     max_len: int
@@ -89,6 +91,7 @@ class ServeTask:
     prefix_caching: bool = False
     timeout_s: float | None = None
     deterministic: bool = False
+    plan_prediction: dict | None = None
 
 
 def parse_memory(text: str) -> tuple[str, float]:
@@ -187,24 +190,11 @@ def validate(args: argparse.Namespace):
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
-    from tensorpar.cli import check_launch_arguments
+    from tensorpar.cli import check_launch_arguments, check_plan_arguments
     check_launch_arguments(args)
+    check_plan_arguments(args)   # --plan auto and its inputs
     folder = resolve_model(args.model)
     config = AutoConfig.from_pretrained(folder)
-    from tensorpar.cli import check_model_degrees
-    check_model_degrees(args, config)   # --ep, --pp: the rules the ranks apply
-    import torch
-
-    from tensorpar.hf.load import follow_stored_ties, resolve_attn_implementation
-    follow_stored_ties(folder, config, getattr(torch, args.dtype))  # before the plan (a stored, untied head)
-    from tensorpar.capacity import plan_for_model
-    from tensorpar.verify.prove import resolve_flags
-    resolve_flags(args, config)   # --discover-plan: the proven plan becomes the --plan-file the ranks read
-    user_plan = os.path.abspath(args.plan_file) if args.plan_file is not None else None
-    tp_weights, plan = plan_for_model(getattr(args, "tp_weights", None), args.tp, config, user_plan=user_plan)
-    from tensorpar.decode.quantize import check_quantize
-    quantize = getattr(args, "quantize", "none")
-    check_quantize(quantize, config, plan)
     limit = getattr(config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
     n = args.max_model_len if args.max_model_len is not None else min(limit, DEFAULT_MAX_MODEL_LEN)
     if not 2 <= n <= limit:
@@ -222,6 +212,29 @@ def validate(args: argparse.Namespace):
     if bs is not None and not 1 <= bs <= n:
         raise ValueError(f"--block-size must be in [1, --max-model-len {n}], got {bs}")
     bs = n if paged_why is not None else (bs or min(DEFAULT_BLOCK_SIZE, n))
+    prediction = None
+    if getattr(args, "plan", None) == "auto":   # --tp and --pp from the planner, for a full server
+        from tensorpar.inference_plan import choose_layout, serve_workload
+        shape, words = serve_workload(args.max_batch, n)
+        prediction = choose_layout(args, config, str(args.model), *shape, workload=words,
+                                   smaller="a lower --max-batch or --max-model-len",
+                                   extra=lambda tp, pp: kv_pool(config, tp, args.dtype, n, args.max_batch,  # its rule
+                                                                block_size=bs, memory=args.kv_cache_memory,
+                                                                ranks_here=tp))
+    from tensorpar.cli import check_model_degrees
+    check_model_degrees(args, config)   # --ep, --pp: the rules the ranks apply
+    import torch
+
+    from tensorpar.hf.load import follow_stored_ties, resolve_attn_implementation
+    follow_stored_ties(folder, config, getattr(torch, args.dtype))  # before the plan (a stored, untied head)
+    from tensorpar.capacity import plan_for_model
+    from tensorpar.verify.prove import resolve_flags
+    resolve_flags(args, config)   # --discover-plan: the proven plan becomes the --plan-file the ranks read
+    user_plan = os.path.abspath(args.plan_file) if args.plan_file is not None else None
+    tp_weights, plan = plan_for_model(getattr(args, "tp_weights", None), args.tp, config, user_plan=user_plan)
+    from tensorpar.decode.quantize import check_quantize
+    quantize = getattr(args, "quantize", "none")
+    check_quantize(quantize, config, plan)
     deterministic = bool(getattr(args, "deterministic", False))
     if deterministic:
         from tensorpar.decode.lean import deterministic_unsupported
@@ -238,7 +251,8 @@ def validate(args: argparse.Namespace):
                             ranks_here=args.tp * getattr(args, "ep", 1))
     tok = AutoTokenizer.from_pretrained(folder, config=config)  # the config read above, not again
     task = ServeTask(n, args.max_batch, args.max_waiting, args.host, args.port, args.served_model_name or args.model,
-                     tok, quantize, bs, num_blocks, paged_why is None and prefix != "off", timeout, deterministic)
+                     tok, quantize, bs, num_blocks, paged_why is None and prefix != "off", timeout, deterministic,
+                     prediction)
     parallel = ParallelConfig(tp=args.tp, pp=args.pp, dp=getattr(args, "ep", 1), tp_weights=tp_weights)
     return job_from_args(args, parallel, folder=str(folder), user_plan=user_plan,
                          model_config=config, plan=None if tp_weights == "auto" else plan,
@@ -362,6 +376,9 @@ def _serve(engine, task: ServeTask, holder: dict) -> int:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+    if task.plan_prediction is not None:   # --plan auto: predicted vs what the metrics counted
+        from tensorpar.inference_plan import serve_comparison_line
+        print(serve_comparison_line(task.plan_prediction, metrics.registry), flush=True)
     print("tensorpar serve: stopped", flush=True)
     return 0
 

@@ -241,7 +241,7 @@ def test_plan_auto_choice_by_hand():
     token, pp=2 across costs 2 messages; the chosen plan is the faster and the runner-up is the other."""
     from dataclasses import replace
 
-    from tensorpar.generate.autoplan import choose
+    from tensorpar.inference_plan import choose
     from tensorpar.planner.cluster import ClusterSpec, DeviceSpec
     from tensorpar.planner.inference import InferenceWorkload
     from tensorpar.planner.model_spec import ModelSpec

@@ -1,5 +1,5 @@
-"""``tensorpar generate --plan auto``: the layout (tp, pp) from the inference planner, and its prediction next to the
-measured decode at the end.
+"""``tensorpar generate --plan auto`` and ``tensorpar serve --plan auto``: the layout (tp, pp) from the inference
+planner, and its prediction next to the measured decode at the end.
 
 The launching process (every rank's, under torchrun: they read the same cached calibration and choose the same):
 
@@ -10,13 +10,16 @@ The launching process (every rank's, under torchrun: they read the same cached c
   shared-memory collectives unless ``--fast-collectives off``), with the link between hosts of ``--inter-node-bw``
   / ``--inter-node-latency-us`` (:func:`tensorpar.planner.cluster.inter_node_link`, the rule of ``tensorpar plan``
   and ``train --plan``);
-* the request (batch = prompts, prompt = the padded prompt length, ``--max-new-tokens``, ``--dtype``,
+* the workload (generate: batch = prompts, prompt = the padded prompt length, ``--max-new-tokens``; serve
+  (:func:`serve_workload`): ``--max-batch`` rows of ``--max-model-len`` positions; with ``--dtype`` and
   ``--tp-comm``) goes to :func:`tensorpar.planner.inference.plan_inference` over the layouts of one replica of every
-  rank (``tp x pp`` = ranks); the fastest that fits and that generate runs (:func:`runtime_problem`: the stage cut,
-  the sharding plan's split, ``--deterministic``) is taken (:func:`choose`), and one line says which and why
-  (:func:`explain_line`).
+  rank (``tp x pp`` = ranks); the fastest that fits and that the command runs (:func:`runtime_problem`: the stage
+  cut, the sharding plan's split, ``--deterministic``; the rules ``generate`` and ``serve`` share) is taken
+  (:func:`choose`), and one line says which and why (:func:`explain_line`).
 
-Rank 0 prints :func:`comparison_line` at the end: predicted against measured decode ms/token and time to first token.
+Rank 0 prints predicted against measured at the end: generate's decode ms/token and time to first token
+(:func:`comparison_line`), serve's decode step against the mean time between a request's tokens that its metrics
+counted (:func:`serve_comparison_line`).
 """
 from __future__ import annotations
 
@@ -65,10 +68,11 @@ def inference_device(args, nproc: int, local: int):
     return replace(device, **cl.inter_node_link(args, device)), note
 
 
-def runtime_problem(args, config, tp: int, pp: int) -> str | None:
-    """Why ``generate`` cannot run ``tp`` x ``pp`` for this model and these flags (None when it can): the launching
-    process's own checks (:func:`tensorpar.cli.check_model_degrees`: the stage cut and the ``--pp`` rules; the
-    sharding plan's split, :func:`tensorpar.hf.plan.make_plan`; ``--deterministic``), as one line."""
+def runtime_problem(args, config, tp: int, pp: int, extra=None) -> str | None:
+    """Why ``generate`` or ``serve`` cannot run ``tp`` x ``pp`` for this model and these flags (None when it can):
+    the launching process's own checks (:func:`tensorpar.cli.check_model_degrees`: the stage cut and the ``--pp``
+    rules; the sharding plan's split, :func:`tensorpar.hf.plan.make_plan`; ``--deterministic``; ``extra(tp, pp)``:
+    the command's own, raising ValueError, e.g. serve's KV pool), as one line."""
     from tensorpar.cli import check_model_degrees
     from tensorpar.hf.plan import make_plan
 
@@ -85,16 +89,20 @@ def runtime_problem(args, config, tp: int, pp: int) -> str | None:
                                             tp_comm=getattr(args, "tp_comm", "fp32"))
             if why is not None:
                 raise ValueError(f"--deterministic: {why}")
+        if extra is not None:
+            extra(tp, pp)
     except ValueError as e:
         return " ".join(str(e).split())
     return None
 
 
-def choose(model, cluster, work, runnable=None, what: str = "--model"):
+def choose(model, cluster, work, runnable=None, what: str = "--model",
+           smaller: str = "fewer prompts or fewer --max-new-tokens"):
     """``(the plan to run, every plan ranked)``: the first of :func:`~tensorpar.planner.inference.plan_inference`'s
     one-replica layouts (``tp x pp`` = the cluster's devices) that fits and that ``runnable(tp, pp)`` (None: any)
     does not refuse. Raises ValueError with one line: no layout of that many ranks (with the rank counts that have
-    one), none that fits (the smallest's memory), or none that generate runs (the first reason)."""
+    one), none that fits (the smallest's memory; ``smaller``: the flags that shrink the workload), or none that the
+    command runs (the first reason)."""
     from tensorpar.planner.inference import candidate_layouts, plan_inference
     from tensorpar.planner.memory import GIB
 
@@ -118,12 +126,13 @@ def choose(model, cluster, work, runnable=None, what: str = "--model"):
         raise ValueError(f"--plan auto: no layout of {n} ranks that fits is runnable (first: {reasons[0]})")
     small = min(plans, key=lambda q: q.memory)
     raise ValueError(f"--plan auto: no layout of {n} ranks fits; the smallest, {small.name}, needs "
-                     f"{small.memory / GIB:.2f} GiB > {small.usable / GIB:.2f} GiB usable per rank; use more ranks, "
-                     f"fewer prompts or fewer --max-new-tokens")
+                     f"{small.memory / GIB:.2f} GiB > {small.usable / GIB:.2f} GiB usable per rank; use more ranks or "
+                     f"{smaller}")
 
 
-def explain_line(best, plans, work, cluster, note: str = "") -> str:
-    """One line: the layout chosen, its prediction (the planner's explanation) and the runner-up."""
+def explain_line(best, plans, work, cluster, note: str = "", workload: str = "") -> str:
+    """One line: the layout chosen (``workload``: what it was planned for, when not the command's own request), its
+    prediction (the planner's explanation) and the runner-up."""
     from tensorpar.planner.inference import explain_inference
 
     others = [q for q in plans if q is not best]
@@ -132,14 +141,18 @@ def explain_line(best, plans, work, cluster, note: str = "") -> str:
     link = (f", link between hosts {cluster.device.inter_node_gbps:g} GB/s {cluster.device.inter_node_latency_us:g} us"
             if hosts > 1 and cluster.device.inter_node_gbps > 0 else "")
     head = (f"plan (auto) for {cluster.num_devices} ranks on {hosts} host{'s' if hosts > 1 else ''}{link}: "
-            f"tp={best.tp} pp={best.pp}, the fastest that fits and runs: {lines[0]}")
+            f"tp={best.tp} pp={best.pp}{f' (for {workload})' if workload else ''}, the fastest that fits and runs: "
+            f"{lines[0]}")
     runner = f" Next: {lines[1]}" if len(lines) > 1 else ""
     return head + runner + (f" (device: {cluster.device.name}; {note})" if note else "")
 
 
-def choose_layout(args, config, model_name: str, batch: int, prompt_len: int) -> dict:
-    """``--plan auto`` in the launching process: choose (:func:`choose`), print the one line (rank 0), set
-    ``args.tp`` and ``args.pp`` to the layout and return its prediction (``layout``, ``decode_ms``, ``ttft_ms``).
+def choose_layout(args, config, model_name: str, batch: int, prompt_len: int, new_tokens: int | None = None, *,
+                  workload: str = "", smaller: str = "fewer prompts or fewer --max-new-tokens", extra=None) -> dict:
+    """``--plan auto`` in the launching process (generate and serve): plan ``batch`` sequences of ``prompt_len`` +
+    ``new_tokens`` (None: ``--max-new-tokens``), choose (:func:`choose`), print the one line (rank 0; ``workload``:
+    the words for what was planned, :func:`explain_line`), set ``args.tp`` and ``args.pp`` to the layout and return
+    its prediction (``layout``, ``batch``, ``decode_ms``, ``ttft_ms``). ``extra``: :func:`runtime_problem`'s.
 
     Raises ValueError: a ``--tp`` or ``--pp`` given that differs from the choice, and :func:`choose`'s."""
     from tensorpar.launch import rank0_print
@@ -156,20 +169,33 @@ def choose_layout(args, config, model_name: str, batch: int, prompt_len: int) ->
         raise ValueError(f"--plan auto: the planner cannot read {model_name}: {e}") from None
     nbytes = 2 if getattr(args, "dtype", "float32") == "bfloat16" else 4
     reserve = CPU_RESERVE_GIB if device.host_cores > 0 else InferenceWorkload.reserve_gib
-    work = InferenceWorkload(batch, prompt_len, args.max_new_tokens, weight_bytes=nbytes, kv_bytes=nbytes,
+    new_tokens = args.max_new_tokens if new_tokens is None else new_tokens
+    work = InferenceWorkload(batch, prompt_len, new_tokens, weight_bytes=nbytes, kv_bytes=nbytes,
                              reserve_gib=reserve, tp_comm=getattr(args, "tp_comm", "fp32"))
     cluster = ClusterSpec(device, nproc, local)
-    best, plans = choose(model, cluster, work, lambda tp, pp: runtime_problem(args, config, tp, pp),
-                         what=f"--model {model_name}")
+    best, plans = choose(model, cluster, work, lambda tp, pp: runtime_problem(args, config, tp, pp, extra),
+                         what=f"--model {model_name}", smaller=smaller)
     explicit = set(getattr(args, "explicit_flags", None) or ())
     differ = [f"--{k} {getattr(args, k)}" for k in ("tp", "pp") if k in explicit and getattr(args, k) != getattr(best, k)]
     if differ:
         raise ValueError(f"--plan auto chose tp={best.tp} pp={best.pp} for {nproc} ranks, but {' and '.join(differ)} "
                          f"was given; drop {' and '.join(d.split()[0] for d in differ)} (the plan sets them) or drop "
                          f"--plan auto")
-    rank0_print(f"tensorpar: {explain_line(best, plans, work, cluster, note)}")
+    rank0_print(f"tensorpar: {explain_line(best, plans, work, cluster, note, workload)}")
     args.tp, args.pp = best.tp, best.pp
-    return {"layout": best.name, "decode_ms": best.decode * 1e3, "ttft_ms": best.ttft * 1e3}
+    return {"layout": best.name, "batch": batch, "decode_ms": best.decode * 1e3, "ttft_ms": best.ttft * 1e3}
+
+
+def serve_workload(max_batch: int, max_len: int) -> tuple[tuple[int, int, int], str]:
+    """``serve --plan auto``'s workload: a server is not one request, so it is planned full: ``max_batch`` rows
+    (``--max-batch``) of ``max_len`` positions (``--max-model-len``, prompt + tokens, the KV cache the default pool
+    holds), as a prompt of half the positions and the other half generated (the decode priced at 3/4 of
+    ``max_len``, the mean context of that generation). Returns ``((batch, prompt_len, new_tokens), words)`` for
+    :func:`choose_layout`."""
+    prompt = max(max_len // 2, 1)
+    return (max_batch, prompt, max_len - prompt), (f"a full server: --max-batch {max_batch} rows of --max-model-len "
+                                                   f"{max_len} positions, as {prompt} prompt + {max_len - prompt} "
+                                                   f"new tokens")
 
 
 def comparison_line(prediction: dict, ttft_s: float, decode_s: float, new_tokens: int) -> str:
@@ -178,10 +204,33 @@ def comparison_line(prediction: dict, ttft_s: float, decode_s: float, new_tokens
     def pair(what: str, predicted: float, measured: float | None) -> str:
         if measured is None:
             return f"{what} {predicted:.2f} ms predicted, not measured (one new token)"
-        return (f"{what} {predicted:.2f} ms predicted, {measured:.2f} measured "
-                f"({(predicted / measured - 1) * 100:+.0f}% off)" if measured > 0 else f"{what} {predicted:.2f} ms")
+        return _pair(what, predicted, measured)
 
     decode = decode_s / (new_tokens - 1) * 1e3 if new_tokens > 1 else None
     return (f"tensorpar: plan vs measured ({prediction['layout']}): "
             f"{pair('decode per token', prediction['decode_ms'], decode)}; "
             f"{pair('first token', prediction['ttft_ms'], ttft_s * 1e3)}")
+
+
+def _pair(what: str, predicted: float, measured: float) -> str:
+    return (f"{what} {predicted:.2f} ms predicted, {measured:.2f} measured ({(predicted / measured - 1) * 100:+.0f}% "
+            f"off)" if measured > 0 else f"{what} {predicted:.2f} ms")
+
+
+def serve_comparison_line(prediction: dict, registry) -> str:
+    """serve's ``plan vs measured`` at shutdown, from its metrics (``registry``: the server's Prometheus registry,
+    :class:`tensorpar.serve.metrics.ServeMetrics`): the predicted decode step at ``--max-batch`` rows next to the
+    mean time between a request's tokens (``tensorpar_inter_token_latency_seconds``; a step of whatever batch ran,
+    steps that also prefilled included) and the mean rows per step (``tensorpar_batch_size``)."""
+    def value(name: str) -> float:
+        return registry.get_sample_value(name) or 0.0
+
+    gaps, steps = value("tensorpar_inter_token_latency_seconds_count"), value("tensorpar_batch_size_count")
+    head = f"tensorpar: plan vs measured ({prediction['layout']}): "
+    what = f"decode step at {prediction['batch']} rows"
+    if not gaps:
+        return head + (f"{what} {prediction['decode_ms']:.2f} ms predicted; not measured (no request decoded a "
+                       f"second token)")
+    measured = value("tensorpar_inter_token_latency_seconds_sum") / gaps * 1e3
+    return (head + _pair(what, prediction["decode_ms"], measured) + f" (mean time between a request's tokens over "
+            f"{gaps:.0f} gaps, at {value('tensorpar_batch_size_sum') / max(steps, 1):.1f} rows per step on average)")
