@@ -9,6 +9,15 @@ with transformers' single-process greedy `generate` on the same prompt (the offl
 
     PYTHONPATH=. python bench/bench_serve.py --requests 32 --concurrency 16 --transformers
 
+Each tensorpar rank's main thread (the model's steps; rank 0's also runs the scheduler) is read from
+``/proc/PID/task/PID/schedstat`` before and after the load: the share of the load's wall time it ran, waited for a
+core, and slept (blocked: on the other ranks, for requests). At ``--pp`` the sleep share of a stage is its bubble.
+``--before DIR`` runs every tensorpar backend also on the code in DIR (an older checkout, e.g. ``git archive`` of
+the commit before a change), the two interleaved ``--repeats`` times (before, after, before, after ...):
+
+    PYTHONPATH=. python bench/bench_serve.py --tp 1 --pp 2 --before /tmp/old --repeats 2 --requests 64 \
+        --concurrency 32 --max-tokens 32 --out bench/results/serve_pp
+
 ``--prefix`` runs issue 24's paged-cache runs instead (bench/results/serve_prefix.{md,json}), with the KV memory
 that 16 slots of 1024 positions held before paging (``--kv-cache-memory``): 32 requests sharing a 1000-token
 system prompt with distinct 32-token questions, all sent at once, with ``--prefix-caching on`` and ``off`` (TTFT
@@ -192,11 +201,13 @@ def summarize(name, results, wall, ref_ids, ref_text, tok):
                 greedy_checked=len(ok), first_error=next((r[5] for r in results if r[5]), None))
 
 
-def start(cmd, env):
-    """Start a server in its own session; its stderr goes to a temporary file (a pipe nobody reads would fill up
-    and block a server that logs), read back by :func:`err_tail`."""
+def start(cmd, env, cwd=None):
+    """Start a server in its own session (in ``cwd``: ``python -m`` imports the package of its working directory
+    first); its stderr goes to a temporary file (a pipe nobody reads would fill up and block a server that logs),
+    read back by :func:`err_tail`."""
     err = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, env=env, start_new_session=True,
+                            cwd=cwd)
     proc.errfile = err
     return proc
 
@@ -216,6 +227,72 @@ def stop(proc):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     proc.errfile.close()
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant process of ``pid`` (from /proc's parent links)."""
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def rank_pids(proc, port: int) -> list[int]:
+    """The pids of a tensorpar server's ranks: rank 0 (the process listening on ``port``) first, then the other
+    ranks (the launcher's descendants that load torch, by pid: their start order). One rank: the server process
+    itself."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            for line in Path(table).read_text().splitlines()[1:]:
+                f = line.split()
+                if int(f[1].rsplit(":", 1)[1], 16) == port and f[3] == "0A":
+                    inodes.add(f"socket:[{f[9]}]")
+        except OSError:
+            pass
+    ranks = []
+    for pid in _children(proc.pid):
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            fds = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        except OSError:
+            continue
+        if "libtorch" in maps:
+            ranks.append((not (fds & inodes), pid))
+    return [pid for _, pid in sorted(ranks)] or [proc.pid]
+
+
+def schedstat(pid: int) -> tuple[float, float] | None:
+    """Seconds the main thread of ``pid`` has run on a CPU and waited runnable for one (``None``: gone)."""
+    try:
+        run, wait, _ = Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()
+    except (OSError, ValueError):
+        return None
+    return int(run) / 1e9, int(wait) / 1e9
+
+
+def thread_shares(before: list, after: list, wall: float) -> list[dict]:
+    """Per rank, from :func:`schedstat` before and after ``wall`` seconds: the shares of ``wall`` its main thread
+    ran, waited for a core and slept (the rest: blocked on the other ranks or on requests)."""
+    out = []
+    for a, b in zip(before, after):
+        if a is None or b is None:
+            out.append(None)
+            continue
+        run, runq = (b[0] - a[0]) / wall, (b[1] - a[1]) / wall
+        out.append(dict(run=run, runq=runq, sleep=max(0.0, 1 - run - runq)))
+    return out
 
 
 def metrics(base):
@@ -373,15 +450,20 @@ def backends(args, folder):
     base URL, the model name its API expects, extra request fields, and whether it has tensorpar's /metrics."""
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     out, port = [], args.port
+    codes = [("", os.getcwd())]
+    if getattr(args, "before", None):       # the older code first, then this checkout's, --repeats times
+        codes = [(" (before)", args.before), (" (after)", os.getcwd())] * args.repeats
     for tp, pp in [(tp, 1) for tp in args.tp] + [(1, pp) for pp in args.pp]:
-        cmd = [sys.executable, "-m", "tensorpar", "serve", "--model", folder, "--tp", str(tp), "--port", str(port),
-               "--max-batch", str(args.max_batch), "--max-model-len", str(args.max_model_len),
-               "--max-waiting", str(max(256, args.requests)), "--served-model-name", "m", "--dtype", args.dtype]
-        if pp > 1:
-            cmd += ["--pp", str(pp)]
-        out.append(dict(name=f"tensorpar tp={tp}" + (f" pp={pp}" if pp > 1 else ""), cmd=cmd, env=env,
-                        base=f"http://127.0.0.1:{port}", model="m", extra={"return_token_ids": True}, kv=True))
-        port += 1
+        for tag, code in codes:
+            cmd = [sys.executable, "-m", "tensorpar", "serve", "--model", folder, "--tp", str(tp), "--port",
+                   str(port), "--max-batch", str(args.max_batch), "--max-model-len", str(args.max_model_len),
+                   "--max-waiting", str(max(256, args.requests)), "--served-model-name", "m", "--dtype", args.dtype]
+            if pp > 1:
+                cmd += ["--pp", str(pp)]
+            out.append(dict(name=f"tensorpar tp={tp}" + (f" pp={pp}" if pp > 1 else "") + tag, cmd=cmd,
+                            env=dict(env, PYTHONPATH=code), cwd=code, base=f"http://127.0.0.1:{port}", model="m",
+                            extra={"return_token_ids": True}, kv=True, port=port))
+            port += 1
     if args.transformers:
         threads = str(max(1, (os.cpu_count() or 2)))
         # its KV pool as large as tensorpar's (max_batch x max_model_len positions in blocks of 16): by default it
@@ -401,7 +483,7 @@ def launch(b):
     """Start backend ``b``, wait for its /health, then send one short warm-up completion (not measured:
     `transformers serve` loads the model at its first request, which took 30 s here); (process, None) or
     (None, why it did not start)."""
-    proc = start(b["cmd"], b["env"])
+    proc = start(b["cmd"], b["env"], b.get("cwd"))
     if not wait_ready(b["base"], proc, 900):
         why = err_tail(proc, 800) if proc.poll() is not None else "no /health within 900 s"
         stop(proc)
@@ -430,9 +512,12 @@ def closed_loop_main(args, folder, tok):
             continue
         try:
             la = os.getloadavg()[0]
+            pids = rank_pids(proc, b["port"]) if b["kv"] else []
+            st0 = [schedstat(p) for p in pids]
             res, wall = run_load(b["base"], b["model"], args, b["extra"])
             rows.append(summarize(b["name"], res, wall, ref_ids, ref_text, tok))
             rows[-1]["loadavg"] = (la, os.getloadavg()[0])
+            rows[-1]["ranks"] = thread_shares(st0, [schedstat(p) for p in pids], wall)
             print(rows[-1], flush=True)
         finally:
             stop(proc)
@@ -440,6 +525,7 @@ def closed_loop_main(args, folder, tok):
     meta = dict(model=folder.replace(str(Path.home()), "~", 1),  # no absolute machine paths in results
                 dtype=args.dtype, requests=args.requests, concurrency=args.concurrency, max_tokens=args.max_tokens,
                 max_batch=args.max_batch, cpu=cpu_model(), cpus=os.cpu_count(), loadavg_start=load0,
+                before=args.before and "an older checkout (--before)", repeats=args.repeats,
                 loadavg_end=load1, date=time.strftime("%Y-%m-%d %H:%M:%S"))
     out = Path(args.out)
     atomic_write(out.with_suffix(".json"), json.dumps(dict(meta=meta, rows=rows), indent=1))
@@ -449,17 +535,22 @@ def closed_loop_main(args, folder, tok):
              f"from {args.concurrency} concurrent clients on loopback, {len(PROMPTS)} prompts of mixed length; "
              f"--max-batch {args.max_batch}; {meta['cpu']}, {meta['cpus']} CPUs; load average {load0[0]:.1f} at "
              f"start, {load1[0]:.1f} at end (other jobs share the machine).", "",
+             "Per rank (rank 0 first), the shares of the load's wall time its main thread ran / waited for a core / "
+             "slept (blocked on the other ranks or on requests: at --pp, the stage's bubble).", "",
              "| backend | requests | errors | req/s | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
-             "greedy equal to offline | load avg before / after |", "|---|---|---|---|---|---|---|---|---|"]
+             "greedy equal to offline | load avg before / after | main thread run / runq / sleep, per rank |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['backend']} | - | did not run: {r['error'].strip().splitlines()[-1][:200]} |"
-                         " | | | | | |")
+                         " | | | | | | |")
             continue
         lines.append(f"| {r['backend']} | {r['requests']} | {r['errors']} | {r['req_per_s']:.2f} | "
                      f"{r['out_tok_per_s']:.1f} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
                      f"{r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} | {r['greedy_equal']}/{r['greedy_checked']} | "
-                     f"{r['loadavg'][0]:.1f} / {r['loadavg'][1]:.1f} |")
+                     f"{r['loadavg'][0]:.1f} / {r['loadavg'][1]:.1f} | "
+                     + "; ".join("-" if x is None else f"{x['run']:.2f} / {x['runq']:.2f} / {x['sleep']:.2f}"
+                                 for x in r.get("ranks") or []) + " |")
     atomic_write(out.with_suffix(".md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -711,7 +802,11 @@ def main():
                     help="a model for tensorpar.hub.resolve_model, or tiny-random (see tiny_random)")
     ap.add_argument("--tp", type=int, nargs="*", default=[1, 2], help="tensorpar backends, one per tp degree")
     ap.add_argument("--pp", type=int, nargs="*", default=[],
-                    help="also tensorpar --tp 1 --pp P for each P (pipeline stages, one micro-batch in flight)")
+                    help="also tensorpar --tp 1 --pp P for each P (pipeline stages, one batch per stage in flight)")
+    ap.add_argument("--before", default=None,
+                    help="closed loop: also run every tensorpar backend on the code in this folder (an older "
+                         "checkout), interleaved with this checkout's")
+    ap.add_argument("--repeats", type=int, default=1, help="--before: before/after pairs per backend")
     ap.add_argument("--requests", type=int, default=200, help="requests per backend (--latency: per rate)")
     ap.add_argument("--concurrency", type=int, default=32, help="client threads of the closed-loop runs")
     ap.add_argument("--max-tokens", type=int, default=64)

@@ -14,9 +14,10 @@ sends to tp rank ``r`` of the next, both hold the full ``[T, h]``), runs its lay
 (vocab-parallel, over its tp group) and broadcasts them over the pipeline group
 (:func:`tensorpar.serve.tokens.choose_stage_tokens`; sampled
 rows are drawn on global rank 0, where the samplers are, from the logits the last stage sends) so that every
-stage builds the next step. One step has one micro-batch in flight: while stage ``k`` computes, the
-others wait, so each stage is busy ``1 / pp`` of the step (a bubble of ``(pp - 1) / pp``); what pp buys in
-inference is memory (each rank holds ``~1 / pp`` of the layers and their cache), not speed.
+stage builds the next step. ``generate`` runs one plan at a time: while stage ``k`` computes, the others wait,
+so each stage is busy ``1 / pp`` of a step (a bubble of ``(pp - 1) / pp``). ``serve`` keeps ``pp`` plans in
+flight (:meth:`~tensorpar.serve.engine.Engine.tick`): at tick ``t`` stage ``s`` runs the plan of tick
+``t - s``, each of ``pp`` batches of requests has one plan in flight, and every stage computes every tick.
 """
 from __future__ import annotations
 
@@ -89,14 +90,27 @@ def check_pp_arguments(args) -> None:
                          f"drop one of them")
 
 
-def send_hidden(x: torch.Tensor, pp: Group) -> None:
+def send_hidden(x: torch.Tensor, pp: Group, pending=None):
     """Send the residual stream ``x`` ``[T, h]`` to the next stage (pipeline rank ``pp.rank + 1``, the same tp
-    rank). Point-to-point on the pipeline group; raises :class:`~tensorpar.comm.CollectiveError` on failure."""
-    x = x.contiguous()
+    rank) without waiting for it: the send is posted (a copy of ``x``) and returned, ``(work, tensor)``, after
+    ``pending`` (this stage's previous send) has completed. The next stage receives it at the next tick of the
+    engine (:meth:`~tensorpar.serve.engine.Engine.tick`), after this stage has gone on to the tick's token
+    broadcast: a blocking send (gloo waits for the matching recv) would deadlock there. Point-to-point on the
+    pipeline group; raises :class:`~tensorpar.comm.CollectiveError` on failure (of this send or of ``pending``)."""
+    wait_send(pending, pp)
+    x = x.detach().clone().contiguous()        # the caller's buffer may be reused before the send completes
     pp.counter.record("send", x.numel(), x.element_size(), 2)
-    t0 = pp.counter.start()
-    _run("send", pp, x, lambda: dist.send(x, group=pp.pg, group_dst=pp.rank + 1))
-    pp.counter.blocked("send", t0)
+    work = _run("send", pp, x, lambda: dist.isend(x, group=pp.pg, group_dst=pp.rank + 1))
+    return work, x
+
+
+def wait_send(pending, pp: Group) -> None:
+    """Wait for a send of :func:`send_hidden` (``None``: nothing to wait for)."""
+    if pending is not None:
+        work, x = pending
+        t0 = pp.counter.start()
+        _run("send", pp, x, work.wait)
+        pp.counter.blocked("send", t0)
 
 
 def recv_hidden(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, pp: Group) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """``tensorpar serve``: start the tp ranks, load the model sharded, serve the OpenAI API from rank 0.
 
 With ``--pp P`` the ranks are ``tp x pp`` (each holds its pipeline stage, :mod:`tensorpar.pipeline.inference`)
-and every rank follows rank 0's plans; one step (one micro-batch) is in flight at a time, so each stage is idle
-``(P - 1) / P`` of a step.
+and every rank follows rank 0's plans; the scheduler keeps ``P`` batches of requests with one plan each in flight
+(:meth:`tensorpar.serve.engine.Engine.tick`), so that every stage computes at once.
 
 Rank 0 runs uvicorn (FastAPI) in a thread and the scheduler on its main thread; ranks 1.. follow rank 0's
 broadcast plans (:func:`tensorpar.serve.engine.follow`). SIGINT/SIGTERM on any rank's launcher stops the
@@ -323,12 +323,14 @@ def check_collectives(engine, tp, *, every: int = 50, timeout_s: float = 60.0) -
             return inner_exchange(plan)
     engine.exchange = exchange
 
-    def step(plan, samplers):
+    def step(plan, samplers, inner=inner):
         out = inner(plan, samplers)
         fingerprint.check(tp, {"step plan": repr(plan)})
         return out
 
     engine.step = step
+    if engine.pp.size > 1:      # serve's pipelined ticks (Engine.tick), each checked the same way
+        engine.tick = lambda plan, samplers, inner=engine.tick: step(plan, samplers, inner)
 
 
 def _serve(engine, task: ServeTask, holder: dict) -> int:

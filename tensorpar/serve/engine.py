@@ -48,9 +48,12 @@ scheduler) and broadcasts each one as a small int64 tensor (:meth:`Engine.exchan
 broadcast of :data:`PLAN_WORDS` words per step when the plan fits (a second one for the rest of a longer plan),
 over the group's shared-memory communicator when it has one, else its process group; the other ranks run
 :func:`follow`. Under generate every rank computes the same plan from the same tokens, so nothing is broadcast.
+With pipeline stages serve runs :meth:`Engine.tick` instead: one batch of requests per stage in flight, each stage
+on another batch's plan in the same tick (:mod:`tensorpar.serve.ticks`).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +67,8 @@ from tensorpar.decode.slot_cache import SlotKVCache
 from tensorpar.hf.families import attention_windows
 from tensorpar.serve.plan import PLAN_MAGIC, PLAN_WORDS, Row, StepPlan, decode_plan, encode_plan
 from tensorpar.serve.prefill import PREFILL_TOKENS, prefill_groups, prefill_layout  # noqa: F401  (re-exported)
-from tensorpar.serve.tokens import choose_stage_tokens, choose_tokens
+from tensorpar.serve.ticks import PipelineStats, step_batches
+from tensorpar.serve.tokens import choose_stage_tokens, choose_tokens, row_logprobs
 
 
 @dataclass
@@ -160,6 +164,9 @@ class Engine:
         self.windows = attention_windows(cfg)           # module path: the mask per kind of attention layer
         self.eager = getattr(cfg, "_attn_implementation", None) == "eager"   # additive float masks
         self.max_batch, self.max_len = max_batch, max_len
+        self.stats = PipelineStats()            # ticks, and those in which this stage computed (serve --pp)
+        self._flight: list = [None] * self.pp.size   # per stage: (plan, samplers) it runs this tick (:meth:`tick`)
+        self._sending = None                    # this stage's send of the residual stream still in progress
         if warm_up:
             self.step(StepPlan("step", [Row(0, [0], 0)]), samplers=None)          # allocate the cache, warm up
 
@@ -236,12 +243,15 @@ class Engine:
         embedding of the token ids), runs through this stage's layers and goes to the next stage; the last returns
         the logits ``[sum(b), V_r]``, the others ``None``. The lean path runs all the batches as one forward, the
         module path one forward per batch through the stage's layers (the masks and rotary tables of
-        :meth:`_forward`). Collectives: a recv and a send of ``[T, h]`` on the pipeline group, the stage's tp ones.
+        :meth:`_forward`). Collectives: a recv and an asynchronous send of ``[T, h]`` on the pipeline group (the
+        send is waited at this stage's next one: the next stage receives it at the next :meth:`tick`), the
+        stage's tp ones.
         """
         from tensorpar.pipeline.inference import module_stage_forward, recv_hidden, send_hidden
 
         T = sum(i.numel() for i, *_ in parts)
         x = None if self.first else recv_hidden((T, self.hidden[0]), self.hidden[1], self.device, self.pp)
+        t0 = time.perf_counter()
         if self.lean is not None:
             segs = [Segment(i.shape[0], i.shape[1], m, n, blocks=bl, cache_pos=p, write=w)
                     for i, p, bl, m, n, w in parts]
@@ -249,18 +259,20 @@ class Engine:
             out = self.lean.forward_segments(ids, torch.cat([p.reshape(-1) for _, p, *_ in parts]), segs)
         else:
             out = module_stage_forward(self.model, self.stage, self.cache, parts, x, self._layer_masks)
+        self.stats.busy_s += time.perf_counter() - t0
         if self.last:
             return out
-        send_hidden(out, self.pp)
+        self._sending = send_hidden(out, self.pp, self._sending)    # waited at the next send (the next tick)
         return None
 
     @torch.no_grad()
     def step(self, plan: StepPlan, samplers) -> StepResult:
-        """Run ``plan`` (identical on every rank); return the tokens (the same on every rank).
+        """Run ``plan`` (identical on every rank) to its tokens; return them (the same on every rank).
 
-        One forward (:meth:`_forward`) of: the prefill rows (``start == 0``) in the padded groups of
-        :func:`prefill_groups` (layout of :func:`prefill_layout`), then the other rows, those of equal token
-        counts together (one group of every 1-token decode row); attention per group.
+        One forward (:meth:`_forward`) of the batches of :func:`~tensorpar.serve.ticks.step_batches` (the prefill
+        rows in padded groups, then the other rows by token count; attention per group). With pipeline stages:
+        the plan's :meth:`tick`, then ``pp - 1`` empty ticks that carry it through the later stages (nothing may
+        be in flight before: ``generate`` and the warm-up; serve's scheduler drives :meth:`tick` itself).
 
         ``samplers`` (rank 0 only, ``None`` elsewhere): per row, ``None`` for greedy or a callable
         ``f(logits [1, V]) -> token`` (the request's seeded sampler). Collectives: per forward two all-reduces
@@ -268,44 +280,53 @@ class Engine:
         all-gather of their logits and a broadcast of the tokens, plus for log-probabilities all-reduces of
         ``[b]`` and an all-gather of ``[b, tp*k]``. With pipeline stages: the stage's layers' collectives, a
         recv and a send of the residual stream, the broadcasts of :func:`choose_stage_tokens` (and
-        :func:`~tensorpar.pipeline.inference.logprobs_from_last`). Raises ValueError for a row outside the cache or with no
-        tokens, or two rows writing one block.
+        :func:`~tensorpar.pipeline.inference.logprobs_from_last`). Raises ValueError for a row outside the cache or
+        with no tokens, or two rows writing one block; RuntimeError at pp > 1 with plans in flight.
         """
-        rows = plan.rows
-        bs, written = self.block_size, set()
-        for r in rows:
-            t = r.table
-            if not r.tokens or r.start < 0 or r.start + len(r.tokens) > self.max_len \
-                    or len(t) < -(-(r.start + len(r.tokens)) // bs) or not all(0 <= x < self.num_blocks for x in t):
-                raise ValueError(f"row {r} does not fit the cache ({self.num_blocks} blocks of {bs} positions, "
-                                 f"{self.max_len} per row)")
-            mine = set(t[r.start // bs:(r.start + len(r.tokens) - 1) // bs + 1])
-            if mine & written:
-                raise ValueError(f"a step plan writes block(s) {sorted(mine & written)} from two rows")
-            written |= mine
-        batches, order = [], []         # one forward: the prefill groups, then the continuations by token count
-        new = [i for i, r in enumerate(rows) if r.start == 0]
-        for group in prefill_groups([len(rows[i].tokens) for i in new]):
-            idx = [new[j] for j in group]
-            ids, pos = prefill_layout([rows[i].tokens for i in idx])
-            s = len(ids[0])
-            write = [[c >= s - len(rows[i].tokens) for c in range(s)] for i in idx]   # the pads are not stored
-            batches.append(([rows[i].table for i in idx], ids, pos, write))
-            order.extend(idx)
-        by_count: dict[int, list[int]] = {}
-        for i, r in enumerate(rows):
-            if r.start > 0:
-                by_count.setdefault(len(r.tokens), []).append(i)
-        for n, idx in sorted(by_count.items()):
-            idx = sorted(idx, key=lambda i: rows[i].table)   # block order: consecutive blocks read as views
-            batches.append(([rows[i].table for i in idx], [rows[i].tokens for i in idx],
-                            [list(range(rows[i].start, rows[i].start + n)) for i in idx], None))
-            order.extend(idx)
+        if self.pp.size == 1:
+            self.stats.tick([plan], True)
+            return self._result(plan, self._compute(plan), samplers)
+        if any(w is not None for w in self._flight):
+            raise RuntimeError("Engine.step with pipelined plans in flight: drain them with tick(None, None)")
+        res = self.tick(plan, samplers)
+        for _ in range(self.pp.size - 1):
+            res = self.tick(None, None)
+        from tensorpar.pipeline.inference import wait_send
+        wait_send(self._sending, self.pp)       # the next stage has received it (it ran the plan since)
+        self._sending = None
+        return res
+
+    @torch.no_grad()
+    def tick(self, plan: StepPlan | None, samplers) -> StepResult | None:
+        """One lockstep tick of the pipelined schedule (``serve --pp``; at pp 1 :meth:`step` of ``plan``).
+
+        The plan made at this tick (``None`` or no rows: nothing new) enters stage 0; stage ``s`` runs the plan
+        of ``s`` ticks ago (the residual stream it receives is the one stage ``s - 1`` sent at the tick before;
+        the send is asynchronous and waited one tick later, as the next stage receives it only then); the last
+        stage's plan (``pp - 1`` ticks old) gets its tokens, returned on every rank (``None`` when that slot was
+        empty). Every rank keeps the plans in flight (``pp`` slots) and rank 0 their ``samplers``. So ``pp``
+        plans are in flight and, with work in every slot, every stage computes in every tick. Collectives: those
+        of :meth:`step` for the stage's plan and, when a plan completes, the token broadcasts.
+        """
+        if self.pp.size == 1:
+            return self.step(plan, samplers) if plan is not None and plan.rows else None
+        self._flight = [(plan, samplers) if plan is not None and plan.rows else None] + self._flight[:-1]
+        mine = self._flight[self.pp.rank]
+        self.stats.tick(self._flight, mine is not None)
+        logits = self._compute(mine[0]) if mine is not None else None
+        done, self._flight[-1] = self._flight[-1], None            # complete after this tick
+        return None if done is None else self._result(done[0], logits, done[1])
+
+    def _compute(self, plan: StepPlan) -> torch.Tensor | None:
+        """This stage's forward of ``plan``: the logits ``[n, V_r]`` in row order on the last stage, else ``None``."""
+        batches, order = step_batches(plan.rows, block_size=self.block_size, num_blocks=self.num_blocks,
+                                      max_len=self.max_len)
         lg = self._forward(batches)                                # [n, V_r], in order (None: not the last stage)
-        logits = None
-        if lg is not None:
-            parts = {i: lg[j:j + 1] for j, i in enumerate(order)}
-            logits = torch.cat([parts[i] for i in range(len(rows))])                       # [n, V_r]
+        return None if lg is None else lg[sorted(range(len(order)), key=order.__getitem__)]
+
+    def _result(self, plan: StepPlan, logits: torch.Tensor | None, samplers) -> StepResult:
+        """The tokens of ``plan``'s rows from the (last stage's) ``logits``, and the log-probabilities asked for."""
+        rows = plan.rows
         sampled = [i for i, r in enumerate(rows) if r.sampled]
         if self.pp.size == 1:
             tokens = choose_tokens(logits, self.tp, partition=self.vocab, sampled=sampled, samplers=samplers)  # [n]
@@ -318,37 +339,12 @@ class Engine:
         top: list[list[tuple[int, float]] | None] = [None] * len(rows)
         if max(want, default=-1) >= 0:
             if logits is not None:
-                lps, top = self._logprobs(logits, tokens, want)
+                lps, top = row_logprobs(logits, tokens, want, self.tp, partition=self.vocab,
+                                        deterministic=self.deterministic)
             if self.pp.size > 1:
                 from tensorpar.pipeline.inference import logprobs_from_last
                 lps, top = logprobs_from_last(want, lps, top, self.pp, last=self.last, device=self.device)
         return StepResult([int(t) for t in tokens], lps, top)
-
-    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, want: list[int]):
-        """Per row: the chosen token's log-probability (``want[i] >= 0``) and the top ``want[i]`` ``(id, lp)``
-        (``want[i] > 0``), vocab-parallel over ``logits`` ``[n, V_r]``. Collectives: all-reduces of ``[n]``, an
-        all-gather of ``[n, tp*k]`` (deterministic: those of ``[1]`` and ``[1, tp*k]`` per row)."""
-        from tensorpar.layers.log_softmax import vocab_parallel_logprobs, vocab_parallel_topk_logprobs
-
-        lps: list[float | None] = [None] * len(want)
-        top: list[list[tuple[int, float]] | None] = [None] * len(want)
-        # deterministic: row by row (a reduction over the vocabulary splits across threads by the row count)
-        rows = [slice(j, j + 1) for j in range(len(want))] if self.deterministic else [slice(None)]
-        tokens = tokens.to(logits.device)
-        chosen = torch.cat([vocab_parallel_logprobs(logits[r].float(), tokens[r], self.tp, partition=self.vocab)
-                            for r in rows]).cpu()
-        k = max(want)
-        if k > 0:
-            got = [vocab_parallel_topk_logprobs(logits[r], k, self.tp, partition=self.vocab) for r in rows]
-            tv, ti = torch.cat([v for v, _ in got]).cpu(), torch.cat([i for _, i in got]).cpu()
-        for i, w in enumerate(want):
-            if w > 0:
-                top[i] = [(int(ti[i, j]), float(tv[i, j])) for j in range(w)]
-            if w >= 0:   # a chosen token among the top ones gets the very value listed there (the two paths' sums
-                #          differ in the last bits; clients compare them)
-                lps[i] = next((lp for t, lp in top[i] if t == int(tokens[i])), None) if w > 0 else None
-                lps[i] = float(chosen[i]) if lps[i] is None else lps[i]
-        return lps, top
 
     def exchange(self, plan: StepPlan | None) -> StepPlan:
         """Rank 0 sends ``plan`` to every rank of ``plans`` (default: tp); every rank returns it (rank 0: the same
@@ -385,7 +381,8 @@ class Engine:
 
 
 def follow(engine: Engine) -> None:
-    """Loop of the ranks other than 0: receive each plan, run it, until a ``"stop"`` plan arrives.
+    """Loop of the ranks other than 0: receive each plan, run it (:meth:`Engine.tick`), until a ``"stop"`` plan
+    arrives.
 
     A collective that fails (rank 0 died, or the collective timeout) raises out of here, so the rank exits
     non-zero within the collective timeout instead of hanging.
@@ -395,4 +392,4 @@ def follow(engine: Engine) -> None:
         if plan.op == "stop":
             return
         if plan.op == "step":
-            engine.step(plan, samplers=None)
+            engine.tick(plan, samplers=None)        # pp 1: the plan's step; pp > 1: one tick of the pipeline

@@ -12,6 +12,14 @@ reusing the cached blocks of their longest cached prompt prefix and computing on
 (every row's tokens, start position and block table: the other ranks only execute it) and runs it
 (:class:`~tensorpar.serve.engine.Engine`), then hands each request its token. When idle it broadcasts a
 heartbeat every ``heartbeat_s`` so the other ranks' collectives never reach their timeout.
+
+With pipeline stages (``--pp P``, the engine's ``pp`` group of ``P`` ranks) the requests run in ``P`` batches
+(vLLM's virtual engines), each with its own plan in flight: at tick ``t`` the scheduler plans batch ``t mod P``
+(whose previous plan has just come back from the last stage), and the engine's :meth:`~Engine.tick` runs stage
+``s`` on the plan of tick ``t - s``, so every stage computes every tick. A request joins a batch when admitted
+(the batch being planned, while it holds fewer than ``ceil((running + waiting) / P)`` requests and at most
+``max_batch``); cancellation, timeouts, block growth and preemption touch only the batch being planned, whose
+requests are not in flight. The KV block pool is shared.
 """
 from __future__ import annotations
 
@@ -19,6 +27,7 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -64,6 +73,7 @@ class Request:
     hashes: list = field(default_factory=list)          # prompt-prefix hash of each full prompt block
     registered: int = 0             # of them named in the prefix cache
     admitted: bool = False
+    batch: int = 0                  # the batch (of the pipeline's P) it runs in
 
     def cancel(self) -> None:
         """Ask the scheduler to drop this request at its next step (its blocks are freed)."""
@@ -101,6 +111,10 @@ class Scheduler:
         self._lock = threading.Lock()
         self._pending = 0               # submitted and not yet admitted
         self._closed = False            # set (under the lock) when run() ends: submit refuses from then on
+        pp = getattr(engine, "pp", None)
+        self.depth = pp.size if pp is not None else 1      # batches in flight: one per pipeline stage
+        self._flight: deque = deque()   # (plan, requests) of the ticks in flight, oldest first
+        self._ticks = 0
 
     # ------------------------------------------------------------------ HTTP thread side
     def submit(self, req: Request) -> None:
@@ -198,9 +212,11 @@ class Scheduler:
             self.blocks.hits += len(hit) * bs
         return True
 
-    def _plan(self) -> tuple[StepPlan, list[Request]]:
+    def _plan(self, batch: int = 0) -> tuple[StepPlan, list[Request]]:
+        """The next plan of ``batch`` (one of :attr:`depth`) and its requests in row order; only that batch's
+        requests (none in flight) are ended, grown, preempted or admitted."""
         now = time.perf_counter()
-        for req in list(self.running):
+        for req in [r for r in self.running if r.batch == batch]:
             if req.cancelled:
                 self._finish(req, "abort")
             elif self._timed_out(req, now):
@@ -218,16 +234,18 @@ class Scheduler:
                 keep.append(r)
         self.waiting = keep
         bs = self.block_size
-        for req in list(self.running):          # oldest first: each the block its next token needs
+        for req in [r for r in self.running if r.batch == batch]:    # oldest first: the block its next token needs
             while req in self.running:
                 need = -(-(len(req.prompt) + len(req.out)) // bs) - len(req.blocks)
                 got = self.blocks.allocate(need) if need > 0 else []
                 if got is not None:
                     req.blocks += got
                     break
-                self._preempt(self.running[-1])   # the newest running request gives its blocks back
+                self._preempt([r for r in self.running if r.batch == batch][-1])   # the batch's newest gives back
         computing = {h for r in self.running for h in r.hashes[r.registered:]} if self.blocks.caching else set()
-        while self.waiting and len(self.running) < self.engine.max_batch:
+        share = -(-(len(self.running) + len(self.waiting)) // self.depth)     # the batches about equal
+        n = sum(r.batch == batch for r in self.running)
+        while self.waiting and n < min(self.engine.max_batch, share):
             req = self.waiting[0]
             if not self._admit(req, computing):
                 break                               # FIFO: it waits, and so do the ones behind it
@@ -243,13 +261,16 @@ class Scheduler:
                     self._release(req)
                     req.emit(("error", f"cannot seed this request's generator: {e}", 400))
                     continue
+            req.batch = batch
             self.running.append(req)
+            n += 1
+        order = [r for r in self.running if r.batch == batch]
         rows = []
-        for req in self.running:     # the tokens not in its blocks: the last one (decode), or after a prefix hit
+        for req in order:            # the tokens not in its blocks: the last one (decode), or after a prefix hit
             n = len(req.prompt) + len(req.out)   # or a preemption the rest of its prompt and produced tokens
             toks = [req.out[-1]] if req.out and req.computed == n - 1 else (req.prompt + req.out)[req.computed:]
             rows.append(Row(req.blocks[0], toks, req.computed, req.temperature > 0, req.logprobs, list(req.blocks)))
-        return StepPlan("step", rows), list(self.running)
+        return StepPlan("step", rows), order
 
     def _dequeue(self, req: Request) -> bool:
         with self._lock:
@@ -265,19 +286,14 @@ class Scheduler:
         try:
             while not self.stop_event.is_set():
                 self._drain(block=not self.running and not self.waiting)
-                plan, order = self._plan()
+                plan, order = self._plan(self._ticks % self.depth)
                 if self.metrics:
                     self.metrics.queue(len(self.running), len(self.waiting), len(plan.rows))
                     self.metrics.blocks(self.blocks)
-                if not plan.rows:
+                if not plan.rows and not any(p.rows for p, _ in self._flight):
                     self.engine.exchange(StepPlan("noop"))
                     continue
-                self.engine.exchange(plan)
-                samplers = [self._sampler(r) if r.temperature > 0 else None for r in order]
-                res = self.engine.step(plan, samplers)
-                now = time.perf_counter()
-                for i, req in enumerate(order):
-                    self._deliver(req, res.tokens[i], res.logprobs[i], res.top[i], now)
+                self._tick(plan, order, deliver=True)
                 if self.metrics:
                     self.metrics.queue(len(self.running), len(self.waiting), 0)
                     self.metrics.blocks(self.blocks)
@@ -287,7 +303,25 @@ class Scheduler:
             self._end_all(self.failed)
             raise
         self._end_all("the server is shutting down")
+        while any(p.rows for p, _ in self._flight):     # the plans still in the pipeline, their tokens dropped
+            self._tick(StepPlan("step"), [], deliver=False)
         self.engine.exchange(StepPlan("stop"))
+
+    def _tick(self, plan: StepPlan, order: list[Request], *, deliver: bool) -> None:
+        """Send ``plan`` to every rank and run it: the engine's step at pp 1, one tick of the pipeline
+        (:meth:`~tensorpar.serve.engine.Engine.tick`) at pp > 1; hand each request of the plan that completes
+        (this one at pp 1, the one of ``depth - 1`` ticks ago otherwise) its token."""
+        self.engine.exchange(plan)
+        samplers = [self._sampler(r) if r.temperature > 0 else None for r in order]
+        res = (self.engine.step(plan, samplers) if self.depth == 1 else self.engine.tick(plan, samplers))
+        self._ticks += 1
+        self._flight.append((plan, order))
+        if len(self._flight) < self.depth:
+            return
+        _, done = self._flight.popleft()
+        now = time.perf_counter()
+        for i, req in enumerate(done if deliver else []):
+            self._deliver(req, res.tokens[i], res.logprobs[i], res.top[i], now)
 
     def _end_all(self, message: str) -> None:
         """Refuse new requests and end every running, waiting and queued request with ``("error", message)``."""

@@ -150,3 +150,32 @@ def choose_stage_tokens(logits: torch.Tensor | None, n: int, tp: Group, pp: Grou
         for j, i in enumerate(sampled):
             tokens[i] = int(samplers[i](full[j:j + 1]))
     return comm.broadcast(tokens.to(dev), world, src=0).cpu()
+
+
+def row_logprobs(logits: torch.Tensor, tokens: torch.Tensor, want: list[int], tp: Group, *, partition,
+                 deterministic: bool = False):
+    """Per row: the chosen token's log-probability (``want[i] >= 0``) and the top ``want[i]`` ``(id, lp)``
+    (``want[i] > 0``), vocab-parallel over ``logits`` ``[n, V_r]`` (the engine's rows; ``tokens`` ``[n]`` the
+    chosen ones). Collectives: all-reduces of ``[n]``, an all-gather of ``[n, tp*k]`` (``deterministic``: those of
+    ``[1]`` and ``[1, tp*k]`` per row, as a reduction over the vocabulary splits across threads by the row
+    count). Returns ``(lps, top)``, ``None`` where not asked."""
+    from tensorpar.layers.log_softmax import vocab_parallel_logprobs, vocab_parallel_topk_logprobs
+
+    lps: list[float | None] = [None] * len(want)
+    top: list[list[tuple[int, float]] | None] = [None] * len(want)
+    rows = [slice(j, j + 1) for j in range(len(want))] if deterministic else [slice(None)]
+    tokens = tokens.to(logits.device)
+    chosen = torch.cat([vocab_parallel_logprobs(logits[r].float(), tokens[r], tp, partition=partition)
+                        for r in rows]).cpu()
+    k = max(want)
+    if k > 0:
+        got = [vocab_parallel_topk_logprobs(logits[r], k, tp, partition=partition) for r in rows]
+        tv, ti = torch.cat([v for v, _ in got]).cpu(), torch.cat([i for _, i in got]).cpu()
+    for i, w in enumerate(want):
+        if w > 0:
+            top[i] = [(int(ti[i, j]), float(tv[i, j])) for j in range(w)]
+        if w >= 0:   # a chosen token among the top ones gets the very value listed there (the two paths' sums
+            #          differ in the last bits; clients compare them)
+            lps[i] = next((lp for t, lp in top[i] if t == int(tokens[i])), None) if w > 0 else None
+            lps[i] = float(chosen[i]) if lps[i] is None else lps[i]
+    return lps, top
