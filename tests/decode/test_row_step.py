@@ -1,0 +1,142 @@
+"""The lean path's one- and two-row decode step (tensorpar/decode/row_step.py) and its fused kernels
+(tensorpar/decode/fused.py, csrc/step.cpp) against their references: the unfused torch ops, the general decode loop
+of LeanDecoder.forward_segments, and transformers' greedy tokens at tp 1 and 2 (shared-memory and gloo
+all-reduces)."""
+import pytest
+import torch
+
+from tensorpar.decode import fused, gemv_kernel
+from tensorpar.generate import SamplingConfig, generate_tokens
+from tests._ranks import run_tp
+from tests.decode.test_generate import ARCHS, hf_reference, make_model_folder, prompts
+
+needs_kernels = pytest.mark.skipif(not (gemv_kernel.available() and fused.available()),
+                                   reason="no AVX-512 BF16 CPU or no C++ compiler")
+#: the fused RMSNorm adds its sum of squares in another order than torch's ``mean`` (16 fp32 lanes): the sum then
+#: differs by a few units in its last place, and the output, after rsqrt and two products, by at most ~4 units in
+#: the last place of the largest output (2^-21 relative to it)
+NORM_TOL = 2.0 ** -21
+
+
+def _torch_norm(x, w, eps):
+    """The families' fp32 RMSNorm as the lean path's torch ops compute it (tensorpar.decode.kernels.rms_norm_fn)."""
+    return torch.mul(x, torch.mul(x, x).mean(-1, keepdim=True).add_(eps).rsqrt_()).mul_(w)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows,H,nparts", [(1, 576, 2), (2, 576, 2), (2, 37, 1), (1, 64, 3), (2, 100, 0)])
+def test_add_rms_norm_equals_unfused(rows, H, nparts):
+    """x += ((p0 + p1) + p2) is bitwise torch's ``x.add_(sum)`` with the sum in rank order (the shared-memory
+    all-reduce's); the norm of the new x is within NORM_TOL of torch's formula (its sum of squares in another
+    order)."""
+    g = torch.Generator().manual_seed(rows * H + nparts)
+    x = torch.randn(rows, H, generator=g) * 3
+    parts = [torch.randn(rows, H, generator=g) for _ in range(nparts)]
+    w, eps = torch.randn(H, generator=g), 1e-5
+    want_x = x.clone()
+    if parts:
+        s = torch.add(parts[0], parts[1]) if nparts > 1 else parts[0]
+        for p in parts[2:]:
+            s = s.add_(p)
+        want_x.add_(s)
+    want = _torch_norm(want_x, w, eps)
+    out = torch.empty(rows, H)
+    fused.add_rms_norm(x, parts, w, eps, out)
+    assert torch.equal(x, want_x)
+    assert (out - want).abs().max() <= NORM_TOL * want.abs().max()
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows,nq,nkv,d,rd", [(1, 5, 2, 64, 64), (2, 4, 1, 8, 8), (2, 3, 3, 16, 8)])
+def test_rope_store_equals_rotate_and_copy(rows, nq, nkv, d, rd):
+    """Rotary of the q and k heads and the K/V cache write in one call are bitwise the lean path's ``rotate`` and
+    copies, full and partial rotary (rd < d), rows at different cache positions."""
+    import ctypes
+
+    from tensorpar.decode.block import rotate
+    g = torch.Generator().manual_seed(rows * 100 + d)
+    qkv = torch.randn(rows, (nq + 2 * nkv) * d, generator=g)
+    cos, sin = torch.randn(rows, 1, rd, generator=g), torch.randn(rows, 1, rd, generator=g)
+    half = rd // 2
+    perm = torch.cat([torch.arange(half, rd), torch.arange(0, half)])
+    kc, vc = torch.zeros(nkv, 3, 8, d), torch.zeros(nkv, 3, 8, d)          # [kv, blocks, block_size, d]
+    at = [(2, 5), (0, 7)][:rows]                                             # (block, offset) of each row
+    q_out = torch.empty(rows, nq, d)
+    offs = (ctypes.c_int64 * rows)(*[(b * 8 + o) * d for b, o in at])
+    fused.rope_store((qkv.data_ptr(), rows, nq, nkv, d, rd, cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(),
+                      kc.data_ptr(), vc.data_ptr(), kc.stride(0), offs))
+    v3 = qkv.view(rows, nq + 2 * nkv, d)
+    want = rotate(v3[:, :nq + nkv], cos, sin, perm)
+    assert torch.equal(q_out, want[:, :nq])
+    for r, (b, o) in enumerate(at):
+        assert torch.equal(kc[:, b, o], want[r, nq:])
+        assert torch.equal(vc[:, b, o], v3[r, nq + nkv:])
+
+
+def job_logits(ctx, folder, ids, mask, want, shm):
+    """Prefill and decode steps feeding ``want`` ``[b, steps]`` (transformers' tokens) to a batch-``b`` LeanDecoder,
+    with its row step and with the general loop: per step the logits of both, and how often the row step ran; then
+    generate's greedy tokens."""
+    from tensorpar.decode.lean import LeanDecoder
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.shm import disable_fast_collectives, enable_fast_collectives
+    if shm:
+        enable_fast_collectives(ctx.tp, "on")
+    try:
+        model, _ = build_parallel_model(folder, ctx.tp)
+        b, steps = want.shape
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = {}
+        for name in ("row", "general"):
+            lean = LeanDecoder(model, ctx.tp, max_batch=b, max_len=ids.shape[1] + steps + 1)
+            has = lean.row_step is not None
+            if name == "general":
+                lean.row_step = None
+            ran = []
+            if lean.row_step is not None:
+                call = lean.row_step.__call__
+                lean.row_step = type("Counted", (), {"runs": lean.row_step.runs,
+                                                     "__call__": lambda self, *a: ran.append(1) or call(*a)})()
+            logits = [lean.prefill(ids, mask, pos)]
+            for t in range(steps - 1):
+                logits.append(lean.decode(want[:, t:t + 1], pos[:, -1:] + 1 + t, ids.shape[1] + t))
+            out[name] = (logits, has, len(ran))
+        tokens = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=steps)).tokens
+        return out, tokens
+    finally:
+        if shm:
+            disable_fast_collectives(ctx.tp)
+
+
+@needs_kernels
+@pytest.mark.parametrize("tp,batch,shm", [(1, 1, False), (1, 2, False), (2, 1, True), (2, 2, True), (2, 1, False)])
+def test_row_step_equals_general_loop_and_transformers(pools, tmp_path, tp, batch, shm):
+    """A decoder of batch 1 or 2 runs its decode steps through the row step; their logits are within fp32 rounding
+    of the general loop's (1e-5 of the largest: the fused norms differ in the last bits, the GEMV is the same) and
+    greedy tokens equal transformers', at tp=1 and tp=2 over shared memory (the fused all-reduce reads the ranks'
+    slots) and over gloo (it adds all_reduce's result). Batch 2: a left-padded row (decode masks)."""
+    folder = make_model_folder(tmp_path / "llama", "llama")
+    ids, mask = prompts(ARCHS["llama"]["vocab_size"])
+    rows = [0] if batch == 1 else [0, 2]
+    ids, mask = ids[rows], mask[rows]
+    steps = 10
+    want, _ = hf_reference(folder, ids, mask, steps)
+    for r, (out, tokens) in enumerate(run_tp(pools, tp, job_logits, folder, ids, mask, want, shm)):
+        got, has, ran = out["row"]
+        ref, _, ran_general = out["general"]
+        assert has and ran == steps - 1 and ran_general == 0, (has, ran, ran_general)
+        for a, b in zip(got, ref):
+            assert (a - b).abs().max() <= 1e-5 * b.abs().max(), f"rank {r}"
+        assert torch.equal(tokens, want), f"tp={tp} rank {r}: {tokens} != transformers {want}"
+
+
+def test_row_step_stays_out_of_what_it_does_not_run(tmp_path):
+    """Deterministic decoders, oneDNN-prepacked ones (max_batch 3) and sliding-window models keep the general loop."""
+    from tensorpar.decode.lean import LeanDecoder
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.parallel import ParallelContext
+    ctx = ParallelContext.single()
+    model, _ = build_parallel_model(make_model_folder(tmp_path / "llama", "llama"), ctx.tp)
+    assert LeanDecoder(model, ctx.tp, max_batch=1, max_len=8, deterministic=True).row_step is None
+    assert LeanDecoder(model, ctx.tp, max_batch=3, max_len=8).row_step is None
+    assert LeanDecoder(model, ctx.tp, max_batch=1, max_len=8, prepack=False).row_step is None
