@@ -1,15 +1,17 @@
 """Fused element-wise kernels of the lean path's one-row decode step (csrc/step.cpp; :mod:`tensorpar.decode.row_step`
 runs them): the all-reduce of a row-parallel projection's partial sums fused with the residual add and the next
-RMSNorm (:func:`all_reduce_add_rms_norm`), and the rotary embedding of the q and k heads with the cache write of k
-and v (:func:`rope_store`). Each replaces a dozen framework ops per layer with one call.
+RMSNorm (:func:`all_reduce_add_rms_norm`), the rotary embedding of the q and k heads with the cache write of k and v
+(:func:`rope_store`), and attention of one query per row over the cache (:func:`decode_attention`). Each replaces
+a dozen framework ops per layer with one call.
 
 Exactness: every add and product is rounded as torch's element-wise kernels round it (the file is built with
 ``-ffp-contract=off``: no fused multiply-add), so the residual stream (``x + ((p0 + p1) + ...)``, the ranks'
 partials in rank order, as :meth:`tensorpar.shm.ShmCommunicator.all_reduce` adds them), the rotated q and k and the
-cached v are bitwise the unfused torch ops'. The one difference is the RMSNorm's sum of squares, which is added in
-another order than torch's ``mean`` (16 fp32 lanes, then the lanes in order): the norm's output is within a few
-units in the last place of the unfused one (tests/decode/test_row_step.py checks 4 ulp of the largest output and
-the same greedy tokens as transformers).
+cached v are bitwise the unfused torch ops'. The differences: the RMSNorm's sum of squares is added in another
+order than torch's ``mean`` (16 fp32 lanes, then the lanes in order), so the norm's output is within a few units
+in the last place of the unfused one; attention sums in another order than torch's CPU flash attention and uses
+``expf`` (within fp32 rounding of it). tests/decode/test_row_step.py checks each against its reference and greedy
+tokens against transformers'.
 
 Build: ``g++ -O3 -mavx512f -ffp-contract=off -shared`` of the one file, cached like
 :mod:`tensorpar.decode.gemv_kernel`'s and used under the same conditions (it is only called where that kernel runs;
@@ -43,6 +45,8 @@ def _lib():
     lib.tp_add_rms_norm.argtypes = [_P, ctypes.POINTER(_P), ctypes.c_int, _I, _I, _P, ctypes.c_float, _P]
     lib.tp_rope_store.restype = None
     lib.tp_rope_store.argtypes = [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P]
+    lib.tp_decode_attention.restype = None
+    lib.tp_decode_attention.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _P, ctypes.c_float, _P, _P]
     return lib
 
 
@@ -111,3 +115,15 @@ def rope_store(args: tuple) -> None:
     ``sin_sign`` ``[rows, rd]``, ``q_out`` ``[rows, nq, d]``, the layer's K and V pools, and a C array of each row's
     element offset in them). Bitwise the lean path's ``rotate`` and cache copies. No collectives."""
     _lib().tp_rope_store(*args)
+
+
+def decode_attention(args: tuple) -> None:
+    """Attention of one query per row over the KV cache, into a preallocated output: ``args`` = ``(q, rows, nq, d,
+    k_layer, v_layer, head_stride, kbase, L, mask, mask_stride, kv_of, scale, scratch, out)`` as the kernel takes
+    them (csrc/step.cpp ``tp_decode_attention``: addresses of ``q`` ``[rows, nq, d]``, the layer's K and V pools,
+    a C array of each row's element offset of position 0 (one block per row), a ``[rows, L]`` bool mask with its
+    row stride or None, each query head's KV head (a C array), ``scratch`` of at least ``L`` floats, ``out``
+    ``[rows, nq * d]``). Each query head reads its KV head in place: no copies per query head (uneven head splits)
+    and no kernel launch per run of heads. Within fp32 rounding of ``scaled_dot_product_attention`` (another order
+    of the sums, ``expf``). No collectives."""
+    _lib().tp_decode_attention(*args)

@@ -11,16 +11,17 @@ buffers allocated once, with the per-layer arguments of every kernel prepared on
 * each all-reduce fused with the residual add and the next RMSNorm (the layer's post-attention norm, the next
   layer's input norm, the final norm): one call that reads the ranks' partial sums in shared memory
   (:func:`~tensorpar.decode.fused.all_reduce_add_rms_norm`);
-* attention: the cache views of all layers once per step (:meth:`~tensorpar.decode.kv_cache.LeanKVCache.read_views`),
-  per layer ``scaled_dot_product_attention`` as :meth:`~tensorpar.decode.kv_cache.LeanKVCache.attention` calls it
-  (the same kernel, views and head copies, so the same bits); SiLU and the gate product: two in-place ops.
+* attention of the one query per row: one call that reads each query head's KV head where it lies in the cache
+  (:func:`~tensorpar.decode.fused.decode_attention`: no head copies for uneven head splits, no views per layer);
+  SiLU and the gate product: two ops on views of the gate-up buffer.
 
 It runs the layers of the plain Llama shape (:func:`why_not` says which it does not) in fp32 on the GEMV path
-(:attr:`LeanDecoder.gemv <tensorpar.decode.lean.LeanDecoder>`); everything else, prefill and bigger steps run
-:meth:`~tensorpar.decode.lean.LeanDecoder.forward_segments`' general loop. Results: the residual stream, rotary,
-cache and attention bitwise those of the general loop given the same norm outputs; the norms within a few units
-in the last place of it (their sum of squares in another order, :mod:`tensorpar.decode.fused`), so the logits
-agree to fp32 rounding and greedy tokens equal transformers' (tests/decode/test_row_step.py).
+(:attr:`LeanDecoder.gemv <tensorpar.decode.lean.LeanDecoder>`), each row's positions in one cache block (generate's
+static cache); everything else, prefill and bigger steps run
+:meth:`~tensorpar.decode.lean.LeanDecoder.forward_segments`' general loop. Results: the residual stream, rotary and
+cache writes bitwise those of the general loop's ops given the same inputs; the norms and attention within fp32
+rounding of them (sums in another order, ``expf``: :mod:`tensorpar.decode.fused`), so the logits agree to fp32
+rounding (1e-5 of the largest) and greedy tokens equal transformers' (tests/decode/test_row_step.py).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from tensorpar.decode import fused, gemv_kernel, kv_cache
+from tensorpar.decode import fused, gemv_kernel
 
 
 def _norm(fn):
@@ -63,7 +64,7 @@ def why_not(dec) -> str | None:
 
 class _Layer:
     """One layer's prepared kernel arguments for ``rows`` rows."""
-    __slots__ = ("qkv", "gu", "down", "norm2", "norm_next", "wo", "k", "v", "L")
+    __slots__ = ("qkv", "gu", "down", "norm2", "norm_next", "o", "k", "v", "kv_of", "scale", "L")
 
 
 class RowStep:
@@ -87,6 +88,8 @@ class RowStep:
         self.q = torch.zeros(R, nq, d, **e)
         self.gu = torch.zeros(R, 2 * f, **e)
         self.a = torch.zeros(R, f, **e)
+        self.att = torch.zeros(R, nq * d, **e)                                   # attention's output
+        self.scratch = torch.zeros(dec.cache.block_size, **e)                    # one query's scores
         self.rd = dec.perm.numel()
         cache = dec.cache
         self.head_stride = cache.k[0].stride(0)
@@ -101,54 +104,55 @@ class RowStep:
                 la.qkv = gemv_kernel.into_args(self.h[:b], L.wqkv.t(), self.qkv[:b], self.threads)
                 la.gu = gemv_kernel.into_args(self.h[:b], L.wgu.t(), self.gu[:b], self.threads)
                 la.down = gemv_kernel.into_args(self.a[:b], L.wd.t(), self.p[:b], self.threads)
-                la.wo = (L.wo.t().data_ptr(), L.wo.shape[0], L.wo.shape[1])     # [out, in] weight, K, N
+                la.o = gemv_kernel.into_args(self.att[:b], L.wo.t(), self.p[:b], self.threads)
+                kv_of = (L.kv_idx.tolist() if L.kv_idx is not None
+                         else [h * nkv // nq for h in range(nq)])                # each query head's KV head
+                la.kv_of = (ctypes.c_int64 * nq)(*kv_of)
+                la.scale = float(L.scaling if L.scaling is not None else d ** -0.5)
                 w2, eps2 = _norm(L.ln2)
                 la.norm2 = (self.x.data_ptr(), b, H, w2.data_ptr(), eps2, self.h.data_ptr())
                 nxt = _norm(dec.layers[i + 1].ln1) if i + 1 < len(dec.layers) else _norm(dec.norm)
                 la.norm_next = (self.x.data_ptr(), b, H, nxt[0].data_ptr(), nxt[1], self.h.data_ptr())
                 la.k, la.v = cache.k[i].data_ptr(), cache.v[i].data_ptr()
                 layers.append(la)
-            self.rows[b] = (layers, self.x[:b], self.p[:b], self.q[:b].view(b, nq, 1, d), self.gu[:b, :f],
-                            self.gu[:b, f:], self.a[:b])
+            self.rows[b] = (layers, self.x[:b], self.p[:b])
+        self.gate = {b: self.gu[:b, :f] for b in range(1, R + 1)}
+        self.up = {b: self.gu[:b, f:] for b in range(1, R + 1)}
 
     def runs(self, segments) -> bool:
         """Whether this step is one :class:`RowStep` runs: one segment of at most MAX_ROWS rows of one token each,
-        all stored."""
+        all stored, each row's positions in one block of the cache (generate's static cache; a paged row over
+        several blocks takes the general loop)."""
         if len(segments) != 1:
             return False
         g = segments[0]
-        return g.s == 1 and g.b <= gemv_kernel.MAX_ROWS and g.write is None
+        return (g.s == 1 and g.b <= gemv_kernel.MAX_ROWS and g.write is None
+                and g.length <= self.dec.cache.block_size)
 
     def _cache_plan(self, g):
-        """``(row offsets (C array), keys, vals, gather)``: where each row's new K/V go in a layer's pool (elements),
-        and the per-layer views read (``None`` with ``gather`` the blocks to gather)."""
+        """``(row offsets, row bases)`` as C arrays: the element offset in a layer's pool where each row's new K/V
+        go, and of its block's position 0 (what attention reads). Raises ValueError for a row its block table or
+        the cache does not cover."""
         cache, d = self.dec.cache, self.dec.head_dim
         bs, b, length = cache.block_size, g.b, g.length
         if g.blocks is None:
             if g.start + 1 > bs or length > bs or b > cache.num_blocks:
                 raise ValueError(f"a start segment needs one block per row of at least {max(g.start + 1, length)} "
                                  f"positions; blocks hold {bs}")
-            offs = [(r * bs + g.start) * d for r in range(b)]
-            j, nb, consecutive = 0, 1, True
+            blocks, pos = list(range(b)), [g.start] * b
         else:
-            nb = -(-length // bs)
-            if g.blocks.shape[1] < nb:
-                raise ValueError(f"block tables of {g.blocks.shape[1]} blocks do not cover {length} positions of "
-                                 f"{bs}-position blocks")
-            tables, pos = g.blocks.tolist(), g.cache_pos.tolist()
-            offs = [(tables[r][p // bs] * bs + p % bs) * d for r, (p,) in enumerate(pos)]
-            j = tables[0][0]
-            consecutive = all(tables[r][k] == j + r * nb + k for r in range(b) for k in range(nb))
-        keys, vals = cache.read_views(j, b, nb, length) if consecutive else (None, None)
-        gather = None if keys is not None else g.blocks[:, :nb].reshape(-1)
-        return (ctypes.c_int64 * b)(*offs), keys, vals, gather
+            if g.blocks.shape[1] < 1:
+                raise ValueError("block tables of 0 blocks do not cover a position")
+            blocks, pos = [t[0] for t in g.blocks.tolist()], [p for (p,) in g.cache_pos.tolist()]
+        base = [blk * bs * d for blk in blocks]
+        return (ctypes.c_int64 * b)(*[o + p * d for o, p in zip(base, pos)]), (ctypes.c_int64 * b)(*base)
 
     def __call__(self, ids: torch.Tensor, rope_pos: torch.Tensor, g) -> torch.Tensor:
         """Logits ``[b, V_r]`` of segment ``g``'s ``b`` rows (``ids``, ``rope_pos`` ``[b]``), their K/V written to
         the cache; what ``forward_segments(ids, rope_pos, [g])`` returns."""
         dec, tp = self.dec, self.dec.tp
         b = g.b
-        layers, x, p, q4, gate, up, a = self.rows[b]
+        layers, x, p = self.rows[b]
         nq, nkv, d, rd = dec.n_q, dec.n_kv, dec.head_dim, self.rd
         e = dec.embed(ids.view(1, b))                                                   # [1, b, h], all-reduced
         x.copy_(e.view(b, -1))
@@ -157,44 +161,29 @@ class RowStep:
         for key, rotary in dec.rotary.items():
             cos, sin = dec._rotary(rotary, e, rope_pos, last)                           # [b, 1, rd] each
             tables[key] = (cos.contiguous(), sin.contiguous())
-        offs, keys_all, vals_all, gather = self._cache_plan(g)
-        cache, mask, length = dec.cache, g.mask, g.length
-        runs = b * length >= kv_cache._RUNS_MIN_ROW_POSITIONS   # read per step: tests change it
+        offs, base = self._cache_plan(g)
+        mask, length = g.mask, g.length
+        if mask is not None and mask.stride(-1) != 1:
+            mask = mask.contiguous()
+        mp, ms = (None, 0) if mask is None else (mask.data_ptr(), mask.stride(0))      # [b, 1, 1, L] bool
         w0, eps0 = self.norm0
         fused.rms_norm_raw((self.x.data_ptr(), b, x.shape[1], w0.data_ptr(), eps0, self.h.data_ptr()))
-        qkv, qp, hs, th = self.qkv.data_ptr(), self.q.data_ptr(), self.head_stride, self.threads
-        pp = self.p.data_ptr()
-        linear_into, rope_store, reduce_norm = gemv_kernel.linear_into, fused.rope_store, fused.all_reduce_add_rms_norm
-        for i, la in enumerate(layers):
-            L = la.L
-            linear_into(la.qkv)
-            cos, sin = tables[L.rope]
+        qkv, qp, hs = self.qkv.data_ptr(), self.q.data_ptr(), self.head_stride
+        sp, ap = self.scratch.data_ptr(), self.att.data_ptr()
+        gate, up, a = self.gate[b], self.up[b], self.a[:b]
+        linear_into, rope_store, attention = gemv_kernel.linear_into, fused.rope_store, fused.decode_attention
+        reduce_norm = fused.all_reduce_add_rms_norm
+        for la in layers:
+            linear_into(la.qkv)                                                       # h -> qkv
+            cos, sin = tables[la.L.rope]
             rope_store((qkv, b, nq, nkv, d, rd, cos.data_ptr(), sin.data_ptr(), qp, la.k, la.v, hs, offs))
-            if keys_all is not None:
-                keys, vals = keys_all[i], vals_all[i]
-            else:
-                keys = cache._gathered(cache.k[i], gather, b, length)
-                vals = cache._gathered(cache.v[i], gather, b, length)
-            if L.kv_runs is None:
-                o = F.scaled_dot_product_attention(q4, keys, vals, attn_mask=mask, scale=L.scaling,
-                                                   enable_gqa=L.gqa)                   # [b, q_local, 1, d]
-            elif runs:      # as LeanKVCache.attention: per run of query heads with its KV head
-                o = torch.cat([F.scaled_dot_product_attention(
-                    q4[:, q0:q1], keys[:, j:j + 1], vals[:, j:j + 1], attn_mask=mask, scale=L.scaling,
-                    enable_gqa=q1 - q0 > 1) for j, q0, q1 in L.kv_runs], dim=1)
-            else:
-                idx = L.kv_idx
-                o = F.scaled_dot_product_attention(q4, keys.index_select(1, idx), vals.index_select(1, idx),
-                                                   attn_mask=mask, scale=L.scaling)
-            o = o.transpose(1, 2).reshape(b, nq * d).contiguous()                        # [b, q_local * d]
-            wo, K, N = la.wo
-            linear_into((0, gemv_kernel.MODE_ONE_ROW, o.data_ptr(), b, K, wo, N, None, pp, th,
-                         gemv_kernel.PREFETCH))
+            attention((qp, b, nq, d, la.k, la.v, hs, base, length, mp, ms, la.kv_of, la.scale, sp, ap))
+            linear_into(la.o)                                                         # attention -> p
             reduce_norm(p, tp, la.norm2)                              # x += all_reduce(o W_o); h = ln2(x)
             linear_into(la.gu)
             torch.mul(F.silu(gate, inplace=True), up, out=a)
             linear_into(la.down)
             reduce_norm(p, tp, la.norm_next)                          # x += all_reduce(a W_d); h = next norm(x)
         logits = torch.empty(b, dec.lm_w.shape[0], dtype=torch.float32, device=x.device)
-        linear_into(gemv_kernel.into_args(self.h[:b], dec.lm_w, logits, th))
+        linear_into(gemv_kernel.into_args(self.h[:b], dec.lm_w, logits, self.threads))
         return logits

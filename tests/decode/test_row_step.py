@@ -73,6 +73,38 @@ def test_rope_store_equals_rotate_and_copy(rows, nq, nkv, d, rd):
         assert torch.equal(vc[:, b, o], v3[r, nq + nkv:])
 
 
+@needs_kernels
+@pytest.mark.parametrize("rows,nq,kv_of,d,L,masked", [(1, 5, [0, 0, 0, 1, 1], 64, 37, False),
+                                                      (2, 4, [0, 1, 1, 1], 64, 9, True),
+                                                      (2, 6, [0, 0, 0, 1, 1, 1], 4, 20, True)])
+def test_decode_attention_equals_sdpa(rows, nq, kv_of, d, L, masked):
+    """One query per row over the cache, each query head reading its KV head in place (uneven splits and equal
+    groups), rows in other blocks, a padding mask: within 1e-5 of the largest output of
+    ``scaled_dot_product_attention`` on the KV heads copied per query head (the lean path's reference for uneven
+    splits): the same products, summed in another order, ``expf`` for torch's exp."""
+    import ctypes
+    g = torch.Generator().manual_seed(rows * L + d)
+    nkv, bs = max(kv_of) + 1, 40
+    kc, vc = torch.randn(nkv, 4, bs, d, generator=g), torch.randn(nkv, 4, bs, d, generator=g)
+    q = torch.randn(rows, nq, d, generator=g)
+    blocks = [3, 1][:rows]
+    mask = torch.ones(rows, 1, 1, L, dtype=torch.bool)
+    if masked:
+        mask[-1, ..., :3] = False                                          # a left-padded row
+    out, scratch = torch.empty(rows, nq * d), torch.empty(bs)
+    base = (ctypes.c_int64 * rows)(*[blk * bs * d for blk in blocks])
+    fused.decode_attention((q.data_ptr(), rows, nq, d, kc.data_ptr(), vc.data_ptr(), kc.stride(0), base, L,
+                            mask.data_ptr() if masked else None, mask.stride(0), (ctypes.c_int64 * nq)(*kv_of),
+                            d ** -0.5, scratch.data_ptr(), out.data_ptr()))
+    idx = torch.tensor(kv_of)
+    keys = kc[:, blocks, :L].transpose(0, 1).index_select(1, idx)                          # [rows, nq, L, d]
+    vals = vc[:, blocks, :L].transpose(0, 1).index_select(1, idx)
+    want = torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), keys, vals,
+                                                            attn_mask=mask if masked else None, scale=d ** -0.5)
+    want = want.reshape(rows, nq * d)
+    assert (out - want).abs().max() <= 1e-5 * want.abs().max()
+
+
 def job_logits(ctx, folder, ids, mask, want, shm):
     """Prefill and decode steps feeding ``want`` ``[b, steps]`` (transformers' tokens) to a batch-``b`` LeanDecoder,
     with its row step and with the general loop: per step the logits of both, and how often the row step ran; then
