@@ -305,6 +305,7 @@ def job_fixed_cost(ctx, folder, n: int, layers: int):
     steps_s = [b - a for a, b in zip(stamps, stamps[1:])]
     out = {"decode_tok_s": res.decode_tokens_per_s, "best_step_tok_s": 1 / min(steps_s),
            "median_step_ms": statistics.median(steps_s) * 1e3, "tokens": res.tokens[0].tolist()}
+    out["cpu"] = _cpu_times(model, ctx, ids, n)
     wrapped = []
     for mod_name, name, cat in TRACED:
         try:
@@ -373,6 +374,51 @@ def job_fixed_cost(ctx, folder, n: int, layers: int):
     return out
 
 
+def _cpu_times(model, ctx, ids, n: int) -> dict:
+    """Thread CPU ms per decode step (``time.thread_time``: what this rank's thread ran, not the time it waited for a
+    core, so it holds on a loaded machine where the profiler's wall times do not), in all and inside the
+    :data:`TRACED` functions by category (each call timed by two ``thread_time_ns`` reads, about a microsecond,
+    left in the categories); ``framework`` = the rest. Median over the decode steps of one generate call."""
+    import importlib
+
+    from tensorpar.generate import SamplingConfig, generate_tokens
+    acc = {"matmul": 0, "collectives": 0}
+    wrapped = []
+    for mod_name, name, cat in TRACED:
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:
+            continue
+        fn = getattr(mod, name, None)
+        if fn is None:
+            continue
+
+        def timed(*a, _fn=fn, _cat=cat, **k):
+            t0 = time.thread_time_ns()
+            try:
+                return _fn(*a, **k)
+            finally:
+                acc[_cat] += time.thread_time_ns() - t0
+        setattr(mod, name, timed)
+        wrapped.append((mod, name, fn))
+    steps = []
+    last = {}
+
+    def on_token(step, tok):
+        now = time.thread_time_ns()
+        if last:
+            steps.append({"step": now - last["t"], **{k: acc[k] - last[k] for k in acc}})
+        last.update(t=now, **acc)
+    try:
+        generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=n), path="lean", on_token=on_token)
+    finally:
+        for mod, name, fn in wrapped:
+            setattr(mod, name, fn)
+    med = {k: statistics.median(s[k] for s in steps) / 1e6 for k in steps[0]}
+    med["framework"] = statistics.median((s["step"] - s["matmul"] - s["collectives"]) for s in steps) / 1e6
+    return {k: round(v, 3) for k, v in med.items()}
+
+
 def fixed_cost_worker(folder: str, tp: int, n: int) -> dict:
     """One checkout's row of --fixed-cost in this process (its ranks in fresh processes): rank 0's result, every
     rank's aten ops per token."""
@@ -430,13 +476,21 @@ def write_fixed_cost(res: dict, out: Path) -> None:
              "only, a count that does not depend on the load; ms per token by category from torch.profiler (rank 0, "
              "self CPU time; the GEMV and the all-reduce inclusive of a profiler range around them, which adds its "
              "own overhead; framework = the step's wall time minus the three).", "",
-             "| row | tokens/s | best step tokens/s | aten ops per token | per layer | matmul ms | attention ms | "
-             "all-reduce ms | framework ms | profiled step ms | load (1 min) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "CPU ms columns: this rank's thread CPU time per decode step (median over steps; not the time spent "
+             "waiting for a core, so they hold under load): the whole step, inside the GEMV / matmul calls, inside "
+             "the all-reduces (its waits for the other rank spin or yield: CPU time too), and the rest = framework.",
+             "",
+             "| row | tokens/s | best step tokens/s | aten ops per token | per layer | CPU ms: step | GEMV | all-reduce | "
+             "framework | profiler: matmul ms | attention ms | all-reduce ms | framework ms | step ms | load (1 min) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, r in res["rows"].items():
         rs = r["rounds"]
         p = [x["profile"] for x in rs]
         lines.append(f"| {key} | {med(x['decode_tok_s'] for x in rs):.1f} | {max(x['best_step_tok_s'] for x in rs):.1f} "
-                     f"| {p[0]['aten ops per token']} | {p[0]['aten ops per layer']} | {med(q['matmul'] for q in p):.2f} "
+                     f"| {p[0]['aten ops per token']} | {p[0]['aten ops per layer']} | "
+                     + " | ".join(f"{med(x['cpu'][k] for x in rs):.2f}" for k in ("step", "matmul", "collectives",
+                                                                                 "framework"))
+                     + f" | {med(q['matmul'] for q in p):.2f} "
                      f"| {med(q['attention'] for q in p):.2f} | {med(q['collectives'] for q in p):.2f} | "
                      f"{med(q['framework and other ops'] for q in p):.2f} | {med(q['total'] for q in p):.2f} | "
                      + ", ".join(f"{x['loadavg'][0]:.1f}" for x in rs) + " |")

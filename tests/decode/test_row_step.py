@@ -172,3 +172,35 @@ def test_row_step_stays_out_of_what_it_does_not_run(tmp_path):
     assert LeanDecoder(model, ctx.tp, max_batch=1, max_len=8, deterministic=True).row_step is None
     assert LeanDecoder(model, ctx.tp, max_batch=3, max_len=8).row_step is None
     assert LeanDecoder(model, ctx.tp, max_batch=1, max_len=8, prepack=False).row_step is None
+
+
+def job_smollm2(ctx, folder, ids):
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.shm import disable_fast_collectives, enable_fast_collectives
+    enable_fast_collectives(ctx.tp, "on")
+    try:
+        model, _ = build_parallel_model(folder, ctx.tp)
+        return generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=32)).tokens
+    finally:
+        disable_fast_collectives(ctx.tp)
+
+
+@needs_kernels
+@pytest.mark.network
+@pytest.mark.slow
+def test_smollm2_batch_one_row_step_equals_transformers(pools):
+    """SmolLM2-135M at batch 1 (the row step decodes; 9 query heads over 3 KV heads split 5 / 4 per rank, the uneven
+    layout) at tp=2 over shared memory gives transformers' 32 greedy tokens for each of three prompts."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tensorpar.hub import resolve_model
+    folder = str(resolve_model("smollm2", progress=False))
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for prompt in ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):"]:
+        ids = tok([prompt], return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            want = model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False, eos_token_id=None,
+                                  pad_token_id=tok.eos_token_id)[:, ids.shape[1]:]
+        for r, got in enumerate(pools(2).run(job_smollm2, folder, ids)):
+            assert torch.equal(got, want), f"{prompt!r} rank {r}: {tok.decode(got[0])!r} != {tok.decode(want[0])!r}"
