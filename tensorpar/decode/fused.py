@@ -1,8 +1,8 @@
 """Fused element-wise kernels of the lean path's one-row decode step (csrc/step.cpp; :mod:`tensorpar.decode.row_step`
 runs them): the all-reduce of a row-parallel projection's partial sums fused with the residual add and the next
 RMSNorm (:func:`all_reduce_add_rms_norm`), the rotary embedding of the q and k heads with the cache write of k and v
-(:func:`rope_store`), and attention of one query per row over the cache (:func:`decode_attention`). Each replaces
-a dozen framework ops per layer with one call.
+(:func:`rope_store`), attention of one query per row over the cache (:func:`decode_attention`) and the gated
+MLP's activation (:func:`silu_mul`). Each replaces framework ops per layer with one call.
 
 Exactness: every add and product is rounded as torch's element-wise kernels round it (the file is built with
 ``-ffp-contract=off``: no fused multiply-add), so the residual stream (``x + ((p0 + p1) + ...)``, the ranks'
@@ -10,7 +10,7 @@ partials in rank order, as :meth:`tensorpar.shm.ShmCommunicator.all_reduce` adds
 cached v are bitwise the unfused torch ops'. The differences: the RMSNorm's sum of squares is added in another
 order than torch's ``mean`` (16 fp32 lanes, then the lanes in order), so the norm's output is within a few units
 in the last place of the unfused one; attention sums in another order than torch's CPU flash attention and uses
-``expf`` (within fp32 rounding of it). tests/decode/test_row_step.py checks each against its reference and greedy
+``expf`` (within fp32 rounding of it), as SiLU does for torch's vectorised exp. tests/decode/test_row_step.py checks each against its reference and greedy
 tokens against transformers'.
 
 Build: ``g++ -O3 -mavx512f -ffp-contract=off -shared`` of the one file, cached like
@@ -45,6 +45,8 @@ def _lib():
     lib.tp_add_rms_norm.argtypes = [_P, ctypes.POINTER(_P), ctypes.c_int, _I, _I, _P, ctypes.c_float, _P]
     lib.tp_rope_store.restype = None
     lib.tp_rope_store.argtypes = [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P]
+    lib.tp_silu_mul.restype = None
+    lib.tp_silu_mul.argtypes = [_P, _I, _I, _P]
     lib.tp_decode_attention.restype = None
     lib.tp_decode_attention.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _P, ctypes.c_float, _P, _P]
     return lib
@@ -127,3 +129,11 @@ def decode_attention(args: tuple) -> None:
     and no kernel launch per run of heads. Within fp32 rounding of ``scaled_dot_product_attention`` (another order
     of the sums, ``expf``). No collectives."""
     _lib().tp_decode_attention(*args)
+
+
+def silu_mul(args: tuple) -> None:
+    """The gated MLP's activation into a preallocated output: ``args`` = ``(gu, rows, f, out)`` (addresses of ``gu``
+    ``[rows, 2 f]``, gate then up, and ``out`` ``[rows, f]``): ``out = silu(gate) * up``, ``silu(g) = g / (1 +
+    exp(-g))`` with ``expf`` for torch's vectorised exp, so within a few units in the last place of
+    ``F.silu(gate) * up``. No collectives."""
+    _lib().tp_silu_mul(*args)

@@ -13,14 +13,14 @@ buffers allocated once, with the per-layer arguments of every kernel prepared on
   (:func:`~tensorpar.decode.fused.all_reduce_add_rms_norm`);
 * attention of the one query per row: one call that reads each query head's KV head where it lies in the cache
   (:func:`~tensorpar.decode.fused.decode_attention`: no head copies for uneven head splits, no views per layer);
-  SiLU and the gate product: two ops on views of the gate-up buffer.
+  SiLU and the gate product: one call (:func:`~tensorpar.decode.fused.silu_mul`).
 
 It runs the layers of the plain Llama shape (:func:`why_not` says which it does not) in fp32 on the GEMV path
 (:attr:`LeanDecoder.gemv <tensorpar.decode.lean.LeanDecoder>`), each row's positions in one cache block (generate's
 static cache); everything else, prefill and bigger steps run
 :meth:`~tensorpar.decode.lean.LeanDecoder.forward_segments`' general loop. Results: the residual stream, rotary and
-cache writes bitwise those of the general loop's ops given the same inputs; the norms and attention within fp32
-rounding of them (sums in another order, ``expf``: :mod:`tensorpar.decode.fused`), so the logits agree to fp32
+cache writes bitwise those of the general loop's ops given the same inputs; the norms, attention and SiLU within
+fp32 rounding of them (sums in another order, ``expf``: :mod:`tensorpar.decode.fused`), so the logits agree to fp32
 rounding (1e-5 of the largest) and greedy tokens equal transformers' (tests/decode/test_row_step.py).
 """
 from __future__ import annotations
@@ -116,8 +116,6 @@ class RowStep:
                 la.k, la.v = cache.k[i].data_ptr(), cache.v[i].data_ptr()
                 layers.append(la)
             self.rows[b] = (layers, self.x[:b], self.p[:b])
-        self.gate = {b: self.gu[:b, :f] for b in range(1, R + 1)}
-        self.up = {b: self.gu[:b, f:] for b in range(1, R + 1)}
 
     def runs(self, segments) -> bool:
         """Whether this step is one :class:`RowStep` runs: one segment of at most MAX_ROWS rows of one token each,
@@ -170,9 +168,9 @@ class RowStep:
         fused.rms_norm_raw((self.x.data_ptr(), b, x.shape[1], w0.data_ptr(), eps0, self.h.data_ptr()))
         qkv, qp, hs = self.qkv.data_ptr(), self.q.data_ptr(), self.head_stride
         sp, ap = self.scratch.data_ptr(), self.att.data_ptr()
-        gate, up, a = self.gate[b], self.up[b], self.a[:b]
+        act = (self.gu.data_ptr(), b, self.a.shape[1], self.a.data_ptr())
         linear_into, rope_store, attention = gemv_kernel.linear_into, fused.rope_store, fused.decode_attention
-        reduce_norm = fused.all_reduce_add_rms_norm
+        reduce_norm, silu_mul = fused.all_reduce_add_rms_norm, fused.silu_mul
         for la in layers:
             linear_into(la.qkv)                                                       # h -> qkv
             cos, sin = tables[la.L.rope]
@@ -181,7 +179,7 @@ class RowStep:
             linear_into(la.o)                                                         # attention -> p
             reduce_norm(p, tp, la.norm2)                              # x += all_reduce(o W_o); h = ln2(x)
             linear_into(la.gu)
-            torch.mul(F.silu(gate, inplace=True), up, out=a)
+            silu_mul(act)                                                            # gu -> a
             linear_into(la.down)
             reduce_norm(p, tp, la.norm_next)                          # x += all_reduce(a W_d); h = next norm(x)
         logits = torch.empty(b, dec.lm_w.shape[0], dtype=torch.float32, device=x.device)

@@ -129,3 +129,14 @@ extern "C" void tp_decode_attention(const float* q, int64_t rows, int64_t nq, in
         }
     }
 }
+
+// The gated MLP's activation: a [rows, f] = silu(gu[:, :f]) * gu[:, f:] (gu [rows, 2 f]), silu(g) = g / (1 + expf(-g))
+// as torch computes it, with expf for torch's vectorised exp (within an ulp of it).
+extern "C" void tp_silu_mul(const float* gu, int64_t rows, int64_t f, float* a) {
+    for (int64_t m = 0; m < rows; ++m) {
+        const float* g = gu + m * 2 * f;
+        const float* u = g + f;
+        float* am = a + m * f;
+        for (int64_t j = 0; j < f; ++j) am[j] = (g[j] / (1.0f + expf(-g[j]))) * u[j];
+    }
+}
