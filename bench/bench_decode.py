@@ -457,7 +457,9 @@ def run_fixed_cost(folder: str, n: int, rounds: int, before: str) -> dict:
                 print(f"round {rnd + 1}: {key}: {r['decode_tok_s']:.1f} tok/s, {r['profile']['aten ops per token']} "
                       f"aten ops/token, framework {r['profile']['framework and other ops']:.2f} ms/token, load "
                       f"{r['loadavg'][0]:.1f}", flush=True)
-                rows.setdefault(key, {"label": label, "tp": tp, "code": code, "rounds": []})["rounds"].append(r)
+                commit = subprocess.run(["git", "-C", code, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True).stdout.strip()
+                rows.setdefault(key, {"label": label, "tp": tp, "commit": commit, "rounds": []})["rounds"].append(r)
     return {"machine_start": start, "machine_end": machine(), "tokens": n, "rows": rows}
 
 
