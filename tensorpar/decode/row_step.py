@@ -34,12 +34,14 @@ from tensorpar.decode import fused, gemv_kernel
 
 
 def _norm(fn):
-    """``(weight, eps)`` of a norm callable the fused kernel can replace (the fp32 RMSNorm of
-    :func:`~tensorpar.decode.kernels.rms_norm_fn`), else ``None``."""
-    w = getattr(fn, "weight", None)
-    if fn is None or w is None or not isinstance(getattr(fn, "eps", None), float) or w.dtype != torch.float32:
+    """``(weight, eps)`` of a norm callable the fused kernel can replace: the fp32 RMSNorm
+    ``w * (x * rsqrt(mean(x^2) + eps))`` that :func:`~tensorpar.decode.kernels.rms_norm_fn` found bitwise equal to
+    the family's module (its ``rms_norm`` attribute); anything else (a module, Gemma's ``(1 + w)``, LayerNorm, bf16)
+    ``None``."""
+    w, eps = getattr(fn, "rms_norm", (None, None))
+    if w is None or not isinstance(eps, float) or w.dtype != torch.float32 or not w.is_contiguous():
         return None
-    return w.contiguous(), fn.eps
+    return w, eps
 
 
 def why_not(dec) -> str | None:

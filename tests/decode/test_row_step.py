@@ -185,6 +185,14 @@ def test_row_step_stays_out_of_what_it_does_not_run(tmp_path):
     assert LeanDecoder(model, ctx.tp, max_batch=1, max_len=8, deterministic=True).row_step is None
     assert LeanDecoder(model, ctx.tp, max_batch=3, max_len=8).row_step is None
     assert LeanDecoder(model, ctx.tp, max_batch=1, max_len=8, prepack=False).row_step is None
+    # the fused norm replaces only the probed fp32 formula w * x_hat, never a module (Gemma's (1 + w) * x_hat has
+    # weight and eps attributes too)
+    from tensorpar.decode.kernels import rms_norm_fn
+    from tensorpar.decode.row_step import _norm
+    mod = model.model.layers[0].input_layernorm
+    assert _norm(mod) is None and _norm(rms_norm_fn(mod)) is not None
+    gemma = type("GemmaLike", (), {"weight": mod.weight, "eps": 1e-6})()
+    assert _norm(gemma) is None
 
 
 def job_smollm2(ctx, folder, ids):
