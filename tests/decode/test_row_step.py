@@ -154,7 +154,9 @@ def job_logits(ctx, folder, ids, mask, want, shm):
 
 
 @needs_kernels
-@pytest.mark.parametrize("tp,batch,shm", [(1, 1, False), (1, 2, False), (2, 1, True), (2, 2, True), (2, 1, False)])
+@pytest.mark.parametrize("tp,batch,shm", [(1, 1, False), (1, 2, False), (2, 1, True),
+                                          pytest.param(2, 2, True, marks=pytest.mark.slow),
+                                          pytest.param(2, 1, False, marks=pytest.mark.slow)])
 def test_row_step_equals_general_loop_and_transformers(pools, tmp_path, tp, batch, shm):
     """A decoder of batch 1 or 2 runs its decode steps through the row step; their logits are within fp32 rounding
     of the general loop's (1e-5 of the largest: the fused norms differ in the last bits, the GEMV is the same) and
