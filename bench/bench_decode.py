@@ -41,7 +41,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# TENSORPAR_BENCH_CODE: the checkout whose tensorpar this process (and its ranks) import: the A/B of --fixed-cost runs
+# the old code (e.g. /work/main) and this one interleaved, each in processes of its own
+sys.path.insert(0, os.environ.get("TENSORPAR_BENCH_CODE") or str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from proc_memory import proc_memory  # noqa: E402
@@ -265,6 +267,253 @@ def _profile(model, ctx, ids, n, path):
     return out
 
 
+# ---------------------------------------------------------------- the fixed cost per token (issue 28), A/B of two checkouts
+
+#: functions wrapped in a profiler range during --fixed-cost's profile, if the checkout has them: (module, name,
+#: category). The GEMV is a ctypes call (no aten op), so without its range its time would count as framework.
+TRACED = (("tensorpar.comm", "all_reduce", "collectives"), ("tensorpar.decode.gemv_kernel", "linear", "matmul"),
+          ("tensorpar.decode.gemv_kernel", "linear_into", "matmul"),
+          ("tensorpar.decode.fused", "all_reduce_add_rms_norm", "collectives"))
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv", "aten::_weight_int8pack_mm",
+              "mkldnn::_linear_pointwise")
+
+
+def job_fixed_cost(ctx, folder, n: int, layers: int):
+    """SmolLM2 fp32 greedy decode on the lean path at this tp (1 thread per rank): tokens/s of ``n`` new tokens after
+    a warm-up, then one more generate under torch.profiler in which only the decode steps count (each step between
+    two ``on_token`` calls is one profiler range: construction and prefill are left out). Returns tokens/s, the
+    tokens, and per token: aten calls (nested ones included: a count, independent of the load), the top aten ops by
+    count, and CPU ms by category (GEMV / matmuls and the all-reduces inclusive of their range, attention kernels'
+    self time, the rest = framework: Python and small ops)."""
+    import importlib
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from tensorpar.generate import SamplingConfig, generate_tokens
+    from tensorpar.hf.load import build_parallel_model
+    torch.set_num_threads(1)
+    if ctx.tp.size > 1:
+        from tensorpar.shm import enable_fast_collectives
+        enable_fast_collectives(ctx.tp, "on")
+    model, _ = build_parallel_model(folder, ctx.tp, dtype=torch.float32)
+    ids = prompt_inputs(folder)["input_ids"]
+    generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=3), path="lean")    # warm-up
+    stamps = []
+    res = generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=n), path="lean",
+                          on_token=lambda step, tok: stamps.append(time.perf_counter()))
+    steps_s = [b - a for a, b in zip(stamps, stamps[1:])]
+    out = {"decode_tok_s": res.decode_tokens_per_s, "best_step_tok_s": 1 / min(steps_s),
+           "median_step_ms": statistics.median(steps_s) * 1e3, "tokens": res.tokens[0].tolist()}
+    out["cpu"] = _cpu_times(model, ctx, ids, n)
+    wrapped = []
+    for mod_name, name, cat in TRACED:
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:
+            continue
+        fn = getattr(mod, name, None)
+        if fn is None:
+            continue
+
+        def traced(*a, _fn=fn, _label=f"bench::{cat}::{name}", **k):
+            with record_function(_label):
+                return _fn(*a, **k)
+        setattr(mod, name, traced)
+        wrapped.append((mod, name, fn))
+    marks = []
+
+    def on_token(step, tok):
+        if marks:
+            marks.pop().__exit__(None, None, None)
+        if step < n - 1:
+            rf = record_function("bench::decode_step")
+            rf.__enter__()
+            marks.append(rf)
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=n), path="lean",
+                            on_token=on_token)
+    finally:
+        for mod, name, fn in wrapped:
+            setattr(mod, name, fn)
+    events = prof.events()
+    ranges = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == "bench::decode_step")
+    steps = len(ranges)
+
+    def in_step(e):
+        t = e.time_range.start
+        return any(a <= t <= b for a, b in ranges)
+    cats = {"matmul": 0.0, "attention": 0.0, "collectives": 0.0}
+    counts: Counter = Counter()
+    kernel_calls: Counter = Counter()
+    for e in events:
+        if e.name == "bench::decode_step" or not in_step(e):
+            continue
+        if e.name.startswith("bench::"):
+            cats[e.name.split("::")[1]] += e.cpu_time_total / 1e3
+            kernel_calls[e.name.split("::")[2]] += 1
+            continue
+        if e.name.startswith("aten::") or e.name.startswith("mkldnn::"):
+            counts[e.name] += 1
+        if e.name in MATMUL_OPS:
+            cats["matmul"] += e.self_cpu_time_total / 1e3
+        elif "scaled_dot_product" in e.name or "flash_attention" in e.name:
+            cats["attention"] += e.self_cpu_time_total / 1e3
+    # aten ops under a wrapped range (the shm all-reduce's add) are counted as calls, their time in the range's
+    total = sum(b - a for a, b in ranges) / 1e3
+    per = {k: v / steps for k, v in cats.items()}
+    per["total"] = total / steps
+    per["framework and other ops"] = per["total"] - per["matmul"] - per["attention"] - per["collectives"]
+    aten = sum(v for k, v in counts.items() if k.startswith("aten::"))
+    out["profile"] = {k: round(v, 3) for k, v in per.items()}
+    out["profile"].update({
+        "steps": steps, "aten ops per token": round(aten / steps, 1), "aten ops per layer": round(aten / steps / layers, 1),
+        "kernel calls per token (ctypes, not aten)": {k: round(v / steps, 1) for k, v in kernel_calls.items()},
+        "top ops per token": {k: round(v / steps, 1) for k, v in counts.most_common(25)}})
+    return out
+
+
+def _cpu_times(model, ctx, ids, n: int) -> dict:
+    """Thread CPU ms per decode step (``time.thread_time``: what this rank's thread ran, not the time it waited for a
+    core, so it holds on a loaded machine where the profiler's wall times do not), in all and inside the
+    :data:`TRACED` functions by category (each call timed by two ``thread_time_ns`` reads, about a microsecond,
+    left in the categories); ``framework`` = the rest. Median over the decode steps of one generate call."""
+    import importlib
+
+    from tensorpar.generate import SamplingConfig, generate_tokens
+    acc = {"matmul": 0, "collectives": 0}
+    wrapped = []
+    for mod_name, name, cat in TRACED:
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:
+            continue
+        fn = getattr(mod, name, None)
+        if fn is None:
+            continue
+
+        def timed(*a, _fn=fn, _cat=cat, **k):
+            t0 = time.thread_time_ns()
+            try:
+                return _fn(*a, **k)
+            finally:
+                acc[_cat] += time.thread_time_ns() - t0
+        setattr(mod, name, timed)
+        wrapped.append((mod, name, fn))
+    steps = []
+    last = {}
+
+    def on_token(step, tok):
+        now = time.thread_time_ns()
+        if last:
+            steps.append({"step": now - last["t"], **{k: acc[k] - last[k] for k in acc}})
+        last.update(t=now, **acc)
+    try:
+        generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=n), path="lean", on_token=on_token)
+    finally:
+        for mod, name, fn in wrapped:
+            setattr(mod, name, fn)
+    med = {k: statistics.median(s[k] for s in steps) / 1e6 for k in steps[0]}
+    med["framework"] = statistics.median((s["step"] - s["matmul"] - s["collectives"]) for s in steps) / 1e6
+    return {k: round(v, 3) for k, v in med.items()}
+
+
+def fixed_cost_worker(folder: str, tp: int, n: int) -> dict:
+    """One checkout's row of --fixed-cost in this process (its ranks in fresh processes): rank 0's result, every
+    rank's aten ops per token."""
+    from transformers import AutoConfig
+
+    from tensorpar.testing import WorkerPool
+    layers = AutoConfig.from_pretrained(folder).num_hidden_layers
+    with WorkerPool(tp, collective_timeout_s=120, job_timeout_s=1200) as pool:
+        res = pool.run(job_fixed_cost, folder, n, layers)
+    out = dict(res[0])
+    out["aten ops per token, every rank"] = [r["profile"]["aten ops per token"] for r in res]
+    out["tokens_equal_across_ranks"] = all(r["tokens"] == res[0]["tokens"] for r in res)
+    return out
+
+
+def run_fixed_cost(folder: str, n: int, rounds: int, before: str) -> dict:
+    """SmolLM2 fp32 lean decode at tp=1 and tp=2, the checkout ``before`` (the old code) and this one, ``rounds``
+    times interleaved, every row in fresh processes (:func:`fixed_cost_worker` under ``TENSORPAR_BENCH_CODE``)."""
+    import subprocess
+
+    from machine import machine
+    here = str(Path(__file__).resolve().parents[1])
+    start = machine()
+    rows: dict[str, dict] = {}
+    for rnd in range(rounds):
+        for label, code in (("before", before), ("after", here)):
+            for tp in (1, 2):
+                env = {**os.environ, "TENSORPAR_BENCH_CODE": code, "PYTHONPATH": code}
+                p = subprocess.run([sys.executable, __file__, "--fixed-cost-worker", str(tp), "--model", folder,
+                                    "--tokens", str(n)], env=env, capture_output=True, text=True, timeout=1800)
+                if p.returncode:
+                    raise RuntimeError(f"{label} tp={tp} failed:\n{p.stderr[-4000:]}")
+                r = json.loads(p.stdout.strip().splitlines()[-1])
+                r["loadavg"] = list(os.getloadavg())
+                key = f"{label} tp={tp}"
+                print(f"round {rnd + 1}: {key}: {r['decode_tok_s']:.1f} tok/s, {r['profile']['aten ops per token']} "
+                      f"aten ops/token, framework {r['profile']['framework and other ops']:.2f} ms/token, load "
+                      f"{r['loadavg'][0]:.1f}", flush=True)
+                commit = subprocess.run(["git", "-C", code, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True).stdout.strip()
+                rows.setdefault(key, {"label": label, "tp": tp, "commit": commit, "rounds": []})["rounds"].append(r)
+    return {"machine_start": start, "machine_end": machine(), "tokens": n, "rows": rows}
+
+
+def write_fixed_cost(res: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    res = {"date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__, **res}
+    (out / "decode_fixed_cost.json").write_text(json.dumps(res, indent=2))
+    ms, me = res["machine_start"], res["machine_end"]
+    med = statistics.median
+    lines = [f"SmolLM2-135M fp32 greedy decode on the lean path, {res['tokens']} new tokens, prompt {PROMPT!r}, 1 "
+             f"thread per rank; {ms['cpu']}, {ms['cores']} cores, torch {res['torch']}, {res['date']}. Load average "
+             f"at start {ms['loadavg'][0]:.2f} / {ms['loadavg'][1]:.2f} / {ms['loadavg'][2]:.2f}, at end "
+             f"{me['loadavg'][0]:.2f} / {me['loadavg'][1]:.2f} / {me['loadavg'][2]:.2f} (shared machine).", "",
+             "before = the old checkout, after = this one, interleaved in rounds, every row in fresh processes. "
+             "tokens/s and ms: median over rounds; aten ops per token (nested calls included) over the decode steps "
+             "only, a count that does not depend on the load; ms per token by category from torch.profiler (rank 0, "
+             "self CPU time; the GEMV and the all-reduce inclusive of a profiler range around them, which adds its "
+             "own overhead; framework = the step's wall time minus the three).", "",
+             "CPU ms columns: this rank's thread CPU time per decode step (median over steps; not the time spent "
+             "waiting for a core, so they hold under load): the whole step, inside the GEMV / matmul calls, inside "
+             "the all-reduces (its waits for the other rank spin or yield: CPU time too), and the rest = framework.",
+             "",
+             "| row | tokens/s | best step tokens/s | aten ops per token | per layer | CPU ms: step | GEMV | all-reduce | "
+             "framework | profiler: matmul ms | attention ms | all-reduce ms | framework ms | step ms | load (1 min) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key, r in res["rows"].items():
+        rs = r["rounds"]
+        p = [x["profile"] for x in rs]
+        lines.append(f"| {key} | {med(x['decode_tok_s'] for x in rs):.1f} | {max(x['best_step_tok_s'] for x in rs):.1f} "
+                     f"| {p[0]['aten ops per token']} | {p[0]['aten ops per layer']} | "
+                     + " | ".join(f"{med(x['cpu'][k] for x in rs):.2f}" for k in ("step", "matmul", "collectives",
+                                                                                 "framework"))
+                     + f" | {med(q['matmul'] for q in p):.2f} "
+                     f"| {med(q['attention'] for q in p):.2f} | {med(q['collectives'] for q in p):.2f} | "
+                     f"{med(q['framework and other ops'] for q in p):.2f} | {med(q['total'] for q in p):.2f} | "
+                     + ", ".join(f"{x['loadavg'][0]:.1f}" for x in rs) + " |")
+    rows = res["rows"]
+    for tp in (1, 2):
+        a, b = rows.get(f"after tp={tp}"), rows.get(f"before tp={tp}")
+        if a and b:
+            same = a["rounds"][0]["tokens"] == b["rounds"][0]["tokens"]
+            lines.append(f"\ntp={tp}: after / before tokens/s {med(x['decode_tok_s'] for x in a['rounds']) / med(x['decode_tok_s'] for x in b['rounds']):.2f}x; "
+                         f"greedy tokens equal: {same}.")
+    if rows.get("after tp=1") and rows.get("after tp=2"):
+        lines.append(f"after: tp=2 tokens equal tp=1: {rows['after tp=1']['rounds'][0]['tokens'] == rows['after tp=2']['rounds'][0]['tokens']}.")
+    for key, r in rows.items():
+        p = r["rounds"][0]["profile"]
+        lines += ["", f"Top aten ops per token, {key} (rank 0; GEMV/other ctypes kernel calls per token: "
+                  f"{p['kernel calls per token (ctypes, not aten)']}):", "",
+                  ", ".join(f"{k} {v}" for k, v in p["top ops per token"].items())]
+    (out / "decode_fixed_cost.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def perplexity(folder: str, n_tokens: int, dtype: str, window: int = 256,
                quantize: str = "none") -> tuple[float, str, int]:
     """``(exp(mean next-token NLL), work, tokens scored)`` of the lean path (tp=1) on the held-out Shakespeare slice."""
@@ -446,9 +695,20 @@ def main() -> None:
     p.add_argument("--gemv-mb", type=int, default=256, help="MB of the matrix each process streams")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     p.add_argument("--rounds", type=int, default=1, help="times every row runs, interleaved (best round kept)")
+    p.add_argument("--fixed-cost", action="store_true",
+                   help="only the fixed cost per token (issue 28): SmolLM2 fp32 lean tp=1 and tp=2, --before's code "
+                        "and this checkout interleaved; writes decode_fixed_cost.{md,json}")
+    p.add_argument("--before", default="/work/main", help="the old checkout for --fixed-cost")
+    p.add_argument("--fixed-cost-worker", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args()
     from tensorpar.hub import resolve_model
     folder = str(resolve_model(a.model))
+    if a.fixed_cost_worker:
+        print(json.dumps(fixed_cost_worker(folder, a.fixed_cost_worker, a.tokens)))
+        return
+    if a.fixed_cost:
+        write_fixed_cost(run_fixed_cost(folder, a.tokens, a.rounds, a.before), Path(a.out))
+        return
     write(run(folder, a.tokens, a.gemv_mb, a.rounds), Path(a.out), a.tokens)
 
 

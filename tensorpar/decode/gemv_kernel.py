@@ -112,6 +112,27 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
     return y
 
 
+def into_args(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, threads: int | None = None) -> tuple:
+    """The kernel's arguments for ``y = x @ w.T`` into a preallocated ``y`` (``x`` ``[M, K]``, ``w`` ``[N, K]``, ``y``
+    ``[M, N]``, contiguous, one dtype, :func:`supports` (w); no bias), for :func:`linear_into`: the addresses are
+    taken once, so ``x`` and ``y`` must stay the tensors the caller reuses (the one-row decode step's buffers).
+    ``threads``: default ``torch.get_num_threads()`` now. Raises ValueError on other shapes or dtypes."""
+    M, K = x.shape
+    N = w.shape[0]
+    if (w.shape[1] != K or tuple(y.shape) != (M, N) or not (x.dtype == w.dtype == y.dtype) or w.dtype not in _DTYPES
+            or not all(t.is_contiguous() for t in (x, w, y))):
+        raise ValueError(f"gemv into: x {tuple(x.shape)}, w {tuple(w.shape)}, y {tuple(y.shape)}: takes contiguous "
+                         f"x [M, K], w [N, K], y [M, N] of one dtype (float32 or bfloat16)")
+    return (_DTYPES[w.dtype], _mode(w.dtype, M), x.data_ptr(), M, K, w.data_ptr(), N, None, y.data_ptr(),
+            torch.get_num_threads() if threads is None else threads, PREFETCH)
+
+
+def linear_into(args: tuple) -> None:
+    """:func:`linear` into a preallocated output with the arguments :func:`into_args` prepared: no allocation, no
+    per-call checks (the lean path's one-row decode step, :mod:`tensorpar.decode.row_step`)."""
+    _lib().tp_gemv(*args)
+
+
 @torch.library.custom_op("tensorpar::gemv", mutates_args=())
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, w, bias)`` for ``x`` ``[M, K]``, ``w`` ``[N, K]`` (plain row-major), ``bias`` ``[N]`` or None,

@@ -102,10 +102,9 @@ class LeanKVCache:
             if g.start + s > bs or length > bs or b > self.num_blocks:
                 raise ValueError(f"a start segment needs one block per row of at least {max(g.start + s, length)} "
                                  f"positions; blocks hold {bs}")
-            kw = [t.transpose(0, 1) for t in self.kcache[:, :, :b, g.start:g.start + s].unbind(0)]
-            vw = [t.transpose(0, 1) for t in self.vcache[:, :, :b, g.start:g.start + s].unbind(0)]
-            keys_all = [t.transpose(0, 1) for t in self.kcache[:, :, :b, :length].unbind(0)]
-            vals_all = [t.transpose(0, 1) for t in self.vcache[:, :, :b, :length].unbind(0)]
+            kw = self.kcache[:, :, :b, g.start:g.start + s].transpose(1, 2).unbind(0)
+            vw = self.vcache[:, :, :b, g.start:g.start + s].transpose(1, 2).unbind(0)
+            keys_all, vals_all = self.read_views(0, b, 1, length)
             return kw, vw, dest, src, keys_all, vals_all, gather
         blocks, pos = g.blocks, g.cache_pos
         nb = -(-length // bs)                           # blocks each row reads
@@ -130,16 +129,22 @@ class LeanKVCache:
             dest = flat
         run = torch.arange(j, j + b * nb, device=blocks.device).view(b, nb)
         if torch.equal(blocks, run):            # consecutive blocks: the pool read through views
-            if nb == 1:                          # one block per row
-                keys_all = [t[:, j:j + b, :length].transpose(0, 1) for t in self.k]
-                vals_all = [t[:, j:j + b, :length].transpose(0, 1) for t in self.v]
-            elif b == 1:                         # one row over a run of blocks: one range of positions
-                n = self.n_kv
-                keys_all = [t[:, j:j + nb].reshape(n, nb * bs, -1)[None, :, :length] for t in self.k]
-                vals_all = [t[:, j:j + nb].reshape(n, nb * bs, -1)[None, :, :length] for t in self.v]
+            keys_all, vals_all = self.read_views(j, b, nb, length)
         if keys_all is None:
             gather = blocks.reshape(-1)
         return kw, vw, dest, src, keys_all, vals_all, gather
+
+    def read_views(self, j: int, b: int, nb: int, length: int):
+        """Per-layer views ``[b, kv_local, length, d]`` of the keys and of the values of ``b`` rows whose ``nb``
+        blocks each are the consecutive blocks ``j, j + 1, ...`` (row after row), or ``(None, None)`` when they
+        cannot be views (several rows of several blocks). A few framework calls for all layers (``unbind``)."""
+        if nb == 1:                          # one block per row
+            return tuple(c[:, :, j:j + b, :length].transpose(1, 2).unbind(0) for c in (self.kcache, self.vcache))
+        if b == 1:                           # one row over a run of blocks: one range of positions
+            n_layers, n, _, bs, d = self.kcache.shape
+            return tuple(c[:, :, j:j + nb].reshape(n_layers, n, nb * bs, d)[:, None, :, :length].unbind(0)
+                         for c in (self.kcache, self.vcache))
+        return None, None
 
     def _gathered(self, t: torch.Tensor, gather: torch.Tensor, b: int, length: int) -> torch.Tensor:
         """Layer tensor ``t`` ``[kv_local, num_blocks, block_size, d]`` read at blocks ``gather`` ``[b * nb]``

@@ -26,6 +26,8 @@ math directly on the rank's tensors:
   most 2 rows run our GEMV on the plain ``[out, in]`` weights (:mod:`tensorpar.decode.gemv_kernel`: one sequential
   stream of the weights, faster than oneDNN's prepacked GEMV, within 1e-5 relative of ``F.linear`` in fp32, one
   bf16 rounding in bf16), prefill the plain ``torch.mm`` / ``F.linear``; nothing is packed;
+* those one- and two-row steps of layers of the plain Llama shape in fp32 run as a
+  :class:`~tensorpar.decode.row_step.RowStep`: a few fused C++ calls per layer, no framework ops per layer;
 * a model quantized by :func:`tensorpar.decode.quantize.quantize_int8` (its fp weights freed) runs every matmul as
   :func:`tensorpar.decode.int8.int8_linear` (Q8_0 x Q8_0: the input quantized per block of 32, int8 x int8) on the
   int8 ``[out, in]`` weights: no ``[in, out]`` views, no prepacking;
@@ -60,44 +62,18 @@ import torch.nn.functional as F
 from tensorpar import comm
 from tensorpar.comm import Group
 from tensorpar.comm.compress import BLOCK as COMPRESS_BLOCK
+from tensorpar.decode import gemv_kernel, row_step
 from tensorpar.decode.block import Layer, build_layer, norm_fn, ordered_all_reduce, rotate, windowed
+from tensorpar.decode.deterministic import DETERMINISTIC_TILE, deterministic_unsupported
 from tensorpar.decode.int8 import int8_linear, int8_weights, lean_weight
-from tensorpar.decode import gemv_kernel
-from tensorpar.decode.kernels import can_pack, gemv_linear, gemv_mm, mm, pack, packed_linear
-from tensorpar.decode.packed import pack_plan, pack_weights, unpack_weights
+from tensorpar.decode.kernels import can_pack, mm
 from tensorpar.decode.kv_cache import LeanKVCache, Segment, offsets, token_positions
+from tensorpar.decode.matmuls import use_gemv, use_packed
+from tensorpar.decode.packed import unpack_weights
 from tensorpar.decode.prepare import decoder_parts, fuse_projections, lean_unsupported
 from tensorpar.decode.rope import rope_switch_length, row_rotary
-from tensorpar.layers.fused import fused_weight
 
-__all__ = ["LeanDecoder", "Segment", "DETERMINISTIC_TILE"]
-
-#: tokens per tile of the batch-invariant mode (``LeanDecoder(deterministic=True)``): every matmul, norm,
-#: element-wise op and all-reduce of the token-wise work runs on ``[DETERMINISTIC_TILE, ...]`` tensors (the last
-#: tile padded with zero rows), so the kernels, their blocking and their thread split are the same whatever the
-#: step's token count; 16 = serve's default ``--max-batch`` (a full decode batch is one tile)
-DETERMINISTIC_TILE = 16
-
-
-def deterministic_unsupported(config, *, lean_why: str | None, pp: int, tp_comm: str) -> str | None:
-    """Why ``serve --deterministic`` cannot run ``config`` with these settings (``None``: it can): the rule the
-    launcher applies before any rank starts; the ranks apply the same one to the loaded model
-    (:class:`~tensorpar.serve.engine.Engine`, :class:`LeanDecoder`). ``lean_why``: why the model has no lean
-    decode path (:func:`tensorpar.hf.families.why_not` of ``"fast_decode"``), ``pp``: ``--pp``, ``tp_comm``:
-    ``--tp-comm``."""
-    from tensorpar.hf.families.moe import moe_layers
-    if lean_why is not None:
-        return f"it needs the lean decode path, which this model has not ({lean_why})"
-    if pp > 1:
-        return f"it runs the whole model on each rank: --pp {pp} is not supported, use --pp 1"
-    if moe_layers(config):
-        return "this model has mixture-of-experts blocks, which route the step's tokens together"
-    h = config.hidden_size
-    if tp_comm == "int8" and h % COMPRESS_BLOCK:
-        return (f"--tp-comm int8 quantizes blocks of {COMPRESS_BLOCK} values, which would span two tokens of this "
-                f"model's hidden size {h}; use --tp-comm fp32")
-    return None
-
+__all__ = ["LeanDecoder", "Segment", "DETERMINISTIC_TILE", "deterministic_unsupported"]
 
 class LeanDecoder:
     """Static-cache forward of a sharded Llama-family causal LM for prefill and decode (see the module docstring).
@@ -113,8 +89,8 @@ class LeanDecoder:
         prepack: run the matmuls on weights reordered once into oneDNN's blocked layout. bf16: bitwise the
             results of ``F.linear``, which on a bf16 CPU weight reorders it on every call (1.5x slower GEMV,
             measured in bench/results/decode.md). fp32: oneDNN's kernels instead of MKL's ``torch.mm``, within a
-            few units in the last place of it and faster (:meth:`_use_packed`). ``None``: our GEMV on the plain
-            weights (:meth:`_use_gemv`) where it runs and ``max_batch`` is at most
+            few units in the last place of it and faster (:func:`~tensorpar.decode.matmuls.use_packed`). ``None``: our GEMV on the plain
+            weights (:func:`~tensorpar.decode.matmuls.use_gemv`) where it runs and ``max_batch`` is at most
             :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS`, else prepacked for CPU weights in fp32, or bf16 where
             oneDNN runs bf16. ``False``: plain ``torch.mm`` / ``F.linear``. Never for a model quantized by
             :func:`tensorpar.decode.quantize.quantize_int8` (its matmuls read the int8 weights).
@@ -187,12 +163,12 @@ class LeanDecoder:
             self.lin = self.linear = int8_linear
         else:
             self.lin, self.linear = mm, F.linear
-        #: our GEMV on the plain weights for steps of at most gemv_kernel.MAX_ROWS rows (:meth:`_use_gemv`)
-        self.gemv = (not int8 and prepack is None and max_batch <= gemv_kernel.MAX_ROWS and self._use_gemv())
+        #: our GEMV on the plain weights for steps of at most gemv_kernel.MAX_ROWS rows (:func:`use_gemv`)
+        self.gemv = (not int8 and prepack is None and max_batch <= gemv_kernel.MAX_ROWS and use_gemv(self))
         self.packed = (not int8 and not self.gemv and (prepack if prepack is not None else can_pack(w0))
                        and w0.device.type == "cpu" and torch.backends.mkldnn.is_available())
         if self.packed:
-            self._use_packed(model)
+            use_packed(self, model)
         #: key validity per row and position (False: left padding); decode masks are views of it
         self.valid = torch.ones(max_batch, max_len, dtype=torch.bool, device=dev)
         self.padded = False
@@ -208,70 +184,8 @@ class LeanDecoder:
             if tp.compression == "int8" and h % COMPRESS_BLOCK:
                 raise ValueError(f"deterministic (batch-invariant) decoding with --tp-comm int8 needs a hidden "
                                  f"size that is a multiple of {COMPRESS_BLOCK}, got {h}; use --tp-comm fp32")
-
-    def _use_gemv(self) -> bool:
-        """Run the matmuls of steps of at most :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS` rows (decode at batch
-        1) through our GEMV on the plain weights, the rest (prefill) through ``torch.mm`` / ``F.linear`` on the same
-        weights: nothing packed, nothing converted. It streams the weights faster than oneDNN's prepacked GEMV
-        (fp32 1.2-1.5x, bf16 1.3-2.1x at one row on the 1.1B Llama's shapes, bench/results/gemv-0014.md) but not
-        at 4 rows (bench/results/gemv.md), hence only for decoders of ``max_batch`` <= ``MAX_ROWS``. Taken when
-        the kernel runs here
-        (:func:`~tensorpar.decode.gemv_kernel.supports` every weight: CPU, fp32 or bf16, contiguous) and a probe
-        is within the kernel's tolerance of ``F.linear`` (fp32: 1e-5 relative, the order of the fp32 sums; bf16:
-        one bf16 rounding, 2^-8 relative)."""
-        ws = [w for L in self.layers for *_, w, _ in L.packs] + ([self.lm_w] if self.last else [])
-        if not ws or not all(isinstance(w, torch.Tensor) and gemv_kernel.supports(w) for w in ws):
-            return False
-        w = ws[0]
-        probe = torch.randn(1, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
-        with torch.no_grad():
-            got, want = gemv_kernel.gemv(probe, w, None).float(), F.linear(probe, w).float()
-        tol = 1e-5 if w.dtype == torch.float32 else 2.0 ** -8
-        if not torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max())):
-            return False
-        self.lin, self.linear = gemv_mm, gemv_linear
-        return True
-
-    def _use_packed(self, model) -> None:
-        """Run the matmuls on oneDNN-packed weights that replace the plain ones on the modules
-        (:func:`~tensorpar.decode.packed.pack_weights`; a tied LM head stays plain: the embedding reads it). bf16:
-        only if a probe shows them bitwise equal to ``F.linear`` on this machine (else keep the plain weights).
-        fp32: oneDNN's kernels differ from ``torch.mm``'s (MKL) in the order of their sums, a few units in the last
-        place (the probe checks 1e-5 relative), and ran 1.4x (one row) to 1.8x (32 rows) faster at the decode
-        shapes of SmolLM2 on an idle machine (bench/results/matmul_pack.md). Nothing is packed when a weight's
-        module is not a plain column/row-parallel Linear (:func:`~tensorpar.decode.packed.pack_plan`)."""
-        w = self.layers[0].packs[0][3]
-        probe = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
-        with torch.no_grad():
-            got = packed_linear(probe, pack(w), None)
-            want = F.linear(probe, w)
-        same = (torch.equal(got, want) if w.dtype != torch.float32
-                else torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())))
-        if not same:
-            self.packed = False
-            return
-        del w
-        tied = model.lm_head._parameters.get("weight") is decoder_parts(model)[0]._parameters.get("weight")
-        fields = [(L, field, id(w)) for L in self.layers for field, _, _, w, _ in L.packs]
-        head = None if tied or not self.last else id(self.lm_w)     # not the last pipeline stage: no LM head
-        try:
-            plan = pack_plan(model, {i for *_, i in fields} | ({head} if head is not None else set()))
-        except ValueError:                      # a weight outside a plain parallel Linear: keep them all plain
-            self.packed = False
-            return
-        for L in self.layers:       # drop the [in, out] views first, so each plain matrix is freed as it is packed
-            for field, *_ in L.packs:
-                setattr(L, field, None)
-            L.packs = []
-        lm_w, self.lm_w = self.lm_w, None
-        packed = pack_weights(model, plan)
-        for L, field, i in fields:
-            setattr(L, field, packed[i])
-        self.lin = packed_linear
-        if head is None:                        # tied to the embedding: the plain table, F.linear (or no head)
-            self.lm_w = lm_w
-        else:
-            self.lm_w, self.linear = packed[head], packed_linear
+        #: the one- or two-row decode step in few calls per layer (tensorpar/decode/row_step.py), where it runs
+        self.row_step = row_step.RowStep(self) if row_step.why_not(self) is None else None
 
     def nbytes(self) -> int:
         """Bytes held by the KV cache."""
@@ -327,6 +241,8 @@ class LeanDecoder:
         if sum(g.b * g.s for g in segments) != T or rope_pos.shape[0] != T:
             raise ValueError(f"segments of {[(g.b, g.s) for g in segments]} rows x tokens do not add up to the "
                              f"{T} ids / {rope_pos.shape[0]} positions given")
+        if self.row_step is not None and last_only and self.row_step.runs(segments):
+            return self.row_step(ids, rope_pos, segments[0])
         R = self.tile
         if R is not None and not last_only:
             raise ValueError("the deterministic mode returns the last position's logits only (last_only=True)")

@@ -88,6 +88,39 @@ class ShmCommunicator(StepProtocol):
                 torch.maximum(out, v, out=out)
         return out
 
+    def all_reduce_parts(self, x: torch.Tensor) -> tuple[int, ...]:
+        """The exchange of a one-shot sum :meth:`all_reduce` of ``x`` without the sum, for a caller that adds the
+        ranks' copies itself (fused with what follows, e.g. :func:`tensorpar.decode.fused.all_reduce_add_rms_norm`:
+        the residual add and the next norm in one pass): ``x`` (contiguous, at most ``oneshot_bytes``) is copied into
+        this rank's slot and one step runs with the metadata of ``all_reduce(x)``; returns the addresses of every
+        rank's copy, in rank order. The caller must add them in rank order (``((x0 + x1) + x2) ...``, what
+        :meth:`all_reduce` computes) and finish reading them before its next collective on this communicator: a slot
+        is written again only after every rank has passed the next step's barrier.
+
+        Shapes: ``x`` any shape, the same on every rank (``[rows, h]`` in decode). Raises ValueError (on every rank)
+        if ``x`` is larger than ``oneshot_bytes`` or not contiguous; a peer's failure as :meth:`all_reduce` does.
+        """
+        if self._broken is not None:
+            self._check_usable(K_AR)
+        self._calls += 1
+        try:
+            key = (K_AR, x.dtype, x.shape, "sum")
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._plan_all_reduce(key, x, "sum")
+            if plan[4] is None or not x.is_contiguous():
+                raise ValueError(f"all_reduce_parts takes a contiguous tensor of at most {self.oneshot_bytes} bytes, "
+                                 f"got {tuple(x.shape)} {x.dtype}, contiguous={x.is_contiguous()}")
+            p = self._seq & 1
+            self._memmove(self._addr[p], x.data_ptr(), plan[0])
+            self._arrive(p, plan[1], plan[2], K_AR)
+            return self._slot_addrs[p]
+        except ValueError:
+            raise
+        except BaseException as e:
+            self._break(e, K_AR)
+            raise
+
     def _plan_all_reduce(self, key, x: torch.Tensor, op: str):
         """``(nbytes, meta a, meta b, op code, per-parity slot views or None)`` for this call signature."""
         n, opc = x.numel(), OPS.get(op, OP_INVALID)

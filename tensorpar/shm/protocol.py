@@ -106,6 +106,7 @@ class StepProtocol:
         self._me = self._lines[rank]
         self._others = [(r, self._lines[r]) for r in range(size) if r != rank]
         self._addr = [segment.base + lay.slot(rank, p) for p in (0, 1)]
+        self._slot_addrs = [tuple(segment.base + lay.slot(r, p) for r in range(size)) for p in (0, 1)]
         self._slots = [[segment.data[lay.slot(r, p): lay.slot(r, p) + lay.slot_bytes] for r in range(size)]
                        for p in (0, 1)]
         self._spin_ns = int(self.policy.spin_us * 1e3)

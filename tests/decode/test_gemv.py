@@ -1,5 +1,5 @@
 """Our fp32 / bf16 GEMV (tensorpar/decode/gemv_kernel.py, csrc/gemv.cpp) against ``F.linear``, and the lean path
-that runs it on the plain weights for decoders of a few rows (tensorpar/decode/lean.py ``_use_gemv``)."""
+that runs it on the plain weights for decoders of a few rows (tensorpar/decode/matmuls.py ``use_gemv``)."""
 import pytest
 import torch
 import torch.nn.functional as F

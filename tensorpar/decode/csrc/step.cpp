@@ -1,0 +1,142 @@
+// The element-wise pieces of a one-row decode step of the lean path (tensorpar/decode/row_step.py), each fused into
+// one call so that a layer costs a few calls instead of dozens of framework ops (tensorpar.decode.fused):
+//
+// * tp_add_rms_norm: the residual add of an all-reduce's result and the next RMSNorm in one pass:
+//   x += ((p0 + p1) + p2 ...) (the ranks' partial sums in rank order, as the shared-memory all-reduce adds them),
+//   h = w * (x * rsqrt(sum(x^2) / H + eps)). Every add and product is rounded as torch's element-wise kernels round
+//   it (built with -ffp-contract=off: no fused multiply-add), so x is bitwise what `x.add_(all_reduce(p))` gives;
+//   only the sum of squares is added in another order than torch's `mean` (fp32, 16 lanes then the lanes in order).
+// * tp_rope_store: the rotary embedding of the q and k heads of a fused QKV row, the families' formula
+//   q * cos + rotate_half(q) * sin computed as q * cos + q[perm] * sin_sign (bitwise the lean path's torch ops), the
+//   rotated q written to q_out and the rotated k and the v written straight into the KV cache at the row's position.
+//
+// Plain C ABI (ctypes), fp32 only, no torch headers; built by tensorpar/decode/fused.py.
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+extern "C" int tp_step_abi(void) { return 1; }
+
+// x [rows, H] += sum of parts[0..nparts) [rows, H] (rank order; nparts 0: no add); h [rows, H] (if not null) =
+// w * (x * rsqrt(mean(x^2) + eps))
+extern "C" void tp_add_rms_norm(float* x, const float* const* parts, int nparts, int64_t rows, int64_t H,
+                                const float* w, float eps, float* h) {
+    for (int64_t m = 0; m < rows; ++m) {
+        float* xr = x + m * H;
+        const int64_t o = m * H;
+        if (nparts == 1) {
+            const float* p0 = parts[0] + o;
+            for (int64_t i = 0; i < H; ++i) xr[i] = xr[i] + p0[i];
+        } else if (nparts >= 2) {
+            const float* p0 = parts[0] + o;
+            const float* p1 = parts[1] + o;
+            for (int64_t i = 0; i < H; ++i) {
+                float s = p0[i] + p1[i];
+                for (int r = 2; r < nparts; ++r) s = s + parts[r][o + i];
+                xr[i] = xr[i] + s;
+            }
+        }
+        if (h == nullptr) continue;
+        float acc[16] = {0};
+        const int64_t H16 = H & ~(int64_t)15;
+        for (int64_t i = 0; i < H16; i += 16)
+            for (int j = 0; j < 16; ++j) acc[j] = acc[j] + xr[i + j] * xr[i + j];
+        for (int64_t i = H16; i < H; ++i) acc[i - H16] = acc[i - H16] + xr[i] * xr[i];
+        float ss = 0.0f;
+        for (int j = 0; j < 16; ++j) ss = ss + acc[j];
+        const float r = 1.0f / sqrtf(ss / (float)H + eps);
+        float* hr = h + m * H;
+        for (int64_t i = 0; i < H; ++i) hr[i] = (xr[i] * r) * w[i];
+    }
+}
+
+// one head: y[j] = x[j] * c[j] + x[perm(j)] * s[j] for j < rd (perm swaps the halves of [0, rd)), y[j] = x[j] after
+static inline void rope_head(const float* x, const float* c, const float* s, int64_t d, int64_t rd, float* y) {
+    const int64_t half = rd / 2;
+    for (int64_t j = 0; j < rd; ++j) {
+        const int64_t pj = j < half ? j + half : j - half;
+        y[j] = x[j] * c[j] + x[pj] * s[j];
+    }
+    for (int64_t j = rd; j < d; ++j) y[j] = x[j];
+}
+
+// qkv [rows, (nq + 2 nkv) * d] (q heads, k heads, v heads), cos / sin_sign [rows, rd]:
+// q_out [rows, nq, d] = rotated q; cache position of row m, head j: k_layer / v_layer + j * head_stride + row_off[m]
+extern "C" void tp_rope_store(const float* qkv, int64_t rows, int64_t nq, int64_t nkv, int64_t d, int64_t rd,
+                              const float* cos, const float* sin_sign, float* q_out, float* k_layer, float* v_layer,
+                              int64_t head_stride, const int64_t* row_off) {
+    const int64_t width = (nq + 2 * nkv) * d;
+    for (int64_t m = 0; m < rows; ++m) {
+        const float* r = qkv + m * width;
+        const float* c = cos + m * rd;
+        const float* s = sin_sign + m * rd;
+        for (int64_t j = 0; j < nq; ++j) rope_head(r + j * d, c, s, d, rd, q_out + (m * nq + j) * d);
+        for (int64_t j = 0; j < nkv; ++j) {
+            rope_head(r + (nq + j) * d, c, s, d, rd, k_layer + j * head_stride + row_off[m]);
+            memcpy(v_layer + j * head_stride + row_off[m], r + (nq + nkv + j) * d, (size_t)d * sizeof(float));
+        }
+    }
+}
+
+// Decode attention, one query per row: for row m and query head h (its KV head kv_of[h]), the keys and values of
+// positions t in [0, L) at k_layer / v_layer + kv_of[h] * head_stride + kbase[m] + t * d (one block per row), the
+// positions where mask[m * mask_stride + t] is 0 left out (mask null: all); scores q.k * scale, softmax (the
+// maximum subtracted, expf), out[m, h * d : (h + 1) * d] = sum_t p_t v_t / sum_t p_t. fp32 sums in another order
+// than torch's CPU flash attention (its blocking, its exp): within fp32 rounding of scaled_dot_product_attention.
+extern "C" void tp_decode_attention(const float* q, int64_t rows, int64_t nq, int64_t d, const float* k_layer,
+                                    const float* v_layer, int64_t head_stride, const int64_t* kbase, int64_t L,
+                                    const uint8_t* mask, int64_t mask_stride, const int64_t* kv_of, float scale,
+                                    float* s, float* out) {
+    const int64_t d16 = d & ~(int64_t)15;
+    for (int64_t m = 0; m < rows; ++m) {
+        const uint8_t* mk = mask ? mask + m * mask_stride : nullptr;
+        for (int64_t h = 0; h < nq; ++h) {
+            const float* qh = q + (m * nq + h) * d;
+            const float* K = k_layer + kv_of[h] * head_stride + kbase[m];
+            const float* V = v_layer + kv_of[h] * head_stride + kbase[m];
+            float mx = -INFINITY;
+            for (int64_t t = 0; t < L; ++t) {
+                if (mk && !mk[t]) {
+                    s[t] = -INFINITY;
+                    continue;
+                }
+                const float* kt = K + t * d;
+                float acc[16] = {0};
+                for (int64_t j = 0; j < d16; j += 16)
+                    for (int u = 0; u < 16; ++u) acc[u] = acc[u] + qh[j + u] * kt[j + u];
+                for (int64_t j = d16; j < d; ++j) acc[j - d16] = acc[j - d16] + qh[j] * kt[j];
+                float dot = 0.0f;
+                for (int u = 0; u < 16; ++u) dot = dot + acc[u];
+                s[t] = dot * scale;
+                if (s[t] > mx) mx = s[t];
+            }
+            float sum = 0.0f;
+            for (int64_t t = 0; t < L; ++t) {
+                const float p = s[t] == -INFINITY ? 0.0f : expf(s[t] - mx);
+                s[t] = p;
+                sum = sum + p;
+            }
+            float* o = out + (m * nq + h) * d;
+            for (int64_t j = 0; j < d; ++j) o[j] = 0.0f;
+            for (int64_t t = 0; t < L; ++t) {
+                const float p = s[t];
+                if (p == 0.0f) continue;
+                const float* vt = V + t * d;
+                for (int64_t j = 0; j < d; ++j) o[j] = o[j] + p * vt[j];
+            }
+            const float inv = 1.0f / sum;
+            for (int64_t j = 0; j < d; ++j) o[j] = o[j] * inv;
+        }
+    }
+}
+
+// The gated MLP's activation: a [rows, f] = silu(gu[:, :f]) * gu[:, f:] (gu [rows, 2 f]), silu(g) = g / (1 + expf(-g))
+// as torch computes it, with expf for torch's vectorised exp (within an ulp of it).
+extern "C" void tp_silu_mul(const float* gu, int64_t rows, int64_t f, float* a) {
+    for (int64_t m = 0; m < rows; ++m) {
+        const float* g = gu + m * 2 * f;
+        const float* u = g + f;
+        float* am = a + m * f;
+        for (int64_t j = 0; j < f; ++j) am[j] = (g[j] / (1.0f + expf(-g[j]))) * u[j];
+    }
+}

@@ -1,0 +1,139 @@
+"""Fused element-wise kernels of the lean path's one-row decode step (csrc/step.cpp; :mod:`tensorpar.decode.row_step`
+runs them): the all-reduce of a row-parallel projection's partial sums fused with the residual add and the next
+RMSNorm (:func:`all_reduce_add_rms_norm`), the rotary embedding of the q and k heads with the cache write of k and v
+(:func:`rope_store`), attention of one query per row over the cache (:func:`decode_attention`) and the gated
+MLP's activation (:func:`silu_mul`). Each replaces framework ops per layer with one call.
+
+Exactness: every add and product is rounded as torch's element-wise kernels round it (the file is built with
+``-ffp-contract=off``: no fused multiply-add), so the residual stream (``x + ((p0 + p1) + ...)``, the ranks'
+partials in rank order, as :meth:`tensorpar.shm.ShmCommunicator.all_reduce` adds them), the rotated q and k and the
+cached v are bitwise the unfused torch ops'. The differences: the RMSNorm's sum of squares is added in another
+order than torch's ``mean`` (16 fp32 lanes, then the lanes in order), so the norm's output is within a few units
+in the last place of the unfused one; attention sums in another order than torch's CPU flash attention and uses
+``expf`` (within fp32 rounding of it), as SiLU does for torch's vectorised exp. tests/decode/test_row_step.py checks each against its reference and greedy
+tokens against transformers'.
+
+Build: ``g++ -O3 -mavx512f -ffp-contract=off -shared`` of the one file, cached like
+:mod:`tensorpar.decode.gemv_kernel`'s and used under the same conditions (it is only called where that kernel runs;
+``TENSORPAR_GEMV_KERNEL=0`` turns both off).
+"""
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from tensorpar import comm
+from tensorpar.comm import Group
+from tensorpar.decode.q8_kernel import load_kernel
+
+_SRC = Path(__file__).with_name("csrc") / "step.cpp"
+_FLAGS = ["-O3", "-mavx512f", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17"]
+_FEATURES = ("avx512f",)
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+@lru_cache(maxsize=1)
+def _lib():
+    lib = load_kernel(_SRC, _FLAGS, "step", _FEATURES, "TENSORPAR_GEMV_KERNEL")
+    if lib is None:
+        return None
+    lib.tp_add_rms_norm.restype = None
+    lib.tp_add_rms_norm.argtypes = [_P, ctypes.POINTER(_P), ctypes.c_int, _I, _I, _P, ctypes.c_float, _P]
+    lib.tp_rope_store.restype = None
+    lib.tp_rope_store.argtypes = [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P]
+    lib.tp_silu_mul.restype = None
+    lib.tp_silu_mul.argtypes = [_P, _I, _I, _P]
+    lib.tp_decode_attention.restype = None
+    lib.tp_decode_attention.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _P, ctypes.c_float, _P, _P]
+    return lib
+
+
+def available() -> bool:
+    """Whether this process can run the kernels (AVX-512 F, a C++ compiler, ``TENSORPAR_GEMV_KERNEL`` not ``0``)."""
+    return _lib() is not None
+
+
+@lru_cache(maxsize=64)
+def _parts(addresses: tuple[int, ...]):
+    """``addresses`` as a C array of pointers (the shared-memory slots' two tuples are cached)."""
+    return (_P * len(addresses))(*addresses)
+
+
+def add_rms_norm(x: torch.Tensor, parts: list[torch.Tensor], weight: torch.Tensor | None, eps: float,
+                 out: torch.Tensor | None) -> None:
+    """In place on ``x`` ``[rows, H]`` (fp32, contiguous): ``x += ((parts[0] + parts[1]) + ...)`` (each ``[rows, H]``;
+    none: no add), then ``out = weight * (x * rsqrt(mean(x^2) + eps))`` (skipped when ``out`` is None). The
+    reference entry of the kernel (tests); the decode step calls :func:`all_reduce_add_rms_norm`."""
+    rows, H = x.shape
+    for t in [x, *parts] + ([out, weight] if out is not None else []):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError("add_rms_norm takes contiguous fp32 CPU tensors")
+    _lib().tp_add_rms_norm(x.data_ptr(), _parts(tuple(p.data_ptr() for p in parts)), len(parts), rows, H,
+                           None if out is None else weight.data_ptr(), eps, None if out is None else out.data_ptr())
+
+
+def all_reduce_add_rms_norm(partial: torch.Tensor, tp: Group, args: tuple) -> None:
+    """The sum of ``partial`` ``[rows, H]`` over ``tp`` added to the residual stream and normalised, in one pass:
+    ``args`` = ``(x, rows, H, weight, eps, out)`` as the kernel takes them (addresses of ``x`` ``[rows, H]``, the
+    norm's weight ``[H]``, ``out`` ``[rows, H]``, all fp32; :class:`~tensorpar.decode.row_step.RowStep` prepares
+    them once). ``x`` becomes bitwise ``x + all_reduce(partial)``; ``out`` the RMSNorm of it (see the module
+    docstring). On a shared-memory group the ranks' partials are read where the all-reduce's exchange left them
+    (:meth:`~tensorpar.shm.ShmCommunicator.all_reduce_parts`, no sum tensor); otherwise :func:`tensorpar.comm.all_reduce`
+    and the kernel reads its result. Collectives: one all-reduce of ``[rows, H]`` (counted and fingerprinted as
+    :func:`tensorpar.comm.all_reduce`'s)."""
+    keep = None
+    if tp.size == 1:
+        parts = (partial.data_ptr(),)
+    else:
+        fast = tp.fast
+        if fast is not None and hasattr(fast, "all_reduce_parts"):
+            counter = tp.counter
+            counter.record("all_reduce", partial.numel(), 4, tp.size)
+            t0 = counter.start()
+            parts = fast.all_reduce_parts(partial)
+            counter.blocked("all_reduce", t0)
+        else:
+            keep = comm.all_reduce(partial, tp)
+            parts = (keep.data_ptr(),)
+    x, rows, H, w, eps, out = args
+    _lib().tp_add_rms_norm(x, _parts(parts), len(parts), rows, H, w, eps, out)
+
+
+def rms_norm_raw(args: tuple) -> None:
+    """``out = weight * (x * rsqrt(mean(x^2) + eps))`` with no add: ``args`` = ``(x, rows, H, weight, eps, out)``
+    as :func:`all_reduce_add_rms_norm` takes them (the first layer's input norm of a decode step)."""
+    x, rows, H, w, eps, out = args
+    _lib().tp_add_rms_norm(x, None, 0, rows, H, w, eps, out)
+
+
+def rope_store(args: tuple) -> None:
+    """Rotate the q and k heads of a fused QKV row and write k and v into the KV cache: ``args`` =
+    ``(qkv, rows, nq, nkv, d, rd, cos, sin_sign, q_out, k_layer, v_layer, head_stride, row_offsets)`` as the kernel
+    takes them (csrc/step.cpp ``tp_rope_store``: addresses of ``qkv`` ``[rows, (nq + 2 nkv) d]``, ``cos`` /
+    ``sin_sign`` ``[rows, rd]``, ``q_out`` ``[rows, nq, d]``, the layer's K and V pools, and a C array of each row's
+    element offset in them). Bitwise the lean path's ``rotate`` and cache copies. No collectives."""
+    _lib().tp_rope_store(*args)
+
+
+def decode_attention(args: tuple) -> None:
+    """Attention of one query per row over the KV cache, into a preallocated output: ``args`` = ``(q, rows, nq, d,
+    k_layer, v_layer, head_stride, kbase, L, mask, mask_stride, kv_of, scale, scratch, out)`` as the kernel takes
+    them (csrc/step.cpp ``tp_decode_attention``: addresses of ``q`` ``[rows, nq, d]``, the layer's K and V pools,
+    a C array of each row's element offset of position 0 (one block per row), a ``[rows, L]`` bool mask with its
+    row stride or None, each query head's KV head (a C array), ``scratch`` of at least ``L`` floats, ``out``
+    ``[rows, nq * d]``). Each query head reads its KV head in place: no copies per query head (uneven head splits)
+    and no kernel launch per run of heads. Within fp32 rounding of ``scaled_dot_product_attention`` (another order
+    of the sums, ``expf``). No collectives."""
+    _lib().tp_decode_attention(*args)
+
+
+def silu_mul(args: tuple) -> None:
+    """The gated MLP's activation into a preallocated output: ``args`` = ``(gu, rows, f, out)`` (addresses of ``gu``
+    ``[rows, 2 f]``, gate then up, and ``out`` ``[rows, f]``): ``out = silu(gate) * up``, ``silu(g) = g / (1 +
+    exp(-g))`` with ``expf`` for torch's vectorised exp, so within a few units in the last place of
+    ``F.silu(gate) * up``. No collectives."""
+    _lib().tp_silu_mul(*args)

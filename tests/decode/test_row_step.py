@@ -1,0 +1,229 @@
+"""The lean path's one- and two-row decode step (tensorpar/decode/row_step.py) and its fused kernels
+(tensorpar/decode/fused.py, csrc/step.cpp) against their references: the unfused torch ops, the general decode loop
+of LeanDecoder.forward_segments, and transformers' greedy tokens at tp 1 and 2 (shared-memory and gloo
+all-reduces)."""
+import pytest
+import torch
+
+from tensorpar.decode import fused, gemv_kernel
+from tensorpar.generate import SamplingConfig, generate_tokens
+from tests._ranks import run_tp
+from tests.decode.test_generate import ARCHS, hf_reference, make_model_folder, prompts
+
+needs_kernels = pytest.mark.skipif(not (gemv_kernel.available() and fused.available()),
+                                   reason="no AVX-512 BF16 CPU or no C++ compiler")
+#: the fused RMSNorm adds its sum of squares in another order than torch's ``mean`` (16 fp32 lanes): the sum then
+#: differs by a few units in its last place, and the output, after rsqrt and two products, by at most ~4 units in
+#: the last place of the largest output (2^-21 relative to it)
+NORM_TOL = 2.0 ** -21
+
+
+def _torch_norm(x, w, eps):
+    """The families' fp32 RMSNorm as the lean path's torch ops compute it (tensorpar.decode.kernels.rms_norm_fn)."""
+    return torch.mul(x, torch.mul(x, x).mean(-1, keepdim=True).add_(eps).rsqrt_()).mul_(w)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows,H,nparts", [(1, 576, 2), (2, 576, 2), (2, 37, 1), (1, 64, 3), (2, 100, 0)])
+def test_add_rms_norm_equals_unfused(rows, H, nparts):
+    """x += ((p0 + p1) + p2) is bitwise torch's ``x.add_(sum)`` with the sum in rank order (the shared-memory
+    all-reduce's); the norm of the new x is within NORM_TOL of torch's formula (its sum of squares in another
+    order)."""
+    g = torch.Generator().manual_seed(rows * H + nparts)
+    x = torch.randn(rows, H, generator=g) * 3
+    parts = [torch.randn(rows, H, generator=g) for _ in range(nparts)]
+    w, eps = torch.randn(H, generator=g), 1e-5
+    want_x = x.clone()
+    if parts:
+        s = torch.add(parts[0], parts[1]) if nparts > 1 else parts[0]
+        for p in parts[2:]:
+            s = s.add_(p)
+        want_x.add_(s)
+    want = _torch_norm(want_x, w, eps)
+    out = torch.empty(rows, H)
+    fused.add_rms_norm(x, parts, w, eps, out)
+    assert torch.equal(x, want_x)
+    assert (out - want).abs().max() <= NORM_TOL * want.abs().max()
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows,nq,nkv,d,rd", [(1, 5, 2, 64, 64), (2, 4, 1, 8, 8), (2, 3, 3, 16, 8)])
+def test_rope_store_equals_rotate_and_copy(rows, nq, nkv, d, rd):
+    """Rotary of the q and k heads and the K/V cache write in one call are bitwise the lean path's ``rotate`` and
+    copies, full and partial rotary (rd < d), rows at different cache positions."""
+    import ctypes
+
+    from tensorpar.decode.block import rotate
+    g = torch.Generator().manual_seed(rows * 100 + d)
+    qkv = torch.randn(rows, (nq + 2 * nkv) * d, generator=g)
+    cos, sin = torch.randn(rows, 1, rd, generator=g), torch.randn(rows, 1, rd, generator=g)
+    half = rd // 2
+    perm = torch.cat([torch.arange(half, rd), torch.arange(0, half)])
+    kc, vc = torch.zeros(nkv, 3, 8, d), torch.zeros(nkv, 3, 8, d)          # [kv, blocks, block_size, d]
+    at = [(2, 5), (0, 7)][:rows]                                             # (block, offset) of each row
+    q_out = torch.empty(rows, nq, d)
+    offs = (ctypes.c_int64 * rows)(*[(b * 8 + o) * d for b, o in at])
+    fused.rope_store((qkv.data_ptr(), rows, nq, nkv, d, rd, cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(),
+                      kc.data_ptr(), vc.data_ptr(), kc.stride(0), offs))
+    v3 = qkv.view(rows, nq + 2 * nkv, d)
+    want = rotate(v3[:, :nq + nkv], cos, sin, perm)
+    assert torch.equal(q_out, want[:, :nq])
+    for r, (b, o) in enumerate(at):
+        assert torch.equal(kc[:, b, o], want[r, nq:])
+        assert torch.equal(vc[:, b, o], v3[r, nq + nkv:])
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows,nq,kv_of,d,L,masked", [(1, 5, [0, 0, 0, 1, 1], 64, 37, False),
+                                                      (2, 4, [0, 1, 1, 1], 64, 9, True),
+                                                      (2, 6, [0, 0, 0, 1, 1, 1], 4, 20, True)])
+def test_decode_attention_equals_sdpa(rows, nq, kv_of, d, L, masked):
+    """One query per row over the cache, each query head reading its KV head in place (uneven splits and equal
+    groups), rows in other blocks, a padding mask: within 1e-5 of the largest output of
+    ``scaled_dot_product_attention`` on the KV heads copied per query head (the lean path's reference for uneven
+    splits): the same products, summed in another order, ``expf`` for torch's exp."""
+    import ctypes
+    g = torch.Generator().manual_seed(rows * L + d)
+    nkv, bs = max(kv_of) + 1, 40
+    kc, vc = torch.randn(nkv, 4, bs, d, generator=g), torch.randn(nkv, 4, bs, d, generator=g)
+    q = torch.randn(rows, nq, d, generator=g)
+    blocks = [3, 1][:rows]
+    mask = torch.ones(rows, 1, 1, L, dtype=torch.bool)
+    if masked:
+        mask[-1, ..., :3] = False                                          # a left-padded row
+    out, scratch = torch.empty(rows, nq * d), torch.empty(bs)
+    base = (ctypes.c_int64 * rows)(*[blk * bs * d for blk in blocks])
+    fused.decode_attention((q.data_ptr(), rows, nq, d, kc.data_ptr(), vc.data_ptr(), kc.stride(0), base, L,
+                            mask.data_ptr() if masked else None, mask.stride(0), (ctypes.c_int64 * nq)(*kv_of),
+                            d ** -0.5, scratch.data_ptr(), out.data_ptr()))
+    idx = torch.tensor(kv_of)
+    keys = kc[:, blocks, :L].transpose(0, 1).index_select(1, idx)                          # [rows, nq, L, d]
+    vals = vc[:, blocks, :L].transpose(0, 1).index_select(1, idx)
+    want = torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), keys, vals,
+                                                            attn_mask=mask if masked else None, scale=d ** -0.5)
+    want = want.reshape(rows, nq * d)
+    assert (out - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows,f", [(1, 768), (2, 37)])
+def test_silu_mul_equals_torch(rows, f):
+    """silu(gate) * up of a gate-up row in one call: within 4 units in the last place of each of torch's
+    ``F.silu(gate) * up`` (``expf`` for torch's vectorised exp, which may differ by an ulp)."""
+    g = torch.Generator().manual_seed(rows * f)
+    gu = torch.randn(rows, 2 * f, generator=g) * 4
+    out = torch.empty(rows, f)
+    fused.silu_mul((gu.data_ptr(), rows, f, out.data_ptr()))
+    want = torch.nn.functional.silu(gu[:, :f]) * gu[:, f:]
+    assert ((out - want).abs() <= 4 * torch.finfo(torch.float32).eps * want.abs() + 1e-30).all()
+
+
+def job_logits(ctx, folder, ids, mask, want, shm):
+    """Prefill and decode steps feeding ``want`` ``[b, steps]`` (transformers' tokens) to a batch-``b`` LeanDecoder,
+    with its row step and with the general loop: per step the logits of both, and how often the row step ran; then
+    generate's greedy tokens."""
+    from tensorpar.decode.lean import LeanDecoder
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.shm import disable_fast_collectives, enable_fast_collectives
+    if shm:
+        enable_fast_collectives(ctx.tp, "on")
+    try:
+        model, _ = build_parallel_model(folder, ctx.tp)
+        b, steps = want.shape
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = {}
+        for name in ("row", "general"):
+            lean = LeanDecoder(model, ctx.tp, max_batch=b, max_len=ids.shape[1] + steps + 1)
+            has = lean.row_step is not None
+            if name == "general":
+                lean.row_step = None
+            ran = []
+            if lean.row_step is not None:
+                call = lean.row_step.__call__
+                lean.row_step = type("Counted", (), {"runs": lean.row_step.runs,
+                                                     "__call__": lambda self, *a: ran.append(1) or call(*a)})()
+            logits = [lean.prefill(ids, mask, pos)]
+            for t in range(steps - 1):
+                logits.append(lean.decode(want[:, t:t + 1], pos[:, -1:] + 1 + t, ids.shape[1] + t))
+            out[name] = (logits, has, len(ran))
+        tokens = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=steps)).tokens
+        return out, tokens
+    finally:
+        if shm:
+            disable_fast_collectives(ctx.tp)
+
+
+@needs_kernels
+@pytest.mark.parametrize("tp,batch,shm", [(1, 1, False), (1, 2, False), (2, 1, True),
+                                          pytest.param(2, 2, True, marks=pytest.mark.slow),
+                                          pytest.param(2, 1, False, marks=pytest.mark.slow)])
+def test_row_step_equals_general_loop_and_transformers(pools, tmp_path, tp, batch, shm):
+    """A decoder of batch 1 or 2 runs its decode steps through the row step; their logits are within fp32 rounding
+    of the general loop's (1e-5 of the largest: the fused norms differ in the last bits, the GEMV is the same) and
+    greedy tokens equal transformers', at tp=1 and tp=2 over shared memory (the fused all-reduce reads the ranks'
+    slots) and over gloo (it adds all_reduce's result). Batch 2: a left-padded row (decode masks)."""
+    folder = make_model_folder(tmp_path / "llama", "llama")
+    ids, mask = prompts(ARCHS["llama"]["vocab_size"])
+    rows = [0] if batch == 1 else [0, 2]
+    ids, mask = ids[rows], mask[rows]
+    steps = 10
+    want, _ = hf_reference(folder, ids, mask, steps)
+    for r, (out, tokens) in enumerate(run_tp(pools, tp, job_logits, folder, ids, mask, want, shm)):
+        got, has, ran = out["row"]
+        ref, _, ran_general = out["general"]
+        assert has and ran == steps - 1 and ran_general == 0, (has, ran, ran_general)
+        for a, b in zip(got, ref):
+            assert (a - b).abs().max() <= 1e-5 * b.abs().max(), f"rank {r}"
+        assert torch.equal(tokens, want), f"tp={tp} rank {r}: {tokens} != transformers {want}"
+
+
+def test_row_step_stays_out_of_what_it_does_not_run(tmp_path):
+    """Deterministic decoders, oneDNN-prepacked ones (max_batch 3) and sliding-window models keep the general loop."""
+    from tensorpar.decode.lean import LeanDecoder
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.parallel import ParallelContext
+    ctx = ParallelContext.single()
+    model, _ = build_parallel_model(make_model_folder(tmp_path / "llama", "llama"), ctx.tp)
+    assert LeanDecoder(model, ctx.tp, max_batch=1, max_len=8, deterministic=True).row_step is None
+    assert LeanDecoder(model, ctx.tp, max_batch=3, max_len=8).row_step is None
+    assert LeanDecoder(model, ctx.tp, max_batch=1, max_len=8, prepack=False).row_step is None
+    # the fused norm replaces only the probed fp32 formula w * x_hat, never a module (Gemma's (1 + w) * x_hat has
+    # weight and eps attributes too)
+    from tensorpar.decode.kernels import rms_norm_fn
+    from tensorpar.decode.row_step import _norm
+    mod = model.model.layers[0].input_layernorm
+    assert _norm(mod) is None and _norm(rms_norm_fn(mod)) is not None
+    gemma = type("GemmaLike", (), {"weight": mod.weight, "eps": 1e-6})()
+    assert _norm(gemma) is None
+
+
+def job_smollm2(ctx, folder, ids):
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.shm import disable_fast_collectives, enable_fast_collectives
+    enable_fast_collectives(ctx.tp, "on")
+    try:
+        model, _ = build_parallel_model(folder, ctx.tp)
+        return generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=32)).tokens
+    finally:
+        disable_fast_collectives(ctx.tp)
+
+
+@needs_kernels
+@pytest.mark.network
+@pytest.mark.slow
+def test_smollm2_batch_one_row_step_equals_transformers(pools):
+    """SmolLM2-135M at batch 1 (the row step decodes; 9 query heads over 3 KV heads split 5 / 4 per rank, the uneven
+    layout) at tp=2 over shared memory gives transformers' 32 greedy tokens for each of three prompts."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tensorpar.hub import resolve_model
+    folder = str(resolve_model("smollm2", progress=False))
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for prompt in ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):"]:
+        ids = tok([prompt], return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            want = model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False, eos_token_id=None,
+                                  pad_token_id=tok.eos_token_id)[:, ids.shape[1]:]
+        for r, got in enumerate(pools(2).run(job_smollm2, folder, ids)):
+            assert torch.equal(got, want), f"{prompt!r} rank {r}: {tok.decode(got[0])!r} != {tok.decode(want[0])!r}"
