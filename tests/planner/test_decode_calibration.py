@@ -15,7 +15,7 @@ from tensorpar.planner.model_spec import from_hf_config
 
 FAKE = {"decode_read_gbps": 8.0, "decode_read_host_gbps": 10.0, "decode_collective_us": 50.0,
         "layer_overhead_us": 300.0, "floor_step_ms": 0.6, "floor_path": "lean", "backend": "shm", "reads": {},
-        "seconds": 1.0}
+        "seconds": 1.0, "loadavg_1min": 3.0}
 
 
 def _config(layers=2, **kw) -> dict:
@@ -64,6 +64,7 @@ def test_decode_device_fills_only_a_cpu_rank_without_constants(tmp_path, counted
     lines = []
     device, note = dd.decode_device(_cpu_device(), model, cfg, 2, "shm", tmp_path, log=lines.append)
     assert all(getattr(device, k) == FAKE[k] for k in dd.DECODE_FIELDS) and "measured now" in note
+    assert "measured at load 3.0" in note     # the load the wall-clock rates were taken under
     assert len(lines) == 1 and lines[0].startswith("calibrating decode for this model shape once: ~")
     device, note = dd.decode_device(_cpu_device(), model, cfg, 2, "shm", tmp_path, log=lines.append)
     assert "read from" in note and len(lines) == 1 and len(counted) == 1
@@ -122,4 +123,4 @@ def test_real_measurement_gives_positive_constants():
     cfg = _config()
     got = dd.measure_decode_constants(from_hf_config(cfg, name="tiny"), cfg, 2, "shm", tokens=4)
     assert all(got[k] > 0 for k in ("decode_read_gbps", "decode_read_host_gbps", "layer_overhead_us"))
-    assert got["decode_collective_us"] >= 0 and got["floor_path"] in ("lean", "auto")
+    assert got["decode_collective_us"] >= 0 and got["floor_path"] in ("lean", "auto") and got["loadavg_1min"] >= 0

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -67,12 +68,13 @@ def measure_decode_constants(model, config: dict, ranks: int, backend: str = "sh
     """Measure the four decode constants (module docstring) for ``model`` (a
     :class:`~tensorpar.planner.model_spec.ModelSpec`; ``config``: its Hugging Face config dict, for the floor) with
     ``ranks`` ranks on this host. Returns the constants plus ``seconds`` (the time it took), ``floor_path``,
-    ``floor_step_ms``, ``backend`` (the one measured) and ``reads`` (``measure_decode_reads``' results, ranks
+    ``floor_step_ms``, ``backend`` (the one measured), ``loadavg_1min`` (the mean of before and after: the rates
+    are wall-clock ones under that load) and ``reads`` (``measure_decode_reads``' results, ranks
     dropped). Raises RuntimeError when a worker fails."""
     from tensorpar.planner.calibrate.decode import measure_decode_reads
     from tensorpar.testing import RankFailure, WorkerPool
 
-    start = time.perf_counter()
+    start, load = time.perf_counter(), os.getloadavg()[0]
     try:
         with WorkerPool(1, collective_timeout_s=120, job_timeout_s=600) as pool:
             floor = pool.run(floor_job, config, tokens)[0]
@@ -94,7 +96,7 @@ def measure_decode_constants(model, config: dict, ranks: int, backend: str = "sh
             "decode_collective_us": max(0.0, shared.get("collective_us", 0.0)),
             "layer_overhead_us": floor["step_ms"] * 1e3 / model.num_layers, "floor_step_ms": floor["step_ms"],
             "floor_path": floor["path"], "backend": backend if ranks > 1 else "", "reads": reads,
-            "seconds": time.perf_counter() - start}
+            "seconds": time.perf_counter() - start, "loadavg_1min": (load + os.getloadavg()[0]) / 2}
 
 
 def decode_shapes(model, tp: int) -> tuple:
@@ -166,5 +168,7 @@ def decode_device(device, model, config: dict, ranks: int, backend: str = "shm",
     if not needs_decode_constants(device):
         return device, ""
     data, path, cached = cached_decode_constants(model, config, ranks, backend, cache_dir, log=log)
-    note = f"decode constants {'read from' if cached else 'measured now, saved to'} {path}"
+    load = (f" (measured at load {data['loadavg_1min']:.1f}; delete it to measure again)"
+            if "loadavg_1min" in data else "")
+    note = f"decode constants {'read from' if cached else 'measured now, saved to'} {path}{load}"
     return replace(device, **{k: data[k] for k in DECODE_FIELDS}), note
