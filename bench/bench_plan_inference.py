@@ -79,6 +79,7 @@ def main() -> None:
 
     from bench_generate import PROMPT, job_tp
 
+    from tensorpar.generate.floor import floor_job
     from tensorpar.hub import resolve_model
     from tensorpar.planner.calibrate import measure_collectives, measure_decode_reads
     from tensorpar.planner.calibrate.decode_device import decode_shapes, measure_decode_constants
@@ -101,7 +102,7 @@ def main() -> None:
     # the library's decode constants (what generate --plan auto measures and caches), shared memory in the step;
     # the same step over gloo for the gloo rows
     constants = measure_decode_constants(model, json.loads((Path(folder) / "config.json").read_text()), 2, "shm",
-                                         tokens=a.tokens)
+                                         floor_job, tokens=a.tokens)
     floor = {"step_ms": constants["floor_step_ms"], "path": constants["floor_path"]}
     reads = {"alone_tp1": constants["reads"]["alone_tp1"], f"{constants['backend']}_tp2": constants["reads"]["shared"]}
     reads["shared_tp2"] = reads[f"{constants['backend']}_tp2"]

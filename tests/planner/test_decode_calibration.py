@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 from transformers import LlamaConfig
 
+from tensorpar.generate.floor import floor_job
 from tensorpar.planner.calibrate import decode_device as dd
 from tensorpar.planner.cluster import ClusterSpec, DeviceSpec
 from tensorpar.planner.inference import (InferenceWorkload, decode_collectives, decode_matrices, plan_one)
@@ -33,7 +34,8 @@ def _cpu_device(**kw) -> DeviceSpec:
 def counted(monkeypatch):
     calls = []
 
-    def fake(model, config, ranks, backend):
+    def fake(model, config, ranks, backend, floor):
+        assert floor is floor_job
         calls.append((model.num_layers, ranks, backend))
         return dict(FAKE)
 
@@ -44,17 +46,17 @@ def counted(monkeypatch):
 def test_cache_key_and_reuse(tmp_path, counted):
     cfg = _config()
     model = from_hf_config(cfg, name="a")
-    data, path, cached = dd.cached_decode_constants(model, cfg, 2, "shm", tmp_path)
+    data, path, cached = dd.cached_decode_constants(model, cfg, 2, "shm", floor_job, tmp_path)
     assert (cached, len(counted)) == (False, 1) and path.exists() and path.parent == tmp_path / "calibration"
-    data2, path2, cached2 = dd.cached_decode_constants(model, cfg, 2, "shm", tmp_path)
+    data2, path2, cached2 = dd.cached_decode_constants(model, cfg, 2, "shm", floor_job, tmp_path)
     assert (cached2, path2, len(counted)) == (True, path, 1)  # read back, not measured again
     assert data2["decode_read_gbps"] == FAKE["decode_read_gbps"]
     # the same shape under another name: the same entry; another shape, rank count or backend: a new one
-    assert dd.cached_decode_constants(from_hf_config(cfg, name="b"), cfg, 2, "shm", tmp_path)[2]
+    assert dd.cached_decode_constants(from_hf_config(cfg, name="b"), cfg, 2, "shm", floor_job, tmp_path)[2]
     other = _config(layers=3)
-    assert not dd.cached_decode_constants(from_hf_config(other, name="a"), other, 2, "shm", tmp_path)[2]
-    assert not dd.cached_decode_constants(model, cfg, 1, "shm", tmp_path)[2]
-    assert not dd.cached_decode_constants(model, cfg, 2, "gloo", tmp_path)[2]
+    assert not dd.cached_decode_constants(from_hf_config(other, name="a"), other, 2, "shm", floor_job, tmp_path)[2]
+    assert not dd.cached_decode_constants(model, cfg, 1, "shm", floor_job, tmp_path)[2]
+    assert not dd.cached_decode_constants(model, cfg, 2, "gloo", floor_job, tmp_path)[2]
     assert len(counted) == 4
 
 
@@ -62,16 +64,16 @@ def test_decode_device_fills_only_a_cpu_rank_without_constants(tmp_path, counted
     cfg = _config()
     model = from_hf_config(cfg, name="a")
     lines = []
-    device, note = dd.decode_device(_cpu_device(), model, cfg, 2, "shm", tmp_path, log=lines.append)
+    device, note = dd.decode_device(_cpu_device(), model, cfg, 2, "shm", floor_job, tmp_path, log=lines.append)
     assert all(getattr(device, k) == FAKE[k] for k in dd.DECODE_FIELDS) and "measured now" in note
     assert "measured at load 3.0" in note     # the load the wall-clock rates were taken under
     assert len(lines) == 1 and lines[0].startswith("calibrating decode for this model shape once: ~")
-    device, note = dd.decode_device(_cpu_device(), model, cfg, 2, "shm", tmp_path, log=lines.append)
+    device, note = dd.decode_device(_cpu_device(), model, cfg, 2, "shm", floor_job, tmp_path, log=lines.append)
     assert "read from" in note and len(lines) == 1 and len(counted) == 1
     given = _cpu_device(decode_read_gbps=3.0)        # a device file with its own constants: kept as given
-    assert dd.decode_device(given, model, cfg, 2, "shm", tmp_path) == (given, "")
+    assert dd.decode_device(given, model, cfg, 2, "shm", floor_job, tmp_path) == (given, "")
     gpu = replace(_cpu_device(), host_cores=0.0)     # a GPU rank: the CPU measurement does not apply
-    assert dd.decode_device(gpu, model, cfg, 2, "shm", tmp_path) == (gpu, "")
+    assert dd.decode_device(gpu, model, cfg, 2, "shm", floor_job, tmp_path) == (gpu, "")
     assert len(counted) == 1
 
 
@@ -121,6 +123,6 @@ def test_prediction_with_the_constants_is_of_the_right_order():
 def test_real_measurement_gives_positive_constants():
     """One real measurement of a 2-layer model with 2 ranks (30-40 s on a loaded 2-core machine: slow)."""
     cfg = _config()
-    got = dd.measure_decode_constants(from_hf_config(cfg, name="tiny"), cfg, 2, "shm", tokens=4)
+    got = dd.measure_decode_constants(from_hf_config(cfg, name="tiny"), cfg, 2, "shm", floor_job, tokens=4)
     assert all(got[k] > 0 for k in ("decode_read_gbps", "decode_read_host_gbps", "layer_overhead_us"))
     assert got["decode_collective_us"] >= 0 and got["floor_path"] in ("lean", "auto") and got["loadavg_1min"] >= 0

@@ -12,7 +12,7 @@ The four constants the inference planner's decode model reads (:class:`tensorpar
   gloo where they do not install; "gloo") (0 with one rank);
 * ``layer_overhead_us``: greedy decode of the same architecture with 8-wide matrices (head_dim 8, MLP 64,
   vocabulary 256) on the lean path (the generic path where the family has none), tp = 1, one thread, ms per
-  token / layers (:func:`floor_job`).
+  token / layers (the floor job the caller passes: :func:`tensorpar.generate.floor.floor_job`).
 
 Each is measured in fresh worker processes (:class:`tensorpar.testing.WorkerPool`, one thread per rank). About
 30-90 s on a 2-core machine (SmolLM2 135M, 2 ranks; most of it starting the worker processes and the floor's
@@ -31,45 +31,15 @@ DECODE_CALIBRATION_VERSION = 1
 FLOOR_TOKENS = 16
 
 
-def floor_job(ctx, config: dict, tokens: int = FLOOR_TOKENS) -> dict:
-    """Job for :class:`tensorpar.testing.WorkerPool`: the per-token framework floor of decode.
-
-    Greedy decode of ``tokens`` new tokens, batch 1, from a 6-token prompt, of the architecture of ``config`` (a
-    Hugging Face config dict; its layers kept) with 8-wide matrices (hidden 72, head_dim 8, MLP 64, vocabulary 256),
-    sharded over ``ctx.tp`` (tp = 1 for the constant), one thread, on the lean path (``generate_tokens``' generic
-    path where the family has no lean one). Returns ``{"step_ms", "path"}``."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from tensorpar.generate import SamplingConfig, generate_tokens
-    from tensorpar.hf.apply import parallelize
-    from tensorpar.hf.plan import make_plan
-
-    torch.set_num_threads(1)
-    d = dict(config)
-    cfg = AutoConfig.for_model(d.pop("model_type"), **d)
-    cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.vocab_size = 72, 64, 8, 256
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = parallelize(AutoModelForCausalLM.from_config(cfg).eval(), make_plan(cfg, ctx.tp.size), ctx.tp)
-    ids = torch.tensor([[1, 5, 7, 9, 11, 13]])
-    for path in ("lean", "auto"):
-        try:
-            generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=2), path=path)
-        except ValueError:   # no lean path for this family: the generic one
-            continue
-        res = generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=tokens), path=path)
-        return {"step_ms": 1e3 / res.decode_tokens_per_s, "path": path}
-    raise ValueError("no decode path runs this model")
-
-
-def measure_decode_constants(model, config: dict, ranks: int, backend: str = "shm",
+def measure_decode_constants(model, config: dict, ranks: int, backend: str, floor_job,
                              tokens: int = FLOOR_TOKENS) -> dict:
     """Measure the four decode constants (module docstring) for ``model`` (a
     :class:`~tensorpar.planner.model_spec.ModelSpec`; ``config``: its Hugging Face config dict, for the floor) with
-    ``ranks`` ranks on this host. Returns the constants plus ``seconds`` (the time it took), ``floor_path``,
-    ``floor_step_ms``, ``backend`` (the one measured), ``loadavg_1min`` (the mean of before and after: the rates
-    are wall-clock ones under that load) and ``reads`` (``measure_decode_reads``' results, ranks
+    ``ranks`` ranks on this host. ``floor_job(ctx, config, tokens) -> {"step_ms", "path"}``: the
+    :class:`~tensorpar.testing.WorkerPool` job of the floor (:func:`tensorpar.generate.floor.floor_job`; passed in:
+    the planner does not import the code it plans). Returns the constants plus ``seconds`` (the time it took),
+    ``floor_path``, ``floor_step_ms``, ``backend`` (the one measured), ``loadavg_1min`` (the mean of before and
+    after: the rates are wall-clock ones under that load) and ``reads`` (``measure_decode_reads``' results, ranks
     dropped). Raises RuntimeError when a worker fails."""
     from tensorpar.planner.calibrate.decode import measure_decode_reads
     from tensorpar.testing import RankFailure, WorkerPool
@@ -120,13 +90,26 @@ def shape_key(model, config: dict, ranks: int, backend: str) -> str:
 
 def decode_calibration_path(model, config: dict, ranks: int, backend: str, cache_dir=None) -> Path:
     from tensorpar.cache import cache_root
-    from tensorpar.train.autoplan.calibration import machine_key
 
     return (cache_root(cache_dir) / "calibration" /
             f"decode-{machine_key()}-{shape_key(model, config, ranks, backend)}.json")
 
 
-def cached_decode_constants(model, config: dict, ranks: int, backend: str = "shm", cache_dir=None, *,
+def machine_key() -> str:
+    """This machine as the decode rates depend on it: host, usable cores, torch, GPU (the identity of ``train --plan
+    auto``'s calibration key, :func:`tensorpar.train.autoplan.calibration.machine_key`, without its version)."""
+    import platform
+
+    import torch
+
+    from tensorpar.launch import usable_cores
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    raw = f"{platform.node()}|{usable_cores()}|{torch.__version__}|{gpu}"
+    return f"{platform.node() or 'host'}-{hashlib.sha256(raw.encode()).hexdigest()[:12]}"
+
+
+def cached_decode_constants(model, config: dict, ranks: int, backend: str, floor_job, cache_dir=None, *,
                             log=None) -> tuple[dict, Path, bool]:
     """``(constants, their file, whether read from the cache)``: :func:`measure_decode_constants` once per machine
     and :func:`shape_key`, saved atomically under a file lock. ``log`` gets one line before a measurement.
@@ -143,7 +126,7 @@ def cached_decode_constants(model, config: dict, ranks: int, backend: str = "shm
             pass  # absent or unreadable: measure again
         if log:
             log(f"calibrating decode for this model shape once: ~30-60 s on 2 cores (cached in {path}) ...")
-        data = dict(measure_decode_constants(model, config, ranks, backend),
+        data = dict(measure_decode_constants(model, config, ranks, backend, floor_job),
                     version=DECODE_CALIBRATION_VERSION)
         with atomic_file(path, "w") as f:
             json.dump(data, f, indent=2)
@@ -159,7 +142,7 @@ def needs_decode_constants(device) -> bool:
     return device.host_cores > 0 and not any(getattr(device, k) for k in DECODE_FIELDS)
 
 
-def decode_device(device, model, config: dict, ranks: int, backend: str = "shm", cache_dir=None, *, log=None):
+def decode_device(device, model, config: dict, ranks: int, backend: str, floor_job, cache_dir=None, *, log=None):
     """``(device, note)``: ``device`` with the decode constants of :func:`cached_decode_constants` where
     :func:`needs_decode_constants` (else unchanged, note ""); ``ranks``: the ranks on this host. Raises
     RuntimeError when a worker fails."""
@@ -167,7 +150,7 @@ def decode_device(device, model, config: dict, ranks: int, backend: str = "shm",
 
     if not needs_decode_constants(device):
         return device, ""
-    data, path, cached = cached_decode_constants(model, config, ranks, backend, cache_dir, log=log)
+    data, path, cached = cached_decode_constants(model, config, ranks, backend, floor_job, cache_dir, log=log)
     load = (f" (measured at load {data['loadavg_1min']:.1f}; delete it to measure again)"
             if "loadavg_1min" in data else "")
     note = f"decode constants {'read from' if cached else 'measured now, saved to'} {path}{load}"
