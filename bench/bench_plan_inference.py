@@ -1,7 +1,9 @@
 """`tensorpar plan --inference` against measured `tensorpar generate` on this machine (issue 15.3).
 
 Measures, in fresh worker processes with one thread per rank:
-1. this machine as the planner sees it, without running the model:
+1. this machine as the planner sees it, without running the model (the four decode constants by
+   ``tensorpar.planner.calibrate.decode_device.measure_decode_constants``, what ``generate --plan auto`` measures
+   and caches; uncached here):
    * matmul rate and copy bandwidth (``hbm_gbps``; reported, not used by decode once the read rate is measured);
    * ``decode_read_gbps``: the one-row matmul (GEMV) read rate of the model's own tp = 1 weight shapes, one
      process alone; ``decode_read_host_gbps``: the same at the tp = 2 rank's shapes with 2 processes reading at
@@ -68,13 +70,6 @@ def _shm_latency_job(ctx, hidden):
     return statistics.median(times)
 
 
-def _floor_job(ctx, folder, n):
-    """``bench_generate.job_overhead`` on the lean path explicitly (ValueError if it cannot run it): the decode
-    step of the same architecture with 8-wide matrices (head_dim 8, MLP 64, vocabulary 256), 1 thread."""
-    from bench_generate import job_overhead
-    return dict(job_overhead(ctx, folder, n, path="lean"), path="lean")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
@@ -84,10 +79,12 @@ def main() -> None:
 
     from bench_generate import PROMPT, job_tp
 
+    from tensorpar.generate.floor import floor_job
     from tensorpar.hub import resolve_model
     from tensorpar.planner.calibrate import measure_collectives, measure_decode_reads
+    from tensorpar.planner.calibrate.decode_device import decode_shapes, measure_decode_constants
     from tensorpar.planner.cluster import ClusterSpec, DeviceSpec
-    from tensorpar.planner.inference import InferenceWorkload, decode_matrices, plan_one
+    from tensorpar.planner.inference import InferenceWorkload, plan_one
     from tensorpar.planner.model_spec import from_hf_config
     from tensorpar.testing import WorkerPool
 
@@ -102,13 +99,17 @@ def main() -> None:
     dev = one(1, _device_job)
     link = measure_collectives()
     shm_latency = one(2, _shm_latency_job, model.hidden_size)
-    floor = one(1, _floor_job, folder, a.tokens)
-    reads = {}
-    for key, tp, procs, coll in (("alone_tp1", 1, 1, ""), ("shared_tp2", 2, 2, ""), ("gloo_tp2", 2, 2, "gloo"),
-                                 ("shm_tp2", 2, 2, "shm")):
-        layer, head = decode_matrices(model, tp)
-        reads[key] = measure_decode_reads(layer, model.num_layers, head, procs, coll)
-        reads[key].pop("ranks")
+    # the library's decode constants (what generate --plan auto measures and caches), shared memory in the step;
+    # the same step over gloo for the gloo rows
+    constants = measure_decode_constants(model, json.loads((Path(folder) / "config.json").read_text()), 2, "shm",
+                                         floor_job, tokens=a.tokens)
+    floor = {"step_ms": constants["floor_step_ms"], "path": constants["floor_path"]}
+    reads = {"alone_tp1": constants["reads"]["alone_tp1"], f"{constants['backend']}_tp2": constants["reads"]["shared"]}
+    reads["shared_tp2"] = reads[f"{constants['backend']}_tp2"]
+    if "gloo_tp2" not in reads:
+        reads["gloo_tp2"] = measure_decode_reads(*decode_shapes(model, 2), 2, "gloo")
+        reads["gloo_tp2"].pop("ranks")
+    reads.setdefault("shm_tp2", reads["gloo_tp2"])  # no shared-memory collectives here: measured over gloo
     measured = {("tp=1", 1): one(1, job_tp, folder, a.tokens, 1, False),
                 ("tp=2 gloo", 2): one(2, job_tp, folder, a.tokens, 1, False),
                 ("tp=2 shm", 2): one(2, job_tp, folder, a.tokens, 1, True)}
@@ -125,8 +126,8 @@ def main() -> None:
             name="this machine, 1 thread per rank", memory_gib=16.0, peak_tflops=dev["matmul_tflops"],
             intra_node_gbps=0.0, inter_node_gbps=0.0, matmul_efficiency=1.0, hbm_gbps=dev["hbm_gbps"],
             local_link_gbps=link["bandwidth_gbps"], local_link_latency_us=latency,
-            local_link_label=f"{what} loopback, measured", layer_overhead_us=floor["step_ms"] * 1e3 / model.num_layers,
-            decode_read_gbps=reads["alone_tp1"]["gbps"], decode_read_host_gbps=reads["shared_tp2"]["host_gbps"],
+            local_link_label=f"{what} loopback, measured", layer_overhead_us=constants["layer_overhead_us"],
+            decode_read_gbps=constants["decode_read_gbps"], decode_read_host_gbps=constants["decode_read_host_gbps"],
             decode_collective_us=in_step)
     from transformers import AutoTokenizer
 

@@ -167,6 +167,15 @@ def choose_layout(args, config, model_name: str, batch: int, prompt_len: int, ne
         model = from_hf_config(config.to_dict(), name=model_name)
     except ValueError as e:
         raise ValueError(f"--plan auto: the planner cannot read {model_name}: {e}") from None
+    from tensorpar.generate.floor import floor_job
+    from tensorpar.planner.calibrate.decode_device import decode_device
+    backend = "gloo" if getattr(args, "fast_collectives", "auto") == "off" else "shm"
+    try:  # a CPU rank without decode constants: measure them at this model's shapes (cached per machine and shape)
+        device, decode_note = decode_device(device, model, config.to_dict(), local, backend, floor_job,
+                                            log=lambda m: rank0_print(f"tensorpar: {m}", file=sys.stderr))
+    except RuntimeError as e:
+        raise ValueError(f"--plan auto: {e}") from None
+    note = f"{note}; {decode_note}" if decode_note else note
     nbytes = 2 if getattr(args, "dtype", "float32") == "bfloat16" else 4
     reserve = CPU_RESERVE_GIB if device.host_cores > 0 else InferenceWorkload.reserve_gib
     new_tokens = args.max_new_tokens if new_tokens is None else new_tokens

@@ -17,8 +17,9 @@ the tests compare with the activation model.
 
 The modules: ``device.py`` (matmul, memory bandwidth, AdamW: this process alone), ``links.py`` (collectives and
 the pipeline's point-to-point link between local ranks, and their latency-bandwidth fit), ``decode.py`` (a
-decode step's weight reads), ``memory.py`` (saved activations and peak memory of a function); this file holds
-:func:`calibrate`, which runs the first two into a :class:`Calibration`.
+decode step's weight reads), ``decode_device.py`` (the four decode constants at a model's shapes, cached per machine
+and shape: what ``generate --plan auto`` adds to a CPU rank's device), ``memory.py`` (saved activations and peak
+memory of a function); this file holds :func:`calibrate`, which runs the first two into a :class:`Calibration`.
 """
 from __future__ import annotations
 
