@@ -79,7 +79,7 @@ def main() -> None:
 
     from bench_generate import PROMPT, job_tp
 
-    from tensorpar.generate.floor import floor_job
+    from tensorpar.decode.floor import floor_job
     from tensorpar.hub import resolve_model
     from tensorpar.planner.calibrate import measure_collectives, measure_decode_reads
     from tensorpar.planner.calibrate.decode_device import decode_shapes, measure_decode_constants

@@ -167,7 +167,7 @@ def choose_layout(args, config, model_name: str, batch: int, prompt_len: int, ne
         model = from_hf_config(config.to_dict(), name=model_name)
     except ValueError as e:
         raise ValueError(f"--plan auto: the planner cannot read {model_name}: {e}") from None
-    from tensorpar.generate.floor import floor_job
+    from tensorpar.decode.floor import floor_job
     from tensorpar.planner.calibrate.decode_device import decode_device
     backend = "gloo" if getattr(args, "fast_collectives", "auto") == "off" else "shm"
     try:  # a CPU rank without decode constants: measure them at this model's shapes (cached per machine and shape)

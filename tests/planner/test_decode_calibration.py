@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 from transformers import LlamaConfig
 
-from tensorpar.generate.floor import floor_job
+from tensorpar.decode.floor import floor_job
 from tensorpar.planner.calibrate import decode_device as dd
 from tensorpar.planner.cluster import ClusterSpec, DeviceSpec
 from tensorpar.planner.inference import (InferenceWorkload, decode_collectives, decode_matrices, plan_one)
@@ -80,7 +80,7 @@ def test_decode_device_fills_only_a_cpu_rank_without_constants(tmp_path, counted
 def test_generate_plan_auto_plans_with_decode_constants(tmp_path, counted, monkeypatch):
     """choose_layout hands the planner a device with the measured decode constants (the planner call is captured)."""
     import tensorpar.planner.inference as inf
-    from tensorpar.generate import autoplan
+    from tensorpar import inference_plan as autoplan
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)

@@ -12,7 +12,7 @@ The four constants the inference planner's decode model reads (:class:`tensorpar
   gloo where they do not install; "gloo") (0 with one rank);
 * ``layer_overhead_us``: greedy decode of the same architecture with 8-wide matrices (head_dim 8, MLP 64,
   vocabulary 256) on the lean path (the generic path where the family has none), tp = 1, one thread, ms per
-  token / layers (the floor job the caller passes: :func:`tensorpar.generate.floor.floor_job`).
+  token / layers (the floor job the caller passes: :func:`tensorpar.decode.floor.floor_job`).
 
 Each is measured in fresh worker processes (:class:`tensorpar.testing.WorkerPool`, one thread per rank). About
 30-90 s on a 2-core machine (SmolLM2 135M, 2 ranks; most of it starting the worker processes and the floor's
@@ -36,7 +36,7 @@ def measure_decode_constants(model, config: dict, ranks: int, backend: str, floo
     """Measure the four decode constants (module docstring) for ``model`` (a
     :class:`~tensorpar.planner.model_spec.ModelSpec`; ``config``: its Hugging Face config dict, for the floor) with
     ``ranks`` ranks on this host. ``floor_job(ctx, config, tokens) -> {"step_ms", "path"}``: the
-    :class:`~tensorpar.testing.WorkerPool` job of the floor (:func:`tensorpar.generate.floor.floor_job`; passed in:
+    :class:`~tensorpar.testing.WorkerPool` job of the floor (:func:`tensorpar.decode.floor.floor_job`; passed in:
     the planner does not import the code it plans). Returns the constants plus ``seconds`` (the time it took),
     ``floor_path``, ``floor_step_ms``, ``backend`` (the one measured), ``loadavg_1min`` (the mean of before and
     after: the rates are wall-clock ones under that load) and ``reads`` (``measure_decode_reads``' results, ranks
