@@ -278,6 +278,22 @@ MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv",
               "mkldnn::_linear_pointwise")
 
 
+def _traced_functions():
+    """``(module, name, category, function)`` of each :data:`TRACED` entry this checkout has (an old checkout, run
+    with ``--before``, may lack some)."""
+    import importlib
+    out = []
+    for mod_name, name, cat in TRACED:
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:
+            continue
+        fn = getattr(mod, name, None)
+        if fn is not None:
+            out.append((mod, name, cat, fn))
+    return out
+
+
 def job_fixed_cost(ctx, folder, n: int, layers: int):
     """SmolLM2 fp32 greedy decode on the lean path at this tp (1 thread per rank): tokens/s of ``n`` new tokens after
     a warm-up, then one more generate under torch.profiler in which only the decode steps count (each step between
@@ -285,7 +301,6 @@ def job_fixed_cost(ctx, folder, n: int, layers: int):
     tokens, and per token: aten calls (nested ones included: a count, independent of the load), the top aten ops by
     count, and CPU ms by category (GEMV / matmuls and the all-reduces inclusive of their range, attention kernels'
     self time, the rest = framework: Python and small ops)."""
-    import importlib
     from collections import Counter
 
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -307,14 +322,7 @@ def job_fixed_cost(ctx, folder, n: int, layers: int):
            "median_step_ms": statistics.median(steps_s) * 1e3, "tokens": res.tokens[0].tolist()}
     out["cpu"] = _cpu_times(model, ctx, ids, n)
     wrapped = []
-    for mod_name, name, cat in TRACED:
-        try:
-            mod = importlib.import_module(mod_name)
-        except ImportError:
-            continue
-        fn = getattr(mod, name, None)
-        if fn is None:
-            continue
+    for mod, name, cat, fn in _traced_functions():
 
         def traced(*a, _fn=fn, _label=f"bench::{cat}::{name}", **k):
             with record_function(_label):
@@ -379,19 +387,11 @@ def _cpu_times(model, ctx, ids, n: int) -> dict:
     core, so it holds on a loaded machine where the profiler's wall times do not), in all and inside the
     :data:`TRACED` functions by category (each call timed by two ``thread_time_ns`` reads, about a microsecond,
     left in the categories); ``framework`` = the rest. Median over the decode steps of one generate call."""
-    import importlib
 
     from tensorpar.generate import SamplingConfig, generate_tokens
     acc = {"matmul": 0, "collectives": 0}
     wrapped = []
-    for mod_name, name, cat in TRACED:
-        try:
-            mod = importlib.import_module(mod_name)
-        except ImportError:
-            continue
-        fn = getattr(mod, name, None)
-        if fn is None:
-            continue
+    for mod, name, cat, fn in _traced_functions():
 
         def timed(*a, _fn=fn, _cat=cat, **k):
             t0 = time.thread_time_ns()
