@@ -7,6 +7,7 @@ Llama's ranks up to 331 MB (bf16 tp=2) above their shard after decoding (bench/r
 """
 import ctypes
 
+import pytest
 import torch
 
 
@@ -38,6 +39,5 @@ def test_rank_maps_tensors_of_a_mebibyte_after_a_larger_free(pools):
     gains at least its 2 MiB (exact arithmetic on byte counts; the mapping rounds up to a page, hence >=)."""
     got = pools(1).run(job_mapped_after_large_free)[0]
     if got is None:
-        import pytest
         pytest.skip("not glibc: no mallinfo2, and tensorpar.malloc sets nothing")
     assert got >= 2 * 2 ** 20, f"a 2 MiB tensor after a 4 MiB free came from the heap (mapped bytes +{got})"
