@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from tensorpar.comm import Group
+from tensorpar.malloc import fix_mmap_threshold
 
 AXES = ("dp", "pp", "cp", "tp")
 
@@ -279,7 +280,8 @@ def init_parallel(
     used for CPU tensors; "auto" uses it only when all of a group's ranks share a host. ``tp_comm`` ("fp32",
     "int8") becomes ``ctx.tp.compression`` (:func:`tensorpar.comm.reduce_partial`). Collectives at start-up
     (world size > 1): one all-gather of hostnames over the world; a group whose ranks are on several hosts keeps
-    them (``Group.hosts``), so its failed collectives name this rank's host and the others.
+    them (``Group.hosts``), so its failed collectives name this rank's host and the others. First of all, it fixes
+    glibc's mmap threshold in this process (:func:`tensorpar.malloc.fix_mmap_threshold`: freed weights are returned).
 
     Raises:
         ValueError: the degrees do not multiply to the world size; ``fast_collectives="on"`` for a
@@ -290,6 +292,7 @@ def init_parallel(
     from tensorpar.comm import TP_COMM
     if tp_comm not in TP_COMM:
         raise ValueError(f"tp_comm must be one of {', '.join(TP_COMM)}, got {tp_comm!r}")
+    fix_mmap_threshold()            # before any weight is allocated (a rank's resident memory, docs/memory.md)
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
     config = config or ParallelConfig.infer(world_size)
