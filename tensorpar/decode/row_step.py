@@ -56,8 +56,8 @@ def why_not(dec) -> str | None:
     if not fused.available() or _norm(dec.norm) is None:
         return "no fused kernels here, or the final norm is not the plain fp32 RMSNorm"
     for L in dec.layers:
-        plain = (L.post_attn is None and L.post_ff is None and L.bqkv is None and L.bo is None and L.bgu is None
-                 and L.bd is None and L.gated and L.silu and L.moe is None and L.qk_norm is None
+        plain = (L.moe is None and L.post_attn is None and L.post_ff is None and L.bqkv is None and L.bo is None
+                 and L.bgu is None and L.bd is None and L.gated and L.silu and L.qk_norm is None
                  and not L.interleaved and not L.parallel and L.sdpa is F.scaled_dot_product_attention)
         if not plain or _norm(L.ln1) is None or _norm(L.ln2) is None:
             return "a layer that is not of the plain Llama shape (pre-RMSNorms, gated SiLU MLP, no biases)"
