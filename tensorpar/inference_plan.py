@@ -96,6 +96,19 @@ def runtime_problem(args, config, tp: int, pp: int, extra=None) -> str | None:
     return None
 
 
+def no_layout_error(model, cluster, what: str) -> ValueError:
+    """The one-line error of a rank count with no one-replica ``tp x pp`` layout that splits the model, listing
+    the counts (as one host, up to twice this one) that have one."""
+    from dataclasses import replace
+
+    from tensorpar.planner.inference import candidate_layouts
+    n = cluster.num_devices
+    counts = [k for k in range(1, 2 * n + 1)
+              if candidate_layouts(model, replace(cluster, num_devices=k, devices_per_node=k), one_replica=True)]
+    return ValueError(f"--plan auto: no tp x pp layout of {n} ranks splits {what} ({model.num_heads} heads, "
+                      f"{model.num_layers} layers); rank counts with one: {', '.join(map(str, counts)) or 'none'}")
+
+
 def choose(model, cluster, work, runnable=None, what: str = "--model",
            smaller: str = "fewer prompts or fewer --max-new-tokens"):
     """``(the plan to run, every plan ranked)``: the first of :func:`~tensorpar.planner.inference.plan_inference`'s
@@ -103,17 +116,13 @@ def choose(model, cluster, work, runnable=None, what: str = "--model",
     does not refuse. Raises ValueError with one line: no layout of that many ranks (with the rank counts that have
     one), none that fits (the smallest's memory; ``smaller``: the flags that shrink the workload), or none that the
     command runs (the first reason)."""
-    from tensorpar.planner.inference import candidate_layouts, plan_inference
+    from tensorpar.planner.inference import plan_inference
     from tensorpar.planner.memory import GIB
 
     n = cluster.num_devices
     plans = plan_inference(model, cluster, work, one_replica=True)
     if not plans:
-        from dataclasses import replace
-        counts = [k for k in range(1, 2 * n + 1)     # as one host: the counts whose tp x pp split the model
-                  if candidate_layouts(model, replace(cluster, num_devices=k, devices_per_node=k), one_replica=True)]
-        raise ValueError(f"--plan auto: no tp x pp layout of {n} ranks splits {what} ({model.num_heads} heads, "
-                         f"{model.num_layers} layers); rank counts with one: {', '.join(map(str, counts)) or 'none'}")
+        raise no_layout_error(model, cluster, what)
     reasons = []
     for plan in plans:
         if not plan.fits:
@@ -169,9 +178,15 @@ def choose_layout(args, config, model_name: str, batch: int, prompt_len: int, ne
         raise ValueError(f"--plan auto: the planner cannot read {model_name}: {e}") from None
     from tensorpar.decode.floor import floor_job
     from tensorpar.planner.calibrate.decode_device import decode_device
+    from tensorpar.planner.inference import candidate_layouts
+    layouts = candidate_layouts(model, ClusterSpec(device, nproc, local), one_replica=True)
+    if not layouts:     # before any measurement: the count itself has no layout
+        raise no_layout_error(model, ClusterSpec(device, nproc, local), f"--model {model_name}")
+    measure_tp = max(t for t, _ in layouts if t <= local) if any(t <= local for t, _ in layouts) else 1
     backend = "gloo" if getattr(args, "fast_collectives", "auto") == "off" else "shm"
-    try:  # a CPU rank without decode constants: measure them at this model's shapes (cached per machine and shape)
-        device, decode_note = decode_device(device, model, config.to_dict(), local, backend, floor_job,
+    try:  # a CPU rank without decode constants: measure them at this model's shapes (cached per machine and shape),
+        # at the widest tp inside this host that a layout uses
+        device, decode_note = decode_device(device, model, config.to_dict(), measure_tp, backend, floor_job,
                                             log=lambda m: rank0_print(f"tensorpar: {m}", file=sys.stderr))
     except RuntimeError as e:
         raise ValueError(f"--plan auto: {e}") from None

@@ -101,6 +101,28 @@ def test_generate_plan_auto_plans_with_decode_constants(tmp_path, counted, monke
     assert counted == [(2, 2, "shm")] and pred["decode_ms"] > 0
 
 
+def test_plan_auto_measures_at_a_tp_a_layout_uses_and_refuses_a_count_before_measuring(tmp_path, counted,
+                                                                                        monkeypatch):
+    """More ranks than query heads: the decode constants are measured at the widest tp a layout of those ranks
+    uses (6 ranks, 4 heads: tp 6 cannot split the heads; the layouts are tp 3 x pp 2 and narrower), not at tp 6,
+    which failed in the workers after the calibration line (found in review); a count with no layout at all is
+    refused in one line before anything is measured."""
+    from tensorpar import inference_plan as autoplan
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("TENSORPAR_CACHE", str(tmp_path))
+    monkeypatch.setattr(autoplan, "inference_device", lambda args, n, local: (_cpu_device(), "test device"))
+    args = argparse.Namespace(nproc=6, device_file=None, fast_collectives="auto", dtype="float32",
+                              max_new_tokens=8, tp_comm="fp32", explicit_flags=(), tp=1, pp=1, deterministic=False)
+    autoplan.choose_layout(args, LlamaConfig(**_config(layers=4)), "tiny", 1, 6)
+    assert counted == [(4, 3, "shm")] and args.tp * args.pp == 6 and args.tp <= 3
+    args.nproc = 7            # 7 ranks: tp 7 cannot split 4 heads, and 7 > 4 layers for stages
+    with pytest.raises(ValueError, match=r"no tp x pp layout of 7 ranks splits --model tiny .* rank counts with one"):
+        autoplan.choose_layout(args, LlamaConfig(**_config(layers=4)), "tiny", 1, 6)
+    assert len(counted) == 1  # nothing measured for the refused count
+
+
 def test_prediction_with_the_constants_is_of_the_right_order():
     """The planner's decode time at tp = 2 with measured-style constants, against the per-token time from the
     constants by hand: weights per rank / the read rate (the host's shared by 2 ranks, at most one rank's alone)
