@@ -337,7 +337,7 @@ def prefix_main(args, folder, tok):
     """Issue 24's runs on one pool: the KV memory of 16 slots x 1024 positions (the pre-paging default)."""
     from transformers import AutoConfig
 
-    from tensorpar.serve.cli import kv_pool
+    from tensorpar.serve.pool import kv_pool
     cfg = AutoConfig.from_pretrained(folder)
     load0 = os.getloadavg()
     tp = args.tp[0]

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from tensorpar.rank_errors import under_torchrun
 from tensorpar.serve.params import check_listen, url_host
+from tensorpar.serve.pool import kv_pool
 
 DEFAULT_MAX_MODEL_LEN = 1024
 DEFAULT_BLOCK_SIZE = 16
@@ -92,74 +93,6 @@ class ServeTask:
     timeout_s: float | None = None
     deterministic: bool = False
     plan_prediction: dict | None = None
-
-
-def parse_memory(text: str) -> tuple[str, float]:
-    """``--kv-cache-memory``: ``("bytes", n)`` for ``12345``, ``96MiB``, ``2GB`` ... or ``("fraction", f)`` for a
-    plain number in (0, 1]. Raises ValueError naming the setting."""
-    import re
-
-    units = {"": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
-             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
-    if m is None or m.group(2) not in units:
-        raise ValueError(f"--kv-cache-memory must be bytes (a number with an optional unit: KB, MB, GB, TB, KiB, MiB, "
-                         f"GiB, TiB; e.g. 96MiB, 2GiB, 100000000) or a fraction in (0, 1] of the available memory, "
-                         f"got {text!r}")
-    v = float(m.group(1))
-    if not m.group(2) and 0 < v <= 1:
-        return "fraction", v
-    n = v * units[m.group(2)]
-    if n < 1:
-        raise ValueError(f"--kv-cache-memory must be positive, got {text!r}")
-    return "bytes", n
-
-
-def _size(n: int) -> str:
-    return f"{n} bytes" if n < 2**20 else f"{n} bytes ({n / 2**20:.1f} MiB)"
-
-
-def kv_pool(config, tp: int, dtype: str, max_len: int, max_batch: int, *, block_size: int, memory: str | None,
-            weights=None, ranks_here: int = 1) -> tuple[int, int]:
-    """``(num_blocks, bytes_per_block)`` of the KV pool each rank allocates: ``memory`` (``--kv-cache-memory``)
-    divided by the bytes of a block on the rank holding the most KV heads
-    (:func:`~tensorpar.decode.kv_cache.block_bytes`), or by default ``max_batch`` requests of ``max_len``
-    positions. Raises ValueError, naming the setting and what works, when the pool cannot hold one request of
-    ``max_len``."""
-    import torch
-
-    from tensorpar.decode.kv_cache import block_bytes
-    from tensorpar.layers.attention import HeadLayout
-
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    d = getattr(config, "head_dim", None) or config.hidden_size // heads
-    lay = HeadLayout.make(heads, kv, d, tp, split_weights=weights)
-    kv_local = max(lay.local_kv_heads(r) for r in range(tp))
-    per_block = block_bytes(config.num_hidden_layers, kv_local, block_size, d,
-                            torch.empty(0, dtype=getattr(torch, dtype)).element_size())
-    per_request = -(-max_len // block_size)
-    if memory is None:
-        return max_batch * per_request, per_block
-    kind, v = parse_memory(memory)
-    if torch.cuda.is_available():
-        avail = torch.cuda.mem_get_info()[0]
-    else:
-        with open("/proc/meminfo") as f:
-            avail = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
-        avail //= max(ranks_here, 1)
-    if kind == "fraction":
-        v *= avail
-    elif v > avail:             # else the allocation fails inside every rank (or the OOM killer ends one)
-        raise ValueError(f"--kv-cache-memory {memory} is more than the {_size(int(avail))} available per rank here; "
-                         f"give at most that, or a fraction such as 0.5")
-    n = int(v // per_block)
-    if n < per_request:
-        raise ValueError(f"--kv-cache-memory {memory} holds {n} KV block(s) of {block_size} positions "
-                         f"({per_block} bytes each on a rank at tp={tp}); one request of --max-model-len {max_len} "
-                         f"needs {per_request}: give at least {_size(per_request * per_block)}, or lower "
-                         f"--max-model-len")
-    return n, per_block
 
 
 def validate(args: argparse.Namespace):

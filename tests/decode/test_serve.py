@@ -582,7 +582,7 @@ def test_kv_pool_sizes():
     """--kv-cache-memory: bytes with units or a fraction; by default max_batch requests of max_model_len."""
     from transformers import LlamaConfig
 
-    from tensorpar.serve.cli import kv_pool, parse_memory
+    from tensorpar.serve.pool import kv_pool, parse_memory
     assert parse_memory("96MiB") == ("bytes", 96 * 2**20) and parse_memory("2GB") == ("bytes", 2e9)
     assert parse_memory("0.5") == ("fraction", 0.5) and parse_memory("1000") == ("bytes", 1000)
     cfg = LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=3)
@@ -597,6 +597,11 @@ def test_kv_pool_sizes():
         kv_pool(cfg, 2, "float32", 256, 64, block_size=16, memory="999TiB")
     with pytest.raises(ValueError, match=r"optional unit: KB, MB, GB, TB, KiB, MiB, GiB, TiB"):
         parse_memory("64XB")
+    # review (2026-12-02): the default pool of --max-batch x --max-model-len is checked too (--max-batch 100000
+    # failed inside the ranks with "DefaultCPUAllocator: can't allocate memory")
+    with pytest.raises(ValueError, match=r"--max-batch 100000000 x --max-model-len 1024 needs a KV pool of .* per rank "
+                                         r"at tp=2, more than the .* available per rank here; lower --max-batch"):
+        kv_pool(cfg, 2, "float32", 1024, 100_000_000, block_size=16, memory=None)
 
 
 def test_serve_takes_a_plan_file(tmp_path_factory):
