@@ -29,16 +29,29 @@ def _looks_like_attention(m: nn.Module) -> bool:
     return "Attention" in type(m).__name__ or any(hasattr(m, a) for a in ("q_proj", "qkv_proj", "c_attn", "query"))
 
 
+def _count(entry, args, key):
+    """An entry's ``heads`` / ``kv_heads`` / ``head_dim``: a positive integer, or None when left out."""
+    v = args.pop(key, None)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise ValueError(f"plan entry {entry!r}: \"{key}\" must be a positive integer (or left out: the config's "
+                         f"value), got {v!r}")
+    return v
+
+
 def _heads(entry, config, tp_size, args, weights, encoder=False) -> HeadLayout:
-    nh = args.pop("heads", None) or _get(config, "num_attention_heads")
+    given = {k: _count(entry, args, k) for k in ("heads", "kv_heads", "head_dim")}
+    nh = given["heads"] or _get(config, "num_attention_heads")
     if nh is None:
         raise ValueError(f"plan entry {entry!r}: the config has no num_attention_heads; give \"heads\"")
-    nkv = args.pop("kv_heads", None) or (nh if encoder else _get(config, "num_key_value_heads", default=nh))
-    hd = args.pop("head_dim", None) or _get(config, "head_dim", default=config.hidden_size // nh)
+    nkv = given["kv_heads"] or (nh if encoder else _get(config, "num_key_value_heads", default=nh))
+    hd = given["head_dim"] or _get(config, "head_dim", default=config.hidden_size // nh)
     try:
         return HeadLayout.make(int(nh), int(nkv), int(hd), tp_size, split_weights=weights)
     except ValueError as e:
-        raise ValueError(f"plan entry {entry!r}: {e}") from None
+        cfg_nh = _get(config, "num_attention_heads")
+        hint = (f" (the config's: heads={cfg_nh}, kv_heads={_get(config, 'num_key_value_heads', default=cfg_nh)})"
+                if any(given[k] is not None for k in ("heads", "kv_heads")) and cfg_nh else "")
+        raise ValueError(f"plan entry {entry!r}: {e}{hint}") from None
 
 
 def _rows_check(entry, mod, proj, want, what, lay):

@@ -280,6 +280,23 @@ def test_fused_projection_heads_must_fit_the_output_projection():
          r"kv_heads and head_dim of this module", cfg=cfg)
 
 
+@pytest.mark.parametrize("value", [0, -9, "abc", 2.5, True])
+def test_plan_entry_head_counts_must_be_positive_integers(value):
+    """Review (2026-12-02): "heads": 0 was taken as left out (the config's), -9 gave "use tp_size <= -9" and "abc"
+    a bare int() error; each is now one line naming the entry, the field and its value."""
+    cfg = family_config("phi3")
+    _err({"model.layers.*.self_attn": {"style": "attention", "fused": "qkv_proj", "heads": value}},
+         r"plan entry 'model.layers.\*.self_attn'.*: \"heads\" must be a positive integer \(or left out: the "
+         r"config's value\), got " + re.escape(repr(value)), cfg=cfg)
+
+
+def test_plan_entry_heads_that_do_not_group_name_the_config_heads():
+    """8 heads over the config's 2 KV heads group, 7 do not: the message gives the config's counts."""
+    cfg = family_config("phi3")
+    _err({"model.layers.*.self_attn": {"style": "attention", "fused": "qkv_proj", "heads": 7}},
+         r"plan entry 'model.layers.\*.self_attn'.*multiple.*\(the config's: heads=6, kv_heads=2\)", cfg=cfg)
+
+
 def test_user_plan_on_a_vision_table():
     """encoder_attention in a user plan over the ViT table: the documented heads x head_dim are accepted, a
     head_dim that would cut heads (ViT's q_proj has 5 x 12 = 60 rows) is refused naming the entry."""
