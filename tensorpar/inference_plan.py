@@ -149,7 +149,8 @@ def explain_line(best, plans, work, cluster, note: str = "", workload: str = "")
     hosts = cluster.num_devices // cluster.devices_per_node if cluster.num_devices > cluster.devices_per_node else 1
     link = (f", link between hosts {cluster.device.inter_node_gbps:g} GB/s {cluster.device.inter_node_latency_us:g} us"
             if hosts > 1 and cluster.device.inter_node_gbps > 0 else "")
-    head = (f"plan (auto) for {cluster.num_devices} ranks on {hosts} host{'s' if hosts > 1 else ''}{link}: "
+    n = cluster.num_devices
+    head = (f"plan (auto) for {n} rank{'s' if n != 1 else ''} on {hosts} host{'s' if hosts > 1 else ''}{link}: "
             f"tp={best.tp} pp={best.pp}{f' (for {workload})' if workload else ''}, the fastest that fits and runs: "
             f"{lines[0]}")
     runner = f" Next: {lines[1]}" if len(lines) > 1 else ""

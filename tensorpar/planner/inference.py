@@ -346,7 +346,7 @@ def explain_inference(plans: list[InferencePlan], work: InferenceWorkload) -> li
     bound = "device-memory reads" if best.decode_memory >= best.decode_compute else "compute"
     where = ", ".join(f"{k} across nodes" for k, v in (("tp", best.tp_across_nodes), ("pp", best.pp_across_nodes))
                       if v)
-    lines.append(f"{best.name} x {best.replicas} replicas{' (' + where + ')' if where else ''}: "
+    lines.append(f"{best.name} x {best.replicas} replica{'s' if best.replicas != 1 else ''}{' (' + where + ')' if where else ''}: "
                  f"{best.tokens_per_s:.0f} tokens/s, "
                  f"{best.decode * 1e3:.2f} ms per token ({bound} {max(best.decode_memory, best.decode_compute) * 1e3:.2f}"
                  f" + TP all-reduces {best.decode_comm * 1e3:.2f}"
