@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 # TENSORPAR_BENCH_CODE: the checkout whose tensorpar this process (and its ranks) import: the A/B of --fixed-cost runs
-# the old code (e.g. /work/main) and this one interleaved, each in processes of its own
+# the old code (--before: another checkout) and this one interleaved, each in processes of its own
 sys.path.insert(0, os.environ.get("TENSORPAR_BENCH_CODE") or str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -434,7 +434,7 @@ def fixed_cost_worker(folder: str, tp: int, n: int) -> dict:
     return out
 
 
-def run_fixed_cost(folder: str, n: int, rounds: int, before: str) -> dict:
+def run_fixed_cost(folder: str, n: int, rounds: int, before: str | None) -> dict:
     """SmolLM2 fp32 lean decode at tp=1 and tp=2, the checkout ``before`` (the old code) and this one, ``rounds``
     times interleaved, every row in fresh processes (:func:`fixed_cost_worker` under ``TENSORPAR_BENCH_CODE``)."""
     import subprocess
@@ -444,7 +444,7 @@ def run_fixed_cost(folder: str, n: int, rounds: int, before: str) -> dict:
     start = machine()
     rows: dict[str, dict] = {}
     for rnd in range(rounds):
-        for label, code in (("before", before), ("after", here)):
+        for label, code in ((("before", before),) if before else ()) + (("after", here),):
             for tp in (1, 2):
                 env = {**os.environ, "TENSORPAR_BENCH_CODE": code, "PYTHONPATH": code}
                 p = subprocess.run([sys.executable, __file__, "--fixed-cost-worker", str(tp), "--model", folder,
@@ -698,7 +698,9 @@ def main() -> None:
     p.add_argument("--fixed-cost", action="store_true",
                    help="only the fixed cost per token (issue 28): SmolLM2 fp32 lean tp=1 and tp=2, --before's code "
                         "and this checkout interleaved; writes decode_fixed_cost.{md,json}")
-    p.add_argument("--before", default="/work/main", help="the old checkout for --fixed-cost")
+    p.add_argument("--before", default=None,
+                   help="the old checkout for --fixed-cost (e.g. a `git worktree add --detach DIR REV`); "
+                        "left out: this checkout only")
     p.add_argument("--fixed-cost-worker", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args()
     from tensorpar.hub import resolve_model
