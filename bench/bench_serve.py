@@ -15,7 +15,7 @@ core, and slept (blocked: on the other ranks, for requests). At ``--pp`` the sle
 ``--before DIR`` runs every tensorpar backend also on the code in DIR (an older checkout, e.g. ``git archive`` of
 the commit before a change), the two interleaved ``--repeats`` times (before, after, before, after ...):
 
-    PYTHONPATH=. python bench/bench_serve.py --tp 1 --pp 2 --before /tmp/old --repeats 2 --requests 64 \
+    PYTHONPATH=. python bench/bench_serve.py --tp 1 --pp 2 --before DIR --repeats 2 --requests 64 \
         --concurrency 32 --max-tokens 32 --out bench/results/serve_pp
 
 ``--prefix`` runs issue 24's paged-cache runs instead (bench/results/serve_prefix.{md,json}), with the KV memory

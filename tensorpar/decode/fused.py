@@ -57,9 +57,8 @@ def available() -> bool:
     return _lib() is not None
 
 
-@lru_cache(maxsize=64)
 def _parts(addresses: tuple[int, ...]):
-    """``addresses`` as a C array of pointers (the shared-memory slots' two tuples are cached)."""
+    """``addresses`` as a C array of pointers (built per call: no cache at module level)."""
     return (_P * len(addresses))(*addresses)
 
 

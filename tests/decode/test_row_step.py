@@ -156,12 +156,15 @@ def job_logits(ctx, folder, ids, mask, want, shm):
 @needs_kernels
 @pytest.mark.parametrize("tp,batch,shm", [(1, 1, False), (1, 2, False), (2, 1, True),
                                           pytest.param(2, 2, True, marks=pytest.mark.slow),
-                                          pytest.param(2, 1, False, marks=pytest.mark.slow)])
+                                          pytest.param(2, 1, False, marks=pytest.mark.slow),
+                                          pytest.param(3, 1, True, marks=pytest.mark.slow),
+                                          pytest.param(4, 2, True, marks=pytest.mark.slow)])
 def test_row_step_equals_general_loop_and_transformers(pools, tmp_path, tp, batch, shm):
     """A decoder of batch 1 or 2 runs its decode steps through the row step; their logits are within fp32 rounding
     of the general loop's (1e-5 of the largest: the fused norms differ in the last bits, the GEMV is the same) and
-    greedy tokens equal transformers', at tp=1 and tp=2 over shared memory (the fused all-reduce reads the ranks'
-    slots) and over gloo (it adds all_reduce's result). Batch 2: a left-padded row (decode masks)."""
+    greedy tokens equal transformers', at tp=1, 2, 3 and 4 over shared memory (the fused all-reduce reads the ranks'
+    slots; the 9 query heads split unevenly at 2 and 4, the 53-token vocabulary at 2, 3 and 4) and at tp=2 over
+    gloo (it adds all_reduce's result). Batch 2: a left-padded row (decode masks)."""
     folder = make_model_folder(tmp_path / "llama", "llama")
     ids, mask = prompts(ARCHS["llama"]["vocab_size"])
     rows = [0] if batch == 1 else [0, 2]
