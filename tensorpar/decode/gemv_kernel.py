@@ -50,12 +50,12 @@ MAX_ROWS = 2
 def mode(dtype: torch.dtype, rows: int) -> int:
     """The kernel mode for ``rows`` input rows of ``dtype``: one weight row at a time (bf16: ``vdpbf16ps`` on the
     bf16 input) at every row count. Measured at one row, one thread, weights from memory (bench/bench_gemv.py,
-    bench/results/gemv-bf16.md; the 1.1B Llama's and SmolLM2's shapes): ``vdpbf16ps`` reads bf16 at fp32's rate per
-    byte or faster at every shape; the widened weights (:data:`MODE_WIDEN`, for an fp32 input) match it up to 2048
-    inputs but fall to 0.5-0.7 of it at the 1.1B's down projection (5632 inputs): the input in fp32 (22 KB, read
-    twice per weight byte) no longer stays in the 32 KB L1 cache beside the weights streaming through it (a probe
-    reading the same weights against an 8 KB input ran at ``vdpbf16ps``'s rate). Two weight rows at a time was not
-    faster at 2 rows (bench/results/gemv.md)."""
+    bench/results/gemv-bf16.md, bench/gemv_probe.cpp; the 1.1B Llama's and SmolLM2's shapes; docs/decode.md): the
+    widened weights (:data:`MODE_WIDEN`, for an fp32 input) read at 0.9-1.15x ``vdpbf16ps``'s rate up to 2048
+    inputs, within the loaded runs' noise, but at 0.6-0.8 of it at the 1.1B's down projection (5632 inputs): the
+    input in fp32 (22 KB, read twice per weight byte) no longer stays in the 32 KB L1 cache beside the weights
+    streaming through it (the probe reading the same weights against an 8 KB input ran at ``vdpbf16ps``'s rate).
+    Two weight rows at a time was not faster at 2 rows (bench/results/gemv.md)."""
     return MODE_ONE_ROW
 
 

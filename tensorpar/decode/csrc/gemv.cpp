@@ -4,9 +4,9 @@
 // matrix is one sequential stream of cache lines that the hardware prefetcher follows; per row U independent
 // accumulators per input row (4 x 64 bytes of weights in flight), reduced once per output.
 // bf16: weights and activations bf16, products summed in fp32 with vdpbf16ps (AVX512_BF16: pairs of bf16 products
-// into one fp32 lane) or by widening the weights to fp32 (a shift / an and: even and odd halves, below) and fma with
-// x in fp32 (`mode`), the output rounded to bf16 (round to nearest even) after the bias. More than 4 rows: the weight rows in chunks that stay
-// in L2 while every group of 4 input rows reads them (one pass over memory).
+// into one fp32 lane) or by widening the weights to fp32 (a shift / an and: even and odd halves, below) and fma
+// with x in fp32 (`mode`), the output rounded to bf16 (round to nearest even) after the bias. More than 4 rows: the
+// weight rows in chunks that stay in L2 while every group of 4 input rows reads them (one pass over memory).
 // Built by tensorpar/decode/gemv_kernel.py with -O3 -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -fopenmp; called
 // only where the CPU has those features. Plain C ABI (ctypes): no torch headers.
 #include <immintrin.h>
