@@ -4,12 +4,17 @@ against our GEMV on the plain weight (:mod:`tensorpar.decode.gemv_kernel`; bf16 
 weights widened to fp32, with and without software prefetch), fp32 and bf16, interleaved in one run.
 
 Shapes: one rank's matrices of the 1.1B Llama (TinyLlama's shape: hidden 2048, 32 query / 4 KV heads of 64, MLP
-5632, vocab 32000) at tp=1 and tp=2: fused QKV, o_proj, fused gate-up, down, LM head. Each measurement runs
+5632, vocab 32000) and, with ``--models llama smollm2``, of SmolLM2-135M (hidden 576, 9 query / 3 KV heads of 64, MLP
+1536, vocab 49152) at tp=1 and tp=2: fused QKV, o_proj, fused gate-up, down, LM head. Each measurement runs
 through enough distinct copies of a matrix (>= ``--mb`` MB) that they are read from memory, as in a decode step.
-GB/s = weight bytes / time (median and best of ``--repeats``); the limit is bench/stream_read.c with one thread
-(bench_llamacpp's), best of its start and end runs. Results: bench/results/gemv.{md,json}.
+GB/s = weight bytes / time (median and best of ``--repeats``), from wall time and from the calling thread's CPU
+time (``time.thread_time``: one thread runs the matmul, so on a shared machine the CPU time counts less of the
+other processes' load than the wall time does); the limit is bench/stream_read.c with one thread
+(bench_llamacpp's), best of its start and end runs. A run whose 1-minute load average reached 1 (2 cores) is
+labelled loaded in its title. Results: ``--out`` (default bench/results/gemv).{md,json}, written with
+bench/machine.py's ``write_results``.
 
-    PYTHONPATH=. python bench/bench_gemv.py [--rows 1 4] [--mb 128]
+    PYTHONPATH=. python bench/bench_gemv.py [--rows 1 4] [--mb 128] [--models llama smollm2] [--variants ours ...]
 
 ``--e2e``: instead, greedy decode of the 1.1B random Llama (bench_llamacpp's ``tinyllama-random``, 1 thread per
 rank, ``bench_decode.job_tp``) at tp=1 and tp=2, fp32 and bf16, with our kernel (the lean path's default) and
@@ -35,15 +40,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_llamacpp import _stream_binary, _stream_read  # noqa: E402
 from bench_serve import atomic_write  # noqa: E402
-from machine import machine  # noqa: E402
+from machine import machine, write_results  # noqa: E402
 
 H, F_, V, D, NQ, NKV = 2048, 5632, 32000, 64, 32, 4
+#: (hidden, MLP, vocab, head dim, query heads, KV heads) per ``--models`` name
+MODELS = {"llama": (H, F_, V, D, NQ, NKV), "smollm2": (576, 1536, 49152, 64, 9, 3)}
 
 
-def shapes(tp: int) -> list[tuple[str, int, int]]:
-    """``(name, out, in)`` of one rank's matrices at ``tp``."""
-    return [("qkv", (NQ + 2 * NKV) * D // tp, H), ("o_proj", H, NQ * D // tp), ("gate_up", 2 * F_ // tp, H),
-            ("down", H, F_ // tp), ("lm_head", V // tp, H)]
+def shapes(tp: int, model: str = "llama") -> list[tuple[str, int, int]]:
+    """``(name, out, in)`` of one rank's matrices at ``tp`` for ``model`` (a :data:`MODELS` key)."""
+    h, f, v, d, nq, nkv = MODELS[model]
+    return [("qkv", (nq + 2 * nkv) * d // tp, h), ("o_proj", h, nq * d // tp), ("gate_up", 2 * f // tp, h),
+            ("down", h, f // tp), ("lm_head", v // tp, h)]
 
 
 def e2e(args) -> None:
@@ -126,7 +134,10 @@ def main():
     ap.add_argument("--big-rows", type=int, nargs="*", default=[8, 16, 32],
                     help="more rows, tp=2 gate-up only (where oneDNN takes over)")
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--models", nargs="+", default=["llama"], choices=sorted(MODELS))
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
+    ap.add_argument("--variants", nargs="+", default=None,
+                    help="of onednn ours ours_pf ours_widen ours_pairs (default: all that apply)")
     ap.add_argument("--mb", type=int, default=128, help="MB of distinct copies each measurement reads at least")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--out", default="bench/results/gemv")
@@ -148,21 +159,25 @@ def main():
     sr0 = _stream_read(exe, 256)
     g = torch.Generator().manual_seed(0)
     dts = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    cases = [(tp, name, n, k, m) for tp in args.tp for name, n, k in shapes(tp) for m in args.rows]
-    cases += [(2, "gate_up", 2 * F_ // 2, H, m) for m in args.big_rows]
+    cases = [(model, tp, name, n, k, m) for model in args.models for tp in args.tp
+             for name, n, k in shapes(tp, model) for m in args.rows]
+    cases += [(args.models[0], 2, "gate_up", n, k, m) for m in args.big_rows
+              for name, n, k in shapes(2, args.models[0]) if name == "gate_up"]
     rows = []
     for dname in args.dtypes:
         dt = dts[dname]
-        for tp, name, n, k, m in cases:
+        for model, tp, name, n, k, m in cases:
             variants = {"onednn": None, "ours": dict(mode=0, prefetch=0), "ours_pf": dict(mode=0, prefetch=1024)}
             if dt == torch.bfloat16:
                 variants["ours_widen"] = dict(mode=1, prefetch=0)
             if m > 1:
                 variants["ours_pairs"] = dict(mode=2, prefetch=0)
+            if args.variants:
+                variants = {vn: v for vn, v in variants.items() if vn in args.variants}
             nbytes = n * k * dt.itemsize
             copies = max(1, -(-args.mb * 2 ** 20 // nbytes))
             ws = [torch.randn(n, k, generator=g).to(dt) for _ in range(copies)]
-            packed = [pack(w) for w in ws]
+            packed = [pack(w) for w in ws] if "onednn" in variants else []
             x = torch.randn(m, k, generator=g).to(dt)
             ref = torch.nn.functional.linear(x.double(), ws[0].double())
 
@@ -176,17 +191,20 @@ def main():
                 y = run(v)[0].double()
                 err[vn] = float(((y - ref).abs().max() / ref.abs().max()))
             times = {vn: [] for vn in variants}
+            cpu = {vn: [] for vn in variants}
             for _ in range(args.repeats):
                 for vn, v in variants.items():
-                    t0 = time.perf_counter()
+                    c0, t0 = time.thread_time(), time.perf_counter()
                     run(v)
                     times[vn].append(time.perf_counter() - t0)
+                    cpu[vn].append(time.thread_time() - c0)
             total = nbytes * copies
-            row = dict(dtype=dname, tp=tp, matrix=name, out=n, inp=k, rows=m, mb=total / 1e6,
+            row = dict(dtype=dname, model=model, tp=tp, matrix=name, out=n, inp=k, rows=m, mb=total / 1e6,
                        load=os.getloadavg()[0])
             for vn in variants:
                 row[f"{vn}_gbs"] = total / statistics.median(times[vn]) / 1e9
                 row[f"{vn}_best_gbs"] = total / min(times[vn]) / 1e9
+                row[f"{vn}_cpu_gbs"] = total / statistics.median(cpu[vn]) / 1e9
                 row[f"{vn}_maxrel"] = err[vn]
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -195,32 +213,38 @@ def main():
     limit = max(sr0[1], sr1[1]) if sr0 else None
     meta = dict(machine=m0, machine_end=machine(), torch=torch.__version__, threads=1,
                 stream_read_start=sr0, stream_read_end=sr1, limit_1t=limit, repeats=args.repeats,
-                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), max_rows=gemv_kernel.MAX_ROWS)
-    out = Path(args.out)
-    atomic_write(out.with_suffix(".json"), json.dumps(dict(meta=meta, rows=rows), indent=1))
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), max_rows=gemv_kernel.MAX_ROWS,
+                modes={"1 row": {d: gemv_kernel.mode(dts[d], 1) for d in args.dtypes}})
     la0, la1 = m0["loadavg"], meta["machine_end"]["loadavg"]
-    lines = [f"# Decode matmuls at a few rows: oneDNN prepacked against our GEMV, GB/s of weights ({meta['date']})",
+    top = max([la0[0], la1[0]] + [r["load"] for r in rows])
+    meta["loaded"] = top >= 1.0
+    lines = [f"# Decode matmuls at a few rows: oneDNN prepacked against our GEMV, GB/s of weights ({meta['date']}"
+             + (f", loaded: 1-minute load average up to {top:.1f})" if meta["loaded"] else ")"),
              "", f"{m0['cpu']}, {m0['cores']} cores, torch {meta['torch']}, one thread. Load average "
              f"{la0[0]:.2f} / {la0[1]:.2f} / {la0[2]:.2f} at start, {la1[0]:.2f} / {la1[1]:.2f} / {la1[2]:.2f} at "
              f"end (the machine was shared: other work ran on its 2 cores). Memory-read limit, one thread "
              f"(bench/stream_read.c, best of 30): start "
              + (f"{sr0[1] / 1e9:.1f} GB/s, end {sr1[1] / 1e9:.1f} GB/s; fractions below are of the better, "
                 f"{limit / 1e9:.1f} GB/s." if sr0 else "not measured (no gcc)."), "",
-             "Each cell: median GB/s over the repeats (best in parentheses), its fraction of the limit. oneDNN: "
+             "Each cell: median GB/s from wall time over the repeats (best in parentheses), its fraction of the "
+             "limit, then `cpu` the median GB/s from the thread's CPU time. oneDNN: "
              "`_linear_pointwise` on the `_reorder_linear_weight` weight (the lean path before); ours: "
              "tensorpar.decode.gemv_kernel on the plain [out, in] weight, one weight row at a time (bf16: "
              "`vdpbf16ps`); ours pf: with a software prefetch 1024 elements ahead; ours widen (bf16): weights "
-             "widened to fp32 and fma; ours pairs (more than one row): two weight rows at a time, each input vector "
-             "loaded once for both. ours / oneDNN: the better of ours and ours pairs. max rel: largest |y - fp64 "
-             "reference| / max |reference| of the first copy (ours).", ""]
+             "widened to fp32 and fma with the input in fp32; ours pairs (more than one row): two weight rows at a "
+             "time, each input vector loaded once for both. ours / oneDNN: the best of ours, ours widen and ours "
+             "pairs. "
+             "max rel: largest |y - fp64 reference| / max |reference| of the first copy (ours, else the first "
+             "variant).", ""]
     for dname in args.dtypes:
         sel = [r for r in rows if r["dtype"] == dname]
         if not sel:
             continue
-        vns = list(dict.fromkeys(k[:-4] for r in sel for k in r if k.endswith("_gbs") and not k.endswith("_best_gbs")))
-        lines += [f"## {dname}", "", "| tp | matrix | out x in | rows | MB read | "
-                  + " | ".join(vns) + " | ours / oneDNN | max rel (oneDNN / ours) | load |",
-                  "|---|---|---|---|---|" + "---|" * len(vns) + "---|---|---|"]
+        vns = list(dict.fromkeys(k[:-4] for r in sel for k in r
+                                 if k.endswith("_gbs") and not k.endswith(("_best_gbs", "_cpu_gbs"))))
+        lines += [f"## {dname}", "", "| model | tp | matrix | out x in | rows | MB read | "
+                  + " | ".join(vns) + " | ours / oneDNN | max rel | load |",
+                  "|---|---|---|---|---|---|" + "---|" * len(vns) + "---|---|---|"]
         for r in sel:
             cells = []
             for vn in vns:
@@ -228,14 +252,15 @@ def main():
                     cells.append("-")
                     continue
                 frac = f", {r[vn + '_gbs'] * 1e9 / limit:.2f}" if limit else ""
-                cells.append(f"{r[vn + '_gbs']:.1f} ({r[vn + '_best_gbs']:.1f}){frac}")
-            lines.append(f"| {r['tp']} | {r['matrix']} | {r['out']} x {r['inp']} | {r['rows']} | {r['mb']:.0f} | "
-                         + " | ".join(cells)
-                         + f" | {max(r['ours_gbs'], r.get('ours_pairs_gbs', 0)) / r['onednn_gbs']:.2f}x | "
-                         f"{r['onednn_maxrel']:.1e} / {r['ours_maxrel']:.1e} | {r['load']:.2f} |")
+                cells.append(f"{r[vn + '_gbs']:.1f} ({r[vn + '_best_gbs']:.1f}){frac}, cpu {r[vn + '_cpu_gbs']:.1f}")
+            ours = max(r.get("ours_gbs", 0), r.get("ours_widen_gbs", 0), r.get("ours_pairs_gbs", 0))
+            ratio = f"{ours / r['onednn_gbs']:.2f}x" if "onednn_gbs" in r and ours else "-"
+            first = next(vn for vn in vns if vn + "_maxrel" in r)
+            rel = r.get("ours_maxrel", r[first + "_maxrel"])
+            lines.append(f"| {r['model']} | {r['tp']} | {r['matrix']} | {r['out']} x {r['inp']} | {r['rows']} | "
+                         f"{r['mb']:.0f} | " + " | ".join(cells) + f" | {ratio} | {rel:.1e} | {r['load']:.2f} |")
         lines.append("")
-    atomic_write(out.with_suffix(".md"), "\n".join(lines))
-    print("\n".join(lines))
+    write_results(Path(args.out), meta, rows, lines)
 
 
 if __name__ == "__main__":

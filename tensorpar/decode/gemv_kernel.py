@@ -11,8 +11,8 @@ step and pack the weight themselves (a second copy).
 
 The layout is the plain weight ``[out, in]`` row-major, the one the modules, checkpoints and verify read: reading
 one output row after the other the matrix is one sequential stream, so nothing is packed and nothing converted.
-Sums in fp32 (bf16: the weights widened to fp32, or ``vdpbf16ps`` pairs: :func:`mode`), rounded to bf16 once at
-the end for bf16 weights.
+Sums in fp32 (bf16: ``vdpbf16ps`` pairs, or the weights widened to fp32 with the input in fp32: :func:`mode`),
+rounded to bf16 once at the end for bf16 weights.
 
 Build: ``g++ -O3 -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -fopenmp -shared`` of the one C++ file (no torch
 headers), cached like :mod:`tensorpar.decode.q8_kernel`'s; loaded with ctypes. Used only where /proc/cpuinfo lists
@@ -35,9 +35,10 @@ _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fope
 _FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 #: the kernel's modes: 0 = one weight row at a time (bf16: ``vdpbf16ps`` on the bf16 input); 1 (bf16) = the
-#: weights widened to fp32 and fma with the input in fp32; 2 = as 0 for one input row, two weight rows at a time for
-#: 2-4 input rows (each input vector loaded once for both). bench/bench_gemv.py measures them (bench/results/gemv.md,
-#: gemv-0014.md): :func:`mode` picks the faster.
+#: weights widened to fp32 (even and odd halves of each 32 with a shift and an and, the input reordered to match once
+#: per call) and fma with the input in fp32; 2 = as 0 for one input row, two weight rows at a time for 2-4 input
+#: rows (each input vector loaded once for both). bench/bench_gemv.py measures them (bench/results/gemv.md,
+#: gemv-0014.md, gemv-bf16.md): :func:`mode` picks the faster.
 MODE_ONE_ROW, MODE_WIDEN, MODE_PAIRS = 0, 1, 2
 #: software prefetch distance in elements (0: none: measured slower, the hardware prefetcher follows the one stream)
 PREFETCH = 0
@@ -47,11 +48,15 @@ MAX_ROWS = 2
 
 
 def mode(dtype: torch.dtype, rows: int) -> int:
-    """The kernel mode for ``rows`` input rows of ``dtype``: bf16 at one row widens the weights to fp32 (it read
-    up to 0.91 of the memory-read limit against ``vdpbf16ps``'s 0.83 at the least loaded run; at more rows the
-    input in fp32 costs more than it gains); otherwise one weight row at a time (two at a time was not faster at
-    2 rows)."""
-    return MODE_WIDEN if dtype == torch.bfloat16 and rows == 1 else MODE_ONE_ROW
+    """The kernel mode for ``rows`` input rows of ``dtype``: one weight row at a time (bf16: ``vdpbf16ps`` on the
+    bf16 input) at every row count. Measured at one row, one thread, weights from memory (bench/bench_gemv.py,
+    bench/results/gemv-bf16.md, bench/gemv_probe.cpp; the 1.1B Llama's and SmolLM2's shapes; docs/decode.md): the
+    widened weights (:data:`MODE_WIDEN`, for an fp32 input) read at 0.9-1.15x ``vdpbf16ps``'s rate up to 2048
+    inputs, within the loaded runs' noise, but at 0.6-0.8 of it at the 1.1B's down projection (5632 inputs): the
+    input in fp32 (22 KB, read twice per weight byte) no longer stays in the 32 KB L1 cache beside the weights
+    streaming through it (the probe reading the same weights against an 8 KB input ran at ``vdpbf16ps``'s rate).
+    Two weight rows at a time was not faster at 2 rows (bench/results/gemv.md)."""
+    return MODE_ONE_ROW
 
 
 _mode = mode

@@ -4,9 +4,9 @@
 // matrix is one sequential stream of cache lines that the hardware prefetcher follows; per row U independent
 // accumulators per input row (4 x 64 bytes of weights in flight), reduced once per output.
 // bf16: weights and activations bf16, products summed in fp32 with vdpbf16ps (AVX512_BF16: pairs of bf16 products
-// into one fp32 lane) or by widening the weights to fp32 (a shift) and fma with x in fp32 (`mode`), the output
-// rounded to bf16 (round to nearest even) after the bias. More than 4 rows: the weight rows in chunks that stay
-// in L2 while every group of 4 input rows reads them (one pass over memory).
+// into one fp32 lane) or by widening the weights to fp32 (a shift / an and: even and odd halves, below) and fma
+// with x in fp32 (`mode`), the output rounded to bf16 (round to nearest even) after the bias. More than 4 rows: the
+// weight rows in chunks that stay in L2 while every group of 4 input rows reads them (one pass over memory).
 // Built by tensorpar/decode/gemv_kernel.py with -O3 -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -fopenmp; called
 // only where the CPU has those features. Plain C ABI (ctypes): no torch headers.
 #include <immintrin.h>
@@ -121,12 +121,36 @@ static void f32_rows2(const float* x, int64_t K, const float* w, int64_t n0, int
 }
 
 // ---------------------------------------------------------------------------------------------- bf16 weights
-// mode 0: vdpbf16ps on x (bf16, row stride K); mode 1: weights widened to fp32, x given in fp32 (xf)
+// Mode 1 reads the inputs in the order the weights split into without a shuffle: a 64-byte vector of 32 bf16
+// weights is 16 fp32 lanes, each holding weight 2j in its low and 2j + 1 in its high 16 bits, so a left shift by 16
+// gives the even weights as fp32 and an and with 0xffff0000 the odd ones (two one-cycle integer ops per 64 bytes,
+// against two vpmovzxwd lane-crossing shuffles, a vextracti64x4 and two shifts for the widening to input order,
+// which bounded the bf16 rows below fp32's rate per byte). The inputs are reordered to match once per call.
+// x_eo: the first K32 (multiple of 32) inputs of R rows (fp32, row stride K) per block of 32: its 16 even inputs,
+// then its 16 odd ones; [R][K32], 64-byte aligned (the caller frees it)
+static float* split_even_odd(const float* xf, int R, int64_t K, int64_t K32) {
+    float* xs = (float*)aligned_alloc(64, (size_t)(R * K32 * 4));
+    const __m512i ie = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i io = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    for (int r = 0; r < R; ++r)
+        for (int64_t k = 0; k < K32; k += 32) {
+            const __m512 x0 = _mm512_loadu_ps(xf + r * K + k), x1 = _mm512_loadu_ps(xf + r * K + k + 16);
+            _mm512_store_ps(xs + r * K32 + k, _mm512_permutex2var_ps(x0, ie, x1));
+            _mm512_store_ps(xs + r * K32 + k + 16, _mm512_permutex2var_ps(x0, io, x1));
+        }
+    return xs;
+}
+
+// mode 0: vdpbf16ps on x (bf16, row stride K); mode 1: weights widened to fp32 (even / odd halves, above), x given
+// in fp32 (xf, row stride K, in input order). Per output row: 4 accumulators per input row; mode 1 sums each
+// block of 32 inputs as its even then its odd half (another order than the inputs', the same products, in fp32).
 template <int R, int MODE>
 static void bf16_rows(const uint16_t* x, const float* xf, int64_t K, const uint16_t* w, int64_t n0, int64_t n1,
                       float* out, int64_t ldo, int64_t pf) {
     const int64_t K128 = K & ~(int64_t)127, K32 = K & ~(int64_t)31;
     const __mmask32 tail = (__mmask32)((K - K32) ? ((1ull << (K - K32)) - 1) : 0);
+    float* xs = MODE == 1 && K32 ? split_even_odd(xf, R, K, K32) : nullptr;
+    const __m512i odd = _mm512_set1_epi32((int)0xffff0000u);
     for (int64_t n = n0; n < n1; ++n) {
         const uint16_t* wr = w + n * K;
         __m512 a[R][4];
@@ -137,21 +161,24 @@ static void bf16_rows(const uint16_t* x, const float* xf, int64_t K, const uint1
             if (pf) _mm_prefetch((const char*)(wr + k + pf), _MM_HINT_T0);
             __m512i wv[4];
             for (int u = 0; u < 4; ++u) wv[u] = _mm512_loadu_si512(wr + k + 32 * u);
-            for (int r = 0; r < R; ++r) {
-                if (MODE == 0) {
+            if (MODE == 0) {
+                for (int r = 0; r < R; ++r) {
                     const uint16_t* xr = x + r * K + k;
                     for (int u = 0; u < 4; ++u)
                         a[r][u] = _mm512_dpbf16_ps(a[r][u], (__m512bh)_mm512_loadu_si512(xr + 32 * u),
                                                    (__m512bh)wv[u]);
-                } else {
-                    const float* xr = xf + r * K + k;
+                }
+            } else {
+                __m512 we[4], wo[4];
+                for (int u = 0; u < 4; ++u) {
+                    we[u] = _mm512_castsi512_ps(_mm512_slli_epi32(wv[u], 16));
+                    wo[u] = _mm512_castsi512_ps(_mm512_and_si512(wv[u], odd));
+                }
+                for (int r = 0; r < R; ++r) {
+                    const float* xr = xs + r * K32 + k;
                     for (int u = 0; u < 4; ++u) {
-                        __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
-                            _mm512_cvtepu16_epi32(_mm512_castsi512_si256(wv[u])), 16));
-                        __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
-                            _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(wv[u], 1)), 16));
-                        a[r][u] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr + 32 * u), a[r][u]);
-                        a[r][u] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 32 * u + 16), a[r][u]);
+                        a[r][u] = _mm512_fmadd_ps(we[u], _mm512_load_ps(xr + 32 * u), a[r][u]);
+                        a[r][u] = _mm512_fmadd_ps(wo[u], _mm512_load_ps(xr + 32 * u + 16), a[r][u]);
                     }
                 }
             }
@@ -162,16 +189,15 @@ static void bf16_rows(const uint16_t* x, const float* xf, int64_t K, const uint1
                 if (MODE == 0) {
                     a[r][0] = _mm512_dpbf16_ps(a[r][0], (__m512bh)_mm512_loadu_si512(x + r * K + k), (__m512bh)wv);
                 } else {
-                    __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
-                        _mm512_cvtepu16_epi32(_mm512_castsi512_si256(wv)), 16));
-                    __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
-                        _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(wv, 1)), 16));
-                    a[r][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xf + r * K + k), a[r][0]);
-                    a[r][0] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xf + r * K + k + 16), a[r][0]);
+                    const float* xr = xs + r * K32 + k;
+                    a[r][0] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(wv, 16)), _mm512_load_ps(xr),
+                                              a[r][0]);
+                    a[r][1] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(wv, odd)),
+                                              _mm512_load_ps(xr + 16), a[r][1]);
                 }
             }
         }
-        if (tail) {     // widen the last < 32 weights (both modes: vdpbf16ps needs pairs)
+        if (tail) {     // widen the last < 32 weights in input order (both modes: vdpbf16ps needs pairs)
             __m512i wv = _mm512_maskz_loadu_epi16(tail, wr + k);
             __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(wv)), 16));
             __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -196,6 +222,7 @@ static void bf16_rows(const uint16_t* x, const float* xf, int64_t K, const uint1
             out[r * ldo + n] = _mm512_reduce_add_ps(
                 _mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_add_ps(a[r][2], a[r][3])));
     }
+    free(xs);
 }
 
 // two weight rows at a time for R (2..4) input rows, vdpbf16ps (as f32_rows2: each x vector loaded once for both)
