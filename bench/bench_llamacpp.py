@@ -367,7 +367,9 @@ def prepare_model(a: argparse.Namespace) -> dict:
 
 
 # tensorpar's rows: (label, compute dtype, --quantize) and the llama.cpp file type of the same precision
+# int8 with fp32 activations is llama.cpp's Q8_0 (weights Q8_0, activations fp32, quantized per block per matmul)
 PRECISIONS = (("fp32", "float32", "none", "F32"), ("bf16", "bfloat16", "none", "BF16"),
+              ("int8 + fp32 activations", "float32", "int8", "Q8_0"),
               ("int8 + bf16 activations", "bfloat16", "int8", "Q8_0"))
 SCALING_TARGET = 1.85       # issue 28, item 2: tp=2 >= 1.85x tp=1
 LLAMA_TARGET = 1.1          # tp=2 >= 1.1x llama.cpp with 2 threads at the same precision
@@ -461,7 +463,7 @@ def run(a: argparse.Namespace) -> dict:
         first = rs[0]
         r = {"config": name, "engine": {"llama": "llama.cpp", "hf": "transformers", "tp": "tensorpar"}[kind],
              "ranks" if kind == "tp" else "threads": procs,
-             "weights": s if kind == "llama" else "fp32" if kind == "hf" else ("int8" if s[1] == "int8" else
+             "weights": s if kind == "llama" else "fp32" if kind == "hf" else (s[1] if s[1] != "none" else
                                                                                  _act(s[0])),
              "activations": "fp32" if kind in ("llama", "hf") else _act(s[0]),
              "weight_bytes": first["weight_bytes"],
@@ -706,7 +708,7 @@ def write(res: dict, out: Path, n: int, stem: str) -> None:
                   "process group and shared-memory collectives); after load = built and quantized; after decode = "
                   f"after a greedy decode of {res['memory'][0]['decode_steps']} new tokens. Bound = {MEMORY_TARGET} x "
                   "shard bytes + baseline; shard bytes = this rank's parameters in the format it decodes in (int8: "
-                  "int8 weights + scales, norms and the untied embedding in bf16). Model tensors = the distinct "
+                  "int8 weights + scales, norms and the untied embedding in the activations' dtype). Model tensors = the distinct "
                   "storages the model holds (tensorpar.decode.quantize.resident_weight_bytes: parameters, the lean path's fused "
                   "weights, int8 tensors). MB = 10^6 bytes.", "",
                   "| configuration | rank | shard MB | model tensors MB (load / decode) | RSS baseline | RSS after load "

@@ -26,11 +26,11 @@ math directly on the rank's tensors:
   most 2 rows run our GEMV on the plain ``[out, in]`` weights (:mod:`tensorpar.decode.gemv_kernel`: one sequential
   stream of the weights, faster than oneDNN's prepacked GEMV, within 1e-5 relative of ``F.linear`` in fp32, one
   bf16 rounding in bf16), prefill the plain ``torch.mm`` / ``F.linear``; nothing is packed;
-* those one- and two-row steps of layers of the plain Llama shape in fp32 run as a
+* those one- and two-row steps of layers of the plain Llama shape in fp32 (fp32 or int8 weights) run as a
   :class:`~tensorpar.decode.row_step.RowStep`: a few fused C++ calls per layer, no framework ops per layer;
 * a model quantized by :func:`tensorpar.decode.quantize.quantize_int8` (its fp weights freed) runs every matmul as
-  :func:`tensorpar.decode.int8.int8_linear` (Q8_0 x Q8_0: the input quantized per block of 32, int8 x int8) on the
-  int8 ``[out, in]`` weights: no ``[in, out]`` views, no prepacking;
+  :func:`tensorpar.decode.int8.int8_linear` (Q8_0 x Q8_0: the input quantized per block of 32, int8 x int8; the
+  row step: the same kernel into its buffers) on the int8 ``[out, in]`` weights: no ``[in, out]`` views;
 * collectives: one all-reduce for the embedding (vocabulary-parallel), two per layer (attention and MLP outputs,
   after the row-parallel projections), exactly those of the module path, through :func:`tensorpar.comm.all_reduce`
   (the shared-memory path when it is on); with ``tp.compression == "int8"`` (``--tp-comm int8``) the per-layer
