@@ -8,7 +8,7 @@ buffers allocated once, with the per-layer arguments of every kernel prepared on
 * the four matmuls and the LM head: the general loop's kernel into the preallocated outputs: our GEMV on fp32
   weights (:func:`~tensorpar.decode.gemv_kernel.linear_into`), our Q8_0 x Q8_0 kernel on the int8 weights of
   ``--quantize int8`` (:func:`~tensorpar.decode.q8_kernel.linear_into`, the activations quantized into a scratch
-  allocated once);
+  allocated once), our GEMV widening the bf16 weights of ``--quantize bf16`` to fp32;
 * rotary on the q and k heads and the cache write of k and v: one call (:func:`~tensorpar.decode.fused.rope_store`),
   the tables once per step;
 * each all-reduce fused with the residual add and the next RMSNorm (the layer's post-attention norm, the next
@@ -20,7 +20,7 @@ buffers allocated once, with the per-layer arguments of every kernel prepared on
 
 It runs the layers of the plain Llama shape (:func:`why_not` says which it does not) computing in fp32 (activations,
 residual, norms, KV cache) on the GEMV path (:attr:`LeanDecoder.gemv <tensorpar.decode.lean.LeanDecoder>`) or on
-int8 weights, each row's positions in one cache block (generate's static cache); everything else, prefill and
+the int8 or bf16 weights of ``--quantize``, each row's positions in one cache block (generate's static cache); everything else, prefill and
 bigger steps run :meth:`~tensorpar.decode.lean.LeanDecoder.forward_segments`' general loop. Results: the residual
 stream, rotary, cache writes and each matmul's output bitwise those of the general loop's ops given the same
 inputs; the norms, attention and SiLU within fp32 rounding of them (sums in another order, ``expf``:
@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from tensorpar.decode import fused, gemv_kernel, q8_kernel
+from tensorpar.decode.bf16_weights import Bf16Weight
 from tensorpar.decode.int8 import Int8Weight
 
 
@@ -55,9 +56,9 @@ def why_not(dec) -> str | None:
     :class:`RowStep` (``None``: it can)."""
     if dec.tile is not None or not (dec.first and dec.last):
         return "deterministic mode or a pipeline stage"
-    int8 = isinstance(dec.lm_w, Int8Weight)
-    if not (dec.gemv or (int8 and q8_kernel.available() and dec.max_batch <= gemv_kernel.MAX_ROWS)):
-        return "it runs neither our GEMV (fp32 weights) nor our int8 kernel (--quantize int8) at <= 2 rows"
+    fmt = _format(dec.lm_w)
+    if not (dec.gemv or (fmt is not None and _KERNELS[fmt][0]() and dec.max_batch <= gemv_kernel.MAX_ROWS)):
+        return "it runs neither our GEMV (fp32 weights) nor our kernel of --quantize int8 / bf16 at <= 2 rows"
     if dec.lm_w.dtype != torch.float32:
         return "it does not compute in fp32"
     if dec.windows or dec.final_cap is not None or dec.tp.compression == "int8" or dec.lm_b is not None:
@@ -70,28 +71,43 @@ def why_not(dec) -> str | None:
                  and not L.interleaved and not L.parallel and L.sdpa is F.scaled_dot_product_attention)
         if not plain or _norm(L.ln1) is None or _norm(L.ln2) is None:
             return "a layer that is not of the plain Llama shape (pre-RMSNorms, gated SiLU MLP, no biases)"
-        if any(isinstance(w, Int8Weight) != int8 for w in (L.wqkv, L.wo, L.wgu, L.wd)):
-            return "int8 and floating-point weights mixed"
+        if any(_format(w) != fmt for w in (L.wqkv, L.wo, L.wgu, L.wd)):
+            return "weights of several formats"
     return None
+
+
+def _format(w) -> str | None:
+    """``int8`` / ``bf16`` for the stored weights of ``--quantize`` (:class:`Int8Weight`, :class:`Bf16Weight`),
+    ``None`` for a plain tensor."""
+    return "int8" if isinstance(w, Int8Weight) else "bf16" if isinstance(w, Bf16Weight) else None
+
+
+#: per weight format: (the kernel runs here, its run-into-buffers call)
+_KERNELS = {"int8": (q8_kernel.available, q8_kernel.linear_into),
+            "bf16": (gemv_kernel.available, gemv_kernel.bf16w_linear_into),
+            None: (gemv_kernel.available, gemv_kernel.linear_into)}
 
 
 class _Matmuls:
     """The matmul of a :class:`RowStep` into its preallocated buffers: our GEMV on fp32 weights
-    (:func:`~tensorpar.decode.gemv_kernel.into_args`), or our Q8_0 x Q8_0 kernel on the :class:`Int8Weight` of
+    (:func:`~tensorpar.decode.gemv_kernel.into_args`), our Q8_0 x Q8_0 kernel on the :class:`Int8Weight` of
     ``--quantize int8`` (:func:`~tensorpar.decode.q8_kernel.into_args`, the activations quantized into one scratch
-    the step's matmuls share: they run one after the other). Either is the kernel the general loop runs at these
-    rows, so a matmul's output is bitwise the general loop's given the same input."""
+    the step's matmuls share: they run one after the other), or our GEMV widening the :class:`Bf16Weight` of
+    ``--quantize bf16`` (:func:`~tensorpar.decode.gemv_kernel.bf16w_into_args`). Each is the kernel the general loop
+    runs at these rows, so a matmul's output is bitwise the general loop's given the same input."""
 
-    def __init__(self, int8: bool, rows: int, k: int, threads: int):
+    def __init__(self, fmt: str | None, rows: int, k: int, threads: int):
         self.threads = threads
-        self.scratch = q8_kernel.scratch(rows, k) if int8 else None
-        self.run = q8_kernel.linear_into if int8 else gemv_kernel.linear_into
+        self.scratch = q8_kernel.scratch(rows, k) if fmt == "int8" else None
+        self.run = _KERNELS[fmt][1]
 
     def args(self, x: torch.Tensor, w, y: torch.Tensor) -> tuple:
         """The arguments of ``y = x @ W.T`` for ``self.run``: ``x`` ``[M, K]``, ``w`` ``[N, K]`` (a tensor or an
-        :class:`Int8Weight`), ``y`` ``[M, N]``."""
+        :class:`Int8Weight` or :class:`Bf16Weight`), ``y`` ``[M, N]``."""
         if isinstance(w, Int8Weight):
             return q8_kernel.into_args(x, w.q, w.scale, y, self.scratch, self.threads)
+        if isinstance(w, Bf16Weight):
+            return gemv_kernel.bf16w_into_args(x, w.w, y, self.threads)
         return gemv_kernel.into_args(x, w, y, self.threads)
 
 
@@ -116,9 +132,9 @@ class RowStep:
         nq, nkv, d = dec.n_q, dec.n_kv, dec.head_dim
         R = gemv_kernel.MAX_ROWS
         f = L0.f
-        int8 = isinstance(dec.lm_w, Int8Weight)
-        # int8: the layers hold the Int8Weights [out, in]; else [in, out] views of the weights [out, in]
-        out_in = (lambda w: w) if int8 else (lambda w: w.t())
+        fmt = _format(dec.lm_w)
+        # --quantize: the layers hold the stored weights [out, in]; else [in, out] views of the weights [out, in]
+        out_in = (lambda w: w) if fmt is not None else (lambda w: w.t())
         e = dict(dtype=torch.float32, device=dec.lm_w.device)
         self.x, self.h, self.p = (torch.zeros(R, H, **e) for _ in range(3))      # residual, normed, partial sums
         self.qkv = torch.zeros(R, (nq + 2 * nkv) * d, **e)
@@ -131,7 +147,7 @@ class RowStep:
         cache = dec.cache
         self.head_stride = cache.k[0].stride(0)
         self.threads = torch.get_num_threads()
-        self.mm = mm = _Matmuls(int8, R, max(H, nq * d, f), self.threads)
+        self.mm = mm = _Matmuls(fmt, R, max(H, nq * d, f), self.threads)
         self.rows = {}
         for b in range(1, R + 1):
             layers = []
