@@ -75,7 +75,7 @@ def job_bandwidth(ctx, mb: int, reps: int):
 
 
 def _weight_bytes(model, quantize: str = "none") -> int:
-    if quantize == "int8":      # the int8 weights + scales the lean path reads, and the 1-D parameters (norms)
+    if quantize in ("int8", "bf16"):   # the stored weights (+ scales) the lean path reads, and the 1-D parameters
         from tensorpar.decode.int8 import int8_weight_bytes
         return int8_weight_bytes(model) + sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 1)
     from tensorpar.decode.packed import packed_weight_bytes      # packed weights are not parameters

@@ -15,7 +15,8 @@ tensorpar's in the same run (issue 13, item 3). In one run it
    processes: llama.cpp F32 and Q8_0 with 1 and 2 threads (the low-level API: ``llama_decode`` of one token per
    step and llama.cpp's greedy sampler, the loop ``llama-cli`` runs; the prompt's token ids are tensorpar's),
    and tensorpar's lean decode (``bench_decode.job_tp``, 1 thread per rank, shared-memory collectives): fp32 tp=1,
-   fp32 tp=2, and int8 weight-only tp=2 (``--quantize int8``) with fp32 and with bf16 activations. Each row:
+   fp32 tp=2, bf16 weights with fp32 activations (``--quantize bf16``), and int8 weight-only tp=2
+   (``--quantize int8``) with fp32 and with bf16 activations. Each row:
    greedy, prompt ``bench_decode.PROMPT``, ``--tokens`` new tokens, EOS ignored, only the decode steps timed (the
    first token, which needs the prefill, is not), after a 3-token warm-up in the same process;
 4. reports per row the median over rounds of the mean decode tokens/s and the fastest single step over all rounds,
@@ -367,7 +368,11 @@ def prepare_model(a: argparse.Namespace) -> dict:
 
 
 # tensorpar's rows: (label, compute dtype, --quantize) and the llama.cpp file type of the same precision
+# llama.cpp computes in fp32 whatever the file type: BF16 is bf16 weights with fp32 activations (--quantize bf16),
+# Q8_0 int8 weights with fp32 activations quantized per block per matmul (--quantize int8 of an fp32 model)
 PRECISIONS = (("fp32", "float32", "none", "F32"), ("bf16", "bfloat16", "none", "BF16"),
+              ("bf16 weights + fp32 activations", "float32", "bf16", "BF16"),
+              ("int8 + fp32 activations", "float32", "int8", "Q8_0"),
               ("int8 + bf16 activations", "bfloat16", "int8", "Q8_0"))
 SCALING_TARGET = 1.85       # issue 28, item 2: tp=2 >= 1.85x tp=1
 LLAMA_TARGET = 1.1          # tp=2 >= 1.1x llama.cpp with 2 threads at the same precision
@@ -461,7 +466,7 @@ def run(a: argparse.Namespace) -> dict:
         first = rs[0]
         r = {"config": name, "engine": {"llama": "llama.cpp", "hf": "transformers", "tp": "tensorpar"}[kind],
              "ranks" if kind == "tp" else "threads": procs,
-             "weights": s if kind == "llama" else "fp32" if kind == "hf" else ("int8" if s[1] == "int8" else
+             "weights": s if kind == "llama" else "fp32" if kind == "hf" else (s[1] if s[1] != "none" else
                                                                                  _act(s[0])),
              "activations": "fp32" if kind in ("llama", "hf") else _act(s[0]),
              "weight_bytes": first["weight_bytes"],
@@ -706,7 +711,7 @@ def write(res: dict, out: Path, n: int, stem: str) -> None:
                   "process group and shared-memory collectives); after load = built and quantized; after decode = "
                   f"after a greedy decode of {res['memory'][0]['decode_steps']} new tokens. Bound = {MEMORY_TARGET} x "
                   "shard bytes + baseline; shard bytes = this rank's parameters in the format it decodes in (int8: "
-                  "int8 weights + scales, norms and the untied embedding in bf16). Model tensors = the distinct "
+                  "int8 weights + scales, norms and the untied embedding in the activations' dtype). Model tensors = the distinct "
                   "storages the model holds (tensorpar.decode.quantize.resident_weight_bytes: parameters, the lean path's fused "
                   "weights, int8 tensors). MB = 10^6 bytes.", "",
                   "| configuration | rank | shard MB | model tensors MB (load / decode) | RSS baseline | RSS after load "

@@ -71,6 +71,9 @@ def _lib():
     lib.tp_gemv.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                             ctypes.c_int64]
+    lib.tp_gemv_bf16w.restype = None
+    lib.tp_gemv_bf16w.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
     return lib
 
 
@@ -136,6 +139,39 @@ def linear_into(args: tuple) -> None:
     """:func:`linear` into a preallocated output with the arguments :func:`into_args` prepared: no allocation, no
     per-call checks (the lean path's one-row decode step, :mod:`tensorpar.decode.row_step`)."""
     _lib().tp_gemv(*args)
+
+
+def bf16w_into_args(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, threads: int | None = None) -> tuple:
+    """:func:`into_args` for bf16 weights computing in fp32 (``--quantize bf16``): ``x`` ``[M, K]`` float32, ``w``
+    ``[N, K]`` bfloat16, ``y`` ``[M, N]`` float32, contiguous CPU tensors; the weights widened to fp32 as
+    :data:`MODE_WIDEN` does, ``y`` not rounded to bf16 (fp32 sums in another order than ``F.linear(x, w.float())``:
+    within 1e-5 relative of it). For :func:`bf16w_linear_into`. Raises ValueError on other shapes or dtypes."""
+    M, K = x.shape
+    N = w.shape[0]
+    if (w.shape[1] != K or tuple(y.shape) != (M, N) or x.dtype != torch.float32 or y.dtype != torch.float32
+            or w.dtype != torch.bfloat16 or not all(t.is_contiguous() and t.device.type == "cpu" for t in (x, w, y))):
+        raise ValueError(f"gemv bf16w into: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}, y "
+                         f"{tuple(y.shape)} {y.dtype}: takes contiguous CPU x [M, K] float32, w [N, K] bfloat16, "
+                         f"y [M, N] float32")
+    return (x.data_ptr(), M, K, w.data_ptr(), N, None, y.data_ptr(),
+            torch.get_num_threads() if threads is None else threads, PREFETCH)
+
+
+def bf16w_linear_into(args: tuple) -> None:
+    """The bf16-weight, fp32-activation GEMV into a preallocated output, with :func:`bf16w_into_args`' arguments."""
+    _lib().tp_gemv_bf16w(*args)
+
+
+def bf16w_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, w.float(), bias)`` for ``x`` ``[M, K]`` float32, ``w`` ``[N, K]`` bfloat16 contiguous (CPU,
+    :func:`available`), ``bias`` ``[N]`` float32 or None -> ``[M, N]`` float32, without the fp32 copy of ``w``:
+    the weights widened in registers (sums in fp32 in another order: within 1e-5 relative of it)."""
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    _lib().tp_gemv_bf16w(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), w.shape[0],
+                         None if bias is None else bias.contiguous().data_ptr(), y.data_ptr(),
+                         torch.get_num_threads(), PREFETCH)
+    return y
 
 
 @torch.library.custom_op("tensorpar::gemv", mutates_args=())

@@ -49,6 +49,21 @@ class Int8Weight(NamedTuple):
         """``q * s`` ``[out_local, in_local]`` in ``dtype`` (default the compute dtype; a new tensor)."""
         return _dequantize(self.q, self.scale).to(dtype or self.dtype)
 
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """:func:`int8_linear` of ``x`` ``[..., in]`` -> ``[..., out]``."""
+        return int8_linear(x, self, bias)
+
+    def rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """Rows ``idx`` ``[*]`` of ``q * s`` -> ``[*, in]`` in the compute dtype (a tied embedding's lookup)."""
+        return _dequantize(self.q[idx], self.scale[idx]).to(self.dtype)
+
+    def narrow(self, start: int, n: int) -> "Int8Weight":
+        """Rows ``[start, start + n)`` (views)."""
+        return Int8Weight(self.q[start:start + n], self.scale[start:start + n], self.dtype)
+
+    def stored_bytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * self.scale.element_size()
+
 
 def _dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``q`` ``[..., K]`` int8, ``scale`` ``[..., K / 32]`` -> ``q * scale`` per block, float32 ``[..., K]``."""
@@ -150,8 +165,9 @@ class _Int8Weighted:
         return self.__dict__["_int8_weight"].dequantize()
 
     def forward_local(self, x: torch.Tensor) -> torch.Tensor:
-        """``int8_linear(x, W_r, b)``: the lean path's matmul (activations quantized per block), no collectives."""
-        return int8_linear(x, self.__dict__["_int8_weight"], self.bias)
+        """``int8_linear(x, W_r, b)`` (``bf16_linear`` for a :class:`~tensorpar.decode.bf16_weights.Bf16Weight`):
+        the lean path's matmul, no collectives."""
+        return self.__dict__["_int8_weight"].linear(x, self.bias)
 
 
 class Int8ColumnParallelLinear(_Int8Weighted, ColumnParallelLinear):
@@ -170,7 +186,7 @@ class Int8RowParallelLinear(_Int8Weighted, RowParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = comm.scatter_to_tp_region(x, self.tp, self.partition)
-        y = comm.reduce_from_tp_region(int8_linear(x, self.__dict__["_int8_weight"]), self.tp)
+        y = comm.reduce_from_tp_region(self.__dict__["_int8_weight"].linear(x), self.tp)
         return y if self.bias is None else y + self.bias
 
 
@@ -193,7 +209,7 @@ class Int8VocabParallelEmbedding(VocabParallelEmbedding):
         else:           # as VocabParallelEmbedding.forward: rows of other ranks are looked up as row 0, then zeroed
             outside = (ids < self.vocab_start) | (ids >= self.vocab_stop)
             local = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = _dequantize(w.q[local], w.scale[local]).to(w.dtype)                              # [*, h]
+        out = w.rows(local)                                                                    # [*, h]
         if outside is not None:
             out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.embed_scale is not None:
@@ -205,9 +221,11 @@ _INT8_CLASSES = ((ColumnParallelLinear, Int8ColumnParallelLinear), (RowParallelL
                  (VocabParallelEmbedding, Int8VocabParallelEmbedding))
 
 
-def free_weight(mod: torch.nn.Module, w8: Int8Weight) -> None:
+def free_weight(mod: torch.nn.Module, w8) -> None:
     """Drop ``mod``'s fp ``weight`` parameter (its storage is freed once nothing else holds it) and make ``mod``
-    the Int8 class of its type, reading ``w8``."""
+    the Int8 class of its type, reading ``w8`` (an :class:`Int8Weight`, or the
+    :class:`~tensorpar.decode.bf16_weights.Bf16Weight` of ``--quantize bf16``: the classes read either through its
+    ``dequantize``, ``linear`` and ``rows``)."""
     cls = next((q for fp, q in _INT8_CLASSES if type(mod) is fp), None)
     if cls is None:
         raise ValueError(f"--quantize int8 cannot free the weight of a {type(mod).__name__} (it quantizes "
@@ -238,6 +256,6 @@ def int8_weight_bytes(model) -> int:
     n = 0
     for v in q.values():
         for w in (v.values() if isinstance(v, dict) else [v]):
-            if isinstance(w, Int8Weight):
-                n += w.q.numel() + w.scale.numel() * w.scale.element_size()
+            if hasattr(w, "stored_bytes"):          # Int8Weight, or Bf16Weight (--quantize bf16)
+                n += w.stored_bytes()
     return n

@@ -26,11 +26,12 @@ math directly on the rank's tensors:
   most 2 rows run our GEMV on the plain ``[out, in]`` weights (:mod:`tensorpar.decode.gemv_kernel`: one sequential
   stream of the weights, faster than oneDNN's prepacked GEMV, within 1e-5 relative of ``F.linear`` in fp32, one
   bf16 rounding in bf16), prefill the plain ``torch.mm`` / ``F.linear``; nothing is packed;
-* those one- and two-row steps of layers of the plain Llama shape in fp32 run as a
+* those one- and two-row steps of layers of the plain Llama shape in fp32 (fp32 or int8 weights) run as a
   :class:`~tensorpar.decode.row_step.RowStep`: a few fused C++ calls per layer, no framework ops per layer;
 * a model quantized by :func:`tensorpar.decode.quantize.quantize_int8` (its fp weights freed) runs every matmul as
-  :func:`tensorpar.decode.int8.int8_linear` (Q8_0 x Q8_0: the input quantized per block of 32, int8 x int8) on the
-  int8 ``[out, in]`` weights: no ``[in, out]`` views, no prepacking;
+  :func:`tensorpar.decode.int8.int8_linear` (Q8_0 x Q8_0: the input quantized per block of 32, int8 x int8; the
+  row step: the same kernel into its buffers) on the int8 ``[out, in]`` weights; one stored in bf16 by ``--quantize
+  bf16`` (:func:`~tensorpar.decode.quantize.store_bf16`) :func:`~tensorpar.decode.bf16_weights.bf16_linear`, in fp32;
 * collectives: one all-reduce for the embedding (vocabulary-parallel), two per layer (attention and MLP outputs,
   after the row-parallel projections), exactly those of the module path, through :func:`tensorpar.comm.all_reduce`
   (the shared-memory path when it is on); with ``tp.compression == "int8"`` (``--tp-comm int8``) the per-layer
@@ -63,6 +64,7 @@ from tensorpar import comm
 from tensorpar.comm import Group
 from tensorpar.comm.compress import BLOCK as COMPRESS_BLOCK
 from tensorpar.decode import gemv_kernel, row_step
+from tensorpar.decode.bf16_weights import Bf16Weight, bf16_linear
 from tensorpar.decode.block import Layer, build_layer, norm_fn, ordered_all_reduce, rotate, windowed
 from tensorpar.decode.deterministic import DETERMINISTIC_TILE, deterministic_unsupported
 from tensorpar.decode.int8 import int8_linear, int8_weights, lean_weight
@@ -159,8 +161,8 @@ class LeanDecoder:
         self.perm = torch.cat([torch.arange(half, rd), torch.arange(0, half)]).to(dev)
         self.sign = torch.cat([-torch.ones(half), torch.ones(rd - half)]).to(dev, w0.dtype)
         # the matmuls: self.lin for the layers (2-D input), self.linear for the LM head
-        if int8:        # the int8 weights (lean_weight / fused_weight gave them above), int8 x int8 per block
-            self.lin = self.linear = int8_linear
+        if int8:        # the stored weights (lean_weight / fused_weight gave them): int8 x int8 per block, or bf16
+            self.lin = self.linear = bf16_linear if isinstance(w0, Bf16Weight) else int8_linear
         else:
             self.lin, self.linear = mm, F.linear
         #: our GEMV on the plain weights for steps of at most gemv_kernel.MAX_ROWS rows (:func:`use_gemv`)

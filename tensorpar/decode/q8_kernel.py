@@ -90,12 +90,52 @@ def _lib():
     lib.tp_q8_linear.restype = None
     lib.tp_q8_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    lib.tp_q8_linear_into.restype = None
+    lib.tp_q8_linear_into.argtypes = lib.tp_q8_linear.argtypes + [ctypes.c_void_p]
+    lib.tp_q8_scratch_bytes.restype = ctypes.c_int64
+    lib.tp_q8_scratch_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
     return lib
 
 
 def available() -> bool:
     """Whether this process can run the kernel (the CPU features, a compiler, ``TENSORPAR_Q8_KERNEL`` not ``0``)."""
     return _lib() is not None
+
+
+def scratch(rows: int, k: int) -> torch.Tensor:
+    """The activation-quantization scratch of :func:`into_args` for up to ``rows`` input rows of up to ``k``
+    features (``k % 32 == 0``): a uint8 CPU tensor (``|xq|``, the sign masks and the scales of each row). One may
+    serve several matmuls run one after the other. Requires :func:`available`."""
+    return torch.zeros(int(_lib().tp_q8_scratch_bytes(rows, k)), dtype=torch.uint8)
+
+
+def into_args(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, y: torch.Tensor, scratch: torch.Tensor,
+              threads: int | None = None) -> tuple:
+    """The kernel's arguments for ``y = q8_linear(x, q, scale, None)`` into a preallocated ``y`` (``x`` ``[M, K]``
+    float32, ``q`` ``[N, K]`` int8, ``scale`` ``[N, K / 32]`` float16, ``y`` ``[M, N]`` float32, all contiguous
+    CPU tensors; ``scratch`` from :func:`scratch` for at least ``M`` rows of ``K``), for :func:`linear_into`: the
+    addresses are taken once, so ``x``, ``y`` and ``scratch`` must stay the tensors the caller reuses (the one-row
+    decode step's buffers, :mod:`tensorpar.decode.row_step`). ``threads``: default ``torch.get_num_threads()`` now.
+    Raises ValueError on other shapes or dtypes."""
+    M, K = x.shape
+    N = q.shape[0]
+    ok = (q.shape[1] == K and K % 32 == 0 and tuple(scale.shape) == (N, K // 32) and tuple(y.shape) == (M, N)
+          and x.dtype == y.dtype == torch.float32 and q.dtype == torch.int8 and scale.dtype == torch.float16
+          and scratch.dtype == torch.uint8 and all(t.is_contiguous() and t.device.type == "cpu"
+                                                   for t in (x, q, scale, y, scratch)))
+    if not ok or scratch.numel() < _lib().tp_q8_scratch_bytes(M, K):
+        raise ValueError(f"q8 into: x {tuple(x.shape)} {x.dtype}, q {tuple(q.shape)} {q.dtype}, scale "
+                         f"{tuple(scale.shape)} {scale.dtype}, y {tuple(y.shape)} {y.dtype}, scratch "
+                         f"{scratch.numel()} bytes: takes contiguous CPU x [M, K] float32, q [N, K] int8, scale "
+                         f"[N, K/32] float16, y [M, N] float32, K % 32 == 0, scratch(M, K)")
+    return (x.data_ptr(), M, K, q.data_ptr(), scale.data_ptr(), N, None, y.data_ptr(),
+            torch.get_num_threads() if threads is None else threads, scratch.data_ptr())
+
+
+def linear_into(args: tuple) -> None:
+    """:func:`q8_linear` into a preallocated output with the arguments :func:`into_args` prepared: no allocation,
+    no per-call checks (the same kernel and activation quantization: bitwise :func:`q8_linear`'s result)."""
+    _lib().tp_q8_linear_into(*args)
 
 
 @torch.library.custom_op("tensorpar::q8_linear", mutates_args=())

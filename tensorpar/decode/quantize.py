@@ -1,5 +1,6 @@
-"""int8 quantization for the lean decode path (``--quantize int8``): :func:`quantize_int8` on every rank, the
-plain-PyTorch reference (:func:`quantize_reference_int8`) and the ``--quantize`` flag. The int8 format, its matmul
+"""The weight storage formats of the lean decode path (``--quantize``): int8 (:func:`quantize_int8` on every rank, the
+plain-PyTorch reference :func:`quantize_reference_int8`), bf16 weights computing in fp32 (:func:`store_bf16`,
+:mod:`tensorpar.decode.bf16_weights`; llama.cpp's BF16) and the ``--quantize`` flag. The int8 format, its matmul
 and the modules that read it: :mod:`tensorpar.decode.int8`.
 
 Every Linear of the decoder (the fused q/k/v and gate/up projections, o_proj, down_proj) and the LM head is stored
@@ -34,13 +35,14 @@ from __future__ import annotations
 import torch
 
 from tensorpar.comm import Group
+from tensorpar.decode.bf16_weights import Bf16Weight, to_bf16
 from tensorpar.decode.int8 import Int8Weight, block_misfit, fake_quantize_input, free_weight, quantize_weight
 from tensorpar.decode.prepare import fuse_projections, lean_unsupported
 from tensorpar.hf.families import why_not
 from tensorpar.layers.fused import FUSED_KEY, fused_weight
 
 #: values of ``--quantize``
-QUANTIZE_CHOICES = ("none", "int8")
+QUANTIZE_CHOICES = ("none", "int8", "bf16")
 
 
 def _release_freed_memory(device: torch.device) -> None:
@@ -61,28 +63,73 @@ def _release_freed_memory(device: torch.device) -> None:
             pass
 
 
-def _quantize_fused(owner, names: tuple[str, ...]) -> Int8Weight:
-    """Quantize the lean path's fused fp weight of ``owner``'s projections ``names`` (whole rows: no collective),
-    then free it: each projection module reads its row view of the int8 tensor, and ``owner``'s fused entry
-    (:func:`tensorpar.layers.fused.fused_weight`) becomes ``(Int8Weight, fused fp bias or None)``."""
+def _quantize_fused(owner, names: tuple[str, ...], convert) -> Int8Weight | Bf16Weight:
+    """Convert the lean path's fused fp weight of ``owner``'s projections ``names`` (whole rows: no collective;
+    ``convert``: :func:`~tensorpar.decode.int8.quantize_weight` or :func:`~tensorpar.decode.bf16_weights.to_bf16`),
+    then free it: each projection module reads its row view of the new tensors, and ``owner``'s fused entry
+    (:func:`tensorpar.layers.fused.fused_weight`) becomes ``(stored weight, fused fp bias or None)``."""
     fw, fb = fused_weight(owner, names)
-    w8 = quantize_weight(fw, write=False)
+    w8 = convert(fw)
     del fw
     off = 0
     for n in names:
         mod = getattr(owner, n)
         rows = mod._parameters["weight"].shape[0]
-        free_weight(mod, Int8Weight(w8.q[off:off + rows], w8.scale[off:off + rows], w8.dtype))
+        free_weight(mod, w8.narrow(off, rows))
         off += rows
     owner.__dict__[FUSED_KEY] = (w8, fb)
     return w8
 
 
-def _quantize_linear(mod) -> Int8Weight:
-    """Quantize ``mod.weight`` (:func:`~tensorpar.decode.int8.quantize_weight`) and free it."""
-    w8 = quantize_weight(mod._parameters["weight"], write=False)
+def _quantize_linear(mod, convert) -> Int8Weight | Bf16Weight:
+    """Convert ``mod.weight`` (``convert`` as in :func:`_quantize_fused`) and free it."""
+    w8 = convert(mod._parameters["weight"])
     free_weight(mod, w8)
     return w8
+
+
+def _int8(w: torch.Tensor) -> Int8Weight:
+    return quantize_weight(w, write=False)
+
+
+def _store(model, fmt: str) -> None:
+    """Convert the decoder's Linears and the LM head of ``model`` to format ``fmt`` (``int8``, ``bf16``) in place
+    and free their fp weights (see :func:`quantize_int8`, :func:`store_bf16`)."""
+    why = lean_unsupported(model)
+    if why is not None:
+        raise ValueError(f"--quantize {fmt} runs on the lean decode path, which cannot run this model: {why}; "
+                         f"use --quantize none")
+    why = why_not("int8", model.config)     # the launching process's rule (check_quantize)
+    if why is not None:
+        raise ValueError(f"{why.replace('--quantize int8', f'--quantize {fmt}')}; use --quantize none")
+    if model.__dict__.get("_tensorpar_int8") is not None:
+        raise ValueError("the model is already quantized (--quantize applied twice)")
+    head, embed = model.lm_head, model.model.embed_tokens
+    if fmt == "bf16":
+        why = bf16_misfit(head.weight.dtype)
+        if why is not None:
+            raise ValueError(why)
+    else:
+        a0, m0 = model.model.layers[0].self_attn, model.model.layers[0].mlp
+        why = block_misfit({"the hidden size": [model.lm_head.in_features], "o_proj": list(a0.o_proj.partition.sizes),
+                            "down_proj": list(m0.down_proj.partition.sizes)})
+        if why is not None:
+            raise ValueError(why)
+    convert = _int8 if fmt == "int8" else to_bf16
+    fuse_projections(model)
+    tied = head._parameters.get("weight") is embed._parameters.get("weight")
+    q = {"dtype": head.weight.dtype, "format": fmt}
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        q[id(a)] = {"qkv": _quantize_fused(a, ("q_proj", "k_proj", "v_proj"), convert),
+                    "o": _quantize_linear(a.o_proj, convert)}
+        q[id(m)] = {"gu": _quantize_fused(m, ("gate_proj", "up_proj"), convert),
+                    "down": _quantize_linear(m.down_proj, convert)}
+    q["lm_head"] = _quantize_linear(head, convert)
+    if tied:      # the shared table held the LM head's values: the embedding now reads the head's stored rows
+        free_weight(embed, q["lm_head"])
+    model.__dict__["_tensorpar_int8"] = q
+    _release_freed_memory(q["lm_head"].device)
 
 
 def quantize_int8(model, tp: Group) -> None:
@@ -92,39 +139,36 @@ def quantize_int8(model, tp: Group) -> None:
     :class:`tensorpar.decode.lean.LeanDecoder`, and the modules' own forwards dequantize one matrix at a time.
 
     Per-rank resident weights afterwards (``h`` hidden, ``V_r`` this rank's vocabulary rows): one byte per
-    quantized weight, one fp16 scale per 32 of them, the norms and biases in the compute dtype, and an untied embedding ``[V_r, h]`` in the compute dtype (a
-    tied one reads the LM head's int8 rows).
+    quantized weight, one fp16 scale per 32 of them, the norms and biases in the compute dtype, and an untied
+    embedding ``[V_r, h]`` in the compute dtype (a tied one reads the LM head's int8 rows).
 
     Collectives: none. Raises ValueError if the model cannot run the lean path, is already quantized, or a
     rank's share of a Linear's input features is not a whole number of blocks of 32 (:func:`block_misfit`).
     """
-    why = lean_unsupported(model)
-    if why is not None:
-        raise ValueError(f"--quantize int8 runs on the lean decode path, which cannot run this model: {why}; "
-                         f"use --quantize none")
-    why = why_not("int8", model.config)     # the launching process's rule (check_quantize)
-    if why is not None:
-        raise ValueError(f"{why}; use --quantize none")
-    if model.__dict__.get("_tensorpar_int8") is not None:
-        raise ValueError("the model is already quantized (quantize_int8 was called twice)")
-    a0, m0 = model.model.layers[0].self_attn, model.model.layers[0].mlp
-    why = block_misfit({"the hidden size": [model.lm_head.in_features],
-                        "o_proj": list(a0.o_proj.partition.sizes), "down_proj": list(m0.down_proj.partition.sizes)})
-    if why is not None:
-        raise ValueError(why)
-    fuse_projections(model)
-    head, embed = model.lm_head, model.model.embed_tokens
-    tied = head._parameters.get("weight") is embed._parameters.get("weight")
-    q = {"dtype": head.weight.dtype}
-    for layer in model.model.layers:
-        a, m = layer.self_attn, layer.mlp
-        q[id(a)] = {"qkv": _quantize_fused(a, ("q_proj", "k_proj", "v_proj")), "o": _quantize_linear(a.o_proj)}
-        q[id(m)] = {"gu": _quantize_fused(m, ("gate_proj", "up_proj")), "down": _quantize_linear(m.down_proj)}
-    q["lm_head"] = _quantize_linear(head)
-    if tied:      # the shared table held the LM head's values: the embedding now reads the head's int8 rows
-        free_weight(embed, q["lm_head"])
-    model.__dict__["_tensorpar_int8"] = q
-    _release_freed_memory(q["lm_head"].device)
+    _store(model, "int8")
+
+
+def bf16_misfit(dtype) -> str | None:
+    """``--quantize bf16`` stores the weights of a model that computes in fp32: ``None`` for float32 (``dtype``: a
+    torch dtype or its name), else the line saying so. The launching process (:func:`check_quantize`, from
+    ``--dtype``) and the ranks (:func:`store_bf16`, from the model) apply it."""
+    if dtype in (torch.float32, "float32"):
+        return None
+    name = str(dtype).replace("torch.", "")
+    return (f"--quantize bf16 stores the weights of an fp32 model in bf16 and computes in fp32; with --dtype {name} "
+            f"the model is not fp32 (bfloat16 weights need no conversion): use --dtype float32 or --quantize none")
+
+
+def store_bf16(model, tp: Group) -> None:
+    """Store the decoder's Linears and the LM head of the fp32 ``model`` (sharded, a family ``--quantize int8``
+    runs) in bfloat16, in place, and free their fp32 weights (llama.cpp's BF16 file type): the model keeps
+    computing in fp32 (norms, activations, KV cache); the lean path reads the bf16 tensors
+    (:class:`~tensorpar.decode.bf16_weights.Bf16Weight`, the row step included), the modules' ``weight`` converts
+    to fp32 on access and their local product is :func:`~tensorpar.decode.bf16_weights.bf16_linear`; a tied
+    embedding looks up the head's bf16 rows. Per-rank resident weights: 2 bytes per stored weight, the norms,
+    biases and an untied embedding in fp32. Collectives: none. Raises ValueError if the model cannot run the lean
+    path, is already quantized, or does not compute in fp32 (:func:`bf16_misfit`)."""
+    _store(model, "bf16")
 
 
 def resident_weight_bytes(model) -> int:
@@ -169,28 +213,35 @@ def quantize_reference_int8(model) -> None:
 
 # ---------------------------------------------------------------- the --quantize flag (generate, serve, verify)
 
-def add_quantize_argument(p) -> None:
-    """``--quantize {none,int8}`` (generate, serve, verify)."""
-    p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none",
-                   help="int8: int8 weights with a scale per block of 32 inputs (llama.cpp's Q8_0) for every decoder "
-                        "Linear and the LM head, activations quantized the same way per matmul (lean decode path; "
-                        "tensorpar/decode/quantize.py)")
+def add_quantize_argument(p, choices: tuple[str, ...] = QUANTIZE_CHOICES) -> None:
+    """``--quantize {none,int8,bf16}`` (generate, serve; verify: ``choices`` none and int8)."""
+    p.add_argument("--quantize", choices=choices, default="none",
+                   help="the weight storage format of every decoder Linear and the LM head (lean decode path; "
+                        "tensorpar/decode/quantize.py): int8: int8 weights with a scale per block of 32 inputs "
+                        "(llama.cpp's Q8_0), activations quantized the same way per matmul; bf16 (an fp32 model, "
+                        "--dtype float32): bf16 weights, computing in fp32 (llama.cpp's BF16)")
 
 
-def check_quantize(quantize: str, config, plan) -> None:
-    """In the launching process: ValueError if ``--quantize int8`` cannot run this model (lean path only)."""
+def check_quantize(quantize: str, config, plan, dtype: str = "float32") -> None:
+    """In the launching process: ValueError if ``--quantize`` ``quantize`` cannot run this model (lean path only)
+    or, for ``bf16``, with ``--dtype`` ``dtype`` (:func:`bf16_misfit`): the rules the ranks apply."""
     if quantize == "none":
         return
     why = why_not("fast_decode", config)   # the rule the ranks apply (tensorpar.decode.prepare.lean_unsupported)
     if why is not None:
         raise ValueError(f"--quantize {quantize} runs on the lean decode path, which cannot run this model: {why}; "
                          f"use --quantize none")
-    why = why_not("int8", config)          # the layout quantize_int8 reads: the same rule on the ranks
+    why = why_not("int8", config)          # the layout quantize_int8 / store_bf16 read: the same rule on the ranks
     if why is not None:
-        raise ValueError(f"{why}; use --quantize none")
+        raise ValueError(f"{why.replace('--quantize int8', f'--quantize {quantize}')}; use --quantize none")
     if getattr(plan, "sequence_parallel", False):
         raise ValueError(f"--quantize {quantize} cannot run with sequence parallelism (the lean path does not); "
                          f"use a plan without it or --quantize none")
+    if quantize == "bf16":
+        why = bf16_misfit(dtype)
+        if why is not None:
+            raise ValueError(why)
+        return
     heads = getattr(plan, "heads", None)
     if heads is not None:       # the rule quantize_int8 applies on the ranks, from the plan's splits
         why = block_misfit({"the hidden size": [config.hidden_size],
@@ -201,6 +252,9 @@ def check_quantize(quantize: str, config, plan) -> None:
 
 
 def apply_quantize(model, tp: Group, quantize: str) -> None:
-    """On every rank, after loading: quantize ``model`` in place (:func:`tensorpar.decode.quantize.quantize_int8`)."""
+    """On every rank, after loading: convert ``model``'s weights in place (:func:`quantize_int8`,
+    :func:`store_bf16`)."""
     if quantize == "int8":
         quantize_int8(model, tp)
+    elif quantize == "bf16":
+        store_bf16(model, tp)

@@ -5,7 +5,10 @@ at tp=2 spent 5.0 ms per token in 4127 framework ops (137 per layer) against 18 
 A :class:`RowStep` runs a step of at most :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS` rows of one token each on
 buffers allocated once, with the per-layer arguments of every kernel prepared once at construction:
 
-* the four matmuls: our GEMV into the preallocated outputs (:func:`~tensorpar.decode.gemv_kernel.linear_into`);
+* the four matmuls and the LM head: the general loop's kernel into the preallocated outputs: our GEMV on fp32
+  weights (:func:`~tensorpar.decode.gemv_kernel.linear_into`), our Q8_0 x Q8_0 kernel on the int8 weights of
+  ``--quantize int8`` (:func:`~tensorpar.decode.q8_kernel.linear_into`, the activations quantized into a scratch
+  allocated once), our GEMV widening the bf16 weights of ``--quantize bf16`` to fp32;
 * rotary on the q and k heads and the cache write of k and v: one call (:func:`~tensorpar.decode.fused.rope_store`),
   the tables once per step;
 * each all-reduce fused with the residual add and the next RMSNorm (the layer's post-attention norm, the next
@@ -15,13 +18,15 @@ buffers allocated once, with the per-layer arguments of every kernel prepared on
   (:func:`~tensorpar.decode.fused.decode_attention`: no head copies for uneven head splits, no views per layer);
   SiLU and the gate product: one call (:func:`~tensorpar.decode.fused.silu_mul`).
 
-It runs the layers of the plain Llama shape (:func:`why_not` says which it does not) in fp32 on the GEMV path
-(:attr:`LeanDecoder.gemv <tensorpar.decode.lean.LeanDecoder>`), each row's positions in one cache block (generate's
-static cache); everything else, prefill and bigger steps run
-:meth:`~tensorpar.decode.lean.LeanDecoder.forward_segments`' general loop. Results: the residual stream, rotary and
-cache writes bitwise those of the general loop's ops given the same inputs; the norms, attention and SiLU within
-fp32 rounding of them (sums in another order, ``expf``: :mod:`tensorpar.decode.fused`), so the logits agree to fp32
-rounding (1e-5 of the largest) and greedy tokens equal transformers' (tests/decode/test_row_step.py).
+It runs the layers of the plain Llama shape (:func:`why_not` says which it does not) computing in fp32 (activations,
+residual, norms, KV cache) on the GEMV path (:attr:`LeanDecoder.gemv <tensorpar.decode.lean.LeanDecoder>`) or on
+the int8 or bf16 weights of ``--quantize``, each row's positions in one cache block (generate's static cache); everything else, prefill and
+bigger steps run :meth:`~tensorpar.decode.lean.LeanDecoder.forward_segments`' general loop. Results: the residual
+stream, rotary, cache writes and each matmul's output bitwise those of the general loop's ops given the same
+inputs; the norms, attention and SiLU within fp32 rounding of them (sums in another order, ``expf``:
+:mod:`tensorpar.decode.fused`), so the logits agree to fp32 rounding (1e-5 of the largest) and greedy tokens equal
+transformers' (tests/decode/test_row_step.py); int8: an activation within that rounding of a half step of its
+block's quantization may round to the other step, see the tests' tolerance.
 """
 from __future__ import annotations
 
@@ -30,7 +35,9 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from tensorpar.decode import fused, gemv_kernel
+from tensorpar.decode import fused, gemv_kernel, q8_kernel
+from tensorpar.decode.bf16_weights import Bf16Weight
+from tensorpar.decode.int8 import Int8Weight
 
 
 def _norm(fn):
@@ -49,8 +56,11 @@ def why_not(dec) -> str | None:
     :class:`RowStep` (``None``: it can)."""
     if dec.tile is not None or not (dec.first and dec.last):
         return "deterministic mode or a pipeline stage"
-    if not dec.gemv or dec.lm_w.dtype != torch.float32:
-        return "it runs without our GEMV or not in fp32"
+    fmt = _format(dec.lm_w)
+    if not (dec.gemv or (fmt is not None and _KERNELS[fmt][0]() and dec.max_batch <= gemv_kernel.MAX_ROWS)):
+        return "it runs neither our GEMV (fp32 weights) nor our kernel of --quantize int8 / bf16 at <= 2 rows"
+    if dec.lm_w.dtype != torch.float32:
+        return "it does not compute in fp32"
     if dec.windows or dec.final_cap is not None or dec.tp.compression == "int8" or dec.lm_b is not None:
         return "sliding windows, logit soft-capping, --tp-comm int8 or an LM head bias"
     if not fused.available() or _norm(dec.norm) is None:
@@ -61,7 +71,44 @@ def why_not(dec) -> str | None:
                  and not L.interleaved and not L.parallel and L.sdpa is F.scaled_dot_product_attention)
         if not plain or _norm(L.ln1) is None or _norm(L.ln2) is None:
             return "a layer that is not of the plain Llama shape (pre-RMSNorms, gated SiLU MLP, no biases)"
+        if any(_format(w) != fmt for w in (L.wqkv, L.wo, L.wgu, L.wd)):
+            return "weights of several formats"
     return None
+
+
+def _format(w) -> str | None:
+    """``int8`` / ``bf16`` for the stored weights of ``--quantize`` (:class:`Int8Weight`, :class:`Bf16Weight`),
+    ``None`` for a plain tensor."""
+    return "int8" if isinstance(w, Int8Weight) else "bf16" if isinstance(w, Bf16Weight) else None
+
+
+#: per weight format: (the kernel runs here, its run-into-buffers call)
+_KERNELS = {"int8": (q8_kernel.available, q8_kernel.linear_into),
+            "bf16": (gemv_kernel.available, gemv_kernel.bf16w_linear_into),
+            None: (gemv_kernel.available, gemv_kernel.linear_into)}
+
+
+class _Matmuls:
+    """The matmul of a :class:`RowStep` into its preallocated buffers: our GEMV on fp32 weights
+    (:func:`~tensorpar.decode.gemv_kernel.into_args`), our Q8_0 x Q8_0 kernel on the :class:`Int8Weight` of
+    ``--quantize int8`` (:func:`~tensorpar.decode.q8_kernel.into_args`, the activations quantized into one scratch
+    the step's matmuls share: they run one after the other), or our GEMV widening the :class:`Bf16Weight` of
+    ``--quantize bf16`` (:func:`~tensorpar.decode.gemv_kernel.bf16w_into_args`). Each is the kernel the general loop
+    runs at these rows, so a matmul's output is bitwise the general loop's given the same input."""
+
+    def __init__(self, fmt: str | None, rows: int, k: int, threads: int):
+        self.threads = threads
+        self.scratch = q8_kernel.scratch(rows, k) if fmt == "int8" else None
+        self.run = _KERNELS[fmt][1]
+
+    def args(self, x: torch.Tensor, w, y: torch.Tensor) -> tuple:
+        """The arguments of ``y = x @ W.T`` for ``self.run``: ``x`` ``[M, K]``, ``w`` ``[N, K]`` (a tensor or an
+        :class:`Int8Weight` or :class:`Bf16Weight`), ``y`` ``[M, N]``."""
+        if isinstance(w, Int8Weight):
+            return q8_kernel.into_args(x, w.q, w.scale, y, self.scratch, self.threads)
+        if isinstance(w, Bf16Weight):
+            return gemv_kernel.bf16w_into_args(x, w.w, y, self.threads)
+        return gemv_kernel.into_args(x, w, y, self.threads)
 
 
 class _Layer:
@@ -80,10 +127,14 @@ class RowStep:
     def __init__(self, dec):
         self.dec = dec
         L0 = dec.layers[0]
-        H = L0.wqkv.shape[0]
+        self.norm0 = _norm(L0.ln1)
+        H = self.norm0[0].numel()
         nq, nkv, d = dec.n_q, dec.n_kv, dec.head_dim
         R = gemv_kernel.MAX_ROWS
         f = L0.f
+        fmt = _format(dec.lm_w)
+        # --quantize: the layers hold the stored weights [out, in]; else [in, out] views of the weights [out, in]
+        out_in = (lambda w: w) if fmt is not None else (lambda w: w.t())
         e = dict(dtype=torch.float32, device=dec.lm_w.device)
         self.x, self.h, self.p = (torch.zeros(R, H, **e) for _ in range(3))      # residual, normed, partial sums
         self.qkv = torch.zeros(R, (nq + 2 * nkv) * d, **e)
@@ -96,17 +147,17 @@ class RowStep:
         cache = dec.cache
         self.head_stride = cache.k[0].stride(0)
         self.threads = torch.get_num_threads()
-        self.norm0 = _norm(L0.ln1)
+        self.mm = mm = _Matmuls(fmt, R, max(H, nq * d, f), self.threads)
         self.rows = {}
         for b in range(1, R + 1):
             layers = []
             for i, L in enumerate(dec.layers):
                 la = _Layer()
                 la.L = L
-                la.qkv = gemv_kernel.into_args(self.h[:b], L.wqkv.t(), self.qkv[:b], self.threads)
-                la.gu = gemv_kernel.into_args(self.h[:b], L.wgu.t(), self.gu[:b], self.threads)
-                la.down = gemv_kernel.into_args(self.a[:b], L.wd.t(), self.p[:b], self.threads)
-                la.o = gemv_kernel.into_args(self.att[:b], L.wo.t(), self.p[:b], self.threads)
+                la.qkv = mm.args(self.h[:b], out_in(L.wqkv), self.qkv[:b])
+                la.gu = mm.args(self.h[:b], out_in(L.wgu), self.gu[:b])
+                la.down = mm.args(self.a[:b], out_in(L.wd), self.p[:b])
+                la.o = mm.args(self.att[:b], out_in(L.wo), self.p[:b])
                 kv_of = (L.kv_idx.tolist() if L.kv_idx is not None
                          else [h * nkv // nq for h in range(nq)])                # each query head's KV head
                 la.kv_of = (ctypes.c_int64 * nq)(*kv_of)
@@ -171,7 +222,7 @@ class RowStep:
         qkv, qp, hs = self.qkv.data_ptr(), self.q.data_ptr(), self.head_stride
         sp, ap = self.scratch.data_ptr(), self.att.data_ptr()
         act = (self.gu.data_ptr(), b, self.a.shape[1], self.a.data_ptr())
-        linear_into, rope_store, attention = gemv_kernel.linear_into, fused.rope_store, fused.decode_attention
+        linear_into, rope_store, attention = self.mm.run, fused.rope_store, fused.decode_attention
         reduce_norm, silu_mul = fused.all_reduce_add_rms_norm, fused.silu_mul
         for la in layers:
             linear_into(la.qkv)                                                       # h -> qkv
@@ -185,5 +236,5 @@ class RowStep:
             linear_into(la.down)
             reduce_norm(p, tp, la.norm_next)                          # x += all_reduce(a W_d); h = next norm(x)
         logits = torch.empty(b, dec.lm_w.shape[0], dtype=torch.float32, device=x.device)
-        linear_into(gemv_kernel.into_args(self.h[:b], dec.lm_w, logits, self.threads))
+        linear_into(self.mm.args(self.h[:b], dec.lm_w, logits))
         return logits

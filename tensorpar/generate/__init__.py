@@ -337,7 +337,7 @@ def validate(args: argparse.Namespace):
     tp_weights, plan = plan_for_model(getattr(args, "tp_weights", None), args.tp, config, user_plan=user_plan)
     attn = resolve_attn_implementation(config)  # decided here; every rank runs this one
     quantize = getattr(args, "quantize", "none")
-    check_quantize(quantize, config, plan)
+    check_quantize(quantize, config, plan, getattr(args, "dtype", "float32"))
     check_checkpoint(folder, config)  # headers vs config, both directions, before any rank starts
     deterministic = bool(getattr(args, "deterministic", False))
     if deterministic:                 # the rule the engine applies on the ranks

@@ -167,7 +167,7 @@ def validate(args: argparse.Namespace):
     tp_weights, plan = plan_for_model(getattr(args, "tp_weights", None), args.tp, config, user_plan=user_plan)
     from tensorpar.decode.quantize import check_quantize
     quantize = getattr(args, "quantize", "none")
-    check_quantize(quantize, config, plan)
+    check_quantize(quantize, config, plan, getattr(args, "dtype", "float32"))
     deterministic = bool(getattr(args, "deterministic", False))
     if deterministic:
         from tensorpar.decode.lean import deterministic_unsupported

@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from tensorpar.verify.prove import add_arguments as add_discover_arguments
     add_discover_arguments(p)
     from tensorpar.decode.quantize import add_quantize_argument
-    add_quantize_argument(p)  # int8: both the reference (plain PyTorch) and the sharded model are quantized
+    add_quantize_argument(p, ("none", "int8"))  # int8: both the reference (plain PyTorch) and the sharded model are quantized
     p.add_argument("--seq-len", type=int, default=0,
                    help="tokens per row (default: the smallest multiple of every tp that is >= 16)")
     p.add_argument("--batch-size", type=int, default=2, help="rows of random token ids")

@@ -5,7 +5,7 @@ all-reduces)."""
 import pytest
 import torch
 
-from tensorpar.decode import fused, gemv_kernel
+from tensorpar.decode import fused, gemv_kernel, q8_kernel
 from tensorpar.generate import SamplingConfig, generate_tokens
 from tests._ranks import run_tp
 from tests.decode.test_generate import ARCHS, hf_reference, make_model_folder, prompts
@@ -118,17 +118,37 @@ def test_silu_mul_equals_torch(rows, f):
     assert ((out - want).abs() <= 4 * torch.finfo(torch.float32).eps * want.abs() + 1e-30).all()
 
 
-def job_logits(ctx, folder, ids, mask, want, shm):
+@pytest.mark.skipif(not q8_kernel.available(), reason="no AVX512-VNNI CPU or no C++ compiler")
+@pytest.mark.parametrize("m,k,n", [(1, 288, 300), (2, 96, 53), (2, 32 * 7, 17)])
+def test_q8_linear_into_equals_q8_linear(m, k, n):
+    """The row step's int8 matmul (prepared arguments, a scratch shared by matmuls of several widths, the output
+    written into a preallocated buffer) is bitwise the general loop's ``q8_linear``: the same kernel and the same
+    activation quantization; an odd number of blocks (7) takes the kernel's 256-bit tail."""
+    from tensorpar.decode.int8 import quantize_weight
+    g = torch.Generator().manual_seed(m * k + n)
+    x, w = torch.randn(m, k, generator=g) * 2, quantize_weight(torch.randn(n, k, generator=g), write=False)
+    scratch = q8_kernel.scratch(2, 512)
+    y = torch.full((m, n), float("nan"))
+    args = q8_kernel.into_args(x, w.q, w.scale, y, scratch)
+    q8_kernel.linear_into(args)
+    assert torch.equal(y, torch.ops.tensorpar.q8_linear(x, w.q, w.scale, None))
+    with pytest.raises(ValueError, match="scratch"):
+        q8_kernel.into_args(x, w.q, w.scale, y, q8_kernel.scratch(1, 32))
+
+
+def job_logits(ctx, folder, ids, mask, want, shm, quantize="none"):
     """Prefill and decode steps feeding ``want`` ``[b, steps]`` (transformers' tokens) to a batch-``b`` LeanDecoder,
     with its row step and with the general loop: per step the logits of both, and how often the row step ran; then
-    generate's greedy tokens."""
+    generate's greedy tokens. ``quantize``: ``--quantize``'s value, applied after loading (fp32 compute)."""
     from tensorpar.decode.lean import LeanDecoder
+    from tensorpar.decode.quantize import apply_quantize
     from tensorpar.hf.load import build_parallel_model
     from tensorpar.shm import disable_fast_collectives, enable_fast_collectives
     if shm:
         enable_fast_collectives(ctx.tp, "on")
     try:
         model, _ = build_parallel_model(folder, ctx.tp)
+        apply_quantize(model, ctx.tp, quantize)
         b, steps = want.shape
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         out = {}
@@ -178,6 +198,44 @@ def test_row_step_equals_general_loop_and_transformers(pools, tmp_path, tp, batc
         for a, b in zip(got, ref):
             assert (a - b).abs().max() <= 1e-5 * b.abs().max(), f"rank {r}"
         assert torch.equal(tokens, want), f"tp={tp} rank {r}: {tokens} != transformers {want}"
+
+
+#: int8 row step against the general loop: each matmul is the same kernel on the same quantized input, bitwise, and
+#: the quantization absorbs the last-bit differences of the fused norms and attention, except where an activation's
+#: x / d lies within them of a half step: it rounds to the other int8 step, moving that input by one step
+#: d = max|x_block| / 127 (the quantization error's own size), and through the KV cache every later step with it.
+#: Measured on this model: the unpadded row's logits bitwise equal; the padded row's from step 4 on within 4.2e-3 of
+#: the largest (one flip: an attention output at x / d = 63.5 exactly, 6e-8 apart); 1e-2 allows two such.
+INT8_TOL = 1e-2
+
+
+@needs_kernels
+@pytest.mark.skipif(not q8_kernel.available(), reason="no AVX512-VNNI CPU or no C++ compiler")
+@pytest.mark.parametrize("tp,batch", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow),
+                                      pytest.param(2, 2, marks=pytest.mark.slow),
+                                      pytest.param(1, 1, marks=pytest.mark.slow)])
+def test_int8_row_step_equals_general_loop_and_quantized_reference(pools, tmp_path, monkeypatch, tp, batch):
+    """A model quantized by ``--quantize int8`` computing in fp32 decodes its one- and two-row steps through the row
+    step (Q8_0 x Q8_0 kernel into the step's buffers): the logits are within INT8_TOL of the general loop's, and the
+    greedy tokens at tp=1 and tp=2 (shared memory; 9 query heads split 5 / 4) equal those of transformers' unsharded
+    model quantized in plain PyTorch (tests/decode/test_quant.py's reference: Q8_0 weights, each Linear's input
+    quantized per block of 32). Batch 2: a left-padded row."""
+    from tests.decode import test_generate as tg
+    from tests.decode.test_quant import QARCHS, fake_quant_reference
+    monkeypatch.setitem(tg.ARCHS, "llama", QARCHS["llama"])       # every rank's Linear inputs whole blocks of 32
+    folder = str(make_model_folder(tmp_path / "llama", "llama"))
+    ids, mask = prompts(QARCHS["llama"]["vocab_size"])
+    rows = [0] if batch == 1 else [0, 2]
+    ids, mask = ids[rows], mask[rows]
+    steps = 10
+    want, _ = fake_quant_reference(folder, ids, mask, steps)
+    for r, (out, tokens) in enumerate(run_tp(pools, tp, job_logits, folder, ids, mask, want, tp > 1, "int8")):
+        got, has, ran = out["row"]
+        ref, _, ran_general = out["general"]
+        assert has and ran == steps - 1 and ran_general == 0, (has, ran, ran_general)
+        for a, b in zip(got, ref):
+            assert (a - b).abs().max() <= INT8_TOL * b.abs().max(), f"rank {r}: {(a - b).abs().max()}"
+        assert torch.equal(tokens, want), f"int8 tp={tp} rank {r}: {tokens} != quantized reference {want}"
 
 
 def test_row_step_stays_out_of_what_it_does_not_run(tmp_path):

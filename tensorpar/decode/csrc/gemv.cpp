@@ -370,3 +370,23 @@ extern "C" void tp_gemv(int dtype, int mode, const void* x, int64_t M, int64_t K
     }
     free(xf);
 }
+
+// bf16 weights computing in fp32 (--quantize bf16, tensorpar.decode.bf16_weights): y [M, N] fp32 = x [M, K] fp32
+// @ w[N, K]^T (w bf16, widened to fp32 as mode 1 does, x read as given) + bias (fp32, may be null); y is not
+// rounded to bf16. threads > 1: OpenMP over chunks of 64 output rows, as tp_gemv.
+extern "C" void tp_gemv_bf16w(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
+                              const float* bias, float* y, int threads, int64_t pf) {
+    if (threads <= 1) {
+        run_rows(1, 1, x, x, M, K, w, 0, N, y, N, pf);
+    } else {
+        const int64_t chunk = 64, nchunks = (N + chunk - 1) / chunk;
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t c = 0; c < nchunks; ++c) {
+            const int64_t n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
+            run_rows(1, 1, x, x, M, K, w, n0, n1, y, N, pf);
+        }
+    }
+    if (bias)
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t n = 0; n < N; ++n) y[m * N + n] += bias[n];
+}

@@ -109,13 +109,23 @@ static void gemv_rows(const uint8_t* xa, const uint64_t* neg, const float* xs, i
     for (int64_t n = n0; n < n1; ++n) tile<1>(xa, neg, xs, K, wq, ws, bias, y, n, n + 1 < n1 ? 1 : 0);
 }
 
-// y [M, N] = blockwise-int8(x [M, K]) @ (wq * ws)^T + bias; K % 32 == 0; threads > 1: OpenMP over row chunks
-extern "C" void tp_q8_linear(const float* x, int64_t M, int64_t K, const int8_t* wq, const uint16_t* ws,
-                             int64_t N, const float* bias, float* y, int threads) {
+// the scratch of M activation rows of K: |xq| (M K bytes), the sign masks (M (K/64 + 1) 8 bytes) and the scales (M K/32
+// floats), each part starting on a 64-byte boundary
+static inline int64_t up64(int64_t n) { return (n + 63) / 64 * 64; }
+
+extern "C" int64_t tp_q8_scratch_bytes(int64_t M, int64_t K) {
     const int64_t nb = K / QK;
-    uint8_t* xa = (uint8_t*)aligned_alloc(64, (size_t)(M * K + 64));
-    uint64_t* neg = (uint64_t*)aligned_alloc(64, (size_t)(M * (nb / 2 + 1) * 8 + 64));
-    float* xs = (float*)aligned_alloc(64, (size_t)(M * nb * 4 + 64));
+    return up64(M * K) + up64(M * (nb / 2 + 1) * 8) + up64(M * nb * 4);
+}
+
+// y [M, N] = blockwise-int8(x [M, K]) @ (wq * ws)^T + bias; K % 32 == 0; threads > 1: OpenMP over row chunks;
+// scratch: tp_q8_scratch_bytes(M, K) bytes (x's quantized rows)
+extern "C" void tp_q8_linear_into(const float* x, int64_t M, int64_t K, const int8_t* wq, const uint16_t* ws,
+                                  int64_t N, const float* bias, float* y, int threads, void* scratch) {
+    const int64_t nb = K / QK;
+    uint8_t* xa = (uint8_t*)scratch;
+    uint64_t* neg = (uint64_t*)(xa + up64(M * K));
+    float* xs = (float*)((uint8_t*)neg + up64(M * (nb / 2 + 1) * 8));
     const int64_t nstride = nb / 2 + 1;
     for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, xa + m * K, neg + m * nstride, xs + m * nb);
     // chunks of 16 output rows: the unit of the parallel loop
@@ -131,5 +141,12 @@ extern "C" void tp_q8_linear(const float* x, int64_t M, int64_t K, const int8_t*
                 gemv_rows(xa + m * K, neg + m * nstride, xs + m * nb, K, wq, ws, bias, y + m * N, n0, n1);
         }
     }
-    free(xa); free(neg); free(xs);
+}
+
+// tp_q8_linear_into with its scratch allocated for the call
+extern "C" void tp_q8_linear(const float* x, int64_t M, int64_t K, const int8_t* wq, const uint16_t* ws,
+                             int64_t N, const float* bias, float* y, int threads) {
+    void* scratch = aligned_alloc(64, (size_t)tp_q8_scratch_bytes(M, K));
+    tp_q8_linear_into(x, M, K, wq, ws, N, bias, y, threads, scratch);
+    free(scratch);
 }

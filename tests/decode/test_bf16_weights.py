@@ -1,0 +1,123 @@
+"""``--quantize bf16`` (tensorpar/decode/bf16_weights.py, quantize.store_bf16): an fp32 model whose decoder Linears
+and LM head are stored in bf16 and computed in fp32 equals transformers' fp32 model with those weights rounded to
+bf16, at tp 1 and 2, lean path (its row step included) and module path; the fp32 weights are freed; the GEMV's
+bf16-weight / fp32-activation entry equals ``F.linear`` on the widened weight; ``--dtype bfloat16`` is refused."""
+import argparse
+
+import pytest
+import torch
+
+from tensorpar.decode import fused, gemv_kernel
+from tensorpar.generate import SamplingConfig, generate_tokens
+from tests._ranks import run_tp
+from tests.decode.test_generate import ARCHS, make_model_folder, prompts
+
+N_NEW = 10
+#: fp32 against fp32 with the same (bf16-valued) weights: only the order of the sums differs (our GEMV, the fused
+#: norms of the row step, oneDNN / MKL in the reference): 1e-5 of the largest logit, the row step test's bound
+TOL = 1e-5
+needs_gemv = pytest.mark.skipif(not gemv_kernel.available(), reason="no AVX-512 BF16 CPU or no C++ compiler")
+
+
+def rounded_reference(folder, ids, mask, n):
+    """transformers' unsharded fp32 model with every decoder Linear and the LM head rounded to bf16 in plain
+    PyTorch (``W.bfloat16().float()``): greedy tokens and the first row's all-position logits."""
+    from transformers import AutoModelForCausalLM
+
+    from tensorpar.decode.bf16_weights import quantize_reference_bf16
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    quantize_reference_bf16(model)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, min_new_tokens=n)
+        logits = model(ids[:1]).logits[0]
+    return out[:, ids.shape[1]:], logits
+
+
+def job_bf16(ctx, folder, ids, mask, n):
+    from tensorpar import comm
+    from tensorpar.decode.lean import LeanDecoder
+    from tensorpar.decode.quantize import apply_quantize, resident_weight_bytes
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.shm import disable_fast_collectives, enable_fast_collectives
+    if ctx.tp.size > 1:
+        enable_fast_collectives(ctx.tp, "on")
+    try:
+        model, plan = build_parallel_model(folder, ctx.tp)
+        before = resident_weight_bytes(model)
+        apply_quantize(model, ctx.tp, "bf16")
+        after = resident_weight_bytes(model)
+        row_step = LeanDecoder(model, ctx.tp, max_batch=1, max_len=8).row_step is not None
+        tokens = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=n),
+                                 path="lean").tokens
+        module = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=n),
+                                 path="hf").tokens
+        s = ids.shape[1]
+        lean = LeanDecoder(model, ctx.tp, max_batch=1, max_len=s)
+        causal = torch.ones(s, s, dtype=torch.bool).tril()
+        local = lean.forward(ids[:1], torch.arange(s)[None], causal, length=s, start=0, last_only=False)[0]
+        logits = comm.all_gather(local.contiguous(), ctx.tp, -1, plan.vocab)                  # [s, V]
+        head = model.lm_head
+        return dict(tokens=tokens, module=module, logits=logits, row_step=row_step, before=before, after=after,
+                    freed="weight" not in head._parameters, head_weight=head.weight.dtype)
+    finally:
+        if ctx.tp.size > 1:
+            disable_fast_collectives(ctx.tp)
+
+
+@needs_gemv
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_bf16_weights_equal_rounded_fp32_model(pools, tmp_path, tp):
+    """Greedy tokens of the lean path (the row step decoding: batch 1) and of the module path equal those of the
+    fp32 reference with bf16-rounded weights, prompt logits within TOL of its largest; tp=2 (9 query heads split
+    5 / 4, shared memory) as tp=1. The fp32 weights are freed (the head has no ``weight`` parameter; its
+    ``weight`` reads as fp32) and the Linears' bytes halve."""
+    folder = str(make_model_folder(tmp_path / "llama", "llama"))
+    ids, mask = prompts(ARCHS["llama"]["vocab_size"])
+    want, want_logits = rounded_reference(folder, ids, mask, N_NEW)
+    for r, got in enumerate(run_tp(pools, tp, job_bf16, folder, ids, mask, N_NEW)):
+        assert got["row_step"] == fused.available(), f"rank {r}: the row step does not run the bf16 weights"
+        assert torch.equal(got["tokens"], want), f"tp={tp} rank {r}: lean {got['tokens']} != reference {want}"
+        assert torch.equal(got["module"], want), f"tp={tp} rank {r}: module path {got['module']} != {want}"
+        err = (got["logits"] - want_logits).abs().max().item()
+        assert err <= TOL * want_logits.abs().max().item(), f"tp={tp}: logits differ by {err}"
+        assert got["freed"] and got["head_weight"] == torch.float32
+        assert got["after"] < 0.75 * got["before"], (got["before"], got["after"])
+
+
+@needs_gemv
+@pytest.mark.parametrize("m,k,n", [(1, 288, 300), (2, 36, 53), (3, 100, 17)])
+def test_bf16w_gemv_equals_widened_linear(m, k, n):
+    """bf16 weights, fp32 input and output (no rounding to bf16): within 1e-5 relative of ``F.linear`` on the
+    weight widened to fp32 (the same products, summed in another order); odd K takes the kernel's masked tail;
+    the into-buffer entry gives the same bits."""
+    from tensorpar.decode.bf16_weights import bf16_linear, to_bf16
+    g = torch.Generator().manual_seed(m * k + n)
+    x, w = torch.randn(m, k, generator=g), to_bf16(torch.randn(n, k, generator=g))
+    bias = torch.randn(n, generator=g)
+    want = torch.nn.functional.linear(x, w.w.float(), bias)
+    got = bf16_linear(x, w, bias)
+    assert got.dtype == torch.float32
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    y = torch.empty(m, n)
+    gemv_kernel.bf16w_linear_into(gemv_kernel.bf16w_into_args(x, w.w, y))
+    assert torch.equal(y, gemv_kernel.bf16w_linear(x, w.w, None))
+
+
+def test_bf16_refused_for_a_bf16_model(tmp_path):
+    """``--quantize bf16`` with ``--dtype bfloat16``: one line naming both and what works, in the launching process
+    (check_quantize, from --dtype) and on the ranks (store_bf16, from the model), by the same rule."""
+    from transformers import AutoConfig
+
+    from tensorpar.decode.quantize import check_quantize, store_bf16
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.parallel import ParallelContext
+    msg = r"--quantize bf16 .* --dtype bfloat16 .*: use --dtype float32 or --quantize none"
+    cfg = AutoConfig.for_model("llama")
+    with pytest.raises(ValueError, match=msg):
+        check_quantize("bf16", cfg, argparse.Namespace(sequence_parallel=False), "bfloat16")
+    check_quantize("bf16", cfg, argparse.Namespace(sequence_parallel=False), "float32")
+    ctx = ParallelContext.single()
+    model, _ = build_parallel_model(make_model_folder(tmp_path / "llama", "llama"), ctx.tp, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=msg):
+        store_bf16(model, ctx.tp)
