@@ -87,3 +87,30 @@ def test_decode_device_gives_a_rank_its_threads_times_the_prefill_rates(tmp_path
     device, _ = dd.decode_device(cpu, from_hf_config(cfg, name="t"), cfg, 1, "shm", floor_job, tmp_path)
     assert (device.prefill_read_gbps, device.prefill_tflops, device.prefill_attention_tflops) == (12.0, 0.16, 0.04)
     assert device.prefill_layer_overhead_us == 700.0 and device.decode_read_gbps == 8.0
+
+
+def test_plan_auto_plans_with_the_threads_the_ranks_run(monkeypatch):
+    """TENSORPAR_THREADS sets a rank's threads (tensorpar.parallel.set_rank_threads); --plan auto's device follows it:
+    a calibrated rank of 2 threads (peak 0.2 TFLOP/s, copy 40 GB/s: one thread's x 2) planned for 1 thread has half
+    of both and threads_per_rank 1, so the prefill rates (x threads_per_rank) are one thread's. Before, the planner
+    assumed cores // ranks threads whatever the ranks ran."""
+    from tensorpar.inference_plan import rank_threads
+
+    cpu = DeviceSpec("cpu", 16.0, 0.2, 0.0, 0.0, matmul_efficiency=1.0, hbm_gbps=40.0, local_link_gbps=1.0,
+                     host_cores=2.0, threads_per_rank=2)
+    monkeypatch.delenv("TENSORPAR_THREADS", raising=False)
+    assert rank_threads(cpu) is cpu
+    monkeypatch.setenv("TENSORPAR_THREADS", "1")
+    one = rank_threads(cpu)
+    assert (one.threads_per_rank, one.peak_tflops, one.hbm_gbps) == (1, 0.1, 20.0)
+    gpu = replace(cpu, host_cores=0.0)
+    assert rank_threads(gpu) is gpu
+
+
+def test_comparison_line_shows_the_first_tokens_cpu_time():
+    """generate's last line: the first token's prediction against the wall clock and against rank 0's CPU time."""
+    from tensorpar.inference_plan import comparison_line
+
+    line = comparison_line({"layout": "tp=1", "decode_ms": 30.0, "ttft_ms": 120.0}, 0.2, 0.31, 32, 0.15)
+    assert line == ("tensorpar: plan vs measured (tp=1): decode per token 30.00 ms predicted, 10.00 measured (+200% "
+                    "off); first token 120.00 ms predicted, 200.00 measured (-40% off) (CPU 150.00 ms, -20%)")
