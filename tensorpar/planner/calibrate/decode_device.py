@@ -18,7 +18,7 @@ And the time to first token's (:mod:`tensorpar.planner.prefill`): ``prefill_read
 (a prefill's matmuls at the tp = 1 shapes over 16 and 256 rows, fitted as weights / read + FLOPs / rate),
 ``prefill_attention_tflops`` (the prompt's attention), one thread's CPU time each
 (:func:`~tensorpar.planner.calibrate.prefill.measure_prefill`; a rank gets ``threads_per_rank`` times them), and
-``prefill_layer_overhead_us`` (the floor's warm prefill of its 6-token prompt, per layer).
+``prefill_layer_overhead_us`` (the floor's warm prefill of its 6-token prompt, per layer, CPU time).
 
 Each is measured in fresh worker processes (:class:`tensorpar.testing.WorkerPool`, one thread per rank). About
 30-90 s on a 2-core machine (SmolLM2 135M, 2 ranks; most of it starting the worker processes and the floor's
@@ -33,7 +33,7 @@ import os
 import time
 from pathlib import Path
 
-DECODE_CALIBRATION_VERSION = 2   # 2: the prefill constants too
+DECODE_CALIBRATION_VERSION = 3   # 2: the prefill constants too; 3: the prefill overhead in CPU time
 FLOOR_TOKENS = 16
 
 
