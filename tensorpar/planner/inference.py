@@ -213,14 +213,15 @@ def gather_latency(latency: float) -> float:
 def _all_reduce_seconds(elements: float, nbytes: int, tp: int, cluster: ClusterSpec, tp_comm: str = "fp32") -> float:
     """One tp all-reduce of partial sums: a ring, ``2 (tp - 1) / tp x elements x nbytes`` over the tp link; with
     ``tp_comm="int8"`` one all-gather of every rank's compressed partial (``(tp - 1) x payload_bytes``, at
-    :func:`gather_latency`)."""
+    :func:`gather_latency`) plus the device's ``int8_reduce_cpu_us`` (quantizing, dequantizing, summing)."""
     if tp == 1:
         return 0.0
     bandwidth, latency = cluster.link(tp, "tp")
     if tp_comm == "int8":
         from tensorpar.comm.compress import payload_bytes
 
-        return gather_latency(latency) + (tp - 1) * payload_bytes(int(elements)) / bandwidth
+        return (gather_latency(latency) + (tp - 1) * payload_bytes(int(elements)) / bandwidth
+                + cluster.device.int8_reduce_cpu_us * 1e-6)
     return latency + 2 * (tp - 1) / tp * elements * nbytes / bandwidth
 
 

@@ -17,7 +17,7 @@ from tensorpar.planner.model_spec import from_hf_config
 FAKE = {"decode_read_gbps": 8.0, "decode_read_host_gbps": 10.0, "decode_collective_us": 50.0,
         "layer_overhead_us": 300.0, "floor_step_ms": 0.6, "floor_path": "lean", "backend": "shm", "reads": {},
         "seconds": 1.0, "loadavg_1min": 3.0, "prefill_read_gbps": 6.0, "prefill_tflops": 0.08,
-        "prefill_attention_tflops": 0.02, "prefill_layer_overhead_us": 700.0}
+        "prefill_attention_tflops": 0.02, "prefill_layer_overhead_us": 700.0, "int8_reduce_cpu_us": 110.0}
 
 
 def _config(layers=2, **kw) -> dict:

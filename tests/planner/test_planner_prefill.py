@@ -78,7 +78,8 @@ def test_decode_device_gives_a_rank_its_threads_times_the_prefill_rates(tmp_path
 
     data = {"decode_read_gbps": 8.0, "decode_read_host_gbps": 10.0, "decode_collective_us": 50.0,
             "layer_overhead_us": 300.0, "prefill_read_gbps": 6.0, "prefill_tflops": 0.08,
-            "prefill_attention_tflops": 0.02, "prefill_layer_overhead_us": 700.0, "loadavg_1min": 1.0}
+            "prefill_attention_tflops": 0.02, "prefill_layer_overhead_us": 700.0, "int8_reduce_cpu_us": 110.0,
+            "loadavg_1min": 1.0}
     monkeypatch.setattr(dd, "measure_decode_constants", lambda *a, **k: dict(data))
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16).to_dict()
@@ -87,6 +88,7 @@ def test_decode_device_gives_a_rank_its_threads_times_the_prefill_rates(tmp_path
     device, _ = dd.decode_device(cpu, from_hf_config(cfg, name="t"), cfg, 1, "shm", floor_job, tmp_path)
     assert (device.prefill_read_gbps, device.prefill_tflops, device.prefill_attention_tflops) == (12.0, 0.16, 0.04)
     assert device.prefill_layer_overhead_us == 700.0 and device.decode_read_gbps == 8.0
+    assert device.int8_reduce_cpu_us == 110.0
 
 
 def test_plan_auto_plans_with_the_threads_the_ranks_run(monkeypatch):
@@ -114,3 +116,18 @@ def test_comparison_line_shows_the_first_tokens_cpu_time():
     line = comparison_line({"layout": "tp=1", "decode_ms": 30.0, "ttft_ms": 120.0}, 0.2, 0.31, 32, 0.15)
     assert line == ("tensorpar: plan vs measured (tp=1): decode per token 30.00 ms predicted, 10.00 measured (+200% "
                     "off); first token 120.00 ms predicted, 200.00 measured (-40% off) (CPU 150.00 ms, -20%)")
+
+
+def test_int8_all_reduce_cpu_time_is_measured_and_priced():
+    """``--tp-comm int8``'s own CPU work per all-reduce (quantize, dequantize 2 ranks' partials, sum) is measured
+    (one thread, [1, h]: tens to hundreds of microseconds on a CPU) and added to each compressed all-reduce: on the
+    link test's 2 hosts at 100 us, 5 all-reduces of 72 B at 50 us + 72 B / 1.25e8 B/s + 115 us, the pick at 2 x
+    50 us. Between the namespace hosts ~115 us x 61 per token was the int8 rows' remaining -9 % / -4 %."""
+    from tensorpar.planner.calibrate.decode import measure_int8_reduce
+
+    assert measure_int8_reduce(None, 64, calls=20)["int8_reduce_cpu_us"] > 0
+    host = DeviceSpec("host", 1.0, 1.0, 0.0, 0.125, inter_node_latency_us=100.0, hbm_gbps=100.0,
+                      local_link_gbps=2.0, local_link_latency_us=5.0, int8_reduce_cpu_us=115.0)
+    work = InferenceWorkload(1, 8, 8, weight_bytes=4, kv_bytes=4, reserve_gib=0, tp_comm="int8")
+    q = plan_one(TINY, 2, ClusterSpec(host, 2, 1), work)
+    assert q.decode_comm == pytest.approx(5 * (50e-6 + 72 / 1.25e8 + 115e-6) + 2 * 50e-6 + 32 / 1.25e8, rel=1e-9)

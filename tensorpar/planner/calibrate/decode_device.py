@@ -18,7 +18,9 @@ And the time to first token's (:mod:`tensorpar.planner.prefill`): ``prefill_read
 (a prefill's matmuls at the tp = 1 shapes over 16 and 256 rows, fitted as weights / read + FLOPs / rate),
 ``prefill_attention_tflops`` (the prompt's attention), one thread's CPU time each
 (:func:`~tensorpar.planner.calibrate.prefill.measure_prefill`; a rank gets ``threads_per_rank`` times them), and
-``prefill_layer_overhead_us`` (the floor's warm prefill of its 6-token prompt, per layer, CPU time).
+``prefill_layer_overhead_us`` (the floor's warm prefill of its 6-token prompt, per layer, CPU time); and
+``int8_reduce_cpu_us`` (a ``--tp-comm int8`` all-reduce's own CPU work at ``[1, h]``:
+:func:`~tensorpar.planner.calibrate.decode.measure_int8_reduce`).
 
 Each is measured in fresh worker processes (:class:`tensorpar.testing.WorkerPool`, one thread per rank). About
 30-90 s on a 2-core machine (SmolLM2 135M, 2 ranks; most of it starting the worker processes and the floor's
@@ -33,7 +35,7 @@ import os
 import time
 from pathlib import Path
 
-DECODE_CALIBRATION_VERSION = 3   # 2: the prefill constants too; 3: the prefill overhead in CPU time
+DECODE_CALIBRATION_VERSION = 4   # 2: prefill constants; 3: the prefill overhead in CPU time; 4: int8_reduce_cpu_us
 FLOOR_TOKENS = 16
 
 
@@ -51,6 +53,7 @@ def measure_decode_constants(model, config: dict, ranks: int, backend: str, floo
     from tensorpar.testing import RankFailure, WorkerPool
 
     start, load = time.perf_counter(), os.getloadavg()[0]
+    from tensorpar.planner.calibrate.decode import measure_int8_reduce
     from tensorpar.planner.calibrate.prefill import measure_prefill
     from tensorpar.planner.partition import busiest_heads
 
@@ -60,6 +63,7 @@ def measure_decode_constants(model, config: dict, ranks: int, backend: str, floo
             layer_shapes, layers, _ = decode_shapes(model, 1)
             prefill = measure_prefill(pool, layer_shapes, layers,
                                       (busiest_heads(model.num_heads, model.num_kv_heads, 1).q, model.head_dim))
+            prefill.update(pool.run(measure_int8_reduce, model.hidden_size)[0])
     except RankFailure as err:
         raise RuntimeError(f"decode floor calibration failed: {err}") from None
     reads = {"alone_tp1": measure_decode_reads(*decode_shapes(model, 1), 1)}
@@ -149,9 +153,9 @@ def cached_decode_constants(model, config: dict, ranks: int, backend: str, floor
 
 DECODE_FIELDS = ("decode_read_gbps", "decode_read_host_gbps", "decode_collective_us", "layer_overhead_us")
 #: the prefill constants measured with them (:mod:`tensorpar.planner.calibrate.prefill`): the rates one thread's,
-#: a rank's threads_per_rank times them; the overhead as measured
+#: a rank's threads_per_rank times them; the overhead (and the int8 all-reduce's CPU time) as measured
 PREFILL_RATES = ("prefill_read_gbps", "prefill_tflops", "prefill_attention_tflops")
-PREFILL_FIELDS = (*PREFILL_RATES, "prefill_layer_overhead_us")
+PREFILL_FIELDS = (*PREFILL_RATES, "prefill_layer_overhead_us", "int8_reduce_cpu_us")
 
 
 def needs_decode_constants(device) -> bool:
