@@ -43,7 +43,9 @@ Model (one replica of ``tp x pp`` ranks, batch B, prompt P, N new tokens; all pe
   is not used across nodes). tp spans whole nodes when it leaves one (``tp`` a multiple of the ranks per node);
 * ``tp_comm="int8"`` (``--tp-comm int8``): the ``2 x layers + 1`` all-reduces of partial sums are one all-gather
   of each rank's blockwise int8 partial (:func:`tensorpar.comm.compress.payload_bytes`, ~1.125 bytes per element):
-  latency + ``(tp - 1) x payload / bandwidth`` (the quantization's CPU time is not modelled);
+  :func:`gather_latency` + ``(tp - 1) x payload / bandwidth`` + the device's ``int8_reduce_cpu_us`` (quantizing,
+  dequantizing and summing, measured; 0 in the presets); the token pick and the pipeline's token broadcast are an
+  all-gather and broadcasts too, at :func:`gather_latency` (half an all-reduce's);
 * throughput: ``replicas x B / decode seconds per token``, replicas = devices // (tp x pp).
 
 The winner: among layouts that fit (and meet ``latency_target_ms`` per decoded token, when given), the
