@@ -128,7 +128,9 @@ def _median_run(runs: list[dict], key: str) -> dict:
 
 def decode_device(folder: str, tp1_ms: float, link: dict):
     """The planner's device: SmolLM2's tp = 1 decode as its read rate (weights / measured s per token, no separate
-    overhead or compute term), the link between hosts as measured."""
+    overhead or compute term), the link between hosts as measured, and the ``--tp-comm int8`` all-reduce's own CPU
+    time measured here (``measure_int8_reduce``, one thread, a fraction of a second)."""
+    from tensorpar.planner.calibrate.decode import measure_int8_reduce
     from tensorpar.planner.cluster import DeviceSpec
     from tensorpar.planner.inference import weight_params_per_rank
     from tensorpar.planner.model_spec import from_hf_config
@@ -138,7 +140,8 @@ def decode_device(folder: str, tp1_ms: float, link: dict):
     device = DeviceSpec("this machine, one rank (SmolLM2 tp=1 decode)", memory_gib=64.0, peak_tflops=1e3,
                         intra_node_gbps=0.0, inter_node_gbps=link["bandwidth_gbps"],
                         inter_node_latency_us=link["latency_us"], hbm_gbps=rate, decode_read_gbps=rate,
-                        local_link_gbps=link["bandwidth_gbps"], local_link_latency_us=link["latency_us"])
+                        local_link_gbps=link["bandwidth_gbps"], local_link_latency_us=link["latency_us"],
+                        int8_reduce_cpu_us=measure_int8_reduce(None, model.hidden_size)["int8_reduce_cpu_us"])
     return model, device, rate
 
 

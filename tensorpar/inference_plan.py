@@ -63,9 +63,25 @@ def inference_device(args, nproc: int, local: int):
             raise ValueError(f"--plan auto: {e}") from None
         measured = cal["collective"].get("by_backend") or {}
         tp_backend = "shm" if getattr(args, "fast_collectives", "auto") != "off" and "shm" in measured else None
-        device = autoplan.rank_device(cal, nproc, local, load_now=autoplan._loadavg(), tp_backend=tp_backend)
+        device = rank_threads(autoplan.rank_device(cal, nproc, local, load_now=autoplan._loadavg(),
+                                                   tp_backend=tp_backend))
         note = autoplan.describe_device_source(path, cached)
     return replace(device, **cl.inter_node_link(args, device)), note
+
+
+def rank_threads(device):
+    """``device`` (a calibrated CPU rank of ``threads_per_rank`` threads) with the threads its rank will run:
+    ``TENSORPAR_THREADS`` where set (:func:`tensorpar.parallel.set_rank_threads`' rule), its matmul peak and copy
+    rate scaled to them (they are one thread's times the threads); unchanged otherwise, and for a GPU."""
+    import os
+    from dataclasses import replace
+
+    env = os.environ.get("TENSORPAR_THREADS")
+    if not env or device.host_cores <= 0 or int(env) == device.threads_per_rank:
+        return device
+    k = int(env) / device.threads_per_rank
+    return replace(device, threads_per_rank=int(env), peak_tflops=device.peak_tflops * k,
+                   hbm_gbps=device.hbm_gbps * k)
 
 
 def runtime_problem(args, config, tp: int, pp: int, extra=None) -> str | None:
@@ -223,9 +239,12 @@ def serve_workload(max_batch: int, max_len: int) -> tuple[tuple[int, int, int], 
                                                    f"new tokens")
 
 
-def comparison_line(prediction: dict, ttft_s: float, decode_s: float, new_tokens: int) -> str:
+def comparison_line(prediction: dict, ttft_s: float, decode_s: float, new_tokens: int,
+                    ttft_cpu_s: float | None = None) -> str:
     """``plan vs measured``: the predicted decode ms/token and time to first token next to the measured ones (decode:
-    ``decode_s`` over the ``new_tokens - 1`` steps after the first token), with the relative errors."""
+    ``decode_s`` over the ``new_tokens - 1`` steps after the first token), with the relative errors; ``ttft_cpu_s``:
+    rank 0's CPU time over the first token, shown after it (the compute, which a loaded machine's wall clock
+    stretches)."""
     def pair(what: str, predicted: float, measured: float | None) -> str:
         if measured is None:
             return f"{what} {predicted:.2f} ms predicted, not measured (one new token)"
@@ -234,7 +253,9 @@ def comparison_line(prediction: dict, ttft_s: float, decode_s: float, new_tokens
     decode = decode_s / (new_tokens - 1) * 1e3 if new_tokens > 1 else None
     return (f"tensorpar: plan vs measured ({prediction['layout']}): "
             f"{pair('decode per token', prediction['decode_ms'], decode)}; "
-            f"{pair('first token', prediction['ttft_ms'], ttft_s * 1e3)}")
+            f"{pair('first token', prediction['ttft_ms'], ttft_s * 1e3)}"
+            + (f" (CPU {ttft_cpu_s * 1e3:.2f} ms, {(prediction['ttft_ms'] / (ttft_cpu_s * 1e3) - 1) * 100:+.0f}%)"
+               if ttft_cpu_s else ""))
 
 
 def _pair(what: str, predicted: float, measured: float) -> str:

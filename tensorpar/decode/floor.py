@@ -20,7 +20,9 @@ def floor_job(ctx, config: dict, tokens: int = 16) -> dict:
     sharded over ``ctx.tp``, one thread: the lean decode path (:class:`~tensorpar.decode.lean.LeanDecoder`), or the
     sharded module's own forward with a KV cache where the family has no lean path. Collectives: the decoder's
     (``1 + 2 x layers`` all-reduces per step at tp > 1) and one all-gather of ``[1, 1]`` per step for the token pick
-    (the greedy pick's all-gather of ``[b, 2]`` in the engine). Returns ``{"step_ms"`` (median ms of a decode step), ``"path"`` (``"lean"`` or
+    (the greedy pick's all-gather of ``[b, 2]`` in the engine). Returns ``{"step_ms"`` (median ms of a decode step),
+    ``"prefill_ms"`` (the prompt's forward and pick, warm: the second run's; this thread's CPU time, whatever else
+    runs), ``"path"`` (``"lean"`` or
     ``"module"``)``}``."""
     import statistics
 
@@ -53,7 +55,9 @@ def floor_job(ctx, config: dict, tokens: int = 16) -> dict:
             path = "lean"
             for _ in range(2):          # the second run is timed (the first warms the kernels and allocator)
                 dec = LeanDecoder(model, ctx.tp, max_batch=1, max_len=s + tokens + 1)
+                t0 = time.thread_time()          # CPU time: the prefill model is a CPU-time one (planner/prefill.py)
                 tok = pick(dec.prefill(ids, torch.ones_like(ids), torch.arange(s).view(1, s)))
+                prefill = time.thread_time() - t0
                 times = []
                 for t in range(s, s + tokens):
                     t0 = time.perf_counter()
@@ -62,12 +66,14 @@ def floor_job(ctx, config: dict, tokens: int = 16) -> dict:
         else:
             path = "module"
             for _ in range(2):
+                t0 = time.thread_time()
                 out = model(ids, use_cache=True)
                 past, tok = out.past_key_values, pick(out.logits[:, -1])
+                prefill = time.thread_time() - t0
                 times = []
                 for _t in range(tokens):
                     t0 = time.perf_counter()
                     out = model(tok, past_key_values=past, use_cache=True)
                     past, tok = out.past_key_values, pick(out.logits[:, -1])
                     times.append(time.perf_counter() - t0)
-    return {"step_ms": statistics.median(times) * 1e3, "path": path}
+    return {"step_ms": statistics.median(times) * 1e3, "prefill_ms": prefill * 1e3, "path": path}

@@ -41,8 +41,12 @@ class GenerationResult:
 
     Attributes:
         tokens: ``[b, n]`` new token ids (rows that stopped early are padded with ``pad_id``).
-        ttft_s: seconds from the start of prefill to the first token being known on every rank.
+        ttft_s: seconds from the start of prefill (once every rank has its engine: one all-reduce lines them up
+            first) to the first token being known on every rank.
         decode_s: seconds spent on the remaining ``n - 1`` steps.
+        ttft_cpu_s: this process's CPU time (all its threads) over the same span as ``ttft_s``: the compute the
+            first token took, whatever else ran on the cores (with one thread per rank and no collective waits,
+            ``ttft_s`` on an idle machine).
         speed_warning: with ``check_speed``, a one-line warning when tensor parallelism is likely slower
             than one rank on this communication path (:func:`tensorpar.speed.tp_speed_warning`), else ``None``.
     """
@@ -51,6 +55,7 @@ class GenerationResult:
     ttft_s: float
     decode_s: float
     speed_warning: str | None = None
+    ttft_cpu_s: float = 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -135,8 +140,10 @@ def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_
     rows = [Row(i, p, 0, sampled=not greedy) for i, p in enumerate(prompts)]     # step 0: prefill every prompt
     done = torch.zeros(b, dtype=torch.bool)
     out = []
-    t0 = time.perf_counter()
-    ttft = 0.0
+    if engine.plans.size > 1:   # the clock starts when every rank is ready: a slower rank's load is not prefill
+        comm.all_reduce(torch.zeros(1, device=engine.device), engine.plans)
+    t0, c0 = time.perf_counter(), time.process_time()
+    ttft = ttft_cpu = 0.0
     warning, paused = None, 0.0
     for step in range(sampling.max_new_tokens):
         counting = check_speed and step == 1 and tp.size > 1 and engine.pp.size == 1   # tp against one rank
@@ -149,7 +156,7 @@ def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_
             done[r.slot] = done[r.slot] or t in eos
         out.append(nxt)
         if step == 0:
-            ttft = time.perf_counter() - t0
+            ttft, ttft_cpu = time.perf_counter() - t0, time.process_time() - c0
         if counting:
             t_pause = time.perf_counter()
             per_token = sum(counter.calls.values()) - before
@@ -163,7 +170,7 @@ def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_
         rows = [Row(r.slot, [int(nxt[r.slot])], r.start + len(r.tokens), sampled=not greedy)
                 for r in rows if not done[r.slot]]
     total = time.perf_counter() - t0 - paused
-    return GenerationResult(torch.stack(out, dim=1), ttft, total - ttft, warning)
+    return GenerationResult(torch.stack(out, dim=1), ttft, total - ttft, warning, ttft_cpu)
 
 
 # ---------------------------------------------------------------- command line
@@ -287,7 +294,8 @@ def _rank_main(job) -> int:
         print0(ctx, stats_line(ctx.tp.size, res.ttft_s, res.decode_s, res.tokens.shape[1], ctx.pp.size))
         if task.plan_prediction is not None:   # --plan auto: predicted vs measured
             from tensorpar.inference_plan import comparison_line
-            print0(ctx, comparison_line(task.plan_prediction, res.ttft_s, res.decode_s, res.tokens.shape[1]))
+            print0(ctx, comparison_line(task.plan_prediction, res.ttft_s, res.decode_s, res.tokens.shape[1],
+                                        res.ttft_cpu_s))
     finally:
         ctx.destroy()
     return 0

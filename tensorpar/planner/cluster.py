@@ -47,6 +47,20 @@ class DeviceSpec:
     # (its latency, the wait for the slower rank, the reads it slows), microseconds; 0: the tp link's latency
     # + bytes / bandwidth.
     decode_collective_us: float = 0.0
+    # Prefill (time to first token; tensorpar.planner.calibrate.prefill): one rank alone with its threads_per_rank
+    # threads, the layers' matmuls over T prompt tokens take ``weights / prefill_read_gbps + flops(T) /
+    # prefill_tflops`` (fitted from two token counts at the model's shapes); the prompt's attention runs at
+    # ``prefill_attention_tflops``; ``prefill_layer_overhead_us``: fixed time per layer of a prefill forward (Python,
+    # framework: more calls than a decode step's). 0 (prefill_tflops): the compute-bound lower bound
+    # (``matmul_efficiency x peak``, at least one read of the weights at hbm_gbps) and ``layer_overhead_us``.
+    prefill_read_gbps: float = 0.0
+    prefill_tflops: float = 0.0
+    prefill_attention_tflops: float = 0.0
+    prefill_layer_overhead_us: float = 0.0
+    # CPU time of one ``--tp-comm int8`` all-reduce's own work (quantizing the partial, dequantizing and summing the
+    # gathered ones) at a decode step's ``[1, h]``, microseconds (tensorpar.planner.calibrate.decode.
+    # measure_int8_reduce); 0: not modelled.
+    int8_reduce_cpu_us: float = 0.0
     # The same for training, measured by ``tensorpar train --plan auto``'s calibration: fixed time per layer per
     # micro-batch for its forward and backward together, and per micro-batch for the embedding, LM head and loss
     # (charged to the last stage), microseconds. 0: not modelled (the presets).
@@ -94,6 +108,8 @@ class DeviceSpec:
             if not 0 < getattr(self, knob) < float("inf"):
                 raise ValueError(f"device {knob} ({getattr(self, knob)!r}) must be a finite number > 0")
         for knob in ("layer_overhead_us", "decode_read_gbps", "decode_read_host_gbps", "decode_collective_us",
+                     "prefill_read_gbps", "prefill_tflops", "prefill_attention_tflops", "prefill_layer_overhead_us",
+                     "int8_reduce_cpu_us",
                      "train_layer_overhead_us", "train_micro_batch_overhead_us", "host_cores",
                      "external_threads", "external_groups", "optimizer_ns_per_param", "tp_link_gbps",
                      "tp_link_latency_us", "p2p_link_gbps", "p2p_link_latency_us",

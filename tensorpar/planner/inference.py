@@ -10,9 +10,12 @@ Model (one replica of ``tp x pp`` ranks, batch B, prompt P, N new tokens; all pe
   GQA group split between two ranks has its KV head on both (:mod:`tensorpar.planner.partition`);
 * prefill working set: the largest transient of one layer on the prompt (the rank's q/k/v and MLP
   interior for B x P tokens) and the last position's fp32 logits;
-* time to first token: prefill is compute bound: forward matmul FLOPs of the prompt at
-  ``matmul_efficiency x peak`` (at least one read of the weights from device memory), plus two TP
-  all-reduces of ``B x P x h`` per layer, the embedding's and the token pick (all-gather and broadcast);
+* time to first token (:mod:`tensorpar.planner.prefill`): the prompt's forward as ``generate`` times it: with
+  measured prefill constants (a CPU rank) the layers' matmuls at the GEMM rates fitted at the model's shapes
+  (weights read once + FLOPs of ``B x P`` rows), the prompt's attention, a per-layer framework overhead; without
+  them the compute-bound lower bound (matmul FLOPs at ``matmul_efficiency x peak``, at least one read of the
+  weights); plus two TP all-reduces of ``B x P x h`` per layer, the embedding's and the token pick (all-gather
+  and broadcast);
 * decode, per token: memory-bandwidth bound: the weights and the KV cache (at the mean context
   ``P + N/2``) read once at the decode read rate (or the matmuls, if slower), plus the step's TP collectives:
   two all-reduces of ``B x h`` per layer, one for the vocabulary-parallel embedding's lookup, and the greedy
@@ -40,7 +43,9 @@ Model (one replica of ``tp x pp`` ranks, batch B, prompt P, N new tokens; all pe
   is not used across nodes). tp spans whole nodes when it leaves one (``tp`` a multiple of the ranks per node);
 * ``tp_comm="int8"`` (``--tp-comm int8``): the ``2 x layers + 1`` all-reduces of partial sums are one all-gather
   of each rank's blockwise int8 partial (:func:`tensorpar.comm.compress.payload_bytes`, ~1.125 bytes per element):
-  latency + ``(tp - 1) x payload / bandwidth`` (the quantization's CPU time is not modelled);
+  :func:`gather_latency` + ``(tp - 1) x payload / bandwidth`` + the device's ``int8_reduce_cpu_us`` (quantizing,
+  dequantizing and summing, measured; 0 in the presets); the token pick and the pipeline's token broadcast are an
+  all-gather and broadcasts too, at :func:`gather_latency` (half an all-reduce's);
 * throughput: ``replicas x B / decode seconds per token``, replicas = devices // (tp x pp).
 
 The winner: among layouts that fit (and meet ``latency_target_ms`` per decoded token, when given), the
@@ -49,7 +54,7 @@ it, the winner is the fastest fitting layout (lowest decode time per token), the
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tensorpar.planner.cluster import ClusterSpec
 from tensorpar.planner.enumerate import divisors
@@ -57,6 +62,7 @@ from tensorpar.planner.flops import layer_forward_flops, logit_forward_flops
 from tensorpar.planner.memory import GIB
 from tensorpar.planner.model_spec import ModelSpec
 from tensorpar.planner.partition import busiest_heads, max_ffn_columns, max_vocab_rows, split_problems, stage_layers
+from tensorpar.planner.prefill import prefill_seconds
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,8 @@ class InferencePlan:
     decode_pp_comm: float = 0.0  # part of ``decode``: the pipeline's sends and token broadcast, seconds
     tp_across_nodes: bool = False
     pp_across_nodes: bool = False
+    #: parts of ``ttft`` (seconds): matmul, attention, overhead, tp_comm, pp_comm (:func:`prefill_seconds`)
+    ttft_parts: dict = field(default_factory=dict, compare=False)
 
     @property
     def name(self) -> str:
@@ -132,6 +140,7 @@ class InferencePlan:
                                                                 ("working_set", self.working_set),
                                                                 ("total", self.memory))},
                 "kv_heads_per_rank": self.kv_heads_per_rank, "ttft_ms": round(self.ttft * 1e3, 4),
+                "ttft_breakdown_ms": {k: round(v * 1e3, 4) for k, v in self.ttft_parts.items()},
                 "decode_ms_per_token": round(self.decode * 1e3, 4),
                 "decode_breakdown_ms": {"memory": round(self.decode_memory * 1e3, 4),
                                         "compute": round(self.decode_compute * 1e3, 4),
@@ -194,17 +203,37 @@ def decode_collectives(model: ModelSpec, tp: int) -> int:
     return 0 if tp == 1 else 2 * model.num_layers + 3
 
 
+def gather_latency(latency: float) -> float:
+    """The latency of an all-gather or a broadcast on a link whose all-reduce latency is ``latency``: half of it. A
+    ring all-reduce is a reduce-scatter and an all-gather, ``2 (tp - 1)`` steps, the all-gather alone ``tp - 1``
+    (gloo's broadcast, root to each, as many); the link fits (the calibration's, ``bench/link_job.py``) time
+    all-reduces. Measured between two namespace hosts (bench/results/link_rates.md, quiet): 3.2-3.7 ms per small
+    all-reduce, 1.8-2.0 ms per all-gather inside a decode step (the ``--tp-comm int8`` rows)."""
+    return latency / 2
+
+
 def _all_reduce_seconds(elements: float, nbytes: int, tp: int, cluster: ClusterSpec, tp_comm: str = "fp32") -> float:
     """One tp all-reduce of partial sums: a ring, ``2 (tp - 1) / tp x elements x nbytes`` over the tp link; with
-    ``tp_comm="int8"`` one all-gather of every rank's compressed partial (``(tp - 1) x payload_bytes``)."""
+    ``tp_comm="int8"`` one all-gather of every rank's compressed partial (``(tp - 1) x payload_bytes``, at
+    :func:`gather_latency`) plus the device's ``int8_reduce_cpu_us`` (quantizing, dequantizing, summing)."""
     if tp == 1:
         return 0.0
     bandwidth, latency = cluster.link(tp, "tp")
     if tp_comm == "int8":
         from tensorpar.comm.compress import payload_bytes
 
-        return latency + (tp - 1) * payload_bytes(int(elements)) / bandwidth
+        return (gather_latency(latency) + (tp - 1) * payload_bytes(int(elements)) / bandwidth
+                + cluster.device.int8_reduce_cpu_us * 1e-6)
     return latency + 2 * (tp - 1) / tp * elements * nbytes / bandwidth
+
+
+def pick_seconds(tp: int, batch: int, cluster: ClusterSpec) -> float:
+    """The greedy token pick over the tp group: an all-gather of ``B x 2`` fp64 (``(tp - 1) x 16 B`` received per
+    row) and a broadcast of ``B + 1`` int64, each at :func:`gather_latency` (0 at tp = 1)."""
+    if tp == 1:
+        return 0.0
+    bandwidth, latency = cluster.link(tp, "tp")
+    return 2 * gather_latency(latency) + ((tp - 1) * batch * 16 + (batch + 1) * 8) / bandwidth
 
 
 def _decode_comm_seconds(model: ModelSpec, tp: int, cluster: ClusterSpec, batch: int, nbytes: int,
@@ -219,10 +248,8 @@ def _decode_comm_seconds(model: ModelSpec, tp: int, cluster: ClusterSpec, batch:
     across = cluster.crosses_nodes(tp) and cluster.device.inter_node_gbps > 0
     if cluster.device.decode_collective_us > 0 and not across:
         return decode_collectives(model, tp) * cluster.device.decode_collective_us * 1e-6
-    bandwidth, latency = cluster.link(tp, "tp")
-    pick = 2 * latency + ((tp - 1) * batch * 16 + (batch + 1) * 8) / bandwidth
     return ((2 * model.num_layers + 1) * _all_reduce_seconds(batch * model.hidden_size, nbytes, tp, cluster, tp_comm)
-            + pick)
+            + pick_seconds(tp, batch, cluster))
 
 
 def _pipeline_seconds(tokens: int, batch: int, hidden: int, nbytes: int, tp: int, pp: int,
@@ -230,13 +257,13 @@ def _pipeline_seconds(tokens: int, batch: int, hidden: int, nbytes: int, tp: int
     """One step's pipeline traffic (``generate --pp``): ``pp - 1`` sends of the ``tokens x h`` hidden state (tp rank
     r to tp rank r of the next stage, at the same time) over :meth:`ClusterSpec.p2p_link`, and the broadcast of the
     ``batch + 1`` int64 tokens from the last stage over the pipeline group (ranks ``tp`` apart, spanning
-    ``tp x pp``)."""
+    ``tp x pp``; at :func:`gather_latency`)."""
     if pp == 1:
         return 0.0
     bandwidth, latency = cluster.p2p_link(tp * pp)
     sends = (pp - 1) * (latency + tokens * hidden * nbytes / bandwidth)
     bandwidth, latency = cluster.link(tp * pp)
-    return sends + latency + (batch + 1) * 8 / bandwidth
+    return sends + gather_latency(latency) + (batch + 1) * 8 / bandwidth
 
 
 def plan_one(model: ModelSpec, tp: int, cluster: ClusterSpec, work: InferenceWorkload, pp: int = 1) -> InferencePlan:
@@ -254,20 +281,9 @@ def plan_one(model: ModelSpec, tp: int, cluster: ClusterSpec, work: InferenceWor
     working = (b * p * (model.head_dim * (heads.q + 2 * heads.kv) + 3 * model.active_ffn(ffn) + 2 * model.hidden_size) * e
                + 4 * b * max_vocab_rows(model.vocab_size, tp) * (1 + (tp > 1)))
     rate = dev.peak_tflops * 1e12 * dev.matmul_efficiency
-    hbm = dev.hbm_gbps * 1e9
     vocab_rows = max_vocab_rows(model.vocab_size, tp)
-    # The prompt's token pick: the same all-gather and broadcast as a decode step's (bytes negligible).
-    bandwidth, latency = cluster.link(tp, "tp") if tp > 1 else (1.0, 0.0)
-    pick_comm = 0.0 if tp == 1 else 2 * latency + ((tp - 1) * b * 16 + (b + 1) * 8) / bandwidth
     overhead = model.num_layers * dev.layer_overhead_us * 1e-6
-
-    layer = layer_forward_flops(model, heads, ffn, b * p, p)
-    prefill_flops = model.num_layers * (layer["linear"] + layer["attention"]) + logit_forward_flops(model, vocab_rows, b)
-    prefill_comm = ((2 * model.num_layers + 1) * _all_reduce_seconds(b * p * model.hidden_size, e, tp, cluster,
-                                                                     work.tp_comm)
-                    + pick_comm)
-    ttft = (max(prefill_flops / rate, read_weights / hbm) + prefill_comm + overhead
-            + _pipeline_seconds(b * p, b, model.hidden_size, e, tp, pp, cluster))
+    first = prefill_seconds(model, tp, cluster, b, p, e, work.tp_comm, pp)
 
     context = p + n / 2  # mean context length over the generated tokens
     decode_layer = layer_forward_flops(model, heads, ffn, b, context)
@@ -280,11 +296,12 @@ def plan_one(model: ModelSpec, tp: int, cluster: ClusterSpec, work: InferenceWor
     decode_pp = _pipeline_seconds(b, b, model.hidden_size, e, tp, pp, cluster)
     decode = max(decode_memory, decode_compute) + decode_comm + decode_pp + overhead
     return InferencePlan(tp=tp, replicas=cluster.num_devices // (tp * pp), weights=weights, kv_cache=kv_total,
-                         working_set=working, usable=(dev.memory_gib - work.reserve_gib) * GIB, ttft=ttft,
+                         working_set=working, usable=(dev.memory_gib - work.reserve_gib) * GIB, ttft=first["total"],
                          decode=decode, decode_memory=decode_memory, decode_compute=decode_compute,
                          decode_comm=decode_comm, kv_heads_per_rank=heads.kv, batch=b, decode_overhead=overhead,
                          pp=pp, decode_pp_comm=decode_pp, tp_across_nodes=tp > 1 and cluster.crosses_nodes(tp),
-                         pp_across_nodes=pp > 1 and cluster.crosses_nodes(tp * pp))
+                         pp_across_nodes=pp > 1 and cluster.crosses_nodes(tp * pp),
+                         ttft_parts={k: v for k, v in first.items() if k != "total"})
 
 
 def candidate_layouts(model: ModelSpec, cluster: ClusterSpec, one_replica: bool = False) -> list[tuple[int, int]]:

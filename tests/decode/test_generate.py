@@ -89,6 +89,26 @@ def test_greedy_equals_transformers(pools, model_dirs, arch, tps):
                     f"{arch} tp={tp} rank {r}: first difference at step {step}: {tokens[:, step]} != {want[:, step]}")
 
 
+def job_late_rank(ctx, folder, ids, mask, late_s):
+    import time
+
+    from tensorpar.hf.load import build_parallel_model
+    model, _ = build_parallel_model(folder, ctx.tp)
+    if ctx.rank == 1:
+        time.sleep(late_s)          # a rank that is still loading when the others start
+    return generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=2)).ttft_s
+
+
+@pytest.mark.slow   # a 2-rank launch that sleeps 3 s
+def test_first_token_time_starts_when_every_rank_is_ready(pools, model_dirs):
+    """The time to first token is the prompt's forward and pick (what the planner predicts), not the wait for a
+    rank still loading: rank 1 starts 3 s late; every rank's first token takes far less (a 2-layer model of width
+    36; 1.5 s leaves room for a loaded machine). Before, rank 0 (which prints it) counted the 3 s."""
+    ids, mask = prompts(53)
+    ttfts = run_tp(pools, 2, job_late_rank, model_dirs["llama"], ids, mask, 3.0)
+    assert max(ttfts) < 1.5, ttfts
+
+
 def job_sample(ctx, folder, ids, mask):
     from tensorpar.hf.load import build_parallel_model
     model, _ = build_parallel_model(folder, ctx.tp)

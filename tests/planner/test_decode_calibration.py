@@ -16,7 +16,8 @@ from tensorpar.planner.model_spec import from_hf_config
 
 FAKE = {"decode_read_gbps": 8.0, "decode_read_host_gbps": 10.0, "decode_collective_us": 50.0,
         "layer_overhead_us": 300.0, "floor_step_ms": 0.6, "floor_path": "lean", "backend": "shm", "reads": {},
-        "seconds": 1.0, "loadavg_1min": 3.0}
+        "seconds": 1.0, "loadavg_1min": 3.0, "prefill_read_gbps": 6.0, "prefill_tflops": 0.08,
+        "prefill_attention_tflops": 0.02, "prefill_layer_overhead_us": 700.0, "int8_reduce_cpu_us": 110.0}
 
 
 def _config(layers=2, **kw) -> dict:
@@ -146,5 +147,7 @@ def test_real_measurement_gives_positive_constants():
     """One real measurement of a 2-layer model with 2 ranks (30-40 s on a loaded 2-core machine: slow)."""
     cfg = _config()
     got = dd.measure_decode_constants(from_hf_config(cfg, name="tiny"), cfg, 2, "shm", floor_job, tokens=4)
-    assert all(got[k] > 0 for k in ("decode_read_gbps", "decode_read_host_gbps", "layer_overhead_us"))
+    assert all(got[k] > 0 for k in ("decode_read_gbps", "decode_read_host_gbps", "layer_overhead_us",
+                                    "prefill_tflops", "prefill_attention_tflops", "prefill_layer_overhead_us"))
+    assert got["prefill_read_gbps"] >= 0
     assert got["decode_collective_us"] >= 0 and got["floor_path"] in ("lean", "auto") and got["loadavg_1min"] >= 0

@@ -42,8 +42,8 @@ def test_hand_worked_latencies():
     assert q.decode_memory == pytest.approx((weights + kv_mean) / 100e9, rel=1e-12)
     # decode all-reduces: 2 per layer and the embedding's, of 64 bf16 values over 2 ranks, latency 10 us +
     # 128 B / 10 GB/s; greedy token pick: all-gather of one [1, 2] fp64 row from the other rank (16 B) and a
-    # broadcast of 2 int64 (16 B), 10 us each.
-    pick = 2 * 10e-6 + (16 + 16) / 10e9
+    # broadcast of 2 int64 (16 B), 5 us each (half an all-reduce's latency: half its ring steps).
+    pick = 2 * 5e-6 + (16 + 16) / 10e9
     comm = 5 * (10e-6 + 128 / 10e9) + pick
     assert q.decode_comm == pytest.approx(comm, rel=1e-12)
     assert q.decode == pytest.approx(max(q.decode_memory, q.decode_compute) + comm, rel=1e-12)

@@ -135,3 +135,36 @@ def measure_decode_reads(layer_shapes, layers: int, head_shape, processes: int =
                               / len(ranks) * 1e6),
             "inside_collective_us": max(r["collective_s"] for r in ranks) * 1e6,
             "collectives_per_pass": slow["collectives_per_pass"], "ranks": ranks}
+
+
+def measure_int8_reduce(ctx, hidden: int, calls: int = 200) -> dict:
+    """Job for :class:`tensorpar.testing.WorkerPool` (one rank): the CPU time (this thread's) of one ``--tp-comm
+    int8`` all-reduce's own work at a decode step's ``[1, hidden]`` fp32 partial, without the wire
+    (:func:`tensorpar.comm.compress.all_reduce_int8` less its all-gather): quantize into the payload, dequantize two
+    ranks' payloads, sum them. The median of 5 timings of ``calls`` calls after 50 warm-up calls. Returns
+    ``{"int8_reduce_cpu_us"}``. No collectives."""
+    import statistics
+
+    import torch
+
+    from tensorpar.comm.compress import _blocks, _dequantize_rows, _quantize_into, payload_bytes
+
+    torch.set_num_threads(1)
+    x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(0))
+    n, nb, m = hidden, _blocks(hidden), payload_bytes(hidden)
+
+    def one():
+        payload = torch.empty(m, dtype=torch.uint8)
+        _quantize_into(x, payload[:4 * nb].view(torch.float32), payload[4 * nb:4 * nb + n].view(torch.int8))
+        g = torch.stack([payload, payload])          # what the all-gather returns for 2 ranks
+        return _dequantize_rows(g[:, 4 * nb:4 * nb + n].view(torch.int8), g[:, :4 * nb].view(torch.float32)).sum(0)
+
+    for _ in range(50):
+        one()
+    times = []
+    for _ in range(5):
+        t0 = time.thread_time()
+        for _ in range(calls):
+            one()
+        times.append((time.thread_time() - t0) / calls)
+    return {"int8_reduce_cpu_us": statistics.median(times) * 1e6}

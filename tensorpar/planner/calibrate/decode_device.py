@@ -14,6 +14,14 @@ The four constants the inference planner's decode model reads (:class:`tensorpar
   vocabulary 256) on the lean path (the generic path where the family has none), tp = 1, one thread, ms per
   token / layers (the floor job the caller passes: :func:`tensorpar.decode.floor.floor_job`).
 
+And the time to first token's (:mod:`tensorpar.planner.prefill`): ``prefill_read_gbps`` and ``prefill_tflops``
+(a prefill's matmuls at the tp = 1 shapes over 16 and 256 rows, fitted as weights / read + FLOPs / rate),
+``prefill_attention_tflops`` (the prompt's attention), one thread's CPU time each
+(:func:`~tensorpar.planner.calibrate.prefill.measure_prefill`; a rank gets ``threads_per_rank`` times them), and
+``prefill_layer_overhead_us`` (the floor's warm prefill of its 6-token prompt, per layer, CPU time); and
+``int8_reduce_cpu_us`` (a ``--tp-comm int8`` all-reduce's own CPU work at ``[1, h]``:
+:func:`~tensorpar.planner.calibrate.decode.measure_int8_reduce`).
+
 Each is measured in fresh worker processes (:class:`tensorpar.testing.WorkerPool`, one thread per rank). About
 30-90 s on a 2-core machine (SmolLM2 135M, 2 ranks; most of it starting the worker processes and the floor's
 model); the cache, ``<cache>/calibration/decode-<machine key>-<shape key>.json`` (the folder and machine key of
@@ -27,7 +35,7 @@ import os
 import time
 from pathlib import Path
 
-DECODE_CALIBRATION_VERSION = 1
+DECODE_CALIBRATION_VERSION = 4   # 2: prefill constants; 3: the prefill overhead in CPU time; 4: int8_reduce_cpu_us
 FLOOR_TOKENS = 16
 
 
@@ -45,9 +53,17 @@ def measure_decode_constants(model, config: dict, ranks: int, backend: str, floo
     from tensorpar.testing import RankFailure, WorkerPool
 
     start, load = time.perf_counter(), os.getloadavg()[0]
+    from tensorpar.planner.calibrate.decode import measure_int8_reduce
+    from tensorpar.planner.calibrate.prefill import measure_prefill
+    from tensorpar.planner.partition import busiest_heads
+
     try:
         with WorkerPool(1, collective_timeout_s=120, job_timeout_s=600) as pool:
             floor = pool.run(floor_job, config, tokens)[0]
+            layer_shapes, layers, _ = decode_shapes(model, 1)
+            prefill = measure_prefill(pool, layer_shapes, layers,
+                                      (busiest_heads(model.num_heads, model.num_kv_heads, 1).q, model.head_dim))
+            prefill.update(pool.run(measure_int8_reduce, model.hidden_size)[0])
     except RankFailure as err:
         raise RuntimeError(f"decode floor calibration failed: {err}") from None
     reads = {"alone_tp1": measure_decode_reads(*decode_shapes(model, 1), 1)}
@@ -65,6 +81,8 @@ def measure_decode_constants(model, config: dict, ranks: int, backend: str, floo
     return {"decode_read_gbps": reads["alone_tp1"]["gbps"], "decode_read_host_gbps": shared.get("host_gbps", 0.0),
             "decode_collective_us": max(0.0, shared.get("collective_us", 0.0)),
             "layer_overhead_us": floor["step_ms"] * 1e3 / model.num_layers, "floor_step_ms": floor["step_ms"],
+            "prefill_layer_overhead_us": floor["prefill_ms"] * 1e3 / model.num_layers,
+            "floor_prefill_ms": floor["prefill_ms"], **prefill,
             "floor_path": floor["path"], "backend": backend if ranks > 1 else "", "reads": reads,
             "seconds": time.perf_counter() - start, "loadavg_1min": (load + os.getloadavg()[0]) / 2}
 
@@ -134,6 +152,10 @@ def cached_decode_constants(model, config: dict, ranks: int, backend: str, floor
 
 
 DECODE_FIELDS = ("decode_read_gbps", "decode_read_host_gbps", "decode_collective_us", "layer_overhead_us")
+#: the prefill constants measured with them (:mod:`tensorpar.planner.calibrate.prefill`): the rates one thread's,
+#: a rank's threads_per_rank times them; the overhead (and the int8 all-reduce's CPU time) as measured
+PREFILL_RATES = ("prefill_read_gbps", "prefill_tflops", "prefill_attention_tflops")
+PREFILL_FIELDS = (*PREFILL_RATES, "prefill_layer_overhead_us", "int8_reduce_cpu_us")
 
 
 def needs_decode_constants(device) -> bool:
@@ -154,4 +176,6 @@ def decode_device(device, model, config: dict, ranks: int, backend: str, floor_j
     load = (f" (measured at load {data['loadavg_1min']:.1f}; delete it to measure again)"
             if "loadavg_1min" in data else "")
     note = f"decode constants {'read from' if cached else 'measured now, saved to'} {path}{load}"
-    return replace(device, **{k: data[k] for k in DECODE_FIELDS}), note
+    threads = max(1, device.threads_per_rank)
+    return replace(device, **{k: data[k] for k in DECODE_FIELDS},
+                   **{k: data[k] * (threads if k in PREFILL_RATES else 1) for k in PREFILL_FIELDS}), note
