@@ -58,6 +58,28 @@ def test_serve_plan_auto_chooses_for_a_full_server(tiny, device_file, monkeypatc
                             "--max-batch", "4", "--max-model-len", "64", "--kv-cache-memory", "6000"))
 
 
+def test_link_flags_with_every_rank_on_one_host_say_so(tiny, device_file, monkeypatch, capsys):  # noqa: F811
+    """Issue 23: --inter-node-bw / --inter-node-latency-us with every rank on this host (no torchrun, or torchrun
+    with one node) were taken without a word; one line says they are not needed there (the rule of `tensorpar
+    plan` on one node and of train --plan: tensorpar.planner.cluster.note_unused_link), before any rank starts.
+    Across two hosts nothing is said."""
+    from tensorpar.serve import cli
+
+    def notes():
+        return [ln for ln in capsys.readouterr().err.splitlines() if "--inter-node" in ln]
+    flags = ["--device-file", device_file, *SLOW_LINK, "--max-batch", "4", "--max-model-len", "64"]
+    cli.validate(_parse("--model", tiny, "--plan", "auto", "--nproc", "2", *flags))
+    assert notes() == ["tensorpar: note: --inter-node-bw and --inter-node-latency-us: all 2 ranks are on this host (no "
+                       "torchrun across hosts): no group crosses the link between hosts, so it is not needed here"]
+    _torchrun_env(monkeypatch, 2, 2)
+    cli.validate(_parse("--model", tiny, "--plan", "auto", *flags))
+    got = notes()
+    assert len(got) == 1 and "all 2 ranks are on this host (torchrun with one node): no group crosses" in got[0], got
+    _torchrun_env(monkeypatch, 2, 1)
+    cli.validate(_parse("--model", tiny, "--plan", "auto", *flags))
+    assert notes() == []
+
+
 @pytest.mark.parametrize("args,msg", [
     (["--nproc", "2", "--tp", "1"], "--plan auto chose tp=2 pp=1 for 2 ranks, but --tp 1 was given; drop --tp"),
     (["--nproc", "2", "--pp", "2"], "but --pp 2 was given"),
