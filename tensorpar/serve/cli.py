@@ -221,6 +221,7 @@ def _rank_main(job) -> int:
         engine = Engine(model, ctx.tp, max_batch=task.max_batch, max_len=task.max_len, plans=plans,
                         pp=ctx.pp,   # with --pp: this rank's stage; every rank follows rank 0's plans
                         block_size=task.block_size, num_blocks=task.num_blocks, deterministic=task.deterministic)
+        ctx.heap.for_steady()   # weights loaded and fused: a step's temporaries may come from the heap
         from tensorpar import fingerprint
         if job.check_collectives or fingerprint.enable_from_env(ctx.tp) is not None:
             check_collectives(engine, ctx.tp, timeout_s=min(job.timeout_s / 2, 60.0))
