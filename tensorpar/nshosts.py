@@ -280,16 +280,13 @@ class NamespaceHosts:
         return p
 
     def torchrun_argv(self, i: int, nproc: int, cmd: list[str], *, run_id: str = "nshosts",
-                      max_restarts: int = 0, read_timeout_s: int | None = None) -> list[str]:
+                      max_restarts: int = 0) -> list[str]:
         """The torchrun command of host ``i``: ``nproc`` ranks, c10d rendezvous on host 0, then ``cmd``
         (``["-m", "tensorpar", "generate", ...]`` or a script and its arguments); ``max_restarts``: torchrun's
-        ``--max-restarts`` (a failed rank on any host restarts every host's ranks); ``read_timeout_s``: the agents'
-        store timeout (``--rdzv-conf read_timeout=``; torch's default 60 s): how long an agent cut off from host 0
-        stays up (docs/hosts.md, "When a host fails")."""
-        conf = [] if read_timeout_s is None else ["--rdzv-conf", f"read_timeout={int(read_timeout_s)}"]
+        ``--max-restarts`` (a failed rank on any host restarts every host's ranks)."""
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(self.hosts)),
                 "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"{self.hosts[0].addr}:{RDZV_PORT}", "--rdzv-id", run_id, *conf,
+                "--rdzv-endpoint", f"{self.hosts[0].addr}:{RDZV_PORT}", "--rdzv-id", run_id,
                 "--local-addr", self.hosts[i].addr, *cmd]
 
     def run_torchrun(self, cmd: list[str], nproc: int = 1, *, timeout_s: float = 300.0,
