@@ -45,7 +45,8 @@ def plan_ranks(args) -> tuple[int, int]:
 def inference_device(args, nproc: int, local: int):
     """``(DeviceSpec of one rank, where it came from)``: ``--device-file``, or this machine's cached calibration
     (:func:`tensorpar.train.autoplan.cached_calibration`, measured on first use), with the link between hosts of the
-    flags (:func:`tensorpar.planner.cluster.inter_node_link`). Raises ValueError (a bad file, a bad link flag)."""
+    flags (:func:`tensorpar.planner.cluster.inter_node_link`; one note when every rank is on this host,
+    :func:`~tensorpar.planner.cluster.note_unused_link`). Raises ValueError (a bad file, a bad link flag)."""
     from dataclasses import replace
 
     from tensorpar.planner import cluster as cl
@@ -66,7 +67,11 @@ def inference_device(args, nproc: int, local: int):
         device = rank_threads(autoplan.rank_device(cal, nproc, local, load_now=autoplan._loadavg(),
                                                    tp_backend=tp_backend))
         note = autoplan.describe_device_source(path, cached)
-    return replace(device, **cl.inter_node_link(args, device)), note
+    from tensorpar.launch import under_torchrun
+
+    link = cl.inter_node_link(args, device)
+    cl.note_unused_link(args, nproc, local, cl.launch_hosts_words(not under_torchrun()))
+    return replace(device, **link), note
 
 
 def rank_threads(device):

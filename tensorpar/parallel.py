@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from tensorpar.comm import Group
-from tensorpar.malloc import fix_mmap_threshold
+from tensorpar.malloc import HeapState
 
 AXES = ("dp", "pp", "cp", "tp")
 
@@ -92,6 +92,7 @@ class ParallelContext:
         grid: ``LongTensor[dp, pp, cp, tp]`` of global ranks.
         tp_weights: the weights to shard with (``config.tp_weights``, measured when that is ``"auto"``), or
             ``None`` for an even split; the same on every rank.
+        heap: this process's glibc malloc thresholds (:class:`~tensorpar.malloc.HeapState`).
     """
 
     config: ParallelConfig
@@ -104,6 +105,7 @@ class ParallelContext:
     grid: torch.Tensor
     tp_weights: tuple[float, ...] | None = None
     cp: Group = field(default_factory=lambda: Group.single("cp"))
+    heap: HeapState = field(default_factory=HeapState, repr=False)
     _mesh: object = field(default=None, repr=False)
 
     @property
@@ -281,7 +283,8 @@ def init_parallel(
     "int8") becomes ``ctx.tp.compression`` (:func:`tensorpar.comm.reduce_partial`). Collectives at start-up
     (world size > 1): one all-gather of hostnames over the world; a group whose ranks are on several hosts keeps
     them (``Group.hosts``), so its failed collectives name this rank's host and the others. First of all, it fixes
-    glibc's mmap threshold in this process (:func:`tensorpar.malloc.fix_mmap_threshold`: freed weights are returned).
+    glibc's mmap threshold in this process for the load (``ctx.heap``, :meth:`tensorpar.malloc.HeapState.for_load`:
+    freed weights are returned; the engine's builder raises it, :meth:`~tensorpar.malloc.HeapState.for_steady`).
 
     Raises:
         ValueError: the degrees do not multiply to the world size; ``fast_collectives="on"`` for a
@@ -292,7 +295,8 @@ def init_parallel(
     from tensorpar.comm import TP_COMM
     if tp_comm not in TP_COMM:
         raise ValueError(f"tp_comm must be one of {', '.join(TP_COMM)}, got {tp_comm!r}")
-    fix_mmap_threshold()            # before any weight is allocated (a rank's resident memory, docs/memory.md)
+    heap = HeapState()
+    heap.for_load()                 # before any weight is allocated (a rank's resident memory, docs/memory.md)
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
     config = config or ParallelConfig.infer(world_size)
@@ -339,7 +343,8 @@ def init_parallel(
         for axis in AXES:
             enable_fast_collectives(groups[axis], fast_collectives, timeout_s=timeout_s)
     groups["tp"].compression = tp_comm
-    ctx = ParallelContext(config=config, rank=rank, world_size=world_size, device=device, grid=grid, **groups)
+    ctx = ParallelContext(config=config, rank=rank, world_size=world_size, device=device, grid=grid, heap=heap,
+                          **groups)
     if config.tp_weights == "auto":  # a GEMM timed on every rank at once, gathered: the same weights everywhere
         from tensorpar.capacity import measure_tp_weights
         ctx.tp_weights = measure_tp_weights(ctx)

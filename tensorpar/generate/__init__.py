@@ -67,7 +67,8 @@ class GenerationResult:
 def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                     sampling: SamplingConfig = SamplingConfig(), eos_token_id: int | list[int] | None = None,
                     pad_id: int = 0, on_token=None, check_speed: bool = False,
-                    path: str = "auto", pp: Group | None = None, deterministic: bool = False) -> GenerationResult:
+                    path: str = "auto", pp: Group | None = None, deterministic: bool = False,
+                    heap=None) -> GenerationResult:
     """Generate from a model sharded by :func:`tensorpar.hf.apply.parallelize`.
 
     Args:
@@ -91,6 +92,8 @@ def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: t
         pp: the pipeline group when ``model`` is one stage (:mod:`tensorpar.pipeline.inference`).
         deterministic: batch-invariant results (``--deterministic``): each row's greedy tokens are bitwise those of
             its prompt generated alone (:class:`~tensorpar.serve.engine.Engine`'s ``deterministic``).
+        heap: the process's :class:`~tensorpar.malloc.HeapState` (``ctx.heap``): raised for the steady state once
+            the engine is built (:meth:`~tensorpar.malloc.HeapState.for_steady`; ``None``: left as it is).
 
     A model built with sequence parallelism generates as plain tensor parallelism (the prompt and the
     one-token decode steps are not split along the sequence; :func:`tensorpar.hf.apply.sequence_parallel_off`).
@@ -106,11 +109,11 @@ def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: t
 
     with sequence_parallel_off(model):
         return _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_id, on_token, check_speed,
-                         path, pp, deterministic)
+                         path, pp, deterministic, heap)
 
 
 def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_id, on_token, check_speed, path, pp,
-              deterministic=False):
+              deterministic=False, heap=None):
     from tensorpar.serve.engine import Engine
     from tensorpar.serve.plan import Row, StepPlan
     from tensorpar.speed import measure_speed
@@ -132,6 +135,8 @@ def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     engine = Engine(model, tp, max_batch=b, max_len=s + sampling.max_new_tokens, path=path, warm_up=False, pp=pp,
                     deterministic=deterministic)
+    if heap is not None:    # weights loaded and fused: a step's temporaries may come from the heap
+        heap.for_steady()
     greedy = sampling.temperature == 0
     samplers = None
     if not greedy and tp.rank == 0:     # one generator (the logits' device), drawing the rows in order each step
@@ -280,7 +285,8 @@ def _rank_main(job) -> int:
         res = generate_tokens(model, ctx.tp, ids.to(ctx.device), mask.to(ctx.device), sampling=task.sampling,
                               eos_token_id=list(task.eos), pad_id=task.pad_id, on_token=on_token,
                               # fingerprints (compared before every collective) would be counted as link latency
-                              check_speed=tp_fingerprint is None, pp=ctx.pp, deterministic=task.deterministic)
+                              check_speed=tp_fingerprint is None, pp=ctx.pp, deterministic=task.deterministic,
+                              heap=ctx.heap)
         if printer is not None:
             printer.close()  # the characters still held back (a multi-byte character split over tokens)
         if single:

@@ -186,10 +186,8 @@ def build_cluster(args) -> cl.ClusterSpec:
             raise
         raise ValueError(str(e).replace(f"device {knob} (", f"{flags[knob]} (")) from None
     cluster = cl.ClusterSpec(device=device, num_devices=args.gpus, devices_per_node=args.gpus_per_node)
-    given = [f"--inter-node-{k}" for k, v in (("bw", args.inter_node_bw), ("latency-us", args.inter_node_latency_us)) if v]
-    if given and cluster.num_devices <= cluster.devices_per_node:   # one line: the link is not used
-        print(f"tensorpar: note: {' and '.join(given)}: all {cluster.num_devices} devices are on one node (--gpus-per-"
-              f"node {cluster.devices_per_node}): no group crosses the link between nodes", file=sys.stderr)
+    cl.note_unused_link(args, cluster.num_devices, cluster.devices_per_node,   # one line: the link is not used
+                        f"devices are on one node (--gpus-per-node {cluster.devices_per_node})")
     return cluster
 
 

@@ -298,3 +298,27 @@ def inter_node_link(args, device: DeviceSpec | None = None) -> dict:
         print(f"tensorpar: note: --inter-node-bw {bw:g} GB/s is {note}; used as given: is the unit right? (GB/s per "
               f"rank; 1 Gbit/s = 0.125)", file=sys.stderr)
     return {"inter_node_gbps": bw, **({} if lat is None else {"inter_node_latency_us": lat})}
+
+
+def note_unused_link(args, ranks: int, per_host: int, what: str) -> bool:
+    """One note on stderr (rank 0) when ``--inter-node-bw`` or ``--inter-node-latency-us`` is given but all
+    ``ranks`` are on one host (``per_host >= ranks``): no group crosses the link between hosts, so the flag changes
+    nothing. Allowed, as ``--tp-comm int8`` on one host is (:func:`tensorpar.cli.check_launch_arguments`): the one
+    rule of ``tensorpar plan`` (a cluster of one node), ``train --plan`` and ``generate``/``serve --plan auto`` (no
+    torchrun across hosts). ``what``: where the ranks are, in words. Returns whether it noted."""
+    import os
+    import sys
+
+    given = [f for f, k in (("--inter-node-bw", "inter_node_bw"), ("--inter-node-latency-us", "inter_node_latency_us"))
+             if getattr(args, k, None) is not None]
+    if not given or ranks > per_host:
+        return False
+    if os.environ.get("RANK", "0") == "0":
+        print(f"tensorpar: note: {' and '.join(given)}: all {ranks} {what}: no group crosses the link between hosts, "
+              f"so it is not needed here", file=sys.stderr)
+    return True
+
+
+def launch_hosts_words(local_launch: bool) -> str:
+    """How :func:`note_unused_link` says where a launch's ranks are: started here, or by torchrun on one node."""
+    return "ranks are on this host (" + ("no torchrun across hosts)" if local_launch else "torchrun with one node)")

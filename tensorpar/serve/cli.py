@@ -41,8 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=256, help="requests allowed to wait for a slot (then 429)")
     p.add_argument("--kv-cache-memory", default=None, metavar="BYTES|FRACTION",
                    help="KV cache per rank: bytes (e.g. 96MiB, 2GiB, 100000000) or a fraction in (0, 1] of the "
-                        "memory available at launch (CPU: MemAvailable / ranks; CUDA: free device memory); default "
-                        "--max-batch x --max-model-len positions")
+                        "memory available at launch (CPU: MemAvailable / the ranks on this host; CUDA: free device "
+                        "memory); default --max-batch x --max-model-len positions")
     p.add_argument("--block-size", type=int, default=None,
                    help=f"positions per KV cache block (default {DEFAULT_BLOCK_SIZE}; the module path keeps one "
                         f"block of --max-model-len per request)")
@@ -152,8 +152,7 @@ def validate(args: argparse.Namespace):
         prediction = choose_layout(args, config, str(args.model), *shape, workload=words,
                                    smaller="a lower --max-batch or --max-model-len",
                                    extra=lambda tp, pp: kv_pool(config, tp, args.dtype, n, args.max_batch,  # its rule
-                                                                block_size=bs, memory=args.kv_cache_memory,
-                                                                ranks_here=tp))
+                                                                block_size=bs, memory=args.kv_cache_memory, pp=pp))
     from tensorpar.cli import check_model_degrees
     check_model_degrees(args, config)   # --ep, --pp: the rules the ranks apply
     import torch
@@ -181,7 +180,7 @@ def validate(args: argparse.Namespace):
     num_blocks, _ = kv_pool(config, args.tp, args.dtype, n, args.max_batch, block_size=bs,
                             memory=getattr(args, "kv_cache_memory", None),
                             weights=None if tp_weights in (None, "auto") else tp_weights,
-                            ranks_here=args.tp * getattr(args, "ep", 1))
+                            pp=getattr(args, "pp", 1), ep=getattr(args, "ep", 1))
     tok = AutoTokenizer.from_pretrained(folder, config=config)  # the config read above, not again
     task = ServeTask(n, args.max_batch, args.max_waiting, args.host, args.port, args.served_model_name or args.model,
                      tok, quantize, bs, num_blocks, paged_why is None and prefix != "off", timeout, deterministic,
@@ -222,6 +221,7 @@ def _rank_main(job) -> int:
         engine = Engine(model, ctx.tp, max_batch=task.max_batch, max_len=task.max_len, plans=plans,
                         pp=ctx.pp,   # with --pp: this rank's stage; every rank follows rank 0's plans
                         block_size=task.block_size, num_blocks=task.num_blocks, deterministic=task.deterministic)
+        ctx.heap.for_steady()   # weights loaded and fused: a step's temporaries may come from the heap
         from tensorpar import fingerprint
         if job.check_collectives or fingerprint.enable_from_env(ctx.tp) is not None:
             check_collectives(engine, ctx.tp, timeout_s=min(job.timeout_s / 2, 60.0))

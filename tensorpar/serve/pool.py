@@ -28,6 +28,35 @@ def _size(n: int) -> str:
     return f"{n} bytes" if n < 2**20 else f"{n} bytes ({n / 2**20:.1f} MiB)"
 
 
+def ranks_on_host(world: int) -> int:
+    """The ranks of a launch of ``world`` ranks (``tp x pp x ep``) that share this host's memory: under torchrun its
+    ``LOCAL_WORLD_SIZE`` (``--nproc-per-node``; the other nodes' ranks are on other hosts), else all of them (the
+    elastic launcher starts every rank here)."""
+    import os
+
+    from tensorpar.rank_errors import under_torchrun
+
+    if under_torchrun():
+        return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ["WORLD_SIZE"])
+    return world
+
+
+def stage_layers_max(config, pp: int) -> int:
+    """Decoder layers of the largest pipeline stage at ``pp`` stages (the ranks' cut,
+    :func:`tensorpar.pipeline.inference.stage_of`): what the KV cache of a rank holds; every layer at ``pp = 1``."""
+    if pp <= 1:
+        return config.num_hidden_layers
+    from tensorpar.pipeline.inference import stage_of
+
+    return max(len(stage_of(config, r, pp).layers) for r in range(pp))
+
+
+def _mem_available() -> int:
+    """The host's available memory, bytes (``MemAvailable`` of /proc/meminfo)."""
+    with open("/proc/meminfo") as f:
+        return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
+
+
 def _available(ranks_here: int) -> int:
     """Bytes a rank may take: the device's free memory, or on a CPU the host's available memory shared by the
     ``ranks_here`` ranks on it."""
@@ -35,18 +64,18 @@ def _available(ranks_here: int) -> int:
 
     if torch.cuda.is_available():
         return torch.cuda.mem_get_info()[0]
-    with open("/proc/meminfo") as f:
-        avail = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
-    return avail // max(ranks_here, 1)
+    return _mem_available() // max(ranks_here, 1)
 
 
 def kv_pool(config, tp: int, dtype: str, max_len: int, max_batch: int, *, block_size: int, memory: str | None,
-            weights=None, ranks_here: int = 1) -> tuple[int, int]:
+            weights=None, pp: int = 1, ep: int = 1) -> tuple[int, int]:
     """``(num_blocks, bytes_per_block)`` of the KV pool each rank allocates: ``memory`` (``--kv-cache-memory``)
-    divided by the bytes of a block on the rank holding the most KV heads
-    (:func:`~tensorpar.decode.kv_cache.block_bytes`), or by default ``max_batch`` requests of ``max_len``
-    positions. Raises ValueError, naming the setting and what works, when the pool cannot hold one request of
-    ``max_len`` or is larger than the memory available per rank (:func:`_available`)."""
+    divided by the bytes of a block on the rank holding the most KV heads and, at ``pp`` stages, the most layers
+    (:func:`stage_layers_max`; :func:`~tensorpar.decode.kv_cache.block_bytes`, the rule the ranks' pool is allocated
+    with, :class:`~tensorpar.decode.kv_cache.LeanKVCache` of their stage's layers), or by default ``max_batch``
+    requests of ``max_len`` positions. The memory available per rank (:func:`_available`) is shared by the ranks of
+    the ``tp x pp x ep`` launch on this host (:func:`ranks_on_host`). Raises ValueError, naming the setting and what
+    works, when the pool cannot hold one request of ``max_len`` or is larger than the memory available per rank."""
     import torch
 
     from tensorpar.decode.kv_cache import block_bytes
@@ -57,15 +86,16 @@ def kv_pool(config, tp: int, dtype: str, max_len: int, max_batch: int, *, block_
     d = getattr(config, "head_dim", None) or config.hidden_size // heads
     lay = HeadLayout.make(heads, kv, d, tp, split_weights=weights)
     kv_local = max(lay.local_kv_heads(r) for r in range(tp))
-    per_block = block_bytes(config.num_hidden_layers, kv_local, block_size, d,
+    per_block = block_bytes(stage_layers_max(config, pp), kv_local, block_size, d,
                             torch.empty(0, dtype=getattr(torch, dtype)).element_size())
     per_request = -(-max_len // block_size)
-    avail = _available(ranks_here)
+    avail = _available(ranks_on_host(tp * max(pp, 1) * max(ep, 1)))
+    at = f"tp={tp}" + (f", pp={pp}" if pp > 1 else "")
     if memory is None:
         need = max_batch * per_request * per_block
         if need > avail:        # else the allocation fails inside every rank after launch
             raise ValueError(f"--max-batch {max_batch} x --max-model-len {max_len} needs a KV pool of {_size(need)} per "
-                             f"rank at tp={tp}, more than the {_size(int(avail))} available per rank here; lower "
+                             f"rank at {at}, more than the {_size(int(avail))} available per rank here; lower "
                              f"--max-batch or --max-model-len, or size the pool with --kv-cache-memory")
         return max_batch * per_request, per_block
     kind, v = parse_memory(memory)
@@ -77,7 +107,7 @@ def kv_pool(config, tp: int, dtype: str, max_len: int, max_batch: int, *, block_
     n = int(v // per_block)
     if n < per_request:
         raise ValueError(f"--kv-cache-memory {memory} holds {n} KV block(s) of {block_size} positions "
-                         f"({per_block} bytes each on a rank at tp={tp}); one request of --max-model-len {max_len} "
+                         f"({per_block} bytes each on a rank at {at}); one request of --max-model-len {max_len} "
                          f"needs {per_request}: give at least {_size(per_request * per_block)}, or lower "
                          f"--max-model-len")
     return n, per_block

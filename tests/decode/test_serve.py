@@ -604,6 +604,38 @@ def test_kv_pool_sizes():
         kv_pool(cfg, 2, "float32", 1024, 100_000_000, block_size=16, memory=None)
 
 
+def test_kv_pool_at_pp_holds_the_largest_stage_and_shares_the_host(monkeypatch):
+    """Issue 23: at --pp P a rank's KV pool holds only its stage's layers (the ranks' LeanKVCache is allocated for
+    len(stage.layers)), and on a CPU the host's memory is shared by every rank started on it. The old rule sized a
+    block for every layer and divided the memory among tp x ep ranks only. Exact integer arithmetic, by hand."""
+    from transformers import LlamaConfig
+
+    from tensorpar.serve import pool
+    for k in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=5)
+    # training's cut of 5 layers in 2 stages: 2 and 3 (the larger last); tp=2: 1 KV head of 8 dims per rank; a
+    # block: 2 (k, v) x 3 layers x 1 head x 16 positions x 8 dims x 4 bytes = 3072 (5 layers: 5120)
+    assert pool.kv_pool(cfg, 2, "float32", 1024, 16, block_size=16, memory=None, pp=2) == (16 * 64, 3072)
+    assert pool.kv_pool(cfg, 2, "float32", 1024, 16, block_size=16, memory=None, pp=5) == (16 * 64, 1024)
+    assert pool.kv_pool(cfg, 2, "float32", 1024, 16, block_size=16, memory=None) == (16 * 64, 5120)
+    if torch.cuda.is_available():
+        return       # a GPU rank's memory is its device's, not shared
+    monkeypatch.setattr(pool, "_mem_available", lambda: 3072 * 4000)
+    # one host, tp=2 x pp=2: 4 ranks share 3072 x 4000 bytes; half of a rank's 3072 x 1000 holds 500 blocks
+    assert pool.kv_pool(cfg, 2, "float32", 64, 1, block_size=16, memory="0.5", pp=2)[0] == 500
+    assert pool.kv_pool(cfg, 2, "float32", 64, 1, block_size=16, memory="0.5", pp=2, ep=2)[0] == 250
+    # torchrun with 2 ranks per node (--nproc-per-node 2): the stages on two hosts, 2 ranks share this one
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert pool.kv_pool(cfg, 2, "float32", 64, 1, block_size=16, memory="0.5", pp=2)[0] == 1000
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match=r"--max-batch 1001 x --max-model-len 16 needs a KV pool of 3075072 bytes "
+                                         r"\(2.9 MiB\) per rank at tp=2, pp=2, more than the 3072000 bytes"):
+        pool.kv_pool(cfg, 2, "float32", 16, 1001, block_size=16, memory=None, pp=2)
+
+
 def test_serve_takes_a_plan_file(tmp_path_factory):
     """Review: serve refused a model without a table pointing at --plan-file / --discover-plan, flags it did not
     take. It takes both now (the one path generate takes): a plan file reaches the job and makes its plan."""

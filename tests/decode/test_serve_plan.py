@@ -24,8 +24,8 @@ def _parse(*argv):
 def test_serve_plan_auto_chooses_for_a_full_server(tiny, device_file, monkeypatch, capsys):  # noqa: F811
     """No rank started: 2 ranks on one host -> tp=2, planned as --max-batch rows of --max-model-len (one line
     saying so); 2 hosts of 1 rank at 1 Gbit/s -> tp=1 pp=2 (the generate test's reason), but with --deterministic,
-    which serve refuses at pp > 1 (the rule its ranks apply), the runnable runner-up tp=2 pp=1; likewise with a
-    --kv-cache-memory that holds a request only at tp=2."""
+    which serve refuses at pp > 1 (the rule its ranks apply), the runnable runner-up tp=2 pp=1; with a
+    --kv-cache-memory, the pool of a stage's layers."""
     from tensorpar.serve import cli
     job = cli.validate(_parse("--model", tiny, "--plan", "auto", "--nproc", "2", "--device-file", device_file,
                               "--max-batch", "4", "--max-model-len", "64"))
@@ -45,11 +45,39 @@ def test_serve_plan_auto_chooses_for_a_full_server(tiny, device_file, monkeypatc
                               "--max-batch", "4", "--max-model-len", "64", "--deterministic"))
     assert (job.parallel.tp, job.parallel.pp) == (2, 1) and job.task.deterministic
     assert "on 2 hosts, link between hosts 0.125 GB/s 500 us: tp=2 pp=1" in " ".join(capsys.readouterr().out.split())
-    # serve's KV pool rule (kv_pool): 10000 bytes hold 3 blocks of 16 positions at tp=1 (3 KV heads, 3072 bytes
-    # each), 4 at tp=2 (2 KV heads on rank 0, 2048 bytes); a request of 64 positions needs 4: tp=1 pp=2 is skipped
+    # serve's KV pool rule (kv_pool): 10000 bytes hold 4 blocks of 16 positions at tp=2 (2 layers x 2 KV heads on
+    # rank 0, 2048 bytes each); at tp=1 pp=2 a rank holds one layer's 3 KV heads (1536 bytes): 6 blocks, more than
+    # the 4 a request of 64 positions needs, so the faster tp=1 pp=2 runs (issue 23: the old rule counted both
+    # layers per stage, 3 blocks, and skipped it); 6000 bytes hold 3 blocks at tp=1 pp=2: skipped, tp=2 cannot run
     job = cli.validate(_parse("--model", tiny, "--plan", "auto", "--device-file", device_file, *SLOW_LINK,
                               "--max-batch", "4", "--max-model-len", "64", "--kv-cache-memory", "10000"))
-    assert (job.parallel.tp, job.parallel.pp) == (2, 1) and job.task.num_blocks == 4
+    assert (job.parallel.tp, job.parallel.pp) == (1, 2) and job.task.num_blocks == 6
+    with pytest.raises(ValueError, match=r"no layout of 2 ranks that fits is runnable \(first: tp=1 pp=2: "
+                                         r"--kv-cache-memory 6000 holds 3 KV block"):
+        cli.validate(_parse("--model", tiny, "--plan", "auto", "--device-file", device_file, *SLOW_LINK,
+                            "--max-batch", "4", "--max-model-len", "64", "--kv-cache-memory", "6000"))
+
+
+def test_link_flags_with_every_rank_on_one_host_say_so(tiny, device_file, monkeypatch, capsys):  # noqa: F811
+    """Issue 23: --inter-node-bw / --inter-node-latency-us with every rank on this host (no torchrun, or torchrun
+    with one node) were taken without a word; one line says they are not needed there (the rule of `tensorpar
+    plan` on one node and of train --plan: tensorpar.planner.cluster.note_unused_link), before any rank starts.
+    Across two hosts nothing is said."""
+    from tensorpar.serve import cli
+
+    def notes():
+        return [ln for ln in capsys.readouterr().err.splitlines() if "--inter-node" in ln]
+    flags = ["--device-file", device_file, *SLOW_LINK, "--max-batch", "4", "--max-model-len", "64"]
+    cli.validate(_parse("--model", tiny, "--plan", "auto", "--nproc", "2", *flags))
+    assert notes() == ["tensorpar: note: --inter-node-bw and --inter-node-latency-us: all 2 ranks are on this host (no "
+                       "torchrun across hosts): no group crosses the link between hosts, so it is not needed here"]
+    _torchrun_env(monkeypatch, 2, 2)
+    cli.validate(_parse("--model", tiny, "--plan", "auto", *flags))
+    got = notes()
+    assert len(got) == 1 and "all 2 ranks are on this host (torchrun with one node): no group crosses" in got[0], got
+    _torchrun_env(monkeypatch, 2, 1)
+    cli.validate(_parse("--model", tiny, "--plan", "auto", *flags))
+    assert notes() == []
 
 
 @pytest.mark.parametrize("args,msg", [
