@@ -211,10 +211,20 @@ def quantize_reference_int8(model) -> None:
         m.register_forward_pre_hook(lambda mod, args: (fake_quantize_input(args[0]),) + tuple(args[1:]))
 
 
+def quantize_reference(model, quantize: str) -> None:
+    """The reference side of ``verify --quantize``: :func:`quantize_reference_int8` or
+    :func:`~tensorpar.decode.bf16_weights.quantize_reference_bf16` on an unsharded model (nothing for ``none``)."""
+    if quantize == "int8":
+        quantize_reference_int8(model)
+    elif quantize == "bf16":
+        from tensorpar.decode.bf16_weights import quantize_reference_bf16
+        quantize_reference_bf16(model)
+
+
 # ---------------------------------------------------------------- the --quantize flag (generate, serve, verify)
 
 def add_quantize_argument(p, choices: tuple[str, ...] = QUANTIZE_CHOICES) -> None:
-    """``--quantize {none,int8,bf16}`` (generate, serve; verify: ``choices`` none and int8)."""
+    """``--quantize {none,int8,bf16}`` (generate, serve, verify)."""
     p.add_argument("--quantize", choices=choices, default="none",
                    help="the weight storage format of every decoder Linear and the LM head (lean decode path; "
                         "tensorpar/decode/quantize.py): int8: int8 weights with a scale per block of 32 inputs "

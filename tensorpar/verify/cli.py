@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from tensorpar.verify.prove import add_arguments as add_discover_arguments
     add_discover_arguments(p)
     from tensorpar.decode.quantize import add_quantize_argument
-    add_quantize_argument(p, ("none", "int8"))  # int8: both the reference (plain PyTorch) and the sharded model are quantized
+    add_quantize_argument(p)  # both the reference (plain PyTorch) and the sharded model store their weights so
     p.add_argument("--seq-len", type=int, default=0,
                    help="tokens per row (default: the smallest multiple of every tp that is >= 16)")
     p.add_argument("--batch-size", type=int, default=2, help="rows of random token ids")
@@ -130,7 +130,7 @@ def validate(args: argparse.Namespace, out_dir: str = ""):
     quantize = getattr(args, "quantize", "none")
     if quantize != "none" and getattr(args, "train", False):
         raise ValueError(f"--quantize {args.quantize} cannot run with --train (a quantized model has no trainable "
-                         f"weights: int8 is for inference); drop --train or use --quantize none")
+                         f"weights: it is for inference); drop --train or use --quantize none")
     from tensorpar.verify.prove import resolve_flags
     resolve_flags(args, config, train=args.train)   # --discover-plan: proven, then the ranks' plan file
     user_plan = os.path.abspath(args.plan_file) if getattr(args, "plan_file", None) is not None else None
@@ -146,7 +146,7 @@ def validate(args: argparse.Namespace, out_dir: str = ""):
         weights, plan = plan_for_model(weights, t, config, sequence_parallel=args.sequence_parallel,  # ValueError
                                        user_plan=user_plan)
         from tensorpar.decode.quantize import check_quantize
-        check_quantize(quantize, config, plan)
+        check_quantize(quantize, config, plan, args.dtype)
         task = VerifyTask(args.model, seq, args.batch_size, bool(args.train), bool(args.sequence_parallel), quantize,
                           os.path.join(out_dir, f"tp{t}.json"))
         jobs.append(job_from_args(args, ParallelConfig(tp=t, dp=getattr(args, "ep", 1), tp_weights=weights), folder=folder, model_config=config,
@@ -182,10 +182,10 @@ def _rank_main(job) -> int:
             from tensorpar.hf.modules import expert_parallelize
             expert_parallelize(par, ctx.dp)
             par.to(ctx.device)   # the experts' owner table is made on the CPU
-        if task.quantize == "int8":
-            from tensorpar.decode.quantize import quantize_int8, quantize_reference_int8
-            quantize_reference_int8(ref)
-            quantize_int8(par, ctx.tp)
+        if task.quantize != "none":
+            from tensorpar.decode.quantize import apply_quantize, quantize_reference
+            quantize_reference(ref, task.quantize)
+            apply_quantize(par, ctx.tp, task.quantize)
         g = torch.Generator().manual_seed(1234)
         ids = torch.randint(0, ref.config.vocab_size, (task.batch_size, task.seq_len), generator=g).to(ctx.device)
         from tensorpar import fingerprint
@@ -309,7 +309,8 @@ def main(args: argparse.Namespace) -> int:
     print(format_table(reports))
     wts = "".join(f", tp={r['tp_size']} weights {','.join(f'{v:g}' for v in r['tp_weights'])}" for r in reports
                   if r.get("tp_weights"))
-    q8 = ", int8 weights (both models quantized)" if getattr(args, "quantize", "none") == "int8" else ""
+    q = getattr(args, "quantize", "none")
+    q8 = f", {q} weights (both models stored so)" if q != "none" else ""
     ep = f", experts split over ep={args.ep}" if getattr(args, "ep", 1) > 1 else ""
     print(f"tensorpar verify: OK: {args.model} at tp {','.join(map(str, tps))} ({args.dtype}{q8}{wts}{ep}"
           f"{', sequence parallel' if args.sequence_parallel else ''}{', train' if args.train else ''}) matches the "

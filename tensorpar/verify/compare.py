@@ -163,7 +163,7 @@ def compare_to_reference(ref: nn.Module, par: nn.Module, tp: Group, input_ids: t
     # x / d lies within rounding of a half step rounds differently here and in the reference (other summation
     # order upstream): a few such flips, each moving an output by at most max|x_block| / 127 * |w|, are allowed
     # per block passed (Q8_FLIPS / 127 of the value's scale); the embedding, a lookup, is held to the fp bound
-    q8 = int8_weights(par) is not None
+    q8 = (int8_weights(par) or {}).get("format") == "int8"   # --quantize bf16: the fp bound (same bf16 weights)
 
     def tol_of(scale, d, relative=False):
         t = tolerance(dtype, k, d, tp.size, scale, relative=relative)

@@ -295,12 +295,12 @@ def _smollm2_int8_fp32_equal(folder, ids, mask) -> int:
     return int((got == want).sum())
 
 
-def job_verify_int8(ctx, quantize_ref):
+def job_verify_int8(ctx, quantize_ref, fmt="int8"):
     import copy
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tensorpar.decode.quantize import quantize_int8, quantize_reference_int8
+    from tensorpar.decode.quantize import apply_quantize, quantize_reference
     from tensorpar.hf.apply import parallelize
     from tensorpar.hf.plan import make_plan
     from tensorpar.verify import compare_to_reference
@@ -310,21 +310,23 @@ def job_verify_int8(ctx, quantize_ref):
     ref = AutoModelForCausalLM.from_config(cfg).float()
     par = parallelize(copy.deepcopy(ref), make_plan(cfg, ctx.tp.size), ctx.tp)
     ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
-    quantize_int8(par, ctx.tp)
+    apply_quantize(par, ctx.tp, fmt)
     if quantize_ref:
-        quantize_reference_int8(ref)
+        quantize_reference(ref, fmt)
     rep = compare_to_reference(ref, par, ctx.tp, ids)
     f = rep.first_failure
     return (None if f is None else f.name), [d.name for d in rep.diffs]
 
 
-def test_verify_quantize_int8(pools):
-    """verify --quantize int8 quantizes both sides and passes (module and lean path); quantizing only the sharded
-    model is caught."""
-    for failure, names in run_tp(pools, 2, job_verify_int8, True):
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+def test_verify_quantize(pools, fmt):
+    """verify --quantize int8|bf16 stores both sides' weights so and passes (module and lean path); storing only
+    the sharded model's so is caught (bf16: held to the fp32 bound, since both sides multiply the same bf16-rounded
+    weights in fp32)."""
+    for failure, names in run_tp(pools, 2, job_verify_int8, True, fmt):
         assert failure is None, failure
         assert any("lean" in n for n in names), names
-    for failure, _ in run_tp(pools, 2, job_verify_int8, False):
+    for failure, _ in run_tp(pools, 2, job_verify_int8, False, fmt):
         assert failure is not None
 
 
