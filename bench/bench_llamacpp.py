@@ -426,11 +426,13 @@ def run(a: argparse.Namespace) -> dict:
           flush=True)
 
     # (name, kind, procs, settings): procs = ranks (tensorpar) or threads (llama.cpp, transformers): the limit's column
+    precisions = [p for p in PRECISIONS if a.precisions is None or p[0] in a.precisions]
+    ftypes = [ft for ft in LLAMA_FTYPES if any(p[3] == ft for p in precisions)]   # llama.cpp's rows they compare with
     configs = []
     if llama is not None:
-        configs += [(_llama_name(ft, t), "llama", t, ft) for ft in LLAMA_FTYPES for t in (1, 2)]
+        configs += [(_llama_name(ft, t), "llama", t, ft) for ft in ftypes for t in (1, 2)]
     configs.append((HF_NAME, "hf", 2, "float32"))
-    configs += [(_tp_name(tp, label), "tp", tp, (dtype, q)) for label, dtype, q, _ in PRECISIONS for tp in (1, 2)]
+    configs += [(_tp_name(tp, label), "tp", tp, (dtype, q)) for label, dtype, q, _ in precisions for tp in (1, 2)]
     rounds = {name: [] for name, *_ in configs}
     for rnd in range(a.rounds):
         order = configs if rnd % 2 == 0 else configs[::-1]
@@ -499,7 +501,7 @@ def run(a: argparse.Namespace) -> dict:
     by = {r["config"]: r for r in rows}
 
     targets = []
-    for label, _, _, ft in PRECISIONS:
+    for label, _, _, ft in precisions:
         t1, t2 = by[_tp_name(1, label)], by[_tp_name(2, label)]
         targets.append(_target(f"tensorpar {label}: tp=2 >= {SCALING_TARGET}x tp=1", t2, t1, SCALING_TARGET))
         if llama is not None:
@@ -734,12 +736,12 @@ def write(res: dict, out: Path, n: int, stem: str) -> None:
                           f"{r['memory_after_decode']['pss_file'] / 1e6:.0f} MB), model {r['weight_bytes'] / 1e6:.0f} MB"
                           for r in lr) + "."]
     by = {r["config"]: r for r in rows}
-    ref = by[_tp_name(1, "fp32")]
-    lines += ["", "Greedy tokens against tensorpar fp32 tp=1 (positions equal, of " + str(n) + "): " + ", ".join(
+    ref = by.get(_tp_name(1, "fp32"), by[HF_NAME])     # --precisions without fp32: transformers' fp32 row
+    lines += ["", f"Greedy tokens against {ref['config']} (positions equal, of " + str(n) + "): " + ", ".join(
         f"{r['config']} {sum(x == y for x, y in zip(r['tokens'], ref['tokens']))}" for r in rows
         if r is not ref) + ". tensorpar's ranks agree with each other: "
         + str(all(r.get("tokens_by_rank_equal", True) for r in rows)) + "."]
-    if not m["config"] and llama:
+    if not m["config"] and llama and _llama_name("F32", 1) in by:
         f32 = by[_llama_name("F32", 1)]
         lines.append(f"llama.cpp's own tokenization of the prompt equals tensorpar's: "
                      f"{f32['llama_prompt_ids'] == res['prompt_ids']} (llama.cpp was given tensorpar's ids).")
@@ -776,6 +778,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--gemv-mb", type=int, default=256, help="MB of the array each process or thread streams")
     p.add_argument("--no-profile", action="store_true", help="skip the profile of tp=2 rows missing a target")
+    p.add_argument("--precisions", nargs="+", choices=[label for label, *_ in PRECISIONS], default=None,
+                   help="only these tensorpar precisions and the llama.cpp formats they are compared with (default: "
+                        "all); transformers' fp32 row always runs")
     p.add_argument("--llama-python", default=str(DEFAULT_LLAMA_PYTHON),
                    help="interpreter of the venv where llama-cpp-python is installed")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
