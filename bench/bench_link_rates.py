@@ -160,7 +160,9 @@ def to_markdown(r: dict) -> str:
     lines = [f"# Link rates: tp vs pp across two hosts (namespace hosts, tc tbf) — {m['date']}", "",
              f"CPU: {m['cpu']} ({m['cpus']} cores), torch {m['torch']}, commit {m['commit']}; load average before "
              f"{m['loadavg_before']}, after {m['loadavg_after']} (a shared machine: other sessions' work runs on the "
-             "same cores, and the two namespace hosts share them too).", "",
+             "same cores, and the two namespace hosts share them too).", ""]
+    decode = any(rec.get("decode") for rec in r["rates"].values())
+    lines += [] if not decode else [
              f"Decode: SmolLM2-135M-Instruct, fp32, greedy, one prompt, {m['new_tokens']} new tokens, one rank per "
              f"host; {m.get('repeats', 1)} run(s) of each row, interleaved, the median shown. The planner's device: "
              f"SmolLM2 at tp=1 on one rank here, measured just before each round of rows (median "
@@ -186,11 +188,14 @@ def to_markdown(r: dict) -> str:
     lines += ["", f"Training step: `tensorpar train --plan FILE` (preset `small`, batch 8 x 128 tokens, "
               f"{m['train_steps']} steps, the median after 2 warm-up, slowest rank), with `--inter-node-bw` and "
               "`--inter-node-latency-us` of the measured link; predicted: the trainer's calibrated device:", "",
-              "| link | layout | measured s/step | predicted s/step | error |", "|---|---|---:|---:|---:|"]
+              "| link | layout | measured s/step | predicted s/step | error | load when planned |",
+              "|---|---|---:|---:|---:|---:|"]
     for rate, rec in r["rates"].items():
         for row in rec["train"]:
+            load = re.search(r" at load ([\d.]+)", row.get("plan_line", ""))
             lines.append(f"| {rate} | {row['layout']} | {row['measured_s']:.3f} | {row['predicted_s']:.3f} | "
-                         f"{100 * (row['predicted_s'] / row['measured_s'] - 1):+.0f}% |")
+                         f"{100 * (row['predicted_s'] / row['measured_s'] - 1):+.0f}% | "
+                         f"{load.group(1) if load else ''} |")
     lines += ["", "Link (median of one call, seconds) per size:", "",
               "| link | bytes | all-reduce (ms) | send (ms) |", "|---|---:|---:|---:|"]
     for rate, rec in r["rates"].items():

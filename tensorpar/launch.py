@@ -112,6 +112,46 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def machine_ranks(proc: str = "/proc") -> int | None:
+    """Ranks of this torchrun job that run on this machine's kernel, and so share its cores; None outside torchrun.
+
+    The processes in ``proc`` whose environment names this job (``TORCHELASTIC_RUN_ID``, ``MASTER_ADDR`` and
+    ``MASTER_PORT`` equal to ours) counted by their ``RANK``, at least ``LOCAL_WORLD_SIZE``. Hosts that are network
+    namespaces (or containers without a PID namespace) of one machine (:mod:`tensorpar.nshosts`) see each other's
+    ranks here; ranks on other machines, or whose environment this user may not read, are not counted."""
+    keys = ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
+    if not under_torchrun() or not all(k in os.environ for k in keys):
+        return None
+    ours = [f"{k}={os.environ[k]}".encode() for k in keys]
+    ranks = {os.environ.get("RANK")}
+    try:
+        pids = [d for d in os.listdir(proc) if d.isdigit()]
+    except OSError:
+        pids = []
+    for pid in pids:
+        try:
+            with open(os.path.join(proc, pid, "environ"), "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if all(k in env for k in ours):
+            rank = next((e[5:].decode() for e in env if e.startswith(b"RANK=")), None)
+            if rank is not None:
+                ranks.add(rank)
+    return max(len(ranks - {None}), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def rank_thread_count(local_world_size: int, cores: int | None = None) -> int:
+    """Torch threads of each of ``local_world_size`` ranks on this host: ``TENSORPAR_THREADS`` where set, else an
+    equal share of ``cores`` (:func:`usable_cores` by default), at least 1. The one rule of
+    :func:`tensorpar.parallel.set_rank_threads` (the ranks) and of the planner's rank device
+    (:func:`tensorpar.train.autoplan.rank_device`)."""
+    env = os.environ.get("TENSORPAR_THREADS")
+    if env:
+        return int(env)
+    return max(1, (usable_cores() if cores is None else cores) // max(local_world_size, 1))
+
+
 @contextlib.contextmanager
 def locked_folder(folder: str, what: str = "--out") -> Iterator[None]:
     """Hold the exclusive lock of a folder a run writes into (``<folder>/.lock``, :func:`tensorpar.cache.file_lock`)

@@ -173,13 +173,9 @@ def set_rank_threads(local_world_size: int, *, cores: int | None = None) -> int:
 
     Returns the thread count set with ``torch.set_num_threads``. ``TENSORPAR_THREADS`` overrides.
     """
-    env = os.environ.get("TENSORPAR_THREADS")
-    if env:
-        n = int(env)
-    else:
-        if cores is None:
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        n = max(1, cores // max(local_world_size, 1))
+    from tensorpar.launch import rank_thread_count
+
+    n = rank_thread_count(local_world_size, cores)
     torch.set_num_threads(n)
     return n
 

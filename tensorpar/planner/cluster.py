@@ -78,6 +78,10 @@ class DeviceSpec:
     # the cores thread by thread. With groups, the ranks (one launch, one group) get an equal share of the cores
     # with each other group (tensorpar.planner.sharing.thread_share).
     external_groups: float = 0.0
+    # Ranks of the run that share the ``host_cores`` where several nodes of the cluster are one machine (hosts that
+    # are network namespaces or containers of it: tensorpar.launch.machine_ranks); 0: a node's own ranks
+    # (``devices_per_node``). The links between those nodes stay the inter-node link.
+    machine_ranks: int = 0
     # Measured seconds of the optimizer step per parameter updated (torch's AdamW on this device), nanoseconds;
     # 0: the memory-bound traffic model of cost.optimizer_seconds (the presets).
     optimizer_ns_per_param: float = 0.0
@@ -116,6 +120,8 @@ class DeviceSpec:
                      "pipeline_p2p_op_cpu_us", "pipeline_p2p_op_cpu_shared_us"):
             if not 0 <= getattr(self, knob) < float("inf"):
                 raise ValueError(f"device {knob} ({getattr(self, knob)!r}) must be a finite number >= 0")
+        if not (isinstance(self.machine_ranks, int) and self.machine_ranks >= 0):
+            raise ValueError(f"device machine_ranks ({self.machine_ranks!r}) must be an integer >= 0")
         if not (isinstance(self.threads_per_rank, int) and self.threads_per_rank >= 1):
             raise ValueError(f"device threads_per_rank ({self.threads_per_rank!r}) must be an integer >= 1")
         if self.local_link_gbps < 0 or self.local_link_latency_us < 0:

@@ -294,7 +294,8 @@ def step_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, work: Work
     # receives its activation and sends its input's gradient (not the model's first chunk), and sends its output
     # and receives the output's gradient (not the last chunk): 4 v operations, 2 fewer on the first and last stage
     dev = cluster.device
-    host_threads = min(cluster.num_devices, cluster.devices_per_node) * dev.threads_per_rank
+    from tensorpar.planner.sharing import core_sharing_ranks
+    host_threads = core_sharing_ranks(cluster) * dev.threads_per_rank
     oversubscribed = dev.host_cores > 0 and host_threads > dev.host_cores and dev.pipeline_p2p_op_cpu_shared_us > 0
     op_cpu = (dev.pipeline_p2p_op_cpu_shared_us if oversubscribed else dev.pipeline_p2p_op_cpu_us) * 1e-6 \
         if p > 1 else 0.0

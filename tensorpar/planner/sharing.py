@@ -65,6 +65,12 @@ def thread_share(runnable_threads: float, cores: float, external_threads: float 
     return min(1.0, ours / runnable_threads)
 
 
+def core_sharing_ranks(cluster) -> int:
+    """Ranks that share one machine's ``host_cores``: a node's (``devices_per_node``), or the device's
+    ``machine_ranks`` where several nodes are one machine (namespace or container hosts), at most the cluster's."""
+    return min(cluster.num_devices, max(cluster.devices_per_node, cluster.device.machine_ranks))
+
+
 def schedule_order(schedule: str, pp: int, virtual: int, micro_batches: int) -> list[list[tuple[str, int, int]]]:
     """Per pipeline rank, its operations in the order it runs them: ``("F" | "B", micro-batch, chunk)``.
 
@@ -191,7 +197,8 @@ def shared_core_step(per_stage: list[tuple], slowest: int, after: tuple, p2p: fl
     ``per_stage[i] = (micro-batch time, compute, tp, ep, forward part, cp)`` at full speed (every thread alone on a
     core). The schedule runs through :func:`~tensorpar.planner.sharing.pipeline_makespan` (pp = 1: ``m``
     micro-batches back to back), each runnable stage at the share of a core its threads get among the runnable
-    ranks' threads and the host's other users' (``external_threads`` in ``external_groups`` scheduling groups:
+    ranks' threads (all the machine's: :func:`core_sharing_ranks`) and the host's other users' (``external_threads``
+    in ``external_groups`` scheduling groups:
     :func:`~tensorpar.planner.sharing.thread_share`); the pipeline sends are delays between
     ranks. The per-step work after the last backward (TP step collectives, DP reduction, optimizer) runs on
     every rank at once. Reported: compute, TP and EP at the all-ranks-busy share, the sends, and as bubble what
@@ -204,7 +211,7 @@ def shared_core_step(per_stage: list[tuple], slowest: int, after: tuple, p2p: fl
 
     d = cluster.device
     t, p, v = layout.tp, layout.pp, layout.virtual_stages
-    host_ranks = min(cluster.num_devices, cluster.devices_per_node)
+    host_ranks = core_sharing_ranks(cluster)
     per_stage_ranks = host_ranks / p  # the dp replicas of a stage run in step with it
 
     def speed(running_stages: int) -> float:

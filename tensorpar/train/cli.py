@@ -309,7 +309,9 @@ def plan_config(args: argparse.Namespace, cfg: TrainConfig):
                                progress=not args.no_progress)
     cal, path, cached = autoplan.cached_calibration(log=lambda m: rank0_print(f"tensorpar: {m}", file=sys.stderr))
     note = autoplan.describe_device_source(path, cached)
-    device = replace(autoplan.rank_device(cal, plan_ranks, local or plan_ranks, load_now=autoplan._loadavg()), **link)
+    from tensorpar.launch import machine_ranks
+    device = replace(autoplan.rank_device(cal, plan_ranks, local or plan_ranks, load_now=autoplan._loadavg(),
+                                          machine_ranks=machine_ranks()), **link)
     if args.plan == "auto":
         choice = autoplan.choose_auto(cfg, source_cfg.config, device, nproc, local, note=note)
     else:

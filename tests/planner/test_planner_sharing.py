@@ -9,6 +9,12 @@ from tensorpar.planner.cluster import ClusterSpec, DeviceSpec
 from tensorpar.planner.sharing import pipeline_makespan, schedule_order, thread_share
 
 
+@pytest.fixture(autouse=True)
+def _threads_from_the_cores(monkeypatch):
+    """rank_device follows TENSORPAR_THREADS (the ranks' rule): these tests give each rank cores // ranks threads."""
+    monkeypatch.delenv("TENSORPAR_THREADS", raising=False)
+
+
 def test_thread_share_is_processor_sharing():
     assert thread_share(1, 2) == 1.0
     assert thread_share(2, 2) == 1.0

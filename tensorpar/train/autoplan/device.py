@@ -21,7 +21,7 @@ def collective_fit(cal: dict, backend: str) -> dict:
 
 
 def rank_device(cal: dict, nproc: int, local_nproc: int | None = None, load_now: float | None = None,
-                backend: str = "gloo", tp_backend: str | None = None):
+                backend: str = "gloo", tp_backend: str | None = None, machine_ranks: int | None = None):
     """One rank's :class:`~tensorpar.planner.cluster.DeviceSpec` from a calibration (module docstring).
 
     ``backend``: the collectives of the pipeline and data-parallel groups (the trainer's: gloo); ``tp_backend``:
@@ -29,8 +29,13 @@ def rank_device(cal: dict, nproc: int, local_nproc: int | None = None, load_now:
     the same as ``backend``). Each is the calibration's measured fit of that backend, labelled as this machine's
     local link.
 
+    ``machine_ranks``: the ranks of the run on this machine's cores where they outnumber ``local_nproc`` (hosts
+    that are namespaces or containers of one machine: :func:`tensorpar.launch.machine_ranks`; None: the local
+    ranks): they all share ``cores`` in the planner's processor sharing, and the memory.
+
     ``load_now``: the 1-minute load average before the ranks start (None: an idle machine). On a CPU the rates
-    are one rank's *alone* on the host (``threads = max(1, cores // ranks)`` threads, each on a core), and the
+    are one rank's *alone* on the host (the threads it runs: ``TENSORPAR_THREADS`` where set, else
+    ``max(1, cores // ranks)``, :func:`tensorpar.launch.rank_thread_count`, each on a core), and the
     planner shares the cores among the runnable threads itself (``host_cores``, ``threads_per_rank``,
     ``external_threads``: :mod:`tensorpar.planner.sharing`). The calibration ran with ``ext_cal = loadavg - 1``
     other runnable threads (its record); a calibration timed by wall clock (an older cache) had
@@ -45,6 +50,7 @@ def rank_device(cal: dict, nproc: int, local_nproc: int | None = None, load_now:
     from tensorpar.planner.sharing import thread_share
 
     local = local_nproc or nproc
+    machine = max(local, machine_ranks or 0)  # the ranks sharing this machine's cores and memory
     fit = collective_fit(cal, backend)
     tp_fit = collective_fit(cal, tp_backend) if tp_backend and tp_backend != backend else None
     label = "this machine's local link: 2 {} processes on loopback, measured (not NVLink, not a network)"
@@ -64,8 +70,10 @@ def rank_device(cal: dict, nproc: int, local_nproc: int | None = None, load_now:
         return DeviceSpec(f"calibrated {cal['backend']}", cal["memory_gib"], cal["matmul_tflops"], 0.0, 0.0,
                           matmul_efficiency=1.0, hbm_gbps=cal["hbm_gbps"],
                           optimizer_ns_per_param=cal.get("optimizer_ns_per_param", 0.0), **overhead, **link)
+    from tensorpar.launch import rank_thread_count
+
     cores = cal["cores"]
-    threads = max(1, cores // local)
+    threads = rank_thread_count(local, cores)  # the ranks' rule: TENSORPAR_THREADS where set
     ext_cal = max(0.0, cal.get("loadavg_1min", 0.0) - 1)
     ext_now = max(0.0, (load_now or 0.0) - 1)
     # timed by the thread's CPU time (clock "thread_cpu"): already the speed alone; by wall time (older caches): the
@@ -84,8 +92,10 @@ def rank_device(cal: dict, nproc: int, local_nproc: int | None = None, load_now:
         gbps, lat = link_of(tp_fit)
         link.update(tp_link_gbps=gbps, tp_link_latency_us=lat, tp_link_label=label.format(tp_fit["backend"]))
     load = f" at load {load_now:.1f}" if load_now is not None else ""
-    return DeviceSpec(f"calibrated {cal['backend'].split(' (')[0]}, 1 of {local} ranks on {cores} cores{load}",
-                      cal["memory_gib"] / local, cal["matmul_tflops"] / s_cal * threads, 0.0, 0.0,
+    where = f"1 of {local} ranks on {cores} cores" if machine == local else \
+        f"1 of {machine} ranks on this machine's {cores} cores ({local} per host)"
+    return DeviceSpec(f"calibrated {cal['backend'].split(' (')[0]}, {where}, {threads} thread(s){load}",
+                      cal["memory_gib"] / machine, cal["matmul_tflops"] / s_cal * threads, 0.0, 0.0,
                       matmul_efficiency=cal.get("layer_matmul_efficiency", 1.0),
                       hbm_gbps=cal["hbm_gbps"] / s_cal * threads,
                       train_layer_overhead_us=cal["train_layer_overhead_us"] * s_cal,
@@ -94,4 +104,5 @@ def rank_device(cal: dict, nproc: int, local_nproc: int | None = None, load_now:
                       pipeline_p2p_op_cpu_us=overhead["pipeline_p2p_op_cpu_us"],
                       pipeline_p2p_op_cpu_shared_us=overhead["pipeline_p2p_op_cpu_shared_us"],
                       optimizer_ns_per_param=cal.get("optimizer_ns_per_param", 0.0) * s_cal / threads,
-                      host_cores=float(cores), threads_per_rank=threads, external_threads=ext_now, **link)
+                      host_cores=float(cores), threads_per_rank=threads, external_threads=ext_now,
+                      machine_ranks=machine if machine > local else 0, **link)
