@@ -86,6 +86,11 @@ def generate(h: NamespaceHosts | None, folder: str, new_tokens: int, extra: list
     return {"ms_per_token": ms, "line": line}
 
 
+def _no_paths(line: str) -> str:
+    """``line`` without this machine's paths: the plan file by its name, the cache as ``<cache>``."""
+    return re.sub(r"/\S+/\.cache/tensorpar/", "<cache>/", re.sub(r"/\S*/(plan-[\w.-]+\.json)", r"\1", line))
+
+
 def train(h: NamespaceHosts, layout: dict, link: dict, data: str, steps: int, workdir: str) -> dict:
     plan = Path(tempfile.mkdtemp(dir=workdir)) / f"plan-tp{layout['tp']}-pp{layout['pp']}.json"
     plan.write_text(json.dumps(layout))
@@ -98,7 +103,7 @@ def train(h: NamespaceHosts, layout: dict, link: dict, data: str, steps: int, wo
     text = "\n".join(out + err for _, out, err in res)
     line = next(line for line in text.splitlines() if "plan vs measured" in line)
     m = re.search(r"step time predicted ([\d.]+) ms, measured ([\d.]+) ms", line)
-    chosen = next((line.strip() for line in text.splitlines() if line.startswith("plan (")), "")
+    chosen = _no_paths(next((line.strip() for line in text.splitlines() if line.startswith("plan (")), ""))
     return {"predicted_s": float(m.group(1)) / 1e3, "measured_s": float(m.group(2)) / 1e3, "line": line.strip(),
             "plan_line": chosen}
 
