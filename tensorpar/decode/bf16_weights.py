@@ -58,6 +58,12 @@ def to_bf16(w: torch.Tensor) -> Bf16Weight:
     return Bf16Weight(w.detach().to(torch.bfloat16).contiguous(), w.dtype)
 
 
+#: the most rows :func:`bf16_linear` sends to our GEMV (more: :func:`chunked_linear`). bench/bench_bf16_batch.py
+#: (bench/results/bf16_batch.md and bf16_batch_64_128.md, one thread, loaded): at 4, 16 and 32 rows the GEMV took
+#: 0.13-0.88x the chunked ``F.linear``'s time at the 1.1B Llama's and SmolLM2's shapes, except the 1.1B down
+#: projection at 16 and 32 rows (1.05x, 1.25x); at 64 rows 0.63-1.3x (the 1.1B's matrices slower, SmolLM2's
+#: faster), at 128 0.79-1.7x, at 512 1.02-1.8x (the GEMM reuses the weights across all rows, the GEMV per 4)
+GEMV_ROWS = 32
 #: the most weights converted to the compute dtype at a time by :func:`bf16_linear` above the GEMV's rows (2M: an
 #: 8 MB fp32 buffer), so a batch's transient memory does not grow with the weight (a whole LM head converted per call
 #: was 113 MB for SmolLM2's)
@@ -67,14 +73,18 @@ _CHUNK_ELEMS = 2 ** 21
 def chunked_linear(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x2, w.to(x2.dtype), bias)`` for ``x2`` ``[M, K]``, ``w`` ``[N, K]`` (any dtype) -> ``[M, N]`` in
     ``x2``'s dtype, converting at most :data:`_CHUNK_ELEMS` weights at a time: each chunk of output rows is copied
-    into one reused buffer and multiplied (``addmm``, as ``F.linear``) into its columns of the preallocated output.
+    into one reused buffer and multiplied (``addmm``, as ``F.linear``) into its columns of the preallocated output
+    (a weight of at most ``_CHUNK_ELEMS``: ``F.linear`` itself).
     Each output is still summed over the whole K in fp32 by one GEMM call, but the BLAS picks its kernel (and so its
-    summation order) by the GEMM's shape: on this machine (torch 2.13 CPU) bitwise equal to ``F.linear(x2,
-    w.to(x2.dtype), bias)`` at SmolLM2's and the 1.1B Llama's shapes with 3-512 rows when every chunk is full, but
-    not for a narrow last chunk (e.g. 11 of 7001 outputs at K 300) nor every output at 3 rows: there within 4e-7 of
-    the largest output (fp32 summation order only). No collectives."""
+    summation order) by the GEMM's shape. On this machine (torch 2.13 CPU, one thread) bitwise equal to
+    ``F.linear(x2, w.to(x2.dtype), bias)`` at all ten matrices of SmolLM2 and the 1.1B Llama (tp=1) with 3, 33, 64
+    and 512 rows, bias or none (checked), but not everywhere: at K 300 the 11 outputs of a last chunk of 11 rows
+    (and a few more at 3 rows) differ, within 4e-7 of the largest output (fp32 summation order only). No
+    collectives."""
     n, k = w.shape
     step = max(1, min(n, _CHUNK_ELEMS // max(1, k)))
+    if step == n:                                    # one chunk: the weight converted whole is within the bound
+        return F.linear(x2, w.to(x2.dtype), None if bias is None else bias.to(x2.dtype))
     y = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
     buf = torch.empty(step, k, dtype=x2.dtype, device=x2.device)
     for c in range(0, n, step):
@@ -90,12 +100,12 @@ def chunked_linear(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None 
 
 def bf16_linear(x: torch.Tensor, w: Bf16Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w.w.float(), bias)`` for ``x`` ``[..., in]`` in the compute dtype -> ``[..., out]``: our GEMV
-    (:func:`~tensorpar.decode.gemv_kernel.bf16w_linear`, fp32 sums in another order: within 1e-5 relative) at up to
-    :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS` rows on a CPU that runs it, else :func:`chunked_linear` (the
-    weight converted :data:`_CHUNK_ELEMS` at a time into one buffer, never the whole fp32 copy; ``F.linear`` up to the
-    order of the fp32 sums). No collectives."""
+    (:func:`~tensorpar.decode.gemv_kernel.bf16w_linear`, the weights widened in registers, fp32 sums in another
+    order: within 1e-5 relative) at up to :data:`GEMV_ROWS` rows on a CPU that runs it, else :func:`chunked_linear`
+    (the weight converted :data:`_CHUNK_ELEMS` at a time into one buffer, never the whole fp32 copy; ``F.linear``
+    up to the order of the fp32 sums). Neither allocates more than the output and one chunk. No collectives."""
     x2 = x.reshape(-1, x.shape[-1])
-    if (x2.shape[0] <= gemv_kernel.MAX_ROWS and x2.dtype == torch.float32 and x2.device.type == "cpu"
+    if (x2.shape[0] <= GEMV_ROWS and x2.dtype == torch.float32 and x2.device.type == "cpu"
             and w.w.is_contiguous() and gemv_kernel.available()):
         y = gemv_kernel.bf16w_linear(x2, w.w, None if bias is None else bias.float())
     else:
