@@ -59,10 +59,11 @@ def to_bf16(w: torch.Tensor) -> Bf16Weight:
 
 
 #: the most rows :func:`bf16_linear` sends to our GEMV (more: :func:`chunked_linear`). bench/bench_bf16_batch.py
-#: (bench/results/bf16_batch.md and bf16_batch_64_128.md, one thread, loaded): at 4, 16 and 32 rows the GEMV took
-#: 0.13-0.88x the chunked ``F.linear``'s time at the 1.1B Llama's and SmolLM2's shapes, except the 1.1B down
-#: projection at 16 and 32 rows (1.05x, 1.25x); at 64 rows 0.63-1.3x (the 1.1B's matrices slower, SmolLM2's
-#: faster), at 128 0.79-1.7x, at 512 1.02-1.8x (the GEMM reuses the weights across all rows, the GEMV per 4)
+#: (bench/results/bf16_batch.md, one thread, load 5-6 on 2 cores) at the 1.1B Llama's and SmolLM2's matrices: at 4,
+#: 16 and 32 rows the GEMV took 0.26-0.85x the chunks' CPU time except the 1.1B down projection at 32 rows (1.14x);
+#: summed over a layer's matrices and the head at 32 rows 151 vs 181 ms (1.1B), 32 vs 59 ms (SmolLM2); at 64 rows
+#: 282 vs 279 and 63 vs 95; at 128 and 512 the GEMM ahead for the 1.1B (up to 2.2x: it reuses the weights across
+#: all rows, the GEMV per 4)
 GEMV_ROWS = 32
 #: the most weights converted to the compute dtype at a time by :func:`bf16_linear` above the GEMV's rows (2M: an
 #: 8 MB fp32 buffer), so a batch's transient memory does not grow with the weight (a whole LM head converted per call
