@@ -6,8 +6,8 @@ file type (weights bf16, activations, norms and the KV cache fp32).
 (the same modules read it: their ``weight`` converts it to fp32 on access, their local product is
 :func:`bf16_linear`, a tied embedding looks up its rows). Its matmul, :func:`bf16_linear`: ``F.linear(x,
 W.float())`` up to the order of the fp32 sums, without an fp32 copy of ``W`` at a few rows (our GEMV widens the
-weights in registers, :func:`tensorpar.decode.gemv_kernel.bf16w_linear`); elsewhere (more rows, no kernel) the
-weight converted for the call. No collectives.
+weights in registers, :func:`tensorpar.decode.gemv_kernel.bf16w_linear`); elsewhere (more rows, no kernel)
+:func:`chunked_linear`: the weight converted 2M elements at a time into one 8 MB buffer. No collectives.
 """
 from __future__ import annotations
 
@@ -58,17 +58,59 @@ def to_bf16(w: torch.Tensor) -> Bf16Weight:
     return Bf16Weight(w.detach().to(torch.bfloat16).contiguous(), w.dtype)
 
 
+#: the most rows :func:`bf16_linear` sends to our GEMV (more: :func:`chunked_linear`). bench/bench_bf16_batch.py
+#: (bench/results/bf16_batch.md, one thread, load 5-6 on 2 cores) at the 1.1B Llama's and SmolLM2's matrices: at 4,
+#: 16 and 32 rows the GEMV took 0.26-0.85x the chunks' CPU time except the 1.1B down projection at 32 rows (1.14x);
+#: summed over a layer's matrices and the head at 32 rows 151 vs 181 ms (1.1B), 32 vs 59 ms (SmolLM2); at 64 rows
+#: 282 vs 279 and 63 vs 95; at 128 and 512 the GEMM ahead for the 1.1B (up to 2.2x: it reuses the weights across
+#: all rows, the GEMV per 4)
+GEMV_ROWS = 32
+#: the most weights converted to the compute dtype at a time by :func:`bf16_linear` above the GEMV's rows (2M: an
+#: 8 MB fp32 buffer), so a batch's transient memory does not grow with the weight (a whole LM head converted per call
+#: was 113 MB for SmolLM2's)
+_CHUNK_ELEMS = 2 ** 21
+
+
+def chunked_linear(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x2, w.to(x2.dtype), bias)`` for ``x2`` ``[M, K]``, ``w`` ``[N, K]`` (any dtype) -> ``[M, N]`` in
+    ``x2``'s dtype, converting at most :data:`_CHUNK_ELEMS` weights at a time: each chunk of output rows is copied
+    into one reused buffer and multiplied (``addmm``, as ``F.linear``) into its columns of the preallocated output
+    (a weight of at most ``_CHUNK_ELEMS``: ``F.linear`` itself).
+    Each output is still summed over the whole K in fp32 by one GEMM call, but the BLAS picks its kernel (and so its
+    summation order) by the GEMM's shape. On this machine (torch 2.13 CPU, one thread) bitwise equal to
+    ``F.linear(x2, w.to(x2.dtype), bias)`` at all ten matrices of SmolLM2 and the 1.1B Llama (tp=1) with 3, 33, 64
+    and 512 rows, bias or none (checked), but not everywhere: at K 300 the 11 outputs of a last chunk of 11 rows
+    (and a few more at 3 rows) differ, within 4e-7 of the largest output (fp32 summation order only). No
+    collectives."""
+    n, k = w.shape
+    step = max(1, min(n, _CHUNK_ELEMS // max(1, k)))
+    if step == n:                                    # one chunk: the weight converted whole is within the bound
+        return F.linear(x2, w.to(x2.dtype), None if bias is None else bias.to(x2.dtype))
+    y = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
+    buf = torch.empty(step, k, dtype=x2.dtype, device=x2.device)
+    for c in range(0, n, step):
+        e = min(n, c + step)
+        wc = buf[:e - c]
+        wc.copy_(w[c:e])
+        if bias is None:
+            torch.mm(x2, wc.t(), out=y[:, c:e])
+        else:
+            torch.addmm(bias[c:e].to(x2.dtype), x2, wc.t(), out=y[:, c:e])
+    return y
+
+
 def bf16_linear(x: torch.Tensor, w: Bf16Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w.w.float(), bias)`` for ``x`` ``[..., in]`` in the compute dtype -> ``[..., out]``: our GEMV
-    (:func:`~tensorpar.decode.gemv_kernel.bf16w_linear`, fp32 sums in another order: within 1e-5 relative) at up to
-    :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS` rows on a CPU that runs it, else ``F.linear`` on the weight
-    converted for this call. No collectives."""
+    (:func:`~tensorpar.decode.gemv_kernel.bf16w_linear`, the weights widened in registers, fp32 sums in another
+    order: within 1e-5 relative) at up to :data:`GEMV_ROWS` rows on a CPU that runs it, else :func:`chunked_linear`
+    (the weight converted :data:`_CHUNK_ELEMS` at a time into one buffer, never the whole fp32 copy; ``F.linear``
+    up to the order of the fp32 sums). Neither allocates more than the output and one chunk. No collectives."""
     x2 = x.reshape(-1, x.shape[-1])
-    if (x2.shape[0] <= gemv_kernel.MAX_ROWS and x2.dtype == torch.float32 and x2.device.type == "cpu"
+    if (x2.shape[0] <= GEMV_ROWS and x2.dtype == torch.float32 and x2.device.type == "cpu"
             and w.w.is_contiguous() and gemv_kernel.available()):
         y = gemv_kernel.bf16w_linear(x2, w.w, None if bias is None else bias.float())
     else:
-        y = F.linear(x2, w.w.to(x2.dtype), bias)
+        y = chunked_linear(x2, w.w, bias)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 

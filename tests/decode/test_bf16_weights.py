@@ -121,3 +121,46 @@ def test_bf16_refused_for_a_bf16_model(tmp_path):
     model, _ = build_parallel_model(make_model_folder(tmp_path / "llama", "llama"), ctx.tp, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=msg):
         store_bf16(model, ctx.tp)
+
+
+@pytest.mark.parametrize("m,k,n,bias", [(3, 300, 1100, False), (17, 576, 1000, True), (512, 96, 1100, True)])
+def test_bf16_linear_batch_equals_widened_linear(monkeypatch, m, k, n, bias):
+    """More rows than the row step's (3, 17: our GEMV where it runs; 512: the chunks; a 3-D input at 17), and the
+    chunked path at every M (here 2**16 weights a chunk, so 1100, 1000 and 1100 outputs leave a partial last
+    chunk): ``F.linear(x, W.float(), bias)`` up to the order of the fp32 sums. The GEMV sums in its own order; the
+    BLAS picks its kernel by the GEMM's shape (a narrow last chunk, 3 rows); each output is still one K-long fp32
+    sum, so each lies within ``K * eps * (|x| @ |W|^T + |bias|)`` of the exact sum and within twice that of the
+    other (measured for the chunks: bitwise equal at full chunks, within 4e-7 of the largest output otherwise)."""
+    from tensorpar.decode import bf16_weights
+    monkeypatch.setattr(bf16_weights, "_CHUNK_ELEMS", 2 ** 16)
+    g = torch.Generator().manual_seed(m * k + n)
+    shape = (m, k) if m != 17 else (1, m, k)
+    x, w = torch.randn(*shape, generator=g), bf16_weights.to_bf16(torch.randn(n, k, generator=g))
+    b = torch.randn(n, generator=g) if bias else None
+    want = torch.nn.functional.linear(x, w.w.float(), b)
+    bound = 2 * k * torch.finfo(torch.float32).eps * torch.nn.functional.linear(
+        x.abs(), w.w.float().abs(), None if b is None else b.abs())
+    got = bf16_weights.bf16_linear(x, w, b)
+    chunked = bf16_weights.chunked_linear(x.reshape(m, k), w.w, b).view(want.shape)
+    for y in (got, chunked):
+        assert y.shape == want.shape and y.dtype == torch.float32
+        assert ((y - want).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("m", [8, 64])
+def test_bf16_linear_batch_transient_memory_bounded(monkeypatch, m):
+    """At 8 rows (our GEMV where it runs) and 64 (the chunks) the most memory ``bf16_linear`` holds beyond its
+    inputs is its output plus one chunk buffer (``_CHUNK_ELEMS`` fp32 weights), not the weight converted to fp32
+    (2 MB here, what ``F.linear(x, W.float())`` allocated per call): live bytes summed over the profiler's
+    allocations."""
+    from tensorpar.decode import bf16_weights
+    chunk = 2 ** 16
+    monkeypatch.setattr(bf16_weights, "_CHUNK_ELEMS", chunk, raising=False)
+    x, w = torch.randn(m, 512), bf16_weights.to_bf16(torch.randn(1024, 512))
+    with torch.autograd.profiler.profile(profile_memory=True) as prof:
+        y = bf16_weights.bf16_linear(x, w)
+    live = peak = 0
+    for e in prof.function_events:
+        live += e.self_cpu_memory_usage
+        peak = max(peak, live)
+    assert 0 < peak <= y.numel() * 4 + chunk * 4, f"peak transient {peak} bytes; the fp32 weight is {1024 * 512 * 4}"
