@@ -40,9 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"min(max_position_embeddings, {DEFAULT_MAX_MODEL_LEN}))")
     p.add_argument("--max-waiting", type=int, default=256, help="requests allowed to wait for a slot (then 429)")
     p.add_argument("--kv-cache-memory", default=None, metavar="BYTES|FRACTION",
-                   help="KV cache per rank: bytes (e.g. 96MiB, 2GiB, 100000000) or a fraction in (0, 1] of the "
-                        "memory available at launch (CPU: MemAvailable / the ranks on this host; CUDA: free device "
-                        "memory); default --max-batch x --max-model-len positions")
+                   help="KV cache per rank: bytes (e.g. 96MiB, 2GiB, 100000000) or a fraction in (0, 1) (e.g. 0.5) of "
+                        "the memory available at launch (CPU: MemAvailable / the ranks on this host; CUDA: free device "
+                        "memory) for the rank's weights and its pool together, the pool getting what the weights "
+                        "leave; default --max-batch x --max-model-len positions")
     p.add_argument("--block-size", type=int, default=None,
                    help=f"positions per KV cache block (default {DEFAULT_BLOCK_SIZE}; the module path keeps one "
                         f"block of --max-model-len per request)")

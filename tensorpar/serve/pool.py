@@ -5,7 +5,8 @@ from __future__ import annotations
 
 def parse_memory(text: str) -> tuple[str, float]:
     """``--kv-cache-memory``: ``("bytes", n)`` for ``12345``, ``96MiB``, ``2GB`` ... or ``("fraction", f)`` for a
-    plain number in (0, 1]. Raises ValueError naming the setting."""
+    plain number in (0, 1) (``0.5``, ``5e-1``; a plain ``1`` is one byte, not all the memory). Raises ValueError
+    naming the setting."""
     import re
 
     units = {"": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
@@ -13,10 +14,10 @@ def parse_memory(text: str) -> tuple[str, float]:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
     if m is None or m.group(2) not in units:
         raise ValueError(f"--kv-cache-memory must be bytes (a number with an optional unit: KB, MB, GB, TB, KiB, MiB, "
-                         f"GiB, TiB; e.g. 96MiB, 2GiB, 100000000) or a fraction in (0, 1] of the available memory, "
+                         f"GiB, TiB; e.g. 96MiB, 2GiB, 100000000) or a fraction in (0, 1) of the available memory, "
                          f"got {text!r}")
     v = float(m.group(1))
-    if not m.group(2) and 0 < v <= 1:
+    if not m.group(2) and 0 < v < 1:
         return "fraction", v
     n = v * units[m.group(2)]
     if n < 1:
@@ -67,6 +68,20 @@ def _available(ranks_here: int) -> int:
     return _mem_available() // max(ranks_here, 1)
 
 
+def weight_bytes_per_rank(config, dtype: str, tp: int, pp: int = 1) -> int:
+    """An estimate of one rank's weight bytes: the model's parameters (:func:`~tensorpar.planner.model_spec.
+    from_hf_config`, embedding and LM head included) in ``dtype``, split evenly over ``tp x pp`` (uneven splits and
+    ``--quantize`` hold at most about this); 0 for a model the planner's spec does not describe."""
+    import torch
+
+    from tensorpar.planner.model_spec import from_hf_config
+    try:
+        n = from_hf_config(config.to_dict()).total_params()
+    except (ValueError, KeyError, TypeError):
+        return 0
+    return int(n * torch.empty(0, dtype=getattr(torch, dtype)).element_size() // (max(tp, 1) * max(pp, 1)))
+
+
 def kv_pool(config, tp: int, dtype: str, max_len: int, max_batch: int, *, block_size: int, memory: str | None,
             weights=None, pp: int = 1, ep: int = 1) -> tuple[int, int]:
     """``(num_blocks, bytes_per_block)`` of the KV pool each rank allocates: ``memory`` (``--kv-cache-memory``)
@@ -74,8 +89,10 @@ def kv_pool(config, tp: int, dtype: str, max_len: int, max_batch: int, *, block_
     (:func:`stage_layers_max`; :func:`~tensorpar.decode.kv_cache.block_bytes`, the rule the ranks' pool is allocated
     with, :class:`~tensorpar.decode.kv_cache.LeanKVCache` of their stage's layers), or by default ``max_batch``
     requests of ``max_len`` positions. The memory available per rank (:func:`_available`) is shared by the ranks of
-    the ``tp x pp x ep`` launch on this host (:func:`ranks_on_host`). Raises ValueError, naming the setting and what
-    works, when the pool cannot hold one request of ``max_len`` or is larger than the memory available per rank."""
+    the ``tp x pp x ep`` launch on this host (:func:`ranks_on_host`), and holds the rank's weights
+    (:func:`weight_bytes_per_rank`) besides its pool: a fraction is of that memory for both, as vLLM's
+    ``--gpu-memory-utilization``. Raises ValueError, naming the setting and what works, when the pool cannot hold
+    one request of ``max_len`` or does not fit beside the weights in the memory available per rank."""
     import torch
 
     from tensorpar.decode.kv_cache import block_bytes
@@ -90,20 +107,28 @@ def kv_pool(config, tp: int, dtype: str, max_len: int, max_batch: int, *, block_
                             torch.empty(0, dtype=getattr(torch, dtype)).element_size())
     per_request = -(-max_len // block_size)
     avail = _available(ranks_on_host(tp * max(pp, 1) * max(ep, 1)))
+    wts = weight_bytes_per_rank(config, dtype, tp, pp)
+    free = avail - wts                                  # what a rank has for its pool once its weights are loaded
     at = f"tp={tp}" + (f", pp={pp}" if pp > 1 else "")
     if memory is None:
         need = max_batch * per_request * per_block
-        if need > avail:        # else the allocation fails inside every rank after launch
+        if need > free:         # else the allocation fails inside every rank after launch
             raise ValueError(f"--max-batch {max_batch} x --max-model-len {max_len} needs a KV pool of {_size(need)} per "
-                             f"rank at {at}, more than the {_size(int(avail))} available per rank here; lower "
-                             f"--max-batch or --max-model-len, or size the pool with --kv-cache-memory")
+                             f"rank at {at}, more than the {_size(max(int(free), 0))} available per rank here beside its "
+                             f"weights (~{_size(wts)}); lower --max-batch or --max-model-len, or size the pool with "
+                             f"--kv-cache-memory")
         return max_batch * per_request, per_block
     kind, v = parse_memory(memory)
     if kind == "fraction":
-        v *= avail
-    elif v > avail:             # else the allocation fails inside every rank (or the OOM killer ends one)
-        raise ValueError(f"--kv-cache-memory {memory} is more than the {_size(int(avail))} available per rank here; "
-                         f"give at most that, or a fraction such as 0.5")
+        v = v * avail - wts
+        if v < per_request * per_block:
+            raise ValueError(f"--kv-cache-memory {memory}: that share of the {_size(int(avail))} available per rank "
+                             f"here leaves {_size(max(int(v), 0))} for the KV pool beside the rank's weights "
+                             f"(~{_size(wts)}); one request of --max-model-len {max_len} needs "
+                             f"{_size(per_request * per_block)}: give a larger fraction or bytes")
+    elif v > free:              # else the allocation fails inside every rank (or the OOM killer ends one)
+        raise ValueError(f"--kv-cache-memory {memory} is more than the {_size(max(int(free), 0))} available per rank "
+                         f"here beside its weights (~{_size(wts)}); give at most that, or a fraction such as 0.5")
     n = int(v // per_block)
     if n < per_request:
         raise ValueError(f"--kv-cache-memory {memory} holds {n} KV block(s) of {block_size} positions "

@@ -597,10 +597,23 @@ def test_kv_pool_sizes():
         kv_pool(cfg, 2, "float32", 256, 64, block_size=16, memory="999TiB")
     with pytest.raises(ValueError, match=r"optional unit: KB, MB, GB, TB, KiB, MiB, GiB, TiB"):
         parse_memory("64XB")
+    # review (2026-12-02 08:00): a plain 1 was the fraction 1.0, every rank's whole share of the memory for its pool
+    # before its weights, and `serve --pp 2 --kv-cache-memory 1` launched and lost a rank to the OOM killer; now 1 is
+    # one byte (refused: no block), and a fraction's pool is what the rank's weights leave of its share
+    assert parse_memory("1") == ("bytes", 1)
+    with pytest.raises(ValueError, match=r"--kv-cache-memory 1 holds 0 KV block"):
+        kv_pool(cfg, 2, "float32", 256, 64, block_size=16, memory="1")
+    from tensorpar.serve import pool
+    big = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
+                      num_hidden_layers=80, vocab_size=128256)   # Llama-3-70B's shape: ~70.6e9 parameters
+    assert 2.7e11 < pool.weight_bytes_per_rank(big, "float32", 1) < 2.9e11      # fp32 at tp=1: ~282 GB
+    with pytest.raises(ValueError, match=r"--kv-cache-memory 0.5: that share .* leaves 0 bytes for the KV pool "
+                                         r"beside the rank's weights"):
+        kv_pool(big, 1, "float32", 256, 4, block_size=16, memory="0.5")   # on any host with < 564 GB
     # review (2026-12-02): the default pool of --max-batch x --max-model-len is checked too (--max-batch 100000
     # failed inside the ranks with "DefaultCPUAllocator: can't allocate memory")
     with pytest.raises(ValueError, match=r"--max-batch 100000000 x --max-model-len 1024 needs a KV pool of .* per rank "
-                                         r"at tp=2, more than the .* available per rank here; lower --max-batch"):
+                                         r"at tp=2, more than the .* available per rank here beside its weights .*; lower --max-batch"):
         kv_pool(cfg, 2, "float32", 1024, 100_000_000, block_size=16, memory=None)
 
 
@@ -613,6 +626,7 @@ def test_kv_pool_at_pp_holds_the_largest_stage_and_shares_the_host(monkeypatch):
     from tensorpar.serve import pool
     for k in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(pool, "weight_bytes_per_rank", lambda *a, **k: 0)   # the pool's own share only
     cfg = LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=5)
     # training's cut of 5 layers in 2 stages: 2 and 3 (the larger last); tp=2: 1 KV head of 8 dims per rank; a
     # block: 2 (k, v) x 3 layers x 1 head x 16 positions x 8 dims x 4 bytes = 3072 (5 layers: 5120)
