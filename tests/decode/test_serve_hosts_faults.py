@@ -19,7 +19,8 @@ WHY_NOT = unavailable()    # e.g. not root: the namespace tests skip with this o
 
 # Runs in host 0: one streamed request decoding and two non-streamed ones (--max-batch 1 at pp 2: one batch per stage
 # in flight, so one of them decodes and one waits); prints "streaming" once the first token arrived, then one JSON
-# line when all three have ended.
+# line when all three have ended. All three have one prompt and decode greedily (their tokens may still differ: a
+# batched step is not bitwise one row's).
 _CLIENT = r"""
 import http.client, json, sys, threading, time
 host, port = sys.argv[1], int(sys.argv[2])
@@ -45,7 +46,7 @@ running = post({"prompt": [1, 2], "max_tokens": 3990, "temperature": 0, "stream"
 first = running.readline()
 others = [{}, {}]
 def other(k):
-    r = post({"prompt": [3 + k], "max_tokens": 3990})
+    r = post({"prompt": [1, 2], "max_tokens": 3990})   # greedy: the streamed one's tokens, behind it
     others[k].update(status=r.status, body=r.read().decode(), t=time.monotonic())
 threads = [threading.Thread(target=other, args=(k,)) for k in range(2)]
 for t in threads:
@@ -184,8 +185,11 @@ def test_serve_across_two_hosts_loses_host1_mid_decode(tmp_path, fault):
     e = json.loads(res["last"][0])["error"]
     assert e["type"] == "server_error" and e["message"].startswith("the model ranks failed: "), e
     assert "\n" not in e["message"] and "Traceback" not in e["message"], e
-    # the non-streamed ones (one decoding, one waiting): a 500 with the same message
+    # the non-streamed ones (one decoding, one waiting): a 500 with the same message; batched steps are not bitwise
+    # those of one row, so a greedy row may reach this random model's EOS before the fault: then it ended, 200
     for o in res["others"]:
+        if o["status"] == 200 and o["t"] < cut:
+            continue
         assert o["status"] == 500 and json.loads(o["body"])["error"]["message"] == e["message"], (o, e)
         assert o["t"] - cut < timeout_s + margin, o["t"] - cut
     assert res["ended"] - cut < timeout_s + margin, res["ended"] - cut     # the stream ended within the bound
@@ -204,6 +208,8 @@ def test_serve_across_two_hosts_loses_host1_mid_decode(tmp_path, fault):
             gone = [ln for ln in lines if f"on host {names[1]} is gone; rank " in ln]
             assert gone and all(ln in gone or " on tp group, " in ln for ln in lines), lines
             continue
-        for ln in lines:     # every rank's line names the collective, its host and the host it lost
-            assert f"on host {names[i]}; the group's other hosts: {names[1 - i]}" in ln, ln
+        # every rank's line names the collective, its host and the host it lost; a rank whose peer on its own host
+        # failed first may instead name that tp group's collective and the peer (rank and pid: one host)
+        lost = [ln for ln in lines if f"on host {names[i]}; the group's other hosts: {names[1 - i]}" in ln]
+        assert lost and all(ln in lost or " on tp group, " in ln for ln in lines), lines
         assert "Traceback" not in err[i] or "torch.distributed" in err[i], err[i][-3000:]
