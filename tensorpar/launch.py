@@ -30,7 +30,7 @@ import uuid
 from typing import Any, Callable, Iterator
 
 from tensorpar.rank_errors import (SHUTDOWN_TIMEOUT_S, _failure_line, _first_error,  # noqa: F401 (re-exported)
-                                   _rank_entry, one_line, report_error, under_torchrun)
+                                   _rank_entry, one_line, report_error, under_torchrun, watch_agent)
 
 # One default for every command (issue 14, item 7).
 DEFAULT_TP = 2
@@ -201,6 +201,8 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args, verbose: bool = False) 
                          f"or unset")
     if under_torchrun() or nproc == 1 and "RANK" not in os.environ:
         if under_torchrun():
+            if "TORCHELASTIC_RUN_ID" in os.environ:     # the agent is the parent: a rank does not outlive it
+                watch_agent()
             return int(fn(*args) or 0)
         # one rank in this process: set the launch variables for fn, then restore them, so that later code in
         # this process (or a child it starts) does not read the leftovers as a torchrun launch

@@ -89,6 +89,7 @@ class ParallelContext:
         rank, world_size: global rank and world size.
         device: the device this rank computes on (``cpu`` or ``cuda:<local_rank>``).
         tp, pp, dp, cp: :class:`~tensorpar.comm.Group` handles for this rank's groups on each axis.
+        world: every rank (``"world"``; its ``hosts`` set when the ranks are on several hosts, as on the axes).
         grid: ``LongTensor[dp, pp, cp, tp]`` of global ranks.
         tp_weights: the weights to shard with (``config.tp_weights``, measured when that is ``"auto"``), or
             ``None`` for an even split; the same on every rank.
@@ -105,6 +106,7 @@ class ParallelContext:
     grid: torch.Tensor
     tp_weights: tuple[float, ...] | None = None
     cp: Group = field(default_factory=lambda: Group.single("cp"))
+    world: Group = field(default_factory=lambda: Group.single("world"))
     heap: HeapState = field(default_factory=HeapState, repr=False)
     _mesh: object = field(default=None, repr=False)
 
@@ -162,7 +164,7 @@ class ParallelContext:
                 disable_fast_collectives(g)
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
-        for g in (self.tp, self.pp, self.dp, self.cp):
+        for g in (self.tp, self.pp, self.dp, self.cp, self.world):
             g.pg = None
         self._mesh = None
         gc.collect()  # a group held only through a reference cycle goes now, not at exit
@@ -339,6 +341,10 @@ def init_parallel(
         for axis in AXES:
             enable_fast_collectives(groups[axis], fast_collectives, timeout_s=timeout_s)
     groups["tp"].compression = tp_comm
+    if world_size > 1:      # serve's plan broadcasts (stages, ep replicas): a failure names the hosts too
+        groups["world"] = Group.from_pg(dist.group.WORLD, name="world")
+        if len(set(hostnames)) > 1:
+            groups["world"].hosts = tuple(hostnames)
     ctx = ParallelContext(config=config, rank=rank, world_size=world_size, device=device, grid=grid, heap=heap,
                           **groups)
     if config.tp_weights == "auto":  # a GEMM timed on every rank at once, gathered: the same weights everywhere

@@ -25,6 +25,31 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
+def watch_agent(poll_s: float = 1.0) -> None:
+    """Under torchrun: end this rank, with one line and exit 1, once its torchrun agent is gone.
+
+    torchrun starts each worker in a session of its own, so an agent that is killed (SIGKILL, the OOM killer) leaves
+    its ranks running with no one to stop them: a server across hosts kept serving, and the other hosts' agents
+    never heard of it. A daemon thread compares the parent pid with the agent's every ``poll_s`` seconds; once this
+    rank has exited, its peers' next collective fails at once (connection reset), naming the collective and the
+    hosts. Nothing is done when the parent is already init (a worker started some other way)."""
+    import socket
+    import threading
+    import time
+    agent = os.getppid()
+    if agent <= 1:
+        return
+
+    def watch():
+        while os.getppid() == agent:
+            time.sleep(poll_s)
+        print(f"tensorpar: error: torchrun's agent (pid {agent}) on host {socket.gethostname()} is gone; rank "
+              f"{os.environ.get('RANK', '?')} stops", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tensorpar-agent-watch", daemon=True).start()
+
+
 def one_line(e: BaseException) -> str:
     """The message of ``e`` on one line: ``ValueError``/``OSError``/collective text as is, other types
     prefixed with their name (an unexpected error should say what it is). A collective that timed out

@@ -213,12 +213,9 @@ def _rank_main(job) -> int:
         model, _ = load_model(job, ctx)
         from tensorpar.decode.quantize import apply_quantize
         apply_quantize(model, ctx.tp, task.quantize)
-        plans = None
-        if job.parallel.dp > 1:   # --ep: the ep replicas of the tp ranks follow rank 0's plans too
-            import torch.distributed as dist
-
-            from tensorpar.comm import Group
-            plans = Group.from_pg(dist.group.WORLD, name="world")
+        # --ep (ep replicas of the tp ranks) or --pp (stages): every rank follows rank 0's plans, broadcast over the
+        # world group, whose failures name the hosts when the ranks are on several
+        plans = ctx.world if ctx.world_size > ctx.tp.size else None
         engine = Engine(model, ctx.tp, max_batch=task.max_batch, max_len=task.max_len, plans=plans,
                         pp=ctx.pp,   # with --pp: this rank's stage; every rank follows rank 0's plans
                         block_size=task.block_size, num_blocks=task.num_blocks, deterministic=task.deterministic)
