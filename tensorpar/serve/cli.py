@@ -135,6 +135,8 @@ def validate(args: argparse.Namespace):
         raise ValueError(f"--max-model-len must be in [2, {limit}] (the model's max_position_embeddings), got {n}")
     from tensorpar.hf.families import why_not
     paged_why = why_not("fast_decode", config)      # the engine's rule: the module path keeps one slot per request
+    if paged_why is None and getattr(args, "ep", 1) > 1:   # the ranks' rule (decode.prepare.lean_unsupported): an
+        paged_why = "expert parallelism (--ep) runs the module path"   # expert-parallel layer is no tp-experts layer
     prefix = getattr(args, "prefix_caching", None)
     bs = getattr(args, "block_size", None)
     if paged_why is not None and prefix == "on":
