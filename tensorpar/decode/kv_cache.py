@@ -74,7 +74,9 @@ class LeanKVCache:
     ``index_select`` (measured: bench/results/serve_prefix.md).
 
     Memory: ``num_blocks * block_bytes(...)`` (:func:`block_bytes`); a bf16/fp16 cache on the CPU also keeps two
-    fp32 buffers of one layer's ``[max_batch, kv_local, max_len, d]`` for decode attention.
+    fp32 buffers of one layer's ``[max_batch, kv_local, max_len, d]`` for decode attention; a paged read that
+    gathers keeps two buffers of the largest gather so far (one layer's keys or values of the step's rows, at most
+    ``[kv_local, rows x blocks per row, block_size, d]``, :meth:`_gathered`).
     """
 
     def __init__(self, num_layers: int, num_blocks: int, n_kv: int, block_size: int, head_dim: int, *,
