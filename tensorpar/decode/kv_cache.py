@@ -74,7 +74,9 @@ class LeanKVCache:
     ``index_select`` (measured: bench/results/serve_prefix.md).
 
     Memory: ``num_blocks * block_bytes(...)`` (:func:`block_bytes`); a bf16/fp16 cache on the CPU also keeps two
-    fp32 buffers of one layer's ``[max_batch, kv_local, max_len, d]`` for decode attention.
+    fp32 buffers of one layer's ``[max_batch, kv_local, max_len, d]`` for decode attention; a paged read that
+    gathers keeps two buffers of the largest gather so far (one layer's keys or values of the step's rows, at most
+    ``[kv_local, rows x blocks per row, block_size, d]``, :meth:`_gathered`).
     """
 
     def __init__(self, num_layers: int, num_blocks: int, n_kv: int, block_size: int, head_dim: int, *,
@@ -86,6 +88,7 @@ class LeanKVCache:
         self.vcache = torch.zeros(shape, dtype=dtype, device=device)
         self.k, self.v = list(self.kcache.unbind(0)), list(self.vcache.unbind(0))
         self._fp32_bufs: list[torch.Tensor | None] = [None, None]
+        self._gather_bufs: list[torch.Tensor | None] = [None, None]     # keys, values read by block (:meth:`_gathered`)
 
     def nbytes(self) -> int:
         """Bytes held by the KV cache."""
@@ -146,12 +149,24 @@ class LeanKVCache:
                          for c in (self.kcache, self.vcache))
         return None, None
 
-    def _gathered(self, t: torch.Tensor, gather: torch.Tensor, b: int, length: int) -> torch.Tensor:
+    def _gathered(self, which: int, t: torch.Tensor, gather: torch.Tensor, b: int, length: int) -> torch.Tensor:
         """Layer tensor ``t`` ``[kv_local, num_blocks, block_size, d]`` read at blocks ``gather`` ``[b * nb]``
-        (each row's ``nb`` blocks in order): ``[b, kv_local, length, d]`` (a copy, then a view of it)."""
+        (each row's ``nb`` blocks in order): ``[b, kv_local, length, d]``, a view of gather buffer ``which`` (0 keys,
+        1 values), reused by every layer and step: read before the next gather of its kind.
+
+        Why a buffer: into a fresh ``[kv_local, b * nb, block_size, d]`` tensor per layer (1.5-1.8 MB at 32 rows of
+        SmolLM2 at tp=2) the gathers took 1.74 ms a call and 42 % of a 32-row paged decode step inside the engine,
+        into these buffers 0.32 ms (bench/results/serve_fast.md; not glibc's trimming or mmap: turning those off
+        did not help)."""
         n, _, bs, d = t.shape
         nb = gather.numel() // b
-        return t.index_select(1, gather).view(n, b, nb * bs, d)[:, :, :length].transpose(0, 1)
+        numel = n * gather.numel() * bs * d
+        buf = self._gather_bufs[which]
+        if buf is None or buf.numel() < numel or buf.dtype != t.dtype or buf.device != t.device:
+            buf = self._gather_bufs[which] = torch.empty(numel, dtype=t.dtype, device=t.device)
+        out = buf[:numel].view(n, gather.numel(), bs, d)
+        torch.index_select(t, 1, gather, out=out)
+        return out.view(n, b, nb * bs, d)[:, :, :length].transpose(0, 1)
 
     def attention(self, i: int, L, qk: torch.Tensor, v_new: torch.Tensor, segments: list[Segment], views: list,
                   n_q: int, per_token: list | None = None) -> torch.Tensor:
@@ -197,8 +212,8 @@ class LeanKVCache:
             if keys_all is not None:
                 keys, vals = keys_all[i], vals_all[i]
             else:                           # rows in scattered blocks: gather them
-                keys = self._gathered(self.k[i], gather, b, g.length)
-                vals = self._gathered(self.v[i], gather, b, g.length)
+                keys = self._gathered(0, self.k[i], gather, b, g.length)
+                vals = self._gathered(1, self.v[i], gather, b, g.length)
             if per_token is not None:
                 outs.append(self._per_token(L, q, keys, vals, per_token[len(outs)], low))
                 continue
