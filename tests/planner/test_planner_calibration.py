@@ -162,6 +162,7 @@ def test_memory_bandwidth_and_calibrated_device_fields(tmp_path):
     assert ClusterSpec(spec, 2, 8).link(2) == pytest.approx((1e9, 100e-6))
 
 
+@pytest.mark.slow  # CI time (2026-12-02: suite 20.5 min); a representative case stays in CI
 def test_measure_pipeline_send_cpu_and_link():
     """Two gloo ranks: the ping-pong link fit and the CPU of a 1F1B schedule's send or receive are measured (> 0)
     and land in --calibrate's device fields."""
