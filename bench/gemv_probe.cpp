@@ -5,8 +5,8 @@
 // its input from only the first N inputs (a wrong sum; timing only): whether the fp32 input's footprint in L1
 // (4 bytes per input, read twice per weight byte) is what limits mode 1 at large K (docs/decode.md).
 //
-//     g++ -O3 -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -std=c++17 -o /tmp/gemv_probe bench/gemv_probe.cpp
-//     /tmp/gemv_probe [REPS [MB [NAME_FILTER]]]
+//     g++ -O3 -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -std=c++17 -o gemv_probe bench/gemv_probe.cpp
+//     ./gemv_probe [REPS [MB [NAME_FILTER]]]
 #include "../tensorpar/decode/csrc/gemv.cpp"
 #include <stdio.h>
 #include <time.h>
