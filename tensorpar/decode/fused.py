@@ -48,7 +48,8 @@ def _lib():
     lib.tp_silu_mul.restype = None
     lib.tp_silu_mul.argtypes = [_P, _I, _I, _P]
     lib.tp_decode_attention.restype = None
-    lib.tp_decode_attention.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _P, ctypes.c_float, _P, _P]
+    lib.tp_decode_attention.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _I, _I, _I, _P, _I, _P, ctypes.c_float, _P,
+                                        _P]
     return lib
 
 
@@ -119,14 +120,16 @@ def rope_store(args: tuple) -> None:
 
 
 def decode_attention(args: tuple) -> None:
-    """Attention of one query per row over the KV cache, into a preallocated output: ``args`` = ``(q, rows, nq, d,
-    k_layer, v_layer, head_stride, kbase, L, mask, mask_stride, kv_of, scale, scratch, out)`` as the kernel takes
-    them (csrc/step.cpp ``tp_decode_attention``: addresses of ``q`` ``[rows, nq, d]``, the layer's K and V pools,
-    a C array of each row's element offset of position 0 (one block per row), a ``[rows, L]`` bool mask with its
-    row stride or None, each query head's KV head (a C array), ``scratch`` of at least ``L`` floats, ``out``
-    ``[rows, nq * d]``). Each query head reads its KV head in place: no copies per query head (uneven head splits)
-    and no kernel launch per run of heads. Within fp32 rounding of ``scaled_dot_product_attention`` (another order
-    of the sums, ``expf``). No collectives."""
+    """Attention of one query per row over a paged KV cache, into a preallocated output: ``args`` = ``(q, rows, nq,
+    d, k_layer, v_layer, head_stride, blocks, blocks_stride, block_size, L, mask, mask_stride, kv_of, scale,
+    scratch, out)`` as the kernel takes them (csrc/step.cpp ``tp_decode_attention``): addresses of ``q`` ``[rows,
+    nq, d]`` and of the layer's K and V pools ``[kv_local, num_blocks, block_size, d]`` (``head_stride`` elements
+    per KV head), each row's block table (int64, ``blocks_stride`` apart: position ``t`` is in block
+    ``table[t // block_size]`` at offset ``t % block_size``; the static cache: one block per row), the ``L``
+    positions read, a ``[rows, L]`` bool mask with its row stride or None, each query head's KV head (int64),
+    ``scratch`` of at least ``L`` floats, ``out`` ``[rows, nq * d]``. Each query head reads its KV head's blocks in
+    place: no gathers, no copies per query head (uneven head splits), no call per run of heads. Within fp32
+    rounding of ``scaled_dot_product_attention`` (another order of the sums, ``expf``). No collectives."""
     _lib().tp_decode_attention(*args)
 
 
