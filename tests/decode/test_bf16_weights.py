@@ -16,7 +16,8 @@ N_NEW = 10
 #: fp32 against fp32 with the same (bf16-valued) weights: only the order of the sums differs (our GEMV, the fused
 #: norms of the row step, oneDNN / MKL in the reference): 1e-5 of the largest logit, the row step test's bound
 TOL = 1e-5
-needs_gemv = pytest.mark.skipif(not gemv_kernel.available(), reason="neither AVX-512 BF16 nor AVX2 + FMA, or no C++ compiler")
+needs_gemv = pytest.mark.skipif(not gemv_kernel.available(),
+                                reason="neither AVX-512 BF16 nor AVX2 + FMA, or no C++ compiler")
 
 
 def rounded_reference(folder, ids, mask, n):

@@ -367,8 +367,8 @@ static void run_rows(int dtype, int mode, const void* x, const float* xf, int64_
 
 // y [M, N] = x [M, K] @ w[N, K]^T + bias. dtype 0: x, w, bias, y fp32; dtype 1: x, w, bias, y bf16 (bias may be
 // null), sums in fp32, mode 0 bf16 x bf16 (vdpbf16ps, or both widened without it) / 1 the weights widened and fma
-// with x in fp32; mode 2: 2..4 input rows two weight rows at a time (one row: as mode 0). pf: software prefetch distance in elements (0: none).
-// threads > 1: OpenMP over chunks of 64 output rows.
+// with x in fp32; mode 2: 2..4 input rows two weight rows at a time (one row: as mode 0). pf: software prefetch
+// distance in elements (0: none). threads > 1: OpenMP over chunks of 64 output rows.
 extern "C" void tp_gemv(int dtype, int mode, const void* x, int64_t M, int64_t K, const void* w, int64_t N,
                         const void* bias, void* y, int threads, int64_t pf) {
     float* xf = nullptr;
