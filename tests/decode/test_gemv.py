@@ -8,7 +8,7 @@ from tensorpar.decode import gemv_kernel
 from tests.decode.test_generate import ARCHS, hf_reference, make_model_folder, prompts
 
 needs_kernel = pytest.mark.skipif(not gemv_kernel.available(),
-                                  reason="neither AVX-512 BF16 nor AVX2 + FMA, or no C++ compiler")
+                                  reason="TENSORPAR_GEMV_KERNEL=0, neither AVX-512 BF16 nor AVX2 + FMA, or no compiler")
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
