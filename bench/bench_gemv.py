@@ -154,7 +154,7 @@ def main():
     import torch
     from tensorpar.decode import gemv_kernel
     from tensorpar.decode.bf16_weights import chunked_linear
-    from tensorpar.decode.kernels import pack, packed_linear
+    from tensorpar.decode.kernels import can_pack, pack, packed_linear
 
     if not gemv_kernel.available():
         sys.exit("our GEMV kernel is not available here (CPU features or compiler): nothing to compare")
@@ -181,6 +181,8 @@ def main():
                     variants["ours_widen"] = dict(mode=1, prefetch=0)
                 if m > 1:
                     variants["ours_pairs"] = dict(mode=2, prefetch=0)
+                if not can_pack(torch.zeros(1, 1, dtype=dt)):       # no oneDNN bf16 here (AVX2): nothing to pack
+                    del variants["onednn"]
             if args.variants:
                 variants = {vn: v for vn, v in variants.items() if vn in args.variants}
             nbytes = n * k * dt.itemsize
@@ -252,7 +254,7 @@ def main():
              "widened to fp32 and fma with the input in fp32; ours pairs (more than one row): two weight rows at a "
              "time, each input vector loaded once for both; chunked (bf16w): `bf16_weights.chunked_linear`, the "
              "path without our kernel. ours / oneDNN: the best of ours, ours widen and ours pairs (bf16w: ours / "
-             "chunked). "
+             "chunked; where oneDNN has no bf16 kernels, as on AVX2: ours / flinear). "
              "max rel: largest |y - fp64 reference| / max |reference| of the first copy (ours, else the first "
              "variant).", ""]
     for dname in args.dtypes:
@@ -273,7 +275,7 @@ def main():
                 frac = f", {r[vn + '_gbs'] * 1e9 / limit:.2f}" if limit else ""
                 cells.append(f"{r[vn + '_gbs']:.1f} ({r[vn + '_best_gbs']:.1f}){frac}, cpu {r[vn + '_cpu_gbs']:.1f}")
             ours = max(r.get("ours_gbs", 0), r.get("ours_widen_gbs", 0), r.get("ours_pairs_gbs", 0))
-            base = r.get("onednn_gbs", r.get("chunked_gbs"))
+            base = r.get("onednn_gbs", r.get("chunked_gbs", r.get("flinear_gbs")))
             ratio = f"{ours / base:.2f}x" if base and ours else "-"
             first = next(vn for vn in vns if vn + "_maxrel" in r)
             rel = r.get("ours_maxrel", r[first + "_maxrel"])
