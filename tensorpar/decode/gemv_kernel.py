@@ -52,7 +52,7 @@ MODE_ONE_ROW, MODE_WIDEN, MODE_PAIRS = 0, 1, 2
 PREFETCH = 0
 #: the most rows the lean path runs through this kernel: faster than oneDNN's prepacked GEMV at 1 and 2 rows, not
 #: at 4 (bench/results/gemv.md, AVX-512). On AVX2 (Zen 3, bench/results/gemv-avx2.md, loaded: CPU-time GB/s) fp32
-#: at one row is on par with oneDNN (0.7-1.26x per shape; an interleaved rerun at the 1.1B's shapes 0.95-1.05x), at 2
+#: at one row is on par with oneDNN (0.7-1.26x per shape; an interleaved rerun at the 1.1B's shapes 0.96-1.01x), at 2
 #: and 4 rows 1.4-2.2x; oneDNN has no bf16 kernels there (ours 1.2-1.6x ``F.linear``'s bf16 at one row). 4 would pay
 #: on AVX2, but the row step's buffers and tests are for 2.
 MAX_ROWS = 2
