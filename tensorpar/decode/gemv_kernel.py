@@ -66,7 +66,9 @@ def mode(dtype: torch.dtype, rows: int) -> int:
     inputs, within the loaded runs' noise, but at 0.6-0.8 of it at the 1.1B's down projection (5632 inputs): the
     input in fp32 (22 KB, read twice per weight byte) no longer stays in the 32 KB L1 cache beside the weights
     streaming through it (the probe reading the same weights against an 8 KB input ran at ``vdpbf16ps``'s rate).
-    Two weight rows at a time was not faster at 2 rows (bench/results/gemv.md)."""
+    Two weight rows at a time was not faster at 2 rows (bench/results/gemv.md). AVX2 (no ``vdpbf16ps``: mode 0
+    widens both operands in registers): the widened weights with an fp32 input ran at 1.0-1.06x mode 0 at one row
+    (bench/results/gemv-avx2.md, loaded), within the run's noise, so mode 0 stays the default there too."""
     return MODE_ONE_ROW
 
 
