@@ -13,7 +13,9 @@ in the last place of the unfused one; attention sums in another order than torch
 ``expf`` (within fp32 rounding of it), as SiLU does for torch's vectorised exp. tests/decode/test_row_step.py checks each against its reference and greedy
 tokens against transformers'.
 
-Build: ``g++ -O3 -mavx512f -ffp-contract=off -shared`` of the one file, cached like
+Build: ``g++ -O3 -ffp-contract=off -shared`` of the one file (plain C++ that the compiler vectorises) with
+``-mavx512f`` or, without AVX-512, ``-mavx2`` (:data:`TARGETS`, chosen as
+:func:`tensorpar.decode.gemv_kernel.pick_target` chooses; no contraction either way, so the same bits), cached like
 :mod:`tensorpar.decode.gemv_kernel`'s and used under the same conditions (it is only called where that kernel runs;
 ``TENSORPAR_GEMV_KERNEL=0`` turns both off).
 """
@@ -27,18 +29,24 @@ import torch
 
 from tensorpar import comm
 from tensorpar.comm import Group
+from tensorpar.decode.gemv_kernel import pick_target
 from tensorpar.decode.q8_kernel import load_kernel
 
 _SRC = Path(__file__).with_name("csrc") / "step.cpp"
-_FLAGS = ["-O3", "-mavx512f", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17"]
-_FEATURES = ("avx512f",)
+_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17"]
+#: the builds of csrc/step.cpp, best first: (name, the /proc/cpuinfo flags it needs, its compiler flags)
+TARGETS = (("avx512", ("avx512f",), ["-mavx512f"]), ("avx2", ("avx2",), ["-mavx2"]))
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 
 
 @lru_cache(maxsize=1)
 def _lib():
-    lib = load_kernel(_SRC, _FLAGS, "step", _FEATURES, "TENSORPAR_GEMV_KERNEL")
+    t = pick_target(TARGETS)
+    if t is None:
+        return None
+    name, features, flags = t
+    lib = load_kernel(_SRC, _FLAGS + flags, f"step_{name}", features, "TENSORPAR_GEMV_KERNEL")
     if lib is None:
         return None
     lib.tp_add_rms_norm.restype = None
@@ -54,7 +62,8 @@ def _lib():
 
 
 def available() -> bool:
-    """Whether this process can run the kernels (AVX-512 F, a C++ compiler, ``TENSORPAR_GEMV_KERNEL`` not ``0``)."""
+    """Whether this process can run the kernels (AVX-512 F or AVX2, a C++ compiler, ``TENSORPAR_GEMV_KERNEL`` not
+    ``0``)."""
     return _lib() is not None
 
 

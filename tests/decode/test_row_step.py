@@ -11,7 +11,7 @@ from tests._ranks import run_tp
 from tests.decode.test_generate import ARCHS, hf_reference, make_model_folder, prompts
 
 needs_kernels = pytest.mark.skipif(not (gemv_kernel.available() and fused.available()),
-                                   reason="no AVX-512 BF16 CPU or no C++ compiler")
+                                   reason="TENSORPAR_GEMV_KERNEL=0, neither AVX-512 BF16 nor AVX2 + FMA, no compiler")
 #: the fused RMSNorm adds its sum of squares in another order than torch's ``mean`` (16 fp32 lanes): the sum then
 #: differs by a few units in its last place, and the output, after rsqrt and two products, by at most ~4 units in
 #: the last place of the largest output (2^-21 relative to it)
