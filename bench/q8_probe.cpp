@@ -11,6 +11,7 @@
 //         -fopenmp -std=c++17 bench/q8_probe.cpp -o q8_probe [-DWITH_GGML -I$GGML/include -L$GGML/lib
 //         -lggml-cpu -lggml-base -Wl,-rpath,$GGML/lib]
 //     ./q8_probe REPS MB M K N [M K N ...]
+// (-DTILE_R=r -DTILE_M=m: the AVX2 target with tiles of r weight rows x m activation rows, to compare tilings)
 #include "../tensorpar/decode/csrc/q8_linear.cpp"
 #include <stdio.h>
 #include <time.h>

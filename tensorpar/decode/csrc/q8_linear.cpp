@@ -132,6 +132,17 @@ static inline float row_dot(const uint8_t* xa, const uint8_t* sg, const float* x
     return v;
 }
 
+#define TILE_R 1
+#define TILE_M 1
+
+// the AVX2 target's tile interface, one weight row and one activation row
+template <int R, int MR>
+static inline void tile(const uint8_t* const* xa, const uint8_t* const* sg, const float* const* xs, int64_t K,
+                        const int8_t* w0, const uint16_t* s0, int pf, float* out) {
+    static_assert(R == 1 && MR == 1, "the AVX512-VNNI target runs one row at a time");
+    out[0] = row_dot(xa[0], sg[0], xs[0], K, w0, s0, pf);
+}
+
 #else  // AVX2 + FMA + F16C
 
 // xq itself (int8, K bytes): vpsignb takes the sign from it
@@ -167,57 +178,117 @@ static void quantize_row(const float* x, int64_t K, uint8_t* xa, uint8_t* sg, fl
 }
 
 // the eight int32 lane sums of one block: lane i = sum_{k < 4} |xq[4i + k]| * (sign(xq) w)[4i + k]
-static inline __m256i block_dot(const uint8_t* xa, const uint8_t* sg, const int8_t* w) {
-    const __m256i sw = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)w), _mm256_loadu_si256((const __m256i*)sg));
+static inline __m256i block_dot(const uint8_t* xa, const uint8_t* sg, __m256i w) {
+    const __m256i sw = _mm256_sign_epi8(w, _mm256_loadu_si256((const __m256i*)sg));
     return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i*)xa), sw), _mm256_set1_epi16(1));
 }
 
-static inline float row_dot(const uint8_t* xa, const uint8_t* sg, const float* xs, int64_t K, const int8_t* w0,
-                            const uint16_t* s0, int pf) {
+#ifndef TILE_R
+#define TILE_R 1
+#endif
+#ifndef TILE_M
+#define TILE_M 2
+#endif
+
+// R weight rows (w0 + r K, scales s0 + r nb) x MR activation rows (xa[m], sg[m], xs[m]) -> out[m R + r]: each weight
+// block loaded once for the MR rows; 2 R MR independent accumulators (each output summed exactly as alone)
+template <int R, int MR>
+static inline void tile(const uint8_t* const* xa, const uint8_t* const* sg, const float* const* xs, int64_t K,
+                        const int8_t* w0, const uint16_t* s0, int pf, float* out) {
     const int64_t nb = K / QK, np = nb / 2;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();       // even blocks, odd blocks
-    float d[16];
+    __m256 acc[MR][R][2];                                  // [.][.][0]: even blocks, [1]: odd blocks
+    for (int m = 0; m < MR; ++m)
+        for (int r = 0; r < R; ++r) acc[m][r][0] = acc[m][r][1] = _mm256_setzero_ps();
+    float d[MR][R][16];
     for (int64_t p0 = 0; p0 < np; p0 += 8) {
         const int cnt = np - p0 < 8 ? (int)(np - p0) : 8;
+        const int64_t b0 = 2 * p0;
         // the blocks' fp32 scales xs * ws, 16 at a time (fewer at the end: no read past the row's scales)
-        if (cnt == 8) {
-            const int64_t b0 = 2 * p0;
-            _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s0 + b0))),
-                                              _mm256_loadu_ps(xs + b0)));
-            _mm256_storeu_ps(d + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s0 + b0 + 8))),
-                                                  _mm256_loadu_ps(xs + b0 + 8)));
-        } else {
-            for (int i = 0; i < 2 * cnt; ++i) d[i] = _cvtsh_ss(s0[2 * p0 + i]) * xs[2 * p0 + i];
-        }
+        for (int m = 0; m < MR; ++m)
+            for (int r = 0; r < R; ++r) {
+                const uint16_t* sr = s0 + r * nb + b0;
+                if (cnt == 8) {
+                    _mm256_storeu_ps(d[m][r], _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)sr)),
+                                                            _mm256_loadu_ps(xs[m] + b0)));
+                    _mm256_storeu_ps(d[m][r] + 8,
+                                     _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sr + 8))),
+                                                   _mm256_loadu_ps(xs[m] + b0 + 8)));
+                } else {
+                    for (int i = 0; i < 2 * cnt; ++i) d[m][r][i] = _cvtsh_ss(sr[i]) * xs[m][b0 + i];
+                }
+            }
         for (int j = 0; j < cnt; ++j) {
             const int64_t b = 2 * (p0 + j);
-            if (pf) _mm_prefetch((const char*)(w0 + K + b * QK), _MM_HINT_T0);
-            const __m256i e = block_dot(xa + b * QK, sg + b * QK, w0 + b * QK);
-            const __m256i o = block_dot(xa + (b + 1) * QK, sg + (b + 1) * QK, w0 + (b + 1) * QK);
-            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(e), _mm256_broadcast_ss(d + 2 * j), acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(o), _mm256_broadcast_ss(d + 2 * j + 1), acc1);
+            for (int r = 0; r < R; ++r) {
+                const int8_t* wr = w0 + r * K + b * QK;
+                if (pf) _mm_prefetch((const char*)(wr + R * K), _MM_HINT_T0);
+                const __m256i we = _mm256_loadu_si256((const __m256i*)wr);
+                const __m256i wo = _mm256_loadu_si256((const __m256i*)(wr + QK));
+                for (int m = 0; m < MR; ++m) {
+                    const __m256i e = block_dot(xa[m] + b * QK, sg[m] + b * QK, we);
+                    const __m256i o = block_dot(xa[m] + (b + 1) * QK, sg[m] + (b + 1) * QK, wo);
+                    acc[m][r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(e), _mm256_broadcast_ss(&d[m][r][2 * j]),
+                                                   acc[m][r][0]);
+                    acc[m][r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(o), _mm256_broadcast_ss(&d[m][r][2 * j + 1]),
+                                                   acc[m][r][1]);
+                }
+            }
         }
     }
-    float v = hsum16(acc0, acc1);
-    if (nb & 1) {           // the last, odd block
-        const int64_t b = nb - 1;
-        const int32_t dot = hsum8_epi32(block_dot(xa + b * QK, sg + b * QK, w0 + b * QK));
-        v += (float)dot * (_cvtsh_ss(s0[b]) * xs[b]);
-    }
-    return v;
+    for (int m = 0; m < MR; ++m)
+        for (int r = 0; r < R; ++r) {
+            float v = hsum16(acc[m][r][0], acc[m][r][1]);
+            if (nb & 1) {           // the last, odd block
+                const int64_t b = nb - 1;
+                const __m256i w = _mm256_loadu_si256((const __m256i*)(w0 + r * K + b * QK));
+                const int32_t dot = hsum8_epi32(block_dot(xa[m] + b * QK, sg[m] + b * QK, w));
+                v += (float)dot * (_cvtsh_ss(s0[r * nb + b]) * xs[m][b]);
+            }
+            out[m * R + r] = v;
+        }
 }
 
 #endif
 
-// y[n] for rows n in [n0, n1) of one activation row, one row after the other: the weights are read as one
-// sequential stream (q row-major), prefetching one row ahead. Measured (bench/results/decode_int8.md, AVX512):
-// tiles of 4 or 8 rows read together (4 or 8 streams, x loaded once per tile) streamed 25-40% slower from memory.
-static void gemv_rows(const uint8_t* xa, const uint8_t* sg, const float* xs, int64_t K, const int8_t* wq,
-                      const uint16_t* ws, const float* bias, float* y, int64_t n0, int64_t n1) {
-    const int64_t nb = K / QK;
-    for (int64_t n = n0; n < n1; ++n) {
-        const float v = row_dot(xa, sg, xs, K, wq + n * K, ws + n * nb, n + 1 < n1 ? 1 : 0);
-        y[n] = v + (bias ? bias[n] : 0.0f);
+// y[m, n] for all M activation rows and weight rows n in [n0, n1): per TILE_M activation rows, the weight rows one
+// tile of TILE_R after the other, so the weights are read as one sequential stream (q row-major), prefetching one
+// tile ahead. Measured (bench/results/decode_int8.md, AVX512): tiles of 4 or 8 weight rows read together (4 or 8
+// streams, x loaded once per tile) streamed 25-40% slower from memory. Each output is summed the same way whatever
+// the tile (its own accumulators), so y does not depend on TILE_R, TILE_M, N's chunks or the thread count.
+template <int R, int MR>
+static inline void tile_out(const uint8_t* const* xa, const uint8_t* const* sg, const float* const* xs, int64_t K,
+                            const int8_t* wq, const uint16_t* ws, const float* bias, float* y, int64_t N, int64_t n,
+                            int pf) {
+    float out[MR * R];
+    tile<R, MR>(xa, sg, xs, K, wq + n * K, ws + n * (K / QK), pf, out);
+    for (int m = 0; m < MR; ++m)
+        for (int r = 0; r < R; ++r) y[m * N + n + r] = out[m * R + r] + (bias ? bias[n + r] : 0.0f);
+}
+
+template <int MR>
+static void gemv_rows(const uint8_t* const* xa, const uint8_t* const* sg, const float* const* xs, int64_t K,
+                      const int8_t* wq, const uint16_t* ws, const float* bias, float* y, int64_t N, int64_t n0,
+                      int64_t n1) {
+    int64_t n = n0;
+    for (; n + TILE_R <= n1; n += TILE_R)
+        tile_out<TILE_R, MR>(xa, sg, xs, K, wq, ws, bias, y, N, n, n + TILE_R < n1 ? 1 : 0);
+    for (; n < n1; ++n) tile_out<1, MR>(xa, sg, xs, K, wq, ws, bias, y, N, n, n + 1 < n1 ? 1 : 0);
+}
+
+static void gemv_all(const uint8_t* xa, const uint8_t* sg, const float* xs, int64_t M, int64_t K, const int8_t* wq,
+                     const uint16_t* ws, const float* bias, float* y, int64_t N, int64_t n0, int64_t n1) {
+    const int64_t nb = K / QK, sb = sign_bytes(K);
+    int64_t m = 0;
+    const uint8_t* pa[TILE_M];
+    const uint8_t* ps[TILE_M];
+    const float* px[TILE_M];
+    for (; m + TILE_M <= M; m += TILE_M) {
+        for (int i = 0; i < TILE_M; ++i) pa[i] = xa + (m + i) * K, ps[i] = sg + (m + i) * sb, px[i] = xs + (m + i) * nb;
+        gemv_rows<TILE_M>(pa, ps, px, K, wq, ws, bias, y + m * N, N, n0, n1);
+    }
+    for (; m < M; ++m) {
+        pa[0] = xa + m * K, ps[0] = sg + m * sb, px[0] = xs + m * nb;
+        gemv_rows<1>(pa, ps, px, K, wq, ws, bias, y + m * N, N, n0, n1);
     }
 }
 
@@ -240,15 +311,14 @@ extern "C" void tp_q8_linear_into(const float* x, int64_t M, int64_t K, const in
     float* xs = (float*)(sg + up64(M * sb));
     for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, xa + m * K, sg + m * sb, xs + m * nb);
     if (M == 1 && threads <= 1) {
-        gemv_rows(xa, sg, xs, K, wq, ws, bias, y, 0, N);
+        gemv_all(xa, sg, xs, M, K, wq, ws, bias, y, N, 0, N);
         return;
     }
     const int64_t chunk = 16, nchunks = (N + chunk - 1) / chunk;
 #pragma omp parallel for num_threads(threads > 1 ? threads : 1) schedule(static) if (threads > 1)
     for (int64_t c = 0; c < nchunks; ++c) {
         const int64_t n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
-        for (int64_t m = 0; m < M; ++m)
-            gemv_rows(xa + m * K, sg + m * sb, xs + m * nb, K, wq, ws, bias, y + m * N, n0, n1);
+        gemv_all(xa, sg, xs, M, K, wq, ws, bias, y, N, n0, n1);
     }
 }
 
