@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <time.h>
 #include <algorithm>
+#include <functional>
 #include <random>
 #include <vector>
 #ifdef WITH_GGML
@@ -27,20 +28,27 @@ static double now(clockid_t c) { timespec t; clock_gettime(c, &t); return t.tv_s
 
 struct Timing { double wall_best, wall_med, cpu_best, cpu_med; };
 
-// per-call seconds of fn(i) over i in [0, n), REPS sweeps
+// per-call seconds of each of fns' calls fn(i), i in [0, n), REPS sweeps, the candidates' sweeps interleaved (so
+// load that comes and goes on a shared machine hits each alike)
 template <class F>
-static Timing sweep(int reps, int n, F fn) {
-    std::vector<double> w, c;
-    fn(0);                                  // warm-up (page faults, threadpool)
-    for (int r = 0; r < reps; ++r) {
-        double w0 = now(CLOCK_MONOTONIC), c0 = now(CLOCK_THREAD_CPUTIME_ID);
-        for (int i = 0; i < n; ++i) fn(i);
-        w.push_back((now(CLOCK_MONOTONIC) - w0) / n);
-        c.push_back((now(CLOCK_THREAD_CPUTIME_ID) - c0) / n);
+static std::vector<Timing> sweep(int reps, int n, const std::vector<F>& fns) {
+    const size_t c = fns.size();
+    std::vector<std::vector<double>> w(c), u(c);
+    for (auto& fn : fns) fn(0);             // warm-up (page faults, threadpool)
+    for (int r = 0; r < reps; ++r)
+        for (size_t k = 0; k < c; ++k) {
+            double w0 = now(CLOCK_MONOTONIC), c0 = now(CLOCK_THREAD_CPUTIME_ID);
+            for (int i = 0; i < n; ++i) fns[k](i);
+            w[k].push_back((now(CLOCK_MONOTONIC) - w0) / n);
+            u[k].push_back((now(CLOCK_THREAD_CPUTIME_ID) - c0) / n);
+        }
+    std::vector<Timing> out;
+    for (size_t k = 0; k < c; ++k) {
+        std::sort(w[k].begin(), w[k].end());
+        std::sort(u[k].begin(), u[k].end());
+        out.push_back({w[k][0], w[k][w[k].size() / 2], u[k][0], u[k][u[k].size() / 2]});
     }
-    std::sort(w.begin(), w.end());
-    std::sort(c.begin(), c.end());
-    return {w[0], w[w.size() / 2], c[0], c[c.size() / 2]};
+    return out;
 }
 
 static void print_timing(const char* who, int64_t M, int64_t K, int64_t N, int n, const Timing& t, double rel) {
@@ -82,12 +90,11 @@ int main(int argc, char** argv) {
         for (auto& v : x) v = nd(rng);
         std::vector<uint8_t> scratch(tp_q8_scratch_bytes(M, K) + 64);
         void* sp = (void*)(((uintptr_t)scratch.data() + 63) / 64 * 64);
-        Timing ours = sweep(reps, n, [&](int i) {
+        std::vector<std::function<void(int)>> fns = {[&](int i) {
             tp_q8_linear_into(x.data(), M, K, q[i].data(), s[i].data(), N, nullptr, y.data(), 1, sp);
-        });
+        }};
         tp_q8_linear_into(x.data(), M, K, q[0].data(), s[0].data(), N, nullptr, y.data(), 1, sp);
         std::vector<float> y0 = y;
-        print_timing(tp_q8_target(), M, K, N, n, ours, 0.0);
 #ifdef WITH_GGML
         const size_t per = ggml_tensor_overhead() * 4 + ggml_graph_overhead_custom(8, false);
         ggml_init_params ip = {(size_t)(n * (bytes + per + 4096) + M * K * 4 + M * N * 4 * n + (1 << 20)), nullptr,
@@ -113,19 +120,23 @@ int main(int argc, char** argv) {
             work = std::max(work, ggml_graph_plan(graphs[i], 1, pool).work_size);
         }
         std::vector<uint8_t> wbuf(work + 64);
-        Timing g = sweep(reps, n, [&](int i) {
+        fns.push_back([&](int i) {
             ggml_cplan plan = ggml_graph_plan(graphs[i], 1, pool);
             plan.work_data = wbuf.data();
             ggml_graph_compute(graphs[i], &plan);
         });
+        std::vector<Timing> t = sweep(reps, n, fns);
+        print_timing(tp_q8_target(), M, K, N, n, t[0], 0.0);
         const float* gy = (const float*)ggml_get_data(outs[0]);
         double dmax = 0, ymax = 0;
         for (int64_t j = 0; j < M * N; ++j) {
             dmax = std::max(dmax, (double)fabsf(gy[j] - y0[j]));
             ymax = std::max(ymax, (double)fabsf(y0[j]));
         }
-        print_timing("llama.cpp Q8_0 (ggml mul_mat)", M, K, N, n, g, dmax / ymax);
+        print_timing("llama.cpp Q8_0 (ggml mul_mat)", M, K, N, n, t[1], dmax / ymax);
         ggml_free(ctx);
+#else
+        print_timing(tp_q8_target(), M, K, N, n, sweep(reps, n, fns)[0], 0.0);
 #endif
     }
 #ifdef WITH_GGML
