@@ -149,11 +149,12 @@ def main() -> None:
              f"CPU: {meta['cpu']} ({meta['cores']} cores), torch {meta['torch']}; load average at start "
              f"{' / '.join(f'{v:.2f}' for v in load_start)}, at end {' / '.join(f'{v:.2f}' for v in meta['load_end'])}"
              f"; weights cycled through >= {a.mb:g} MB per shape (from memory), best of {a.reps} sweeps. "
-             f"GB/s of the weight bytes (34 per 32 weights), by wall time (CPU time in the json). "
+             f"Each cell: wall / thread-CPU µs per call, and GB/s of the weight bytes (34 per 32 weights) by CPU time "
+             f"(on a loaded, shared machine a descheduled thread stops its CPU clock, not the wall clock). "
              f"'{q8_kernel.target()}' = our kernel called from C (bench/q8_probe.cpp); llama.cpp = ggml's mul_mat "
              f"of its Q8_0 (its build in the llama-cpp-python venv), the same weights; 'rel diff' = largest "
              f"|ours - llama.cpp| / largest |ours| (llama.cpp keeps the activation scales in fp16, we in fp32).",
-             "", "| shape | M | K x N | " + " | ".join(kernels) + " | llama.cpp / ours (C) | rel diff |",
+             "", "| shape | M | K x N | " + " | ".join(kernels) + " | llama.cpp / ours (C), CPU time | rel diff |",
              "|---|---|---|" + "---|" * len(kernels) + "---|---|"]
     ours_c = meta["target"]
     for name, k, n in SHAPES:
@@ -161,9 +162,10 @@ def main() -> None:
             cells = []
             for kn in kernels:
                 r = by.get((kn, m, k, n))
-                cells.append(f"{r['us_wall_best']:.1f} µs, {r['gbs_wall_best']:.1f} GB/s" if r else "-")
+                cells.append(f"{r['us_wall_best']:.0f} / {r['us_cpu_best']:.0f} µs, {r['gbs_cpu_best']:.1f} GB/s"
+                             if r else "-")
             o, g = by.get((ours_c, m, k, n)), by.get(("llama.cpp Q8_0 (ggml mul_mat)", m, k, n))
-            ratio = f"{g['us_wall_best'] / o['us_wall_best']:.2f}x" if o and g else "-"
+            ratio = f"{g['us_cpu_best'] / o['us_cpu_best']:.2f}x" if o and g else "-"
             diff = f"{g['max_rel_diff']:.1e}" if g else "-"
             lines.append(f"| {name} | {m} | {k} x {n} | " + " | ".join(cells) + f" | {ratio} | {diff} |")
     write_results(Path(a.out), meta, rows, lines)
