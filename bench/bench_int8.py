@@ -2,8 +2,8 @@
 
 In one run this script
 
-1. times the candidate int8 matmul kernels at the 1.1B random Llama's decode shapes (:func:`kernels`): our VNNI
-   kernel, the PyTorch path, ``torch._weight_int8pack_mm``, fbgemm's dynamic linear, fp32 and bf16 ``F.linear``,
+1. times the candidate int8 matmul kernels at the 1.1B random Llama's decode shapes (:func:`kernels`): our
+   kernel (AVX512-VNNI or AVX2), the PyTorch path, ``torch._weight_int8pack_mm``, fbgemm's dynamic linear, fp32 and bf16 ``F.linear``,
    one thread, each call reading its weight from memory; GB/s by wall and by CPU time;
 2. measures the memory bandwidth of 1 and of 2 processes (bench_decode.py's GEMV);
 3. runs greedy decode of SmolLM2-135M (``--tokens`` new tokens, lean path, 1 thread per rank, each row in fresh
@@ -52,7 +52,7 @@ def kernels(min_mb: int = 160, sweeps: int = 3) -> dict:
     """Per candidate and 1.1B decode shape (:data:`SHAPES_1B`, one row ``M = 1``, 1 thread): µs per call and GB/s of
     the bytes its weight format holds, cycling over enough distinct weights (>= ``min_mb`` MB, beyond the 32 MB L3)
     that each call reads its weight from memory; best of ``sweeps``. Wall time, and the thread's CPU time (the
-    machine is shared: a descheduled thread stops its CPU clock, not the wall clock). Candidates: our VNNI kernel
+    machine is shared: a descheduled thread stops its CPU clock, not the wall clock). Candidates: our kernel
     (blockwise fp16 scales), the same math in PyTorch (the fallback), ``torch._weight_int8pack_mm`` (bf16
     activations, per-channel scales), fbgemm's ``torch.ops.quantized.linear_dynamic`` (per-channel weights,
     per-tensor dynamic uint8 activations), fp32 and bf16 ``F.linear``."""
@@ -74,7 +74,7 @@ def kernels(min_mb: int = 160, sweeps: int = 3) -> dict:
         cands = {}
         q8 = [quantize_weight(w, write=False) for w in ws]
         if out["kernel_available"]:
-            cands["ours: int8 x int8 VNNI, blockwise fp16 scales"] = (lambda i: int8_linear(x, q8[i]), N * K * 17 / 16)
+            cands[f"ours: int8 x int8 {q8_kernel.target()}, blockwise fp16 scales"] = (lambda i: int8_linear(x, q8[i]), N * K * 17 / 16)
         cands["PyTorch path (dequantize, fp32 matmul), blockwise"] = (lambda i: int8_linear_reference(x, q8[i]),
                                                                        N * K * 17 / 16)
         chs = [(w.abs().amax(1) / 127) for w in ws]
@@ -291,7 +291,7 @@ def write(res: dict, out: Path, n: int) -> None:
 
 FORMAT = ("int8: every decoder Linear and the LM head as int8 with one fp16 scale per block of 32 inputs (llama.cpp's "
           "Q8_0), activations quantized per row and block of 32 in each matmul, int8 x int8 products "
-          "(tensorpar/decode/int8.py; on AVX512-VNNI our kernel, tensorpar/decode/q8_kernel.py).")
+          "(tensorpar/decode/int8.py; on AVX512-VNNI or AVX2 our kernel, tensorpar/decode/q8_kernel.py).")
 
 
 def cpu_model() -> str:

@@ -5,8 +5,8 @@ Linear / embedding classes a module becomes once its fp weight is freed.
 
 Compute (:func:`int8_linear`, llama.cpp's Q8_0 x Q8_0): the activations are quantized on the fly per row and block
 of 32 (``d = max|x| / 127``, ``xq = round(x / d)`` as ``round(x * (1/d))``, half to even), each block's int8 x int8
-dot product is summed exactly in int32 and multiplied by ``d * s`` in fp32. On a CPU with AVX512-VNNI this is our
-kernel (:mod:`tensorpar.decode.q8_kernel`); elsewhere (CUDA, other CPUs, no compiler) the same math in PyTorch
+dot product is summed exactly in int32 and multiplied by ``d * s`` in fp32. On a CPU with AVX512-VNNI or AVX2 this is
+our kernel (:mod:`tensorpar.decode.q8_kernel`); elsewhere (CUDA, other CPUs, no compiler) the same math in PyTorch
 (:func:`int8_linear_reference`: dequantized activations and weights, an fp32 matmul; equal up to fp32 summation
 order, since ``(xq d)(q s)`` is exactly the per-element product the blocks sum). The result is cast to ``x``'s
 dtype (fp32 or bf16 models alike).
@@ -104,7 +104,7 @@ def int8_linear_reference(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | N
 
 def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W^T + bias`` for ``x`` ``[..., in]`` with ``x`` quantized per block of 32 (see the module docstring);
-    returns ``[..., out]`` in ``x``'s dtype. Our VNNI kernel on a CPU that has it, else
+    returns ``[..., out]`` in ``x``'s dtype. Our kernel (AVX512-VNNI or AVX2) on a CPU that has one, else
     :func:`int8_linear_reference`. No collectives."""
     if x.device.type == "cpu" and q8_kernel.available():
         y = torch.ops.tensorpar.q8_linear(x.reshape(-1, x.shape[-1]).float(), w.q, w.scale,

@@ -7,12 +7,15 @@ weight to bf16), ``torch.ops.quantized.linear_dynamic`` (fbgemm; one activation 
 ``torch.ops.onednn.qlinear_pointwise`` (static activation scales). bench/bench_int8.py measures them at the 1.1B
 decode shapes against this kernel (bench/results/decode_int8.md).
 
-Build: ``g++ -O3 -mavx512f -mavx512bw -mavx512vl -mavx512vnni -mf16c -fopenmp -shared`` of the one C++ file (no
-torch headers: about a second), into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``) under a name carrying a hash of the source and flags, written atomically; loaded
-with ctypes. Used only where /proc/cpuinfo lists avx512f, avx512bw, avx512vl, avx512_vnni and f16c and the build
-succeeded (:func:`available`); elsewhere (no compiler, another CPU, CUDA) :func:`tensorpar.decode.int8.int8_linear`
-runs the same math in PyTorch.
+Build: ``g++ -O3 <target flags> -ffp-contract=off -fopenmp -shared`` of the one C++ file (no torch headers: about a
+second), for the first of :data:`TARGETS` whose features /proc/cpuinfo lists: AVX512-VNNI (``-mavx512f -mavx512bw
+-mavx512vl -mavx512vnni -mf16c``; the int8 products on vpdpbusd) or AVX2 (``-mavx2 -mfma -mf16c``; the products on
+vpmaddubsw / vpmaddwd, as ggml's AVX2 Q8_0 dot product). Both targets sum the same exact int32 lane sums in the same
+fp32 order, so they give bitwise the same result (csrc/q8_linear.cpp's header). The library goes into torch's
+extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) under a name carrying the target
+and a hash of the source and flags, written atomically; loaded with ctypes. Used only where a target's features are
+listed and the build succeeded (:func:`available`); elsewhere (no compiler, a CPU without AVX2, CUDA)
+:func:`tensorpar.decode.int8.int8_linear` runs the same math in PyTorch.
 """
 from __future__ import annotations
 
@@ -28,9 +31,14 @@ from pathlib import Path
 import torch
 
 _SRC = Path(__file__).with_name("csrc") / "q8_linear.cpp"
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-fopenmp", "-shared",
-          "-fPIC", "-std=c++17"]
-_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
+_COMMON = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+#: the kernel's build targets, best first: ``(name, compiler flags, /proc/cpuinfo flags the CPU must list)``
+TARGETS = (("avx512vnni", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c"),
+            ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")),
+           ("avx2", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")))
+#: the AVX512-VNNI target's full flags and features (the defaults of :func:`_build` and :func:`_cpu_has_features`)
+_FLAGS = [*TARGETS[0][1], *_COMMON]
+_FEATURES = TARGETS[0][2]
 
 
 def _cpu_has_features(features=_FEATURES) -> bool:
@@ -82,11 +90,22 @@ def load_kernel(src_path: Path, flags: list[str], name: str, features, env: str)
         return None
 
 
-@lru_cache(maxsize=1)
-def _lib():
-    lib = load_kernel(_SRC, _FLAGS, "q8", _FEATURES, "TENSORPAR_Q8_KERNEL")
+def target() -> str | None:
+    """The name of the first of :data:`TARGETS` whose features this CPU lists (``None``: none; the kernel's build
+    and ``TENSORPAR_Q8_KERNEL`` are not looked at)."""
+    return next((name for name, _, features in TARGETS if _cpu_has_features(features)), None)
+
+
+@lru_cache(maxsize=None)
+def _lib_of(name: str):
+    """The ctypes library of target ``name`` (of :data:`TARGETS`), or None where it cannot run (see
+    :func:`load_kernel`)."""
+    _, flags, features = next(t for t in TARGETS if t[0] == name)
+    lib = load_kernel(_SRC, [*flags, *_COMMON], f"q8_{name}", features, "TENSORPAR_Q8_KERNEL")
     if lib is None:
         return None
+    lib.tp_q8_target.restype = ctypes.c_char_p
+    lib.tp_q8_target.argtypes = []
     lib.tp_q8_linear.restype = None
     lib.tp_q8_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
@@ -97,8 +116,16 @@ def _lib():
     return lib
 
 
+@lru_cache(maxsize=1)
+def _lib():
+    """The library of this CPU's best target (:func:`target`), or None."""
+    name = target()
+    return None if name is None else _lib_of(name)
+
+
 def available() -> bool:
-    """Whether this process can run the kernel (the CPU features, a compiler, ``TENSORPAR_Q8_KERNEL`` not ``0``)."""
+    """Whether this process can run the kernel (the CPU features of one of :data:`TARGETS`, a compiler,
+    ``TENSORPAR_Q8_KERNEL`` not ``0``)."""
     return _lib() is not None
 
 

@@ -1,6 +1,6 @@
 """int8 quantization (tensorpar/decode/quantize.py, int8.py, q8_kernel.py): the quantized model at tp 1/2/3 equals the
 plain-PyTorch quantized unsharded model (weights and each Linear's input quantized per block of 32 inputs, absmax
-scales, llama.cpp's Q8_0 x Q8_0), token for token; the VNNI kernel equals the same math written in PyTorch."""
+scales, llama.cpp's Q8_0 x Q8_0), token for token; our kernel (AVX512-VNNI or AVX2) equals the same math written in PyTorch."""
 import argparse
 
 import pytest
@@ -121,7 +121,7 @@ def test_int8_bf16_tp_1_and_2(pools, folders):
 @pytest.mark.parametrize("k", [64, 96])             # 96: an odd number of blocks (the kernel's 256-bit tail)
 @pytest.mark.parametrize("chunk", [2 ** 21, 100])   # 100: the PyTorch path dequantizes 1 row at a time
 def test_int8_linear_matches_blockwise_reference(dtype, k, chunk, monkeypatch):
-    """int8_linear (the VNNI kernel where the CPU has it) and int8_linear_reference equal the plain-PyTorch
+    """int8_linear (our kernel where the CPU has a target) and int8_linear_reference equal the plain-PyTorch
     blockwise math in float64 within fp32 summation error: 1e-5 of the largest output (K <= 96 terms of
     magnitude <= the output scale; the int32 block sums are exact), bf16 outputs within 2 ulp (2 ** -7)."""
     from tensorpar.decode import int8 as quant
@@ -148,26 +148,132 @@ def test_int8_linear_matches_blockwise_reference(dtype, k, chunk, monkeypatch):
         assert err < tol * want.abs().max().item(), f"{f.__name__}: {err}"
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 2048, 64), (4, 576, 33), (2, 160, 7)])
+#: unit roundoff of fp32 (round to nearest)
+U32 = 2.0 ** -24
+
+
+def _q8_tolerance(xd, w, k):
+    """The fp32 summation-order bound between our kernel and ``int8_linear_reference`` for ``xd`` ``[M, K]`` (the
+    dequantized activations ``xq * d``) and ``w`` (an Int8Weight), per output ``[M, N]``: both compute
+    ``sum_k xd_k * wd_k`` (``wd = q * s``, exact in fp32: 8 x 11 significant bits) with rounding errors only.
+    The reference rounds ``xq * d`` (1), each product (1) and sums K terms (K - 1), plus the bias (1): at most K + 2
+    roundings per term; the kernel's int32 lane sums are exact, it rounds ``d * s`` (1), adds each lane's nb/2
+    blocks by FMA (nb/2), reduces 16 lanes (4), the odd last block (2) and the bias (1): at most nb/2 + 8. By the
+    standard bound on a sum's rounding error (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed.,
+    eq. 3.5: ``|fl(sum) - sum| <= gamma_n sum |terms|``, ``gamma_n = n u / (1 - n u)``) each is within
+    ``gamma_n sum_k |xd_k wd_k|`` of the exact sum, so of each other within the sum of the two; independent of the
+    order either sums in, hence of the thread count, the target and torch's matmul."""
+    n_ref, n_kernel = k + 2, k // 64 + 8
+    gamma = lambda n: n * U32 / (1 - n * U32)                                         # noqa: E731
+    absum = xd.double().abs() @ w.dequantize(torch.float64).abs().T                   # sum_k |xd_k wd_k|
+    return (gamma(n_ref) + gamma(n_kernel)) * absum
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 2048, 64), (4, 576, 33), (2, 160, 7), (1, 5632, 16)])
 def test_q8_kernel_equals_pytorch_path(m, k, n):
-    """The VNNI kernel (tensorpar.decode.q8_kernel) against the same math in PyTorch on decode shapes, 1 and 2
-    threads: equal within fp32 summation order (1e-5 of the largest output; K <= 2048 terms)."""
+    """Our kernel (tensorpar.decode.q8_kernel, this CPU's target: AVX512-VNNI or AVX2) against the same math in
+    PyTorch (int8_linear_reference) on decode shapes, 1 and 2 threads: within _q8_tolerance (the fp32 rounding of
+    either summation order), and bitwise the same for 1 and 2 threads (each output summed by one thread). A wrong
+    activation quantization moves an output by a whole quantization step, far past the bound;
+    test_q8_kernel_exact_on_representable_inputs checks what lies within it."""
     from tensorpar.decode import q8_kernel
-    from tensorpar.decode.int8 import int8_linear_reference, quantize_weight
+    from tensorpar.decode.int8 import _dequantize, int8_linear_reference, quantize_blocks, quantize_weight
     if not q8_kernel.available():
-        pytest.skip("no AVX512-VNNI or no C++ compiler: int8_linear runs the PyTorch path")
+        pytest.skip("no AVX512-VNNI / AVX2 CPU or no C++ compiler: int8_linear runs the PyTorch path")
+    assert q8_kernel._lib().tp_q8_target().decode() == q8_kernel.target()
     g = torch.Generator().manual_seed(1)
     q = quantize_weight(torch.randn(n, k, generator=g), write=False)
     x = torch.randn(m, k, generator=g) * 3
+    x[0, 32:64] = 0                                             # a zero block: d = 0
     want = int8_linear_reference(x, q)
+    tol = _q8_tolerance(_dequantize(*quantize_blocks(x)), q, k)
     threads = torch.get_num_threads()
     try:
+        outs = []
         for t in (1, 2):
             torch.set_num_threads(t)
-            got = torch.ops.tensorpar.q8_linear(x, q.q, q.scale, None)
-            assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item()
+            outs.append(torch.ops.tensorpar.q8_linear(x, q.q, q.scale, None))
+            assert ((outs[-1].double() - want.double()).abs() <= tol).all(), (outs[-1] - want).abs().max()
+        assert torch.equal(outs[0], outs[1])
     finally:
         torch.set_num_threads(threads)
+
+
+def _representable_case(m, k, n, g):
+    """Inputs on which every fp32 operation of both computations is exact: activation blocks of ``xq * 2^e`` with
+    one entry ``+-127 * 2^e`` (so ``d = 2^e``, ``x * (1/d) = xq``), some entries halfway, ``(j + 1/2) 2^e``, that
+    must round to the even ``j``; int8 weights with scales ``2^f``; ``e, f`` in [-2, 0] and small activations, so
+    every partial sum is a multiple of 2^-4 below 2^20 (24 significant bits). A zero activation block. Returns
+    ``(x, Int8Weight, bias, the exact result in float64)``."""
+    from tensorpar.decode.int8 import Int8Weight
+    nb = k // 32
+    xq = torch.randint(-3, 4, (m, nb, 32), generator=g).double()
+    xq[..., 0] = 127 * (torch.randint(0, 2, (m, nb), generator=g) * 2 - 1)
+    half = torch.rand(m, nb, 32, generator=g) < 0.25
+    half[..., 0] = False
+    e = torch.randint(-2, 1, (m, nb, 1), generator=g).double()
+    x = ((xq + 0.5 * half) * 2 ** e)
+    x[0, nb // 2] = 0
+    xq_even = torch.where(half, 2 * torch.round((xq + 0.5) / 2), xq)      # half to even: j + 1/2 -> even j or j + 1
+    xq_even[0, nb // 2] = 0
+    xd = (xq_even * 2 ** e).flatten(1)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    s = 2.0 ** torch.randint(-2, 1, (n, nb), generator=g)
+    w = Int8Weight(q, s.half(), torch.float32)
+    bias = torch.randint(-64, 65, (n,), generator=g).double() / 16
+    exact = xd @ w.dequantize(torch.float64).T + bias
+    assert exact.abs().max() < 2 ** 19 and (exact * 16).frac().abs().max() == 0
+    return x.flatten(1).float(), w, bias.float(), exact
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 608, 40), (2, 160, 7), (4, 576, 33)])   # 608: 19 blocks, odd
+def test_q8_kernel_exact_on_representable_inputs(m, k, n):
+    """On inputs where no fp32 operation rounds (_representable_case), the kernel, int8_linear_reference and the
+    exact sum are bitwise equal: the activation quantization (halfway values to even, a zero block, +-127), the
+    int8 products with signs, every block's scale and the bias, with no tolerance at all."""
+    from tensorpar.decode import q8_kernel
+    from tensorpar.decode.int8 import int8_linear_reference
+    x, w, bias, exact = _representable_case(m, k, n, torch.Generator().manual_seed(2))
+    assert torch.equal(int8_linear_reference(x, w, bias).double(), exact)
+    if not q8_kernel.available():
+        pytest.skip("no AVX512-VNNI / AVX2 CPU or no C++ compiler: int8_linear runs the PyTorch path")
+    assert torch.equal(torch.ops.tensorpar.q8_linear(x, w.q, w.scale, bias).double(), exact)
+
+
+def test_q8_kernel_targets_agree_bitwise():
+    """Every target this CPU can run (an AVX512-VNNI CPU runs both) gives bitwise the same output: the same exact
+    int32 lane sums, summed in the same fp32 order (csrc/q8_linear.cpp)."""
+    import ctypes
+
+    from tensorpar.decode import q8_kernel
+    from tensorpar.decode.int8 import quantize_weight
+    libs = {name: q8_kernel._lib_of(name) for name, _, f in q8_kernel.TARGETS if q8_kernel._cpu_has_features(f)}
+    libs = {name: lib for name, lib in libs.items() if lib is not None}
+    if len(libs) < 2:
+        pytest.skip(f"this CPU runs {len(libs)} of the kernel's targets ({', '.join(libs) or 'none'})")
+    g = torch.Generator().manual_seed(3)
+    for m, k, n in [(1, 2048, 40), (3, 608, 17)]:
+        q = quantize_weight(torch.randn(n, k, generator=g), write=False)
+        x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+        outs = {}
+        for name, lib in libs.items():
+            assert lib.tp_q8_target().decode() == name
+            y = torch.empty(m, n)
+            lib.tp_q8_linear(x.data_ptr(), m, k, q.q.data_ptr(), q.scale.data_ptr(), n, b.data_ptr(), y.data_ptr(), 1)
+            outs[name] = y
+        first = next(iter(outs.values()))
+        assert all(torch.equal(y, first) for y in outs.values()), {k: (y - first).abs().max() for k, y in outs.items()}
+
+
+def test_q8_kernel_target_follows_the_cpu_flags(monkeypatch):
+    """The target is the first of TARGETS whose /proc/cpuinfo flags the CPU lists: AVX512-VNNI, else AVX2 + FMA +
+    F16C, else none (the PyTorch path)."""
+    from tensorpar.decode import q8_kernel
+    for flags, want in [({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "avx2", "fma"}, "avx512vnni"),
+                        ({"avx512f", "avx512bw", "avx512vl", "f16c", "avx2", "fma"}, "avx2"),
+                        ({"avx2", "fma", "f16c"}, "avx2"), ({"avx2", "f16c"}, None), (set(), None)]:
+        monkeypatch.setattr(q8_kernel, "_cpu_has_features", lambda features, fl=flags: set(features) <= fl)
+        assert q8_kernel.target() == want, flags
 
 
 def test_quantize_refused_before_ranks_start(tmp_path):

@@ -118,7 +118,7 @@ def test_silu_mul_equals_torch(rows, f):
     assert ((out - want).abs() <= 4 * torch.finfo(torch.float32).eps * want.abs() + 1e-30).all()
 
 
-@pytest.mark.skipif(not q8_kernel.available(), reason="no AVX512-VNNI CPU or no C++ compiler")
+@pytest.mark.skipif(not q8_kernel.available(), reason="no AVX512-VNNI / AVX2 CPU or no C++ compiler")
 @pytest.mark.parametrize("m,k,n", [(1, 288, 300), (2, 96, 53), (2, 32 * 7, 17)])
 def test_q8_linear_into_equals_q8_linear(m, k, n):
     """The row step's int8 matmul (prepared arguments, a scratch shared by matmuls of several widths, the output
@@ -210,7 +210,7 @@ INT8_TOL = 1e-2
 
 
 @needs_kernels
-@pytest.mark.skipif(not q8_kernel.available(), reason="no AVX512-VNNI CPU or no C++ compiler")
+@pytest.mark.skipif(not q8_kernel.available(), reason="no AVX512-VNNI / AVX2 CPU or no C++ compiler")
 @pytest.mark.parametrize("tp,batch", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow),
                                       pytest.param(2, 2, marks=pytest.mark.slow),
                                       pytest.param(1, 1, marks=pytest.mark.slow)])
