@@ -92,8 +92,8 @@ def test_decode_attention_equals_sdpa(rows, nq, kv_of, d, L, masked):
     if masked:
         mask[-1, ..., :3] = False                                          # a left-padded row
     out, scratch = torch.empty(rows, nq * d), torch.empty(bs)
-    base = (ctypes.c_int64 * rows)(*[blk * bs * d for blk in blocks])
-    fused.decode_attention((q.data_ptr(), rows, nq, d, kc.data_ptr(), vc.data_ptr(), kc.stride(0), base, L,
+    tables = (ctypes.c_int64 * rows)(*blocks)                           # one block per row (the static cache)
+    fused.decode_attention((q.data_ptr(), rows, nq, d, kc.data_ptr(), vc.data_ptr(), kc.stride(0), tables, 1, bs, L,
                             mask.data_ptr() if masked else None, mask.stride(0), (ctypes.c_int64 * nq)(*kv_of),
                             d ** -0.5, scratch.data_ptr(), out.data_ptr()))
     idx = torch.tensor(kv_of)
