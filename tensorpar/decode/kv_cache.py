@@ -230,7 +230,7 @@ class LeanKVCache:
             if L.kv_runs is None:
                 o = sdpa(q, keys, vals, attn_mask=mask, scale=L.scaling, enable_gqa=L.gqa)   # [b, q_local, s, d]
             elif s == 1 and b * g.length >= _RUNS_MIN_ROW_POSITIONS:   # decode: per run of query heads with its
-                # KV head (bitwise the copied-heads result); below the threshold the copies cost less than the
+                # KV head (the copied-heads result, bitwise on AVX-512, within an ulp on AVX2); below the threshold the copies cost less than the
                 # extra attention calls (batch-1 decode of SmolLM2 at tp=2: 4650 against 4127 aten ops per
                 # token, bench/results/decode-0444-kv-runs-always.md against decode.md)
                 o = torch.cat([sdpa(q[:, q0:q1], keys[:, j:j + 1], vals[:, j:j + 1], attn_mask=mask,
