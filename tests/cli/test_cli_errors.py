@@ -106,6 +106,24 @@ def test_generate_rejects_bad_values_before_anything_loads(capsys, args, msg):
     assert err.startswith("tensorpar: error: ") and msg in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_missing_lora_folder_is_refused_before_the_tokenizer(tiny_with_tokenizer, capsys, monkeypatch,  # noqa: F811
+                                                             command):
+    """``--lora`` naming no adapter folder: one line as soon as the model's config is read
+    (:func:`tensorpar.job.lora_from_args`), not after the tokenizer, the plan and the checkpoint's headers (it was
+    the last check of the launching process: about twice the time of the others)."""
+    import transformers
+
+    def no_tokenizer(*a, **k):
+        raise AssertionError("the tokenizer was read before --lora was checked")
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_tokenizer)
+    extra = ["--port", "0"] if command == "serve" else []
+    assert main([command, "--model", tiny_with_tokenizer, "--lora", "/nonexistent/adapter", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tensorpar: error: --lora '/nonexistent/adapter': not a PEFT adapter folder") and \
+        err.count("\n") == 1, err
+
+
 def test_non_utf8_prompt_bytes_from_the_shell(tiny_with_tokenizer):  # noqa: F811
     p = subprocess.run([sys.executable, "-m", "tensorpar", "generate", "--model", tiny_with_tokenizer.encode(),
                         "--prompt", b"caf\xe9"], cwd=REPO, env=_env(), capture_output=True, timeout=120)
