@@ -6,7 +6,9 @@ importing the CLI stays cheap (modules load on use), and holds the launch flags 
 ``generate``, ``train``, ``serve`` and ``verify`` share (:func:`add_launch_arguments`).
 
 Errors: bad input found before any rank starts is printed as one line, ``tensorpar: error: ...``
-(exit 2, like argparse's usage errors); an error inside a rank is one line too (exit 1, see
+(exit 2); so is a usage error that argparse finds (a bad choice, a value of the wrong type, an unknown option,
+a missing value: :class:`ArgumentParser`, ``tensorpar <command>: error: ...; see tensorpar <command> -h``,
+argparse's exit 2). An error inside a rank is one line too (exit 1, see
 :func:`tensorpar.launch.run_ranks`). Any other exception is printed as one line with its type
 (exit 1); ``--verbose`` shows the full traceback instead.
 """
@@ -279,6 +281,71 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser (every ``tensorpar`` command's: subparsers take the class of their parent) whose usage errors
+    are one line on stderr, ``<prog>: error: <setting>: <what is wrong> (<what would work>); see <prog> -h``, exit 2
+    as argparse's (:func:`usage_error`), instead of the usage block and the error. ``-h`` / ``--help`` are
+    argparse's, unchanged."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {usage_error(self, message)}; see {self.prog} -h\n")
+
+
+def _what_works(action: argparse.Action) -> str:
+    """What an option takes, in words: its choices, or its type (an integer, a number) or metavar, else its
+    default as an example."""
+    if action.choices is not None:
+        return "choose from " + ", ".join(map(str, action.choices))
+    kind = {int: "an integer", float: "a number"}.get(action.type)
+    if kind is None and isinstance(action.metavar, str):
+        kind = action.metavar
+    if kind is None and action.option_strings:
+        flag = action.option_strings[-1]
+        if action.default in (None, False, argparse.SUPPRESS):
+            return f"give a value after {flag}"
+        return f"give a value, e.g. {flag} {action.default}"
+    return f"give {kind or 'a value'}"
+
+
+def usage_error(parser: argparse.ArgumentParser, message: str) -> str:
+    """argparse's error ``message`` for ``parser`` as one line naming the setting, its value and what would work:
+    ``argument --dtype: invalid choice: 'float64' (choose from 'float32', 'bfloat16')`` -> ``--dtype: invalid choice
+    'float64' (choose from float32, bfloat16)``; ``invalid int value: 'x'`` -> ``invalid value 'x' (give an
+    integer)``; ``unrecognized arguments: --max-new-tokns 4`` -> ``unknown option --max-new-tokns (did you mean
+    --max-new-tokens?)`` (the closest option, :func:`difflib.get_close_matches`). A message of another form is kept,
+    less argparse's ``argument`` prefix."""
+    import difflib
+    import re
+
+    m = re.fullmatch(r"argument (\S+): (.*)", message, re.S)
+    if m:
+        name, why = m.groups()
+        action = next((a for a in parser._actions if name in ("/".join(a.option_strings), a.dest, a.metavar)), None)
+        if action is None:
+            return f"{name}: {why}"
+        flag = action.option_strings[-1] if action.option_strings else name
+        bad = re.fullmatch(r"invalid (choice|\w+ value): (.+?)(?: \(choose from .*\))?", why, re.S)
+        if bad:
+            what = "choice" if bad.group(1) == "choice" else "value"
+            return f"{flag}: invalid {what} {bad.group(2)} ({_what_works(action)})"
+        if why.startswith("expected "):        # "expected one argument", "expected at least one argument", ...
+            return f"{flag}: {why.replace('argument', 'value')} ({_what_works(action)})"
+        return f"{flag}: {why.replace('argument ', '')}"
+    if message.startswith("unrecognized arguments: "):
+        token = message[len("unrecognized arguments: "):].split()[0]
+        if not token.startswith("-"):
+            return f"unexpected argument {token!r} (the settings are options: --name value)"
+        name = token.split("=")[0]
+        known = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+        return f"unknown option {name}" + (f" (did you mean {close[0]}?)" if close else "")
+    if message.startswith("the following arguments are required: "):
+        missing = message[len("the following arguments are required: "):]
+        action = next((a for a in parser._actions if missing.split(",")[0] in (a.dest, a.metavar)), None)
+        return f"missing {missing}" + (f" ({_what_works(action)})" if action is not None else "")
+    return message
+
+
 def _join_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     """``--opt -1,1`` -> ``--opt=-1,1`` for every option of ``parser`` that takes one value.
 
@@ -307,11 +374,12 @@ def _join_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(prog="tensorpar", description="Tensor parallelism for PyTorch models.",
-                                     formatter_class=HelpFormatter)
+    parser = ArgumentParser(prog="tensorpar", description="Tensor parallelism for PyTorch models.",
+                            formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"tensorpar {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     chosen = next((a for a in argv if not a.startswith("-")), None)  # the top level takes only -h / --version
+    chosen_parser = parser
     for name, (modname, helptext) in COMMANDS.items():
         p = sub.add_parser(name, help=helptext, description=helptext, formatter_class=HelpFormatter)
         p.set_defaults(_module=modname)
@@ -320,7 +388,10 @@ def main(argv: list[str] | None = None) -> int:
             if not any("--verbose" in a.option_strings for a in p._actions):
                 p.add_argument("--verbose", action="store_true", help="show full tracebacks of errors")
             argv = _join_dash_values(p, argv)
-    args = parser.parse_args(argv)
+            chosen_parser = p
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:   # named by the command's parser, which knows its options (the top level's error would not)
+        chosen_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(importlib.import_module(args._module).main(args) or 0)
     except KeyboardInterrupt:

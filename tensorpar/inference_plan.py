@@ -69,7 +69,7 @@ def inference_device(args, nproc: int, local: int):
         note = autoplan.describe_device_source(path, cached)
     from tensorpar.launch import under_torchrun
 
-    link = cl.inter_node_link(args, device)
+    link = cl.inter_node_link(args, device, crosses_hosts=cl.spans_hosts(nproc, local))
     cl.note_unused_link(args, nproc, local, cl.launch_hosts_words(not under_torchrun()))
     return replace(device, **link), note
 

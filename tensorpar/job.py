@@ -69,14 +69,24 @@ class Job:
         return getattr(torch, self.dtype)
 
 
+def lora_from_args(args, model_config) -> str | None:
+    """``--lora DIR`` of generate and serve checked against the model (:func:`tensorpar.hf.lora.check_adapter`: one
+    line for a missing folder or an adapter of another base); its absolute path, or ``None`` without ``--lora``.
+    ``validate`` calls it as soon as the config is read (before the tokenizer, the plan and the checkpoint's
+    headers), and hands the result to :func:`job_from_args`."""
+    lora = getattr(args, "lora", None)
+    if not isinstance(lora, str):      # train's --lora is the adapters' rank (an int), not a folder
+        return None
+    from tensorpar.hf.lora import check_adapter
+    return check_adapter(lora, model_config)
+
+
 def job_from_args(args, parallel: ParallelConfig, **fields) -> Job:
     """The :class:`Job` of the shared launch flags in ``args`` (launching process only), plus ``fields``; ``--lora
-    DIR`` (generate, serve) is checked against ``fields["model_config"]`` here (:func:`tensorpar.hf.lora.
-    check_adapter`: one line for an adapter of another base)."""
-    lora = getattr(args, "lora", None)
-    if isinstance(lora, str):
-        from tensorpar.hf.lora import check_adapter
-        fields = dict(fields, lora=check_adapter(lora, fields["model_config"]))
+    DIR`` (generate, serve) is ``fields["lora"]`` where the caller checked it already (:func:`lora_from_args`), else
+    checked here against ``fields["model_config"]``."""
+    if "lora" not in fields and isinstance(getattr(args, "lora", None), str):
+        fields = dict(fields, lora=lora_from_args(args, fields["model_config"]))
     return Job(parallel=parallel, timeout_s=float(args.timeout),
                fast_collectives=getattr(args, "fast_collectives", "auto"), tp_comm=getattr(args, "tp_comm", "fp32"),
                check_collectives=bool(getattr(args, "check_collectives", False)),

@@ -337,6 +337,8 @@ def validate(args: argparse.Namespace):
         raise ValueError(f"{folder}: model_type={config.model_type!r} is an image classifier, not a text generator; "
                          f"run it with examples/classify_vit.py")
     check_model_config(config, f"{folder}/config.json")
+    from tensorpar.job import lora_from_args
+    lora = lora_from_args(args, config)    # --lora DIR against the model, before the tokenizer and the plan
     prediction, encoded = None, None
     if getattr(args, "plan", None) == "auto":   # --tp and --pp from the planner, for these prompts
         from tensorpar.inference_plan import choose_layout
@@ -367,7 +369,7 @@ def validate(args: argparse.Namespace):
     task = GenerateTask(prompts, ids, mask, sampling, tuple(eos_token_ids(folder, tok)), tok.pad_token_id, tok,
                         chat=args.chat, quantize=quantize, deterministic=deterministic, plan_prediction=prediction)
     parallel = ParallelConfig(tp=args.tp, pp=args.pp, dp=getattr(args, "ep", 1), tp_weights=tp_weights)
-    return job_from_args(args, parallel, folder=str(folder), model_config=config, user_plan=user_plan,
+    return job_from_args(args, parallel, folder=str(folder), model_config=config, user_plan=user_plan, lora=lora,
                          plan=None if tp_weights == "auto" else plan, attn_implementation=attn, task=task)
 
 

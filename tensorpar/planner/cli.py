@@ -171,7 +171,8 @@ def build_cluster(args) -> cl.ClusterSpec:
     if args.gpus is None:
         raise ValueError("give --gpus (the number of devices)")
     device = cl.device_from_file(args.device_file) if args.device_file else cl.device_preset(args.device)
-    cl.inter_node_link(args, device)  # train --plan's rule for the link between hosts (raises, or notes a unit slip)
+    # train --plan's rule for the link between hosts (raises, or notes a unit slip where the devices span nodes)
+    cl.inter_node_link(args, device, crosses_hosts=cl.spans_hosts(args.gpus, args.gpus_per_node))
     flags = {"memory_gib": "--memory-gb", "peak_tflops": "--peak-tflops", "intra_node_gbps": "--intra-node-bw",
              "inter_node_gbps": "--inter-node-bw", "intra_node_latency_us": "--intra-node-latency-us",
              "hbm_gbps": "--hbm-gbps", "inter_node_latency_us": "--inter-node-latency-us"}

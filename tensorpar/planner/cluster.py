@@ -264,14 +264,17 @@ def override(device: DeviceSpec, **changes) -> DeviceSpec:
 PLAUSIBLE_INTER_NODE_GBPS = (0.01, 1000.0)
 
 
-def inter_node_link(args, device: DeviceSpec | None = None) -> dict:
+def inter_node_link(args, device: DeviceSpec | None = None, *, crosses_hosts: bool = True) -> dict:
     """The :class:`DeviceSpec` fields of the link between hosts that ``--inter-node-bw`` (GB/s per rank) and
     ``--inter-node-latency-us`` give (``{}``: none given): the one rule of ``tensorpar plan``, ``train --plan`` and
     ``generate --plan auto`` (launching process). ``device``: the device they override (a preset has a NIC of its
-    own; ``None``: a calibrated host, which has none).
+    own; ``None``: a calibrated host, which has none). ``crosses_hosts``: whether the ranks span hosts
+    (:func:`spans_hosts`); where they do not, the flags change nothing and :func:`note_unused_link` says so in the
+    one note.
 
     A bandwidth outside :data:`PLAUSIBLE_INTER_NODE_GBPS`, or more than 10x the link inside the node (``device``'s
-    NVLink or measured local link), is used with one note on stderr (rank 0): check its unit.
+    NVLink or measured local link), is used with one note on stderr (rank 0): check its unit; not where
+    ``crosses_hosts`` is false (the value is unused there: one note, :func:`note_unused_link`'s, not two).
 
     Raises ValueError naming the flag: a bandwidth that is not a finite number > 0, a latency that is not a finite
     number >= 0, a latency without a bandwidth (neither ``--inter-node-bw`` nor the device's own link between nodes:
@@ -300,24 +303,32 @@ def inter_node_link(args, device: DeviceSpec | None = None) -> dict:
                 f"rack)")
     elif inside > 0 and bw > 10 * inside:
         note = f"more than 10x the link inside a node ({inside:g} GB/s)"
-    if note and os.environ.get("RANK", "0") == "0":
+    if note and crosses_hosts and os.environ.get("RANK", "0") == "0":
         print(f"tensorpar: note: --inter-node-bw {bw:g} GB/s is {note}; used as given: is the unit right? (GB/s per "
               f"rank; 1 Gbit/s = 0.125)", file=sys.stderr)
     return {"inter_node_gbps": bw, **({} if lat is None else {"inter_node_latency_us": lat})}
 
 
+def spans_hosts(ranks: int, per_host: int) -> bool:
+    """Whether ``ranks`` ranks, ``per_host`` to a host, need more than one host (a group may cross the link)."""
+    return ranks > per_host
+
+
 def note_unused_link(args, ranks: int, per_host: int, what: str) -> bool:
     """One note on stderr (rank 0) when ``--inter-node-bw`` or ``--inter-node-latency-us`` is given but all
-    ``ranks`` are on one host (``per_host >= ranks``): no group crosses the link between hosts, so the flag changes
-    nothing. Allowed, as ``--tp-comm int8`` on one host is (:func:`tensorpar.cli.check_launch_arguments`): the one
-    rule of ``tensorpar plan`` (a cluster of one node), ``train --plan`` and ``generate``/``serve --plan auto`` (no
-    torchrun across hosts). ``what``: where the ranks are, in words. Returns whether it noted."""
+    ``ranks`` are on one host (not :func:`spans_hosts`): no group crosses the link between hosts, so the flag
+    changes nothing; the note names the flags and their values (and is the only one: :func:`inter_node_link` then
+    leaves out its unit note). Allowed, as ``--tp-comm int8`` on one host is
+    (:func:`tensorpar.cli.check_launch_arguments`): the one rule of ``tensorpar plan`` (a cluster of one node),
+    ``train --plan`` and ``generate``/``serve --plan auto`` (no torchrun across hosts). ``what``: where the ranks
+    are, in words. Returns whether it noted."""
     import os
     import sys
 
-    given = [f for f, k in (("--inter-node-bw", "inter_node_bw"), ("--inter-node-latency-us", "inter_node_latency_us"))
+    given = [f"{f} {getattr(args, k):g}" for f, k in (("--inter-node-bw", "inter_node_bw"),
+                                                     ("--inter-node-latency-us", "inter_node_latency_us"))
              if getattr(args, k, None) is not None]
-    if not given or ranks > per_host:
+    if not given or spans_hosts(ranks, per_host):
         return False
     if os.environ.get("RANK", "0") == "0":
         print(f"tensorpar: note: {' and '.join(given)}: all {ranks} {what}: no group crosses the link between hosts, "

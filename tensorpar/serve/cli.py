@@ -129,6 +129,8 @@ def validate(args: argparse.Namespace):
     check_plan_arguments(args)   # --plan auto and its inputs
     folder = resolve_model(args.model)
     config = AutoConfig.from_pretrained(folder)
+    from tensorpar.job import lora_from_args
+    lora = lora_from_args(args, config)    # --lora DIR against the model, before the tokenizer and the plan
     limit = getattr(config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
     n = args.max_model_len if args.max_model_len is not None else min(limit, DEFAULT_MAX_MODEL_LEN)
     if not 2 <= n <= limit:
@@ -189,7 +191,7 @@ def validate(args: argparse.Namespace):
                      tok, quantize, bs, num_blocks, paged_why is None and prefix != "off", timeout, deterministic,
                      prediction)
     parallel = ParallelConfig(tp=args.tp, pp=args.pp, dp=getattr(args, "ep", 1), tp_weights=tp_weights)
-    return job_from_args(args, parallel, folder=str(folder), user_plan=user_plan,
+    return job_from_args(args, parallel, folder=str(folder), user_plan=user_plan, lora=lora,
                          model_config=config, plan=None if tp_weights == "auto" else plan,
                          attn_implementation=resolve_attn_implementation(config), task=task)
 

@@ -24,7 +24,7 @@ from tensorpar.cli import ExplicitFlag
 from tensorpar.train.config import DP_MODES, TrainConfig
 from tensorpar.hf.presets import PRESETS
 from tensorpar.planner.cluster import (inter_node_link, launch_hosts_words,  # the one rule of the link flags
-                                       note_unused_link)
+                                       note_unused_link, spans_hosts)
 from tensorpar.train.ranks import _rank_main, check_fast_collectives, prepare
 from tensorpar.train.resume import check_resume, check_resume_data, check_resume_model, resume_after_restart
 # also importable from here, as before the split (tests, bench_train)
@@ -283,7 +283,6 @@ def plan_config(args: argparse.Namespace, cfg: TrainConfig):
     from tensorpar.launch import rank0_print
     from tensorpar.train import autoplan
 
-    link = inter_node_link(args)
     explicit = set(getattr(args, "explicit_flags", None) or ())
     set_here = [f"--{k} {getattr(args, k)}" for k in ("tp", "pp", "dp", "cp") if k in explicit]
     if getattr(args, "micro_batches", None) is not None:
@@ -304,6 +303,7 @@ def plan_config(args: argparse.Namespace, cfg: TrainConfig):
     if args.plan == "auto" and nproc is None:
         raise ValueError("--plan auto needs the number of ranks to plan for: add --nproc N (or launch with torchrun)")
     plan_ranks = nproc if args.plan == "auto" else autoplan.check_plan_file(args.plan, nproc, source)[0].num_devices
+    link = inter_node_link(args, crosses_hosts=spans_hosts(plan_ranks, local or plan_ranks))
     note_unused_link(args, plan_ranks, local or plan_ranks, launch_hosts_words(world is None))
     source_cfg, _, _ = prepare(cfg.replace(tp=1, pp=1, dp=1, micro_batches=1, sequence_parallel=False),
                                progress=not args.no_progress)

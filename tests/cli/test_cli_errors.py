@@ -106,6 +106,24 @@ def test_generate_rejects_bad_values_before_anything_loads(capsys, args, msg):
     assert err.startswith("tensorpar: error: ") and msg in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_missing_lora_folder_is_refused_before_the_tokenizer(tiny_with_tokenizer, capsys, monkeypatch,  # noqa: F811
+                                                             command):
+    """``--lora`` naming no adapter folder: one line as soon as the model's config is read
+    (:func:`tensorpar.job.lora_from_args`), not after the tokenizer, the plan and the checkpoint's headers (it was
+    the last check of the launching process: about twice the time of the others)."""
+    import transformers
+
+    def no_tokenizer(*a, **k):
+        raise AssertionError("the tokenizer was read before --lora was checked")
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_tokenizer)
+    extra = ["--port", "0"] if command == "serve" else []
+    assert main([command, "--model", tiny_with_tokenizer, "--lora", "/nonexistent/adapter", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tensorpar: error: --lora '/nonexistent/adapter': not a PEFT adapter folder") and \
+        err.count("\n") == 1, err
+
+
 def test_non_utf8_prompt_bytes_from_the_shell(tiny_with_tokenizer):  # noqa: F811
     p = subprocess.run([sys.executable, "-m", "tensorpar", "generate", "--model", tiny_with_tokenizer.encode(),
                         "--prompt", b"caf\xe9"], cwd=REPO, env=_env(), capture_output=True, timeout=120)
@@ -185,6 +203,44 @@ def test_more_ranks_than_cores_warns_in_one_line():
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stderr.splitlines() == ["tensorpar: warning: 2 ranks on 1 usable cores; ranks share cores (one thread "
                                      "each) and run slower than with tp <= 1"], p.stderr
+
+
+# ---------------------------------------------------------------- argparse's usage errors: one line, not the usage
+
+@pytest.mark.parametrize("argv,line", [
+    (["generate", "--dtype", "float64"], "tensorpar generate: error: --dtype: invalid choice 'float64' (choose from "
+                                         "float32, bfloat16); see tensorpar generate -h"),
+    (["serve", "--prefix-caching", "maybe"], "tensorpar serve: error: --prefix-caching: invalid choice 'maybe' "
+                                             "(choose from on, off); see tensorpar serve -h"),
+    (["generate", "--tp", "x"], "tensorpar generate: error: --tp: invalid value 'x' (give an integer); see "
+                                "tensorpar generate -h"),
+    (["train", "--timeout", "soon"], "tensorpar train: error: --timeout: invalid value 'soon' (give a number); see "
+                                     "tensorpar train -h"),
+    (["generate", "--max-new-tokns", "4"], "tensorpar generate: error: unknown option --max-new-tokns (did you mean "
+                                           "--max-new-tokens?); see tensorpar generate -h"),
+    (["verify", "--frobnicate"], "tensorpar verify: error: unknown option --frobnicate; see tensorpar verify -h"),
+    (["serve", "--port"], "tensorpar serve: error: --port: expected one value (give an integer); see tensorpar "
+                          "serve -h"),
+    (["generate", "hello"], "tensorpar generate: error: unexpected argument 'hello' (the settings are options: "
+                            "--name value); see tensorpar generate -h"),
+    (["gen"], "tensorpar: error: command: invalid choice 'gen' (choose from generate, plan, models, verify, train, "
+              "serve); see tensorpar -h"),
+])
+def test_usage_errors_are_one_line_naming_the_setting(capsys, argv, line):
+    """argparse's errors (a bad choice, a value of the wrong type, an unknown or misspelt option, a missing value)
+    are one line naming the setting, the value and what would work, exit 2 as argparse's; no usage block."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == line + "\n"
+
+
+def test_help_is_argparses_usage_and_options(capsys):
+    """``-h`` is untouched by the one-line errors: the usage block and every option, exit 0."""
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "-h"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith("usage: tensorpar generate [-h]") and "--max-new-tokens" in out
 
 
 # ---------------------------------------------------------------- item 7: version, help, defaults, packaging

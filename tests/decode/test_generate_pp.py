@@ -243,19 +243,10 @@ def test_generate_tp2_pp2_across_two_namespace_hosts(tiny_with_tokenizer):
 
 
 _CLIENT = """
-import json, sys, time, urllib.request
+import json, sys, urllib.request
+from tests._http import wait_healthy
 base = sys.argv[1]
-t0 = time.monotonic()
-while True:
-    try:
-        with urllib.request.urlopen(base + "/health", timeout=5) as r:
-            if r.status == 200:
-                break
-    except OSError:
-        pass
-    if time.monotonic() - t0 > 240:
-        sys.exit("server not ready")
-    time.sleep(0.5)
+wait_healthy(base, timeout_s=240)
 body = json.dumps({"model": "m", "prompt": "the cat", "max_tokens": 5, "temperature": 0,
                    "return_token_ids": True}).encode()
 req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})

@@ -23,19 +23,9 @@ WHY_NOT = unavailable()    # e.g. not root: the namespace tests skip with this o
 # batched step is not bitwise one row's).
 _CLIENT = r"""
 import http.client, json, sys, threading, time
+from tests._http import wait_healthy
 host, port = sys.argv[1], int(sys.argv[2])
-t0 = time.monotonic()
-while True:
-    try:
-        c = http.client.HTTPConnection(host, port, timeout=5)
-        c.request("GET", "/health")
-        if c.getresponse().status == 200:
-            break
-    except OSError:
-        pass
-    if time.monotonic() - t0 > 400:
-        sys.exit("server not ready")
-    time.sleep(0.5)
+wait_healthy(f"http://{host}:{port}", timeout_s=400)
 
 def post(body):
     c = http.client.HTTPConnection(host, port, timeout=300)

@@ -61,16 +61,22 @@ def test_serve_plan_auto_chooses_for_a_full_server(tiny, device_file, monkeypatc
 def test_link_flags_with_every_rank_on_one_host_say_so(tiny, device_file, monkeypatch, capsys):  # noqa: F811
     """Issue 23: --inter-node-bw / --inter-node-latency-us with every rank on this host (no torchrun, or torchrun
     with one node) were taken without a word; one line says they are not needed there (the rule of `tensorpar
-    plan` on one node and of train --plan: tensorpar.planner.cluster.note_unused_link), before any rank starts.
-    Across two hosts nothing is said."""
+    plan` on one node and of train --plan: tensorpar.planner.cluster.note_unused_link), before any rank starts, and
+    it is the only one (no unit note for a value that is not used). Across two hosts nothing is said."""
     from tensorpar.serve import cli
 
     def notes():
         return [ln for ln in capsys.readouterr().err.splitlines() if "--inter-node" in ln]
     flags = ["--device-file", device_file, *SLOW_LINK, "--max-batch", "4", "--max-model-len", "64"]
     cli.validate(_parse("--model", tiny, "--plan", "auto", "--nproc", "2", *flags))
-    assert notes() == ["tensorpar: note: --inter-node-bw and --inter-node-latency-us: all 2 ranks are on this host (no "
-                       "torchrun across hosts): no group crosses the link between hosts, so it is not needed here"]
+    assert notes() == ["tensorpar: note: --inter-node-bw 0.125 and --inter-node-latency-us 500: all 2 ranks are on "
+                       "this host (no torchrun across hosts): no group crosses the link between hosts, so it is not "
+                       "needed here"]
+    cli.validate(_parse("--model", tiny, "--plan", "auto", "--nproc", "2", *flags[:2], "--inter-node-bw", "5000",
+                        *flags[6:]))     # an implausible value (a unit slip?) that is unused here: one note, not two
+    got = notes()
+    assert len(got) == 1 and got[0].startswith("tensorpar: note: --inter-node-bw 5000: all 2 ranks are on this "
+                                               "host"), got
     _torchrun_env(monkeypatch, 2, 2)
     cli.validate(_parse("--model", tiny, "--plan", "auto", *flags))
     got = notes()

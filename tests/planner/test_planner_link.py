@@ -139,7 +139,19 @@ def test_link_flags_on_one_node_say_they_are_unused(capsys):
     assert main(["plan", "--inference", "--model", "smollm2", "--gpus", "2", "--batch", "1", "--prompt-len", "8",
                  "--max-new-tokens", "4", "--inter-node-bw", "0.125", "--json"]) == 0
     err = capsys.readouterr().err
-    assert "--inter-node-bw: all 2 devices are on one node" in err and err.count("\n") == 1, err
+    assert "--inter-node-bw 0.125: all 2 devices are on one node" in err and err.count("\n") == 1, err
+
+
+def test_implausible_link_on_one_node_is_one_note(capsys):
+    """Review: --inter-node-bw 5000 on one node printed two notes for one flag, the unit slip's (inter_node_link)
+    and the unused link's (note_unused_link); the link is unused there, so one note: the unused link's, naming the
+    value."""
+    from tensorpar.cli import main
+    assert main(["plan", "--inference", "--model", "smollm2", "--gpus", "2", "--batch", "1", "--prompt-len", "8",
+                 "--max-new-tokens", "4", "--inter-node-bw", "5000", "--json"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("tensorpar: note: --inter-node-bw 5000: all 2 devices are on one node") and \
+        err.count("\n") == 1 and "unit" not in err, err
 
 
 def _plan_cli(capsys, *flags, device_file=None):
