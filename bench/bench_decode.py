@@ -273,7 +273,10 @@ def _profile(model, ctx, ids, n, path):
 #: category). The GEMV is a ctypes call (no aten op), so without its range its time would count as framework.
 TRACED = (("tensorpar.comm", "all_reduce", "collectives"), ("tensorpar.decode.gemv_kernel", "linear", "matmul"),
           ("tensorpar.decode.gemv_kernel", "linear_into", "matmul"),
-          ("tensorpar.decode.fused", "all_reduce_add_rms_norm", "collectives"))
+          ("tensorpar.decode.fused", "all_reduce_add_rms_norm", "collectives"),
+          # the row step's programs (a layer's GEMVs with its rotary, attention and SiLU calls in one C call): their
+          # small kernels (under 0.1 ms per token) count as matmul from there on, as framework before
+          ("tensorpar.decode.fused", "run_program", "matmul"))
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv", "aten::_weight_int8pack_mm",
               "mkldnn::_linear_pointwise")
 
