@@ -249,12 +249,13 @@ def pyspy_summary(path: str, top: int = 30) -> dict:
             "by_phase": {k: round(v / total, 4) for k, v in phase.most_common()}}
 
 
-def worker(folder: str, n: int, spy: str | None, spy_calls: int, spy_out: str | None) -> dict:
+def worker(folder: str, n: int, spy: str | None, spy_calls: int, spy_out: str | None, tp: int = 2) -> dict:
     from tensorpar.testing import WorkerPool
-    with WorkerPool(2, collective_timeout_s=120, job_timeout_s=1200) as pool:
+    with WorkerPool(tp, collective_timeout_s=120, job_timeout_s=1200) as pool:
         res = pool.run(job, folder, n, spy, spy_calls, spy_out)
     out = dict(res[0])
-    out["rank1_cpu_ms"] = res[1]["cpu_ms"]
+    if tp > 1:
+        out["rank1_cpu_ms"] = res[1]["cpu_ms"]
     out["tokens_equal_across_ranks"] = all(r["tokens"] == res[0]["tokens"] for r in res)
     if spy and spy_out and Path(spy_out).exists():
         out["pyspy"] = pyspy_summary(spy_out)
@@ -265,6 +266,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (1: no collectives, no waits)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--before", default=None, help="the old checkout (A/B); left out: this checkout only")
     p.add_argument("--pyspy", default=None, help="py-spy executable: profile rank 0 in the first round")
@@ -276,7 +278,7 @@ def main() -> None:
     from tensorpar.hub import resolve_model
     folder = str(resolve_model(a.model))
     if a.worker:
-        print(json.dumps(worker(folder, a.tokens, a.pyspy, a.pyspy_calls, a.spy_out)))
+        print(json.dumps(worker(folder, a.tokens, a.pyspy, a.pyspy_calls, a.spy_out, a.tp)))
         return
     import tempfile
 
@@ -291,7 +293,8 @@ def main() -> None:
                 keep = [q for q in os.environ.get("PYTHONPATH", "").split(os.pathsep)     # not another checkout
                         if q and not (Path(q) / "tensorpar").is_dir()]
                 env = {**os.environ, "TENSORPAR_BENCH_CODE": code, "PYTHONPATH": os.pathsep.join([code] + keep)}
-                cmd = [sys.executable, __file__, "--worker", "--model", folder, "--tokens", str(a.tokens)]
+                cmd = [sys.executable, __file__, "--worker", "--model", folder, "--tokens", str(a.tokens),
+                       "--tp", str(a.tp)]
                 if a.pyspy and rnd == 0:
                     cmd += ["--pyspy", a.pyspy, "--pyspy-calls", str(a.pyspy_calls),
                             "--spy-out", str(Path(tmp) / f"{label}.txt")]
@@ -310,10 +313,10 @@ def main() -> None:
                 rows.setdefault(label, {"label": label, "commit": commit, "rounds": []})["rounds"].append(res)
     end = machine()
     med = statistics.median
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__, "tokens": a.tokens,
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__, "tokens": a.tokens, "tp": a.tp,
             "machine_start": start, "machine_end": end, "model": a.model}
     ls, le = start["loadavg"], end["loadavg"]
-    lines = [f"SmolLM2-135M fp32 greedy decode, tp=2 (1 thread per rank, shared-memory collectives), batch 1, "
+    lines = [f"SmolLM2-135M fp32 greedy decode, tp={a.tp} (1 thread per rank, shared-memory collectives), batch 1, "
              f"{a.tokens} new tokens, prompt {PROMPT!r}; {start['cpu']}, {start['cores']} cores, torch "
              f"{meta['torch']}, {meta['date']}. Load average at start {ls[0]:.2f} / {ls[1]:.2f} / {ls[2]:.2f}, at "
              f"end {le[0]:.2f} / {le[1]:.2f} / {le[2]:.2f} (shared machine).", "",
@@ -358,8 +361,8 @@ def main() -> None:
     for key, r in rows.items():
         x = r["rounds"][0]
         calls = sum(x["calls_per_token"].values())
-        lines.append(f"\nInstrumentation, {key}: {calls:.0f} wrapped calls per token, each {x['wrapper_us']['total']:.2f} "
-                     f"us of thread CPU time ({x['wrapper_us']['inside']:.2f} us of it inside its own category): "
+        lines.append(f"\nInstrumentation, {key}: {calls:.0f} wrapped calls per token, each "
+                     f"{x['wrapper_us']['total']:.2f} us of thread CPU time ({x['wrapper_us']['inside']:.2f} us of it inside its own category): "
                      f"about {calls * x['wrapper_us']['total'] / 1e3:.2f} ms per step of the breakdown is the timers "
                      f"(the tokens/s above ran without them). Calls per token: "
                      + ", ".join(f"{k} {v:g}" for k, v in x["calls_per_token"].items()) + ".")
