@@ -115,8 +115,8 @@ def _patches(timer: _Timer) -> list:
             return None
     fused, row_step, comm = mod("tensorpar.decode.fused"), mod("tensorpar.decode.row_step"), mod("tensorpar.comm")
     engine, lean, emb = mod("tensorpar.serve.engine"), mod("tensorpar.decode.lean"), mod("tensorpar.layers.embedding")
-    for name in ("all_reduce_add_rms_norm", "embed_all_reduce_rms_norm"):
-        patch(fused, name, "collectives: all-reduce + add + norm")
+    for name in ("all_reduce_add_rms_norm", "all_reduce_exchange"):    # after: the add and norm run in the programs
+        patch(fused, name, "collectives: the layers' all-reduces (before: + add + norm)")
     for name in ("rope_store", "decode_attention", "silu_mul", "rms_norm_raw"):
         patch(fused, name, SMALL)
     patch(fused, "run_program", PROGRAMS)
@@ -209,7 +209,8 @@ def pyspy_summary(path: str, top: int = 30) -> dict:
     phase: Counter = Counter()
     total = 0
     phases = (("choose_tokens", "token choice"), ("_result", "token choice"),
-              ("all_reduce_add_rms_norm", "all-reduce + add + norm"), ("all_gather", "all-gather"),
+              ("all_reduce_add_rms_norm", "layers' all-reduces"), ("all_reduce_exchange", "layers' all-reduces"),
+              ("all_gather", "all-gather"),
               ("all_reduce", "all-reduce (other)"),
               ("linear_into", "kernel calls"), ("run_program", "kernel calls"), ("rope_store", "kernel calls"),
               ("decode_attention", "kernel calls"), ("silu_mul", "kernel calls"), ("rms_norm_raw", "kernel calls"),

@@ -43,7 +43,7 @@ def _lib():
     if lib is None:
         return None
     lib.tp_add_rms_norm.restype = None
-    lib.tp_add_rms_norm.argtypes = [_P, ctypes.POINTER(_P), ctypes.c_int, _I, _I, _P, ctypes.c_float, _P]
+    lib.tp_add_rms_norm.argtypes = [_P, _P, ctypes.c_int, _I, _I, _P, ctypes.c_float, _P]
     lib.tp_rope_store.restype = None
     lib.tp_rope_store.argtypes = [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P]
     lib.tp_silu_mul.restype = None
@@ -56,11 +56,12 @@ def _lib():
 
 
 #: the op kinds of a :func:`program` (csrc/step.cpp ``tp_run``), and the words of each op (its kind included)
-OP_END, OP_GEMV, OP_GEMV_BF16W, OP_Q8, OP_ROPE, OP_ATTN, OP_SILU = range(7)
-_WORDS = {OP_GEMV: 13, OP_GEMV_BF16W: 11, OP_Q8: 12, OP_ROPE: 13, OP_ATTN: 13, OP_SILU: 5}
-#: ``step`` words of a program's run: attention's length, its mask's address (0: none) and row stride, then per
-#: rotary table the addresses of its cos and sin_sign rows
-STEP_LENGTH, STEP_MASK, STEP_MASK_STRIDE, STEP_TABLES = range(4)
+OP_END, OP_GEMV, OP_GEMV_BF16W, OP_Q8, OP_ROPE, OP_ATTN, OP_SILU, OP_NORM = range(8)
+_WORDS = {OP_GEMV: 13, OP_GEMV_BF16W: 11, OP_Q8: 12, OP_ROPE: 13, OP_ATTN: 13, OP_SILU: 5, OP_NORM: 7}
+#: ``step`` words of a program's run: attention's length, its mask's address (0: none) and row stride, the address
+#: and count of the partial sums the next ``OP_NORM`` adds (:func:`all_reduce_exchange`), then per rotary table the
+#: addresses of its cos and sin_sign rows
+STEP_LENGTH, STEP_MASK, STEP_MASK_STRIDE, STEP_PARTS, STEP_NPARTS, STEP_TABLES = range(6)
 
 
 def float_bits(x: float) -> int:
@@ -76,8 +77,9 @@ def program(ops: list[tuple]):
     ``(OP_ROPE, qkv, rows, nq, nkv, d, rd, table, q_out, k_layer, v_layer, head_stride, row_offsets)`` (the cos and
     sin_sign of rotary table ``table`` from the step words), ``(OP_ATTN, q, rows, nq, d, k_layer, v_layer,
     head_stride, kbase, kv_of, float_bits(scale), scratch, out)`` (length and mask from the step words),
-    ``(OP_SILU, gu, rows, f, out)``: the arguments of :func:`rope_store`, :func:`decode_attention`, :func:`silu_mul`.
-    Raises ValueError for an unknown kind or a wrong word count."""
+    ``(OP_SILU, gu, rows, f, out)``, ``(OP_NORM, x, rows, H, weight, float_bits(eps), out)`` (the partial sums from
+    the step words): the arguments of :func:`rope_store`, :func:`decode_attention`, :func:`silu_mul`,
+    :func:`all_reduce_add_rms_norm`'s kernel. Raises ValueError for an unknown kind or a wrong word count."""
     words = []
     for op in ops:
         if len(op) != _WORDS.get(op[0], -1):
@@ -118,16 +120,14 @@ def add_rms_norm(x: torch.Tensor, parts: list[torch.Tensor], weight: torch.Tenso
                            None if out is None else weight.data_ptr(), eps, None if out is None else out.data_ptr())
 
 
-def all_reduce_add_rms_norm(partial: torch.Tensor, tp: Group, args: tuple, arrays: dict | None = None) -> None:
-    """The sum of ``partial`` ``[rows, H]`` over ``tp`` added to the residual stream and normalised, in one pass:
-    ``args`` = ``(x, rows, H, weight, eps, out)`` as the kernel takes them (addresses of ``x`` ``[rows, H]``, the
-    norm's weight ``[H]``, ``out`` ``[rows, H]``, all fp32; :class:`~tensorpar.decode.row_step.RowStep` prepares
-    them once). ``x`` becomes bitwise ``x + all_reduce(partial)``; ``out`` the RMSNorm of it (see the module
-    docstring). On a shared-memory group the ranks' partials are read where the all-reduce's exchange left them
-    (:meth:`~tensorpar.shm.ShmCommunicator.all_reduce_parts`, no sum tensor); otherwise :func:`tensorpar.comm.all_reduce`
-    and the kernel reads its result. Collectives: one all-reduce of ``[rows, H]`` (counted and fingerprinted as
-    :func:`tensorpar.comm.all_reduce`'s). ``arrays``: a dict the caller keeps (a decode step's) in which the C array of
-    each set of addresses is kept, so that it is built once (the exchange's slots alternate between two)."""
+def all_reduce_exchange(partial: torch.Tensor, tp: Group, arrays: dict | None = None) -> tuple[int, int, object]:
+    """The exchange of :func:`all_reduce_add_rms_norm` without the add and norm: ``(address of a C array of the
+    addresses of the ranks' partial sums in rank order, their count, what must stay alive until they are read)``,
+    for a program's ``OP_NORM`` (the step words :data:`STEP_PARTS`, :data:`STEP_NPARTS`). Shared memory: the slots
+    the exchange left them in (read before the next collective on the group); gloo: :func:`tensorpar.comm.all_reduce`'s
+    result (one part); one rank: ``partial`` itself. ``arrays``: a dict the caller keeps in which each set of
+    addresses' C array is built once (the exchange's slots alternate between two). Collectives: one all-reduce of
+    ``partial`` ``[rows, H]`` (counted and fingerprinted as :func:`tensorpar.comm.all_reduce`'s)."""
     keep = None
     if tp.size == 1:
         parts = (partial.data_ptr(),)
@@ -142,13 +142,28 @@ def all_reduce_add_rms_norm(partial: torch.Tensor, tp: Group, args: tuple, array
         else:
             keep = comm.all_reduce(partial, tp)
             parts = (keep.data_ptr(),)
-    x, rows, H, w, eps, out = args
-    arr = None if arrays is None or keep is not None else arrays.get(parts)
-    if arr is None:
+    got = None if arrays is None or keep is not None else arrays.get(parts)
+    if got is None:
         arr = _parts(parts)
+        got = (ctypes.addressof(arr), len(parts), arr)
         if arrays is not None and keep is None:
-            arrays[parts] = arr
-    _lib().tp_add_rms_norm(x, arr, len(parts), rows, H, w, eps, out)
+            arrays[parts] = got
+    return got[0], got[1], (got[2], keep)
+
+
+def all_reduce_add_rms_norm(partial: torch.Tensor, tp: Group, args: tuple, arrays: dict | None = None) -> None:
+    """The sum of ``partial`` ``[rows, H]`` over ``tp`` added to the residual stream and normalised, in one pass:
+    ``args`` = ``(x, rows, H, weight, eps, out)`` as the kernel takes them (addresses of ``x`` ``[rows, H]``, the
+    norm's weight ``[H]``, ``out`` ``[rows, H]``, all fp32). ``x`` becomes bitwise ``x + all_reduce(partial)``;
+    ``out`` the RMSNorm of it (see the module docstring). On a shared-memory group the ranks' partials are read where
+    the all-reduce's exchange left them (:meth:`~tensorpar.shm.ShmCommunicator.all_reduce_parts`, no sum tensor);
+    otherwise :func:`tensorpar.comm.all_reduce` and the kernel reads its result (:func:`all_reduce_exchange`; the
+    row step runs the add and norm inside its programs, ``OP_NORM``). Collectives: one all-reduce of ``[rows, H]``
+    (counted and fingerprinted as :func:`tensorpar.comm.all_reduce`'s)."""
+    addr, n, keep = all_reduce_exchange(partial, tp, arrays)
+    x, rows, H, w, eps, out = args
+    _lib().tp_add_rms_norm(x, addr, n, rows, H, w, eps, out)
+    del keep
 
 
 def rms_norm_raw(args: tuple) -> None:

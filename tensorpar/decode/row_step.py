@@ -13,15 +13,16 @@ buffers allocated once, with the per-layer arguments of every kernel prepared on
   reading rows of tables of every position computed once at construction (bitwise the per-step call's; longrope
   computes them per step);
 * each all-reduce fused with the residual add and the next RMSNorm (the layer's post-attention norm, the next
-  layer's input norm, the final norm): one call that reads the ranks' partial sums in shared memory
-  (:func:`~tensorpar.decode.fused.all_reduce_add_rms_norm`);
+  layer's input norm, the final norm): the exchange (:func:`~tensorpar.decode.fused.all_reduce_exchange`) leaves
+  the ranks' partial sums in shared memory and the next program's first op adds them in rank order and normalises
+  (``OP_NORM``, the kernel of :func:`~tensorpar.decode.fused.all_reduce_add_rms_norm`);
 * attention of the one query per row: one call that reads each query head's KV head where it lies in the cache
   (:func:`~tensorpar.decode.fused.decode_attention`: no head copies for uneven head splits, no views per layer);
   SiLU and the gate product: one call (:func:`~tensorpar.decode.fused.silu_mul`);
 * the kernels between two all-reduces run from one Python call each (:func:`~tensorpar.decode.fused.run_program`:
-  QKV matmul, rotary and cache write, attention, output matmul; then gate-up matmul, SiLU, down matmul): per layer
-  two program calls and two fused all-reduces, their arguments prepared once (a ctypes call's cost grows with its
-  arguments: 9 calls of about 100 arguments per layer before);
+  add + input norm, QKV matmul, rotary and cache write, attention, output matmul; then add + post-attention norm,
+  gate-up matmul, SiLU, down matmul): per layer two program calls and two exchanges, their arguments prepared once
+  (a ctypes call's cost grows with its arguments: 9 calls of about 100 arguments per layer before);
 * the embedding: each rank copies the rows of the tokens it owns into the partial sums (zeros elsewhere, the
   module's mask) and their all-reduce is fused with the first layer's input norm (onto ``x = 0``; bitwise the
   module's all-reduced output, :meth:`RowStep._embed`), the embedding module where that does not apply (hooks, a
@@ -146,10 +147,11 @@ class _Matmuls:
 
 
 class _Layer:
-    """One layer's prepared programs for ``rows`` rows: ``attn`` (QKV matmul, rotary and cache write, attention,
-    output matmul) and ``mlp`` (gate-up matmul, SiLU, down matmul), their addresses and the arrays themselves
-    (``keep``), and the fused all-reduce + norm after each (``norm2``, ``norm_next``)."""
-    __slots__ = ("attn", "mlp", "keep", "norm2", "norm_next")
+    """One layer's prepared programs for ``rows`` rows, their addresses and the arrays themselves (``keep``): ``attn``
+    (the residual add of the all-reduce before and the input norm, QKV matmul, rotary and cache write, attention,
+    output matmul) and ``mlp`` (the add of the attention's all-reduce and the post-attention norm, gate-up matmul,
+    SiLU, down matmul)."""
+    __slots__ = ("attn", "mlp", "keep")
 
 
 class RowStep:
@@ -196,6 +198,11 @@ class RowStep:
         for b in range(1, R + 1):
             layers = []
             offs, base = ctypes.addressof(self.offs[b]), ctypes.addressof(self.base[b])
+            x_, h_ = self.x.data_ptr(), self.h.data_ptr()
+
+            def norm(fn):       # x += the exchanged partial sums (step words); h = fn's RMSNorm of x
+                w, eps = _norm(fn)
+                return (fused.OP_NORM, x_, b, H, w.data_ptr(), fused.float_bits(eps), h_)
             for i, L in enumerate(dec.layers):
                 la = _Layer()
                 kv_of = (L.kv_idx.tolist() if L.kv_idx is not None
@@ -204,23 +211,22 @@ class RowStep:
                 scale = fused.float_bits(float(L.scaling if L.scaling is not None else d ** -0.5))
                 k, v = cache.k[i].data_ptr(), cache.v[i].data_ptr()
                 attn = fused.program([
+                    norm(L.ln1),                                                  # x += all_reduce; h = ln1(x)
                     mm.op(self.h[:b], out_in(L.wqkv), self.qkv[:b]),                                  # h -> qkv
                     (fused.OP_ROPE, qkv, b, nq, nkv, d, self.rd, keys[L.rope], q, k, v, hs, offs),
                     (fused.OP_ATTN, q, b, nq, d, k, v, hs, base, ctypes.addressof(kv_of), scale,
                      self.scratch.data_ptr(), att),
                     mm.op(self.att[:b], out_in(L.wo), self.p[:b])])                                   # -> p
                 mlp = fused.program([
+                    norm(L.ln2),                                                  # x += all_reduce; h = ln2(x)
                     mm.op(self.h[:b], out_in(L.wgu), self.gu[:b]),
                     (fused.OP_SILU, gu, b, f, a),                                                     # gu -> a
                     mm.op(self.a[:b], out_in(L.wd), self.p[:b])])                                     # -> p
                 la.keep = (attn, mlp, kv_of)
                 la.attn, la.mlp = ctypes.addressof(attn), ctypes.addressof(mlp)
-                w2, eps2 = _norm(L.ln2)
-                la.norm2 = (self.x.data_ptr(), b, H, w2.data_ptr(), eps2, self.h.data_ptr())
-                nxt = _norm(dec.layers[i + 1].ln1) if i + 1 < len(dec.layers) else _norm(dec.norm)
-                la.norm_next = (self.x.data_ptr(), b, H, nxt[0].data_ptr(), nxt[1], self.h.data_ptr())
                 layers.append(la)
-            self.rows[b] = (layers, self.x[:b], self.p[:b])
+            final = fused.program([norm(dec.norm)])                              # x += all_reduce; h = norm(x)
+            self.rows[b] = (layers, self.x[:b], self.p[:b], ctypes.addressof(final), final)
         self.parts: dict = {}           # the ranks' partial sums' addresses (a tuple) -> their C array
         self.xp, self.pp = self.x.data_ptr(), self.p.data_ptr()
         self.tables = self._rotary_tables()
@@ -282,36 +288,34 @@ class RowStep:
             offs[r] = base[r] + p * d
         return offs, base
 
-    def _embed(self, ids: torch.Tensor, b: int, norm0: tuple) -> bool:
-        """``x[:b]`` = the embedding of ``ids`` ``[b]`` summed over the ranks, ``h[:b]`` = the first layer's input norm
-        of it; False (nothing done) where the embedding module must run (see :func:`_embedding`). At tp > 1 the
-        rows this rank owns are copied into the partial sums ``p`` (zeros elsewhere, as the module's mask) and
-        their all-reduce runs fused with the norm (:func:`~tensorpar.decode.fused.all_reduce_add_rms_norm` onto
-        ``x = 0``): ``0 + (p0 + p1 + ...)`` is bitwise the module's all-reduced sum (one rank's row plus zeros: a
-        sum never -0). Collectives: one all-reduce of ``[b, H]``, the module's."""
-        emb = self.embed
-        if emb is None or emb._forward_hooks or emb._forward_pre_hooks:
-            return False
-        w = emb.weight
+    def _embed(self, ids: torch.Tensor, b: int):
+        """``x[:b]`` = the embedding of ``ids`` ``[b]`` summed over the ranks, as the first program's ``OP_NORM`` adds
+        it: returns ``(parts address, count, what to keep alive)`` for the step words. At tp > 1 the rows this rank
+        owns are copied into the partial sums ``p`` (zeros elsewhere, as the module's mask), ``x`` is zeroed and
+        their all-reduce's exchange runs (:func:`~tensorpar.decode.fused.all_reduce_exchange`): ``0 + (p0 + p1 + ...)``
+        is bitwise the module's all-reduced sum (one rank's row plus zeros: a sum never -0). At tp = 1, or where the
+        module must run (see :func:`_embedding`), ``x`` holds the embedding and nothing is added. Collectives: one
+        all-reduce of ``[b, H]``, the module's."""
+        emb, tp = self.embed, self.dec.tp
         row = self.x.shape[1] * 4
         toks = ids.tolist()
-        tp = self.dec.tp
-        if tp.size == 1:
-            if not all(0 <= t < w.shape[0] for t in toks):
-                return False            # the module raises its own error
+        raw = emb is not None and not (emb._forward_hooks or emb._forward_pre_hooks)
+        if raw and tp.size == 1 and all(0 <= t < emb.weight.shape[0] for t in toks):
+            w = emb.weight.data_ptr()
             for r, t in enumerate(toks):
-                ctypes.memmove(self.xp + r * row, w.data_ptr() + t * row, row)
-            fused.rms_norm_raw(norm0)
-            return True
-        lo, hi = emb.vocab_start, emb.vocab_stop
+                ctypes.memmove(self.xp + r * row, w + t * row, row)
+            return 0, 0, None
+        if not raw or tp.size == 1:             # the module (it raises its own error for a bad id)
+            self.x[:b].copy_(self.dec.embed(ids.view(1, b)).view(b, -1))                 # [1, b, h], all-reduced
+            return 0, 0, None
+        w, lo, hi = emb.weight.data_ptr(), emb.vocab_start, emb.vocab_stop
         for r, t in enumerate(toks):
             if lo <= t < hi:
-                ctypes.memmove(self.pp + r * row, w.data_ptr() + (t - lo) * row, row)
+                ctypes.memmove(self.pp + r * row, w + (t - lo) * row, row)
             else:
                 ctypes.memset(self.pp + r * row, 0, row)
         ctypes.memset(self.xp, 0, b * row)
-        fused.all_reduce_add_rms_norm(self.p[:b], tp, norm0, self.parts)
-        return True
+        return fused.all_reduce_exchange(self.p[:b], tp, self.parts)
 
     def _rope(self, e: torch.Tensor, rope_pos: torch.Tensor, b: int) -> tuple[dict, list]:
         """Per rotary key the addresses ``(cos, sin_sign)`` of ``[b, rd]`` rows for the rows' rotary positions
@@ -346,32 +350,29 @@ class RowStep:
         the cache; what ``forward_segments(ids, rope_pos, [g])`` returns."""
         dec, tp = self.dec, self.dec.tp
         b = g.b
-        layers, x, p = self.rows[b]
-        w0, eps0 = self.norm0
-        norm0 = (self.xp, b, x.shape[1], w0.data_ptr(), eps0, self.h.data_ptr())
-        if not self._embed(ids, b, norm0):                  # x = embedding (all-reduced), h = the first norm of it
-            e = dec.embed(ids.view(1, b))                                               # [1, b, h], all-reduced
-            x.copy_(e.view(b, -1))
-            fused.rms_norm_raw(norm0)
+        layers, x, p, final, _ = self.rows[b]
+        step = self.step                                          # what the programs read at this step
+        P, N = fused.STEP_PARTS, fused.STEP_NPARTS
+        step[P], step[N], keep_parts = self._embed(ids, b)        # x = embedding (or 0 + its exchanged parts)
         tables, keep = self._rope(x.view(1, b, -1), rope_pos, b)
         self._cache_plan(g)                                       # each row's K/V offsets (the programs' arrays)
         mask = g.mask
         if mask is not None and mask.stride(-1) != 1:
             mask = mask.contiguous()
-        step = self.step                                          # what the programs read at this step
         step[fused.STEP_LENGTH] = g.length
         step[fused.STEP_MASK], step[fused.STEP_MASK_STRIDE] = ((0, 0) if mask is None
                                                                else (mask.data_ptr(), mask.stride(0)))  # [b,1,1,L]
         for key, j in self.keys.items():
             step[fused.STEP_TABLES + 2 * j], step[fused.STEP_TABLES + 2 * j + 1] = tables[key]
         sp = ctypes.addressof(step)
-        run, reduce_norm, parts = fused.run_program, fused.all_reduce_add_rms_norm, self.parts
+        run, exchange, parts = fused.run_program, fused.all_reduce_exchange, self.parts
         for la in layers:
-            run(la.attn, sp)                                      # h -> qkv -> rotary, cache -> attention -> p
-            reduce_norm(p, tp, la.norm2, parts)                   # x += all_reduce(o W_o); h = ln2(x)
-            run(la.mlp, sp)                                       # h -> gate-up -> SiLU -> down -> p
-            reduce_norm(p, tp, la.norm_next, parts)               # x += all_reduce(a W_d); h = next norm(x)
-        del keep, mask                                            # alive until the programs ran
+            run(la.attn, sp)                  # x += parts; h = ln1(x) -> qkv -> rotary, cache -> attention -> p
+            step[P], step[N], keep_parts = exchange(p, tp, parts)                      # all-reduce of o W_o
+            run(la.mlp, sp)                   # x += parts; h = ln2(x) -> gate-up -> SiLU -> down -> p
+            step[P], step[N], keep_parts = exchange(p, tp, parts)                      # all-reduce of a W_d
+        run(final, sp)                                            # x += parts; h = norm(x)
+        del keep, keep_parts, mask                                # alive until the programs ran
         logits = torch.empty(b, dec.lm_w.shape[0], dtype=torch.float32, device=x.device)
         self.mm.run(self.mm.args(self.h[:b], dec.lm_w, logits))
         return logits

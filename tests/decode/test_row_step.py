@@ -319,9 +319,11 @@ def test_smollm2_batch_one_row_step_equals_transformers(pools):
 
 
 def job_embed_and_rope(ctx, folder, ids, shm):
-    """The row step's own embedding lookup (its all-reduce fused with the first norm) and its rotary tables against
-    the modules they replace, as bits: ``(x equal, h equal, tables equal)``. The embedding rows of ids 3 and 50 hold
-    a -0.0 (the all-reduced module output has +0.0 there at tp > 1)."""
+    """The row step's own embedding lookup (its all-reduce's exchange, then the first program's add + norm) and its
+    rotary tables against the modules they replace, as bits: ``(x equal, h equal, tables equal)``. The embedding
+    rows of ids 3 and 50 hold a -0.0 (the all-reduced module output has +0.0 there at tp > 1)."""
+    import ctypes
+
     from tensorpar.decode.lean import LeanDecoder
     from tensorpar.hf.load import build_parallel_model
     from tensorpar.shm import disable_fast_collectives, enable_fast_collectives
@@ -339,7 +341,11 @@ def job_embed_and_rope(ctx, folder, ids, shm):
         assert rs is not None and rs.embed is not None and rs.tables is not None
         b, H = ids.numel(), rs.x.shape[1]
         w0, eps0 = rs.norm0
-        assert rs._embed(ids, b, (rs.xp, b, H, w0.data_ptr(), eps0, rs.h.data_ptr()))
+        step = rs.step       # the embedding's exchange, then the first program's add + norm (OP_NORM)
+        step[fused.STEP_PARTS], step[fused.STEP_NPARTS], keep = rs._embed(ids, b)
+        norm0 = fused.program([(fused.OP_NORM, rs.xp, b, H, w0.data_ptr(), fused.float_bits(eps0), rs.h.data_ptr())])
+        fused.run_program(ctypes.addressof(norm0), ctypes.addressof(step))
+        del keep
         want = lean.embed(ids.view(1, b)).view(b, H)
         x = want.clone()
         h = torch.empty_like(x)

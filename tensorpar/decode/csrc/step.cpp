@@ -147,9 +147,20 @@ extern "C" void tp_silu_mul(const float* gu, int64_t rows, int64_t f, float* a) 
 
 // tp_run's program: per op its kind, then its arguments as int64 words (addresses, sizes, a float's bits in the low
 // 32 bits of its word); OP_END ends it. Values that change from step to step are read from `step`: [0] attention's
-// length L, [1] its mask's address (0: none), [2] the mask's row stride, [3 + 2 k] and [4 + 2 k] rotary table k's
-// cos and sin_sign rows. Words per op (kind included): GEMV 13, GEMV_BF16W 11, Q8 12, ROPE 13, ATTN 13, SILU 5.
-enum : int64_t { OP_END = 0, OP_GEMV = 1, OP_GEMV_BF16W = 2, OP_Q8 = 3, OP_ROPE = 4, OP_ATTN = 5, OP_SILU = 6 };
+// length L, [1] its mask's address (0: none), [2] the mask's row stride, [3] the address of the C array of the
+// partial sums the next NORM adds (the last all-reduce's exchange) and [4] their count, [5 + 2 k] and [6 + 2 k]
+// rotary table k's cos and sin_sign rows. Words per op (kind included): GEMV 13, GEMV_BF16W 11, Q8 12, ROPE 13,
+// ATTN 13, SILU 5, NORM 7 (tp_add_rms_norm's x, rows, H, w, eps bits, h).
+enum : int64_t { OP_END = 0, OP_GEMV = 1, OP_GEMV_BF16W = 2, OP_Q8 = 3, OP_ROPE = 4, OP_ATTN = 5, OP_SILU = 6,
+                 OP_NORM = 7 };
+enum : int64_t { S_LENGTH = 0, S_MASK = 1, S_MASK_STRIDE = 2, S_PARTS = 3, S_NPARTS = 4, S_TABLES = 5 };
+
+static inline float float_of(int64_t w) {
+    const uint32_t bits = (uint32_t)w;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
 typedef void (*gemv_fn)(int, int, const void*, int64_t, int64_t, const void*, int64_t, const void*, void*, int,
                         int64_t);
 typedef void (*bf16w_fn)(const float*, int64_t, int64_t, const uint16_t*, int64_t, const float*, float*, int,
@@ -182,22 +193,24 @@ extern "C" int64_t tp_run(const int64_t* a, const int64_t* step) {
             a += 12;
             break;
         case OP_ROPE:           // qkv, rows, nq, nkv, d, rd, table k, q_out, k_layer, v_layer, head_stride, row_off
-            tp_rope_store((const float*)ptr(a[1]), a[2], a[3], a[4], a[5], a[6], (const float*)ptr(step[3 + 2 * a[7]]),
-                          (const float*)ptr(step[4 + 2 * a[7]]), (float*)ptr(a[8]), (float*)ptr(a[9]),
+            tp_rope_store((const float*)ptr(a[1]), a[2], a[3], a[4], a[5], a[6],
+                          (const float*)ptr(step[S_TABLES + 2 * a[7]]), (const float*)ptr(step[S_TABLES + 1 + 2 * a[7]]),
+                          (float*)ptr(a[8]), (float*)ptr(a[9]),
                           (float*)ptr(a[10]), a[11], (const int64_t*)ptr(a[12]));
             a += 13;
             break;
-        case OP_ATTN: {         // q, rows, nq, d, k_layer, v_layer, head_stride, kbase, kv_of, scale bits, s, out
-            const uint32_t bits = (uint32_t)a[10];
-            float scale;
-            memcpy(&scale, &bits, sizeof scale);
+        case OP_ATTN:           // q, rows, nq, d, k_layer, v_layer, head_stride, kbase, kv_of, scale bits, s, out
             tp_decode_attention((const float*)ptr(a[1]), a[2], a[3], a[4], (const float*)ptr(a[5]),
-                                (const float*)ptr(a[6]), a[7], (const int64_t*)ptr(a[8]), step[0],
-                                (const uint8_t*)ptr(step[1]), step[2], (const int64_t*)ptr(a[9]), scale,
-                                (float*)ptr(a[11]), (float*)ptr(a[12]));
+                                (const float*)ptr(a[6]), a[7], (const int64_t*)ptr(a[8]), step[S_LENGTH],
+                                (const uint8_t*)ptr(step[S_MASK]), step[S_MASK_STRIDE], (const int64_t*)ptr(a[9]),
+                                float_of(a[10]), (float*)ptr(a[11]), (float*)ptr(a[12]));
             a += 13;
             break;
-        }
+        case OP_NORM:           // x, rows, H, w, eps bits, h; the partial sums from the step words
+            tp_add_rms_norm((float*)ptr(a[1]), (const float* const*)ptr(step[S_PARTS]), (int)step[S_NPARTS], a[2], a[3],
+                            (const float*)ptr(a[4]), float_of(a[5]), (float*)ptr(a[6]));
+            a += 7;
+            break;
         case OP_SILU:           // gu, rows, f, a
             tp_silu_mul((const float*)ptr(a[1]), a[2], a[3], (float*)ptr(a[4]));
             a += 5;
