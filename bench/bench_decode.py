@@ -273,7 +273,13 @@ def _profile(model, ctx, ids, n, path):
 #: category). The GEMV is a ctypes call (no aten op), so without its range its time would count as framework.
 TRACED = (("tensorpar.comm", "all_reduce", "collectives"), ("tensorpar.decode.gemv_kernel", "linear", "matmul"),
           ("tensorpar.decode.gemv_kernel", "linear_into", "matmul"),
-          ("tensorpar.decode.fused", "all_reduce_add_rms_norm", "collectives"))
+          ("tensorpar.decode.fused", "all_reduce_add_rms_norm", "collectives"),
+          # the row step's kernel calls: its programs (a layer's GEMVs with its rotary, attention and SiLU in one C
+          # call) and, in a checkout before them, those small kernels called one by one: kernel work, with the
+          # matmuls (before 2026-12-02 the small kernels counted as framework: about 1 ms per token at tp=2 with
+          # their calls, bench/results/step_overhead-standin.md)
+          ("tensorpar.decode.fused", "run_program", "matmul"), ("tensorpar.decode.fused", "rope_store", "matmul"),
+          ("tensorpar.decode.fused", "decode_attention", "matmul"), ("tensorpar.decode.fused", "silu_mul", "matmul"))
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv", "aten::_weight_int8pack_mm",
               "mkldnn::_linear_pointwise")
 
@@ -479,8 +485,9 @@ def write_fixed_cost(res: dict, out: Path) -> None:
              "self CPU time; the GEMV and the all-reduce inclusive of a profiler range around them, which adds its "
              "own overhead; framework = the step's wall time minus the three).", "",
              "CPU ms columns: this rank's thread CPU time per decode step (median over steps; not the time spent "
-             "waiting for a core, so they hold under load): the whole step, inside the GEMV / matmul calls, inside "
-             "the all-reduces (its waits for the other rank spin or yield: CPU time too), and the rest = framework.",
+             "waiting for a core, so they hold under load): the whole step, inside the GEMV / matmul calls (and the "
+             "row step's rotary, attention and SiLU kernels, one by one or in its programs), inside the all-reduces "
+             "(its waits for the other rank spin or yield: CPU time too), and the rest = framework.",
              "",
              "| row | tokens/s | best step tokens/s | aten ops per token | per layer | CPU ms: step | GEMV | all-reduce | "
              "framework | profiler: matmul ms | attention ms | all-reduce ms | framework ms | step ms | load (1 min) |",

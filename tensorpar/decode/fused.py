@@ -22,6 +22,7 @@ Build: ``g++ -O3 -ffp-contract=off -shared`` of the one file (plain C++ that the
 from __future__ import annotations
 
 import ctypes
+import struct
 from functools import lru_cache
 from pathlib import Path
 
@@ -50,7 +51,7 @@ def _lib():
     if lib is None:
         return None
     lib.tp_add_rms_norm.restype = None
-    lib.tp_add_rms_norm.argtypes = [_P, ctypes.POINTER(_P), ctypes.c_int, _I, _I, _P, ctypes.c_float, _P]
+    lib.tp_add_rms_norm.argtypes = [_P, _P, ctypes.c_int, _I, _I, _P, ctypes.c_float, _P]
     lib.tp_rope_store.restype = None
     lib.tp_rope_store.argtypes = [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P]
     lib.tp_silu_mul.restype = None
@@ -58,7 +59,52 @@ def _lib():
     lib.tp_decode_attention.restype = None
     lib.tp_decode_attention.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _I, _I, _I, _P, _I, _P, ctypes.c_float, _P,
                                         _P]
+    lib.tp_run.restype = _I
+    lib.tp_run.argtypes = [_P, _P]
     return lib
+
+
+#: the op kinds of a :func:`program` (csrc/step.cpp ``tp_run``), and the words of each op (its kind included)
+OP_END, OP_GEMV, OP_GEMV_BF16W, OP_Q8, OP_ROPE, OP_ATTN, OP_SILU, OP_NORM = range(8)
+_WORDS = {OP_GEMV: 13, OP_GEMV_BF16W: 11, OP_Q8: 12, OP_ROPE: 13, OP_ATTN: 14, OP_SILU: 5, OP_NORM: 7}
+#: ``step`` words of a program's run: attention's length, its mask's address (0: none) and row stride, the address
+#: and count of the partial sums the next ``OP_NORM`` adds (:func:`all_reduce_exchange`), then per rotary table the
+#: addresses of its cos and sin_sign rows
+STEP_LENGTH, STEP_MASK, STEP_MASK_STRIDE, STEP_PARTS, STEP_NPARTS, STEP_TABLES = range(6)
+
+
+def float_bits(x: float) -> int:
+    """``x`` rounded to fp32 (as ctypes passes a ``c_float``), as the int of its 32 bits: a program's float word."""
+    return struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+def program(ops: list[tuple]):
+    """The int64 C array of a :func:`run_program` program: each op ``(kind, *words)`` (``None``: a null address), then
+    ``OP_END``. The kinds and their words (csrc/step.cpp ``tp_run``): ``(OP_GEMV, kernel address, *gemv args)``
+    (:func:`tensorpar.decode.gemv_kernel.into_args`' 11), ``(OP_GEMV_BF16W, address, *9 args)``
+    (``bf16w_into_args``), ``(OP_Q8, address, *10 args)`` (:func:`tensorpar.decode.q8_kernel.into_args`),
+    ``(OP_ROPE, qkv, rows, nq, nkv, d, rd, table, q_out, k_layer, v_layer, head_stride, row_offsets)`` (the cos and
+    sin_sign of rotary table ``table`` from the step words), ``(OP_ATTN, q, rows, nq, d, k_layer, v_layer,
+    head_stride, blocks, block_size, kv_of, float_bits(scale), scratch, out)`` (each row's one block: ``blocks``
+    a C array, its stride 1; length and mask from the step words),
+    ``(OP_SILU, gu, rows, f, out)``, ``(OP_NORM, x, rows, H, weight, float_bits(eps), out)`` (the partial sums from
+    the step words): the arguments of :func:`rope_store`, :func:`decode_attention`, :func:`silu_mul`,
+    :func:`all_reduce_add_rms_norm`'s kernel. Raises ValueError for an unknown kind or a wrong word count."""
+    words = []
+    for op in ops:
+        if len(op) != _WORDS.get(op[0], -1):
+            raise ValueError(f"program op {op[:1]} of {len(op)} words; kinds and words: {_WORDS}")
+        words += [0 if w is None else int(w) for w in op]
+    words.append(OP_END)
+    return (ctypes.c_int64 * len(words))(*words)
+
+
+def run_program(prog: int, step: int) -> None:
+    """Run the ops of program ``prog`` (the address of a :func:`program` array) in order, in one call: the matmuls
+    through their kernels' addresses, the other ops as :func:`rope_store`, :func:`decode_attention`, :func:`silu_mul`
+    with the same arguments (bitwise the same results as those calls). ``step``: the address of the int64 step
+    words (``STEP_*``: attention's length and mask, each rotary table's rows). No collectives."""
+    _lib().tp_run(prog, step)
 
 
 def available() -> bool:
@@ -85,15 +131,14 @@ def add_rms_norm(x: torch.Tensor, parts: list[torch.Tensor], weight: torch.Tenso
                            None if out is None else weight.data_ptr(), eps, None if out is None else out.data_ptr())
 
 
-def all_reduce_add_rms_norm(partial: torch.Tensor, tp: Group, args: tuple) -> None:
-    """The sum of ``partial`` ``[rows, H]`` over ``tp`` added to the residual stream and normalised, in one pass:
-    ``args`` = ``(x, rows, H, weight, eps, out)`` as the kernel takes them (addresses of ``x`` ``[rows, H]``, the
-    norm's weight ``[H]``, ``out`` ``[rows, H]``, all fp32; :class:`~tensorpar.decode.row_step.RowStep` prepares
-    them once). ``x`` becomes bitwise ``x + all_reduce(partial)``; ``out`` the RMSNorm of it (see the module
-    docstring). On a shared-memory group the ranks' partials are read where the all-reduce's exchange left them
-    (:meth:`~tensorpar.shm.ShmCommunicator.all_reduce_parts`, no sum tensor); otherwise :func:`tensorpar.comm.all_reduce`
-    and the kernel reads its result. Collectives: one all-reduce of ``[rows, H]`` (counted and fingerprinted as
-    :func:`tensorpar.comm.all_reduce`'s)."""
+def all_reduce_exchange(partial: torch.Tensor, tp: Group, arrays: dict | None = None) -> tuple[int, int, object]:
+    """The exchange of :func:`all_reduce_add_rms_norm` without the add and norm: ``(address of a C array of the
+    addresses of the ranks' partial sums in rank order, their count, what must stay alive until they are read)``,
+    for a program's ``OP_NORM`` (the step words :data:`STEP_PARTS`, :data:`STEP_NPARTS`). Shared memory: the slots
+    the exchange left them in (read before the next collective on the group); gloo: :func:`tensorpar.comm.all_reduce`'s
+    result (one part); one rank: ``partial`` itself. ``arrays``: a dict the caller keeps in which each set of
+    addresses' C array is built once (the exchange's slots alternate between two). Collectives: one all-reduce of
+    ``partial`` ``[rows, H]`` (counted and fingerprinted as :func:`tensorpar.comm.all_reduce`'s)."""
     keep = None
     if tp.size == 1:
         parts = (partial.data_ptr(),)
@@ -108,8 +153,28 @@ def all_reduce_add_rms_norm(partial: torch.Tensor, tp: Group, args: tuple) -> No
         else:
             keep = comm.all_reduce(partial, tp)
             parts = (keep.data_ptr(),)
+    got = None if arrays is None or keep is not None else arrays.get(parts)
+    if got is None:
+        arr = _parts(parts)
+        got = (ctypes.addressof(arr), len(parts), arr)
+        if arrays is not None and keep is None:
+            arrays[parts] = got
+    return got[0], got[1], (got[2], keep)
+
+
+def all_reduce_add_rms_norm(partial: torch.Tensor, tp: Group, args: tuple, arrays: dict | None = None) -> None:
+    """The sum of ``partial`` ``[rows, H]`` over ``tp`` added to the residual stream and normalised, in one pass:
+    ``args`` = ``(x, rows, H, weight, eps, out)`` as the kernel takes them (addresses of ``x`` ``[rows, H]``, the
+    norm's weight ``[H]``, ``out`` ``[rows, H]``, all fp32). ``x`` becomes bitwise ``x + all_reduce(partial)``;
+    ``out`` the RMSNorm of it (see the module docstring). On a shared-memory group the ranks' partials are read where
+    the all-reduce's exchange left them (:meth:`~tensorpar.shm.ShmCommunicator.all_reduce_parts`, no sum tensor);
+    otherwise :func:`tensorpar.comm.all_reduce` and the kernel reads its result (:func:`all_reduce_exchange`; the
+    row step runs the add and norm inside its programs, ``OP_NORM``). Collectives: one all-reduce of ``[rows, H]``
+    (counted and fingerprinted as :func:`tensorpar.comm.all_reduce`'s)."""
+    addr, n, keep = all_reduce_exchange(partial, tp, arrays)
     x, rows, H, w, eps, out = args
-    _lib().tp_add_rms_norm(x, _parts(parts), len(parts), rows, H, w, eps, out)
+    _lib().tp_add_rms_norm(x, addr, n, rows, H, w, eps, out)
+    del keep
 
 
 def rms_norm_raw(args: tuple) -> None:

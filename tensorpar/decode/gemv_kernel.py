@@ -106,6 +106,12 @@ def _lib():
     return lib
 
 
+def address(name: str) -> int:
+    """The address of the library's function ``name`` (``tp_gemv``, ``tp_gemv_bf16w``), for a program that calls it
+    from C (:func:`tensorpar.decode.fused.program`); the library stays loaded."""
+    return ctypes.cast(getattr(_lib(), name), ctypes.c_void_p).value
+
+
 def available() -> bool:
     """Whether this process can run the kernel (the CPU features of one of :data:`TARGETS`, a compiler,
     ``TENSORPAR_GEMV_KERNEL`` not ``0``)."""

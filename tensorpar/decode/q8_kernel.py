@@ -123,6 +123,12 @@ def _lib():
     return None if name is None else _lib_of(name)
 
 
+def address(name: str) -> int:
+    """The address of the library's function ``name`` (``tp_q8_linear_into``), for a program that calls it from C
+    (:func:`tensorpar.decode.fused.program`); the library stays loaded."""
+    return ctypes.cast(getattr(_lib(), name), ctypes.c_void_p).value
+
+
 def available() -> bool:
     """Whether this process can run the kernel (the CPU features of one of :data:`TARGETS`, a compiler,
     ``TENSORPAR_Q8_KERNEL`` not ``0``)."""

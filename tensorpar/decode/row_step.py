@@ -9,14 +9,24 @@ buffers allocated once, with the per-layer arguments of every kernel prepared on
   weights (:func:`~tensorpar.decode.gemv_kernel.linear_into`), our Q8_0 x Q8_0 kernel on the int8 weights of
   ``--quantize int8`` (:func:`~tensorpar.decode.q8_kernel.linear_into`, the activations quantized into a scratch
   allocated once), our GEMV widening the bf16 weights of ``--quantize bf16`` to fp32;
-* rotary on the q and k heads and the cache write of k and v: one call (:func:`~tensorpar.decode.fused.rope_store`),
-  the tables once per step;
+* rotary on the q and k heads and the cache write of k and v: one kernel (:func:`~tensorpar.decode.fused.rope_store`),
+  reading rows of tables of every position computed once at construction (bitwise the per-step call's; longrope
+  computes them per step);
 * each all-reduce fused with the residual add and the next RMSNorm (the layer's post-attention norm, the next
-  layer's input norm, the final norm): one call that reads the ranks' partial sums in shared memory
-  (:func:`~tensorpar.decode.fused.all_reduce_add_rms_norm`);
+  layer's input norm, the final norm): the exchange (:func:`~tensorpar.decode.fused.all_reduce_exchange`) leaves
+  the ranks' partial sums in shared memory and the next program's first op adds them in rank order and normalises
+  (``OP_NORM``, the kernel of :func:`~tensorpar.decode.fused.all_reduce_add_rms_norm`);
 * attention of the one query per row: one call that reads each query head's KV head where it lies in the cache
   (:func:`~tensorpar.decode.fused.decode_attention`: no head copies for uneven head splits, no views per layer);
-  SiLU and the gate product: one call (:func:`~tensorpar.decode.fused.silu_mul`).
+  SiLU and the gate product: one call (:func:`~tensorpar.decode.fused.silu_mul`);
+* the kernels between two all-reduces run from one Python call each (:func:`~tensorpar.decode.fused.run_program`:
+  add + input norm, QKV matmul, rotary and cache write, attention, output matmul; then add + post-attention norm,
+  gate-up matmul, SiLU, down matmul): per layer two program calls and two exchanges, their arguments prepared once
+  (a ctypes call's cost grows with its arguments: 9 calls of about 100 arguments per layer before);
+* the embedding: each rank copies the rows of the tokens it owns into the partial sums (zeros elsewhere, the
+  module's mask) and their all-reduce is fused with the first layer's input norm (onto ``x = 0``; bitwise the
+  module's all-reduced output, :meth:`RowStep._embed`), the embedding module where that does not apply (hooks, a
+  scaled or quantized embedding, sequence parallelism).
 
 It runs the layers of the plain Llama shape (:func:`why_not` says which it does not) computing in fp32 (activations,
 residual, norms, KV cache) on the GEMV path (:attr:`LeanDecoder.gemv <tensorpar.decode.lean.LeanDecoder>`) or on
@@ -82,6 +92,21 @@ def _format(w) -> str | None:
     return "int8" if isinstance(w, Int8Weight) else "bf16" if isinstance(w, Bf16Weight) else None
 
 
+def _embedding(emb):
+    """``emb`` (the decoder's input embedding) when a row step may look its rows up itself (:meth:`RowStep._embed`):
+    tensorpar's :class:`~tensorpar.layers.embedding.VocabParallelEmbedding` with a contiguous fp32 CPU table, no
+    ``embed_scale`` and no sequence parallelism; else ``None`` (the module runs). A module with hooks (e.g. the
+    collective fingerprints' call sites) runs itself too, checked at every step."""
+    from tensorpar.layers.embedding import VocabParallelEmbedding
+
+    if type(emb) is not VocabParallelEmbedding or emb.embed_scale is not None or emb.sequence_parallel:
+        return None
+    w = emb.weight
+    if w.dtype != torch.float32 or not w.is_contiguous() or w.device.type != "cpu":
+        return None
+    return emb
+
+
 #: per weight format: (the kernel runs here, its run-into-buffers call)
 _KERNELS = {"int8": (q8_kernel.available, q8_kernel.linear_into),
             "bf16": (gemv_kernel.available, gemv_kernel.bf16w_linear_into),
@@ -110,10 +135,23 @@ class _Matmuls:
             return gemv_kernel.bf16w_into_args(x, w.w, y, self.threads)
         return gemv_kernel.into_args(x, w, y, self.threads)
 
+    def op(self, x: torch.Tensor, w, y: torch.Tensor) -> tuple:
+        """The same matmul as an op of a :func:`~tensorpar.decode.fused.program`: its kind, the kernel's address and
+        :meth:`args`."""
+        a = self.args(x, w, y)
+        if isinstance(w, Int8Weight):
+            return (fused.OP_Q8, q8_kernel.address("tp_q8_linear_into"), *a)
+        if isinstance(w, Bf16Weight):
+            return (fused.OP_GEMV_BF16W, gemv_kernel.address("tp_gemv_bf16w"), *a)
+        return (fused.OP_GEMV, gemv_kernel.address("tp_gemv"), *a)
+
 
 class _Layer:
-    """One layer's prepared kernel arguments for ``rows`` rows."""
-    __slots__ = ("qkv", "gu", "down", "norm2", "norm_next", "o", "k", "v", "kv_of", "scale", "L")
+    """One layer's prepared programs for ``rows`` rows, their addresses and the arrays themselves (``keep``): ``attn``
+    (the residual add of the all-reduce before and the input norm, QKV matmul, rotary and cache write, attention,
+    output matmul) and ``mlp`` (the add of the attention's all-reduce and the post-attention norm, gate-up matmul,
+    SiLU, down matmul)."""
+    __slots__ = ("attn", "mlp", "keep")
 
 
 class RowStep:
@@ -148,27 +186,77 @@ class RowStep:
         self.head_stride = cache.k[0].stride(0)
         self.threads = torch.get_num_threads()
         self.mm = mm = _Matmuls(fmt, R, max(H, nq * d, f), self.threads)
+        self.offs = [(ctypes.c_int64 * b)() for b in range(R + 1)]         # each row's K/V offset, per row count
+        self.blocks = [(ctypes.c_int64 * b)() for b in range(R + 1)]       # each row's block (its table)
+        keys = {k: j for j, k in enumerate(dec.rotary)}
+        #: the step words of the programs (fused.STEP_*): attention's length and mask, each rotary table's rows
+        self.step = (ctypes.c_int64 * (fused.STEP_TABLES + 2 * len(keys)))()
+        self.keys = keys
+        hs = self.head_stride
+        qkv, q, att, gu, a = (t.data_ptr() for t in (self.qkv, self.q, self.att, self.gu, self.a))
         self.rows = {}
         for b in range(1, R + 1):
             layers = []
+            offs, blocks = ctypes.addressof(self.offs[b]), ctypes.addressof(self.blocks[b])
+            bs = cache.block_size
+            x_, h_ = self.x.data_ptr(), self.h.data_ptr()
+
+            def norm(fn):       # x += the exchanged partial sums (step words); h = fn's RMSNorm of x
+                w, eps = _norm(fn)
+                return (fused.OP_NORM, x_, b, H, w.data_ptr(), fused.float_bits(eps), h_)
             for i, L in enumerate(dec.layers):
                 la = _Layer()
-                la.L = L
-                la.qkv = mm.args(self.h[:b], out_in(L.wqkv), self.qkv[:b])
-                la.gu = mm.args(self.h[:b], out_in(L.wgu), self.gu[:b])
-                la.down = mm.args(self.a[:b], out_in(L.wd), self.p[:b])
-                la.o = mm.args(self.att[:b], out_in(L.wo), self.p[:b])
                 kv_of = (L.kv_idx.tolist() if L.kv_idx is not None
                          else [h * nkv // nq for h in range(nq)])                # each query head's KV head
-                la.kv_of = (ctypes.c_int64 * nq)(*kv_of)
-                la.scale = float(L.scaling if L.scaling is not None else d ** -0.5)
-                w2, eps2 = _norm(L.ln2)
-                la.norm2 = (self.x.data_ptr(), b, H, w2.data_ptr(), eps2, self.h.data_ptr())
-                nxt = _norm(dec.layers[i + 1].ln1) if i + 1 < len(dec.layers) else _norm(dec.norm)
-                la.norm_next = (self.x.data_ptr(), b, H, nxt[0].data_ptr(), nxt[1], self.h.data_ptr())
-                la.k, la.v = cache.k[i].data_ptr(), cache.v[i].data_ptr()
+                kv_of = (ctypes.c_int64 * nq)(*kv_of)
+                scale = fused.float_bits(float(L.scaling if L.scaling is not None else d ** -0.5))
+                k, v = cache.k[i].data_ptr(), cache.v[i].data_ptr()
+                attn = fused.program([
+                    norm(L.ln1),                                                  # x += all_reduce; h = ln1(x)
+                    mm.op(self.h[:b], out_in(L.wqkv), self.qkv[:b]),                                  # h -> qkv
+                    (fused.OP_ROPE, qkv, b, nq, nkv, d, self.rd, keys[L.rope], q, k, v, hs, offs),
+                    (fused.OP_ATTN, q, b, nq, d, k, v, hs, blocks, bs, ctypes.addressof(kv_of), scale,
+                     self.scratch.data_ptr(), att),
+                    mm.op(self.att[:b], out_in(L.wo), self.p[:b])])                                   # -> p
+                mlp = fused.program([
+                    norm(L.ln2),                                                  # x += all_reduce; h = ln2(x)
+                    mm.op(self.h[:b], out_in(L.wgu), self.gu[:b]),
+                    (fused.OP_SILU, gu, b, f, a),                                                     # gu -> a
+                    mm.op(self.a[:b], out_in(L.wd), self.p[:b])])                                     # -> p
+                la.keep = (attn, mlp, kv_of)
+                la.attn, la.mlp = ctypes.addressof(attn), ctypes.addressof(mlp)
                 layers.append(la)
-            self.rows[b] = (layers, self.x[:b], self.p[:b])
+            final = fused.program([norm(dec.norm)])                              # x += all_reduce; h = norm(x)
+            self.rows[b] = (layers, self.x[:b], self.p[:b], ctypes.addressof(final), final)
+        self.parts: dict = {}           # the ranks' partial sums' addresses (a tuple) -> their C array
+        self.xp, self.pp = self.x.data_ptr(), self.p.data_ptr()
+        self.tables = self._rotary_tables()
+        self.rope_buf = {k: (torch.zeros(R, self.rd, **e), torch.zeros(R, self.rd, **e))
+                         for k in (self.tables or {})}                        # two rows' tables, gathered
+        self.embed = _embedding(dec.embed)
+
+    def _rotary_tables(self) -> dict | None:
+        """Per rotary key, ``(cos, sin_sign)`` ``[max_len, rd]`` of every position, computed once by the decoder's
+        own call (:meth:`~tensorpar.decode.lean.LeanDecoder._rotary`: element-wise, so a position's row is bitwise
+        what a step of that one position computes, which a probe of four positions checks);
+        ``None`` (a step computes its tables) for longrope, whose factors depend on the row's length, or where the
+        probe differs."""
+        dec = self.dec
+        if dec.rope_switch is not None:
+            return None
+        n = dec.max_len
+        x = torch.zeros(1, 1, 1, dtype=torch.float32, device=dec.lm_w.device)
+        pos = torch.arange(n, device=x.device)
+        out = {}
+        for key, rotary in dec.rotary.items():
+            cos, sin = dec._rotary(rotary, x, pos, None)                                # [n, 1, rd]
+            cos, sin = cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous()
+            for p in sorted({0, 1, n // 2, n - 1} & set(range(n))):
+                c1, s1 = dec._rotary(rotary, x, pos[p:p + 1], None)
+                if not (torch.equal(c1.reshape(-1), cos[p]) and torch.equal(s1.reshape(-1), sin[p])):
+                    return None
+            out[key] = (cos, sin)
+        return out
 
     def runs(self, segments) -> bool:
         """Whether this step is one :class:`RowStep` runs: one segment of at most MAX_ROWS rows of one token each,
@@ -181,61 +269,111 @@ class RowStep:
                 and g.length <= self.dec.cache.block_size)
 
     def _cache_plan(self, g):
-        """``(row offsets, row blocks)`` as C arrays: the element offset in a layer's pool where each row's new K/V
-        go, and the row's block (its one-block table, what attention reads). Raises ValueError for a row its block table or
-        the cache does not cover."""
+        """``(row offsets, row blocks)`` as C arrays (allocated once per row count, filled here): the element offset
+        in a layer's pool where each row's new K/V go, and the row's block (its one-block table, what attention
+        reads). Raises ValueError for a row its block table or the cache does not cover."""
         cache, d = self.dec.cache, self.dec.head_dim
         bs, b, length = cache.block_size, g.b, g.length
         if g.blocks is None:
             if g.start + 1 > bs or length > bs or b > cache.num_blocks:
                 raise ValueError(f"a start segment needs one block per row of at least {max(g.start + 1, length)} "
                                  f"positions; blocks hold {bs}")
-            blocks, pos = list(range(b)), [g.start] * b
+            blocks, pos = range(b), [g.start] * b
         else:
             if g.blocks.shape[1] < 1:
                 raise ValueError("block tables of 0 blocks do not cover a position")
             blocks, pos = [t[0] for t in g.blocks.tolist()], [p for (p,) in g.cache_pos.tolist()]
-        offs = [(blk * bs + p) * d for blk, p in zip(blocks, pos)]
-        return (ctypes.c_int64 * b)(*offs), (ctypes.c_int64 * b)(*blocks)
+        offs, table = self.offs[b], self.blocks[b]
+        for r, (blk, p) in enumerate(zip(blocks, pos)):
+            table[r] = blk
+            offs[r] = (blk * bs + p) * d
+        return offs, table
+
+    def _embed(self, ids: torch.Tensor, b: int):
+        """``x[:b]`` = the embedding of ``ids`` ``[b]`` summed over the ranks, as the first program's ``OP_NORM`` adds
+        it: returns ``(parts address, count, what to keep alive)`` for the step words. At tp > 1 the rows this rank
+        owns are copied into the partial sums ``p`` (zeros elsewhere, as the module's mask), ``x`` is zeroed and
+        their all-reduce's exchange runs (:func:`~tensorpar.decode.fused.all_reduce_exchange`): ``0 + (p0 + p1 + ...)``
+        is bitwise the module's all-reduced sum (one rank's row plus zeros: a sum never -0). At tp = 1, or where the
+        module must run (see :func:`_embedding`), ``x`` holds the embedding and nothing is added. Collectives: one
+        all-reduce of ``[b, H]``, the module's."""
+        emb, tp = self.embed, self.dec.tp
+        row = self.x.shape[1] * 4
+        toks = ids.tolist()
+        raw = emb is not None and not (emb._forward_hooks or emb._forward_pre_hooks)
+        if raw and tp.size == 1 and all(0 <= t < emb.weight.shape[0] for t in toks):
+            w = emb.weight.data_ptr()
+            for r, t in enumerate(toks):
+                ctypes.memmove(self.xp + r * row, w + t * row, row)
+            return 0, 0, None
+        if not raw or tp.size == 1:             # the module (it raises its own error for a bad id)
+            self.x[:b].copy_(self.dec.embed(ids.view(1, b)).view(b, -1))                 # [1, b, h], all-reduced
+            return 0, 0, None
+        w, lo, hi = emb.weight.data_ptr(), emb.vocab_start, emb.vocab_stop
+        for r, t in enumerate(toks):
+            if lo <= t < hi:
+                ctypes.memmove(self.pp + r * row, w + (t - lo) * row, row)
+            else:
+                ctypes.memset(self.pp + r * row, 0, row)
+        ctypes.memset(self.xp, 0, b * row)
+        return fused.all_reduce_exchange(self.p[:b], tp, self.parts)
+
+    def _rope(self, e: torch.Tensor, rope_pos: torch.Tensor, b: int) -> tuple[dict, list]:
+        """Per rotary key the addresses ``(cos, sin_sign)`` of ``[b, rd]`` rows for the rows' rotary positions
+        ``rope_pos`` ``[b]``: rows of the tables computed once (one row: in place; two: gathered into a buffer),
+        else computed for this step (longrope: each row the factors of its own length); and the tensors to keep
+        alive while the step runs."""
+        dec = self.dec
+        if self.tables is not None:
+            pos = rope_pos.tolist()
+            if 0 <= min(pos) and max(pos) < dec.max_len:
+                if b == 1:
+                    o = pos[0] * self.rd * 4
+                    return {k: (c.data_ptr() + o, s.data_ptr() + o) for k, (c, s) in self.tables.items()}, []
+                out = {}
+                for k, (c, s) in self.tables.items():
+                    cb, sb = self.rope_buf[k]
+                    torch.index_select(c, 0, rope_pos, out=cb[:b])
+                    torch.index_select(s, 0, rope_pos, out=sb[:b])
+                    out[k] = (cb.data_ptr(), sb.data_ptr())
+                return out, []
+        last = rope_pos if dec.rope_switch is not None else None   # longrope: a decode row's length is its position
+        out, keep = {}, []
+        for key, rotary in dec.rotary.items():
+            cos, sin = dec._rotary(rotary, e, rope_pos, last)                           # [b, 1, rd] each
+            cos, sin = cos.contiguous(), sin.contiguous()
+            keep += [cos, sin]
+            out[key] = (cos.data_ptr(), sin.data_ptr())
+        return out, keep
 
     def __call__(self, ids: torch.Tensor, rope_pos: torch.Tensor, g) -> torch.Tensor:
         """Logits ``[b, V_r]`` of segment ``g``'s ``b`` rows (``ids``, ``rope_pos`` ``[b]``), their K/V written to
         the cache; what ``forward_segments(ids, rope_pos, [g])`` returns."""
         dec, tp = self.dec, self.dec.tp
         b = g.b
-        layers, x, p = self.rows[b]
-        nq, nkv, d, rd = dec.n_q, dec.n_kv, dec.head_dim, self.rd
-        e = dec.embed(ids.view(1, b))                                                   # [1, b, h], all-reduced
-        x.copy_(e.view(b, -1))
-        tables = {}
-        last = rope_pos if dec.rope_switch is not None else None   # longrope: a decode row's length is its position
-        for key, rotary in dec.rotary.items():
-            cos, sin = dec._rotary(rotary, e, rope_pos, last)                           # [b, 1, rd] each
-            tables[key] = (cos.contiguous(), sin.contiguous())
-        offs, blocks = self._cache_plan(g)
-        bs = self.dec.cache.block_size
-        mask, length = g.mask, g.length
+        layers, x, p, final, _ = self.rows[b]
+        step = self.step                                          # what the programs read at this step
+        P, N = fused.STEP_PARTS, fused.STEP_NPARTS
+        step[P], step[N], keep_parts = self._embed(ids, b)        # x = embedding (or 0 + its exchanged parts)
+        tables, keep = self._rope(x.view(1, b, -1), rope_pos, b)
+        self._cache_plan(g)                                       # each row's K/V offsets (the programs' arrays)
+        mask = g.mask
         if mask is not None and mask.stride(-1) != 1:
             mask = mask.contiguous()
-        mp, ms = (None, 0) if mask is None else (mask.data_ptr(), mask.stride(0))      # [b, 1, 1, L] bool
-        w0, eps0 = self.norm0
-        fused.rms_norm_raw((self.x.data_ptr(), b, x.shape[1], w0.data_ptr(), eps0, self.h.data_ptr()))
-        qkv, qp, hs = self.qkv.data_ptr(), self.q.data_ptr(), self.head_stride
-        sp, ap = self.scratch.data_ptr(), self.att.data_ptr()
-        act = (self.gu.data_ptr(), b, self.a.shape[1], self.a.data_ptr())
-        linear_into, rope_store, attention = self.mm.run, fused.rope_store, fused.decode_attention
-        reduce_norm, silu_mul = fused.all_reduce_add_rms_norm, fused.silu_mul
+        step[fused.STEP_LENGTH] = g.length
+        step[fused.STEP_MASK], step[fused.STEP_MASK_STRIDE] = ((0, 0) if mask is None
+                                                               else (mask.data_ptr(), mask.stride(0)))  # [b,1,1,L]
+        for key, j in self.keys.items():
+            step[fused.STEP_TABLES + 2 * j], step[fused.STEP_TABLES + 2 * j + 1] = tables[key]
+        sp = ctypes.addressof(step)
+        run, exchange, parts = fused.run_program, fused.all_reduce_exchange, self.parts
         for la in layers:
-            linear_into(la.qkv)                                                       # h -> qkv
-            cos, sin = tables[la.L.rope]
-            rope_store((qkv, b, nq, nkv, d, rd, cos.data_ptr(), sin.data_ptr(), qp, la.k, la.v, hs, offs))
-            attention((qp, b, nq, d, la.k, la.v, hs, blocks, 1, bs, length, mp, ms, la.kv_of, la.scale, sp, ap))
-            linear_into(la.o)                                                         # attention -> p
-            reduce_norm(p, tp, la.norm2)                              # x += all_reduce(o W_o); h = ln2(x)
-            linear_into(la.gu)
-            silu_mul(act)                                                            # gu -> a
-            linear_into(la.down)
-            reduce_norm(p, tp, la.norm_next)                          # x += all_reduce(a W_d); h = next norm(x)
+            run(la.attn, sp)                  # x += parts; h = ln1(x) -> qkv -> rotary, cache -> attention -> p
+            step[P], step[N], keep_parts = exchange(p, tp, parts)                      # all-reduce of o W_o
+            run(la.mlp, sp)                   # x += parts; h = ln2(x) -> gate-up -> SiLU -> down -> p
+            step[P], step[N], keep_parts = exchange(p, tp, parts)                      # all-reduce of a W_d
+        run(final, sp)                                            # x += parts; h = norm(x)
+        del keep, keep_parts, mask                                # alive until the programs ran
         logits = torch.empty(b, dec.lm_w.shape[0], dtype=torch.float32, device=x.device)
-        linear_into(self.mm.args(self.h[:b], dec.lm_w, logits))
+        self.mm.run(self.mm.args(self.h[:b], dec.lm_w, logits))
         return logits

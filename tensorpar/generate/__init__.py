@@ -143,7 +143,7 @@ def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_
         draw = sampler(sampling, torch.Generator(device=engine.device).manual_seed(sampling.seed))
         samplers = [draw] * b
     rows = [Row(i, p, 0, sampled=not greedy) for i, p in enumerate(prompts)]     # step 0: prefill every prompt
-    done = torch.zeros(b, dtype=torch.bool)
+    done = [False] * b                  # per row: ended (EOS); plain lists, no tensor ops per step
     out = []
     if engine.plans.size > 1:   # the clock starts when every rank is ready: a slower rank's load is not prefill
         comm.all_reduce(torch.zeros(1, device=engine.device), engine.plans)
@@ -155,7 +155,7 @@ def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_
         with comm.counting(tp, reset=False) if counting else contextlib.nullcontext() as counter:
             before = sum(counter.calls.values()) if counting else 0
             got = engine.step(StepPlan("step", rows), samplers=[samplers[r.slot] for r in rows] if samplers else None)
-        nxt = torch.full((b,), pad_id, dtype=torch.long)
+        nxt = [pad_id] * b
         for r, t in zip(rows, got.tokens):
             nxt[r.slot] = t
             done[r.slot] = done[r.slot] or t in eos
@@ -168,14 +168,15 @@ def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_
             warning = measure_speed(model, tp, torch.zeros(b, cfg.hidden_size, device=engine.device), per_token)
             paused += time.perf_counter() - t_pause
         if on_token is not None:
-            on_token(step, nxt)
-        if bool(done.all()):
+            on_token(step, torch.tensor(nxt, dtype=torch.long))
+        if all(done):
             break
         # the next step: one decode row per unfinished prompt, its token at the position after its last
-        rows = [Row(r.slot, [int(nxt[r.slot])], r.start + len(r.tokens), sampled=not greedy)
+        rows = [Row(r.slot, [nxt[r.slot]], r.start + len(r.tokens), sampled=not greedy)
                 for r in rows if not done[r.slot]]
     total = time.perf_counter() - t0 - paused
-    return GenerationResult(torch.stack(out, dim=1), ttft, total - ttft, warning, ttft_cpu)
+    return GenerationResult(torch.tensor(out, dtype=torch.long).T.contiguous(), ttft, total - ttft, warning,
+                            ttft_cpu)
 
 
 # ---------------------------------------------------------------- command line

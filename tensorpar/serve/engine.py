@@ -223,8 +223,11 @@ class Engine:
         if self.lean is not None:
             segs = [Segment(i.shape[0], i.shape[1], m, n, blocks=bl, cache_pos=p, write=w)
                     for i, p, bl, m, n, w in parts]
-            ids = torch.cat([i.reshape(-1) for i, *_ in parts])
-            pos = torch.cat([p.reshape(-1) for _, p, *_ in parts])
+            if len(parts) == 1:
+                ids, pos = parts[0][0].reshape(-1), parts[0][1].reshape(-1)
+            else:
+                ids = torch.cat([i.reshape(-1) for i, *_ in parts])
+                pos = torch.cat([p.reshape(-1) for _, p, *_ in parts])
             return self.lean.forward_segments(ids, pos, segs)
         out = []
         for ids_t, pos_t, blocks_t, mask, length, _ in parts:    # one block (slot) per row; pads written
@@ -322,7 +325,9 @@ class Engine:
         batches, order = step_batches(plan.rows, block_size=self.block_size, num_blocks=self.num_blocks,
                                       max_len=self.max_len)
         lg = self._forward(batches)                                # [n, V_r], in order (None: not the last stage)
-        return None if lg is None else lg[sorted(range(len(order)), key=order.__getitem__)]
+        if lg is None or order == sorted(order):                   # already in row order (a decode of one batch)
+            return lg
+        return lg[sorted(range(len(order)), key=order.__getitem__)]
 
     def _result(self, plan: StepPlan, logits: torch.Tensor | None, samplers) -> StepResult:
         """The tokens of ``plan``'s rows from the (last stage's) ``logits``, and the log-probabilities asked for."""
@@ -344,7 +349,7 @@ class Engine:
             if self.pp.size > 1:
                 from tensorpar.pipeline.inference import logprobs_from_last
                 lps, top = logprobs_from_last(want, lps, top, self.pp, last=self.last, device=self.device)
-        return StepResult([int(t) for t in tokens], lps, top)
+        return StepResult(tokens.tolist(), lps, top)
 
     def exchange(self, plan: StepPlan | None) -> StepPlan:
         """Rank 0 sends ``plan`` to every rank of ``plans`` (default: tp); every rank returns it (rank 0: the same

@@ -51,18 +51,29 @@ def vocab_parallel_argmax(logits: torch.Tensor, tp: Group, *, partition) -> torc
 
     ``partition``: the vocabulary split (a Partition, the vocab size, or the sharded model/LM head; see
     :mod:`tensorpar.layers.vocab`). Collectives: one all-gather of ``[b, 2]`` (float64, so token ids up to
-    2^53 are exact). Raises ValueError for logits that are not this rank's slice.
+    2^53 are exact; fp32 values exactly). The ``2 * b`` numbers on each side of it are handled as Python lists (a
+    decode step's few rows: fewer framework calls than tensor ops on them). Raises ValueError for logits that are not
+    this rank's slice.
     """
     from tensorpar.layers.vocab import check_local_width, resolve_vocab_partition
 
     vocab_start, _ = check_local_width(logits.shape[-1], resolve_vocab_partition(partition, tp), tp)
     val, idx = logits.float().max(dim=-1)
-    if tp.size == 1:
+    if tp.size == 1 or logits.shape[0] == 0:
         return idx
-    pair = torch.stack([val.double(), (idx + vocab_start).double()], dim=-1)          # [b, 2]
-    allp = comm.all_gather(pair.unsqueeze(0), tp, dim=0)                              # [tp, b, 2]
-    best = allp[..., 0].argmax(dim=0)          # first (lowest-rank, hence lowest-index) maximum
-    return allp[..., 1].gather(0, best.unsqueeze(0)).squeeze(0).long()
+    # this rank's best (value, global index) per row, [1, b, 2]; a handful of rows: Python lists, not tensor ops
+    pair = torch.tensor([[[v, i + vocab_start] for v, i in zip(val.tolist(), idx.tolist())]], dtype=torch.float64,
+                        device=logits.device)
+    ranks = comm.all_gather(pair, tp, dim=0).tolist()                                 # [tp][b][2]
+    tokens = []
+    for j in range(len(ranks[0])):
+        best = ranks[0][j]
+        for r in ranks[1:]:     # the first (lowest-rank, hence lowest-index) maximum; a NaN wins, as in argmax
+            v = r[j][0]
+            if best[0] == best[0] and (v > best[0] or v != v):
+                best = r[j]
+        tokens.append(int(best[1]))
+    return torch.tensor(tokens, dtype=torch.long, device=logits.device)
 
 
 def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator) -> torch.Tensor:

@@ -118,6 +118,34 @@ def test_silu_mul_equals_torch(rows, f):
     assert ((out - want).abs() <= 4 * torch.finfo(torch.float32).eps * want.abs() + 1e-30).all()
 
 
+@needs_kernels
+def test_program_runs_the_calls_it_replaces():
+    """A program (one call from Python, csrc/step.cpp ``tp_run``) of a GEMV, SiLU and a second GEMV writes bitwise
+    what the three calls write; an op of the wrong length is refused."""
+    import ctypes
+    g = torch.Generator().manual_seed(7)
+    h, w1, w2 = torch.randn(2, 96, generator=g), torch.randn(2 * 40, 96, generator=g), torch.randn(96, 40, generator=g)
+    outs = []
+    for fused_call in (False, True):
+        gu, a, y = torch.full((2, 80), float("nan")), torch.full((2, 40), float("nan")), torch.full((2, 96), 0.5)
+        mm1, mm2 = gemv_kernel.into_args(h, w1, gu), gemv_kernel.into_args(a, w2, y)
+        silu = (gu.data_ptr(), 2, 40, a.data_ptr())
+        if fused_call:
+            gemv = gemv_kernel.address("tp_gemv")
+            prog = fused.program([(fused.OP_GEMV, gemv, *mm1), (fused.OP_SILU, *silu), (fused.OP_GEMV, gemv, *mm2)])
+            step = (ctypes.c_int64 * fused.STEP_TABLES)()
+            fused.run_program(ctypes.addressof(prog), ctypes.addressof(step))
+        else:
+            gemv_kernel.linear_into(mm1)
+            fused.silu_mul(silu)
+            gemv_kernel.linear_into(mm2)
+        outs.append((gu, a, y))
+    for x, z in zip(*outs):
+        assert torch.equal(x, z)
+    with pytest.raises(ValueError, match="words"):
+        fused.program([(fused.OP_SILU, 0, 1, 2)])
+
+
 @pytest.mark.skipif(not q8_kernel.available(), reason="no AVX512-VNNI / AVX2 CPU or no C++ compiler")
 @pytest.mark.parametrize("m,k,n", [(1, 288, 300), (2, 96, 53), (2, 32 * 7, 17)])
 def test_q8_linear_into_equals_q8_linear(m, k, n):
@@ -374,3 +402,65 @@ def test_smollm2_batch_one_row_step_equals_transformers(pools):
                                   pad_token_id=tok.eos_token_id)[:, ids.shape[1]:]
         for r, got in enumerate(pools(2).run(job_smollm2, folder, ids)):
             assert torch.equal(got, want), f"{prompt!r} rank {r}: {tok.decode(got[0])!r} != {tok.decode(want[0])!r}"
+
+
+def job_embed_and_rope(ctx, folder, ids, shm):
+    """The row step's own embedding lookup (its all-reduce's exchange, then the first program's add + norm) and its
+    rotary tables against the modules they replace, as bits: ``(x equal, h equal, tables equal)``. The embedding
+    rows of ids 3 and 50 hold a -0.0 (the all-reduced module output has +0.0 there at tp > 1)."""
+    import ctypes
+
+    from tensorpar.decode.lean import LeanDecoder
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.shm import disable_fast_collectives, enable_fast_collectives
+    if shm:
+        enable_fast_collectives(ctx.tp, "on")
+    try:
+        model, _ = build_parallel_model(folder, ctx.tp)
+        emb = model.model.embed_tokens
+        with torch.no_grad():
+            for t in (3, 50):
+                if emb.vocab_start <= t < emb.vocab_stop:
+                    emb.weight[t - emb.vocab_start, 1] = -0.0
+        lean = LeanDecoder(model, ctx.tp, max_batch=2, max_len=16)
+        rs = lean.row_step
+        assert rs is not None and rs.embed is not None and rs.tables is not None
+        b, H = ids.numel(), rs.x.shape[1]
+        w0, eps0 = rs.norm0
+        step = rs.step       # the embedding's exchange, then the first program's add + norm (OP_NORM)
+        step[fused.STEP_PARTS], step[fused.STEP_NPARTS], keep = rs._embed(ids, b)
+        norm0 = fused.program([(fused.OP_NORM, rs.xp, b, H, w0.data_ptr(), fused.float_bits(eps0), rs.h.data_ptr())])
+        fused.run_program(ctypes.addressof(norm0), ctypes.addressof(step))
+        del keep
+        want = lean.embed(ids.view(1, b)).view(b, H)
+        x = want.clone()
+        h = torch.empty_like(x)
+        fused.rms_norm_raw((x.data_ptr(), b, H, w0.data_ptr(), eps0, h.data_ptr()))
+        bits = lambda t: t.contiguous().view(torch.int32)       # noqa: E731  (-0.0 and +0.0 differ)
+        x_eq = torch.equal(bits(rs.x[:b]), bits(want))
+        h_eq = torch.equal(bits(rs.h[:b]), bits(h))
+        tables_eq = True
+        for key, rotary in lean.rotary.items():
+            cos_t, sin_t = rs.tables[key]
+            for p in range(16):             # every row: the decoder's own call of that one position
+                c, s = lean._rotary(rotary, want.view(1, b, H), torch.tensor([p]), None)
+                tables_eq &= torch.equal(bits(cos_t[p]), bits(c.reshape(-1))) and torch.equal(
+                    bits(sin_t[p]), bits(s.reshape(-1)))
+        return x_eq, h_eq, tables_eq
+    finally:
+        if shm:
+            disable_fast_collectives(ctx.tp)
+
+
+@needs_kernels
+@pytest.mark.parametrize("tp,shm", [(1, False), (2, True), pytest.param(2, False, marks=pytest.mark.slow)])
+def test_row_step_embedding_and_rotary_tables_are_the_modules_bits(pools, tmp_path, tp, shm):
+    """The row step looks its embedding rows up itself (each rank its own rows, zeros elsewhere, the all-reduce
+    fused with the first norm onto x = 0) and reads rotary tables computed once: bitwise the embedding module's
+    all-reduced output (a -0.0 in a row included), the norm of it, and the decoder's per-step rotary call at every
+    position; two rows, ids owned by different ranks at tp=2 (53-token vocabulary: 0-26 and 27-52)."""
+    folder = make_model_folder(tmp_path / "llama", "llama")
+    for r, (x_eq, h_eq, tables_eq) in enumerate(run_tp(pools, tp, job_embed_and_rope, folder,
+                                                       torch.tensor([3, 50]), shm)):
+        assert x_eq and h_eq and tables_eq, (r, x_eq, h_eq, tables_eq)
+

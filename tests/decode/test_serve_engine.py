@@ -194,3 +194,26 @@ def test_rope_scaling_request_alone_equals_batched(pools, tmp_path, arch, rope):
         assert alone == want, f"{arch} {rope} rank {r}: alone"
         assert together == want, f"{arch} {rope} rank {r}: prefilled together"
         assert joining == want, f"{arch} {rope} rank {r}: joining a running batch"
+
+
+def job_argmax(ctx, rows):
+    """Each rank's slice of the global ``rows`` ``[b, V]`` (vocab split 5 / 4 at tp=2): the vocab-parallel argmax."""
+    from tensorpar.serve.tokens import vocab_parallel_argmax
+    V = rows.shape[1]
+    part = ctx.tp.partition(V, what="vocab_size")
+    lo, hi = part.range(ctx.tp.rank)
+    return vocab_parallel_argmax(rows[:, lo:hi].contiguous(), ctx.tp, partition=part)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_vocab_parallel_argmax_equals_argmax(pools, tp):
+    """The vocab-parallel argmax is torch.argmax of the whole row: ties across ranks go to the lowest index, a NaN
+    wins (as torch's), -inf rows and one-rank maxima included."""
+    nan, inf = float("nan"), float("inf")
+    rows = torch.tensor([[0.0, 1.0, 3.0, 2.0, -1.0, 3.0, 0.5, 3.0, 0.0],      # a tie across the ranks: index 2
+                         [0.0, 1.0, 1.0, 2.0, 0.0, 1.0, 0.5, 7.0, 0.0],       # on rank 1
+                         [-inf] * 9,
+                         [0.0, 1.0, 2.0, 0.0, 0.0, nan, 0.5, 9.0, nan],        # the first NaN
+                         [nan, 1.0, 2.0, 0.0, 0.0, 0.0, 0.5, 9.0, 0.0]])
+    for got in run_tp(pools, tp, job_argmax, rows):
+        assert got.tolist() == rows.argmax(-1).tolist()

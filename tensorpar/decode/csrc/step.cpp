@@ -9,6 +9,10 @@
 // * tp_rope_store: the rotary embedding of the q and k heads of a fused QKV row, the families' formula
 //   q * cos + rotate_half(q) * sin computed as q * cos + q[perm] * sin_sign (bitwise the lean path's torch ops), the
 //   rotated q written to q_out and the rotated k and the v written straight into the KV cache at the row's position.
+// * tp_run: the calls of a decode step between two all-reduces (a layer's QKV matmul, rotary and cache write,
+//   attention, output matmul; or its gate-up matmul, SiLU and down matmul) from one call: a program of int64 words
+//   built once per layer, the matmuls called through the address of the kernel the step runs (our GEMV, the bf16
+//   weights' GEMV, the Q8_0 kernel, in their own libraries), so that Python makes one call where it made four.
 //
 // Plain C ABI (ctypes), fp32 only, no torch headers; built by tensorpar/decode/fused.py.
 #include <math.h>
@@ -150,5 +154,82 @@ extern "C" void tp_silu_mul(const float* gu, int64_t rows, int64_t f, float* a) 
         const float* u = g + f;
         float* am = a + m * f;
         for (int64_t j = 0; j < f; ++j) am[j] = (g[j] / (1.0f + expf(-g[j]))) * u[j];
+    }
+}
+
+// tp_run's program: per op its kind, then its arguments as int64 words (addresses, sizes, a float's bits in the low
+// 32 bits of its word); OP_END ends it. Values that change from step to step are read from `step`: [0] attention's
+// length L, [1] its mask's address (0: none), [2] the mask's row stride, [3] the address of the C array of the
+// partial sums the next NORM adds (the last all-reduce's exchange) and [4] their count, [5 + 2 k] and [6 + 2 k]
+// rotary table k's cos and sin_sign rows. Words per op (kind included): GEMV 13, GEMV_BF16W 11, Q8 12, ROPE 13,
+// ATTN 14, SILU 5, NORM 7 (tp_add_rms_norm's x, rows, H, w, eps bits, h).
+enum : int64_t { OP_END = 0, OP_GEMV = 1, OP_GEMV_BF16W = 2, OP_Q8 = 3, OP_ROPE = 4, OP_ATTN = 5, OP_SILU = 6,
+                 OP_NORM = 7 };
+enum : int64_t { S_LENGTH = 0, S_MASK = 1, S_MASK_STRIDE = 2, S_PARTS = 3, S_NPARTS = 4, S_TABLES = 5 };
+
+static inline float float_of(int64_t w) {
+    const uint32_t bits = (uint32_t)w;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+typedef void (*gemv_fn)(int, int, const void*, int64_t, int64_t, const void*, int64_t, const void*, void*, int,
+                        int64_t);
+typedef void (*bf16w_fn)(const float*, int64_t, int64_t, const uint16_t*, int64_t, const float*, float*, int,
+                         int64_t);
+typedef void (*q8_fn)(const float*, int64_t, int64_t, const int8_t*, const uint16_t*, int64_t, const float*, float*,
+                      int, void*);
+
+static inline void* ptr(int64_t w) { return (void*)(intptr_t)w; }
+
+extern "C" int64_t tp_run(const int64_t* a, const int64_t* step) {
+    int64_t ops = 0;
+    for (;; ++ops) {
+        switch (a[0]) {
+        case OP_END:
+            return ops;
+        case OP_GEMV:           // fn, dtype, mode, x, M, K, w, N, bias, y, threads, prefetch
+            ((gemv_fn)ptr(a[1]))((int)a[2], (int)a[3], ptr(a[4]), a[5], a[6], ptr(a[7]), a[8], ptr(a[9]), ptr(a[10]),
+                                 (int)a[11], a[12]);
+            a += 13;
+            break;
+        case OP_GEMV_BF16W:     // fn, x, M, K, w, N, bias, y, threads, prefetch
+            ((bf16w_fn)ptr(a[1]))((const float*)ptr(a[2]), a[3], a[4], (const uint16_t*)ptr(a[5]), a[6],
+                                  (const float*)ptr(a[7]), (float*)ptr(a[8]), (int)a[9], a[10]);
+            a += 11;
+            break;
+        case OP_Q8:             // fn, x, M, K, wq, ws, N, bias, y, threads, scratch
+            ((q8_fn)ptr(a[1]))((const float*)ptr(a[2]), a[3], a[4], (const int8_t*)ptr(a[5]),
+                               (const uint16_t*)ptr(a[6]), a[7], (const float*)ptr(a[8]), (float*)ptr(a[9]), (int)a[10],
+                               ptr(a[11]));
+            a += 12;
+            break;
+        case OP_ROPE:           // qkv, rows, nq, nkv, d, rd, table k, q_out, k_layer, v_layer, head_stride, row_off
+            tp_rope_store((const float*)ptr(a[1]), a[2], a[3], a[4], a[5], a[6],
+                          (const float*)ptr(step[S_TABLES + 2 * a[7]]), (const float*)ptr(step[S_TABLES + 1 + 2 * a[7]]),
+                          (float*)ptr(a[8]), (float*)ptr(a[9]),
+                          (float*)ptr(a[10]), a[11], (const int64_t*)ptr(a[12]));
+            a += 13;
+            break;
+        case OP_ATTN:           // q, rows, nq, d, k_layer, v_layer, head_stride, blocks (one per row), block size,
+                                // kv_of, scale bits, s, out
+            tp_decode_attention((const float*)ptr(a[1]), a[2], a[3], a[4], (const float*)ptr(a[5]),
+                                (const float*)ptr(a[6]), a[7], (const int64_t*)ptr(a[8]), 1, a[9], step[S_LENGTH],
+                                (const uint8_t*)ptr(step[S_MASK]), step[S_MASK_STRIDE], (const int64_t*)ptr(a[10]),
+                                float_of(a[11]), (float*)ptr(a[12]), (float*)ptr(a[13]));
+            a += 14;
+            break;
+        case OP_NORM:           // x, rows, H, w, eps bits, h; the partial sums from the step words
+            tp_add_rms_norm((float*)ptr(a[1]), (const float* const*)ptr(step[S_PARTS]), (int)step[S_NPARTS], a[2], a[3],
+                            (const float*)ptr(a[4]), float_of(a[5]), (float*)ptr(a[6]));
+            a += 7;
+            break;
+        case OP_SILU:           // gu, rows, f, a
+            tp_silu_mul((const float*)ptr(a[1]), a[2], a[3], (float*)ptr(a[4]));
+            a += 5;
+            break;
+        default:                // not a kind the builder writes: stop, the caller sees the count short
+            return -1 - ops;
+        }
     }
 }
