@@ -1,7 +1,10 @@
 """Bytes/s of the decode matmuls at a few rows, one thread, against the memory-read limit (issue 28: weights that
 stream at the limit): oneDNN on prepacked weights (``torch.ops.mkldnn._linear_pointwise``, what the lean path ran)
-against our GEMV on the plain weight (:mod:`tensorpar.decode.gemv_kernel`; bf16 with ``vdpbf16ps`` and with the
-weights widened to fp32, with and without software prefetch), fp32 and bf16, interleaved in one run.
+and plain ``F.linear`` against our GEMV on the plain weight (:mod:`tensorpar.decode.gemv_kernel`; bf16 with
+``vdpbf16ps``, or both widened where the CPU has no AVX512_BF16, and with the weights widened to fp32, with and
+without software prefetch), fp32 and bf16, interleaved in one run. ``--dtypes bf16w``: ``--quantize bf16``'s matmul
+(bf16 weights, fp32 input and output): our GEMV's bf16-weight entry (``gemv_kernel.bf16w_linear``) against
+``bf16_weights.chunked_linear`` (what runs without the kernel) and ``F.linear(x, w.float())``.
 
 Shapes: one rank's matrices of the 1.1B Llama (TinyLlama's shape: hidden 2048, 32 query / 4 KV heads of 64, MLP
 5632, vocab 32000) and, with ``--models llama smollm2``, of SmolLM2-135M (hidden 576, 9 query / 3 KV heads of 64, MLP
@@ -15,6 +18,7 @@ labelled loaded in its title. Results: ``--out`` (default bench/results/gemv).{m
 bench/machine.py's ``write_results``.
 
     PYTHONPATH=. python bench/bench_gemv.py [--rows 1 4] [--mb 128] [--models llama smollm2] [--variants ours ...]
+        [--dtypes fp32 bf16 bf16w]
 
 ``--e2e``: instead, greedy decode of the 1.1B random Llama (bench_llamacpp's ``tinyllama-random``, 1 thread per
 rank, ``bench_decode.job_tp``) at tp=1 and tp=2, fp32 and bf16, with our kernel (the lean path's default) and
@@ -135,9 +139,9 @@ def main():
                     help="more rows, tp=2 gate-up only (where oneDNN takes over)")
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--models", nargs="+", default=["llama"], choices=sorted(MODELS))
-    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "bf16w"])
     ap.add_argument("--variants", nargs="+", default=None,
-                    help="of onednn ours ours_pf ours_widen ours_pairs (default: all that apply)")
+                    help="of onednn flinear ours ours_pf ours_widen ours_pairs chunked (default: all that apply)")
     ap.add_argument("--mb", type=int, default=128, help="MB of distinct copies each measurement reads at least")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--out", default="bench/results/gemv")
@@ -149,7 +153,8 @@ def main():
         return e2e(args)
     import torch
     from tensorpar.decode import gemv_kernel
-    from tensorpar.decode.kernels import pack, packed_linear
+    from tensorpar.decode.bf16_weights import chunked_linear
+    from tensorpar.decode.kernels import can_pack, pack, packed_linear
 
     if not gemv_kernel.available():
         sys.exit("our GEMV kernel is not available here (CPU features or compiler): nothing to compare")
@@ -158,7 +163,7 @@ def main():
     m0 = machine()
     sr0 = _stream_read(exe, 256)
     g = torch.Generator().manual_seed(0)
-    dts = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    dts = {"fp32": torch.float32, "bf16": torch.bfloat16, "bf16w": torch.bfloat16}     # the weights' dtype
     cases = [(model, tp, name, n, k, m) for model in args.models for tp in args.tp
              for name, n, k in shapes(tp, model) for m in args.rows]
     cases += [(args.models[0], 2, "gate_up", n, k, m) for m in args.big_rows
@@ -167,23 +172,35 @@ def main():
     for dname in args.dtypes:
         dt = dts[dname]
         for model, tp, name, n, k, m in cases:
-            variants = {"onednn": None, "ours": dict(mode=0, prefetch=0), "ours_pf": dict(mode=0, prefetch=1024)}
-            if dt == torch.bfloat16:
-                variants["ours_widen"] = dict(mode=1, prefetch=0)
-            if m > 1:
-                variants["ours_pairs"] = dict(mode=2, prefetch=0)
+            if dname == "bf16w":
+                variants = {"chunked": "chunked", "flinear": "flinear", "ours": "bf16w"}
+            else:
+                variants = {"onednn": None, "flinear": "flinear", "ours": dict(mode=0, prefetch=0),
+                            "ours_pf": dict(mode=0, prefetch=1024)}
+                if dt == torch.bfloat16:
+                    variants["ours_widen"] = dict(mode=1, prefetch=0)
+                if m > 1:
+                    variants["ours_pairs"] = dict(mode=2, prefetch=0)
+                if not can_pack(torch.zeros(1, 1, dtype=dt)):       # no oneDNN bf16 here (AVX2): nothing to pack
+                    del variants["onednn"]
             if args.variants:
                 variants = {vn: v for vn, v in variants.items() if vn in args.variants}
             nbytes = n * k * dt.itemsize
             copies = max(1, -(-args.mb * 2 ** 20 // nbytes))
             ws = [torch.randn(n, k, generator=g).to(dt) for _ in range(copies)]
             packed = [pack(w) for w in ws] if "onednn" in variants else []
-            x = torch.randn(m, k, generator=g).to(dt)
+            x = torch.randn(m, k, generator=g).to(torch.float32 if dname == "bf16w" else dt)
             ref = torch.nn.functional.linear(x.double(), ws[0].double())
 
             def run(v):
                 if v is None:
                     return [packed_linear(x, p, None) for p in packed]
+                if v == "flinear":
+                    return [torch.nn.functional.linear(x, w.to(x.dtype)) for w in ws]
+                if v == "chunked":
+                    return [chunked_linear(x, w) for w in ws]
+                if v == "bf16w":
+                    return [gemv_kernel.bf16w_linear(x, w, None) for w in ws]
                 return [gemv_kernel.gemv_raw(x, w, None, threads=1, **v) for w in ws]
 
             err = {}
@@ -214,7 +231,8 @@ def main():
     meta = dict(machine=m0, machine_end=machine(), torch=torch.__version__, threads=1,
                 stream_read_start=sr0, stream_read_end=sr1, limit_1t=limit, repeats=args.repeats,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), max_rows=gemv_kernel.MAX_ROWS,
-                modes={"1 row": {d: gemv_kernel.mode(dts[d], 1) for d in args.dtypes}})
+                modes={"1 row": {d: gemv_kernel.mode(dts[d], 1) for d in args.dtypes}},
+                target=gemv_kernel.target())
     la0, la1 = m0["loadavg"], meta["machine_end"]["loadavg"]
     top = max([la0[0], la1[0]] + [r["load"] for r in rows])
     meta["loaded"] = top >= 1.0
@@ -228,12 +246,15 @@ def main():
                 f"{limit / 1e9:.1f} GB/s." if sr0 else "not measured (no gcc)."), "",
              "Each cell: median GB/s from wall time over the repeats (best in parentheses), its fraction of the "
              "limit, then `cpu` the median GB/s from the thread's CPU time. oneDNN: "
-             "`_linear_pointwise` on the `_reorder_linear_weight` weight (the lean path before); ours: "
-             "tensorpar.decode.gemv_kernel on the plain [out, in] weight, one weight row at a time (bf16: "
-             "`vdpbf16ps`); ours pf: with a software prefetch 1024 elements ahead; ours widen (bf16): weights "
+             "`_linear_pointwise` on the `_reorder_linear_weight` weight (the lean path before); flinear: "
+             "`F.linear` on the plain weight (bf16w: `F.linear(x, w.float())`, the weight converted per call); ours: "
+             f"tensorpar.decode.gemv_kernel (build `{meta['target']}`) on the plain [out, in] weight, one weight "
+             "row at a time (bf16: `vdpbf16ps`, or both widened without AVX512_BF16; bf16w: the weights widened, "
+             "`bf16w_linear`); ours pf: with a software prefetch 1024 elements ahead; ours widen (bf16): weights "
              "widened to fp32 and fma with the input in fp32; ours pairs (more than one row): two weight rows at a "
-             "time, each input vector loaded once for both. ours / oneDNN: the best of ours, ours widen and ours "
-             "pairs. "
+             "time, each input vector loaded once for both; chunked (bf16w): `bf16_weights.chunked_linear`, the "
+             "path without our kernel. ours / oneDNN: the best of ours, ours widen and ours pairs (bf16w: ours / "
+             "chunked; where oneDNN has no bf16 kernels, as on AVX2: ours / flinear). "
              "max rel: largest |y - fp64 reference| / max |reference| of the first copy (ours, else the first "
              "variant).", ""]
     for dname in args.dtypes:
@@ -254,7 +275,8 @@ def main():
                 frac = f", {r[vn + '_gbs'] * 1e9 / limit:.2f}" if limit else ""
                 cells.append(f"{r[vn + '_gbs']:.1f} ({r[vn + '_best_gbs']:.1f}){frac}, cpu {r[vn + '_cpu_gbs']:.1f}")
             ours = max(r.get("ours_gbs", 0), r.get("ours_widen_gbs", 0), r.get("ours_pairs_gbs", 0))
-            ratio = f"{ours / r['onednn_gbs']:.2f}x" if "onednn_gbs" in r and ours else "-"
+            base = r.get("onednn_gbs", r.get("chunked_gbs", r.get("flinear_gbs")))
+            ratio = f"{ours / base:.2f}x" if base and ours else "-"
             first = next(vn for vn in vns if vn + "_maxrel" in r)
             rel = r.get("ours_maxrel", r[first + "_maxrel"])
             lines.append(f"| {r['model']} | {r['tp']} | {r['matrix']} | {r['out']} x {r['inp']} | {r['rows']} | "

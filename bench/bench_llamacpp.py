@@ -42,6 +42,7 @@ import hashlib
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -162,7 +163,11 @@ def _call_llama(python: str, args: list[str], timeout_s: float = 600) -> dict:
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
     tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
-    raise RuntimeError(f"llama.cpp worker {args[:2]} failed (exit {p.returncode}): {' | '.join(tail)}")
+    why = ""
+    if p.returncode == -signal.SIGILL:    # llama-cpp-python compiled for instructions this CPU lacks
+        why = ("; killed by SIGILL: this llama.cpp build uses instructions this CPU does not have (e.g. AVX-512 "
+               "flags on an AVX2 machine): rebuild it here (bench/README.md)")
+    raise RuntimeError(f"llama.cpp worker {args[:2]} failed (exit {p.returncode}){why}: {' | '.join(tail)}")
 
 
 def llama_available(python: str) -> dict | None:

@@ -13,7 +13,9 @@ in the last place of the unfused one; attention sums in another order than torch
 ``expf`` (within fp32 rounding of it), as SiLU does for torch's vectorised exp. tests/decode/test_row_step.py checks each against its reference and greedy
 tokens against transformers'.
 
-Build: ``g++ -O3 -mavx512f -ffp-contract=off -shared`` of the one file, cached like
+Build: ``g++ -O3 -ffp-contract=off -shared`` of the one file (plain C++ that the compiler vectorises) with
+``-mavx512f`` or, without AVX-512, ``-mavx2`` (:data:`TARGETS`, chosen as
+:func:`tensorpar.decode.gemv_kernel.pick_target` chooses; no contraction either way, so the same bits), cached like
 :mod:`tensorpar.decode.gemv_kernel`'s and used under the same conditions (it is only called where that kernel runs;
 ``TENSORPAR_GEMV_KERNEL=0`` turns both off).
 """
@@ -27,18 +29,24 @@ import torch
 
 from tensorpar import comm
 from tensorpar.comm import Group
+from tensorpar.decode.gemv_kernel import pick_target
 from tensorpar.decode.q8_kernel import load_kernel
 
 _SRC = Path(__file__).with_name("csrc") / "step.cpp"
-_FLAGS = ["-O3", "-mavx512f", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17"]
-_FEATURES = ("avx512f",)
+_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17"]
+#: the builds of csrc/step.cpp, best first: (name, the /proc/cpuinfo flags it needs, its compiler flags)
+TARGETS = (("avx512", ("avx512f",), ["-mavx512f"]), ("avx2", ("avx2",), ["-mavx2"]))
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 
 
 @lru_cache(maxsize=1)
 def _lib():
-    lib = load_kernel(_SRC, _FLAGS, "step", _FEATURES, "TENSORPAR_GEMV_KERNEL")
+    t = pick_target(TARGETS)
+    if t is None:
+        return None
+    name, features, flags = t
+    lib = load_kernel(_SRC, _FLAGS + flags, f"step_{name}", features, "TENSORPAR_GEMV_KERNEL")
     if lib is None:
         return None
     lib.tp_add_rms_norm.restype = None
@@ -48,12 +56,14 @@ def _lib():
     lib.tp_silu_mul.restype = None
     lib.tp_silu_mul.argtypes = [_P, _I, _I, _P]
     lib.tp_decode_attention.restype = None
-    lib.tp_decode_attention.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _P, ctypes.c_float, _P, _P]
+    lib.tp_decode_attention.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _I, _I, _I, _P, _I, _P, ctypes.c_float, _P,
+                                        _P]
     return lib
 
 
 def available() -> bool:
-    """Whether this process can run the kernels (AVX-512 F, a C++ compiler, ``TENSORPAR_GEMV_KERNEL`` not ``0``)."""
+    """Whether this process can run the kernels (AVX-512 F or AVX2, a C++ compiler, ``TENSORPAR_GEMV_KERNEL`` not
+    ``0``)."""
     return _lib() is not None
 
 
@@ -119,14 +129,16 @@ def rope_store(args: tuple) -> None:
 
 
 def decode_attention(args: tuple) -> None:
-    """Attention of one query per row over the KV cache, into a preallocated output: ``args`` = ``(q, rows, nq, d,
-    k_layer, v_layer, head_stride, kbase, L, mask, mask_stride, kv_of, scale, scratch, out)`` as the kernel takes
-    them (csrc/step.cpp ``tp_decode_attention``: addresses of ``q`` ``[rows, nq, d]``, the layer's K and V pools,
-    a C array of each row's element offset of position 0 (one block per row), a ``[rows, L]`` bool mask with its
-    row stride or None, each query head's KV head (a C array), ``scratch`` of at least ``L`` floats, ``out``
-    ``[rows, nq * d]``). Each query head reads its KV head in place: no copies per query head (uneven head splits)
-    and no kernel launch per run of heads. Within fp32 rounding of ``scaled_dot_product_attention`` (another order
-    of the sums, ``expf``). No collectives."""
+    """Attention of one query per row over a paged KV cache, into a preallocated output: ``args`` = ``(q, rows, nq,
+    d, k_layer, v_layer, head_stride, blocks, blocks_stride, block_size, L, mask, mask_stride, kv_of, scale,
+    scratch, out)`` as the kernel takes them (csrc/step.cpp ``tp_decode_attention``): addresses of ``q`` ``[rows,
+    nq, d]`` and of the layer's K and V pools ``[kv_local, num_blocks, block_size, d]`` (``head_stride`` elements
+    per KV head), each row's block table (int64, ``blocks_stride`` apart: position ``t`` is in block
+    ``table[t // block_size]`` at offset ``t % block_size``; the static cache: one block per row), the ``L``
+    positions read, a ``[rows, L]`` bool mask with its row stride or None, each query head's KV head (int64),
+    ``scratch`` of at least ``L`` floats, ``out`` ``[rows, nq * d]``. Each query head reads its KV head's blocks in
+    place: no gathers, no copies per query head (uneven head splits), no call per run of heads. Within fp32
+    rounding of ``scaled_dot_product_attention`` (another order of the sums, ``expf``). No collectives."""
     _lib().tp_decode_attention(*args)
 
 

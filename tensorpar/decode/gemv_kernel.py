@@ -11,13 +11,16 @@ step and pack the weight themselves (a second copy).
 
 The layout is the plain weight ``[out, in]`` row-major, the one the modules, checkpoints and verify read: reading
 one output row after the other the matrix is one sequential stream, so nothing is packed and nothing converted.
-Sums in fp32 (bf16: ``vdpbf16ps`` pairs, or the weights widened to fp32 with the input in fp32: :func:`mode`),
-rounded to bf16 once at the end for bf16 weights.
+Sums in fp32 (bf16 x bf16: ``vdpbf16ps`` pairs with AVX512_BF16, else both widened to fp32 in registers, where
+each product is exact; or the weights widened to fp32 with the input in fp32: :func:`mode`), rounded to bf16 once
+at the end for bf16 weights.
 
-Build: ``g++ -O3 -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -fopenmp -shared`` of the one C++ file (no torch
-headers), cached like :mod:`tensorpar.decode.q8_kernel`'s; loaded with ctypes. Used only where /proc/cpuinfo lists
-avx512f, avx512bw, avx512vl and avx512_bf16 and the build succeeded (:func:`available`, ``TENSORPAR_GEMV_KERNEL=0``
-turns it off); elsewhere the lean path runs oneDNN on prepacked weights as before.
+Build: one C++ file (no torch headers), for one of :data:`TARGETS`: the first whose instruction sets /proc/cpuinfo
+lists (AVX-512 with BF16: ``-mavx512f -mavx512bw -mavx512vl -mavx512bf16``; else AVX2 with FMA: ``-mavx2
+-mfma``), ``g++ -O3 -fopenmp -shared``, cached like :mod:`tensorpar.decode.q8_kernel`'s under a name carrying the
+target and a hash of the source and flags; loaded with ctypes. Used where one target's features are listed and the
+build succeeded (:func:`available`, ``TENSORPAR_GEMV_KERNEL=0`` turns it off); elsewhere the lean path runs
+oneDNN on prepacked weights as before.
 """
 from __future__ import annotations
 
@@ -27,14 +30,19 @@ from pathlib import Path
 
 import torch
 
-from tensorpar.decode.q8_kernel import load_kernel
+from tensorpar.decode.q8_kernel import _cpu_has_features, load_kernel
 
 _SRC = Path(__file__).with_name("csrc") / "gemv.cpp"
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC",
-          "-std=c++17"]
-_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+#: the builds of csrc/gemv.cpp, best first: (name, the /proc/cpuinfo flags it needs, its compiler flags); the
+#: source picks its vector primitives from the compiler's macros (``__AVX512F__`` / ``__AVX512BF16__``, else
+#: ``__AVX2__`` and ``__FMA__``)
+TARGETS = (("avx512", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+            ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]),
+           ("avx2", ("avx2", "fma"), ["-mavx2", "-mfma"]))
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-#: the kernel's modes: 0 = one weight row at a time (bf16: ``vdpbf16ps`` on the bf16 input); 1 (bf16) = the
+#: the kernel's modes: 0 = one weight row at a time (bf16: ``vdpbf16ps`` on the bf16 input; without AVX512_BF16
+#: the input and the weights widened to fp32 in registers, even and odd halves, and fma); 1 (bf16) = the
 #: weights widened to fp32 (even and odd halves of each 32 with a shift and an and, the input reordered to match once
 #: per call) and fma with the input in fp32; 2 = as 0 for one input row, two weight rows at a time for 2-4 input
 #: rows (each input vector loaded once for both). bench/bench_gemv.py measures them (bench/results/gemv.md,
@@ -43,7 +51,10 @@ MODE_ONE_ROW, MODE_WIDEN, MODE_PAIRS = 0, 1, 2
 #: software prefetch distance in elements (0: none: measured slower, the hardware prefetcher follows the one stream)
 PREFETCH = 0
 #: the most rows the lean path runs through this kernel: faster than oneDNN's prepacked GEMV at 1 and 2 rows, not
-#: at 4 (bench/results/gemv.md)
+#: at 4 (bench/results/gemv.md, AVX-512). On AVX2 (Zen 3, bench/results/gemv-avx2.md, loaded: CPU-time GB/s) fp32
+#: at one row is on par with oneDNN (0.7-1.26x per shape; an interleaved rerun at the 1.1B's shapes 0.96-1.01x), at 2
+#: and 4 rows 1.4-2.2x; oneDNN has no bf16 kernels there (ours 1.2-1.6x ``F.linear``'s bf16 at one row). 4 would pay
+#: on AVX2, but the row step's buffers and tests are for 2.
 MAX_ROWS = 2
 
 
@@ -55,16 +66,34 @@ def mode(dtype: torch.dtype, rows: int) -> int:
     inputs, within the loaded runs' noise, but at 0.6-0.8 of it at the 1.1B's down projection (5632 inputs): the
     input in fp32 (22 KB, read twice per weight byte) no longer stays in the 32 KB L1 cache beside the weights
     streaming through it (the probe reading the same weights against an 8 KB input ran at ``vdpbf16ps``'s rate).
-    Two weight rows at a time was not faster at 2 rows (bench/results/gemv.md)."""
+    Two weight rows at a time was not faster at 2 rows (bench/results/gemv.md). AVX2 (no ``vdpbf16ps``: mode 0
+    widens both operands in registers): the widened weights with an fp32 input ran at 1.0-1.06x mode 0 at one row
+    (bench/results/gemv-avx2.md, loaded), within the run's noise, so mode 0 stays the default there too."""
     return MODE_ONE_ROW
 
 
 _mode = mode
 
 
+def pick_target(targets):
+    """The first ``(name, features, flags)`` of ``targets`` whose features /proc/cpuinfo lists, or None."""
+    return next((t for t in targets if _cpu_has_features(t[1])), None)
+
+
+def target() -> str | None:
+    """The name of the build of :data:`TARGETS` this CPU runs (``"avx512"``, ``"avx2"``), None where neither; says
+    nothing of whether it built (:func:`available`)."""
+    t = pick_target(TARGETS)
+    return None if t is None else t[0]
+
+
 @lru_cache(maxsize=1)
 def _lib():
-    lib = load_kernel(_SRC, _FLAGS, "gemv", _FEATURES, "TENSORPAR_GEMV_KERNEL")
+    t = pick_target(TARGETS)
+    if t is None:
+        return None
+    name, features, flags = t
+    lib = load_kernel(_SRC, _FLAGS + flags, f"gemv_{name}", features, "TENSORPAR_GEMV_KERNEL")
     if lib is None:
         return None
     lib.tp_gemv.restype = None
@@ -78,7 +107,8 @@ def _lib():
 
 
 def available() -> bool:
-    """Whether this process can run the kernel (the CPU features, a compiler, ``TENSORPAR_GEMV_KERNEL`` not ``0``)."""
+    """Whether this process can run the kernel (the CPU features of one of :data:`TARGETS`, a compiler,
+    ``TENSORPAR_GEMV_KERNEL`` not ``0``)."""
     return _lib() is not None
 
 

@@ -96,8 +96,9 @@ def kv_runs(kv_index: list[int]) -> list[tuple[int, int, int]]:
 
     ``kv_index``: per local query head, its local KV head (``HeadLayout.kv_index``), e.g. ``[0, 0, 0, 1, 1]`` ->
     ``[(0, 0, 3), (1, 3, 5)]``. In a decode step (one query per row) attention over each run with its KV head
-    (``enable_gqa``) reads the cache views as they are and gives, bitwise (tests/decode/test_lean.py), the result of
-    attention over KV heads copied per query head, without the copies (``b x q_local x length x head_dim`` elements
+    (``enable_gqa``) reads the cache views as they are and gives the result of attention over KV heads copied per
+    query head (bitwise on an AVX-512 CPU, within a unit in the last place on an AVX2 one:
+    tests/decode/test_lean.py), without the copies (``b x q_local x length x head_dim`` elements
     of keys and as many of values per layer and step, more than the layer's weights at a serving batch of 32). With several queries per row (prefill) CPU
     attention's result depends on the head count in its last bit, so prefill keeps the copies."""
     runs: list[tuple[int, int, int]] = []

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tensorpar.decode import fused
+
 _RUNS_MIN_ROW_POSITIONS = 512   # batch rows x cached positions from which decode attention runs per KV-head run
 
 
@@ -89,6 +91,7 @@ class LeanKVCache:
         self.k, self.v = list(self.kcache.unbind(0)), list(self.vcache.unbind(0))
         self._fp32_bufs: list[torch.Tensor | None] = [None, None]
         self._gather_bufs: list[torch.Tensor | None] = [None, None]     # keys, values read by block (:meth:`_gathered`)
+        self._kv_of: dict[int, torch.Tensor] = {}     # per layer: each query head's KV head (:meth:`_fused_decode`)
 
     def nbytes(self) -> int:
         """Bytes held by the KV cache."""
@@ -209,6 +212,9 @@ class LeanKVCache:
                     if src is not None:
                         x = x.index_select(1, src)
                     pool.view(nkv, -1, d).index_copy_(1, dest, x)
+            if s == 1 and per_token is None and self._fused(L, qk):     # decode: the blocks read in place
+                outs.append(self._fused_decode(i, L, q, g, n_q))
+                continue
             if keys_all is not None:
                 keys, vals = keys_all[i], vals_all[i]
             else:                           # rows in scattered blocks: gather them
@@ -224,7 +230,7 @@ class LeanKVCache:
             if L.kv_runs is None:
                 o = sdpa(q, keys, vals, attn_mask=mask, scale=L.scaling, enable_gqa=L.gqa)   # [b, q_local, s, d]
             elif s == 1 and b * g.length >= _RUNS_MIN_ROW_POSITIONS:   # decode: per run of query heads with its
-                # KV head (bitwise the copied-heads result); below the threshold the copies cost less than the
+                # KV head (the copied-heads result, bitwise on AVX-512, within an ulp on AVX2); below the threshold the copies cost less than the
                 # extra attention calls (batch-1 decode of SmolLM2 at tp=2: 4650 against 4127 aten ops per
                 # token, bench/results/decode-0444-kv-runs-always.md against decode.md)
                 o = torch.cat([sdpa(q[:, q0:q1], keys[:, j:j + 1], vals[:, j:j + 1], attn_mask=mask,
@@ -237,6 +243,40 @@ class LeanKVCache:
                 o = o.to(dtype)
             outs.append(o.transpose(1, 2).reshape(b * s, -1))                          # [b*s, q_local*d]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _fused(self, L, qk: torch.Tensor) -> bool:
+        """Whether layer ``L``'s decode attention runs :func:`tensorpar.decode.fused.decode_attention` (fp32 on a CPU
+        where the fused kernels run, the plain ``scaled_dot_product_attention``: no soft-capping)."""
+        return (qk.dtype == torch.float32 and qk.device.type == "cpu" and L.sdpa is F.scaled_dot_product_attention
+                and fused.available())
+
+    def _fused_decode(self, i: int, L, q: torch.Tensor, g: Segment, n_q: int) -> torch.Tensor:
+        """Decode attention of segment ``g`` (one query per row, its K/V already written) at layer ``i`` by the fused
+        kernel, reading each row's blocks of the pool in place (no gather, no copies per query head, one call for
+        all rows and heads); ``q`` ``[b, q_local, 1, d]``. Returns ``[b, q_local * d]``. Within fp32 rounding of
+        the ``scaled_dot_product_attention`` path it replaces (``fused.decode_attention``)."""
+        b, d, length, bs = g.b, self.head_dim, g.length, self.block_size
+        kv_of = self._kv_of.get(i)
+        if kv_of is None:          # each query head's KV head: the layer's uneven map, or enable_gqa's grouping
+            idx = L.kv_idx.tolist() if L.kv_idx is not None else [h * self.n_kv // n_q for h in range(n_q)]
+            kv_of = self._kv_of[i] = torch.tensor(idx, dtype=torch.int64)
+        if g.blocks is not None:
+            blocks = g.blocks if g.blocks.stride(-1) == 1 else g.blocks.contiguous()
+        else:                      # rows 0..b-1 in blocks 0..b-1
+            blocks = torch.arange(b, dtype=torch.int64).view(b, 1)
+        mask = g.mask
+        if mask is not None and mask.stride(-1) != 1:
+            mask = mask.contiguous()
+        q = q.reshape(b, n_q, d).contiguous()
+        out = torch.empty(b, n_q * d, dtype=torch.float32)
+        scratch = torch.empty(length, dtype=torch.float32)
+        k, v = self.k[i], self.v[i]
+        scale = float(L.scaling if L.scaling is not None else d ** -0.5)
+        fused.decode_attention((q.data_ptr(), b, n_q, d, k.data_ptr(), v.data_ptr(), k.stride(0),
+                                blocks.data_ptr(), blocks.stride(0), bs, length,
+                                None if mask is None else mask.data_ptr(), 0 if mask is None else mask.stride(0),
+                                kv_of.data_ptr(), scale, scratch.data_ptr(), out.data_ptr()))
+        return out
 
     def _per_token(self, L, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, tokens: list, low: bool):
         """:meth:`attention` of one segment in the deterministic mode: ``q`` ``[b, q_local, s, d]``, ``keys`` /

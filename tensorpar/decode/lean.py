@@ -22,8 +22,8 @@ math directly on the rank's tensors:
   layout (:func:`pack`), which *replaces* the plain weights (:func:`tensorpar.decode.packed.pack_weights`: no
   second copy; the modules convert back on access); ``F.linear`` calls the same oneDNN matmul but reorders the
   weight on every call, which made bf16 GEMV 1.5x slower than it needs to be (same bits);
-* fp32 and bf16 on a CPU with AVX-512 BF16, a decoder of ``max_batch`` <= 2 (generate's batch 1): the steps of at
-  most 2 rows run our GEMV on the plain ``[out, in]`` weights (:mod:`tensorpar.decode.gemv_kernel`: one sequential
+* fp32 and bf16 on a CPU with AVX-512 BF16 or AVX2 + FMA, a decoder of ``max_batch`` <= 2 (generate's batch 1):
+  the steps of at most 2 rows run our GEMV on the plain ``[out, in]`` weights (:mod:`tensorpar.decode.gemv_kernel`: one sequential
   stream of the weights, faster than oneDNN's prepacked GEMV, within 1e-5 relative of ``F.linear`` in fp32, one
   bf16 rounding in bf16), prefill the plain ``torch.mm`` / ``F.linear``; nothing is packed;
 * those one- and two-row steps of layers of the plain Llama shape in fp32 (fp32 or int8 weights) run as a

@@ -181,8 +181,8 @@ class RowStep:
                 and g.length <= self.dec.cache.block_size)
 
     def _cache_plan(self, g):
-        """``(row offsets, row bases)`` as C arrays: the element offset in a layer's pool where each row's new K/V
-        go, and of its block's position 0 (what attention reads). Raises ValueError for a row its block table or
+        """``(row offsets, row blocks)`` as C arrays: the element offset in a layer's pool where each row's new K/V
+        go, and the row's block (its one-block table, what attention reads). Raises ValueError for a row its block table or
         the cache does not cover."""
         cache, d = self.dec.cache, self.dec.head_dim
         bs, b, length = cache.block_size, g.b, g.length
@@ -195,8 +195,8 @@ class RowStep:
             if g.blocks.shape[1] < 1:
                 raise ValueError("block tables of 0 blocks do not cover a position")
             blocks, pos = [t[0] for t in g.blocks.tolist()], [p for (p,) in g.cache_pos.tolist()]
-        base = [blk * bs * d for blk in blocks]
-        return (ctypes.c_int64 * b)(*[o + p * d for o, p in zip(base, pos)]), (ctypes.c_int64 * b)(*base)
+        offs = [(blk * bs + p) * d for blk, p in zip(blocks, pos)]
+        return (ctypes.c_int64 * b)(*offs), (ctypes.c_int64 * b)(*blocks)
 
     def __call__(self, ids: torch.Tensor, rope_pos: torch.Tensor, g) -> torch.Tensor:
         """Logits ``[b, V_r]`` of segment ``g``'s ``b`` rows (``ids``, ``rope_pos`` ``[b]``), their K/V written to
@@ -212,7 +212,8 @@ class RowStep:
         for key, rotary in dec.rotary.items():
             cos, sin = dec._rotary(rotary, e, rope_pos, last)                           # [b, 1, rd] each
             tables[key] = (cos.contiguous(), sin.contiguous())
-        offs, base = self._cache_plan(g)
+        offs, blocks = self._cache_plan(g)
+        bs = self.dec.cache.block_size
         mask, length = g.mask, g.length
         if mask is not None and mask.stride(-1) != 1:
             mask = mask.contiguous()
@@ -228,7 +229,7 @@ class RowStep:
             linear_into(la.qkv)                                                       # h -> qkv
             cos, sin = tables[la.L.rope]
             rope_store((qkv, b, nq, nkv, d, rd, cos.data_ptr(), sin.data_ptr(), qp, la.k, la.v, hs, offs))
-            attention((qp, b, nq, d, la.k, la.v, hs, base, length, mp, ms, la.kv_of, la.scale, sp, ap))
+            attention((qp, b, nq, d, la.k, la.v, hs, blocks, 1, bs, length, mp, ms, la.kv_of, la.scale, sp, ap))
             linear_into(la.o)                                                         # attention -> p
             reduce_norm(p, tp, la.norm2)                              # x += all_reduce(o W_o); h = ln2(x)
             linear_into(la.gu)

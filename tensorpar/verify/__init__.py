@@ -42,6 +42,15 @@ for the vocabulary-parallel log-sum-exp. ``K`` is the longest reduction of the m
 sharding bug (a bias counted ``tp`` times, a missing all-reduce, a wrong slice) is off by the size of the
 weights themselves, orders of magnitude above this bound.
 
+``--quantize int8`` (:func:`~tensorpar.verify.compare.q8_tolerance`): the reference is quantized the same way in
+plain PyTorch (Q8_0 weights, each Linear's input quantized per block of 32), so both sides compute the same math up
+to the order of the sums, but every activation quantizer re-rounds: an element within that order's difference of
+a half step takes the other step on one side. The reference is therefore run once unquantized first, and each
+value is held to the fp rule plus ``4 * max|Q - F|`` (``Q``, ``F``: the int8 and the unquantized reference's
+value): two roundings of the same computation onto the same steps differ by at most the sum of their errors, twice
+more for sample maxima. The embedding (a lookup) keeps the fp rule. ``--quantize bf16``: both sides multiply the
+same bf16 values in fp32; the fp rule.
+
 One module per concern: :mod:`.policy` (the tolerance rule, :class:`ModuleDiff`, :class:`LayoutReport`),
 :mod:`.compare` (the module-by-module comparison), :mod:`.cli` (the command: arguments, checks, ranks, report).
 """

@@ -182,9 +182,8 @@ def _rank_main(job) -> int:
             from tensorpar.hf.modules import expert_parallelize
             expert_parallelize(par, ctx.dp)
             par.to(ctx.device)   # the experts' owner table is made on the CPU
-        if task.quantize != "none":
-            from tensorpar.decode.quantize import apply_quantize, quantize_reference
-            quantize_reference(ref, task.quantize)
+        if task.quantize != "none":     # the reference: quantized by compare_to_reference, after its fp run
+            from tensorpar.decode.quantize import apply_quantize
             apply_quantize(par, ctx.tp, task.quantize)
         g = torch.Generator().manual_seed(1234)
         ids = torch.randint(0, ref.config.vocab_size, (task.batch_size, task.seq_len), generator=g).to(ctx.device)
@@ -193,7 +192,7 @@ def _rank_main(job) -> int:
         if checking:   # the sharded model's collectives and the inputs compared, once before and once after
             fingerprint.enable(ctx.tp, timeout_s=min(job.timeout_s / 2, 60.0), model=par)  # sites: par's modules
             fingerprint.check(ctx.tp, {"input_ids": ids}, force=True)
-        rep = compare_to_reference(ref, par, ctx.tp, ids, train=task.train)
+        rep = compare_to_reference(ref, par, ctx.tp, ids, train=task.train, quantize=task.quantize)
         if checking:
             fingerprint.check(ctx.tp, force=True)
         if ctx.rank == 0:

@@ -17,8 +17,44 @@ from tensorpar.comm import Group
 from tensorpar.decode.int8 import int8_weights
 from tensorpar.verify.policy import LayoutReport, ModuleDiff, tolerance
 
-#: activation-quantization rounding flips allowed per block passed when the model is int8 (see compare_to_reference)
-Q8_FLIPS = 2
+#: ``--quantize int8``: a compared value may differ from the int8 reference by this many times the int8 noise of the
+#: value (its largest difference between the int8 and the unquantized reference), on top of the fp bound; the
+#: derivation is :func:`q8_tolerance`'s
+Q8_MARGIN = 4.0
+
+
+def q8_tolerance(fp_tol: float, noise: float) -> float:
+    """The tolerance of a value of a ``--quantize int8`` model against the int8 reference: ``fp_tol`` (the fp rule,
+    :func:`~tensorpar.verify.policy.tolerance`) plus ``Q8_MARGIN * noise``, ``noise`` being ``max|Q - F|`` of that
+    value: ``Q`` the int8 reference's, ``F`` the unquantized reference's (same weights before quantizing, same
+    input).
+
+    Derivation. The sharded model ``P`` and the reference ``Q`` compute the same quantized math: the same Q8_0
+    weights (a block of 32 never spans two ranks, :func:`tensorpar.decode.int8.block_misfit`, so each rank holds
+    exactly its slice of ``Q``'s rounded weights, and the row-parallel inputs are cut at block boundaries) and the
+    same activation quantization (``d = max|x_block| / 127``, ``round(x / d)``) of each matmul's input; only the
+    order of the fp32 sums differs. If that were all, the fp rule would hold. But every activation quantizer
+    re-rounds: an element whose ``x / d`` lies within the fp32 difference of a half step rounds to the other
+    neighbour on one side, a change of one whole step ``d``, against a rounding error of at most ``d / 2`` (Q8_0's
+    half step; a weight's is ``max|w_block| / 254``). Its effect downstream cannot be bounded from the step alone:
+    the worst case, all of a matmul's ``K`` inputs moving a step the same way, is ``sum_j d_j |w_ij|``, about
+    ``sqrt(K)`` times the typical effect and a large fraction of the output (the bound this replaced, 2/127 of the
+    value's scale per block passed, reached half the logits' scale at 30 blocks and passed results that wrong).
+    Instead: each of ``P`` and ``Q`` rounds every activation of the same fp computation to one of the same two
+    neighbouring steps (``P`` deep in a model: of values already moved by earlier re-roundings, which in the limit
+    makes its rounding errors independent of ``Q``'s), so to first order ``P - F`` and ``Q - F`` are the network's
+    response to per-element rounding errors of the same size and distribution, and
+    ``|P - Q| <= |P - F| + |Q - F| ~ 2 max|Q - F|``; a factor 2 more for the largest of ``P``'s errors against the
+    largest of ``Q``'s (sample maxima of one distribution) gives ``Q8_MARGIN = 4``. Where nothing re-rounds (the
+    embedding, shallow values of a small model) ``P - Q`` is at the fp rule's size, far below this. A sharding or
+    quantization fault of one block (a scale off by 2x) moves an output by that block's whole contribution,
+    ``~sqrt(32) |w| |x|``, against an activation rounding error of ``~sqrt(K / 12) d |w|`` for the whole row.
+    Measured (CPU, PyTorch int8 path): the test llama of tests/decode/test_quant.py at tp 1 and 2 passes with every
+    row at <= 0.06 of this tolerance, and one scale doubled (its LM head's, its last down_proj's) fails at 2.2-3.0x
+    it; SmolLM2 at tp 1 and 2 passes, worst row 0.36 of it (tp=2, layer 28's attention: 1.67 against 4.64, i.e.
+    1.44 times its noise, near the sqrt(2) of independent roundings), logits 1.14 against 8.19 (noise 2.04 on
+    logits up to 34.6; the bound this replaced allowed 17.4)."""
+    return fp_tol + Q8_MARGIN * noise
 
 
 def watched_modules(model: nn.Module, plan) -> list[tuple[str, str, int | None]]:
@@ -73,7 +109,7 @@ def _input_tensor(args, kwargs):
 
 
 def _own_diff(ref_module: nn.Module, args, kwargs, ref_in_shape, full: torch.Tensor, tp: Group, name, layer, kind,
-              tol_of) -> ModuleDiff:
+              tol_of, noise: float = 0.0) -> ModuleDiff:
     """The sharded module's own error: its output (gathered, ``full``) against the unsharded module run on the
     same input the sharded one received (gathered along the sequence under sequence parallelism), held to the
     rule at depth 0 relative to that output's ``max|.|``.
@@ -81,8 +117,10 @@ def _own_diff(ref_module: nn.Module, args, kwargs, ref_in_shape, full: torch.Ten
     The propagated comparison (the same module fed by the reference's own upstream activations) grows its bound
     with the depth, and in bf16 that bound passes a missing all-reduce in a deep block; this one does not: a
     sharding fault inside the module is off by about its own output, ``~1/(SAFETY u sqrt(tp))`` times the bound.
-    Collectives: one all-gather of the input under sequence parallelism. A reference that cannot run on the
-    sharded module's input is a failure (``inf``), never a skip."""
+    ``noise``: ``--quantize int8``'s noise of the module's output in the whole forward (:func:`q8_tolerance`; the
+    module alone on the same input re-rounds no more than that). Collectives: one all-gather of the input under
+    sequence parallelism. A reference that cannot run on the sharded module's input is a failure (``inf``), never
+    a skip."""
     x = _input_tensor(args, kwargs)
     try:
         if x is not None and ref_in_shape is not None and x.shape != ref_in_shape:
@@ -98,7 +136,7 @@ def _own_diff(ref_module: nn.Module, args, kwargs, ref_in_shape, full: torch.Ten
         own = None
     if own is None or own.shape != full.shape:
         return ModuleDiff(name, layer, f"{kind} (own)", math.inf, 0.0)
-    return _diff(name, layer, f"{kind} (own)", full, own, tol_of, 0, relative=True)
+    return _diff(name, layer, f"{kind} (own)", full, own, tol_of, 0, relative=True, noise=noise)
 
 
 def _is_cache(v) -> bool:
@@ -127,30 +165,49 @@ def _reduction_len(model: nn.Module) -> int:
 
 
 def compare_to_reference(ref: nn.Module, par: nn.Module, tp: Group, input_ids: torch.Tensor, *,
-                         train: bool = False) -> LayoutReport:
+                         train: bool = False, quantize: str = "none") -> LayoutReport:
     """Run ``ref`` (unsharded, the same weights on every rank) and ``par`` (its :func:`~tensorpar.hf.apply.parallelize`
     d copy on this rank) on ``input_ids`` and compare them module by module (see the module docstring).
 
     Args:
-        ref: the unsharded ``*ForCausalLM``. par: the sharded model (``par.tensorpar_plan`` set).
+        ref: the unsharded ``*ForCausalLM``, unquantized. par: the sharded model (``par.tensorpar_plan`` set), with
+            ``quantize`` its weights stored so (:func:`tensorpar.decode.quantize.apply_quantize`).
         tp: the tp group of ``par``. input_ids: ``[b, s]`` token ids, the same on every rank (``s`` divisible by
             tp under sequence parallelism).
         train: also compare the loss (next-token cross-entropy), every gradient, the grad norm, and the
             bit-equality of replicated parameters' gradients across ranks.
+        quantize: ``--quantize`` of ``par``: ``ref`` is quantized here the same way in plain PyTorch
+            (:func:`tensorpar.decode.quantize.quantize_reference`). ``bf16``: both multiply the same bf16 values in
+            fp32, held to the fp rule. ``int8``: ``ref`` runs once unquantized first, and each value is held to
+            :func:`q8_tolerance` of its int8 noise (the embedding, a lookup, to the fp rule).
 
     Collectives: those of ``par``'s forward (and backward), an all-gather per compared sharded activation and
     per compared gradient-check, and one max all-reduce of all differences. Every rank returns the same report.
+    Raises ValueError for a ``quantize`` other than none with ``train``, or int8 with a ``par`` not stored as int8
+    (its tolerance would then excuse the quantization itself).
     """
     from tensorpar.grads import grad_norm, sync_duplicated_grads, sync_sequence_parallel_grads
     from tensorpar.layers import vocab_parallel_cross_entropy
     from tensorpar.testing import local_slice
 
+    from tensorpar.decode.quantize import QUANTIZE_CHOICES, quantize_reference
+
+    if quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize={quantize!r}: use one of {', '.join(QUANTIZE_CHOICES)}")
+    q8 = quantize == "int8"     # bf16: the fp rule (both multiply the same bf16 values in fp32)
+    if quantize != "none" and train:
+        raise ValueError(f"quantize={quantize!r} with train=True: a quantized model is for inference; use "
+                         f"train=False or quantize='none'")
+    if q8 and (int8_weights(par) or {}).get("format") != "int8":
+        raise ValueError("quantize='int8': the sharded model is not stored as int8; call "
+                         "tensorpar.decode.quantize.apply_quantize(par, tp, 'int8') first")
     plan = par.tensorpar_plan
     watched = watched_modules(ref, plan)
     dtype = next(ref.parameters()).dtype
     k = _reduction_len(ref)
     nl = plan.num_layers
     ref_out: dict[str, list[torch.Tensor]] = {}     # per call: a module may run twice (NanoChat's norm)
+    fp_out: dict[str, list[torch.Tensor]] = {}      # int8: the unquantized reference's, per call
     seen: set[str] = set()
     diffs: list[ModuleDiff] = []
 
@@ -159,28 +216,41 @@ def compare_to_reference(ref: nn.Module, par: nn.Module, tp: Group, input_ids: t
             return 0
         return nl + 1 if layer is None else layer + 1
 
-    # --quantize int8: every matmul quantizes its input per block of 32 (tensorpar.decode.int8), so an element whose
-    # x / d lies within rounding of a half step rounds differently here and in the reference (other summation
-    # order upstream): a few such flips, each moving an output by at most max|x_block| / 127 * |w|, are allowed
-    # per block passed (Q8_FLIPS / 127 of the value's scale); the embedding, a lookup, is held to the fp bound
-    q8 = (int8_weights(par) or {}).get("format") == "int8"   # --quantize bf16: the fp bound (same bf16 weights)
-
-    def tol_of(scale, d, relative=False):
+    def tol_of(scale, d, relative=False, noise=0.0):
         t = tolerance(dtype, k, d, tp.size, scale, relative=relative)
-        if q8 and (d > 0 or relative):
-            t += Q8_FLIPS / 127 * (d + 1) * (scale if relative else max(1.0, scale))
-        return t
+        return q8_tolerance(t, noise) if q8 else t
+
+    def noise_of(name, i, kind):
+        """int8: max|Q - F| of call ``i`` of ``name`` (q8_tolerance); 0 for the embedding (a lookup of the same
+        stored rows on both sides: nothing upstream re-rounds)."""
+        f = fp_out.get(name) or []
+        if not q8 or kind == "embedding" or i >= len(f) or f[i].shape != ref_out[name][i].shape:
+            return 0.0
+        return _max_abs(ref_out[name][i], f[i])
 
     ref_in: dict[str, list[torch.Size]] = {}
     par_calls: dict[str, int] = {}
 
-    def ref_hook(name):
+    def ref_hook(name, into=ref_out):
         def hook(_m, args, kwargs, out):
             t, x = _first_tensor(out), _input_tensor(args, kwargs)
             if t is not None:
-                ref_out.setdefault(name, []).append(t.detach())
-                ref_in.setdefault(name, []).append(x.shape if x is not None else None)
+                into.setdefault(name, []).append(t.detach())
+                if into is ref_out:
+                    ref_in.setdefault(name, []).append(x.shape if x is not None else None)
         return hook
+
+    logits_fp = None
+    if q8:      # the unquantized reference first: each value's int8 noise
+        handles = [ref.get_submodule(name).register_forward_hook(ref_hook(name, fp_out), with_kwargs=True)
+                   for name, _, _ in watched]
+        try:
+            with torch.no_grad():
+                logits_fp = ref(input_ids).logits.detach()
+        finally:
+            for h in handles:
+                h.remove()
+    quantize_reference(ref, quantize)
 
     def par_hook(name, kind, layer):
         def hook(_m, args, kwargs, out):
@@ -194,9 +264,10 @@ def compare_to_reference(ref: nn.Module, par: nn.Module, tp: Group, input_ids: t
             if full.shape != r.shape:   # a layout this check cannot gather: a failure, not a silent skip
                 diffs.append(ModuleDiff(name, layer, kind, math.inf, 0.0))
                 return
-            diffs.append(_diff(name, layer, kind, full, r, tol_of, depth(kind, layer)))
+            noise = noise_of(name, i, kind)
+            diffs.append(_diff(name, layer, kind, full, r, tol_of, depth(kind, layer), noise=noise))
             diffs.append(_own_diff(ref.get_submodule(name), args, kwargs, x_shape, full, tp, name, layer,
-                                   kind, tol_of))
+                                   kind, tol_of, noise))
         return hook
 
     handles = []
@@ -210,7 +281,7 @@ def compare_to_reference(ref: nn.Module, par: nn.Module, tp: Group, input_ids: t
             h.remove()
         handles = []
         # before the sharded forward (whose autograd graph must not see the lean path fuse the projections)
-        lean_diffs = _lean_diffs(par, tp, input_ids, logits_ref.detach(), tol_of, nl + 1)
+        lean_diffs = _lean_diffs(par, tp, input_ids, logits_ref.detach(), tol_of, nl + 1, logits_fp)
         for name, kind, layer in watched:
             handles.append(par.get_submodule(name).register_forward_hook(par_hook(name, kind, layer), with_kwargs=True))
         par.zero_grad(set_to_none=True)
@@ -226,7 +297,8 @@ def compare_to_reference(ref: nn.Module, par: nn.Module, tp: Group, input_ids: t
             diffs.append(ModuleDiff(name, layer, kind, math.inf, 0.0))
     diffs.extend(lean_diffs)
     full_logits = _to_full(logits, logits_ref.shape, tp, plan.vocab)
-    diffs.append(_diff("logits", None, "logits", full_logits, logits_ref, tol_of, nl + 1))
+    diffs.append(_diff("logits", None, "logits", full_logits, logits_ref, tol_of, nl + 1,
+                       noise=0.0 if logits_fp is None else _max_abs(logits_ref, logits_fp)))
     mismatch: list[str] = []
     if train:
         v = logits_ref.shape[-1]
@@ -291,10 +363,12 @@ def reference_grad_norm(params) -> torch.Tensor:
     return torch.zeros((), dtype=torch.float64) if sq is None else sq.sqrt()
 
 
-def _lean_diffs(par, tp: Group, input_ids: torch.Tensor, logits_ref: torch.Tensor, tol_of, depth) -> list:
+def _lean_diffs(par, tp: Group, input_ids: torch.Tensor, logits_ref: torch.Tensor, tol_of, depth,
+                logits_fp: torch.Tensor | None = None) -> list:
     """The lean decode path (:mod:`tensorpar.decode.lean`, what ``generate`` and ``serve`` run) against the reference:
     a prefill of ``input_ids[:, :-1]`` and one decode step of the last token, their logits compared with the
-    reference's at positions ``s-2`` and ``s-1``. Empty when the model does not run that path."""
+    reference's at positions ``s-2`` and ``s-1`` (``logits_fp``: the unquantized reference's ``[b, s, V]``, whose
+    difference there is the int8 noise, :func:`q8_tolerance`). Empty when the model does not run that path."""
     from tensorpar.decode.lean import LeanDecoder
     from tensorpar.decode.prepare import lean_unsupported
     from tensorpar.decode.packed import unpack_weights
@@ -310,14 +384,20 @@ def _lean_diffs(par, tp: Group, input_ids: torch.Tensor, logits_ref: torch.Tenso
     del lean
     unpack_weights(par)     # the plain parameters again for the module path's forward and backward
     out = []
-    for name, got, want in (("lean prefill logits", first, logits_ref[:, -2]), ("lean decode logits", step,
-                                                                                 logits_ref[:, -1])):
+    for name, pos, got in (("lean prefill logits", -2, first), ("lean decode logits", -1, step)):
+        want = logits_ref[:, pos]
         full = _to_full(got[:, None], want[:, None].shape, tp, par.tensorpar_plan.vocab)
-        out.append(_diff(name, None, "logits", full, want[:, None], tol_of, depth))
+        noise = 0.0 if logits_fp is None else _max_abs(want, logits_fp[:, pos])
+        out.append(_diff(name, None, "logits", full, want[:, None], tol_of, depth, noise=noise))
     return out
 
 
-def _diff(name, layer, kind, actual, expected, tol_of, depth, relative=False) -> ModuleDiff:
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max|a - b|`` in float64 (0 for empty tensors)."""
+    return (a.detach().double() - b.detach().double()).abs().max().item() if a.numel() else 0.0
+
+
+def _diff(name, layer, kind, actual, expected, tol_of, depth, relative=False, noise=0.0) -> ModuleDiff:
     a, b = actual.detach().double(), expected.detach().double()
     if a.shape != b.shape:
         return ModuleDiff(name, layer, kind, math.inf, 0.0)
@@ -325,7 +405,7 @@ def _diff(name, layer, kind, actual, expected, tol_of, depth, relative=False) ->
     if not math.isfinite(m) and torch.equal(a, b):
         m = 0.0
     scale = b.abs().max().item() if b.numel() else 0.0
-    return ModuleDiff(name, layer, kind, m, tol_of(scale, depth, relative))
+    return ModuleDiff(name, layer, kind, m, tol_of(scale, depth, relative, noise))
 
 
 def _layer_of(param_name: str, plan) -> int | None:

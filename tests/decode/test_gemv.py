@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from tensorpar.decode import gemv_kernel
 from tests.decode.test_generate import ARCHS, hf_reference, make_model_folder, prompts
 
-needs_kernel = pytest.mark.skipif(not gemv_kernel.available(), reason="no AVX-512 BF16 CPU or no C++ compiler")
+needs_kernel = pytest.mark.skipif(not gemv_kernel.available(),
+                                  reason="TENSORPAR_GEMV_KERNEL=0, neither AVX-512 BF16 nor AVX2 + FMA, or no compiler")
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
@@ -85,3 +86,14 @@ def test_lean_runs_gemv_on_the_plain_weights(tmp_path, dtype):
         want_tokens, _ = hf_reference(folder, ids, mask, 12)
         got_tokens = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=12)).tokens
         assert torch.equal(got_tokens, want_tokens)
+
+
+@needs_kernel
+def test_the_build_is_the_cpus_target():
+    """The kernel was built for the best of ``gemv_kernel.TARGETS`` that /proc/cpuinfo allows (AVX-512 with BF16,
+    else AVX2 + FMA): the library reports that target's vector width (its compiler macros chose the primitives), so
+    a library cached for another target (the target is in its name) is not the one loaded."""
+    from tensorpar.decode.q8_kernel import _cpu_has_features
+    want = next(name for name, features, _ in gemv_kernel.TARGETS if _cpu_has_features(features))
+    assert gemv_kernel.target() == want
+    assert gemv_kernel._lib().tp_gemv_target() == {"avx512": 512, "avx2": 256}[want]

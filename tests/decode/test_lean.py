@@ -190,8 +190,10 @@ def test_bf16_prepacked_equals_plain_and_follows_weight_updates(folders):
 
 def test_attention_per_kv_head_run_equals_copied_kv_heads():
     """Heads split unevenly (SmolLM2's 9 query / 3 KV heads at tp=2: 5 + 4): in a decode step, attention over each
-    run of query heads with its one KV head, on cache views, is bitwise attention over the KV heads copied per
-    query head (prefill keeps the copies: with several queries the last bit depends on the head count)."""
+    run of query heads with its one KV head, on cache views, equals attention over the KV heads copied per query
+    head within a few units in the last place (bitwise on the AVX-512 machine this was written on; on an AVX2-only
+    CPU, torch 2.13's CPU attention differed in the last bit of one element in 45: 1.5e-8 on 1.2). Prefill keeps
+    the copies: with several queries the difference grows with the head count."""
     import torch.nn.functional as F
 
     from tensorpar.decode.kernels import kv_runs
@@ -212,4 +214,4 @@ def test_attention_per_kv_head_run_equals_copied_kv_heads():
         got = torch.cat([F.scaled_dot_product_attention(q[:, q0:q1], keys[:, j:j + 1], vals[:, j:j + 1],
                                                         attn_mask=mask, scale=0.3, enable_gqa=q1 - q0 > 1)
                          for j, q0, q1 in kv_runs(kv_index)], dim=1)
-        assert torch.equal(got, ref)
+        assert ((got - ref).abs() <= 4 * torch.finfo(torch.float32).eps * ref.abs().max()).all()

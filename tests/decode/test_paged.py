@@ -295,3 +295,39 @@ def test_request_larger_than_the_pool_is_a_400():
     with pytest.raises(BadRequest, match="needs 10 \\+ 8 tokens: 5 KV blocks of 4; the pool has 3") as e:
         asyncio.run(go())
     assert e.value.status == 400
+
+
+# ---------------------------------------------------------------- decode attention over the blocks in place
+
+@pytest.mark.skipif(not __import__("tensorpar.decode.fused", fromlist=["available"]).available(),
+                    reason="the fused decode kernels do not run on this CPU")
+def test_fused_decode_attention_reads_scattered_blocks():
+    """The fused decode attention (tensorpar.decode.fused.decode_attention) over a paged pool, rows in scattered
+    blocks of different lengths (a mask), query heads mapped unevenly onto KV heads, equals attention over the
+    gathered keys and values in float64 within fp32 rounding (1e-5 relative: the kernel sums in fp32 in its own
+    order and uses expf)."""
+    from tensorpar.decode import fused
+    g = torch.Generator().manual_seed(0)
+    n_kv, num_blocks, bs, d, nq = 2, 11, 4, 64, 5
+    kpool = torch.randn(n_kv, num_blocks, bs, d, generator=g)
+    vpool = torch.randn(n_kv, num_blocks, bs, d, generator=g)
+    kv_of = torch.tensor([0, 0, 0, 1, 1])                          # uneven: 3 query heads on KV head 0, 2 on 1
+    tables = torch.tensor([[7, 2, 9], [0, 10, 3], [5, 1, 8]])      # [rows, blocks], scattered
+    lengths = [10, 12, 5]
+    b, L = len(lengths), max(lengths)
+    mask = torch.arange(L)[None, None, None, :] < torch.tensor(lengths)[:, None, None, None]     # [b, 1, 1, L]
+    q = torch.randn(b, nq, d, generator=g)
+    out = torch.empty(b, nq * d)
+    scratch = torch.empty(L)
+    scale = d ** -0.5
+    fused.decode_attention((q.data_ptr(), b, nq, d, kpool.data_ptr(), vpool.data_ptr(), kpool.stride(0),
+                            tables.data_ptr(), tables.stride(0), bs, L, mask.data_ptr(), mask.stride(0),
+                            kv_of.data_ptr(), scale, scratch.data_ptr(), out.data_ptr()))
+    for r in range(b):
+        n = lengths[r]
+        for h in range(nq):
+            k = kpool[kv_of[h], tables[r]].reshape(-1, d)[:n].double()          # [n, d] in position order
+            v = vpool[kv_of[h], tables[r]].reshape(-1, d)[:n].double()
+            p = torch.softmax(k @ q[r, h].double() * scale, 0)
+            want = (p[:, None] * v).sum(0)
+            torch.testing.assert_close(out[r, h * d:(h + 1) * d].double(), want, rtol=1e-5, atol=1e-6)

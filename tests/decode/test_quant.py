@@ -401,12 +401,17 @@ def _smollm2_int8_fp32_equal(folder, ids, mask) -> int:
     return int((got == want).sum())
 
 
-def job_verify_int8(ctx, quantize_ref, fmt="int8"):
+def job_verify_int8(ctx, quantize_ref, fmt="int8", corrupt=None):
+    """verify's comparison of QARCHS' llama stored as ``fmt`` against the unsharded model (``quantize_ref``: the
+    reference quantized the same way by ``compare_to_reference``; else compared as a plain fp model). ``corrupt``:
+    on rank 0, the scale of block 0 of row 0 of that int8 weight doubled (``lm_head``; ``down_proj``: the last
+    layer's). Returns the first failing row ``(name, max |diff|, tolerance)`` or None, and every row's name."""
     import copy
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tensorpar.decode.quantize import apply_quantize, quantize_reference
+    from tensorpar.decode.int8 import lean_weight
+    from tensorpar.decode.quantize import apply_quantize
     from tensorpar.hf.apply import parallelize
     from tensorpar.hf.plan import make_plan
     from tensorpar.verify import compare_to_reference
@@ -417,23 +422,39 @@ def job_verify_int8(ctx, quantize_ref, fmt="int8"):
     par = parallelize(copy.deepcopy(ref), make_plan(cfg, ctx.tp.size), ctx.tp)
     ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     apply_quantize(par, ctx.tp, fmt)
-    if quantize_ref:
-        quantize_reference(ref, fmt)
-    rep = compare_to_reference(ref, par, ctx.tp, ids)
+    if corrupt is not None and ctx.rank == 0:
+        mod = par.lm_head if corrupt == "lm_head" else par.model.layers[-1].mlp.down_proj
+        lean_weight(mod).scale[0, 0] *= 2
+    rep = compare_to_reference(ref, par, ctx.tp, ids, quantize=fmt if quantize_ref else "none")
     f = rep.first_failure
-    return (None if f is None else f.name), [d.name for d in rep.diffs]
+    return (None if f is None else (f.name, f.max_abs, f.tol)), [d.name for d in rep.diffs]
 
 
-@pytest.mark.parametrize("fmt", ["int8", "bf16"])
-def test_verify_quantize(pools, fmt):
-    """verify --quantize int8|bf16 stores both sides' weights so and passes (module and lean path); storing only
-    the sharded model's so is caught (bf16: held to the fp32 bound, since both sides multiply the same bf16-rounded
-    weights in fp32)."""
-    for failure, names in run_tp(pools, 2, job_verify_int8, True, fmt):
+@pytest.mark.parametrize("fmt,tp", [("int8", 1), ("int8", 2), ("bf16", 2)])
+def test_verify_quantize(pools, fmt, tp):
+    """verify --quantize int8|bf16 stores both sides' weights so and passes (module and lean path; int8 at tp 1 and
+    2); storing only the sharded model's so is caught (held to the fp32 bound; bf16 always is, since both sides
+    multiply the same bf16-rounded weights in fp32)."""
+    for failure, names in run_tp(pools, tp, job_verify_int8, True, fmt):
         assert failure is None, failure
         assert any("lean" in n for n in names), names
-    for failure, _ in run_tp(pools, 2, job_verify_int8, False, fmt):
+    for failure, _ in run_tp(pools, tp, job_verify_int8, False, fmt):
         assert failure is not None
+
+
+@pytest.mark.parametrize("corrupt,where", [("lm_head", "logits"), ("down_proj", "model.layers.1.mlp")])
+def test_verify_int8_fails_on_a_doubled_block_scale(pools, corrupt, where):
+    """verify --quantize int8 at tp=2 fails when one scale of rank 0's int8 weights is doubled (block 0 of row 0:
+    32 of the LM head's 288 x 27 weights there, or of the last down_proj's 96 x 288), at the value it moves first,
+    although the int8 tolerance allows re-rounding (compare.q8_tolerance: 4x the value's int8 noise); the same
+    model uncorrupted passes (test_verify_quantize). ``where``: in the first failing row's name (the tied
+    embedding reads the corrupted LM head row too, so an id 0 in the input may fail there first)."""
+    import math
+    for failure, _ in run_tp(pools, 2, job_verify_int8, True, "int8", corrupt):
+        assert failure is not None, f"a doubled {corrupt} scale passed verify"
+        name, diff, tol = failure
+        assert math.isfinite(diff) and diff > tol, failure
+        assert where in name or (corrupt == "lm_head" and "embed" in name), failure
 
 
 def test_int8_weight_bytes_counts_one_byte_per_weight_plus_scales(folders):

@@ -11,7 +11,7 @@ from tests._ranks import run_tp
 from tests.decode.test_generate import ARCHS, hf_reference, make_model_folder, prompts
 
 needs_kernels = pytest.mark.skipif(not (gemv_kernel.available() and fused.available()),
-                                   reason="no AVX-512 BF16 CPU or no C++ compiler")
+                                   reason="TENSORPAR_GEMV_KERNEL=0, neither AVX-512 BF16 nor AVX2 + FMA, no compiler")
 #: the fused RMSNorm adds its sum of squares in another order than torch's ``mean`` (16 fp32 lanes): the sum then
 #: differs by a few units in its last place, and the output, after rsqrt and two products, by at most ~4 units in
 #: the last place of the largest output (2^-21 relative to it)
@@ -92,8 +92,8 @@ def test_decode_attention_equals_sdpa(rows, nq, kv_of, d, L, masked):
     if masked:
         mask[-1, ..., :3] = False                                          # a left-padded row
     out, scratch = torch.empty(rows, nq * d), torch.empty(bs)
-    base = (ctypes.c_int64 * rows)(*[blk * bs * d for blk in blocks])
-    fused.decode_attention((q.data_ptr(), rows, nq, d, kc.data_ptr(), vc.data_ptr(), kc.stride(0), base, L,
+    tables = (ctypes.c_int64 * rows)(*blocks)                           # one block per row (the static cache)
+    fused.decode_attention((q.data_ptr(), rows, nq, d, kc.data_ptr(), vc.data_ptr(), kc.stride(0), tables, 1, bs, L,
                             mask.data_ptr() if masked else None, mask.stride(0), (ctypes.c_int64 * nq)(*kv_of),
                             d ** -0.5, scratch.data_ptr(), out.data_ptr()))
     idx = torch.tensor(kv_of)
@@ -136,10 +136,14 @@ def test_q8_linear_into_equals_q8_linear(m, k, n):
         q8_kernel.into_args(x, w.q, w.scale, y, q8_kernel.scratch(1, 32))
 
 
-def job_logits(ctx, folder, ids, mask, want, shm, quantize="none"):
+def job_logits(ctx, folder, ids, mask, want, shm, quantize="none", layout=False):
     """Prefill and decode steps feeding ``want`` ``[b, steps]`` (transformers' tokens) to a batch-``b`` LeanDecoder,
     with its row step and with the general loop: per step the logits of both, and how often the row step ran; then
-    generate's greedy tokens. ``quantize``: ``--quantize``'s value, applied after loading (fp32 compute)."""
+    generate's greedy tokens. ``quantize``: ``--quantize``'s value, applied after loading (fp32 compute).
+    ``layout``: also ``out["stored"]``, the stored tensors of layer 0's row-parallel o_proj and down_proj
+    (``(q, scale)`` of int8, ``(w,)`` of bf16; this rank's ``[out, in_r]`` slices), and ``out["module"]``, the module
+    path's greedy tokens."""
+    from tensorpar.decode.int8 import lean_weight
     from tensorpar.decode.lean import LeanDecoder
     from tensorpar.decode.quantize import apply_quantize
     from tensorpar.hf.load import build_parallel_model
@@ -166,6 +170,12 @@ def job_logits(ctx, folder, ids, mask, want, shm, quantize="none"):
             for t in range(steps - 1):
                 logits.append(lean.decode(want[:, t:t + 1], pos[:, -1:] + 1 + t, ids.shape[1] + t))
             out[name] = (logits, has, len(ran))
+        if layout:
+            L0 = model.model.layers[0]
+            out["stored"] = {n: tuple(t.clone() for t in lean_weight(m)[:-1])
+                             for n, m in (("o_proj", L0.self_attn.o_proj), ("down_proj", L0.mlp.down_proj))}
+            out["module"] = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=steps),
+                                            path="hf").tokens
         tokens = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=steps)).tokens
         return out, tokens
     finally:
@@ -236,6 +246,82 @@ def test_int8_row_step_equals_general_loop_and_quantized_reference(pools, tmp_pa
         for a, b in zip(got, ref):
             assert (a - b).abs().max() <= INT8_TOL * b.abs().max(), f"rank {r}: {(a - b).abs().max()}"
         assert torch.equal(tokens, want), f"int8 tp={tp} rank {r}: {tokens} != quantized reference {want}"
+
+
+#: a Llama whose 10 query / 2 KV heads of 32 do not divide 3 (tp=3: 4 / 3 / 3 query heads, the middle rank holding
+#: both KV heads; tp=4: 3 / 3 / 2 / 2) and whose every rank's share of a row-parallel input is whole blocks of 32 at
+#: tp 1-4 (o_proj: its heads x 32; down_proj: 384 / tp = 384, 192, 128, 96); hidden 160 (a multiple of 10 heads and of
+#: 32); vocabulary 53 (uneven at 3 and 4); tied embedding
+UNEVEN = dict(model_type="llama", vocab_size=53, hidden_size=160, intermediate_size=384, num_hidden_layers=2,
+              num_attention_heads=10, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
+              tie_word_embeddings=True)
+#: bf16 weights, fp32 compute: tp=N multiplies the same bf16 values as tp=1 (asserted bitwise), so only the order of
+#: the fp32 sums differs (each row-parallel product split over the ranks and added in rank order by the all-reduce,
+#: and the fused norms' last bits after it): 1e-5 of the largest logit, the fp32 row step's bound
+BF16_TOL = 1e-5
+
+
+@pytest.mark.parametrize("fmt,tp,batch", [("int8", 3, 1), ("bf16", 4, 2),
+                                          pytest.param("int8", 4, 2, marks=pytest.mark.slow),
+                                          pytest.param("bf16", 3, 1, marks=pytest.mark.slow)])
+def test_quantized_row_step_tp3_tp4_uneven_heads(pools, tmp_path, monkeypatch, fmt, tp, batch):
+    """``--quantize int8`` and ``--quantize bf16`` at tp=3 and tp=4 on a Llama whose head counts do not divide 3
+    (``UNEVEN``; batch 2: a left-padded row): where the kernels run (AVX-512 BF16 / VNNI and a C++ compiler) the
+    row step decodes every step (one row at tp=3, two at tp=4) with logits within INT8_TOL / BF16_TOL of the
+    general loop's at the same layout (elsewhere no decoder has a row step, and the rest below holds for the
+    general loop: the PyTorch int8 path, ``F.linear`` on the widened bf16 weights); generate's greedy tokens and the
+    module path's equal the quantized unsharded reference's (int8: Q8_0 weights and inputs in plain PyTorch; bf16:
+    the fp32 model with bf16-rounded weights); and tp=N equals tp=1:
+
+    * the stored weights: each rank's o_proj and down_proj tensors (``q`` and ``scale`` of int8, ``w`` of bf16) are
+      bitwise its columns of tp=1's. For int8 this is the block layout: tp moves no block boundary of a row-parallel
+      input, since every rank's share is a whole number of blocks of 32 and the shares lie in rank order (rank r's
+      blocks are tp=1's blocks ``off_r / 32 ...``); a block's weight scale and its activation scale
+      ``d = max|x_block| / 127`` depend on that block's 32 values only, and column-parallel inputs are whole rows on
+      every rank. So tp=N computes tp=1's quantized model, and the rows below differ only in the order of fp32 sums.
+      (Had a split cut a block, a rank would scale its part of the block by its own max: another model at each tp,
+      off by the quantization's own size; ``block_misfit`` refuses such splits before the ranks start.)
+    * the logits of every step, the ranks' vocabulary slices joined, against tp=1's row step: bf16 within BF16_TOL;
+      int8 within INT8_TOL: the order of the sums moves an activation by a few units in its last place, which the
+      next quantization absorbs except where ``x / d`` lies within that of a half step: it then rounds to the other
+      step, as between the row step and the general loop (INT8_TOL's derivation above). Measured on a CPU without
+      AVX-512 (no row step; the general loop's PyTorch paths): tp=3 and 4 within 1.8e-7 - 2.7e-7 of tp=1's largest
+      logit, int8 and bf16 alike (no activation re-rounded in these 10 steps)."""
+    from tests.decode import test_generate as tg
+    monkeypatch.setitem(tg.ARCHS, "llama", UNEVEN)
+    folder = str(make_model_folder(tmp_path / "llama", "llama"))
+    ids, mask = prompts(UNEVEN["vocab_size"])
+    rows = [0] if batch == 1 else [0, 2]
+    ids, mask = ids[rows], mask[rows]
+    steps = 10
+    if fmt == "int8":
+        from tests.decode.test_quant import fake_quant_reference
+        want, _ = fake_quant_reference(folder, ids, mask, steps)
+        tol, kernel = INT8_TOL, q8_kernel.available()
+    else:
+        from tests.decode.test_bf16_weights import rounded_reference
+        want, _ = rounded_reference(folder, ids, mask, steps)
+        tol, kernel = BF16_TOL, gemv_kernel.available()
+    row_step = kernel and fused.available()
+    (one, one_tokens), = run_tp(pools, 1, job_logits, folder, ids, mask, want, False, fmt, True)
+    res = run_tp(pools, tp, job_logits, folder, ids, mask, want, row_step, fmt, True)
+    assert torch.equal(one_tokens, want), f"{fmt} tp=1: {one_tokens} != reference {want}"
+    for r, (out, tokens) in enumerate(res):
+        got, has, ran = out["row"]
+        ref, _, ran_general = out["general"]
+        assert has == row_step and ran == (steps - 1 if row_step else 0) and ran_general == 0, (has, ran)
+        for a, b in zip(got, ref):
+            assert (a - b).abs().max() <= tol * b.abs().max(), f"{fmt} tp={tp} rank {r}: {(a - b).abs().max()}"
+        assert torch.equal(tokens, want), f"{fmt} tp={tp} rank {r}: {tokens} != reference {want}"
+        assert torch.equal(out["module"], want), f"{fmt} tp={tp} rank {r}: module path {out['module']} != {want}"
+    for name, full in one["stored"].items():
+        for i, t in enumerate(full):
+            joined = torch.cat([out["stored"][name][i] for out, _ in res], dim=1)
+            assert torch.equal(joined, t), f"{fmt} tp={tp}: {name}'s stored tensor {i} is not tp=1's, sliced"
+    for step, b in enumerate(one["row"][0]):
+        a = torch.cat([out["row"][0][step] for out, _ in res], dim=-1)                 # [b, V]: vocab in rank order
+        err = (a - b).abs().max().item()
+        assert err <= tol * b.abs().max().item(), f"{fmt} tp={tp} step {step}: logits differ from tp=1 by {err}"
 
 
 def test_row_step_stays_out_of_what_it_does_not_run(tmp_path):

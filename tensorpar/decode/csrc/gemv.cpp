@@ -2,19 +2,91 @@
 // few rows (tensorpar.decode.gemv_kernel): y[m, n] = bias[n] + sum_k x[m, k] * w[n, k], summed in fp32.
 // Layout: the weight as it is ([out, in], what F.linear takes): read one output row after the other, the whole
 // matrix is one sequential stream of cache lines that the hardware prefetcher follows; per row U independent
-// accumulators per input row (4 x 64 bytes of weights in flight), reduced once per output.
-// bf16: weights and activations bf16, products summed in fp32 with vdpbf16ps (AVX512_BF16: pairs of bf16 products
-// into one fp32 lane) or by widening the weights to fp32 (a shift / an and: even and odd halves, below) and fma
-// with x in fp32 (`mode`), the output rounded to bf16 (round to nearest even) after the bias. More than 4 rows: the
-// weight rows in chunks that stay in L2 while every group of 4 input rows reads them (one pass over memory).
-// Built by tensorpar/decode/gemv_kernel.py with -O3 -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -fopenmp; called
-// only where the CPU has those features. Plain C ABI (ctypes): no torch headers.
+// accumulators per input row (4 x 64 bytes of weights in flight with AVX-512), reduced once per output.
+// bf16: weights and activations bf16, products summed in fp32 (`mode`): AVX512_BF16's vdpbf16ps (pairs of bf16
+// products into one fp32 lane) or, without it (AVX2), both widened to fp32 in registers (a shift / an and: even
+// and odd halves, below) and fma (each bf16 x bf16 product is exact in fp32); or the weights widened and fma with
+// x in fp32; the output rounded to bf16 (round to nearest even) after the bias. More than 4 rows: the weight rows
+// in chunks that stay in L2 while every group of 4 input rows reads them (one pass over memory).
+//
+// Two targets from this one source (tensorpar/decode/gemv_kernel.py picks the one /proc/cpuinfo allows): AVX-512
+// (-mavx512f -mavx512bw -mavx512vl -mavx512bf16: 16 fp32 lanes, 32 vector registers) and AVX2 + FMA (-mavx2
+// -mfma: 8 lanes, 16 registers). The kernels below are written once over the vector primitives of the next
+// section (W lanes per vector); only the primitives name the instruction set. Plain C ABI (ctypes): no torch
+// headers. Built with -fopenmp.
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 extern "C" int tp_gemv_abi(void) { return 1; }
+
+// ----------------------------------------------------------------------------------------- vector primitives
+// vf: W fp32 lanes; vi: the same register as 2W bf16 (weight 2j in the low, 2j + 1 in the high half of lane j).
+// vload_n: the first n < W floats, the rest zero (never reads past p + n). vsum: the lanes added (a tree).
+// veven / vodd: lane j's low / high bf16 as fp32. vdot_bf16: acc + x[2j] w[2j] + x[2j+1] w[2j+1] per lane.
+#if defined(__AVX512F__)
+#define TP_GEMV_TARGET 512
+constexpr int W = 16;
+constexpr int NREGS = 32;
+typedef __m512 vf;
+typedef __m512i vi;
+static inline vf vzero() { return _mm512_setzero_ps(); }
+static inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline vf vload_n(const float* p, int64_t n) { return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+static inline vi vload_bf16(const uint16_t* p) { return _mm512_loadu_si512(p); }
+static inline vf veven(vi v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+static inline vf vodd(vi v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u))); }
+#if defined(__AVX512BF16__)
+static inline vf vdot_bf16(vf acc, vi x, vi w) { return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w); }
+#define TP_HAVE_DPBF16 1
+#endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#define TP_GEMV_TARGET 256
+constexpr int W = 8;
+constexpr int NREGS = 16;
+typedef __m256 vf;
+typedef __m256i vi;
+static inline vf vzero() { return _mm256_setzero_ps(); }
+static inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline vf vload_n(const float* p, int64_t n) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), lane));
+}
+static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline float vsum(vf a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline vi vload_bf16(const uint16_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+static inline vf veven(vi v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+static inline vf vodd(vi v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u))); }
+#else
+#error "csrc/gemv.cpp needs AVX-512 (F, BW, VL, BF16) or AVX2 and FMA"
+#endif
+#ifndef TP_HAVE_DPBF16      // no vdpbf16ps: both widened, two fma (the products exact in fp32, the sums rounded)
+static inline vf vdot_bf16(vf acc, vi x, vi w) { return vfma(vodd(w), vodd(x), vfma(veven(w), veven(x), acc)); }
+#endif
+
+extern "C" int tp_gemv_target(void) { return TP_GEMV_TARGET; }     // the vector width in bits it was built for
+
+// the vectors per input row in flight: 4 (4 x 64 bytes with AVX-512); with 16 registers (AVX2) 2 from 3 rows on,
+// so that R x U accumulators and the weights fit
+constexpr int unroll(int R) { return NREGS >= 32 || R <= 2 ? 4 : 2; }
+
+// the U accumulators added pairwise, then the lanes
+template <int U>
+static inline float vsum_u(const vf* a) {
+    if (U == 1) return vsum(a[0]);
+    if (U == 2) return vsum(vadd(a[0], a[1]));
+    return vsum(vadd(vadd(a[0], a[1]), vadd(a[2], a[3])));
+}
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -36,238 +108,201 @@ static inline uint16_t f32_to_bf16(float f) {        // round to nearest even; N
 template <int R>
 static void f32_rows(const float* x, int64_t K, const float* w, int64_t n0, int64_t n1, float* out, int64_t ldo,
                      int64_t pf) {
-    const int64_t K64 = K & ~(int64_t)63, K16 = K & ~(int64_t)15;
-    const __mmask16 tail = (__mmask16)((1u << (K - K16)) - 1);
+    constexpr int U = unroll(R);
+    const int64_t KU = K - K % (U * W), KW = K - K % W;
     for (int64_t n = n0; n < n1; ++n) {
         const float* wr = w + n * K;
-        __m512 a[R][4];
+        vf a[R][U];
         for (int r = 0; r < R; ++r)
-            for (int u = 0; u < 4; ++u) a[r][u] = _mm512_setzero_ps();
+            for (int u = 0; u < U; ++u) a[r][u] = vzero();
         int64_t k = 0;
-        for (; k < K64; k += 64) {
+        for (; k < KU; k += U * W) {
             if (pf) _mm_prefetch((const char*)(wr + k + pf), _MM_HINT_T0);
-            __m512 w0 = _mm512_loadu_ps(wr + k), w1 = _mm512_loadu_ps(wr + k + 16);
-            __m512 w2 = _mm512_loadu_ps(wr + k + 32), w3 = _mm512_loadu_ps(wr + k + 48);
-            for (int r = 0; r < R; ++r) {
-                const float* xr = x + r * K + k;
-                a[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), a[r][0]);
-                a[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), a[r][1]);
-                a[r][2] = _mm512_fmadd_ps(w2, _mm512_loadu_ps(xr + 32), a[r][2]);
-                a[r][3] = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xr + 48), a[r][3]);
-            }
-        }
-        for (; k < K16; k += 16) {
-            __m512 w0 = _mm512_loadu_ps(wr + k);
-            for (int r = 0; r < R; ++r) a[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * K + k), a[r][0]);
-        }
-        if (tail) {
-            __m512 w0 = _mm512_maskz_loadu_ps(tail, wr + k);
+            vf wv[U];
+            for (int u = 0; u < U; ++u) wv[u] = vload(wr + k + u * W);
             for (int r = 0; r < R; ++r)
-                a[r][1] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(tail, x + r * K + k), a[r][1]);
+                for (int u = 0; u < U; ++u) a[r][u] = vfma(wv[u], vload(x + r * K + k + u * W), a[r][u]);
         }
-        for (int r = 0; r < R; ++r)
-            out[r * ldo + n] = _mm512_reduce_add_ps(
-                _mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_add_ps(a[r][2], a[r][3])));
+        for (; k < KW; k += W) {
+            const vf w0 = vload(wr + k);
+            for (int r = 0; r < R; ++r) a[r][0] = vfma(w0, vload(x + r * K + k), a[r][0]);
+        }
+        if (k < K) {
+            const vf w0 = vload_n(wr + k, K - k);
+            for (int r = 0; r < R; ++r) a[r][U - 1] = vfma(w0, vload_n(x + r * K + k, K - k), a[r][U - 1]);
+        }
+        for (int r = 0; r < R; ++r) out[r * ldo + n] = vsum_u<U>(a[r]);
     }
 }
 
 // two weight rows at a time for R (2..4) input rows: each x vector loaded once for both rows (at 4 input rows the
-// loads of x, not the weights' stream, bound f32_rows)
+// loads of x, not the weights' stream, bound f32_rows); U2 vectors per weight row in flight (1 with 16 registers)
 template <int R>
 static void f32_rows2(const float* x, int64_t K, const float* w, int64_t n0, int64_t n1, float* out, int64_t ldo) {
-    const int64_t K32 = K & ~(int64_t)31, K16 = K & ~(int64_t)15;
-    const __mmask16 tail = (__mmask16)((1u << (K - K16)) - 1);
+    constexpr int U2 = NREGS >= 32 ? 2 : 1;
+    const int64_t KU = K - K % (U2 * W), KW = K - K % W;
     int64_t n = n0;
     for (; n + 2 <= n1; n += 2) {
         const float* w0 = w + n * K;
         const float* w1 = w0 + K;
-        __m512 a[R][2][2];
+        vf a[R][2][U2];
         for (int r = 0; r < R; ++r)
-            for (int j = 0; j < 2; ++j) a[r][j][0] = a[r][j][1] = _mm512_setzero_ps();
+            for (int j = 0; j < 2; ++j)
+                for (int u = 0; u < U2; ++u) a[r][j][u] = vzero();
         int64_t k = 0;
-        for (; k < K32; k += 32) {
-            const __m512 u0 = _mm512_loadu_ps(w0 + k), u1 = _mm512_loadu_ps(w0 + k + 16);
-            const __m512 v0 = _mm512_loadu_ps(w1 + k), v1 = _mm512_loadu_ps(w1 + k + 16);
+        for (; k < KU; k += U2 * W) {
+            vf u0[U2], v0[U2];
+            for (int u = 0; u < U2; ++u) u0[u] = vload(w0 + k + u * W), v0[u] = vload(w1 + k + u * W);
+            for (int r = 0; r < R; ++r)
+                for (int u = 0; u < U2; ++u) {
+                    const vf x0 = vload(x + r * K + k + u * W);
+                    a[r][0][u] = vfma(u0[u], x0, a[r][0][u]);
+                    a[r][1][u] = vfma(v0[u], x0, a[r][1][u]);
+                }
+        }
+        for (; k < KW; k += W) {
+            const vf u0 = vload(w0 + k), v0 = vload(w1 + k);
             for (int r = 0; r < R; ++r) {
-                const __m512 x0 = _mm512_loadu_ps(x + r * K + k), x1 = _mm512_loadu_ps(x + r * K + k + 16);
-                a[r][0][0] = _mm512_fmadd_ps(u0, x0, a[r][0][0]);
-                a[r][0][1] = _mm512_fmadd_ps(u1, x1, a[r][0][1]);
-                a[r][1][0] = _mm512_fmadd_ps(v0, x0, a[r][1][0]);
-                a[r][1][1] = _mm512_fmadd_ps(v1, x1, a[r][1][1]);
+                const vf x0 = vload(x + r * K + k);
+                a[r][0][0] = vfma(u0, x0, a[r][0][0]);
+                a[r][1][0] = vfma(v0, x0, a[r][1][0]);
             }
         }
-        for (; k < K16; k += 16) {
-            const __m512 u0 = _mm512_loadu_ps(w0 + k), v0 = _mm512_loadu_ps(w1 + k);
+        if (k < K) {
+            const vf u0 = vload_n(w0 + k, K - k), v0 = vload_n(w1 + k, K - k);
             for (int r = 0; r < R; ++r) {
-                const __m512 x0 = _mm512_loadu_ps(x + r * K + k);
-                a[r][0][0] = _mm512_fmadd_ps(u0, x0, a[r][0][0]);
-                a[r][1][0] = _mm512_fmadd_ps(v0, x0, a[r][1][0]);
-            }
-        }
-        if (tail) {
-            const __m512 u0 = _mm512_maskz_loadu_ps(tail, w0 + k), v0 = _mm512_maskz_loadu_ps(tail, w1 + k);
-            for (int r = 0; r < R; ++r) {
-                const __m512 x0 = _mm512_maskz_loadu_ps(tail, x + r * K + k);
-                a[r][0][1] = _mm512_fmadd_ps(u0, x0, a[r][0][1]);
-                a[r][1][1] = _mm512_fmadd_ps(v0, x0, a[r][1][1]);
+                const vf x0 = vload_n(x + r * K + k, K - k);
+                a[r][0][U2 - 1] = vfma(u0, x0, a[r][0][U2 - 1]);
+                a[r][1][U2 - 1] = vfma(v0, x0, a[r][1][U2 - 1]);
             }
         }
         for (int r = 0; r < R; ++r) {
-            out[r * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(a[r][0][0], a[r][0][1]));
-            out[r * ldo + n + 1] = _mm512_reduce_add_ps(_mm512_add_ps(a[r][1][0], a[r][1][1]));
+            out[r * ldo + n] = vsum_u<U2>(a[r][0]);
+            out[r * ldo + n + 1] = vsum_u<U2>(a[r][1]);
         }
     }
     if (n < n1) f32_rows<R>(x, K, w, n, n1, out, ldo, 0);
 }
 
 // ---------------------------------------------------------------------------------------------- bf16 weights
-// Mode 1 reads the inputs in the order the weights split into without a shuffle: a 64-byte vector of 32 bf16
-// weights is 16 fp32 lanes, each holding weight 2j in its low and 2j + 1 in its high 16 bits, so a left shift by 16
-// gives the even weights as fp32 and an and with 0xffff0000 the odd ones (two one-cycle integer ops per 64 bytes,
-// against two vpmovzxwd lane-crossing shuffles, a vextracti64x4 and two shifts for the widening to input order,
-// which bounded the bf16 rows below fp32's rate per byte). The inputs are reordered to match once per call.
-// x_eo: the first K32 (multiple of 32) inputs of R rows (fp32, row stride K) per block of 32: its 16 even inputs,
-// then its 16 odd ones; [R][K32], 64-byte aligned (the caller frees it)
-static float* split_even_odd(const float* xf, int R, int64_t K, int64_t K32) {
-    float* xs = (float*)aligned_alloc(64, (size_t)(R * K32 * 4));
-    const __m512i ie = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-    const __m512i io = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+// Blocks of B = 2W bf16 (one vector register). Mode 1 reads the inputs in the order the weights split into
+// without a shuffle: a vector of 2W bf16 weights is W fp32 lanes, each holding weight 2j in its low and 2j + 1 in
+// its high 16 bits, so a left shift by 16 gives the even weights as fp32 and an and with 0xffff0000 the odd ones
+// (two one-cycle integer ops per vector, against lane-crossing shuffles for the widening to input order, which
+// bounded the bf16 rows below fp32's rate per byte on AVX-512). The inputs are reordered to match once per call.
+// Returns x_eo: the inputs of R rows (fp32, row stride K) per block of B: its W even inputs, then its W odd ones,
+// zero past K; [R][Kp] (Kp: K rounded up to B), 64-byte aligned (the caller frees it)
+static float* split_even_odd(const float* xf, int R, int64_t K, int64_t Kp) {
+    float* xs = (float*)aligned_alloc(64, (size_t)(R * Kp * 4));
     for (int r = 0; r < R; ++r)
-        for (int64_t k = 0; k < K32; k += 32) {
-            const __m512 x0 = _mm512_loadu_ps(xf + r * K + k), x1 = _mm512_loadu_ps(xf + r * K + k + 16);
-            _mm512_store_ps(xs + r * K32 + k, _mm512_permutex2var_ps(x0, ie, x1));
-            _mm512_store_ps(xs + r * K32 + k + 16, _mm512_permutex2var_ps(x0, io, x1));
-        }
+        for (int64_t k = 0; k < Kp; k += 2 * W)
+            for (int j = 0; j < W; ++j) {
+                const int64_t e = k + 2 * j, o = e + 1;
+                xs[r * Kp + k + j] = e < K ? xf[r * K + e] : 0.0f;
+                xs[r * Kp + k + W + j] = o < K ? xf[r * K + o] : 0.0f;
+            }
     return xs;
 }
 
-// mode 0: vdpbf16ps on x (bf16, row stride K); mode 1: weights widened to fp32 (even / odd halves, above), x given
-// in fp32 (xf, row stride K, in input order). Per output row: 4 accumulators per input row; mode 1 sums each
-// block of 32 inputs as its even then its odd half (another order than the inputs', the same products, in fp32).
+// the last K - k (< 2W) bf16 of row p, zero-padded to one vector (vdpbf16ps and the even / odd split need pairs)
+static inline vi load_bf16_tail(const uint16_t* p, int64_t n) {
+    alignas(64) uint16_t t[2 * W] = {};
+    memcpy(t, p, (size_t)n * 2);
+    return vload_bf16(t);
+}
+
+// mode 0: bf16 x bf16 (vdot_bf16) on x (bf16, row stride K); mode 1: weights widened to fp32 (even / odd halves,
+// above), x given in fp32 (xf, row stride K, in input order). Per output row: U accumulators per input row; each
+// block of 2W inputs is summed as its even then its odd half (mode 1, and mode 0 without vdpbf16ps; with it, the
+// instruction's pairs): another order than the inputs', the same products, in fp32.
 template <int R, int MODE>
 static void bf16_rows(const uint16_t* x, const float* xf, int64_t K, const uint16_t* w, int64_t n0, int64_t n1,
                       float* out, int64_t ldo, int64_t pf) {
-    const int64_t K128 = K & ~(int64_t)127, K32 = K & ~(int64_t)31;
-    const __mmask32 tail = (__mmask32)((K - K32) ? ((1ull << (K - K32)) - 1) : 0);
-    float* xs = MODE == 1 && K32 ? split_even_odd(xf, R, K, K32) : nullptr;
-    const __m512i odd = _mm512_set1_epi32((int)0xffff0000u);
+    constexpr int U = unroll(R), B = 2 * W;
+    const int64_t KU = K - K % (U * B), KB = K - K % B, Kp = (K + B - 1) / B * B;
+    float* xs = MODE == 1 ? split_even_odd(xf, R, K, Kp) : nullptr;
     for (int64_t n = n0; n < n1; ++n) {
         const uint16_t* wr = w + n * K;
-        __m512 a[R][4];
+        vf a[R][U];
         for (int r = 0; r < R; ++r)
-            for (int u = 0; u < 4; ++u) a[r][u] = _mm512_setzero_ps();
+            for (int u = 0; u < U; ++u) a[r][u] = vzero();
         int64_t k = 0;
-        for (; k < K128; k += 128) {
+        for (; k < KU; k += U * B) {
             if (pf) _mm_prefetch((const char*)(wr + k + pf), _MM_HINT_T0);
-            __m512i wv[4];
-            for (int u = 0; u < 4; ++u) wv[u] = _mm512_loadu_si512(wr + k + 32 * u);
+            vi wv[U];
+            for (int u = 0; u < U; ++u) wv[u] = vload_bf16(wr + k + B * u);
             if (MODE == 0) {
-                for (int r = 0; r < R; ++r) {
-                    const uint16_t* xr = x + r * K + k;
-                    for (int u = 0; u < 4; ++u)
-                        a[r][u] = _mm512_dpbf16_ps(a[r][u], (__m512bh)_mm512_loadu_si512(xr + 32 * u),
-                                                   (__m512bh)wv[u]);
-                }
+                for (int r = 0; r < R; ++r)
+                    for (int u = 0; u < U; ++u) a[r][u] = vdot_bf16(a[r][u], vload_bf16(x + r * K + k + B * u), wv[u]);
             } else {
-                __m512 we[4], wo[4];
-                for (int u = 0; u < 4; ++u) {
-                    we[u] = _mm512_castsi512_ps(_mm512_slli_epi32(wv[u], 16));
-                    wo[u] = _mm512_castsi512_ps(_mm512_and_si512(wv[u], odd));
-                }
-                for (int r = 0; r < R; ++r) {
-                    const float* xr = xs + r * K32 + k;
-                    for (int u = 0; u < 4; ++u) {
-                        a[r][u] = _mm512_fmadd_ps(we[u], _mm512_load_ps(xr + 32 * u), a[r][u]);
-                        a[r][u] = _mm512_fmadd_ps(wo[u], _mm512_load_ps(xr + 32 * u + 16), a[r][u]);
+                for (int u = 0; u < U; ++u) {
+                    const vf we = veven(wv[u]), wo = vodd(wv[u]);
+                    for (int r = 0; r < R; ++r) {
+                        const float* xr = xs + r * Kp + k + B * u;
+                        a[r][u] = vfma(we, vload(xr), a[r][u]);
+                        a[r][u] = vfma(wo, vload(xr + W), a[r][u]);
                     }
                 }
             }
         }
-        for (; k < K32; k += 32) {
-            __m512i wv = _mm512_loadu_si512(wr + k);
+        for (; k < Kp; k += B) {        // whole blocks, then the last < 2W inputs zero-padded
+            const bool tail = k >= KB;
+            const vi wv = tail ? load_bf16_tail(wr + k, K - k) : vload_bf16(wr + k);
             for (int r = 0; r < R; ++r) {
                 if (MODE == 0) {
-                    a[r][0] = _mm512_dpbf16_ps(a[r][0], (__m512bh)_mm512_loadu_si512(x + r * K + k), (__m512bh)wv);
+                    const vi xv = tail ? load_bf16_tail(x + r * K + k, K - k) : vload_bf16(x + r * K + k);
+                    a[r][0] = vdot_bf16(a[r][0], xv, wv);
                 } else {
-                    const float* xr = xs + r * K32 + k;
-                    a[r][0] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(wv, 16)), _mm512_load_ps(xr),
-                                              a[r][0]);
-                    a[r][1] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(wv, odd)),
-                                              _mm512_load_ps(xr + 16), a[r][1]);
+                    const float* xr = xs + r * Kp + k;
+                    a[r][0] = vfma(veven(wv), vload(xr), a[r][0]);
+                    a[r][U - 1] = vfma(vodd(wv), vload(xr + W), a[r][U - 1]);
                 }
             }
         }
-        if (tail) {     // widen the last < 32 weights in input order (both modes: vdpbf16ps needs pairs)
-            __m512i wv = _mm512_maskz_loadu_epi16(tail, wr + k);
-            __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(wv)), 16));
-            __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(wv, 1)), 16));
-            for (int r = 0; r < R; ++r) {
-                __m512 xl, xh;
-                if (MODE == 0) {
-                    __m512i xv = _mm512_maskz_loadu_epi16(tail, x + r * K + k);
-                    xl = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(xv)), 16));
-                    xh = _mm512_castsi512_ps(_mm512_slli_epi32(
-                        _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(xv, 1)), 16));
-                } else {
-                    const __mmask16 ml = (__mmask16)(tail & 0xffff), mh = (__mmask16)(tail >> 16);
-                    xl = _mm512_maskz_loadu_ps(ml, xf + r * K + k);
-                    xh = _mm512_maskz_loadu_ps(mh, xf + r * K + k + 16);
-                }
-                a[r][1] = _mm512_fmadd_ps(lo, xl, a[r][1]);
-                a[r][2] = _mm512_fmadd_ps(hi, xh, a[r][2]);
-            }
-        }
-        for (int r = 0; r < R; ++r)
-            out[r * ldo + n] = _mm512_reduce_add_ps(
-                _mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_add_ps(a[r][2], a[r][3])));
+        for (int r = 0; r < R; ++r) out[r * ldo + n] = vsum_u<U>(a[r]);
     }
     free(xs);
 }
 
-// two weight rows at a time for R (2..4) input rows, vdpbf16ps (as f32_rows2: each x vector loaded once for both)
+// two weight rows at a time for R (2..4) input rows, bf16 x bf16 (as f32_rows2: each x vector loaded once for
+// both); U2 vectors per weight row in flight (1 with 16 registers)
 template <int R>
 static void bf16_rows2(const uint16_t* x, int64_t K, const uint16_t* w, int64_t n0, int64_t n1, float* out,
                        int64_t ldo) {
-    const int64_t K64 = K & ~(int64_t)63;
+    constexpr int U2 = NREGS >= 32 ? 2 : 1, B = 2 * W;
+    const int64_t KU = K - K % (U2 * B), KB = K - K % B, Kp = (K + B - 1) / B * B;
     int64_t n = n0;
     for (; n + 2 <= n1; n += 2) {
         const uint16_t* w0 = w + n * K;
         const uint16_t* w1 = w0 + K;
-        __m512 a[R][2][2];
+        vf a[R][2][U2];
         for (int r = 0; r < R; ++r)
-            for (int j = 0; j < 2; ++j) a[r][j][0] = a[r][j][1] = _mm512_setzero_ps();
+            for (int j = 0; j < 2; ++j)
+                for (int u = 0; u < U2; ++u) a[r][j][u] = vzero();
         int64_t k = 0;
-        for (; k < K64; k += 64) {
-            const __m512i u0 = _mm512_loadu_si512(w0 + k), u1 = _mm512_loadu_si512(w0 + k + 32);
-            const __m512i v0 = _mm512_loadu_si512(w1 + k), v1 = _mm512_loadu_si512(w1 + k + 32);
+        for (; k < KU; k += U2 * B) {
+            vi u0[U2], v0[U2];
+            for (int u = 0; u < U2; ++u) u0[u] = vload_bf16(w0 + k + B * u), v0[u] = vload_bf16(w1 + k + B * u);
+            for (int r = 0; r < R; ++r)
+                for (int u = 0; u < U2; ++u) {
+                    const vi x0 = vload_bf16(x + r * K + k + B * u);
+                    a[r][0][u] = vdot_bf16(a[r][0][u], x0, u0[u]);
+                    a[r][1][u] = vdot_bf16(a[r][1][u], x0, v0[u]);
+                }
+        }
+        for (; k < Kp; k += B) {
+            const bool tail = k >= KB;
+            const vi u0 = tail ? load_bf16_tail(w0 + k, K - k) : vload_bf16(w0 + k);
+            const vi v0 = tail ? load_bf16_tail(w1 + k, K - k) : vload_bf16(w1 + k);
             for (int r = 0; r < R; ++r) {
-                const __m512i x0 = _mm512_loadu_si512(x + r * K + k), x1 = _mm512_loadu_si512(x + r * K + k + 32);
-                a[r][0][0] = _mm512_dpbf16_ps(a[r][0][0], (__m512bh)x0, (__m512bh)u0);
-                a[r][0][1] = _mm512_dpbf16_ps(a[r][0][1], (__m512bh)x1, (__m512bh)u1);
-                a[r][1][0] = _mm512_dpbf16_ps(a[r][1][0], (__m512bh)x0, (__m512bh)v0);
-                a[r][1][1] = _mm512_dpbf16_ps(a[r][1][1], (__m512bh)x1, (__m512bh)v1);
+                const vi x0 = tail ? load_bf16_tail(x + r * K + k, K - k) : vload_bf16(x + r * K + k);
+                a[r][0][0] = vdot_bf16(a[r][0][0], x0, u0);
+                a[r][1][0] = vdot_bf16(a[r][1][0], x0, v0);
             }
         }
-        if (k < K) {    // the last < 64 inputs (K % 64): scalar fp32 products
-            float part[4][2];
-            for (int j = 0; j < 2; ++j) {
-                for (int r = 0; r < R; ++r) {
-                    float s = 0.0f;
-                    for (int64_t kk = k; kk < K; ++kk)
-                        s += bf16_to_f32(x[r * K + kk]) * bf16_to_f32(w[(n + j) * K + kk]);
-                    part[r][j] = s;
-                }
-            }
-            for (int r = 0; r < R; ++r) {
-                out[r * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(a[r][0][0], a[r][0][1])) + part[r][0];
-                out[r * ldo + n + 1] = _mm512_reduce_add_ps(_mm512_add_ps(a[r][1][0], a[r][1][1])) + part[r][1];
-            }
-        } else {
-            for (int r = 0; r < R; ++r) {
-                out[r * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(a[r][0][0], a[r][0][1]));
-                out[r * ldo + n + 1] = _mm512_reduce_add_ps(_mm512_add_ps(a[r][1][0], a[r][1][1]));
-            }
+        for (int r = 0; r < R; ++r) {
+            out[r * ldo + n] = vsum_u<U2>(a[r][0]);
+            out[r * ldo + n + 1] = vsum_u<U2>(a[r][1]);
         }
     }
     if (n < n1) bf16_rows<R, 0>(x, nullptr, K, w, n, n1, out, ldo, 0);
@@ -331,9 +366,9 @@ static void run_rows(int dtype, int mode, const void* x, const float* xf, int64_
 }
 
 // y [M, N] = x [M, K] @ w[N, K]^T + bias. dtype 0: x, w, bias, y fp32; dtype 1: x, w, bias, y bf16 (bias may be
-// null), sums in fp32, mode 0 vdpbf16ps / 1 widen-and-fma; mode 2: 2..4 input rows two weight rows at a time
-// (one row: as mode 0). pf: software prefetch distance in elements (0: none).
-// threads > 1: OpenMP over chunks of 64 output rows.
+// null), sums in fp32, mode 0 bf16 x bf16 (vdpbf16ps, or both widened without it) / 1 the weights widened and fma
+// with x in fp32; mode 2: 2..4 input rows two weight rows at a time (one row: as mode 0). pf: software prefetch
+// distance in elements (0: none). threads > 1: OpenMP over chunks of 64 output rows.
 extern "C" void tp_gemv(int dtype, int mode, const void* x, int64_t M, int64_t K, const void* w, int64_t N,
                         const void* bias, void* y, int threads, int64_t pf) {
     float* xf = nullptr;

@@ -78,37 +78,45 @@ extern "C" void tp_rope_store(const float* qkv, int64_t rows, int64_t nq, int64_
     }
 }
 
-// Decode attention, one query per row: for row m and query head h (its KV head kv_of[h]), the keys and values of
-// positions t in [0, L) at k_layer / v_layer + kv_of[h] * head_stride + kbase[m] + t * d (one block per row), the
-// positions where mask[m * mask_stride + t] is 0 left out (mask null: all); scores q.k * scale, softmax (the
-// maximum subtracted, expf), out[m, h * d : (h + 1) * d] = sum_t p_t v_t / sum_t p_t. fp32 sums in another order
-// than torch's CPU flash attention (its blocking, its exp): within fp32 rounding of scaled_dot_product_attention.
+// Decode attention, one query per row, over a paged KV cache: position t of row m lives in block
+// blocks[m * blocks_stride + t / bs] at offset t % bs, i.e. for query head h (its KV head kv_of[h]) the key at
+// k_layer + kv_of[h] * head_stride + (block * bs + t % bs) * d (the pool [kv_local, num_blocks, bs, d] of one layer;
+// a static cache is one block of bs >= L positions per row). Positions t in [0, L) where mask[m * mask_stride + t]
+// is 0 are left out (mask null: all); scores q.k * scale, softmax (the maximum subtracted, expf),
+// out[m, h * d : (h + 1) * d] = sum_t p_t v_t / sum_t p_t. fp32 sums in another order than torch's CPU flash
+// attention (its blocking, its exp): within fp32 rounding of scaled_dot_product_attention. s: L floats of scratch.
 extern "C" void tp_decode_attention(const float* q, int64_t rows, int64_t nq, int64_t d, const float* k_layer,
-                                    const float* v_layer, int64_t head_stride, const int64_t* kbase, int64_t L,
-                                    const uint8_t* mask, int64_t mask_stride, const int64_t* kv_of, float scale,
-                                    float* s, float* out) {
+                                    const float* v_layer, int64_t head_stride, const int64_t* blocks,
+                                    int64_t blocks_stride, int64_t bs, int64_t L, const uint8_t* mask,
+                                    int64_t mask_stride, const int64_t* kv_of, float scale, float* s, float* out) {
     const int64_t d16 = d & ~(int64_t)15;
     for (int64_t m = 0; m < rows; ++m) {
         const uint8_t* mk = mask ? mask + m * mask_stride : nullptr;
+        const int64_t* tb = blocks + m * blocks_stride;
         for (int64_t h = 0; h < nq; ++h) {
             const float* qh = q + (m * nq + h) * d;
-            const float* K = k_layer + kv_of[h] * head_stride + kbase[m];
-            const float* V = v_layer + kv_of[h] * head_stride + kbase[m];
+            const float* K = k_layer + kv_of[h] * head_stride;
+            const float* V = v_layer + kv_of[h] * head_stride;
             float mx = -INFINITY;
-            for (int64_t t = 0; t < L; ++t) {
-                if (mk && !mk[t]) {
-                    s[t] = -INFINITY;
-                    continue;
+            for (int64_t t0 = 0, j = 0; t0 < L; t0 += bs, ++j) {
+                const float* Kb = K + tb[j] * bs * d;
+                const int64_t n = L - t0 < bs ? L - t0 : bs;
+                for (int64_t u = 0; u < n; ++u) {
+                    const int64_t t = t0 + u;
+                    if (mk && !mk[t]) {
+                        s[t] = -INFINITY;
+                        continue;
+                    }
+                    const float* kt = Kb + u * d;
+                    float acc[16] = {0};
+                    for (int64_t i = 0; i < d16; i += 16)
+                        for (int w = 0; w < 16; ++w) acc[w] = acc[w] + qh[i + w] * kt[i + w];
+                    for (int64_t i = d16; i < d; ++i) acc[i - d16] = acc[i - d16] + qh[i] * kt[i];
+                    float dot = 0.0f;
+                    for (int w = 0; w < 16; ++w) dot = dot + acc[w];
+                    s[t] = dot * scale;
+                    if (s[t] > mx) mx = s[t];
                 }
-                const float* kt = K + t * d;
-                float acc[16] = {0};
-                for (int64_t j = 0; j < d16; j += 16)
-                    for (int u = 0; u < 16; ++u) acc[u] = acc[u] + qh[j + u] * kt[j + u];
-                for (int64_t j = d16; j < d; ++j) acc[j - d16] = acc[j - d16] + qh[j] * kt[j];
-                float dot = 0.0f;
-                for (int u = 0; u < 16; ++u) dot = dot + acc[u];
-                s[t] = dot * scale;
-                if (s[t] > mx) mx = s[t];
             }
             float sum = 0.0f;
             for (int64_t t = 0; t < L; ++t) {
@@ -117,15 +125,19 @@ extern "C" void tp_decode_attention(const float* q, int64_t rows, int64_t nq, in
                 sum = sum + p;
             }
             float* o = out + (m * nq + h) * d;
-            for (int64_t j = 0; j < d; ++j) o[j] = 0.0f;
-            for (int64_t t = 0; t < L; ++t) {
-                const float p = s[t];
-                if (p == 0.0f) continue;
-                const float* vt = V + t * d;
-                for (int64_t j = 0; j < d; ++j) o[j] = o[j] + p * vt[j];
+            for (int64_t i = 0; i < d; ++i) o[i] = 0.0f;
+            for (int64_t t0 = 0, j = 0; t0 < L; t0 += bs, ++j) {
+                const float* Vb = V + tb[j] * bs * d;
+                const int64_t n = L - t0 < bs ? L - t0 : bs;
+                for (int64_t u = 0; u < n; ++u) {
+                    const float p = s[t0 + u];
+                    if (p == 0.0f) continue;
+                    const float* vt = Vb + u * d;
+                    for (int64_t i = 0; i < d; ++i) o[i] = o[i] + p * vt[i];
+                }
             }
             const float inv = 1.0f / sum;
-            for (int64_t j = 0; j < d; ++j) o[j] = o[j] * inv;
+            for (int64_t i = 0; i < d; ++i) o[i] = o[i] * inv;
         }
     }
 }
