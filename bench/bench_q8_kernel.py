@@ -18,7 +18,7 @@ Rows per shape (``M`` input rows of ``K`` features, a weight of ``N`` x ``K`` in
 (34 per 32 weights). Writes ``<out>.json`` / ``<out>.md`` with the CPU model and the load average at start and end.
 
     PYTHONPATH=. python bench/bench_q8_kernel.py [--llama-python ~/.cache/tensorpar/llamacpp-venv/bin/python]
-        [--reps 5] [--mb 160] [--out bench/results/q8_kernel]
+        [--reps 5] [--mb 160] [--out bench/results/q8_kernel]     # --render: rewrite the .md from the .json
 """
 from __future__ import annotations
 
@@ -123,35 +123,19 @@ def time_python(reps: int, mb: float, reference_mb: float) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--llama-python", default=str(Path.home() / ".cache/tensorpar/llamacpp-venv/bin/python"))
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--mb", type=float, default=160.0, help="weights cycled per shape (> the 32 MB L3)")
-    p.add_argument("--reference-mb", type=float, default=40.0, help="the PyTorch path's weights per shape")
-    p.add_argument("--out", default="bench/results/q8_kernel")
-    a = p.parse_args()
-    from tensorpar.decode import q8_kernel
-    meta = {**machine(), "target": q8_kernel.target(), "kernel_available": q8_kernel.available(), "reps": a.reps,
-            "mb": a.mb, "torch": torch.__version__}
-    load_start = os.getloadavg()
-    ggml = ggml_dir(a.llama_python)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        if meta["target"] is not None:
-            rows += run_probe(meta["target"], ggml, a.reps, a.mb, Path(tmp))
-    rows += time_python(a.reps, a.mb, a.reference_mb)
-    meta.update(load_start=list(load_start), load_end=list(os.getloadavg()), ggml=ggml is not None)
+def render(meta: dict, rows: list[dict]) -> list[str]:
+    """The markdown of a run (``meta`` and ``rows`` as the json holds them)."""
+    load_start, a_mb, a_reps = meta["load_start"], meta["mb"], meta["reps"]
     kernels = list(dict.fromkeys(r["kernel"] for r in rows))
     by = {(r["kernel"], r["M"], r["K"], r["N"]): r for r in rows}
     lines = [f"# One Q8_0 x Q8_0 matmul, 1 thread: ours ({meta['target']}) vs the PyTorch path vs llama.cpp",
              "",
              f"CPU: {meta['cpu']} ({meta['cores']} cores), torch {meta['torch']}; load average at start "
              f"{' / '.join(f'{v:.2f}' for v in load_start)}, at end {' / '.join(f'{v:.2f}' for v in meta['load_end'])}"
-             f"; weights cycled through >= {a.mb:g} MB per shape (from memory), best of {a.reps} sweeps. "
+             f"; weights cycled through >= {a_mb:g} MB per shape (from memory), best of {a_reps} sweeps. "
              f"Each cell: wall / thread-CPU µs per call, and GB/s of the weight bytes (34 per 32 weights) by CPU time "
              f"(on a loaded, shared machine a descheduled thread stops its CPU clock, not the wall clock). "
-             f"'{q8_kernel.target()}' = our kernel called from C (bench/q8_probe.cpp); llama.cpp = ggml's mul_mat "
+             f"'{meta['target']}' = our kernel called from C (bench/q8_probe.cpp); llama.cpp = ggml's mul_mat "
              f"of its Q8_0 (its build in the llama-cpp-python venv), the same weights; 'rel diff' = largest "
              f"|ours - llama.cpp| / largest |ours| (llama.cpp keeps the activation scales in fp16, we in fp32).",
              "", "| shape | M | K x N | " + " | ".join(kernels) + " | llama.cpp / ours (C), CPU time | rel diff |",
@@ -168,7 +152,40 @@ def main() -> None:
             ratio = f"{g['us_cpu_best'] / o['us_cpu_best']:.2f}x" if o and g else "-"
             diff = f"{g['max_rel_diff']:.1e}" if g else "-"
             lines.append(f"| {name} | {m} | {k} x {n} | " + " | ".join(cells) + f" | {ratio} | {diff} |")
-    write_results(Path(a.out), meta, rows, lines)
+    if max(meta["load_start"][0], meta["load_end"][0]) > meta["cores"]:
+        lines.insert(0, f"**LOADED MACHINE: this run shared the CPUs with other work (1-minute load average "
+                        f"{meta['load_start'][0]:.1f} at start, {meta['load_end'][0]:.1f} at end, on {meta['cores']} cores): "
+                        f"wall times and bandwidths are not the machine's; the CPU-time columns and the ratios of "
+                        f"interleaved candidates are the less disturbed figures.**")
+        lines.insert(1, "")
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--llama-python", default=str(Path.home() / ".cache/tensorpar/llamacpp-venv/bin/python"))
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--mb", type=float, default=160.0, help="weights cycled per shape (> the 32 MB L3)")
+    p.add_argument("--reference-mb", type=float, default=40.0, help="the PyTorch path's weights per shape")
+    p.add_argument("--out", default="bench/results/q8_kernel")
+    p.add_argument("--render", action="store_true", help="only rewrite <out>.md from <out>.json")
+    a = p.parse_args()
+    if a.render:
+        data = json.loads(Path(a.out).with_suffix(".json").read_text())
+        write_results(Path(a.out), data["meta"], data["rows"], render(data["meta"], data["rows"]))
+        return
+    from tensorpar.decode import q8_kernel
+    meta = {**machine(), "target": q8_kernel.target(), "kernel_available": q8_kernel.available(), "reps": a.reps,
+            "mb": a.mb, "torch": torch.__version__}
+    load_start = os.getloadavg()
+    ggml = ggml_dir(a.llama_python)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        if meta["target"] is not None:
+            rows += run_probe(meta["target"], ggml, a.reps, a.mb, Path(tmp))
+    rows += time_python(a.reps, a.mb, a.reference_mb)
+    meta.update(load_start=list(load_start), load_end=list(os.getloadavg()), ggml=ggml is not None)
+    write_results(Path(a.out), meta, rows, render(meta, rows))
 
 
 if __name__ == "__main__":
