@@ -42,7 +42,7 @@ for the vocabulary-parallel log-sum-exp. ``K`` is the longest reduction of the m
 sharding bug (a bias counted ``tp`` times, a missing all-reduce, a wrong slice) is off by the size of the
 weights themselves, orders of magnitude above this bound.
 
-``--quantize int8`` (:func:`~tensorpar.verify.compare.q8_tolerance`): the reference is quantized the same way in
+``--quantize int8`` (:func:`~tensorpar.verify.policy.q8_tolerance`): the reference is quantized the same way in
 plain PyTorch (Q8_0 weights, each Linear's input quantized per block of 32), so both sides compute the same math up
 to the order of the sums, but every activation quantizer re-rounds: an element within that order's difference of
 a half step takes the other step on one side. The reference is therefore run once unquantized first, and each

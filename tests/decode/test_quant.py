@@ -446,7 +446,7 @@ def test_verify_quantize(pools, fmt, tp):
 def test_verify_int8_fails_on_a_doubled_block_scale(pools, corrupt, where):
     """verify --quantize int8 at tp=2 fails when one scale of rank 0's int8 weights is doubled (block 0 of row 0:
     32 of the LM head's 288 x 27 weights there, or of the last down_proj's 96 x 288), at the value it moves first,
-    although the int8 tolerance allows re-rounding (compare.q8_tolerance: 4x the value's int8 noise); the same
+    although the int8 tolerance allows re-rounding (policy.q8_tolerance: 4x the value's int8 noise); the same
     model uncorrupted passes (test_verify_quantize). ``where``: in the first failing row's name (the tied
     embedding reads the corrupted LM head row too, so an id 0 in the input may fail there first)."""
     import math
