@@ -246,6 +246,7 @@ def llama(tmp_path_factory):
 
 @pytest.mark.parametrize("tp,num_blocks", [(1, 16), pytest.param(2, 40, marks=pytest.mark.slow),
                                            pytest.param(3, 40, marks=pytest.mark.slow),
+                                           pytest.param(4, 40, marks=pytest.mark.slow),
                                            pytest.param(2, 16, marks=pytest.mark.slow)])
 def test_paged_prefix_cached_greedy_equals_transformers(pools, llama, tp, num_blocks):
     """Blocks of 4 positions, a shared 21-token prefix: the first round computes it (in one padded prefill of six
