@@ -75,9 +75,8 @@ def job_bandwidth(ctx, mb: int, reps: int):
 
 
 def _weight_bytes(model, quantize: str = "none") -> int:
-    if quantize in ("int8", "bf16"):   # the stored weights (+ scales) the lean path reads, and the 1-D parameters
-        from tensorpar.decode.int8 import int8_weight_bytes
-        return int8_weight_bytes(model) + sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 1)
+    if quantize in ("int8", "bf16"):   # the stored weights (+ scales) the lean path reads and the parameters left
+        return _shard_bytes(model)      # (norms; an untied input embedding, which the caller subtracts as read once)
     from tensorpar.decode.packed import packed_weight_bytes      # packed weights are not parameters
     return sum(p.numel() * p.element_size() for p in model.parameters()) + packed_weight_bytes(model)
 
@@ -220,113 +219,23 @@ def job_tp(ctx, folder, n, dtype, path, batch, profile=False, quantize="none", p
                    decode_steps=max(n, MEMORY_STEPS), rank=ctx.tp.rank)
         out["memory"] = mem
     if profile:
-        out["profile"] = _profile(model, ctx, ids, n, path)
+        out.update(_profile(model, ctx, ids, n, path))
     return out
 
 
-def _profile(model, ctx, ids, n, path):
-    """ms per token by category over one generate call's decode steps (torch.profiler, CPU self times)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from tensorpar import comm
-    from tensorpar.generate import SamplingConfig, generate_tokens
-    orig = comm.all_reduce
-
-    def traced(x, group, op="sum"):
-        with record_function("tensorpar::all_reduce"):
-            return orig(x, group, op)
-
-    comm.all_reduce = traced
-    try:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            res = generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=n), path=path)
-    finally:
-        comm.all_reduce = orig
-    steps = res.tokens.shape[1]
-    wall_ms = (res.ttft_s + res.decode_s) * 1e3
-    cats = {"matmul": 0.0, "attention": 0.0, "collectives": 0.0}
-    ops = 0
-    for ev in prof.key_averages():
-        if ev.key.startswith("aten::"):
-            ops += ev.count
-        name = ev.key
-        t = ev.cpu_time_total / 1e3 if name == "tensorpar::all_reduce" else ev.self_cpu_time_total / 1e3
-        if name == "tensorpar::all_reduce":
-            cats["collectives"] += t
-        elif name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv", "aten::_weight_int8pack_mm",
-                      "mkldnn::_linear_pointwise"):
-            cats["matmul"] += t
-        elif "scaled_dot_product" in name or "flash_attention" in name:
-            cats["attention"] += t
-    # the collective's children (the shm copies) are not counted twice: subtract nothing else from them
-    per = {k: v / steps for k, v in cats.items()}
-    per["total"] = wall_ms / steps
-    per["framework and other ops"] = per["total"] - per["matmul"] - per["attention"] - per["collectives"]
-    out = {k: round(v, 3) for k, v in per.items()}
-    out["aten ops per token"] = round(ops / steps)
-    return out
-
-
-# ---------------------------------------------------------------- the fixed cost per token (issue 28), A/B of two checkouts
-
-#: functions wrapped in a profiler range during --fixed-cost's profile, if the checkout has them: (module, name,
-#: category). The GEMV is a ctypes call (no aten op), so without its range its time would count as framework.
-TRACED = (("tensorpar.comm", "all_reduce", "collectives"), ("tensorpar.decode.gemv_kernel", "linear", "matmul"),
-          ("tensorpar.decode.gemv_kernel", "linear_into", "matmul"),
-          ("tensorpar.decode.fused", "all_reduce_add_rms_norm", "collectives"),
-          # the row step's kernel calls: its programs (a layer's GEMVs with its rotary, attention and SiLU in one C
-          # call) and, in a checkout before them, those small kernels called one by one: kernel work, with the
-          # matmuls (before 2026-12-02 the small kernels counted as framework: about 1 ms per token at tp=2 with
-          # their calls, bench/results/step_overhead-standin.md)
-          ("tensorpar.decode.fused", "run_program", "matmul"), ("tensorpar.decode.fused", "rope_store", "matmul"),
-          ("tensorpar.decode.fused", "decode_attention", "matmul"), ("tensorpar.decode.fused", "silu_mul", "matmul"))
-MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv", "aten::_weight_int8pack_mm",
-              "mkldnn::_linear_pointwise")
-
-
-def _traced_functions():
-    """``(module, name, category, function)`` of each :data:`TRACED` entry this checkout has (an old checkout, run
-    with ``--before``, may lack some)."""
-    import importlib
-    out = []
-    for mod_name, name, cat in TRACED:
-        try:
-            mod = importlib.import_module(mod_name)
-        except ImportError:
-            continue
-        fn = getattr(mod, name, None)
-        if fn is not None:
-            out.append((mod, name, cat, fn))
-    return out
-
-
-def job_fixed_cost(ctx, folder, n: int, layers: int):
-    """SmolLM2 fp32 greedy decode on the lean path at this tp (1 thread per rank): tokens/s of ``n`` new tokens after
-    a warm-up, then one more generate under torch.profiler in which only the decode steps count (each step between
-    two ``on_token`` calls is one profiler range: construction and prefill are left out). Returns tokens/s, the
-    tokens, and per token: aten calls (nested ones included: a count, independent of the load), the top aten ops by
-    count, and CPU ms by category (GEMV / matmuls and the all-reduces inclusive of their range, attention kernels'
-    self time, the rest = framework: Python and small ops)."""
+def _profile(model, ctx, ids, n: int, path: str) -> dict:
+    """One more generate call of ``n`` new tokens under torch.profiler, only its decode steps counted (each step
+    between two ``on_token`` calls is one profiler range: construction and prefill are left out). The
+    :data:`TRACED` functions (the C kernels called through ctypes, which are no aten ops, and the collectives) are
+    wrapped in ranges counted inclusively; aten matmul and attention ops count by self time; the rest of a step is
+    framework (Python and small ops). Returns ``{"profile": {category: ms per token, ..., counts}}``."""
     from collections import Counter
 
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from tensorpar.generate import SamplingConfig, generate_tokens
-    from tensorpar.hf.load import build_parallel_model
-    torch.set_num_threads(1)
-    if ctx.tp.size > 1:
-        from tensorpar.shm import enable_fast_collectives
-        enable_fast_collectives(ctx.tp, "on")
-    model, _ = build_parallel_model(folder, ctx.tp, dtype=torch.float32)
-    ids = prompt_inputs(folder)["input_ids"]
-    generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=3), path="lean")    # warm-up
-    stamps = []
-    res = generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=n), path="lean",
-                          on_token=lambda step, tok: stamps.append(time.perf_counter()))
-    steps_s = [b - a for a, b in zip(stamps, stamps[1:])]
-    out = {"decode_tok_s": res.decode_tokens_per_s, "best_step_tok_s": 1 / min(steps_s),
-           "median_step_ms": statistics.median(steps_s) * 1e3, "tokens": res.tokens[0].tolist()}
-    out["cpu"] = _cpu_times(model, ctx, ids, n)
+    layers = model.config.num_hidden_layers
+    out = {}
     wrapped = []
     for mod, name, cat, fn in _traced_functions():
 
@@ -346,7 +255,7 @@ def job_fixed_cost(ctx, folder, n: int, layers: int):
             marks.append(rf)
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=n), path="lean",
+            generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=n), path=path,
                             on_token=on_token)
     finally:
         for mod, name, fn in wrapped:
@@ -385,6 +294,66 @@ def job_fixed_cost(ctx, folder, n: int, layers: int):
         "steps": steps, "aten ops per token": round(aten / steps, 1), "aten ops per layer": round(aten / steps / layers, 1),
         "kernel calls per token (ctypes, not aten)": {k: round(v / steps, 1) for k, v in kernel_calls.items()},
         "top ops per token": {k: round(v / steps, 1) for k, v in counts.most_common(25)}})
+    return out
+
+
+# ---------------------------------------------------------------- the fixed cost per token (issue 28), A/B of two checkouts
+
+#: functions wrapped in a profiler range during --fixed-cost's profile, if the checkout has them: (module, name,
+#: category). The GEMV is a ctypes call (no aten op), so without its range its time would count as framework.
+TRACED = (("tensorpar.comm", "all_reduce", "collectives"), ("tensorpar.decode.gemv_kernel", "linear", "matmul"),
+          ("tensorpar.decode.gemv_kernel", "linear_into", "matmul"),
+          ("tensorpar.decode.fused", "all_reduce_add_rms_norm", "collectives"),
+          # the row step's kernel calls: its programs (a layer's GEMVs with its rotary, attention and SiLU in one C
+          # call) and, in a checkout before them, those small kernels called one by one: kernel work, with the
+          # matmuls (before 2026-12-02 the small kernels counted as framework: about 1 ms per token at tp=2 with
+          # their calls, bench/results/step_overhead-standin.md)
+          ("tensorpar.decode.fused", "run_program", "matmul"), ("tensorpar.decode.fused", "rope_store", "matmul"),
+          ("tensorpar.decode.fused", "decode_attention", "matmul"), ("tensorpar.decode.fused", "silu_mul", "matmul"))
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv", "aten::_weight_int8pack_mm",
+              "mkldnn::_linear_pointwise")
+
+
+def _traced_functions():
+    """``(module, name, category, function)`` of each :data:`TRACED` entry this checkout has (an old checkout, run
+    with ``--before``, may lack some)."""
+    import importlib
+    out = []
+    for mod_name, name, cat in TRACED:
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:
+            continue
+        fn = getattr(mod, name, None)
+        if fn is not None:
+            out.append((mod, name, cat, fn))
+    return out
+
+
+def job_fixed_cost(ctx, folder, n: int):
+    """SmolLM2 fp32 greedy decode on the lean path at this tp (1 thread per rank): tokens/s of ``n`` new tokens after
+    a warm-up, then one more generate under torch.profiler in which only the decode steps count (each step between
+    two ``on_token`` calls is one profiler range: construction and prefill are left out). Returns tokens/s, the
+    tokens, and per token: aten calls (nested ones included: a count, independent of the load), the top aten ops by
+    count, and CPU ms by category (GEMV / matmuls and the all-reduces inclusive of their range, attention kernels'
+    self time, the rest = framework: Python and small ops; :func:`_profile`)."""
+    from tensorpar.generate import SamplingConfig, generate_tokens
+    from tensorpar.hf.load import build_parallel_model
+    torch.set_num_threads(1)
+    if ctx.tp.size > 1:
+        from tensorpar.shm import enable_fast_collectives
+        enable_fast_collectives(ctx.tp, "on")
+    model, _ = build_parallel_model(folder, ctx.tp, dtype=torch.float32)
+    ids = prompt_inputs(folder)["input_ids"]
+    generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=3), path="lean")    # warm-up
+    stamps = []
+    res = generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=n), path="lean",
+                          on_token=lambda step, tok: stamps.append(time.perf_counter()))
+    steps_s = [b - a for a, b in zip(stamps, stamps[1:])]
+    out = {"decode_tok_s": res.decode_tokens_per_s, "best_step_tok_s": 1 / min(steps_s),
+           "median_step_ms": statistics.median(steps_s) * 1e3, "tokens": res.tokens[0].tolist()}
+    out["cpu"] = _cpu_times(model, ctx, ids, n)
+    out.update(_profile(model, ctx, ids, n, "lean"))
     return out
 
 
@@ -428,12 +397,9 @@ def _cpu_times(model, ctx, ids, n: int) -> dict:
 def fixed_cost_worker(folder: str, tp: int, n: int) -> dict:
     """One checkout's row of --fixed-cost in this process (its ranks in fresh processes): rank 0's result, every
     rank's aten ops per token."""
-    from transformers import AutoConfig
-
     from tensorpar.testing import WorkerPool
-    layers = AutoConfig.from_pretrained(folder).num_hidden_layers
     with WorkerPool(tp, collective_timeout_s=120, job_timeout_s=1200) as pool:
-        res = pool.run(job_fixed_cost, folder, n, layers)
+        res = pool.run(job_fixed_cost, folder, n)
     out = dict(res[0])
     out["aten ops per token, every rank"] = [r["profile"]["aten ops per token"] for r in res]
     out["tokens_equal_across_ranks"] = all(r["tokens"] == res[0]["tokens"] for r in res)

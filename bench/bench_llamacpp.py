@@ -755,11 +755,14 @@ def write(res: dict, out: Path, n: int, stem: str) -> None:
                      + ", ".join(f"{r['config']} {statistics.median(r['llama_perf_decode_tok_s_rounds']):.2f}"
                                  for r in rows if r.get("llama_perf_decode_tok_s_rounds")) + " tok/s (median).")
     if res["profiles"]:
-        keys = list(next(iter(res["profiles"].values())))
+        keys = [k for k, v in next(iter(res["profiles"].values())).items() if not isinstance(v, dict)]
         lines += ["", "Where tensorpar's time goes per token for each tp=2 row not clearly meeting a target "
-                  "(bench_decode's torch.profiler breakdown of one more decode, rank 0: self CPU time of the matmul "
-                  "and attention kernels, the shared-memory all-reduces with their waits for the other rank; the rest "
-                  "is framework: Python and small ops; the profiler adds overhead of its own):", "",
+                  "(bench_decode's torch.profiler breakdown of the decode steps of one more generate call, rank 0: "
+                  "matmul = our C kernels called through ctypes (the GEMVs and each layer's program of GEMVs with "
+                  "its rotary, attention and SiLU), inclusive, plus aten matmul ops' self time; attention = aten "
+                  "attention ops; collectives = the shared-memory all-reduces (fused with the residual add and norm) "
+                  "with their waits for the other rank; the rest is framework: Python and small ops; the profiler "
+                  "adds overhead of its own):", "",
                   "| row | " + " | ".join(f"{k} ms" if k != "aten ops per token" else k for k in keys) + " |",
                   "|---|" + "---|" * len(keys)]
         for name, p in res["profiles"].items():
