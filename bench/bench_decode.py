@@ -223,6 +223,16 @@ def job_tp(ctx, folder, n, dtype, path, batch, profile=False, quantize="none", p
     return out
 
 
+def _outermost(e) -> bool:
+    """Whether profiler event ``e`` has no wrapped (``bench::``) call above it but the decode step's range."""
+    p = e.cpu_parent
+    while p is not None:
+        if p.name.startswith("bench::") and p.name != "bench::decode_step":
+            return False
+        p = p.cpu_parent
+    return True
+
+
 def _profile(model, ctx, ids, n: int, path: str) -> dict:
     """One more generate call of ``n`` new tokens under torch.profiler, only its decode steps counted (each step
     between two ``on_token`` calls is one profiler range: construction and prefill are left out). The
@@ -274,6 +284,8 @@ def _profile(model, ctx, ids, n: int, path: str) -> dict:
         if e.name == "bench::decode_step" or not in_step(e):
             continue
         if e.name.startswith("bench::"):
+            if not _outermost(e):       # inside another wrapped call (an exchange inside a fused all-reduce)
+                continue
             cats[e.name.split("::")[1]] += e.cpu_time_total / 1e3
             kernel_calls[e.name.split("::")[2]] += 1
             continue
@@ -304,6 +316,8 @@ def _profile(model, ctx, ids, n: int, path: str) -> dict:
 TRACED = (("tensorpar.comm", "all_reduce", "collectives"), ("tensorpar.decode.gemv_kernel", "linear", "matmul"),
           ("tensorpar.decode.gemv_kernel", "linear_into", "matmul"),
           ("tensorpar.decode.fused", "all_reduce_add_rms_norm", "collectives"),
+          # the row step's exchange (its programs add the partial sums themselves)
+          ("tensorpar.decode.fused", "all_reduce_exchange", "collectives"),
           # the row step's kernel calls: its programs (a layer's GEMVs with its rotary, attention and SiLU in one C
           # call) and, in a checkout before them, those small kernels called one by one: kernel work, with the
           # matmuls (before 2026-12-02 the small kernels counted as framework: about 1 ms per token at tp=2 with

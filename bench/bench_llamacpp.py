@@ -763,7 +763,7 @@ def write(res: dict, out: Path, n: int, stem: str) -> None:
                   "attention ops; collectives = the shared-memory all-reduces (fused with the residual add and norm) "
                   "with their waits for the other rank; the rest is framework: Python and small ops; the profiler "
                   "adds overhead of its own):", "",
-                  "| row | " + " | ".join(f"{k} ms" if k != "aten ops per token" else k for k in keys) + " |",
+                  "| row | " + " | ".join(f"{k} ms" if k in MS_KEYS else k for k in keys) + " |",
                   "|---|" + "---|" * len(keys)]
         for name, p in res["profiles"].items():
             lines.append(f"| {name} | " + " | ".join(str(p[k]) for k in keys) + " |")
@@ -773,6 +773,8 @@ def write(res: dict, out: Path, n: int, stem: str) -> None:
     print("\n".join(lines))
 
 
+#: the profile's categories in ms per token (its other entries are counts)
+MS_KEYS = ("matmul", "attention", "collectives", "total", "framework and other ops")
 LOADED_AT = 0.5     # a 1-minute load average above this, sampled at any point of the run, marks it a loaded run
 
 
