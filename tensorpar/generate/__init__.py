@@ -225,6 +225,12 @@ class _CachedEngine:
     def __init__(self, engine, args: tuple, state: tuple):
         self.engine, self.args, self.state = engine, args, state
 
+    def __deepcopy__(self, memo):
+        return None         # a copy of the model builds its own engine (this one points at the original's tensors)
+
+    def __reduce__(self):
+        return type(None), ()     # pickled (torch.save of the model) as None: the engine holds C pointers
+
 
 def cached_engine(model):
     """The :class:`~tensorpar.serve.engine.Engine` the last :func:`generate_tokens` call on ``model`` ran (its next

@@ -339,3 +339,17 @@ def test_rope_scaling_batch_of_lengths_equals_each_alone(pools, tmp_path, arch, 
     want = hf_alone(folder, prompts, 6)
     for r, got in enumerate(run_tp(pools, 2, job_generate_batch, folder, prompts, 6)):
         assert got == want, f"{arch} {rope} rank {r}"
+
+
+def test_a_copy_of_the_model_does_not_carry_its_engine():
+    """The engine kept on a model (generate_tokens' reuse) points at that model's tensors (the row step's programs
+    hold raw addresses): a deepcopy or a pickle (torch.save) of the model carries none, so the copy builds its own."""
+    import copy
+    import pickle
+
+    from tensorpar.generate import ENGINE_KEY, _CachedEngine, cached_engine
+    model = torch.nn.Linear(4, 4)
+    model.__dict__[ENGINE_KEY] = _CachedEngine(object(), (), ())
+    assert cached_engine(model) is not None
+    assert cached_engine(copy.deepcopy(model)) is None
+    assert cached_engine(pickle.loads(pickle.dumps(model))) is None
