@@ -123,14 +123,13 @@ def job_reuse(ctx, folder, ids, mask, n):
     return out
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_generate_reuses_its_engine(pools, model_dirs, tp):
+def test_generate_reuses_its_engine(pools, model_dirs):
     """generate_tokens builds its Engine (fused weights, KV cache, row step) once per model and reuses it: a second
     call with the same batch gives bitwise the same greedy tokens (and transformers') without building another, a
     call with fewer positions too; an in-place write to a parameter (what a LoRA merge does; here a norm weight:
     the batch of 3 rows packs the matmul weights, which are then no parameters) or another batch size builds a new
     one, with the tokens of transformers' generate (the write multiplies by 1.0: same values)."""
-    folder = model_dirs["llama"]
+    folder, tp = model_dirs["llama"], 2             # tp=2: every rank takes the same decisions
     ids, mask = prompts(ARCHS["llama"]["vocab_size"])
     want, _ = hf_reference(folder, ids, mask, 8)
     for r, out in enumerate(run_tp(pools, tp, job_reuse, folder, ids, mask, 8)):
