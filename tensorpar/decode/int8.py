@@ -6,17 +6,15 @@ Linear / embedding classes a module becomes once its fp weight is freed.
 Compute (:func:`int8_linear`, llama.cpp's Q8_0 x Q8_0): the activations are quantized on the fly per row and block
 of 32 (``d = max|x| / 127``, ``xq = round(x / d)`` as ``round(x * (1/d))``, half to even), each block's int8 x int8
 dot product is summed exactly in int32 and multiplied by ``d * s`` in fp32. On a CPU with AVX512-VNNI or AVX2 this is
-our kernel (:mod:`tensorpar.decode.q8_kernel`); elsewhere (CUDA, other CPUs, no compiler) the same math in PyTorch
-(:func:`int8_linear_reference`: dequantized activations and weights, an fp32 matmul; equal up to fp32 summation
-order, since ``(xq d)(q s)`` is exactly the per-element product the blocks sum). The result is cast to ``x``'s
-dtype (fp32 or bf16 models alike).
+our kernel (:mod:`tensorpar.decode.q8_kernel`); elsewhere (CUDA, other CPUs, no compiler, ``TENSORPAR_Q8_KERNEL=0``)
+the kernel's arithmetic in PyTorch, sum for sum (:func:`int8_linear_reference`: the same bits, so the two paths
+compute one quantized model at any tp). The result is cast to ``x``'s dtype (fp32 or bf16 models alike).
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from tensorpar import comm
 from tensorpar.decode import q8_kernel
@@ -88,18 +86,46 @@ def fake_quantize_input(x: torch.Tensor) -> torch.Tensor:
 
 
 def int8_linear_reference(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`int8_linear` in PyTorch: ``x`` quantized by :func:`quantize_blocks` and dequantized, times the
-    dequantized weight, in fp32 (at most ``_CHUNK_ELEMS`` weights dequantized at a time: a whole LM head at once
-    would be a fresh buffer per call, page-faulted in every time), plus ``bias``; cast to ``x``'s dtype."""
-    xq, d = quantize_blocks(x)
-    xd = _dequantize(xq, d)
-    step = max(1, _CHUNK_ELEMS // w.q.shape[1])
-    n = w.q.shape[0]
-    y = torch.cat([F.linear(xd, _dequantize(w.q[c:c + step], w.scale[c:c + step])) for c in range(0, n, step)],
-                  dim=-1)
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
+    """:func:`int8_linear` in PyTorch, the kernel's arithmetic step for step (csrc/q8_linear.cpp's header), so that
+    it gives the kernel's bits: ``x`` quantized by :func:`quantize_blocks`; per block of 32 the eight exact integer
+    sums of four products ``xq * q`` (the kernel's int32 lanes; exact in fp32 too, ``|sum| <= 4 * 127^2``); each
+    times the block's fp32 scale ``s * d`` and added into 16 fp32 lanes (0-7 the even blocks, 8-15 the odd
+    ones, block pair after block pair) as the kernel's fused multiply-add: the product is exact in float64 and the
+    sum rounded to fp32 once (through float64: a second rounding can differ only where the float64 sum is exactly
+    halfway between two fp32 values, about 2^-29 of the additions whose exact sum needs more than 53 bits); the
+    16 lanes reduced in the kernel's fixed tree; an odd last block's integer sum times its scale added in fp32;
+    then ``bias`` (0.0 without one, as the kernel). Why not one fp32 matmul of the dequantized values: that sums
+    in another order, and an activation of the next layer whose ``x / d`` lies within that rounding of a half step
+    rounds to the other int8 step, which moves every later value (measured: 7e-3 on the logits of
+    tests/decode/test_quant.py's llama at tp=2, one flip at ``x / d = 7.50002``). At most ``_CHUNK_ELEMS`` lane
+    sums at a time. ``x`` ``[..., K]`` -> ``[..., N]`` in ``x``'s dtype. No collectives."""
+    K = x.shape[-1]
+    xq, d = quantize_blocks(x.reshape(-1, K))                                   # [M, K] int8, [M, nb] fp32
+    M, nb, N = xq.shape[0], K // BLOCK, w.q.shape[0]
+    lanes_x = xq.float().view(M, nb * 8, 4).transpose(0, 1)                     # [nb*8, M, 4]: lane l of block b
+    step = max(1, _CHUNK_ELEMS // max(1, M * nb * 8))
+    outs = []
+    for c in range(0, N, step):
+        q, s = w.q[c:c + step], w.scale[c:c + step]
+        n = q.shape[0]
+        lanes = torch.bmm(lanes_x, q.float().view(n, nb * 8, 4).permute(1, 2, 0))   # [nb*8, M, n], exact integers
+        lanes = lanes.view(nb, 8, M, n)
+        scale = (s.float().T.unsqueeze(1) * d.T.unsqueeze(2))                         # [nb, M, n]: s * d, fp32
+        pairs = nb // 2
+        acc = torch.zeros(16, M, n, dtype=torch.float64, device=x.device)
+        for j in range(pairs):          # lanes 0-7: block 2j, 8-15: block 2j + 1; fp32 fused multiply-add
+            prod = (lanes[2 * j:2 * j + 2].double() * scale[2 * j:2 * j + 2].double().unsqueeze(1)).view(16, M, n)
+            acc = (acc + prod).float().double()
+        a = acc.float()
+        t = a[8:] + a[:8]                                                            # hsum16: hi + lo
+        u = t[4:] + t[:4]
+        v = (u[0] + u[2]) + (u[1] + u[3])                                            # [M, n]
+        if nb & 1:                      # the odd last block: its int32 sum, times its scale, added in fp32
+            v = v + lanes[nb - 1].sum(0) * scale[nb - 1]
+        outs.append(v)
+    y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+    y = y + (bias.float() if bias is not None else 0.0)
+    return y.view(*x.shape[:-1], N).to(x.dtype)
 
 
 def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -41,6 +41,7 @@ block's quantization may round to the other step, see the tests' tolerance.
 from __future__ import annotations
 
 import ctypes
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -163,7 +164,10 @@ class RowStep:
     general loop (the embedding's all-reduce, two per layer)."""
 
     def __init__(self, dec):
-        self.dec = dec
+        # a weak reference: the decoder holds this step, and a cycle would keep a dropped decoder (its KV cache,
+        # its references to the weights: a second copy once a new decoder packs them) alive until the next
+        # garbage collection
+        self.dec = weakref.proxy(dec)
         L0 = dec.layers[0]
         self.norm0 = _norm(L0.ln1)
         H = self.norm0[0].numel()

@@ -89,6 +89,59 @@ def test_greedy_equals_transformers(pools, model_dirs, arch, tps):
                     f"{arch} tp={tp} rank {r}: first difference at step {step}: {tokens[:, step]} != {want[:, step]}")
 
 
+def job_reuse(ctx, folder, ids, mask, n):
+    """Consecutive generate_tokens calls on one model: the engines they build (counted by a spy on Engine.__init__)
+    and their tokens."""
+    from tensorpar.generate import cached_engine
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.serve import engine as engine_mod
+    model, _ = build_parallel_model(folder, ctx.tp)
+    built = []
+    init = engine_mod.Engine.__init__
+
+    def spy(self, *a, **k):
+        built.append(self)
+        init(self, *a, **k)
+    engine_mod.Engine.__init__ = spy
+    try:
+        def gen(ids_, mask_, n_):
+            return generate_tokens(model, ctx.tp, ids_, mask_, sampling=SamplingConfig(max_new_tokens=n_)).tokens
+        out = {"first": gen(ids, mask, n)}
+        e1 = cached_engine(model)
+        out["second"] = gen(ids, mask, n)
+        out["same_engine"] = cached_engine(model) is e1 and len(built) == 1 and built[0] is e1
+        out["shorter"] = gen(ids, mask, n - 3)          # fewer positions: the same engine
+        out["shorter_same"] = cached_engine(model) is e1 and len(built) == 1
+        with torch.no_grad():       # an in-place write to a parameter (as a LoRA merge does): a new engine
+            model.model.layers[0].post_attention_layernorm.weight.mul_(1.0)
+        out["after_write"] = gen(ids, mask, n)
+        out["rebuilt_after_write"] = len(built) == 2 and cached_engine(model) is built[1]
+        out["one_row"] = gen(ids[:1], mask[:1], n)      # another batch size: a new engine
+        out["rebuilt_for_batch"] = len(built) == 3
+    finally:
+        engine_mod.Engine.__init__ = init
+    return out
+
+
+def test_generate_reuses_its_engine(pools, model_dirs):
+    """generate_tokens builds its Engine (fused weights, KV cache, row step) once per model and reuses it: a second
+    call with the same batch gives bitwise the same greedy tokens (and transformers') without building another, a
+    call with fewer positions too; an in-place write to a parameter (what a LoRA merge does; here a norm weight:
+    the batch of 3 rows packs the matmul weights, which are then no parameters) or another batch size builds a new
+    one, with the tokens of transformers' generate (the write multiplies by 1.0: same values)."""
+    folder, tp = model_dirs["llama"], 2             # tp=2: every rank takes the same decisions
+    ids, mask = prompts(ARCHS["llama"]["vocab_size"])
+    want, _ = hf_reference(folder, ids, mask, 8)
+    for r, out in enumerate(run_tp(pools, tp, job_reuse, folder, ids, mask, 8)):
+        assert torch.equal(out["first"], want), f"tp={tp} rank {r}: first call != transformers"
+        assert torch.equal(out["second"], out["first"]), f"tp={tp} rank {r}: second call's tokens differ"
+        assert out["same_engine"], f"tp={tp} rank {r}: the second call built a new engine"
+        assert torch.equal(out["shorter"], want[:, :5]) and out["shorter_same"]
+        assert out["rebuilt_after_write"] and torch.equal(out["after_write"], want)
+        assert out["rebuilt_for_batch"]
+        assert torch.equal(out["one_row"], hf_reference(folder, ids[:1], mask[:1], 8)[0])
+
+
 def job_late_rank(ctx, folder, ids, mask, late_s):
     import time
 
@@ -285,3 +338,17 @@ def test_rope_scaling_batch_of_lengths_equals_each_alone(pools, tmp_path, arch, 
     want = hf_alone(folder, prompts, 6)
     for r, got in enumerate(run_tp(pools, 2, job_generate_batch, folder, prompts, 6)):
         assert got == want, f"{arch} {rope} rank {r}"
+
+
+def test_a_copy_of_the_model_does_not_carry_its_engine():
+    """The engine kept on a model (generate_tokens' reuse) points at that model's tensors (the row step's programs
+    hold raw addresses): a deepcopy or a pickle (torch.save) of the model carries none, so the copy builds its own."""
+    import copy
+    import pickle
+
+    from tensorpar.generate import ENGINE_KEY, _CachedEngine, cached_engine
+    model = torch.nn.Linear(4, 4)
+    model.__dict__[ENGINE_KEY] = _CachedEngine(object(), (), ())
+    assert cached_engine(model) is not None
+    assert cached_engine(copy.deepcopy(model)) is None
+    assert cached_engine(pickle.loads(pickle.dumps(model))) is None
