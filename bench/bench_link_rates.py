@@ -64,11 +64,27 @@ def _check(res, what: str):
         raise RuntimeError(f"{what} failed: " + " | ".join(err[-1500:] for _, _, err in res))
 
 
-def link_fit(h: NamespaceHosts, iters: int) -> dict:
+def step_shape(folder: str) -> tuple[int, int]:
+    """``(hidden, cols)`` of the link job's in-step matmul: a tp = 2 rank's weights per decode collective of the
+    model (``weight_params_per_rank(model, 2) / (2 x layers + 3)``), as ``[hidden, cols]``."""
+    from tensorpar.planner.inference import decode_collectives, weight_params_per_rank
+    from tensorpar.planner.model_spec import from_hf_config
+
+    model = from_hf_config(Path(folder) / "config.json")
+    per = weight_params_per_rank(model, 2) / decode_collectives(model, 2)
+    return model.hidden_size, max(1, round(per / model.hidden_size))
+
+
+def link_fit(h: NamespaceHosts, iters: int, shape: tuple[int, int]) -> dict:
+    """The link job (``bench/link_job.py``) across the hosts: back-to-back all-reduce and send medians, the in-step
+    all-reduce and all-gather of the decode's ``[1, hidden]`` fp32 (``4 x hidden`` bytes) between matmuls of
+    ``shape``, and the fit the planner gets."""
+    hidden, cols = shape
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "link.json")
-        res = h.run_torchrun([str(ROOT / "bench" / "link_job.py"), "--iters", str(iters), "--out", out], nproc=1,
-                             timeout_s=600, env=env())
+        res = h.run_torchrun([str(ROOT / "bench" / "link_job.py"), "--calls", str(iters), "--out", out,
+                              "--sizes", f"{4 * hidden},65536,1048576,4194304", "--hidden", str(hidden),
+                              "--cols", str(cols)], nproc=1, timeout_s=600, env=env())
         _check(res, "link job")
         return json.loads(Path(out).read_text())
 
@@ -201,11 +217,21 @@ def to_markdown(r: dict) -> str:
             lines.append(f"| {rate} | {row['layout']} | {row['measured_s']:.3f} | {row['predicted_s']:.3f} | "
                          f"{100 * (row['predicted_s'] / row['measured_s'] - 1):+.0f}% | "
                          f"{load.group(1) if load else ''} |")
-    lines += ["", "Link (median of one call, seconds) per size:", "",
-              "| link | bytes | all-reduce (ms) | send (ms) |", "|---|---:|---:|---:|"]
+    lines += ["", f"Link (`bench/link_job.py`): the median of {m['iters']} calls back to back per size (fewer above 64 KiB), "
+              "and what one all-reduce and one all-gather of the decode's `[1, h]` fp32 add to a step that alternates "
+              "them with a one-thread matmul of a tp=2 rank's weights per collective (the median of 5 rounds, mean of "
+              "the ranks; the planner's latency is the in-step all-reduce less its bytes at the fitted bandwidth):",
+              "", "| link | bytes | all-reduce (ms) | send (ms) |", "|---|---:|---:|---:|"]
     for rate, rec in r["rates"].items():
         for size, t in rec["link"]["allreduce"].items():
             lines.append(f"| {rate} | {int(size):,} | {t * 1e3:.2f} | {rec['link']['send'][size] * 1e3:.2f} |")
+    lines += ["", "| link | in-step bytes | matmul [hidden, cols] (us per call) | all-reduce adds (us) | all-gather adds "
+              "(us) | back-to-back fit's latency (us) |", "|---|---:|---|---:|---:|---:|"]
+    for rate, rec in r["rates"].items():
+        st, f = rec["link"].get("step"), rec["link"]["fit"]["allreduce"]
+        if st:
+            lines.append(f"| {rate} | {st['bytes']:,} | [{st['hidden']}, {st['cols']}] ({st['compute_us']:.0f}) | "
+                         f"{st['allreduce_us']:.0f} | {st['allgather_us']:.0f} | {f.get('b2b_latency_us', 0):.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -230,7 +256,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--iters", type=int, default=20, help="timed calls per size of the link job")
+    ap.add_argument("--iters", type=int, default=100, help="timed calls per size of the link job (and per round of "
+                                                          "its in-step blocks)")
     ap.add_argument("--train-steps", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=1, help="decode runs of each row (and of the tp=1 reference before "
                                                            "them), interleaved; the median is shown")
@@ -259,7 +286,7 @@ def main(argv=None) -> int:
         for rate in rates:
             rec = {}
             with NamespaceHosts(2, rate, hostnames=HOSTNAMES) as h:
-                rec["link"] = link_fit(h, args.iters)
+                rec["link"] = link_fit(h, args.iters, step_shape(folder))
                 link = rec["link"]["fit"]["allreduce"]
                 rows = {name: [] for name, *_ in DECODE_ROWS}
                 rec["tp1"] = []
