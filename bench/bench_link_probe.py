@@ -123,7 +123,8 @@ def main(argv=None) -> int:
             "loadavg_before": [round(v, 2) for v in load_before],
             "loadavg_after": [round(v, 2) for v in os.getloadavg()]}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1) + "\n")
+    (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "runs": runs}, separators=(",", ":"))
+                                                 + "\n")
     sockets = runs[-1]["sockets"][0]
     md = [f"# Where a small gloo all-reduce's time goes: two ranks, loopback and namespace hosts — {meta['date']}", "",
           f"CPU: {meta['cpu']} ({meta['cpus']} cores), commit {commit}; load average before "

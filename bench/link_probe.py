@@ -283,7 +283,7 @@ def summarize(ranks: list[dict]) -> dict:
         for k in range(2):
             summ[name][f"r{k}"]["by_thread"] = per[k].get("threads", [])
     return {"summary": summ, "sockets": [r["sockets"] for r in ranks], "loadavg": [r["loadavg"] for r in ranks],
-            "args": ranks[0]["args"]}
+            "args": {k: v for k, v in ranks[0]["args"].items() if k != "out"}}
 
 
 if __name__ == "__main__":
