@@ -40,3 +40,21 @@ def test_calls_per_size_scale_down_above_64_kib():
     from link_job import calls_for
     assert [calls_for(s, 100) for s in (2304, 65536, 1 << 20, 1 << 22)] == [100, 100, 8, 8]
     assert calls_for(1 << 17, 100) == 50
+
+
+def test_step_matmul_holds_a_tp2_ranks_weights_per_decode_collective(tmp_path):
+    """bench_link_rates' in-step matmul ``[h, cols]`` holds a tp = 2 rank's weights per decode collective (SmolLM2's
+    shape: 30 layers, h 576, 63 collectives per token), to the nearest column."""
+    import json
+    from bench_link_rates import step_shape
+    from tensorpar.planner.inference import decode_collectives, weight_params_per_rank
+    from tensorpar.planner.model_spec import from_hf_config
+    cfg = {"model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9,
+           "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True,
+           "max_position_embeddings": 8192}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    hidden, cols = step_shape(str(tmp_path))
+    model = from_hf_config(tmp_path / "config.json")
+    assert decode_collectives(model, 2) == 63 and hidden == 576
+    per = weight_params_per_rank(model, 2) / 63
+    assert abs(hidden * cols - per) <= hidden / 2
