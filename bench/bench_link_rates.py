@@ -6,8 +6,11 @@ prediction.
 
 For each link rate (2 namespace hosts, one rank each, ``tc tbf`` on both ends of the link):
 
-1. the link as the planner sees it (``bench/link_job.py``): the median gloo all-reduce time of 2304 B .. 4 MB across
-   it, fitted as ``latency + bytes / bandwidth`` (the inter-node link of the planner's cluster: ``inter_node_*``);
+1. the link as the planner sees it (``bench/link_job.py``): ``latency + bytes / bandwidth`` (the inter-node link of
+   the planner's cluster: ``inter_node_*``), the bandwidth of back-to-back gloo all-reduces of ``4 h`` B .. 4 MB,
+   the latency what one ``[1, h]`` all-reduce adds to a step that alternates it with a one-thread matmul of a tp = 2
+   rank's weights per decode collective (:func:`step_shape`); measured again before each round of decode rows (the
+   small all-reduce's cost moves with the load; docs/planner.md, "What a small gloo all-reduce costs");
 2. decode ms/token of ``tensorpar generate`` (SmolLM2, fp32, greedy) at ``--tp 2`` across the hosts, ``--pp 2``
    across them, and ``--tp 2 --tp-comm int8``; the planner's prediction of each (``plan_one``) on a device whose
    decode read rate is SmolLM2's tp = 1 decode on one rank of this machine (weights / measured seconds per token,
@@ -64,11 +67,27 @@ def _check(res, what: str):
         raise RuntimeError(f"{what} failed: " + " | ".join(err[-1500:] for _, _, err in res))
 
 
-def link_fit(h: NamespaceHosts, iters: int) -> dict:
+def step_shape(folder: str) -> tuple[int, int]:
+    """``(hidden, cols)`` of the link job's in-step matmul: a tp = 2 rank's weights per decode collective of the
+    model (``weight_params_per_rank(model, 2) / (2 x layers + 3)``), as ``[hidden, cols]``."""
+    from tensorpar.planner.inference import decode_collectives, weight_params_per_rank
+    from tensorpar.planner.model_spec import from_hf_config
+
+    model = from_hf_config(Path(folder) / "config.json")
+    per = weight_params_per_rank(model, 2) / decode_collectives(model, 2)
+    return model.hidden_size, max(1, round(per / model.hidden_size))
+
+
+def link_fit(h: NamespaceHosts, iters: int, shape: tuple[int, int]) -> dict:
+    """The link job (``bench/link_job.py``) across the hosts: back-to-back all-reduce and send medians, the in-step
+    all-reduce and all-gather of the decode's ``[1, hidden]`` fp32 (``4 x hidden`` bytes) between matmuls of
+    ``shape``, and the fit the planner gets."""
+    hidden, cols = shape
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "link.json")
-        res = h.run_torchrun([str(ROOT / "bench" / "link_job.py"), "--iters", str(iters), "--out", out], nproc=1,
-                             timeout_s=600, env=env())
+        res = h.run_torchrun([str(ROOT / "bench" / "link_job.py"), "--calls", str(iters), "--out", out,
+                              "--sizes", f"{4 * hidden},65536,1048576,4194304", "--hidden", str(hidden),
+                              "--cols", str(cols)], nproc=1, timeout_s=600, env=env())
         _check(res, "link job")
         return json.loads(Path(out).read_text())
 
@@ -174,7 +193,8 @@ def to_markdown(r: dict) -> str:
              f"{m['tp1_ms']:.1f} ms/token), as the read rate, and the link of each rate as measured (gloo all-reduce "
              "fit). Load: the 1-minute load average when each run ended.",
              "", "| link | measured link: latency (us), bandwidth (GB/s) | layout | measured ms/token | predicted "
-             "ms/token | error | predicted: reads, tp comm, pp comm (ms) | runs: measured / predicted (load) |",
+             "ms/token | error | predicted: reads, tp comm, pp comm (ms) | runs: measured / predicted (load; the link's "
+             "latency in that round) |",
              "|---|---|---|---:|---:|---:|---|---|"]
     for rate, rec in r["rates"].items():
         f = rec["link"]["fit"]["allreduce"]
@@ -185,7 +205,9 @@ def to_markdown(r: dict) -> str:
                          f"{100 * (p['ms_per_token'] / row['measured']['ms_per_token'] - 1):+.0f}% | "
                          f"{p['reads_ms']:.1f}, {p['tp_comm_ms']:.1f}, {p['pp_comm_ms']:.1f} | "
                          + ", ".join(f"{x['measured']['ms_per_token']:.0f} / {x['predicted']['ms_per_token']:.0f} "
-                                     f"({x['measured'].get('load', float('nan')):.0f})" for x in row.get("runs", []))
+                                     f"({x['measured'].get('load', float('nan')):.0f}"
+                                     + (f"; {x['link_latency_us'] / 1e3:.2f} ms" if "link_latency_us" in x else "")
+                                     + ")" for x in row.get("runs", []))
                          + " |")
         for t in rec.get("tp1", []):
             lines.append(f"| {rate} | | tp=1, one rank (the device's reference) | {t['ms_per_token']:.1f} | | | | "
@@ -201,11 +223,23 @@ def to_markdown(r: dict) -> str:
             lines.append(f"| {rate} | {row['layout']} | {row['measured_s']:.3f} | {row['predicted_s']:.3f} | "
                          f"{100 * (row['predicted_s'] / row['measured_s'] - 1):+.0f}% | "
                          f"{load.group(1) if load else ''} |")
-    lines += ["", "Link (median of one call, seconds) per size:", "",
-              "| link | bytes | all-reduce (ms) | send (ms) |", "|---|---:|---:|---:|"]
+    lines += ["", f"Link (`bench/link_job.py`): the median of {m['iters']} calls back to back per size (fewer above 64 KiB), "
+              "and what one all-reduce and one all-gather of the decode's `[1, h]` fp32 add to a step that alternates "
+              "them with a one-thread matmul of a tp=2 rank's weights per collective (the median of 5 rounds, mean of "
+              "the ranks; the planner's latency is the in-step all-reduce less its bytes at the fitted bandwidth):",
+              "", "| link | bytes | all-reduce (ms) | send (ms) |", "|---|---:|---:|---:|"]
     for rate, rec in r["rates"].items():
         for size, t in rec["link"]["allreduce"].items():
             lines.append(f"| {rate} | {int(size):,} | {t * 1e3:.2f} | {rec['link']['send'][size] * 1e3:.2f} |")
+    lines += ["", "| link | in-step bytes | matmul [hidden, cols] (us per call) | all-reduce adds (us) | all-gather adds "
+              "(us) | back-to-back fit's latency (us) |", "|---|---:|---|---:|---:|---:|"]
+    for rate, rec in r["rates"].items():
+        for lk in rec.get("link_rounds") or [rec["link"]]:   # one per round of decode rows
+            st, f = lk.get("step"), lk["fit"]["allreduce"]
+            if st:
+                lines.append(f"| {rate} | {st['bytes']:,} | [{st['hidden']}, {st['cols']}] ({st['compute_us']:.0f}) | "
+                             f"{st['allreduce_us']:.0f} | {st['allgather_us']:.0f} | "
+                             f"{f.get('b2b_latency_us', 0):.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -230,7 +264,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--iters", type=int, default=20, help="timed calls per size of the link job")
+    ap.add_argument("--iters", type=int, default=100, help="timed calls per size of the link job (and per round of "
+                                                          "its in-step blocks)")
     ap.add_argument("--train-steps", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=1, help="decode runs of each row (and of the tp=1 reference before "
                                                            "them), interleaved; the median is shown")
@@ -259,19 +294,24 @@ def main(argv=None) -> int:
         for rate in rates:
             rec = {}
             with NamespaceHosts(2, rate, hostnames=HOSTNAMES) as h:
-                rec["link"] = link_fit(h, args.iters)
+                rec["link"] = link_fit(h, args.iters, step_shape(folder))
                 link = rec["link"]["fit"]["allreduce"]
                 rows = {name: [] for name, *_ in DECODE_ROWS}
-                rec["tp1"] = []
-                for _ in range(0 if args.no_decode else args.repeats):   # interleaved: load drift hits every row
-                    # this machine's decode speed now: one rank alone at tp 1 (outside the namespace hosts)
+                rec["tp1"], rec["link_rounds"] = [], []
+                for k in range(0 if args.no_decode else args.repeats):   # interleaved: load drift hits every row
+                    # the link and this machine's decode speed now (the small all-reduce's cost moves with the load:
+                    # 0.8-2.4 ms between rounds of one link job): the link job again after the first round, then
+                    # one rank alone at tp 1 (outside the namespace hosts)
+                    now = rec["link"] if k == 0 else link_fit(h, args.iters, step_shape(folder))
+                    rec["link_rounds"].append({"fit": now["fit"], "step": now["step"]})
                     tp1 = dict(generate(None, folder, args.new_tokens, ["--tp", "1"]), load=os.getloadavg()[0])
                     rec["tp1"].append(tp1)
                     tp1_all.append(tp1["ms_per_token"])
-                    model, device, read = decode_device(folder, tp1["ms_per_token"], link)
+                    model, device, read = decode_device(folder, tp1["ms_per_token"], now["fit"]["allreduce"])
                     for name, extra, tp, pp, comm in DECODE_ROWS:
                         run = {"measured": dict(generate(h, folder, args.new_tokens, extra), load=os.getloadavg()[0]),
-                               "predicted": predict_decode(model, device, tp, pp, comm, args.new_tokens, prompt_len)}
+                               "predicted": predict_decode(model, device, tp, pp, comm, args.new_tokens, prompt_len),
+                               "link_latency_us": now["fit"]["allreduce"]["latency_us"]}
                         rows[name].append(run)
                         print(json.dumps({"layout": name, **run}), file=sys.stderr, flush=True)
                 rec["decode"] = [{"layout": name, "runs": runs, "measured": _median_run(runs, "measured"),
