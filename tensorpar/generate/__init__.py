@@ -29,6 +29,7 @@ import torch
 
 from tensorpar import comm
 from tensorpar.comm import Group
+from tensorpar.generate.engine_cache import _engine, cached_engine, release_engine  # noqa: F401 (the public two)
 from tensorpar.decode.quantize import apply_quantize, check_quantize
 from tensorpar.generate.flags import add_arguments, check_flags  # noqa: F401  (the command's flags)
 from tensorpar.streaming import chat_prompt_ids
@@ -185,109 +186,6 @@ def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_
     total = time.perf_counter() - t0 - paused
     return GenerationResult(torch.tensor(out, dtype=torch.long).T.contiguous(), ttft, total - ttft, warning,
                             ttft_cpu)
-
-
-#: the model's ``__dict__`` entry holding the engine :func:`generate_tokens` reuses (:func:`cached_engine`)
-ENGINE_KEY = "_tensorpar_generate_engine"
-#: a new engine's ``max_len`` is the call's rounded up to a multiple of this (at most the model's
-#: ``max_position_embeddings``), so a later call with a prompt a few tokens longer reuses it
-ENGINE_LEN_STEP = 64
-
-
-def _model_state(model) -> tuple:
-    """What an engine built on ``model`` depends on besides its arguments: each parameter and buffer (the object,
-    its storage address, dtype, device, shape and version counter: an in-place write such as a LoRA merge
-    (:func:`tensorpar.hf.lora.merge_adapter`) or ``load_state_dict`` bumps the counter, ``.to()`` replaces the
-    storage, :func:`~tensorpar.decode.quantize.quantize_int8` and packing drop parameters), the quantized
-    weights' record, and every module's training flag (the lean path refuses dropout in training mode) and
-    number of forward hooks (e.g. the collective fingerprints' call sites, which the decoder's probes see). A write
-    through ``param.data`` is not seen (``.data`` has its own version counter): call :func:`release_engine` after
-    one. No collectives."""
-    out = []
-    for n, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
-        try:
-            version = t._version
-        except RuntimeError:            # an inference tensor: it cannot be written outside inference mode
-            version = None
-        out.append((n, id(t), t.data_ptr(), version, t.dtype, t.device, tuple(t.shape)))
-    mods = tuple((m.training, len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules())
-    return tuple(out), id(model.__dict__.get("_tensorpar_int8")), mods
-
-
-class _CachedEngine:
-    """An engine :func:`generate_tokens` built, with what it was built for: ``args`` (the tp and pp groups, the
-    tp group's communicator and compression, the path, the deterministic mode, ``max_batch``, the thread count)
-    must be the same for a call to reuse it, its ``max_len`` at least the call's, and ``state``
-    (:func:`_model_state`, taken after the engine was built: building fuses and may pack the weights) the model's
-    now."""
-    __slots__ = ("engine", "args", "state")
-
-    def __init__(self, engine, args: tuple, state: tuple):
-        self.engine, self.args, self.state = engine, args, state
-
-    def __deepcopy__(self, memo):
-        return None         # a copy of the model builds its own engine (this one points at the original's tensors)
-
-    def __reduce__(self):
-        return type(None), ()     # pickled (torch.save of the model) as None: the engine holds C pointers
-
-
-def cached_engine(model):
-    """The :class:`~tensorpar.serve.engine.Engine` the last :func:`generate_tokens` call on ``model`` ran (its next
-    call reuses it if it fits, see :func:`generate_tokens`), or ``None``."""
-    rec = model.__dict__.get(ENGINE_KEY)
-    return None if rec is None else rec.engine
-
-
-def release_engine(model) -> None:
-    """Drop the engine :func:`generate_tokens` keeps on ``model`` (its KV cache, ``2 * layers * max_batch *
-    kv_local * max_len * head_dim`` elements per rank, and its references to the weights, e.g. oneDNN-packed
-    ones, are freed with it) and give the freed memory back to the system (glibc's ``malloc_trim``: a cache
-    under the 32 MiB mmap threshold lives in the heap, which keeps freed pages); the next call builds a new one.
-    Call it after changing the weights in a way :func:`generate_tokens` does not see (a write through
-    ``param.data``), or to free the cache (SmolLM2 fp32 tp=2 after a batch-32 call: RSS per rank back to 30 MB
-    above the loaded model's from 109-132 MB, docs/memory.md). No collectives."""
-    import gc
-    import weakref
-
-    from tensorpar.decode.quantize import _release_freed_memory
-
-    rec = model.__dict__.pop(ENGINE_KEY, None)
-    if rec is None:
-        return
-    device = rec.engine.device
-    ref = weakref.ref(rec.engine)
-    del rec
-    if ref() is not None:       # held by a reference cycle: collect it now, before a new engine packs the weights
-        gc.collect()
-    _release_freed_memory(device)   # glibc keeps the freed cache in its heap (malloc_trim), CUDA in its pool
-
-
-def _engine(model, tp: Group, *, max_batch: int, max_len: int, path: str, pp: Group | None, deterministic: bool):
-    """The engine of a :func:`generate_tokens` call: the one the last call on ``model`` built when it fits this
-    one (:class:`_CachedEngine`), else a new one, kept on ``model`` (:data:`ENGINE_KEY`) in place of the old,
-    which is freed first (a new decoder may pack the weights, and the old one's references would keep a second
-    copy alive). Building one fuses (and may repack) the weights, allocates the KV cache and prepares the row
-    step's programs: the time-to-first-token cost a repeated call saves. Every rank takes the same decision (the
-    same arguments, the same model state). No collectives here (the engine's own: none when built)."""
-    from tensorpar.serve.engine import Engine
-
-    args = (tp, pp, tp.fast, tp.compression, path, deterministic, max_batch, torch.get_num_threads())
-    rec = model.__dict__.get(ENGINE_KEY)
-    if rec is not None:
-        same = len(rec.args) == len(args) and all(a is b or (type(a) in (str, int, bool) and a == b)
-                                                   for a, b in zip(rec.args, args))
-        if same and rec.engine.max_len >= max_len and rec.state == _model_state(model):
-            return rec.engine
-        del rec                     # the cache's reference only: the old engine is freed before the new is built
-        release_engine(model)
-    limit = getattr(model.config, "max_position_embeddings", None)
-    size = -(-max_len // ENGINE_LEN_STEP) * ENGINE_LEN_STEP
-    size = max_len if limit is None else max(max_len, min(size, limit))
-    engine = Engine(model, tp, max_batch=max_batch, max_len=size, path=path, warm_up=False, pp=pp,
-                    deterministic=deterministic)
-    model.__dict__[ENGINE_KEY] = _CachedEngine(engine, args, _model_state(model))
-    return engine
 
 
 # ---------------------------------------------------------------- command line

@@ -346,7 +346,7 @@ def test_a_copy_of_the_model_does_not_carry_its_engine():
     import copy
     import pickle
 
-    from tensorpar.generate import ENGINE_KEY, _CachedEngine, cached_engine
+    from tensorpar.generate.engine_cache import ENGINE_KEY, _CachedEngine, cached_engine
     model = torch.nn.Linear(4, 4)
     model.__dict__[ENGINE_KEY] = _CachedEngine(object(), (), ())
     assert cached_engine(model) is not None
