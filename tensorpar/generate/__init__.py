@@ -376,14 +376,15 @@ def validate(args: argparse.Namespace):
 
 def main(args: argparse.Namespace) -> int:
     from tensorpar.cli import torchrun_tp
-    from tensorpar.launch import rank0_print, report_error, run_ranks
+    from tensorpar.launch import rank0_print, run_ranks
+    from tensorpar.usage import refuse, release_notes
 
     try:
         torchrun_tp(args)   # under torchrun: tp x ep is its world size
         job = validate(args)
     except (ValueError, FileNotFoundError, OSError) as e:
-        report_error(str(e))
-        return 2
+        return refuse("generate", e)
+    release_notes(args)   # the notes of accepted input, now that every check passed
     if args.print_plan:  # with --tp-weights auto the even split (the ranks' split is measured when they start)
         from tensorpar.hf.plan import make_plan
         rank0_print(job.plan or make_plan(job.model_config, job.parallel.tp, user_plan=job.user_plan))

@@ -296,9 +296,9 @@ def _serve(engine, task: ServeTask, holder: dict) -> int:
     if not thread.is_alive():
         sched.stop()
         sched.run()                        # tells the other ranks to stop
-        print(f"tensorpar: error: --host {task.host} --port {task.port}: cannot listen there (taken since the check "
-              f"before launch?); pick another --port, or --port 0 for any free one", file=sys.stderr, flush=True)
-        return 2
+        from tensorpar.usage import refuse
+        return refuse("serve", f"--host {task.host} --port {task.port}: cannot listen there (taken since the check "
+                               f"before launch?); pick another --port, or --port 0 for any free one")
     port = server.servers[0].sockets[0].getsockname()[1]
     kv = engine.cache.nbytes() / 2**20
     at = f"tp={engine.tp.size}" + (f", pp={engine.pp.size}" if engine.pp.size > 1 else "")
@@ -322,13 +322,14 @@ def _serve(engine, task: ServeTask, holder: dict) -> int:
 
 def main(args: argparse.Namespace) -> int:
     from tensorpar.cli import torchrun_tp
-    from tensorpar.launch import report_error, run_ranks
+    from tensorpar.launch import run_ranks
+    from tensorpar.usage import refuse, release_notes
 
     try:
         torchrun_tp(args)   # under torchrun: tp x ep is its world size
         job = validate(args)
     except (ValueError, FileNotFoundError, OSError) as e:
-        report_error(str(e))
-        return 2
+        return refuse("serve", e)
+    release_notes(args)   # the notes of accepted input, now that every check passed
     rc = run_ranks(_rank_main, job.world_size, job, verbose=job.verbose)
     return 0 if rc == 130 else rc       # SIGINT/SIGTERM is how a server is stopped: every rank exited
