@@ -351,7 +351,8 @@ def validate(args: argparse.Namespace):
     from tensorpar.verify.prove import resolve_flags
     resolve_flags(args, config)   # --discover-plan: the proven plan becomes the --plan-file the ranks read
     user_plan = os.path.abspath(args.plan_file) if getattr(args, "plan_file", None) is not None else None
-    tp_weights, plan = plan_for_model(getattr(args, "tp_weights", None), args.tp, config, user_plan=user_plan)
+    tp_weights, plan = plan_for_model(getattr(args, "tp_weights", None), args.tp, config, user_plan=user_plan,
+                                      tp_name="--tp")
     attn = resolve_attn_implementation(config)  # decided here; every rank runs this one
     quantize = getattr(args, "quantize", "none")
     check_quantize(quantize, config, plan, getattr(args, "dtype", "float32"))

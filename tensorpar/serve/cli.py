@@ -168,7 +168,8 @@ def validate(args: argparse.Namespace):
     from tensorpar.verify.prove import resolve_flags
     resolve_flags(args, config)   # --discover-plan: the proven plan becomes the --plan-file the ranks read
     user_plan = os.path.abspath(args.plan_file) if args.plan_file is not None else None
-    tp_weights, plan = plan_for_model(getattr(args, "tp_weights", None), args.tp, config, user_plan=user_plan)
+    tp_weights, plan = plan_for_model(getattr(args, "tp_weights", None), args.tp, config, user_plan=user_plan,
+                                      tp_name="--tp")
     from tensorpar.decode.quantize import check_quantize
     quantize = getattr(args, "quantize", "none")
     check_quantize(quantize, config, plan, getattr(args, "dtype", "float32"))

@@ -160,7 +160,7 @@ def validate(args: argparse.Namespace, out_dir: str = ""):
     for t in tps:
         weights = _weights_for(w, t)
         weights, plan = plan_for_model(weights, t, config, sequence_parallel=args.sequence_parallel,  # ValueError
-                                       user_plan=user_plan)
+                                       user_plan=user_plan, tp_name="--tp")
         from tensorpar.decode.quantize import check_quantize
         check_quantize(quantize, config, plan, args.dtype)
         task = VerifyTask(args.model, seq, args.batch_size, bool(args.train), bool(args.sequence_parallel), quantize,

@@ -130,3 +130,13 @@ def test_train_note_is_not_printed_before_a_refusal(tmp_path, capsys):
     line = _refused(["train", "--model", "tiny", "--data", str(text), "--tp", "1", "--sequence-parallel",
                      "--out", str(text)], capsys)
     assert line.startswith(f"tensorpar train: error: --out {str(text)!r} is a file, not a folder"), line
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "verify"])
+def test_tp_above_the_heads_names_the_flag(tiny_with_tokenizer, capsys, command):  # noqa: F811
+    """The plan's rule (every rank needs a query head, tensorpar.layers.attention.tp_heads_error) named the degree
+    ``tp_size``, the library's word; the launching process names the flag."""
+    extra = {"serve": ["--port", "0"], "generate": ["--print-plan"], "verify": []}[command]
+    line = _refused([command, "--model", tiny_with_tokenizer, "--tp", "16", *extra], capsys)
+    assert line == (f"tensorpar {command}: error: --tp 16: exceeds the model's 9 attention heads (every rank needs at "
+                    f"least one query head; use --tp <= 9)"), line

@@ -70,7 +70,7 @@ def test_truncated_safetensors(tiny_with_tokenizer, tmp_path):
 
 def test_tp_larger_than_heads(tiny_with_tokenizer):
     r = _cli("--model", tiny_with_tokenizer, "--tp", "10", "--print-plan")
-    assert r.returncode != 0 and "tp_size (10) exceeds the number of attention heads (9)" in r.stderr
+    assert r.returncode != 0 and "--tp 10: exceeds the model's 9 attention heads" in r.stderr
 
 
 def test_prompt_longer_than_positions(tiny_with_tokenizer):
