@@ -168,7 +168,8 @@ def test_quantize_int8_refused_for_a_family_without_the_lean_path(tmp_path):
     folder = make_model_folder(tmp_path / "gpt2", "gpt2")
     r = _cli("--model", str(folder), "--tp", "2", "--quantize", "int8")
     assert r.returncode == 2
-    ours = [line for line in r.stderr.splitlines() if line.startswith("tensorpar:")]   # (+ transformers' warnings)
+    ours = [line for line in r.stderr.splitlines() if line.startswith("tensorpar generate:")]   # (+ transformers'
+    #                                                                                              warnings)
     assert len(ours) == 1 and "Traceback" not in r.stderr, r.stderr
     assert "--quantize int8" in ours[0] and "'gpt2'" in ours[0] and "--quantize none" in ours[0]
 
