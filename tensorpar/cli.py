@@ -8,7 +8,9 @@ importing the CLI stays cheap (modules load on use), and holds the launch flags 
 Errors: bad input found before any rank starts is refused in one line, ``tensorpar <command>: error: <setting>:
 <what is wrong> (<what would work>)``, exit 2 (:func:`tensorpar.usage.refuse`, the one function every refusal goes
 through); so is a usage error that argparse finds (a bad choice, a value of the wrong type, an unknown option,
-a missing value: :class:`ArgumentParser`, ``...; see tensorpar <command> -h``). An error inside a rank is one line
+a missing value: :class:`ArgumentParser`, ``...; see tensorpar <command> -h``). A note on accepted input
+(``tensorpar: note: ...``, :func:`tensorpar.usage.note`) is printed once every check has passed, so a refused
+input is its one line. An error inside a rank is one line
 too, ``tensorpar: error: ... (rank R)`` (exit 1, see
 :func:`tensorpar.launch.run_ranks`). Any other exception is printed as one line with its type
 (exit 1); ``--verbose`` shows the full traceback instead.
