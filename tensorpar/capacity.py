@@ -129,11 +129,21 @@ def check_for_model(weights, tp_size: int, model_config, *, sequence_parallel: b
 
 
 def plan_for_model(weights, tp_size: int, model_config, *, sequence_parallel: bool = False, user_plan=None,
-                   what: str = "--tp-weights"):
+                   what: str = "--tp-weights", tp_name: str = "tp_size"):
     """``(weights, plan)``: :func:`check_for_model`'s normalised weights and the one plan it builds for them (an even
-    split for ``None`` and for ``"auto"``, whose split the ranks measure). Raises the same ValueErrors."""
-    from tensorpar.hf.plan import make_plan
+    split for ``None`` and for ``"auto"``, whose split the ranks measure). Raises the same ValueErrors; a degree above
+    the model's query heads (the plan's rule, :func:`~tensorpar.layers.attention.tp_heads_error`) names the degree
+    as ``tp_name`` (``--tp`` in the launching process; a plan file may lay out attention otherwise, so then the
+    plan's own check speaks)."""
+    from tensorpar.hf.plan import _get, make_plan
+    from tensorpar.layers.attention import tp_heads_error
 
+    c = getattr(model_config, "text_config", None) or getattr(model_config, "vision_config", None) or model_config
+    heads = _get(c, "num_attention_heads", "n_head")
+    if user_plan is None and isinstance(heads, int) and heads > 0:
+        why = tp_heads_error(tp_size, heads, tp_name)
+        if why is not None:
+            raise ValueError(why)
     weights = check_tp_weights(weights, tp_size, what=what)
     given = None if weights is None or weights == AUTO else weights
     try:

@@ -5,10 +5,13 @@ Each command lives in its own module exposing ``add_arguments(parser)`` and
 importing the CLI stays cheap (modules load on use), and holds the launch flags that
 ``generate``, ``train``, ``serve`` and ``verify`` share (:func:`add_launch_arguments`).
 
-Errors: bad input found before any rank starts is printed as one line, ``tensorpar: error: ...``
-(exit 2); so is a usage error that argparse finds (a bad choice, a value of the wrong type, an unknown option,
-a missing value: :class:`ArgumentParser`, ``tensorpar <command>: error: ...; see tensorpar <command> -h``,
-argparse's exit 2). An error inside a rank is one line too (exit 1, see
+Errors: bad input found before any rank starts is refused in one line, ``tensorpar <command>: error: <setting>:
+<what is wrong> (<what would work>)``, exit 2 (:func:`tensorpar.usage.refuse`, the one function every refusal goes
+through); so is a usage error that argparse finds (a bad choice, a value of the wrong type, an unknown option,
+a missing value: :class:`ArgumentParser`, ``...; see tensorpar <command> -h``). A note on accepted input
+(``tensorpar: note: ...``, :func:`tensorpar.usage.note`) is printed once every check has passed, so a refused
+input is its one line. An error inside a rank is one line
+too, ``tensorpar: error: ... (rank R)`` (exit 1, see
 :func:`tensorpar.launch.run_ranks`). Any other exception is printed as one line with its type
 (exit 1); ``--verbose`` shows the full traceback instead.
 """
@@ -19,7 +22,7 @@ import importlib
 import sys
 
 from tensorpar import __version__
-from tensorpar.usage import ArgumentParser, HelpFormatter
+from tensorpar.usage import REFUSED, ArgumentParser, HelpFormatter, hold_notes, note, release_notes
 
 COMMANDS = {
     "generate": ("tensorpar.generate", "generate text with a model sharded over --tp ranks"),
@@ -172,7 +175,7 @@ def check_launch_arguments(args, *, exact: str | None = None) -> None:
     """The one rule for the shared launch flags (in the launching process, before any rank starts).
 
     ``--tp-comm int8`` with every tp rank on this host (no torchrun, or torchrun with one node) is allowed; one
-    line on stderr says it is not needed there (the links are shared memory or loopback), or that it does nothing
+    line on stderr (:func:`tensorpar.usage.note`: printed once every check passed) says it is not needed there (the links are shared memory or loopback), or that it does nothing
     at ``--tp 1``. ``exact``: why the command needs the exact all-reduce (train, verify), refusing int8.
 
     Raises:
@@ -192,11 +195,10 @@ def check_launch_arguments(args, *, exact: str | None = None) -> None:
         world = int(os.environ.get("WORLD_SIZE", "0") or 0)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
         if str(getattr(args, "tp", 2)) == "1":
-            print(f"tensorpar: note: --tp-comm {mode} does nothing at --tp 1 (there is no tp all-reduce)",
-                  file=sys.stderr)
+            note(args, f"tensorpar: note: --tp-comm {mode} does nothing at --tp 1 (there is no tp all-reduce)")
         elif (not world or local >= world) and int(os.environ.get("RANK", "0") or 0) == 0:
-            print(f"tensorpar: note: --tp-comm {mode}: every tp rank is on this host, where the links are fast; "
-                  f"compression is not needed here (it only pays on slow links between hosts)", file=sys.stderr)
+            note(args, f"tensorpar: note: --tp-comm {mode}: every tp rank is on this host, where the links are fast; "
+                       f"compression is not needed here (it only pays on slow links between hosts)")
 
     ep = getattr(args, "ep", 1)
     if ep < 1:
@@ -319,8 +321,12 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:   # named by the command's parser, which knows its options (the top level's error would not)
         chosen_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    hold_notes(args)   # a refused input is its one line: notes print once the command's checks pass
     try:
-        return int(importlib.import_module(args._module).main(args) or 0)
+        rc = int(importlib.import_module(args._module).main(args) or 0)
+        if rc != REFUSED:
+            release_notes(args)
+        return rc
     except KeyboardInterrupt:
         print("tensorpar: interrupted", file=sys.stderr)
         return 130
@@ -328,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "verbose", False):
             raise
         from tensorpar.launch import one_line, report_error
+        release_notes(args)
         report_error(f"{one_line(e)} (--verbose shows the traceback)")
         return 1
 

@@ -231,9 +231,17 @@ def convert_gguf(gguf_path: str | os.PathLike, dest: str | os.PathLike, *, progr
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     with open(gguf_path, "rb") as f:
-        magic = f.read(4)
+        head = f.read(8)
+    magic = head[:4]
     if magic != GGUF_MAGIC:
         raise ValueError(f"{gguf_path} is not a GGUF file (first bytes {magic!r}, expected {GGUF_MAGIC!r})")
+    from gguf.gguf_reader import READER_SUPPORTED_VERSIONS   # the reader transformers converts with
+    version = int.from_bytes(head[4:8], "little") if len(head) == 8 else None
+    if version is not None and version & 0xFFFF == 0:   # a file of the other byte order (the reader's own rule)
+        version = int.from_bytes(head[4:8], "big")
+    if version not in READER_SUPPORTED_VERSIONS:   # checked before the progress bar: one line, not a wall
+        raise ValueError(f"{gguf_path}: GGUF version {version} (a damaged or unsupported file); the GGUF reader "
+                         f"reads versions {', '.join(map(str, READER_SUPPORTED_VERSIONS))}: re-export the model")
     started = time.perf_counter()
     with atomic_dir(dest) as tmp, tqdm(total=3, desc=f"convert {gguf_path.name}", unit="step",
                                        disable=not progress) as steps:

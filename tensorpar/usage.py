@@ -1,8 +1,62 @@
 """The parser of every ``tensorpar`` command: ``--help`` with the defaults (:class:`HelpFormatter`) and usage errors
-as one line naming the setting, its value and what would work (:class:`ArgumentParser`, :func:`usage_error`)."""
+as one line naming the setting, its value and what would work (:class:`ArgumentParser`, :func:`usage_error`); and
+:func:`refuse`, the one way a command refuses bad input (argparse's errors and the launching process's checks
+alike): ``tensorpar <command>: error: <setting>: <what is wrong> (<what would work>)``, exit status 2."""
 from __future__ import annotations
 
 import argparse
+
+#: The exit status of a refused input (argparse's, for every refusal of every command).
+REFUSED = 2
+
+
+def prog(command: str | None) -> str:
+    """The name a command's lines start with: ``tensorpar <command>`` (``tensorpar`` for the top level)."""
+    return f"tensorpar {command}" if command else "tensorpar"
+
+
+def refuse(command: str | None, error: object) -> int:
+    """Refuse bad input: print ``tensorpar <command>: error: <error>`` as one line on stderr (whitespace joined;
+    under torchrun also into torch elastic's error file, :func:`tensorpar.rank_errors.report_error`) and return
+    :data:`REFUSED` (2), the exit status. Every refusal of a command goes through here: argparse's usage errors
+    (:meth:`ArgumentParser.error`) and the checks each command makes in the launching process before any rank starts
+    (``ValueError`` / ``OSError`` from its ``validate``). ``command``: ``generate``, ``serve``, ... (``None``: the top
+    level). An error inside a rank is not a refusal: ``tensorpar: error: ... (rank R)``, exit 1
+    (:func:`tensorpar.launch.run_ranks`)."""
+    from tensorpar.rank_errors import report_error
+
+    report_error(str(error), prog=prog(command))
+    return REFUSED
+
+
+def note(args, text: str) -> None:
+    """A note on input that is accepted (``tensorpar: note: ...``: a flag that changes nothing here, a value that
+    looks like a unit slip), held on ``args`` while the command's checks run and printed on stderr once they pass
+    (:func:`release_notes`): a refused input is its one line, with no note before it. Printed at once where nothing
+    holds notes (``args`` of a call from Python, or after :func:`release_notes`)."""
+    import sys
+
+    held = getattr(args, "held_notes", None)
+    if held is None:
+        print(text, file=sys.stderr, flush=True)
+    else:
+        held.append(text)
+
+
+def hold_notes(args) -> None:
+    """Start holding :func:`note` s on ``args`` (:func:`tensorpar.cli.main`, before the command's checks)."""
+    args.held_notes = []
+
+
+def release_notes(args) -> None:
+    """Print the notes held on ``args`` (in order, on stderr) and print later ones at once: called by a command
+    once its checks have passed, before any rank starts (and by :func:`tensorpar.cli.main` for a command that
+    was not refused)."""
+    import sys
+
+    for text in getattr(args, "held_notes", None) or ():
+        print(text, file=sys.stderr, flush=True)
+    args.held_notes = None
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -17,11 +71,12 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser (every ``tensorpar`` command's: subparsers take the class of their parent) whose usage errors
     are one line on stderr, ``<prog>: error: <setting>: <what is wrong> (<what would work>); see <prog> -h``, exit 2
-    as argparse's (:func:`usage_error`), instead of the usage block and the error. ``-h`` / ``--help`` are
+    as argparse's (:func:`usage_error`, printed by :func:`refuse`), instead of the usage block and the error. ``-h`` / ``--help`` are
     argparse's, unchanged."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {usage_error(self, message)}; see {self.prog} -h\n")
+        command = self.prog.partition(" ")[2] or None       # prog: "tensorpar" or "tensorpar <command>"
+        raise SystemExit(refuse(command, f"{usage_error(self, message)}; see {self.prog} -h"))
 
 
 def _what_works(action: argparse.Action) -> str:

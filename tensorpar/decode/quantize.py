@@ -155,8 +155,7 @@ def bf16_misfit(dtype) -> str | None:
     if dtype in (torch.float32, "float32"):
         return None
     name = str(dtype).replace("torch.", "")
-    return (f"--quantize bf16 stores the weights of an fp32 model in bf16 and computes in fp32; with --dtype {name} "
-            f"the model is not fp32 (bfloat16 weights need no conversion): use --dtype float32 or --quantize none")
+    return f"--quantize bf16 with --dtype {name}: the weights are not fp32 (use --dtype float32, or --quantize none)"
 
 
 def store_bf16(model, tp: Group) -> None:

@@ -360,7 +360,8 @@ def validate(args: argparse.Namespace):
     from tensorpar.verify.prove import resolve_flags
     resolve_flags(args, config)   # --discover-plan: the proven plan becomes the --plan-file the ranks read
     user_plan = os.path.abspath(args.plan_file) if getattr(args, "plan_file", None) is not None else None
-    tp_weights, plan = plan_for_model(getattr(args, "tp_weights", None), args.tp, config, user_plan=user_plan)
+    tp_weights, plan = plan_for_model(getattr(args, "tp_weights", None), args.tp, config, user_plan=user_plan,
+                                      tp_name="--tp")
     attn = resolve_attn_implementation(config)  # decided here; every rank runs this one
     quantize = getattr(args, "quantize", "none")
     check_quantize(quantize, config, plan, getattr(args, "dtype", "float32"))
@@ -385,14 +386,15 @@ def validate(args: argparse.Namespace):
 
 def main(args: argparse.Namespace) -> int:
     from tensorpar.cli import torchrun_tp
-    from tensorpar.launch import rank0_print, report_error, run_ranks
+    from tensorpar.launch import rank0_print, run_ranks
+    from tensorpar.usage import refuse, release_notes
 
     try:
         torchrun_tp(args)   # under torchrun: tp x ep is its world size
         job = validate(args)
     except (ValueError, FileNotFoundError, OSError) as e:
-        report_error(str(e))
-        return 2
+        return refuse("generate", e)
+    release_notes(args)   # the notes of accepted input, now that every check passed
     if args.print_plan:  # with --tp-weights auto the even split (the ranks' split is measured when they start)
         from tensorpar.hf.plan import make_plan
         rank0_print(job.plan or make_plan(job.model_config, job.parallel.tp, user_plan=job.user_plan))

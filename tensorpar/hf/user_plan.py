@@ -84,11 +84,13 @@ def load_user_plan(spec) -> UserPlan:
     if isinstance(spec, (str, os.PathLike)):
         path = Path(spec)
         source = f"plan file {str(path)!r}"
+        if path.is_dir():
+            raise ValueError(f"--plan-file {str(path)!r}: a folder, not a plan file; give a .json or .yaml file")
         if not path.is_file():
             raise FileNotFoundError(f"--plan-file {str(path)!r}: no such file")
-        text = path.read_text()
         suffix = path.suffix.lower()
         try:
+            text = path.read_text(encoding="utf-8")   # UnicodeDecodeError: a ValueError, named below
             if suffix == ".json":
                 spec = json.loads(text)
             elif suffix in (".yaml", ".yml"):
@@ -113,6 +115,9 @@ def load_user_plan(spec) -> UserPlan:
             raise ValueError(f"{source}: unknown top-level keys {sorted(extra)}; a structured plan takes 'entries', "
                              f"'blocks' and 'replicate_threshold'")
         blocks = spec.get("blocks")
+        if blocks is not None and (not isinstance(blocks, str) or not blocks.strip()):
+            raise ValueError(f"{source}: 'blocks' must be the pattern of the transformer blocks (e.g. "
+                             f"\"model.layers.*\"), got {blocks!r}")
         threshold = spec.get("replicate_threshold", threshold)
         if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0:
             raise ValueError(f"{source}: replicate_threshold must be a non-negative number of elements, "

@@ -16,6 +16,20 @@ import torch
 from tensorpar.shard import Partition, UnitSelection
 
 
+def tp_heads_error(tp_size: int, num_heads: int, name: str = "tp_size") -> str | None:
+    """The rule of the tp degree against the query heads (:meth:`HeadLayout.make`; the launching process applies it
+    before any rank starts, :func:`tensorpar.capacity.plan_for_model`): every rank needs at least one query head.
+    ``None`` when ``tp_size <= num_heads``, else the line saying so, naming the degree as ``name`` (a flag such as
+    ``--tp`` in the launching process)."""
+    if tp_size <= num_heads:
+        return None
+    if name.startswith("--"):
+        return (f"{name} {tp_size}: exceeds the model's {num_heads} attention heads (every rank needs at least one "
+                f"query head; use {name} <= {num_heads})")
+    return (f"{name} ({tp_size}) exceeds the number of attention heads ({num_heads}); every rank needs at least one "
+            f"query head, so use {name} <= {num_heads}")
+
+
 @dataclass(frozen=True)
 class HeadLayout:
     """Which query and KV heads each tp rank computes.
@@ -45,9 +59,9 @@ class HeadLayout:
             ValueError: ``tp_size > num_heads`` (naming both), or ``num_heads`` not a multiple of
                 ``num_kv_heads``.
         """
-        if tp_size > num_heads:
-            raise ValueError(f"tp_size ({tp_size}) exceeds the number of attention heads ({num_heads}); every rank "
-                             f"needs at least one query head, so use tp_size <= {num_heads}")
+        why = tp_heads_error(tp_size, num_heads)
+        if why is not None:
+            raise ValueError(why)
         if num_kv_heads < 1 or num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads "
                              f"({num_kv_heads})")

@@ -230,8 +230,8 @@ def main(args) -> int:
                              "exact: drop --tp-comm or add --inference")
         return _plan(args)
     except ValueError as err:
-        print(f"tensorpar plan: error: {err}", file=sys.stderr)
-        return 2
+        from tensorpar.usage import refuse
+        return refuse("plan", err)
     except RuntimeError as err:  # calibration: a worker process failed
         print(f"tensorpar plan: {err}", file=sys.stderr)
         return 1

@@ -246,7 +246,10 @@ def device_from_file(path: str | Path) -> DeviceSpec:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ValueError(f"--device-file {path}: cannot read a JSON device spec ({err})") from None
-    data = data.get("device", data)
+    data = data.get("device", data) if isinstance(data, dict) else data
+    if not isinstance(data, dict):
+        raise ValueError(f"--device-file {path}: a JSON {type(data).__name__}, not an object; expected the fields of "
+                         f"DeviceSpec (e.g. the 'device' of tensorpar plan --calibrate --json)")
     try:
         return DeviceSpec(**data)
     except TypeError as err:
@@ -282,7 +285,6 @@ def inter_node_link(args, device: DeviceSpec | None = None, *, crosses_hosts: bo
     """
     import math
     import os
-    import sys
 
     bw, lat = getattr(args, "inter_node_bw", None), getattr(args, "inter_node_latency_us", None)
     if lat is not None and not (math.isfinite(lat) and lat >= 0):
@@ -304,8 +306,9 @@ def inter_node_link(args, device: DeviceSpec | None = None, *, crosses_hosts: bo
     elif inside > 0 and bw > 10 * inside:
         note = f"more than 10x the link inside a node ({inside:g} GB/s)"
     if note and crosses_hosts and os.environ.get("RANK", "0") == "0":
-        print(f"tensorpar: note: --inter-node-bw {bw:g} GB/s is {note}; used as given: is the unit right? (GB/s per "
-              f"rank; 1 Gbit/s = 0.125)", file=sys.stderr)
+        from tensorpar.usage import note as say
+        say(args, f"tensorpar: note: --inter-node-bw {bw:g} GB/s is {note}; used as given: is the unit right? (GB/s "
+                  f"per rank; 1 Gbit/s = 0.125)")
     return {"inter_node_gbps": bw, **({} if lat is None else {"inter_node_latency_us": lat})}
 
 
@@ -323,7 +326,6 @@ def note_unused_link(args, ranks: int, per_host: int, what: str) -> bool:
     ``train --plan`` and ``generate``/``serve --plan auto`` (no torchrun across hosts). ``what``: where the ranks
     are, in words. Returns whether it noted."""
     import os
-    import sys
 
     given = [f"{f} {getattr(args, k):g}" for f, k in (("--inter-node-bw", "inter_node_bw"),
                                                      ("--inter-node-latency-us", "inter_node_latency_us"))
@@ -331,8 +333,9 @@ def note_unused_link(args, ranks: int, per_host: int, what: str) -> bool:
     if not given or spans_hosts(ranks, per_host):
         return False
     if os.environ.get("RANK", "0") == "0":
-        print(f"tensorpar: note: {' and '.join(given)}: all {ranks} {what}: no group crosses the link between hosts, "
-              f"so it is not needed here", file=sys.stderr)
+        from tensorpar.usage import note
+        note(args, f"tensorpar: note: {' and '.join(given)}: all {ranks} {what}: no group crosses the link between "
+                   f"hosts, so it is not needed here")
     return True
 
 

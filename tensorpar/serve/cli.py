@@ -168,7 +168,8 @@ def validate(args: argparse.Namespace):
     from tensorpar.verify.prove import resolve_flags
     resolve_flags(args, config)   # --discover-plan: the proven plan becomes the --plan-file the ranks read
     user_plan = os.path.abspath(args.plan_file) if args.plan_file is not None else None
-    tp_weights, plan = plan_for_model(getattr(args, "tp_weights", None), args.tp, config, user_plan=user_plan)
+    tp_weights, plan = plan_for_model(getattr(args, "tp_weights", None), args.tp, config, user_plan=user_plan,
+                                      tp_name="--tp")
     from tensorpar.decode.quantize import check_quantize
     quantize = getattr(args, "quantize", "none")
     check_quantize(quantize, config, plan, getattr(args, "dtype", "float32"))
@@ -296,9 +297,9 @@ def _serve(engine, task: ServeTask, holder: dict) -> int:
     if not thread.is_alive():
         sched.stop()
         sched.run()                        # tells the other ranks to stop
-        print(f"tensorpar: error: --host {task.host} --port {task.port}: cannot listen there (taken since the check "
-              f"before launch?); pick another --port, or --port 0 for any free one", file=sys.stderr, flush=True)
-        return 2
+        from tensorpar.usage import refuse
+        return refuse("serve", f"--host {task.host} --port {task.port}: cannot listen there (taken since the check "
+                               f"before launch?); pick another --port, or --port 0 for any free one")
     port = server.servers[0].sockets[0].getsockname()[1]
     kv = engine.cache.nbytes() / 2**20
     at = f"tp={engine.tp.size}" + (f", pp={engine.pp.size}" if engine.pp.size > 1 else "")
@@ -322,13 +323,14 @@ def _serve(engine, task: ServeTask, holder: dict) -> int:
 
 def main(args: argparse.Namespace) -> int:
     from tensorpar.cli import torchrun_tp
-    from tensorpar.launch import report_error, run_ranks
+    from tensorpar.launch import run_ranks
+    from tensorpar.usage import refuse, release_notes
 
     try:
         torchrun_tp(args)   # under torchrun: tp x ep is its world size
         job = validate(args)
     except (ValueError, FileNotFoundError, OSError) as e:
-        report_error(str(e))
-        return 2
+        return refuse("serve", e)
+    release_notes(args)   # the notes of accepted input, now that every check passed
     rc = run_ranks(_rank_main, job.world_size, job, verbose=job.verbose)
     return 0 if rc == 130 else rc       # SIGINT/SIGTERM is how a server is stopped: every rank exited

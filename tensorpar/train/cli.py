@@ -224,10 +224,11 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} goes with --plan (it prices the planned layout's groups that span hosts); "
                              f"add --plan auto or drop {flag}")
         else:
-            from tensorpar.launch import rank0_print
+            from tensorpar.usage import note
             cfg, notes = drop_no_ops(args, cfg)
-            for note in notes:
-                rank0_print(note, file=sys.stderr)
+            for text in notes:
+                if int(os.environ.get("RANK", "0")) == 0:   # rank 0's, as the launch's other notes
+                    note(args, text)
         if under_torchrun() and cfg.world_size != int(os.environ["WORLD_SIZE"]):
             cp = f" x --cp {cfg.cp}" if cfg.cp > 1 else ""
             raise ValueError(f"--tp {cfg.tp} x --pp {cfg.pp}{cp} x --dp {cfg.dp} = {cfg.world_size}, but "
@@ -261,10 +262,11 @@ def main(args: argparse.Namespace) -> int:
                   check_collectives=bool(getattr(args, "check_collectives", False)),
                   model_config=source.config, plan=None if cfg.tp_weights == "auto" else plan, task=task)
     except (ValueError, FileNotFoundError, OSError, CheckpointError) as e:
-        from tensorpar.launch import report_error
+        from tensorpar.usage import refuse
         lock.close()
-        report_error(str(e))
-        return 2
+        return refuse("train", e)
+    from tensorpar.usage import release_notes
+    release_notes(args)   # the notes of accepted input, now that every check passed
     try:
         return run_ranks(_rank_main, job.world_size, job, verbose=job.verbose)
     finally:

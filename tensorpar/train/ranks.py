@@ -83,7 +83,7 @@ def prepare(cfg: TrainConfig, *, progress: bool = True, checks: bool = True, sou
         follow_stored_ties(source.weights, source.config, torch.float32)
     from tensorpar.capacity import plan_for_model
     _, plan = plan_for_model(cfg.tp_weights, cfg.tp, source.config, sequence_parallel=cfg.sequence_parallel,
-                             what="tp_weights")
+                             what="tp_weights", tp_name="--tp" if flags else "tp_size")
     if cfg.pp > 1:
         from tensorpar.pipeline.stages import check_pipeline
         check_pipeline(source.config, cfg.pp, 2 if cfg.schedule == "interleaved-1f1b" else 1, cfg.micro_batches,

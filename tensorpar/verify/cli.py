@@ -13,6 +13,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -49,6 +50,19 @@ def _parse_tp(text: str) -> list[int]:
     if not tps or any(t < 1 for t in tps):
         raise ValueError(f"--tp {text!r}: give comma-separated positive integers, e.g. --tp 2,3,4")
     return tps
+
+
+def check_report_path(path: str) -> None:
+    """``--json FILE``: a file the launching process can write once every layout is verified (``FILE.tmp``, then
+    renamed), checked before any rank starts. Raises ValueError naming the setting."""
+    target = Path(path)
+    if not path.strip() or target.is_dir():
+        raise ValueError(f"--json {path!r}: not a file name (a folder or empty); give a file, e.g. --json report.json")
+    folder = target.parent
+    if not folder.is_dir():
+        raise ValueError(f"--json {path!r}: the folder {str(folder)!r} does not exist; create it or write elsewhere")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"--json {path!r}: the folder {str(folder)!r} is not writable here; write elsewhere")
 
 
 def _model_config(spec: str, seq_len: int):
@@ -99,6 +113,8 @@ def validate(args: argparse.Namespace, out_dir: str = ""):
     from tensorpar.parallel import ParallelConfig
 
     tps = _parse_tp(args.tp)
+    if getattr(args, "json", None) is not None:
+        check_report_path(args.json)
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     lcm = math.lcm(*tps)
@@ -144,7 +160,7 @@ def validate(args: argparse.Namespace, out_dir: str = ""):
     for t in tps:
         weights = _weights_for(w, t)
         weights, plan = plan_for_model(weights, t, config, sequence_parallel=args.sequence_parallel,  # ValueError
-                                       user_plan=user_plan)
+                                       user_plan=user_plan, tp_name="--tp")
         from tensorpar.decode.quantize import check_quantize
         check_quantize(quantize, config, plan, args.dtype)
         task = VerifyTask(args.model, seq, args.batch_size, bool(args.train), bool(args.sequence_parallel), quantize,
@@ -277,9 +293,8 @@ def main(args: argparse.Namespace) -> int:
         try:
             jobs = validate(args, tmp)
         except (ValueError, FileNotFoundError, OSError) as e:
-            from tensorpar.launch import report_error
-            report_error(str(e))
-            return 2
+            from tensorpar.usage import refuse
+            return refuse("verify", e)
         for job in jobs:
             rc = run_ranks(_rank_main, job.world_size, job, verbose=job.verbose)
             if rc:

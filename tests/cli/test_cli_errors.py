@@ -103,7 +103,7 @@ def test_unexpected_error_in_the_launching_process_is_one_line(monkeypatch, caps
 def test_generate_rejects_bad_values_before_anything_loads(capsys, args, msg):
     assert main(["generate", "--model", "/nonexistent/never-read", *args]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("tensorpar: error: ") and msg in err and err.count("\n") == 1, err
+    assert err.startswith("tensorpar generate: error: ") and msg in err and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
@@ -120,7 +120,8 @@ def test_missing_lora_folder_is_refused_before_the_tokenizer(tiny_with_tokenizer
     extra = ["--port", "0"] if command == "serve" else []
     assert main([command, "--model", tiny_with_tokenizer, "--lora", "/nonexistent/adapter", *extra]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("tensorpar: error: --lora '/nonexistent/adapter': not a PEFT adapter folder") and \
+    assert err.startswith(f"tensorpar {command}: error: --lora '/nonexistent/adapter': not a PEFT adapter folder") \
+        and \
         err.count("\n") == 1, err
 
 

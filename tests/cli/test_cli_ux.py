@@ -28,9 +28,9 @@ def _env(**extra):
     return env
 
 
-def _one_error_line(err: str) -> str:
+def _one_error_line(err: str, command: str = "train") -> str:
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("tensorpar: error: "), err
+    assert len(lines) == 1 and lines[0].startswith(f"tensorpar {command}: error: "), err
     return lines[0]
 
 
@@ -49,7 +49,7 @@ def test_negative_tp_weights_reach_the_check_not_argparse(tmp_path, text_file, c
 
 def test_generate_negative_tp_weights_one_line(tiny_with_tokenizer, capsys):  # noqa: F811
     assert main(["generate", "--model", tiny_with_tokenizer, "--tp", "2", "--tp-weights", "-1,1", "--prompt", "hi"]) == 2
-    line = _one_error_line(capsys.readouterr().err)
+    line = _one_error_line(capsys.readouterr().err, "generate")
     assert "-1,1" in line and "positive" in line, line
 
 
@@ -244,7 +244,7 @@ def test_torchrun_summary_shows_the_one_line(tmp_path, text_file):  # noqa: F811
                         "--tp", "1", "--model", "tiny", "--data", text_file, "--lr", "nan", "--out",
                         str(tmp_path / "out")], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode != 0
-    ours = "tensorpar: error: --lr nan: must be a finite number"
-    first = [ln for ln in p.stderr.splitlines() if ln.startswith("tensorpar: error:")]
+    ours = "tensorpar train: error: --lr nan: must be a finite number"
+    first = [ln for ln in p.stderr.splitlines() if ln.startswith("tensorpar train: error:")]
     assert len(first) == 1 and first[0].startswith(ours), p.stderr[-3000:]
     assert f"traceback : {first[0]}" in p.stderr and "To enable traceback" not in p.stderr, p.stderr[-3000:]

@@ -242,7 +242,7 @@ def test_every_numeric_flag_rejects_bad_values(tmp_path, text_file, capsys, flag
     out = [] if flag == "--out" else ["--out", str(tmp_path / "out")]
     assert _train(flag, value, *out, text_file=text_file) == 2
     err = capsys.readouterr().err
-    assert err.startswith("tensorpar: error: ") and err.count("\n") == 1, err
+    assert err.startswith("tensorpar train: error: ") and err.count("\n") == 1, err
     assert flag in err, err
 
 

@@ -114,7 +114,8 @@ def test_bf16_refused_for_a_bf16_model(tmp_path):
     from tensorpar.decode.quantize import check_quantize, store_bf16
     from tensorpar.hf.load import build_parallel_model
     from tensorpar.parallel import ParallelContext
-    msg = r"--quantize bf16 .* --dtype bfloat16 .*: use --dtype float32 or --quantize none"
+    msg = (r"^--quantize bf16 with --dtype bfloat16: the weights are not fp32 "
+           r"\(use --dtype float32, or --quantize none\)$")       # one short line (review)
     cfg = AutoConfig.for_model("llama")
     with pytest.raises(ValueError, match=msg):
         check_quantize("bf16", cfg, argparse.Namespace(sequence_parallel=False), "bfloat16")

@@ -107,7 +107,7 @@ def test_ep_that_cannot_split_the_experts_is_refused(moe_folder, capsys, cmd, ep
     rc = main([cmd, "--model", moe_folder, "--tp", "1", "--ep", ep, *(["--port", "0"] if cmd == "serve" else [])])
     err = capsys.readouterr().err
     assert rc == 2, err
-    assert match in err and err.count("\n") == 1 and ": error: " in err, err
+    assert match in err and err.count("\n") == 1 and err.startswith(f"tensorpar {cmd}: error: "), err
 
 
 @pytest.fixture(scope="module")

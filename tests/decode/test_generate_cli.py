@@ -70,7 +70,7 @@ def test_truncated_safetensors(tiny_with_tokenizer, tmp_path):
 
 def test_tp_larger_than_heads(tiny_with_tokenizer):
     r = _cli("--model", tiny_with_tokenizer, "--tp", "10", "--print-plan")
-    assert r.returncode != 0 and "tp_size (10) exceeds the number of attention heads (9)" in r.stderr
+    assert r.returncode != 0 and "--tp 10: exceeds the model's 9 attention heads" in r.stderr
 
 
 def test_prompt_longer_than_positions(tiny_with_tokenizer):
@@ -168,7 +168,8 @@ def test_quantize_int8_refused_for_a_family_without_the_lean_path(tmp_path):
     folder = make_model_folder(tmp_path / "gpt2", "gpt2")
     r = _cli("--model", str(folder), "--tp", "2", "--quantize", "int8")
     assert r.returncode == 2
-    ours = [line for line in r.stderr.splitlines() if line.startswith("tensorpar:")]   # (+ transformers' warnings)
+    ours = [line for line in r.stderr.splitlines() if line.startswith("tensorpar generate:")]   # (+ transformers'
+    #                                                                                              warnings)
     assert len(ours) == 1 and "Traceback" not in r.stderr, r.stderr
     assert "--quantize int8" in ours[0] and "'gpt2'" in ours[0] and "--quantize none" in ours[0]
 

@@ -195,7 +195,7 @@ def test_bad_pp_is_one_line_before_any_rank(model_dirs, capsys, arch, args, msg)
     from tensorpar.cli import main
     assert main(["generate", "--model", model_dirs[arch], *args]) == 2
     err = capsys.readouterr().err
-    assert err == f"tensorpar: error: {msg}\n", err
+    assert err == f"tensorpar generate: error: {msg}\n", err
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
@@ -205,7 +205,7 @@ def test_cp_in_inference_is_refused_naming_the_limit(model_dirs, capsys, command
     from tensorpar.cli import main
     assert main([command, "--model", model_dirs["llama"], "--cp", "2"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("tensorpar: error: --cp 2: context parallelism runs in training only"), err
+    assert err.startswith(f"tensorpar {command}: error: --cp 2: context parallelism runs in training only"), err
     assert "max_position_embeddings" in err and err.count("\n") == 1, err
 
 
@@ -320,10 +320,10 @@ def test_torchrun_world_not_divisible_by_pp_is_one_line(model_dirs, capsys, monk
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
     assert main(["generate", "--model", model_dirs["llama"], "--pp", "2"]) == 2
-    assert capsys.readouterr().err == "tensorpar: error: --pp 2 does not divide torchrun's 3 ranks (tp x pp); use " \
+    assert capsys.readouterr().err == "tensorpar generate: error: --pp 2 does not divide torchrun's 3 ranks (tp x pp); use " \
                                       "--pp in [1, 3]\n"
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert main(["generate", "--model", model_dirs["llama"], "--pp", "2", "--tp", "4"]) == 2
-    assert capsys.readouterr().err == "tensorpar: error: --tp 4 x --pp 2 = 8 ranks, but torchrun started " \
+    assert capsys.readouterr().err == "tensorpar generate: error: --tp 4 x --pp 2 = 8 ranks, but torchrun started " \
                                       "WORLD_SIZE=4; drop --tp under torchrun (it is the world size / --pp) or start " \
                                       "8 ranks\n"

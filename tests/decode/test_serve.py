@@ -540,7 +540,7 @@ def test_bad_option_exit_code_2(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     r = subprocess.run([sys.executable, "-m", "tensorpar", "serve", "--model", "/nonexistent/model"],
                        capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 2 and r.stderr.startswith("tensorpar: error:"), r.stderr[-2000:]
+    assert r.returncode == 2 and r.stderr.startswith("tensorpar serve: error:"), r.stderr[-2000:]
 
 
 def test_port_in_use_refused_before_launch(tmp_path_factory):

@@ -255,7 +255,7 @@ def test_plan_file_with_rows_that_match_other_heads_fails_before_launch(tmp_path
     capsys.readouterr()
     assert main([command, "--model", str(tmp_path / "m"), "--tp", "2", "--plan-file", str(plan), *extra]) == 2
     err = capsys.readouterr().err
-    assert err == (f"tensorpar: error: plan entry 'model.layers.*.self_attn' (plan file '{plan}'): head_dim=4 "
+    assert err == (f"tensorpar {command}: error: plan entry 'model.layers.*.self_attn' (plan file '{plan}'): head_dim=4 "
                    f"(heads=8, kv_heads=4) but LlamaAttention's heads are 8 wide (its head_dim: its rotary tables, "
                    f"scaling and per-head norms are built for it); the rows match, the heads do not: give heads=4, "
                    f"kv_heads=2, head_dim=8\n"), err

@@ -57,7 +57,7 @@ def test_run_into_a_locked_out_is_refused_then_runs_and_resumes(tmp_path, text_f
             err = capsys.readouterr().err
             lines = err.splitlines()
             assert len(lines) == 1 and lines[0].startswith(
-                f"tensorpar: error: --out {str(out)!r} is in use by another run; wait for it to end, or choose "
+                f"tensorpar train: error: --out {str(out)!r} is in use by another run; wait for it to end, or choose "
                 f"another --out folder (held by process {holder.pid} ("), err
             assert lines[0].endswith(f"lock {out / '.lock'})"), err
         assert sorted(p.name for p in out.iterdir()) == [".lock"]  # nothing of the refused run

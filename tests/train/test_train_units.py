@@ -206,7 +206,7 @@ def test_cli_rejects_bad_input_before_launch(capsys, text_file):
     rc = main(["train", "--tp", "4", "--sequence-parallel", "--seq-len", "30", "--data", text_file, "--no-progress"])
     assert rc == 2 and "seq_len=30 is not divisible by tp=4" in capsys.readouterr().err
     rc = main(["train", "--tp", "5", "--model", "tiny", "--data", text_file, "--no-progress"])
-    assert rc == 2 and "tp_size (5) exceeds the number of attention heads (4)" in capsys.readouterr().err
+    assert rc == 2 and "--tp 5: exceeds the model's 4 attention heads" in capsys.readouterr().err
     rc = main(["train", "--data", "no-such-corpus", "--no-progress"])
     assert rc == 2 and "use 'shakespeare' or the path of a UTF-8 .txt file" in capsys.readouterr().err
 

@@ -259,7 +259,7 @@ def test_cli_bad_input(capsys, argv, match):
     rc = main(["verify", *(["--model", "tiny"] if "--model" not in argv else []), *argv])
     err = capsys.readouterr().err
     assert rc == 2, err
-    assert match in err and err.count("\n") == 1 and err.startswith("tensorpar: error: "), err
+    assert match in err and err.count("\n") == 1 and err.startswith("tensorpar verify: error: "), err
 
 
 @pytest.mark.network
