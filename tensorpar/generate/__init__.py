@@ -99,14 +99,9 @@ def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: t
     A model built with sequence parallelism generates as plain tensor parallelism (the prompt and the
     one-token decode steps are not split along the sequence; :func:`tensorpar.hf.apply.sequence_parallel_off`).
 
-    The engine (:class:`~tensorpar.serve.engine.Engine`: the fused and possibly packed weights, the KV cache of
-    ``b`` rows of ``s + max_new_tokens`` positions rounded up to :data:`ENGINE_LEN_STEP`, the row step's
-    programs) is built by the first call and kept on ``model`` (:func:`cached_engine`); a later call with the
-    same ``b``, ``path``, ``pp``, ``deterministic``, tp group (communicator and compression included) and thread
-    count, at most as many positions, and the model's parameters and buffers unchanged (:func:`_model_state`: a
-    LoRA merge, ``quantize_int8``, ``.to()`` or ``load_state_dict`` change them) reuses it, with the same tokens
-    as a new one; otherwise the old engine is freed and a new one built. So the KV cache of the last call's shape
-    stays allocated between calls: :func:`release_engine` frees it.
+    The engine (fused, possibly packed weights, the KV cache, the row step's programs) is built by the first call
+    and kept on ``model``; a later call that fits it, on unchanged weights, reuses it with the same tokens
+    (:mod:`tensorpar.generate.engine_cache`: what must match; :func:`release_engine` frees it and its KV cache).
 
     Returns:
         :class:`GenerationResult`.

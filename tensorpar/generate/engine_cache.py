@@ -1,5 +1,11 @@
-"""The engine :func:`tensorpar.generate.generate_tokens` keeps on a model between calls: reused when the next call
-fits it and the model's weights are unchanged, else freed and rebuilt (:func:`cached_engine`, :func:`release_engine`)."""
+"""The engine :func:`tensorpar.generate.generate_tokens` keeps on a model between calls.
+
+A call reuses the kept :class:`~tensorpar.serve.engine.Engine` when it has the same batch size, path, pp group,
+deterministic mode, tp group (its communicator and compression included) and thread count, needs at most the
+engine's positions (a new engine's ``s + max_new_tokens`` is rounded up to :data:`ENGINE_LEN_STEP`), and the model's
+parameters and buffers are unchanged (:func:`_model_state`: a LoRA merge, ``quantize_int8``, ``.to()`` or
+``load_state_dict`` change them); otherwise the old engine is freed and a new one built. The KV cache of the last
+call's shape stays allocated between calls: :func:`release_engine` frees it (:func:`cached_engine` reads it)."""
 from __future__ import annotations
 
 import torch
