@@ -29,7 +29,7 @@ import torch
 
 from tensorpar import comm
 from tensorpar.comm import Group
-from tensorpar.generate.engine_cache import _engine, cached_engine, release_engine  # noqa: F401 (the public two)
+from tensorpar.generate.engine_cache import _engine, cached_engine, release_engine, settle  # noqa: F401
 from tensorpar.decode.quantize import apply_quantize, check_quantize
 from tensorpar.generate.flags import add_arguments, check_flags  # noqa: F401  (the command's flags)
 from tensorpar.streaming import chat_prompt_ids
@@ -99,9 +99,8 @@ def generate_tokens(model, tp: Group, input_ids: torch.Tensor, attention_mask: t
     A model built with sequence parallelism generates as plain tensor parallelism (the prompt and the
     one-token decode steps are not split along the sequence; :func:`tensorpar.hf.apply.sequence_parallel_off`).
 
-    The engine (fused, possibly packed weights, the KV cache, the row step's programs) is built by the first call
-    and kept on ``model``; a later call that fits it, on unchanged weights, reuses it with the same tokens
-    (:mod:`tensorpar.generate.engine_cache`: what must match; :func:`release_engine` frees it and its KV cache).
+    The engine (fused weights, KV cache, row step) is kept on ``model`` and reused by a later call that fits it, on
+    unchanged weights (:mod:`tensorpar.generate.engine_cache`; :func:`release_engine` frees it and its KV cache).
 
     Returns:
         :class:`GenerationResult`.
@@ -139,45 +138,49 @@ def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     engine = _engine(model, tp, max_batch=b, max_len=s + sampling.max_new_tokens, path=path, pp=pp,
                      deterministic=deterministic)
-    if heap is not None:    # weights loaded and fused: a step's temporaries may come from the heap
-        heap.for_steady()
-    greedy = sampling.temperature == 0
-    samplers = None
-    if not greedy and tp.rank == 0:     # one generator (the logits' device), drawing the rows in order each step
-        draw = sampler(sampling, torch.Generator(device=engine.device).manual_seed(sampling.seed))
-        samplers = [draw] * b
-    rows = [Row(i, p, 0, sampled=not greedy) for i, p in enumerate(prompts)]     # step 0: prefill every prompt
-    done = [False] * b                  # per row: ended (EOS); plain lists, no tensor ops per step
-    out = []
-    if engine.plans.size > 1:   # the clock starts when every rank is ready: a slower rank's load is not prefill
-        comm.all_reduce(torch.zeros(1, device=engine.device), engine.plans)
-    t0, c0 = time.perf_counter(), time.process_time()
-    ttft = ttft_cpu = 0.0
-    warning, paused = None, 0.0
-    for step in range(sampling.max_new_tokens):
-        counting = check_speed and step == 1 and tp.size > 1 and engine.pp.size == 1   # tp against one rank
-        with comm.counting(tp, reset=False) if counting else contextlib.nullcontext() as counter:
-            before = sum(counter.calls.values()) if counting else 0
-            got = engine.step(StepPlan("step", rows), samplers=[samplers[r.slot] for r in rows] if samplers else None)
-        nxt = [pad_id] * b
-        for r, t in zip(rows, got.tokens):
-            nxt[r.slot] = t
-            done[r.slot] = done[r.slot] or t in eos
-        out.append(nxt)
-        if step == 0:
-            ttft, ttft_cpu = time.perf_counter() - t0, time.process_time() - c0
-        if counting:
-            t_pause = time.perf_counter()
-            per_token = sum(counter.calls.values()) - before
-            warning = measure_speed(model, tp, torch.zeros(b, cfg.hidden_size, device=engine.device), per_token)
-            paused += time.perf_counter() - t_pause
-        if on_token is not None:
-            on_token(step, torch.tensor(nxt, dtype=torch.long))
-        if all(done):
-            break
-        # the next step: one decode row per unfinished prompt, its token at the position after its last
-        rows = [Row(r.slot, [nxt[r.slot]], r.start + len(r.tokens), sampled=not greedy)
-                for r in rows if not done[r.slot]]
+    try:
+        if heap is not None:    # weights loaded and fused: a step's temporaries may come from the heap
+            heap.for_steady()
+        greedy = sampling.temperature == 0
+        samplers = None
+        if not greedy and tp.rank == 0:     # one generator (the logits' device), drawing the rows in order each step
+            draw = sampler(sampling, torch.Generator(device=engine.device).manual_seed(sampling.seed))
+            samplers = [draw] * b
+        rows = [Row(i, p, 0, sampled=not greedy) for i, p in enumerate(prompts)]     # step 0: prefill every prompt
+        done = [False] * b                  # per row: ended (EOS); plain lists, no tensor ops per step
+        out = []
+        if engine.plans.size > 1:   # the clock starts when every rank is ready: a slower rank's load is not prefill
+            comm.all_reduce(torch.zeros(1, device=engine.device), engine.plans)
+        t0, c0 = time.perf_counter(), time.process_time()
+        ttft = ttft_cpu = 0.0
+        warning, paused = None, 0.0
+        for step in range(sampling.max_new_tokens):
+            counting = check_speed and step == 1 and tp.size > 1 and engine.pp.size == 1   # tp against one rank
+            with comm.counting(tp, reset=False) if counting else contextlib.nullcontext() as counter:
+                before = sum(counter.calls.values()) if counting else 0
+                got = engine.step(StepPlan("step", rows),
+                                  samplers=[samplers[r.slot] for r in rows] if samplers else None)
+            nxt = [pad_id] * b
+            for r, t in zip(rows, got.tokens):
+                nxt[r.slot] = t
+                done[r.slot] = done[r.slot] or t in eos
+            out.append(nxt)
+            if step == 0:
+                ttft, ttft_cpu = time.perf_counter() - t0, time.process_time() - c0
+            if counting:
+                t_pause = time.perf_counter()
+                per_token = sum(counter.calls.values()) - before
+                warning = measure_speed(model, tp, torch.zeros(b, cfg.hidden_size, device=engine.device), per_token)
+                paused += time.perf_counter() - t_pause
+            if on_token is not None:
+                on_token(step, torch.tensor(nxt, dtype=torch.long))
+            if all(done):
+                break
+            # the next step: one decode row per unfinished prompt, its token at the position after its last
+            rows = [Row(r.slot, [nxt[r.slot]], r.start + len(r.tokens), sampled=not greedy)
+                    for r in rows if not done[r.slot]]
+    finally:
+        settle(model)     # weights packed for this call (batch > 2): plain parameters again, engine dropped
     total = time.perf_counter() - t0 - paused
     return GenerationResult(torch.tensor(out, dtype=torch.long).T.contiguous(), ttft, total - ttft, warning,
                             ttft_cpu)

@@ -5,7 +5,9 @@ deterministic mode, tp group (its communicator and compression included) and thr
 engine's positions (a new engine's ``s + max_new_tokens`` is rounded up to :data:`ENGINE_LEN_STEP`), and the model's
 parameters and buffers are unchanged (:func:`_model_state`: a LoRA merge, ``quantize_int8``, ``.to()`` or
 ``load_state_dict`` change them); otherwise the old engine is freed and a new one built. The KV cache of the last
-call's shape stays allocated between calls: :func:`release_engine` frees it (:func:`cached_engine` reads it)."""
+call's shape stays allocated between calls: :func:`release_engine` frees it (:func:`cached_engine` reads it). Only an
+engine on plain weights is kept: one that packed them (more rows) is dropped at its call's end (:func:`settle`).
+Settings that are no tensors (a norm's ``eps``, the config) are not checked: call :func:`release_engine` after one."""
 from __future__ import annotations
 
 import torch
@@ -114,3 +116,17 @@ def _engine(model, tp: Group, *, max_batch: int, max_len: int, path: str, pp: Gr
                     deterministic=deterministic)
     model.__dict__[ENGINE_KEY] = _CachedEngine(engine, args, _model_state(model))
     return engine
+
+
+def settle(model) -> None:
+    """End of a :func:`~tensorpar.generate.generate_tokens` call: if its engine packed the weights (more than
+    :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS` rows: oneDNN's layout, whose modules' ``weight`` is a converted
+    copy on every access, so a write to it, a LoRA merge, ``quantize_int8`` or ``.to()`` would be lost or fail),
+    drop the engine and give the model its plain parameters back (:func:`~tensorpar.decode.packed.unpack_weights`);
+    the next such call packs again. An engine on plain weights stays kept. No collectives."""
+    from tensorpar.decode.packed import packed_model, unpack_weights
+
+    if packed_model(model):
+        release_engine(model)
+        unpack_weights(model)
+

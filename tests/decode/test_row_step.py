@@ -2,6 +2,8 @@
 (tensorpar/decode/fused.py, csrc/step.cpp) against their references: the unfused torch ops, the general decode loop
 of LeanDecoder.forward_segments, and transformers' greedy tokens at tp 1 and 2 (shared-memory and gloo
 all-reduces)."""
+import sys
+
 import pytest
 import torch
 
@@ -379,8 +381,8 @@ def test_a_dropped_decoder_and_its_weights_are_freed_without_garbage_collection(
     decoder, and its views of the plain weights, alive while a later batch-32 generate packed the weights: SmolLM2
     fp32 at tp=2 held both copies, +305-327 MB RSS per rank against +98-110 MB with the cycle gone (load average
     5-6; docs/memory.md). Here with the garbage collector off: the dropped decoder is gone at once; generate at
-    batch 1 then 3 (packed) releases the first engine without a collection and frees the plain fused q/k/v weight
-    it read."""
+    batch 1 then 3 (packed for the call, plain again after it) releases the first engine without a collection and
+    frees the plain fused q/k/v weight it read."""
     import gc
     import weakref
 
@@ -394,7 +396,8 @@ def test_a_dropped_decoder_and_its_weights_are_freed_without_garbage_collection(
     model, _ = build_parallel_model(make_model_folder(tmp_path / "llama", "llama"), ctx.tp)
     collections = []
     collect = gc.collect
-    monkeypatch.setattr(gc, "collect", lambda *a: collections.append(1) or collect(*a))
+    # who asked (release_engine's caller): _engine replacing the kept engine, or settle dropping a packed one
+    monkeypatch.setattr(gc, "collect", lambda *a: collections.append(sys._getframe(2).f_code.co_name) or collect(*a))
     ids = torch.tensor([[5, 6, 7, 8]])
     gc.disable()
     try:
@@ -408,8 +411,8 @@ def test_a_dropped_decoder_and_its_weights_are_freed_without_garbage_collection(
         assert first().lean.row_step is not None
         fused = weakref.ref(model.model.layers[0].self_attn.__dict__[FUSED_KEY][0])
         three = generate_tokens(model, ctx.tp, ids.repeat(3, 1), sampling=SamplingConfig(max_new_tokens=3)).tokens
-        assert packed_model(model)
-        assert first() is None and fused() is None and not collections
+        assert not packed_model(model) and cached_engine(model) is None     # packed for the call, plain after
+        assert first() is None and fused() is None and "_engine" not in collections, collections
     finally:
         gc.enable()
     assert torch.equal(three, one.repeat(3, 1))
