@@ -157,8 +157,9 @@ def locked_folder(folder: str, what: str = "--out") -> Iterator[None]:
     """Hold the exclusive lock of a folder a run writes into (``<folder>/.lock``, :func:`tensorpar.cache.file_lock`)
     while the block runs; refuse at once, without waiting, when another process holds it. The kernel drops a
     ``flock`` with the holder's last file descriptor, so a crashed or killed run releases it too. The lock file is
-    removed when the block ends, and so is a folder the lock made that holds nothing else (a refused run leaves the
-    folder as it found it); a killed run leaves its ``.lock``, which the next run takes over.
+    removed when the block ends, and so are the folders the lock made (``folder`` and missing parents) that hold
+    nothing else (a refused run leaves the file system as it found it); a killed run leaves its ``.lock``, which
+    the next run takes over.
 
     Raises:
         ValueError: another run holds the lock (one line naming ``what``, the folder and the holder), or ``folder``
@@ -168,7 +169,11 @@ def locked_folder(folder: str, what: str = "--out") -> Iterator[None]:
 
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise ValueError(f"{what} {folder!r} is a file, not a folder; choose a folder for the run's outputs")
-    created = not os.path.exists(folder)
+    made = []       # the folders the lock makes (``folder`` and its missing parents), innermost first
+    d = os.path.abspath(folder)
+    while not os.path.exists(d) and os.path.dirname(d) != d:
+        made.append(d)
+        d = os.path.dirname(d)
     path = os.path.join(folder, ".lock")
     with file_lock(path, busy=f"{what} {folder!r} is in use by another run; wait for it to end, or choose another "
                               f"{what} folder"):
@@ -177,8 +182,10 @@ def locked_folder(folder: str, what: str = "--out") -> Iterator[None]:
         finally:
             try:   # still held: a run that locks the removed file after this sees so and locks a new one
                 os.unlink(path)
-                if created and not os.listdir(folder):
-                    os.rmdir(folder)
+                for d in made:      # each left empty: a refused run leaves no folder behind
+                    if os.listdir(d):
+                        break
+                    os.rmdir(d)
             except OSError:
                 pass
 

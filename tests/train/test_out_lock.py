@@ -76,6 +76,10 @@ def test_refused_before_anything_is_made(tmp_path, text_file, capsys):
     out = tmp_path / "new"
     assert main(_args(text_file, out, "--steps", "2", "--resume")) == 2
     assert not out.exists(), list(out.iterdir())
+    # and the missing parents it made (review: --out /nonexistent/x left /nonexistent behind)
+    deep = tmp_path / "a" / "b" / "out"
+    assert main(_args(text_file, deep, "--steps", "2", "--resume")) == 2
+    assert not (tmp_path / "a").exists(), list((tmp_path / "a").rglob("*"))
 
 
 @pytest.mark.slow
