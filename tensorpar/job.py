@@ -159,3 +159,21 @@ def print0(ctx, *args, **kwargs) -> None:
     if ctx.rank == 0:
         kwargs.setdefault("flush", True)
         print(*args, **kwargs)
+
+
+def load_tokenizer(folder, config, model: str):
+    """The tokenizer of the model folder ``folder`` (``AutoTokenizer``, with its ``config`` already read), for the
+    command that was given ``--model model``.
+
+    Raises:
+        ValueError: transformers cannot build one from the folder (no or unreadable tokenizer files): one line
+            naming ``--model`` and what the folder needs.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder, config=config)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"--model {model!r}: no usable tokenizer in {folder} ({first[:160]}); the folder needs "
+                         f"tokenizer.json, or tokenizer.model with tokenizer_config.json") from e

@@ -211,9 +211,9 @@ def _encode(tok, prompts: list[str], chat: bool):
 def _tokenize(args, folder, config):
     """``(tokenizer, prompts, ids, mask)`` of the command's prompts (:func:`_encode`), checked: ``--chat`` needs a chat
     template, the prompt plus ``--max-new-tokens`` must fit the model's positions."""
-    from transformers import AutoTokenizer
+    from tensorpar.job import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(folder, config=config)  # the config read already, not again
+    tok = load_tokenizer(folder, config, args.model)  # the config read already, not again
     if args.chat and not getattr(tok, "chat_template", None):
         raise ValueError(f"--chat: {args.model} has no chat template (its tokenizer_config.json names none); drop "
                          f"--chat to generate from the plain prompt")

@@ -100,10 +100,10 @@ def validate(args: argparse.Namespace):
     """Every check, made once before any rank starts, and the :class:`~tensorpar.job.Job` the ranks run (the config
     and tokenizer read once, the plan made once; with ``--tp-weights auto`` each rank makes it after measuring).
     Raises ValueError."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     from tensorpar.hub import resolve_model
-    from tensorpar.job import job_from_args
+    from tensorpar.job import job_from_args, load_tokenizer
     from tensorpar.parallel import ParallelConfig
 
     if args.tp < 1:
@@ -187,7 +187,7 @@ def validate(args: argparse.Namespace):
                             memory=getattr(args, "kv_cache_memory", None),
                             weights=None if tp_weights in (None, "auto") else tp_weights,
                             pp=getattr(args, "pp", 1), ep=getattr(args, "ep", 1))
-    tok = AutoTokenizer.from_pretrained(folder, config=config)  # the config read above, not again
+    tok = load_tokenizer(folder, config, args.model)  # the config read above, not again
     task = ServeTask(n, args.max_batch, args.max_waiting, args.host, args.port, args.served_model_name or args.model,
                      tok, quantize, bs, num_blocks, paged_why is None and prefix != "off", timeout, deterministic,
                      prediction)

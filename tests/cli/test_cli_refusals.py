@@ -140,3 +140,19 @@ def test_tp_above_the_heads_names_the_flag(tiny_with_tokenizer, capsys, command)
     line = _refused([command, "--model", tiny_with_tokenizer, "--tp", "16", *extra], capsys)
     assert line == (f"tensorpar {command}: error: --tp 16: exceeds the model's 9 attention heads (every rank needs at "
                     f"least one query head; use --tp <= 9)"), line
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_model_folder_without_tokenizer_is_named(tmp_path, capsys, command):
+    """A model folder with weights and config but no tokenizer files: one line naming --model and what the folder
+    needs (review: transformers' message, naming no setting and suggesting packages to install)."""
+    import os
+
+    from tests.decode.test_generate import make_model_folder
+    folder = make_model_folder(tmp_path / "m", "llama")
+    for name in os.listdir(folder):
+        if "token" in name:
+            os.remove(os.path.join(folder, name))
+    capsys.readouterr()         # the folder writer's progress bar
+    line = _refused([command, "--model", str(folder)], capsys)
+    assert line.startswith(f"tensorpar {command}: error: --model ") and "tokenizer.json" in line, line
