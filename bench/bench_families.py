@@ -35,7 +35,9 @@ def job(ctx, folders: dict, names: list, tokens: int, rounds: int):
     """On every rank: per family, the best decode tokens/s of each path."""
     from tensorpar.generate import SamplingConfig, generate_tokens
     from tensorpar.hf.load import build_parallel_model
+    from tensorpar.shm import disable_fast_collectives, enable_fast_collectives
     torch.set_num_threads(1)
+    enable_fast_collectives(ctx.tp, "auto")     # what generate and serve run (the pool's ranks start without)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 37, (1, 7), generator=g)
     mask = torch.ones_like(ids)
@@ -51,6 +53,7 @@ def job(ctx, folders: dict, names: list, tokens: int, rounds: int):
                 best = max(best, (tokens - 1) / res.decode_s)
             row[path] = best
         out[n] = row
+    disable_fast_collectives(ctx.tp)
     return out
 
 
@@ -89,7 +92,7 @@ def main() -> None:
     (out / "decode_families.json").write_text(json.dumps({"meta": meta, "tokens_per_s": res}, indent=1))
     lines = ["# Decode tokens/s per family at tp=2: lean path vs module path", "",
              f"`python bench/bench_families.py --tokens {a.tokens} --rounds {a.rounds}`; CPU {meta['cpu']} "
-             f"({meta['cores']} cores), torch {meta['torch']}, one thread per rank, batch 1, prompt 7 tokens, "
+             f"({meta['cores']} cores), torch {meta['torch']}, one thread per rank, shared-memory collectives (as generate runs), batch 1, prompt 7 tokens, "
              f"best of {a.rounds} runs after a warm-up. **Load average (1, 5, 15 min) {meta['loadavg_start']} at "
              f"start, {meta['loadavg_end']} at the end** (a shared machine: absolute numbers are low under load; "
              f"the ratio is the comparison). The models are the tiny random ones of the family tests: the numbers "
