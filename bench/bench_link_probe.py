@@ -84,7 +84,8 @@ def table(runs: list[dict]) -> list[str]:
             return med(lambda r: statistics.fmean(r["summary"][name][f"r{k}"].get(field, float("nan"))
                                                   for k in (0, 1)))
         added = float("nan")
-        if mode in ("step", "gather_step") and f"{size}:compute" in same[0]["summary"]:
+        stepped = mode in ("step", "gather_step", "mesh_step", "mesh_gather_step")
+        if stepped and f"{size}:compute" in same[0]["summary"]:
             added = med(lambda r: statistics.fmean(r["summary"][name][f"r{k}"]["wall_per_call"]
                                                    - r["summary"][f"{size}:compute"][f"r{k}"]["wall_per_call"]
                                                    for k in (0, 1)))
@@ -136,7 +137,9 @@ def main(argv=None) -> int:
           "b2b (back to back), step (a one-row matmul [1, 576] x [576, 3072], then the all-reduce, as decode "
           "alternates them; 'added to a step' = (step - the matmuls alone) / calls), gather_step (the same with an "
           "all-gather), pingpong (gloo send/recv, one round trip), raw (a TCP_NODELAY socket ping-pong in the "
-          "calling thread, one round trip). 'net' = exit - the later rank's entry; 'skew' = the later entry - "
+          "calling thread, one round trip), mesh_b2b / mesh_step / mesh_gather_step (b2b / step / gather_step "
+          "through tensorpar's TCP mesh, tensorpar/comm/tcp.py: what the leaders of the hierarchical all-reduce "
+          "use between hosts). 'net' = exit - the later rank's entry; 'skew' = the later entry - "
           "own entry (one clock: CLOCK_MONOTONIC is shared by the namespaces). Run-queue wait: "
           "/proc/self/task/*/schedstat (time runnable, not running).", ""]
     md += table(runs)

@@ -1,7 +1,11 @@
-"""The link between two hosts as the planner sees it: gloo all-reduce and send/recv times over it, and what one small
+"""The link between two hosts as the planner sees it: all-reduce and send/recv times over it, and what one small
 all-reduce (and all-gather) adds to a decode-like step (one rank per host, started by torchrun; used by
 bench_link_rates.py; the same script measures two real machines: ``torchrun --nnodes 2 ... bench/link_job.py --out
 link.json``). Rank 0 writes ``--out`` (JSON):
+
+The all-reduces and all-gathers are tensorpar's (:func:`tensorpar.comm.all_reduce` on a group with the fast
+collectives of ``--fast-collectives auto``, as generate, serve and train run them: across hosts the leaders' TCP mesh
+for messages up to its ``max_bytes``, gloo above; ``mesh_max_bytes`` in the output), send/recv gloo's (the pipeline's).
 
 * ``allreduce``: ``{bytes: median seconds}`` of one all-reduce of fp32, ``--calls`` calls back to back (fewer above
   1 MB: ``--calls x 64 KiB / bytes``, at least 8) after 3 warm-up calls;
@@ -57,14 +61,15 @@ def calls_for(size: int, calls: int) -> int:
     return max(8, min(calls, calls * 65536 // size))
 
 
-def step_costs(rank: int, calls: int, rounds: int, nbytes: int, hidden: int, cols: int) -> dict:
+def step_costs(group, calls: int, rounds: int, nbytes: int, hidden: int, cols: int) -> dict:
     """This rank's in-step costs (module docstring), seconds: ``{"compute": [per round], "allreduce": [...],
     "allgather": [...]}`` per call."""
-    w = torch.randn(hidden, cols, generator=torch.Generator().manual_seed(rank)) * 0.01
+    from tensorpar import comm
+    w = torch.randn(hidden, cols, generator=torch.Generator().manual_seed(group.rank)) * 0.01
     x = torch.randn(1, hidden)
     t = torch.ones(nbytes // 4)
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    ops = {"compute": None, "allreduce": lambda: dist.all_reduce(t), "allgather": lambda: dist.all_gather(out, t)}
+    ops = {"compute": None, "allreduce": lambda: comm.all_reduce(t, group),
+           "allgather": lambda: comm.all_gather(t, group, dim=0)}
     res = {k: [] for k in ops}
     for r in range(rounds + 1):   # round 0: warm-up
         walls = {}
@@ -99,6 +104,12 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    from tensorpar import comm
+    from tensorpar.shm import enable_fast_collectives
+    group = comm.Group.from_pg(dist.group.WORLD, name="tp")
+    enable_fast_collectives(group, "auto", timeout_s=120.0)
+    leaders = getattr(group.fast, "leaders", None)
+    mesh = getattr(leaders, "fast", None)
     sizes = sorted(map(int, args.sizes.split(",")))
     step_bytes = args.step_bytes or sizes[0]
     res = {"allreduce": {}, "send": {}}
@@ -109,7 +120,7 @@ def main() -> None:
         dist.barrier()
         for i in range(n + 3):
             t = time.perf_counter()
-            dist.all_reduce(x)
+            comm.all_reduce(x, group)
             if i >= 3:
                 ar.append(time.perf_counter() - t)
         dist.barrier()
@@ -125,7 +136,7 @@ def main() -> None:
                 pp.append((time.perf_counter() - t) / 2)
         res["allreduce"][size] = statistics.median(ar)
         res["send"][size] = statistics.median(pp)
-    mine = step_costs(rank, calls, args.rounds, step_bytes, args.hidden, args.cols)
+    mine = step_costs(group, calls, args.rounds, step_bytes, args.hidden, args.cols)
     both = [None] * dist.get_world_size()
     dist.all_gather_object(both, mine)
     per_round = {k: [statistics.fmean(r[k][i] for r in both) for i in range(args.rounds)] for k in mine}
@@ -134,11 +145,15 @@ def main() -> None:
                    "allreduce_us": statistics.median(per_round["allreduce"]) * 1e6,
                    "allgather_us": statistics.median(per_round["allgather"]) * 1e6,
                    "rounds_us": {k: [round(v * 1e6, 1) for v in vals] for k, vals in per_round.items()}}
+    res["path"] = type(group.fast).__name__ if group.fast is not None else "gloo"
+    res["mesh_max_bytes"] = getattr(mesh, "max_bytes", 0)
     res["fit"] = {"allreduce": link_fit(res["allreduce"], step_bytes, res["step"]["allreduce_us"] * 1e-6),
                   "send": fit(res["send"])}
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(res, f)
+    from tensorpar.shm import disable_fast_collectives
+    disable_fast_collectives(group)
     dist.destroy_process_group()
 
 

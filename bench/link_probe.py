@@ -13,7 +13,10 @@ the two ranks' times compare directly):
 * ``gather_step``: the same with an all-gather of the payload (``--tp-comm int8``'s exchange);
 * ``pingpong``: gloo send/recv back to back (a round trip);
 * ``raw``: a plain TCP socket (TCP_NODELAY) ping-pong between the ranks' addresses in the calling thread: the
-  network path without gloo's threads (a round trip).
+  network path without gloo's threads (a round trip);
+* ``mesh_b2b`` / ``mesh_step`` / ``mesh_gather_step``: ``b2b`` / ``step`` / ``gather_step`` through
+  :class:`tensorpar.comm.tcp.TcpMesh` (what the hierarchical all-reduce's leaders use across hosts for messages up
+  to its ``max_bytes``), built once over the two ranks.
 
 Per call and rank: ``inside`` (exit - entry), ``net`` (exit - the later rank's entry: the exchange itself) and
 ``skew`` (the later entry - own entry: waiting for the other rank). Per mode and rank, from
@@ -170,7 +173,8 @@ def main() -> None:
     ap.add_argument("--cols", type=int, default=3072, help="matmul columns between two calls of a step")
     ap.add_argument("--pin", action="store_true")
     ap.add_argument("--fifo", action="store_true")
-    ap.add_argument("--modes", default="barrier1,b2b,compute,step,gather_step,pingpong,raw")
+    ap.add_argument("--modes", default="barrier1,b2b,compute,step,gather_step,pingpong,raw,mesh_b2b,mesh_step,"
+                                      "mesh_gather_step")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     rank = int(os.environ["RANK"])
@@ -183,6 +187,13 @@ def main() -> None:
     main_tid = __import__("threading").get_native_id()
     rec = Recorder(main_tid)
     modes = args.modes.split(",")
+    mesh = None
+    if any(m.startswith("mesh_") for m in modes):
+        from tensorpar.comm import Group
+        from tensorpar.comm.tcp import TcpMesh
+        mesh, err = TcpMesh.build(Group.from_pg(dist.group.WORLD, name="probe"), timeout_s=60.0)
+        if mesh is None:
+            raise SystemExit(f"link_probe: the TCP mesh did not connect: {err}")
     w = torch.randn(args.hidden, args.cols) * 0.01
     x = torch.randn(1, args.hidden)
     result = {"rank": rank, "sizes": {}, "args": vars(args)}
@@ -230,6 +241,12 @@ def main() -> None:
         table = {"barrier1": barrier1, "b2b": timed(lambda: dist.all_reduce(t)), "compute": stepped(None),
                  "step": stepped(lambda: dist.all_reduce(t)),
                  "gather_step": stepped(lambda: dist.all_gather(out_g, t)), "pingpong": timed(pingpong)}
+        if mesh is not None:
+            if t.numel() * 4 > mesh.max_bytes:
+                raise SystemExit(f"link_probe: size {size} is over the TCP mesh's max_bytes {mesh.max_bytes}")
+            table.update({"mesh_b2b": timed(lambda: mesh.all_reduce(t)),
+                          "mesh_step": stepped(lambda: mesh.all_reduce(t)),
+                          "mesh_gather_step": stepped(lambda: mesh.all_gather(t, 0, [t.numel()] * 2))})
         for m in modes:
             if m in table:
                 rec.run(f"{size}:{m}", args.calls, table[m])

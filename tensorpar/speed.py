@@ -70,7 +70,8 @@ def measure_speed(model, tp: Group, probe: torch.Tensor, per_token: int) -> str 
         from tensorpar.decode.int8 import int8_weight_bytes
         local = int8_weight_bytes(model)
     weight_bytes = float(comm.all_reduce(torch.tensor([float(local)], dtype=torch.float64, device=probe.device), tp))
-    path = "shared memory" if tp.fast is not None and probe.is_cpu else (
-        "nccl" if probe.is_cuda else "gloo")
+    from tensorpar.shm.hierarchical import HierarchicalComm
+    path = ("nccl" if probe.is_cuda else "gloo" if tp.fast is None
+            else "TCP between hosts" if isinstance(tp.fast, HierarchicalComm) else "shared memory")
     return tp_speed_warning(tp_size=tp.size, collectives_per_token=per_token, latency_s=float(lat),
                             weight_bytes=weight_bytes, bandwidth_bytes_per_s=bw, path=path)

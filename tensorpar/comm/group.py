@@ -174,18 +174,23 @@ def _run(kind: str, group: Group, t: torch.Tensor, fn):
     try:
         return fn()
     except (RuntimeError, dist.DistError) as e:  # gloo timeouts and peer failures land here
-        where = ""
-        if group.hosts is not None:     # across hosts: which host this rank is on and which hosts it waited for
-            others = sorted({h for i, h in enumerate(group.hosts) if i != group.rank and h != group.hosts[group.rank]})
-            def ranks(h):
-                on = [str(i) for i, x in enumerate(group.hosts) if x == h]
-                return f"rank{'s' if len(on) > 1 else ''} {', '.join(on)}"
-            peers = ", ".join(f"{h} ({ranks(h)})" for h in others)
-            where = f" on host {group.hosts[group.rank]}; the group's other hosts: {peers}"
-        raise CollectiveError(
-            f"{kind} on {group.name} group (rank {group.rank} of {group.size}{where}, tensor {tuple(t.shape)} "
-            f"{t.dtype}) failed: {e}"
-        ) from e
+        raise failed(kind, group, t, str(e)) from e
+
+
+def failed(kind: str, group: Group, t: torch.Tensor, why: str) -> CollectiveError:
+    """The error of collective ``kind`` on ``group`` for tensor ``t``: one line naming the collective, the group,
+    this rank and, for a group across hosts, this rank's host and the group's other hosts, then ``why``."""
+    where = ""
+    if group.hosts is not None:     # across hosts: which host this rank is on and which hosts it waited for
+        others = sorted({h for i, h in enumerate(group.hosts) if i != group.rank and h != group.hosts[group.rank]})
+
+        def ranks(h):
+            on = [str(i) for i, x in enumerate(group.hosts) if x == h]
+            return f"rank{'s' if len(on) > 1 else ''} {', '.join(on)}"
+        peers = ", ".join(f"{h} ({ranks(h)})" for h in others)
+        where = f" on host {group.hosts[group.rank]}; the group's other hosts: {peers}"
+    return CollectiveError(f"{kind} on {group.name} group (rank {group.rank} of {group.size}{where}, tensor "
+                           f"{tuple(t.shape)} {t.dtype}) failed: {why}")
 
 
 # torch >= 2.10 renamed the tensor forms of all-gather and reduce-scatter; use whichever exists.

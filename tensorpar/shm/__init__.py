@@ -54,8 +54,10 @@ def enable_fast_collectives(group: Group, mode: str = "auto", *, host_id: str | 
 
     Args:
         group: the group (any :class:`~tensorpar.comm.Group` with a gloo or NCCL ``pg``).
-        mode: ``"auto"`` - shared memory if all ranks are on one host and the machine is x86
-            (whose store ordering the protocol relies on), else nothing (torch.distributed);
+        mode: ``"auto"`` - on an x86 machine (whose store ordering the protocol relies on): shared
+            memory if all ranks are on one host, the hierarchical all-reduce of ``"hierarchical"`` if they
+            are on several (its leaders exchange small tensors over their own TCP mesh,
+            :class:`tensorpar.comm.tcp.TcpMesh`); else nothing (torch.distributed);
             ``"on"`` - shared memory or an error; ``"off"`` - remove any fast path;
             ``"hierarchical"`` - the two-level all-reduce of :class:`HierarchicalComm`
             (shared memory inside each host, one leader per host over torch.distributed).
@@ -105,9 +107,14 @@ def enable_fast_collectives(group: Group, mode: str = "auto", *, host_id: str | 
         group.fast = make_hierarchical(group, members, **opts)
         return True
     hosts = hosts_of(members)
-    if len(hosts) > 1:
-        if mode == "auto":
+    if len(hosts) > 1 and mode == "auto":         # the same rule on every rank: members are all-gathered
+        try:
+            group.fast = make_hierarchical(group, members, **opts)
+        except CollectiveError as e:
+            warnings.warn(f"fast collectives disabled for the {group.name} group: {e}", RuntimeWarning)
             return False
+        return True
+    if len(hosts) > 1:
         raise ValueError(f"fast collectives mode 'on' needs every rank of the {group.name} group on one host, but "
                          f"its ranks are on {len(hosts)} hosts: " + "; ".join(
                              f"{members[h[0]].host!r}: ranks {h}" for h in hosts)

@@ -4,11 +4,14 @@ For a group of ``N`` ranks on ``h`` hosts with ``k = N / h`` ranks each, one all
 tensor of ``B`` bytes runs as
 
 1. reduce to the host's leader (its lowest rank) through the host's shared segment (rank order);
-2. all-reduce among the ``h`` leaders over their own torch.distributed group (gloo ring);
+2. all-reduce among the ``h`` leaders: over their TCP mesh (:class:`tensorpar.comm.tcp.TcpMesh`, one exchange
+   in the calling thread, rank-order sum) up to its ``max_bytes``, else over their own torch.distributed group
+   (gloo ring);
 3. broadcast from the leader through the segment.
 
-Only step 2 crosses hosts. Each leader sends ``2 (h - 1) / h * B`` (ring), so the whole group
-puts ``2 (h - 1) B`` on the network instead of the flat ring's ``2 (N - 1) B``; the tensor
+Only step 2 crosses hosts. Each leader sends ``2 (h - 1) / h * B`` (ring) or ``(h - 1) B`` (mesh; the same for
+two hosts), so with two hosts the whole group puts ``2 (h - 1) B`` on the network instead of the flat ring's
+``2 (N - 1) B``; the tensor
 bytes handed to inter-host collectives (the counter's ``bytes``) fall from ``N B`` to ``h B``,
 i.e. to ``1 / k``. The leaders' :class:`~tensorpar.comm.Group` has its own
 :class:`~tensorpar.comm.CommCounter`, so ``with comm.counting(h.leaders):`` measures exactly
@@ -16,7 +19,10 @@ what crossed hosts. Every rank gets the leader's bits, so results are identical 
 they differ from the flat all-reduce only in summation order (within the harness's ``close``
 tolerance).
 
-All-gather, reduce-scatter and broadcast on such a group keep the flat torch.distributed path.
+All-gather, reduce-scatter and broadcast on such a group keep the flat torch.distributed path, except where every
+host has one rank (the leaders are the group): then all-gathers of small equal shards take the mesh too (the
+compressed all-reduce of ``--tp-comm int8`` is one), and :meth:`HierarchicalComm.all_reduce_parts` gives the row
+step of decode the ranks' partial sums as they arrived (:func:`tensorpar.decode.fused.all_reduce_exchange`).
 
 Bad input: ranks of one host that disagree on dtype or size get the shared-memory
 ``ValueError``; hosts that disagree with each other reach the leaders' gloo all-reduce, which
@@ -24,13 +30,17 @@ does not check (an extra cross-host round trip per call would be the price of ch
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import warnings
 
 import torch
 import torch.distributed as dist
 
 from tensorpar import comm
 from tensorpar.comm import CommCounter, Group
+from tensorpar.comm.group import failed
+from tensorpar.comm.tcp import TcpMesh
 from tensorpar.shm.bootstrap import Member, build_host_communicator, hosts_of
 from tensorpar.shm.collectives import ShmCommunicator
 from tensorpar.shm.sync import WaitPolicy
@@ -50,6 +60,8 @@ class HierarchicalComm:
 
     def __init__(self, group: Group, hosts: list[list[int]], intra: ShmCommunicator | None, leaders: Group | None):
         self.group, self.hosts, self.intra, self.leaders = group, hosts, intra, leaders
+        if intra is None and leaders is not None and isinstance(leaders.fast, TcpMesh):
+            self.all_reduce_parts = self._leaders_parts      # one rank per host: decode reads the partials
 
     @property
     def is_leader(self) -> bool:
@@ -61,13 +73,37 @@ class HierarchicalComm:
             raise ValueError(f"all_reduce on {self.group.name} group: op must be 'sum' or 'max', got {op!r}")
         y = x if self.intra is None else self.intra.reduce(x, dst=0, op=op)
         if self.leaders is not None:
-            y = comm.all_reduce(y, self.leaders, op=op)        # identity for a one-host group
+            with self._named("all_reduce", x):
+                y = comm.all_reduce(y, self.leaders, op=op)        # identity for a one-host group
         if self.intra is None:
             return y if y is not x else x.clone()
         return self.intra.broadcast(y if self.is_leader else x, src=0)
 
+    def _leaders_parts(self, x: torch.Tensor) -> tuple[int, ...]:
+        """The leaders' mesh's :meth:`~tensorpar.comm.tcp.TcpMesh.all_reduce_parts` of ``x`` (set as
+        ``all_reduce_parts`` only when every host has one rank), counted on the leaders' group."""
+        lead = self.leaders
+        lead.counter.record("all_reduce", x.numel(), x.element_size(), lead.size)
+        t0 = lead.counter.start()
+        with self._named("all_reduce", x):
+            parts = lead.fast.all_reduce_parts(x)
+        lead.counter.blocked("all_reduce", t0)
+        return parts
+
     def all_gather(self, x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+        if self.intra is None and self.leaders is not None:     # one rank per host: the leaders are the group
+            with self._named("all_gather", x):
+                return comm.all_gather(x, self.leaders, dim, sizes)
         return comm._pg_all_gather(x, self.group, dim, sizes)
+
+    @contextlib.contextmanager
+    def _named(self, kind: str, x: torch.Tensor):
+        """A failure between the leaders, named as a collective of the group the caller used (its hosts and the
+        host it waited for) rather than of the leaders' internal group."""
+        try:
+            yield
+        except comm.CollectiveError as e:
+            raise failed(kind, self.group, x, getattr(e, "reason", None) or str(e)) from e
 
     def reduce_scatter(self, x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
         return comm._pg_reduce_scatter(x, self.group, dim, sizes)
@@ -76,10 +112,13 @@ class HierarchicalComm:
         return comm._pg_broadcast(x, self.group, src)
 
     def close(self) -> None:
-        """Unmap the host segment and destroy the leaders' process group. Idempotent."""
+        """Unmap the host segment, close the leaders' TCP mesh and destroy their process group. Idempotent."""
         if self.intra is not None:
             self.intra.close()
             self.intra = None
+        if self.leaders is not None and self.leaders.fast is not None:
+            self.leaders.fast.close()
+            self.leaders.fast = None
         if self.leaders is not None and self.leaders.pg is not None:
             dist.destroy_process_group(self.leaders.pg)
         self.leaders = None
@@ -99,7 +138,9 @@ def make_hierarchical(group: Group, members: list[Member], *, slot_bytes: int, t
         slot_bytes, timeout_s, policy, oneshot_bytes: as for the shared-memory communicator.
 
     The leaders' group is created with ``use_local_synchronization=True``, so only the leaders
-    (not every rank of the world) take part in creating it.
+    (not every rank of the world) take part in creating it; the leaders then connect their TCP mesh
+    (:meth:`tensorpar.comm.tcp.TcpMesh.build`). Where it cannot connect (an address the peers cannot reach, a
+    firewall), every leader warns once with the reason and keeps gloo for everything.
 
     Raises:
         CollectiveError: a host's ranks could not share a segment.
@@ -117,4 +158,10 @@ def make_hierarchical(group: Group, members: list[Member], *, slot_bytes: int, t
               if len(globals_) > 1 else None)
         leaders = Group(pg=pg, rank=leader_ranks.index(group.rank), size=len(leader_ranks),
                         name=f"{group.name}.leaders", counter=CommCounter())
+        if pg is not None:
+            mesh, err = TcpMesh.build(leaders, timeout_s)
+            if mesh is None:
+                warnings.warn(f"{group.name} group across hosts: small all-reduces stay on gloo, the TCP mesh did "
+                              f"not connect: {err}", RuntimeWarning)
+            leaders.fast = mesh
     return HierarchicalComm(group, hosts, intra, leaders)

@@ -196,7 +196,7 @@ def test_modes_and_mixed_hosts(pools):
     p = pools(2)
     assert p.run(job_mode, "auto", [None, None]) == [(True, True)] * 2
     assert p.run(job_mode, "off", [None, None]) == [(False, False)] * 2
-    assert p.run(job_mode, "auto", ["hostA", "hostB"]) == [(False, False)] * 2
+    assert p.run(job_mode, "auto", ["hostA", "hostB"]) == [(True, True)] * 2     # hierarchical, TCP between hosts
     for msg, installed in p.run(job_mode, "on", ["hostA", "hostB"]):
         assert not installed
         assert "needs every rank of the tp group on one host" in msg and "'hostB': ranks [1]" in msg
