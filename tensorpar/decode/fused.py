@@ -136,12 +136,16 @@ def all_reduce_exchange(partial: torch.Tensor, tp: Group, arrays: dict | None = 
     addresses of the ranks' partial sums in rank order, their count, what must stay alive until they are read)``,
     for a program's ``OP_NORM`` (the step words :data:`STEP_PARTS`, :data:`STEP_NPARTS`). Shared memory: the slots
     the exchange left them in (read before the next collective on the group); gloo: :func:`tensorpar.comm.all_reduce`'s
-    result (one part); one rank: ``partial`` itself. ``arrays``: a dict the caller keeps in which each set of
+    result (one part); ``--tp-comm int8`` (``tp.compression``): :func:`tensorpar.comm.reduce_partial`'s result (one
+part, counted as its all-gather); one rank: ``partial`` itself. ``arrays``: a dict the caller keeps in which each set of
     addresses' C array is built once (the exchange's slots alternate between two). Collectives: one all-reduce of
     ``partial`` ``[rows, H]`` (counted and fingerprinted as :func:`tensorpar.comm.all_reduce`'s)."""
     keep = None
     if tp.size == 1:
         parts = (partial.data_ptr(),)
+    elif tp.compression != "fp32":          # --tp-comm int8: the compressed sum, as the general loop adds it
+        keep = comm.reduce_partial(partial, tp)
+        parts = (keep.data_ptr(),)
     else:
         fast = tp.fast
         if fast is not None and hasattr(fast, "all_reduce_parts"):

@@ -72,8 +72,8 @@ def why_not(dec) -> str | None:
         return "it runs neither our GEMV (fp32 weights) nor our kernel of --quantize int8 / bf16 at <= 2 rows"
     if dec.lm_w.dtype != torch.float32:
         return "it does not compute in fp32"
-    if dec.windows or dec.final_cap is not None or dec.tp.compression == "int8" or dec.lm_b is not None:
-        return "sliding windows, logit soft-capping, --tp-comm int8 or an LM head bias"
+    if dec.windows or dec.final_cap is not None or dec.lm_b is not None:
+        return "sliding windows, logit soft-capping or an LM head bias"
     if not fused.available() or _norm(dec.norm) is None:
         return "no fused kernels here, or the final norm is not the plain fp32 RMSNorm"
     for L in dec.layers:
