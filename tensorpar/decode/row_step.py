@@ -65,16 +65,17 @@ def _norm(fn):
 def why_not(dec) -> str | None:
     """Why decoder ``dec`` (a :class:`~tensorpar.decode.lean.LeanDecoder`) cannot run its one-row steps as a
     :class:`RowStep` (``None``: it can)."""
-    if dec.tile is not None or not (dec.first and dec.last):
-        return "deterministic mode or a pipeline stage"
-    fmt = _format(dec.lm_w)
+    if dec.tile is not None:
+        return "deterministic mode"
+    ref = _reference_weight(dec)
+    fmt = _format(ref)
     if not (dec.gemv or (fmt is not None and _KERNELS[fmt][0]() and dec.max_batch <= gemv_kernel.MAX_ROWS)):
         return "it runs neither our GEMV (fp32 weights) nor our kernel of --quantize int8 / bf16 at <= 2 rows"
-    if dec.lm_w.dtype != torch.float32:
+    if ref.dtype != torch.float32:
         return "it does not compute in fp32"
     if dec.windows or dec.final_cap is not None or dec.lm_b is not None:
         return "sliding windows, logit soft-capping or an LM head bias"
-    if not fused.available() or _norm(dec.norm) is None:
+    if not fused.available() or (dec.last and _norm(dec.norm) is None):
         return "no fused kernels here, or the final norm is not the plain fp32 RMSNorm"
     for L in dec.layers:
         plain = (L.moe is None and L.post_attn is None and L.post_ff is None and L.bqkv is None and L.bo is None
@@ -85,6 +86,12 @@ def why_not(dec) -> str | None:
         if any(_format(w) != fmt for w in (L.wqkv, L.wo, L.wgu, L.wd)):
             return "weights of several formats"
     return None
+
+
+def _reference_weight(dec):
+    """The weight whose format and dtype the step's matmuls share: the LM head's, or on a pipeline stage before the
+    last (no LM head) its first layer's attention output projection."""
+    return dec.lm_w if dec.last else dec.layers[0].wo
 
 
 def _format(w) -> str | None:
@@ -174,10 +181,13 @@ class RowStep:
         nq, nkv, d = dec.n_q, dec.n_kv, dec.head_dim
         R = gemv_kernel.MAX_ROWS
         f = L0.f
-        fmt = _format(dec.lm_w)
+        fmt = _format(_reference_weight(dec))
         # --quantize: the layers hold the stored weights [out, in]; else [in, out] views of the weights [out, in]
         out_in = (lambda w: w) if fmt is not None else (lambda w: w.t())
-        e = dict(dtype=torch.float32, device=dec.lm_w.device)
+        e = dict(dtype=torch.float32, device=_reference_weight(dec).device)
+        # a pipeline stage before the last ends with x += the last exchange and no norm of its own: a unit-weight
+        # RMSNorm into h, which nothing reads, does the add (OP_NORM)
+        self.final_norm = _norm(dec.norm) if dec.last else (torch.ones(H, **e), 1e-6)
         self.x, self.h, self.p = (torch.zeros(R, H, **e) for _ in range(3))      # residual, normed, partial sums
         self.qkv = torch.zeros(R, (nq + 2 * nkv) * d, **e)
         self.q = torch.zeros(R, nq, d, **e)
@@ -206,7 +216,7 @@ class RowStep:
             x_, h_ = self.x.data_ptr(), self.h.data_ptr()
 
             def norm(fn):       # x += the exchanged partial sums (step words); h = fn's RMSNorm of x
-                w, eps = _norm(fn)
+                w, eps = _norm(fn) if fn is not None else self.final_norm
                 return (fused.OP_NORM, x_, b, H, w.data_ptr(), fused.float_bits(eps), h_)
             for i, L in enumerate(dec.layers):
                 la = _Layer()
@@ -230,7 +240,7 @@ class RowStep:
                 la.keep = (attn, mlp, kv_of)
                 la.attn, la.mlp = ctypes.addressof(attn), ctypes.addressof(mlp)
                 layers.append(la)
-            final = fused.program([norm(dec.norm)])                              # x += all_reduce; h = norm(x)
+            final = fused.program([norm(dec.norm if dec.last else None)])         # x += all_reduce; h = norm(x)
             self.rows[b] = (layers, self.x[:b], self.p[:b], ctypes.addressof(final), final)
         self.parts: dict = {}           # the ranks' partial sums' addresses (a tuple) -> their C array
         self.xp, self.pp = self.x.data_ptr(), self.p.data_ptr()
@@ -249,7 +259,7 @@ class RowStep:
         if dec.rope_switch is not None:
             return None
         n = dec.max_len
-        x = torch.zeros(1, 1, 1, dtype=torch.float32, device=dec.lm_w.device)
+        x = torch.zeros(1, 1, 1, dtype=torch.float32, device=_reference_weight(dec).device)
         pos = torch.arange(n, device=x.device)
         out = {}
         for key, rotary in dec.rotary.items():
@@ -302,6 +312,9 @@ class RowStep:
         module must run (see :func:`_embedding`), ``x`` holds the embedding and nothing is added. Collectives: one
         all-reduce of ``[b, H]``, the module's."""
         emb, tp = self.embed, self.dec.tp
+        if not self.dec.first:                  # a later pipeline stage: ids is the residual stream sent, [b, h]
+            self.x[:b].copy_(ids.view(b, -1))
+            return 0, 0, None
         row = self.x.shape[1] * 4
         toks = ids.tolist()
         raw = emb is not None and not (emb._forward_hooks or emb._forward_pre_hooks)
@@ -352,7 +365,9 @@ class RowStep:
 
     def __call__(self, ids: torch.Tensor, rope_pos: torch.Tensor, g) -> torch.Tensor:
         """Logits ``[b, V_r]`` of segment ``g``'s ``b`` rows (``ids``, ``rope_pos`` ``[b]``), their K/V written to
-        the cache; what ``forward_segments(ids, rope_pos, [g])`` returns."""
+        the cache; what ``forward_segments(ids, rope_pos, [g])`` returns. On a pipeline stage after the first,
+        ``ids`` is the residual stream ``[b, h]`` the stage before returned; a stage before the last returns its
+        own ``[b, h]`` (after its last layer's all-reduce) instead of logits."""
         dec, tp = self.dec, self.dec.tp
         b = g.b
         layers, x, p, final, _ = self.rows[b]
@@ -378,6 +393,8 @@ class RowStep:
             step[P], step[N], keep_parts = exchange(p, tp, parts)                      # all-reduce of a W_d
         run(final, sp)                                            # x += parts; h = norm(x)
         del keep, keep_parts, mask                                # alive until the programs ran
+        if not dec.last:            # a pipeline stage before the last: the residual stream goes on, [b, h]
+            return x.clone()
         logits = torch.empty(b, dec.lm_w.shape[0], dtype=torch.float32, device=x.device)
         self.mm.run(self.mm.args(self.h[:b], dec.lm_w, logits))
         return logits

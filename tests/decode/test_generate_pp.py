@@ -102,6 +102,45 @@ def test_greedy_tp2_pp2_equals_transformers(pp_dirs):
     assert [held for _, _, held in out] == [[0, 1], [0, 1], [2, 3], [2, 3]]
 
 
+def job_row_step(ctx, folder, ids, mask, n):
+    """A stage's decoder takes the row step (a later stage reads the residual stream sent, an earlier one returns
+    its own): its why_not, how many decode steps the row step ran in generate, and the tokens."""
+    from transformers import AutoConfig
+
+    from tensorpar.decode import row_step
+    from tensorpar.decode.lean import LeanDecoder
+    from tensorpar.job import Job, load_model
+    job = Job(parallel=ctx.config, timeout_s=60.0, folder=folder, model_config=AutoConfig.from_pretrained(folder))
+    model, _ = load_model(job, ctx)
+    why = row_step.why_not(LeanDecoder(model, ctx.tp, max_batch=1, max_len=64))
+    ran, call = [], row_step.RowStep.__call__
+    row_step.RowStep.__call__ = lambda self, *a: ran.append(1) or call(self, *a)
+    try:
+        res = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=n), pp=ctx.pp,
+                              path="lean")
+    finally:
+        row_step.RowStep.__call__ = call
+    return why, len(ran), res.tokens
+
+
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
+def test_pp2_stages_take_the_row_step(pool_pp2, pp_dirs, arch):
+    """pp 2, batch 1, lean path: both stages decode through the row step (the first sends its residual stream
+    after its last all-reduce, the second starts from it), and the greedy tokens are transformers' (exact, as
+    below). qwen2 has QKV biases, which the row step does not run: its stages keep the general loop, same tokens."""
+    folder = pp_dirs[arch]
+    ids, mask = prompts(53)
+    ids, mask = ids[:1], mask[:1]
+    steps = 6
+    want, _ = hf_reference(folder, ids, mask, steps)
+    for why, ran, tokens in pool_pp2.run(job_row_step, folder, ids, mask, steps):
+        if arch == "llama":
+            assert why is None and ran == steps - 1, (why, ran)
+        else:
+            assert why is not None and ran == 0, (why, ran)
+        torch.testing.assert_close(tokens, want, rtol=0, atol=0)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,path", [("llama", "lean"), ("qwen2", "lean"), ("qwen3", "auto"), ("llama", "hf")])
 def test_greedy_pp2_equals_transformers(pool_pp2, pp_dirs, arch, path):
