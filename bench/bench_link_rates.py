@@ -45,9 +45,12 @@ from machine import cpu_model  # noqa: E402
 from tensorpar.nshosts import NamespaceHosts, rate_bits  # noqa: E402
 
 RATES = ("1gbit", "10gbit")
-#: (name, generate flags, tp, pp, --tp-comm) of the decode rows, one rank per host
+#: (name, generate flags, tp, pp, --tp-comm) of the decode rows, one rank per host; tp None: measured only (the
+#: gloo row: every collective through gloo, as before the leaders' TCP mesh; the planner prices the job's path)
 DECODE_ROWS = (("tp=2 across", ["--tp", "2"], 2, 1, "fp32"), ("pp=2 across", ["--pp", "2"], 1, 2, "fp32"),
-               ("tp=2 across, --tp-comm int8", ["--tp", "2", "--tp-comm", "int8"], 2, 1, "int8"))
+               ("tp=2 across, --tp-comm int8", ["--tp", "2", "--tp-comm", "int8"], 2, 1, "int8"),
+               ("tp=2 across, gloo only (--fast-collectives off)", ["--tp", "2", "--fast-collectives", "off"],
+                None, 1, "fp32"))
 HOSTNAMES = ["linkbench-h0", "linkbench-h1"]
 PROMPT = "The capital of France is"
 
@@ -146,6 +149,8 @@ def seed_calibration(hostnames: list[str]) -> list[Path]:
 
 def _median_run(runs: list[dict], key: str) -> dict:
     """The run (measured or predicted part) of median ms/token."""
+    if any(r[key] is None for r in runs):
+        return None
     ordered = sorted((r[key] for r in runs), key=lambda x: x["ms_per_token"])
     return ordered[len(ordered) // 2]
 
@@ -190,8 +195,9 @@ def to_markdown(r: dict) -> str:
              f"Decode: SmolLM2-135M-Instruct, fp32, greedy, one prompt, {m['new_tokens']} new tokens, one rank per "
              f"host; {m.get('repeats', 1)} run(s) of each row, interleaved, the median shown. The planner's device: "
              f"SmolLM2 at tp=1 on one rank here, measured just before each round of rows (median "
-             f"{m['tp1_ms']:.1f} ms/token), as the read rate, and the link of each rate as measured (gloo all-reduce "
-             "fit). Load: the 1-minute load average when each run ended.",
+             f"{m['tp1_ms']:.1f} ms/token), as the read rate, and the link of each rate as measured (all-reduce fit of "
+             "tensorpar's path: the leaders' TCP mesh up to 256 KiB, gloo above; bench/link_job.py). The gloo-only "
+             "row is measured, not predicted: the same job with every collective through gloo. Load: the 1-minute load average when each run ended.",
              "", "| link | measured link: latency (us), bandwidth (GB/s) | layout | measured ms/token | predicted "
              "ms/token | error | predicted: reads, tp comm, pp comm (ms) | runs: measured / predicted (load; the link's "
              "latency in that round) |",
@@ -200,6 +206,11 @@ def to_markdown(r: dict) -> str:
         f = rec["link"]["fit"]["allreduce"]
         for row in rec["decode"]:
             p = row["predicted"]
+            if p is None:
+                lines.append(f"| {rate} | | {row['layout']} | {row['measured']['ms_per_token']:.1f} | | | | "
+                             + ", ".join(f"{x['measured']['ms_per_token']:.0f} ({x['measured'].get('load', 0):.0f})"
+                                         for x in row.get("runs", [])) + " |")
+                continue
             lines.append(f"| {rate} | {f['latency_us']:.0f}, {f['bandwidth_gbps']:.3f} | {row['layout']} | "
                          f"{row['measured']['ms_per_token']:.1f} | {p['ms_per_token']:.1f} | "
                          f"{100 * (p['ms_per_token'] / row['measured']['ms_per_token'] - 1):+.0f}% | "
@@ -310,7 +321,8 @@ def main(argv=None) -> int:
                     model, device, read = decode_device(folder, tp1["ms_per_token"], now["fit"]["allreduce"])
                     for name, extra, tp, pp, comm in DECODE_ROWS:
                         run = {"measured": dict(generate(h, folder, args.new_tokens, extra), load=os.getloadavg()[0]),
-                               "predicted": predict_decode(model, device, tp, pp, comm, args.new_tokens, prompt_len),
+                               "predicted": (None if tp is None else
+                                             predict_decode(model, device, tp, pp, comm, args.new_tokens, prompt_len)),
                                "link_latency_us": now["fit"]["allreduce"]["latency_us"]}
                         rows[name].append(run)
                         print(json.dumps({"layout": name, **run}), file=sys.stderr, flush=True)
