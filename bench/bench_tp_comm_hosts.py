@@ -6,9 +6,10 @@
    prompt of ``--prompt-tokens`` (512) tokens of the held-out Shakespeare slice, ``--tp-comm fp32`` and ``int8``
    interleaved ``--repeats`` times: the time to first token and decode tokens/s that ``generate`` prints (median);
 2. one tp all-reduce of fp32 ``[1, n]`` partials (576 = SmolLM2's hidden size, 4096 = 16 KB; median of
-   ``--iters`` calls, each after a barrier) over the same link, exact (gloo) and int8
-   (:func:`tensorpar.comm.reduce_partial` with ``compression="int8"``): run by this file as the rank job
-   (``--rank-job``).
+   ``--iters`` calls, each after a barrier) over the same link, exact and int8
+   (:func:`tensorpar.comm.reduce_partial` with ``compression="int8"``), on the tp group as generate makes it
+   (``--fast-collectives auto``: across hosts the leaders' TCP mesh, tensorpar/comm/tcp.py): run by this file as
+   the rank job (``--rank-job``).
 
 The results record the CPU model, core count and load average before and after.
 """
@@ -37,7 +38,7 @@ def rank_job(out: str, iters: int) -> None:
     from tensorpar import comm
     from tensorpar.parallel import ParallelConfig, init_parallel
     torch.set_num_threads(1)
-    ctx = init_parallel(ParallelConfig(tp=int(os.environ["WORLD_SIZE"])), timeout_s=120)
+    ctx = init_parallel(ParallelConfig(tp=int(os.environ["WORLD_SIZE"])), timeout_s=120, fast_collectives="auto")
     tp = ctx.tp
     rec = {}
     for n in SIZES:
@@ -115,7 +116,8 @@ def main() -> None:
     la = lambda t: ", ".join(f"{v:.1f}" for v in t)  # noqa: E731
     lines = [f"# --tp-comm int8 vs fp32 across two namespace hosts at {a.rate} (one rank each)", "",
              f"{meta['cpu']}, {meta['cores']} cores; load average {la(load0)} at start, {la(load1)} at end "
-             f"(loaded, shared machine: indicative only).", "",
+             f"({'loaded, shared machine: indicative only' if max(load0[0], load1[0]) > 2.5 else 'quiet: its own two ranks'})"
+             ".", "",
              f"SmolLM2-135M generate --tp 2, fp32 weights, greedy, prompt of {n_prompt} tokens ({work}), "
              f"{a.new_tokens} new tokens; median of {a.repeats} interleaved runs:", "",
              "| --tp-comm | time to first token (ms) | decode tokens/s | runs (ttft ms / tok/s) |", "|---|---|---|---|"]
@@ -123,7 +125,7 @@ def main() -> None:
         lines.append(f"| {k} | {med[k]['ttft_ms']:.0f} | {med[k]['tokens_per_s']:.1f} | "
                      + ", ".join(f"{r['ttft_ms']:.0f} / {r['tokens_per_s']:.1f}" for r in runs[k]) + " |")
     lines += ["", f"TTFT int8 / fp32: {med['int8']['ttft_ms'] / med['fp32']['ttft_ms']:.2f}", "",
-              "| one tp all-reduce of [1, n] fp32 over the link | fp32 (gloo) ms | int8 ms |", "|---|---|---|"]
+              "| one tp all-reduce of [1, n] fp32 over the link | fp32 ms | int8 ms |", "|---|---|---|"]
     for n in SIZES:
         lines.append(f"| n={n} ({4 * n} B) | {coll[f'fp32_{n}'] * 1e3:.3f} | {coll[f'int8_{n}'] * 1e3:.3f} |")
     (outdir / "tp_comm_hosts.md").write_text("\n".join(lines) + "\n")
