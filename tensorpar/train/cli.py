@@ -178,7 +178,8 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(model=args.model, init=args.init, data=args.data, tokenizer=args.tokenizer,
                        val_fraction=args.val_fraction, tp=args.tp, pp=args.pp, dp=args.dp, ep=getattr(args, "ep", 1),
                        cp=getattr(args, "cp", 1), cp_mode=getattr(args, "cp_mode", "ring"),
-                       micro_batches=args.micro_batches or default_micro_batches(args.pp, args.dp, args.batch_size),
+                       micro_batches=(args.micro_batches if args.micro_batches is not None
+                                      else default_micro_batches(args.pp, args.dp, args.batch_size)),
                        schedule=args.schedule, dp_mode=args.dp_mode,
                        sequence_parallel=args.sequence_parallel,
                        # under --plan, tp comes from the plan: the weights are checked once it is set (run())

@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_discover_arguments(p)
     from tensorpar.decode.quantize import add_quantize_argument
     add_quantize_argument(p)  # both the reference (plain PyTorch) and the sharded model store their weights so
-    p.add_argument("--seq-len", type=int, default=0,
+    p.add_argument("--seq-len", type=int, default=None,
                    help="tokens per row (default: the smallest multiple of every tp that is >= 16)")
     p.add_argument("--batch-size", type=int, default=2, help="rows of random token ids")
     p.add_argument("--json", default=None, help="also write the full report to this file")
@@ -118,7 +118,7 @@ def validate(args: argparse.Namespace, out_dir: str = ""):
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     lcm = math.lcm(*tps)
-    seq = args.seq_len or lcm * math.ceil(16 / lcm)
+    seq = args.seq_len if args.seq_len is not None else lcm * math.ceil(16 / lcm)
     if seq < 2:
         raise ValueError(f"--seq-len must be >= 2 (the loss needs a next token), got {seq}")
     if args.sequence_parallel and seq % lcm:

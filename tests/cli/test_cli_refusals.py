@@ -36,6 +36,8 @@ def no_ranks(monkeypatch):
     (["serve", "--model", "/nonexistent/never-read", "--port", "70000"], "--port"),
     (["train", "--model", "tiny", "--data", "/nonexistent/never-read.txt", "--tp", "0"], "--tp"),
     (["verify", "--model", "tiny", "--tp", "2,x"], "--tp"),
+    (["verify", "--model", "tiny", "--tp", "2", "--seq-len", "0"], "--seq-len"),      # 0 meant the default before
+    (["train", "--model", "tiny", "--data", "/nonexistent/never-read.txt", "--micro-batches", "0"], "micro"),
     (["plan", "--model", "nope", "--gpus", "8", "--global-batch", "8", "--seq", "64"], "--model"),
     # argparse's
     (["generate", "--timeout", "soon"], "--timeout"),
