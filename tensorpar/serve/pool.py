@@ -19,6 +19,10 @@ def parse_memory(text: str) -> tuple[str, float]:
     v = float(m.group(1))
     if not m.group(2) and 0 < v < 1:
         return "fraction", v
+    if not m.group(2) and v != int(v):
+        raise ValueError(f"--kv-cache-memory {text}: a plain number of 1 or more is a count of bytes, which is whole; "
+                         f"give a fraction in (0, 1) of the available memory (e.g. 0.5) or bytes with a unit "
+                         f"(e.g. {text.strip()}GiB)")
     n = v * units[m.group(2)]
     if n < 1:
         raise ValueError(f"--kv-cache-memory must be positive, got {text!r}")

@@ -597,6 +597,10 @@ def test_kv_pool_sizes():
         kv_pool(cfg, 2, "float32", 256, 64, block_size=16, memory="999TiB")
     with pytest.raises(ValueError, match=r"optional unit: KB, MB, GB, TB, KiB, MiB, GiB, TiB"):
         parse_memory("64XB")
+    # a plain 1.5 was 1.5 bytes, refused later as "holds 0 KV blocks": now named at once, with what would work
+    with pytest.raises(ValueError, match=r"^--kv-cache-memory 1.5: a plain number .* \(e.g. 0.5\) or bytes with a "
+                                         r"unit \(e.g. 1.5GiB\)$"):
+        parse_memory("1.5")
     # review (2026-12-02 08:00): a plain 1 was the fraction 1.0, every rank's whole share of the memory for its pool
     # before its weights, and `serve --pp 2 --kv-cache-memory 1` launched and lost a rank to the OOM killer; now 1 is
     # one byte (refused: no block), and a fraction's pool is what the rank's weights leave of its share
