@@ -156,19 +156,28 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
     return y
 
 
-def into_args(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, threads: int | None = None) -> tuple:
-    """The kernel's arguments for ``y = x @ w.T`` into a preallocated ``y`` (``x`` ``[M, K]``, ``w`` ``[N, K]``, ``y``
-    ``[M, N]``, contiguous, one dtype, :func:`supports` (w); no bias), for :func:`linear_into`: the addresses are
-    taken once, so ``x`` and ``y`` must stay the tensors the caller reuses (the one-row decode step's buffers).
-    ``threads``: default ``torch.get_num_threads()`` now. Raises ValueError on other shapes or dtypes."""
+def into_args(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, threads: int | None = None,
+              bias: torch.Tensor | None = None) -> tuple:
+    """The kernel's arguments for ``y = x @ w.T + bias`` into a preallocated ``y`` (``x`` ``[M, K]``, ``w``
+    ``[N, K]``, ``y`` ``[M, N]``, ``bias`` ``[N]`` or None, contiguous, one dtype, :func:`supports` (w)), for
+    :func:`linear_into`: the addresses are taken once, so ``x``, ``y`` and ``bias`` must stay the tensors the caller
+    keeps (the one-row decode step's buffers, a module's bias). ``threads``: default ``torch.get_num_threads()``
+    now. Bitwise :func:`linear`'s result. Raises ValueError on other shapes or dtypes."""
     M, K = x.shape
     N = w.shape[0]
     if (w.shape[1] != K or tuple(y.shape) != (M, N) or not (x.dtype == w.dtype == y.dtype) or w.dtype not in _DTYPES
-            or not all(t.is_contiguous() for t in (x, w, y))):
-        raise ValueError(f"gemv into: x {tuple(x.shape)}, w {tuple(w.shape)}, y {tuple(y.shape)}: takes contiguous "
-                         f"x [M, K], w [N, K], y [M, N] of one dtype (float32 or bfloat16)")
-    return (_DTYPES[w.dtype], _mode(w.dtype, M), x.data_ptr(), M, K, w.data_ptr(), N, None, y.data_ptr(),
+            or not all(t.is_contiguous() for t in (x, w, y)) or not _bias_ok(bias, N, w.dtype)):
+        raise ValueError(f"gemv into: x {tuple(x.shape)}, w {tuple(w.shape)}, y {tuple(y.shape)}, bias "
+                         f"{None if bias is None else tuple(bias.shape)}: takes contiguous x [M, K], w [N, K], "
+                         f"y [M, N], bias [N] of one dtype (float32 or bfloat16)")
+    return (_DTYPES[w.dtype], _mode(w.dtype, M), x.data_ptr(), M, K, w.data_ptr(), N,
+            None if bias is None else bias.data_ptr(), y.data_ptr(),
             torch.get_num_threads() if threads is None else threads, PREFETCH)
+
+
+def _bias_ok(bias: torch.Tensor | None, n: int, dtype: torch.dtype) -> bool:
+    return bias is None or (tuple(bias.shape) == (n,) and bias.dtype == dtype and bias.is_contiguous()
+                            and bias.device.type == "cpu")
 
 
 def linear_into(args: tuple) -> None:
@@ -177,19 +186,22 @@ def linear_into(args: tuple) -> None:
     _lib().tp_gemv(*args)
 
 
-def bf16w_into_args(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, threads: int | None = None) -> tuple:
+def bf16w_into_args(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, threads: int | None = None,
+                    bias: torch.Tensor | None = None) -> tuple:
     """:func:`into_args` for bf16 weights computing in fp32 (``--quantize bf16``): ``x`` ``[M, K]`` float32, ``w``
     ``[N, K]`` bfloat16, ``y`` ``[M, N]`` float32, contiguous CPU tensors; the weights widened to fp32 as
     :data:`MODE_WIDEN` does, ``y`` not rounded to bf16 (fp32 sums in another order than ``F.linear(x, w.float())``:
-    within 1e-5 relative of it). For :func:`bf16w_linear_into`. Raises ValueError on other shapes or dtypes."""
+    within 1e-5 relative of it; ``bias`` ``[N]`` float32 or None, as :func:`bf16w_linear` adds it). For
+    :func:`bf16w_linear_into`. Raises ValueError on other shapes or dtypes."""
     M, K = x.shape
     N = w.shape[0]
     if (w.shape[1] != K or tuple(y.shape) != (M, N) or x.dtype != torch.float32 or y.dtype != torch.float32
-            or w.dtype != torch.bfloat16 or not all(t.is_contiguous() and t.device.type == "cpu" for t in (x, w, y))):
+            or w.dtype != torch.bfloat16 or not all(t.is_contiguous() and t.device.type == "cpu" for t in (x, w, y))
+            or not _bias_ok(bias, N, torch.float32)):
         raise ValueError(f"gemv bf16w into: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}, y "
                          f"{tuple(y.shape)} {y.dtype}: takes contiguous CPU x [M, K] float32, w [N, K] bfloat16, "
                          f"y [M, N] float32")
-    return (x.data_ptr(), M, K, w.data_ptr(), N, None, y.data_ptr(),
+    return (x.data_ptr(), M, K, w.data_ptr(), N, None if bias is None else bias.data_ptr(), y.data_ptr(),
             torch.get_num_threads() if threads is None else threads, PREFETCH)
 
 

@@ -143,8 +143,9 @@ def scratch(rows: int, k: int) -> torch.Tensor:
 
 
 def into_args(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, y: torch.Tensor, scratch: torch.Tensor,
-              threads: int | None = None) -> tuple:
-    """The kernel's arguments for ``y = q8_linear(x, q, scale, None)`` into a preallocated ``y`` (``x`` ``[M, K]``
+              threads: int | None = None, bias: torch.Tensor | None = None) -> tuple:
+    """The kernel's arguments for ``y = q8_linear(x, q, scale, bias)`` (``bias`` ``[N]`` float32 or None) into a
+    preallocated ``y`` (``x`` ``[M, K]``
     float32, ``q`` ``[N, K]`` int8, ``scale`` ``[N, K / 32]`` float16, ``y`` ``[M, N]`` float32, all contiguous
     CPU tensors; ``scratch`` from :func:`scratch` for at least ``M`` rows of ``K``), for :func:`linear_into`: the
     addresses are taken once, so ``x``, ``y`` and ``scratch`` must stay the tensors the caller reuses (the one-row
@@ -155,14 +156,16 @@ def into_args(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, y: torch.Te
     ok = (q.shape[1] == K and K % 32 == 0 and tuple(scale.shape) == (N, K // 32) and tuple(y.shape) == (M, N)
           and x.dtype == y.dtype == torch.float32 and q.dtype == torch.int8 and scale.dtype == torch.float16
           and scratch.dtype == torch.uint8 and all(t.is_contiguous() and t.device.type == "cpu"
-                                                   for t in (x, q, scale, y, scratch)))
+                                                   for t in (x, q, scale, y, scratch))
+          and (bias is None or (tuple(bias.shape) == (N,) and bias.dtype == torch.float32 and bias.is_contiguous()
+                                and bias.device.type == "cpu")))
     if not ok or scratch.numel() < _lib().tp_q8_scratch_bytes(M, K):
         raise ValueError(f"q8 into: x {tuple(x.shape)} {x.dtype}, q {tuple(q.shape)} {q.dtype}, scale "
                          f"{tuple(scale.shape)} {scale.dtype}, y {tuple(y.shape)} {y.dtype}, scratch "
                          f"{scratch.numel()} bytes: takes contiguous CPU x [M, K] float32, q [N, K] int8, scale "
                          f"[N, K/32] float16, y [M, N] float32, K % 32 == 0, scratch(M, K)")
-    return (x.data_ptr(), M, K, q.data_ptr(), scale.data_ptr(), N, None, y.data_ptr(),
-            torch.get_num_threads() if threads is None else threads, scratch.data_ptr())
+    return (x.data_ptr(), M, K, q.data_ptr(), scale.data_ptr(), N, None if bias is None else bias.data_ptr(),
+            y.data_ptr(), torch.get_num_threads() if threads is None else threads, scratch.data_ptr())
 
 
 def linear_into(args: tuple) -> None:

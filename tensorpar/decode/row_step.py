@@ -78,14 +78,21 @@ def why_not(dec) -> str | None:
     if not fused.available() or (dec.last and _norm(dec.norm) is None):
         return "no fused kernels here, or the final norm is not the plain fp32 RMSNorm"
     for L in dec.layers:
-        plain = (L.moe is None and L.post_attn is None and L.post_ff is None and L.bqkv is None and L.bo is None
-                 and L.bgu is None and L.bd is None and L.gated and L.silu and L.qk_norm is None
+        plain = (L.moe is None and L.post_attn is None and L.post_ff is None and L.bo is None and L.bd is None
+                 and _bias(L.bqkv, fmt) and _bias(L.bgu, fmt) and L.gated and L.silu and L.qk_norm is None
                  and not L.interleaved and not L.parallel and L.sdpa is F.scaled_dot_product_attention)
         if not plain or _norm(L.ln1) is None or _norm(L.ln2) is None:
-            return "a layer that is not of the plain Llama shape (pre-RMSNorms, gated SiLU MLP, no biases)"
+            return ("a layer that is not of the plain Llama shape (pre-RMSNorms, gated SiLU MLP, biases only on the "
+                    "QKV and gate-up projections)")
         if any(_format(w) != fmt for w in (L.wqkv, L.wo, L.wgu, L.wd)):
             return "weights of several formats"
     return None
+
+
+def _bias(b, fmt: str | None) -> bool:
+    """Whether a column-parallel projection's bias ``b`` can go to the step's matmul kernel as it is: none, or a
+    contiguous ``[N]`` CPU tensor in the kernel's dtype (fp32: the computing dtype of every format here)."""
+    return b is None or (b.dtype == torch.float32 and b.is_contiguous() and b.dim() == 1 and b.device.type == "cpu")
 
 
 def _reference_weight(dec):
@@ -134,19 +141,20 @@ class _Matmuls:
         self.scratch = q8_kernel.scratch(rows, k) if fmt == "int8" else None
         self.run = _KERNELS[fmt][1]
 
-    def args(self, x: torch.Tensor, w, y: torch.Tensor) -> tuple:
-        """The arguments of ``y = x @ W.T`` for ``self.run``: ``x`` ``[M, K]``, ``w`` ``[N, K]`` (a tensor or an
-        :class:`Int8Weight` or :class:`Bf16Weight`), ``y`` ``[M, N]``."""
+    def args(self, x: torch.Tensor, w, y: torch.Tensor, bias: torch.Tensor | None = None) -> tuple:
+        """The arguments of ``y = x @ W.T + bias`` for ``self.run``: ``x`` ``[M, K]``, ``w`` ``[N, K]`` (a tensor or
+        an :class:`Int8Weight` or :class:`Bf16Weight`), ``y`` ``[M, N]``, ``bias`` ``[N]`` or None (the kernel adds
+        it, as the general loop's call of the same kernel does; the caller keeps it alive)."""
         if isinstance(w, Int8Weight):
-            return q8_kernel.into_args(x, w.q, w.scale, y, self.scratch, self.threads)
+            return q8_kernel.into_args(x, w.q, w.scale, y, self.scratch, self.threads, bias=bias)
         if isinstance(w, Bf16Weight):
-            return gemv_kernel.bf16w_into_args(x, w.w, y, self.threads)
-        return gemv_kernel.into_args(x, w, y, self.threads)
+            return gemv_kernel.bf16w_into_args(x, w.w, y, self.threads, bias=bias)
+        return gemv_kernel.into_args(x, w, y, self.threads, bias=bias)
 
-    def op(self, x: torch.Tensor, w, y: torch.Tensor) -> tuple:
+    def op(self, x: torch.Tensor, w, y: torch.Tensor, bias: torch.Tensor | None = None) -> tuple:
         """The same matmul as an op of a :func:`~tensorpar.decode.fused.program`: its kind, the kernel's address and
         :meth:`args`."""
-        a = self.args(x, w, y)
+        a = self.args(x, w, y, bias)
         if isinstance(w, Int8Weight):
             return (fused.OP_Q8, q8_kernel.address("tp_q8_linear_into"), *a)
         if isinstance(w, Bf16Weight):
@@ -227,14 +235,14 @@ class RowStep:
                 k, v = cache.k[i].data_ptr(), cache.v[i].data_ptr()
                 attn = fused.program([
                     norm(L.ln1),                                                  # x += all_reduce; h = ln1(x)
-                    mm.op(self.h[:b], out_in(L.wqkv), self.qkv[:b]),                                  # h -> qkv
+                    mm.op(self.h[:b], out_in(L.wqkv), self.qkv[:b], L.bqkv),                          # h -> qkv
                     (fused.OP_ROPE, qkv, b, nq, nkv, d, self.rd, keys[L.rope], q, k, v, hs, offs),
                     (fused.OP_ATTN, q, b, nq, d, k, v, hs, blocks, bs, ctypes.addressof(kv_of), scale,
                      self.scratch.data_ptr(), att),
                     mm.op(self.att[:b], out_in(L.wo), self.p[:b])])                                   # -> p
                 mlp = fused.program([
                     norm(L.ln2),                                                  # x += all_reduce; h = ln2(x)
-                    mm.op(self.h[:b], out_in(L.wgu), self.gu[:b]),
+                    mm.op(self.h[:b], out_in(L.wgu), self.gu[:b], L.bgu),
                     (fused.OP_SILU, gu, b, f, a),                                                     # gu -> a
                     mm.op(self.a[:b], out_in(L.wd), self.p[:b])])                                     # -> p
                 la.keep = (attn, mlp, kv_of)

@@ -242,6 +242,27 @@ def test_row_step_equals_general_loop_and_transformers(pools, tmp_path, tp, batc
         assert torch.equal(tokens, want), f"tp={tp} rank {r}: {tokens} != transformers {want}"
 
 
+@needs_kernels
+@pytest.mark.parametrize("tp,batch", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])
+def test_qkv_biases_row_step_equals_general_loop_and_transformers(pools, tmp_path, tp, batch):
+    """qwen2 (QKV biases, untied head): the biases go to the QKV matmul's kernel as the general loop's call of the
+    same kernel adds them, so the row step runs every decode step; logits within the fp32 bound of the llama test
+    above, greedy tokens equal transformers'."""
+    folder = make_model_folder(tmp_path / "qwen2", "qwen2")
+    ids, mask = prompts(ARCHS["qwen2"]["vocab_size"])
+    rows = [0] if batch == 1 else [0, 2]
+    ids, mask = ids[rows], mask[rows]
+    steps = 8
+    want, _ = hf_reference(folder, ids, mask, steps)
+    for r, (out, tokens) in enumerate(run_tp(pools, tp, job_logits, folder, ids, mask, want, tp > 1)):
+        got, has, ran = out["row"]
+        ref, _, ran_general = out["general"]
+        assert has and ran == steps - 1 and ran_general == 0, (has, ran, ran_general)
+        for a, b in zip(got, ref):
+            assert (a - b).abs().max() <= 1e-5 * b.abs().max(), f"rank {r}"
+        assert torch.equal(tokens, want), f"tp={tp} rank {r}: {tokens} != transformers {want}"
+
+
 #: --tp-comm int8 (compressed partial sums), row step against the general loop: both quantize their partial sums
 #: per block of 32 before the exchange; the partials differ in the last bits (fused norms and attention), which the
 #: quantization absorbs unless an element lies within them of a half step (it would round the other way and move by
