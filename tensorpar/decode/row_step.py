@@ -73,8 +73,8 @@ def why_not(dec) -> str | None:
         return "it runs neither our GEMV (fp32 weights) nor our kernel of --quantize int8 / bf16 at <= 2 rows"
     if ref.dtype != torch.float32:
         return "it does not compute in fp32"
-    if dec.windows or dec.final_cap is not None or dec.lm_b is not None:
-        return "sliding windows, logit soft-capping or an LM head bias"
+    if dec.final_cap is not None or dec.lm_b is not None:
+        return "logit soft-capping or an LM head bias"
     if not fused.available() or (dec.last and _norm(dec.norm) is None):
         return "no fused kernels here, or the final norm is not the plain fp32 RMSNorm"
     for L in dec.layers:
@@ -283,12 +283,15 @@ class RowStep:
     def runs(self, segments) -> bool:
         """Whether this step is one :class:`RowStep` runs: one segment of at most MAX_ROWS rows of one token each,
         all stored, each row's positions in one block of the cache (generate's static cache; a paged row over
-        several blocks takes the general loop)."""
+        several blocks takes the general loop), and with sliding-window layers (Mistral) no more positions than the
+        smallest window holds, where the window masks nothing (:func:`~tensorpar.decode.block.windowed`); longer
+        steps take the general loop."""
         if len(segments) != 1:
             return False
         g = segments[0]
+        windows = self.dec.windows        # sliding windows: only while every key is inside each (block.windowed)
         return (g.s == 1 and g.b <= gemv_kernel.MAX_ROWS and g.write is None
-                and g.length <= self.dec.cache.block_size)
+                and g.length <= self.dec.cache.block_size and (not windows or g.length <= windows[0]))
 
     def _cache_plan(self, g):
         """``(row offsets, row blocks)`` as C arrays (allocated once per row count, filled here): the element offset

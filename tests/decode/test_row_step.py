@@ -263,6 +263,29 @@ def test_qkv_biases_row_step_equals_general_loop_and_transformers(pools, tmp_pat
         assert torch.equal(tokens, want), f"tp={tp} rank {r}: {tokens} != transformers {want}"
 
 
+@needs_kernels
+def test_sliding_window_row_step_runs_inside_the_window(pools, tmp_path):
+    """Mistral with a 10-position sliding window, tp=2: decode steps whose keys all lie inside the window (lengths
+    8-10 after a 7-token prompt) run the row step, the later ones the general loop, which narrows the mask; logits
+    within the fp32 bound of the llama test, greedy tokens equal transformers' (which apply the window)."""
+    ARCHS["mistral_w10"] = dict(ARCHS["mistral"], sliding_window=10)
+    try:
+        folder = make_model_folder(tmp_path / "mistral", "mistral_w10")
+    finally:
+        del ARCHS["mistral_w10"]
+    ids, mask = prompts(ARCHS["mistral"]["vocab_size"])
+    ids, mask = ids[:1], mask[:1]
+    steps = 8                                   # decode lengths 8 .. 14
+    want, _ = hf_reference(folder, ids, mask, steps)
+    for r, (out, tokens) in enumerate(run_tp(pools, 2, job_logits, folder, ids, mask, want, True)):
+        got, has, ran = out["row"]
+        ref, _, _ = out["general"]
+        assert has and ran == 3, (has, ran)
+        for a, b in zip(got, ref):
+            assert (a - b).abs().max() <= 1e-5 * b.abs().max(), f"rank {r}"
+        assert torch.equal(tokens, want), f"rank {r}: {tokens} != transformers {want}"
+
+
 #: --tp-comm int8 (compressed partial sums), row step against the general loop: both quantize their partial sums
 #: per block of 32 before the exchange; the partials differ in the last bits (fused norms and attention), which the
 #: quantization absorbs unless an element lies within them of a half step (it would round the other way and move by
