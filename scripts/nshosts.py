@@ -30,6 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix", default=None, help="namespace name prefix (default tph<pid>-<random>)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the hosts are killed")
     p.add_argument("--show-commands", action="store_true", help="print each host's torchrun command")
+
+    def refuse(message: str):          # one line, as every other refusal of the script (no usage block)
+        print(f"nshosts: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+    p.error = refuse
     if "--" not in argv:
         if "-h" in argv or "--help" in argv:
             p.parse_args(argv)   # prints the help and exits 0

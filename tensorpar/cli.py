@@ -102,8 +102,9 @@ def add_launch_arguments(p, *, tp_list: bool = False, tp_action=None, ep: bool =
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help="collective timeout in seconds: a rank that stops or hangs ends the run after this long")
     p.add_argument("--fast-collectives", choices=FAST_COLLECTIVES, default="auto",
-                   help="same-host shared-memory collectives for the tp group's CPU tensors (auto: when all tp "
-                        "ranks share a host)")
+                   help="fast collectives for CPU tensors (auto: shared memory among the ranks of one host; for "
+                        "a group across hosts shared memory inside each host and small tensors between the hosts "
+                        "over tensorpar's own TCP connections; on: shared memory, refused across hosts; off: gloo)")
     p.add_argument("--tp-comm", choices=TP_COMM, default="fp32",
                    help="the tp all-reduce of the row-parallel partial sums: fp32 (exact) or int8 (blockwise int8 "
                         "partials in one all-gather, ~0.28x the bytes; for slow links between hosts; inference "

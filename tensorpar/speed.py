@@ -32,6 +32,8 @@ def tp_speed_warning(*, tp_size: int, collectives_per_token: int, latency_s: flo
     if comm_s <= saving_s:
         return None
     fix = ("use --fast-collectives on (shared memory, ranks on one host) or --tp 1" if path == "gloo"
+           else "use --fast-collectives auto (across hosts: the hosts' leaders exchange small tensors over their own "
+                "TCP connections) or --tp 1" if path == "gloo across hosts"
            else "use a smaller --tp, or --tp 1 for a model this small")
     return (f"tensorpar: warning: tp={tp_size} is likely slower than one rank here: {collectives_per_token} "
             f"collectives/token x {latency_s * 1e3:.3f} ms ({path}) = {comm_s * 1e3:.1f} ms/token of communication, "
@@ -71,7 +73,7 @@ def measure_speed(model, tp: Group, probe: torch.Tensor, per_token: int) -> str 
         local = int8_weight_bytes(model)
     weight_bytes = float(comm.all_reduce(torch.tensor([float(local)], dtype=torch.float64, device=probe.device), tp))
     from tensorpar.shm.hierarchical import HierarchicalComm
-    path = ("nccl" if probe.is_cuda else "gloo" if tp.fast is None
+    path = ("nccl" if probe.is_cuda else ("gloo" if tp.hosts is None else "gloo across hosts") if tp.fast is None
             else "TCP between hosts" if isinstance(tp.fast, HierarchicalComm) else "shared memory")
     return tp_speed_warning(tp_size=tp.size, collectives_per_token=per_token, latency_s=float(lat),
                             weight_bytes=weight_bytes, bandwidth_bytes_per_s=bw, path=path)

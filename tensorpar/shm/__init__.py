@@ -118,7 +118,8 @@ def enable_fast_collectives(group: Group, mode: str = "auto", *, host_id: str | 
         raise ValueError(f"fast collectives mode 'on' needs every rank of the {group.name} group on one host, but "
                          f"its ranks are on {len(hosts)} hosts: " + "; ".join(
                              f"{members[h[0]].host!r}: ranks {h}" for h in hosts)
-                         + ". Use mode='auto' (torch.distributed for this group) or mode='hierarchical'")
+                         + ". Use mode 'auto' (--fast-collectives auto: shared memory inside each host, the hosts' "
+                           "leaders over their own TCP connections)")
     fast, err = build_host_communicator(group.pg, members, group_name=group.name, **opts)
     if fast is None:
         if mode == "on":

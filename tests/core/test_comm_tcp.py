@@ -148,3 +148,17 @@ def test_a_peer_that_leaves_or_never_comes_fails_in_one_line_naming_it(pools):
     msg, dt = pools(2).run(job_failures, "peer_silent")[0]
     assert "nothing arrived within the collective timeout" in msg and "rank 1" in msg
     assert 2.5 < dt < 5.5                    # the 3 s timeout, not the peer's 6 s
+
+
+def test_an_interface_this_host_lacks_is_named_with_the_ones_it_has(monkeypatch):
+    """GLOO_SOCKET_IFNAME naming no interface here: one line naming the variable, its value and the interfaces
+    (gloo's own error, 'ifa != nullptr. Unable to find address for: bogus0', named neither)."""
+    import socket
+
+    from tensorpar.parallel import check_socket_ifname
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "bogus0")
+    with pytest.raises(ValueError, match=r"^GLOO_SOCKET_IFNAME=bogus0: no interface 'bogus0' on host .*; "
+                                         r"interfaces here: .*lo"):
+        check_socket_ifname()
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", socket.if_nameindex()[0][1])
+    check_socket_ifname()

@@ -123,7 +123,7 @@ def test_script_help_and_timeout():
     assert r.returncode == 0 and "--nproc-per-host" in r.stdout
     r = subprocess.run([sys.executable, "scripts/nshosts.py", "--timeout", "-5", "--", "-m", "tensorpar", "generate"],
                        capture_output=True, text=True, env=env(), timeout=60)
-    assert r.returncode == 2 and r.stderr.strip().endswith("--timeout must be > 0 seconds, got -5")
+    assert r.returncode == 2 and r.stderr == "nshosts: error: --timeout must be > 0 seconds, got -5\n"
 
 
 @pytest.mark.slow
