@@ -46,9 +46,10 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from tensorpar.decode import fused, gemv_kernel, q8_kernel
+from tensorpar.decode import fused, gemv_kernel
 from tensorpar.decode.bf16_weights import Bf16Weight
 from tensorpar.decode.int8 import Int8Weight
+from tensorpar.decode.step_matmuls import _KERNELS, _Matmuls
 
 
 def _norm(fn):
@@ -120,46 +121,6 @@ def _embedding(emb):
     if w.dtype != torch.float32 or not w.is_contiguous() or w.device.type != "cpu":
         return None
     return emb
-
-
-#: per weight format: (the kernel runs here, its run-into-buffers call)
-_KERNELS = {"int8": (q8_kernel.available, q8_kernel.linear_into),
-            "bf16": (gemv_kernel.available, gemv_kernel.bf16w_linear_into),
-            None: (gemv_kernel.available, gemv_kernel.linear_into)}
-
-
-class _Matmuls:
-    """The matmul of a :class:`RowStep` into its preallocated buffers: our GEMV on fp32 weights
-    (:func:`~tensorpar.decode.gemv_kernel.into_args`), our Q8_0 x Q8_0 kernel on the :class:`Int8Weight` of
-    ``--quantize int8`` (:func:`~tensorpar.decode.q8_kernel.into_args`, the activations quantized into one scratch
-    the step's matmuls share: they run one after the other), or our GEMV widening the :class:`Bf16Weight` of
-    ``--quantize bf16`` (:func:`~tensorpar.decode.gemv_kernel.bf16w_into_args`). Each is the kernel the general loop
-    runs at these rows, so a matmul's output is bitwise the general loop's given the same input."""
-
-    def __init__(self, fmt: str | None, rows: int, k: int, threads: int):
-        self.threads = threads
-        self.scratch = q8_kernel.scratch(rows, k) if fmt == "int8" else None
-        self.run = _KERNELS[fmt][1]
-
-    def args(self, x: torch.Tensor, w, y: torch.Tensor, bias: torch.Tensor | None = None) -> tuple:
-        """The arguments of ``y = x @ W.T + bias`` for ``self.run``: ``x`` ``[M, K]``, ``w`` ``[N, K]`` (a tensor or
-        an :class:`Int8Weight` or :class:`Bf16Weight`), ``y`` ``[M, N]``, ``bias`` ``[N]`` or None (the kernel adds
-        it, as the general loop's call of the same kernel does; the caller keeps it alive)."""
-        if isinstance(w, Int8Weight):
-            return q8_kernel.into_args(x, w.q, w.scale, y, self.scratch, self.threads, bias=bias)
-        if isinstance(w, Bf16Weight):
-            return gemv_kernel.bf16w_into_args(x, w.w, y, self.threads, bias=bias)
-        return gemv_kernel.into_args(x, w, y, self.threads, bias=bias)
-
-    def op(self, x: torch.Tensor, w, y: torch.Tensor, bias: torch.Tensor | None = None) -> tuple:
-        """The same matmul as an op of a :func:`~tensorpar.decode.fused.program`: its kind, the kernel's address and
-        :meth:`args`."""
-        a = self.args(x, w, y, bias)
-        if isinstance(w, Int8Weight):
-            return (fused.OP_Q8, q8_kernel.address("tp_q8_linear_into"), *a)
-        if isinstance(w, Bf16Weight):
-            return (fused.OP_GEMV_BF16W, gemv_kernel.address("tp_gemv_bf16w"), *a)
-        return (fused.OP_GEMV, gemv_kernel.address("tp_gemv"), *a)
 
 
 class _Layer:
