@@ -43,6 +43,22 @@ _LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", 
                      "torch.distributed.elastic.rendezvous.dynamic_rendezvous")
 
 
+
+def check_socket_ifname() -> None:
+    """``GLOO_SOCKET_IFNAME`` (the interfaces gloo and tensorpar's TCP connections bind to) names interfaces this host
+    has. Raises ValueError naming the variable, its value and the interfaces here (gloo's own error names neither)."""
+    import socket
+
+    value = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    if not value:
+        return
+    here = [name for _, name in socket.if_nameindex()]
+    missing = [n for n in value.split(",") if n not in here]
+    if missing:
+        raise ValueError(f"GLOO_SOCKET_IFNAME={value}: no interface {', '.join(map(repr, missing))} on host "
+                         f"{socket.gethostname()}; interfaces here: {', '.join(here)} (name the one the other hosts "
+                         f"reach this host through)")
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` (default loopback) that is free right now (the kernel picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -200,8 +216,10 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args, verbose: bool = False) 
     More ranks than usable cores is allowed (each rank then gets one thread) and prints a one-line warning.
 
     Raises:
-        ValueError: ``TENSORPAR_THREADS`` is set but not a positive integer (before anything starts).
+        ValueError: ``TENSORPAR_THREADS`` is set but not a positive integer, or ``GLOO_SOCKET_IFNAME`` names an
+            interface this host lacks (before anything starts).
     """
+    check_socket_ifname()                       # the rule the ranks apply in init_parallel
     threads = os.environ.get("TENSORPAR_THREADS", "")
     if threads and not (threads.isdigit() and int(threads) >= 1):
         raise ValueError(f"TENSORPAR_THREADS={threads!r}: must be a positive integer (torch threads per rank), "

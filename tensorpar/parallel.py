@@ -256,22 +256,6 @@ def _hostnames(world_size: int) -> list[str] | None:
     return names
 
 
-def check_socket_ifname() -> None:
-    """``GLOO_SOCKET_IFNAME`` (the interfaces gloo and tensorpar's TCP connections bind to) names interfaces this host
-    has. Raises ValueError naming the variable, its value and the interfaces here (gloo's own error names neither)."""
-    import socket
-
-    value = os.environ.get("GLOO_SOCKET_IFNAME", "")
-    if not value:
-        return
-    here = [name for _, name in socket.if_nameindex()]
-    missing = [n for n in value.split(",") if n not in here]
-    if missing:
-        raise ValueError(f"GLOO_SOCKET_IFNAME={value}: no interface {', '.join(map(repr, missing))} on host "
-                         f"{socket.gethostname()}; interfaces here: {', '.join(here)} (name the one the other hosts "
-                         f"reach this host through)")
-
-
 def init_parallel(
     config: ParallelConfig | None = None,
     *,
@@ -326,6 +310,7 @@ def init_parallel(
         set_rank_threads(local_world)
     timeout = _dt.timedelta(seconds=timeout_s)
     if backend == "gloo" and not dist.is_initialized():
+        from tensorpar.launch import check_socket_ifname
         check_socket_ifname()
     if not dist.is_initialized():
         if init_method is None and "MASTER_ADDR" not in os.environ:

@@ -155,7 +155,7 @@ def test_an_interface_this_host_lacks_is_named_with_the_ones_it_has(monkeypatch)
     (gloo's own error, 'ifa != nullptr. Unable to find address for: bogus0', named neither)."""
     import socket
 
-    from tensorpar.parallel import check_socket_ifname
+    from tensorpar.launch import check_socket_ifname
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "bogus0")
     with pytest.raises(ValueError, match=r"^GLOO_SOCKET_IFNAME=bogus0: no interface 'bogus0' on host .*; "
                                          r"interfaces here: .*lo"):
