@@ -45,7 +45,7 @@ Model (one replica of ``tp x pp`` ranks, batch B, prompt P, N new tokens; all pe
   of each rank's blockwise int8 partial (:func:`tensorpar.comm.compress.payload_bytes`, ~1.125 bytes per element):
   :func:`gather_latency` + ``(tp - 1) x payload / bandwidth`` + the device's ``int8_reduce_cpu_us`` (quantizing,
   dequantizing and summing, measured; 0 in the presets); the token pick and the pipeline's token broadcast are an
-  all-gather and broadcasts too, at :func:`gather_latency` (half an all-reduce's);
+  all-gather and broadcasts too, at :func:`gather_latency` (an all-reduce's on a CPU host, half of it on a ring);
 * throughput: ``replicas x B / decode seconds per token``, replicas = devices // (tp x pp).
 
 The winner: among layouts that fit (and meet ``latency_target_ms`` per decoded token, when given), the
@@ -203,13 +203,18 @@ def decode_collectives(model: ModelSpec, tp: int) -> int:
     return 0 if tp == 1 else 2 * model.num_layers + 3
 
 
-def gather_latency(latency: float) -> float:
-    """The latency of an all-gather or a broadcast on a link whose all-reduce latency is ``latency``: half of it. A
-    ring all-reduce is a reduce-scatter and an all-gather, ``2 (tp - 1)`` steps, the all-gather alone ``tp - 1``
-    (gloo's broadcast, root to each, as many); the link fits (the calibration's, ``bench/link_job.py``) time
-    all-reduces. Measured between two namespace hosts (bench/results/link_rates.md, quiet): 3.2-3.7 ms per small
-    all-reduce, 1.8-2.0 ms per all-gather inside a decode step (the ``--tp-comm int8`` rows)."""
-    return latency / 2
+def gather_latency(latency: float, cluster: ClusterSpec) -> float:
+    """The latency of an all-gather or a broadcast on a link whose all-reduce latency is ``latency``.
+
+    On a CPU host (``cluster.device.host_cores`` > 0: tensorpar's own collectives carry a decode step's small
+    messages, shared memory inside a host and the leaders' TCP mesh between hosts, ``tensorpar.comm.tcp``) an
+    all-reduce is one exchange of the partial sums followed by a local sum, so an all-gather costs what it costs:
+    ``latency``. Measured in a decode step between two namespace hosts (bench/results/link_rates.md, 16:22): an
+    all-gather adds 141-197 us, an all-reduce 112-186 us. Elsewhere (gloo's and NCCL's rings) half of it: a ring
+    all-reduce is a reduce-scatter and an all-gather, ``2 (tp - 1)`` steps, the all-gather alone ``tp - 1``
+    (gloo's broadcast, root to each, as many); gloo between the same hosts gave 1.8-2.0 ms per all-gather against
+    3.2-3.7 ms per all-reduce (the link_rates.md of 06:37, in git history)."""
+    return latency if cluster.device.host_cores > 0 else latency / 2
 
 
 def _all_reduce_seconds(elements: float, nbytes: int, tp: int, cluster: ClusterSpec, tp_comm: str = "fp32") -> float:
@@ -222,7 +227,7 @@ def _all_reduce_seconds(elements: float, nbytes: int, tp: int, cluster: ClusterS
     if tp_comm == "int8":
         from tensorpar.comm.compress import payload_bytes
 
-        return (gather_latency(latency) + (tp - 1) * payload_bytes(int(elements)) / bandwidth
+        return (gather_latency(latency, cluster) + (tp - 1) * payload_bytes(int(elements)) / bandwidth
                 + cluster.device.int8_reduce_cpu_us * 1e-6)
     return latency + 2 * (tp - 1) / tp * elements * nbytes / bandwidth
 
@@ -233,7 +238,7 @@ def pick_seconds(tp: int, batch: int, cluster: ClusterSpec) -> float:
     if tp == 1:
         return 0.0
     bandwidth, latency = cluster.link(tp, "tp")
-    return 2 * gather_latency(latency) + ((tp - 1) * batch * 16 + (batch + 1) * 8) / bandwidth
+    return 2 * gather_latency(latency, cluster) + ((tp - 1) * batch * 16 + (batch + 1) * 8) / bandwidth
 
 
 def _decode_comm_seconds(model: ModelSpec, tp: int, cluster: ClusterSpec, batch: int, nbytes: int,
@@ -263,7 +268,7 @@ def _pipeline_seconds(tokens: int, batch: int, hidden: int, nbytes: int, tp: int
     bandwidth, latency = cluster.p2p_link(tp * pp)
     sends = (pp - 1) * (latency + tokens * hidden * nbytes / bandwidth)
     bandwidth, latency = cluster.link(tp * pp)
-    return sends + gather_latency(latency) + (batch + 1) * 8 / bandwidth
+    return sends + gather_latency(latency, cluster) + (batch + 1) * 8 / bandwidth
 
 
 def plan_one(model: ModelSpec, tp: int, cluster: ClusterSpec, work: InferenceWorkload, pp: int = 1) -> InferencePlan:
