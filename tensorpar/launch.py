@@ -46,7 +46,10 @@ _LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", 
 
 def check_socket_ifname() -> None:
     """``GLOO_SOCKET_IFNAME`` (the interfaces gloo and tensorpar's TCP connections bind to) names interfaces this host
-    has. Raises ValueError naming the variable, its value and the interfaces here (gloo's own error names neither)."""
+    has, and, in a run whose ranks span hosts (``WORLD_SIZE`` > ``LOCAL_WORLD_SIZE``, as torchrun sets them with
+    ``--nnodes`` > 1), none of them is a loopback interface: another host cannot reach an address there, and gloo
+    would wait for its connections until the collective timeout. Raises ValueError naming the variable, its value
+    and the interfaces here (gloo's own error names neither, or comes minutes later)."""
     import socket
 
     value = os.environ.get("GLOO_SOCKET_IFNAME", "")
@@ -58,6 +61,26 @@ def check_socket_ifname() -> None:
         raise ValueError(f"GLOO_SOCKET_IFNAME={value}: no interface {', '.join(map(repr, missing))} on host "
                          f"{socket.gethostname()}; interfaces here: {', '.join(here)} (name the one the other hosts "
                          f"reach this host through)")
+    world, local = os.environ.get("WORLD_SIZE", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
+    if world.isdigit() and local.isdigit() and int(world) > int(local):
+        loop = [n for n in value.split(",") if _is_loopback(n)]
+        if loop:
+            others = [n for n in here if not _is_loopback(n)]
+            raise ValueError(f"GLOO_SOCKET_IFNAME={value}: {', '.join(map(repr, loop))} is a loopback interface, "
+                             f"which the other hosts of this {world}-rank run cannot reach (host "
+                             f"{socket.gethostname()}); name the interface of the link between the hosts"
+                             + (f" (here: {', '.join(others)})" if others else ""))
+
+
+def _is_loopback(name: str) -> bool:
+    """Whether network interface ``name`` is a loopback one (Linux: IFF_LOOPBACK in /sys/class/net/NAME/flags;
+    elsewhere, by the name ``lo``/``lo0``)."""
+    try:
+        with open(f"/sys/class/net/{name}/flags") as f:
+            return bool(int(f.read().strip(), 16) & 0x8)
+    except (OSError, ValueError):
+        return name in ("lo", "lo0")
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` (default loopback) that is free right now (the kernel picks it)."""
