@@ -7,14 +7,17 @@ The layouts of the issue run on the real Shakespeare corpus (bytes), 10 steps ea
 (tp = pp = dp = 1) with the reference's next-step loss. Validation and checkpoint round trips use synthetic data.
 
 Tolerance: 1e-5 relative (the reordered cross-rank sums of the parity policy; micro-batch means are averaged in
-another order than the whole batch's mean). The Shakespeare grad norms: 1e-4 relative. Those rounding differences
+another order than the whole batch's mean). The Shakespeare grad norms: 1e-3 relative. Those rounding differences
 compound over the 10 steps at lr 1e-2, and the grad norm (one number over every gradient) is where they show first:
 with the per-module initialisation (tensorpar.train.model.init_from_seed; the run's norm spikes to 15.5 at step 3)
 the step-10 norm of tp2-pp2-dp1-sp and tp2-pp2 differs by 4.9e-5 relative while every loss and the earlier norms
 stay within 1e-5 (the whole-model torch.manual_seed init of before happened to stay within 1e-5). The spike itself
 is where the compounding shows on the Intel Xeon of 2026-12-02: tp2-pp2-dp1-sp's step-3 norm 15.459905 against
-15.459132 (5.0e-5 relative), every loss within 1e-5; so the parity bound holds for the first two norms (before and
-after one update), the compounding bound for all."""
+15.459132 (5.0e-5 relative) and its step-10 norm 4.667263 against 4.669779 (5.4e-4), every loss within 1e-5. The
+one-process run is itself that sensitive: each weight scaled by (1 + 1e-7 x N(0, 1)) before training, about one
+unit in the last place, moves its step-10 norm by 2.0-3.2e-4 and its step-3 norm by up to 2.8e-5 (three seeds,
+measured on the Xeon), while its losses move by at most 2.8e-6. So: the parity bound (1e-5) for the losses and the
+first two norms (before and after one update), the compounding bound (1e-3, three times that spread) for all."""
 import functools
 from dataclasses import replace
 
@@ -129,7 +132,7 @@ def test_layouts_equal_single_process_on_shakespeare(tmp_path, shakespeare_refer
             assert loss == pytest.approx(ref_loss[:-1], rel=1e-5), f"{name} rank {r}: losses {loss} vs {ref_loss}"
             # the first two steps' norms at the parity bound; all of them within the compounding bound above
             assert norm[:2] == pytest.approx(ref_norm[:2], rel=1e-5), f"{name} rank {r}: norms {norm} vs {ref_norm}"
-            assert norm == pytest.approx(ref_norm[:-1], rel=1e-4), f"{name} rank {r}: norms {norm} vs {ref_norm}"
+            assert norm == pytest.approx(ref_norm[:-1], rel=1e-3), f"{name} rank {r}: norms {norm} vs {ref_norm}"
             if config.pp > 1 and r in (0, config.tp * (config.pp - 1)):   # first and last stage of replica 0
                 assert tied_same is True, f"{name} rank {r}: tied embedding differs between first and last stage"
         one = _shakespeare_trainer(ParallelContext.single(), {})   # tp = pp = dp = 1
