@@ -71,13 +71,15 @@ class HierarchicalComm:
         """Reduce in the host, all-reduce among leaders, broadcast in the host. Same shape, new tensor."""
         if op not in ("sum", "max"):
             raise ValueError(f"all_reduce on {self.group.name} group: op must be 'sum' or 'max', got {op!r}")
-        y = x if self.intra is None else self.intra.reduce(x, dst=0, op=op)
+        with self._named("all_reduce", x, inside=True):
+            y = x if self.intra is None else self.intra.reduce(x, dst=0, op=op)
         if self.leaders is not None:
             with self._named("all_reduce", x):
                 y = comm.all_reduce(y, self.leaders, op=op)        # identity for a one-host group
         if self.intra is None:
             return y if y is not x else x.clone()
-        return self.intra.broadcast(y if self.is_leader else x, src=0)
+        with self._named("all_reduce", x, inside=True):
+            return self.intra.broadcast(y if self.is_leader else x, src=0)
 
     def _leaders_parts(self, x: torch.Tensor) -> tuple[int, ...]:
         """The leaders' mesh's :meth:`~tensorpar.comm.tcp.TcpMesh.all_reduce_parts` of ``x`` (set as
@@ -97,13 +99,19 @@ class HierarchicalComm:
         return comm._pg_all_gather(x, self.group, dim, sizes)
 
     @contextlib.contextmanager
-    def _named(self, kind: str, x: torch.Tensor):
+    def _named(self, kind: str, x: torch.Tensor, inside: bool = False):
         """A failure between the leaders, named as a collective of the group the caller used (its hosts and the
-        host it waited for) rather than of the leaders' internal group."""
+        host it waited for) rather than of the leaders' internal group. ``inside``: a failure of this host's
+        shared-memory step (a rank that is not its host's leader waits there while its leader waits for the
+        other hosts, and learns of a lost host only when its leader stops), named the same way, "inside host H:"
+        before the shared-memory error."""
         try:
             yield
         except comm.CollectiveError as e:
-            raise failed(kind, self.group, x, getattr(e, "reason", None) or str(e)) from e
+            why = getattr(e, "reason", None) or str(e)
+            if inside and self.group.hosts is not None:
+                why = f"inside host {self.group.hosts[self.group.rank]}: {why}"
+            raise failed(kind, self.group, x, why) from e
 
     def reduce_scatter(self, x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
         return comm._pg_reduce_scatter(x, self.group, dim, sizes)
