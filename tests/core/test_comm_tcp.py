@@ -111,13 +111,15 @@ def job_failures(ctx, case):
         mesh.close()
 
 
-def job_named(ctx):
-    """Through the hierarchical all-reduce, a lost peer is named as the caller's group sees it: its hosts."""
+def job_named(ctx, per_host=1):
+    """Through the hierarchical all-reduce, a lost peer is named as the caller's group sees it: its hosts. Hosts
+    A and B of ``per_host`` ranks each (simulated); host B's leader drops its TCP mesh and leaves, every other
+    rank returns its one-line error."""
     g = comm.Group(pg=ctx.tp.pg, rank=ctx.tp.rank, size=ctx.tp.size, name="tp")
-    assert enable_fast_collectives(g, "auto", host_id=f"simhost{g.rank}", timeout_s=30.0)
-    g.hosts = ("hostA", "hostB")                 # what init_parallel sets for a group across hosts
+    assert enable_fast_collectives(g, "auto", host_id=f"simhost{g.rank // per_host}", timeout_s=10.0)
+    g.hosts = ("hostA",) * per_host + ("hostB",) * per_host    # what init_parallel sets for a group across hosts
     try:
-        if g.rank == 1:
+        if g.rank == per_host:
             g.fast.leaders.fast.close()
             return ""
         with pytest.raises(comm.CollectiveError) as e:
@@ -178,28 +180,12 @@ def test_loopback_across_hosts_is_refused_before_gloo_waits(monkeypatch):
         check_socket_ifname()
 
 
-def job_named_two_per_host(ctx):
-    """Two simulated hosts of two ranks each; host B's leader (rank 2) drops its TCP mesh and leaves. Every rank
-    that waited returns its one-line error."""
-    g = comm.Group(pg=ctx.tp.pg, rank=ctx.tp.rank, size=ctx.tp.size, name="tp")
-    assert enable_fast_collectives(g, "auto", host_id=f"simhost{g.rank // 2}", timeout_s=10.0)
-    g.hosts = ("hostA", "hostA", "hostB", "hostB")
-    try:
-        if g.rank == 2:
-            g.fast.leaders.fast.close()
-            return ""
-        with pytest.raises(comm.CollectiveError) as e:
-            comm.all_reduce(torch.ones(10), g)
-        return str(e.value)
-    finally:
-        disable_fast_collectives(g)
-
 
 def test_a_lost_host_is_named_on_ranks_that_are_not_leaders(pools):
     """A rank that is not its host's leader waits in the host's shared memory, not on the link: when its leader
     stops (here: rank 0, which lost host B) or its own host's leader leaves (rank 3), it names the caller's group
     and its hosts too, not only the shared-memory step."""
-    msgs = pools(4).run(job_named_two_per_host)
+    msgs = pools(4).run(job_named, 2)
     assert msgs[0].startswith("all_reduce on tp group (rank 0 of 4 on host hostA; the group's other hosts: hostB "
                               "(ranks 2, 3), tensor (10,) torch.float32) failed: waiting for host "), msgs[0]
     assert msgs[1].startswith("all_reduce on tp group (rank 1 of 4 on host hostA; the group's other hosts: hostB "
