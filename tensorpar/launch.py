@@ -59,8 +59,9 @@ def check_socket_ifname() -> None:
     missing = [n for n in value.split(",") if n not in here]
     if missing:
         raise ValueError(f"GLOO_SOCKET_IFNAME={value}: no interface {', '.join(map(repr, missing))} on host "
-                         f"{socket.gethostname()}; interfaces here: {', '.join(here)} (name the one the other hosts "
-                         f"reach this host through)")
+                         f"{socket.gethostname()}; interfaces here: {', '.join(here)} (across hosts: the one the "
+                         f"other hosts reach this host through, comma-separated without spaces or empty names; on "
+                         f"one host: lo, or leave it unset)")
     world, local = os.environ.get("WORLD_SIZE", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
     if world.isdigit() and local.isdigit() and int(world) > int(local):
         loop = [n for n in value.split(",") if _is_loopback(n)]

@@ -257,6 +257,8 @@ def _plan_inference(args) -> int:
                                     ("--max-new-tokens", args.max_new_tokens)) if v is None]
     if missing:
         raise ValueError(f"--inference needs {', '.join(missing)}")
+    if args.top < 0:
+        raise ValueError(f"--top ({args.top}) must be >= 0 (0 shows every plan)")
     model, hw = build_model(args), build_cluster(args)
     size = DTYPE_BYTES[args.dtype]
     work = InferenceWorkload(args.batch, args.prompt_len, args.max_new_tokens, weight_bytes=size, kv_bytes=size,
@@ -265,9 +267,10 @@ def _plan_inference(args) -> int:
                              tp_comm=getattr(args, "tp_comm", "fp32"))
     plans = plan_inference(model, hw, work)
     ok = bool(plans) and plans[0].fits
+    shown = plans if args.top == 0 else plans[:args.top]      # ranked first, then the layouts that do not fit
     if args.json:
         # a layout that does not fit is listed (with its memory) but not ranked: "rank" null
-        print(json.dumps([{**p.to_json(), "rank": i + 1 if p.fits else None} for i, p in enumerate(plans)], indent=2))
+        print(json.dumps([{**p.to_json(), "rank": i + 1 if p.fits else None} for i, p in enumerate(shown)], indent=2))
         return 0 if ok else NO_FIT
     from rich import box
     from rich.table import Table
@@ -285,7 +288,7 @@ def _plan_inference(args) -> int:
     for name in ("#", "tp", "pp", "replicas", "KV heads/rank", "weights GiB", "KV GiB", "total GiB", "TTFT ms",
                  "decode ms/token", "tokens/s"):
         table.add_column(name, justify="right")
-    for i, q in enumerate(plans):
+    for i, q in enumerate(shown):
         total = f"{q.memory / GIB:.2f}" if q.fits else f"[red]{q.memory / GIB:.2f}[/red]"
         decode = f"{q.decode * 1e3:.2f}" if q.meets(work.latency_target_ms) else f"[red]{q.decode * 1e3:.2f}[/red]"
         table.add_row(str(i + 1) if q.fits else "-", str(q.tp), str(q.pp), str(q.replicas), str(q.kv_heads_per_rank), f"{q.weights / GIB:.2f}",

@@ -163,3 +163,19 @@ def test_cli(capsys):
     capsys.readouterr()
     assert cli.main(["plan", "--inference", "--model", "llama3-8b", "--gpus", "1"]) == 2
     assert "--inference needs --batch, --prompt-len, --max-new-tokens" in capsys.readouterr().err
+
+
+def test_cli_top_limits_the_plans_shown(capsys):
+    """``--top N`` shows the first N plans in the inference table and JSON, as in training (0: all)."""
+    args = ["plan", "--inference", "--model", "llama3-70b", "--gpus", "16", "--gpus-per-node", "8",
+            "--batch", "1", "--prompt-len", "128", "--max-new-tokens", "64", "--json"]
+    assert cli.main([*args, "--top", "0"]) == 0
+    every = json.loads(capsys.readouterr().out)
+    assert len(every) > 3
+    assert cli.main([*args, "--top", "3"]) == 0
+    assert json.loads(capsys.readouterr().out) == every[:3]
+    assert cli.main([*args[:-1], "--top", "2"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] in (["1"], ["2"], ["3"])]
+    assert [r[0] for r in rows] == ["1", "2"]
+    assert cli.main([*args, "--top", "-1"]) == 2
+    assert "--top (-1) must be >= 0" in capsys.readouterr().err
