@@ -61,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="override inter-node bandwidth per device, GB/s (1 Gbit/s = 0.125); with --device-file: the "
                          "link between hosts, used by groups that span hosts (docs/hosts.md)")
     hw.add_argument("--hbm-gbps", type=float, help="override device-memory bandwidth, GB/s")
-    hw.add_argument("--intra-node-latency-us", type=float)
+    hw.add_argument("--intra-node-latency-us", type=float,
+                    help="override the latency of one small collective inside a node, microseconds")
     hw.add_argument("--inter-node-latency-us", type=float,
                     help="override the latency of one small collective or send between nodes, microseconds")
 
