@@ -380,7 +380,9 @@ PRECISIONS = (("fp32", "float32", "none", "F32"), ("bf16", "bfloat16", "none", "
               ("int8 + fp32 activations", "float32", "int8", "Q8_0"),
               ("int8 + bf16 activations", "bfloat16", "int8", "Q8_0"))
 SCALING_TARGET = 1.85       # issue 28, item 2: tp=2 >= 1.85x tp=1
-LLAMA_TARGET = 1.1          # tp=2 >= 1.1x llama.cpp with 2 threads at the same precision
+LLAMA_TARGET = 1.1          # tp=2 >= 1.1x llama.cpp with 2 threads at the same precision (the 1.1B model)
+SMALL_LLAMA_TARGET = 1.0    # SmolLM2 (fixed-cost bound): fp32 tp=2 >= 1.0x llama.cpp F32 with 2 threads
+SMALL_HF_TARGET = 1.5       # SmolLM2: fp32 tp=2 >= 1.5x transformers with 2 threads
 LIMIT_TARGET = 0.8          # fp32 and bf16 at tp=2 >= 0.8 of the memory-read limit
 MEMORY_TARGET = 1.1         # issue 28, item 4: resident memory <= 1.1x shard bytes + the process baseline
 
@@ -505,16 +507,7 @@ def run(a: argparse.Namespace) -> dict:
         rows.append(r)
     by = {r["config"]: r for r in rows}
 
-    targets = []
-    for label, _, _, ft in precisions:
-        t1, t2 = by[_tp_name(1, label)], by[_tp_name(2, label)]
-        targets.append(_target(f"tensorpar {label}: tp=2 >= {SCALING_TARGET}x tp=1", t2, t1, SCALING_TARGET))
-        if llama is not None:
-            targets.append(_target(f"tensorpar {label} tp=2 >= {LLAMA_TARGET}x llama.cpp {ft}, 2 threads", t2,
-                                   by[_llama_name(ft, 2)], LLAMA_TARGET))
-        if label in ("fp32", "bf16"):
-            targets.append(_limit_target(f"tensorpar {label} tp=2 >= {LIMIT_TARGET} of the memory-read limit", t2,
-                                         LIMIT_TARGET))
+    targets = issue_targets(precisions, by, llama is not None, a.model)
     profiles = {}
     if not a.no_profile:
         for t in targets:
@@ -573,6 +566,31 @@ def _memory_rows(rows: list[dict]) -> list[dict]:
             e["after_decode_detail"] = mem["after_decode"]
             out.append(e)
     return out
+
+
+def issue_targets(precisions, by: dict, with_llama: bool, model: str) -> list[dict]:
+    """Issue 28 item 2's targets for this run's rows ``by`` config name (each with ``median_tok_s``,
+    ``best_step_tok_s``, ``limit_fraction``, ``best_step_limit_fraction``): for every precision tp=2 >=
+    :data:`SCALING_TARGET` x tp=1; the 1.1B model (``model`` == tinyllama-random): tp=2 >= :data:`LLAMA_TARGET` x
+    llama.cpp with 2 threads at the same precision, fp32 and bf16 >= :data:`LIMIT_TARGET` of the memory-read limit;
+    SmolLM2 (any other model, bound by fixed per-token costs): fp32 tp=2 >= :data:`SMALL_LLAMA_TARGET` x llama.cpp
+    F32 and >= :data:`SMALL_HF_TARGET` x transformers, both with 2 threads. llama.cpp's rows only ``with_llama``."""
+    targets = []
+    small = model != TINYLLAMA_RANDOM
+    for label, _, _, ft in precisions:
+        t1, t2 = by[_tp_name(1, label)], by[_tp_name(2, label)]
+        targets.append(_target(f"tensorpar {label}: tp=2 >= {SCALING_TARGET}x tp=1", t2, t1, SCALING_TARGET))
+        if with_llama and not (small and label != "fp32"):
+            f = SMALL_LLAMA_TARGET if small else LLAMA_TARGET
+            targets.append(_target(f"tensorpar {label} tp=2 >= {f}x llama.cpp {ft}, 2 threads", t2,
+                                   by[_llama_name(ft, 2)], f))
+        if small and label == "fp32":
+            targets.append(_target(f"tensorpar {label} tp=2 >= {SMALL_HF_TARGET}x {HF_NAME}", t2, by[HF_NAME],
+                                   SMALL_HF_TARGET))
+        if label in ("fp32", "bf16"):
+            targets.append(_limit_target(f"tensorpar {label} tp=2 >= {LIMIT_TARGET} of the memory-read limit", t2,
+                                         LIMIT_TARGET))
+    return targets
 
 
 def _verdict(med: float, best: float, factor: float) -> tuple[bool, str]:
@@ -710,7 +728,7 @@ def write(res: dict, out: Path, n: int, stem: str) -> None:
     lines += ["", "Targets (issue 28, item 2), this run: met only when both the ratio of the medians and the ratio of "
               "the fastest steps meet it; when they disagree the run cannot tell (load).", ""]
     for t in res["targets"]:
-        lines.append(f"* {t['target']}: {t['ratio_median']:.2f} (best step {t['ratio_best_step']:.2f}; target >= "
+        lines.append(f"* {t['target']}: {t['ratio_median']:.3f} (best step {t['ratio_best_step']:.3f}; target >= "
                      f"{t['factor']:g}): **{t['verdict']}**.")
     if res["memory"]:
         lines += ["", f"Resident memory per tensorpar rank (issue 28, item 4; /proc/self/smaps_rollup; round 1): the "
