@@ -210,8 +210,8 @@ def gather_latency(latency: float, cluster: ClusterSpec) -> float:
     messages, shared memory inside a host and the leaders' TCP mesh between hosts, ``tensorpar.comm.tcp``) an
     all-reduce is one exchange of the partial sums followed by a local sum, so an all-gather costs what it costs:
     ``latency``. Measured in a decode step between two namespace hosts (bench/results/link_rates.md, 16:22): an
-    all-gather adds 114-197 us, an all-reduce 112-186 us (six rounds). Elsewhere (gloo's and NCCL's rings) half of it: a ring
-    all-reduce is a reduce-scatter and an all-gather, ``2 (tp - 1)`` steps, the all-gather alone ``tp - 1``
+    all-gather adds 114-197 us, an all-reduce 112-186 us (six rounds). Elsewhere (gloo's and NCCL's rings) half of
+    it: a ring all-reduce is a reduce-scatter and an all-gather, ``2 (tp - 1)`` steps, the all-gather alone ``tp - 1``
     (gloo's broadcast, root to each, as many); gloo between the same hosts gave 1.8-2.0 ms per all-gather against
     3.2-3.7 ms per all-reduce (the link_rates.md of 06:37, in git history)."""
     return latency if cluster.device.host_cores > 0 else latency / 2
