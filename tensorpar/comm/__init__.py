@@ -179,25 +179,26 @@ def all_gather_json(obj: Any, pg) -> list:
     """Every rank's ``obj`` (anything ``json`` encodes), in group-rank order, over the process group ``pg``.
 
     The exchange of tensorpar's start-up metadata: JSON bytes in a uint8 tensor, never pickle (torch's
-    ``all_gather_object`` unpickles what the peers send). Collective over ``pg``: two all-gathers (the lengths,
-    then the bytes padded to the longest); on the current CUDA device when ``pg`` is NCCL.
+    ``all_gather_object`` unpickles what the peers send). Collective over ``pg``: two sum all-reduces (each rank's
+    length in its slot, then its bytes in its row of ``[ranks, longest]`` zeros), because all-reduce is the one
+    collective torch runs on a process group it has not registered (the hierarchical all-reduce's leaders'
+    group, :func:`tensorpar.shm.hierarchical.make_hierarchical`); on the current CUDA device when ``pg`` is NCCL.
     """
     import json
 
     data = json.dumps(obj, separators=(",", ":")).encode()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else None
-    n = dist.get_world_size(pg)
-    size = torch.tensor([len(data)], dtype=torch.long, device=device)
-    sizes = torch.empty(n, dtype=torch.long, device=device)
-    _ALL_GATHER(sizes, size, group=pg)
+    device = torch.device("cuda", torch.cuda.current_device()) if pg.name() == "nccl" else None
+    n, me = pg.size(), pg.rank()
+    sizes = torch.zeros(n, dtype=torch.long, device=device)
+    sizes[me] = len(data)
+    dist.all_reduce(sizes, group=pg)
     m = int(sizes.max())
-    buf = torch.zeros(m, dtype=torch.uint8, device=device)
+    out = torch.zeros(n, m, dtype=torch.uint8, device=device)
     if data:
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(buf.device)
-    out = torch.empty(n * m, dtype=torch.uint8, device=device)
-    _ALL_GATHER(out, buf, group=pg)
+        out[me, : len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(out.device)
+    dist.all_reduce(out, group=pg)
     out = out.cpu()
-    return [json.loads(bytes(out[r * m: r * m + int(sizes[r])].tolist()).decode()) for r in range(n)]
+    return [json.loads(bytes(out[r, : int(sizes[r])].tolist()).decode()) for r in range(n)]
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import secrets
 import warnings
 
 import torch
 import torch.distributed as dist
 
 from tensorpar import comm
-from tensorpar.comm import CommCounter, Group
+from tensorpar.comm import CommCounter, Group, all_gather_json
 from tensorpar.comm.group import failed
 from tensorpar.comm.tcp import TcpMesh
 from tensorpar.shm.bootstrap import Member, build_host_communicator, hosts_of
@@ -60,8 +61,10 @@ class HierarchicalComm:
 
     def __init__(self, group: Group, hosts: list[list[int]], intra: ShmCommunicator | None, leaders: Group | None):
         self.group, self.hosts, self.intra, self.leaders = group, hosts, intra, leaders
-        if intra is None and leaders is not None and isinstance(leaders.fast, TcpMesh):
-            self.all_reduce_parts = self._leaders_parts      # one rank per host: decode reads the partials
+        # one rank per host: the leaders are the group, in the same order
+        self._one_per_host = all(len(h) == 1 for h in hosts)
+        if self._one_per_host and leaders is not None and isinstance(leaders.fast, TcpMesh):
+            self.all_reduce_parts = self._leaders_parts      # decode reads the partials
 
     @property
     def is_leader(self) -> bool:
@@ -93,7 +96,8 @@ class HierarchicalComm:
         return parts
 
     def all_gather(self, x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
-        if self.intra is None and self.leaders is not None:     # one rank per host: the leaders are the group
+        mesh = self.leaders.fast if self._one_per_host and self.leaders is not None else None
+        if mesh is not None and mesh.fits(x) and len(set(sizes)) == 1:
             with self._named("all_gather", x):
                 return comm.all_gather(x, self.leaders, dim, sizes)
         return comm._pg_all_gather(x, self.group, dim, sizes)
@@ -127,9 +131,7 @@ class HierarchicalComm:
         if self.leaders is not None and self.leaders.fast is not None:
             self.leaders.fast.close()
             self.leaders.fast = None
-        if self.leaders is not None and self.leaders.pg is not None:
-            dist.destroy_process_group(self.leaders.pg)
-        self.leaders = None
+        self.leaders = None        # the leaders' gloo group is not registered with torch: it goes with its last reference
 
     def __repr__(self) -> str:
         return f"HierarchicalComm({self.group.name}, hosts={self.hosts}, leader={self.is_leader})"
@@ -145,8 +147,8 @@ def make_hierarchical(group: Group, members: list[Member], *, slot_bytes: int, t
             :func:`tensorpar.shm.bootstrap.exchange_members` (host ids may be simulated).
         slot_bytes, timeout_s, policy, oneshot_bytes: as for the shared-memory communicator.
 
-    The leaders' group is created with ``use_local_synchronization=True``, so only the leaders
-    (not every rank of the world) take part in creating it; the leaders then connect their TCP mesh
+    Only the leaders take part in creating the leaders' group (a gloo group under a store prefix that rank 0 of
+    ``group`` draws at random and every rank learns, see :func:`_leaders_pg`); the leaders then connect their TCP mesh
     (:meth:`tensorpar.comm.tcp.TcpMesh.build`). Where it cannot connect (an address the peers cannot reach, a
     firewall), every leader warns once with the reason and keeps gloo for everything.
 
@@ -159,11 +161,12 @@ def make_hierarchical(group: Group, members: list[Member], *, slot_bytes: int, t
     if err:
         raise comm.CollectiveError(f"hierarchical all-reduce on {group.name} group: {err}")
     leader_ranks = [h[0] for h in hosts]
+    # the leaders' process group lives under a store prefix no earlier group used (see _leaders_pg)
+    token = all_gather_json(secrets.token_hex(8) if group.rank == 0 else "", group.pg)[0]
     leaders = None
     if group.rank in leader_ranks:
-        globals_ = [members[r].global_rank for r in leader_ranks]
-        pg = (dist.new_group(globals_, timeout=_dt.timedelta(seconds=timeout_s), use_local_synchronization=True)
-              if len(globals_) > 1 else None)
+        pg = (_leaders_pg(f"tensorpar/{group.name}.leaders/{token}/", leader_ranks.index(group.rank),
+                          len(leader_ranks), timeout_s) if len(leader_ranks) > 1 else None)
         leaders = Group(pg=pg, rank=leader_ranks.index(group.rank), size=len(leader_ranks),
                         name=f"{group.name}.leaders", counter=CommCounter())
         if pg is not None:
@@ -173,3 +176,16 @@ def make_hierarchical(group: Group, members: list[Member], *, slot_bytes: int, t
                               f"not connect: {err}", RuntimeWarning)
             leaders.fast = mesh
     return HierarchicalComm(group, hosts, intra, leaders)
+
+
+def _leaders_pg(prefix: str, rank: int, size: int, timeout_s: float):
+    """A gloo process group of the leaders only, rendezvousing under ``prefix`` of the default store.
+
+    Not ``dist.new_group(..., use_local_synchronization=True)``: that names the group by its ranks and the number
+    of groups this process holds, so a group made again after the last was destroyed reuses the name and its store
+    keys, and gloo connected to the previous group's closed ports and hung (CI, 2026-12-02); and two leaders that
+    hold different numbers of groups would wait under different names. torch runs all-reduce, the only collective
+    the leaders call on it (:func:`tensorpar.comm.all_gather_json` is built on all-reduce), on a group it has not
+    registered. Raises RuntimeError (gloo) if a leader does not arrive within ``timeout_s``."""
+    store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
+    return dist.ProcessGroupGloo(store, rank, size, _dt.timedelta(seconds=timeout_s))

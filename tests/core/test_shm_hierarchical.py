@@ -63,3 +63,30 @@ def test_hierarchical_all_reduce_on_two_simulated_hosts(pools):
     # ring wire bytes summed over ranks: 2 (h - 1) B instead of 2 (N - 1) B
     assert sum(o[1]["wire_bytes"] for o in out) == 2 * (n - 1) * b
     assert sum(o[2]["wire_bytes"] for o in out) == 2 * (HOSTS - 1) * b
+
+
+def job_rebuilt(ctx, host_of_rank, times):
+    """The hierarchical communicator made and closed ``times`` times over the same ranks, as a pool's jobs do: each
+    one's leaders' group must be new (a reused store prefix once made gloo connect to the previous group's closed
+    ports and hang)."""
+    flat = ctx.tp
+    out = []
+    for _ in range(times):
+        g = comm.Group(pg=flat.pg, rank=flat.rank, size=flat.size, name="tp")
+        from tensorpar.shm import enable_fast_collectives
+        assert enable_fast_collectives(g, "hierarchical", host_id=host_of_rank[g.rank], timeout_s=20.0)
+        try:
+            x = torch.full((300_000,), float(g.rank + 1))             # past the mesh's limit: the leaders' gloo group
+            parts = torch.arange(4.0) + 10 * g.rank
+            out.append((comm.all_reduce(x, g)[0].item(), comm.all_reduce(x[:10], g)[0].item(),
+                        torch.equal(comm.all_gather(parts, g, dim=0), comm.all_gather(parts, flat, dim=0))))
+        finally:
+            disable_fast_collectives(g)
+    return out
+
+
+def test_hierarchical_rebuilt_again_and_again_and_on_unequal_hosts(pools):
+    p = pools(HOSTS * PER_HOST)
+    total = float(sum(range(1, 5)))
+    for hosts in (["a", "a", "b", "b"], ["a", "b", "b", "b"], ["a", "b", "c", "d"]):
+        assert p.run(job_rebuilt, hosts, 3, timeout_s=120) == [[(total, total, True)] * 3] * 4, hosts
