@@ -93,9 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     inf = parser.add_argument_group("inference (--inference): tp and replicas for generation")
     inf.add_argument("--inference", action="store_true", help="plan generation instead of training")
-    inf.add_argument("--batch", type=int, help="sequences decoded together per replica")
-    inf.add_argument("--prompt-len", type=int, help="prompt tokens per sequence")
-    inf.add_argument("--max-new-tokens", type=int, help="tokens generated per sequence")
+    inf.add_argument("--batch", type=int, help="sequences decoded together per replica (required with --inference)")
+    inf.add_argument("--prompt-len", type=int, help="prompt tokens per sequence (required with --inference)")
+    inf.add_argument("--max-new-tokens", type=int, help="tokens generated per sequence (required with --inference)")
     inf.add_argument("--latency-target-ms", type=float, help="largest acceptable decode time per token, ms")
     inf.add_argument("--tp-comm", choices=("fp32", "int8"), default="fp32",
                      help="the tp all-reduce of partial sums as generate --tp-comm runs it: exact, or blockwise int8 "
@@ -183,10 +183,11 @@ def build_cluster(args) -> cl.ClusterSpec:
                              intra_node_latency_us=args.intra_node_latency_us, hbm_gbps=args.hbm_gbps,
                              inter_node_latency_us=args.inter_node_latency_us)
     except ValueError as e:   # name the flag the user gave, not the field ("device memory_gib (-1.0) ...")
-        knob = next((k for k in flags if f"device {k} (" in str(e)), None)
-        if knob is None:
+        import re
+        m = re.match(r"device (\w+) \((.*?)\) (must be .*)", str(e))
+        if m is None or m.group(1) not in flags:
             raise
-        raise ValueError(str(e).replace(f"device {knob} (", f"{flags[knob]} (")) from None
+        raise ValueError(f"{flags[m.group(1)]} {float(m.group(2)):g}: {m.group(3)}") from None     # as inter_node_link words it
     cluster = cl.ClusterSpec(device=device, num_devices=args.gpus, devices_per_node=args.gpus_per_node)
     cl.note_unused_link(args, cluster.num_devices, cluster.devices_per_node,   # one line: the link is not used
                         f"devices are on one node (--gpus-per-node {cluster.devices_per_node})")
