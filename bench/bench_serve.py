@@ -398,7 +398,8 @@ def prefix_main(args, folder, tok):
     lines = [f"# tensorpar serve: paged KV cache and prefix caching ({meta['date']})", "",
              f"Model {meta['model']} in {args.dtype} at tp={tp}; KV pool `--kv-cache-memory {memory}` (the memory of "
              f"16 slots x 1024 positions before paging: {memory // per_block} blocks of 16 positions). CPU: {cpu}, "
-             f"{meta['cpus']} cores; load average {load0[0]:.1f} at start, {load1[0]:.1f} at end: the machine was "
+             f"{meta['cpus']} cores; load average {load0[0]:.1f} at start, {load1[0]:.1f} after the last server stopped (each row's "
+             f"own before / after is in its table): the machine was "
              f"shared with other jobs, so absolute times are inflated; on and off ran one after the other under the "
              f"same kind of load and their ratios are the result.", "",
              f"Shared prefix: 32 streaming greedy requests of a {len(system)}-token system prompt plus a distinct "
@@ -534,7 +535,8 @@ def closed_loop_main(args, folder, tok):
              f"{args.requests} streaming greedy completions of {args.max_tokens} tokens "
              f"from {args.concurrency} concurrent clients on loopback, {len(PROMPTS)} prompts of mixed length; "
              f"--max-batch {args.max_batch}; {meta['cpu']}, {meta['cpus']} CPUs; load average {load0[0]:.1f} at "
-             f"start, {load1[0]:.1f} at end (other jobs share the machine).", "",
+             f"start, {load1[0]:.1f} after the last server stopped (each row's own in the table; other jobs share the "
+             f"machine).", "",
              "Per rank (rank 0 first), the shares of the load's wall time its main thread ran / waited for a core / "
              "slept (blocked on the other ranks or on requests: at --pp, the stage's bubble).", "",
              "| backend | requests | errors | req/s | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
