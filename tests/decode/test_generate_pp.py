@@ -127,17 +127,14 @@ def job_row_step(ctx, folder, ids, mask, n):
 def test_pp2_stages_take_the_row_step(pool_pp2, pp_dirs, arch):
     """pp 2, batch 1, lean path: both stages decode through the row step (the first sends its residual stream
     after its last all-reduce, the second starts from it), and the greedy tokens are transformers' (exact, as
-    below). qwen2 has QKV biases, which the row step does not run: its stages keep the general loop, same tokens."""
+    below). qwen2 (QKV biases, which the row step runs since 91d8472) takes it too."""
     folder = pp_dirs[arch]
     ids, mask = prompts(53)
     ids, mask = ids[:1], mask[:1]
     steps = 6
     want, _ = hf_reference(folder, ids, mask, steps)
     for why, ran, tokens in pool_pp2.run(job_row_step, folder, ids, mask, steps):
-        if arch == "llama":
-            assert why is None and ran == steps - 1, (why, ran)
-        else:
-            assert why is not None and ran == 0, (why, ran)
+        assert why is None and ran == steps - 1, (why, ran)
         torch.testing.assert_close(tokens, want, rtol=0, atol=0)
 
 
