@@ -25,9 +25,11 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,n,k", [(1, 1280, 2048), (1, 2048, 2816), (3, 96, 80), (4, 33, 130), (6, 40, 2050)])
+@pytest.mark.parametrize("m,n,k", [(1, 1280, 2048), (1, 2048, 2816), (3, 96, 80), (4, 33, 130), (6, 40, 2050),
+                                   (1, 1283, 2050), (1, 37, 1030), (1, 50, 520), (5, 21, 1100)])
 def test_gemv_equals_linear(dtype, m, n, k):
-    """The kernel on decode-like shapes (and odd ones: tails of K, more than 4 rows) with and without bias, 1 and 2
+    """The kernel on decode-like shapes (and odd ones: tails of K, more than 4 rows; one row of rows of >= 2 KB, the
+    8-stream loop, with N not a multiple of 8 and tails of K, and a fifth row of a batch of 5) with and without bias, 1 and 2
     threads, each mode (the default one, one weight row at a time, bf16 widened, two weight rows at a time), the
     lean path's entry and the custom op, equals ``F.linear`` within :func:`_close`'s tolerance."""
     g = torch.Generator().manual_seed(m * n + k)

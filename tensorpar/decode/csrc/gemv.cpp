@@ -308,8 +308,76 @@ static void bf16_rows2(const uint16_t* x, int64_t K, const uint16_t* w, int64_t 
     if (n < n1) bf16_rows<R, 0>(x, nullptr, K, w, n, n1, out, ldo, 0);
 }
 
+// ------------------------------------------------------------------------------------ one input row, S streams
+// One input row against S weight rows at a time, one accumulator each: S sequential streams at once, S x K apart.
+// Read one after the other (f32_rows<1>) the weights are one stream, and the hardware prefetcher, which follows a
+// stream within one 4 KB page, starts over at each page; with S streams in flight the core keeps more misses
+// outstanding. Measured on the Xeon (AVX-512, one thread, bench/gemv_probe.cpp's harness): 1.1B shapes (rows of
+// 4-11 KB) 8.6-9.2 GB/s for one row at a time against 11.0-12.9 with S = 8, above oneDNN's prepacked GEMV
+// (10.4-11.8 GB/s, bench/results/gemv-xeon.md); rows of 2-3 KB +10-20 %; rows of 1 KB (bf16 at K = 576) slower,
+// so used only from STRIPE_ROW_BYTES. Sums: per output, one accumulator over the row in steps of W (another order
+// than f32_rows' U accumulators: results differ in rounding only).
+constexpr int STRIPES = 8;
+constexpr int64_t STRIPE_ROW_BYTES = 2048;
+
+static void f32_stripes(const float* x, int64_t K, const float* w, int64_t n0, int64_t n1, float* out) {
+    constexpr int S = STRIPES;
+    const int64_t KW = K - K % W;
+    int64_t n = n0;
+    for (; n + S <= n1; n += S) {
+        const float* wn = w + n * K;
+        vf a[S];
+        for (int s = 0; s < S; ++s) a[s] = vzero();
+        int64_t k = 0;
+        for (; k < KW; k += W) {
+            const vf xv = vload(x + k);
+            for (int s = 0; s < S; ++s) a[s] = vfma(vload(wn + s * K + k), xv, a[s]);
+        }
+        if (k < K) {
+            const vf xv = vload_n(x + k, K - k);
+            for (int s = 0; s < S; ++s) a[s] = vfma(vload_n(wn + s * K + k, K - k), xv, a[s]);
+        }
+        for (int s = 0; s < S; ++s) out[n + s] = vsum(a[s]);
+    }
+    if (n < n1) f32_rows<1>(x, K, w, n, n1, out, 0, 0);
+}
+
+// bf16 weights, S streams: MODE 0 bf16 x bf16 (vdot_bf16 on x), MODE 1 the weights widened (even / odd halves)
+// against xf (fp32, input order), reordered per block once per call as bf16_rows does
+template <int MODE>
+static void bf16_stripes(const uint16_t* x, const float* xf, int64_t K, const uint16_t* w, int64_t n0, int64_t n1,
+                         float* out) {
+    constexpr int S = STRIPES, B = 2 * W;
+    const int64_t KB = K - K % B, Kp = (K + B - 1) / B * B;
+    float* xs = MODE == 1 ? split_even_odd(xf, 1, K, Kp) : nullptr;
+    int64_t n = n0;
+    for (; n + S <= n1; n += S) {
+        const uint16_t* wn = w + n * K;
+        vf a[S];
+        for (int s = 0; s < S; ++s) a[s] = vzero();
+        for (int64_t k = 0; k < Kp; k += B) {
+            const bool tail = k >= KB;
+            if (MODE == 0) {
+                const vi xv = tail ? load_bf16_tail(x + k, K - k) : vload_bf16(x + k);
+                for (int s = 0; s < S; ++s)
+                    a[s] = vdot_bf16(a[s], xv, tail ? load_bf16_tail(wn + s * K + k, K - k) : vload_bf16(wn + s * K + k));
+            } else {
+                const vf xe = vload(xs + k), xo = vload(xs + k + W);
+                for (int s = 0; s < S; ++s) {
+                    const vi wv = tail ? load_bf16_tail(wn + s * K + k, K - k) : vload_bf16(wn + s * K + k);
+                    a[s] = vfma(vodd(wv), xo, vfma(veven(wv), xe, a[s]));
+                }
+            }
+        }
+        for (int s = 0; s < S; ++s) out[n + s] = vsum(a[s]);
+    }
+    free(xs);
+    if (n < n1) bf16_rows<1, MODE>(x, xf, K, w, n, n1, out, 0, 0);
+}
+
 // ------------------------------------------------------------------------------------------------ the driver
-// one thread's rows [n0, n1): chunks of rows that stay in L2 while each group of <= 4 input rows reads them
+// one thread's rows [n0, n1): chunks of rows that stay in L2 while each group of <= 4 input rows reads them; one
+// input row of rows of at least STRIPE_ROW_BYTES: STRIPES weight rows at a time
 static void run_rows(int dtype, int mode, const void* x, const float* xf, int64_t M, int64_t K, const void* w,
                      int64_t n0, int64_t n1, float* acc, int64_t N, int64_t pf) {
     const int64_t esz = dtype == 0 ? 4 : 2;
@@ -323,7 +391,9 @@ static void run_rows(int dtype, int mode, const void* x, const float* xf, int64_
             if (dtype == 0) {
                 const float* xm = (const float*)x + m * K;
                 const float* wf = (const float*)w;
-                if (mode == 2) {
+                if (R == 1 && K * esz >= STRIPE_ROW_BYTES) {
+                    f32_stripes(xm, K, wf, c0, c1, o);
+                } else if (mode == 2) {
                     switch (R) {
                         case 1: f32_rows<1>(xm, K, wf, c0, c1, o, N, pf); break;
                         case 2: f32_rows2<2>(xm, K, wf, c0, c1, o, N); break;
@@ -338,6 +408,11 @@ static void run_rows(int dtype, int mode, const void* x, const float* xf, int64_
                         default: f32_rows<4>(xm, K, wf, c0, c1, o, N, pf); break;
                     }
                 }
+            } else if (R == 1 && K * esz >= STRIPE_ROW_BYTES) {
+                const uint16_t* xm = (const uint16_t*)x + m * K;
+                const float* xfm = xf ? xf + m * K : nullptr;
+                if (mode == 1) bf16_stripes<1>(xm, xfm, K, (const uint16_t*)w, c0, c1, o);
+                else bf16_stripes<0>(xm, xfm, K, (const uint16_t*)w, c0, c1, o);
             } else if (mode == 2 && R > 1) {
                 const uint16_t* xm = (const uint16_t*)x + m * K;
                 const uint16_t* wb = (const uint16_t*)w;
