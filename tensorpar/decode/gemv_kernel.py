@@ -9,8 +9,11 @@ AVX-512 BF16, no AMX), below its own fp32 rate per byte; measured per shape in b
 same oneDNN matmul plus a weight reorder per call, Inductor's CPU GEMM templates (``max_autotune``) need a compiled
 step and pack the weight themselves (a second copy).
 
-The layout is the plain weight ``[out, in]`` row-major, the one the modules, checkpoints and verify read: reading
-one output row after the other the matrix is one sequential stream, so nothing is packed and nothing converted.
+The layout is the plain weight ``[out, in]`` row-major, the one the modules, checkpoints and verify read, so
+nothing is packed and nothing converted. One input row (a decode step) reads 8 weight rows at a time where rows are
+at least 2 KB (8 sequential streams: the 1.1B Llama's shapes read at 11-13 GB/s on the Xeon against 8.6-9.2 one
+row after the other, above oneDNN's prepacked 10.4-11.8; csrc/gemv.cpp ``f32_stripes``), else one row after the
+other.
 Sums in fp32 (bf16 x bf16: ``vdpbf16ps`` pairs with AVX512_BF16, else both widened to fp32 in registers, where
 each product is exact; or the weights widened to fp32 with the input in fp32: :func:`mode`), rounded to bf16 once
 at the end for bf16 weights.
