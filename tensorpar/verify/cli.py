@@ -127,6 +127,13 @@ def validate(args: argparse.Namespace, out_dir: str = ""):
     from tensorpar.cli import check_launch_arguments
     check_launch_arguments(args, exact="verify proves a layout against the exact bound (int8's quality cost is "
                                        "measured by bench/bench_tp_comm.py, docs/collectives.md)")
+    if getattr(args, "ep", 1) > 1 and getattr(args, "train", False):
+        raise ValueError(f"--ep {args.ep} with --train: verify compares expert-parallel models in the forward pass "
+                         f"only; drop --train (tensorpar train --ep checks training against one process) or --ep")
+    quantize = getattr(args, "quantize", "none")
+    if quantize != "none" and getattr(args, "train", False):
+        raise ValueError(f"--quantize {args.quantize} cannot run with --train (a quantized model has no trainable "
+                         f"weights: it is for inference); drop --train or use --quantize none")
     config, folder = _model_config(args.model, seq)
     if not is_causal_lm(getattr(config, "model_type", None)):
         raise ValueError(f"{args.model}: model_type={config.model_type!r} is not a causal language model; verify "
@@ -140,13 +147,6 @@ def validate(args: argparse.Namespace, out_dir: str = ""):
         raise ValueError(f"--seq-len {seq} exceeds the model's max_position_embeddings={limit}")
     from tensorpar.cli import check_ep_for_model
     check_ep_for_model(args, config)
-    if getattr(args, "ep", 1) > 1 and getattr(args, "train", False):
-        raise ValueError(f"--ep {args.ep} with --train: verify compares expert-parallel models in the forward pass "
-                         f"only; drop --train (tensorpar train --ep checks training against one process) or --ep")
-    quantize = getattr(args, "quantize", "none")
-    if quantize != "none" and getattr(args, "train", False):
-        raise ValueError(f"--quantize {args.quantize} cannot run with --train (a quantized model has no trainable "
-                         f"weights: it is for inference); drop --train or use --quantize none")
     from tensorpar.verify.prove import resolve_flags
     resolve_flags(args, config, train=args.train)   # --discover-plan: proven, then the ranks' plan file
     user_plan = os.path.abspath(args.plan_file) if getattr(args, "plan_file", None) is not None else None

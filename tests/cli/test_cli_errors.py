@@ -41,6 +41,7 @@ def test_error_inside_a_rank_is_one_line():
     assert p.stderr.splitlines() == ["tensorpar: error: --lr nan: must be a finite number (rank 1)"], p.stderr
 
 
+@pytest.mark.slow  # a launch (10 s)
 def test_verbose_shows_the_traceback():
     p = _job("raise_on_rank1", "2", "--verbose")
     assert p.returncode == 1
@@ -155,6 +156,7 @@ def _hold_29500():
         return None
 
 
+@pytest.mark.slow  # three launches (12 s)
 def test_two_concurrent_runs_next_to_another_job_on_29500():
     held = _hold_29500()
     try:
@@ -181,6 +183,7 @@ def test_destroy_stops_the_gloo_threads_before_exit():
     assert p.stdout.count("pg None") == 2, p.stdout
 
 
+@pytest.mark.slow  # a launch (7 s)
 def test_one_rank_generate_does_not_use_29500(tiny_with_tokenizer):  # noqa: F811
     held = _hold_29500()
     try:
@@ -196,6 +199,7 @@ def test_one_rank_generate_does_not_use_29500(tiny_with_tokenizer):  # noqa: F81
 
 # ---------------------------------------------------------------- item 9: more ranks than cores
 
+@pytest.mark.slow  # a launch of more ranks than cores (12 s)
 def test_more_ranks_than_cores_warns_in_one_line():
     env = _env()
     env.pop("TENSORPAR_THREADS")
@@ -296,6 +300,7 @@ def test_python_dash_m_and_the_hf_extra_pin_transformers_5():
     assert (REPO / "tensorpar" / "__main__.py").is_file()
 
 
+@pytest.mark.slow  # a launch with the extra's imports only (9 s)
 def test_the_hf_extra_covers_everything_generate_imports(tiny_with_tokenizer):  # noqa: F811
     """`generate` runs with every installed distribution that tensorpar[hf] does not require (directly or through
     its requirements' own requirements) made unimportable: `pip install .[hf]` alone is enough."""

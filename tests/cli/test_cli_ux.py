@@ -177,6 +177,7 @@ def test_truncated_shard_found_by_a_rank_says_the_same(finished_run, tmp_path): 
 
 # ---------------------------------------------------------------- 5: DDP's deprecation warning
 
+@pytest.mark.slow  # a launched DDP run (16 s)
 def test_ddp_run_prints_no_deprecation_warning(tmp_path, text_file):  # noqa: F811
     p = subprocess.run([sys.executable, "-m", "tensorpar", "train", "--tp", "1", "--dp", "2", "--model", "tiny",
                         "--data", text_file, "--seq-len", "16", "--batch-size", "2", "--steps", "1", "--eval-batches",

@@ -44,6 +44,7 @@ def test_one_timeout_rule(value):
             check_launch_arguments(a)
 
 
+@pytest.mark.slow  # a launched verify (9 s)
 def test_verify_runs_with_check_collectives_and_fast_collectives_off(tmp_path):
     """verify's new shared flags reach its ranks: fingerprints on (compared before every collective) and gloo
     instead of shared memory; the report is still OK."""

@@ -82,7 +82,7 @@ def job_sp_generate(ctx):
     return torch.equal(got, want), err, c.summary()
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_sequence_parallel_model_generates(pools, tp):
     equal, err, counts = run_tp(pools, tp, job_sp_generate)[0]
     assert equal

@@ -27,6 +27,7 @@ def sent_bytes(hosts: NamespaceHosts, i: int) -> int:
     return int(re.search(r"Sent (\d+) bytes", out).group(1))
 
 
+@pytest.mark.slow  # CI keeps generate at (tp2, pp2) across two namespace hosts (test_generate_pp)
 def test_generate_tp2_across_two_namespace_hosts(tiny_with_tokenizer):
     """One torchrun agent per host, one rank each: the greedy tokens equal transformers' generate on the
     unsharded model, and the ranks' traffic went through the 1 Gbit/s link (shared memory cannot bypass it)."""

@@ -128,6 +128,7 @@ def test_sampling_options_without_temperature_refused(tiny_with_tokenizer, args)
     assert "default 0 = greedy" in " ".join(p.format_help().split())
 
 
+@pytest.mark.slow  # CI keeps test_generate_tp2_runs_and_exits_clean
 def test_long_prefill_says_what_it_does(tiny_with_tokenizer):
     prompts = []
     for i in range(10):                       # >= 512 prompt tokens in all (10 prompts of >= 60 tokens)
@@ -137,6 +138,7 @@ def test_long_prefill_says_what_it_does(tiny_with_tokenizer):
     assert "tensorpar: prefilling 10 x" in r.stderr and "prompt tokens on tp=2 ranks" in r.stderr
 
 
+@pytest.mark.slow  # CI keeps the in-process collective checks (test_fingerprint)
 def test_check_collectives_flag_runs_clean(tiny_with_tokenizer):
     # the fingerprint check runs at the first decode step (ranks agree: no error); mismatches are in test_fingerprint
     r = _cli("--model", tiny_with_tokenizer, "--tp", "2", "--prompt", "the cat", "--max-new-tokens", "4",
@@ -164,6 +166,7 @@ def test_quantize_int8_tp2_text_equals_tp1(tiny_with_tokenizer, tmp_path):
     assert r.returncode == 2 and "the hidden size is split as [36]" in r.stderr, r.stderr[-2000:]
 
 
+@pytest.mark.slow  # a launch (8 s); CI keeps the in-process int8 refusals (test_quant)
 def test_quantize_int8_refused_for_a_family_without_the_lean_path(tmp_path):
     folder = make_model_folder(tmp_path / "gpt2", "gpt2")
     r = _cli("--model", str(folder), "--tp", "2", "--quantize", "int8")
@@ -174,6 +177,7 @@ def test_quantize_int8_refused_for_a_family_without_the_lean_path(tmp_path):
     assert "--quantize int8" in ours[0] and "'gpt2'" in ours[0] and "--quantize none" in ours[0]
 
 
+@pytest.mark.slow  # a launch (8 s)
 def test_chat_without_a_chat_template_is_one_line(tiny_with_tokenizer):
     """Old code: transformers' paragraph-long error (with a docs URL) from every rank, not naming --chat."""
     r = _cli("--model", tiny_with_tokenizer, "--tp", "2", "--prompt", "the cat", "--chat", "--max-new-tokens", "2")

@@ -45,7 +45,7 @@ def job(ctx, folder, ids, mask):
     return res.tokens, (logits if ctx.tp.rank == 0 else None), plan.heads.describe()
 
 
-@pytest.mark.parametrize("tp", [2, pytest.param(3, marks=pytest.mark.slow), 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_smollm2_greedy_equals_transformers(pools, smollm2, reference, tp):
     ids, mask, want, want_logits, tok = reference
     assert tok.decode(want[0]).startswith(" Paris")

@@ -198,6 +198,7 @@ def tiny_chat_model(tmp_path_factory):
     return str(folder), first
 
 
+@pytest.mark.slow  # CI keeps the in-process streaming tests
 def test_cli_stops_at_any_generation_config_eos_and_separates_chat(tiny_chat_model):
     folder, first = tiny_chat_model
     # The model's first greedy token is one of generation_config's EOS ids (not the tokenizer's), so the

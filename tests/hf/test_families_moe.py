@@ -376,7 +376,7 @@ def job_ep_tp(ctx, model_type):
     return len(d), per_rank, full, norm.item(), ones.item(), sum(p.numel() for p in ref.parameters())
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("model_type", ["mixtral", pytest.param("qwen2_moe", marks=pytest.mark.slow)])  # 20 s each
 def test_moe_expert_parallel_times_tensor_parallel(model_type):
     from tensorpar.parallel import ParallelConfig
     from tensorpar.testing import WorkerPool

@@ -309,6 +309,7 @@ def test_generate_cli_weighted_and_auto_print_the_even_text(tiny_with_tokenizer)
     assert text[0] == text[1] == text[2], text
 
 
+@pytest.mark.slow  # CI keeps the in-process weighted parity tests
 def test_train_cli_auto_then_resume_at_other_weights(tmp_path):
     """`tensorpar train --tp-weights auto` runs (weights measured in the ranks, saved in the checkpoint's config);
     its checkpoint resumes under 1,3 (checkpoints are layout-independent)."""

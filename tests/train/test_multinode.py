@@ -94,6 +94,7 @@ def test_restart_ignores_the_previous_attempts_store_keys(tmp_path):
             enumerate(zip(procs, outs)))
 
 
+@pytest.mark.slow  # CI keeps test_restart_ignores_the_previous_attempts_store_keys
 @pytest.mark.network
 def test_restart_after_the_final_checkpoint_is_complete(tmp_path):
     """A rank that dies after the run's final checkpoint (while exiting) makes torchrun restart the group: the

@@ -45,6 +45,7 @@ def test_torchrun_world_size_must_match_the_degrees(tmp_path, capsys, monkeypatc
     assert rc == 2 and "--tp 2 x --pp 1 x --dp 1 = 2, but torchrun started WORLD_SIZE=4 ranks" in err
 
 
+@pytest.mark.slow  # CI keeps test_3d's in-process resume on one process
 @pytest.mark.network
 def test_tp2_pp2_run_then_resume_on_one_process(tmp_path):
     out = tmp_path / "run"

@@ -211,6 +211,7 @@ def test_cli_rejects_bad_input_before_launch(capsys, text_file):
     assert rc == 2 and "use 'shakespeare' or the path of a UTF-8 .txt file" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # CI keeps sequence parallelism's in-process parity
 def test_cli_launch_tp2_sequence_parallel(tmp_path, text_file):
     """The real command: two ranks started by the elastic launcher, sequence parallelism, export."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
