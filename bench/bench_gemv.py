@@ -12,7 +12,7 @@ Shapes: one rank's matrices of the 1.1B Llama (TinyLlama's shape: hidden 2048, 3
 through enough distinct copies of a matrix (>= ``--mb`` MB) that they are read from memory, as in a decode step.
 GB/s = weight bytes / time (median and best of ``--repeats``), from wall time and from the calling thread's CPU
 time (``time.thread_time``: one thread runs the matmul, so on a shared machine the CPU time counts less of the
-other processes' load than the wall time does); the limit is bench/stream_read.c with one thread
+other processes' load than the wall time does); the limit is bench/stream_read.c (8 streams) with one thread
 (bench_llamacpp's), best of its start and end runs. A run whose 1-minute load average reached 1 (2 cores) is
 labelled loaded in its title. Results: ``--out`` (default bench/results/gemv).{md,json}, written with
 bench/machine.py's ``write_results``.
@@ -42,7 +42,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_llamacpp import _stream_binary, _stream_read  # noqa: E402
+from bench_llamacpp import STREAM_READ_STREAMS, _stream_binary, _stream_read  # noqa: E402
 from bench_serve import atomic_write  # noqa: E402
 from machine import machine, write_results  # noqa: E402
 
@@ -110,7 +110,7 @@ def e2e(args) -> None:
              f"at start, {la1[0]:.2f} / {la1[1]:.2f} / {la1[2]:.2f} at end, 1-minute value before each row "
              f"{min(loads):.2f} to {max(loads):.2f}: the machine was shared (2 cores), so these are not the "
              f"machine's numbers; compare the rows of one run only.",
-             "", "Memory-read limit (bench/stream_read.c): " + (
+             "", f"Memory-read limit (bench/stream_read.c, {STREAM_READ_STREAMS} streams per thread): " + (
                  f"1 thread {limit[1] / 1e9:.1f} GB/s, 2 threads {limit[2] / 1e9:.1f} GB/s (start {sr0[1] / 1e9:.1f}"
                  f" / {sr0[2] / 1e9:.1f}, end {sr1[1] / 1e9:.1f} / {sr1[2] / 1e9:.1f})." if limit else "not measured"),
              "", "| dtype | tp | matmuls | MB read per token | tokens/s (median) | best step tokens/s | "
@@ -241,7 +241,7 @@ def main():
              "", f"{m0['cpu']}, {m0['cores']} cores, torch {meta['torch']}, one thread. Load average "
              f"{la0[0]:.2f} / {la0[1]:.2f} / {la0[2]:.2f} at start, {la1[0]:.2f} / {la1[1]:.2f} / {la1[2]:.2f} at "
              f"end (the machine was shared: other work ran on its 2 cores). Memory-read limit, one thread "
-             f"(bench/stream_read.c, best of 30): start "
+             f"(bench/stream_read.c, {STREAM_READ_STREAMS} streams, best of 30): start "
              + (f"{sr0[1] / 1e9:.1f} GB/s, end {sr1[1] / 1e9:.1f} GB/s; fractions below are of the better, "
                 f"{limit / 1e9:.1f} GB/s." if sr0 else "not measured (no gcc)."), "",
              "Each cell: median GB/s from wall time over the repeats (best in parentheses), its fraction of the "

@@ -242,13 +242,19 @@ def _stream_binary() -> Path | None:
     return exe
 
 
+#: sequential streams per thread of stream_read (one stream under-measured the Xeon: bench/stream_read.c)
+STREAM_READ_STREAMS = 8
+
+
 def _stream_read(exe: Path | None, mb: int) -> dict | None:
-    """``{threads: bytes/s}`` for 1 and 2 threads of ``stream_read`` (each thread its own ``mb`` MB, best of 30)."""
+    """``{threads: bytes/s}`` for 1 and 2 threads of ``stream_read`` (each thread its own ``mb`` MB read as
+    :data:`STREAM_READ_STREAMS` streams, best of 30)."""
     if exe is None:
         return None
     out = {}
     for t in (1, 2):
-        p = subprocess.run([str(exe), str(mb), str(t), "30"], capture_output=True, text=True, check=True)
+        p = subprocess.run([str(exe), str(mb), str(t), "30", str(STREAM_READ_STREAMS)], capture_output=True,
+                           text=True, check=True)
         out[t] = json.loads(p.stdout)["bytes_per_s"]
     return out
 
@@ -521,6 +527,7 @@ def run(a: argparse.Namespace) -> dict:
             "memory_read_limit_bytes_per_s": ({"1 thread": sr[1], "2 threads": sr[2]} if sr else None),
             "memory_read_limit_start": ({"1 thread": sr_start[1], "2 threads": sr_start[2]} if sr_start else None),
             "memory_read_limit_end": ({"1 thread": sr_end[1], "2 threads": sr_end[2]} if sr_end else None),
+            "memory_read_streams": STREAM_READ_STREAMS,      # per thread (files before 2026-12-03: 1)
             "bandwidth_bytes_per_s": {"1 process": bw[1], "2 processes": bw[2]},
             "bandwidth_start": {"1 process": bw_start[1], "2 processes": bw_start[2]},
             "bandwidth_end": {"1 process": bw_end[1], "2 processes": bw_end[2]},
@@ -702,7 +709,8 @@ def write(res: dict, out: Path, n: int, stem: str) -> None:
     if sr:
         s0, s1 = res["memory_read_limit_start"], res["memory_read_limit_end"]
         lines += [f"Memory-read limit (bench/stream_read.c, gcc -O3 -march=native: each thread sums its own "
-                  f"{res.get('gemv_mb', '')} MB array of integers, all starting together, best of 30; the better of "
+                  f"{res.get('gemv_mb', '')} MB array of integers as {res.get('memory_read_streams', 1)} sequential "
+                  f"stream(s), all starting together, best of 30; the better of "
                   f"start and end): 1 thread {_gb(sr['1 thread'])} GB/s, 2 threads {_gb(sr['2 threads'])} GB/s "
                   f"(start {_gb(s0['1 thread'])} / {_gb(s0['2 threads'])}, end {_gb(s1['1 thread'])} / "
                   f"{_gb(s1['2 threads'])}).", ""]
