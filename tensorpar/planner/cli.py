@@ -261,6 +261,9 @@ def _plan_inference(args) -> int:
         raise ValueError(f"--inference needs {', '.join(missing)}")
     if args.top < 0:
         raise ValueError(f"--top ({args.top}) must be >= 0 (0 shows every plan)")
+    if args.hbm_gbps == 0:       # 0 means "not modelled", which training allows and decode cannot
+        raise ValueError("--hbm-gbps 0: decode time needs the device-memory bandwidth; give a finite number of "
+                         "GB/s > 0 (or leave it out for the device's own)")
     model, hw = build_model(args), build_cluster(args)
     size = DTYPE_BYTES[args.dtype]
     work = InferenceWorkload(args.batch, args.prompt_len, args.max_new_tokens, weight_bytes=size, kv_bytes=size,

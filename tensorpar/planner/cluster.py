@@ -129,8 +129,8 @@ class DeviceSpec:
                              f"({self.local_link_latency_us!r}) must be >= 0")
         if not 0 < self.matmul_efficiency <= 1:
             raise ValueError(f"device matmul_efficiency ({self.matmul_efficiency!r}) must be in (0, 1]")
-        if self.hbm_gbps < 0:
-            raise ValueError(f"device hbm_gbps ({self.hbm_gbps!r}) must be >= 0 (0: not modelled)")
+        if not 0 <= self.hbm_gbps < float("inf"):
+            raise ValueError(f"device hbm_gbps ({self.hbm_gbps!r}) must be a finite number >= 0 (0: not modelled)")
         for knob in ("intra_node_latency_us", "inter_node_latency_us"):
             if not 0 <= getattr(self, knob) < float("inf"):
                 raise ValueError(f"device {knob} ({getattr(self, knob)!r}) must be a finite number >= 0")

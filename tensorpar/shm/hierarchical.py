@@ -147,10 +147,10 @@ def make_hierarchical(group: Group, members: list[Member], *, slot_bytes: int, t
             :func:`tensorpar.shm.bootstrap.exchange_members` (host ids may be simulated).
         slot_bytes, timeout_s, policy, oneshot_bytes: as for the shared-memory communicator.
 
-    Only the leaders take part in creating the leaders' group (a gloo group under a store prefix that rank 0 of
-    ``group`` draws at random and every rank learns, see :func:`_leaders_pg`); the leaders then connect their TCP mesh
-    (:meth:`tensorpar.comm.tcp.TcpMesh.build`). Where it cannot connect (an address the peers cannot reach, a
-    firewall), every leader warns once with the reason and keeps gloo for everything.
+    Only the leaders take part in creating the leaders' group (a gloo group under a store prefix that the first
+    rank of ``group`` draws at random and every rank learns, see :func:`_leaders_pg`); the leaders then connect
+    their TCP mesh (:meth:`tensorpar.comm.tcp.TcpMesh.build`). Where it cannot connect (an address the peers
+    cannot reach, a firewall), every leader warns once with the reason and keeps gloo for everything.
 
     Raises:
         CollectiveError: a host's ranks could not share a segment.
@@ -161,8 +161,9 @@ def make_hierarchical(group: Group, members: list[Member], *, slot_bytes: int, t
     if err:
         raise comm.CollectiveError(f"hierarchical all-reduce on {group.name} group: {err}")
     leader_ranks = [h[0] for h in hosts]
-    # the leaders' process group lives under a store prefix no earlier group used (see _leaders_pg)
-    token = all_gather_json(secrets.token_hex(8) if group.rank == 0 else "", group.pg)[0]
+    # the leaders' process group lives under a store prefix no earlier group used (see _leaders_pg): every rank
+    # draws one, all take the first in the process group's order (whatever the Group's own rank order)
+    token = all_gather_json(secrets.token_hex(8), group.pg)[0]
     leaders = None
     if group.rank in leader_ranks:
         pg = (_leaders_pg(f"tensorpar/{group.name}.leaders/{token}/", leader_ranks.index(group.rank),

@@ -49,6 +49,9 @@ def _parse_tp(text: str) -> list[int]:
         tps = []
     if not tps or any(t < 1 for t in tps):
         raise ValueError(f"--tp {text!r}: give comma-separated positive integers, e.g. --tp 2,3,4")
+    if len(set(tps)) != len(tps):
+        raise ValueError(f"--tp {text!r}: names a tp more than once; give each once, e.g. --tp "
+                         f"{','.join(map(str, dict.fromkeys(tps)))}")
     return tps
 
 

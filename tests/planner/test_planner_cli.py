@@ -241,7 +241,7 @@ def test_inference_length_error_names_prompt_and_new_tokens(plan):
             "use a total <= 8192") in err and "--seq" not in err
 
 
-@pytest.mark.parametrize("flag", ["--peak-tflops", "--memory-gb", "--intra-node-bw", "--inter-node-bw"])
+@pytest.mark.parametrize("flag", ["--peak-tflops", "--memory-gb", "--intra-node-bw", "--inter-node-bw", "--hbm-gbps"])
 @pytest.mark.parametrize("value", ["inf", "-1", "nan"])
 def test_hardware_overrides_must_be_finite_and_positive(plan, flag, value):
     """Old code accepted infinity (a 0.007 s step, MFU 0.0 %, "3.0 GiB of inf GiB") and named the field
@@ -250,5 +250,15 @@ def test_hardware_overrides_must_be_finite_and_positive(plan, flag, value):
     assert code == 2 and not out and err.count("\n") == 1, err
     if flag == "--inter-node-bw":   # train --plan's rule and words (tensorpar.planner.cluster.inter_node_link)
         assert f"{flag} {value}: must be a finite number of GB/s > 0" in err, err
+    elif flag == "--hbm-gbps":      # 0 means "not modelled" there (training allows it)
+        assert f"{flag} {value}: must be a finite number >= 0 (0: not modelled)" in err, err
     else:                           # the same form: the flag, its value, what would work
         assert f"{flag} {value}: must be a finite number > 0" in err, err
+
+
+def test_inference_refuses_hbm_gbps_zero(plan):
+    """--hbm-gbps 0 (not modelled) with --inference: one line naming the flag, not "give --hbm-gbps" (review)."""
+    code, out, err = plan("--model", "smollm2", "--gpus", "2", "--inference", "--batch", "1", "--prompt-len", "16",
+                          "--max-new-tokens", "8", "--hbm-gbps", "0")
+    assert code == 2 and not out and err.count("\n") == 1, err
+    assert "--hbm-gbps 0: decode time needs the device-memory bandwidth" in err, err
