@@ -74,7 +74,9 @@ def job_generate(ctx, folder, ids, mask, n):
     return res.tokens, logits
 
 
-@pytest.mark.parametrize("arch,tps", [("llama", [1, 2, 3, 9]), ("qwen2", [2, 3]), ("mistral", [4]), ("gpt2", [4]),
+@pytest.mark.parametrize("arch,tps", [("llama", [1, 2, 3]), ("qwen2", [2, 3]), ("mistral", [4]), ("gpt2", [4]),
+                                      # 9 ranks on 2 cores (a pool of its own): slow
+                                      pytest.param("llama", [9], marks=pytest.mark.slow),
                                       # llama at tp 4 (uneven heads): also tests/decode/test_lean_families.py[4], slow
                                       pytest.param("llama", [4], marks=pytest.mark.slow)])
 def test_greedy_equals_transformers(pools, model_dirs, arch, tps):

@@ -199,7 +199,8 @@ def job_eval(ctx, kw):
     return tr.evaluate(2)
 
 
-@pytest.mark.parametrize("config,kw", [LAYOUTS[0], pytest.param(*LAYOUTS[2], marks=pytest.mark.slow), LAYOUTS[5]],
+@pytest.mark.parametrize("config,kw", [pytest.param(*LAYOUTS[0], marks=pytest.mark.slow),   # CI: the interleaved one
+                                       pytest.param(*LAYOUTS[2], marks=pytest.mark.slow), LAYOUTS[5]],
                          ids=["tp2-pp2", "pp2-dp2", "tp2-pp2-interleaved"])
 def test_validation_loss_equals_single_process(grid_pools, config, kw):
     ref = job_eval(ParallelContext.single(), {})
