@@ -23,7 +23,9 @@ def job_family(ctx, name, sequence_parallel=False):
     return job(ctx, name, sequence_parallel, "tests.families_fam")
 
 
-@pytest.mark.parametrize("tp", [1, 2, 3, 4])
+# tp 4 (4 ranks on 2 cores) slow: CI keeps tp 1, 2 and the uneven 3, and tp 4 in the generate, expert and
+# sequence-parallel tests
+@pytest.mark.parametrize("tp", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", FAMILIES)
 def test_family_parity(pools, name, tp):
     diff, n = run_tp(pools, tp, job_family, name)[0]

@@ -80,7 +80,9 @@ def job_moe(ctx, model_type):
     return max(x.max_abs for x in d), len(d), idle
 
 
-@pytest.mark.parametrize("tp", [1, 2, 3, 4])
+# tp 4 (4 ranks on 2 cores) slow: CI keeps tp 1, 2 and the uneven 3, and tp 4 in the generate, expert and
+# sequence-parallel tests
+@pytest.mark.parametrize("tp", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_moe_family_parity(pools, model_type, tp):
     diff, n, idle = run_tp(pools, tp, job_moe, model_type)[0]
