@@ -77,7 +77,10 @@ def _model_config(spec: str, seq_len: int):
     from transformers import AutoConfig
 
     from tensorpar.hub import resolve_model
-    folder = str(resolve_model(spec))
+    try:
+        folder = str(resolve_model(spec))
+    except FileNotFoundError as e:       # the hub names its aliases; verify also takes the synthetic presets
+        raise FileNotFoundError(f"{e} verify also takes the presets {', '.join(PRESETS)}.") from None
     return AutoConfig.from_pretrained(folder), folder
 
 

@@ -252,6 +252,8 @@ def test_cli_tiny_train_json(tmp_path):
                                         (["--tp", "2", "--quantize", "int8", "--train"], "--quantize int8 cannot run "
                                          "with --train"),
                                         # lossy: verify would fail every layout against the exact bound (review)
+                                        (["--model", "/no-such-tensorpar-model", "--tp", "2"], "verify also takes "
+                                         "the presets tiny, small, bench."),
                                         (["--tp", "2,3,2"], "--tp '2,3,2': names a tp more than once; give each "
                                          "once, e.g. --tp 2,3"),
                                         (["--tp", "2", "--tp-comm", "int8"], "--tp-comm int8: the compressed "
