@@ -28,7 +28,7 @@ static double now(void) {
 
 /* STREAMS equal parts of the array summed in lockstep: that many sequential streams at once. One stream per thread
  * under-measured this project's Intel Xeon: the hardware prefetcher follows a stream within a 4 KB page, and a GEMV
- * reading 8 weight rows at a time read 1.3-1.5x one stream's rate (docs/decode.md). */
+ * reading 8 weight rows at a time read 1.3-1.5x one stream's rate (bench/results/gemv-streams-xeon.md). */
 static int streams = 8;
 
 static uint64_t sum(const uint64_t *a, size_t n) {

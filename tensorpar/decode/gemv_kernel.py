@@ -11,9 +11,9 @@ step and pack the weight themselves (a second copy).
 
 The layout is the plain weight ``[out, in]`` row-major, the one the modules, checkpoints and verify read, so
 nothing is packed and nothing converted. One input row (a decode step) reads 8 weight rows at a time where rows are
-at least 2 KB (8 sequential streams: the 1.1B Llama's shapes read at 11-13 GB/s on the Xeon against 8.6-9.2 one
-row after the other, above oneDNN's prepacked 10.4-11.8; csrc/gemv.cpp ``f32_stripes``), else one row after the
-other.
+at least 2 KB (8 sequential streams, csrc/gemv.cpp ``f32_stripes``: on the Xeon the 1.1B Llama's fp32 shapes read
+1.29-1.52x faster than one row after the other, bench/results/gemv-streams-xeon.md, and at 1.07-1.14x oneDNN's
+prepacked GEMV, bench/results/gemv-xeon-stripes.md), else one row after the other.
 Sums in fp32 (bf16 x bf16: ``vdpbf16ps`` pairs with AVX512_BF16, else both widened to fp32 in registers, where
 each product is exact; or the weights widened to fp32 with the input in fp32: :func:`mode`), rounded to bf16 once
 at the end for bf16 weights.

@@ -312,10 +312,9 @@ static void bf16_rows2(const uint16_t* x, int64_t K, const uint16_t* w, int64_t 
 // One input row against S weight rows at a time, one accumulator each: S sequential streams at once, S x K apart.
 // Read one after the other (f32_rows<1>) the weights are one stream, and the hardware prefetcher, which follows a
 // stream within one 4 KB page, starts over at each page; with S streams in flight the core keeps more misses
-// outstanding. Measured on the Xeon (AVX-512, one thread, bench/gemv_probe.cpp's harness): 1.1B shapes (rows of
-// 4-11 KB) 8.6-9.2 GB/s for one row at a time against 11.0-12.9 with S = 8, above oneDNN's prepacked GEMV
-// (10.4-11.8 GB/s, bench/results/gemv-xeon.md); rows of 2-3 KB +10-20 %; rows of 1 KB (bf16 at K = 576) slower,
-// so used only from STRIPE_ROW_BYTES. Sums: per output, one accumulator over the row in steps of W (another order
+// outstanding. Measured on the Xeon (AVX-512, one thread, bench/gemv_streams_probe.cpp,
+// bench/results/gemv-streams-xeon.md): fp32 rows of 4-11 KB 1.29-1.52x one row at a time, rows of 2.3-3 KB
+// 1.08-1.22x, bf16 rows of 2 KB 1.05x, of 1.2 KB 0.88x (slower), so used only from STRIPE_ROW_BYTES. Sums: per output, one accumulator over the row in steps of W (another order
 // than f32_rows' U accumulators: results differ in rounding only).
 constexpr int STRIPES = 8;
 constexpr int64_t STRIPE_ROW_BYTES = 2048;
