@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from machine import cpu_model  # noqa: E402
+from machine import cpu_model, cpu_times, steal_fraction  # noqa: E402
 
 BATCHES = (1, 4, 16, 64)
 PREFILL = 512
@@ -40,8 +40,13 @@ def _prompt(vocab: int, n: int, seed: int) -> torch.Tensor:
     return torch.randint(3, vocab, (1, n), generator=g)
 
 
-def job_tensorpar(ctx, folder, dtype, tokens, batches, prefill):
-    """On each rank: prefill tokens/s of a ``prefill``-token prompt and decode tokens/s at each batch."""
+def job_tensorpar(ctx, folder, dtype, tokens, batches, prefill, max_rows=None):
+    """On each rank: prefill tokens/s of a ``prefill``-token prompt and decode tokens/s at each batch. ``max_rows``:
+    this run's :data:`tensorpar.decode.gemv_kernel.MAX_ROWS` (the most rows of the row step and of the fp32 GEMV;
+    above it the weights are prepacked for oneDNN and steps run the general loop), for an A/B of that limit."""
+    if max_rows is not None:
+        from tensorpar.decode import gemv_kernel
+        gemv_kernel.MAX_ROWS = max_rows
     from tensorpar.generate import SamplingConfig, generate_tokens
     from tensorpar.hf.load import build_parallel_model
     torch.set_num_threads(1)
@@ -90,6 +95,10 @@ def job_transformers(ctx, folder, dtype, tokens, batches, prefill):
     return out
 
 
+def _pct(x: float | None) -> str:
+    return "unknown" if x is None else f"{100 * x:.1f} %"
+
+
 def model_folder(name: str) -> Path:
     if name == "tinyllama-random":
         from bench_hf_tp import model_folder as build
@@ -108,6 +117,11 @@ def main() -> None:
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--prefill", type=int, default=PREFILL)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--max-rows", default=None,
+                    help="comma-separated values of gemv_kernel.MAX_ROWS to compare (each tensorpar row once per "
+                         "value, e.g. 2,16: the row step up to 2 rows, as before 2026-12-03, against up to 16); "
+                         "default: the library's")
+    ap.add_argument("--no-transformers", action="store_true", help="skip transformers' rows")
     a = ap.parse_args()
     from tensorpar.testing import WorkerPool
     batches = tuple(int(b) for b in a.batches.split(","))
@@ -115,15 +129,19 @@ def main() -> None:
     for m in a.models.split(","):
         folder = str(model_folder(m))
         for dtype in a.dtypes.split(","):
-            specs.append((m, f"transformers, 2 threads, {dtype}", 1, job_transformers, folder, dtype))
+            if not a.no_transformers:
+                specs.append((m, f"transformers, 2 threads, {dtype}", 1, job_transformers, folder, dtype, None))
             for tp in (1, 2):
-                specs.append((m, f"tensorpar tp={tp}, lean, {dtype}", tp, job_tensorpar, folder, dtype))
-    load0, t_start = os.getloadavg(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+                for mr in (a.max_rows.split(",") if a.max_rows else [None]):
+                    name = f"tensorpar tp={tp}, lean, {dtype}" + (f", MAX_ROWS {mr}" if mr else "")
+                    specs.append((m, name, tp, job_tensorpar, folder, dtype, int(mr) if mr else None))
+    load0, t_start, cpu0 = os.getloadavg(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), cpu_times()
     best: dict = {}
     for rnd in range(a.rounds):
-        for m, name, world, fn, folder, dtype in (specs if rnd % 2 == 0 else specs[::-1]):
+        for m, name, world, fn, folder, dtype, mr in (specs if rnd % 2 == 0 else specs[::-1]):
+            extra = () if mr is None else (mr,)
             with WorkerPool(world, collective_timeout_s=300, job_timeout_s=3600) as pool:
-                r = pool.run(fn, folder, dtype, a.tokens, batches, a.prefill)[0]
+                r = pool.run(fn, folder, dtype, a.tokens, batches, a.prefill, *extra)[0]
             key = (m, name)
             old = best.get(key)
             if old is None:
@@ -136,16 +154,18 @@ def main() -> None:
                   " ".join(f"b{b} {r['decode'][b]:.1f}" for b in batches), flush=True)
     meta = {"cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__, "started": t_start,
             "loadavg_start": load0, "loadavg_end": os.getloadavg(), "rounds": a.rounds, "tokens": a.tokens,
-            "prefill_tokens": a.prefill, "batches": batches}
+            "prefill_tokens": a.prefill, "batches": batches, "steal_fraction": steal_fraction(cpu0, cpu_times())}
     rows = [{"model": m, "config": name, **best[(m, name)]} for m, name, *_ in specs]
     out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "batch.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     busy = max(meta["loadavg_start"][0], meta["loadavg_end"][0]) > 1.5
     lines = ([f"**LOADED MACHINE (1-minute load average up to {max(load0[0], meta['loadavg_end'][0]):.1f} on "
               f"{os.cpu_count()} cores): rerun on an idle machine before quoting these numbers.**", ""] if busy else [])
     lines += [f"Batch decode and prefill (bench/bench_batch.py): {meta['cpu']}, {meta['cores']} cores, torch "
               f"{meta['torch']}, {t_start}; load average at start {' / '.join(f'{x:.2f}' for x in load0)}, at end "
-              f"{' / '.join(f'{x:.2f}' for x in meta['loadavg_end'])}. Best of {a.rounds} interleaved rounds. Decode: "
+              f"{' / '.join(f'{x:.2f}' for x in meta['loadavg_end'])}; CPU time stolen by the hypervisor "
+              f"during the run (/proc/stat): {_pct(meta['steal_fraction'])}. Best of {a.rounds} interleaved rounds. Decode: "
               f"{a.tokens} new tokens after a {PROMPT_LEN}-token prompt per row, tokens/s summed over the batch; "
               f"prefill: one {a.prefill}-token prompt, tokens / time to the first token. tensorpar: one thread per "
               f"rank; transformers: one process, 2 threads.", "",

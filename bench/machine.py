@@ -26,6 +26,26 @@ def machine() -> dict:
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "loadavg": list(os.getloadavg())}
 
 
+def cpu_times() -> tuple[int, int] | None:
+    """``(steal, total)`` jiffies of all CPUs from /proc/stat's ``cpu`` line (None where it cannot be read): the
+    time a hypervisor gave this VM's CPUs to other guests, and all time. :func:`steal_fraction` of two readings
+    says how much of a run other tenants took: the load average cannot (it counts the run's own processes, and a
+    VM's steal not at all)."""
+    try:
+        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (f[7] if len(f) > 7 else 0), sum(f[:8])
+
+
+def steal_fraction(start: tuple[int, int] | None, end: tuple[int, int] | None) -> float | None:
+    """The fraction of CPU time stolen by the hypervisor between two :func:`cpu_times` readings (None if either
+    is missing or no time passed)."""
+    if start is None or end is None or end[1] <= start[1]:
+        return None
+    return (end[0] - start[0]) / (end[1] - start[1])
+
+
 def atomic_write(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` (its folder made) through a temporary file beside it, then rename: a reader sees
     the old file or the new one, never half of one."""

@@ -53,12 +53,25 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MODE_ONE_ROW, MODE_WIDEN, MODE_PAIRS = 0, 1, 2
 #: software prefetch distance in elements (0: none: measured slower, the hardware prefetcher follows the one stream)
 PREFETCH = 0
-#: the most rows the lean path runs through this kernel: faster than oneDNN's prepacked GEMV at 1 and 2 rows, not
-#: at 4 (bench/results/gemv.md, AVX-512). On AVX2 (Zen 3, bench/results/gemv-avx2.md, loaded: CPU-time GB/s) fp32
-#: at one row is on par with oneDNN (0.7-1.26x per shape; an interleaved rerun at the 1.1B's shapes 0.96-1.01x), at 2
-#: and 4 rows 1.4-2.2x; oneDNN has no bf16 kernels there (ours 1.2-1.6x ``F.linear``'s bf16 at one row). 4 would pay
-#: on AVX2, but the row step's buffers and tests are for 2.
-MAX_ROWS = 2
+#: the most rows the lean path runs through this kernel on fp32 weights, and the most rows of a
+#: :class:`~tensorpar.decode.row_step.RowStep` (every format it runs: fp32, and the int8 and bf16 weights of
+#: ``--quantize``). Per matmul, beyond 4 rows the kernel is compute-bound and oneDNN's prepacked GEMM is faster on
+#: the 1.1B Llama's shapes (0.64-0.96x at 8 and 16 rows; SmolLM2's: 1.05-1.45x; bench/results/gemv-xeon-rows.md,
+#: Xeon). Per decode step the row step's few C calls per layer outweigh that: SmolLM2 at tp=2, fp32, batch 4 / 8 /
+#: 16 decoded 91 / 138 / 199 tokens/s with the row step against 35 / 59 / 108 on prepacked weights and the general
+#: loop, int8 158 / 193 / 201 against 66 / 100 / 122, the 1.1B at batch 4 / 8 / 16 15 / 20 / 27 against
+#: 9 / 16 / 29 (bench/results/batch-rows-xeon.md).
+MAX_ROWS = 16
+#: the most rows the lean path runs through this kernel on bf16 weights with bf16 activations (``--dtype
+#: bfloat16``: the general loop, no row step): at 8 and 16 rows it ran at 0.33-1.0x oneDNN's prepacked bf16 GEMM,
+#: at 4 rows 0.72-1.61x (bench/results/gemv-xeon-rows.md), so beyond 2 rows such decoders keep oneDNN.
+MAX_ROWS_BF16 = 2
+
+
+def max_rows(dtype: torch.dtype) -> int:
+    """The most input rows the lean path runs through this kernel for weights of ``dtype``:
+    :data:`MAX_ROWS_BF16` for bf16 (bf16 x bf16), :data:`MAX_ROWS` otherwise."""
+    return MAX_ROWS_BF16 if dtype == torch.bfloat16 else MAX_ROWS
 
 
 def mode(dtype: torch.dtype, rows: int) -> int:

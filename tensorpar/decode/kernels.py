@@ -56,17 +56,17 @@ def mm(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None) -> torch.Tenso
 def gemv_mm(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """:func:`mm` (``x [n, in] @ wt [in, out] (+ b)``, ``wt`` the ``[in, out]`` view of a row-major ``[out, in]``
     weight) through our GEMV (:mod:`tensorpar.decode.gemv_kernel`, on ``wt.t()`` as it is) when ``n`` is at most
-    :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS`, else :func:`mm`."""
-    if x.shape[0] <= gemv_kernel.MAX_ROWS:
+    :func:`~tensorpar.decode.gemv_kernel.max_rows` of its dtype, else :func:`mm`."""
+    if x.shape[0] <= gemv_kernel.max_rows(x.dtype):
         return gemv_kernel.linear(x, wt.t(), b)
     return mm(x, wt, b)
 
 
 def gemv_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, w, b)`` (``x [..., in]``, ``w [out, in]`` row-major) through our GEMV when ``x`` has at most
-    :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS` rows, else ``F.linear``."""
+    :func:`~tensorpar.decode.gemv_kernel.max_rows` rows of its dtype, else ``F.linear``."""
     k = x.shape[-1]
-    if x.numel() <= gemv_kernel.MAX_ROWS * k:
+    if x.numel() <= gemv_kernel.max_rows(x.dtype) * k:
         return gemv_kernel.linear(x.reshape(-1, k), w, b).view(*x.shape[:-1], w.shape[0])
     return F.linear(x, w, b)
 

@@ -22,11 +22,12 @@ math directly on the rank's tensors:
   layout (:func:`pack`), which *replaces* the plain weights (:func:`tensorpar.decode.packed.pack_weights`: no
   second copy; the modules convert back on access); ``F.linear`` calls the same oneDNN matmul but reorders the
   weight on every call, which made bf16 GEMV 1.5x slower than it needs to be (same bits);
-* fp32 and bf16 on a CPU with AVX-512 BF16 or AVX2 + FMA, a decoder of ``max_batch`` <= 2 (generate's batch 1):
-  the steps of at most 2 rows run our GEMV on the plain ``[out, in]`` weights (:mod:`tensorpar.decode.gemv_kernel`: one sequential
-  stream of the weights, faster than oneDNN's prepacked GEMV, within 1e-5 relative of ``F.linear`` in fp32, one
+* fp32 and bf16 on a CPU with AVX-512 BF16 or AVX2 + FMA, a decoder of ``max_batch`` <= 16 (fp32) or 2 (bf16):
+  its steps run our GEMV on the plain ``[out, in]`` weights (:mod:`tensorpar.decode.gemv_kernel`: one sequential
+  stream of the weights, faster than oneDNN's prepacked GEMV at 1-4 rows, within 1e-5 relative of ``F.linear`` in fp32, one
   bf16 rounding in bf16), prefill the plain ``torch.mm`` / ``F.linear``; nothing is packed;
-* those one- and two-row steps of layers of the plain Llama shape in fp32 (fp32 or int8 weights) run as a
+* those decode steps (one token per row, up to 16 rows) of layers of the plain Llama shape in fp32 (fp32, int8
+  or bf16 weights) run as a
   :class:`~tensorpar.decode.row_step.RowStep`: a few fused C++ calls per layer, no framework ops per layer;
 * a model quantized by :func:`tensorpar.decode.quantize.quantize_int8` (its fp weights freed) runs every matmul as
   :func:`tensorpar.decode.int8.int8_linear` (Q8_0 x Q8_0: the input quantized per block of 32, int8 x int8; the
@@ -93,7 +94,7 @@ class LeanDecoder:
             measured in bench/results/decode.md). fp32: oneDNN's kernels instead of MKL's ``torch.mm``, within a
             few units in the last place of it and faster (:func:`~tensorpar.decode.matmuls.use_packed`). ``None``: our GEMV on the plain
             weights (:func:`~tensorpar.decode.matmuls.use_gemv`) where it runs and ``max_batch`` is at most
-            :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS`, else prepacked for CPU weights in fp32, or bf16 where
+            :func:`~tensorpar.decode.gemv_kernel.max_rows` of the weights' dtype (16 fp32, 2 bf16), else prepacked for CPU weights in fp32, or bf16 where
             oneDNN runs bf16. ``False``: plain ``torch.mm`` / ``F.linear``. Never for a model quantized by
             :func:`tensorpar.decode.quantize.quantize_int8` (its matmuls read the int8 weights).
 
@@ -165,8 +166,9 @@ class LeanDecoder:
             self.lin = self.linear = bf16_linear if isinstance(w0, Bf16Weight) else int8_linear
         else:
             self.lin, self.linear = mm, F.linear
-        #: our GEMV on the plain weights for steps of at most gemv_kernel.MAX_ROWS rows (:func:`use_gemv`)
-        self.gemv = (not int8 and prepack is None and max_batch <= gemv_kernel.MAX_ROWS and use_gemv(self))
+        #: our GEMV on the plain weights for steps of at most gemv_kernel.max_rows rows (:func:`use_gemv`)
+        self.gemv = (not int8 and prepack is None and max_batch <= gemv_kernel.max_rows(w0.dtype)
+                     and use_gemv(self))
         self.packed = (not int8 and not self.gemv and (prepack if prepack is not None else can_pack(w0))
                        and w0.device.type == "cpu" and torch.backends.mkldnn.is_available())
         if self.packed:

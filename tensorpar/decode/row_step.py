@@ -1,4 +1,4 @@
-"""The lean path's decode step of one or two rows, in few calls per layer (:class:`RowStep`).
+"""The lean path's decode step of one token per row, up to 16 rows, in few calls per layer (:class:`RowStep`).
 
 Batch-1 decode of a small model is bound by the work around the matmuls, paid per layer by every rank: SmolLM2
 at tp=2 spent 5.0 ms per token in 4127 framework ops (137 per layer) against 18 ms of matmuls (docs/benchmarks.md).
@@ -71,7 +71,8 @@ def why_not(dec) -> str | None:
     ref = _reference_weight(dec)
     fmt = _format(ref)
     if not (dec.gemv or (fmt is not None and _KERNELS[fmt][0]() and dec.max_batch <= gemv_kernel.MAX_ROWS)):
-        return "it runs neither our GEMV (fp32 weights) nor our kernel of --quantize int8 / bf16 at <= 2 rows"
+        return (f"it runs neither our GEMV (fp32 weights) nor our kernel of --quantize int8 / bf16 at "
+                f"<= {gemv_kernel.MAX_ROWS} rows")
     if ref.dtype != torch.float32:
         return "it does not compute in fp32"
     if dec.final_cap is not None or dec.lm_b is not None:
@@ -132,11 +133,13 @@ class _Layer:
 
 
 class RowStep:
-    """The one- or two-row decode step of decoder ``dec`` (:func:`why_not` must be ``None``); called by
-    :meth:`~tensorpar.decode.lean.LeanDecoder.forward_segments` for a single segment of ``b <= MAX_ROWS`` rows of
-    one token each whose tokens are all stored (``write`` None).
+    """The decode step of decoder ``dec`` (:func:`why_not` must be ``None``); called by
+    :meth:`~tensorpar.decode.lean.LeanDecoder.forward_segments` for a single segment of ``b <= rows`` rows of one
+    token each whose tokens are all stored (``write`` None); ``rows`` = the decoder's ``max_batch`` (at most
+    :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS`).
 
-    Memory: a few buffers of ``MAX_ROWS`` rows (hidden, QKV, gate-up widths), fp32. Collectives: those of the
+    Memory: a few buffers of ``rows`` rows (hidden, QKV, gate-up widths), fp32; a program per layer and row
+    count. Collectives: those of the
     general loop (the embedding's all-reduce, two per layer)."""
 
     def __init__(self, dec):
@@ -148,7 +151,7 @@ class RowStep:
         self.norm0 = _norm(L0.ln1)
         H = self.norm0[0].numel()
         nq, nkv, d = dec.n_q, dec.n_kv, dec.head_dim
-        R = gemv_kernel.MAX_ROWS
+        self.R = R = min(dec.max_batch, gemv_kernel.MAX_ROWS)
         f = L0.f
         fmt = _format(_reference_weight(dec))
         # --quantize: the layers hold the stored weights [out, in]; else [in, out] views of the weights [out, in]
@@ -215,7 +218,7 @@ class RowStep:
         self.xp, self.pp = self.x.data_ptr(), self.p.data_ptr()
         self.tables = self._rotary_tables()
         self.rope_buf = {k: (torch.zeros(R, self.rd, **e), torch.zeros(R, self.rd, **e))
-                         for k in (self.tables or {})}                        # two rows' tables, gathered
+                         for k in (self.tables or {})}                        # the rows' tables, gathered
         self.embed = _embedding(dec.embed)
 
     def _rotary_tables(self) -> dict | None:
@@ -242,7 +245,7 @@ class RowStep:
         return out
 
     def runs(self, segments) -> bool:
-        """Whether this step is one :class:`RowStep` runs: one segment of at most MAX_ROWS rows of one token each,
+        """Whether this step is one :class:`RowStep` runs: one segment of at most ``rows`` rows of one token each,
         all stored, each row's positions in one block of the cache (generate's static cache; a paged row over
         several blocks takes the general loop), and with sliding-window layers (Mistral) no more positions than the
         smallest window holds, where the window masks nothing (:func:`~tensorpar.decode.block.windowed`); longer
@@ -251,7 +254,7 @@ class RowStep:
             return False
         g = segments[0]
         windows = self.dec.windows        # sliding windows: only while every key is inside each (block.windowed)
-        return (g.s == 1 and g.b <= gemv_kernel.MAX_ROWS and g.write is None
+        return (g.s == 1 and g.b <= self.R and g.write is None
                 and g.length <= self.dec.cache.block_size and (not windows or g.length <= windows[0]))
 
     def _cache_plan(self, g):
@@ -309,7 +312,7 @@ class RowStep:
 
     def _rope(self, e: torch.Tensor, rope_pos: torch.Tensor, b: int) -> tuple[dict, list]:
         """Per rotary key the addresses ``(cos, sin_sign)`` of ``[b, rd]`` rows for the rows' rotary positions
-        ``rope_pos`` ``[b]``: rows of the tables computed once (one row: in place; two: gathered into a buffer),
+        ``rope_pos`` ``[b]``: rows of the tables computed once (one row: in place; more: gathered into a buffer),
         else computed for this step (longrope: each row the factors of its own length); and the tensors to keep
         alive while the step runs."""
         dec = self.dec

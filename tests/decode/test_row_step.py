@@ -218,6 +218,7 @@ def job_logits(ctx, folder, ids, mask, want, shm, quantize="none", layout=False,
 @needs_kernels
 @pytest.mark.parametrize("arch,tp,batch,shm", [("llama", 1, 1, False), ("llama", 1, 2, False),
                                                ("llama", 2, 1, True), ("qwen2", 2, 1, True),
+                                               ("llama", 2, 6, True), ("qwen2", 1, 3, False),
                                                pytest.param("llama", 2, 2, True, marks=pytest.mark.slow),
                                                pytest.param("llama", 2, 1, False, marks=pytest.mark.slow),
                                                pytest.param("llama", 3, 1, True, marks=pytest.mark.slow),
@@ -226,15 +227,16 @@ def job_logits(ctx, folder, ids, mask, want, shm, quantize="none", layout=False,
                                                pytest.param("qwen2", 3, 1, True, marks=pytest.mark.slow),
                                                pytest.param("qwen2", 4, 2, True, marks=pytest.mark.slow)])
 def test_row_step_equals_general_loop_and_transformers(pools, tmp_path, arch, tp, batch, shm):
-    """A decoder of batch 1 or 2 runs its decode steps through the row step; their logits are within fp32 rounding
+    """A decoder of batch 1 to 6 runs its decode steps through the row step; their logits are within fp32 rounding
     of the general loop's (1e-5 of the largest: the fused norms differ in the last bits, the GEMV is the same) and
     greedy tokens equal transformers', at tp=1, 2, 3 and 4 over shared memory (the fused all-reduce reads the ranks'
     slots; the 9 query heads split unevenly at 2 and 4, the 53-token vocabulary at 2, 3 and 4) and at tp=2 over
-    gloo (it adds all_reduce's result). Batch 2: a left-padded row (decode masks). qwen2: QKV biases and an untied
+    gloo (it adds all_reduce's result). Batch 2, 3 and 6: left-padded rows (decode masks); 6 rows run the GEMV as a
+    group of 4 input rows and one of 2, 3 rows as one group of 3. qwen2: QKV biases and an untied
     head; the biases go to the QKV matmul's kernel as the general loop's call of the same kernel adds them."""
     folder = make_model_folder(tmp_path / arch, arch)
     ids, mask = prompts(ARCHS[arch]["vocab_size"])
-    rows = [0] if batch == 1 else [0, 2]
+    rows = {1: [0], 2: [0, 2], 3: [0, 1, 2], 6: [0, 1, 2, 2, 0, 1]}[batch]
     ids, mask = ids[rows], mask[rows]
     steps = 10
     want, _ = hf_reference(folder, ids, mask, steps)
@@ -326,7 +328,7 @@ def test_int8_row_step_equals_general_loop_and_quantized_reference(pools, tmp_pa
     monkeypatch.setitem(tg.ARCHS, "llama", QARCHS["llama"])       # every rank's Linear inputs whole blocks of 32
     folder = str(make_model_folder(tmp_path / "llama", "llama"))
     ids, mask = prompts(QARCHS["llama"]["vocab_size"])
-    rows = [0] if batch == 1 else [0, 2]
+    rows = {1: [0], 2: [0, 2], 3: [0, 1, 2], 6: [0, 1, 2, 2, 0, 1]}[batch]
     ids, mask = ids[rows], mask[rows]
     steps = 10
     want, _ = fake_quant_reference(folder, ids, mask, steps)
@@ -382,7 +384,7 @@ def test_quantized_row_step_tp3_tp4_uneven_heads(pools, tmp_path, monkeypatch, f
     monkeypatch.setitem(tg.ARCHS, "llama", UNEVEN)
     folder = str(make_model_folder(tmp_path / "llama", "llama"))
     ids, mask = prompts(UNEVEN["vocab_size"])
-    rows = [0] if batch == 1 else [0, 2]
+    rows = {1: [0], 2: [0, 2], 3: [0, 1, 2], 6: [0, 1, 2, 2, 0, 1]}[batch]
     ids, mask = ids[rows], mask[rows]
     steps = 10
     if fmt == "int8":
@@ -416,14 +418,17 @@ def test_quantized_row_step_tp3_tp4_uneven_heads(pools, tmp_path, monkeypatch, f
 
 
 def test_row_step_stays_out_of_what_it_does_not_run(tmp_path):
-    """Deterministic decoders, oneDNN-prepacked ones (max_batch 3) and sliding-window models keep the general loop."""
+    """Deterministic decoders, oneDNN-prepacked ones (max_batch above the row step's MAX_ROWS) and sliding-window
+    models keep the general loop."""
     from tensorpar.decode.lean import LeanDecoder
     from tensorpar.hf.load import build_parallel_model
     from tensorpar.parallel import ParallelContext
     ctx = ParallelContext.single()
     model, _ = build_parallel_model(make_model_folder(tmp_path / "llama", "llama"), ctx.tp)
     assert LeanDecoder(model, ctx.tp, max_batch=1, max_len=8, deterministic=True).row_step is None
-    assert LeanDecoder(model, ctx.tp, max_batch=3, max_len=8).row_step is None
+    big = LeanDecoder(model, ctx.tp, max_batch=gemv_kernel.MAX_ROWS + 1, max_len=8)
+    assert big.row_step is None and big.packed
+    assert LeanDecoder(model, ctx.tp, max_batch=gemv_kernel.MAX_ROWS, max_len=8).row_step is not None
     assert LeanDecoder(model, ctx.tp, max_batch=1, max_len=8, prepack=False).row_step is None
     # the fused norm replaces only the probed fp32 formula w * x_hat, never a module (Gemma's (1 + w) * x_hat has
     # weight and eps attributes too)
@@ -442,7 +447,7 @@ def test_a_dropped_decoder_and_its_weights_are_freed_without_garbage_collection(
     decoder, and its views of the plain weights, alive while a later batch-32 generate packed the weights: SmolLM2
     fp32 at tp=2 held both copies, +305-327 MB RSS per rank against +98-110 MB with the cycle gone (load average
     5-6; docs/memory.md). Here with the garbage collector off: the dropped decoder is gone at once; generate at
-    batch 1 then 3 (packed for the call, plain again after it) releases the first engine without a collection and
+    batch 1 then MAX_ROWS + 1 (packed for the call, plain again after it) releases the first engine without a collection and
     frees the plain fused q/k/v weight it read."""
     import gc
     import weakref
@@ -471,12 +476,13 @@ def test_a_dropped_decoder_and_its_weights_are_freed_without_garbage_collection(
         first = weakref.ref(cached_engine(model))
         assert first().lean.row_step is not None
         fused = weakref.ref(model.model.layers[0].self_attn.__dict__[FUSED_KEY][0])
-        three = generate_tokens(model, ctx.tp, ids.repeat(3, 1), sampling=SamplingConfig(max_new_tokens=3)).tokens
+        rows = gemv_kernel.MAX_ROWS + 1                                     # more than the row step runs: packed
+        many = generate_tokens(model, ctx.tp, ids.repeat(rows, 1), sampling=SamplingConfig(max_new_tokens=3)).tokens
         assert not packed_model(model) and cached_engine(model) is None     # packed for the call, plain after
         assert first() is None and fused() is None and "_engine" not in collections, collections
     finally:
         gc.enable()
-    assert torch.equal(three, one.repeat(3, 1))
+    assert torch.equal(many, one.repeat(rows, 1))
 
 
 def job_smollm2(ctx, folder, ids):
