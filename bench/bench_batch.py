@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from machine import cpu_model, cpu_times, steal_fraction  # noqa: E402
+from machine import cpu_account, cpu_model, describe, loaded, other_work  # noqa: E402
 
 BATCHES = (1, 4, 16, 64)
 PREFILL = 512
@@ -95,10 +95,6 @@ def job_transformers(ctx, folder, dtype, tokens, batches, prefill):
     return out
 
 
-def _pct(x: float | None) -> str:
-    return "unknown" if x is None else f"{100 * x:.1f} %"
-
-
 def model_folder(name: str) -> Path:
     if name == "tinyllama-random":
         from bench_hf_tp import model_folder as build
@@ -135,7 +131,7 @@ def main() -> None:
                 for mr in (a.max_rows.split(",") if a.max_rows else [None]):
                     name = f"tensorpar tp={tp}, lean, {dtype}" + (f", MAX_ROWS {mr}" if mr else "")
                     specs.append((m, name, tp, job_tensorpar, folder, dtype, int(mr) if mr else None))
-    load0, t_start, cpu0 = os.getloadavg(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), cpu_times()
+    load0, t_start, cpu0 = os.getloadavg(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), cpu_account()
     best: dict = {}
     for rnd in range(a.rounds):
         for m, name, world, fn, folder, dtype, mr in (specs if rnd % 2 == 0 else specs[::-1]):
@@ -154,18 +150,17 @@ def main() -> None:
                   " ".join(f"b{b} {r['decode'][b]:.1f}" for b in batches), flush=True)
     meta = {"cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__, "started": t_start,
             "loadavg_start": load0, "loadavg_end": os.getloadavg(), "rounds": a.rounds, "tokens": a.tokens,
-            "prefill_tokens": a.prefill, "batches": batches, "steal_fraction": steal_fraction(cpu0, cpu_times())}
+            "prefill_tokens": a.prefill, "batches": batches, "other_work": other_work(cpu0, cpu_account())}
     rows = [{"model": m, "config": name, **best[(m, name)]} for m, name, *_ in specs]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "batch.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    busy = max(meta["loadavg_start"][0], meta["loadavg_end"][0]) > 1.5
-    lines = ([f"**LOADED MACHINE (1-minute load average up to {max(load0[0], meta['loadavg_end'][0]):.1f} on "
-              f"{os.cpu_count()} cores): rerun on an idle machine before quoting these numbers.**", ""] if busy else [])
+    busy = loaded(meta["other_work"])
+    lines = ([f"**LOADED MACHINE ({describe(meta['other_work'])}): rerun on an idle machine before quoting these "
+              f"numbers.**", ""] if busy else [])
     lines += [f"Batch decode and prefill (bench/bench_batch.py): {meta['cpu']}, {meta['cores']} cores, torch "
               f"{meta['torch']}, {t_start}; load average at start {' / '.join(f'{x:.2f}' for x in load0)}, at end "
-              f"{' / '.join(f'{x:.2f}' for x in meta['loadavg_end'])}; CPU time stolen by the hypervisor "
-              f"during the run (/proc/stat): {_pct(meta['steal_fraction'])}. Best of {a.rounds} interleaved rounds. Decode: "
+              f"{' / '.join(f'{x:.2f}' for x in meta['loadavg_end'])}; {describe(meta['other_work'])}. Best of {a.rounds} interleaved rounds. Decode: "
               f"{a.tokens} new tokens after a {PROMPT_LEN}-token prompt per row, tokens/s summed over the batch; "
               f"prefill: one {a.prefill}-token prompt, tokens / time to the first token. tensorpar: one thread per "
               f"rank; transformers: one process, 2 threads.", "",

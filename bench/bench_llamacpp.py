@@ -52,7 +52,8 @@ from pathlib import Path
 # module level, so that the spawned WorkerPool ranks can import bench_decode's jobs too
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import cpu_model  # noqa: E402
+from machine import cpu_account, cpu_model, describe, other_work  # noqa: E402
+from machine import loaded as is_loaded  # noqa: E402
 
 DEFAULT_LLAMA_PYTHON = Path.home() / ".cache" / "tensorpar" / "llamacpp-venv" / "bin" / "python"
 LLAMA_FTYPES = ("F32", "BF16", "Q8_0")     # llama.cpp's LLAMA_FTYPE_ALL_F32 / MOSTLY_BF16 / MOSTLY_Q8_0
@@ -428,7 +429,7 @@ def run(a: argparse.Namespace) -> dict:
         with WorkerPool(world, collective_timeout_s=300, job_timeout_s=3600) as pool:
             return pool.run(fn, *args)
 
-    loads = [os.getloadavg()]
+    loads, cpu0 = [os.getloadavg()], cpu_account()
     exe = _stream_binary()
     sr_start = _stream_read(exe, a.gemv_mb)
     bw_start = _bandwidth(pool_run, a.gemv_mb)
@@ -536,6 +537,7 @@ def run(a: argparse.Namespace) -> dict:
             "llama": llama, "llama_python": _home(a.llama_python), "source_gguf": _home(m["source"]),
             "ggufs": quant_info,
             "rounds": a.rounds, "load_start": loads[0], "load_end": loads[-1], "load_max_1min": max(x[0] for x in loads),
+            "other_work": other_work(cpu0, cpu_account()),
             "llama_build": _build_info(a.llama_python) if llama is not None else None}
 
 
@@ -659,7 +661,11 @@ def write(res: dict, out: Path, n: int, stem: str) -> None:
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "cpu": cpu_model(), "torch": torch.__version__,
             "transformers": transformers.__version__, "new_tokens": n, "date": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                                              time.gmtime())}
-    loaded = max(res["load_start"][0], res["load_end"][0], res["load_max_1min"]) > LOADED_AT
+    # files before 2026-12-03 (no other_work): a 1-minute load average above LOADED_AT at any sample, which counts
+    # the run's own rows (a 2-thread row leaves it near 2 for a minute) and not a VM's steal
+    work = res.get("other_work")
+    loaded = (is_loaded(work) if "other_work" in res
+              else max(res["load_start"][0], res["load_end"][0], res["load_max_1min"]) > LOADED_AT)
     res = {"meta": meta, "loaded_machine": loaded, **res}
     tmp = out / f"{stem}.json.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(res, indent=2, default=str))
@@ -678,14 +684,16 @@ def write(res: dict, out: Path, n: int, stem: str) -> None:
         what = f"{m['name']} greedy decode, {n} new tokens, prompt {res['prompt']!r}"
     lines = []
     if loaded:
-        lines += [f"**LOADED MACHINE: this run shared the CPUs with other work (1-minute load average up to "
-                  f"{res['load_max_1min']:.2f} on {os.cpu_count()} cores): its tokens/s and bandwidths are not the "
-                  f"machine's; rerun on an idle machine before quoting them (bench/README.md).**", ""]
+        why = (describe(work) if "other_work" in res
+               else f"1-minute load average up to {res['load_max_1min']:.2f} on {os.cpu_count()} cores")
+        lines += [f"**LOADED MACHINE: this run shared the CPUs with other work ({why}): its tokens/s and bandwidths "
+                  f"are not the machine's; rerun on an idle machine before quoting them (bench/README.md).**", ""]
     lines += [f"{what}; {res['rounds']} round(s) interleaved (order reversed every other round), every row in fresh "
               f"processes; {meta['cpu']}, {meta['machine']}, torch {meta['torch']}, transformers "
               f"{meta['transformers']}, {meta['date']}. Load average at start {ls[0]:.2f} / {ls[1]:.2f} / {ls[2]:.2f}, "
               f"at end {le[0]:.2f} / {le[1]:.2f} / {le[2]:.2f}, highest 1-minute value sampled before a row "
-              f"{res['load_max_1min']:.2f}.", ""]
+              f"{res['load_max_1min']:.2f} (it counts the run's own rows)"
+              + (f"; {describe(work)}." if "other_work" in res else "."), ""]
     if llama:
         b = res.get("llama_build") or {}
         built = (f", built from its sdist here in {b['build_seconds'] / 60:.1f} min ({b.get('cmake_args', 'defaults')})"

@@ -26,24 +26,52 @@ def machine() -> dict:
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "loadavg": list(os.getloadavg())}
 
 
-def cpu_times() -> tuple[int, int] | None:
-    """``(steal, total)`` jiffies of all CPUs from /proc/stat's ``cpu`` line (None where it cannot be read): the
-    time a hypervisor gave this VM's CPUs to other guests, and all time. :func:`steal_fraction` of two readings
-    says how much of a run other tenants took: the load average cannot (it counts the run's own processes, and a
-    VM's steal not at all)."""
+def cpu_account() -> dict | None:
+    """A reading of who used the CPUs: /proc/stat's busy and stolen jiffies of all CPUs and this process's and its
+    waited-for children's CPU time (``os.times``); :func:`other_work` of two readings. None where /proc/stat is
+    missing."""
     try:
         f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     except (OSError, ValueError):
         return None
-    return (f[7] if len(f) > 7 else 0), sum(f[:8])
+    t = os.times()
+    tick = os.sysconf("SC_CLK_TCK")
+    busy = f[0] + f[1] + f[2] + f[5] + f[6]               # user, nice, system, irq, softirq
+    return {"busy_s": busy / tick, "steal_s": (f[7] if len(f) > 7 else 0) / tick, "all_s": sum(f[:8]) / tick,
+            "own_s": t.user + t.system + t.children_user + t.children_system}
 
 
-def steal_fraction(start: tuple[int, int] | None, end: tuple[int, int] | None) -> float | None:
-    """The fraction of CPU time stolen by the hypervisor between two :func:`cpu_times` readings (None if either
-    is missing or no time passed)."""
-    if start is None or end is None or end[1] <= start[1]:
+def other_work(start: dict | None, end: dict | None) -> dict | None:
+    """Between two :func:`cpu_account` readings, the fractions of all CPU time that went to other work:
+    ``steal`` (the hypervisor ran other guests on this VM's CPUs) and ``others`` (this machine's processes other
+    than the run and its waited-for children: busy time minus the run's own, at least 0). Unlike the load average
+    these leave out the run's own processes, whose 1-minute average stays high for a minute after each 2-thread
+    row. None if a reading is missing."""
+    if start is None or end is None or end["all_s"] <= start["all_s"]:
         return None
-    return (end[0] - start[0]) / (end[1] - start[1])
+    total = end["all_s"] - start["all_s"]
+    own = end["own_s"] - start["own_s"]
+    return {"steal": (end["steal_s"] - start["steal_s"]) / total,
+            "others": max(0.0, (end["busy_s"] - start["busy_s"]) - own) / total}
+
+
+#: the share of all CPU time that other work (:func:`other_work`: stolen, or other processes) may take before a
+#: run is marked loaded
+OTHER_WORK_LOADED = 0.05
+
+
+def loaded(work: dict | None) -> bool:
+    """Whether a run's :func:`other_work` marks it loaded: stolen or other processes' time above
+    :data:`OTHER_WORK_LOADED` of all CPU time (unknown: not marked)."""
+    return work is not None and max(work["steal"], work["others"]) > OTHER_WORK_LOADED
+
+
+def describe(work: dict | None) -> str:
+    """One clause for a results file's header: the run's :func:`other_work`."""
+    if work is None:
+        return "other work during the run unknown (no /proc/stat)"
+    return (f"other work during the run (/proc/stat against the run's own CPU time): {100 * work['steal']:.1f} % "
+            f"of all CPU time stolen by the hypervisor, {100 * work['others']:.1f} % other processes")
 
 
 def atomic_write(path: Path, text: str) -> None:

@@ -10,10 +10,12 @@ same oneDNN matmul plus a weight reorder per call, Inductor's CPU GEMM templates
 step and pack the weight themselves (a second copy).
 
 The layout is the plain weight ``[out, in]`` row-major, the one the modules, checkpoints and verify read, so
-nothing is packed and nothing converted. One input row (a decode step) reads 8 weight rows at a time where rows are
-at least 2 KB (8 sequential streams, csrc/gemv.cpp ``f32_stripes``: on the Xeon the 1.1B Llama's fp32 shapes read
-1.29-1.52x faster than one row after the other, bench/results/gemv-streams-xeon.md, and at 1.07-1.14x oneDNN's
-prepacked GEMV, bench/results/gemv-xeon-stripes.md), else one row after the other.
+nothing is packed and nothing converted. Where rows are at least 2 KB, each group of up to 4 input rows reads
+several weight rows at a time (8 for one input row: 8 sequential streams, csrc/gemv.cpp ``f32_stripes``; on the
+Xeon the 1.1B Llama's fp32 shapes read 1.29-1.52x faster than one row after the other,
+bench/results/gemv-streams-xeon.md, and at 1.07-1.14x oneDNN's prepacked GEMV, bench/results/gemv-xeon-stripes.md;
+at 2-4 input rows 1.38-1.67x, gemv-xeon-rows-stripes.md), else one row after the other. There each output is summed
+in the same order whatever the rows beside it, so a row's result does not depend on the batch.
 Sums in fp32 (bf16 x bf16: ``vdpbf16ps`` pairs with AVX512_BF16, else both widened to fp32 in registers, where
 each product is exact; or the weights widened to fp32 with the input in fp32: :func:`mode`), rounded to bf16 once
 at the end for bf16 weights.
@@ -55,17 +57,19 @@ MODE_ONE_ROW, MODE_WIDEN, MODE_PAIRS = 0, 1, 2
 PREFETCH = 0
 #: the most rows the lean path runs through this kernel on fp32 weights, and the most rows of a
 #: :class:`~tensorpar.decode.row_step.RowStep` (every format it runs: fp32, and the int8 and bf16 weights of
-#: ``--quantize``). Per matmul, beyond 4 rows the kernel is compute-bound and oneDNN's prepacked GEMM is faster on
-#: the 1.1B Llama's shapes (0.64-0.96x at 8 and 16 rows; SmolLM2's: 1.05-1.45x; bench/results/gemv-xeon-rows.md,
-#: Xeon). Per decode step the row step's few C calls per layer outweigh that: SmolLM2 at tp=2, fp32, batch 4 / 8 /
-#: 16 decoded 91 / 138 / 199 tokens/s with the row step against 35 / 59 / 108 on prepacked weights and the general
-#: loop, int8 158 / 193 / 201 against 66 / 100 / 122, the 1.1B at batch 4 / 8 / 16 15 / 20 / 27 against
-#: 9 / 16 / 29 (bench/results/batch-rows-xeon.md).
+#: ``--quantize``). Per matmul (bench/results/gemv-xeon-rows-stripes.md, Xeon, one thread, tp=2 shapes): with 2-4
+#: input rows against 8, 6 or 4 weight rows at a time (csrc/gemv.cpp ``f32_stripes``) ours reads the 1.1B Llama's
+#: weights at 1.38-1.67x oneDNN's prepacked GEMM at 2-4 rows, 0.95-1.21x at 16, 0.81-1.04x at 32 (before the
+#: stripes: 0.64-0.87x at 16, gemv-xeon-rows.md); SmolLM2's 1.06-1.68x at 2-32. Per decode step the row step's
+#: few C calls per layer add to that: SmolLM2 at tp=2, fp32, batch 4 / 8 / 16 decoded 83 / 134 / 200 tokens/s
+#: against 32 / 53 / 98 with MAX_ROWS 2 (prepacked weights, the general loop), the 1.1B 13.0 / 20.4 / 27.4
+#: against 8.4 / 14.9 / 25.2 (bench/results/batch-rows-xeon.md, before the stripes).
 MAX_ROWS = 16
 #: the most rows the lean path runs through this kernel on bf16 weights with bf16 activations (``--dtype
-#: bfloat16``: the general loop, no row step): at 8 and 16 rows it ran at 0.33-1.0x oneDNN's prepacked bf16 GEMM,
-#: at 4 rows 0.72-1.61x (bench/results/gemv-xeon-rows.md), so beyond 2 rows such decoders keep oneDNN.
-MAX_ROWS_BF16 = 2
+#: bfloat16``: the general loop, no row step): on the 1.1B's shapes ours ran at 1.21-1.99x oneDNN's prepacked bf16
+#: GEMM at 4 rows, 0.85x at 8, 0.46-0.70x at 16 (bench/results/gemv-xeon-rows-stripes-bf16.md), so beyond 4 rows
+#: such decoders keep oneDNN.
+MAX_ROWS_BF16 = 4
 
 
 def max_rows(dtype: torch.dtype) -> int:

@@ -22,7 +22,7 @@ math directly on the rank's tensors:
   layout (:func:`pack`), which *replaces* the plain weights (:func:`tensorpar.decode.packed.pack_weights`: no
   second copy; the modules convert back on access); ``F.linear`` calls the same oneDNN matmul but reorders the
   weight on every call, which made bf16 GEMV 1.5x slower than it needs to be (same bits);
-* fp32 and bf16 on a CPU with AVX-512 BF16 or AVX2 + FMA, a decoder of ``max_batch`` <= 16 (fp32) or 2 (bf16):
+* fp32 and bf16 on a CPU with AVX-512 BF16 or AVX2 + FMA, a decoder of ``max_batch`` <= 16 (fp32) or 4 (bf16):
   its steps run our GEMV on the plain ``[out, in]`` weights (:mod:`tensorpar.decode.gemv_kernel`: one sequential
   stream of the weights, faster than oneDNN's prepacked GEMV at 1-4 rows, within 1e-5 relative of ``F.linear`` in fp32, one
   bf16 rounding in bf16), prefill the plain ``torch.mm`` / ``F.linear``; nothing is packed;
@@ -94,7 +94,7 @@ class LeanDecoder:
             measured in bench/results/decode.md). fp32: oneDNN's kernels instead of MKL's ``torch.mm``, within a
             few units in the last place of it and faster (:func:`~tensorpar.decode.matmuls.use_packed`). ``None``: our GEMV on the plain
             weights (:func:`~tensorpar.decode.matmuls.use_gemv`) where it runs and ``max_batch`` is at most
-            :func:`~tensorpar.decode.gemv_kernel.max_rows` of the weights' dtype (16 fp32, 2 bf16), else prepacked for CPU weights in fp32, or bf16 where
+            :func:`~tensorpar.decode.gemv_kernel.max_rows` of the weights' dtype (16 fp32, 4 bf16), else prepacked for CPU weights in fp32, or bf16 where
             oneDNN runs bf16. ``False``: plain ``torch.mm`` / ``F.linear``. Never for a model quantized by
             :func:`tensorpar.decode.quantize.quantize_int8` (its matmuls read the int8 weights).
 

@@ -26,10 +26,12 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k", [(1, 1280, 2048), (1, 2048, 2816), (3, 96, 80), (4, 33, 130), (6, 40, 2050),
-                                   (1, 1283, 2050), (1, 37, 1030), (1, 50, 520), (5, 21, 1100)])
+                                   (1, 1283, 2050), (1, 37, 1030), (1, 50, 520), (5, 21, 1100), (2, 53, 576),
+                                   (3, 61, 1030), (16, 45, 1100)])
 def test_gemv_equals_linear(dtype, m, n, k):
-    """The kernel on decode-like shapes (and odd ones: tails of K, more than 4 rows; one row of rows of >= 2 KB, the
-    8-stream loop, with N not a multiple of 8 and tails of K, and a fifth row of a batch of 5) with and without bias, 1 and 2
+    """The kernel on decode-like shapes (and odd ones: tails of K, more than 4 rows; rows of >= 2 KB, several weight
+    rows at a time for groups of 1-4 input rows, with N not a multiple of the stripes and tails of K, and a fifth row
+    of a batch of 5, 16 rows in four groups) with and without bias, 1 and 2
     threads, each mode (the default one, one weight row at a time, bf16 widened, two weight rows at a time), the
     lean path's entry and the custom op, equals ``F.linear`` within :func:`_close`'s tolerance."""
     g = torch.Generator().manual_seed(m * n + k)
@@ -43,6 +45,21 @@ def test_gemv_equals_linear(dtype, m, n, k):
                 _close(got, want, dtype)
         _close(gemv_kernel.linear(x, w, bias), want, dtype)
         _close(torch.ops.tensorpar.gemv(x, w, bias), want, dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(45, 1100), (70, 2050)])
+def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(dtype, n, k):
+    """Rows of at least 2 KB: each output is summed in one order whatever the group of input rows it is in (1-4) and
+    the thread's chunk, so row r of a batch of m (1-16, 1 and 2 threads) is bitwise that row alone: the row step's
+    decode at batch 16 gives each request what batch 1 would."""
+    g = torch.Generator().manual_seed(n + k)
+    x, w, b = (torch.randn(*s, generator=g).to(dtype) for s in ((16, k), (n, k), (n,)))
+    for threads in (1, 2):
+        alone = torch.cat([gemv_kernel.gemv_raw(x[r:r + 1], w, b, threads=threads) for r in range(16)])
+        for m in (2, 3, 4, 5, 7, 16):
+            assert torch.equal(gemv_kernel.gemv_raw(x[:m], w, b, threads=threads), alone[:m]), (m, threads)
 
 
 @needs_kernel

@@ -319,64 +319,112 @@ static void bf16_rows2(const uint16_t* x, int64_t K, const uint16_t* w, int64_t 
 constexpr int STRIPES = 8;
 constexpr int64_t STRIPE_ROW_BYTES = 2048;
 
-static void f32_stripes(const float* x, int64_t K, const float* w, int64_t n0, int64_t n1, float* out) {
-    constexpr int S = STRIPES;
-    const int64_t KW = K - K % W;
-    int64_t n = n0;
-    for (; n + S <= n1; n += S) {
-        const float* wn = w + n * K;
-        vf a[S];
-        for (int s = 0; s < S; ++s) a[s] = vzero();
-        int64_t k = 0;
-        for (; k < KW; k += W) {
-            const vf xv = vload(x + k);
-            for (int s = 0; s < S; ++s) a[s] = vfma(vload(wn + s * K + k), xv, a[s]);
-        }
-        if (k < K) {
-            const vf xv = vload_n(x + k, K - k);
-            for (int s = 0; s < S; ++s) a[s] = vfma(vload_n(wn + s * K + k, K - k), xv, a[s]);
-        }
-        for (int s = 0; s < S; ++s) out[n + s] = vsum(a[s]);
-    }
-    if (n < n1) f32_rows<1>(x, K, w, n, n1, out, 0, 0);
+// R (1..4) input rows against S weight rows at a time, one accumulator per (weight row, input row): S streams, each
+// x vector loaded once for the S rows. S = row_stripes(R): as many as the registers hold beside the R x vectors and
+// one weight vector (AVX-512: 8, 8, 8, 6; AVX2: 8, 4, 3, 2). Per output the sum is the same as at one row (one
+// accumulator over the row in steps of W, then the lanes), so an input row's outputs do not depend on the rows
+// beside it (nor on its row count, nor on where a thread's chunk starts).
+constexpr int row_stripes(int R) {
+    return NREGS >= 32 ? (R <= 3 ? STRIPES : 6) : (R == 1 ? STRIPES : R == 2 ? 4 : R == 3 ? 3 : 2);
 }
 
-// bf16 weights, S streams: MODE 0 bf16 x bf16 (vdot_bf16 on x), MODE 1 the weights widened (even / odd halves)
-// against xf (fp32, input order), reordered per block once per call as bf16_rows does
-template <int MODE>
-static void bf16_stripes(const uint16_t* x, const float* xf, int64_t K, const uint16_t* w, int64_t n0, int64_t n1,
-                         float* out) {
-    constexpr int S = STRIPES, B = 2 * W;
-    const int64_t KB = K - K % B, Kp = (K + B - 1) / B * B;
-    float* xs = MODE == 1 ? split_even_odd(xf, 1, K, Kp) : nullptr;
+// S weight rows from n against R input rows: one accumulator per (weight row, input row) over the row in steps of W
+template <int R, int S>
+static inline void f32_block(const float* x, int64_t K, const float* w, int64_t n, float* out, int64_t ldo) {
+    const int64_t KW = K - K % W;
+    const float* wn = w + n * K;
+    vf a[S][R];
+    for (int s = 0; s < S; ++s)
+        for (int r = 0; r < R; ++r) a[s][r] = vzero();
+    int64_t k = 0;
+    for (; k < KW; k += W) {
+        vf xv[R];
+        for (int r = 0; r < R; ++r) xv[r] = vload(x + r * K + k);
+        for (int s = 0; s < S; ++s) {
+            const vf wv = vload(wn + s * K + k);
+            for (int r = 0; r < R; ++r) a[s][r] = vfma(wv, xv[r], a[s][r]);
+        }
+    }
+    if (k < K) {
+        vf xv[R];
+        for (int r = 0; r < R; ++r) xv[r] = vload_n(x + r * K + k, K - k);
+        for (int s = 0; s < S; ++s) {
+            const vf wv = vload_n(wn + s * K + k, K - k);
+            for (int r = 0; r < R; ++r) a[s][r] = vfma(wv, xv[r], a[s][r]);
+        }
+    }
+    for (int s = 0; s < S; ++s)
+        for (int r = 0; r < R; ++r) out[r * ldo + n + s] = vsum(a[s][r]);
+}
+
+// the rows left over (fewer than S) one at a time, in the same order per output
+template <int R>
+static void f32_stripes(const float* x, int64_t K, const float* w, int64_t n0, int64_t n1, float* out,
+                        int64_t ldo) {
+    constexpr int S = row_stripes(R);
     int64_t n = n0;
-    for (; n + S <= n1; n += S) {
-        const uint16_t* wn = w + n * K;
-        vf a[S];
-        for (int s = 0; s < S; ++s) a[s] = vzero();
-        for (int64_t k = 0; k < Kp; k += B) {
-            const bool tail = k >= KB;
-            if (MODE == 0) {
-                const vi xv = tail ? load_bf16_tail(x + k, K - k) : vload_bf16(x + k);
-                for (int s = 0; s < S; ++s)
-                    a[s] = vdot_bf16(a[s], xv, tail ? load_bf16_tail(wn + s * K + k, K - k) : vload_bf16(wn + s * K + k));
-            } else {
-                const vf xe = vload(xs + k), xo = vload(xs + k + W);
-                for (int s = 0; s < S; ++s) {
-                    const vi wv = tail ? load_bf16_tail(wn + s * K + k, K - k) : vload_bf16(wn + s * K + k);
-                    a[s] = vfma(vodd(wv), xo, vfma(veven(wv), xe, a[s]));
-                }
+    for (; n + S <= n1; n += S) f32_block<R, S>(x, K, w, n, out, ldo);
+    for (; n < n1; ++n) f32_block<R, 1>(x, K, w, n, out, ldo);
+}
+
+// bf16 weights, R (1..4) input rows against S weight rows at a time, as f32_stripes: MODE 0 bf16 x bf16 (vdot_bf16
+// on x), MODE 1 the weights widened (even / odd halves) against xs (fp32, each block's even then odd inputs, from
+// split_even_odd, row stride Kp). S = bf16_stripes_for(MODE, R): MODE 1 holds two x vectors per input row.
+constexpr int bf16_stripes_for(int MODE, int R) {
+    return MODE == 0 ? row_stripes(R)
+                     : NREGS >= 32 ? (R <= 2 ? STRIPES : R == 3 ? 6 : 4) : (R == 1 ? STRIPES : R == 2 ? 4 : R == 3 ? 2 : 1);
+}
+
+template <int R, int S, int MODE>
+static inline void bf16_block(const uint16_t* x, const float* xs, int64_t K, int64_t Kp, const uint16_t* w, int64_t n,
+                              float* out, int64_t ldo) {
+    constexpr int B = 2 * W;
+    const int64_t KB = K - K % B;
+    const uint16_t* wn = w + n * K;
+    vf a[S][R];
+    for (int s = 0; s < S; ++s)
+        for (int r = 0; r < R; ++r) a[s][r] = vzero();
+    for (int64_t k = 0; k < Kp; k += B) {
+        const bool tail = k >= KB;
+        if (MODE == 0) {
+            vi xv[R];
+            for (int r = 0; r < R; ++r) xv[r] = tail ? load_bf16_tail(x + r * K + k, K - k) : vload_bf16(x + r * K + k);
+            for (int s = 0; s < S; ++s) {
+                const vi wv = tail ? load_bf16_tail(wn + s * K + k, K - k) : vload_bf16(wn + s * K + k);
+                for (int r = 0; r < R; ++r) a[s][r] = vdot_bf16(a[s][r], xv[r], wv);
+            }
+        } else {
+            vf xe[R], xo[R];
+            for (int r = 0; r < R; ++r) {
+                xe[r] = vload(xs + r * Kp + k);
+                xo[r] = vload(xs + r * Kp + k + W);
+            }
+            for (int s = 0; s < S; ++s) {
+                const vi wv = tail ? load_bf16_tail(wn + s * K + k, K - k) : vload_bf16(wn + s * K + k);
+                const vf we = veven(wv), wo = vodd(wv);
+                for (int r = 0; r < R; ++r) a[s][r] = vfma(wo, xo[r], vfma(we, xe[r], a[s][r]));
             }
         }
-        for (int s = 0; s < S; ++s) out[n + s] = vsum(a[s]);
     }
+    for (int s = 0; s < S; ++s)
+        for (int r = 0; r < R; ++r) out[r * ldo + n + s] = vsum(a[s][r]);
+}
+
+template <int R, int MODE>
+static void bf16_stripes(const uint16_t* x, const float* xf, int64_t K, const uint16_t* w, int64_t n0, int64_t n1,
+                         float* out, int64_t ldo) {
+    constexpr int S = bf16_stripes_for(MODE, R), B = 2 * W;
+    const int64_t Kp = (K + B - 1) / B * B;
+    float* xs = MODE == 1 ? split_even_odd(xf, R, K, Kp) : nullptr;
+    int64_t n = n0;
+    for (; n + S <= n1; n += S) bf16_block<R, S, MODE>(x, xs, K, Kp, w, n, out, ldo);
+    for (; n < n1; ++n) bf16_block<R, 1, MODE>(x, xs, K, Kp, w, n, out, ldo);
     free(xs);
-    if (n < n1) bf16_rows<1, MODE>(x, xf, K, w, n, n1, out, 0, 0);
 }
 
 // ------------------------------------------------------------------------------------------------ the driver
-// one thread's rows [n0, n1): chunks of rows that stay in L2 while each group of <= 4 input rows reads them; one
-// input row of rows of at least STRIPE_ROW_BYTES: STRIPES weight rows at a time
+// one thread's rows [n0, n1): chunks of rows that stay in L2 while each group of <= 4 input rows reads them; rows
+// of at least STRIPE_ROW_BYTES several weight rows at a time (f32_stripes, bf16_stripes)
 static void run_rows(int dtype, int mode, const void* x, const float* xf, int64_t M, int64_t K, const void* w,
                      int64_t n0, int64_t n1, float* acc, int64_t N, int64_t pf) {
     const int64_t esz = dtype == 0 ? 4 : 2;
@@ -390,8 +438,13 @@ static void run_rows(int dtype, int mode, const void* x, const float* xf, int64_
             if (dtype == 0) {
                 const float* xm = (const float*)x + m * K;
                 const float* wf = (const float*)w;
-                if (R == 1 && K * esz >= STRIPE_ROW_BYTES) {
-                    f32_stripes(xm, K, wf, c0, c1, o);
+                if (K * esz >= STRIPE_ROW_BYTES && (R == 1 || mode != 2)) {
+                    switch (R) {
+                        case 1: f32_stripes<1>(xm, K, wf, c0, c1, o, N); break;
+                        case 2: f32_stripes<2>(xm, K, wf, c0, c1, o, N); break;
+                        case 3: f32_stripes<3>(xm, K, wf, c0, c1, o, N); break;
+                        default: f32_stripes<4>(xm, K, wf, c0, c1, o, N); break;
+                    }
                 } else if (mode == 2) {
                     switch (R) {
                         case 1: f32_rows<1>(xm, K, wf, c0, c1, o, N, pf); break;
@@ -407,11 +460,19 @@ static void run_rows(int dtype, int mode, const void* x, const float* xf, int64_
                         default: f32_rows<4>(xm, K, wf, c0, c1, o, N, pf); break;
                     }
                 }
-            } else if (R == 1 && K * esz >= STRIPE_ROW_BYTES) {
+            } else if (K * esz >= STRIPE_ROW_BYTES && (R == 1 || mode != 2)) {
                 const uint16_t* xm = (const uint16_t*)x + m * K;
                 const float* xfm = xf ? xf + m * K : nullptr;
-                if (mode == 1) bf16_stripes<1>(xm, xfm, K, (const uint16_t*)w, c0, c1, o);
-                else bf16_stripes<0>(xm, xfm, K, (const uint16_t*)w, c0, c1, o);
+                const uint16_t* wb = (const uint16_t*)w;
+#define TP_BF16S(RR) (mode == 1 ? bf16_stripes<RR, 1>(xm, xfm, K, wb, c0, c1, o, N) \
+                                : bf16_stripes<RR, 0>(xm, xfm, K, wb, c0, c1, o, N))
+                switch (R) {
+                    case 1: TP_BF16S(1); break;
+                    case 2: TP_BF16S(2); break;
+                    case 3: TP_BF16S(3); break;
+                    default: TP_BF16S(4); break;
+                }
+#undef TP_BF16S
             } else if (mode == 2 && R > 1) {
                 const uint16_t* xm = (const uint16_t*)x + m * K;
                 const uint16_t* wb = (const uint16_t*)w;
