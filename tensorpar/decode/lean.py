@@ -27,17 +27,14 @@ math directly on the rank's tensors:
   stream of the weights, faster than oneDNN's prepacked GEMV at 1-4 rows, within 1e-5 relative of ``F.linear`` in fp32, one
   bf16 rounding in bf16), prefill the plain ``torch.mm`` / ``F.linear``; nothing is packed;
 * those decode steps (one token per row, up to 16 rows) of layers of the plain Llama shape in fp32 (fp32, int8
-  or bf16 weights) run as a
-  :class:`~tensorpar.decode.row_step.RowStep`: a few fused C++ calls per layer, no framework ops per layer;
+  or bf16 weights) run as a :class:`~tensorpar.decode.row_step.RowStep`: a few fused C++ calls per layer;
 * a model quantized by :func:`tensorpar.decode.quantize.quantize_int8` (its fp weights freed) runs every matmul as
   :func:`tensorpar.decode.int8.int8_linear` (Q8_0 x Q8_0: the input quantized per block of 32, int8 x int8; the
   row step: the same kernel into its buffers) on the int8 ``[out, in]`` weights; one stored in bf16 by ``--quantize
   bf16`` (:func:`~tensorpar.decode.quantize.store_bf16`) :func:`~tensorpar.decode.bf16_weights.bf16_linear`, in fp32;
-* collectives: one all-reduce for the embedding (vocabulary-parallel), two per layer (attention and MLP outputs,
-  after the row-parallel projections), exactly those of the module path, through :func:`tensorpar.comm.all_reduce`
-  (the shared-memory path when it is on); with ``tp.compression == "int8"`` (``--tp-comm int8``) the per-layer
-  ones go through :func:`tensorpar.comm.reduce_partial` (blockwise int8, :mod:`tensorpar.comm.compress`), as the
-  module path's row-parallel layers and embedding do.
+* collectives: one all-reduce for the embedding (vocabulary-parallel), two per layer (after the row-parallel
+  projections), the module path's, through :func:`tensorpar.comm.all_reduce` (shared memory when it is on); with
+  ``--tp-comm int8`` the per-layer ones through :func:`tensorpar.comm.reduce_partial`, as the module path's.
 
 The math is the module path's, rounding for rounding except inside a matmul: RMSNorm by fewer calls only where
 a probe at construction shows it bitwise equal to the family's module (else the module runs), the rotary
@@ -227,8 +224,9 @@ class LeanDecoder:
         segment order (``last_only=False``, one segment: ``[b, s, V_r]``). Why one forward: a step's prefill
         rows as a forward of their own cost a second pass over every weight and the framework's per-layer calls
         again (one new prompt next to 31 decode rows of SmolLM2 at tp=2, fp32: +41.6 ms on an 85 ms step as its
-        own forward, +15.2 ms in the same forward; bench/results/serve_step.md). Collectives: ``1 + 2 * num_layers`` all-reduces of
-        ``[T, h]``. Raises ValueError when the segments' tokens do not add up to ``T``.
+        own forward, +15.2 ms in the same forward; bench/results/serve_step.md); decode rows the row step runs go
+        apart (:meth:`~tensorpar.decode.row_step.RowStep.run_split`). Collectives: ``1 + 2 * num_layers``
+        all-reduces of ``[T, h]`` per part. Raises ValueError when the segments' tokens do not add up to ``T``.
 
         Deterministic mode (``deterministic=True``, :attr:`tile` set): a token's logits and the K/V it writes do not
         depend on the other tokens of the step (batch invariance). The token-wise work (norms, projections,
@@ -245,8 +243,10 @@ class LeanDecoder:
         if sum(g.b * g.s for g in segments) != T or rope_pos.shape[0] != T:
             raise ValueError(f"segments of {[(g.b, g.s) for g in segments]} rows x tokens do not add up to the "
                              f"{T} ids / {rope_pos.shape[0]} positions given")
-        if self.row_step is not None and last_only and self.row_step.runs(segments):
-            return self.row_step(ids, rope_pos, segments[0])
+        out = (self.row_step.run_split(ids, rope_pos, segments, self.forward_segments)
+               if self.row_step is not None and last_only else None)
+        if out is not None:
+            return out
         R = self.tile
         if R is not None and not last_only:
             raise ValueError("the deterministic mode returns the last position's logits only (last_only=True)")

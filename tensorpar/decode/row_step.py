@@ -257,6 +257,31 @@ class RowStep:
         return (g.s == 1 and g.b <= self.R and g.write is None
                 and g.length <= self.dec.cache.block_size and (not windows or g.length <= windows[0]))
 
+    def run_split(self, ids: torch.Tensor, rope_pos: torch.Tensor, segments, rest):
+        """The logits of ``segments`` (what ``forward_segments(ids, rope_pos, segments)`` returns) when this step
+        runs one of them: all of them when it :meth:`runs` them; else, on the last pipeline stage, the first
+        segment it runs (a serving step's decode rows) as the row step and the others through ``rest`` (the
+        decoder's ``forward_segments``), the logits put back in segment order. None when it runs none. Why: a
+        serving step with new prompts ran its decode rows in the general loop, whose framework ops per layer cost
+        more at up to 16 rows than the second pass over the weights that running them apart costs (SmolLM2 at
+        tp=2, fp32, 16 rows: 80 ms per step in the row step, 163 in the general loop, bench/results/batch-rows-xeon.md;
+        a prompt's own forward +41.6 ms against +15.2 ms beside the decode rows, bench/results/serve_step.md).
+        Collectives: those of each part, the row step's first (the same order on every rank: the plan is)."""
+        if self.runs(segments):
+            return self(ids, rope_pos, segments[0])
+        if not self.dec.last or len(segments) < 2:
+            return None
+        k = next((i for i, g in enumerate(segments) if self.runs([g])), None)
+        if k is None:
+            return None
+        o = sum(g.b * g.s for g in segments[:k])
+        n = segments[k].b
+        mine = self(ids[o:o + n], rope_pos[o:o + n], segments[k])
+        others = rest(torch.cat([ids[:o], ids[o + n:]]), torch.cat([rope_pos[:o], rope_pos[o + n:]]),
+                      segments[:k] + segments[k + 1:])
+        r = sum(g.b for g in segments[:k])                        # logits: one row per segment row
+        return torch.cat([others[:r], mine, others[r:]])
+
     def _cache_plan(self, g):
         """``(row offsets, row blocks)`` as C arrays (allocated once per row count, filled here): the element offset
         in a layer's pool where each row's new K/V go, and the row's block (its one-block table, what attention

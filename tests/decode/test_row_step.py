@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tensorpar.decode import fused, gemv_kernel, q8_kernel
+from tensorpar.decode.row_step import RowStep
 from tensorpar.generate import SamplingConfig, generate_tokens
 from tests._ranks import run_tp
 from tests.decode.test_generate import ARCHS, hf_reference, make_model_folder, prompts
@@ -195,7 +196,8 @@ def job_logits(ctx, folder, ids, mask, want, shm, quantize="none", layout=False,
             ran = []
             if lean.row_step is not None:
                 call = lean.row_step.__call__
-                lean.row_step = type("Counted", (), {"runs": lean.row_step.runs,
+                lean.row_step = type("Counted", (), {"runs": lean.row_step.runs, "dec": lean.row_step.dec,
+                                                     "run_split": RowStep.run_split,
                                                      "__call__": lambda self, *a: ran.append(1) or call(*a)})()
             logits = [lean.prefill(ids, mask, pos)]
             for t in range(steps - 1):
