@@ -1,4 +1,4 @@
-"""Fused element-wise kernels of the lean path's one-row decode step (csrc/step.cpp; :mod:`tensorpar.decode.row_step`
+"""Fused element-wise kernels of the lean path's decode step (csrc/step.cpp; :mod:`tensorpar.decode.row_step`
 runs them): the all-reduce of a row-parallel projection's partial sums fused with the residual add and the next
 RMSNorm (:func:`all_reduce_add_rms_norm`), the rotary embedding of the q and k heads with the cache write of k and v
 (:func:`rope_store`), attention of one query per row over the cache (:func:`decode_attention`) and the gated
@@ -66,7 +66,7 @@ def _lib():
 
 #: the op kinds of a :func:`program` (csrc/step.cpp ``tp_run``), and the words of each op (its kind included)
 OP_END, OP_GEMV, OP_GEMV_BF16W, OP_Q8, OP_ROPE, OP_ATTN, OP_SILU, OP_NORM = range(8)
-_WORDS = {OP_GEMV: 13, OP_GEMV_BF16W: 11, OP_Q8: 12, OP_ROPE: 13, OP_ATTN: 14, OP_SILU: 5, OP_NORM: 7}
+_WORDS = {OP_GEMV: 13, OP_GEMV_BF16W: 11, OP_Q8: 12, OP_ROPE: 13, OP_ATTN: 15, OP_SILU: 5, OP_NORM: 7}
 #: ``step`` words of a program's run: attention's length, its mask's address (0: none) and row stride, the address
 #: and count of the partial sums the next ``OP_NORM`` adds (:func:`all_reduce_exchange`), then per rotary table the
 #: addresses of its cos and sin_sign rows
@@ -85,8 +85,8 @@ def program(ops: list[tuple]):
     (``bf16w_into_args``), ``(OP_Q8, address, *10 args)`` (:func:`tensorpar.decode.q8_kernel.into_args`),
     ``(OP_ROPE, qkv, rows, nq, nkv, d, rd, table, q_out, k_layer, v_layer, head_stride, row_offsets)`` (the cos and
     sin_sign of rotary table ``table`` from the step words), ``(OP_ATTN, q, rows, nq, d, k_layer, v_layer,
-    head_stride, blocks, block_size, kv_of, float_bits(scale), scratch, out)`` (each row's one block: ``blocks``
-    a C array, its stride 1; length and mask from the step words),
+    head_stride, blocks, blocks_stride, block_size, kv_of, float_bits(scale), scratch, out)`` (each row's block
+    table: ``blocks`` a C array, a row's table ``blocks_stride`` apart; length and mask from the step words),
     ``(OP_SILU, gu, rows, f, out)``, ``(OP_NORM, x, rows, H, weight, float_bits(eps), out)`` (the partial sums from
     the step words): the arguments of :func:`rope_store`, :func:`decode_attention`, :func:`silu_mul`,
     :func:`all_reduce_add_rms_norm`'s kernel. Raises ValueError for an unknown kind or a wrong word count."""

@@ -29,7 +29,7 @@ def rms_norm_fn(mod):
         def fn(x):
             h = x.float()
             return torch.mul(h, torch.mul(h, h).mean(-1, keepdim=True).add_(eps).rsqrt_()).to(w.dtype).mul_(w)
-    #: ``(weight, eps)`` of this formula: what the fused norm of the one-row decode step reads (tensorpar.decode.fused)
+    #: ``(weight, eps)`` of this formula: what the fused norm of the row step reads (tensorpar.decode.fused)
     fn.rms_norm = (w, eps)
     g = torch.Generator().manual_seed(0)
     scale = torch.tensor([[0.01], [1.0], [30.0]])

@@ -185,7 +185,7 @@ class LeanDecoder:
             if tp.compression == "int8" and h % COMPRESS_BLOCK:
                 raise ValueError(f"deterministic (batch-invariant) decoding with --tp-comm int8 needs a hidden "
                                  f"size that is a multiple of {COMPRESS_BLOCK}, got {h}; use --tp-comm fp32")
-        #: the one- or two-row decode step in few calls per layer (tensorpar/decode/row_step.py), where it runs
+        #: the decode step of up to 16 rows in few calls per layer (tensorpar/decode/row_step.py), where it runs
         self.row_step = row_step.RowStep(self) if row_step.why_not(self) is None else None
 
     def nbytes(self) -> int:

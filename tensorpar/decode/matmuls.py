@@ -14,11 +14,11 @@ from tensorpar.decode.prepare import decoder_parts
 
 
 def use_gemv(dec) -> bool:
-    """Run the matmuls of steps of at most :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS` rows (decode at batch
-    1) through our GEMV on the plain weights, the rest (prefill) through ``torch.mm`` / ``F.linear`` on the same
-    weights: nothing packed, nothing converted. It streams the weights faster than oneDNN's prepacked GEMV
-    (fp32 1.2-1.5x, bf16 1.3-2.1x at one row on the 1.1B Llama's shapes, bench/results/gemv-0014.md) but not
-    at 4 rows (bench/results/gemv.md), hence only for decoders of ``max_batch`` <= ``MAX_ROWS``. Taken when
+    """Run the matmuls of steps of at most :func:`~tensorpar.decode.gemv_kernel.max_rows` rows (decode, up to
+    16 rows in fp32) through our GEMV on the plain weights, the rest (prefill) through ``torch.mm`` / ``F.linear``
+    on the same weights: nothing packed, nothing converted. Where it pays against oneDNN's prepacked GEMM is
+    measured per row count at :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS`; the caller takes it only for
+    decoders of ``max_batch`` <= that. Taken when
     the kernel runs here
     (:func:`~tensorpar.decode.gemv_kernel.supports` every weight: CPU, fp32 or bf16, contiguous) and a probe
     is within the kernel's tolerance of ``F.linear`` (fp32: 1e-5 relative, the order of the fp32 sums; bf16:

@@ -1,9 +1,9 @@
 """The lean path's decode step of one token per row, up to 16 rows, in few calls per layer (:class:`RowStep`).
 
-Batch-1 decode of a small model is bound by the work around the matmuls, paid per layer by every rank: SmolLM2
-at tp=2 spent 5.0 ms per token in 4127 framework ops (137 per layer) against 18 ms of matmuls (docs/benchmarks.md).
-A :class:`RowStep` runs a step of at most :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS` rows of one token each on
-buffers allocated once, with the per-layer arguments of every kernel prepared once at construction:
+Small-batch decode of a small model is bound by the work around the matmuls (SmolLM2 at tp=2: 4127 framework ops
+per token, docs/benchmarks.md). A :class:`RowStep` runs a step of at most
+:data:`~tensorpar.decode.gemv_kernel.MAX_ROWS` rows of one token each on buffers allocated once, with every kernel's
+arguments prepared once at construction:
 
 * the four matmuls and the LM head: the general loop's kernel into the preallocated outputs: our GEMV on fp32
   weights (:func:`~tensorpar.decode.gemv_kernel.linear_into`), our Q8_0 x Q8_0 kernel on the int8 weights of
@@ -23,20 +23,15 @@ buffers allocated once, with the per-layer arguments of every kernel prepared on
   add + input norm, QKV matmul, rotary and cache write, attention, output matmul; then add + post-attention norm,
   gate-up matmul, SiLU, down matmul): per layer two program calls and two exchanges, their arguments prepared once
   (a ctypes call's cost grows with its arguments: 9 calls of about 100 arguments per layer before);
-* the embedding: each rank copies the rows of the tokens it owns into the partial sums (zeros elsewhere, the
-  module's mask) and their all-reduce is fused with the first layer's input norm (onto ``x = 0``; bitwise the
-  module's all-reduced output, :meth:`RowStep._embed`), the embedding module where that does not apply (hooks, a
-  scaled or quantized embedding, sequence parallelism).
+* the embedding: each rank copies the rows of the tokens it owns into the partial sums (zeros elsewhere) and
+  their all-reduce is fused with the first layer's input norm (:meth:`RowStep._embed`).
 
-It runs the layers of the plain Llama shape (:func:`why_not` says which it does not) computing in fp32 (activations,
-residual, norms, KV cache) on the GEMV path (:attr:`LeanDecoder.gemv <tensorpar.decode.lean.LeanDecoder>`) or on
-the int8 or bf16 weights of ``--quantize``, each row's positions in one cache block (generate's static cache); everything else, prefill and
-bigger steps run :meth:`~tensorpar.decode.lean.LeanDecoder.forward_segments`' general loop. Results: the residual
-stream, rotary, cache writes and each matmul's output bitwise those of the general loop's ops given the same
-inputs; the norms, attention and SiLU within fp32 rounding of them (sums in another order, ``expf``:
-:mod:`tensorpar.decode.fused`), so the logits agree to fp32 rounding (1e-5 of the largest) and greedy tokens equal
-transformers' (tests/decode/test_row_step.py); int8: an activation within that rounding of a half step of its
-block's quantization may round to the other step, see the tests' tolerance.
+It runs the layers of the plain Llama shape (:func:`why_not`) computing in fp32 on the GEMV path or on the int8 or
+bf16 weights of ``--quantize``, over the static cache or the server's block tables; prefill and bigger steps run
+the general loop. Results: residual stream, rotary, cache writes and matmul outputs bitwise the general loop's
+given the same inputs; norms, attention and SiLU within fp32 rounding (sums in another order, ``expf``), so
+logits agree to 1e-5 of the largest and greedy tokens equal transformers' (tests/decode/test_row_step.py); int8:
+an activation within that rounding of a half step of its block may round to the other step.
 """
 from __future__ import annotations
 
@@ -64,7 +59,7 @@ def _norm(fn):
 
 
 def why_not(dec) -> str | None:
-    """Why decoder ``dec`` (a :class:`~tensorpar.decode.lean.LeanDecoder`) cannot run its one-row steps as a
+    """Why decoder ``dec`` (a :class:`~tensorpar.decode.lean.LeanDecoder`) cannot run its decode steps as a
     :class:`RowStep` (``None``: it can)."""
     if dec.tile is not None:
         return "deterministic mode"
@@ -166,14 +161,16 @@ class RowStep:
         self.gu = torch.zeros(R, 2 * f, **e)
         self.a = torch.zeros(R, f, **e)
         self.att = torch.zeros(R, nq * d, **e)                                   # attention's output
-        self.scratch = torch.zeros(dec.cache.block_size, **e)                    # one query's scores
+        self.scratch = torch.zeros(dec.max_len, **e)                             # one query's scores
         self.rd = dec.perm.numel()
         cache = dec.cache
         self.head_stride = cache.k[0].stride(0)
         self.threads = torch.get_num_threads()
         self.mm = mm = _Matmuls(fmt, R, max(H, nq * d, f), self.threads)
+        #: the blocks of a row's table (a row's positions over max_len / block_size blocks: paged, the server)
+        self.nblk = nblk = -(-dec.max_len // cache.block_size)
         self.offs = [(ctypes.c_int64 * b)() for b in range(R + 1)]         # each row's K/V offset, per row count
-        self.blocks = [(ctypes.c_int64 * b)() for b in range(R + 1)]       # each row's block (its table)
+        self.blocks = [(ctypes.c_int64 * (b * nblk))() for b in range(R + 1)]     # each row's block table
         keys = {k: j for j, k in enumerate(dec.rotary)}
         #: the step words of the programs (fused.STEP_*): attention's length and mask, each rotary table's rows
         self.step = (ctypes.c_int64 * (fused.STEP_TABLES + 2 * len(keys)))()
@@ -201,7 +198,7 @@ class RowStep:
                     norm(L.ln1),                                                  # x += all_reduce; h = ln1(x)
                     mm.op(self.h[:b], out_in(L.wqkv), self.qkv[:b], L.bqkv),                          # h -> qkv
                     (fused.OP_ROPE, qkv, b, nq, nkv, d, self.rd, keys[L.rope], q, k, v, hs, offs),
-                    (fused.OP_ATTN, q, b, nq, d, k, v, hs, blocks, bs, ctypes.addressof(kv_of), scale,
+                    (fused.OP_ATTN, q, b, nq, d, k, v, hs, blocks, nblk, bs, ctypes.addressof(kv_of), scale,
                      self.scratch.data_ptr(), att),
                     mm.op(self.att[:b], out_in(L.wo), self.p[:b])])                                   # -> p
                 mlp = fused.program([
@@ -224,9 +221,8 @@ class RowStep:
     def _rotary_tables(self) -> dict | None:
         """Per rotary key, ``(cos, sin_sign)`` ``[max_len, rd]`` of every position, computed once by the decoder's
         own call (:meth:`~tensorpar.decode.lean.LeanDecoder._rotary`: element-wise, so a position's row is bitwise
-        what a step of that one position computes, which a probe of four positions checks);
-        ``None`` (a step computes its tables) for longrope, whose factors depend on the row's length, or where the
-        probe differs."""
+        a one-position step's, which a probe of four positions checks); ``None`` (a step computes its tables) for
+        longrope, whose factors depend on the row's length, or where the probe differs."""
         dec = self.dec
         if dec.rope_switch is not None:
             return None
@@ -246,32 +242,31 @@ class RowStep:
 
     def runs(self, segments) -> bool:
         """Whether this step is one :class:`RowStep` runs: one segment of at most ``rows`` rows of one token each,
-        all stored, each row's positions in one block of the cache (generate's static cache; a paged row over
-        several blocks takes the general loop), and with sliding-window layers (Mistral) no more positions than the
-        smallest window holds, where the window masks nothing (:func:`~tensorpar.decode.block.windowed`); longer
-        steps take the general loop."""
+        all stored, within ``max_len`` positions (a start segment's rows in one block each; with block tables, as
+        the server's paged cache, over the table's blocks), and with sliding-window layers (Mistral) no more
+        positions than the smallest window holds, where the window masks nothing
+        (:func:`~tensorpar.decode.block.windowed`); longer steps take the general loop."""
         if len(segments) != 1:
             return False
         g = segments[0]
         windows = self.dec.windows        # sliding windows: only while every key is inside each (block.windowed)
-        return (g.s == 1 and g.b <= self.R and g.write is None
-                and g.length <= self.dec.cache.block_size and (not windows or g.length <= windows[0]))
+        bs = self.dec.cache.block_size
+        room = bs if g.blocks is None else bs * min(self.nblk, g.blocks.shape[1])
+        return (g.s == 1 and g.b <= self.R and g.write is None and g.length <= min(room, self.dec.max_len)
+                and (not windows or g.length <= windows[0]))
 
     def run_split(self, ids: torch.Tensor, rope_pos: torch.Tensor, segments, rest):
-        """The logits of ``segments`` (what ``forward_segments(ids, rope_pos, segments)`` returns) when this step
-        runs one of them: all of them when it :meth:`runs` them; else, on the last pipeline stage, the first
-        segment it runs (a serving step's decode rows) as the row step and the others through ``rest`` (the
-        decoder's ``forward_segments``), the logits put back in segment order. None when it runs none. Why: a
-        serving step with new prompts ran its decode rows in the general loop, whose framework ops per layer cost
-        more at up to 16 rows than the second pass over the weights that running them apart costs (SmolLM2 at
-        tp=2, fp32, 16 rows: 80 ms per step in the row step, 163 in the general loop, bench/results/batch-rows-xeon.md;
-        a prompt's own forward +41.6 ms against +15.2 ms beside the decode rows, bench/results/serve_step.md).
-        Collectives: those of each part, the row step's first (the same order on every rank: the plan is)."""
+        """``forward_segments(ids, rope_pos, segments)``'s logits where this step runs a segment: all of them if it
+        :meth:`runs` them; else (last pipeline stage) the last segment it runs (a serving step's decode rows) as the
+        row step, the others through ``rest`` (``forward_segments``), logits in segment order; None if none. Why:
+        at 16 rows the general loop's framework ops (SmolLM2 tp=2: 163 ms per step against the row step's 80,
+        bench/results/batch-rows-xeon.md) cost more than a second pass over the weights (a prompt's own forward
+        +41.6 ms, bench/results/serve_step.md). Collectives: each part's, the row step's first (same on all ranks)."""
         if self.runs(segments):
             return self(ids, rope_pos, segments[0])
         if not self.dec.last or len(segments) < 2:
             return None
-        k = next((i for i, g in enumerate(segments) if self.runs([g])), None)
+        k = next((i for i in reversed(range(len(segments))) if self.runs([segments[i]])), None)   # decode rows last
         if k is None:
             return None
         o = sum(g.b * g.s for g in segments[:k])
@@ -284,8 +279,9 @@ class RowStep:
 
     def _cache_plan(self, g):
         """``(row offsets, row blocks)`` as C arrays (allocated once per row count, filled here): the element offset
-        in a layer's pool where each row's new K/V go, and the row's block (its one-block table, what attention
-        reads). Raises ValueError for a row its block table or the cache does not cover."""
+        in a layer's pool where each row's new K/V go, and each row's block table (``nblk`` apart; a start segment's
+        one block per row), what attention reads. Raises ValueError for a row its block table or the cache does not
+        cover."""
         cache, d = self.dec.cache, self.dec.head_dim
         bs, b, length = cache.block_size, g.b, g.length
         if g.blocks is None:
@@ -294,13 +290,17 @@ class RowStep:
                                  f"positions; blocks hold {bs}")
             blocks, pos = range(b), [g.start] * b
         else:
-            if g.blocks.shape[1] < 1:
-                raise ValueError("block tables of 0 blocks do not cover a position")
-            blocks, pos = [t[0] for t in g.blocks.tolist()], [p for (p,) in g.cache_pos.tolist()]
-        offs, table = self.offs[b], self.blocks[b]
+            if g.blocks.shape[1] * bs < length:
+                raise ValueError(f"block tables of {g.blocks.shape[1]} blocks of {bs} do not cover {length} positions")
+            blocks, pos = [t[:self.nblk] for t in g.blocks.tolist()], [p for (p,) in g.cache_pos.tolist()]
+        offs, table, n = self.offs[b], self.blocks[b], self.nblk
         for r, (blk, p) in enumerate(zip(blocks, pos)):
-            table[r] = blk
-            offs[r] = (blk * bs + p) * d
+            if g.blocks is None:
+                table[r * n], at = blk, blk
+            else:
+                table[r * n:r * n + len(blk)] = blk
+                at = blk[p // bs]
+            offs[r] = (at * bs + p % bs) * d
         return offs, table
 
     def _embed(self, ids: torch.Tensor, b: int):

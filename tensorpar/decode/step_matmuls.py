@@ -1,4 +1,4 @@
-"""The matmuls of the one-row decode step (:mod:`tensorpar.decode.row_step`) into its preallocated buffers, per
+"""The matmuls of the row step (:mod:`tensorpar.decode.row_step`) into its preallocated buffers, per
 weight format: our GEMV on fp32 weights, our Q8_0 x Q8_0 kernel on ``--quantize int8``'s weights, our GEMV widening
 ``--quantize bf16``'s weights; each the kernel the general loop runs at these rows."""
 from __future__ import annotations

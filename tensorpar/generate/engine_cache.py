@@ -120,7 +120,7 @@ def _engine(model, tp: Group, *, max_batch: int, max_len: int, path: str, pp: Gr
 
 def settle(model) -> None:
     """End of a :func:`~tensorpar.generate.generate_tokens` call: if its engine packed the weights (more than
-    :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS` rows: oneDNN's layout, whose modules' ``weight`` is a converted
+    :func:`~tensorpar.decode.gemv_kernel.max_rows` rows: oneDNN's layout, whose modules' ``weight`` is a converted
     copy on every access, so a write to it, a LoRA merge, ``quantize_int8`` or ``.to()`` would be lost or fail),
     drop the engine and give the model its plain parameters back (:func:`~tensorpar.decode.packed.unpack_weights`);
     the next such call packs again. An engine on plain weights stays kept. No collectives."""

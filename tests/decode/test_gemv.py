@@ -96,7 +96,7 @@ def test_lean_runs_gemv_on_the_plain_weights(tmp_path, dtype):
     assert lean.gemv and not lean.packed and not packed_model(model)
     assert storage_bytes() == before            # the parameters hold the weights, once (q/k/v fused in place)
     _, first_plain, steps_plain = logits(False)
-    # prefill: the layers' 7 rows (> MAX_ROWS) the same torch.mm / F.linear, the LM head's one row our GEMV;
+    # prefill: the layers' 7 rows (fp32: our GEMV, up to MAX_ROWS; bf16: > MAX_ROWS_BF16, torch.mm / F.linear), the LM head's one row our GEMV;
     # decode: our GEMV everywhere, the layers compound the kernel's tolerance a little
     for got, want in zip([first] + steps, [first_plain] + steps_plain):
         tol = (1e-4 if dtype == torch.float32 else 5e-2) * float(want.float().abs().max())

@@ -5,6 +5,8 @@ group: gloo and shared memory).
 References: the same engine running each request alone (one request per step, as a request sent by itself is
 served), and transformers' single-process greedy ``generate`` on the same folder.
 """
+import sys
+
 import pytest
 import torch
 
@@ -28,10 +30,13 @@ def _prompts(vocab):
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in LENGTHS]
 
 
-def _drive(engine, schedule, rank0: bool):
+def _drive(engine, schedule, rank0: bool, blocks_per_slot: int = 0):
     """Run requests ``schedule`` = [(join_step, slot, prompt)] for ``NEW`` tokens each, continuous-batching style
     (each joins with its prefill at its step, next to the decodes of the running ones); every plan goes through
-    ``engine.exchange`` (rank 0 sends, the others receive). Returns per request (tokens, logprobs, top-3)."""
+    ``engine.exchange`` (rank 0 sends, the others receive). ``blocks_per_slot``: a paged engine, slot ``i`` owning
+    blocks ``[i * n, (i + 1) * n)``. Returns per request (tokens, logprobs, top-3)."""
+    n = blocks_per_slot
+    table = (lambda slot: list(range(slot * n, (slot + 1) * n))) if n else (lambda slot: None)
     from tensorpar.serve.plan import Row, StepPlan
     out = {i: ([], [], []) for i in range(len(schedule))}
     step = 0
@@ -40,9 +45,9 @@ def _drive(engine, schedule, rank0: bool):
         for i, (join, slot, prompt) in enumerate(schedule):
             toks = out[i][0]
             if join == step:
-                rows.append(Row(slot, list(prompt), 0, False, 3))
+                rows.append(Row(slot, list(prompt), 0, False, 3, blocks=table(slot)))
             elif join < step and len(toks) < NEW:
-                rows.append(Row(slot, toks[-1:], len(prompt) + len(toks) - 1, False, 3))
+                rows.append(Row(slot, toks[-1:], len(prompt) + len(toks) - 1, False, 3, blocks=table(slot)))
             else:
                 continue
             who.append(i)
@@ -167,6 +172,32 @@ def job_exchange(ctx, fast: bool):
 def test_exchange_delivers_every_plan(pools, fast):
     for got in run_tp(pools, 2, job_exchange, fast):
         assert got == _plans()
+
+
+def test_paged_row_step_equals_one_block_per_row(folders, monkeypatch):
+    """The row step over a paged cache (4-position blocks, the server's block tables; rows reach 28 positions) gives
+    the tokens and log-probabilities of the engine with one block of max_len per row, bitwise: attention reads the
+    same keys in the same order; requests join next to running decodes (RowStep.run_split)."""
+    from tensorpar.decode.row_step import RowStep
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.parallel import ParallelContext
+    from tensorpar.serve.engine import Engine
+    from tests.decode.test_generate import ARCHS
+    lengths, call = [], RowStep.__call__
+    monkeypatch.setattr(RowStep, "__call__", lambda self, ids, pos, g: lengths.append(g.length) or call(self, ids, pos, g))
+    monkeypatch.setattr(sys.modules[__name__], "NEW", 12)                  # longer rows: more blocks each
+    ctx = ParallelContext.single()
+    model, _ = build_parallel_model(folders["llama"], ctx.tp, dtype=torch.float32)
+    schedule = [(0 if i < 2 else 2, 6 - i, p) for i, p in enumerate(_prompts(ARCHS["llama"]["vocab_size"]))]
+    out, ran = {}, {}
+    for name, kw, n in (("static", {}, 0), ("paged", dict(block_size=4, num_blocks=7 * 16), 16)):
+        lengths.clear()
+        engine = Engine(model, ctx.tp, max_batch=7, max_len=64, **kw)
+        assert engine.lean.row_step is not None
+        out[name], ran[name] = _drive(engine, schedule, True, blocks_per_slot=n), max(lengths, default=0)
+        del engine
+    assert ran["paged"] > 4 and ran["static"] == ran["paged"], ran
+    assert out["paged"] == out["static"]
 
 
 def job_rope(ctx, folder, prompts):

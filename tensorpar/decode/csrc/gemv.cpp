@@ -308,7 +308,7 @@ static void bf16_rows2(const uint16_t* x, int64_t K, const uint16_t* w, int64_t 
     if (n < n1) bf16_rows<R, 0>(x, nullptr, K, w, n, n1, out, ldo, 0);
 }
 
-// ------------------------------------------------------------------------------------ one input row, S streams
+// ------------------------------------------------------------------------------ several weight rows (streams)
 // One input row against S weight rows at a time, one accumulator each: S sequential streams at once, S x K apart.
 // Read one after the other (f32_rows<1>) the weights are one stream, and the hardware prefetcher, which follows a
 // stream within one 4 KB page, starts over at each page; with S streams in flight the core keeps more misses
@@ -429,6 +429,7 @@ static void run_rows(int dtype, int mode, const void* x, const float* xf, int64_
                      int64_t n0, int64_t n1, float* acc, int64_t N, int64_t pf) {
     const int64_t esz = dtype == 0 ? 4 : 2;
     int64_t chunk = M <= 4 ? n1 - n0 : (256 * 1024) / (K * esz);
+    if (chunk >= 24) chunk -= chunk % 24;       // a multiple of every stripe count (8, 6, 4, 3, 2)
     if (chunk < 1) chunk = 1;
     for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
         const int64_t c1 = c0 + chunk < n1 ? c0 + chunk : n1;

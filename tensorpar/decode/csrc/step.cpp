@@ -211,13 +211,13 @@ extern "C" int64_t tp_run(const int64_t* a, const int64_t* step) {
                           (float*)ptr(a[10]), a[11], (const int64_t*)ptr(a[12]));
             a += 13;
             break;
-        case OP_ATTN:           // q, rows, nq, d, k_layer, v_layer, head_stride, blocks (one per row), block size,
-                                // kv_of, scale bits, s, out
+        case OP_ATTN:           // q, rows, nq, d, k_layer, v_layer, head_stride, blocks (each row's table),
+                                // blocks_stride, block size, kv_of, scale bits, s, out
             tp_decode_attention((const float*)ptr(a[1]), a[2], a[3], a[4], (const float*)ptr(a[5]),
-                                (const float*)ptr(a[6]), a[7], (const int64_t*)ptr(a[8]), 1, a[9], step[S_LENGTH],
-                                (const uint8_t*)ptr(step[S_MASK]), step[S_MASK_STRIDE], (const int64_t*)ptr(a[10]),
-                                float_of(a[11]), (float*)ptr(a[12]), (float*)ptr(a[13]));
-            a += 14;
+                                (const float*)ptr(a[6]), a[7], (const int64_t*)ptr(a[8]), a[9], a[10], step[S_LENGTH],
+                                (const uint8_t*)ptr(step[S_MASK]), step[S_MASK_STRIDE], (const int64_t*)ptr(a[11]),
+                                float_of(a[12]), (float*)ptr(a[13]), (float*)ptr(a[14]));
+            a += 15;
             break;
         case OP_NORM:           // x, rows, H, w, eps bits, h; the partial sums from the step words
             tp_add_rms_norm((float*)ptr(a[1]), (const float* const*)ptr(step[S_PARTS]), (int)step[S_NPARTS], a[2], a[3],
