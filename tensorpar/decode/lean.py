@@ -88,12 +88,11 @@ class LeanDecoder:
             ``decode`` use).
         prepack: run the matmuls on weights reordered once into oneDNN's blocked layout. bf16: bitwise the
             results of ``F.linear``, which on a bf16 CPU weight reorders it on every call (1.5x slower GEMV,
-            measured in bench/results/decode.md). fp32: oneDNN's kernels instead of MKL's ``torch.mm``, within a
-            few units in the last place of it and faster (:func:`~tensorpar.decode.matmuls.use_packed`). ``None``: our GEMV on the plain
-            weights (:func:`~tensorpar.decode.matmuls.use_gemv`) where it runs and ``max_batch`` is at most
-            :func:`~tensorpar.decode.gemv_kernel.max_rows` of the weights' dtype (16 fp32, 4 bf16), else prepacked for CPU weights in fp32, or bf16 where
-            oneDNN runs bf16. ``False``: plain ``torch.mm`` / ``F.linear``. Never for a model quantized by
-            :func:`tensorpar.decode.quantize.quantize_int8` (its matmuls read the int8 weights).
+            measured in bench/results/decode.md). fp32: oneDNN's kernels instead of MKL's ``torch.mm`` (faster, a
+            few units in the last place apart: :func:`~tensorpar.decode.matmuls.use_packed`). ``None``: our GEMV on
+            the plain weights (:func:`~tensorpar.decode.matmuls.use_gemv`) where it runs and ``max_batch`` <=
+            :func:`~tensorpar.decode.gemv_kernel.max_rows` (16 fp32, 4 bf16), else prepacked (fp32, bf16 if oneDNN
+            runs it). ``False``: plain ``torch.mm`` / ``F.linear``. Never for ``quantize_int8``'s int8 weights.
 
     Memory: ``2 * num_layers * num_blocks * kv_local * block_size * head_dim`` elements of the weights' dtype,
     allocated here once. With ``prepack`` the packed weights replace the plain ones on the modules
@@ -185,8 +184,9 @@ class LeanDecoder:
             if tp.compression == "int8" and h % COMPRESS_BLOCK:
                 raise ValueError(f"deterministic (batch-invariant) decoding with --tp-comm int8 needs a hidden "
                                  f"size that is a multiple of {COMPRESS_BLOCK}, got {h}; use --tp-comm fp32")
-        #: the decode step of up to 16 rows in few calls per layer (tensorpar/decode/row_step.py), where it runs
-        self.row_step = row_step.RowStep(self) if row_step.why_not(self) is None else None
+        ok = row_step.why_not(self) is None      # the row step (row_step.py), where every rank runs it (run_split)
+        ok = ok if tp.size == 1 else all(comm.all_gather_json(ok, tp.pg))          # every rank asks: no short cut
+        self.row_step = row_step.RowStep(self) if ok else None
 
     def nbytes(self) -> int:
         """Bytes held by the KV cache."""
