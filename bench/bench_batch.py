@@ -119,6 +119,8 @@ def main() -> None:
                          "default: the library's")
     ap.add_argument("--no-transformers", action="store_true", help="skip transformers' rows")
     a = ap.parse_args()
+    if a.max_rows and not all(v.strip().isdigit() and int(v) >= 1 for v in a.max_rows.split(",")):
+        ap.error(f"--max-rows {a.max_rows}: must be comma-separated integers >= 1, e.g. 2,16")
     from tensorpar.testing import WorkerPool
     batches = tuple(int(b) for b in a.batches.split(","))
     specs = []

@@ -98,8 +98,8 @@ class LeanDecoder:
     allocated here once. With ``prepack`` the packed weights replace the plain ones on the modules
     (:func:`tensorpar.decode.packed.pack_weights`: the rank holds its shard once); a decoder built on a packed
     model unpacks it first (:func:`~tensorpar.decode.packed.unpack_weights`), so the weights it reads are the
-    current ones. Raises ValueError if the model cannot run this path.
-    """
+    current ones. Collectives at construction (tp > 1): two all-reduces on ``tp.pg`` (``comm.all_gather_json``: all
+    ranks agree whether the row step runs). Raises ValueError if the model cannot run this path."""
 
     def __init__(self, model, tp: Group, *, max_batch: int, max_len: int, prepack: bool | None = None,
                  block_size: int | None = None, num_blocks: int | None = None, deterministic: bool = False):
