@@ -94,19 +94,21 @@ def chat_header(prompt: str) -> str:
     return f"User: {prompt}\nAssistant: "
 
 
-def stats_line(tp_size: int, ttft_s: float, decode_s: float, n_tokens: int, pp_size: int = 1) -> str:
+def stats_line(tp_size: int, ttft_s: float, decode_s: float, n_tokens: int, pp_size: int = 1, rows: int = 1) -> str:
     """The one-line summary printed after generation; never prints ``nan`` or ``inf``.
 
     ``ttft_s``: seconds to the first token; ``decode_s``: seconds of the remaining ``n_tokens - 1`` steps.
     With one token (or no measurable decode time) the decode rate is left out and the reason given. ``pp_size``:
-    pipeline stages (shown when > 1).
+    pipeline stages (shown when > 1). ``rows`` > 1 (a batch of prompts): the rate per row and over the batch.
     """
     noun = "token" if n_tokens == 1 else "tokens"
     layout = f"tp={tp_size}" + (f", pp={pp_size}" if pp_size > 1 else "")
     head = f"[{layout}] time to first token {ttft_s * 1e3:.1f} ms"
     steps = n_tokens - 1
     if steps > 0 and math.isfinite(decode_s) and decode_s > 0:
-        return f"{head}, decode {steps / decode_s:.1f} tokens/s ({n_tokens} {noun})"
+        rate = steps / decode_s
+        batch = f" per row, {rate * rows:.1f} over {rows} rows" if rows > 1 else ""
+        return f"{head}, decode {rate:.1f} tokens/s{batch} ({n_tokens} {noun})"
     return f"{head} ({n_tokens} {noun}; no decode steps to time)"
 
 

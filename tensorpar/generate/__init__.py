@@ -305,7 +305,8 @@ def _rank_main(job) -> int:
                 print0(ctx, f"{chat_header(p)}{answer}\n" if task.chat else f"{p}{answer}")
         if res.speed_warning:
             print0(ctx, res.speed_warning, file=sys.stderr)
-        print0(ctx, stats_line(ctx.tp.size, res.ttft_s, res.decode_s, res.tokens.shape[1], ctx.pp.size))
+        b, n = res.tokens.shape
+        print0(ctx, stats_line(ctx.tp.size, res.ttft_s, res.decode_s, n, ctx.pp.size, b))
         if task.plan_prediction is not None:   # --plan auto: predicted vs measured
             from tensorpar.inference_plan import comparison_line
             print0(ctx, comparison_line(task.plan_prediction, res.ttft_s, res.decode_s, res.tokens.shape[1],

@@ -170,6 +170,12 @@ def test_stats_line_never_prints_nan(n, decode_s, want):
     assert "nan" not in line and "inf" not in line
 
 
+def test_stats_line_of_a_batch_gives_the_rate_per_row_and_over_the_batch():
+    """A batch of 4 prompts: 8 steps/s is 8 tokens/s per row and 32 over the batch (a review: the per-row rate
+    alone read as batching being slower than one prompt)."""
+    assert stats_line(2, 0.0123, 0.5, 5, rows=4).endswith("decode 8.0 tokens/s per row, 32.0 over 4 rows (5 tokens)")
+
+
 def test_chat_header_separates_prompt_and_answer():
     assert chat_header("Hi there") == "User: Hi there\nAssistant: "
 
