@@ -309,8 +309,7 @@ def _rank_main(job) -> int:
         print0(ctx, stats_line(ctx.tp.size, res.ttft_s, res.decode_s, n, ctx.pp.size, b))
         if task.plan_prediction is not None:   # --plan auto: predicted vs measured
             from tensorpar.inference_plan import comparison_line
-            print0(ctx, comparison_line(task.plan_prediction, res.ttft_s, res.decode_s, res.tokens.shape[1],
-                                        res.ttft_cpu_s))
+            print0(ctx, comparison_line(task.plan_prediction, res.ttft_s, res.decode_s, n, res.ttft_cpu_s))
     finally:
         ctx.destroy()
     return 0
