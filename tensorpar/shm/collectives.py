@@ -97,8 +97,13 @@ class ShmCommunicator(StepProtocol):
         :meth:`all_reduce` computes) and finish reading them before its next collective on this communicator: a slot
         is written again only after every rank has passed the next step's barrier.
 
+        A tensor larger than ``oneshot_bytes`` (a decode step of many rows of a wide model: 64 rows of 2048 fp32) is
+        summed by :meth:`all_reduce`'s two-shot algorithm into a buffer this communicator keeps; its address is
+        returned alone (as :meth:`tensorpar.comm.tcp.TcpMesh.all_reduce_parts` does), the same bits as
+        :meth:`all_reduce`.
+
         Shapes: ``x`` any shape, the same on every rank (``[rows, h]`` in decode). Raises ValueError (on every rank)
-        if ``x`` is larger than ``oneshot_bytes`` or not contiguous; a peer's failure as :meth:`all_reduce` does.
+        if ``x`` is not contiguous; a peer's failure as :meth:`all_reduce` does.
         """
         if self._broken is not None:
             self._check_usable(K_AR)
@@ -108,9 +113,15 @@ class ShmCommunicator(StepProtocol):
             plan = self._plans.get(key)
             if plan is None:
                 plan = self._plan_all_reduce(key, x, "sum")
-            if plan[4] is None or not x.is_contiguous():
-                raise ValueError(f"all_reduce_parts takes a contiguous tensor of at most {self.oneshot_bytes} bytes, "
-                                 f"got {tuple(x.shape)} {x.dtype}, contiguous={x.is_contiguous()}")
+            if not x.is_contiguous():
+                raise ValueError(f"all_reduce_parts takes a contiguous tensor, got {tuple(x.shape)} {x.dtype}")
+            if plan[4] is None:                   # too large for one shot: the two-shot sum into a kept buffer
+                y = self._all_reduce(x, "sum").view(-1)
+                big = self._big
+                if big is None or big.numel() < y.numel() or big.dtype != y.dtype:
+                    big = self._big = torch.empty_like(y)
+                big[:y.numel()].copy_(y)
+                return (big.data_ptr(),)
             p = self._seq & 1
             self._memmove(self._addr[p], x.data_ptr(), plan[0])
             self._arrive(p, plan[1], plan[2], K_AR)

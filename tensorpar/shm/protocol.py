@@ -113,6 +113,7 @@ class StepProtocol:
         self._seq = self._ctl[self._me + W_ARRIVED]
         self._calls = 0
         self._plans: dict = {}                    # call signature -> metadata words and slot views
+        self._big: torch.Tensor | None = None      # all_reduce_parts' sum of a tensor too large for one shot
         self._broken: str | None = None
         self._waiting_for = -1                     # peer of the current slow wait, for abort messages
         self._deadline_ns = 0

@@ -60,6 +60,38 @@ def test_all_reduce_matches_gloo_and_is_identical_on_every_rank(pools, tp):
         assert all(p == prints[0] for p in prints), f"ranks disagree (slot {slot}, oneshot {oneshot})"
 
 
+def job_all_reduce_parts(ctx, oneshot_bytes):
+    """all_reduce_parts of one tensor within the one-shot size and of one above it: the rank-order sum of the
+    returned copies, as a tensor, against all_reduce."""
+    import ctypes
+    g = fast_twin(ctx, slot_bytes=64 << 10, oneshot_bytes=oneshot_bytes)
+    out = []
+    try:
+        for numel in (oneshot_bytes // 4, oneshot_bytes // 4 + 5, 3 * oneshot_bytes):
+            x = _x(ctx.tp.rank, numel, torch.float32, seed=numel)
+            addrs = g.fast.all_reduce_parts(x)
+            parts = [torch.frombuffer((ctypes.c_float * numel).from_address(a), dtype=torch.float32).clone()
+                     for a in addrs]
+            got = parts[0]
+            for p in parts[1:]:
+                got = got + p
+            out.append((len(addrs), torch.equal(got, comm.all_reduce(x, g)), fingerprint(got)))
+    finally:
+        disable_fast_collectives(g)
+    return out
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_all_reduce_parts_above_the_one_shot_size_is_the_all_reduce(pools, tp):
+    """Within the one-shot size every rank's copy comes back (the caller adds them in rank order); above it (a
+    decode step of many rows of a wide model) one address, of the two-shot sum: both give all_reduce's bits."""
+    res = pools(tp).run(job_all_reduce_parts, 4 << 10)
+    for r, out in enumerate(res):
+        assert [n for n, _, _ in out] == [tp, 1, 1], f"rank {r}: {out}"
+        assert all(same for _, same, _ in out), f"rank {r}: differs from all_reduce"
+        assert [f for _, _, f in out] == [f for _, _, f in res[0]], f"rank {r} differs from rank 0"
+
+
 def job_64mb(ctx):
     g = fast_twin(ctx)
     try:

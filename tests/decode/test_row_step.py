@@ -167,13 +167,14 @@ def test_q8_linear_into_equals_q8_linear(m, k, n):
         q8_kernel.into_args(x, w.q, w.scale, y, q8_kernel.scratch(1, 32))
 
 
-def job_logits(ctx, folder, ids, mask, want, shm, quantize="none", layout=False, tp_comm="fp32"):
+def job_logits(ctx, folder, ids, mask, want, shm, quantize="none", layout=False, tp_comm="fp32", oneshot=None):
     """Prefill and decode steps feeding ``want`` ``[b, steps]`` (transformers' tokens) to a batch-``b`` LeanDecoder,
     with its row step and with the general loop: per step the logits of both, and how often the row step ran; then
     generate's greedy tokens. ``quantize``: ``--quantize``'s value, applied after loading (fp32 compute).
     ``layout``: also ``out["stored"]``, the stored tensors of layer 0's row-parallel o_proj and down_proj
     (``(q, scale)`` of int8, ``(w,)`` of bf16; this rank's ``[out, in_r]`` slices), and ``out["module"]``, the module
-    path's greedy tokens. ``tp_comm``: ``--tp-comm``'s value (``ctx.tp.compression``) for the run."""
+    path's greedy tokens. ``tp_comm``: ``--tp-comm``'s value (``ctx.tp.compression``) for the run. ``oneshot``: the
+    shared-memory communicator's one-shot size in bytes for the run (smaller: the step's all-reduces go two-shot)."""
     from tensorpar.decode.int8 import lean_weight
     from tensorpar.decode.lean import LeanDecoder
     from tensorpar.decode.quantize import apply_quantize
@@ -181,6 +182,8 @@ def job_logits(ctx, folder, ids, mask, want, shm, quantize="none", layout=False,
     from tensorpar.shm import disable_fast_collectives, enable_fast_collectives
     if shm:
         enable_fast_collectives(ctx.tp, "on")
+        if oneshot is not None:
+            ctx.tp.fast.oneshot_bytes = oneshot
     ctx.tp.compression = tp_comm
     try:
         model, _ = build_parallel_model(folder, ctx.tp)
@@ -249,6 +252,24 @@ def test_row_step_equals_general_loop_and_transformers(pools, tmp_path, arch, tp
         for a, b in zip(got, ref):
             assert (a - b).abs().max() <= 1e-5 * b.abs().max(), f"rank {r}"
         assert torch.equal(tokens, want), f"tp={tp} rank {r}: {tokens} != transformers {want}"
+
+
+@needs_kernels
+def test_row_step_with_all_reduces_above_the_one_shot_size(pools, tmp_path):
+    """A step whose ``[rows, H]`` sums are larger than the shared-memory one-shot size (64 rows of the 1.1B's 2048
+    fp32 are 512 KiB against 256 KiB; here 6 rows of 24 against 256 bytes) takes the two-shot sum, and its tokens
+    and logits still equal the general loop's and transformers' (before, the exchange raised ValueError)."""
+    folder = make_model_folder(tmp_path / "llama", "llama")
+    ids, mask = prompts(ARCHS["llama"]["vocab_size"])
+    ids, mask = ids[[0, 1, 2, 2, 0, 1]], mask[[0, 1, 2, 2, 0, 1]]
+    steps = 6
+    want, _ = hf_reference(folder, ids, mask, steps)
+    for r, (out, tokens) in enumerate(run_tp(pools, 2, job_logits, folder, ids, mask, want, True, "none", False, "fp32", 256)):
+        (got, has, ran), (ref, _, _) = out["row"], out["general"]
+        assert has and ran == steps - 1, (has, ran)
+        for a, b in zip(got, ref):
+            assert (a - b).abs().max() <= 1e-5 * b.abs().max(), f"rank {r}"
+        assert torch.equal(tokens, want), f"rank {r}: {tokens} != transformers {want}"
 
 
 @needs_kernels
