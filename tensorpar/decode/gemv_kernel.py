@@ -63,8 +63,11 @@ PREFETCH = 0
 #: stripes: 0.64-0.87x at 16, gemv-xeon-rows.md); SmolLM2's 1.06-1.68x at 2-32. Per decode step the row step's
 #: few C calls per layer add to that: SmolLM2 at tp=2, fp32, batch 4 / 8 / 16 decoded 83 / 134 / 200 tokens/s
 #: against 32 / 53 / 98 with MAX_ROWS 2 (prepacked weights, the general loop), the 1.1B 13.0 / 20.4 / 27.4
-#: against 8.4 / 14.9 / 25.2 (bench/results/batch-rows-xeon.md, before the stripes).
-MAX_ROWS = 16
+#: against 8.4 / 14.9 / 25.2 (bench/results/batch-rows-xeon.md, before the stripes). 32 rows
+#: (bench/results/batch-rows32-xeon.md, against 16) is what ``bench_serve`` and ``transformers serve`` run at. Not 64:
+#: the 1.1B at tp=1 decoded slower at batch 64 than prepacked oneDNN (25.2 against 27.5 tokens/s, one round) and its tp=2
+#: rows varied 2x between runs (the ranks waited on each other for seconds per step).
+MAX_ROWS = 32
 #: the most rows the lean path runs through this kernel on bf16 weights with bf16 activations (``--dtype
 #: bfloat16``: the general loop, no row step): on the 1.1B's shapes ours ran at 1.21-1.99x oneDNN's prepacked bf16
 #: GEMM at 4 rows, 0.85x at 8, 0.46-0.70x at 16 (bench/results/gemv-xeon-rows-stripes-bf16.md), so beyond 4 rows

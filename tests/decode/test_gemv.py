@@ -52,13 +52,13 @@ def test_gemv_equals_linear(dtype, m, n, k):
 @pytest.mark.parametrize("n,k", [(45, 1100), (70, 2050)])
 def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(dtype, n, k):
     """Rows of at least 2 KB: each output is summed in one order whatever the group of input rows it is in (1-4) and
-    the thread's chunk, so row r of a batch of m (1-16, 1 and 2 threads) is bitwise that row alone: the row step's
-    decode at batch 16 gives each request what batch 1 would."""
+    the thread's chunk, so row r of a batch of m (1-32, 1 and 2 threads) is bitwise that row alone: the row step's
+    decode at batch 32 gives each request what batch 1 would."""
     g = torch.Generator().manual_seed(n + k)
-    x, w, b = (torch.randn(*s, generator=g).to(dtype) for s in ((16, k), (n, k), (n,)))
+    x, w, b = (torch.randn(*s, generator=g).to(dtype) for s in ((32, k), (n, k), (n,)))
     for threads in (1, 2):
-        alone = torch.cat([gemv_kernel.gemv_raw(x[r:r + 1], w, b, threads=threads) for r in range(16)])
-        for m in (2, 3, 4, 5, 7, 16):
+        alone = torch.cat([gemv_kernel.gemv_raw(x[r:r + 1], w, b, threads=threads) for r in range(32)])
+        for m in (2, 3, 4, 5, 7, 16, 32):
             assert torch.equal(gemv_kernel.gemv_raw(x[:m], w, b, threads=threads), alone[:m]), (m, threads)
 
 
