@@ -281,8 +281,9 @@ def _join_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[
 
     argparse takes a token that starts with ``-`` for an option unless it is a plain negative number, so a
     value such as ``--tp-weights -1,1`` would end in a usage error instead of reaching the option's own check
-    (which names the setting and what would work). Only tokens that start with ``-`` and a digit or ``.`` are
-    joined; everything after ``--`` is left alone.
+    (which names the setting and what would work). Only tokens that start with ``-`` and a digit or ``.``, and
+    ``-inf`` / ``-infinity`` / ``-nan`` (any case: what ``float`` reads), are joined; everything after ``--`` is left
+    alone.
     """
     import re
 
@@ -293,7 +294,7 @@ def _join_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[
         a = argv[i]
         if a == "--":
             return out + argv[i:]
-        if a in takes_value and i + 1 < len(argv) and re.match(r"-[\d.]", argv[i + 1]):
+        if a in takes_value and i + 1 < len(argv) and re.match(r"-([\d.]|(inf|infinity|nan)$)", argv[i + 1], re.I):
             out.append(f"{a}={argv[i + 1]}")
             i += 2
             continue

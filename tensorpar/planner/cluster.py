@@ -9,6 +9,7 @@ in microseconds.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -259,6 +260,29 @@ def device_from_file(path: str | Path) -> DeviceSpec:
 def override(device: DeviceSpec, **changes) -> DeviceSpec:
     """The device with the given fields replaced (``None`` values keep the preset)."""
     return replace(device, **{k: v for k, v in changes.items() if v is not None})
+
+
+#: The range each device flag of ``tensorpar plan`` plausibly takes (flag: (low, high, unit)), from a small CPU host
+#: to well past today's largest accelerator, with room on both sides: a value outside is a unit slip or a typo
+#: (``--hbm-gbps 1e-300`` printed TTFTs of 1e300 ms), refused in one line by :func:`check_plausible`. The link
+#: between hosts has its own, softer rule (:data:`PLAUSIBLE_INTER_NODE_GBPS`, a note).
+PLAUSIBLE_DEVICE = {"--memory-gb": (0.01, 1e5, "GiB"), "--peak-tflops": (1e-4, 1e5, "TFLOP/s"),
+                    "--intra-node-bw": (1e-3, 1e5, "GB/s"), "--hbm-gbps": (1e-2, 1e5, "GB/s"),
+                    "--intra-node-latency-us": (0.0, 1e7, "microseconds"),
+                    "--inter-node-latency-us": (0.0, 1e7, "microseconds")}
+
+
+def check_plausible(values: dict) -> None:
+    """Raise ValueError naming the flag, its value and :data:`PLAUSIBLE_DEVICE`'s range for the first of ``values``
+    (flag -> the number given, or None: not given) outside its range. Only finite numbers > 0 are checked: the
+    flags' own checks refuse the others in their words, or give them a meaning (``--hbm-gbps 0``: not modelled;
+    a latency of 0)."""
+    for flag, v in values.items():
+        if v is None or not (v > 0 and math.isfinite(v)) or flag not in PLAUSIBLE_DEVICE:
+            continue
+        lo, hi, unit = PLAUSIBLE_DEVICE[flag]
+        if not lo <= v <= hi:
+            raise ValueError(f"{flag} {v:g}: outside the plausible {lo:g}-{hi:g} {unit}; check the value and its unit")
 
 
 #: GB/s per rank that a link between hosts plausibly has: 0.01 (80 Mbit/s, below any data-centre or office

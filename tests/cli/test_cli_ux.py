@@ -65,6 +65,16 @@ def test_dash_values_are_joined_only_for_options_that_take_one_value():
     assert _join_dash_values(p, argv) == ["--tp-weights=-1,1", "--flag", "-2", "--n=-3", "--", "--tp-weights",
                                           "-1,1"]
     assert p.parse_args(_join_dash_values(p, ["--tp-weights", "-1,1"])).tp_weights == "-1,1"
+    # what float() reads as minus infinity or nan, any case; not an option that merely starts with those letters
+    assert _join_dash_values(p, ["--n", "-inf", "--tp-weights", "-NaN", "--n", "-Infinity", "--n", "-info"]) == [
+        "--n=-inf", "--tp-weights=-NaN", "--n=-Infinity", "--n", "-info"]
+
+
+def test_plan_memory_gb_minus_inf_is_refused_by_its_check(capsys):
+    """``plan --memory-gb -inf`` (a space, not '='): the flag's own check names it, not argparse's usage error."""
+    rc = main(["plan", "--model", "llama3-8b", "--gpus", "8", "--memory-gb", "-inf"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "--memory-gb" in err and "usage:" not in err, err
 
 
 # ---------------------------------------------------------------- 2: flags that do nothing at the degrees given

@@ -256,6 +256,19 @@ def test_hardware_overrides_must_be_finite_and_positive(plan, flag, value):
         assert f"{flag} {value}: must be a finite number > 0" in err, err
 
 
+@pytest.mark.parametrize("flag,value,range_", [("--hbm-gbps", "1e-300", "0.01-100000 GB/s"),
+                                                ("--memory-gb", "1e30", "0.01-100000 GiB"),
+                                                ("--peak-tflops", "5e6", "0.0001-100000 TFLOP/s"),
+                                                ("--intra-node-latency-us", "1e9", "0-1e+07 microseconds")])
+def test_hardware_overrides_far_outside_any_device_are_refused(plan, flag, value, range_):
+    """Finite but absurd values (``--hbm-gbps 1e-300`` printed TTFTs of 1e300 ms): one line with the flag, its
+    value and the plausible range, before any plan is priced."""
+    code, out, err = plan("--model", "smollm2", "--gpus", "2", "--inference", "--batch", "1", "--prompt-len", "16",
+                          "--max-new-tokens", "8", flag, value)
+    assert code == 2 and not out and err.count("\n") == 1, err
+    assert f"{flag} {float(value):g}: outside the plausible {range_}" in err, err
+
+
 def test_inference_refuses_hbm_gbps_zero(plan):
     """--hbm-gbps 0 (not modelled) with --inference: one line naming the flag, not "give --hbm-gbps" (review)."""
     code, out, err = plan("--model", "smollm2", "--gpus", "2", "--inference", "--batch", "1", "--prompt-len", "16",
