@@ -65,8 +65,8 @@ PREFETCH = 0
 #: against 32 / 53 / 98 with MAX_ROWS 2 (prepacked weights, the general loop), the 1.1B 13.0 / 20.4 / 27.4
 #: against 8.4 / 14.9 / 25.2 (bench/results/batch-rows-xeon.md, before the stripes). 32 rows
 #: (bench/results/batch-rows32-xeon.md, against 16) is what ``bench_serve`` and ``transformers serve`` run at. Not 64:
-#: the 1.1B at tp=1 decoded slower at batch 64 than prepacked oneDNN (25.2 against 27.5 tokens/s, one round) and its tp=2
-#: rows varied 2x between runs (the ranks waited on each other for seconds per step).
+#: the 1.1B decoded slower at batch 64 than prepacked oneDNN (tp=1 25.2 against 27.5 tokens/s, tp=2 20.1 against 44.2;
+#: bench/results/batch64-rows-xeon.md, one round), its ranks waiting on each other for seconds per step.
 MAX_ROWS = 32
 #: the most rows the lean path runs through this kernel on bf16 weights with bf16 activations (``--dtype
 #: bfloat16``: the general loop, no row step): on the 1.1B's shapes ours ran at 1.21-1.99x oneDNN's prepacked bf16
