@@ -14,6 +14,17 @@ def _cli(*args, timeout=240):
                           timeout=timeout, env=env)
 
 
+def _main(capsys, *args):
+    """``tensorpar generate ARGS`` in this process (``tensorpar.cli.main``, what ``python -m tensorpar`` runs), for the
+    checks made before any rank starts: ``(exit code, stdout, stderr)``, without a new interpreter's import of torch
+    per case (about 5 s each as a subprocess)."""
+    from tensorpar.cli import main
+    capsys.readouterr()
+    rc = main(["generate", *args])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, rc, out, err)
+
+
 @pytest.fixture(scope="module")
 def tiny_with_tokenizer(tmp_path_factory):
     """A random llama with the SmolLM2-style byte-level BPE tokenizer of a tiny vocabulary."""
@@ -38,22 +49,22 @@ def test_generate_tp2_runs_and_exits_clean(tiny_with_tokenizer):
     assert "time to first token" in r.stdout and "tokens/s" in r.stdout
 
 
-def test_print_plan(tiny_with_tokenizer):
-    r = _cli("--model", tiny_with_tokenizer, "--tp", "3", "--print-plan")
+def test_print_plan(tiny_with_tokenizer, capsys):
+    r = _main(capsys, "--model", tiny_with_tokenizer, "--tp", "3", "--print-plan")
     assert r.returncode == 0, r.stderr
     assert "ShardingPlan(llama, tp_size=3" in r.stdout and "9 q heads -> [3, 3, 3]" in r.stdout
 
 
-def test_missing_path():
-    r = _cli("--model", "/nonexistent/model", "--tp", "2")
+def test_missing_path(capsys):
+    r = _main(capsys, "--model", "/nonexistent/model", "--tp", "2")
     assert r.returncode != 0 and "no such file or folder" in r.stderr
 
 
-def test_unsupported_architecture(tmp_path):
+def test_unsupported_architecture(tmp_path, capsys):
     from transformers import BloomConfig
     BloomConfig(hidden_size=32, n_head=4, n_layer=1, vocab_size=50).save_pretrained(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
-    r = _cli("--model", str(tmp_path), "--tp", "2")
+    r = _main(capsys, "--model", str(tmp_path), "--tp", "2")
     assert r.returncode != 0 and "unsupported architecture" in r.stderr and "llama" in r.stderr
     assert "--plan-file" in r.stderr          # the way to shard an architecture without a built-in table
 
@@ -68,13 +79,13 @@ def test_truncated_safetensors(tiny_with_tokenizer, tmp_path):
     assert r.returncode != 0 and "model.safetensors" in r.stderr
 
 
-def test_tp_larger_than_heads(tiny_with_tokenizer):
-    r = _cli("--model", tiny_with_tokenizer, "--tp", "10", "--print-plan")
+def test_tp_larger_than_heads(tiny_with_tokenizer, capsys):
+    r = _main(capsys, "--model", tiny_with_tokenizer, "--tp", "10", "--print-plan")
     assert r.returncode != 0 and "--tp 10: exceeds the model's 9 attention heads" in r.stderr
 
 
-def test_prompt_longer_than_positions(tiny_with_tokenizer):
-    r = _cli("--model", tiny_with_tokenizer, "--tp", "2", "--prompt", "a" * 200)
+def test_prompt_longer_than_positions(tiny_with_tokenizer, capsys):
+    r = _main(capsys, "--model", tiny_with_tokenizer, "--tp", "2", "--prompt", "a" * 200)
     assert r.returncode != 0 and "max_position_embeddings=128" in r.stderr
 
 
@@ -106,8 +117,8 @@ def test_ctrl_c_stops_every_rank(tiny_with_tokenizer):
 @pytest.mark.parametrize("args,msg", [(["--tp", "0"], "--tp must be a positive integer"),
                                       (["--timeout", "0"], "--timeout must be a positive"),
                                       (["--prompt", ""], "--prompt must not be empty")])
-def test_bad_options_fail_before_launch(tiny_with_tokenizer, args, msg):
-    r = _cli("--model", tiny_with_tokenizer, *args)
+def test_bad_options_fail_before_launch(tiny_with_tokenizer, capsys, args, msg):
+    r = _main(capsys, "--model", tiny_with_tokenizer, *args)
     assert r.returncode == 2 and msg in r.stderr, r.stderr[-2000:]
 
 
