@@ -26,7 +26,7 @@ math directly on the rank's tensors:
   its steps run our GEMV on the plain ``[out, in]`` weights (:mod:`tensorpar.decode.gemv_kernel`: one sequential
   stream of the weights, faster than oneDNN's prepacked GEMV at 1-4 rows, within 1e-5 relative of ``F.linear`` in fp32, one
   bf16 rounding in bf16), prefill the plain ``torch.mm`` / ``F.linear``; nothing is packed;
-* those decode steps (one token per row, up to 16 rows) of layers of the plain Llama shape in fp32 (fp32, int8
+* those decode steps (one token per row, up to 32 rows) of layers of the plain Llama shape in fp32 (fp32, int8
   or bf16 weights) run as a :class:`~tensorpar.decode.row_step.RowStep`: a few fused C++ calls per layer;
 * a model quantized by :func:`tensorpar.decode.quantize.quantize_int8` (its fp weights freed) runs every matmul as
   :func:`tensorpar.decode.int8.int8_linear` (Q8_0 x Q8_0: the input quantized per block of 32, int8 x int8; the

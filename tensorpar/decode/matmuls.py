@@ -15,7 +15,7 @@ from tensorpar.decode.prepare import decoder_parts
 
 def use_gemv(dec) -> bool:
     """Run the matmuls of steps of at most :func:`~tensorpar.decode.gemv_kernel.max_rows` rows (decode, up to
-    16 rows in fp32) through our GEMV on the plain weights, the rest (prefill) through ``torch.mm`` / ``F.linear``
+    32 rows in fp32) through our GEMV on the plain weights, the rest (prefill) through ``torch.mm`` / ``F.linear``
     on the same weights: nothing packed, nothing converted. Where it pays against oneDNN's prepacked GEMM is
     measured per row count at :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS`; the caller takes it only for
     decoders of ``max_batch`` <= that. Taken when

@@ -1,4 +1,4 @@
-"""The lean path's decode step of one token per row, up to 16 rows, in few calls per layer (:class:`RowStep`).
+"""The lean path's decode step of one token per row, up to 32 rows, in few calls per layer (:class:`RowStep`).
 
 Small-batch decode of a small model is bound by the work around the matmuls (SmolLM2 at tp=2: 4127 framework ops
 per token, docs/benchmarks.md). A :class:`RowStep` runs a step of at most

@@ -177,10 +177,9 @@ def build_cluster(args) -> cl.ClusterSpec:
     flags = {"memory_gib": "--memory-gb", "peak_tflops": "--peak-tflops", "intra_node_gbps": "--intra-node-bw",
              "inter_node_gbps": "--inter-node-bw", "intra_node_latency_us": "--intra-node-latency-us",
              "hbm_gbps": "--hbm-gbps", "inter_node_latency_us": "--inter-node-latency-us"}
-    cl.check_plausible({f: getattr(args, k) for k, f in (("memory_gb", "--memory-gb"), ("peak_tflops", "--peak-tflops"),
-                        ("intra_node_bw", "--intra-node-bw"), ("hbm_gbps", "--hbm-gbps"),
-                        ("intra_node_latency_us", "--intra-node-latency-us"),
-                        ("inter_node_latency_us", "--inter-node-latency-us"))})
+    cl.check_plausible({"memory_gib": args.memory_gb, "peak_tflops": args.peak_tflops,
+                        "intra_node_gbps": args.intra_node_bw, "hbm_gbps": args.hbm_gbps,
+                        "intra_node_latency_us": args.intra_node_latency_us})
     try:
         device = cl.override(device, memory_gib=args.memory_gb, peak_tflops=args.peak_tflops,
                              intra_node_gbps=args.intra_node_bw, inter_node_gbps=args.inter_node_bw,

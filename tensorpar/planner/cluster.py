@@ -252,9 +252,11 @@ def device_from_file(path: str | Path) -> DeviceSpec:
         raise ValueError(f"--device-file {path}: a JSON {type(data).__name__}, not an object; expected the fields of "
                          f"DeviceSpec (e.g. the 'device' of tensorpar plan --calibrate --json)")
     try:
-        return DeviceSpec(**data)
+        device = DeviceSpec(**data)
     except TypeError as err:
         raise ValueError(f"--device-file {path}: {err}; expected the fields of DeviceSpec") from None
+    check_plausible({f: getattr(device, f) for f in PLAUSIBLE_DEVICE}, where=f"--device-file {path}")
+    return device
 
 
 def override(device: DeviceSpec, **changes) -> DeviceSpec:
@@ -262,27 +264,33 @@ def override(device: DeviceSpec, **changes) -> DeviceSpec:
     return replace(device, **{k: v for k, v in changes.items() if v is not None})
 
 
-#: The range each device flag of ``tensorpar plan`` plausibly takes (flag: (low, high, unit)), from a small CPU host
-#: to well past today's largest accelerator, with room on both sides: a value outside is a unit slip or a typo
-#: (``--hbm-gbps 1e-300`` printed TTFTs of 1e300 ms), refused in one line by :func:`check_plausible`. The link
-#: between hosts has its own, softer rule (:data:`PLAUSIBLE_INTER_NODE_GBPS`, a note).
-PLAUSIBLE_DEVICE = {"--memory-gb": (0.01, 1e5, "GiB"), "--peak-tflops": (1e-4, 1e5, "TFLOP/s"),
-                    "--intra-node-bw": (1e-3, 1e5, "GB/s"), "--hbm-gbps": (1e-2, 1e5, "GB/s"),
-                    "--intra-node-latency-us": (0.0, 1e7, "microseconds"),
-                    "--inter-node-latency-us": (0.0, 1e7, "microseconds")}
+#: The range each device field plausibly takes (field: (its flag, low, high, unit)), from a small CPU host to well
+#: past today's largest accelerator, with room on both sides: a value outside is a unit slip or a typo
+#: (``--hbm-gbps 1e-300`` printed TTFTs of 1e300 ms), refused in one line by :func:`check_plausible`, from a flag or
+#: a ``--device-file``. The link between hosts also has a softer rule inside its range
+#: (:data:`PLAUSIBLE_INTER_NODE_GBPS`: a note).
+PLAUSIBLE_DEVICE = {"memory_gib": ("--memory-gb", 0.01, 1e5, "GiB"),
+                    "peak_tflops": ("--peak-tflops", 1e-4, 1e5, "TFLOP/s"),
+                    "intra_node_gbps": ("--intra-node-bw", 1e-3, 1e5, "GB/s"),
+                    "inter_node_gbps": ("--inter-node-bw", 1e-4, 1e5, "GB/s"),
+                    "hbm_gbps": ("--hbm-gbps", 1e-2, 1e5, "GB/s"),
+                    "intra_node_latency_us": ("--intra-node-latency-us", 0.0, 1e7, "microseconds"),
+                    "inter_node_latency_us": ("--inter-node-latency-us", 0.0, 1e7, "microseconds")}
 
 
-def check_plausible(values: dict) -> None:
-    """Raise ValueError naming the flag, its value and :data:`PLAUSIBLE_DEVICE`'s range for the first of ``values``
-    (flag -> the number given, or None: not given) outside its range. Only finite numbers > 0 are checked: the
-    flags' own checks refuse the others in their words, or give them a meaning (``--hbm-gbps 0``: not modelled;
-    a latency of 0)."""
-    for flag, v in values.items():
-        if v is None or not (v > 0 and math.isfinite(v)) or flag not in PLAUSIBLE_DEVICE:
+def check_plausible(values: dict, where: str | None = None) -> None:
+    """Raise ValueError for the first of ``values`` (a :data:`PLAUSIBLE_DEVICE` field -> the number given, or None:
+    not given) outside its range, naming its flag (``where`` None) or ``where: field`` (a device file), the value and
+    the range. Only finite numbers > 0 are checked: the flags' own checks refuse the others in their words, or give
+    them a meaning (``--hbm-gbps 0``: not modelled; a latency of 0; a calibrated file's 0: not measured)."""
+    for field, v in values.items():
+        if v is None or isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
             continue
-        lo, hi, unit = PLAUSIBLE_DEVICE[flag]
+        flag, lo, hi, unit = PLAUSIBLE_DEVICE[field]
         if not lo <= v <= hi:
-            raise ValueError(f"{flag} {v:g}: outside the plausible {lo:g}-{hi:g} {unit}; check the value and its unit")
+            name = flag if where is None else f"{where}: {field}"
+            raise ValueError(f"{name} {v:.12g}: outside the plausible {lo:g}-{hi:g} {unit}; check the value and its "
+                             f"unit")
 
 
 #: GB/s per rank that a link between hosts plausibly has: 0.01 (80 Mbit/s, below any data-centre or office
@@ -313,6 +321,7 @@ def inter_node_link(args, device: DeviceSpec | None = None, *, crosses_hosts: bo
     bw, lat = getattr(args, "inter_node_bw", None), getattr(args, "inter_node_latency_us", None)
     if lat is not None and not (math.isfinite(lat) and lat >= 0):
         raise ValueError(f"--inter-node-latency-us {lat:g}: must be a finite number of microseconds >= 0")
+    check_plausible({"inter_node_gbps": bw, "inter_node_latency_us": lat})
     if bw is None:
         if lat is not None and not (device is not None and device.inter_node_gbps > 0):
             what = f"device {device.name}" if device is not None else "this calibrated host"

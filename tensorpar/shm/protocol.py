@@ -255,6 +255,7 @@ class StepProtocol:
         if self._broken is None:
             self._ctl[self._me + W_STATE] = STATE_CLOSED
         self._plans.clear()
+        self._big = None
         self._slots = None
         self._ctl = None
         seg, self.segment = self.segment, None

@@ -266,7 +266,42 @@ def test_hardware_overrides_far_outside_any_device_are_refused(plan, flag, value
     code, out, err = plan("--model", "smollm2", "--gpus", "2", "--inference", "--batch", "1", "--prompt-len", "16",
                           "--max-new-tokens", "8", flag, value)
     assert code == 2 and not out and err.count("\n") == 1, err
-    assert f"{flag} {float(value):g}: outside the plausible {range_}" in err, err
+    assert f"{flag} {float(value):.12g}: outside the plausible {range_}" in err, err
+
+
+def test_the_value_refused_is_the_one_given_not_a_rounding_of_it(plan):
+    """``:g`` printed 10000000.1 as 1e+07, a value inside the range it was refused for (review)."""
+    code, _, err = plan("--model", "smollm2", "--gpus", "2", "--global-batch", "8", "--seq", "512",
+                        "--intra-node-latency-us", "10000000.1")
+    assert code == 2 and "--intra-node-latency-us 10000000.1: outside the plausible 0-1e+07 microseconds" in err, err
+
+
+@pytest.mark.parametrize("field,value", [("hbm_gbps", 1e-300), ("memory_gib", 1e30), ("peak_tflops", 5e6),
+                                         ("intra_node_latency_us", 1e30)])
+def test_a_device_file_far_outside_any_device_is_refused(plan, tmp_path, field, value):
+    """The device file's fields get the flags' ranges (review: ``"hbm_gbps": 1e-300`` in a file printed TTFTs
+    hundreds of digits long, in plan and in generate --plan auto, which reads files with the same function)."""
+    import dataclasses
+    import json
+
+    from tensorpar.planner import cluster as cl
+    path = tmp_path / "dev.json"
+    path.write_text(json.dumps({**dataclasses.asdict(cl.device_preset("h100-80gb")), field: value}))
+    code, out, err = plan("--model", "smollm2", "--gpus", "2", "--inference", "--batch", "1", "--prompt-len", "16",
+                          "--max-new-tokens", "8", "--device-file", str(path))
+    assert code == 2 and not out and err.count("\n") == 1, err
+    assert f"--device-file {path}: {field} {value:.12g}: outside the plausible" in err, err
+
+
+@pytest.mark.parametrize("flag,value", [("--inter-node-bw", "1e-300"), ("--inter-node-bw", "1e30"),
+                                        ("--inter-node-latency-us", "1e30")])
+def test_the_link_between_hosts_far_outside_any_link_is_refused(plan, flag, value):
+    """Inside 1e-4-1e5 GB/s a bandwidth outside 0.01-1000 is used with a note (a unit slip is likely); beyond it, as
+    the other device flags, refused (review: 1e-300 printed step times hundreds of digits long)."""
+    code, out, err = plan("--model", "smollm2", "--gpus", "16", "--gpus-per-node", "8", "--global-batch", "64",
+                          "--seq", "512", flag, value)
+    assert code == 2 and not out and err.count("\n") == 1, err
+    assert f"{flag} {float(value):.12g}: outside the plausible" in err, err
 
 
 def test_inference_refuses_hbm_gbps_zero(plan):
