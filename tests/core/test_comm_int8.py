@@ -159,6 +159,7 @@ def test_generate_tp2_tp_comm_int8_runs(tiny_with_tokenizer):
     r = _cli("--model", tiny_with_tokenizer, "--tp", "2", "--prompt", "the cat", "--max-new-tokens", "6",
              "--tp-comm", "int8", "--fast-collectives", "off")
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "time to first token" in r.stdout and "tokens/s" in r.stdout    # the stats line (as a plain launch's)
     text = r.stdout.splitlines()[0]
     print("greedy text, --tp-comm int8:", repr(text))
     assert text.startswith("the cat") and len(text) > len("the cat")

@@ -42,6 +42,8 @@ def _add_tokenizer(folder):
     PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<eos>").save_pretrained(folder)
 
 
+@pytest.mark.slow  # a launch (21 s); CI launches generate --tp 2 over gloo in test_comm_int8 (the same checks),
+#                   test_job and test_ctrl_c_stops_every_rank
 def test_generate_tp2_runs_and_exits_clean(tiny_with_tokenizer):
     r = _cli("--model", tiny_with_tokenizer, "--tp", "2", "--prompt", "the cat", "--max-new-tokens", "5",
              "--fast-collectives", "off")
