@@ -17,6 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_launch_arguments(p, ep=True, pp=True, plan=True)
     add_lora_argument(p)
     p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch (default: a sample prompt)")
+    p.add_argument("--prompt-file", default=None,
+                   help="a UTF-8 text file of prompts, one per line (blank lines skipped), after any --prompt: a batch")
     p.add_argument("--max-new-tokens", type=int, default=32, help="token budget per prompt (>= 1)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="softmax temperature (default 0 = greedy; unlike serve's default 1); --top-k, --top-p and "
@@ -35,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_flags(args: argparse.Namespace) -> None:
-    """The checks of the flags alone (no model read). Raises ValueError naming the flag."""
+    """The checks of the flags alone (no model read); ``--prompt-file``'s prompts are read here and appended to
+    ``args.prompt`` (:func:`read_prompt_file`). Raises ValueError naming the flag."""
     import math
 
     from tensorpar.cli import check_launch_arguments, check_plan_arguments
@@ -60,6 +63,9 @@ def check_flags(args: argparse.Namespace) -> None:
         if unused:
             raise ValueError(f"{', '.join(unused)}: sampling options need --temperature > 0 (the default 0 is "
                              f"greedy, which ignores them); add e.g. --temperature 1 or drop them")
+    if getattr(args, "prompt_file", None) is not None:       # read once, here: the prompts travel as tokens
+        args.prompt = (args.prompt or []) + read_prompt_file(args.prompt_file)
+        args.prompt_file = None                               # read: a second check adds nothing
     for p in args.prompt or []:
         try:
             p.encode("utf-8")
@@ -68,3 +74,20 @@ def check_flags(args: argparse.Namespace) -> None:
                 from None
         if not p.strip():
             raise ValueError("--prompt must not be empty; give the text to continue")
+
+
+def read_prompt_file(path: str) -> list[str]:
+    """The prompts of ``--prompt-file``: one per line, blank lines skipped, the line ending removed. Raises
+    ValueError naming the flag: a file that cannot be read, is not UTF-8, or holds no prompt."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.rstrip("\r\n") for line in f]
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompt-file {path}: not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+    except OSError as e:
+        raise ValueError(f"--prompt-file {path}: cannot read it ({e.strerror or e}); give a text file with one prompt "
+                         f"per line") from None
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise ValueError(f"--prompt-file {path}: no prompt in it (every line is blank); give one prompt per line")
+    return prompts

@@ -320,3 +320,30 @@ def test_plan_auto_runs_the_chosen_layout_and_prints_predicted_vs_measured(tiny_
                     "--fast-collectives", "off")
     assert explicit.returncode == 0, explicit.stderr[-3000:]
     assert text == next(x for x in explicit.stdout.splitlines() if x.startswith("the cat"))
+
+
+def test_prompt_file_adds_one_prompt_per_line_after_the_prompts(tmp_path):
+    """``--prompt-file``: each non-blank line a prompt (CRLF endings too), after the ``--prompt`` flags; read once, in
+    the launching process (a second check adds nothing)."""
+    import argparse
+
+    from tensorpar.generate.flags import add_arguments, check_flags
+    f = tmp_path / "prompts.txt"
+    f.write_bytes("the cat\r\n\n  \nla mère\n".encode())
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--prompt", "first", "--prompt-file", str(f)])
+    check_flags(args)
+    check_flags(args)
+    assert args.prompt == ["first", "the cat", "la mère"]
+
+
+@pytest.mark.parametrize("content,msg", [(None, "cannot read it"), (b"\n \n", "no prompt in it"),
+                                         (b"ok\n\xff\n", "not UTF-8 text")])
+def test_bad_prompt_file_is_one_line(tmp_path, capsys, content, msg):
+    f = tmp_path / "p.txt"
+    if content is not None:
+        f.write_bytes(content)
+    r = _main(capsys, "--model", "/nonexistent/model", "--prompt-file", str(f))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert f"--prompt-file {f}: {msg}" in r.stderr, r.stderr
