@@ -17,8 +17,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_launch_arguments(p, ep=True, pp=True, plan=True)
     add_lora_argument(p)
     p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch (default: a sample prompt)")
-    p.add_argument("--prompt-file", default=None,
-                   help="a UTF-8 text file of prompts, one per line (blank lines skipped), after any --prompt: a batch")
+    p.add_argument("--prompt-file", action="append", default=None,
+                   help="a UTF-8 text file of prompts, one per line (blank lines skipped; '-': standard input), after "
+                        "any --prompt: a batch; repeat for several files")
     p.add_argument("--max-new-tokens", type=int, default=32, help="token budget per prompt (>= 1)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="softmax temperature (default 0 = greedy; unlike serve's default 1); --top-k, --top-p and "
@@ -63,8 +64,9 @@ def check_flags(args: argparse.Namespace) -> None:
         if unused:
             raise ValueError(f"{', '.join(unused)}: sampling options need --temperature > 0 (the default 0 is "
                              f"greedy, which ignores them); add e.g. --temperature 1 or drop them")
-    if getattr(args, "prompt_file", None) is not None:       # read once, here: the prompts travel as tokens
-        args.prompt = (args.prompt or []) + read_prompt_file(args.prompt_file)
+    if getattr(args, "prompt_file", None):                   # read once, here: the prompts travel as tokens
+        for path in args.prompt_file:
+            args.prompt = (args.prompt or []) + read_prompt_file(path)
         args.prompt_file = None                               # read: a second check adds nothing
     for p in args.prompt or []:
         try:
@@ -77,11 +79,19 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 def read_prompt_file(path: str) -> list[str]:
-    """The prompts of ``--prompt-file``: one per line, blank lines skipped, the line ending removed. Raises
-    ValueError naming the flag: a file that cannot be read, is not UTF-8, or holds no prompt."""
+    """The prompts of ``--prompt-file``: one per line (``\\n``, ``\\r\\n`` or ``\\r``: Python's universal newlines),
+    blank lines skipped, a UTF-8 byte-order mark at the start dropped (Windows editors write one); ``-`` reads
+    standard input. Raises ValueError naming the flag: a file that cannot be read, is not UTF-8, or holds no
+    prompt."""
+    import io
+    import sys
     try:
-        with open(path, encoding="utf-8") as f:
+        if path == "-":
+            f = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8-sig")
             lines = [line.rstrip("\r\n") for line in f]
+        else:
+            with open(path, encoding="utf-8-sig") as f:
+                lines = [line.rstrip("\r\n") for line in f]
     except UnicodeDecodeError as e:
         raise ValueError(f"--prompt-file {path}: not UTF-8 text (byte {e.start}); save it as UTF-8") from None
     except OSError as e:

@@ -254,7 +254,9 @@ def device_from_file(path: str | Path) -> DeviceSpec:
     try:
         device = DeviceSpec(**data)
     except TypeError as err:
-        raise ValueError(f"--device-file {path}: {err}; expected the fields of DeviceSpec") from None
+        raise ValueError(f"--device-file {path}: {err}; expected the fields of DeviceSpec (numbers)") from None
+    except ValueError as err:                   # DeviceSpec's own checks (nan, negative): name the file too
+        raise ValueError(f"--device-file {path}: {err}") from None
     check_plausible({f: getattr(device, f) for f in PLAUSIBLE_DEVICE}, where=f"--device-file {path}")
     return device
 

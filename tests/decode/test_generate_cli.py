@@ -328,14 +328,23 @@ def test_prompt_file_adds_one_prompt_per_line_after_the_prompts(tmp_path):
     import argparse
 
     from tensorpar.generate.flags import add_arguments, check_flags
-    f = tmp_path / "prompts.txt"
+    f, g = tmp_path / "prompts.txt", tmp_path / "bom.txt"
     f.write_bytes("the cat\r\n\n  \nla mère\n".encode())
+    g.write_bytes("\ufeffThe capital\n".encode())          # a byte-order mark (Windows editors): not in the prompt
     p = argparse.ArgumentParser()
     add_arguments(p)
-    args = p.parse_args(["--prompt", "first", "--prompt-file", str(f)])
+    args = p.parse_args(["--prompt", "first", "--prompt-file", str(f), "--prompt-file", str(g)])
     check_flags(args)
     check_flags(args)
-    assert args.prompt == ["first", "the cat", "la mère"]
+    assert args.prompt == ["first", "the cat", "la mère", "The capital"]
+
+
+def test_prompt_file_dash_reads_standard_input(monkeypatch):
+    import io
+
+    from tensorpar.generate.flags import read_prompt_file
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("\ufeffone\n\ntwo\n".encode())))
+    assert read_prompt_file("-") == ["one", "two"]
 
 
 @pytest.mark.parametrize("content,msg", [(None, "cannot read it"), (b"\n \n", "no prompt in it"),
