@@ -91,7 +91,7 @@ class LeanDecoder:
             measured in bench/results/decode.md). fp32: oneDNN's kernels instead of MKL's ``torch.mm`` (faster, a
             few units in the last place apart: :func:`~tensorpar.decode.matmuls.use_packed`). ``None``: our GEMV on
             the plain weights (:func:`~tensorpar.decode.matmuls.use_gemv`) where it runs and ``max_batch`` <=
-            :func:`~tensorpar.decode.gemv_kernel.max_rows` (16 fp32, 4 bf16), else prepacked (fp32, bf16 if oneDNN
+            :func:`~tensorpar.decode.gemv_kernel.max_rows` (32 fp32, 4 bf16), else prepacked (fp32, bf16 if oneDNN
             runs it). ``False``: plain ``torch.mm`` / ``F.linear``. Never for ``quantize_int8``'s int8 weights.
 
     Memory: ``2 * num_layers * num_blocks * kv_local * block_size * head_dim`` elements of the weights' dtype,

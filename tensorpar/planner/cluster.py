@@ -271,13 +271,13 @@ def override(device: DeviceSpec, **changes) -> DeviceSpec:
 #: (``--hbm-gbps 1e-300`` printed TTFTs of 1e300 ms), refused in one line by :func:`check_plausible`, from a flag or
 #: a ``--device-file``. The link between hosts also has a softer rule inside its range
 #: (:data:`PLAUSIBLE_INTER_NODE_GBPS`: a note).
-PLAUSIBLE_DEVICE = {"memory_gib": ("--memory-gb", 0.01, 1e5, "GiB"),
-                    "peak_tflops": ("--peak-tflops", 1e-4, 1e5, "TFLOP/s"),
-                    "intra_node_gbps": ("--intra-node-bw", 1e-3, 1e5, "GB/s"),
-                    "inter_node_gbps": ("--inter-node-bw", 1e-4, 1e5, "GB/s"),
-                    "hbm_gbps": ("--hbm-gbps", 1e-2, 1e5, "GB/s"),
-                    "intra_node_latency_us": ("--intra-node-latency-us", 0.0, 1e7, "microseconds"),
-                    "inter_node_latency_us": ("--inter-node-latency-us", 0.0, 1e7, "microseconds")}
+PLAUSIBLE_DEVICE = MappingProxyType({"memory_gib": ("--memory-gb", 0.01, 1e5, "GiB"),
+                                     "peak_tflops": ("--peak-tflops", 1e-4, 1e5, "TFLOP/s"),
+                                     "intra_node_gbps": ("--intra-node-bw", 1e-3, 1e5, "GB/s"),
+                                     "inter_node_gbps": ("--inter-node-bw", 1e-4, 1e5, "GB/s"),
+                                     "hbm_gbps": ("--hbm-gbps", 1e-2, 1e5, "GB/s"),
+                                     "intra_node_latency_us": ("--intra-node-latency-us", 0.0, 1e7, "microseconds"),
+                                     "inter_node_latency_us": ("--inter-node-latency-us", 0.0, 1e7, "microseconds")})
 
 
 def check_plausible(values: dict, where: str | None = None) -> None:
