@@ -282,19 +282,21 @@ def _join_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[
     argparse takes a token that starts with ``-`` for an option unless it is a plain negative number, so a
     value such as ``--tp-weights -1,1`` would end in a usage error instead of reaching the option's own check
     (which names the setting and what would work). Only tokens that start with ``-`` and a digit or ``.``, and
-    ``-inf`` / ``-infinity`` / ``-nan`` (any case: what ``float`` reads), are joined; everything after ``--`` is left
-    alone.
+    ``-inf`` / ``-infinity`` / ``-nan`` (any case: what ``float`` reads), are joined, also after an option abbreviated
+    as argparse allows (a prefix of one option only: ``--mem -inf``); everything after ``--`` is left alone.
     """
     import re
 
     takes_value = {s for a in parser._actions if a.nargs is None for s in a.option_strings if s.startswith("--")}
+    longs = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
     out: list[str] = []
     i = 0
     while i < len(argv):
         a = argv[i]
         if a == "--":
             return out + argv[i:]
-        if a in takes_value and i + 1 < len(argv) and re.match(r"-([\d.]|(inf|infinity|nan)$)", argv[i + 1], re.I):
+        named = [s for s in longs if s.startswith(a)] if a.startswith("--") and a not in longs else [a]
+        if len(named) == 1 and named[0] in takes_value and i + 1 < len(argv) and re.match(r"-([\d.]|(inf|infinity|nan)$)", argv[i + 1], re.I):
             out.append(f"{a}={argv[i + 1]}")
             i += 2
             continue

@@ -17,6 +17,7 @@ from tensorpar.planner import cluster as cl
 from tensorpar.planner import model_spec as ms
 from tensorpar.planner.inference import InferenceWorkload
 from tensorpar.planner.layout import ATTENTION, Assumptions, Workload, parse_layout, problems
+from tensorpar.planner.memory import check_memory_left
 
 
 #: bytes per element of the ``--dtype`` / ``--grad-dtype`` names (:data:`tensorpar.cli.DTYPES`)
@@ -197,6 +198,12 @@ def build_cluster(args) -> cl.ClusterSpec:
     return cluster
 
 
+def _memory_source(args) -> str:
+    """Where the device's memory came from, in the user's words: the flag, the device file or the preset."""
+    return ("--memory-gb" if args.memory_gb is not None else f"--device-file {args.device_file}: memory_gib"
+            if args.device_file else f"--device {args.device}'s memory")
+
+
 def build_assumptions(args, model: ms.ModelSpec) -> Assumptions:
     try:
         virtual = tuple(int(v) for v in args.virtual_stages.split(","))
@@ -273,6 +280,7 @@ def _plan_inference(args) -> int:
                              latency_target_ms=args.latency_target_ms,
                              reserve_gib=InferenceWorkload.reserve_gib if args.reserve_gb is None else args.reserve_gb,
                              tp_comm=getattr(args, "tp_comm", "fp32"))
+    check_memory_left(hw.device.memory_gib, work.reserve_gib, _memory_source(args), args.reserve_gb is None)
     plans = plan_inference(model, hw, work)
     ok = bool(plans) and plans[0].fits
     shown = plans if args.top == 0 else plans[:args.top]      # ranked first, then the layouts that do not fit
@@ -334,6 +342,7 @@ def _plan(args) -> int:
         raise ValueError("give --global-batch and --seq")
     work, assume = Workload(args.global_batch, args.seq), build_assumptions(args, model)
     model.check_seq_len(work.seq_len)
+    check_memory_left(hw.device.memory_gib, assume.reserve_gib, _memory_source(args), args.reserve_gb is None)
     layout = parse_layout(args.evaluate, hw.num_devices) if args.evaluate is not None else None
     if layout is not None and layout.cp not in assume.context_parallel:   # rank it among layouts of its cp too
         from dataclasses import replace

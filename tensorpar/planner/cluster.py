@@ -266,8 +266,9 @@ def override(device: DeviceSpec, **changes) -> DeviceSpec:
     return replace(device, **{k: v for k, v in changes.items() if v is not None})
 
 
-#: The range each device field plausibly takes (field: (its flag, low, high, unit)), from a small CPU host to well
-#: past today's largest accelerator, with room on both sides: a value outside is a unit slip or a typo
+#: The range each device field plausibly takes (field: (its flag, None where only a device file gives it, low, high,
+#: unit)), from a small CPU host to well past today's largest accelerator, with room on both sides: a value outside
+#: is a unit slip or a typo
 #: (``--hbm-gbps 1e-300`` printed TTFTs of 1e300 ms), refused in one line by :func:`check_plausible`, from a flag or
 #: a ``--device-file``. The link between hosts also has a softer rule inside its range
 #: (:data:`PLAUSIBLE_INTER_NODE_GBPS`: a note).
@@ -277,7 +278,25 @@ PLAUSIBLE_DEVICE = MappingProxyType({"memory_gib": ("--memory-gb", 0.01, 1e5, "G
                                      "inter_node_gbps": ("--inter-node-bw", 1e-4, 1e5, "GB/s"),
                                      "hbm_gbps": ("--hbm-gbps", 1e-2, 1e5, "GB/s"),
                                      "intra_node_latency_us": ("--intra-node-latency-us", 0.0, 1e7, "microseconds"),
-                                     "inter_node_latency_us": ("--inter-node-latency-us", 0.0, 1e7, "microseconds")})
+                                     "inter_node_latency_us": ("--inter-node-latency-us", 0.0, 1e7, "microseconds"),
+                                     # the fields only a device file (``plan --calibrate --json``) gives: no flag
+                                     **{f: (None, 1e-3, 1e5, "GB/s") for f in (
+                                         "local_link_gbps", "tp_link_gbps", "p2p_link_gbps", "decode_read_gbps",
+                                         "decode_read_host_gbps", "prefill_read_gbps")},
+                                     **{f: (None, 1e-4, 1e5, "TFLOP/s") for f in (
+                                         "prefill_tflops", "prefill_attention_tflops")},
+                                     **{f: (None, 0.0, 1e7, "microseconds") for f in (
+                                         "local_link_latency_us", "tp_link_latency_us", "p2p_link_latency_us",
+                                         "layer_overhead_us", "decode_collective_us", "prefill_layer_overhead_us",
+                                         "int8_reduce_cpu_us", "train_layer_overhead_us",
+                                         "train_micro_batch_overhead_us", "pipeline_p2p_op_cpu_us",
+                                         "pipeline_p2p_op_cpu_shared_us")},
+                                     "optimizer_ns_per_param": (None, 0.0, 1e7, "nanoseconds"),
+                                     "host_cores": (None, 0.0, 1e5, "cores"),
+                                     "external_threads": (None, 0.0, 1e6, "threads"),
+                                     "external_groups": (None, 0.0, 1e6, "scheduling groups"),
+                                     "threads_per_rank": (None, 1, 1e5, "threads"),
+                                     "machine_ranks": (None, 0, 1e7, "ranks")})
 
 
 def check_plausible(values: dict, where: str | None = None) -> None:
@@ -290,7 +309,7 @@ def check_plausible(values: dict, where: str | None = None) -> None:
             continue
         flag, lo, hi, unit = PLAUSIBLE_DEVICE[field]
         if not lo <= v <= hi:
-            name = flag if where is None else f"{where}: {field}"
+            name = f"{where}: {field}" if where is not None else flag or field
             raise ValueError(f"{name} {v:.12g}: outside the plausible {lo:g}-{hi:g} {unit}; check the value and its "
                              f"unit")
 

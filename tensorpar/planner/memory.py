@@ -302,3 +302,13 @@ def memory_per_device(model: ModelSpec, layout: Layout, work: Workload, assume: 
 
 def usable_bytes(memory_gib: float, assume: Assumptions) -> float:
     return (memory_gib - assume.reserve_gib) * GIB
+
+
+def check_memory_left(memory_gib: float, reserve_gib: float, source: str, reserve_default: bool) -> None:
+    """Raise ValueError where a device's memory (``memory_gib``, GiB, given by ``source``: the flag or file that set
+    it) is not more than the memory kept off the model (``reserve_gib``, ``--reserve-gb``): every layout would show
+    negative usable memory (:func:`usable_bytes`)."""
+    if memory_gib <= reserve_gib:
+        raise ValueError(f"{source} {memory_gib:g} GiB leaves no memory for the model after --reserve-gb "
+                         f"{reserve_gib:g}{' (its default)' if reserve_default else ''}; give more than "
+                         f"{reserve_gib:g} GiB per device or a smaller --reserve-gb")

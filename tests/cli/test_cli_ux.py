@@ -68,6 +68,12 @@ def test_dash_values_are_joined_only_for_options_that_take_one_value():
     # what float() reads as minus infinity or nan, any case; not an option that merely starts with those letters
     assert _join_dash_values(p, ["--n", "-inf", "--tp-weights", "-NaN", "--n", "-Infinity", "--n", "-info"]) == [
         "--n=-inf", "--tp-weights=-NaN", "--n=-Infinity", "--n", "-info"]
+    # an abbreviation argparse accepts (the prefix of one option) is joined as the option; an ambiguous one is not
+    p.add_argument("--nice", type=int)
+    assert _join_dash_values(p, ["--tp-w", "-1,1", "--ni", "-2", "--n", "-3"]) == ["--tp-w=-1,1", "--ni=-2", "--n=-3"]
+    assert _join_dash_values(p, ["--t", "-1", "--", "--tp-w", "-1"]) == ["--t=-1", "--", "--tp-w", "-1"]
+    p.add_argument("--tp-size", type=int)
+    assert _join_dash_values(p, ["--tp", "-1"]) == ["--tp", "-1"]
 
 
 def test_plan_memory_gb_minus_inf_is_refused_by_its_check(capsys):
@@ -75,6 +81,9 @@ def test_plan_memory_gb_minus_inf_is_refused_by_its_check(capsys):
     rc = main(["plan", "--model", "llama3-8b", "--gpus", "8", "--memory-gb", "-inf"])
     err = capsys.readouterr().err
     assert rc != 0 and "--memory-gb" in err and "usage:" not in err, err
+    rc = main(["plan", "--model", "llama3-8b", "--gpus", "8", "--mem", "-inf"])      # abbreviated, as argparse allows
+    err = capsys.readouterr().err
+    assert rc != 0 and "--memory-gb -inf: must be a finite number > 0" in err and "usage:" not in err, err
 
 
 # ---------------------------------------------------------------- 2: flags that do nothing at the degrees given

@@ -277,7 +277,11 @@ def test_the_value_refused_is_the_one_given_not_a_rounding_of_it(plan):
 
 
 @pytest.mark.parametrize("field,value", [("hbm_gbps", 1e-300), ("memory_gib", 1e30), ("peak_tflops", 5e6),
-                                         ("intra_node_latency_us", 1e30)])
+                                         ("intra_node_latency_us", 1e30),
+                                         # the fields only a calibrated file gives (no flag; unchecked before)
+                                         ("decode_read_gbps", 1e-300), ("prefill_tflops", 1e9),
+                                         ("layer_overhead_us", 1e12), ("tp_link_gbps", 1e30),
+                                         ("local_link_gbps", 1e-9), ("threads_per_rank", 10 ** 9)])
 def test_a_device_file_far_outside_any_device_is_refused(plan, tmp_path, field, value):
     """The device file's fields get the flags' ranges (review: ``"hbm_gbps": 1e-300`` in a file printed TTFTs
     hundreds of digits long, in plan and in generate --plan auto, which reads files with the same function)."""
@@ -291,6 +295,34 @@ def test_a_device_file_far_outside_any_device_is_refused(plan, tmp_path, field, 
                           "--max-new-tokens", "8", "--device-file", str(path))
     assert code == 2 and not out and err.count("\n") == 1, err
     assert f"--device-file {path}: {field} {value:.12g}: outside the plausible" in err, err
+
+
+def test_every_device_field_has_a_plausible_range():
+    """A field added to DeviceSpec without a range would let a file's typo through unchecked (the calibrated fields
+    were, review of 12-03); ``name`` and ``local_link_label`` are labels, ``matmul_efficiency`` has its own (0, 1]."""
+    import dataclasses
+
+    from tensorpar.planner import cluster as cl
+    fields = {f.name for f in dataclasses.fields(cl.DeviceSpec)}
+    assert fields - set(cl.PLAUSIBLE_DEVICE) == {"name", "local_link_label", "tp_link_label", "matmul_efficiency"}
+
+
+@pytest.mark.parametrize("extra,says", [
+    (("--memory-gb", "0.01"), "--memory-gb 0.01 GiB leaves no memory for the model after --reserve-gb 2 (its "
+                              "default); give more than 2 GiB per device or a smaller --reserve-gb"),
+    (("--memory-gb", "8", "--reserve-gb", "8"), "--memory-gb 8 GiB leaves no memory for the model after "
+                                                "--reserve-gb 8; give more than 8 GiB"),
+    (("--reserve-gb", "100"), "--device h100-80gb's memory 79.6 GiB leaves no memory for the model after "
+                              "--reserve-gb 100;")])
+def test_memory_not_more_than_the_reserve_is_refused(plan, extra, says):
+    """``--memory-gb 0.01`` printed every layout with negative usable memory (-2.0 GiB): one line instead, naming
+    where the memory came from and the reserve, for inference and training plans."""
+    code, out, err = plan("--model", "smollm2", "--gpus", "2", "--inference", "--batch", "1", "--prompt-len", "16",
+                          "--max-new-tokens", "8", "--device", "h100-80gb", *extra)
+    assert code == 2 and not out and err.count("\n") == 1 and says in err, err
+    code, out, err = plan("--model", "smollm2", "--gpus", "2", "--global-batch", "8", "--seq", "512",
+                          "--memory-gb", "0.5", "--reserve-gb", "1")
+    assert code == 2 and "--memory-gb 0.5 GiB leaves no memory for the model after --reserve-gb 1;" in err, err
 
 
 @pytest.mark.parametrize("flag,value", [("--inter-node-bw", "1e-300"), ("--inter-node-bw", "1e30"),
