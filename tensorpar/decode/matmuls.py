@@ -47,7 +47,7 @@ def use_packed(dec, model) -> None:
     w = dec.layers[0].packs[0][3]
     probe = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
     with torch.no_grad():
-        got = packed_linear(probe, pack(w), None)
+        got = packed_linear(probe, pack(w, dec.max_batch), None)
         want = F.linear(probe, w)
     same = (torch.equal(got, want) if w.dtype != torch.float32
             else torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())))
@@ -68,7 +68,7 @@ def use_packed(dec, model) -> None:
             setattr(L, field, None)
         L.packs = []
     lm_w, dec.lm_w = dec.lm_w, None
-    packed = pack_weights(model, plan)
+    packed = pack_weights(model, plan, dec.max_batch)
     for L, field, i in fields:
         setattr(L, field, packed[i])
     dec.lin = packed_linear

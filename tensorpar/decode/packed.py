@@ -88,17 +88,17 @@ def _swap(mod: nn.Module, pw: PackedWeight) -> None:
     pw.param.data = pw.param.data.new_empty(0)          # the plain storage is freed once nothing else holds it
 
 
-def _pack_linear(mod: nn.Module) -> torch.Tensor:
+def _pack_linear(mod: nn.Module, rows: int) -> torch.Tensor:
     p = mod._parameters["weight"]
-    packed = pack(p)
+    packed = pack(p, rows)
     _swap(mod, PackedWeight(packed, p))
     return packed
 
 
-def _pack_fused(owner: nn.Module, names: tuple[str, ...]) -> torch.Tensor:
+def _pack_fused(owner: nn.Module, names: tuple[str, ...], rows: int) -> torch.Tensor:
     """Pack ``owner``'s fused weight (:mod:`tensorpar.layers.fused`) and free it and its projections' views."""
     fw, fb = owner.__dict__[FUSED_KEY]
-    packed = pack(fw)
+    packed = pack(fw, rows)
     off = 0
     for n in names:
         mod = getattr(owner, n)
@@ -142,10 +142,11 @@ def pack_plan(model, ids: set[int]) -> list[tuple[nn.Module, tuple[str, ...] | N
     return plan
 
 
-def pack_weights(model, plan) -> dict[int, torch.Tensor]:
+def pack_weights(model, plan, rows: int = 1) -> dict[int, torch.Tensor]:
     """Replace the plain matmul weights of :func:`pack_plan`'s ``plan`` with oneDNN-packed ones, freeing the plain
     storage one matrix at a time (peak: the shard plus its largest matrix, when the caller holds no other
-    reference to them). Returns ``{id(plain weight): packed}`` (ids of the fused tensors and of the Linear weight
+    reference to them). ``rows``: the input rows a step runs at most (:func:`~tensorpar.decode.kernels.pack`'s
+    hint). Returns ``{id(plain weight): packed}`` (ids of the fused tensors and of the Linear weight
     parameters). No collectives."""
     from tensorpar.decode.quantize import _release_freed_memory
     out: dict[int, torch.Tensor] = {}
@@ -154,10 +155,10 @@ def pack_weights(model, plan) -> dict[int, torch.Tensor]:
     for mod, names in plan:
         if names is None:
             key, dev = id(mod._parameters["weight"]), mod._parameters["weight"].device
-            out[key] = _pack_linear(mod)
+            out[key] = _pack_linear(mod, rows)
         else:
             key = id(mod.__dict__[FUSED_KEY][0])
-            out[key] = _pack_fused(mod, names)
+            out[key] = _pack_fused(mod, names, rows)
         done.append((mod, names))
     if dev is not None:
         _release_freed_memory(dev)
