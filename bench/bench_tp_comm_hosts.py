@@ -5,8 +5,10 @@
 1. ``generate --tp 2`` of SmolLM2-135M (fp32, greedy, ``--new-tokens``) with one rank on each of two hosts, a
    prompt of ``--prompt-tokens`` (512) tokens of the held-out Shakespeare slice, ``--tp-comm fp32`` and ``int8``
    interleaved ``--repeats`` times: the time to first token and decode tokens/s that ``generate`` prints (median);
+   ``int8-torch`` is int8 with ``TENSORPAR_COMM_KERNEL=0``: the quantization and the sum in PyTorch ops instead of
+   our C kernel (csrc/q8_comm.cpp, the same bits), the A/B of that kernel;
 2. one tp all-reduce of fp32 ``[1, n]`` partials (576 = SmolLM2's hidden size, 4096 = 16 KB; median of
-   ``--iters`` calls, each after a barrier) over the same link, exact and int8
+   ``--iters`` calls, each after a barrier) over the same link, exact, int8 and int8 through PyTorch ops
    (:func:`tensorpar.comm.reduce_partial` with ``compression="int8"``), on the tp group as generate makes it
    (``--fast-collectives auto``: across hosts the leaders' TCP mesh, tensorpar/comm/tcp.py): run by this file as
    the rank job (``--rank-job``).
@@ -40,11 +42,14 @@ def rank_job(out: str, iters: int) -> None:
     torch.set_num_threads(1)
     ctx = init_parallel(ParallelConfig(tp=int(os.environ["WORLD_SIZE"])), timeout_s=120, fast_collectives="auto")
     tp = ctx.tp
+    from tensorpar.comm import compress
+    kernel = compress._lib
     rec = {}
     for n in SIZES:
         x = torch.randn(1, n, generator=torch.Generator().manual_seed(tp.rank))
-        for mode in ("fp32", "int8"):
-            tp.compression = mode
+        for mode in ("fp32", "int8", "int8-torch"):
+            tp.compression = mode[:4]
+            compress._lib = (lambda: None) if mode == "int8-torch" else kernel
             for _ in range(5):
                 comm.reduce_partial(x, tp)
             times = []
@@ -84,13 +89,17 @@ def main() -> None:
     prompt = tok.decode(ids[0])
     n_prompt = len(tok(prompt)["input_ids"])
     load0 = os.getloadavg()
-    runs: dict[str, list] = {"fp32": [], "int8": []}
-    for _ in range(a.repeats):
-        for mode in ("fp32", "int8"):
+    from machine import cpu_account, describe, other_work
+    cpu0 = cpu_account()
+    modes = ("fp32", "int8", "int8-torch")
+    runs: dict[str, list] = {m: [] for m in modes}
+    for rep in range(a.repeats):
+        for mode in (modes if rep % 2 == 0 else modes[::-1]):
             cmd = ["-m", "tensorpar", "generate", "--model", folder, "--tp", "2", "--max-new-tokens",
-                   str(a.new_tokens), "--prompt", prompt, "--tp-comm", mode]
+                   str(a.new_tokens), "--prompt", prompt, "--tp-comm", mode[:4]]
+            e = dict(env(), **({"TENSORPAR_COMM_KERNEL": "0"} if mode == "int8-torch" else {}))
             with NamespaceHosts(2, a.rate) as h:
-                res = h.run_torchrun(cmd, nproc=1, timeout_s=600, env=env())
+                res = h.run_torchrun(cmd, nproc=1, timeout_s=600, env=e)
             if any(rc for rc, _, _ in res):
                 raise RuntimeError("generate failed: " + " | ".join(err[-1500:] for _, _, err in res))
             out = "\n".join(o for _, o, _ in res)
@@ -105,10 +114,11 @@ def main() -> None:
             raise RuntimeError("collective job failed: " + " | ".join(err[-1500:] for _, _, err in res))
         coll = json.loads(Path(path).read_text())
     load1 = os.getloadavg()
+    work_other = other_work(cpu0, cpu_account())
     med = {k: {"ttft_ms": statistics.median(r["ttft_ms"] for r in v),
                "tokens_per_s": statistics.median(r["tokens_per_s"] for r in v)} for k, v in runs.items()}
     meta = {"cpu": cpu_model(), "cores": os.cpu_count(), "load_start": load0, "load_end": load1, "rate": a.rate,
-            "prompt_tokens": n_prompt, "prompt_work": work, "new_tokens": a.new_tokens}
+            "prompt_tokens": n_prompt, "prompt_work": work, "new_tokens": a.new_tokens, "other_work": work_other}
     outdir = Path(a.out)
     outdir.mkdir(parents=True, exist_ok=True)
     (outdir / "tp_comm_hosts.json").write_text(json.dumps({"meta": meta, "runs": runs, "median": med,
@@ -117,17 +127,20 @@ def main() -> None:
     lines = [f"# --tp-comm int8 vs fp32 across two namespace hosts at {a.rate} (one rank each)", "",
              f"{meta['cpu']}, {meta['cores']} cores; load average {la(load0)} at start, {la(load1)} at end "
              f"({'loaded, shared machine: indicative only' if max(load0[0], load1[0]) > 2.5 else 'quiet: its own two ranks'})"
-             ".", "",
+             f"; {describe(work_other)}.", "",
              f"SmolLM2-135M generate --tp 2, fp32 weights, greedy, prompt of {n_prompt} tokens ({work}), "
              f"{a.new_tokens} new tokens; median of {a.repeats} interleaved runs:", "",
              "| --tp-comm | time to first token (ms) | decode tokens/s | runs (ttft ms / tok/s) |", "|---|---|---|---|"]
-    for k in ("fp32", "int8"):
+    for k in modes:
         lines.append(f"| {k} | {med[k]['ttft_ms']:.0f} | {med[k]['tokens_per_s']:.1f} | "
                      + ", ".join(f"{r['ttft_ms']:.0f} / {r['tokens_per_s']:.1f}" for r in runs[k]) + " |")
-    lines += ["", f"TTFT int8 / fp32: {med['int8']['ttft_ms'] / med['fp32']['ttft_ms']:.2f}", "",
-              "| one tp all-reduce of [1, n] fp32 over the link | fp32 ms | int8 ms |", "|---|---|---|"]
+    lines += ["", f"TTFT int8 / fp32: {med['int8']['ttft_ms'] / med['fp32']['ttft_ms']:.2f} (int8 through PyTorch ops: "
+              f"{med['int8-torch']['ttft_ms'] / med['fp32']['ttft_ms']:.2f})", "",
+              "| one tp all-reduce of [1, n] fp32 over the link | fp32 ms | int8 ms | int8, PyTorch ops, ms |",
+              "|---|---|---|---|"]
     for n in SIZES:
-        lines.append(f"| n={n} ({4 * n} B) | {coll[f'fp32_{n}'] * 1e3:.3f} | {coll[f'int8_{n}'] * 1e3:.3f} |")
+        lines.append(f"| n={n} ({4 * n} B) | {coll[f'fp32_{n}'] * 1e3:.3f} | {coll[f'int8_{n}'] * 1e3:.3f} | "
+                     f"{coll[f'int8-torch_{n}'] * 1e3:.3f} |")
     (outdir / "tp_comm_hosts.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -31,7 +31,7 @@ import torch
 from tensorpar import comm
 from tensorpar.comm import Group
 from tensorpar.decode.gemv_kernel import pick_target
-from tensorpar.decode.q8_kernel import load_kernel
+from tensorpar.native import load_kernel
 
 _SRC = Path(__file__).with_name("csrc") / "step.cpp"
 _FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17"]

@@ -35,7 +35,8 @@ from pathlib import Path
 
 import torch
 
-from tensorpar.decode.q8_kernel import _cpu_has_features, load_kernel
+from tensorpar.decode.q8_kernel import _cpu_has_features
+from tensorpar.native import load_kernel
 
 _SRC = Path(__file__).with_name("csrc") / "gemv.cpp"
 _FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]

@@ -147,17 +147,14 @@ def measure_int8_reduce(ctx, hidden: int, calls: int = 200) -> dict:
 
     import torch
 
-    from tensorpar.comm.compress import _blocks, _dequantize_rows, _quantize_into, payload_bytes
+    from tensorpar.comm.compress import decode_sum, encode
 
     torch.set_num_threads(1)
     x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(0))
-    n, nb, m = hidden, _blocks(hidden), payload_bytes(hidden)
 
-    def one():
-        payload = torch.empty(m, dtype=torch.uint8)
-        _quantize_into(x, payload[:4 * nb].view(torch.float32), payload[4 * nb:4 * nb + n].view(torch.int8))
-        g = torch.stack([payload, payload])          # what the all-gather returns for 2 ranks
-        return _dequantize_rows(g[:, 4 * nb:4 * nb + n].view(torch.int8), g[:, :4 * nb].view(torch.float32)).sum(0)
+    def one():                  # all_reduce_int8 less its all-gather, for 2 ranks
+        payload = encode(x)
+        return decode_sum(torch.stack([payload, payload]), hidden)
 
     for _ in range(50):
         one()
