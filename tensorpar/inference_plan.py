@@ -218,6 +218,9 @@ def choose_layout(args, config, model_name: str, batch: int, prompt_len: int, ne
     new_tokens = args.max_new_tokens if new_tokens is None else new_tokens
     work = InferenceWorkload(batch, prompt_len, new_tokens, weight_bytes=nbytes, kv_bytes=nbytes,
                              reserve_gib=reserve, tp_comm=getattr(args, "tp_comm", "fp32"))
+    from tensorpar.planner.memory import check_memory_left
+    check_memory_left(device.memory_gib, reserve, f"--device-file {args.device_file}: memory_gib"
+                      if getattr(args, "device_file", None) else "this host's memory per rank", reserve_flag=None)
     cluster = ClusterSpec(device, nproc, local)
     best, plans = choose(model, cluster, work, lambda tp, pp: runtime_problem(args, config, tp, pp, extra),
                          what=f"--model {model_name}", smaller=smaller)

@@ -87,12 +87,14 @@ def can_pack(w: torch.Tensor) -> bool:
 def pack(w: torch.Tensor, rows: int = 1) -> torch.Tensor:
     """``w`` ``[out, in]`` reordered into oneDNN's blocked layout (a new tensor of its own memory, read by
     :func:`packed_linear`; ``to_dense()`` gives ``w`` back bit for bit). :func:`tensorpar.decode.packed.pack_weights`
-    makes it replace ``w``. ``rows``: the input rows a step runs at most (a decoder's ``max_batch``), oneDNN's
-    batch-size hint, from which it picks the blocked layout. The layout packed for one row ran bf16 1.1-1.5x slower
-    at 4-512 rows than one packed for 4 or more (Xeon with AMX, one thread, the 1.1B Llama's shapes: at 16 rows 231
-    against 210 ms per step's matmuls, at 4 rows 288 against 191, a 512-token prefill 66 against 54); fp32 ran the
-    same either way."""
-    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
+    makes it replace ``w``. ``rows``: the input rows a step runs at most (a decoder's ``max_batch``), from which
+    oneDNN's batch-size hint is set: ``rows`` for fp32, at least 4 for bf16. A bf16 layout packed for one row
+    differed from ``F.linear`` at 33 rows and more (a prefill, a batch) and ran slower at every row count; packed for
+    2 or more it gave ``F.linear``'s bits at 1-2048 rows (Xeon with AMX; bench/results/pack-hint-xeon.md has the
+    times per step). fp32 is never bitwise ``F.linear`` (a probe checks its tolerance) and ran slower at one row
+    packed for many, so it takes ``rows`` as given."""
+    hint = rows if w.dtype == torch.float32 else max(rows, 4)
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), hint)
 
 
 def kv_runs(kv_index: list[int]) -> list[tuple[int, int, int]]:

@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
 
+from tensorpar.planner.plausible import PLAUSIBLE_DEVICE, check_plausible  # noqa: F401  (cl.check_plausible)
+
 
 @dataclass(frozen=True)
 class DeviceSpec:
@@ -251,6 +253,13 @@ def device_from_file(path: str | Path) -> DeviceSpec:
     if not isinstance(data, dict):
         raise ValueError(f"--device-file {path}: a JSON {type(data).__name__}, not an object; expected the fields of "
                          f"DeviceSpec (e.g. the 'device' of tensorpar plan --calibrate --json)")
+    for field, v in data.items():   # numbers only: JSON's true is not 1, "8" not 8, and 1e400 written as an integer
+        if field in PLAUSIBLE_DEVICE and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                          or isinstance(v, int) and not -1e308 < v < 1e308):
+            shown = json.dumps(v)
+            raise ValueError(f"--device-file {path}: {field} {shown[:40] + ('...' if len(shown) > 40 else '')} is "
+                             f"not a number; give a number in "
+                             f"{PLAUSIBLE_DEVICE[field][3]}")
     try:
         device = DeviceSpec(**data)
     except TypeError as err:
@@ -264,54 +273,6 @@ def device_from_file(path: str | Path) -> DeviceSpec:
 def override(device: DeviceSpec, **changes) -> DeviceSpec:
     """The device with the given fields replaced (``None`` values keep the preset)."""
     return replace(device, **{k: v for k, v in changes.items() if v is not None})
-
-
-#: The range each device field plausibly takes (field: (its flag, None where only a device file gives it, low, high,
-#: unit)), from a small CPU host to well past today's largest accelerator, with room on both sides: a value outside
-#: is a unit slip or a typo
-#: (``--hbm-gbps 1e-300`` printed TTFTs of 1e300 ms), refused in one line by :func:`check_plausible`, from a flag or
-#: a ``--device-file``. The link between hosts also has a softer rule inside its range
-#: (:data:`PLAUSIBLE_INTER_NODE_GBPS`: a note).
-PLAUSIBLE_DEVICE = MappingProxyType({"memory_gib": ("--memory-gb", 0.01, 1e5, "GiB"),
-                                     "peak_tflops": ("--peak-tflops", 1e-4, 1e5, "TFLOP/s"),
-                                     "intra_node_gbps": ("--intra-node-bw", 1e-3, 1e5, "GB/s"),
-                                     "inter_node_gbps": ("--inter-node-bw", 1e-4, 1e5, "GB/s"),
-                                     "hbm_gbps": ("--hbm-gbps", 1e-2, 1e5, "GB/s"),
-                                     "intra_node_latency_us": ("--intra-node-latency-us", 0.0, 1e7, "microseconds"),
-                                     "inter_node_latency_us": ("--inter-node-latency-us", 0.0, 1e7, "microseconds"),
-                                     # the fields only a device file (``plan --calibrate --json``) gives: no flag
-                                     **{f: (None, 1e-3, 1e5, "GB/s") for f in (
-                                         "local_link_gbps", "tp_link_gbps", "p2p_link_gbps", "decode_read_gbps",
-                                         "decode_read_host_gbps", "prefill_read_gbps")},
-                                     **{f: (None, 1e-4, 1e5, "TFLOP/s") for f in (
-                                         "prefill_tflops", "prefill_attention_tflops")},
-                                     **{f: (None, 0.0, 1e7, "microseconds") for f in (
-                                         "local_link_latency_us", "tp_link_latency_us", "p2p_link_latency_us",
-                                         "layer_overhead_us", "decode_collective_us", "prefill_layer_overhead_us",
-                                         "int8_reduce_cpu_us", "train_layer_overhead_us",
-                                         "train_micro_batch_overhead_us", "pipeline_p2p_op_cpu_us",
-                                         "pipeline_p2p_op_cpu_shared_us")},
-                                     "optimizer_ns_per_param": (None, 0.0, 1e7, "nanoseconds"),
-                                     "host_cores": (None, 0.0, 1e5, "cores"),
-                                     "external_threads": (None, 0.0, 1e6, "threads"),
-                                     "external_groups": (None, 0.0, 1e6, "scheduling groups"),
-                                     "threads_per_rank": (None, 1, 1e5, "threads"),
-                                     "machine_ranks": (None, 0, 1e7, "ranks")})
-
-
-def check_plausible(values: dict, where: str | None = None) -> None:
-    """Raise ValueError for the first of ``values`` (a :data:`PLAUSIBLE_DEVICE` field -> the number given, or None:
-    not given) outside its range, naming its flag (``where`` None) or ``where: field`` (a device file), the value and
-    the range. Only finite numbers > 0 are checked: the flags' own checks refuse the others in their words, or give
-    them a meaning (``--hbm-gbps 0``: not modelled; a latency of 0; a calibrated file's 0: not measured)."""
-    for field, v in values.items():
-        if v is None or isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
-            continue
-        flag, lo, hi, unit = PLAUSIBLE_DEVICE[field]
-        if not lo <= v <= hi:
-            name = f"{where}: {field}" if where is not None else flag or field
-            raise ValueError(f"{name} {v:.12g}: outside the plausible {lo:g}-{hi:g} {unit}; check the value and its "
-                             f"unit")
 
 
 #: GB/s per rank that a link between hosts plausibly has: 0.01 (80 Mbit/s, below any data-centre or office

@@ -86,8 +86,9 @@ class InferenceWorkload:
                 raise ValueError(f"{flag} ({getattr(self, knob)}) must be >= 1")
         if self.latency_target_ms is not None and not self.latency_target_ms > 0:
             raise ValueError(f"--latency-target-ms ({self.latency_target_ms}) must be > 0")
-        if self.reserve_gib < 0:
-            raise ValueError(f"--reserve-gb ({self.reserve_gib}) must be >= 0")
+        if not 0 <= self.reserve_gib < float("inf"):
+            raise ValueError(f"--reserve-gb {self.reserve_gib:.12g}: must be a finite number >= 0 (GiB per device kept "
+                             f"off the model)")
 
 
 @dataclass(frozen=True)

@@ -115,8 +115,9 @@ class Assumptions:
         for knob in ("activation_bytes", "param_bytes", "grad_bytes"):
             if getattr(self, knob) not in (2, 4):
                 raise ValueError(f"{knob} ({getattr(self, knob)}) must be 2 (bf16/fp16) or 4 (fp32)")
-        if self.reserve_gib < 0:
-            raise ValueError(f"--reserve-gb ({self.reserve_gib}) must be >= 0")
+        if not 0 <= self.reserve_gib < float("inf"):
+            raise ValueError(f"--reserve-gb {self.reserve_gib:.12g}: must be a finite number >= 0 (GiB per device kept "
+                             f"off the model)")
         if self.max_micro_batch < 1:
             raise ValueError(f"--max-micro-batch ({self.max_micro_batch}) must be >= 1")
         if not self.capacity_factor > 0:

@@ -304,11 +304,15 @@ def usable_bytes(memory_gib: float, assume: Assumptions) -> float:
     return (memory_gib - assume.reserve_gib) * GIB
 
 
-def check_memory_left(memory_gib: float, reserve_gib: float, source: str, reserve_default: bool) -> None:
+def check_memory_left(memory_gib: float, reserve_gib: float, source: str, reserve_default: bool = False,
+                      reserve_flag: str | None = "--reserve-gb") -> None:
     """Raise ValueError where a device's memory (``memory_gib``, GiB, given by ``source``: the flag or file that set
-    it) is not more than the memory kept off the model (``reserve_gib``, ``--reserve-gb``): every layout would show
-    negative usable memory (:func:`usable_bytes`)."""
-    if memory_gib <= reserve_gib:
-        raise ValueError(f"{source} {memory_gib:g} GiB leaves no memory for the model after --reserve-gb "
-                         f"{reserve_gib:g}{' (its default)' if reserve_default else ''}; give more than "
-                         f"{reserve_gib:g} GiB per device or a smaller --reserve-gb")
+    it) is not more than the memory kept off the model (``reserve_gib``: ``reserve_flag``'s value, or a fixed reserve
+    where ``reserve_flag`` is None): every layout would show negative usable memory (:func:`usable_bytes`)."""
+    if memory_gib > reserve_gib:
+        return
+    r = f"{reserve_gib:.12g}"
+    after = (f"{reserve_flag} {r}{' (its default)' if reserve_default else ''}" if reserve_flag
+             else f"the {r} GiB per rank kept off the model")
+    raise ValueError(f"{source} {memory_gib:.12g} GiB leaves no memory for the model after {after}; give more than "
+                     f"{r} GiB per device" + (f" or a smaller {reserve_flag}" if reserve_flag else ""))

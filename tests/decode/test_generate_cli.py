@@ -255,6 +255,20 @@ def test_plan_auto_chooses_tp_on_one_host_and_pp_across_a_slow_link(tiny_with_to
                 f"tp={want[0]} pp={want[1]}") in out and "pp across nodes" in out, out
 
 
+def test_plan_auto_refuses_a_device_with_no_memory_past_the_reserve(tiny_with_tokenizer, tmp_path):
+    """A device file of 1.5 GiB against the planner's 2 GiB reserve said "needs 0.26 GiB > -0.50 GiB usable per
+    rank; use more ranks" (review): now one line naming the file's field and the reserve, as ``plan`` says it."""
+    import json
+
+    from tensorpar import generate
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps({**PLAN_DEVICE, "memory_gib": 1.5}))
+    with pytest.raises(ValueError, match=rf"--device-file {path}: memory_gib 1.5 GiB leaves no memory for the model "
+                                         r"after the 2 GiB per rank kept off the model; give more than 2 GiB"):
+        generate.validate(_parse("--model", tiny_with_tokenizer, "--plan", "auto", "--nproc", "2", "--device-file",
+                                 str(path), "--prompt", "the cat", "--max-new-tokens", "4"))
+
+
 def test_plan_auto_choice_by_hand():
     """The same rule on the planner's numbers: at 1 Gbit/s (500 us) tp=2 across 2 hosts costs 7 collectives per
     token, pp=2 across costs 2 messages; the chosen plan is the faster and the runner-up is the other."""

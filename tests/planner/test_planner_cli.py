@@ -281,7 +281,10 @@ def test_the_value_refused_is_the_one_given_not_a_rounding_of_it(plan):
                                          # the fields only a calibrated file gives (no flag; unchecked before)
                                          ("decode_read_gbps", 1e-300), ("prefill_tflops", 1e9),
                                          ("layer_overhead_us", 1e12), ("tp_link_gbps", 1e30),
-                                         ("local_link_gbps", 1e-9), ("threads_per_rank", 10 ** 9)])
+                                         ("local_link_gbps", 1e-9), ("threads_per_rank", 10 ** 9),
+                                         # a lower bound above 0 where a tiny value would be read (review: host_cores
+                                         # 1e-300 printed a step time of 7e311 s)
+                                         ("host_cores", 1e-300), ("optimizer_ns_per_param", 1e-300)])
 def test_a_device_file_far_outside_any_device_is_refused(plan, tmp_path, field, value):
     """The device file's fields get the flags' ranges (review: ``"hbm_gbps": 1e-300`` in a file printed TTFTs
     hundreds of digits long, in plan and in generate --plan auto, which reads files with the same function)."""
@@ -295,6 +298,33 @@ def test_a_device_file_far_outside_any_device_is_refused(plan, tmp_path, field, 
                           "--max-new-tokens", "8", "--device-file", str(path))
     assert code == 2 and not out and err.count("\n") == 1, err
     assert f"--device-file {path}: {field} {value:.12g}: outside the plausible" in err, err
+
+
+@pytest.mark.parametrize("value,shown", [(True, "true"), ("80", '"80"'), (None, "null"), ([1], "[1]"),
+                                         ({"a": 1}, '{"a": 1}'), (10 ** 400, "1" + "0" * 39 + "...")])
+def test_a_device_file_field_that_is_not_a_number_is_named(plan, tmp_path, value, shown):
+    """JSON's true was read as 1 GB/s, a string or null gave "'<' not supported between instances of 'int' and
+    'str'" without the field, and an integer of 400 digits an OverflowError (review)."""
+    import dataclasses
+    import json
+
+    from tensorpar.planner import cluster as cl
+    path = tmp_path / "dev.json"
+    path.write_text(json.dumps({**dataclasses.asdict(cl.device_preset("h100-80gb")), "hbm_gbps": value}))
+    code, out, err = plan("--model", "smollm2", "--gpus", "2", "--inference", "--batch", "1", "--prompt-len", "16",
+                          "--max-new-tokens", "8", "--device-file", str(path))
+    assert code == 2 and not out and err.count("\n") == 1, err
+    assert f"--device-file {path}: hbm_gbps {shown} is not a number; give a number in GB/s" in err, err
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-nan"])
+def test_reserve_that_is_not_a_finite_number_is_refused(plan, value):
+    """``--reserve-gb nan`` passed ``< 0`` and printed a table ending "nan GiB usable" (review)."""
+    for extra in (("--inference", "--batch", "1", "--prompt-len", "16", "--max-new-tokens", "8"),
+                  ("--global-batch", "8", "--seq", "512")):
+        code, out, err = plan("--model", "smollm2", "--gpus", "2", *extra, "--reserve-gb", value)
+        assert code == 2 and not out and err.count("\n") == 1, err
+        assert f"--reserve-gb {float(value):.12g}: must be a finite number >= 0" in err, err
 
 
 def test_every_device_field_has_a_plausible_range():
@@ -313,7 +343,8 @@ def test_every_device_field_has_a_plausible_range():
     (("--memory-gb", "8", "--reserve-gb", "8"), "--memory-gb 8 GiB leaves no memory for the model after "
                                                 "--reserve-gb 8; give more than 8 GiB"),
     (("--reserve-gb", "100"), "--device h100-80gb's memory 79.6 GiB leaves no memory for the model after "
-                              "--reserve-gb 100;")])
+                              "--reserve-gb 100;"),
+    (("--memory-gb", "1.9999999"), "--memory-gb 1.9999999 GiB leaves no memory")])   # not rounded to 2 (review)
 def test_memory_not_more_than_the_reserve_is_refused(plan, extra, says):
     """``--memory-gb 0.01`` printed every layout with negative usable memory (-2.0 GiB): one line instead, naming
     where the memory came from and the reserve, for inference and training plans."""
