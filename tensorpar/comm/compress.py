@@ -14,9 +14,10 @@ values padded to 4 bytes) against ``4 n`` for fp32 (0.28x) or ``2 n`` for bf16 (
 
 On a CPU the quantization and the dequantized sum run in one C++ file of ours (csrc/q8_comm.cpp, built once per
 machine by :mod:`tensorpar.native`; ``TENSORPAR_COMM_KERNEL=0`` turns it off): the same fp32 operations in the same
-order as the PyTorch path here, so the same bits (a test compares them), at 0.5-0.9 us against 80-130 us per call
-at a decode step's 576-4096 values and about 0.1 ms against 9 ms at a 512-token prefill's ``[512, 576]`` (Xeon, one
-thread; bench/results/q8_comm.md). Elsewhere (CUDA, no compiler) the PyTorch path runs.
+order as the PyTorch path here, so the same bits (a test compares them). One rank's work per call (its encode, the
+sum of 2 payloads), one thread on the Xeon (bench/results/q8-comm-xeon.md): 31-36 us against 164-211 us at a
+decode step's ``[1, 576-4096]``, 0.74 against 5.8 ms at a 512-token prefill's ``[512, 576]``, 2.5 against 20.5 ms at
+``[512, 2048]``. Elsewhere (CUDA, no compiler) the PyTorch path runs.
 """
 from __future__ import annotations
 

@@ -89,10 +89,10 @@ def pack(w: torch.Tensor, rows: int = 1) -> torch.Tensor:
     :func:`packed_linear`; ``to_dense()`` gives ``w`` back bit for bit). :func:`tensorpar.decode.packed.pack_weights`
     makes it replace ``w``. ``rows``: the input rows a step runs at most (a decoder's ``max_batch``), from which
     oneDNN's batch-size hint is set: ``rows`` for fp32, at least 4 for bf16. A bf16 layout packed for one row
-    differed from ``F.linear`` at 33 rows and more (a prefill, a batch) and ran slower at every row count; packed for
-    2 or more it gave ``F.linear``'s bits at 1-2048 rows (Xeon with AMX; bench/results/pack-hint-xeon.md has the
-    times per step). fp32 is never bitwise ``F.linear`` (a probe checks its tolerance) and ran slower at one row
-    packed for many, so it takes ``rows`` as given."""
+    differed from ``F.linear`` at 16 rows and more (a batch, a prefill) and ran 1.2-1.8x slower at 1-512 rows than
+    one packed for the rows; packed for 4 or more it gave ``F.linear``'s bits (bench/results/pack-hint-xeon.md, Xeon
+    with AMX, the 1.1B's shapes). fp32 is never bitwise ``F.linear`` (a probe checks its tolerance); packed for the
+    rows it ran 0.90-0.94x the time of one row's layout at 4-64 rows."""
     hint = rows if w.dtype == torch.float32 else max(rows, 4)
     return torch.ops.mkldnn._reorder_linear_weight(w.detach(), hint)
 

@@ -179,7 +179,7 @@ def _generate(model, tp, input_ids, attention_mask, sampling, eos_token_id, pad_
             # the next step: one decode row per unfinished prompt, its token at the position after its last
             rows = [Row(r.slot, [nxt[r.slot]], r.start + len(r.tokens), sampled=not greedy)
                     for r in rows if not done[r.slot]]
-        total = time.perf_counter() - t0 - paused       # not the unpacking below (1.8 s on the 1.1B in bf16)
+        total = time.perf_counter() - t0 - paused       # not the unpacking below (1.6 s on the 1.1B in bf16)
     finally:
         settle(model)     # weights packed for this call (more rows than the GEMV's): plain again, engine dropped
     return GenerationResult(torch.tensor(out, dtype=torch.long).T.contiguous(), ttft, total - ttft, warning,

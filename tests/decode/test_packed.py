@@ -99,7 +99,8 @@ def test_bf16_packed_for_a_decoders_rows_is_f_linear_bit_for_bit_at_every_row_co
 
 def test_decode_time_does_not_include_giving_the_weights_back(folders, monkeypatch):
     """``generate_tokens`` unpacks weights it packed for the call (:func:`settle`) after its last step; that took
-    1.8 s on the 1.1B Llama in bf16 and was counted as decode time (batch 16 showed 22.6 tokens/s for 47.5)."""
+    1.6 s on the 1.1B Llama in bf16 and was counted as decode time (its batch-16 bf16 row at tp=1 showed 22.6
+    tokens/s, bench/results/batch-bf16-before-fix-xeon.md, and 47.8 after the fix, batch-pack-xeon.md)."""
     import time
 
     from tensorpar import generate as gen
