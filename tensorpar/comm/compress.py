@@ -46,7 +46,7 @@ def _lib():
         return None
     p, i = ctypes.c_void_p, ctypes.c_int64
     lib.tp_q8c_quantize.restype = lib.tp_q8c_dequant_sum.restype = None
-    lib.tp_q8c_quantize.argtypes = [p, i, p, p]
+    lib.tp_q8c_quantize.argtypes = [p, i, p, p, i]
     lib.tp_q8c_dequant_sum.argtypes = [p, i, i, i, p]
     return lib
 
@@ -141,7 +141,8 @@ def all_reduce_int8(x: torch.Tensor, group) -> torch.Tensor:
     from tensorpar import comm
 
     g = comm.all_gather(encode(x), group, dim=0).view(group.size, -1)    # rank order
-    return decode_sum(g, x.numel()).view(x.shape).to(x.dtype)
+    y = decode_sum(g, x.numel()).view(x.shape)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def encode(x: torch.Tensor) -> torch.Tensor:
@@ -151,11 +152,12 @@ def encode(x: torch.Tensor) -> torch.Tensor:
     nb, m = _blocks(n), payload_bytes(n)
     payload = torch.empty(m, dtype=torch.uint8, device=x.device)
     lib = _lib() if x.device.type == "cpu" else None
-    if lib is not None:
-        xf = x.detach().reshape(-1).to(torch.float32).contiguous()
-        lib.tp_q8c_quantize(xf.data_ptr(), n, payload.data_ptr(), payload.data_ptr() + 4 * nb)
-    else:
-        _quantize_into(x, payload[:4 * nb].view(torch.float32), payload[4 * nb:4 * nb + n].view(torch.int8))
+    if lib is not None:             # few torch calls: at a decode step's size each costs about as much as the kernel
+        xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.detach().to(torch.float32).contiguous()
+        at = payload.data_ptr()
+        lib.tp_q8c_quantize(xf.data_ptr(), n, at, at + 4 * nb, m - 4 * nb - n)
+        return payload
+    _quantize_into(x, payload[:4 * nb].view(torch.float32), payload[4 * nb:4 * nb + n].view(torch.int8))
     if m > 4 * nb + n:
         payload[4 * nb + n:].zero_()
     return payload
@@ -168,7 +170,7 @@ def decode_sum(g: torch.Tensor, n: int) -> torch.Tensor:
     nb = _blocks(n)
     lib = _lib() if g.device.type == "cpu" else None
     if lib is not None:
-        g = g.contiguous()
+        g = g if g.is_contiguous() else g.contiguous()
         out = torch.empty(n, dtype=torch.float32)
         lib.tp_q8c_dequant_sum(g.data_ptr(), t, m, n, out.data_ptr())
         return out

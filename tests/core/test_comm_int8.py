@@ -69,8 +69,10 @@ def test_the_c_kernel_gives_the_pytorch_paths_bits():
         n, nb = x.numel(), -(-x.numel() // BLOCK)
         a = torch.zeros(payload_bytes(n), dtype=torch.uint8)
         b = torch.zeros(payload_bytes(n), dtype=torch.uint8)
-        lib.tp_q8c_quantize(x.data_ptr(), n, a.data_ptr(), a.data_ptr() + 4 * nb)
+        a.fill_(255)                                   # the kernel writes the padding zeros itself
+        lib.tp_q8c_quantize(x.data_ptr(), n, a.data_ptr(), a.data_ptr() + 4 * nb, payload_bytes(n) - 4 * nb - n)
         c._quantize_into(x, b[:4 * nb].view(torch.float32), b[4 * nb:4 * nb + n].view(torch.int8))
+        assert torch.equal(c.encode(x), a)            # the library's entry, the kernel where it runs
         return a, b
 
     g = torch.Generator().manual_seed(7)

@@ -19,8 +19,9 @@ static const int BLOCK = 32;
 
 extern "C" int tp_q8c_abi(void) { return 1; }
 
-// x [n] fp32 -> scales [ceil(n / 32)] fp32, q [n] int8 (the last block may be shorter).
-extern "C" void tp_q8c_quantize(const float* x, int64_t n, float* scales, int8_t* q) {
+// x [n] fp32 -> scales [ceil(n / 32)] fp32, q [n] int8 (the last block may be shorter), then `pad` zero bytes.
+extern "C" void tp_q8c_quantize(const float* x, int64_t n, float* scales, int8_t* q, int64_t pad) {
+    for (int64_t i = 0; i < pad; ++i) q[n + i] = 0;
     const int64_t nb = (n + BLOCK - 1) / BLOCK;
     for (int64_t b = 0; b < nb; ++b) {
         const int64_t lo = b * BLOCK, hi = lo + BLOCK < n ? lo + BLOCK : n;
