@@ -204,6 +204,10 @@ def choose_layout(args, config, model_name: str, batch: int, prompt_len: int, ne
     layouts = candidate_layouts(model, ClusterSpec(device, nproc, local), one_replica=True)
     if not layouts:     # before any measurement: the count itself has no layout
         raise no_layout_error(model, ClusterSpec(device, nproc, local), f"--model {model_name}")
+    from tensorpar.planner.memory import check_memory_left    # before measuring (tens of seconds): review
+    reserve = CPU_RESERVE_GIB if device.host_cores > 0 else InferenceWorkload.reserve_gib
+    check_memory_left(device.memory_gib, reserve, f"--device-file {args.device_file}: memory_gib"
+                      if getattr(args, "device_file", None) else "this host's memory per rank", reserve_flag=None)
     measure_tp = max(t for t, _ in layouts if t <= local) if any(t <= local for t, _ in layouts) else 1
     backend = "gloo" if getattr(args, "fast_collectives", "auto") == "off" else "shm"
     try:  # a CPU rank without decode constants: measure them at this model's shapes (cached per machine and shape),
@@ -214,13 +218,9 @@ def choose_layout(args, config, model_name: str, batch: int, prompt_len: int, ne
         raise ValueError(f"--plan auto: {e}") from None
     note = f"{note}; {decode_note}" if decode_note else note
     nbytes = 2 if getattr(args, "dtype", "float32") == "bfloat16" else 4
-    reserve = CPU_RESERVE_GIB if device.host_cores > 0 else InferenceWorkload.reserve_gib
     new_tokens = args.max_new_tokens if new_tokens is None else new_tokens
     work = InferenceWorkload(batch, prompt_len, new_tokens, weight_bytes=nbytes, kv_bytes=nbytes,
                              reserve_gib=reserve, tp_comm=getattr(args, "tp_comm", "fp32"))
-    from tensorpar.planner.memory import check_memory_left
-    check_memory_left(device.memory_gib, reserve, f"--device-file {args.device_file}: memory_gib"
-                      if getattr(args, "device_file", None) else "this host's memory per rank", reserve_flag=None)
     cluster = ClusterSpec(device, nproc, local)
     best, plans = choose(model, cluster, work, lambda tp, pp: runtime_problem(args, config, tp, pp, extra),
                          what=f"--model {model_name}", smaller=smaller)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -23,7 +24,10 @@ from pathlib import Path
 
 
 def cpu_has_features(features) -> bool:
-    """Whether /proc/cpuinfo's ``flags`` line lists every one of ``features`` (False where it cannot be read)."""
+    """Whether /proc/cpuinfo's ``flags`` line lists every one of ``features`` (False where it cannot be read; True
+    for no features, a build for any CPU)."""
+    if not features:
+        return True
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -35,26 +39,30 @@ def cpu_has_features(features) -> bool:
 def build(src_path: Path, flags: list[str], name: str) -> Path | None:
     """The shared library's path (``src_path`` compiled with ``flags``), compiling it on first use; ``None`` if no
     C++ compiler works or the build fails."""
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
+    cxx = shlex.split(os.environ.get("CXX", "")) or [c for c in (shutil.which("g++") or shutil.which("c++"),) if c]
+    if not cxx:
         return None
     src = Path(src_path).read_bytes()
-    tag = hashlib.sha256(src + " ".join([cxx] + list(flags)).encode()).hexdigest()[:16]
+    tag = hashlib.sha256(src + " ".join(cxx + list(flags)).encode()).hexdigest()[:16]
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
     lib = root / f"tensorpar_{name}_{tag}.so"
     if lib.exists():
         return lib
+    tmp = None
     try:
         root.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
         os.close(fd)
-        r = subprocess.run([cxx, *flags, str(src_path), "-o", tmp], capture_output=True, timeout=300)
+        r = subprocess.run([*cxx, *flags, str(src_path), "-o", tmp], capture_output=True, timeout=300)
         if r.returncode != 0:
-            os.unlink(tmp)
             return None
         os.replace(tmp, lib)            # atomic: concurrent ranks may build at once
+        tmp = None
     except (OSError, subprocess.SubprocessError):
         return None
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
     return lib
 
 

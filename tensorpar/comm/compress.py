@@ -14,7 +14,8 @@ values padded to 4 bytes) against ``4 n`` for fp32 (0.28x) or ``2 n`` for bf16 (
 
 On a CPU the quantization and the dequantized sum run in one C++ file of ours (csrc/q8_comm.cpp, built once per
 machine by :mod:`tensorpar.native`; ``TENSORPAR_COMM_KERNEL=0`` turns it off): the same fp32 operations in the same
-order as the PyTorch path here, so the same bits (a test compares them). One rank's work per call (its encode, the
+order as the PyTorch path here, so the same bits (a test compares them, nan, inf and tiny blocks included: a block
+whose ``x * 127 / absmax`` is not finite is stored as 0 on both paths, a NaN scale is the default quiet NaN). One rank's work per call (its encode, the
 sum of 2 payloads), one thread on the Xeon (bench/results/q8-comm-xeon.md): 31-36 us against 164-211 us at a
 decode step's ``[1, 576-4096]``, 0.74 against 5.8 ms at a 512-token prefill's ``[512, 576]``, 2.5 against 20.5 ms at
 ``[512, 2048]``. Elsewhere (CUDA, no compiler) the PyTorch path runs.
@@ -40,7 +41,10 @@ TARGETS = (("avx512", ("avx512f", "avx512bw"), ["-mavx512f", "-mavx512bw"]), ("a
 def _lib():
     """The ctypes library of csrc/q8_comm.cpp for this CPU's best target, or None where it cannot run."""
     from tensorpar.native import cpu_has_features, load_kernel
-    name, features, flags = next(t for t in TARGETS if cpu_has_features(t[1]))
+    target = next((t for t in TARGETS if cpu_has_features(t[1])), None)    # "plain" needs no feature
+    if target is None:
+        return None
+    name, features, flags = target
     lib = load_kernel(_SRC, _FLAGS + flags, f"q8comm_{name}", features, "TENSORPAR_COMM_KERNEL")
     if lib is None:
         return None
@@ -74,8 +78,11 @@ def _quantize_into(x: torch.Tensor, scales: torch.Tensor, q: torch.Tensor) -> No
     blocks = flat.view(nb, BLOCK)
     amax = torch.linalg.vector_norm(blocks, float("inf"), dim=1, keepdim=True)      # [nb, 1]
     torch.div(amax.view(nb), QMAX, out=scales)
-    # x * (127 / absmax) lies in [-127, 127] up to a rounding, so round() needs no clamp
+    # x * (127 / absmax) lies in [-127, 127] up to a rounding, so round() needs no clamp; where 127 / absmax is not
+    # finite (absmax below 127 / FLT_MAX, ~3.7e-37: every zero block) or absmax is (a nan or inf element), the
+    # product is not finite and its block is stored as 0 (the C kernel's rule; a cast of inf or nan is undefined)
     qf = torch.round(blocks * (QMAX / amax.clamp_min(torch.finfo(torch.float32).tiny)))
+    qf = torch.nan_to_num(qf, nan=0.0, posinf=0.0, neginf=0.0)
     q.copy_(qf.view(-1)[:n])
 
 
@@ -84,8 +91,9 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Shapes: ``x`` any shape with ``n`` elements -> ``(q, scales)``: ``q`` int8 ``[n]``, ``scales`` float32
     ``[ceil(n / 32)]``. Element ``i`` is ``q[i] * scales[i // 32]`` up to ``scales[i // 32] / 2`` (round to
-    nearest), i.e. ``absmax / 254`` of its block. A non-finite element makes its block's scale non-finite, so the
-    dequantized block is non-finite too (as the exact sum would be).
+    nearest), i.e. ``absmax / 254`` of its block; a block whose absmax is below ``127 / FLT_MAX`` (about 3.7e-37:
+    all zeros, or values that small) is stored as 0, an error of at most its absmax. A non-finite element makes its
+    block's scale non-finite, so the dequantized block is non-finite too (as the exact sum would be).
     """
     n = x.numel()
     scales = torch.empty(_blocks(n), dtype=torch.float32, device=x.device)
@@ -124,8 +132,9 @@ def all_reduce_int8(x: torch.Tensor, group) -> torch.Tensor:
     rank gets the same bits. Wire bytes per rank: ``(t - 1) * 1.125 n`` against the ring all-reduce's
     ``2 (t - 1) / t * 4 n`` in fp32: 0.28x at ``t = 2``, 0.42x at ``t = 3``; it stops paying at ``t >= 8``.
 
-    Error: per block, per rank ``|err| <= scale / 2 = absmax / 254`` of that rank's block; the sum's error is at
-    most the sum of those over the ranks (plus float32 rounding of the sum and of the result's dtype).
+    Error: per block, per rank ``|err| <= scale / 2 = absmax / 254`` of that rank's block (a block below about
+    3.7e-37 is sent as 0: ``|err| <= absmax``); the sum's error is at most the sum of those over the ranks (plus
+    float32 rounding of the sum and of the result's dtype).
 
     Inference only: no autograd of its own (the input is detached); :func:`tensorpar.comm.reduce_from_tp_region`
     passes the gradient through unchanged, as the exact all-reduce's backward does (straight-through).
@@ -168,6 +177,11 @@ def decode_sum(g: torch.Tensor, n: int) -> torch.Tensor:
     dequantized, added in rank order (the C kernel on a CPU where it runs: the same bits)."""
     t, m = g.shape
     nb = _blocks(n)
+    if g.dtype != torch.uint8 or m != payload_bytes(n):
+        raise ValueError(f"decode_sum: payloads of {m} bytes ({g.dtype}) for {n} values; expected uint8 rows of "
+                         f"payload_bytes({n}) = {payload_bytes(n)}")
+    if n == 0:
+        return torch.zeros(0, dtype=torch.float32, device=g.device)
     lib = _lib() if g.device.type == "cpu" else None
     if lib is not None:
         g = g if g.is_contiguous() else g.contiguous()

@@ -96,6 +96,56 @@ def test_the_c_kernel_gives_the_pytorch_paths_bits():
             assert torch.equal(got, want[:n]), (t, n)
 
 
+def test_encode_and_decode_sum_match_the_pytorch_path_on_awkward_inputs(monkeypatch):
+    """The library's entries (not the raw kernel): nan, inf, tiny and zero blocks, bf16 and fp16, a transposed
+    view, 0 elements; the same payload bytes and sum bits with the kernel as with the PyTorch path, mixed payloads
+    included (a rank without the kernel next to one with it). Review: a NaN block's scale kept the input's NaN
+    bits, and the PyTorch path cast inf and nan to int8 (undefined) where the kernel stores 0."""
+    from tensorpar.comm import compress as c
+    if c._lib() is None:
+        pytest.skip("no C++ compiler or TENSORPAR_COMM_KERNEL=0: the PyTorch path runs alone")
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(8, 40, generator=g)
+    base[0, :5] = float("nan")
+    base[1, 3] = float("inf")
+    base[2, :] = -float("inf")
+    base[3, :] = 2e-37                                  # below 127 / FLT_MAX: stored as 0 on both paths
+    base[4, :] = 0.0
+    signalling_nan = torch.tensor([0x7F800001], dtype=torch.int32).view(torch.float32)[0]
+    assert torch.isnan(signalling_nan)
+    base.view(-1)[200] = signalling_nan
+    inputs = [base, base.t(), base.to(torch.bfloat16), base.to(torch.float16), torch.zeros(0), base[:, :33]]
+    for x in inputs:
+        with_kernel = c.encode(x)
+        monkeypatch.setattr(c, "_lib", lambda: None)
+        without = c.encode(x)
+        mixed = torch.stack([with_kernel, without])
+        want = c.decode_sum(mixed, x.numel())
+        monkeypatch.undo()
+        assert torch.equal(with_kernel, without), (x.dtype, x.shape)
+        got = c.decode_sum(mixed, x.numel())
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (x.dtype, x.shape)
+    with pytest.raises(ValueError, match="decode_sum: payloads of 72 bytes"):
+        c.decode_sum(torch.stack([c.encode(torch.randn(64))] * 2), 100_000)    # read past the payloads before
+
+
+def test_no_cpu_flags_falls_back_to_the_pytorch_path(monkeypatch):
+    """Where /proc/cpuinfo cannot be read (no target's features known) the int8 all-reduce runs its PyTorch ops:
+    ``_lib`` ended in StopIteration before (review)."""
+    from tensorpar import native
+    from tensorpar.comm import compress as c
+    x = torch.randn(100, generator=torch.Generator().manual_seed(4))
+    want = c.encode(x)
+    monkeypatch.setattr(native, "cpu_has_features", lambda features: False)
+    c._lib.cache_clear()
+    try:
+        assert c._lib() is None and torch.equal(c.encode(x), want)
+    finally:
+        monkeypatch.undo()
+        c._lib.cache_clear()
+    assert native.cpu_has_features(()) is True
+
+
 def _job_int8(ctx, n: int, dtype_name: str, fast: bool):
     tp = ctx.tp
     dtype = getattr(torch, dtype_name)

@@ -81,7 +81,7 @@ def test_packed_weights_replace_the_plain_ones(folders, arch, dtype):
 def test_bf16_packed_for_a_decoders_rows_is_f_linear_bit_for_bit_at_every_row_count(rows):
     """A decoder packs for its ``max_batch`` rows (oneDNN's batch-size hint; bf16 at least 4). Packed for one row,
     as before 2026-12-03 (and still at one row where our GEMV does not run: review), bf16 differed from ``F.linear``
-    at 33 rows and more (a prefill, a batch) while the decoder's probe checked 3 rows; packed for 4 or more, the
+    at 16 rows and more (a batch, a prefill) while the decoder's probe checked 3 rows; packed for 4 or more, the
     same bits at 1-256 rows (Xeon with AMX)."""
     import torch.nn.functional as F
 

@@ -34,6 +34,7 @@ extern "C" void tp_q8c_quantize(const float* x, int64_t n, float* scales, int8_t
             u &= 0x7fffffffu;
             top = u > top ? u : top;
         }
+        if (top > 0x7f800000u) top = 0x7fc00000u;    // a NaN: the default quiet NaN, as PyTorch's max gives
         float amax;
         std::memcpy(&amax, &top, 4);
         scales[b] = amax / 127.0f;
