@@ -16,8 +16,8 @@ On a CPU the quantization and the dequantized sum run in one C++ file of ours (c
 machine by :mod:`tensorpar.native`; ``TENSORPAR_COMM_KERNEL=0`` turns it off): the same fp32 operations in the same
 order as the PyTorch path here, so the same bits (a test compares them, nan, inf and tiny blocks included: a block
 whose ``x * 127 / absmax`` is not finite is stored as 0 on both paths, a NaN scale is the default quiet NaN). One rank's work per call (its encode, the
-sum of 2 payloads), one thread on the Xeon (bench/results/q8-comm-xeon.md): 31-36 us against 164-211 us at a
-decode step's ``[1, 576-4096]``, 0.74 against 5.8 ms at a 512-token prefill's ``[512, 576]``, 2.5 against 20.5 ms at
+sum of 2 payloads), one thread on the Xeon (bench/results/q8-comm-xeon.md): 16-29 us against 112-161 us at a
+decode step's ``[1, 576-4096]``, 0.63 against 5.2 ms at a 512-token prefill's ``[512, 576]``, 2.6 against 18.5 ms at
 ``[512, 2048]``. Elsewhere (CUDA, no compiler) the PyTorch path runs.
 """
 from __future__ import annotations
