@@ -71,8 +71,9 @@ PREFETCH = 0
 MAX_ROWS = 32
 #: the most rows the lean path runs through this kernel on bf16 weights with bf16 activations (``--dtype
 #: bfloat16``: the general loop, no row step): on the 1.1B's shapes ours ran at 1.21-1.99x oneDNN's prepacked bf16
-#: GEMM at 4 rows, 0.85x at 8, 0.46-0.70x at 16 (bench/results/gemv-xeon-rows-stripes-bf16.md), so beyond 4 rows
-#: such decoders keep oneDNN.
+#: GEMM at 4 rows, 0.85x at 8, 0.46-0.70x at 16 (bench/results/gemv-xeon-rows-stripes-bf16.md; oneDNN packed for one
+#: row then), so beyond 4 rows such decoders keep oneDNN. Against oneDNN packed for the rows (bench/results/
+#: pack-hint-xeon.md) ours still led at 1 and 4 rows: 196 / 231 against 298 / 324 ms per 1.1B step's matmuls.
 MAX_ROWS_BF16 = 4
 
 
