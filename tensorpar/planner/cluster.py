@@ -253,20 +253,27 @@ def device_from_file(path: str | Path) -> DeviceSpec:
     if not isinstance(data, dict):
         raise ValueError(f"--device-file {path}: a JSON {type(data).__name__}, not an object; expected the fields of "
                          f"DeviceSpec (e.g. the 'device' of tensorpar plan --calibrate --json)")
+    return device_from_dict(data, f"--device-file {path}")
+
+
+def device_from_dict(data: dict, where: str) -> DeviceSpec:
+    """A :class:`DeviceSpec` from a JSON object's fields, with the one set of checks of a device given as data
+    (``--device-file``, the objects of ``--devices``): numbers only (JSON's ``true`` is not 1, ``"8"`` not 8),
+    :class:`DeviceSpec`'s own rules, then :data:`PLAUSIBLE_DEVICE`'s ranges. Raises ValueError naming ``where`` and
+    the field."""
     for field, v in data.items():   # numbers only: JSON's true is not 1, "8" not 8, and 1e400 written as an integer
         if field in PLAUSIBLE_DEVICE and (isinstance(v, bool) or not isinstance(v, (int, float))
                                           or isinstance(v, int) and not -1e308 < v < 1e308):
             shown = json.dumps(v)
-            raise ValueError(f"--device-file {path}: {field} {shown[:40] + ('...' if len(shown) > 40 else '')} is "
-                             f"not a number; give a number in "
-                             f"{PLAUSIBLE_DEVICE[field][3]}")
+            raise ValueError(f"{where}: {field} {shown[:40] + ('...' if len(shown) > 40 else '')} is not a number; "
+                             f"give a number in {PLAUSIBLE_DEVICE[field][3]}")
     try:
         device = DeviceSpec(**data)
     except TypeError as err:
-        raise ValueError(f"--device-file {path}: {err}; expected the fields of DeviceSpec (numbers)") from None
-    except ValueError as err:                   # DeviceSpec's own checks (nan, negative): name the file too
-        raise ValueError(f"--device-file {path}: {err}") from None
-    check_plausible({f: getattr(device, f) for f in PLAUSIBLE_DEVICE}, where=f"--device-file {path}")
+        raise ValueError(f"{where}: {err}; expected the fields of DeviceSpec (numbers)") from None
+    except ValueError as err:                   # DeviceSpec's own checks (nan, negative): name where it came from
+        raise ValueError(f"{where}: {err}") from None
+    check_plausible({f: getattr(device, f) for f in PLAUSIBLE_DEVICE}, where=where)
     return device
 
 

@@ -55,7 +55,7 @@ def parse_devices(text: str) -> list[cl.DeviceSpec]:
                 raise ValueError(f"--devices entry {part.strip()!r}: the count after ':' must be a positive integer")
             items += [name] * n
     out = []
-    for it in items:
+    for k, it in enumerate(items):
         if isinstance(it, str):
             if it not in cl.DEVICES:
                 raise ValueError(f"--devices: {it!r} is not a device preset; use {', '.join(cl.DEVICES)}, or a JSON "
@@ -63,10 +63,7 @@ def parse_devices(text: str) -> list[cl.DeviceSpec]:
             out.append(cl.DEVICES[it])
         elif isinstance(it, dict):
             fields = {"intra_node_gbps": 1.0, "inter_node_gbps": 1.0, **it}
-            try:
-                out.append(cl.DeviceSpec(**fields))
-            except TypeError as err:
-                raise ValueError(f"--devices: {it}: {err}; give name, memory_gib, peak_tflops") from None
+            out.append(cl.device_from_dict(fields, f"--devices item {k} ({str(it.get('name', '?'))[:30]})"))
         else:
             raise ValueError(f"--devices: {it!r} is neither a preset name nor a device object")
     return out

@@ -253,6 +253,14 @@ def test_planner_devices_split_by_the_same_rule(capsys):
     assert "weighted 1,1,1,1,0.401" in capsys.readouterr().out
     assert main(["plan", "--model", "llama3-8b", "--devices", "a100:2"]) == 2
     assert "'a100' is not a device preset" in capsys.readouterr().err
+    # a device object gets --device-file's checks (review: peak_tflops 1e300 gave "split weights [1.0, 0.0] must all
+    # be positive", naming neither the device nor the field)
+    for obj, says in ((', "peak_tflops": 1e300}', "--devices item 1 (slow): peak_tflops 1e+300: outside the plausible"),
+                      (', "peak_tflops": true}', "--devices item 1 (slow): peak_tflops true is not a number")):
+        arg = '["h100-80gb", {"name": "slow", "memory_gib": 16' + obj + "]"
+        assert main(["plan", "--model", "llama3-8b", "--devices", arg]) == 2
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1, err
 
 
 # ---------------------------------------------------------------- auto: measured in init_parallel, made usable
