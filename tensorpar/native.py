@@ -78,3 +78,18 @@ def load_kernel(src_path: Path, flags: list[str], name: str, features, env: str)
         return ctypes.CDLL(str(path))
     except OSError:
         return None
+
+
+def pick_target(targets):
+    """The first ``(name, features, compiler flags)`` of ``targets`` whose features /proc/cpuinfo lists, or None."""
+    return next((t for t in targets if cpu_has_features(t[1])), None)
+
+
+def load_target(target, src_path: Path, flags: list[str], prefix: str, env: str):
+    """:func:`load_kernel` of ``src_path`` for ``target`` (``(name, features, extra compiler flags)``, as
+    :func:`pick_target` gives; None: no target, None back), built with ``flags`` and the target's, named
+    ``prefix_name``."""
+    if target is None:
+        return None
+    name, features, extra = target
+    return load_kernel(src_path, [*flags, *extra], f"{prefix}_{name}", features, env)

@@ -40,12 +40,8 @@ TARGETS = (("avx512", ("avx512f", "avx512bw"), ["-mavx512f", "-mavx512bw"]), ("a
 @lru_cache(maxsize=1)
 def _lib():
     """The ctypes library of csrc/q8_comm.cpp for this CPU's best target, or None where it cannot run."""
-    from tensorpar.native import cpu_has_features, load_kernel
-    target = next((t for t in TARGETS if cpu_has_features(t[1])), None)    # "plain" needs no feature
-    if target is None:
-        return None
-    name, features, flags = target
-    lib = load_kernel(_SRC, _FLAGS + flags, f"q8comm_{name}", features, "TENSORPAR_COMM_KERNEL")
+    from tensorpar.native import load_target, pick_target
+    lib = load_target(pick_target(TARGETS), _SRC, _FLAGS, "q8comm", "TENSORPAR_COMM_KERNEL")   # "plain": any CPU
     if lib is None:
         return None
     p, i = ctypes.c_void_p, ctypes.c_int64

@@ -31,7 +31,7 @@ import torch
 from tensorpar import comm
 from tensorpar.comm import Group
 from tensorpar.decode.gemv_kernel import pick_target
-from tensorpar.native import load_kernel
+from tensorpar.native import load_target
 
 _SRC = Path(__file__).with_name("csrc") / "step.cpp"
 _FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17"]
@@ -43,11 +43,7 @@ _I = ctypes.c_int64
 
 @lru_cache(maxsize=1)
 def _lib():
-    t = pick_target(TARGETS)
-    if t is None:
-        return None
-    name, features, flags = t
-    lib = load_kernel(_SRC, _FLAGS + flags, f"step_{name}", features, "TENSORPAR_GEMV_KERNEL")
+    lib = load_target(pick_target(TARGETS), _SRC, _FLAGS, "step", "TENSORPAR_GEMV_KERNEL")
     if lib is None:
         return None
     lib.tp_add_rms_norm.restype = None

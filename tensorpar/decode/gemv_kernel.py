@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from tensorpar.decode.q8_kernel import _cpu_has_features
-from tensorpar.native import load_kernel
+from tensorpar.native import load_target
 
 _SRC = Path(__file__).with_name("csrc") / "gemv.cpp"
 _FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
@@ -114,11 +114,7 @@ def target() -> str | None:
 
 @lru_cache(maxsize=1)
 def _lib():
-    t = pick_target(TARGETS)
-    if t is None:
-        return None
-    name, features, flags = t
-    lib = load_kernel(_SRC, _FLAGS + flags, f"gemv_{name}", features, "TENSORPAR_GEMV_KERNEL")
+    lib = load_target(pick_target(TARGETS), _SRC, _FLAGS, "gemv", "TENSORPAR_GEMV_KERNEL")
     if lib is None:
         return None
     lib.tp_gemv.restype = None
