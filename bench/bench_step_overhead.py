@@ -1,5 +1,5 @@
-"""Where a batch-1 decode token's time goes outside the matmuls, attention and collectives (issue 28), and an A/B of
-two checkouts.
+"""Where a decode step's time goes outside the matmuls, attention and collectives (issue 28), and an A/B of two
+checkouts.
 
 SmolLM2-135M fp32 greedy decode through ``generate_tokens`` (the decode engine, the lean path's row step) at tp=2,
 one thread per rank, shared-memory collectives. Per row, in fresh processes (the checkout's tensorpar imported
@@ -20,8 +20,11 @@ through ``TENSORPAR_BENCH_CODE``, as ``bench_decode.py --fixed-cost`` does):
    ``--pyspy-calls`` generate calls; the samples are summed by leaf function (a ctypes kernel's time lands on the
    Python function that calls it).
 
-    PYTHONPATH=. python bench/bench_step_overhead.py [--tokens 64] [--rounds 3] [--before OLD_CHECKOUT] \\
-        [--pyspy PY_SPY] [--out bench/results/step_overhead]
+    PYTHONPATH=. python bench/bench_step_overhead.py [--tokens 64] [--batch 1] [--rounds 3] \\
+        [--before OLD_CHECKOUT] [--pyspy PY_SPY] [--out bench/results/step_overhead]
+
+``--batch B``: B rows per step, the same prompt in each (the server's steps at B slots; at 32 rows the row step's
+programs are mostly matmul compute, and the LM head's GEMV lands in "row step Python", which calls it).
 
 ``--before``: another checkout (e.g. ``git archive REV | tar -x -C DIR``); its rows and this checkout's alternate in
 every round (order reversed every other round). Writes ``OUT.json`` and ``OUT.md`` with the CPU model and the load.
@@ -145,7 +148,7 @@ def _unpatch(done: list) -> None:
             setattr(owner, name, fn)
 
 
-def job(ctx, folder: str, n: int, spy: str | None, spy_calls: int, spy_out: str | None):
+def job(ctx, folder: str, n: int, spy: str | None, spy_calls: int, spy_out: str | None, batch: int = 1):
     """Rank job: tokens/s, the CPU breakdown, and (rank 0, ``spy``) a py-spy profile of ``spy_calls`` generates."""
     from transformers import AutoTokenizer
 
@@ -156,14 +159,14 @@ def job(ctx, folder: str, n: int, spy: str | None, spy_calls: int, spy_out: str 
         from tensorpar.shm import enable_fast_collectives
         enable_fast_collectives(ctx.tp, "on")
     model, _ = build_parallel_model(folder, ctx.tp, dtype=torch.float32)
-    ids = AutoTokenizer.from_pretrained(folder)([PROMPT], return_tensors="pt")["input_ids"]
+    ids = AutoTokenizer.from_pretrained(folder)([PROMPT] * batch, return_tensors="pt")["input_ids"]
     cfg = SamplingConfig(max_new_tokens=n)
     generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=3), path="lean")      # warm-up
     stamps: list[float] = []
     res = generate_tokens(model, ctx.tp, ids, sampling=cfg, path="lean",
                           on_token=lambda step, tok: stamps.append(time.perf_counter()))
     steps = [b - a for a, b in zip(stamps, stamps[1:])]
-    out = {"decode_tok_s": res.decode_tokens_per_s, "median_step_ms": statistics.median(steps) * 1e3,
+    out = {"decode_tok_s": res.decode_tokens_per_s * batch, "median_step_ms": statistics.median(steps) * 1e3,
            "best_step_ms": min(steps) * 1e3, "tokens": res.tokens[0].tolist()}
     timer = _Timer()
     done = _patches(timer)
@@ -250,10 +253,11 @@ def pyspy_summary(path: str, top: int = 30) -> dict:
             "by_phase": {k: round(v / total, 4) for k, v in phase.most_common()}}
 
 
-def worker(folder: str, n: int, spy: str | None, spy_calls: int, spy_out: str | None, tp: int = 2) -> dict:
+def worker(folder: str, n: int, spy: str | None, spy_calls: int, spy_out: str | None, tp: int = 2,
+           batch: int = 1) -> dict:
     from tensorpar.testing import WorkerPool
     with WorkerPool(tp, collective_timeout_s=120, job_timeout_s=1200) as pool:
-        res = pool.run(job, folder, n, spy, spy_calls, spy_out)
+        res = pool.run(job, folder, n, spy, spy_calls, spy_out, batch)
     out = dict(res[0])
     if tp > 1:
         out["rank1_cpu_ms"] = res[1]["cpu_ms"]
@@ -268,6 +272,7 @@ def main() -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (1: no collectives, no waits)")
+    p.add_argument("--batch", type=int, default=1, help="rows per decode step (the same prompt in every row)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--before", default=None, help="the old checkout (A/B); left out: this checkout only")
     p.add_argument("--pyspy", default=None, help="py-spy executable: profile rank 0 in the first round")
@@ -279,7 +284,7 @@ def main() -> None:
     from tensorpar.hub import resolve_model
     folder = str(resolve_model(a.model))
     if a.worker:
-        print(json.dumps(worker(folder, a.tokens, a.pyspy, a.pyspy_calls, a.spy_out, a.tp)))
+        print(json.dumps(worker(folder, a.tokens, a.pyspy, a.pyspy_calls, a.spy_out, a.tp, a.batch)))
         return
     import tempfile
 
@@ -295,7 +300,7 @@ def main() -> None:
                         if q and not (Path(q) / "tensorpar").is_dir()]
                 env = {**os.environ, "TENSORPAR_BENCH_CODE": code, "PYTHONPATH": os.pathsep.join([code] + keep)}
                 cmd = [sys.executable, __file__, "--worker", "--model", folder, "--tokens", str(a.tokens),
-                       "--tp", str(a.tp)]
+                       "--tp", str(a.tp), "--batch", str(a.batch)]
                 if a.pyspy and rnd == 0:
                     cmd += ["--pyspy", a.pyspy, "--pyspy-calls", str(a.pyspy_calls),
                             "--spy-out", str(Path(tmp) / f"{label}.txt")]
@@ -315,15 +320,16 @@ def main() -> None:
     end = machine()
     med = statistics.median
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__, "tokens": a.tokens, "tp": a.tp,
+            "batch": a.batch,
             "machine_start": start, "machine_end": end, "model": a.model}
     ls, le = start["loadavg"], end["loadavg"]
-    lines = [f"SmolLM2-135M fp32 greedy decode, tp={a.tp} (1 thread per rank, shared-memory collectives), batch 1, "
-             f"{a.tokens} new tokens, prompt {PROMPT!r}; {start['cpu']}, {start['cores']} cores, torch "
-             f"{meta['torch']}, {meta['date']}. Load average at start {ls[0]:.2f} / {ls[1]:.2f} / {ls[2]:.2f}, at "
+    lines = [f"SmolLM2-135M fp32 greedy decode, tp={a.tp} (1 thread per rank, shared-memory collectives), "
+             f"batch {a.batch}, {a.tokens} new tokens, prompt {PROMPT!r}; {start['cpu']}, {start['cores']} cores, "
+             f"torch {meta['torch']}, {meta['date']}. Load average at start {ls[0]:.2f} / {ls[1]:.2f} / {ls[2]:.2f}, at "
              f"end {le[0]:.2f} / {le[1]:.2f} / {le[2]:.2f} (shared machine).", "",
              f"{a.rounds} round(s), rows alternating (order reversed every other round), each in fresh processes. "
-             "tokens/s: decode steps only; step ms: wall time between two tokens (median over rounds of each "
-             "round's median step; best: the fastest step of all rounds).", "",
+             "tokens/s: decode steps only, summed over the batch's rows; step ms: wall time between two tokens "
+             "(median over rounds of each round's median step; best: the fastest step of all rounds).", "",
              "| row | commit | tokens/s (median) | tokens/s per round | median step ms | best step ms | "
              "load (1 min) per round |", "|---|---|---|---|---|---|---|"]
     for key, r in rows.items():

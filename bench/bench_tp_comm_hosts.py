@@ -6,7 +6,10 @@
    prompt of ``--prompt-tokens`` (512) tokens of the held-out Shakespeare slice, ``--tp-comm fp32`` and ``int8``
    interleaved ``--repeats`` times: the time to first token and decode tokens/s that ``generate`` prints (median);
    ``int8-torch`` is int8 with ``TENSORPAR_COMM_KERNEL=0``: the quantization and the sum in PyTorch ops instead of
-   our C kernel (csrc/q8_comm.cpp, the same bits), the A/B of that kernel;
+   our C kernel (csrc/q8_comm.cpp, the same bits), the A/B of that kernel; ``fp32-uncapped`` is fp32 on the same
+   two hosts with no rate cap on their link (the veth pair at its own speed): what the TTFT would be if the link
+   cost nothing, so ``fp32-uncapped / fp32`` bounds what any compression of the all-reduces can reach from below
+   (compression shortens the link's share of the TTFT, never the compute's);
 2. one tp all-reduce of fp32 ``[1, n]`` partials (576 = SmolLM2's hidden size, 4096 = 16 KB; median of
    ``--iters`` calls, each after a barrier) over the same link, exact, int8 and int8 through PyTorch ops
    (:func:`tensorpar.comm.reduce_partial` with ``compression="int8"``), on the tp group as generate makes it
@@ -91,14 +94,14 @@ def main() -> None:
     load0 = os.getloadavg()
     from machine import cpu_account, describe, other_work
     cpu0 = cpu_account()
-    modes = ("fp32", "int8", "int8-torch")
+    modes = ("fp32", "int8", "int8-torch", "fp32-uncapped")
     runs: dict[str, list] = {m: [] for m in modes}
     for rep in range(a.repeats):
         for mode in (modes if rep % 2 == 0 else modes[::-1]):
             cmd = ["-m", "tensorpar", "generate", "--model", folder, "--tp", "2", "--max-new-tokens",
                    str(a.new_tokens), "--prompt", prompt, "--tp-comm", mode[:4]]
             e = dict(env(), **({"TENSORPAR_COMM_KERNEL": "0"} if mode == "int8-torch" else {}))
-            with NamespaceHosts(2, a.rate) as h:
+            with NamespaceHosts(2, None if mode == "fp32-uncapped" else a.rate) as h:
                 res = h.run_torchrun(cmd, nproc=1, timeout_s=600, env=e)
             if any(rc for rc, _, _ in res):
                 raise RuntimeError("generate failed: " + " | ".join(err[-1500:] for _, _, err in res))
@@ -135,7 +138,8 @@ def main() -> None:
         lines.append(f"| {k} | {med[k]['ttft_ms']:.0f} | {med[k]['tokens_per_s']:.1f} | "
                      + ", ".join(f"{r['ttft_ms']:.0f} / {r['tokens_per_s']:.1f}" for r in runs[k]) + " |")
     lines += ["", f"TTFT int8 / fp32: {med['int8']['ttft_ms'] / med['fp32']['ttft_ms']:.2f} (int8 through PyTorch ops: "
-              f"{med['int8-torch']['ttft_ms'] / med['fp32']['ttft_ms']:.2f})", "",
+              f"{med['int8-torch']['ttft_ms'] / med['fp32']['ttft_ms']:.2f}); the bound for a free link (fp32 "
+              f"uncapped / fp32): {med['fp32-uncapped']['ttft_ms'] / med['fp32']['ttft_ms']:.2f}", "",
               "| one tp all-reduce of [1, n] fp32 over the link | fp32 ms | int8 ms | int8, PyTorch ops, ms |",
               "|---|---|---|---|"]
     for n in SIZES:

@@ -67,6 +67,28 @@ def test_fit_prefill_recovers_the_rates_by_hand():
         fit_prefill(dict(sample, layer_s=[1e-3, 1e-3]))
 
 
+def test_fit_prefill_never_gives_a_rate_its_device_file_could_not_be_read_back_with(tmp_path):
+    """Noise can leave a fixed part of a few nanoseconds (a read rate of millions of GB/s) or a slope of almost 0 (a
+    FLOP rate of millions of TFLOP/s); ``plan --calibrate --json`` would write a file that ``--device-file`` then
+    refuses as implausible. The read is left unpriced (0) and the FLOP rates refused in the fit instead."""
+    from tensorpar.planner.cluster import device_from_dict
+    from tensorpar.planner.plausible import PLAUSIBLE_DEVICE
+    sample = {"tokens": [16, 256], "layer_s": [4e-4 + 16 * 2e-5, 4e-4 + 256 * 2e-5], "layer_bytes": 4e6,
+              "layer_flops_per_token": 2e6, "attention_s": 0.02, "attention_flops": 1e9}
+    tiny_fixed = dict(sample, layer_s=[16 * 2e-5 + 1e-14, 256 * 2e-5 + 1e-14])
+    got = fit_prefill(tiny_fixed)
+    assert got["prefill_read_gbps"] == 0.0 and got["prefill_tflops"] == pytest.approx(0.1)
+    for k, v in got.items():
+        lo, hi = PLAUSIBLE_DEVICE[k][1:3]
+        assert v == 0.0 or lo <= v <= hi
+    device_from_dict({"name": "cpu", "memory_gib": 24, "peak_tflops": 0.1, "intra_node_gbps": 10,
+                     "inter_node_gbps": 1, **got}, "calibrated.json")
+    with pytest.raises(RuntimeError, match="no rate to fit for the matmuls"):
+        fit_prefill(dict(sample, layer_s=[1e-3, 1e-3 + 1e-15]))
+    with pytest.raises(RuntimeError, match="no rate to fit for the attention"):
+        fit_prefill(dict(sample, attention_s=1e-12))
+
+
 def test_decode_device_gives_a_rank_its_threads_times_the_prefill_rates(tmp_path, monkeypatch):
     """The prefill rates are one thread's CPU-time rates: a rank of 2 threads gets twice them; the per-layer
     overhead (Python) is taken as measured."""

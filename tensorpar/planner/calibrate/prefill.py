@@ -8,6 +8,7 @@ else runs (prefill is compute; the planner gives a rank ``threads_per_rank`` tim
 """
 from __future__ import annotations
 
+import math
 import time
 
 #: the prompt lengths (matmul rows) of the fit: a short prompt (the weights' read shows) and a long one (the FLOPs)
@@ -72,17 +73,27 @@ def _time_prefill(ctx, layer_shapes: tuple, layers: int, attention: tuple, token
 def fit_prefill(sample: dict) -> dict:
     """``{"prefill_read_gbps", "prefill_tflops", "prefill_attention_tflops"}`` (one thread) from
     :func:`_time_prefill`'s sample: the line ``layer_s(T) = layer_bytes / read + T x layer_flops_per_token / rate``
-    through the first and last token counts (a read part at or below 0, which noise can give where the FLOPs
-    dominate, leaves the read rate 0: not priced); the attention's FLOPs over its seconds."""
+    through the first and last token counts; the attention's FLOPs over its seconds.
+
+    A read part at or below 0, or one so small that the read rate comes out above its plausible range
+    (:data:`~tensorpar.planner.plausible.PLAUSIBLE_DEVICE`, the range a device file is read back with), is noise
+    where the FLOPs dominate: the read rate is left 0 (not priced). Raises RuntimeError where the seconds do not
+    grow with the tokens, or grow so little that a FLOP rate or the attention's comes out above its plausible range
+    (no rate to fit: a file with it could not be read back)."""
+    from tensorpar.planner.plausible import PLAUSIBLE_DEVICE
     (t0, t1), (s0, s1) = (sample["tokens"][0], sample["tokens"][-1]), (sample["layer_s"][0], sample["layer_s"][-1])
     slope = (s1 - s0) / (t1 - t0)
-    if slope <= 0:
-        raise RuntimeError(f"prefill calibration: a layer's matmuls took {s0 * 1e3:.2f} ms at {t0} tokens and "
-                           f"{s1 * 1e3:.2f} ms at {t1}: no rate to fit")
+    tflops = sample["layer_flops_per_token"] / slope / 1e12 if slope > 0 else math.inf
+    attention = sample["attention_flops"] / max(sample["attention_s"], 1e-12) / 1e12
+    for name, v in (("matmuls", tflops), ("attention", attention)):
+        if not v <= PLAUSIBLE_DEVICE["prefill_tflops"][2]:
+            raise RuntimeError(f"prefill calibration: a layer's matmuls took {s0 * 1e3:.4g} ms at {t0} tokens and "
+                               f"{s1 * 1e3:.4g} ms at {t1}, its attention {sample['attention_s'] * 1e3:.4g} ms: "
+                               f"no rate to fit for the {name}")
     fixed = s0 - slope * t0
-    return {"prefill_read_gbps": sample["layer_bytes"] / fixed / 1e9 if fixed > 0 else 0.0,
-            "prefill_tflops": sample["layer_flops_per_token"] / slope / 1e12,
-            "prefill_attention_tflops": sample["attention_flops"] / max(sample["attention_s"], 1e-9) / 1e12}
+    read = sample["layer_bytes"] / fixed / 1e9 if fixed > 0 else 0.0
+    return {"prefill_read_gbps": read if read <= PLAUSIBLE_DEVICE["prefill_read_gbps"][2] else 0.0,
+            "prefill_tflops": tflops, "prefill_attention_tflops": attention}
 
 
 def measure_prefill(pool, layer_shapes, layers: int, attention: tuple) -> dict:
