@@ -1,6 +1,7 @@
 """fp32 decode matmuls on the CPU: ``torch.mm`` (MKL, what the lean path ran before) against oneDNN on weights
-prepacked once (``torch.ops.mkldnn._linear_pointwise`` after ``_reorder_linear_weight``, what it runs now), one
-thread, interleaved in one run.
+prepacked once for the row count (``torch.ops.mkldnn._linear_pointwise`` after ``_reorder_linear_weight(w, rows)``
+through :func:`tensorpar.decode.kernels.pack`, as the decoder packs them for its rows), one thread, interleaved in
+one run.
 
 Weights: one tp=2 rank's share of SmolLM2-135M's 30 layers (fused QKV 480x576, output 576x320, fused gate-up
 1536x576, down 576x768) and its LM head half (24576x576), all distinct, so they are read from memory as in a decode
@@ -38,12 +39,13 @@ def main():
     for _ in range(30):
         ws += [torch.randn(o, i, generator=g) for o, i in ((480, 576), (576, 320), (1536, 576), (576, 768))]
     ws.append(torch.randn(24576, 576, generator=g))
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in ws]
+    from tensorpar.decode.kernels import pack
     wt = [w.t() for w in ws]
     load0 = os.getloadavg()
     rows = []
     for m in args.rows:
         xs = {i: torch.randn(m, i, generator=g) for i in {w.shape[1] for w in ws}}
+        packed = [pack(w, m) for w in ws]        # the layout oneDNN picks for m rows (packed for 1 row before)
 
         def mm():
             for w in wt:
