@@ -175,9 +175,10 @@ def check_plan_arguments(args) -> None:
 def check_launch_arguments(args, *, exact: str | None = None) -> None:
     """The one rule for the shared launch flags (in the launching process, before any rank starts).
 
-    ``--tp-comm int8`` with every tp rank on this host (no torchrun, or torchrun with one node) is allowed; one
-    line on stderr (:func:`tensorpar.usage.note`: printed once every check passed) says it is not needed there (the links are shared memory or loopback), or that it does nothing
-    at ``--tp 1``. ``exact``: why the command needs the exact all-reduce (train, verify), refusing int8.
+    ``--tp-comm int8`` with every tp group inside one host (no torchrun; or torchrun's ranks per host a multiple of
+    tp, as with tp inside a host and pp across) is allowed; one line on stderr (:func:`tensorpar.usage.note`:
+    printed once every check passed) says it is not needed there (the links are shared memory or loopback), or
+    that it does nothing at ``--tp 1``. ``exact``: why the command needs the exact all-reduce (train, verify), refusing int8.
 
     Raises:
         ValueError: ``--timeout`` not a number of seconds in [1, 1e8] (below 1 s the ranks' store cannot even
@@ -195,11 +196,14 @@ def check_launch_arguments(args, *, exact: str | None = None) -> None:
                              f"{exact}; drop --tp-comm (fp32, the default)")
         world = int(os.environ.get("WORLD_SIZE", "0") or 0)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-        if str(getattr(args, "tp", 2)) == "1":
+        tp = int(getattr(args, "tp", 2))
+        # tp is the grid's innermost axis (consecutive ranks) and torchrun numbers a host's ranks consecutively, so
+        # every tp group is inside one host when the ranks per host are a multiple of tp (tp inside, pp across)
+        if tp == 1:
             note(args, f"tensorpar: note: --tp-comm {mode} does nothing at --tp 1 (there is no tp all-reduce)")
-        elif (not world or local >= world) and int(os.environ.get("RANK", "0") or 0) == 0:
-            note(args, f"tensorpar: note: --tp-comm {mode}: every tp rank is on this host, where the links are fast; "
-                       f"compression is not needed here (it only pays on slow links between hosts)")
+        elif (not world or (local and local % tp == 0)) and int(os.environ.get("RANK", "0") or 0) == 0:
+            note(args, f"tensorpar: note: --tp-comm {mode}: every tp group is inside one host, where the links are "
+                       f"fast; compression is not needed here (it only pays on slow links between hosts)")
 
     ep = getattr(args, "ep", 1)
     if ep < 1:

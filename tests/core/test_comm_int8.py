@@ -231,8 +231,17 @@ def test_tp_comm_flag_checks(capsys, monkeypatch):
     assert err.count("\n") == 1 and "not needed" in err
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    check_launch_arguments(_launch_args("--tp-comm", "int8"))      # two hosts under torchrun: no note
+    check_launch_arguments(_launch_args("--tp-comm", "int8", "--tp", "4"))      # tp across two hosts: no note
     assert capsys.readouterr().err == ""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")         # 2 hosts of 3 ranks (tp 2 x pp 3): rank 2's group crosses
+    check_launch_arguments(_launch_args("--tp-comm", "int8", "--tp", "2"))
+    assert capsys.readouterr().err == ""
+    # tp 2 inside each of two hosts, pp 2 across them (review: the note was missing, compression ran silently on
+    # the shared-memory all-reduce): the same note as on one host
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    check_launch_arguments(_launch_args("--tp-comm", "int8", "--tp", "2"))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not needed" in err
     with pytest.raises(ValueError, match="lossy .generate and serve only.; train needs the exact gradients"):
         check_launch_arguments(_launch_args("--tp-comm", "int8"), exact="train needs the exact gradients")
 
