@@ -4,16 +4,23 @@
 
 Everything after ``--`` is what torchrun runs on every host (``-m module args`` or ``script.py args``). One
 torchrun agent per host, ``--nproc-per-host`` ranks each, c10d rendezvous on host 0; each host's output is
-printed after the run, labelled with its hostname. The hosts, links and every process in them are removed
-at the end, also on failure or Ctrl-C. ``--show-commands`` prints each host's torchrun command first:
-the same command runs on real machines (docs/hosts.md). Needs root. See :mod:`tensorpar.nshosts`.
+printed as it comes, each line after its hostname in brackets. When a host fails, torchrun's own report of the
+failure (its traceback, ``ChildFailedError`` and the "Root Cause" block; its traceback when it is stopped) and C++
+stack frames are left out (``--verbose`` shows them): the ranks' own lines stay, then one line per failed host with
+its exit code. The hosts, links and every process in them are removed at the end, also on failure, Ctrl-C or
+SIGTERM / SIGHUP (``timeout``, ``kill``, a cancelled job): the hosts' processes get SIGTERM and 10 s to end first.
+``--show-commands`` prints each host's torchrun command first: the same command runs on real machines
+(docs/hosts.md). Needs root. See :mod:`tensorpar.nshosts`.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
+import signal
 import sys
+import threading
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -30,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix", default=None, help="namespace name prefix (default tph<pid>-<random>)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the hosts are killed")
     p.add_argument("--show-commands", action="store_true", help="print each host's torchrun command")
+    p.add_argument("--verbose", action="store_true", help="also show torchrun's failure reports and C++ frames")
 
     def refuse(message: str):          # one line, as every other refusal of the script (no usage block)
         print(f"nshosts: error: {message}", file=sys.stderr)
@@ -47,24 +55,92 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--nproc-per-host must be >= 1, got {args.nproc_per_host}")
     if not args.timeout > 0:
         p.error(f"--timeout must be > 0 seconds, got {args.timeout:g}")
+
+    def stop(signum, frame):                  # SIGTERM / SIGHUP: the same teardown as Ctrl-C
+        raise KeyboardInterrupt
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
     try:
         hosts = NamespaceHosts(args.hosts, None if args.rate == "none" else args.rate, prefix=args.prefix,
                                subnet=args.subnet)
-    except (ValueError, RuntimeError) as e:   # bad input or no namespaces here: one line, nothing started
+        hosts.up()                            # undoes what it made if it fails or is interrupted
+    except (ValueError, RuntimeError) as e:   # bad input, no namespaces here, or a name taken meanwhile: one line
         print(f"nshosts: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("nshosts: interrupted while making the hosts; nothing is left", file=sys.stderr)
+        return 130
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
-    with hosts:
+    show = _Shown(hosts, args.verbose)
+    try:
         if args.show_commands:
             for h in hosts.hosts:
                 print(f"# host {h.hostname} ({h.addr}): GLOO_SOCKET_IFNAME=eth0 "
                       + shlex.join(hosts.torchrun_argv(h.index, args.nproc_per_host, cmd)), flush=True)
-        res = hosts.run_torchrun(cmd, args.nproc_per_host, timeout_s=args.timeout, env=env)
-    for h, (rc, out, err) in zip(hosts.hosts, res):
-        print(f"===== {h.hostname} ({h.addr}) exit {rc}", flush=True)
-        sys.stdout.write(out)
-        sys.stderr.write(err)
+        res = hosts.run_torchrun(cmd, args.nproc_per_host, timeout_s=args.timeout, env=env, on_line=show.line)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)      # a second Ctrl-C does not cut the teardown short
+        hosts.stop(grace_s=10)
+        print("nshosts: interrupted; the hosts and every process in them are removed", file=sys.stderr)
+        return 130
+    finally:
+        hosts.down()
+    for h, (rc, _, _) in zip(hosts.hosts, res):
+        if rc:
+            print(f"nshosts: host {h.hostname} ({h.addr}): torchrun exit {rc}{show.cause(h.index)}",
+                  file=sys.stderr)
+    if show.left_out:
+        print(f"nshosts: {show.left_out} lines of torchrun's failure report and C++ stack frames left out "
+              f"(--verbose shows them)", file=sys.stderr)
     return next((rc if rc > 0 else 1 for rc, _, _ in res if rc), 0)   # killed by a signal: 1
+
+
+#: torchrun's report of a failed rank starts with its agent's log line "... failed (exitcode: N) local_rank: ...";
+#: its report of being stopped (SIGTERM from :meth:`~tensorpar.nshosts.NamespaceHosts.stop`, a SignalException
+#: traceback) with "... Received N death signal, shutting down workers"
+_REPORT = re.compile(r"^[EWI]\d{4} .*(failed \(exitcode: -?\d+\)|Received \d+ death signal)")
+_FIELD = re.compile(r"^\s*(rank|exitcode|traceback)\s*: (.*)$")
+_FRAME = re.compile(r"^(frame #\d+: |Exception raised from )")
+
+
+class _Shown:
+    """The hosts' lines as they come, each after ``[hostname]``; torchrun's failure report (from its log line
+    ``failed (exitcode: N)`` to the end of that host's stderr) and C++ stack frames left out unless ``verbose``,
+    its rank, exit code and (where a rank recorded one) error line kept for :meth:`cause`."""
+
+    def __init__(self, hosts, verbose: bool):
+        self.names = [h.hostname for h in hosts.hosts]
+        self.verbose, self.left_out = verbose, 0
+        self.in_report: set[int] = set()
+        self.fields: dict[int, dict] = {}
+        self.lock = threading.Lock()
+
+    def line(self, k: int, name: str, text: str) -> None:
+        with self.lock:
+            if not self.verbose and name == "err":
+                if k in self.in_report or _REPORT.match(text):
+                    self.in_report.add(k)
+                    m = _FIELD.match(text)
+                    if m:
+                        self.fields.setdefault(k, {}).setdefault(m.group(1), m.group(2).strip())
+                    self.left_out += 1
+                    return
+                if _FRAME.match(text):
+                    self.left_out += 1
+                    return
+            out = sys.stdout if name == "out" else sys.stderr
+            out.write(f"[{self.names[k]}] {text}" + ("" if text.endswith("\n") else "\n"))
+            out.flush()
+
+    def cause(self, k: int) -> str:
+        """``" (rank R: exit code C)"`` from host ``k``'s left-out report, with the error line a rank recorded."""
+        f = self.fields.get(k, {})
+        if not f:
+            return ""
+        tb = f.get("traceback", "")
+        said = "" if not tb or tb.startswith("To enable traceback") else f"; {tb}"
+        rank, code = (f.get(key, "?").split()[0] or "?" for key in ("rank", "exitcode"))    # "0 (local_rank: 0)"
+        return f" (rank {rank}: exit code {code}{said})"
 
 
 if __name__ == "__main__":

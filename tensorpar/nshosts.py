@@ -43,7 +43,10 @@ from dataclasses import dataclass
 PREFIX = "tph"
 IFNAME = "eth0"
 RDZV_PORT = 29400          # free in any case: the hosts' network namespaces are new
-_RATE = re.compile(r"^(\d+(?:\.\d+)?)([kmg]?)bit$")
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)([kmg]?)bit$", re.IGNORECASE)
+#: the link rates a host's link may be capped at, bits/s: below 1 Mbit/s the token bucket's smallest burst (64 KiB)
+#: lets a small job's traffic through uncapped; above 1000 Gbit/s tc's burst (1 ms of traffic) overflows
+RATE_RANGE = (1e6, 1e12)
 _UNIT = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
 
 # Run in the new UTS and mount namespaces of a host: $0 hostname, $1 hosts file, $2 private shm, then the command.
@@ -52,15 +55,18 @@ _SETUP = ('hostname "$0" && mount --bind "$1" /etc/hosts && '
 
 
 def rate_bits(rate: str) -> float:
-    """Bits per second of a tc rate such as ``"1gbit"``, ``"500mbit"``.
+    """Bits per second of a tc rate such as ``"1gbit"``, ``"500mbit"`` (units in any case, as tc reads them).
 
     Raises:
-        ValueError: not ``<number>[k|m|g]bit`` above 0.
+        ValueError: not ``<number>[k|m|g]bit``, or outside :data:`RATE_RANGE` (1mbit-1000gbit).
     """
     m = _RATE.match(rate) if isinstance(rate, str) else None
-    bits = float(m.group(1)) * _UNIT[m.group(2)] if m else 0.0
-    if bits <= 0:
+    if not m:
         raise ValueError(f"link rate must look like '1gbit', '10gbit' or '500mbit', got {rate!r}")
+    bits = float(m.group(1)) * _UNIT[m.group(2).lower()]
+    if not RATE_RANGE[0] <= bits <= RATE_RANGE[1]:
+        raise ValueError(f"link rate {rate!r} is outside 1mbit-1000gbit (below, tc's smallest burst lets a small "
+                         f"job's traffic through uncapped; above, its burst overflows); or give none for no cap")
     return bits
 
 
@@ -104,13 +110,45 @@ def addresses_in_use() -> dict[str, str]:
     return used
 
 
+#: where a run records the pid that made each namespace it made (names with a ``--prefix`` carry no pid)
+OWNERS = "/run/tensorpar-nshosts"
+
+
+def _owner(ns: str) -> int | None:
+    """The pid of the process that made namespace ``ns``: from its ``tph<pid>-`` name or its owner file; None
+    for a namespace this module did not make."""
+    m = re.match(rf"^{PREFIX}(\d+)-", ns)
+    if m:
+        return int(m.group(1))
+    try:
+        with open(os.path.join(OWNERS, ns)) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _kill_inside(ns: str) -> None:
+    """SIGKILL every process in namespace ``ns`` (only ours live in the namespaces this module makes)."""
+    for pid in _sh("ip", "netns", "pids", ns, check=False).split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
 def sweep_stale() -> list[str]:
-    """Delete ``tph<pid>-*`` namespaces whose creating process is gone; return their names."""
+    """Delete the namespaces this module made whose creating process is gone (``tph<pid>-*``, and those of a
+    ``prefix`` by their owner file), after killing what still runs in them; return their names."""
     removed = []
     for ns in netns_names():
-        m = re.match(rf"^{PREFIX}(\d+)-", ns)
-        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+        pid = _owner(ns)
+        if pid is not None and not os.path.exists(f"/proc/{pid}"):
+            _kill_inside(ns)
             _sh("ip", "netns", "del", ns, check=False)
+            try:
+                os.unlink(os.path.join(OWNERS, ns))
+            except OSError:
+                pass
             removed.append(ns)
     return removed
 
@@ -155,9 +193,10 @@ class NamespaceHosts:
         self.rate_bits = rate_bits(rate) if rate is not None else None
         self.rate, self.private_shm = rate, private_shm
         token = secrets.token_bytes(2)
-        self.prefix = prefix or f"{PREFIX}{os.getpid()}-{token.hex()}"
-        if not re.match(r"^[A-Za-z0-9_.-]{1,40}$", self.prefix):
-            raise ValueError(f"namespace prefix must be 1-40 letters, digits, '_', '.', '-', got {self.prefix!r}")
+        self.prefix = prefix if prefix is not None else f"{PREFIX}{os.getpid()}-{token.hex()}"
+        if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,39}$", self.prefix):
+            raise ValueError(f"namespace prefix must be 1-40 letters, digits, '_', '.', '-', starting with a letter "
+                             f"or digit, got {self.prefix!r}")
         subnet = subnet or f"10.{token[0]}.{token[1]}.0/24"
         try:
             net = ipaddress.IPv4Network(subnet, strict=False)
@@ -221,14 +260,25 @@ class NamespaceHosts:
         return self
 
     def _add_ns(self, ns: str) -> None:
-        _sh("ip", "netns", "add", ns)
+        r = subprocess.run(["ip", "netns", "add", ns], capture_output=True, text=True)
+        if r.returncode:           # another run made it since the constructor's check: the same one line
+            if "exists" in r.stderr:
+                raise ValueError(f"namespace name {ns!r} is already in use on this machine (ip netns list); choose "
+                                 f"another prefix than {self.prefix!r}")
+            raise RuntimeError(f"ip netns add {ns} failed (exit {r.returncode}): {r.stderr.strip()}")
         self._made.append(ns)
+        try:
+            os.makedirs(OWNERS, exist_ok=True)
+            with open(os.path.join(OWNERS, ns), "w") as f:
+                f.write(str(os.getpid()))
+        except OSError:            # no owner file: a prefix-named namespace left by a kill stays until deleted
+            pass
 
     def _cap(self, ns: str, dev: str) -> None:
         # burst: 1 ms of traffic (>= 64 KiB, one GSO segment), so the cap holds at the millisecond scale
         burst = max(int(self.rate_bits / 8 / 1000), 65536)
-        _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate, "burst", str(burst),
-            "latency", "100ms")
+        _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{self.rate_bits:.0f}bit", "burst",
+            str(burst), "latency", "100ms")
 
     def down(self) -> None:
         """Kill what still runs in the hosts, delete the namespaces and the hosts files. Idempotent."""
@@ -245,17 +295,32 @@ class NamespaceHosts:
                 pass
         self._procs = []
         for ns in reversed(self._made):
-            for pid in _sh("ip", "netns", "pids", ns, check=False).split():  # only our processes live there
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
+            _kill_inside(ns)
             _sh("ip", "netns", "del", ns, check=False)
+            try:
+                os.unlink(os.path.join(OWNERS, ns))
+            except OSError:
+                pass
         self._made = []
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
         atexit.unregister(self.down)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM to every process started in the hosts (torchrun's agents pass it to their ranks, which end as
+        on a signal: a server answers its requests and says it stopped), up to ``grace_s`` seconds for them to
+        end, then :meth:`down`."""
+        live = [p for p in self._procs if p.poll() is None]
+        for p in live:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        end = time.monotonic() + grace_s
+        while any(p.poll() is None for p in live) and time.monotonic() < end:
+            time.sleep(0.1)
+        self.down()
 
     def __enter__(self) -> "NamespaceHosts":
         return self.up()
@@ -289,8 +354,8 @@ class NamespaceHosts:
                 "--rdzv-endpoint", f"{self.hosts[0].addr}:{RDZV_PORT}", "--rdzv-id", run_id,
                 "--local-addr", self.hosts[i].addr, *cmd]
 
-    def run_torchrun(self, cmd: list[str], nproc: int = 1, *, timeout_s: float = 300.0,
-                     env: dict | None = None) -> list[tuple[int, str, str]]:
+    def run_torchrun(self, cmd: list[str], nproc: int = 1, *, timeout_s: float = 300.0, env: dict | None = None,
+                     on_line=None) -> list[tuple[int, str, str]]:
         """One torchrun agent per host running ``cmd``; ``(returncode, stdout, stderr)`` per host.
 
         Gloo binds to each host's ``eth0`` (``GLOO_SOCKET_IFNAME``). The hosts share this machine's cores, so
@@ -298,18 +363,25 @@ class NamespaceHosts:
         torchrun sees only its own ranks and would give each the whole machine (review: 1-1.8 tokens/s instead of
         30 for SmolLM2 at tp 2 on two cores). A host whose agent has not ended ``timeout_s`` seconds after the start
         is killed (returncode -9); after the first agent fails, the others get 30 s more (their ranks wait for the
-        failed one until their own timeout).
+        failed one until their own timeout). ``on_line(host index, "out" | "err", line)``: called for each line as
+        it comes (from the threads that read the pipes), e.g. to show a server's output while it runs.
         """
         env = dict(os.environ if env is None else env, GLOO_SOCKET_IFNAME=IFNAME)
         env.setdefault("TENSORPAR_THREADS", str(max(1, (os.cpu_count() or 1) // (len(self.hosts) * nproc))))
         procs = [self.popen(i, self.torchrun_argv(i, nproc, cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env) for i in range(len(self.hosts))]
         deadline = time.monotonic() + timeout_s
-        outs = {}
-        def read(k, p):                      # read the pipes while waiting: a full pipe would stall an agent
-            outs[k] = p.communicate()
+        outs: dict[tuple[int, str], list[str]] = {}
 
-        readers = [threading.Thread(target=read, args=(k, p), daemon=True) for k, p in enumerate(procs)]
+        def read(k, name, pipe):              # read the pipes while waiting: a full pipe would stall an agent
+            lines = outs.setdefault((k, name), [])
+            for line in pipe:
+                lines.append(line)
+                if on_line is not None:
+                    on_line(k, name, line)
+
+        readers = [threading.Thread(target=read, args=(k, name, pipe), daemon=True)
+                   for k, p in enumerate(procs) for name, pipe in (("out", p.stdout), ("err", p.stderr))]
         for t in readers:
             t.start()
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
@@ -321,4 +393,5 @@ class NamespaceHosts:
                 os.killpg(p.pid, signal.SIGKILL)
         for t in readers:
             t.join(timeout=30)
-        return [(p.wait(), *outs.get(k, ("", ""))) for k, p in enumerate(procs)]
+        return [(p.wait(), "".join(outs.get((k, "out"), [])), "".join(outs.get((k, "err"), [])))
+                for k, p in enumerate(procs)]
