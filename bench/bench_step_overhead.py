@@ -1,8 +1,9 @@
 """Where a decode step's time goes outside the matmuls, attention and collectives (issue 28), and an A/B of two
 checkouts.
 
-SmolLM2-135M fp32 greedy decode through ``generate_tokens`` (the decode engine, the lean path's row step) at tp=2,
-one thread per rank, shared-memory collectives. Per row, in fresh processes (the checkout's tensorpar imported
+SmolLM2-135M (``--model``; ``tinyllama-random``: the 1.1B random Llama) greedy decode through ``generate_tokens``
+(the decode engine, the lean path's row step) at tp=2, one thread per rank, shared-memory collectives; fp32 weights,
+or (``--quantize bf16|int8``) as ``generate --quantize`` stores them; fp32 activations. Per row, in fresh processes (the checkout's tensorpar imported
 through ``TENSORPAR_BENCH_CODE``, as ``bench_decode.py --fixed-cost`` does):
 
 1. tokens/s of ``--tokens`` new tokens after a 3-token warm-up (decode steps only), the median and the fastest step
@@ -148,7 +149,8 @@ def _unpatch(done: list) -> None:
             setattr(owner, name, fn)
 
 
-def job(ctx, folder: str, n: int, spy: str | None, spy_calls: int, spy_out: str | None, batch: int = 1):
+def job(ctx, folder: str, n: int, spy: str | None, spy_calls: int, spy_out: str | None, batch: int = 1,
+        quantize: str = "none"):
     """Rank job: tokens/s, the CPU breakdown, and (rank 0, ``spy``) a py-spy profile of ``spy_calls`` generates."""
     from transformers import AutoTokenizer
 
@@ -159,7 +161,13 @@ def job(ctx, folder: str, n: int, spy: str | None, spy_calls: int, spy_out: str 
         from tensorpar.shm import enable_fast_collectives
         enable_fast_collectives(ctx.tp, "on")
     model, _ = build_parallel_model(folder, ctx.tp, dtype=torch.float32)
-    ids = AutoTokenizer.from_pretrained(folder)([PROMPT] * batch, return_tensors="pt")["input_ids"]
+    if quantize != "none":
+        from tensorpar.decode.quantize import apply_quantize
+        apply_quantize(model, ctx.tp, quantize)
+    try:
+        ids = AutoTokenizer.from_pretrained(folder)([PROMPT] * batch, return_tensors="pt")["input_ids"]
+    except (OSError, ValueError):         # a random-weight model without a tokenizer: fixed ids
+        ids = torch.tensor([[1, 450, 7483, 310, 3444, 338]] * batch)
     cfg = SamplingConfig(max_new_tokens=n)
     generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=3), path="lean")      # warm-up
     stamps: list[float] = []
@@ -254,10 +262,10 @@ def pyspy_summary(path: str, top: int = 30) -> dict:
 
 
 def worker(folder: str, n: int, spy: str | None, spy_calls: int, spy_out: str | None, tp: int = 2,
-           batch: int = 1) -> dict:
+           batch: int = 1, quantize: str = "none") -> dict:
     from tensorpar.testing import WorkerPool
     with WorkerPool(tp, collective_timeout_s=120, job_timeout_s=1200) as pool:
-        res = pool.run(job, folder, n, spy, spy_calls, spy_out, batch)
+        res = pool.run(job, folder, n, spy, spy_calls, spy_out, batch, quantize)
     out = dict(res[0])
     if tp > 1:
         out["rank1_cpu_ms"] = res[1]["cpu_ms"]
@@ -273,6 +281,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (1: no collectives, no waits)")
     p.add_argument("--batch", type=int, default=1, help="rows per decode step (the same prompt in every row)")
+    p.add_argument("--quantize", default="none", choices=("none", "bf16", "int8"),
+                   help="the weights as generate --quantize stores them (activations fp32)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--before", default=None, help="the old checkout (A/B); left out: this checkout only")
     p.add_argument("--pyspy", default=None, help="py-spy executable: profile rank 0 in the first round")
@@ -281,17 +291,17 @@ def main() -> None:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--spy-out", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
-    from tensorpar.hub import resolve_model
-    folder = str(resolve_model(a.model))
+    from bench_batch import model_folder          # smollm2, or tinyllama-random (the 1.1B, built once and cached)
+    folder = str(model_folder(a.model))
     if a.worker:
-        print(json.dumps(worker(folder, a.tokens, a.pyspy, a.pyspy_calls, a.spy_out, a.tp, a.batch)))
+        print(json.dumps(worker(folder, a.tokens, a.pyspy, a.pyspy_calls, a.spy_out, a.tp, a.batch, a.quantize)))
         return
     import tempfile
 
-    from machine import machine, write_results
+    from machine import cpu_account, describe, machine, other_work, write_results
     here = str(Path(__file__).resolve().parents[1])
     labels = ((("before", a.before),) if a.before else ()) + (("after", here),)
-    start = machine()
+    start, acc0 = machine(), cpu_account()
     rows: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(a.rounds):
@@ -300,7 +310,7 @@ def main() -> None:
                         if q and not (Path(q) / "tensorpar").is_dir()]
                 env = {**os.environ, "TENSORPAR_BENCH_CODE": code, "PYTHONPATH": os.pathsep.join([code] + keep)}
                 cmd = [sys.executable, __file__, "--worker", "--model", folder, "--tokens", str(a.tokens),
-                       "--tp", str(a.tp), "--batch", str(a.batch)]
+                       "--tp", str(a.tp), "--batch", str(a.batch), "--quantize", a.quantize]
                 if a.pyspy and rnd == 0:
                     cmd += ["--pyspy", a.pyspy, "--pyspy-calls", str(a.pyspy_calls),
                             "--spy-out", str(Path(tmp) / f"{label}.txt")]
@@ -318,15 +328,17 @@ def main() -> None:
                                         text=True).stdout.strip()
                 rows.setdefault(label, {"label": label, "commit": commit, "rounds": []})["rounds"].append(res)
     end = machine()
+    work = other_work(acc0, cpu_account())
     med = statistics.median
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__, "tokens": a.tokens, "tp": a.tp,
-            "batch": a.batch,
-            "machine_start": start, "machine_end": end, "model": a.model}
+            "batch": a.batch, "quantize": a.quantize,
+            "machine_start": start, "machine_end": end, "model": a.model, "other_work": work}
     ls, le = start["loadavg"], end["loadavg"]
-    lines = [f"SmolLM2-135M fp32 greedy decode, tp={a.tp} (1 thread per rank, shared-memory collectives), "
-             f"batch {a.batch}, {a.tokens} new tokens, prompt {PROMPT!r}; {start['cpu']}, {start['cores']} cores, "
-             f"torch {meta['torch']}, {meta['date']}. Load average at start {ls[0]:.2f} / {ls[1]:.2f} / {ls[2]:.2f}, at "
-             f"end {le[0]:.2f} / {le[1]:.2f} / {le[2]:.2f} (shared machine).", "",
+    weights = a.quantize if a.quantize != "none" else "fp32"
+    lines = [f"{a.model}, {weights} weights (fp32 activations), greedy decode, tp={a.tp} (1 thread per rank, "
+             f"shared-memory collectives), batch {a.batch}, {a.tokens} new tokens, prompt {PROMPT!r}; {start['cpu']}, "
+             f"{start['cores']} cores, torch {meta['torch']}, {meta['date']}. Load average at start {ls[0]:.2f} / "
+             f"{ls[1]:.2f} / {ls[2]:.2f}, at end {le[0]:.2f} / {le[1]:.2f} / {le[2]:.2f}; {describe(work)}.", "",
              f"{a.rounds} round(s), rows alternating (order reversed every other round), each in fresh processes. "
              "tokens/s: decode steps only, summed over the batch's rows; step ms: wall time between two tokens "
              "(median over rounds of each round's median step; best: the fastest step of all rounds).", "",
