@@ -99,14 +99,15 @@ def netns_names() -> list[str]:
 
 
 def addresses_in_use() -> dict[str, str]:
-    """IPv4 addresses on the machine's interfaces and on those of every named namespace: address -> where."""
+    """IPv4 addresses on the machine's interfaces and on those of every named namespace: address -> where (this
+    machine first: every namespace's loopback also holds 127.0.0.1)."""
     used = {}
     for ns in [None] + netns_names():
         out = _sh("ip", *(["-n", ns] if ns else []), "-o", "-4", "addr", "show", check=False)
         for line in out.splitlines():
             f = line.split()
             if "inet" in f:
-                used[f[f.index("inet") + 1].split("/")[0]] = f"namespace {ns}" if ns else "this machine"
+                used.setdefault(f[f.index("inet") + 1].split("/")[0], f"namespace {ns}" if ns else "this machine")
     return used
 
 
