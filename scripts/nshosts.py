@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="nshosts", description=__doc__.split("\n\n")[0])
     p.add_argument("--hosts", type=int, default=2, help="number of namespace hosts")
-    p.add_argument("--rate", default="1gbit", help="link rate for tc, e.g. 1gbit, 10gbit; 'none' for no cap")
+    p.add_argument("--rate", default="1gbit", help="link rate for tc, 1mbit-1000gbit, e.g. 1gbit, 10gbit; 'none' for "
+                                                   "no cap")
     p.add_argument("--nproc-per-host", type=int, default=1, help="ranks per host (torchrun --nproc-per-node)")
     p.add_argument("--subnet", default=None, help="IPv4 subnet of the hosts (default a random 10.x.y.0/24)")
     p.add_argument("--prefix", default=None, help="namespace name prefix (default tph<pid>-<random>)")
@@ -58,10 +59,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def stop(signum, frame):                  # SIGTERM / SIGHUP: the same teardown as Ctrl-C
         raise KeyboardInterrupt
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):     # SIGINT too: a shell's `cmd &` ignores it
         signal.signal(sig, stop)
     try:
-        hosts = NamespaceHosts(args.hosts, None if args.rate == "none" else args.rate, prefix=args.prefix,
+        hosts = NamespaceHosts(args.hosts, None if args.rate.lower() == "none" else args.rate, prefix=args.prefix,
                                subnet=args.subnet)
         hosts.up()                            # undoes what it made if it fails or is interrupted
     except (ValueError, RuntimeError) as e:   # bad input, no namespaces here, or a name taken meanwhile: one line
@@ -79,61 +80,74 @@ def main(argv: list[str] | None = None) -> int:
                       + shlex.join(hosts.torchrun_argv(h.index, args.nproc_per_host, cmd)), flush=True)
         res = hosts.run_torchrun(cmd, args.nproc_per_host, timeout_s=args.timeout, env=env, on_line=show.line)
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)      # a second Ctrl-C does not cut the teardown short
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):   # a second signal does not cut the teardown short
+            signal.signal(sig, signal.SIG_IGN)
         hosts.stop(grace_s=10)
+        show.summary()
         print("nshosts: interrupted; the hosts and every process in them are removed", file=sys.stderr)
         return 130
     finally:
         hosts.down()
     for h, (rc, _, _) in zip(hosts.hosts, res):
         if rc:
-            print(f"nshosts: host {h.hostname} ({h.addr}): torchrun exit {rc}{show.cause(h.index)}",
-                  file=sys.stderr)
-    if show.left_out:
-        print(f"nshosts: {show.left_out} lines of torchrun's failure report and C++ stack frames left out "
-              f"(--verbose shows them)", file=sys.stderr)
+            why = f" ({hosts.killed[h.index]})" if h.index in hosts.killed else show.cause(h.index)
+            print(f"nshosts: host {h.hostname} ({h.addr}): torchrun exit {rc}{why}", file=sys.stderr)
+    show.summary()
     return next((rc if rc > 0 else 1 for rc, _, _ in res if rc), 0)   # killed by a signal: 1
 
 
-#: torchrun's report of a failed rank starts with its agent's log line "... failed (exitcode: N) local_rank: ...";
-#: its report of being stopped (SIGTERM from :meth:`~tensorpar.nshosts.NamespaceHosts.stop`, a SignalException
-#: traceback) with "... Received N death signal, shutting down workers"
-_REPORT = re.compile(r"^[EWI]\d{4} .*(failed \(exitcode: -?\d+\)|Received \d+ death signal)")
+#: torchrun's agent stopping its ranks, its log lines: after a rank failed ("... failed (exitcode: N) ...", "Sending
+#: process N closing signal ..."), or when it got a signal ("Received N death signal ...")
+_REPORT = re.compile(r"^[EWI]\d{4} .*(failed \(exitcode: -?\d+\)|Sending process \d+ closing signal|"
+                     r"Received \d+ death signal)")
+#: what follows in the agent's report: its log lines, its traceback and exception (torch.distributed.elastic...),
+#: the "Failures" / "Root Cause" block; a rank's own lines do not look like these and stay
+_REPORT_LINE = re.compile(r"^([EWI]\d{4} \d\d:\d\d:\d\d|\s|Traceback \(most recent call last\)|During handling of|"
+                          r"The above exception|torch\.distributed\.elastic|=+\s*$|-+\s*$|Failures:|Root Cause|"
+                          r"\[\d+\]:|\S+ FAILED\s*$)")
 _FIELD = re.compile(r"^\s*(rank|exitcode|traceback)\s*: (.*)$")
 _FRAME = re.compile(r"^(frame #\d+: |Exception raised from )")
 
 
 class _Shown:
-    """The hosts' lines as they come, each after ``[hostname]``; torchrun's failure report (from its log line
-    ``failed (exitcode: N)`` to the end of that host's stderr) and C++ stack frames left out unless ``verbose``,
-    its rank, exit code and (where a rank recorded one) error line kept for :meth:`cause`."""
+    """The hosts' lines as they come, each after ``[hostname]``. Unless ``verbose``, left out (and counted): C++
+    stack frames, and the report of torchrun's agent once it stops its ranks (from one of :data:`_REPORT`'s lines
+    on, the lines that look like :data:`_REPORT_LINE`), whose "Root Cause" rank, exit code and recorded error line
+    :meth:`cause` gives."""
 
     def __init__(self, hosts, verbose: bool):
         self.names = [h.hostname for h in hosts.hosts]
         self.verbose, self.left_out = verbose, 0
         self.in_report: set[int] = set()
+        self.root: set[int] = set()
         self.fields: dict[int, dict] = {}
         self.lock = threading.Lock()
 
     def line(self, k: int, name: str, text: str) -> None:
         with self.lock:
-            if not self.verbose and name == "err":
-                if k in self.in_report or _REPORT.match(text):
-                    self.in_report.add(k)
-                    m = _FIELD.match(text)
-                    if m:
-                        self.fields.setdefault(k, {}).setdefault(m.group(1), m.group(2).strip())
-                    self.left_out += 1
-                    return
-                if _FRAME.match(text):
-                    self.left_out += 1
-                    return
+            if not self.verbose and name == "err" and self._left_out(k, text):
+                self.left_out += 1
+                return
             out = sys.stdout if name == "out" else sys.stderr
             out.write(f"[{self.names[k]}] {text}" + ("" if text.endswith("\n") else "\n"))
             out.flush()
 
+    def _left_out(self, k: int, text: str) -> bool:
+        if _FRAME.match(text):
+            return True
+        if _REPORT.match(text):
+            self.in_report.add(k)
+        if k not in self.in_report or not _REPORT_LINE.match(text):
+            return False
+        if text.startswith("Root Cause"):        # its entry, not the first of "Failures"
+            self.root.add(k)
+        m = _FIELD.match(text)
+        if m and k in self.root:
+            self.fields.setdefault(k, {}).setdefault(m.group(1), m.group(2).strip())
+        return True
+
     def cause(self, k: int) -> str:
-        """``" (rank R: exit code C)"`` from host ``k``'s left-out report, with the error line a rank recorded."""
+        """``" (rank R: exit code C)"`` from host ``k``'s root cause, with the error line a rank recorded."""
         f = self.fields.get(k, {})
         if not f:
             return ""
@@ -141,6 +155,11 @@ class _Shown:
         said = "" if not tb or tb.startswith("To enable traceback") else f"; {tb}"
         rank, code = (f.get(key, "?").split()[0] or "?" for key in ("rank", "exitcode"))    # "0 (local_rank: 0)"
         return f" (rank {rank}: exit code {code}{said})"
+
+    def summary(self) -> None:
+        if self.left_out:
+            print(f"nshosts: {self.left_out} lines of torchrun's own report and C++ stack frames left out "
+                  f"(--verbose shows them)", file=sys.stderr)
 
 
 if __name__ == "__main__":

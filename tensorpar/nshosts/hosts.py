@@ -1,28 +1,5 @@
-"""Hosts on this machine: N network-namespace "hosts" joined by rate-limited links, for tests and benchmarks.
-
-Each host is a Linux network namespace made by the run (its own ``eth0`` with its own address, and
-``lo``), plus, for every process started in it, its own UTS namespace (hostname) and mount
-namespace, in which a private ``/etc/hosts`` (every host's name and address: torchrun and gloo
-resolve the host's own name) and, by default, a private ``/dev/shm`` are mounted. The hosts'
-``eth0`` ends are joined by a bridge in one more namespace (the "switch"); token-bucket filters
-(``tc qdisc ... tbf``) on both ends of every link cap each direction at the link rate. Nothing is
-added to the machine's own network namespace, so all traffic stays inside namespaces of the run.
-
-Use::
-
-    with NamespaceHosts(2, rate="1gbit") as hosts:
-        results = hosts.run_torchrun(["-m", "tensorpar", "generate", "--model", folder], nproc=1)
-
-Every host runs one torchrun agent: c10d rendezvous on host 0's address
-(:meth:`NamespaceHosts.torchrun_argv`), ``--local-addr`` the host's address, gloo bound to the host's
-interface (``GLOO_SOCKET_IFNAME=eth0``), the same commands as on real machines (docs/hosts.md).
-
-Teardown (:meth:`NamespaceHosts.down`: on leaving the ``with``, also when its body raises, and at
-interpreter exit) kills the processes still running in the hosts and deletes the namespaces, which
-deletes the links. Namespace names carry the creating pid (``tph<pid>-<random>-...``); :func:`sweep_stale`
-deletes those left by a run that was killed. Needs root (``CAP_SYS_ADMIN`` and ``CAP_NET_ADMIN``) and
-the ``ip``, ``tc``, ``unshare`` and ``mount`` commands; :func:`unavailable` says why not, in one line.
-"""
+"""The namespace hosts themselves (:mod:`tensorpar.nshosts`): making them, running torchrun agents in them,
+tearing them down."""
 from __future__ import annotations
 
 import atexit
@@ -40,118 +17,15 @@ import threading
 import time
 from dataclasses import dataclass
 
-PREFIX = "tph"
+from tensorpar.nshosts.machine import (OWNERS, PREFIX, _kill_inside, _sh, addresses_in_use, netns_names, rate_bits,
+                                       sweep_stale, unavailable)
+
 IFNAME = "eth0"
 RDZV_PORT = 29400          # free in any case: the hosts' network namespaces are new
-_RATE = re.compile(r"^(\d+(?:\.\d+)?)([kmg]?)bit$", re.IGNORECASE)
-#: the link rates a host's link may be capped at, bits/s: below 1 Mbit/s the token bucket's smallest burst (64 KiB)
-#: lets a small job's traffic through uncapped; above 1000 Gbit/s tc's burst (1 ms of traffic) overflows
-RATE_RANGE = (1e6, 1e12)
-_UNIT = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
 
 # Run in the new UTS and mount namespaces of a host: $0 hostname, $1 hosts file, $2 private shm, then the command.
 _SETUP = ('hostname "$0" && mount --bind "$1" /etc/hosts && '
           '{ [ "$2" = 0 ] || mount -t tmpfs -o mode=1777 tmpfs /dev/shm; } && shift 2 && exec "$@"')
-
-
-def rate_bits(rate: str) -> float:
-    """Bits per second of a tc rate such as ``"1gbit"``, ``"500mbit"`` (units in any case, as tc reads them).
-
-    Raises:
-        ValueError: not ``<number>[k|m|g]bit``, or outside :data:`RATE_RANGE` (1mbit-1000gbit).
-    """
-    m = _RATE.match(rate) if isinstance(rate, str) else None
-    if not m:
-        raise ValueError(f"link rate must look like '1gbit', '10gbit' or '500mbit', got {rate!r}")
-    bits = float(m.group(1)) * _UNIT[m.group(2).lower()]
-    if not RATE_RANGE[0] <= bits <= RATE_RANGE[1]:
-        raise ValueError(f"link rate {rate!r} is outside 1mbit-1000gbit (below, tc's smallest burst lets a small "
-                         f"job's traffic through uncapped; above, its burst overflows); or give none for no cap")
-    return bits
-
-
-def unavailable() -> str | None:
-    """Why namespace hosts cannot be made here (one line), or None if they can."""
-    if sys.platform != "linux":
-        return f"namespace hosts need Linux network namespaces; this is {sys.platform}"
-    if os.geteuid() != 0:
-        return "namespace hosts need root (creating network, UTS and mount namespaces); this runs as uid " \
-               f"{os.geteuid()}"
-    missing = [c for c in ("ip", "tc", "unshare", "mount", "hostname") if shutil.which(c) is None]
-    if missing:
-        return f"namespace hosts need the commands {', '.join(missing)} (iproute2, util-linux)"
-    probe = subprocess.run(["unshare", "--net", "--uts", "--mount", "true"], capture_output=True, text=True)
-    if probe.returncode:   # root without CAP_SYS_ADMIN, e.g. an unprivileged container
-        return f"namespace hosts: this process cannot create namespaces ({probe.stderr.strip()[:200]})"
-    return None
-
-
-def _sh(*argv: str, check: bool = True) -> str:
-    r = subprocess.run(argv, capture_output=True, text=True)
-    if check and r.returncode:
-        raise RuntimeError(f"{' '.join(argv)} failed (exit {r.returncode}): {r.stderr.strip()}")
-    return r.stdout
-
-
-def netns_names() -> list[str]:
-    """Names of the machine's named network namespaces (``ip netns list``)."""
-    return [line.split()[0] for line in _sh("ip", "netns", "list").splitlines() if line.strip()]
-
-
-def addresses_in_use() -> dict[str, str]:
-    """IPv4 addresses on the machine's interfaces and on those of every named namespace: address -> where (this
-    machine first: every namespace's loopback also holds 127.0.0.1)."""
-    used = {}
-    for ns in [None] + netns_names():
-        out = _sh("ip", *(["-n", ns] if ns else []), "-o", "-4", "addr", "show", check=False)
-        for line in out.splitlines():
-            f = line.split()
-            if "inet" in f:
-                used.setdefault(f[f.index("inet") + 1].split("/")[0], f"namespace {ns}" if ns else "this machine")
-    return used
-
-
-#: where a run records the pid that made each namespace it made (names with a ``--prefix`` carry no pid)
-OWNERS = "/run/tensorpar-nshosts"
-
-
-def _owner(ns: str) -> int | None:
-    """The pid of the process that made namespace ``ns``: from its ``tph<pid>-`` name or its owner file; None
-    for a namespace this module did not make."""
-    m = re.match(rf"^{PREFIX}(\d+)-", ns)
-    if m:
-        return int(m.group(1))
-    try:
-        with open(os.path.join(OWNERS, ns)) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return None
-
-
-def _kill_inside(ns: str) -> None:
-    """SIGKILL every process in namespace ``ns`` (only ours live in the namespaces this module makes)."""
-    for pid in _sh("ip", "netns", "pids", ns, check=False).split():
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass
-
-
-def sweep_stale() -> list[str]:
-    """Delete the namespaces this module made whose creating process is gone (``tph<pid>-*``, and those of a
-    ``prefix`` by their owner file), after killing what still runs in them; return their names."""
-    removed = []
-    for ns in netns_names():
-        pid = _owner(ns)
-        if pid is not None and not os.path.exists(f"/proc/{pid}"):
-            _kill_inside(ns)
-            _sh("ip", "netns", "del", ns, check=False)
-            try:
-                os.unlink(os.path.join(OWNERS, ns))
-            except OSError:
-                pass
-            removed.append(ns)
-    return removed
 
 
 @dataclass(frozen=True)
@@ -170,8 +44,8 @@ class NamespaceHosts:
     Args:
         n: number of hosts (>= 1).
         rate: link rate for ``tc`` (``"1gbit"``, ``"10gbit"``), or None for no cap.
-        prefix: namespace name prefix; default ``tph<pid>-<4 random hex digits>`` (host ``i`` is
-            ``<prefix>-h<i>``, the switch ``<prefix>-sw``), so runs in one process may overlap.
+        prefix: namespace name prefix; default ``tph<pid>-<4 random hex digits>`` (host ``i`` is ``<prefix>-h<i>``,
+            the switch ``<prefix>-sw``), so runs in one process may overlap.
         subnet: a /24 or larger IPv4 network; host ``i`` gets its ``i + 1``-th address. Default
             ``10.<random>.<random>.0/24``.
         hostnames: one name per host; default ``<prefix>-h<i>`` (``_`` and ``.`` as ``-``). Names may repeat (a
@@ -179,8 +53,8 @@ class NamespaceHosts:
         private_shm: give each host its own ``/dev/shm`` (as on separate machines).
 
     Raises (in the constructor, before anything is made or started):
-        ValueError: a bad ``n``, ``rate``, ``subnet`` or ``hostnames``; a namespace name or an address
-            already in use on this machine (one line naming it).
+        ValueError: a bad ``n``, ``rate``, ``subnet`` or ``hostnames``; a namespace name or an address already in
+            use on this machine (one line naming it).
         RuntimeError: namespace hosts cannot be made here (:func:`unavailable`).
     """
 
@@ -224,6 +98,7 @@ class NamespaceHosts:
                              f"{subnet}")
         self._made: list[str] = []
         self._procs: list[subprocess.Popen] = []
+        self.killed: dict[int, str] = {}
         self._dir: str | None = None
 
     # ------------------------------------------------------------------ set-up and teardown
@@ -363,12 +238,14 @@ class NamespaceHosts:
         each rank gets ``cores // (hosts x nproc)`` threads (at least 1) unless ``TENSORPAR_THREADS`` is set: each
         torchrun sees only its own ranks and would give each the whole machine (review: 1-1.8 tokens/s instead of
         30 for SmolLM2 at tp 2 on two cores). A host whose agent has not ended ``timeout_s`` seconds after the start
-        is killed (returncode -9); after the first agent fails, the others get 30 s more (their ranks wait for the
-        failed one until their own timeout). ``on_line(host index, "out" | "err", line)``: called for each line as
-        it comes (from the threads that read the pipes), e.g. to show a server's output while it runs.
+        is killed with every process in it (returncode -9; :attr:`killed` says why); after the first agent fails,
+        the others get 30 s more (their ranks wait for the failed one until their own timeout).
+        ``on_line(host index, "out" | "err", line)``: called for each line as it comes (from the threads that read
+        the pipes), e.g. to show a server's output while it runs.
         """
         env = dict(os.environ if env is None else env, GLOO_SOCKET_IFNAME=IFNAME)
         env.setdefault("TENSORPAR_THREADS", str(max(1, (os.cpu_count() or 1) // (len(self.hosts) * nproc))))
+        env.setdefault("OMP_NUM_THREADS", env["TENSORPAR_THREADS"])    # else torchrun prints its 4-line banner
         procs = [self.popen(i, self.torchrun_argv(i, nproc, cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env) for i in range(len(self.hosts))]
         deadline = time.monotonic() + timeout_s
@@ -385,14 +262,21 @@ class NamespaceHosts:
                    for k, p in enumerate(procs) for name, pipe in (("out", p.stdout), ("err", p.stderr))]
         for t in readers:
             t.start()
+        why = f"killed at the timeout ({timeout_s:g} s)"
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.poll() for p in procs):
-                deadline = min(deadline, time.monotonic() + 30)
+            failed = [k for k, p in enumerate(procs) if p.poll()]
+            if failed and time.monotonic() + 30 < deadline:
+                deadline = time.monotonic() + 30
+                why = f"killed 30 s after host {self.hosts[failed[0]].hostname} failed"
             time.sleep(0.1)
-        for p in procs:
+        self.killed = {}                      # host index -> why its agent was killed (returncode -9)
+        for k, p in enumerate(procs):
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
+                _kill_inside(self.hosts[k].netns)   # torchrun runs each rank in a session of its own
+                self.killed[k] = why
+        end = time.monotonic() + 30
         for t in readers:
-            t.join(timeout=30)
+            t.join(timeout=max(0.0, end - time.monotonic()))
         return [(p.wait(), "".join(outs.get((k, "out"), [])), "".join(outs.get((k, "err"), [])))
                 for k, p in enumerate(procs)]
