@@ -17,8 +17,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from tensorpar.nshosts.machine import (OWNERS, PREFIX, _kill_inside, _sh, addresses_in_use, netns_names, rate_bits,
-                                       sweep_stale, unavailable)
+from tensorpar.nshosts.machine import (OWNERS, PREFIX, _kill_inside, _sh, addresses_in_use, delete_ns, netns_names,
+                                       rate_bits, sweep_stale, unavailable)
 
 IFNAME = "eth0"
 RDZV_PORT = 29400          # free in any case: the hosts' network namespaces are new
@@ -171,12 +171,7 @@ class NamespaceHosts:
                 pass
         self._procs = []
         for ns in reversed(self._made):
-            _kill_inside(ns)
-            _sh("ip", "netns", "del", ns, check=False)
-            try:
-                os.unlink(os.path.join(OWNERS, ns))
-            except OSError:
-                pass
+            delete_ns(ns)
         self._made = []
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)

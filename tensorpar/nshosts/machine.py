@@ -102,6 +102,16 @@ def _kill_inside(ns: str) -> None:
             pass
 
 
+def delete_ns(ns: str) -> None:
+    """Kill what runs in namespace ``ns`` (:func:`_kill_inside`), delete it and its owner file."""
+    _kill_inside(ns)
+    _sh("ip", "netns", "del", ns, check=False)
+    try:
+        os.unlink(os.path.join(OWNERS, ns))
+    except OSError:
+        pass
+
+
 def sweep_stale() -> list[str]:
     """Delete the namespaces this module made whose creating process is gone (``tph<pid>-*``, and those of a
     ``prefix`` by their owner file), after killing what still runs in them; return their names."""
@@ -109,12 +119,7 @@ def sweep_stale() -> list[str]:
     for ns in netns_names():
         pid = _owner(ns)
         if pid is not None and not os.path.exists(f"/proc/{pid}"):
-            _kill_inside(ns)
-            _sh("ip", "netns", "del", ns, check=False)
-            try:
-                os.unlink(os.path.join(OWNERS, ns))
-            except OSError:
-                pass
+            delete_ns(ns)
             removed.append(ns)
     for prefix in {ns.rsplit("-", 1)[0] for ns in removed}:      # their hosts files (nothing else in the folder)
         for d in glob.glob(os.path.join(tempfile.gettempdir(), glob.escape(prefix) + "-*")):
