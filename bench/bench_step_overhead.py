@@ -178,6 +178,8 @@ def job(ctx, folder: str, n: int, spy: str | None, spy_calls: int, spy_out: str 
            "best_step_ms": min(steps) * 1e3, "tokens": res.tokens[0].tolist()}
     timer = _Timer()
     done = _patches(timer)
+    from tensorpar.generate.engine_cache import release_engine
+    release_engine(model)       # the kept engine bound the kernels unwrapped (its LM head's GEMV): one with the timers
     per_step: list[dict] = []
     last: dict = {}
 
