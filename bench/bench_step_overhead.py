@@ -134,10 +134,10 @@ def _patches(timer: _Timer) -> list:
     patch(getattr(row_step, "RowStep", None), "__call__", "row step Python (loop, arguments)")
     patch(getattr(lean, "LeanDecoder", None), "forward_segments", "engine: forward_segments")
     kernels = getattr(row_step, "_KERNELS", None)
-    if kernels is not None:             # the row step's matmul calls (bound at import: patch the table's entry)
-        avail, run = kernels[None]
-        kernels[None] = (avail, timer.wrap(run, KERNELS))
-        done.append((kernels, None, (avail, run)))
+    for fmt in list(kernels or ()):     # the row step's matmul calls, every weight format (bound at import: patch the
+        avail, run = kernels[fmt]       # table's entries)
+        kernels[fmt] = (avail, timer.wrap(run, KERNELS))
+        done.append((kernels, fmt, (avail, run)))
     return done
 
 
