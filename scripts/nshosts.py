@@ -101,10 +101,11 @@ def main(argv: list[str] | None = None) -> int:
 _REPORT = re.compile(r"^[EWI]\d{4} .*(failed \(exitcode: -?\d+\)|Sending process \d+ closing signal|"
                      r"Received \d+ death signal)")
 #: what follows in the agent's report: its log lines, its traceback and exception (torch.distributed.elastic...),
-#: the "Failures" / "Root Cause" block; a rank's own lines do not look like these and stay
-_REPORT_LINE = re.compile(r"^([EWI]\d{4} \d\d:\d\d:\d\d|\s|Traceback \(most recent call last\)|During handling of|"
+#: the "Failures" / "Root Cause" block, and the ranks' c10d warnings as their store goes away ("[W1203 ...
+#: TCPStore.cpp ...] ... Broken pipe", "<omitting python frames>"); a rank's own lines do not look like these and stay
+_REPORT_LINE = re.compile(r"^(\[?[EWI]\d{4} \d\d:\d\d:\d\d|\s|Traceback \(most recent call last\)|During handling of|"
                           r"The above exception|torch\.distributed\.elastic|=+\s*$|-+\s*$|Failures:|Root Cause|"
-                          r"\[\d+\]:|\S+ FAILED\s*$)")
+                          r"\[\d+\]:|\S+ FAILED\s*$|<omitting python frames>)")
 _FIELD = re.compile(r"^\s*(rank|exitcode|traceback)\s*: (.*)$")
 _FRAME = re.compile(r"^(frame #\d+: |Exception raised from )")
 

@@ -93,6 +93,16 @@ def _owner(ns: str) -> int | None:
         return None
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs: it exists and is no zombie (a killed run's script, orphaned, stays one until
+    init reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _kill_inside(ns: str) -> None:
     """SIGKILL every process in namespace ``ns`` (only ours live in the namespaces this module makes)."""
     for pid in _sh("ip", "netns", "pids", ns, check=False).split():
@@ -118,7 +128,7 @@ def sweep_stale() -> list[str]:
     removed = []
     for ns in netns_names():
         pid = _owner(ns)
-        if pid is not None and not os.path.exists(f"/proc/{pid}"):
+        if pid is not None and not _alive(pid):
             delete_ns(ns)
             removed.append(ns)
     for prefix in {ns.rsplit("-", 1)[0] for ns in removed}:      # their hosts files (nothing else in the folder)

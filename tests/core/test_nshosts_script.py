@@ -59,8 +59,9 @@ def test_a_name_taken_after_the_check_is_refused_in_one_line_and_the_other_runs_
 def test_a_killed_runs_prefixed_namespaces_and_their_processes_are_swept():
     ns = f"tpk{os.getpid()}-h0"
     subprocess.run(["ip", "netns", "add", ns], check=True)
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()                                              # a pid that is gone
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])  # not waited for: a zombie, as a killed run's script
+    while open(f"/proc/{dead.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":    # is until init reaps it
+        time.sleep(0.05)
     os.makedirs(nshosts.OWNERS, exist_ok=True)
     with open(os.path.join(nshosts.OWNERS, ns), "w") as f:
         f.write(str(dead.pid))
@@ -71,6 +72,7 @@ def test_a_killed_runs_prefixed_namespaces_and_their_processes_are_swept():
         assert ns not in netns_names() and not os.path.exists(os.path.join(nshosts.OWNERS, ns))
         assert left.wait(timeout=10) == -signal.SIGKILL      # the process it still held is gone too
     finally:
+        dead.wait()
         left.kill()
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
@@ -83,11 +85,13 @@ def _start(tmp_path, job_text: str, prefix: str, *args, **kw) -> subprocess.Pope
 
 
 def _wait_up(p: subprocess.Popen, prefix: str) -> list[int]:
-    """Wait for the ranks' "rank up" line (shown as it comes, after its host's name); the pids in the hosts."""
+    """Wait for both hosts' ranks' "rank up" line (shown as it comes, after its host's name: a rank that has not
+    printed it may not have its signal handler yet); the pids in the hosts."""
     deadline, seen = time.monotonic() + 120, ""
-    while "rank up" not in seen and time.monotonic() < deadline:
+    up = [f"[{prefix}-h{k}] rank up" for k in (0, 1)]
+    while not all(u in seen for u in up) and time.monotonic() < deadline:
         seen += p.stdout.readline()
-    assert "rank up" in seen and seen.startswith(f"[{prefix}-h"), seen
+    assert all(u in seen for u in up), seen
     pids = [int(x) for ns in (f"{prefix}-h0", f"{prefix}-h1")
             for x in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()]
     assert pids
