@@ -75,6 +75,8 @@ def test_a_killed_runs_prefixed_namespaces_and_their_processes_are_swept():
         dead.wait()
         left.kill()
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        if os.path.exists(os.path.join(nshosts.OWNERS, ns)):
+            os.unlink(os.path.join(nshosts.OWNERS, ns))
 
 
 def _start(tmp_path, job_text: str, prefix: str, *args, **kw) -> subprocess.Popen:
