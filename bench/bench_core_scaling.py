@@ -117,6 +117,8 @@ def main() -> None:
     ap.add_argument("--cpu", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if not (a.rounds >= 1 and a.seconds > 0):
+        ap.error(f"--rounds {a.rounds}, --seconds {a.seconds:g}: need --rounds >= 1 and --seconds > 0")
     if a.worker:
         print(json.dumps(worker(a.worker, a.cpu, a.seconds, a.start_at)))
         return

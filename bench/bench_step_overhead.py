@@ -293,6 +293,9 @@ def main() -> None:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--spy-out", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.batch < 1 or a.tokens < 2 or a.rounds < 1:
+        p.error(f"--batch {a.batch}, --tokens {a.tokens}, --rounds {a.rounds}: need --batch >= 1, --tokens >= 2 "
+                f"(a step is the time between two tokens) and --rounds >= 1")
     from bench_batch import model_folder          # smollm2, or tinyllama-random (the 1.1B, built once and cached)
     folder = str(model_folder(a.model))
     if a.worker:
