@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.timeout > 0:
         p.error(f"--timeout must be > 0 seconds, got {args.timeout:g}")
 
-    def stop(signum, frame):                  # SIGTERM / SIGHUP: the same teardown as Ctrl-C
+    def stop(signum, frame):                  # SIGINT, SIGTERM, SIGHUP: one teardown
         raise KeyboardInterrupt
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):     # SIGINT too: a shell's `cmd &` ignores it
         signal.signal(sig, stop)
@@ -80,13 +80,13 @@ def main(argv: list[str] | None = None) -> int:
                       + shlex.join(hosts.torchrun_argv(h.index, args.nproc_per_host, cmd)), flush=True)
         res = hosts.run_torchrun(cmd, args.nproc_per_host, timeout_s=args.timeout, env=env, on_line=show.line)
     except KeyboardInterrupt:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):   # a second signal does not cut the teardown short
-            signal.signal(sig, signal.SIG_IGN)
+        _ignore_signals()                     # a second signal does not cut the teardown short
         hosts.stop(grace_s=10)
         show.summary()
         print("nshosts: interrupted; the hosts and every process in them are removed", file=sys.stderr)
         return 130
     finally:
+        _ignore_signals()                     # nor one that comes while the hosts are deleted after the run
         hosts.down()
     for h, (rc, _, _) in zip(hosts.hosts, res):
         if rc:
@@ -94,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"nshosts: host {h.hostname} ({h.addr}): torchrun exit {rc}{why}", file=sys.stderr)
     show.summary()
     return next((rc if rc > 0 else 1 for rc, _, _ in res if rc), 0)   # killed by a signal: 1
+
+
+def _ignore_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 #: torchrun's agent stopping its ranks, its log lines: after a rank failed ("... failed (exitcode: N) ...", "Sending
