@@ -57,6 +57,9 @@ PROMPT = "The capital of France is"
 KERNELS = "kernel calls: GEMV (matmuls called one by one)"
 SMALL = "kernel calls: rope, attention, SiLU, first norm (one by one)"
 PROGRAMS = "kernel calls: programs (a layer's GEMVs + rope, attention, SiLU)"
+#: after 2026-12-03 evening: the whole step as one program (``fused.run_at``), its shared-memory exchanges in C with
+#: their spins (a wait past the spin goes back to Python: ``c_exchange_wait``, counted with the collectives)
+STEP_PROGRAM = "kernel calls: the step's one program (its exchanges in C and their spins included)"
 
 
 class _Timer:
@@ -119,11 +122,15 @@ def _patches(timer: _Timer) -> list:
             return None
     fused, row_step, comm = mod("tensorpar.decode.fused"), mod("tensorpar.decode.row_step"), mod("tensorpar.comm")
     engine, lean, emb = mod("tensorpar.serve.engine"), mod("tensorpar.decode.lean"), mod("tensorpar.layers.embedding")
+    layers_ar = "collectives: the layers' all-reduces (before: + add + norm)"
     for name in ("all_reduce_add_rms_norm", "all_reduce_exchange"):    # after: the add and norm run in the programs
-        patch(fused, name, "collectives: the layers' all-reduces (before: + add + norm)")
+        patch(fused, name, layers_ar)
     for name in ("rope_store", "decode_attention", "silu_mul", "rms_norm_raw"):
         patch(fused, name, SMALL)
     patch(fused, "run_program", PROGRAMS)
+    patch(fused, "run_at", STEP_PROGRAM)
+    shm = mod("tensorpar.shm.collectives")
+    patch(getattr(shm, "ShmCommunicator", None), "c_exchange_wait", layers_ar)
     patch(comm, "all_reduce", "collectives: all-reduce (embedding, other)")
     patch(comm, "all_gather", "collectives: all-gather (argmax)")
     patch(engine, "step_batches", "plan: step_batches")
@@ -225,7 +232,8 @@ def pyspy_summary(path: str, top: int = 30) -> dict:
               ("all_reduce_add_rms_norm", "layers' all-reduces"), ("all_reduce_exchange", "layers' all-reduces"),
               ("all_gather", "all-gather"),
               ("all_reduce", "all-reduce (other)"),
-              ("linear_into", "kernel calls"), ("run_program", "kernel calls"), ("rope_store", "kernel calls"),
+              ("c_exchange_wait", "layers' all-reduces"),
+              ("linear_into", "kernel calls"), ("run_program", "kernel calls"), ("run_at", "kernel calls"), ("rope_store", "kernel calls"),
               ("decode_attention", "kernel calls"), ("silu_mul", "kernel calls"), ("rms_norm_raw", "kernel calls"),
               ("_head", "general loop: final norm + LM head"), ("_attn_in", "general loop: norm, QKV, rotary"),
               ("attention", "general loop: cache + attention"), ("_attn_out", "general loop: o, norm, MLP"),

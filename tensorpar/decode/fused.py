@@ -55,14 +55,17 @@ def _lib():
     lib.tp_decode_attention.restype = None
     lib.tp_decode_attention.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _I, _I, _I, _P, _I, _P, ctypes.c_float, _P,
                                         _P]
-    lib.tp_run.restype = _I
-    lib.tp_run.argtypes = [_P, _P]
+    lib.tp_run_at.restype = _I
+    lib.tp_run_at.argtypes = [_P, _P, _P]
     return lib
 
 
-#: the op kinds of a :func:`program` (csrc/step.cpp ``tp_run``), and the words of each op (its kind included)
-OP_END, OP_GEMV, OP_GEMV_BF16W, OP_Q8, OP_ROPE, OP_ATTN, OP_SILU, OP_NORM = range(8)
-_WORDS = {OP_GEMV: 13, OP_GEMV_BF16W: 11, OP_Q8: 12, OP_ROPE: 13, OP_ATTN: 15, OP_SILU: 5, OP_NORM: 7}
+#: the op kinds of a :func:`program` (csrc/step.cpp ``tp_run_at``), and the words of each op (its kind included)
+OP_END, OP_GEMV, OP_GEMV_BF16W, OP_Q8, OP_ROPE, OP_ATTN, OP_SILU, OP_NORM, OP_EXCHANGE = range(9)
+_WORDS = {OP_GEMV: 13, OP_GEMV_BF16W: 11, OP_Q8: 12, OP_ROPE: 13, OP_ATTN: 15, OP_SILU: 5, OP_NORM: 7, OP_EXCHANGE: 2}
+#: what :func:`run_at` returns: the program ended; an exchange for the caller (:mod:`tensorpar.decode.step_exchange`);
+#: a shared-memory exchange whose peers were late past the spin, or described another collective; an unknown kind
+RUN_END, RUN_EXCHANGE, RUN_WAIT, RUN_MISMATCH, RUN_BAD_OP = range(5)
 #: ``step`` words of a program's run: attention's length, its mask's address (0: none) and row stride, the address
 #: and count of the partial sums the next ``OP_NORM`` adds (:func:`all_reduce_exchange`), then per rotary table the
 #: addresses of its cos and sin_sign rows
@@ -76,7 +79,7 @@ def float_bits(x: float) -> int:
 
 def program(ops: list[tuple]):
     """The int64 C array of a :func:`run_program` program: each op ``(kind, *words)`` (``None``: a null address), then
-    ``OP_END``. The kinds and their words (csrc/step.cpp ``tp_run``): ``(OP_GEMV, kernel address, *gemv args)``
+    ``OP_END``. The kinds and their words (csrc/step.cpp ``tp_run_at``): ``(OP_GEMV, kernel address, *gemv args)``
     (:func:`tensorpar.decode.gemv_kernel.into_args`' 11), ``(OP_GEMV_BF16W, address, *9 args)``
     (``bf16w_into_args``), ``(OP_Q8, address, *10 args)`` (:func:`tensorpar.decode.q8_kernel.into_args`),
     ``(OP_ROPE, qkv, rows, nq, nkv, d, rd, table, q_out, k_layer, v_layer, head_stride, row_offsets)`` (the cos and
@@ -85,7 +88,9 @@ def program(ops: list[tuple]):
     table: ``blocks`` a C array, a row's table ``blocks_stride`` apart; length and mask from the step words),
     ``(OP_SILU, gu, rows, f, out)``, ``(OP_NORM, x, rows, H, weight, float_bits(eps), out)`` (the partial sums from
     the step words): the arguments of :func:`rope_store`, :func:`decode_attention`, :func:`silu_mul`,
-    :func:`all_reduce_add_rms_norm`'s kernel. Raises ValueError for an unknown kind or a wrong word count."""
+    :func:`all_reduce_add_rms_norm`'s kernel; ``(OP_EXCHANGE, context)`` (an all-reduce's exchange between two
+    parts: :class:`tensorpar.decode.step_exchange.StepExchange`; only :func:`run_at` runs it). Raises ValueError for
+    an unknown kind or a wrong word count."""
     words = []
     for op in ops:
         if len(op) != _WORDS.get(op[0], -1):
@@ -96,11 +101,23 @@ def program(ops: list[tuple]):
 
 
 def run_program(prog: int, step: int) -> None:
-    """Run the ops of program ``prog`` (the address of a :func:`program` array) in order, in one call: the matmuls
-    through their kernels' addresses, the other ops as :func:`rope_store`, :func:`decode_attention`, :func:`silu_mul`
-    with the same arguments (bitwise the same results as those calls). ``step``: the address of the int64 step
-    words (``STEP_*``: attention's length and mask, each rotary table's rows). No collectives."""
-    _lib().tp_run(prog, step)
+    """Run the ops of program ``prog`` (the address of a :func:`program` array without ``OP_EXCHANGE``) in order, in
+    one call: the matmuls through their kernels' addresses, the other ops as :func:`rope_store`,
+    :func:`decode_attention`, :func:`silu_mul` with the same arguments (bitwise the same results as those calls).
+    ``step``: the address of the int64 step words (``STEP_*``: attention's length and mask, each rotary table's rows).
+    No collectives. Raises RuntimeError if the program stopped before its end (an exchange, an unknown kind)."""
+    at = ctypes.c_int64(0)
+    r = run_at(prog, step, at)
+    if r != RUN_END:
+        raise RuntimeError(f"program stopped at word {at.value} ({r}): run_program runs no exchange or unknown op")
+
+
+def run_at(prog: int, step: int, at) -> int:
+    """Run program ``prog`` (an address) from word ``at.value`` (a ``ctypes.c_int64``) until it ends or an
+    ``OP_EXCHANGE`` needs the caller: returns one of :data:`RUN_END` ... :data:`RUN_BAD_OP`, ``at`` then the word after
+    the op that stopped it (csrc/step.cpp ``tp_run_at``). Collectives: the shared-memory exchanges it runs itself
+    (:class:`tensorpar.decode.step_exchange.StepExchange` counts them)."""
+    return _lib().tp_run_at(prog, step, ctypes.addressof(at))
 
 
 def available() -> bool:

@@ -19,10 +19,11 @@ arguments prepared once at construction:
 * attention of the one query per row: one call that reads each query head's KV head where it lies in the cache
   (:func:`~tensorpar.decode.fused.decode_attention`: no head copies for uneven head splits, no views per layer);
   SiLU and the gate product: one call (:func:`~tensorpar.decode.fused.silu_mul`);
-* the kernels between two all-reduces run from one Python call each (:func:`~tensorpar.decode.fused.run_program`:
-  add + input norm, QKV matmul, rotary and cache write, attention, output matmul; then add + post-attention norm,
-  gate-up matmul, SiLU, down matmul): per layer two program calls and two exchanges, their arguments prepared once
-  (a ctypes call's cost grows with its arguments: 9 calls of about 100 arguments per layer before);
+* the whole step runs from one Python call (:meth:`~tensorpar.decode.step_exchange.StepExchange.run` of one
+  program, :func:`~tensorpar.decode.fused.program`): per layer add + input norm, QKV matmul, rotary and cache write,
+  attention, output matmul, the all-reduce's exchange, add + post-attention norm, gate-up matmul, SiLU, down matmul,
+  the exchange; on the shared-memory communicator the exchanges run in C too, elsewhere the program stops at each
+  for Python's (120 calls per token for SmolLM2 before, 1.2 ms of Python at tp=2);
 * the embedding: each rank copies the rows of the tokens it owns into the partial sums (zeros elsewhere) and
   their all-reduce is fused with the first layer's input norm (:meth:`RowStep._embed`).
 
@@ -44,6 +45,7 @@ import torch.nn.functional as F
 from tensorpar.decode import fused, gemv_kernel
 from tensorpar.decode.bf16_weights import Bf16Weight
 from tensorpar.decode.int8 import Int8Weight
+from tensorpar.decode.step_exchange import StepExchange
 from tensorpar.decode.step_matmuls import _KERNELS, _Matmuls
 
 
@@ -119,21 +121,13 @@ def _embedding(emb):
     return emb
 
 
-class _Layer:
-    """One layer's prepared programs for ``rows`` rows, their addresses and the arrays themselves (``keep``): ``attn``
-    (the residual add of the all-reduce before and the input norm, QKV matmul, rotary and cache write, attention,
-    output matmul) and ``mlp`` (the add of the attention's all-reduce and the post-attention norm, gate-up matmul,
-    SiLU, down matmul)."""
-    __slots__ = ("attn", "mlp", "keep")
-
-
 class RowStep:
     """The decode step of decoder ``dec`` (:func:`why_not` must be ``None``); called by
     :meth:`~tensorpar.decode.lean.LeanDecoder.forward_segments` for a single segment of ``b <= rows`` rows of one
     token each whose tokens are all stored (``write`` None); ``rows`` = the decoder's ``max_batch`` (at most
     :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS`).
 
-    Memory: a few buffers of ``rows`` rows (hidden, QKV, gate-up widths), fp32; a program per layer and row
+    Memory: a few buffers of ``rows`` rows (hidden, QKV, gate-up widths), fp32; a program per row
     count. Collectives: those of the
     general loop (the embedding's all-reduce, two per layer)."""
 
@@ -179,38 +173,37 @@ class RowStep:
         qkv, q, att, gu, a = (t.data_ptr() for t in (self.qkv, self.q, self.att, self.gu, self.a))
         self.rows = {}
         for b in range(1, R + 1):
-            layers = []
             offs, blocks = ctypes.addressof(self.offs[b]), ctypes.addressof(self.blocks[b])
             bs = cache.block_size
             x_, h_ = self.x.data_ptr(), self.h.data_ptr()
+            ex = StepExchange(self.p[:b], dec.tp)          # each all-reduce of p[:b], inside the program
 
             def norm(fn):       # x += the exchanged partial sums (step words); h = fn's RMSNorm of x
                 w, eps = _norm(fn) if fn is not None else self.final_norm
                 return (fused.OP_NORM, x_, b, H, w.data_ptr(), fused.float_bits(eps), h_)
+            ops, keep = [], [ex]
             for i, L in enumerate(dec.layers):
-                la = _Layer()
                 kv_of = (L.kv_idx.tolist() if L.kv_idx is not None
                          else [h * nkv // nq for h in range(nq)])                # each query head's KV head
                 kv_of = (ctypes.c_int64 * nq)(*kv_of)
+                keep.append(kv_of)
                 scale = fused.float_bits(float(L.scaling if L.scaling is not None else d ** -0.5))
                 k, v = cache.k[i].data_ptr(), cache.v[i].data_ptr()
-                attn = fused.program([
-                    norm(L.ln1),                                                  # x += all_reduce; h = ln1(x)
-                    mm.op(self.h[:b], out_in(L.wqkv), self.qkv[:b], L.bqkv),                          # h -> qkv
-                    (fused.OP_ROPE, qkv, b, nq, nkv, d, self.rd, keys[L.rope], q, k, v, hs, offs),
-                    (fused.OP_ATTN, q, b, nq, d, k, v, hs, blocks, nblk, bs, ctypes.addressof(kv_of), scale,
-                     self.scratch.data_ptr(), att),
-                    mm.op(self.att[:b], out_in(L.wo), self.p[:b])])                                   # -> p
-                mlp = fused.program([
-                    norm(L.ln2),                                                  # x += all_reduce; h = ln2(x)
-                    mm.op(self.h[:b], out_in(L.wgu), self.gu[:b], L.bgu),
-                    (fused.OP_SILU, gu, b, f, a),                                                     # gu -> a
-                    mm.op(self.a[:b], out_in(L.wd), self.p[:b])])                                     # -> p
-                la.keep = (attn, mlp, kv_of)
-                la.attn, la.mlp = ctypes.addressof(attn), ctypes.addressof(mlp)
-                layers.append(la)
-            final = fused.program([norm(dec.norm if dec.last else None)])         # x += all_reduce; h = norm(x)
-            self.rows[b] = (layers, self.x[:b], self.p[:b], ctypes.addressof(final), final)
+                ops += [norm(L.ln1),                                              # x += all_reduce; h = ln1(x)
+                        mm.op(self.h[:b], out_in(L.wqkv), self.qkv[:b], L.bqkv),                      # h -> qkv
+                        (fused.OP_ROPE, qkv, b, nq, nkv, d, self.rd, keys[L.rope], q, k, v, hs, offs),
+                        (fused.OP_ATTN, q, b, nq, d, k, v, hs, blocks, nblk, bs, ctypes.addressof(kv_of), scale,
+                         self.scratch.data_ptr(), att),
+                        mm.op(self.att[:b], out_in(L.wo), self.p[:b]),                                # -> p
+                        ex.op(),                                                  # all-reduce of o W_o
+                        norm(L.ln2),                                              # x += all_reduce; h = ln2(x)
+                        mm.op(self.h[:b], out_in(L.wgu), self.gu[:b], L.bgu),
+                        (fused.OP_SILU, gu, b, f, a),                                                 # gu -> a
+                        mm.op(self.a[:b], out_in(L.wd), self.p[:b]),                                  # -> p
+                        ex.op()]                                                  # all-reduce of a W_d
+            ops.append(norm(dec.norm if dec.last else None))                    # x += all_reduce; h = norm(x)
+            prog = fused.program(ops)
+            self.rows[b] = (ctypes.addressof(prog), ex, self.x[:b], (prog, keep))
         self.parts: dict = {}           # the ranks' partial sums' addresses (a tuple) -> their C array
         self.xp, self.pp = self.x.data_ptr(), self.p.data_ptr()
         self.tables = self._rotary_tables()
@@ -368,9 +361,9 @@ class RowStep:
         the cache; what ``forward_segments(ids, rope_pos, [g])`` returns. On a pipeline stage after the first,
         ``ids`` is the residual stream ``[b, h]`` the stage before returned; a stage before the last returns its
         own ``[b, h]`` (after its last layer's all-reduce) instead of logits."""
-        dec, tp = self.dec, self.dec.tp
+        dec = self.dec
         b = g.b
-        layers, x, p, final, _ = self.rows[b]
+        prog, ex, x, _ = self.rows[b]
         step = self.step                                          # what the programs read at this step
         P, N = fused.STEP_PARTS, fused.STEP_NPARTS
         step[P], step[N], keep_parts = self._embed(ids, b)        # x = embedding (or 0 + its exchanged parts)
@@ -384,14 +377,9 @@ class RowStep:
                                                                else (mask.data_ptr(), mask.stride(0)))  # [b,1,1,L]
         for key, j in self.keys.items():
             step[fused.STEP_TABLES + 2 * j], step[fused.STEP_TABLES + 2 * j + 1] = tables[key]
-        sp = ctypes.addressof(step)
-        run, exchange, parts = fused.run_program, fused.all_reduce_exchange, self.parts
-        for la in layers:
-            run(la.attn, sp)                  # x += parts; h = ln1(x) -> qkv -> rotary, cache -> attention -> p
-            step[P], step[N], keep_parts = exchange(p, tp, parts)                      # all-reduce of o W_o
-            run(la.mlp, sp)                   # x += parts; h = ln2(x) -> gate-up -> SiLU -> down -> p
-            step[P], step[N], keep_parts = exchange(p, tp, parts)                      # all-reduce of a W_d
-        run(final, sp)                                            # x += parts; h = norm(x)
+        # per layer: x += parts; h = ln1(x) -> qkv -> rotary, cache -> attention -> p; all-reduce of o W_o;
+        # x += parts; h = ln2(x) -> gate-up -> SiLU -> down -> p; all-reduce of a W_d. Then x += parts; h = norm(x)
+        ex.run(prog, step)
         del keep, keep_parts, mask                                # alive until the programs ran
         if not dec.last:            # a pipeline stage before the last: the residual stream goes on, [b, h]
             return x.clone()

@@ -15,6 +15,7 @@ import math
 import torch
 
 from tensorpar.shm.protocol import K_AG, K_AR, K_BC, K_RD, K_RS, OP_INVALID, OPS, StepProtocol, _meta
+from tensorpar.shm.segment import W_ARRIVED, W_META
 
 
 class ShmCommunicator(StepProtocol):
@@ -131,6 +132,47 @@ class ShmCommunicator(StepProtocol):
         except BaseException as e:
             self._break(e, K_AR)
             raise
+
+    def c_exchange_words(self, x: torch.Tensor) -> dict | None:
+        """What a C caller needs to run the step of :meth:`all_reduce_parts` of ``x`` itself, exchange after exchange
+        (csrc/step.cpp's ``OP_EXCHANGE``, :class:`tensorpar.decode.step_exchange.StepExchange`): the control words'
+        address ``ctl``, this rank's line ``me``, the metadata's offset in a line ``w_meta``, the spin ``spin_ns``,
+        the copy's ``nbytes``, the metadata words ``a``, ``b``, this rank's slot of each parity ``slots``, every
+        rank's slots of each parity ``parts`` (rank order) and the peers' lines ``peers``; ``None`` where ``x`` is
+        too large for one shot or not contiguous (the caller runs :meth:`all_reduce_parts`). The caller's steps must
+        be followed by :meth:`c_exchange_done`, and a step whose peers were late past the spin or disagreed by
+        :meth:`c_exchange_wait`. Raises :class:`~tensorpar.comm.CollectiveError` if this communicator is unusable."""
+        self._check_usable(K_AR)
+        key = (K_AR, x.dtype, x.shape, "sum")
+        plan = self._plans.get(key) or self._plan_all_reduce(key, x, "sum")
+        if plan[4] is None or not x.is_contiguous():
+            return None
+        return dict(ctl=self.segment.base, me=self._me, w_meta=W_META, spin_ns=self._spin_ns, nbytes=plan[0],
+                    a=plan[1], b=plan[2], slots=tuple(self._addr), parts=tuple(self._slot_addrs),
+                    peers=tuple(line for _, line in self._others))
+
+    def c_exchange_wait(self, seq: int) -> tuple[int, ...]:
+        """Finish a step a C caller began (copy, metadata, arrival count ``seq`` stored) and left because a peer was
+        late past its spin or described another collective: wait and compare as :meth:`all_reduce_parts` does;
+        returns every rank's slot address, rank order. Raises as :meth:`all_reduce_parts` (a ValueError on a
+        mismatch; else the communicator breaks)."""
+        self._calls += 1
+        self._seq = seq
+        p = (seq - 1) & 1
+        try:
+            ctl = self._ctl
+            self._await(seq, p, ctl[self._me + W_META + 2 * p], ctl[self._me + W_META + 2 * p + 1], K_AR)
+            return self._slot_addrs[p]
+        except ValueError:
+            raise
+        except BaseException as e:
+            self._break(e, K_AR)
+            raise
+
+    def c_exchange_done(self, steps: int) -> None:
+        """Count ``steps`` exchanges a C caller ran to the end itself, and take its arrival count as this rank's."""
+        self._calls += steps
+        self._seq = self._ctl[self._me + W_ARRIVED]
 
     def _plan_all_reduce(self, key, x: torch.Tensor, op: str):
         """``(nbytes, meta a, meta b, op code, per-parity slot views or None)`` for this call signature."""

@@ -135,6 +135,13 @@ class StepProtocol:
         seq = self._seq + 1
         self._seq = seq
         ctl[me] = seq                                  # W_ARRIVED == 0: the release store
+        self._await(seq, p, a, b, kind)
+
+    def _await(self, seq: int, p: int, a: int, b: int, kind: int) -> None:
+        """Wait until every peer's arrival count reaches ``seq``, then compare their metadata of parity ``p`` with
+        ours, ``(a, b)`` (the second half of :meth:`_arrive`; also after a step a C caller began,
+        :meth:`~tensorpar.shm.collectives.ShmCommunicator.c_exchange_wait`)."""
+        ctl = self._ctl
         self._deadline_ns = 0                          # set by the first slow wait of this step
         for r, line in self._others:
             if ctl[line] < seq:

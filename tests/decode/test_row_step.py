@@ -123,8 +123,9 @@ def test_silu_mul_equals_torch(rows, f):
 
 @needs_kernels
 def test_program_runs_the_calls_it_replaces():
-    """A program (one call from Python, csrc/step.cpp ``tp_run``) of a GEMV, SiLU and a second GEMV writes bitwise
-    what the three calls write; an op of the wrong length is refused."""
+    """A program (one call from Python, csrc/step.cpp ``tp_run_at``) of a GEMV, SiLU and a second GEMV writes bitwise
+    what the three calls write; an op of the wrong length is refused, and run_program refuses a program that stops
+    at an exchange."""
     import ctypes
     g = torch.Generator().manual_seed(7)
     h, w1, w2 = torch.randn(2, 96, generator=g), torch.randn(2 * 40, 96, generator=g), torch.randn(96, 40, generator=g)
@@ -147,6 +148,10 @@ def test_program_runs_the_calls_it_replaces():
         assert torch.equal(x, z)
     with pytest.raises(ValueError, match="words"):
         fused.program([(fused.OP_SILU, 0, 1, 2)])
+    ctx = (ctypes.c_int64 * 20)()                       # mode 0: the exchange is the caller's
+    prog = fused.program([(fused.OP_EXCHANGE, ctypes.addressof(ctx))])
+    with pytest.raises(RuntimeError, match="no exchange"):
+        fused.run_program(ctypes.addressof(prog), ctypes.addressof(step))
 
 
 @pytest.mark.skipif(not q8_kernel.available(), reason="no AVX512-VNNI / AVX2 CPU or no C++ compiler")

@@ -9,15 +9,20 @@
 // * tp_rope_store: the rotary embedding of the q and k heads of a fused QKV row, the families' formula
 //   q * cos + rotate_half(q) * sin computed as q * cos + q[perm] * sin_sign (bitwise the lean path's torch ops), the
 //   rotated q written to q_out and the rotated k and the v written straight into the KV cache at the row's position.
-// * tp_run: the calls of a decode step between two all-reduces (a layer's QKV matmul, rotary and cache write,
-//   attention, output matmul; or its gate-up matmul, SiLU and down matmul) from one call: a program of int64 words
-//   built once per layer, the matmuls called through the address of the kernel the step runs (our GEMV, the bf16
-//   weights' GEMV, the Q8_0 kernel, in their own libraries), so that Python makes one call where it made four.
+// * tp_run_at: a decode step's calls from one call: a program of int64 words built once per row count, per layer the
+//   QKV matmul, rotary and cache write, attention, output matmul, the all-reduce's exchange, then the gate-up matmul,
+//   SiLU, down matmul and the exchange; the matmuls called through the address of the kernel the step runs (our
+//   GEMV, the bf16 weights' GEMV, the Q8_0 kernel, in their own libraries). The exchange (OP_EXCHANGE) runs here on
+//   tensorpar's shared-memory communicator (tensorpar/shm/protocol.py's step in C: the partial sums copied into this
+//   rank's slot, the step's metadata and arrival count stored, a short spin for the peers); a longer wait, a
+//   metadata mismatch and every other kind of group go back to Python (tensorpar/decode/step_exchange.py).
 //
 // Plain C ABI (ctypes), fp32 only, no torch headers; built by tensorpar/decode/fused.py.
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 extern "C" int tp_step_abi(void) { return 1; }
 
@@ -157,14 +162,14 @@ extern "C" void tp_silu_mul(const float* gu, int64_t rows, int64_t f, float* a) 
     }
 }
 
-// tp_run's program: per op its kind, then its arguments as int64 words (addresses, sizes, a float's bits in the low
+// tp_run_at's program: per op its kind, then its arguments as int64 words (addresses, sizes, a float's bits in the low
 // 32 bits of its word); OP_END ends it. Values that change from step to step are read from `step`: [0] attention's
 // length L, [1] its mask's address (0: none), [2] the mask's row stride, [3] the address of the C array of the
 // partial sums the next NORM adds (the last all-reduce's exchange) and [4] their count, [5 + 2 k] and [6 + 2 k]
 // rotary table k's cos and sin_sign rows. Words per op (kind included): GEMV 13, GEMV_BF16W 11, Q8 12, ROPE 13,
-// ATTN 14, SILU 5, NORM 7 (tp_add_rms_norm's x, rows, H, w, eps bits, h).
+// ATTN 15, SILU 5, NORM 7 (tp_add_rms_norm's x, rows, H, w, eps bits, h), EXCHANGE 2 (its context's address).
 enum : int64_t { OP_END = 0, OP_GEMV = 1, OP_GEMV_BF16W = 2, OP_Q8 = 3, OP_ROPE = 4, OP_ATTN = 5, OP_SILU = 6,
-                 OP_NORM = 7 };
+                 OP_NORM = 7, OP_EXCHANGE = 8 };
 enum : int64_t { S_LENGTH = 0, S_MASK = 1, S_MASK_STRIDE = 2, S_PARTS = 3, S_NPARTS = 4, S_TABLES = 5 };
 
 static inline float float_of(int64_t w) {
@@ -182,12 +187,74 @@ typedef void (*q8_fn)(const float*, int64_t, int64_t, const int8_t*, const uint1
 
 static inline void* ptr(int64_t w) { return (void*)(intptr_t)w; }
 
-extern "C" int64_t tp_run(const int64_t* a, const int64_t* step) {
-    int64_t ops = 0;
-    for (;; ++ops) {
+// OP_EXCHANGE's context (int64 words, tensorpar/decode/step_exchange.py builds it): the mode (X_PYTHON: the caller
+// exchanges; X_ONE: one rank, the parts are the partial itself; X_SHM: the shared-memory step here), the control
+// words' address, this rank's line, the metadata's offset in a line (W_META), the spin in ns, the partial sums'
+// address and bytes, the step's two metadata words, this rank's slot of each parity, the C arrays of the ranks' slots
+// of each parity (what the next NORM adds) and their count; then what the run leaves: exchanges done here, ns spent
+// waiting, the arrival count of an exchange whose wait went back to Python (0: none); the number of peers and their
+// lines.
+enum : int64_t { X_MODE = 0, X_CTL, X_ME, X_WMETA, X_SPIN, X_SRC, X_BYTES, X_A, X_B, X_SLOT0, X_SLOT1, X_PARTS0,
+                 X_PARTS1, X_NPARTS, X_DONE, X_WAIT_NS, X_PENDING, X_NPEERS, X_PEERS };
+enum : int64_t { X_PYTHON = 0, X_ONE = 1, X_SHM = 2 };
+enum : int64_t { RUN_END = 0, RUN_EXCHANGE = 1, RUN_WAIT = 2, RUN_MISMATCH = 3, RUN_BAD_OP = 4 };
+
+static inline int64_t now_ns() {
+    timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+// one exchange of the shared-memory step protocol (tensorpar/shm/protocol.py StepProtocol._arrive, the same words
+// in the same order): copy, metadata, then the arrival count with a release store (sfence first: a large memcpy may
+// end in non-temporal stores); spin until every peer's count reaches ours, then compare their metadata. RUN_END: the
+// step words name the parity's slots; RUN_WAIT: a peer is late past the spin (X_PENDING holds our count); RUN_MISMATCH:
+// a peer described another collective.
+static int64_t exchange_shm(int64_t* x, int64_t* step) {
+    int64_t* ctl = (int64_t*)ptr(x[X_CTL]);
+    const int64_t me = x[X_ME], wm = x[X_WMETA];
+    const int64_t seq = __atomic_load_n(&ctl[me], __ATOMIC_RELAXED), p = seq & 1;
+    memcpy(ptr(p ? x[X_SLOT1] : x[X_SLOT0]), ptr(x[X_SRC]), (size_t)x[X_BYTES]);
+    ctl[me + wm + 2 * p] = x[X_A];
+    ctl[me + wm + 2 * p + 1] = x[X_B];
+    _mm_sfence();
+    __atomic_store_n(&ctl[me], seq + 1, __ATOMIC_RELEASE);
+    const int64_t t0 = now_ns();
+    for (int64_t i = 0; i < x[X_NPEERS]; ++i) {
+        const int64_t line = x[X_PEERS + i];
+        for (int64_t spins = 0; __atomic_load_n(&ctl[line], __ATOMIC_ACQUIRE) < seq + 1; ++spins) {
+            _mm_pause();
+            if ((spins & 63) == 63 && now_ns() - t0 > x[X_SPIN]) {
+                x[X_WAIT_NS] += now_ns() - t0;
+                x[X_PENDING] = seq + 1;
+                return RUN_WAIT;
+            }
+        }
+    }
+    x[X_WAIT_NS] += now_ns() - t0;
+    for (int64_t i = 0; i < x[X_NPEERS]; ++i) {
+        const int64_t line = x[X_PEERS + i];
+        if (ctl[line + wm + 2 * p] != x[X_A] || ctl[line + wm + 2 * p + 1] != x[X_B]) {
+            x[X_PENDING] = seq + 1;
+            return RUN_MISMATCH;
+        }
+    }
+    step[S_PARTS] = p ? x[X_PARTS1] : x[X_PARTS0];
+    step[S_NPARTS] = x[X_NPARTS];
+    x[X_DONE] += 1;
+    return RUN_END;
+}
+
+// Run program a from word *at until its end (RUN_END) or an exchange Python must finish (RUN_EXCHANGE: the exchange
+// is the caller's; RUN_WAIT, RUN_MISMATCH: see exchange_shm); *at is then the word offset of the op after the
+// exchange (the caller resumes there once it has set the step's parts). RUN_BAD_OP: an unknown kind at *at.
+extern "C" int64_t tp_run_at(const int64_t* prog, int64_t* step, int64_t* at) {
+    const int64_t* a = prog + *at;
+    for (;;) {
         switch (a[0]) {
         case OP_END:
-            return ops;
+            *at = a - prog;
+            return RUN_END;
         case OP_GEMV:           // fn, dtype, mode, x, M, K, w, N, bias, y, threads, prefetch
             ((gemv_fn)ptr(a[1]))((int)a[2], (int)a[3], ptr(a[4]), a[5], a[6], ptr(a[7]), a[8], ptr(a[9]), ptr(a[10]),
                                  (int)a[11], a[12]);
@@ -228,8 +295,27 @@ extern "C" int64_t tp_run(const int64_t* a, const int64_t* step) {
             tp_silu_mul((const float*)ptr(a[1]), a[2], a[3], (float*)ptr(a[4]));
             a += 5;
             break;
-        default:                // not a kind the builder writes: stop, the caller sees the count short
-            return -1 - ops;
+        case OP_EXCHANGE: {     // context
+            int64_t* x = (int64_t*)ptr(a[1]);
+            a += 2;
+            int64_t r = RUN_EXCHANGE;
+            if (x[X_MODE] == X_ONE) {
+                step[S_PARTS] = x[X_PARTS0];
+                step[S_NPARTS] = 1;
+                x[X_DONE] += 1;
+                r = RUN_END;
+            } else if (x[X_MODE] == X_SHM) {
+                r = exchange_shm(x, step);
+            }
+            if (r != RUN_END) {
+                *at = a - prog;
+                return r;
+            }
+            break;
+        }
+        default:                // not a kind the builder writes
+            *at = a - prog;
+            return RUN_BAD_OP;
         }
     }
 }
