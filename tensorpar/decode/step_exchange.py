@@ -17,11 +17,11 @@ import torch
 from tensorpar.comm import Group
 from tensorpar.decode import fused
 
-#: the context's words (csrc/step.cpp ``X_*``): mode, control words, line, W_META, spin, source, bytes, metadata a and
+#: the context's words (csrc/step.cpp ``X_*``): mode, control words, line, W_META, spin and yield ns, source, bytes, metadata a and
 #: b, this rank's slot of each parity, the C arrays of every rank's slots of each parity, their count, then what a run
 #: leaves (exchanges done in C, ns waited in C, the arrival count of a step left to Python), the peers and their lines
-(X_MODE, X_CTL, X_ME, X_WMETA, X_SPIN, X_SRC, X_BYTES, X_A, X_B, X_SLOT0, X_SLOT1, X_PARTS0, X_PARTS1, X_NPARTS,
- X_DONE, X_WAIT_NS, X_PENDING, X_NPEERS, X_PEERS) = range(19)
+(X_MODE, X_CTL, X_ME, X_WMETA, X_SPIN, X_YIELD, X_SRC, X_BYTES, X_A, X_B, X_SLOT0, X_SLOT1, X_PARTS0, X_PARTS1, X_NPARTS,
+ X_DONE, X_WAIT_NS, X_PENDING, X_NPEERS, X_PEERS) = range(20)
 #: the modes: each exchange stops for the caller; one rank (the parts are the partial sums themselves); shared memory
 X_PYTHON, X_ONE, X_SHM = 0, 1, 2
 
@@ -63,7 +63,7 @@ class StepExchange:
             if c is None:
                 return X_PYTHON
             arrays = [(ctypes.c_int64 * tp.size)(*c["parts"][p]) for p in (0, 1)]
-            vals = {X_CTL: c["ctl"], X_ME: c["me"], X_WMETA: c["w_meta"], X_SPIN: c["spin_ns"],
+            vals = {X_CTL: c["ctl"], X_ME: c["me"], X_WMETA: c["w_meta"], X_SPIN: c["spin_ns"], X_YIELD: c["yield_ns"],
                     X_SRC: self.partial.data_ptr(), X_BYTES: c["nbytes"], X_A: c["a"], X_B: c["b"],
                     X_SLOT0: c["slots"][0], X_SLOT1: c["slots"][1], X_PARTS0: ctypes.addressof(arrays[0]),
                     X_PARTS1: ctypes.addressof(arrays[1]), X_NPARTS: tp.size, X_NPEERS: len(c["peers"])}

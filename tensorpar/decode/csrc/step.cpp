@@ -20,6 +20,7 @@
 // Plain C ABI (ctypes), fp32 only, no torch headers; built by tensorpar/decode/fused.py.
 #include <immintrin.h>
 #include <math.h>
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -189,14 +190,18 @@ static inline void* ptr(int64_t w) { return (void*)(intptr_t)w; }
 
 // OP_EXCHANGE's context (int64 words, tensorpar/decode/step_exchange.py builds it): the mode (X_PYTHON: the caller
 // exchanges; X_ONE: one rank, the parts are the partial itself; X_SHM: the shared-memory step here), the control
-// words' address, this rank's line, the metadata's offset in a line (W_META), the spin in ns, the partial sums'
+// words' address, this rank's line, the metadata's offset in a line (W_META), the spin and the yield phase in ns (as
+// tensorpar/shm/sync.py WaitPolicy: poll, then poll with sched_yield between reads), the partial sums'
 // address and bytes, the step's two metadata words, this rank's slot of each parity, the C arrays of the ranks' slots
 // of each parity (what the next NORM adds) and their count; then what the run leaves: exchanges done here, ns spent
 // waiting, the arrival count of an exchange whose wait went back to Python (0: none); the number of peers and their
 // lines.
-enum : int64_t { X_MODE = 0, X_CTL, X_ME, X_WMETA, X_SPIN, X_SRC, X_BYTES, X_A, X_B, X_SLOT0, X_SLOT1, X_PARTS0,
+enum : int64_t { X_MODE = 0, X_CTL, X_ME, X_WMETA, X_SPIN, X_YIELD, X_SRC, X_BYTES, X_A, X_B, X_SLOT0, X_SLOT1, X_PARTS0,
                  X_PARTS1, X_NPARTS, X_DONE, X_WAIT_NS, X_PENDING, X_NPEERS, X_PEERS };
 enum : int64_t { X_PYTHON = 0, X_ONE = 1, X_SHM = 2 };
+
+// the context's first peer word (X_PEERS): tensorpar/decode/step_exchange.py's words must agree (a test compares them)
+extern "C" int64_t tp_exchange_words(void) { return X_PEERS; }
 enum : int64_t { RUN_END = 0, RUN_EXCHANGE = 1, RUN_WAIT = 2, RUN_MISMATCH = 3, RUN_BAD_OP = 4 };
 
 static inline int64_t now_ns() {
@@ -207,9 +212,10 @@ static inline int64_t now_ns() {
 
 // one exchange of the shared-memory step protocol (tensorpar/shm/protocol.py StepProtocol._arrive, the same words
 // in the same order): copy, metadata, then the arrival count with a release store (sfence first: a large memcpy may
-// end in non-temporal stores); spin until every peer's count reaches ours, then compare their metadata. RUN_END: the
-// step words name the parity's slots; RUN_WAIT: a peer is late past the spin (X_PENDING holds our count); RUN_MISMATCH:
-// a peer described another collective.
+// end in non-temporal stores); poll until every peer's count reaches ours (spin, then yield), then compare their
+// metadata. RUN_END: the step words name the parity's slots; RUN_WAIT: a peer is late past the spin and yield phases
+// (X_PENDING holds our count; Python sleeps, checks the peers' liveness and the deadline); RUN_MISMATCH: a peer
+// described another collective.
 static int64_t exchange_shm(int64_t* x, int64_t* step) {
     int64_t* ctl = (int64_t*)ptr(x[X_CTL]);
     const int64_t me = x[X_ME], wm = x[X_WMETA];
@@ -219,15 +225,21 @@ static int64_t exchange_shm(int64_t* x, int64_t* step) {
     ctl[me + wm + 2 * p + 1] = x[X_B];
     _mm_sfence();
     __atomic_store_n(&ctl[me], seq + 1, __ATOMIC_RELEASE);
-    const int64_t t0 = now_ns();
+    const int64_t t0 = now_ns(), spin = x[X_SPIN], end = x[X_SPIN] + x[X_YIELD];
+    bool yielding = false;
     for (int64_t i = 0; i < x[X_NPEERS]; ++i) {
         const int64_t line = x[X_PEERS + i];
-        for (int64_t spins = 0; __atomic_load_n(&ctl[line], __ATOMIC_ACQUIRE) < seq + 1; ++spins) {
-            _mm_pause();
-            if ((spins & 63) == 63 && now_ns() - t0 > x[X_SPIN]) {
-                x[X_WAIT_NS] += now_ns() - t0;
-                x[X_PENDING] = seq + 1;
-                return RUN_WAIT;
+        for (int64_t polls = 0; __atomic_load_n(&ctl[line], __ATOMIC_ACQUIRE) < seq + 1; ++polls) {
+            if (yielding) sched_yield();
+            else _mm_pause();
+            if (yielding || (polls & 63) == 63) {
+                const int64_t el = now_ns() - t0;
+                yielding = el > spin;
+                if (el > end) {
+                    x[X_WAIT_NS] += el;
+                    x[X_PENDING] = seq + 1;
+                    return RUN_WAIT;
+                }
             }
         }
     }
