@@ -247,13 +247,16 @@ def _profile(model, ctx, ids, n: int, path: str) -> dict:
     layers = model.config.num_hidden_layers
     out = {}
     wrapped = []
-    for mod, name, cat, fn in _traced_functions():
+    traced_fns, release_engine = _traced_functions()
+    for mod, name, cat, fn in traced_fns:
 
         def traced(*a, _fn=fn, _label=f"bench::{cat}::{name}", **k):
             with record_function(_label):
                 return _fn(*a, **k)
-        setattr(mod, name, traced)
+        _set(mod, name, traced)
         wrapped.append((mod, name, fn))
+    if release_engine is not None:
+        release_engine(model)
     marks = []
 
     def on_token(step, tok):
@@ -269,7 +272,9 @@ def _profile(model, ctx, ids, n: int, path: str) -> dict:
                             on_token=on_token)
     finally:
         for mod, name, fn in wrapped:
-            setattr(mod, name, fn)
+            _set(mod, name, fn)
+        if release_engine is not None:
+            release_engine(model)           # the next engine binds the kernels unwrapped
     events = prof.events()
     ranges = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == "bench::decode_step")
     steps = len(ranges)
@@ -323,25 +328,54 @@ TRACED = (("tensorpar.comm", "all_reduce", "collectives"), ("tensorpar.decode.ge
           # matmuls (before 2026-12-02 the small kernels counted as framework: about 1 ms per token at tp=2 with
           # their calls, bench/results/step_overhead-standin.md)
           ("tensorpar.decode.fused", "run_program", "matmul"), ("tensorpar.decode.fused", "rope_store", "matmul"),
-          ("tensorpar.decode.fused", "decode_attention", "matmul"), ("tensorpar.decode.fused", "silu_mul", "matmul"))
+          ("tensorpar.decode.fused", "decode_attention", "matmul"), ("tensorpar.decode.fused", "silu_mul", "matmul"),
+          # from 2026-12-03 night the whole step is one program (``run_at``): the matmuls, attention and, on shared
+          # memory, the all-reduces' exchanges in C with their waits; counted as matmul here (bench_step_overhead.py
+          # has the finer breakdown); a late peer's wait finishes in Python (``c_exchange_wait``, collectives)
+          ("tensorpar.decode.fused", "run_at", "matmul"),
+          ("tensorpar.shm.collectives", "ShmCommunicator.c_exchange_wait", "collectives"),
+          # the row step's LM head (and, before the programs, its matmuls): the kernel its _Matmuls bound from
+          # step_matmuls._KERNELS, one entry per weight format
+          ("tensorpar.decode.step_matmuls", "_KERNELS[]", "matmul"))
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv", "aten::_weight_int8pack_mm",
               "mkldnn::_linear_pointwise")
 
 
 def _traced_functions():
-    """``(module, name, category, function)`` of each :data:`TRACED` entry this checkout has (an old checkout, run
-    with ``--before``, may lack some)."""
+    """``(owner, name, category, function)`` of each :data:`TRACED` entry this checkout has (an old checkout, run
+    with ``--before``, may lack some): ``owner`` a module, a class (``"Class.method"`` names) or, for
+    ``"_KERNELS[]"``, the dict whose entries ``(available, run)`` are patched per weight format (:func:`_set`). A
+    kept engine is released, so that the row step built next binds the wrapped kernels."""
     import importlib
     out = []
     for mod_name, name, cat in TRACED:
         try:
-            mod = importlib.import_module(mod_name)
+            owner = importlib.import_module(mod_name)
         except ImportError:
             continue
-        fn = getattr(mod, name, None)
+        if name.endswith("[]"):
+            table = getattr(owner, name[:-2], None)
+            out += [(table, fmt, cat, run) for fmt, (_, run) in (table or {}).items()]
+            continue
+        *path, leaf = name.split(".")
+        for part in path:
+            owner = getattr(owner, part, None)
+        fn = getattr(owner, leaf, None) if owner is not None else None
         if fn is not None:
-            out.append((mod, name, cat, fn))
-    return out
+            out.append((owner, leaf, cat, fn))
+    try:
+        from tensorpar.generate.engine_cache import release_engine
+    except ImportError:
+        release_engine = None
+    return out, release_engine
+
+
+def _set(owner, name, fn) -> None:
+    """``owner.name = fn``; for a kernel table (a dict), its entry ``name``'s run function."""
+    if isinstance(owner, dict):
+        owner[name] = (owner[name][0], fn)
+    else:
+        setattr(owner, name, fn)
 
 
 def job_fixed_cost(ctx, folder, n: int):
@@ -380,7 +414,8 @@ def _cpu_times(model, ctx, ids, n: int) -> dict:
     from tensorpar.generate import SamplingConfig, generate_tokens
     acc = {"matmul": 0, "collectives": 0}
     wrapped = []
-    for mod, name, cat, fn in _traced_functions():
+    traced_fns, release_engine = _traced_functions()
+    for mod, name, cat, fn in traced_fns:
 
         def timed(*a, _fn=fn, _cat=cat, **k):
             t0 = time.thread_time_ns()
@@ -388,8 +423,10 @@ def _cpu_times(model, ctx, ids, n: int) -> dict:
                 return _fn(*a, **k)
             finally:
                 acc[_cat] += time.thread_time_ns() - t0
-        setattr(mod, name, timed)
+        _set(mod, name, timed)
         wrapped.append((mod, name, fn))
+    if release_engine is not None:
+        release_engine(model)
     steps = []
     last = {}
 
@@ -402,7 +439,9 @@ def _cpu_times(model, ctx, ids, n: int) -> dict:
         generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=n), path="lean", on_token=on_token)
     finally:
         for mod, name, fn in wrapped:
-            setattr(mod, name, fn)
+            _set(mod, name, fn)
+        if release_engine is not None:
+            release_engine(model)           # the next engine binds the kernels unwrapped
     med = {k: statistics.median(s[k] for s in steps) / 1e6 for k in steps[0]}
     med["framework"] = statistics.median((s["step"] - s["matmul"] - s["collectives"]) for s in steps) / 1e6
     return {k: round(v, 3) for k, v in med.items()}

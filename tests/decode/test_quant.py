@@ -179,14 +179,16 @@ def test_int8_linear_matches_blockwise_reference(dtype, k, chunk, monkeypatch):
         assert err < tol * want.abs().max().item(), f"{f.__name__}: {err}"
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 2048, 64), (4, 576, 33), (2, 160, 7), (1, 5632, 16), (3, 32, 5)])
+@pytest.mark.parametrize("m,k,n", [(1, 2048, 64), (4, 576, 33), (2, 160, 7), (1, 5632, 16), (3, 32, 5), (1, 608, 35),
+                                   (1, 96, 1)])
 def test_q8_kernel_equals_pytorch_path(m, k, n, monkeypatch):
     """Our kernel (tensorpar.decode.q8_kernel, this CPU's target: AVX512-VNNI or AVX2) and the PyTorch path
     (int8_linear_reference: the kernel's sums in its order, its fused multiply-adds through float64) give bitwise
-    the same outputs on decode shapes (an even and an odd number of blocks, one block), with and without a bias,
-    at 1 and 2 threads (each output summed by one thread), the PyTorch path whole and 3 weight rows at a time. So
-    the matmuls compute the same whichever runs (before, the PyTorch path was one fp32 matmul, within fp32
-    summation error of the kernel: enough to round a later activation to the other int8 step). The rest of a
+    the same outputs on decode shapes (an even and an odd number of blocks, one block; at one row an even and an
+    odd number of weight rows and a single one: the AVX512 kernel reads the four quarters of the rows together), with and
+    without a bias, at 1 and 2 threads (each output summed by one thread), the PyTorch path whole and 3 weight rows
+    at a time. So the matmuls compute the same whichever runs (before, the PyTorch path was one fp32 matmul, within
+    fp32 summation error of the kernel: enough to round a later activation to the other int8 step). The rest of a
     decode step need not: without the kernel the one-row step of fused C++ kernels is off too, and the module
     ops round differently (SmolLM2 int8 tp=2: the greedy texts of 32 tokens part near the end; review, 2026-12-02)."""
     from tensorpar.decode import int8 as quant
@@ -269,7 +271,7 @@ def test_q8_kernel_targets_agree_bitwise():
     if len(libs) < 2:
         pytest.skip(f"this CPU runs {len(libs)} of the kernel's targets ({', '.join(libs) or 'none'})")
     g = torch.Generator().manual_seed(3)
-    for m, k, n in [(1, 2048, 40), (3, 608, 17)]:
+    for m, k, n in [(1, 2048, 40), (3, 608, 17), (1, 608, 35), (1, 96, 6)]:
         q = quantize_weight(torch.randn(n, k, generator=g), write=False)
         x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
         outs = {}
