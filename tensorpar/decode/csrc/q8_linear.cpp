@@ -156,11 +156,11 @@ static inline void tile(const uint8_t* const* xa, const uint8_t* const* sg, cons
 }
 
 // y [N] for one activation row, one thread: weight rows n, n + h, n + 2h, n + 3h (h = ceil(N / 4)) together, four
-// sequential streams from the four quarters of the matrix that share x's loads. Measured with bench/q8_probe.cpp
-// (this Xeon, 1 thread, 1.1B shapes [2048, 11264], [5632, 2048], [2048, 2560], SmolLM2's [576, 1536]; 2026-12-03):
-// from memory 13.8-18.4 GB/s against 10.2-12.8 one row at a time (the one-thread streaming limit was 17.7) and
-// 11.9-16.8 with two streams; 8 streams 13.3-18.9; in L2 45 GB/s against 28-33 one row at a time. Each y[n] is
-// summed exactly as alone (row_dot's per-row order), so the output does not depend on the grouping.
+// sequential streams from the four quarters of the matrix that share x's loads. On the Xeon of 2026-12-03
+// (bench/results/q8-streams-xeon.md: bench/q8_probe.cpp, 1 thread, 1.1B and SmolLM2 shapes, 3 rounds) 14.2-18.0 GB/s
+// from memory against 9.1-12.2 one row at a time, 27.9-42.7 in L2 against 22.5-36.6; in probes the same evening two
+// streams gave 11.9-16.8 and eight 13.3-18.9 GB/s from memory. Each y[n] is summed exactly as alone (row_dot's
+// per-row order), so the output does not depend on the grouping.
 static constexpr int STREAMS = 4;
 
 static void gemv_one(const uint8_t* xa, const uint8_t* sg, const float* xs, int64_t K, const int8_t* wq,
@@ -299,9 +299,11 @@ static inline void tile(const uint8_t* const* xa, const uint8_t* const* sg, cons
 
 // y[m, n] for all M activation rows and weight rows n in [n0, n1): per TILE_M activation rows, the weight rows one
 // tile of TILE_R after the other, so the weights are read as one sequential stream (q row-major), prefetching one
-// tile ahead. Measured (bench/results/decode_int8.md, AVX512): tiles of 4 or 8 weight rows read together (4 or 8
-// streams, x loaded once per tile) streamed 25-40% slower from memory. Each output is summed the same way whatever
-// the tile (its own accumulators), so y does not depend on TILE_R, TILE_M, N's chunks or the thread count.
+// tile ahead. Measured (bench/results/decode_int8.md, AVX512 on the Zen 4): tiles of 4 or 8 adjacent weight rows
+// read together (4 or 8 streams, x loaded once per tile) streamed 25-40% slower from memory; on the Xeon, four rows
+// a quarter of the matrix apart stream faster (gemv_one, the AVX512 target's one-row, one-thread case). Each output
+// is summed the same way whatever the tile (its own accumulators), so y does not depend on TILE_R, TILE_M, N's
+// chunks, the grouping of gemv_one or the thread count.
 template <int R, int MR>
 static inline void tile_out(const uint8_t* const* xa, const uint8_t* const* sg, const float* const* xs, int64_t K,
                             const int8_t* wq, const uint16_t* ws, const float* bias, float* y, int64_t N, int64_t n,
