@@ -36,6 +36,7 @@ class StepExchange:
     def __init__(self, partial: torch.Tensor, tp: Group):
         self.partial, self.tp = partial, tp
         self.fast = None                    # the shared-memory communicator the words were built for
+        self.done = 0                       # exchanges the last run ran to the end in C
         self.words = (ctypes.c_int64 * (X_PEERS + max(tp.size - 1, 0)))()
         self.parts: dict = {}               # all_reduce_exchange's C arrays, per set of addresses
         self.keep: list = []                # the C arrays the words point to
@@ -58,8 +59,10 @@ class StepExchange:
         if (tp.compression != "fp32" or tp.counter.fingerprint is not None or fast is None
                 or not hasattr(fast, "c_exchange_words")):
             return X_PYTHON
-        if fast is not self.fast:
-            c = fast.c_exchange_words(self.partial)
+        if fast is self.fast:
+            fast.check_usable()             # broken by an earlier failure: raise as the Python exchange does
+        else:
+            c = fast.c_exchange_words(self.partial)     # raises for a broken communicator too
             if c is None:
                 return X_PYTHON
             arrays = [(ctypes.c_int64 * tp.size)(*c["parts"][p]) for p in (0, 1)]
@@ -74,6 +77,14 @@ class StepExchange:
             self.fast, self.keep = fast, arrays
         return X_SHM
 
+    def _count_done(self) -> None:
+        """Hand the exchanges C ran to the end since the last call to the communicator (its call count and arrival
+        count) and add them to ``done``."""
+        w = self.words
+        n, w[X_DONE] = w[X_DONE], 0
+        self.done += n
+        self.fast.c_exchange_done(n)
+
     def run(self, prog: int, step) -> None:
         """Run program ``prog`` (an address) with step words ``step`` (a ctypes int64 array; ``STEP_PARTS`` and
         ``STEP_NPARTS`` are set at each exchange) to its end. Raises what the exchanges raise
@@ -85,6 +96,7 @@ class StepExchange:
         sp, at = ctypes.addressof(step), ctypes.c_int64(0)
         P, N = fused.STEP_PARTS, fused.STEP_NPARTS
         keep, waited, counter = None, 0, tp.counter
+        self.done = 0                       # exchanges run to the end in C (the communicator counted, X_DONE zeroed)
         try:
             while True:
                 r = fused.run_at(prog, sp, at)
@@ -94,6 +106,7 @@ class StepExchange:
                     step[P], step[N], keep = fused.all_reduce_exchange(self.partial, tp, self.parts)
                 elif r in (fused.RUN_WAIT, fused.RUN_MISMATCH):
                     pending, w[X_PENDING] = w[X_PENDING], 0
+                    self._count_done()      # the C exchanges before it: the communicator's call numbers in messages
                     waited += 1
                     t0 = counter.start()
                     parts = self.fast.c_exchange_wait(pending)
@@ -103,9 +116,9 @@ class StepExchange:
                     raise RuntimeError(f"decode step program: unknown op at word {at.value}")
         finally:
             if mode == X_SHM:
-                self.fast.c_exchange_done(w[X_DONE])
+                self._count_done()
                 if counter.enabled:
-                    for _ in range(w[X_DONE] + waited):
+                    for _ in range(self.done + waited):
                         counter.record("all_reduce", self.partial.numel(), 4, tp.size)
                     counter.seconds["all_reduce"] += w[X_WAIT_NS] * 1e-9
         del keep

@@ -137,7 +137,8 @@ class ShmCommunicator(StepProtocol):
         """What a C caller needs to run the step of :meth:`all_reduce_parts` of ``x`` itself, exchange after exchange
         (csrc/step.cpp's ``OP_EXCHANGE``, :class:`tensorpar.decode.step_exchange.StepExchange`): the control words'
         address ``ctl``, this rank's line ``me``, the metadata's offset in a line ``w_meta``, the wait policy's spin
-        and yield phases ``spin_ns``, ``yield_ns`` (the sleep phase, with its liveness checks, is Python's),
+        and yield phases ``spin_ns``, ``yield_ns`` (the yield phase at most ``check_ms``; the sleep phase, with its
+        liveness and deadline checks, is Python's),
         the copy's ``nbytes``, the metadata words ``a``, ``b``, this rank's slot of each parity ``slots``, every
         rank's slots of each parity ``parts`` (rank order) and the peers' lines ``peers``; ``None`` where ``x`` is
         too large for one shot or not contiguous (the caller runs :meth:`all_reduce_parts`). The caller's steps must
@@ -148,8 +149,11 @@ class ShmCommunicator(StepProtocol):
         plan = self._plans.get(key) or self._plan_all_reduce(key, x, "sum")
         if plan[4] is None or not x.is_contiguous():
             return None
+        # the yield phase in C at most one check interval: the abort word, the peers' liveness and the deadline are
+        # checked in Python's wait (sync.wait_slow), every check_ms
+        yield_us = min(self.policy.yield_us, self.policy.check_ms * 1e3)
         return dict(ctl=self.segment.base, me=self._me, w_meta=W_META, spin_ns=self._spin_ns,
-                    yield_ns=int(self.policy.yield_us * 1e3), nbytes=plan[0],
+                    yield_ns=int(yield_us * 1e3), nbytes=plan[0],
                     a=plan[1], b=plan[2], slots=tuple(self._addr), parts=tuple(self._slot_addrs),
                     peers=tuple(line for _, line in self._others))
 
@@ -170,6 +174,11 @@ class ShmCommunicator(StepProtocol):
         except BaseException as e:
             self._break(e, K_AR)
             raise
+
+    def check_usable(self) -> None:
+        """Raise :class:`~tensorpar.comm.CollectiveError` if an earlier collective broke this communicator (what
+        every collective checks first; a C caller checks before its steps)."""
+        self._check_usable(K_AR)
 
     def c_exchange_done(self, steps: int) -> None:
         """Count ``steps`` exchanges a C caller ran to the end itself, and take its arrival count as this rank's."""

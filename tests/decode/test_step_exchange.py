@@ -57,7 +57,7 @@ def job_modes(ctx, folder, ids, late_rank):
                 late[:] = [1] if ex is ex_c else []
                 with counting(ctx.tp) as c:
                     y = d.decode(torch.tensor([[5 + t]]), pos[:, -1:] + 1 + t, ids.shape[1] + t)
-                step.append((y, dict(c.calls), dict(c.elements), ex.words[sx.X_DONE]))
+                step.append((y, dict(c.calls), dict(c.elements), ex.done))
             (y_c, calls_c, el_c, done_c), (y_py, calls_py, el_py, done_py) = step
             out.append((torch.equal(y_c, y_py), calls_c == calls_py, el_c == el_py, done_c, done_py,
                         calls_c.get("all_reduce", 0), len(waits) - w0))
@@ -132,3 +132,43 @@ def test_a_peer_that_leaves_is_a_collective_error(pools):
     err, x = got[0]
     assert err is not None and err[0] == "CollectiveError" and "rank 1" in err[1], err
     assert x == [[0.0] * 8]
+
+
+def job_leave_midway(ctx):
+    """Rank 0 runs a program of three exchanges; rank 1 joins two of them (its own two-exchange program), then closes
+    its communicator. Rank 0: the error, the communicator's call count and arrival count after it, and the error of a
+    second run (the communicator is broken by then)."""
+    from tensorpar.comm import CollectiveError
+    from tensorpar.shm import disable_fast_collectives, enable_fast_collectives
+    enable_fast_collectives(ctx.tp, "on")
+    try:
+        p, x = torch.ones(1, 8), torch.zeros(1, 8)
+        ex = sx.StepExchange(p, ctx.tp)
+        norm = (fused.OP_NORM, x.data_ptr(), 1, 8, 0, 0, None)
+        prog = fused.program([ex.op(), norm] * (3 if ctx.tp.rank == 0 else 2))
+        step = (ctypes.c_int64 * fused.STEP_TABLES)()
+        fast = ctx.tp.fast
+        if ctx.tp.rank == 1:
+            ex.run(ctypes.addressof(prog), step)
+            disable_fast_collectives(ctx.tp)
+            return None
+        errs = []
+        for _ in range(2):
+            try:
+                ex.run(ctypes.addressof(prog), step)
+            except CollectiveError as e:
+                errs.append(str(e))
+        return errs, fast.calls, fast._seq, ex.done
+    finally:
+        disable_fast_collectives(ctx.tp)
+
+
+@needs_kernels
+def test_a_failure_after_c_exchanges_names_the_right_call_and_breaks_the_communicator(pools):
+    """Rank 1 leaves after two of rank 0's three exchanges (run in C): rank 0's CollectiveError names call #3 and
+    step 3, as the Python exchanges would (the C exchanges are counted before the wait in Python); a second run
+    fails at once with "unusable" instead of writing into the segment again."""
+    (errs, calls, seq, done), _ = run_tp(pools, 2, job_leave_midway)
+    assert len(errs) == 2 and "rank 1" in errs[0], errs
+    assert f"call #{calls}, step {seq})" in errs[0] and calls == seq, (errs[0], calls, seq)
+    assert "unusable" in errs[1], errs[1]
