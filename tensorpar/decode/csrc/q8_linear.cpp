@@ -158,9 +158,9 @@ static inline void tile(const uint8_t* const* xa, const uint8_t* const* sg, cons
 // y [N] for one activation row, one thread: weight rows n, n + h, n + 2h, n + 3h (h = ceil(N / 4)) together, four
 // sequential streams from the four quarters of the matrix that share x's loads. On the Xeon of 2026-12-03
 // (bench/results/q8-streams-xeon.md: bench/q8_probe.cpp, 1 thread, 1.1B and SmolLM2 shapes, 3 rounds) 14.2-18.0 GB/s
-// from memory against 9.1-12.2 one row at a time, 27.9-42.7 in L2 against 22.5-36.6; in probes the same evening two
-// streams gave 11.9-16.8 and eight 13.3-18.9 GB/s from memory. Each y[n] is summed exactly as alone (row_dot's
-// per-row order), so the output does not depend on the grouping.
+// from memory against 9.1-12.2 one row at a time, 27.9-42.7 in L2 against 22.5-36.6 (two and eight streams were
+// tried in unrecorded probes and were not faster). Each y[n] is summed exactly as alone (row_dot's per-row order),
+// so the output does not depend on the grouping.
 static constexpr int STREAMS = 4;
 
 static void gemv_one(const uint8_t* xa, const uint8_t* sg, const float* xs, int64_t K, const int8_t* wq,
