@@ -42,7 +42,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from tensorpar.decode import fused, gemv_kernel
+from tensorpar.decode import fused, gemv_kernel, step_rows
 from tensorpar.decode.bf16_weights import Bf16Weight
 from tensorpar.decode.int8 import Int8Weight
 from tensorpar.decode.step_exchange import StepExchange
@@ -123,9 +123,9 @@ def _embedding(emb):
 
 class RowStep:
     """The decode step of decoder ``dec`` (:func:`why_not` must be ``None``); called by
-    :meth:`~tensorpar.decode.lean.LeanDecoder.forward_segments` for a single segment of ``b <= rows`` rows of one
-    token each whose tokens are all stored (``write`` None); ``rows`` = the decoder's ``max_batch`` (at most
-    :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS`).
+    :meth:`~tensorpar.decode.lean.LeanDecoder.forward_segments` (:meth:`run_split`) for ``b <= rows`` rows of one
+    token each whose tokens are all stored (``write`` None): decode rows, and a step's prompts as one row per token
+    (:mod:`~tensorpar.decode.step_rows`); ``rows`` = :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS`.
 
     Memory: a few buffers of ``rows`` rows (hidden, QKV, gate-up widths), fp32; a program per row
     count. Collectives: those of the
@@ -140,7 +140,7 @@ class RowStep:
         self.norm0 = _norm(L0.ln1)
         H = self.norm0[0].numel()
         nq, nkv, d = dec.n_q, dec.n_kv, dec.head_dim
-        self.R = R = min(dec.max_batch, gemv_kernel.MAX_ROWS)
+        self.R = R = gemv_kernel.MAX_ROWS       # decode rows, or a prompt's tokens as rows (run_split)
         f = L0.f
         fmt = _format(_reference_weight(dec))
         # --quantize: the layers hold the stored weights [out, in]; else [in, out] views of the weights [out, in]
@@ -249,26 +249,12 @@ class RowStep:
                 and (not windows or g.length <= windows[0]))
 
     def run_split(self, ids: torch.Tensor, rope_pos: torch.Tensor, segments, rest):
-        """``forward_segments(ids, rope_pos, segments)``'s logits where this step runs a segment: all of them if it
-        :meth:`runs` them; else (last pipeline stage) the last segment it runs (a serving step's decode rows) as the
-        row step, the others through ``rest`` (``forward_segments``), logits in segment order; None if none. Why:
-        at 16 rows the general loop's framework ops (SmolLM2 tp=2: 163 ms per step against the row step's 80,
-        bench/results/batch-rows-xeon.md) cost more than a second pass over the weights (a prompt's own forward
-        +41.6 ms, bench/results/serve_step.md). Collectives: each part's, the row step's first (same on all ranks)."""
+        """``forward_segments(ids, rope_pos, segments)``'s logits where the row step runs part of the step, else
+        ``None``: a single segment it :meth:`runs` as it is; otherwise the segments as rows of one token, as many as
+        fit, and the others through ``rest`` (:func:`~tensorpar.decode.step_rows.run_split`)."""
         if self.runs(segments):
             return self(ids, rope_pos, segments[0])
-        if not self.dec.last or len(segments) < 2:
-            return None
-        k = next((i for i in reversed(range(len(segments))) if self.runs([segments[i]])), None)   # decode rows last
-        if k is None:
-            return None
-        o = sum(g.b * g.s for g in segments[:k])
-        n = segments[k].b
-        mine = self(ids[o:o + n], rope_pos[o:o + n], segments[k])
-        others = rest(torch.cat([ids[:o], ids[o + n:]]), torch.cat([rope_pos[:o], rope_pos[o + n:]]),
-                      segments[:k] + segments[k + 1:])
-        r = sum(g.b for g in segments[:k])                        # logits: one row per segment row
-        return torch.cat([others[:r], mine, others[r:]])
+        return step_rows.run_split(self, ids, rope_pos, segments, rest)
 
     def _cache_plan(self, g):
         """``(row offsets, row blocks)`` as C arrays (allocated once per row count, filled here): the element offset
@@ -356,11 +342,12 @@ class RowStep:
             out[key] = (cos.data_ptr(), sin.data_ptr())
         return out, keep
 
-    def __call__(self, ids: torch.Tensor, rope_pos: torch.Tensor, g) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, rope_pos: torch.Tensor, g, pick: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[b, V_r]`` of segment ``g``'s ``b`` rows (``ids``, ``rope_pos`` ``[b]``), their K/V written to
         the cache; what ``forward_segments(ids, rope_pos, [g])`` returns. On a pipeline stage after the first,
         ``ids`` is the residual stream ``[b, h]`` the stage before returned; a stage before the last returns its
-        own ``[b, h]`` (after its last layer's all-reduce) instead of logits."""
+        own ``[b, h]`` (after its last layer's all-reduce) instead of logits. ``pick`` ``[k]``: the LM head on
+        those rows only (a prompt's last token), logits ``[k, V_r]``."""
         dec = self.dec
         b = g.b
         prog, ex, x, _ = self.rows[b]
@@ -383,6 +370,7 @@ class RowStep:
         del keep, keep_parts, mask                                # alive until the programs ran
         if not dec.last:            # a pipeline stage before the last: the residual stream goes on, [b, h]
             return x.clone()
-        logits = torch.empty(b, dec.lm_w.shape[0], dtype=torch.float32, device=x.device)
-        self.mm.run(self.mm.args(self.h[:b], dec.lm_w, logits))
+        h = self.h[:b] if pick is None else self.h[:b].index_select(0, pick)    # the LM head on the rows asked
+        logits = torch.empty(h.shape[0], dec.lm_w.shape[0], dtype=torch.float32, device=x.device)
+        self.mm.run(self.mm.args(h, dec.lm_w, logits))
         return logits

@@ -91,6 +91,7 @@ def test_prompt_longer_than_positions(tiny_with_tokenizer, capsys):
     assert r.returncode != 0 and "max_position_embeddings=128" in r.stderr
 
 
+@pytest.mark.slow      # 25 s; CI keeps Ctrl-C in test_serve.py (test_zz_sigint...) and test_nshosts_script.py
 def test_ctrl_c_stops_every_rank(tiny_with_tokenizer):
     import signal
     import time

@@ -204,9 +204,9 @@ def job_logits(ctx, folder, ids, mask, want, shm, quantize="none", layout=False,
             ran = []
             if lean.row_step is not None:
                 call = lean.row_step.__call__
-                lean.row_step = type("Counted", (), {"runs": lean.row_step.runs, "dec": lean.row_step.dec,
+                lean.row_step = type("Counted", (), {"runs": lean.row_step.runs, "dec": lean.row_step.dec, "R": lean.row_step.R,
                                                      "run_split": RowStep.run_split,
-                                                     "__call__": lambda self, *a: ran.append(1) or call(*a)})()
+                                                     "__call__": lambda self, *a, **k: ran.append(1) or call(*a, **k)})()
             logits = [lean.prefill(ids, mask, pos)]
             for t in range(steps - 1):
                 logits.append(lean.decode(want[:, t:t + 1], pos[:, -1:] + 1 + t, ids.shape[1] + t))
@@ -253,7 +253,8 @@ def test_row_step_equals_general_loop_and_transformers(pools, tmp_path, arch, tp
     for r, (out, tokens) in enumerate(run_tp(pools, tp, job_logits, folder, ids, mask, want, shm)):
         got, has, ran = out["row"]
         ref, _, ran_general = out["general"]
-        assert has and ran == steps - 1 and ran_general == 0, (has, ran, ran_general)
+        # the prompt too, as one row per token, when its b x s tokens fit in the row step's rows
+        assert has and ran == steps - (ids.numel() > gemv_kernel.MAX_ROWS) and ran_general == 0, (has, ran)
         for a, b in zip(got, ref):
             assert (a - b).abs().max() <= 1e-5 * b.abs().max(), f"rank {r}"
         assert torch.equal(tokens, want), f"tp={tp} rank {r}: {tokens} != transformers {want}"
@@ -280,7 +281,8 @@ def test_row_step_with_all_reduces_above_the_one_shot_size(pools, tmp_path):
 @needs_kernels
 def test_sliding_window_row_step_runs_inside_the_window(pools, tmp_path):
     """Mistral with a 10-position sliding window, tp=2: decode steps whose keys all lie inside the window (lengths
-    8-10 after a 7-token prompt) run the row step, the later ones the general loop, which narrows the mask; logits
+    8-10 after a 7-token prompt, and the prompt itself as one row per token) run the row step, the later ones the
+    general loop, which narrows the mask; logits
     within the fp32 bound of the llama test, greedy tokens equal transformers' (which apply the window)."""
     ARCHS["mistral_w10"] = dict(ARCHS["mistral"], sliding_window=10)
     try:
@@ -294,7 +296,7 @@ def test_sliding_window_row_step_runs_inside_the_window(pools, tmp_path):
     for r, (out, tokens) in enumerate(run_tp(pools, 2, job_logits, folder, ids, mask, want, True)):
         got, has, ran = out["row"]
         ref, _, _ = out["general"]
-        assert has and ran == 3, (has, ran)
+        assert has and ran == 4, (has, ran)          # the 7-token prompt as rows, then lengths 8-10
         for a, b in zip(got, ref):
             assert (a - b).abs().max() <= 1e-5 * b.abs().max(), f"rank {r}"
         assert torch.equal(tokens, want), f"rank {r}: {tokens} != transformers {want}"
@@ -302,10 +304,12 @@ def test_sliding_window_row_step_runs_inside_the_window(pools, tmp_path):
 
 #: --tp-comm int8 (compressed partial sums), row step against the general loop: both quantize their partial sums
 #: per block of 32 before the exchange; the partials differ in the last bits (fused norms and attention), which the
-#: quantization absorbs unless an element lies within them of a half step (it would round the other way and move by
-#: one step of its block, ~1e-3 of the logits). Measured on this model at tp=2: 1.8e-7 of the largest, no such
-#: flip; so the fp32 row step's bound holds.
-TP_COMM_INT8_TOL = 1e-5
+#: quantization absorbs unless an element lies within them of a half step: it rounds the other way, moves by one
+#: step of its block (~1e-3 of the logits), and through the KV cache every later step with it. Measured on this
+#: model at tp=2, the prompt through the row step too (2026-12-03): the prompt's logits within 1.4e-7 of the
+#: largest, one such flip at decode step 4 (1.3e-3 on rank 0, 3e-4 on rank 1), 5e-5 at most on the other steps;
+#: greedy tokens equal. 1e-2 allows a few flips (as INT8_TOL); the tokens are compared too.
+TP_COMM_INT8_TOL = 1e-2
 
 
 @needs_kernels
@@ -324,9 +328,11 @@ def test_tp_comm_int8_row_step_equals_general_loop(pools, tmp_path, shm):
                                              "int8")):
         got, has, ran = out["row"]
         ref, _, ran_general = out["general"]
-        assert has and ran == steps - 1 and ran_general == 0, (has, ran, ran_general)
+        # the prompt too, as one row per token, when its b x s tokens fit in the row step's rows
+        assert has and ran == steps - (ids.numel() > gemv_kernel.MAX_ROWS) and ran_general == 0, (has, ran)
         for a, b in zip(got, ref):
             worst = max(worst, float((a - b).abs().max() / b.abs().max()))
+        assert torch.equal(tokens, want), f"rank {r}: {tokens} != transformers {want}"
     print(f"--tp-comm int8, row step vs general loop: worst logit difference {worst:.2e} of the largest")
     assert worst <= TP_COMM_INT8_TOL, worst
 
@@ -363,7 +369,8 @@ def test_int8_row_step_equals_general_loop_and_quantized_reference(pools, tmp_pa
     for r, (out, tokens) in enumerate(run_tp(pools, tp, job_logits, folder, ids, mask, want, tp > 1, "int8")):
         got, has, ran = out["row"]
         ref, _, ran_general = out["general"]
-        assert has and ran == steps - 1 and ran_general == 0, (has, ran, ran_general)
+        # the prompt too, as one row per token, when its b x s tokens fit in the row step's rows
+        assert has and ran == steps - (ids.numel() > gemv_kernel.MAX_ROWS) and ran_general == 0, (has, ran)
         for a, b in zip(got, ref):
             assert (a - b).abs().max() <= INT8_TOL * b.abs().max(), f"rank {r}: {(a - b).abs().max()}"
         assert torch.equal(tokens, want), f"int8 tp={tp} rank {r}: {tokens} != quantized reference {want}"
@@ -430,7 +437,8 @@ def test_quantized_row_step_tp3_tp4_uneven_heads(pools, tmp_path, monkeypatch, f
     for r, (out, tokens) in enumerate(res):
         got, has, ran = out["row"]
         ref, _, ran_general = out["general"]
-        assert has == row_step and ran == (steps - 1 if row_step else 0) and ran_general == 0, (has, ran)
+        want_ran = steps - (ids.numel() > gemv_kernel.MAX_ROWS) if row_step else 0        # the prompt as rows too
+        assert has == row_step and ran == want_ran and ran_general == 0, (has, ran)
         for a, b in zip(got, ref):
             assert (a - b).abs().max() <= tol * b.abs().max(), f"{fmt} tp={tp} rank {r}: {(a - b).abs().max()}"
         assert torch.equal(tokens, want), f"{fmt} tp={tp} rank {r}: {tokens} != reference {want}"

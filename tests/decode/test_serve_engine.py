@@ -76,8 +76,8 @@ def job_batched_vs_alone(ctx, folder, vocab):
     # joining a running batch: two start, the others join at step 2 (their prefill next to two decodes)
     joining = _drive(engine, [(0 if i < 2 else 2, 6 - i, p) for i, p in enumerate(ps)], rank0)
     # a step with two decode rows and two new prompts (one padded prefill group): on the lean path one forward,
-    # 1 + 2 * layers all-reduces of all its tokens, or two where the row step runs the decode rows apart
-    # (RowStep.run_split); the module path one forward per group
+    # 1 + 2 * layers all-reduces of all its tokens (the row step: the decode rows and the prompts' tokens as rows
+    # of one program, step_rows.run_split); the module path one forward per group
     from tensorpar import comm
     from tensorpar.serve.plan import Row, StepPlan
     plan = StepPlan("step", [Row(0, ps[1][:8], 0), Row(1, ps[4], 0), Row(2, [5], 9), Row(3, [7], 4)])
@@ -113,9 +113,9 @@ def test_batched_prefill_equals_prefill_alone(pools, folders, arch, tp):
                              do_sample=False, pad_token_id=0, eos_token_id=None)
         want.append(g[0, len(p):].tolist())
     for alone, together, joining, lean, all_reduces, layers, split in results:
-        assert lean == (arch == "llama")
+        assert lean == (arch == "llama") and split == lean
         if tp > 1:          # embedding + 2 per layer per forward; the argmax is an all-gather
-            assert all_reduces == (1 + 2 * layers) * (1 if lean and not split else 2), all_reduces
+            assert all_reduces == (1 + 2 * layers) * (1 if lean else 2), all_reduces
         assert [a[0] for a in alone] == want
         for other in (together, joining):
             assert [o[0] for o in other] == want
@@ -177,14 +177,16 @@ def test_exchange_delivers_every_plan(pools, fast):
 def test_paged_row_step_equals_one_block_per_row(folders, monkeypatch):
     """The row step over a paged cache (4-position blocks, the server's block tables; rows reach 28 positions) gives
     the tokens and log-probabilities of the engine with one block of max_len per row, bitwise: attention reads the
-    same keys in the same order; requests join next to running decodes (RowStep.run_split)."""
+    same keys in the same order; requests join next to running decodes, their prompts as rows of one token in the
+    same program (RowStep.run_split, step_rows.run_split)."""
     from tensorpar.decode.row_step import RowStep
     from tensorpar.hf.load import build_parallel_model
     from tensorpar.parallel import ParallelContext
     from tensorpar.serve.engine import Engine
     from tests.decode.test_generate import ARCHS
     lengths, call = [], RowStep.__call__
-    monkeypatch.setattr(RowStep, "__call__", lambda self, ids, pos, g: lengths.append(g.length) or call(self, ids, pos, g))
+    monkeypatch.setattr(RowStep, "__call__",
+                        lambda self, ids, pos, g, **k: lengths.append(g.length) or call(self, ids, pos, g, **k))
     monkeypatch.setattr(sys.modules[__name__], "NEW", 12)                  # longer rows: more blocks each
     ctx = ParallelContext.single()
     model, _ = build_parallel_model(folders["llama"], ctx.tp, dtype=torch.float32)

@@ -226,7 +226,9 @@ def job_save_resume(ctx, kw, root, stop):
     return [tr.train_step().loss for _ in range(STEPS - tr.step)]
 
 
-@pytest.mark.parametrize("config,kw", [LAYOUTS[0], LAYOUTS[2]], ids=["tp2-pp2", "pp2-dp2"])
+# CI keeps tp2-pp2; pp2-dp2 (28 s with its teardown on the 2-core machine) runs with -m slow
+@pytest.mark.parametrize("config,kw", [LAYOUTS[0], pytest.param(*LAYOUTS[2], marks=pytest.mark.slow)],
+                         ids=["tp2-pp2", "pp2-dp2"])
 def test_checkpoint_resumes_on_one_process(grid_pools, reference, tmp_path, config, kw):
     grid_pools(config).run(job_save_resume, kw, str(tmp_path), 2)
     rest = job_save_resume(ParallelContext.single(), {}, str(tmp_path), 0)    # tp = pp = dp = 1
