@@ -1,4 +1,4 @@
-"""The lean path's decode step of one token per row, up to 32 rows, in few calls per layer (:class:`RowStep`).
+"""The lean path's step of one token per row, up to 32 rows, as one C program (:class:`RowStep`).
 
 Small-batch decode of a small model is bound by the work around the matmuls (SmolLM2 at tp=2: 4127 framework ops
 per token, docs/benchmarks.md). A :class:`RowStep` runs a step of at most
@@ -28,8 +28,9 @@ arguments prepared once at construction:
   their all-reduce is fused with the first layer's input norm (:meth:`RowStep._embed`).
 
 It runs the layers of the plain Llama shape (:func:`why_not`) computing in fp32 on the GEMV path or on the int8 or
-bf16 weights of ``--quantize``, over the static cache or the server's block tables; prefill and bigger steps run
-the general loop. Results: residual stream, rotary, cache writes and matmul outputs bitwise the general loop's
+bf16 weights of ``--quantize``, over the static cache or the server's block tables; prompts whose tokens fit in its
+rows run as one row per token (:mod:`~tensorpar.decode.step_rows`), longer prompts and bigger steps the general
+loop. Results: residual stream, rotary, cache writes and matmul outputs bitwise the general loop's
 given the same inputs; norms, attention and SiLU within fp32 rounding (sums in another order, ``expf``), so
 logits agree to 1e-5 of the largest and greedy tokens equal transformers' (tests/decode/test_row_step.py); int8:
 an activation within that rounding of a half step of its block may round to the other step.
