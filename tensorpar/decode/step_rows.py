@@ -128,6 +128,8 @@ def run_split(step, ids: torch.Tensor, rope_pos: torch.Tensor, segments, rest):
     parts, n, o = {}, 0, offsets(segments)
     for i in reversed(range(len(segments))):
         g = segments[i]
+        if n + (g.b * g.s if g.write is None else int(g.write.sum())) > step.R:   # its stored tokens do not fit
+            continue
         p = as_rows(ids[o[i]:o[i] + g.b * g.s], rope_pos[o[i]:o[i] + g.b * g.s], g,
                     per_row_rope=dec.rope_switch is not None)
         if p is not None and n + p.n <= step.R:

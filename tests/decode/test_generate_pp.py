@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from tensorpar.decode import fused, gemv_kernel
 from tensorpar.generate import SamplingConfig, generate_tokens
 from tensorpar.parallel import ParallelConfig
 from tensorpar.testing import WorkerPool
@@ -123,6 +124,8 @@ def job_row_step(ctx, folder, ids, mask, n):
     return why, len(ran), res.tokens
 
 
+@pytest.mark.skipif(not (gemv_kernel.available() and fused.available()),
+                    reason="no AVX-512 / AVX2 CPU or no C++ compiler for the row step's kernels")
 @pytest.mark.parametrize("arch", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_pp2_stages_take_the_row_step(pool_pp2, pp_dirs, arch):
     """pp 2, batch 1, lean path: both stages prefill (the prompt as one row per token) and decode through the row
