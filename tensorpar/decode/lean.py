@@ -225,8 +225,8 @@ class LeanDecoder:
         rows as a forward of their own cost a second pass over every weight and the framework's per-layer calls
         again (one new prompt next to 31 decode rows of SmolLM2 at tp=2, fp32: +41.6 ms on an 85 ms step as its
         own forward, +15.2 ms in the same forward; bench/results/serve_step.md); the row step's rows (decode rows,
-        prompts as one row per token) go apart (:meth:`~tensorpar.decode.row_step.RowStep.run_split`). Collectives: ``1 + 2 * num_layers``
-        all-reduces of ``[T, h]`` per part. Raises ValueError when the segments' tokens do not add up to ``T``.
+        prompts one row per token) go apart (:meth:`~tensorpar.decode.row_step.RowStep.run_split`). Collectives:
+        ``1 + 2 * num_layers`` all-reduces of ``[T, h]`` per part. Raises ValueError when the tokens do not add to T.
 
         Deterministic mode (``deterministic=True``, :attr:`tile` set): a token's logits and the K/V it writes do not
         depend on the other tokens of the step (batch invariance). The token-wise work (norms, projections,
