@@ -129,7 +129,7 @@ class RowStep:
     (:mod:`~tensorpar.decode.step_rows`); ``rows`` = :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS`.
 
     Memory: a few buffers of ``rows`` rows (hidden, QKV, gate-up widths), fp32; a program per row
-    count. Collectives: those of the
+    count run so far (:meth:`program`). Collectives: those of the
     general loop (the embedding's all-reduce, two per layer)."""
 
     def __init__(self, dec):
@@ -144,8 +144,6 @@ class RowStep:
         self.R = R = gemv_kernel.MAX_ROWS       # decode rows, or a prompt's tokens as rows (run_split)
         f = L0.f
         fmt = _format(_reference_weight(dec))
-        # --quantize: the layers hold the stored weights [out, in]; else [in, out] views of the weights [out, in]
-        out_in = (lambda w: w) if fmt is not None else (lambda w: w.t())
         e = dict(dtype=torch.float32, device=_reference_weight(dec).device)
         # a pipeline stage before the last ends with x += the last exchange and no norm of its own: a unit-weight
         # RMSNorm into h, which nothing reads, does the add (OP_NORM)
@@ -161,7 +159,7 @@ class RowStep:
         cache = dec.cache
         self.head_stride = cache.k[0].stride(0)
         self.threads = torch.get_num_threads()
-        self.mm = mm = _Matmuls(fmt, R, max(H, nq * d, f), self.threads)
+        self.mm = _Matmuls(fmt, R, max(H, nq * d, f), self.threads)
         #: the blocks of a row's table (a row's positions over max_len / block_size blocks: paged, the server)
         self.nblk = nblk = -(-dec.max_len // cache.block_size)
         self.offs = [(ctypes.c_int64 * b)() for b in range(R + 1)]         # each row's K/V offset, per row count
@@ -170,47 +168,60 @@ class RowStep:
         #: the step words of the programs (fused.STEP_*): attention's length and mask, each rotary table's rows
         self.step = (ctypes.c_int64 * (fused.STEP_TABLES + 2 * len(keys)))()
         self.keys = keys
-        hs = self.head_stride
-        qkv, q, att, gu, a = (t.data_ptr() for t in (self.qkv, self.q, self.att, self.gu, self.a))
-        self.rows = {}
-        for b in range(1, R + 1):
-            offs, blocks = ctypes.addressof(self.offs[b]), ctypes.addressof(self.blocks[b])
-            bs = cache.block_size
-            x_, h_ = self.x.data_ptr(), self.h.data_ptr()
-            ex = StepExchange(self.p[:b], dec.tp)          # each all-reduce of p[:b], inside the program
-
-            def norm(fn):       # x += the exchanged partial sums (step words); h = fn's RMSNorm of x
-                w, eps = _norm(fn) if fn is not None else self.final_norm
-                return (fused.OP_NORM, x_, b, H, w.data_ptr(), fused.float_bits(eps), h_)
-            ops, keep = [], [ex]
-            for i, L in enumerate(dec.layers):
-                kv_of = (L.kv_idx.tolist() if L.kv_idx is not None
-                         else [h * nkv // nq for h in range(nq)])                # each query head's KV head
-                kv_of = (ctypes.c_int64 * nq)(*kv_of)
-                keep.append(kv_of)
-                scale = fused.float_bits(float(L.scaling if L.scaling is not None else d ** -0.5))
-                k, v = cache.k[i].data_ptr(), cache.v[i].data_ptr()
-                ops += [norm(L.ln1),                                              # x += all_reduce; h = ln1(x)
-                        mm.op(self.h[:b], out_in(L.wqkv), self.qkv[:b], L.bqkv),                      # h -> qkv
-                        (fused.OP_ROPE, qkv, b, nq, nkv, d, self.rd, keys[L.rope], q, k, v, hs, offs),
-                        (fused.OP_ATTN, q, b, nq, d, k, v, hs, blocks, nblk, bs, ctypes.addressof(kv_of), scale,
-                         self.scratch.data_ptr(), att),
-                        mm.op(self.att[:b], out_in(L.wo), self.p[:b]),                                # -> p
-                        ex.op(),                                                  # all-reduce of o W_o
-                        norm(L.ln2),                                              # x += all_reduce; h = ln2(x)
-                        mm.op(self.h[:b], out_in(L.wgu), self.gu[:b], L.bgu),
-                        (fused.OP_SILU, gu, b, f, a),                                                 # gu -> a
-                        mm.op(self.a[:b], out_in(L.wd), self.p[:b]),                                  # -> p
-                        ex.op()]                                                  # all-reduce of a W_d
-            ops.append(norm(dec.norm if dec.last else None))                    # x += all_reduce; h = norm(x)
-            prog = fused.program(ops)
-            self.rows[b] = (ctypes.addressof(prog), ex, self.x[:b], (prog, keep))
+        self.rows: dict = {}            # the program of each row count, built at its first step (program)
+        self.H, self.fmt = H, fmt
         self.parts: dict = {}           # the ranks' partial sums' addresses (a tuple) -> their C array
         self.xp, self.pp = self.x.data_ptr(), self.p.data_ptr()
         self.tables = self._rotary_tables()
         self.rope_buf = {k: (torch.zeros(R, self.rd, **e), torch.zeros(R, self.rd, **e))
                          for k in (self.tables or {})}                        # the rows' tables, gathered
         self.embed = _embedding(dec.embed)
+
+    def program(self, b: int) -> tuple:
+        """``(address, StepExchange, x[:b], what keeps it alive)``: the one program of a step of ``b`` rows (11 ops
+        per layer and the final norm), built at the first step of that many rows (all 32 at construction took 93 ms
+        for SmolLM2, against 2.6 ms for one). No collectives."""
+        got = self.rows.get(b)
+        if got is not None:
+            return got
+        dec, H, hs, nblk = self.dec, self.H, self.head_stride, self.nblk
+        nq, nkv, d, f = dec.n_q, dec.n_kv, dec.head_dim, dec.layers[0].f
+        # --quantize: the layers hold the stored weights [out, in]; else [in, out] views of the weights [out, in]
+        out_in = (lambda w: w) if self.fmt is not None else (lambda w: w.t())
+        mm, keys, cache = self.mm, self.keys, dec.cache
+        qkv, q, att, gu, a = (t.data_ptr() for t in (self.qkv, self.q, self.att, self.gu, self.a))
+        offs, blocks = ctypes.addressof(self.offs[b]), ctypes.addressof(self.blocks[b])
+        bs = cache.block_size
+        x_, h_ = self.x.data_ptr(), self.h.data_ptr()
+        ex = StepExchange(self.p[:b], dec.tp)          # each all-reduce of p[:b], inside the program
+
+        def norm(fn):       # x += the exchanged partial sums (step words); h = fn's RMSNorm of x
+            w, eps = _norm(fn) if fn is not None else self.final_norm
+            return (fused.OP_NORM, x_, b, H, w.data_ptr(), fused.float_bits(eps), h_)
+        ops, keep = [], [ex]
+        for i, L in enumerate(dec.layers):
+            kv_of = (L.kv_idx.tolist() if L.kv_idx is not None
+                     else [h * nkv // nq for h in range(nq)])                # each query head's KV head
+            kv_of = (ctypes.c_int64 * nq)(*kv_of)
+            keep.append(kv_of)
+            scale = fused.float_bits(float(L.scaling if L.scaling is not None else d ** -0.5))
+            k, v = cache.k[i].data_ptr(), cache.v[i].data_ptr()
+            ops += [norm(L.ln1),                                              # x += all_reduce; h = ln1(x)
+                    mm.op(self.h[:b], out_in(L.wqkv), self.qkv[:b], L.bqkv),                      # h -> qkv
+                    (fused.OP_ROPE, qkv, b, nq, nkv, d, self.rd, keys[L.rope], q, k, v, hs, offs),
+                    (fused.OP_ATTN, q, b, nq, d, k, v, hs, blocks, nblk, bs, ctypes.addressof(kv_of), scale,
+                     self.scratch.data_ptr(), att),
+                    mm.op(self.att[:b], out_in(L.wo), self.p[:b]),                                # -> p
+                    ex.op(),                                                  # all-reduce of o W_o
+                    norm(L.ln2),                                              # x += all_reduce; h = ln2(x)
+                    mm.op(self.h[:b], out_in(L.wgu), self.gu[:b], L.bgu),
+                    (fused.OP_SILU, gu, b, f, a),                                                 # gu -> a
+                    mm.op(self.a[:b], out_in(L.wd), self.p[:b]),                                  # -> p
+                    ex.op()]                                                  # all-reduce of a W_d
+        ops.append(norm(dec.norm if dec.last else None))                    # x += all_reduce; h = norm(x)
+        prog = fused.program(ops)
+        self.rows[b] = got = (ctypes.addressof(prog), ex, self.x[:b], (prog, keep))
+        return got
 
     def _rotary_tables(self) -> dict | None:
         """Per rotary key, ``(cos, sin_sign)`` ``[max_len, rd]`` of every position, computed once by the decoder's
@@ -351,7 +362,7 @@ class RowStep:
         those rows only (a prompt's last token), logits ``[k, V_r]``."""
         dec = self.dec
         b = g.b
-        prog, ex, x, _ = self.rows[b]
+        prog, ex, x, _ = self.program(b)
         step = self.step                                          # what the programs read at this step
         P, N = fused.STEP_PARTS, fused.STEP_NPARTS
         step[P], step[N], keep_parts = self._embed(ids, b)        # x = embedding (or 0 + its exchanged parts)

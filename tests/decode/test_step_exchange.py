@@ -38,7 +38,7 @@ def job_modes(ctx, folder, ids, late_rank):
     try:
         model, _ = build_parallel_model(folder, ctx.tp)
         decs = [LeanDecoder(model, ctx.tp, max_batch=1, max_len=32) for _ in range(2)]
-        ex_c, ex_py = (d.row_step.rows[1][1] for d in decs)
+        ex_c, ex_py = (d.row_step.program(1)[1] for d in decs)
         ex_py._mode = lambda: sx.X_PYTHON
         fast, waits, late = ctx.tp.fast, [], []
         wait = fast.c_exchange_wait
