@@ -179,8 +179,8 @@ class RowStep:
 
     def program(self, b: int) -> tuple:
         """``(address, StepExchange, x[:b], what keeps it alive)``: the one program of a step of ``b`` rows (11 ops
-        per layer and the final norm), built at the first step of that many rows (all 32 at construction took 93 ms
-        for SmolLM2, against 2.6 ms for one). No collectives."""
+        per layer and the final norm), built at the first step of that many rows, so a decoder builds only the
+        row counts it runs. No collectives."""
         got = self.rows.get(b)
         if got is not None:
             return got
