@@ -47,13 +47,14 @@ def job_tensorpar(ctx, folder, dtype, tokens, batches, prefill, max_rows=None):
     if max_rows is not None:
         from tensorpar.decode import gemv_kernel
         gemv_kernel.MAX_ROWS = max_rows
-    from tensorpar.generate import SamplingConfig, generate_tokens
+    from tensorpar.generate import SamplingConfig, generate_tokens, inference_only
     from tensorpar.hf.load import build_parallel_model
     torch.set_num_threads(1)
     if ctx.tp.size > 1:
         from tensorpar.shm import enable_fast_collectives
         enable_fast_collectives(ctx.tp, "on")
     model, _ = build_parallel_model(folder, ctx.tp, dtype=getattr(torch, dtype))
+    inference_only(model)       # as the generate command: the engine keeps its weight layouts between calls
     vocab = model.config.vocab_size
     long = _prompt(vocab, prefill, 1)
     generate_tokens(model, ctx.tp, long[:, :32], sampling=SamplingConfig(max_new_tokens=2))         # warm-up

@@ -84,6 +84,16 @@ def _weight_bytes(model, quantize: str = "none") -> int:
 def _quantize(model, tp, quantize: str) -> None:
     from tensorpar.decode.quantize import apply_quantize
     apply_quantize(model, tp, quantize)
+    inference_only(model)
+
+
+def inference_only(model) -> None:
+    """Mark ``model`` as the ``generate`` command does (``tensorpar.generate.inference_only``: the engine keeps
+    its faster weight layouts between calls), where the checkout has it (not before 2026-12-04)."""
+    import tensorpar.generate as gen
+    mark = getattr(gen, "inference_only", None)
+    if mark is not None:
+        mark(model)
 
 
 def prompt_inputs(folder, batch: int = 1, prompt_ids=None) -> dict:
@@ -392,6 +402,7 @@ def job_fixed_cost(ctx, folder, n: int):
         from tensorpar.shm import enable_fast_collectives
         enable_fast_collectives(ctx.tp, "on")
     model, _ = build_parallel_model(folder, ctx.tp, dtype=torch.float32)
+    inference_only(model)
     ids = prompt_inputs(folder)["input_ids"]
     generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=3), path="lean")    # warm-up
     stamps = []

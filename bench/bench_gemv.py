@@ -181,6 +181,8 @@ def main():
                     variants["ours_widen"] = dict(mode=1, prefetch=0)
                 if m > 1:
                     variants["ours_pairs"] = dict(mode=2, prefetch=0)
+                if dt == torch.float32:
+                    variants["blocked"] = "blocked"
                 if not can_pack(torch.zeros(1, 1, dtype=dt)):       # no oneDNN bf16 here (AVX2): nothing to pack
                     del variants["onednn"]
             if args.variants:
@@ -189,6 +191,8 @@ def main():
             copies = max(1, -(-args.mb * 2 ** 20 // nbytes))
             ws = [torch.randn(n, k, generator=g).to(dt) for _ in range(copies)]
             packed = [pack(w) for w in ws] if "onednn" in variants else []
+            blocked = ([gemv_kernel.BlockedWeight(gemv_kernel.block(w), n) for w in ws] if "blocked" in variants
+                       else [])
             x = torch.randn(m, k, generator=g).to(torch.float32 if dname == "bf16w" else dt)
             ref = torch.nn.functional.linear(x.double(), ws[0].double())
 
@@ -201,6 +205,8 @@ def main():
                     return [chunked_linear(x, w) for w in ws]
                 if v == "bf16w":
                     return [gemv_kernel.bf16w_linear(x, w, None) for w in ws]
+                if v == "blocked":
+                    return [gemv_kernel.blocked_linear(x, b, None) for b in blocked]
                 return [gemv_kernel.gemv_raw(x, w, None, threads=1, **v) for w in ws]
 
             err = {}
@@ -225,7 +231,7 @@ def main():
                 row[f"{vn}_maxrel"] = err[vn]
             rows.append(row)
             print(json.dumps(row), flush=True)
-            del ws, packed
+            del ws, packed, blocked
     sr1 = _stream_read(exe, 256)
     limit = max(sr0[1], sr1[1]) if sr0 else None
     meta = dict(machine=m0, machine_end=machine(), torch=torch.__version__, threads=1,
@@ -252,7 +258,9 @@ def main():
              "against rows of >= 2 KB: 8 weight rows at a time, 8 streams; else one weight row at a time) (bf16: `vdpbf16ps`, or both widened without AVX512_BF16; bf16w: the weights widened, "
              "`bf16w_linear`); ours pf: with a software prefetch 1024 elements ahead; ours widen (bf16): weights "
              "widened to fp32 and fma with the input in fp32; ours pairs (more than one row): two weight rows at a "
-             "time, each input vector loaded once for both; chunked (bf16w): `bf16_weights.chunked_linear`, the "
+             "time, each input vector loaded once for both; blocked (fp32): ours on the blocked layout that replaces the "
+             "plain weight (`gemv_kernel.BlockedWeight`: blocks of 32 output rows, k-major, the inputs broadcast into "
+             "output vectors); chunked (bf16w): `bf16_weights.chunked_linear`, the "
              "path without our kernel. ours / oneDNN: the best of ours, ours widen and ours pairs (bf16w: ours / "
              "chunked; where oneDNN has no bf16 kernels, as on AVX2: ours / flinear). "
              "max rel: largest |y - fp64 reference| / max |reference| of the first copy (ours, else the first "
@@ -264,7 +272,7 @@ def main():
         vns = list(dict.fromkeys(k[:-4] for r in sel for k in r
                                  if k.endswith("_gbs") and not k.endswith(("_best_gbs", "_cpu_gbs"))))
         lines += [f"## {dname}", "", "| model | tp | matrix | out x in | rows | MB read | "
-                  + " | ".join(vns) + " | ours / oneDNN | max rel | load |",
+                  + " | ".join(vns) + " | ours / oneDNN (blocked / ours) | max rel | load |",
                   "|---|---|---|---|---|---|" + "---|" * len(vns) + "---|---|---|"]
         for r in sel:
             cells = []
@@ -277,6 +285,8 @@ def main():
             ours = max(r.get("ours_gbs", 0), r.get("ours_widen_gbs", 0), r.get("ours_pairs_gbs", 0))
             base = r.get("onednn_gbs", r.get("chunked_gbs", r.get("flinear_gbs")))
             ratio = f"{ours / base:.2f}x" if base and ours else "-"
+            if "blocked_gbs" in r and ours:
+                ratio += f"; blocked / ours {r['blocked_gbs'] / ours:.2f}x"
             first = next(vn for vn in vns if vn + "_maxrel" in r)
             rel = r.get("ours_maxrel", r[first + "_maxrel"])
             lines.append(f"| {r['model']} | {r['tp']} | {r['matrix']} | {r['out']} x {r['inp']} | {r['rows']} | "

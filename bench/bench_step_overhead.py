@@ -171,6 +171,9 @@ def job(ctx, folder: str, n: int, spy: str | None, spy_calls: int, spy_out: str 
     if quantize != "none":
         from tensorpar.decode.quantize import apply_quantize
         apply_quantize(model, ctx.tp, quantize)
+    gen = __import__("tensorpar.generate", fromlist=["x"])
+    if hasattr(gen, "inference_only"):     # as the generate command (checkouts from 2026-12-04 on)
+        gen.inference_only(model)
     try:
         ids = AutoTokenizer.from_pretrained(folder)([PROMPT] * batch, return_tensors="pt")["input_ids"]
     except (OSError, ValueError):         # a random-weight model without a tokenizer: fixed ids

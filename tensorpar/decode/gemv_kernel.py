@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 from functools import lru_cache
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -54,6 +55,10 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 #: rows (each input vector loaded once for both). bench/bench_gemv.py measures them (bench/results/gemv.md,
 #: gemv-0014.md, gemv-bf16.md): :func:`mode` picks the faster.
 MODE_ONE_ROW, MODE_WIDEN, MODE_PAIRS = 0, 1, 2
+#: fp32 weights in the blocked layout of :func:`block` (csrc/gemv.cpp ``tp_gemv_blocked``)
+MODE_BLOCKED = 3
+#: output rows per block of :func:`block`'s layout (csrc/gemv.cpp ``NB``)
+BLOCK = 32
 #: software prefetch distance in elements (0: none: measured slower, the hardware prefetcher follows the one stream)
 PREFETCH = 0
 #: the most rows the lean path runs through this kernel on fp32 weights, and the most rows of a
@@ -177,15 +182,91 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
     return y
 
 
+class BlockedWeight(NamedTuple):
+    """An fp32 weight ``W`` ``[n, in]`` held only in the kernel's blocked layout: ``p`` ``[ceil(n / BLOCK), in,
+    BLOCK]`` (:func:`block`), ``p[i, k, j] = W[i * BLOCK + j, k]``, the last block's rows past ``n`` zero. Every
+    block of 32 output rows is one sequential stream of ``in x BLOCK`` floats, read k after k: per input value the
+    block's 32 weights are two AVX-512 vectors (four AVX2 ones), multiplied by the broadcast input into output
+    vectors (the outer-product form of a GEMM's micro-kernel: no horizontal sums, up to 12 input rows per pass).
+    Each output is summed in one lane from ``k = 0`` up by fma, so a row's outputs are bitwise the same at every row
+    count and thread split; against ``F.linear`` they differ in the order of the sums (within 1e-5 relative at the
+    decode shapes: the probe of :func:`tensorpar.decode.matmuls.use_blocked`). ``shape``, ``dtype`` and ``device``
+    are those of ``W``."""
+    p: torch.Tensor
+    n: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.n, self.p.shape[1]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.p.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.p.device
+
+    def dense(self) -> torch.Tensor:
+        """``W`` ``[n, in]`` (a new tensor, bit for bit the weight that was blocked)."""
+        return unblock(self.p, self.n)
+
+    def stored_bytes(self) -> int:
+        return self.p.numel() * self.p.element_size()
+
+
+def blockable(w) -> bool:
+    """Whether :func:`block` applies to ``w``: a 2-D contiguous fp32 CPU tensor, with the kernel
+    :func:`available`."""
+    return (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu"
+            and w.is_contiguous() and w.shape[0] > 0 and available())
+
+
+def block(w: torch.Tensor) -> torch.Tensor:
+    """``w`` ``[n, K]`` fp32 reordered into ``[ceil(n / BLOCK), K, BLOCK]`` (a new tensor; the rows past ``n``
+    zero: at most ``BLOCK - 1`` rows more than ``w``): the layout :class:`BlockedWeight` holds and ``tp_gemv`` mode
+    3 reads. Exact (:func:`unblock` gives ``w`` back)."""
+    n, k = w.shape
+    nb = -(-n // BLOCK)
+    w = w.detach()
+    if nb * BLOCK != n:
+        w = torch.cat([w, w.new_zeros(nb * BLOCK - n, k)])
+    return w.reshape(nb, BLOCK, k).transpose(1, 2).contiguous()
+
+
+def unblock(p: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of :func:`block`: ``[ceil(n / BLOCK), K, BLOCK]`` -> ``[n, K]`` (a new contiguous tensor)."""
+    w = p.transpose(1, 2).contiguous().view(p.shape[0] * p.shape[2], p.shape[1])   # (a single block: no copy
+    return w if w.shape[0] == n else w[:n].clone()      # without .contiguous()); a storage of its own rows only
+
+
+def blocked_linear(x: torch.Tensor, w: BlockedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, W, bias)`` for ``x`` ``[M, K]`` fp32 and ``W`` held as ``w`` (:class:`BlockedWeight`), any
+    ``M``, on ``torch.get_num_threads()`` threads -> ``[M, N]`` fp32. Sums as :class:`BlockedWeight` says."""
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], w.n, dtype=torch.float32)
+    _lib().tp_gemv(0, MODE_BLOCKED, x.data_ptr(), x.shape[0], x.shape[1], w.p.data_ptr(), w.n,
+                   None if bias is None else bias.contiguous().data_ptr(), y.data_ptr(), torch.get_num_threads(), 0)
+    return y
+
+
 def into_args(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, threads: int | None = None,
               bias: torch.Tensor | None = None) -> tuple:
     """The kernel's arguments for ``y = x @ w.T + bias`` into a preallocated ``y`` (``x`` ``[M, K]``, ``w``
     ``[N, K]``, ``y`` ``[M, N]``, ``bias`` ``[N]`` or None, contiguous, one dtype, :func:`supports` (w)), for
     :func:`linear_into`: the addresses are taken once, so ``x``, ``y`` and ``bias`` must stay the tensors the caller
     keeps (the one-row decode step's buffers, a module's bias). ``threads``: default ``torch.get_num_threads()``
-    now. Bitwise :func:`linear`'s result. Raises ValueError on other shapes or dtypes."""
+    now. Bitwise :func:`linear`'s result; ``w`` may be a :class:`BlockedWeight` (fp32; bitwise
+    :func:`blocked_linear`'s result). Raises ValueError on other shapes or dtypes."""
     M, K = x.shape
     N = w.shape[0]
+    if isinstance(w, BlockedWeight):
+        if (w.shape[1] != K or tuple(y.shape) != (M, N) or x.dtype != torch.float32 or y.dtype != torch.float32
+                or not (x.is_contiguous() and y.is_contiguous()) or not _bias_ok(bias, N, torch.float32)):
+            raise ValueError(f"gemv into (blocked): x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)}, y "
+                             f"{tuple(y.shape)} {y.dtype}: takes contiguous fp32 x [M, K], y [M, N], bias [N]")
+        return (0, MODE_BLOCKED, x.data_ptr(), M, K, w.p.data_ptr(), N, None if bias is None else bias.data_ptr(),
+                y.data_ptr(), torch.get_num_threads() if threads is None else threads, 0)
     if (w.shape[1] != K or tuple(y.shape) != (M, N) or not (x.dtype == w.dtype == y.dtype) or w.dtype not in _DTYPES
             or not all(t.is_contiguous() for t in (x, w, y)) or not _bias_ok(bias, N, w.dtype)):
         raise ValueError(f"gemv into: x {tuple(x.shape)}, w {tuple(w.shape)}, y {tuple(y.shape)}, bias "

@@ -68,7 +68,7 @@ from tensorpar.decode.deterministic import DETERMINISTIC_TILE, deterministic_uns
 from tensorpar.decode.int8 import int8_linear, int8_weights, lean_weight
 from tensorpar.decode.kernels import can_pack, mm
 from tensorpar.decode.kv_cache import LeanKVCache, Segment, offsets, token_positions
-from tensorpar.decode.matmuls import use_gemv, use_packed
+from tensorpar.decode.matmuls import use_blocked, use_gemv, use_packed
 from tensorpar.decode.packed import unpack_weights
 from tensorpar.decode.prepare import decoder_parts, fuse_projections, lean_unsupported
 from tensorpar.decode.rope import rope_switch_length, row_rotary
@@ -86,23 +86,23 @@ class LeanDecoder:
         block_size, num_blocks: the pool's blocks (:class:`~tensorpar.decode.kv_cache.LeanKVCache`); default one
             block of ``max_len`` positions per row, ``max_batch`` of them (the static cache ``prefill`` and
             ``decode`` use).
-        prepack: run the matmuls on weights reordered once into oneDNN's blocked layout. bf16: bitwise the
-            results of ``F.linear``, which on a bf16 CPU weight reorders it on every call (1.5x slower GEMV,
-            measured in bench/results/decode.md). fp32: oneDNN's kernels instead of MKL's ``torch.mm`` (faster, a
-            few units in the last place apart: :func:`~tensorpar.decode.matmuls.use_packed`). ``None``: our GEMV on
-            the plain weights (:func:`~tensorpar.decode.matmuls.use_gemv`) where it runs and ``max_batch`` <=
-            :func:`~tensorpar.decode.gemv_kernel.max_rows` (32 fp32, 4 bf16), else prepacked (fp32, bf16 if oneDNN
-            runs it). ``False``: plain ``torch.mm`` / ``F.linear``. Never for ``quantize_int8``'s int8 weights.
+        prepack: run the matmuls on weights reordered once into oneDNN's layout (bf16: bitwise ``F.linear``,
+            which reorders a bf16 CPU weight per call; fp32: a few units in the last place from ``torch.mm``:
+            :func:`~tensorpar.decode.matmuls.use_packed`). ``None``: our GEMV (:func:`~tensorpar.decode.matmuls.
+            use_gemv`) where it runs and ``max_batch`` <= :func:`~tensorpar.decode.gemv_kernel.max_rows` (32 fp32,
+            4 bf16), else prepacked (fp32, bf16 if oneDNN runs it). ``False``: plain ``torch.mm`` / ``F.linear``.
+        block: with our GEMV on fp32 weights, hold them in its blocked layout in place of the plain ones
+            (:func:`~tensorpar.decode.matmuls.use_blocked`); ``False``: the plain weights, the model left as it is.
 
     Memory: ``2 * num_layers * num_blocks * kv_local * block_size * head_dim`` elements of the weights' dtype,
-    allocated here once. With ``prepack`` the packed weights replace the plain ones on the modules
-    (:func:`tensorpar.decode.packed.pack_weights`: the rank holds its shard once); a decoder built on a packed
-    model unpacks it first (:func:`~tensorpar.decode.packed.unpack_weights`), so the weights it reads are the
-    current ones. Collectives at construction (tp > 1): two all-reduces on ``tp.pg`` (``comm.all_gather_json``: all
+    allocated here once. Packed or blocked weights replace the plain ones on the modules (one copy per rank:
+    :func:`tensorpar.decode.packed.pack_weights`); a decoder built on a packed model unpacks it first, so the
+    weights it reads are the current ones. Collectives at construction (tp > 1): two all-reduces on ``tp.pg`` (``comm.all_gather_json``: all
     ranks agree whether the row step runs). Raises ValueError if the model cannot run this path."""
 
     def __init__(self, model, tp: Group, *, max_batch: int, max_len: int, prepack: bool | None = None,
-                 block_size: int | None = None, num_blocks: int | None = None, deterministic: bool = False):
+                 block_size: int | None = None, num_blocks: int | None = None, deterministic: bool = False,
+                 block: bool = True):
         why = lean_unsupported(model)
         if why is not None:
             raise ValueError(f"the lean decode path cannot run this model: {why}")
@@ -162,9 +162,9 @@ class LeanDecoder:
             self.lin = self.linear = bf16_linear if isinstance(w0, Bf16Weight) else int8_linear
         else:
             self.lin, self.linear = mm, F.linear
-        #: our GEMV on the plain weights for steps of at most gemv_kernel.max_rows rows (:func:`use_gemv`)
-        self.gemv = (not int8 and prepack is None and max_batch <= gemv_kernel.max_rows(w0.dtype)
-                     and use_gemv(self))
+        #: our GEMV for steps of at most gemv_kernel.max_rows rows (:func:`use_gemv`); fp32: its blocked layout
+        self.gemv = not int8 and prepack is None and max_batch <= gemv_kernel.max_rows(w0.dtype) and use_gemv(self)
+        self.blocked = block and self.gemv and w0.dtype == torch.float32 and use_blocked(self, model)
         self.packed = (not int8 and not self.gemv and (prepack if prepack is not None else can_pack(w0))
                        and w0.device.type == "cpu" and torch.backends.mkldnn.is_available())
         if self.packed:

@@ -55,24 +55,74 @@ def use_packed(dec, model) -> None:
         dec.packed = False
         return
     del w
-    tied = model.lm_head._parameters.get("weight") is decoder_parts(model)[0]._parameters.get("weight")
-    fields = [(L, field, id(w)) for L in dec.layers for field, _, _, w, _ in L.packs]
-    head = None if tied or not dec.last else id(dec.lm_w)     # not the last pipeline stage: no LM head
-    try:
-        plan = pack_plan(model, {i for *_, i in fields} | ({head} if head is not None else set()))
-    except ValueError:                      # a weight outside a plain parallel Linear: keep them all plain
+    packed = _replace(dec, model, lambda w: True, lambda w, rows: pack(w, rows))
+    if packed is None:
         dec.packed = False
         return
+    dec.lin = packed_linear
+    if packed:
+        dec.linear = packed_linear
+
+
+def use_blocked(dec, model) -> bool:
+    """After :func:`use_gemv`: hold the fp32 matmul weights in our GEMV's blocked layout (blocks of
+    :data:`~tensorpar.decode.gemv_kernel.BLOCK` output rows, the last one zero-padded)
+    (:class:`~tensorpar.decode.gemv_kernel.BlockedWeight`), which replaces the plain one on the modules as
+    oneDNN's does in :func:`use_packed` (one copy; ``weight`` converts back on access, exactly), and run them at
+    every row count through it (prefill too: no plain weight is left for ``torch.mm``). A tied LM head stays plain
+    (the embedding reads its rows: our GEMV on the plain weight, ``F.linear`` beyond its rows).
+    Taken only if a probe of every row count the kernel's micro-kernels split into (1-13 rows) is within 1e-5
+    relative of ``F.linear`` (the order of the fp32 sums) and each probe row's outputs are bitwise those it gets
+    alone. Why: the blocked layout streams each block of 32 output rows as one sequence and computes the step's
+    rows as output vectors (no horizontal sums): 1.5x our GEMV on the plain weight at one row, 2.2x at 4 and
+    1.4-1.5x at 32 (bench/results/gemv-blocked-epyc.md). Returns whether any weight was blocked."""
+    w = next((w for L in dec.layers for *_, w, _ in L.packs if gemv_kernel.blockable(w)), None)
+    if w is None or not gemv_kernel.blockable(w):
+        return False
+    probe = torch.randn(13, w.shape[1], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        bw = _blocked(w, 0)
+        got, want = gemv_kernel.blocked_linear(probe, bw, None), F.linear(probe, w)
+        alone = torch.cat([gemv_kernel.blocked_linear(probe[i:i + 1], bw, None) for i in range(13)])
+    del bw
+    if not (torch.equal(got, alone) and torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))):
+        return False
+    del w
+    # dec.lin / dec.linear stay gemv_mm / gemv_linear: they take a BlockedWeight too
+    return _replace(dec, model, gemv_kernel.blockable, _blocked) is not None
+
+
+def _blocked(w: torch.Tensor, rows: int) -> gemv_kernel.BlockedWeight:
+    return gemv_kernel.BlockedWeight(gemv_kernel.block(w), w.shape[0])
+
+
+def _replace(dec, model, which, packer):
+    """Replace the layers' weights for which ``which(w)`` holds (and an untied LM head's) with ``packer(w, rows)``
+    on the modules (:func:`~tensorpar.decode.packed.pack_weights`) and in ``dec``'s fields. Returns whether the LM head was replaced, or ``None`` where nothing was (a weight
+    outside a plain parallel Linear, :func:`~tensorpar.decode.packed.pack_plan`)."""
+    tied = model.lm_head._parameters.get("weight") is decoder_parts(model)[0]._parameters.get("weight")
+    fields = [(L, field, id(w)) for L in dec.layers for field, _, _, w, _ in L.packs if which(w)]
+    head = None if tied or not dec.last or not which(dec.lm_w) else id(dec.lm_w)    # not the last stage: no head
+    ids = {i for *_, i in fields} | ({head} if head is not None else set())
+    if not ids:
+        return None
+    try:
+        plan = pack_plan(model, ids)
+    except ValueError:                      # a weight outside a plain parallel Linear: keep them all plain
+        return None
     for L in dec.layers:       # drop the [in, out] views first, so each plain matrix is freed as it is packed
-        for field, *_ in L.packs:
-            setattr(L, field, None)
-        L.packs = []
-    lm_w, dec.lm_w = dec.lm_w, None
-    packed = pack_weights(model, plan, dec.max_batch)
+        keep = [pk for pk in L.packs if id(pk[3]) not in ids]
+        for field, _, _, w, _ in L.packs:
+            if id(w) in ids:
+                setattr(L, field, None)
+        L.packs = keep
+    lm_w = dec.lm_w
+    if head is not None:
+        dec.lm_w = None
+    del lm_w
+    packed = pack_weights(model, plan, dec.max_batch, packer)
     for L, field, i in fields:
         setattr(L, field, packed[i])
-    dec.lin = packed_linear
-    if head is None:                        # tied to the embedding: the plain table, F.linear (or no head)
-        dec.lm_w = lm_w
-    else:
-        dec.lm_w, dec.linear = packed[head], packed_linear
+    if head is not None:
+        dec.lm_w = packed[head]
+    return head is not None

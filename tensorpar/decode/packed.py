@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
+from tensorpar.decode.gemv_kernel import BlockedWeight
 from tensorpar.decode.kernels import pack
 from tensorpar.layers.fused import FUSED_KEY
 from tensorpar.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -48,8 +49,14 @@ class PackedWeight(NamedTuple):
         """The plain ``[out, in]`` weight (its rows of ``packed``), a new inference tensor, bit for bit the weight
         that was packed."""
         with torch.inference_mode():
-            w = self.packed.to_dense()
+            w = _dense(self.packed)
             return w if self.start is None else w[self.start:self.stop].clone()
+
+
+def _dense(packed) -> torch.Tensor:
+    """The plain ``[out, in]`` weight of a packed one: oneDNN's tensor (``to_dense``) or our GEMV's
+    :class:`~tensorpar.decode.gemv_kernel.BlockedWeight`; exact either way."""
+    return packed.dense() if isinstance(packed, BlockedWeight) else packed.to_dense()
 
 
 class _Packed:
@@ -88,17 +95,17 @@ def _swap(mod: nn.Module, pw: PackedWeight) -> None:
     pw.param.data = pw.param.data.new_empty(0)          # the plain storage is freed once nothing else holds it
 
 
-def _pack_linear(mod: nn.Module, rows: int) -> torch.Tensor:
+def _pack_linear(mod: nn.Module, rows: int, packer) -> torch.Tensor:
     p = mod._parameters["weight"]
-    packed = pack(p, rows)
+    packed = packer(p, rows)
     _swap(mod, PackedWeight(packed, p))
     return packed
 
 
-def _pack_fused(owner: nn.Module, names: tuple[str, ...], rows: int) -> torch.Tensor:
+def _pack_fused(owner: nn.Module, names: tuple[str, ...], rows: int, packer) -> torch.Tensor:
     """Pack ``owner``'s fused weight (:mod:`tensorpar.layers.fused`) and free it and its projections' views."""
     fw, fb = owner.__dict__[FUSED_KEY]
-    packed = pack(fw, rows)
+    packed = packer(fw, rows)
     off = 0
     for n in names:
         mod = getattr(owner, n)
@@ -142,8 +149,10 @@ def pack_plan(model, ids: set[int]) -> list[tuple[nn.Module, tuple[str, ...] | N
     return plan
 
 
-def pack_weights(model, plan, rows: int = 1) -> dict[int, torch.Tensor]:
-    """Replace the plain matmul weights of :func:`pack_plan`'s ``plan`` with oneDNN-packed ones, freeing the plain
+def pack_weights(model, plan, rows: int = 1, packer=None) -> dict[int, torch.Tensor]:
+    """Replace the plain matmul weights of :func:`pack_plan`'s ``plan`` with oneDNN-packed ones (``packer``
+    ``None``; else ``packer(weight, rows)`` makes the packed tensor: :func:`tensorpar.decode.matmuls.use_blocked`
+    passes our GEMV's blocked layout), freeing the plain
     storage one matrix at a time (peak: the shard plus its largest matrix, when the caller holds no other
     reference to them). ``rows``: the input rows a step runs at most (:func:`~tensorpar.decode.kernels.pack`'s
     hint). Returns ``{id(plain weight): packed}`` (ids of the fused tensors and of the Linear weight
@@ -152,13 +161,14 @@ def pack_weights(model, plan, rows: int = 1) -> dict[int, torch.Tensor]:
     out: dict[int, torch.Tensor] = {}
     done = model.__dict__.setdefault(_MODEL_KEY, [])
     dev = None
+    packer = packer or pack
     for mod, names in plan:
         if names is None:
             key, dev = id(mod._parameters["weight"]), mod._parameters["weight"].device
-            out[key] = _pack_linear(mod, rows)
+            out[key] = _pack_linear(mod, rows, packer)
         else:
             key = id(mod.__dict__[FUSED_KEY][0])
-            out[key] = _pack_fused(mod, names, rows)
+            out[key] = _pack_fused(mod, names, rows, packer)
         done.append((mod, names))
     if dev is not None:
         _release_freed_memory(dev)
@@ -183,10 +193,10 @@ def unpack_weights(model) -> None:
     done = model.__dict__.pop(_MODEL_KEY, None)
     for mod, names in done or ():
         if names is None:
-            _unswap(mod, mod.__dict__[PACKED_KEY].packed.to_dense())
+            _unswap(mod, _dense(mod.__dict__[PACKED_KEY].packed))
             continue
         pw, fb = mod.__dict__[FUSED_KEY]
-        fused = pw.packed.to_dense()
+        fused = _dense(pw.packed)
         for n in names:
             sub = getattr(mod, n)
             p = sub.__dict__[PACKED_KEY]
@@ -201,5 +211,6 @@ def packed_weight_bytes(model) -> int:
     for mod in model.modules():
         pw = mod.__dict__.get(PACKED_KEY)
         if pw is not None:
-            seen[id(pw.packed)] = pw.packed.numel() * pw.packed.element_size()
+            t = pw.packed
+            seen[id(t)] = t.stored_bytes() if isinstance(t, BlockedWeight) else t.numel() * t.element_size()
     return sum(seen.values())

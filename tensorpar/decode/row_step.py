@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from tensorpar.decode import fused, gemv_kernel, step_rows
 from tensorpar.decode.bf16_weights import Bf16Weight
+from tensorpar.decode.gemv_kernel import BlockedWeight
 from tensorpar.decode.int8 import Int8Weight
 from tensorpar.decode.step_exchange import StepExchange
 from tensorpar.decode.step_matmuls import _KERNELS, _Matmuls
@@ -103,7 +104,7 @@ def _reference_weight(dec):
 
 def _format(w) -> str | None:
     """``int8`` / ``bf16`` for the stored weights of ``--quantize`` (:class:`Int8Weight`, :class:`Bf16Weight`),
-    ``None`` for a plain tensor."""
+    ``None`` for fp32 weights (a plain tensor or a :class:`BlockedWeight`: both run our fp32 GEMV)."""
     return "int8" if isinstance(w, Int8Weight) else "bf16" if isinstance(w, Bf16Weight) else None
 
 
@@ -186,8 +187,8 @@ class RowStep:
             return got
         dec, H, hs, nblk = self.dec, self.H, self.head_stride, self.nblk
         nq, nkv, d, f = dec.n_q, dec.n_kv, dec.head_dim, dec.layers[0].f
-        # --quantize: the layers hold the stored weights [out, in]; else [in, out] views of the weights [out, in]
-        out_in = (lambda w: w) if self.fmt is not None else (lambda w: w.t())
+        # --quantize (and blocked fp32): the layers hold the stored weights; else [in, out] views of the [out, in] ones
+        out_in = (lambda w: w) if self.fmt is not None else (lambda w: w if isinstance(w, BlockedWeight) else w.t())
         mm, keys, cache = self.mm, self.keys, dec.cache
         qkv, q, att, gu, a = (t.data_ptr() for t in (self.qkv, self.q, self.att, self.gu, self.a))
         offs, blocks = ctypes.addressof(self.offs[b]), ctypes.addressof(self.blocks[b])

@@ -16,8 +16,7 @@ the embedding, then picks the token (:func:`tensorpar.serve.tokens.choose_tokens
   seeded by ``sampling.seed``, and broadcasts the tokens.
 
 A row stops at an EOS token; the call stops when every row has or at the token budget (every rank sees the same
-tokens, so every rank stops at the same step).
-"""
+tokens, so every rank stops at the same step). The command marks its model :func:`inference_only`."""
 from __future__ import annotations
 
 import argparse
@@ -29,7 +28,7 @@ import torch
 
 from tensorpar import comm
 from tensorpar.comm import Group
-from tensorpar.generate.engine_cache import _engine, cached_engine, release_engine, settle  # noqa: F401
+from tensorpar.generate.engine_cache import _engine, cached_engine, inference_only, release_engine, settle  # noqa: F401
 from tensorpar.decode.quantize import apply_quantize, check_quantize
 from tensorpar.generate.flags import add_arguments, check_flags  # noqa: F401  (the command's flags)
 from tensorpar.streaming import chat_prompt_ids
@@ -271,6 +270,7 @@ def _rank_main(job) -> int:
     try:
         model, _ = load_model(job, ctx)
         apply_quantize(model, ctx.tp, task.quantize)
+        inference_only(model)       # this process only generates: the engine may keep faster weight layouts
         ids, mask, tok = task.input_ids, task.attention_mask, task.tokenizer
         single = len(task.prompts) == 1
         printer = TokenPrinter(tok) if single and ctx.rank == 0 else None

@@ -106,8 +106,8 @@ class Engine:
         deterministic: batch-invariant results (``serve --deterministic``): a row's logits, greedy token and
             log-probabilities are bitwise those of the same request run alone, whatever else the step runs
             (the lean decoder's deterministic mode, :meth:`~tensorpar.decode.lean.LeanDecoder.forward_segments`;
-            log-probabilities row by row). Needs the lean path, the whole model on each rank (pp=1) and no
-            mixture-of-experts block.
+            log-probabilities row by row). Needs the lean path, the whole model on each rank (pp=1), no MoE block.
+        block: the lean decoder's (:class:`~tensorpar.decode.lean.LeanDecoder`): fp32 weights in our GEMV's layout.
 
     Raises:
         ValueError: ``max_len`` above the model's ``max_position_embeddings``; ``path`` not one of
@@ -119,7 +119,7 @@ class Engine:
 
     def __init__(self, model, tp: Group, *, max_batch: int, max_len: int, path: str = "auto", warm_up: bool = True,
                  plans: Group | None = None, pp: Group | None = None, block_size: int | None = None,
-                 num_blocks: int | None = None, deterministic: bool = False):
+                 num_blocks: int | None = None, deterministic: bool = False, block: bool = True):
         cfg = model.config
         if path not in ("auto", "lean", "hf"):
             raise ValueError(f"path must be 'auto', 'lean' or 'hf', got {path!r}")
@@ -157,7 +157,7 @@ class Engine:
                              f"of max_len={max_len} positions per request: block_size must be {max_len}, got "
                              f"{block_size}")
         self.lean = LeanDecoder(model, tp, max_batch=max_batch, max_len=max_len, block_size=block_size,
-                                num_blocks=num_blocks, deterministic=deterministic) if lean else None
+                                num_blocks=num_blocks, deterministic=deterministic, block=block) if lean else None
         self.deterministic = deterministic
         self.cache = self.lean if self.lean is not None else SlotKVCache(num_blocks, max_len)
         self.block_size, self.num_blocks = block_size, num_blocks

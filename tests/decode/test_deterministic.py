@@ -28,7 +28,7 @@ def _prompts():
     return target, [target[:9] + [3, 1, 4]] + others
 
 
-def job_alone_vs_batched(ctx, folder, dtype, deterministic, quantize="none", row_step=True):
+def job_alone_vs_batched(ctx, folder, dtype, deterministic, quantize="none", row_step=True, block=True):
     """Rank 0 schedules (the serve scheduler), the others follow its plans. Returns rank 0's (tokens, logprobs,
     top-3) of the target alone, then of the target submitted second among 16 others (max_tokens differing, so the
     batch changes under it), and the prompt tokens found in the prefix cache in that second run; ``None`` on the
@@ -40,7 +40,7 @@ def job_alone_vs_batched(ctx, folder, dtype, deterministic, quantize="none", row
     from tensorpar.decode.quantize import apply_quantize
     apply_quantize(model, ctx.tp, quantize)
     engine = Engine(model, ctx.tp, max_batch=17, max_len=64, block_size=4, num_blocks=17 * 16,
-                    deterministic=deterministic)
+                    deterministic=deterministic, block=block)
     if not row_step and engine.lean is not None:
         engine.lean.row_step = None         # the general loop only: one forward of the step's tokens
     target, others = _prompts()
@@ -70,27 +70,31 @@ def job_alone_vs_batched(ctx, folder, dtype, deterministic, quantize="none", row
     return (*results, sched.blocks.hits) if ctx.tp.rank == 0 else None
 
 
-def alone_and_batched(pools, tp, dtype, deterministic, tmp_path, quantize="none", folder=None, row_step=True):
+def alone_and_batched(pools, tp, dtype, deterministic, tmp_path, quantize="none", folder=None, row_step=True,
+                      block=True):
     if folder is None:
         folder = make_folder(tmp_path / "tiny") if quantize == "none" else make_q8_folder(tmp_path / "q8")
     alone, batched, hits = run_tp(pools, tp, job_alone_vs_batched, folder, dtype, deterministic, quantize,
-                                  row_step)[0]
+                                  row_step, block)[0]
     assert len(alone) == len(batched) == NEW and hits == 8      # the target's first 8 tokens came from the cache
     return alone, batched
 
 
 def test_deterministic_alone_equals_batched_tp2(pools, tmp_path):
     """tp=2, fp32: with --deterministic bitwise equal; without it, in the general loop (one forward of the step's
-    tokens), the log-probabilities differ (this test's shape is one where batching changes the bits). The row
-    step, which runs this test's steps (every token its own row of at most 32, the prompts too), gives the same
-    greedy tokens; its bits are not asserted (its GEMV's summation follows the row count on AVX2)."""
+    tokens) on the plain weights (``block=False``: ``torch.mm`` for steps of more than 32 tokens), the
+    log-probabilities differ (this test's shape is one where batching changes the bits). On our GEMV's blocked
+    weights (the default) every matmul sums each row alone at any row count; that general loop and the row step
+    (which runs this test's steps: every token its own row of at most 32, the prompts too) give the same greedy
+    tokens; their bits are not asserted (not every op is batch-invariant without the flag)."""
     alone, batched = alone_and_batched(pools, 2, "float32", True, tmp_path)
     assert batched == alone
-    alone, batched = alone_and_batched(pools, 2, "float32", False, tmp_path, row_step=False)
+    alone, batched = alone_and_batched(pools, 2, "float32", False, tmp_path, row_step=False, block=False)
     assert [t for t, *_ in batched] == [t for t, *_ in alone]       # greedy tokens agree on this model ...
     assert batched != alone, "without --deterministic the batch did not change any bit: the test proves nothing"
-    alone, batched = alone_and_batched(pools, 2, "float32", False, tmp_path)
-    assert [t for t, *_ in batched] == [t for t, *_ in alone]
+    for row_step in (False, True):
+        alone, batched = alone_and_batched(pools, 2, "float32", False, tmp_path, row_step=row_step)
+        assert [t for t, *_ in batched] == [t for t, *_ in alone]
 
 
 @pytest.mark.slow

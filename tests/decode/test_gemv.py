@@ -63,10 +63,72 @@ def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(dtype, n, k):
 
 
 @needs_kernel
+@pytest.mark.parametrize("n,k", [(480, 576), (1536, 576), (60, 36), (32, 36), (33, 7), (1, 5), (96, 2050)])
+def test_blocked_layout_equals_linear_at_every_row_count(n, k):
+    """fp32 weights in the blocked layout (:class:`~tensorpar.decode.gemv_kernel.BlockedWeight`; SmolLM2's tp=2
+    shapes, one block, a last block of 1-31 rows; the layout has no tails along K) at 1-100 rows (the pairs of
+    blocks of 1-4 rows, 12-row passes and their rest), 1 and 2 threads, with and without bias: within 1e-5 of
+    ``F.linear`` (another order of the fp32 sums), each row bitwise the row alone (one lane sums an output from
+    k = 0 up, whatever the rows beside it), the layout exact both ways, and the row step's entry
+    (:func:`~tensorpar.decode.gemv_kernel.into_args`) the same bits."""
+    g = torch.Generator().manual_seed(n + k)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    bw = gemv_kernel.BlockedWeight(gemv_kernel.block(w), n)
+    assert bw.shape == w.shape and bw.p.shape == (-(-n // 32), k, 32) and torch.equal(bw.dense(), w)
+    assert bw.dense().is_contiguous()       # one block: a reshape alone would give a transposed view
+    x = torch.randn(100, k, generator=g)
+    for bias in (None, b):
+        alone = torch.cat([gemv_kernel.blocked_linear(x[r:r + 1], bw, bias) for r in range(100)])
+        for m in (1, 2, 3, 4, 5, 12, 13, 25, 32, 100):
+            want = F.linear(x[:m], w, bias)
+            for threads in (1, 2):
+                old = torch.get_num_threads()
+                torch.set_num_threads(threads)
+                try:
+                    got = gemv_kernel.blocked_linear(x[:m], bw, bias)
+                finally:
+                    torch.set_num_threads(old)
+                _close(got, want, torch.float32)
+                assert torch.equal(got, alone[:m]), (m, threads)
+            y = torch.empty(m, n)
+            gemv_kernel.linear_into(gemv_kernel.into_args(x[:m].contiguous(), bw, y, 1, bias))
+            assert torch.equal(y, alone[:m])
+
+
+@needs_kernel
+def test_blocked_layout_is_the_same_bits_on_the_avx2_build():
+    """The AVX2 build (8 lanes, 16 registers: other micro-kernels) sums each output in the same lane order as the
+    AVX-512 one, so on a CPU with both its results are bitwise the AVX-512 build's (the CI machine runs one of them;
+    this runs the other where it can)."""
+    import ctypes
+
+    from tensorpar.decode.q8_kernel import _cpu_has_features
+    from tensorpar.native import load_target
+    avx2 = next(t for t in gemv_kernel.TARGETS if t[0] == "avx2")
+    if gemv_kernel.target() != "avx512" or not _cpu_has_features(avx2[1]):
+        pytest.skip("needs a CPU that runs both builds")
+    lib = load_target(avx2, gemv_kernel._SRC, gemv_kernel._FLAGS, "gemv", "TENSORPAR_GEMV_KERNEL")
+    if lib is None:
+        pytest.skip("the AVX2 build did not build here")
+    lib.tp_gemv.argtypes = gemv_kernel._lib().tp_gemv.argtypes
+    g = torch.Generator().manual_seed(3)
+    for n, k in ((480, 576), (60, 36)):
+        w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        bw = gemv_kernel.BlockedWeight(gemv_kernel.block(w), n)
+        for m in (1, 2, 5, 32):
+            x = torch.randn(m, k, generator=g)
+            y = torch.empty(m, n)
+            lib.tp_gemv(*gemv_kernel.into_args(x, bw, y, 1, b))
+            assert torch.equal(y, gemv_kernel.blocked_linear(x, bw, b)), (n, k, m)
+            _close(y, F.linear(x, w, b), torch.float32)
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lean_runs_gemv_on_the_plain_weights(tmp_path, dtype):
-    """A decoder of batch 1 takes our GEMV (not oneDNN's packing): the model keeps its parameters (same storage,
-    nothing packed or copied), its prefill and decode logits are within the kernel's tolerance of the plain
+    """A decoder of batch 1 takes our GEMV (not oneDNN's packing): bf16 on the parameters as they are (same
+    storage, nothing packed or copied), fp32 on the blocked layout that replaces them (tests/decode/test_packed.py
+    checks what it holds); its prefill and decode logits are within the kernel's tolerance of the plain
     ``torch.mm`` / ``F.linear`` decoder (``prepack=False``), and fp32 greedy tokens at batch 1 equal transformers'."""
     from tensorpar.decode.lean import LeanDecoder
     from tensorpar.decode.packed import packed_model
@@ -93,9 +155,11 @@ def test_lean_runs_gemv_on_the_plain_weights(tmp_path, dtype):
 
     before = storage_bytes()
     lean, first, steps = logits(None)
-    assert lean.gemv and not lean.packed and not packed_model(model)
-    assert storage_bytes() == before            # the parameters hold the weights, once (q/k/v fused in place)
-    _, first_plain, steps_plain = logits(False)
+    assert lean.gemv and not lean.packed and lean.blocked == (dtype == torch.float32)
+    assert packed_model(model) == lean.blocked
+    if not lean.blocked:
+        assert storage_bytes() == before        # the parameters hold the weights, once (q/k/v fused in place)
+    _, first_plain, steps_plain = logits(False)     # a new decoder gives the model its plain weights back first
     # prefill: the layers' 7 rows (fp32: our GEMV, up to MAX_ROWS; bf16: > MAX_ROWS_BF16, torch.mm / F.linear), the LM head's one row our GEMV;
     # decode: our GEMV everywhere, the layers compound the kernel's tolerance a little
     for got, want in zip([first] + steps, [first_plain] + steps_plain):

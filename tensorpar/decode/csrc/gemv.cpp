@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-extern "C" int tp_gemv_abi(void) { return 1; }
+extern "C" int tp_gemv_abi(void) { return 2; }
 
 // ----------------------------------------------------------------------------------------- vector primitives
 // vf: W fp32 lanes; vi: the same register as 2W bf16 (weight 2j in the low, 2j + 1 in the high half of lane j).
@@ -33,6 +33,8 @@ typedef __m512 vf;
 typedef __m512i vi;
 static inline vf vzero() { return _mm512_setzero_ps(); }
 static inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline vf vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+static inline void vstore(float* p, vf a) { _mm512_storeu_ps(p, a); }
 static inline vf vload_n(const float* p, int64_t n) { return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
@@ -52,6 +54,8 @@ typedef __m256 vf;
 typedef __m256i vi;
 static inline vf vzero() { return _mm256_setzero_ps(); }
 static inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline vf vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
+static inline void vstore(float* p, vf a) { _mm256_storeu_ps(p, a); }
 static inline vf vload_n(const float* p, int64_t n) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), lane));
@@ -422,6 +426,112 @@ static void bf16_stripes(const uint16_t* x, const float* xf, int64_t K, const ui
     free(xs);
 }
 
+// ----------------------------------------------------------------------------------- fp32, blocked layout
+// The weight reordered once (tensorpar.decode.gemv_kernel.block) from [N, K] into blocks of NB = 32 output rows,
+// each block k-major: wb[(n / NB) * K * NB + k * NB + n % NB] = w[n, k] (the last block's rows past N zero). Per
+// input k the NB weights of a block are NB / W contiguous vectors: each input value is broadcast and multiplied
+// into them (the outer-product form of a GEMM's micro-kernel), so the accumulators are output vectors (no
+// horizontal sums) and every block is one sequential stream. Each output is summed in one lane from k = 0 to K - 1 by fma, whatever the
+// rows beside it, the kernel variant or the thread split: an input row's outputs are bitwise the same at any row
+// count (the batch-invariance the stripes above also keep). Numbers: bench/bench_gemv.py, docs/decode.md.
+constexpr int NB = 32;
+constexpr int NV = NB / W;                                  // vectors per block and k: 2 (AVX-512), 4 (AVX2)
+// the most input rows per micro-kernel call: MR x NV accumulators + NV weight vectors + 1 broadcast in registers
+constexpr int MR_MAX = NREGS >= 32 ? 12 : 3;
+// rows at most for which two blocks go at once (more streams in flight where the rows are few): 2 x MR x NV
+// accumulators
+constexpr int MR_PAIR = NREGS >= 32 ? 4 : 1;
+
+// MR input rows (row stride K) x NBLK consecutive blocks from wb (block stride K * NB) -> out (row stride ldo)
+template <int MR, int NBLK>
+static inline void blk_micro(const float* x, int64_t K, const float* wb, float* out, int64_t ldo) {
+    vf a[MR][NBLK][NV];
+    for (int r = 0; r < MR; ++r)
+        for (int b = 0; b < NBLK; ++b)
+            for (int v = 0; v < NV; ++v) a[r][b][v] = vzero();
+    for (int64_t k = 0; k < K; ++k) {
+        vf wv[NBLK][NV];
+        for (int b = 0; b < NBLK; ++b)
+            for (int v = 0; v < NV; ++v) wv[b][v] = vload(wb + b * K * NB + k * NB + v * W);
+        for (int r = 0; r < MR; ++r) {
+            const vf xb = vbroadcast(x + r * K + k);
+            for (int b = 0; b < NBLK; ++b)
+                for (int v = 0; v < NV; ++v) a[r][b][v] = vfma(wv[b][v], xb, a[r][b][v]);
+        }
+    }
+    for (int r = 0; r < MR; ++r)
+        for (int b = 0; b < NBLK; ++b)
+            for (int v = 0; v < NV; ++v) vstore(out + r * ldo + b * NB + v * W, a[r][b][v]);
+}
+
+// R (1..MR_MAX) input rows against NBLK blocks, R a run-time value
+template <int NBLK>
+static void blk_rows(int R, const float* x, int64_t K, const float* wb, float* out, int64_t ldo) {
+    switch (R) {
+#define TP_BLK(RR) case RR: if constexpr (RR <= MR_MAX) blk_micro<RR, NBLK>(x, K, wb, out, ldo); break;
+        TP_BLK(1) TP_BLK(2) TP_BLK(3) TP_BLK(4) TP_BLK(5) TP_BLK(6)
+        TP_BLK(7) TP_BLK(8) TP_BLK(9) TP_BLK(10) TP_BLK(11) TP_BLK(12)
+#undef TP_BLK
+        default: break;
+    }
+}
+
+// NBLK blocks from block b for R input rows into y (row stride N); the last block of a layout whose N is not a
+// multiple of NB (its rows zero-padded) goes through a scratch and only its first N % NB outputs are copied
+template <int NBLK>
+static void blk_call(int R, const float* x, int64_t K, const float* wb, int64_t b, float* y, int64_t N) {
+    if ((b + NBLK) * NB <= N) {
+        blk_rows<NBLK>(R, x, K, wb + b * K * NB, y + b * NB, N);
+        return;
+    }
+    alignas(64) float tmp[MR_MAX * NBLK * NB];
+    blk_rows<NBLK>(R, x, K, wb + b * K * NB, tmp, NBLK * NB);
+    const int64_t n = N - b * NB;
+    for (int r = 0; r < R; ++r) memcpy(y + r * N + b * NB, tmp + r * NBLK * NB, (size_t)n * sizeof(float));
+}
+
+// blocks [b0, b1) for all M input rows: input rows in chunks whose K values stay in L2 while every block of the
+// range reads them, MR_MAX rows per micro-kernel call; at most MR_PAIR rows, two blocks per call
+static void blk_range(const float* x, int64_t M, int64_t K, const float* wb, int64_t b0, int64_t b1, float* y,
+                      int64_t N) {
+    if (M <= MR_PAIR) {
+        int64_t b = b0;
+        for (; b + 2 <= b1; b += 2) blk_call<2>((int)M, x, K, wb, b, y, N);
+        if (b < b1) blk_call<1>((int)M, x, K, wb, b, y, N);
+        return;
+    }
+    int64_t mc = (256 * 1024) / (K * 4);
+    mc = mc < MR_MAX ? MR_MAX : mc - mc % MR_MAX;
+    for (int64_t m0 = 0; m0 < M; m0 += mc) {
+        const int64_t m1 = m0 + mc < M ? m0 + mc : M;
+        for (int64_t b = b0; b < b1; ++b)
+            for (int64_t m = m0; m < m1; m += MR_MAX) {
+                const int R = m1 - m < MR_MAX ? (int)(m1 - m) : MR_MAX;
+                blk_call<1>(R, x + m * K, K, wb, b, y + m * N, N);
+            }
+    }
+}
+
+// y [M, N] = x [M, K] @ w[N, K]^T + bias, fp32, w in the blocked layout above (ceil(N / NB) blocks, the last one's
+// rows past N zero); threads > 1: OpenMP over ranges of blocks (the sums do not depend on the split)
+static void tp_gemv_blocked(const float* x, int64_t M, int64_t K, const float* wb, int64_t N, const float* bias,
+                            float* y, int threads) {
+    const int64_t nb = (N + NB - 1) / NB;
+    if (threads <= 1 || nb < 2) {
+        blk_range(x, M, K, wb, 0, nb, y, N);
+    } else {
+        const int64_t per = (nb + threads - 1) / threads;
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int t = 0; t < threads; ++t) {
+            const int64_t b0 = t * per, b1 = b0 + per < nb ? b0 + per : nb;
+            if (b0 < b1) blk_range(x, M, K, wb, b0, b1, y, N);
+        }
+    }
+    if (bias)
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t n = 0; n < N; ++n) y[m * N + n] += bias[n];
+}
+
 // ------------------------------------------------------------------------------------------------ the driver
 // one thread's rows [n0, n1): chunks of rows that stay in L2 while each group of <= 4 input rows reads them; rows
 // of at least STRIPE_ROW_BYTES several weight rows at a time (f32_stripes, bf16_stripes)
@@ -503,10 +613,15 @@ static void run_rows(int dtype, int mode, const void* x, const float* xf, int64_
 
 // y [M, N] = x [M, K] @ w[N, K]^T + bias. dtype 0: x, w, bias, y fp32; dtype 1: x, w, bias, y bf16 (bias may be
 // null), sums in fp32, mode 0 bf16 x bf16 (vdpbf16ps, or both widened without it) / 1 the weights widened and fma
-// with x in fp32; mode 2: 2..4 input rows two weight rows at a time (one row: as mode 0). pf: software prefetch
+// with x in fp32; mode 2: 2..4 input rows two weight rows at a time (one row: as mode 0); mode 3 (fp32 only):
+// w in the blocked layout (tp_gemv_blocked). pf: software prefetch
 // distance in elements (0: none). threads > 1: OpenMP over chunks of 64 output rows.
 extern "C" void tp_gemv(int dtype, int mode, const void* x, int64_t M, int64_t K, const void* w, int64_t N,
                         const void* bias, void* y, int threads, int64_t pf) {
+    if (mode == 3) {                // fp32 on the blocked layout (dtype 0 only: the caller checks)
+        tp_gemv_blocked((const float*)x, M, K, (const float*)w, N, (const float*)bias, (float*)y, threads);
+        return;
+    }
     float* xf = nullptr;
     if (dtype == 1 && mode == 1) {
         xf = (float*)aligned_alloc(64, (size_t)((M * K * 4 + 63) / 64 * 64));
