@@ -211,6 +211,11 @@ class BlockedWeight(NamedTuple):
         """``W`` ``[n, in]`` (a new tensor, bit for bit the weight that was blocked)."""
         return unblock(self.p, self.n)
 
+    def rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """Rows ``idx`` (any shape, values in ``[0, n)``) of ``W`` -> ``[*idx.shape, in]`` (a tied embedding's
+        lookup: each row ``in`` floats 32 apart)."""
+        return self.p[idx // BLOCK, :, idx % BLOCK]
+
     def stored_bytes(self) -> int:
         return self.p.numel() * self.p.element_size()
 

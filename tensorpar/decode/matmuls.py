@@ -55,7 +55,7 @@ def use_packed(dec, model) -> None:
         dec.packed = False
         return
     del w
-    packed = _replace(dec, model, lambda w: True, lambda w, rows: pack(w, rows))
+    packed = _replace(dec, model, lambda w: True, lambda w, rows: pack(w, rows), tied=False)
     if packed is None:
         dec.packed = False
         return
@@ -69,8 +69,9 @@ def use_blocked(dec, model) -> bool:
     :data:`~tensorpar.decode.gemv_kernel.BLOCK` output rows, the last one zero-padded)
     (:class:`~tensorpar.decode.gemv_kernel.BlockedWeight`), which replaces the plain one on the modules as
     oneDNN's does in :func:`use_packed` (one copy; ``weight`` converts back on access, exactly), and run them at
-    every row count through it (prefill too: no plain weight is left for ``torch.mm``). A tied LM head stays plain
-    (the embedding reads its rows: our GEMV on the plain weight, ``F.linear`` beyond its rows).
+    every row count through it (prefill too: no plain weight is left for ``torch.mm``). A tied LM head's table too:
+    the input embedding then looks its rows up in the blocked layout
+    (:class:`~tensorpar.decode.packed.PackedVocabParallelEmbedding`).
     Taken only if a probe of every row count the kernel's micro-kernels split into (1-13 rows) is within 1e-5
     relative of ``F.linear`` (the order of the fp32 sums) and each probe row's outputs are bitwise those it gets
     alone. Why: the blocked layout streams each block of 32 output rows as one sequence and computes the step's
@@ -89,20 +90,22 @@ def use_blocked(dec, model) -> bool:
         return False
     del w
     # dec.lin / dec.linear stay gemv_mm / gemv_linear: they take a BlockedWeight too
-    return _replace(dec, model, gemv_kernel.blockable, _blocked) is not None
+    return _replace(dec, model, gemv_kernel.blockable, _blocked, tied=True) is not None
 
 
 def _blocked(w: torch.Tensor, rows: int) -> gemv_kernel.BlockedWeight:
     return gemv_kernel.BlockedWeight(gemv_kernel.block(w), w.shape[0])
 
 
-def _replace(dec, model, which, packer):
-    """Replace the layers' weights for which ``which(w)`` holds (and an untied LM head's) with ``packer(w, rows)``
+def _replace(dec, model, which, packer, tied: bool):
+    """Replace the layers' weights for which ``which(w)`` holds (and the LM head's: untied, or with ``tied`` one
+    tied to the input embedding, whose module then looks its rows up in the packed form) with ``packer(w, rows)``
     on the modules (:func:`~tensorpar.decode.packed.pack_weights`) and in ``dec``'s fields. Returns whether the LM head was replaced, or ``None`` where nothing was (a weight
     outside a plain parallel Linear, :func:`~tensorpar.decode.packed.pack_plan`)."""
-    tied = model.lm_head._parameters.get("weight") is decoder_parts(model)[0]._parameters.get("weight")
+    is_tied = model.lm_head._parameters.get("weight") is decoder_parts(model)[0]._parameters.get("weight")
     fields = [(L, field, id(w)) for L in dec.layers for field, _, _, w, _ in L.packs if which(w)]
-    head = None if tied or not dec.last or not which(dec.lm_w) else id(dec.lm_w)    # not the last stage: no head
+    skip = (is_tied and not tied) or not dec.last or not which(dec.lm_w)          # not the last stage: no head
+    head = None if skip else id(dec.lm_w)
     ids = {i for *_, i in fields} | ({head} if head is not None else set())
     if not ids:
         return None

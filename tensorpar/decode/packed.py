@@ -20,6 +20,7 @@ does not reach the packed tensors either (unpack first). No collectives here.
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import NamedTuple
 
 import torch
@@ -28,6 +29,7 @@ import torch.nn as nn
 from tensorpar.decode.gemv_kernel import BlockedWeight
 from tensorpar.decode.kernels import pack
 from tensorpar.layers.fused import FUSED_KEY
+from tensorpar.layers.embedding import VocabParallelEmbedding
 from tensorpar.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 #: a packed module's ``__dict__`` entry holding its :class:`PackedWeight`
@@ -81,7 +83,26 @@ class PackedRowParallelLinear(_Packed, RowParallelLinear):
     collectives unchanged; ``weight`` converts on access, see :class:`_Packed`). Inference only."""
 
 
-_CLASSES = ((ColumnParallelLinear, PackedColumnParallelLinear), (RowParallelLinear, PackedRowParallelLinear))
+class PackedVocabParallelEmbedding(_Packed, VocabParallelEmbedding):
+    """A :class:`~tensorpar.layers.embedding.VocabParallelEmbedding` whose table ``[v_r, h]`` is held as our GEMV's
+    :class:`~tensorpar.decode.gemv_kernel.BlockedWeight` because a tied LM head reads it
+    (:func:`tensorpar.decode.matmuls.use_blocked`): the forward looks its rows up in that layout (the same values;
+    shapes and collectives unchanged). Inference only."""
+
+    def _lookup(self, local: torch.Tensor, pad: int | None) -> torch.Tensor:
+        return self.__dict__[PACKED_KEY].packed.rows(local)
+
+
+def table_of(emb: nn.Module):
+    """An input embedding's table as held: its ``weight`` tensor, or the
+    :class:`~tensorpar.decode.gemv_kernel.BlockedWeight` in its place (:class:`PackedVocabParallelEmbedding`, whose
+    ``weight`` would convert the whole table)."""
+    pw = emb.__dict__.get(PACKED_KEY)
+    return emb.weight if pw is None else pw.packed
+
+
+_CLASSES = ((ColumnParallelLinear, PackedColumnParallelLinear), (RowParallelLinear, PackedRowParallelLinear),
+            (VocabParallelEmbedding, PackedVocabParallelEmbedding))
 
 
 def _swap(mod: nn.Module, pw: PackedWeight) -> None:
@@ -95,9 +116,10 @@ def _swap(mod: nn.Module, pw: PackedWeight) -> None:
     pw.param.data = pw.param.data.new_empty(0)          # the plain storage is freed once nothing else holds it
 
 
-def _pack_linear(mod: nn.Module, rows: int, packer) -> torch.Tensor:
+def _pack_linear(mod: nn.Module, rows: int, packer, done: dict):
+    """Pack ``mod``'s weight, or take the packed form ``done`` holds for it (a tied weight's second module)."""
     p = mod._parameters["weight"]
-    packed = packer(p, rows)
+    packed = done[id(p)] if id(p) in done else packer(p, rows)
     _swap(mod, PackedWeight(packed, p))
     return packed
 
@@ -139,7 +161,7 @@ def pack_plan(model, ids: set[int]) -> list[tuple[nn.Module, tuple[str, ...] | N
             found.add(id(f[0]))
             continue
         p = mod._parameters.get("weight")
-        if p is not None and id(p) in ids and id(p) not in found:
+        if p is not None and id(p) in ids:             # a tied weight: each module holding it
             if not any(type(mod) is plain for plain, _ in _CLASSES):
                 raise ValueError(f"cannot pack {name} ({type(mod).__name__})")
             plan.append((mod, None))
@@ -165,7 +187,7 @@ def pack_weights(model, plan, rows: int = 1, packer=None) -> dict[int, torch.Ten
     for mod, names in plan:
         if names is None:
             key, dev = id(mod._parameters["weight"]), mod._parameters["weight"].device
-            out[key] = _pack_linear(mod, rows, packer)
+            out[key] = _pack_linear(mod, rows, packer, out)
         else:
             key = id(mod.__dict__[FUSED_KEY][0])
             out[key] = _pack_fused(mod, names, rows, packer)
@@ -191,9 +213,19 @@ def unpack_weights(model) -> None:
     row views again), the packed tensors dropped one at a time. A no-op for a model that is not packed. No
     collectives."""
     done = model.__dict__.pop(_MODEL_KEY, None)
+    # a tied weight's modules get one plain tensor, kept (with the packed one: its id) until the last of them
+    uses = Counter(id(mod.__dict__[PACKED_KEY].packed) for mod, names in done or () if names is None)
+    dense: dict[int, tuple] = {}
     for mod, names in done or ():
         if names is None:
-            _unswap(mod, _dense(mod.__dict__[PACKED_KEY].packed))
+            t = mod.__dict__[PACKED_KEY].packed
+            key = id(t)
+            if key not in dense:
+                dense[key] = (t, _dense(t))
+            _unswap(mod, dense[key][1])
+            uses[key] -= 1
+            if not uses[key]:
+                del dense[key], t
             continue
         pw, fb = mod.__dict__[FUSED_KEY]
         fused = _dense(pw.packed)

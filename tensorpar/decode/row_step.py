@@ -47,6 +47,7 @@ from tensorpar.decode import fused, gemv_kernel, step_rows
 from tensorpar.decode.bf16_weights import Bf16Weight
 from tensorpar.decode.gemv_kernel import BlockedWeight
 from tensorpar.decode.int8 import Int8Weight
+from tensorpar.decode.packed import PackedVocabParallelEmbedding, table_of
 from tensorpar.decode.step_exchange import StepExchange
 from tensorpar.decode.step_matmuls import _KERNELS, _Matmuls
 
@@ -115,12 +116,14 @@ def _embedding(emb):
     collective fingerprints' call sites) runs itself too, checked at every step."""
     from tensorpar.layers.embedding import VocabParallelEmbedding
 
-    if type(emb) is not VocabParallelEmbedding or emb.embed_scale is not None or emb.sequence_parallel:
+    if (type(emb) not in (VocabParallelEmbedding, PackedVocabParallelEmbedding) or emb.embed_scale is not None
+            or emb.sequence_parallel):
         return None
-    w = emb.weight
-    if w.dtype != torch.float32 or not w.is_contiguous() or w.device.type != "cpu":
+    w = table_of(emb)
+    if w.dtype != torch.float32 or not (isinstance(w, BlockedWeight) or w.is_contiguous()) or w.device.type != "cpu":
         return None
     return emb
+
 
 
 class RowStep:
@@ -310,18 +313,24 @@ class RowStep:
         row = self.x.shape[1] * 4
         toks = ids.tolist()
         raw = emb is not None and not (emb._forward_hooks or emb._forward_pre_hooks)
-        if raw and tp.size == 1 and all(0 <= t < emb.weight.shape[0] for t in toks):
-            w = emb.weight.data_ptr()
+        table = table_of(emb) if raw else None
+
+        def copy(dst: torch.Tensor, addr: int, t: int) -> None:     # row t of the table into dst (at addr)
+            if isinstance(table, BlockedWeight):
+                dst.copy_(table.p[t // gemv_kernel.BLOCK, :, t % gemv_kernel.BLOCK])
+            else:
+                ctypes.memmove(addr, table.data_ptr() + t * row, row)
+        if raw and tp.size == 1 and all(0 <= t < table.shape[0] for t in toks):
             for r, t in enumerate(toks):
-                ctypes.memmove(self.xp + r * row, w + t * row, row)
+                copy(self.x[r], self.xp + r * row, t)
             return 0, 0, None
         if not raw or tp.size == 1:             # the module (it raises its own error for a bad id)
             self.x[:b].copy_(self.dec.embed(ids.view(1, b)).view(b, -1))                 # [1, b, h], all-reduced
             return 0, 0, None
-        w, lo, hi = emb.weight.data_ptr(), emb.vocab_start, emb.vocab_stop
+        lo, hi = emb.vocab_start, emb.vocab_stop
         for r, t in enumerate(toks):
             if lo <= t < hi:
-                ctypes.memmove(self.pp + r * row, w + (t - lo) * row, row)
+                copy(self.p[r], self.pp + r * row, t - lo)
             else:
                 ctypes.memset(self.pp + r * row, 0, row)
         ctypes.memset(self.xp, 0, b * row)

@@ -63,20 +63,25 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            out = F.embedding(ids, self.weight, self.padding_idx)
+            out = self._lookup(ids, self.padding_idx)
         else:
             outside = (ids < self.vocab_start) | (ids >= self.vocab_stop)
             local = (ids - self.vocab_start).masked_fill(outside, 0)
             pad = None
             if self.padding_idx is not None and self.vocab_start <= self.padding_idx < self.vocab_stop:
                 pad = self.padding_idx - self.vocab_start
-            out = F.embedding(local, self.weight, pad)
+            out = self._lookup(local, pad)
             out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.embed_scale is not None:
             out = out * self.embed_scale.to(out.dtype)
         if self.sequence_parallel:
             return comm.reduce_scatter_to_sequence_region(out, self.tp, self.seq_dim)
         return comm.reduce_from_tp_region(out, self.tp)
+
+    def _lookup(self, local: torch.Tensor, pad: int | None) -> torch.Tensor:
+        """Rows ``local`` (this rank's row indices, any shape) of the table -> ``[*local.shape, embedding_dim]``
+        (``pad``: the padding row, which gets no gradient); a packed table looks them up itself."""
+        return F.embedding(local, self.weight, pad)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, local rows [{self.vocab_start}, {self.vocab_stop}), "
