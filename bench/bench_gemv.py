@@ -10,7 +10,8 @@ Shapes: one rank's matrices of the 1.1B Llama (TinyLlama's shape: hidden 2048, 3
 5632, vocab 32000) and, with ``--models llama smollm2``, of SmolLM2-135M (hidden 576, 9 query / 3 KV heads of 64, MLP
 1536, vocab 49152) at tp=1 and tp=2: fused QKV, o_proj, fused gate-up, down, LM head. Each measurement runs
 through enough distinct copies of a matrix (>= ``--mb`` MB) that they are read from memory, as in a decode step.
-GB/s = weight bytes / time (median and best of ``--repeats``), from wall time and from the calling thread's CPU
+fp32 also runs ``blocked``: our GEMV on the blocked layout that replaces the plain weight in the lean path since
+2026-12-04 (``gemv_kernel.BlockedWeight``). GB/s = weight bytes / time (median and best of ``--repeats``), from wall time and from the calling thread's CPU
 time (``time.thread_time``: one thread runs the matmul, so on a shared machine the CPU time counts less of the
 other processes' load than the wall time does); the limit is bench/stream_read.c (8 streams) with one thread
 (bench_llamacpp's), best of its start and end runs. A run whose 1-minute load average reached 1 (2 cores) is

@@ -16,7 +16,11 @@ Xeon the 1.1B Llama's fp32 shapes read 1.29-1.52x faster than one row after the 
 bench/results/gemv-streams-xeon.md, and at 1.07-1.14x oneDNN's prepacked GEMV, bench/results/gemv-xeon-stripes.md;
 at 2-4 input rows 1.38-1.67x, gemv-xeon-rows-stripes.md), else one row after the other. There each output is summed
 in the same order whatever the rows beside it, so a row's result does not depend on the batch.
-Sums in fp32 (bf16 x bf16: ``vdpbf16ps`` pairs with AVX512_BF16, else both widened to fp32 in registers, where
+Since 2026-12-04 the lean path holds fp32 weights in a blocked layout instead (:class:`BlockedWeight`, mode
+:data:`MODE_BLOCKED`: 32 output rows per block, k-major, the inputs broadcast into output vectors; 1.02-1.85x the
+plain layout's rate, bench/results/gemv-blocked-epyc.md), which replaces the plain weight on the modules
+(:func:`tensorpar.decode.matmuls.use_blocked`); the plain layout stays for bf16 and where a caller keeps the
+model's parameters. Sums in fp32 (bf16 x bf16: ``vdpbf16ps`` pairs with AVX512_BF16, else both widened to fp32 in registers, where
 each product is exact; or the weights widened to fp32 with the input in fp32: :func:`mode`), rounded to bf16 once
 at the end for bf16 weights.
 

@@ -180,3 +180,33 @@ def test_the_build_is_the_cpus_target():
     want = next(name for name, features, _ in gemv_kernel.TARGETS if _cpu_has_features(features))
     assert gemv_kernel.target() == want
     assert gemv_kernel._lib().tp_gemv_target() == {"avx512": 512, "avx2": 256}[want]
+
+
+@needs_kernel
+def test_generate_blocks_the_weights_only_of_a_model_marked_inference_only(tmp_path):
+    """``generate_tokens`` leaves an unmarked model's parameters as they were (our GEMV on the plain weights);
+    after :func:`~tensorpar.generate.inference_only` (what the generate command does) its engine holds the fp32
+    weights blocked, the tied LM head's table too, and keeps them and itself for the next call; the tokens are
+    the same in both, and :func:`~tensorpar.decode.packed.unpack_weights` gives every parameter back bit for bit."""
+    from tensorpar.decode.packed import packed_model, unpack_weights
+    from tensorpar.generate import SamplingConfig, cached_engine, generate_tokens, inference_only
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.parallel import ParallelContext
+    ctx = ParallelContext.single()
+    model, _ = build_parallel_model(make_model_folder(tmp_path / "llama", "llama"), ctx.tp)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ids, mask = prompts(ARCHS["llama"]["vocab_size"])
+    cfg = SamplingConfig(max_new_tokens=6)
+    plain = generate_tokens(model, ctx.tp, ids, mask, sampling=cfg).tokens
+    assert not packed_model(model) and not cached_engine(model).lean.blocked
+    inference_only(model)
+    blocked = generate_tokens(model, ctx.tp, ids, mask, sampling=cfg).tokens
+    engine = cached_engine(model)
+    assert packed_model(model) and engine.lean.blocked and torch.equal(blocked, plain)
+    assert isinstance(engine.lean.lm_w, gemv_kernel.BlockedWeight)          # the tied table
+    again = generate_tokens(model, ctx.tp, ids, mask, sampling=cfg).tokens
+    assert cached_engine(model) is engine and packed_model(model) and torch.equal(again, plain)
+    unpack_weights(model)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
