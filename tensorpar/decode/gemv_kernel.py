@@ -178,11 +178,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
     calls per token for the 1.1B Llama): what the lean path calls, eagerly, on weights it checked with
     :func:`supports`. ``x`` ``[M, K]`` of ``w``'s dtype, ``w`` ``[N, K]`` contiguous, ``bias`` ``[N]`` or None."""
     x = x.contiguous()
+    b = None if bias is None else bias.contiguous()                 # kept alive while the kernel reads it
     y = torch.empty(x.shape[0], w.shape[0], dtype=w.dtype)
     _lib().tp_gemv(_DTYPES[w.dtype], _mode(w.dtype, x.shape[0]), x.data_ptr(),
                    x.shape[0], x.shape[1], w.data_ptr(), w.shape[0],
-                   None if bias is None else bias.contiguous().data_ptr(), y.data_ptr(), torch.get_num_threads(),
-                   PREFETCH)
+                   None if b is None else b.data_ptr(), y.data_ptr(), torch.get_num_threads(), PREFETCH)
     return y
 
 
@@ -228,7 +228,7 @@ def blockable(w) -> bool:
     """Whether :func:`block` applies to ``w``: a 2-D contiguous fp32 CPU tensor, with the kernel
     :func:`available`."""
     return (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu"
-            and w.is_contiguous() and w.shape[0] > 0 and available())
+            and w.is_contiguous() and w.shape[0] > 0 and w.shape[1] > 0 and available())
 
 
 def block(w: torch.Tensor) -> torch.Tensor:
@@ -252,10 +252,14 @@ def unblock(p: torch.Tensor, n: int) -> torch.Tensor:
 def blocked_linear(x: torch.Tensor, w: BlockedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, W, bias)`` for ``x`` ``[M, K]`` fp32 and ``W`` held as ``w`` (:class:`BlockedWeight`), any
     ``M``, on ``torch.get_num_threads()`` threads -> ``[M, N]`` fp32. Sums as :class:`BlockedWeight` says."""
+    if x.dtype != torch.float32 or x.shape[-1] != w.p.shape[1]:
+        raise ValueError(f"blocked_linear: x {tuple(x.shape)} {x.dtype} against a blocked fp32 weight "
+                         f"{tuple(w.shape)}: takes fp32 x [M, {w.p.shape[1]}]")
     x = x.contiguous()
+    b = None if bias is None else bias.float().contiguous()         # kept alive while the kernel reads it
     y = torch.empty(x.shape[0], w.n, dtype=torch.float32)
     _lib().tp_gemv(0, MODE_BLOCKED, x.data_ptr(), x.shape[0], x.shape[1], w.p.data_ptr(), w.n,
-                   None if bias is None else bias.contiguous().data_ptr(), y.data_ptr(), torch.get_num_threads(), 0)
+                   None if b is None else b.data_ptr(), y.data_ptr(), torch.get_num_threads(), 0)
     return y
 
 

@@ -75,8 +75,8 @@ def use_blocked(dec, model) -> bool:
     Taken only if a probe of every row count the kernel's micro-kernels split into (1-13 rows) is within 1e-5
     relative of ``F.linear`` (the order of the fp32 sums) and each probe row's outputs are bitwise those it gets
     alone. Why: the blocked layout streams each block of 32 output rows as one sequence and computes the step's
-    rows as output vectors (no horizontal sums): 1.5x our GEMV on the plain weight at one row, 2.2x at 4 and
-    1.4-1.5x at 32 (bench/results/gemv-blocked-epyc.md). Returns whether any weight was blocked."""
+    rows as output vectors (no horizontal sums): 1.02-1.62x our GEMV on the plain weight at one row, 1.36-1.85x at
+    4 and 1.35x at 32 (bench/results/gemv-blocked-epyc.md, SmolLM2's and the 1.1B's tp=2 shapes). Returns whether any weight was blocked."""
     w = next((w for L in dec.layers for *_, w, _ in L.packs if gemv_kernel.blockable(w)), None)
     if w is None or not gemv_kernel.blockable(w):
         return False

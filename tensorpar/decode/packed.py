@@ -72,6 +72,18 @@ class _Packed:
         destination[prefix + "weight"] = self.weight         # the plain values, under the parameter's key
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if prefix + "weight" in state_dict:     # (strict=False would otherwise drop it without a word)
+            raise RuntimeError(f"{prefix}weight is packed for decoding: call tensorpar.decode.packed."
+                               f"unpack_weights(model) before load_state_dict")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to() / .float() / .cuda() cannot reach the packed tensor (not a parameter): refuse rather than leave it
+        # in the old dtype or device beside converted norms
+        raise RuntimeError(f"this {type(self).__name__}'s weight is packed for decoding: call "
+                           f"tensorpar.decode.packed.unpack_weights(model) before .to() / .float() / .cuda()")
+
 
 class PackedColumnParallelLinear(_Packed, ColumnParallelLinear):
     """A :class:`~tensorpar.layers.linear.ColumnParallelLinear` whose weight ``[n_r, in]`` is held packed (shapes
@@ -90,7 +102,10 @@ class PackedVocabParallelEmbedding(_Packed, VocabParallelEmbedding):
     shapes and collectives unchanged). Inference only."""
 
     def _lookup(self, local: torch.Tensor, pad: int | None) -> torch.Tensor:
-        return self.__dict__[PACKED_KEY].packed.rows(local)
+        table = self.__dict__[PACKED_KEY].packed
+        if local.numel() and (int(local.min()) < 0 or int(local.max()) >= table.shape[0]):
+            raise IndexError(f"token id out of range: the embedding has {table.shape[0]} rows on this rank")
+        return table.rows(local)
 
 
 def table_of(emb: nn.Module):

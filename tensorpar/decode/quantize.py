@@ -37,6 +37,7 @@ import torch
 from tensorpar.comm import Group
 from tensorpar.decode.bf16_weights import Bf16Weight, to_bf16
 from tensorpar.decode.int8 import Int8Weight, block_misfit, fake_quantize_input, free_weight, quantize_weight
+from tensorpar.decode.packed import unpack_weights
 from tensorpar.decode.prepare import fuse_projections, lean_unsupported
 from tensorpar.hf.families import why_not
 from tensorpar.layers.fused import FUSED_KEY, fused_weight
@@ -104,6 +105,7 @@ def _store(model, fmt: str) -> None:
         raise ValueError(f"{why.replace('--quantize int8', f'--quantize {fmt}')}; use --quantize none")
     if model.__dict__.get("_tensorpar_int8") is not None:
         raise ValueError("the model is already quantized (--quantize applied twice)")
+    unpack_weights(model)       # a decoder packed or blocked them (a model marked inference_only keeps them so)
     head, embed = model.lm_head, model.model.embed_tokens
     if fmt == "bf16":
         why = bf16_misfit(head.weight.dtype)

@@ -28,10 +28,11 @@ ENGINE_LEN_STEP = 64
 def inference_only(model) -> None:
     """Mark ``model`` as used only for inference from now on (what the ``generate`` command and the benchmarks do
     with the model they load): :func:`~tensorpar.generate.generate_tokens` may then hold its fp32 matmul weights in
-    our GEMV's blocked layout (:func:`tensorpar.decode.matmuls.use_blocked`: 1.5x faster at one row, 1.4x at 32
-    here) and keep them, and any oneDNN-packed ones, between calls, with the engine. Packed weights replace the
+    our GEMV's blocked layout (:func:`tensorpar.decode.matmuls.use_blocked`: 1.02-1.85x the plain layout's rate
+    per matmul here) and keep them, and any oneDNN-packed ones, between calls, with the engine. Packed weights replace the
     plain ones: ``model.parameters()`` no longer lists them (an optimizer built then would not train them) and
-    ``weight`` reads a converted copy; :func:`tensorpar.decode.packed.unpack_weights` gives them back. Unmarked,
+    ``weight`` reads a converted copy; ``.to()`` and ``load_state_dict`` of those weights raise until
+    :func:`tensorpar.decode.packed.unpack_weights` gives them back (``apply_quantize`` calls it itself). Unmarked,
     a call leaves the model's parameters as they were (it runs our GEMV on the plain weights). No collectives."""
     model.__dict__[INFERENCE_KEY] = True
 

@@ -206,7 +206,38 @@ def test_generate_blocks_the_weights_only_of_a_model_marked_inference_only(tmp_p
     assert isinstance(engine.lean.lm_w, gemv_kernel.BlockedWeight)          # the tied table
     again = generate_tokens(model, ctx.tp, ids, mask, sampling=cfg).tokens
     assert cached_engine(model) is engine and packed_model(model) and torch.equal(again, plain)
+    # what cannot reach the blocked weights refuses instead of leaving them behind (review: .to() gave zeros after,
+    # load_state_dict(strict=False) dropped them); a bad id raises as F.embedding does (review: -1 wrapped)
+    with pytest.raises(RuntimeError, match="unpack_weights"):
+        model.to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="unpack_weights"):
+        model.load_state_dict(state, strict=False)
+    with pytest.raises(IndexError):
+        generate_tokens(model, ctx.tp, torch.tensor([[5, -1, 7]]), sampling=cfg)
     unpack_weights(model)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     for k, v in model.state_dict().items():
         assert torch.equal(v, state[k]), k
+
+
+@needs_kernel
+def test_quantize_after_a_marked_generate_reads_the_weights_back(tmp_path):
+    """``apply_quantize`` on a model whose weights a marked generate left blocked unpacks them first (review: it
+    raised AttributeError): its bf16 tokens equal those of the same model quantized before any generate."""
+    from tensorpar.decode.quantize import apply_quantize
+    from tensorpar.generate import SamplingConfig, generate_tokens, inference_only
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.parallel import ParallelContext
+    ctx = ParallelContext.single()
+    folder = make_model_folder(tmp_path / "llama", "llama")
+    ids, mask = prompts(ARCHS["llama"]["vocab_size"])
+    cfg = SamplingConfig(max_new_tokens=6)
+    tokens = []
+    for generate_first in (False, True):
+        model, _ = build_parallel_model(folder, ctx.tp)
+        inference_only(model)
+        if generate_first:
+            generate_tokens(model, ctx.tp, ids, mask, sampling=cfg)
+        apply_quantize(model, ctx.tp, "bf16")
+        tokens.append(generate_tokens(model, ctx.tp, ids, mask, sampling=cfg).tokens)
+    assert torch.equal(tokens[0], tokens[1])

@@ -500,7 +500,7 @@ static void blk_range(const float* x, int64_t M, int64_t K, const float* wb, int
         if (b < b1) blk_call<1>((int)M, x, K, wb, b, y, N);
         return;
     }
-    int64_t mc = (256 * 1024) / (K * 4);
+    int64_t mc = K > 0 ? (256 * 1024) / (K * 4) : MR_MAX;
     mc = mc < MR_MAX ? MR_MAX : mc - mc % MR_MAX;
     for (int64_t m0 = 0; m0 < M; m0 += mc) {
         const int64_t m1 = m0 + mc < M ? m0 + mc : M;
