@@ -11,7 +11,7 @@ left padding.
 import pytest
 import torch
 
-from tensorpar.generate import SamplingConfig, generate_tokens
+from tensorpar.generate import SamplingConfig, generate_tokens, inference_only
 from tensorpar.hf.families import RECORDS
 from tests._ranks import run_tp
 from tests.decode.test_generate import hf_reference, prompts
@@ -63,7 +63,8 @@ def test_every_fast_family_is_tested():
 
 def job_families(ctx, folders, names, ids, mask, module_tokens=True):
     """Per family: lean greedy tokens, module-path greedy tokens (``None`` without ``module_tokens``), lean and
-    module prefill logits (gathered)."""
+    module prefill logits (gathered), and the lean greedy tokens with fp32 weights in our GEMV's blocked layout
+    (the model marked ``inference_only``, as the generate command does; the plain weights before)."""
     from tensorpar import comm
     from tensorpar.decode.lean import LeanDecoder
     from tensorpar.hf.load import build_parallel_model
@@ -73,19 +74,21 @@ def job_families(ctx, folders, names, ids, mask, module_tokens=True):
         model, plan = build_parallel_model(folders[n], ctx.tp)
         lean = generate_tokens(model, ctx.tp, ids, mask, sampling=cfg, path="lean").tokens
         module = generate_tokens(model, ctx.tp, ids, mask, sampling=cfg, path="hf").tokens if module_tokens else None
+        inference_only(model)
+        blocked = generate_tokens(model, ctx.tp, ids, mask, sampling=cfg, path="lean").tokens
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         dec = LeanDecoder(model, ctx.tp, max_batch=ids.shape[0], max_len=ids.shape[1])
         lean_logits = comm.all_gather(dec.prefill(ids, mask, pos), ctx.tp, -1, plan.vocab)
         with torch.no_grad():
             mod_logits = comm.all_gather(model(input_ids=ids, attention_mask=mask).logits[:, -1], ctx.tp, -1,
                                          plan.vocab)
-        out[n] = lean, module, lean_logits, mod_logits
+        out[n] = lean, module, lean_logits, mod_logits, blocked
     return out
 
 
 def check(results, references, tp):
     for r, per in enumerate(results):
-        for n, (lean, module, lean_logits, mod_logits) in per.items():
+        for n, (lean, module, lean_logits, mod_logits, blocked) in per.items():
             want, want_logits = references[n]
             where = f"{n} tp={tp} rank {r}"
             # fp32: the two paths differ only in the order of sums inside a matmul and the attention kernel
@@ -94,6 +97,7 @@ def check(results, references, tp):
             assert (lean_logits - want_logits).abs().max() <= 1e-4, f"{where}: lean vs transformers logits"
             assert module is None or torch.equal(module, want), f"{where}: module path != transformers"
             assert torch.equal(lean, want), f"{where}: lean path {lean.tolist()} != transformers {want.tolist()}"
+            assert torch.equal(blocked, want), f"{where}: blocked weights {blocked.tolist()} != transformers"
 
 
 def test_lean_greedy_equals_transformers_every_family_tp2(pools, folders, references):
