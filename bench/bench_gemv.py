@@ -11,7 +11,8 @@ Shapes: one rank's matrices of the 1.1B Llama (TinyLlama's shape: hidden 2048, 3
 1536, vocab 49152) at tp=1 and tp=2: fused QKV, o_proj, fused gate-up, down, LM head. Each measurement runs
 through enough distinct copies of a matrix (>= ``--mb`` MB) that they are read from memory, as in a decode step.
 fp32 also runs ``blocked``: our GEMV on the blocked layout that replaces the plain weight in the lean path since
-2026-12-04 (``gemv_kernel.BlockedWeight``). GB/s = weight bytes / time (median and best of ``--repeats``), from wall time and from the calling thread's CPU
+2026-12-04 (``gemv_kernel.BlockedWeight``); bf16w too, on the bf16 blocked layout of ``--quantize bf16``
+(``gemv_kernel.block_bf16``). GB/s = weight bytes / time (median and best of ``--repeats``), from wall time and from the calling thread's CPU
 time (``time.thread_time``: one thread runs the matmul, so on a shared machine the CPU time counts less of the
 other processes' load than the wall time does); the limit is bench/stream_read.c (8 streams) with one thread
 (bench_llamacpp's), best of its start and end runs. A run whose 1-minute load average reached 1 (2 cores) is
@@ -174,7 +175,7 @@ def main():
         dt = dts[dname]
         for model, tp, name, n, k, m in cases:
             if dname == "bf16w":
-                variants = {"chunked": "chunked", "flinear": "flinear", "ours": "bf16w"}
+                variants = {"chunked": "chunked", "flinear": "flinear", "ours": "bf16w", "blocked": "blocked"}
             else:
                 variants = {"onednn": None, "flinear": "flinear", "ours": dict(mode=0, prefetch=0),
                             "ours_pf": dict(mode=0, prefetch=1024)}
@@ -192,8 +193,12 @@ def main():
             copies = max(1, -(-args.mb * 2 ** 20 // nbytes))
             ws = [torch.randn(n, k, generator=g).to(dt) for _ in range(copies)]
             packed = [pack(w) for w in ws] if "onednn" in variants else []
-            blocked = ([gemv_kernel.BlockedWeight(gemv_kernel.block(w), n) for w in ws] if "blocked" in variants
-                       else [])
+            if "blocked" not in variants:
+                blocked = []
+            elif dname == "bf16w":
+                blocked = [gemv_kernel.block_bf16(w) for w in ws]
+            else:
+                blocked = [gemv_kernel.BlockedWeight(gemv_kernel.block(w), n) for w in ws]
             x = torch.randn(m, k, generator=g).to(torch.float32 if dname == "bf16w" else dt)
             ref = torch.nn.functional.linear(x.double(), ws[0].double())
 
@@ -206,6 +211,8 @@ def main():
                     return [chunked_linear(x, w) for w in ws]
                 if v == "bf16w":
                     return [gemv_kernel.bf16w_linear(x, w, None) for w in ws]
+                if v == "blocked" and dname == "bf16w":
+                    return [gemv_kernel.bf16w_blocked_linear(x, b, n, None) for b in blocked]
                 if v == "blocked":
                     return [gemv_kernel.blocked_linear(x, b, None) for b in blocked]
                 return [gemv_kernel.gemv_raw(x, w, None, threads=1, **v) for w in ws]
@@ -259,7 +266,7 @@ def main():
              "against rows of >= 2 KB: 8 weight rows at a time, 8 streams; else one weight row at a time) (bf16: `vdpbf16ps`, or both widened without AVX512_BF16; bf16w: the weights widened, "
              "`bf16w_linear`); ours pf: with a software prefetch 1024 elements ahead; ours widen (bf16): weights "
              "widened to fp32 and fma with the input in fp32; ours pairs (more than one row): two weight rows at a "
-             "time, each input vector loaded once for both; blocked (fp32): ours on the blocked layout that replaces the "
+             "time, each input vector loaded once for both; blocked (fp32; bf16w: its bf16 form, `block_bf16`): ours on the blocked layout that replaces the "
              "plain weight (`gemv_kernel.BlockedWeight`: blocks of 32 output rows, k-major, the inputs broadcast into "
              "output vectors); chunked (bf16w): `bf16_weights.chunked_linear`, the "
              "path without our kernel. ours / oneDNN: the best of ours, ours widen and ours pairs (bf16w: ours / "

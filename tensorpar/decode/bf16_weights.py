@@ -20,10 +20,18 @@ from tensorpar.decode import gemv_kernel
 
 
 class Bf16Weight(NamedTuple):
-    """``w`` ``[out_local, in_local]`` bfloat16 (contiguous), ``dtype`` the model's compute dtype (float32);
-    ``W = w.float()``. ``device`` and ``shape`` are those of the weight it stands for."""
+    """The bf16 weight ``W`` ``[out_local, in_local]`` (``W.float()`` is what the model computes with), ``dtype``
+    the model's compute dtype (float32). ``n`` None: ``w`` is ``W`` itself, ``[out_local, in_local]`` bfloat16
+    contiguous; ``n`` an int: ``W`` is ``n`` rows held only in the bf16 blocked layout of our GEMV, ``w``
+    ``[ceil(n / 32), in_local, 32]`` (:func:`~tensorpar.decode.gemv_kernel.block_bf16`; a row view of a fused
+    weight may hold more rows in its last block, past ``n``). ``device`` and ``shape`` are those of ``W``."""
     w: torch.Tensor
     dtype: torch.dtype
+    n: int | None = None
+
+    @property
+    def blocked(self) -> bool:
+        return self.n is not None
 
     @property
     def device(self) -> torch.device:
@@ -31,11 +39,15 @@ class Bf16Weight(NamedTuple):
 
     @property
     def shape(self) -> torch.Size:
-        return self.w.shape
+        return self.w.shape if self.n is None else torch.Size((self.n, self.w.shape[1]))
+
+    def plain(self) -> torch.Tensor:
+        """``W`` ``[out_local, in_local]`` bfloat16 (``w`` itself, or a new tensor from the blocked layout)."""
+        return self.w if self.n is None else gemv_kernel.unblock_bf16(self.w, self.n)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``W`` ``[out_local, in_local]`` in ``dtype`` (default the compute dtype; a new tensor)."""
-        return self.w.to(dtype or self.dtype)
+        return self.plain().to(dtype or self.dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """:func:`bf16_linear` of ``x`` ``[..., in]`` -> ``[..., out]``."""
@@ -43,18 +55,70 @@ class Bf16Weight(NamedTuple):
 
     def rows(self, idx: torch.Tensor) -> torch.Tensor:
         """Rows ``idx`` ``[*]`` of ``W`` -> ``[*, in]`` in the compute dtype (a tied embedding's lookup)."""
-        return self.w[idx].to(self.dtype)
+        if self.n is None:
+            return self.w[idx].to(self.dtype)
+        b = gemv_kernel.BLOCK
+        return self.w[idx // b, :, gemv_kernel.bf16_position(idx % b)].to(self.dtype)
+
+    def row_chunk(self, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of ``W`` ``[stop - start, in]`` bfloat16 (blocked: a new tensor)."""
+        if self.n is None:
+            return self.w[start:stop]
+        out = torch.empty(stop - start, self.w.shape[1], dtype=torch.bfloat16, device=self.w.device)
+        self.copy_rows(out, start, stop)
+        return out
+
+    def copy_rows(self, dst: torch.Tensor, start: int, stop: int) -> None:
+        """``dst`` ``[stop - start, in]`` (contiguous, any float dtype) = rows ``[start, stop)`` of ``W``, converted:
+        from the blocked layout whole blocks at a time through a strided view (no copy but ``dst``; 32 rows at
+        most for a block cut by ``start`` or ``stop``)."""
+        if self.n is None:
+            dst.copy_(self.w[start:stop])
+            return
+        b, h, k = gemv_kernel.BLOCK, gemv_kernel.BLOCK // 2, self.w.shape[1]
+        r = start
+        while r < stop:
+            blk, o = divmod(r, b)
+            full = (stop - r) // b if o == 0 else 0
+            if full:                    # rows 32 blk + 16 i + j sit at p[blk, :, 2 j + i]
+                src = self.w[blk:blk + full].view(full, k, h, 2).permute(0, 3, 2, 1)
+                dst[r - start:r - start + full * b].view(full, 2, h, k).copy_(src)
+                r += full * b
+            else:
+                e = min(stop, (blk + 1) * b)
+                one = self.w[blk].view(k, h, 2).permute(2, 1, 0).reshape(b, k)
+                dst[r - start:e - start].copy_(one[o:o + e - r])
+                r = e
 
     def narrow(self, start: int, n: int) -> "Bf16Weight":
-        """Rows ``[start, start + n)`` (a view)."""
-        return Bf16Weight(self.w[start:start + n], self.dtype)
+        """Rows ``[start, start + n)`` (a view; blocked: ``start`` a multiple of 32, else ValueError)."""
+        if self.n is None:
+            return Bf16Weight(self.w[start:start + n], self.dtype)
+        b = gemv_kernel.BLOCK
+        if start % b:
+            raise ValueError(f"a view of a blocked bf16 weight starts at a multiple of {b} rows, not {start}")
+        return Bf16Weight(self.w[start // b:-(-(start + n) // b)], self.dtype, n)
 
     def stored_bytes(self) -> int:
         return self.w.numel() * self.w.element_size()
 
 
-def to_bf16(w: torch.Tensor) -> Bf16Weight:
-    """``w`` ``[out, in]`` (fp32) rounded to bfloat16 (round to nearest even), a new contiguous tensor."""
+#: the shortest row (inputs) a bf16 weight is blocked at (:func:`to_bf16`): bench/results/gemv-bf16w-blocked-epyc.md
+#: (one thread, tp=2 shapes) read the 1.1B Llama's matrices (rows of 1024-5632 inputs, 2-11 KB) at 1.25-1.8x the
+#: plain layout's rate at one row and 1.6-2.4x at 4 rows, SmolLM2's (288-768 inputs) at 0.63-0.94x at one row
+#: (1.05-1.19x from 4 rows): such short blocks are too short a stream each
+BLOCK_MIN_IN = 1024
+
+
+def to_bf16(w: torch.Tensor, cuts: tuple[int, ...] = ()) -> Bf16Weight:
+    """``w`` ``[out, in]`` (fp32) rounded to bfloat16 (round to nearest even), a new tensor: in our GEMV's bf16
+    blocked layout where the kernel runs here, ``in >= BLOCK_MIN_IN`` and every row offset in ``cuts`` (where
+    modules take row views of a fused weight, :meth:`Bf16Weight.narrow`) is a multiple of 32; else plain and
+    contiguous."""
+    b = gemv_kernel.BLOCK
+    if (w.dim() == 2 and w.shape[1] >= BLOCK_MIN_IN and w.device.type == "cpu" and all(c % b == 0 for c in cuts)
+            and gemv_kernel.available()):
+        return Bf16Weight(gemv_kernel.block_bf16(w), w.dtype, w.shape[0])
     return Bf16Weight(w.detach().to(torch.bfloat16).contiguous(), w.dtype)
 
 
@@ -71,27 +135,38 @@ GEMV_ROWS = 32
 _CHUNK_ELEMS = 2 ** 21
 
 
-def chunked_linear(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x2, w.to(x2.dtype), bias)`` for ``x2`` ``[M, K]``, ``w`` ``[N, K]`` (any dtype) -> ``[M, N]`` in
-    ``x2``'s dtype, converting at most :data:`_CHUNK_ELEMS` weights at a time: each chunk of output rows is copied
-    into one reused buffer and multiplied (``addmm``, as ``F.linear``) into its columns of the preallocated output
-    (a weight of at most ``_CHUNK_ELEMS``: ``F.linear`` itself).
+def chunked_linear(x2: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x2, W.to(x2.dtype), bias)`` for ``x2`` ``[M, K]``, ``W`` ``[N, K]`` (``w``: a tensor of any
+    dtype, or a :class:`Bf16Weight`, plain or blocked) -> ``[M, N]`` in ``x2``'s dtype, converting at most
+    :data:`_CHUNK_ELEMS` weights at a time: each chunk of output rows is copied into one reused buffer and multiplied
+    (``addmm``, as ``F.linear``) into its columns of the preallocated output (a weight of at most ``_CHUNK_ELEMS``:
+    ``F.linear`` itself).
     Each output is still summed over the whole K in fp32 by one GEMM call, but the BLAS picks its kernel (and so its
     summation order) by the GEMM's shape. On this machine (torch 2.13 CPU, one thread) bitwise equal to
     ``F.linear(x2, w.to(x2.dtype), bias)`` at all ten matrices of SmolLM2 and the 1.1B Llama (tp=1) with 3, 33, 64
     and 512 rows, bias or none (checked), but not everywhere: at K 300 the 11 outputs of a last chunk of 11 rows
     (and a few more at 3 rows) differ, within 4e-7 of the largest output (fp32 summation order only). No
     collectives."""
+    if isinstance(w, Bf16Weight):
+        take, copy_rows = w.row_chunk, w.copy_rows
+    else:
+        def take(c: int, e: int) -> torch.Tensor:
+            return w[c:e]
+
+        def copy_rows(dst: torch.Tensor, c: int, e: int) -> None:
+            dst.copy_(w[c:e])
     n, k = w.shape
     step = max(1, min(n, _CHUNK_ELEMS // max(1, k)))
+    if step < n and step >= gemv_kernel.BLOCK:
+        step -= step % gemv_kernel.BLOCK            # chunks of whole blocks (copy_rows of a blocked weight)
     if step == n:                                    # one chunk: the weight converted whole is within the bound
-        return F.linear(x2, w.to(x2.dtype), None if bias is None else bias.to(x2.dtype))
+        return F.linear(x2, take(0, n).to(x2.dtype), None if bias is None else bias.to(x2.dtype))
     y = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
     buf = torch.empty(step, k, dtype=x2.dtype, device=x2.device)
     for c in range(0, n, step):
         e = min(n, c + step)
         wc = buf[:e - c]
-        wc.copy_(w[c:e])
+        copy_rows(wc, c, e)
         if bias is None:
             torch.mm(x2, wc.t(), out=y[:, c:e])
         else:
@@ -100,17 +175,20 @@ def chunked_linear(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None 
 
 
 def bf16_linear(x: torch.Tensor, w: Bf16Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w.w.float(), bias)`` for ``x`` ``[..., in]`` in the compute dtype -> ``[..., out]``: our GEMV
-    (:func:`~tensorpar.decode.gemv_kernel.bf16w_linear`, the weights widened in registers, fp32 sums in another
+    """``F.linear(x, W.float(), bias)`` for ``x`` ``[..., in]`` in the compute dtype -> ``[..., out]``: our GEMV
+    (:func:`~tensorpar.decode.gemv_kernel.bf16w_linear`, or on the blocked layout
+    :func:`~tensorpar.decode.gemv_kernel.bf16w_blocked_linear`; the weights widened in registers, fp32 sums in another
     order: within 1e-5 relative) at up to :data:`GEMV_ROWS` rows on a CPU that runs it, else :func:`chunked_linear`
     (the weight converted :data:`_CHUNK_ELEMS` at a time into one buffer, never the whole fp32 copy; ``F.linear``
     up to the order of the fp32 sums). Neither allocates more than the output and one chunk. No collectives."""
     x2 = x.reshape(-1, x.shape[-1])
+    b = None if bias is None else bias.float()
     if (x2.shape[0] <= GEMV_ROWS and x2.dtype == torch.float32 and x2.device.type == "cpu"
             and w.w.is_contiguous() and gemv_kernel.available()):
-        y = gemv_kernel.bf16w_linear(x2, w.w, None if bias is None else bias.float())
+        y = (gemv_kernel.bf16w_blocked_linear(x2, w.w, w.n, b) if w.blocked
+             else gemv_kernel.bf16w_linear(x2, w.w, b))
     else:
-        y = chunked_linear(x2, w.w, bias)
+        y = chunked_linear(x2, w, bias)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 

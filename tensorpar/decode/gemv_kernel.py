@@ -19,8 +19,10 @@ in the same order whatever the rows beside it, so a row's result does not depend
 Since 2026-12-04 the lean path holds fp32 weights in a blocked layout instead (:class:`BlockedWeight`, mode
 :data:`MODE_BLOCKED`: 32 output rows per block, k-major, the inputs broadcast into output vectors; 1.02-1.85x the
 plain layout's rate, bench/results/gemv-blocked-epyc.md), which replaces the plain weight on the modules
-(:func:`tensorpar.decode.matmuls.use_blocked`); the plain layout stays for bf16 and where a caller keeps the
-model's parameters. Sums in fp32 (bf16 x bf16: ``vdpbf16ps`` pairs with AVX512_BF16, else both widened to fp32 in registers, where
+(:func:`tensorpar.decode.matmuls.use_blocked`); ``--quantize bf16`` holds its bf16 weights of rows of at least
+1024 inputs in the same layout's bf16 form (:func:`block_bf16`, ``tp_gemv_bf16w_blocked``: 1.25-1.8x the plain
+layout at one row on the 1.1B's shapes, bench/results/gemv-bf16w-blocked-epyc.md); the plain layout stays for
+bf16 activations and where a caller keeps the model's parameters. Sums in fp32 (bf16 x bf16: ``vdpbf16ps`` pairs with AVX512_BF16, else both widened to fp32 in registers, where
 each product is exact; or the weights widened to fp32 with the input in fp32: :func:`mode`), rounded to bf16 once
 at the end for bf16 weights.
 
@@ -130,14 +132,15 @@ def _lib():
     lib.tp_gemv.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                             ctypes.c_int64]
-    lib.tp_gemv_bf16w.restype = None
-    lib.tp_gemv_bf16w.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+    for f in (lib.tp_gemv_bf16w, lib.tp_gemv_bf16w_blocked):
+        f.restype = None
+        f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
     return lib
 
 
 def address(name: str) -> int:
-    """The address of the library's function ``name`` (``tp_gemv``, ``tp_gemv_bf16w``), for a program that calls it
+    """The address of the library's function ``name`` (``tp_gemv``, ``tp_gemv_bf16w``, ``tp_gemv_bf16w_blocked``), for a program that calls it
     from C (:func:`tensorpar.decode.fused.program`); the library stays loaded."""
     return ctypes.cast(getattr(_lib(), name), ctypes.c_void_p).value
 
@@ -302,20 +305,24 @@ def linear_into(args: tuple) -> None:
 
 
 def bf16w_into_args(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, threads: int | None = None,
-                    bias: torch.Tensor | None = None) -> tuple:
+                    bias: torch.Tensor | None = None, n: int | None = None) -> tuple:
     """:func:`into_args` for bf16 weights computing in fp32 (``--quantize bf16``): ``x`` ``[M, K]`` float32, ``w``
     ``[N, K]`` bfloat16, ``y`` ``[M, N]`` float32, contiguous CPU tensors; the weights widened to fp32 as
     :data:`MODE_WIDEN` does, ``y`` not rounded to bf16 (fp32 sums in another order than ``F.linear(x, w.float())``:
-    within 1e-5 relative of it; ``bias`` ``[N]`` float32 or None, as :func:`bf16w_linear` adds it). For
-    :func:`bf16w_linear_into`. Raises ValueError on other shapes or dtypes."""
+    within 1e-5 relative of it; ``bias`` ``[N]`` float32 or None, as :func:`bf16w_linear` adds it). ``n`` given:
+    ``w`` is ``N = n`` rows in the bf16 blocked layout of :func:`block_bf16` (``[ceil(n / BLOCK), K, BLOCK]``), for
+    :func:`bf16w_blocked_linear_into`; else for :func:`bf16w_linear_into`. Raises ValueError on other shapes or
+    dtypes."""
     M, K = x.shape
-    N = w.shape[0]
-    if (w.shape[1] != K or tuple(y.shape) != (M, N) or x.dtype != torch.float32 or y.dtype != torch.float32
+    N = w.shape[0] if n is None else n
+    shape_ok = (w.dim() == 2 and w.shape[1] == K if n is None
+                else w.dim() == 3 and tuple(w.shape) == (-(-n // BLOCK), K, BLOCK))
+    if (not shape_ok or tuple(y.shape) != (M, N) or x.dtype != torch.float32 or y.dtype != torch.float32
             or w.dtype != torch.bfloat16 or not all(t.is_contiguous() and t.device.type == "cpu" for t in (x, w, y))
             or not _bias_ok(bias, N, torch.float32)):
-        raise ValueError(f"gemv bf16w into: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}, y "
-                         f"{tuple(y.shape)} {y.dtype}: takes contiguous CPU x [M, K] float32, w [N, K] bfloat16, "
-                         f"y [M, N] float32")
+        raise ValueError(f"gemv bf16w into: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype} (n {n}), y "
+                         f"{tuple(y.shape)} {y.dtype}: takes contiguous CPU x [M, K] float32, w [N, K] bfloat16 "
+                         f"(or [ceil(n / {BLOCK}), K, {BLOCK}] blocked with n = N), y [M, N] float32")
     return (x.data_ptr(), M, K, w.data_ptr(), N, None if bias is None else bias.data_ptr(), y.data_ptr(),
             torch.get_num_threads() if threads is None else threads, PREFETCH)
 
@@ -323,6 +330,46 @@ def bf16w_into_args(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, threads: 
 def bf16w_linear_into(args: tuple) -> None:
     """The bf16-weight, fp32-activation GEMV into a preallocated output, with :func:`bf16w_into_args`' arguments."""
     _lib().tp_gemv_bf16w(*args)
+
+
+def bf16w_blocked_linear_into(args: tuple) -> None:
+    """:func:`bf16w_linear_into` on the bf16 blocked layout (:func:`bf16w_into_args` with ``n``)."""
+    _lib().tp_gemv_bf16w_blocked(*args)
+
+
+def block_bf16(w: torch.Tensor) -> torch.Tensor:
+    """``w`` ``[n, K]`` (any float dtype; rounded to bfloat16, nearest even) in the bf16 blocked layout
+    ``[ceil(n / BLOCK), K, BLOCK]`` bfloat16 (a new tensor): :func:`block`'s blocks, each input k's 32 weights paired
+    so that position ``2j`` holds output row ``j`` and ``2j + 1`` row ``j + 16`` (``j < 16``): a 32-bit lane holds
+    both, widened to fp32 by a shift and an and (csrc/gemv.cpp ``tp_gemv_bf16w_blocked``). Exact on bf16 input
+    (:func:`unblock_bf16` gives it back)."""
+    p = block(w.detach().to(torch.bfloat16))
+    nb, k, _ = p.shape
+    return p.view(nb, k, 2, BLOCK // 2).transpose(2, 3).contiguous().view(nb, k, BLOCK)
+
+
+def unblock_bf16(p: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of :func:`block_bf16`: ``[ceil(n / BLOCK), K, BLOCK]`` -> ``[n, K]`` bfloat16 (a new tensor); a
+    ``p`` of more blocks than ``n`` rows need (a row view of a fused weight) gives its first ``n`` rows."""
+    nb, k, _ = p.shape
+    return unblock(p.view(nb, k, BLOCK // 2, 2).transpose(2, 3).reshape(nb, k, BLOCK), nb * BLOCK)[:n].clone()
+
+
+def bf16_position(j: torch.Tensor) -> torch.Tensor:
+    """Where output row ``j`` (``0 <= j < BLOCK``, any shape) of a block sits in :func:`block_bf16`'s pairs."""
+    return 2 * (j % (BLOCK // 2)) + j // (BLOCK // 2)
+
+
+def bf16w_blocked_linear(x: torch.Tensor, p: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, W.float(), bias)`` for ``x`` ``[M, K]`` float32 and ``W`` ``[n, K]`` bf16 held as ``p`` in the
+    bf16 blocked layout (:func:`block_bf16`), any ``M``, on ``torch.get_num_threads()`` threads -> ``[M, n]``
+    float32; each output summed as :func:`blocked_linear` sums it (bitwise its result on ``W.float()``
+    blocked), within 1e-5 relative of ``F.linear``."""
+    x = x.contiguous()
+    b = None if bias is None else bias.float().contiguous()         # kept alive while the kernel reads it
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    bf16w_blocked_linear_into(bf16w_into_args(x, p, y, bias=b, n=n))
+    return y
 
 
 def bf16w_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

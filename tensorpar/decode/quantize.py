@@ -32,6 +32,8 @@ quantized Linears have no ``weight`` parameter in ``state_dict``).
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from tensorpar.comm import Group
@@ -66,11 +68,13 @@ def _release_freed_memory(device: torch.device) -> None:
 
 def _quantize_fused(owner, names: tuple[str, ...], convert) -> Int8Weight | Bf16Weight:
     """Convert the lean path's fused fp weight of ``owner``'s projections ``names`` (whole rows: no collective;
-    ``convert``: :func:`~tensorpar.decode.int8.quantize_weight` or :func:`~tensorpar.decode.bf16_weights.to_bf16`),
+    ``convert(w, cuts)``: :func:`~tensorpar.decode.int8.quantize_weight` or :func:`~tensorpar.decode.bf16_weights.to_bf16`,
+    ``cuts`` the rows where the projections' views start after the first),
     then free it: each projection module reads its row view of the new tensors, and ``owner``'s fused entry
     (:func:`tensorpar.layers.fused.fused_weight`) becomes ``(stored weight, fused fp bias or None)``."""
     fw, fb = fused_weight(owner, names)
-    w8 = convert(fw)
+    sizes = [getattr(owner, n)._parameters["weight"].shape[0] for n in names]
+    w8 = convert(fw, tuple(itertools.accumulate(sizes[:-1])))      # where the row views start
     del fw
     off = 0
     for n in names:
@@ -84,12 +88,12 @@ def _quantize_fused(owner, names: tuple[str, ...], convert) -> Int8Weight | Bf16
 
 def _quantize_linear(mod, convert) -> Int8Weight | Bf16Weight:
     """Convert ``mod.weight`` (``convert`` as in :func:`_quantize_fused`) and free it."""
-    w8 = convert(mod._parameters["weight"])
+    w8 = convert(mod._parameters["weight"], ())
     free_weight(mod, w8)
     return w8
 
 
-def _int8(w: torch.Tensor) -> Int8Weight:
+def _int8(w: torch.Tensor, cuts: tuple[int, ...] = ()) -> Int8Weight:
     return quantize_weight(w, write=False)
 
 

@@ -394,5 +394,5 @@ class RowStep:
             return x.clone()
         h = self.h[:b] if pick is None else self.h[:b].index_select(0, pick)    # the LM head on the rows asked
         logits = torch.empty(h.shape[0], dec.lm_w.shape[0], dtype=torch.float32, device=x.device)
-        self.mm.run(self.mm.args(h, dec.lm_w, logits))
+        self.mm.run_into(h, dec.lm_w, logits)
         return logits

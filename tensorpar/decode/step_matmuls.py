@@ -21,7 +21,7 @@ class _Matmuls:
     (:func:`~tensorpar.decode.gemv_kernel.into_args`), our Q8_0 x Q8_0 kernel on the :class:`Int8Weight` of
     ``--quantize int8`` (:func:`~tensorpar.decode.q8_kernel.into_args`, the activations quantized into one scratch
     the step's matmuls share: they run one after the other), or our GEMV widening the :class:`Bf16Weight` of
-    ``--quantize bf16`` (:func:`~tensorpar.decode.gemv_kernel.bf16w_into_args`). Each is the kernel the general loop
+    ``--quantize bf16``, plain or blocked (:func:`~tensorpar.decode.gemv_kernel.bf16w_into_args`). Each is the kernel the general loop
     runs at these rows, so a matmul's output is bitwise the general loop's given the same input."""
 
     def __init__(self, fmt: str | None, rows: int, k: int, threads: int):
@@ -36,8 +36,16 @@ class _Matmuls:
         if isinstance(w, Int8Weight):
             return q8_kernel.into_args(x, w.q, w.scale, y, self.scratch, self.threads, bias=bias)
         if isinstance(w, Bf16Weight):
-            return gemv_kernel.bf16w_into_args(x, w.w, y, self.threads, bias=bias)
+            return gemv_kernel.bf16w_into_args(x, w.w, y, self.threads, bias=bias, n=w.n)
         return gemv_kernel.into_args(x, w, y, self.threads, bias=bias)
+
+    def run_into(self, x: torch.Tensor, w, y: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """``y = x @ W.T + bias`` now (:meth:`args`' matmul; a blocked :class:`Bf16Weight` by its own entry)."""
+        a = self.args(x, w, y, bias)
+        if isinstance(w, Bf16Weight) and w.blocked:
+            gemv_kernel.bf16w_blocked_linear_into(a)
+        else:
+            self.run(a)
 
     def op(self, x: torch.Tensor, w, y: torch.Tensor, bias: torch.Tensor | None = None) -> tuple:
         """The same matmul as an op of a :func:`~tensorpar.decode.fused.program`: its kind, the kernel's address and
@@ -45,6 +53,7 @@ class _Matmuls:
         a = self.args(x, w, y, bias)
         if isinstance(w, Int8Weight):
             return (fused.OP_Q8, q8_kernel.address("tp_q8_linear_into"), *a)
-        if isinstance(w, Bf16Weight):
-            return (fused.OP_GEMV_BF16W, gemv_kernel.address("tp_gemv_bf16w"), *a)
+        if isinstance(w, Bf16Weight):       # the blocked layout's entry takes the same arguments
+            name = "tp_gemv_bf16w_blocked" if w.blocked else "tp_gemv_bf16w"
+            return (fused.OP_GEMV_BF16W, gemv_kernel.address(name), *a)
         return (fused.OP_GEMV, gemv_kernel.address("tp_gemv"), *a)

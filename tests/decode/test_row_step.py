@@ -172,6 +172,14 @@ def test_q8_linear_into_equals_q8_linear(m, k, n):
         q8_kernel.into_args(x, w.q, w.scale, y, q8_kernel.scratch(1, 32))
 
 
+def _stored(w) -> tuple:
+    """The tensors of a stored weight as copies: an :class:`~tensorpar.decode.int8.Int8Weight`'s ``q`` and
+    ``scale``; a :class:`~tensorpar.decode.bf16_weights.Bf16Weight`'s bf16 matrix in the plain ``[out, in]``
+    layout (blocked or not)."""
+    from tensorpar.decode.bf16_weights import Bf16Weight
+    return (w.plain().clone(),) if isinstance(w, Bf16Weight) else (w.q.clone(), w.scale.clone())
+
+
 def job_logits(ctx, folder, ids, mask, want, shm, quantize="none", layout=False, tp_comm="fp32", oneshot=None):
     """Prefill and decode steps feeding ``want`` ``[b, steps]`` (transformers' tokens) to a batch-``b`` LeanDecoder,
     with its row step and with the general loop: per step the logits of both, and how often the row step ran; then
@@ -213,7 +221,7 @@ def job_logits(ctx, folder, ids, mask, want, shm, quantize="none", layout=False,
             out[name] = (logits, has, len(ran))
         if layout:
             L0 = model.model.layers[0]
-            out["stored"] = {n: tuple(t.clone() for t in lean_weight(m)[:-1])
+            out["stored"] = {n: _stored(lean_weight(m))
                              for n, m in (("o_proj", L0.self_attn.o_proj), ("down_proj", L0.mlp.down_proj))}
             out["module"] = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=steps),
                                             path="hf").tokens

@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-extern "C" int tp_gemv_abi(void) { return 2; }
+extern "C" int tp_gemv_abi(void) { return 3; }
 
 // ----------------------------------------------------------------------------------------- vector primitives
 // vf: W fp32 lanes; vi: the same register as 2W bf16 (weight 2j in the low, 2j + 1 in the high half of lane j).
@@ -442,17 +442,34 @@ constexpr int MR_MAX = NREGS >= 32 ? 12 : 3;
 // accumulators
 constexpr int MR_PAIR = NREGS >= 32 ? 4 : 1;
 
+// NBLK blocks' NB weights at input k as NV fp32 vectors each: fp32 (WT float) loaded as they are; bf16 (WT
+// uint16_t, the bf16 blocked layout: per k, lane j of the pairs holds row j in its low and row j + NB / 2 in its
+// high half) widened by a shift (rows 0..NB/2-1) and an and (the rest), exact
+template <int NBLK, typename WT>
+static inline void blk_load(const WT* wb, int64_t K, int64_t k, vf (*wv)[NV]) {
+    for (int b = 0; b < NBLK; ++b) {
+        if constexpr (sizeof(WT) == 4) {
+            for (int v = 0; v < NV; ++v) wv[b][v] = vload((const float*)wb + b * K * NB + k * NB + v * W);
+        } else {
+            for (int l = 0; l < NV / 2; ++l) {
+                const vi t = vload_bf16((const uint16_t*)wb + b * K * NB + k * NB + l * 2 * W);
+                wv[b][l] = veven(t);
+                wv[b][l + NV / 2] = vodd(t);
+            }
+        }
+    }
+}
+
 // MR input rows (row stride K) x NBLK consecutive blocks from wb (block stride K * NB) -> out (row stride ldo)
-template <int MR, int NBLK>
-static inline void blk_micro(const float* x, int64_t K, const float* wb, float* out, int64_t ldo) {
+template <int MR, int NBLK, typename WT>
+static inline void blk_micro(const float* x, int64_t K, const WT* wb, float* out, int64_t ldo) {
     vf a[MR][NBLK][NV];
     for (int r = 0; r < MR; ++r)
         for (int b = 0; b < NBLK; ++b)
             for (int v = 0; v < NV; ++v) a[r][b][v] = vzero();
     for (int64_t k = 0; k < K; ++k) {
         vf wv[NBLK][NV];
-        for (int b = 0; b < NBLK; ++b)
-            for (int v = 0; v < NV; ++v) wv[b][v] = vload(wb + b * K * NB + k * NB + v * W);
+        blk_load<NBLK, WT>(wb, K, k, wv);
         for (int r = 0; r < MR; ++r) {
             const vf xb = vbroadcast(x + r * K + k);
             for (int b = 0; b < NBLK; ++b)
@@ -465,10 +482,10 @@ static inline void blk_micro(const float* x, int64_t K, const float* wb, float* 
 }
 
 // R (1..MR_MAX) input rows against NBLK blocks, R a run-time value
-template <int NBLK>
-static void blk_rows(int R, const float* x, int64_t K, const float* wb, float* out, int64_t ldo) {
+template <int NBLK, typename WT>
+static void blk_rows(int R, const float* x, int64_t K, const WT* wb, float* out, int64_t ldo) {
     switch (R) {
-#define TP_BLK(RR) case RR: if constexpr (RR <= MR_MAX) blk_micro<RR, NBLK>(x, K, wb, out, ldo); break;
+#define TP_BLK(RR) case RR: if constexpr (RR <= MR_MAX) blk_micro<RR, NBLK, WT>(x, K, wb, out, ldo); break;
         TP_BLK(1) TP_BLK(2) TP_BLK(3) TP_BLK(4) TP_BLK(5) TP_BLK(6)
         TP_BLK(7) TP_BLK(8) TP_BLK(9) TP_BLK(10) TP_BLK(11) TP_BLK(12)
 #undef TP_BLK
@@ -478,26 +495,27 @@ static void blk_rows(int R, const float* x, int64_t K, const float* wb, float* o
 
 // NBLK blocks from block b for R input rows into y (row stride N); the last block of a layout whose N is not a
 // multiple of NB (its rows zero-padded) goes through a scratch and only its first N % NB outputs are copied
-template <int NBLK>
-static void blk_call(int R, const float* x, int64_t K, const float* wb, int64_t b, float* y, int64_t N) {
+template <int NBLK, typename WT>
+static void blk_call(int R, const float* x, int64_t K, const WT* wb, int64_t b, float* y, int64_t N) {
     if ((b + NBLK) * NB <= N) {
-        blk_rows<NBLK>(R, x, K, wb + b * K * NB, y + b * NB, N);
+        blk_rows<NBLK, WT>(R, x, K, wb + b * K * NB, y + b * NB, N);
         return;
     }
     alignas(64) float tmp[MR_MAX * NBLK * NB];
-    blk_rows<NBLK>(R, x, K, wb + b * K * NB, tmp, NBLK * NB);
+    blk_rows<NBLK, WT>(R, x, K, wb + b * K * NB, tmp, NBLK * NB);
     const int64_t n = N - b * NB;
     for (int r = 0; r < R; ++r) memcpy(y + r * N + b * NB, tmp + r * NBLK * NB, (size_t)n * sizeof(float));
 }
 
 // blocks [b0, b1) for all M input rows: input rows in chunks whose K values stay in L2 while every block of the
 // range reads them, MR_MAX rows per micro-kernel call; at most MR_PAIR rows, two blocks per call
-static void blk_range(const float* x, int64_t M, int64_t K, const float* wb, int64_t b0, int64_t b1, float* y,
+template <typename WT>
+static void blk_range(const float* x, int64_t M, int64_t K, const WT* wb, int64_t b0, int64_t b1, float* y,
                       int64_t N) {
     if (M <= MR_PAIR) {
         int64_t b = b0;
-        for (; b + 2 <= b1; b += 2) blk_call<2>((int)M, x, K, wb, b, y, N);
-        if (b < b1) blk_call<1>((int)M, x, K, wb, b, y, N);
+        for (; b + 2 <= b1; b += 2) blk_call<2, WT>((int)M, x, K, wb, b, y, N);
+        if (b < b1) blk_call<1, WT>((int)M, x, K, wb, b, y, N);
         return;
     }
     int64_t mc = K > 0 ? (256 * 1024) / (K * 4) : MR_MAX;
@@ -507,29 +525,36 @@ static void blk_range(const float* x, int64_t M, int64_t K, const float* wb, int
         for (int64_t b = b0; b < b1; ++b)
             for (int64_t m = m0; m < m1; m += MR_MAX) {
                 const int R = m1 - m < MR_MAX ? (int)(m1 - m) : MR_MAX;
-                blk_call<1>(R, x + m * K, K, wb, b, y + m * N, N);
+                blk_call<1, WT>(R, x + m * K, K, wb, b, y + m * N, N);
             }
     }
 }
 
-// y [M, N] = x [M, K] @ w[N, K]^T + bias, fp32, w in the blocked layout above (ceil(N / NB) blocks, the last one's
-// rows past N zero); threads > 1: OpenMP over ranges of blocks (the sums do not depend on the split)
-static void tp_gemv_blocked(const float* x, int64_t M, int64_t K, const float* wb, int64_t N, const float* bias,
-                            float* y, int threads) {
+// y [M, N] = x [M, K] @ w[N, K]^T + bias, x, y and bias fp32, w in the blocked layout above (fp32), or its bf16
+// form (WT uint16_t): ceil(N / NB) blocks, the last one's rows past N zero; threads > 1: OpenMP over ranges of
+// blocks (the sums do not depend on the split)
+template <typename WT>
+static void gemv_blocked(const float* x, int64_t M, int64_t K, const WT* wb, int64_t N, const float* bias, float* y,
+                         int threads) {
     const int64_t nb = (N + NB - 1) / NB;
     if (threads <= 1 || nb < 2) {
-        blk_range(x, M, K, wb, 0, nb, y, N);
+        blk_range<WT>(x, M, K, wb, 0, nb, y, N);
     } else {
         const int64_t per = (nb + threads - 1) / threads;
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int t = 0; t < threads; ++t) {
             const int64_t b0 = t * per, b1 = b0 + per < nb ? b0 + per : nb;
-            if (b0 < b1) blk_range(x, M, K, wb, b0, b1, y, N);
+            if (b0 < b1) blk_range<WT>(x, M, K, wb, b0, b1, y, N);
         }
     }
     if (bias)
         for (int64_t m = 0; m < M; ++m)
             for (int64_t n = 0; n < N; ++n) y[m * N + n] += bias[n];
+}
+
+static void tp_gemv_blocked(const float* x, int64_t M, int64_t K, const float* wb, int64_t N, const float* bias,
+                            float* y, int threads) {
+    gemv_blocked<float>(x, M, K, wb, N, bias, y, threads);
 }
 
 // ------------------------------------------------------------------------------------------------ the driver
@@ -675,4 +700,14 @@ extern "C" void tp_gemv_bf16w(const float* x, int64_t M, int64_t K, const uint16
     if (bias)
         for (int64_t m = 0; m < M; ++m)
             for (int64_t n = 0; n < N; ++n) y[m * N + n] += bias[n];
+}
+
+// bf16 weights computing in fp32 on the bf16 blocked layout (tensorpar.decode.gemv_kernel.block_bf16: as the fp32
+// blocked layout, each k's NB bf16 paired so that lane j holds rows j and j + NB / 2): y [M, N] fp32 = x [M, K] fp32
+// @ w^T + bias (fp32, may be null). The same arguments as tp_gemv_bf16w (pf unused), so a step program calls
+// either. Each output is summed as tp_gemv_blocked sums it: bitwise its result on the weights widened to fp32.
+extern "C" void tp_gemv_bf16w_blocked(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
+                                      const float* bias, float* y, int threads, int64_t pf) {
+    (void)pf;
+    gemv_blocked<uint16_t>(x, M, K, w, N, bias, y, threads);
 }
