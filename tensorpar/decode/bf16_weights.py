@@ -104,9 +104,10 @@ class Bf16Weight(NamedTuple):
 
 
 #: the shortest row (inputs) a bf16 weight is blocked at (:func:`to_bf16`): bench/results/gemv-bf16w-blocked-epyc.md
-#: (one thread, tp=2 shapes) read the 1.1B Llama's matrices (rows of 1024-5632 inputs, 2-11 KB) at 1.25-1.8x the
-#: plain layout's rate at one row and 1.6-2.4x at 4 rows, SmolLM2's (288-768 inputs) at 0.63-0.94x at one row
-#: (1.05-1.19x from 4 rows): such short blocks are too short a stream each
+#: (AMD EPYC, one thread, weights from memory) read the 1.1B Llama's matrices (rows of 1024-5632 inputs) at
+#: 1.37-1.91x the plain layout's rate at one row (0.85-0.96 of the one-thread read limit) and 2.1-2.5x at 4 rows,
+#: SmolLM2's (288-768 inputs) at 0.82-0.89x at one row but one (0.88-1.28x at 4 rows): blocks of such short rows are
+#: too short a stream each
 BLOCK_MIN_IN = 1024
 
 

@@ -20,7 +20,7 @@ Since 2026-12-04 the lean path holds fp32 weights in a blocked layout instead (:
 :data:`MODE_BLOCKED`: 32 output rows per block, k-major, the inputs broadcast into output vectors; 1.02-1.85x the
 plain layout's rate, bench/results/gemv-blocked-epyc.md), which replaces the plain weight on the modules
 (:func:`tensorpar.decode.matmuls.use_blocked`); ``--quantize bf16`` holds its bf16 weights of rows of at least
-1024 inputs in the same layout's bf16 form (:func:`block_bf16`, ``tp_gemv_bf16w_blocked``: 1.25-1.8x the plain
+1024 inputs in the same layout's bf16 form (:func:`block_bf16`, ``tp_gemv_bf16w_blocked``: 1.37-1.91x the plain
 layout at one row on the 1.1B's shapes, bench/results/gemv-bf16w-blocked-epyc.md); the plain layout stays for
 bf16 activations and where a caller keeps the model's parameters. Sums in fp32 (bf16 x bf16: ``vdpbf16ps`` pairs with AVX512_BF16, else both widened to fp32 in registers, where
 each product is exact; or the weights widened to fp32 with the input in fp32: :func:`mode`), rounded to bf16 once
