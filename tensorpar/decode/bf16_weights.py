@@ -106,8 +106,8 @@ class Bf16Weight(NamedTuple):
 #: the shortest row (inputs) a bf16 weight is blocked at (:func:`to_bf16`): bench/results/gemv-bf16w-blocked-epyc.md
 #: (AMD EPYC, one thread, weights from memory) read the 1.1B Llama's matrices (rows of 1024-5632 inputs) at
 #: 1.37-1.91x the plain layout's rate at one row (0.85-0.96 of the one-thread read limit) and 2.1-2.5x at 4 rows,
-#: SmolLM2's (288-768 inputs) at 0.82-0.89x at one row but one (0.88-1.28x at 4 rows): blocks of such short rows are
-#: too short a stream each
+#: SmolLM2's (288-768 inputs) at 0.82-0.89x at one row except tp=1's down (1.60x), 0.88-1.28x at 4 rows: blocks
+#: of such short rows are too short a stream each
 BLOCK_MIN_IN = 1024
 
 
