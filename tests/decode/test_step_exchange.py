@@ -72,8 +72,9 @@ def job_modes(ctx, folder, ids, late_rank):
 def test_exchanges_in_c_give_the_python_exchanges_bits_and_counts(pools, tmp_path, late_rank):
     """tp=2 over shared memory: every step's logits bitwise equal to the program stopping for Python's exchanges,
     the same all-reduces counted (calls and elements), two exchanges per layer run in C (none in the forced mode);
-    with rank 1 running its exchanges from Python, each 5 ms late, rank 0's C poll gives up at each and the wait
-    finishes in Python, with the same bits (a C rank and a Python rank run the same protocol)."""
+    with rank 1 running its exchanges from Python, each 5 ms late, rank 0's C poll gives up (at half of them at
+    least: timing) and the wait finishes in Python, with the same bits (a C rank and a Python rank run the same
+    protocol)."""
     folder = make_model_folder(tmp_path / "llama", "llama")
     ids, _ = prompts(53)
     for r, (steps, waits, layers) in enumerate(run_tp(pools, 2, job_modes, folder, ids[:1], late_rank)):
@@ -81,8 +82,11 @@ def test_exchanges_in_c_give_the_python_exchanges_bits_and_counts(pools, tmp_pat
             assert equal and same_calls and same_elements, (r, steps)
             assert done_py == 0 and done_c + waited == (0 if r == late_rank else 2 * layers), (r, steps)
             assert all_reduces == 2 * layers + 1, (r, all_reduces)         # + the embedding's
-            if late_rank == 1 and r == 0:
-                assert waited == 2 * layers, f"rank 0 did not wait in Python for the late rank 1: {steps}"
+        if late_rank == 1 and r == 0:
+            # most of rank 0's exchanges finish in Python; not always all: a rank descheduled for 3 ms or more (2
+            # cores, the suite's other work) reaches an exchange with the late part already there (seen once in 24)
+            waited = sum(s[-1] for s in steps)
+            assert waited >= len(steps) * layers, f"rank 0 did not wait in Python for the late rank 1: {steps}"
 
 
 def job_disagree(ctx, what):
