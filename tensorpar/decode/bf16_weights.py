@@ -54,14 +54,20 @@ class Bf16Weight(NamedTuple):
         return bf16_linear(x, self, bias)
 
     def rows(self, idx: torch.Tensor) -> torch.Tensor:
-        """Rows ``idx`` ``[*]`` of ``W`` -> ``[*, in]`` in the compute dtype (a tied embedding's lookup)."""
+        """Rows ``idx`` ``[*]`` of ``W`` -> ``[*, in]`` in the compute dtype (a tied embedding's lookup). Raises
+        IndexError for an id outside ``[0, out_local)`` (the blocked layout's padding rows are never read)."""
+        rows = self.shape[0]
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= rows):
+            raise IndexError(f"token id out of range: the embedding has {rows} rows on this rank")
         if self.n is None:
             return self.w[idx].to(self.dtype)
         b = gemv_kernel.BLOCK
         return self.w[idx // b, :, gemv_kernel.bf16_position(idx % b)].to(self.dtype)
 
     def row_chunk(self, start: int, stop: int) -> torch.Tensor:
-        """Rows ``[start, stop)`` of ``W`` ``[stop - start, in]`` bfloat16 (blocked: a new tensor)."""
+        """Rows ``[start, stop)`` of ``W`` ``[stop - start, in]`` bfloat16 (blocked: a new tensor). Raises
+        ValueError for a range outside ``[0, out_local]``."""
+        _check_range(start, stop, self.shape[0])
         if self.n is None:
             return self.w[start:stop]
         out = torch.empty(stop - start, self.w.shape[1], dtype=torch.bfloat16, device=self.w.device)
@@ -92,6 +98,7 @@ class Bf16Weight(NamedTuple):
 
     def narrow(self, start: int, n: int) -> "Bf16Weight":
         """Rows ``[start, start + n)`` (a view; blocked: ``start`` a multiple of 32, else ValueError)."""
+        _check_range(start, start + n, self.shape[0])
         if self.n is None:
             return Bf16Weight(self.w[start:start + n], self.dtype)
         b = gemv_kernel.BLOCK
@@ -101,6 +108,11 @@ class Bf16Weight(NamedTuple):
 
     def stored_bytes(self) -> int:
         return self.w.numel() * self.w.element_size()
+
+
+def _check_range(start: int, stop: int, rows: int) -> None:
+    if not 0 <= start <= stop <= rows:
+        raise ValueError(f"rows [{start}, {stop}) of a bf16 weight of {rows} rows: must lie within [0, {rows}]")
 
 
 #: the shortest row (inputs) a bf16 weight is blocked at (:func:`to_bf16`): bench/results/gemv-bf16w-blocked-epyc.md
@@ -117,7 +129,7 @@ def to_bf16(w: torch.Tensor, cuts: tuple[int, ...] = ()) -> Bf16Weight:
     modules take row views of a fused weight, :meth:`Bf16Weight.narrow`) is a multiple of 32; else plain and
     contiguous."""
     b = gemv_kernel.BLOCK
-    if (w.dim() == 2 and w.shape[1] >= BLOCK_MIN_IN and w.device.type == "cpu" and all(c % b == 0 for c in cuts)
+    if (w.dim() == 2 and w.shape[1] >= max(1, BLOCK_MIN_IN) and w.shape[0] > 0 and w.device.type == "cpu" and all(c % b == 0 for c in cuts)
             and gemv_kernel.available()):
         return Bf16Weight(gemv_kernel.block_bf16(w), w.dtype, w.shape[0])
     return Bf16Weight(w.detach().to(torch.bfloat16).contiguous(), w.dtype)

@@ -313,10 +313,10 @@ def bf16w_into_args(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, threads: 
     ``w`` is ``N = n`` rows in the bf16 blocked layout of :func:`block_bf16` (``[ceil(n / BLOCK), K, BLOCK]``), for
     :func:`bf16w_blocked_linear_into`; else for :func:`bf16w_linear_into`. Raises ValueError on other shapes or
     dtypes."""
-    M, K = x.shape
+    M, K = x.shape if x.dim() == 2 else (-1, -1)
     N = w.shape[0] if n is None else n
-    shape_ok = (w.dim() == 2 and w.shape[1] == K if n is None
-                else w.dim() == 3 and tuple(w.shape) == (-(-n // BLOCK), K, BLOCK))
+    shape_ok = (w.dim() == 2 and w.shape[1] == K if n is None else isinstance(n, int) and n > 0
+                and w.dim() == 3 and tuple(w.shape) == (-(-n // BLOCK), K, BLOCK))
     if (not shape_ok or tuple(y.shape) != (M, N) or x.dtype != torch.float32 or y.dtype != torch.float32
             or w.dtype != torch.bfloat16 or not all(t.is_contiguous() and t.device.type == "cpu" for t in (x, w, y))
             or not _bias_ok(bias, N, torch.float32)):
@@ -365,10 +365,14 @@ def bf16w_blocked_linear(x: torch.Tensor, p: torch.Tensor, n: int, bias: torch.T
     bf16 blocked layout (:func:`block_bf16`), any ``M``, on ``torch.get_num_threads()`` threads -> ``[M, n]``
     float32; each output summed as :func:`blocked_linear` sums it (bitwise its result on ``W.float()``
     blocked), within 1e-5 relative of ``F.linear``."""
-    x = x.contiguous()
+    return _bf16w_call(x, p, n, bias, n)
+
+
+def _bf16w_call(x, w, rows: int, bias, n):     # y [M, rows] of x [M, K]: the arguments checked by bf16w_into_args
+    x = x.contiguous() if x.dim() == 2 else x
     b = None if bias is None else bias.float().contiguous()         # kept alive while the kernel reads it
-    y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    bf16w_blocked_linear_into(bf16w_into_args(x, p, y, bias=b, n=n))
+    y = torch.empty(x.shape[0] if x.dim() == 2 else 0, max(0, rows) if isinstance(rows, int) else 0)
+    (bf16w_linear_into if n is None else bf16w_blocked_linear_into)(bf16w_into_args(x, w, y, bias=b, n=n))
     return y
 
 
@@ -376,12 +380,7 @@ def bf16w_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) ->
     """``F.linear(x, w.float(), bias)`` for ``x`` ``[M, K]`` float32, ``w`` ``[N, K]`` bfloat16 contiguous (CPU,
     :func:`available`), ``bias`` ``[N]`` float32 or None -> ``[M, N]`` float32, without the fp32 copy of ``w``:
     the weights widened in registers (sums in fp32 in another order: within 1e-5 relative of it)."""
-    x = x.contiguous()
-    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
-    _lib().tp_gemv_bf16w(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), w.shape[0],
-                         None if bias is None else bias.contiguous().data_ptr(), y.data_ptr(),
-                         torch.get_num_threads(), PREFETCH)
-    return y
+    return _bf16w_call(x, w, w.shape[0] if w.dim() == 2 else 0, bias, None)
 
 
 @torch.library.custom_op("tensorpar::gemv", mutates_args=())

@@ -52,7 +52,11 @@ class Int8Weight(NamedTuple):
         return int8_linear(x, self, bias)
 
     def rows(self, idx: torch.Tensor) -> torch.Tensor:
-        """Rows ``idx`` ``[*]`` of ``q * s`` -> ``[*, in]`` in the compute dtype (a tied embedding's lookup)."""
+        """Rows ``idx`` ``[*]`` of ``q * s`` -> ``[*, in]`` in the compute dtype (a tied embedding's lookup). Raises
+        IndexError for an id outside ``[0, out_local)`` (a negative one would index from the end)."""
+        rows = self.q.shape[0]
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= rows):
+            raise IndexError(f"token id out of range: the embedding has {rows} rows on this rank")
         return _dequantize(self.q[idx], self.scale[idx]).to(self.dtype)
 
     def narrow(self, start: int, n: int) -> "Int8Weight":

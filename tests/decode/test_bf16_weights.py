@@ -147,6 +147,33 @@ def test_bf16w_blocked_gemv(m, k, n):
 
 
 @needs_gemv
+@pytest.mark.parametrize("blocked", [False, True])
+def test_bf16_weight_refuses_what_it_cannot_hold(monkeypatch, blocked):
+    """Ids outside the table (past the last row into the blocked layout's zero padding, negative ones) raise
+    IndexError as the fp32 embedding does; row ranges past the weight and inputs of the wrong width raise
+    ValueError (before: a 37-wide input against a 36-wide plain weight ran, a far wider one crashed); an empty
+    weight is never blocked."""
+    from tensorpar.decode import bf16_weights
+    monkeypatch.setattr(bf16_weights, "BLOCK_MIN_IN", 0 if blocked else 10 ** 9)
+    w = bf16_weights.to_bf16(torch.randn(100, 36))
+    assert w.blocked == blocked and w.shape == (100, 36)
+    assert torch.equal(w.rows(torch.tensor([0, 99])), w.dequantize()[[0, 99]])
+    for bad in (100, 127, 128, -1):
+        with pytest.raises(IndexError, match="^token id out of range: the embedding has 100 rows on this rank$"):
+            w.rows(torch.tensor([3, bad]))
+    for start, stop in ((90, 110), (-1, 5), (10, 5)):
+        with pytest.raises(ValueError, match=r"must lie within \[0, 100\]"):
+            w.row_chunk(start, stop)
+    with pytest.raises(ValueError, match=r"must lie within \[0, 100\]"):
+        w.narrow(64, 50)
+    for x in (torch.randn(3, 37), torch.randn(36), torch.randn(1, 3, 36)):
+        with pytest.raises(ValueError, match="^gemv bf16w into: "):
+            (gemv_kernel.bf16w_blocked_linear(x, w.w, w.n, None) if blocked
+             else gemv_kernel.bf16w_linear(x, w.w, None))
+    assert not bf16_weights.to_bf16(torch.randn(5, 0)).blocked
+
+
+@needs_gemv
 @pytest.mark.parametrize("m,k,n", [(1, 288, 300), (2, 36, 53), (3, 100, 17)])
 def test_bf16w_gemv_equals_widened_linear(m, k, n):
     """bf16 weights, fp32 input and output (no rounding to bf16): within 1e-5 relative of ``F.linear`` on the

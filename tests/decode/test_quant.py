@@ -612,3 +612,14 @@ def test_lean_refuses_a_model_cast_after_quantizing(folders):
     model.to(torch.bfloat16)
     with pytest.raises(ValueError, match=r"quantized in torch.float32 and is now torch.bfloat16; quantize after"):
         LeanDecoder(model, ctx.tp, max_batch=1, max_len=8)
+
+
+def test_int8_rows_refuse_ids_outside_the_table():
+    """A tied embedding's lookup in the int8 table raises IndexError for an id past the last row or negative (which
+    indexed from the end before), as the fp32 embedding does."""
+    from tensorpar.decode.int8 import quantize_weight
+    w8 = quantize_weight(torch.randn(100, 64), write=False)
+    assert w8.rows(torch.tensor([0, 99])).shape == (2, 64)
+    for bad in (100, -1):
+        with pytest.raises(IndexError, match="^token id out of range: the embedding has 100 rows on this rank$"):
+            w8.rows(torch.tensor([bad]))
