@@ -22,10 +22,10 @@ math directly on the rank's tensors:
   layout (:func:`pack`), which *replaces* the plain weights (:func:`tensorpar.decode.packed.pack_weights`: no
   second copy; the modules convert back on access); ``F.linear`` calls the same oneDNN matmul but reorders the
   weight on every call, which made bf16 GEMV 1.5x slower than it needs to be (same bits);
-* fp32 and bf16 on a CPU with AVX-512 BF16 or AVX2 + FMA, a decoder of ``max_batch`` <= 16 (fp32) or 4 (bf16):
-  its steps run our GEMV on the plain ``[out, in]`` weights (:mod:`tensorpar.decode.gemv_kernel`: one sequential
-  stream of the weights, faster than oneDNN's prepacked GEMV at 1-4 rows, within 1e-5 relative of ``F.linear`` in fp32, one
-  bf16 rounding in bf16), prefill the plain ``torch.mm`` / ``F.linear``; nothing is packed;
+* fp32 and bf16 on a CPU with AVX-512 BF16 or AVX2 + FMA, a decoder of ``max_batch`` <= 32 (fp32) or 4 (bf16):
+  its steps run our GEMV (:mod:`tensorpar.decode.gemv_kernel`: MAX_ROWS says where it pays against oneDNN;
+  within 1e-5 relative of ``F.linear`` in fp32, one bf16 rounding in bf16), fp32 weights held in its blocked
+  layout where the model allows (prefill then on it too; else the plain ``torch.mm`` / ``F.linear``);
 * those decode steps (one token per row, up to 32 rows) of layers of the plain Llama shape in fp32 (fp32, int8
   or bf16 weights) run as a :class:`~tensorpar.decode.row_step.RowStep`: a few fused C++ calls per layer;
 * a model quantized by :func:`tensorpar.decode.quantize.quantize_int8` (its fp weights freed) runs every matmul as
