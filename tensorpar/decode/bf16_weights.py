@@ -129,8 +129,8 @@ def to_bf16(w: torch.Tensor, cuts: tuple[int, ...] = ()) -> Bf16Weight:
     modules take row views of a fused weight, :meth:`Bf16Weight.narrow`) is a multiple of 32; else plain and
     contiguous."""
     b = gemv_kernel.BLOCK
-    if (w.dim() == 2 and w.shape[1] >= max(1, BLOCK_MIN_IN) and w.shape[0] > 0 and w.device.type == "cpu" and all(c % b == 0 for c in cuts)
-            and gemv_kernel.available()):
+    if (w.dim() == 2 and w.shape[1] >= max(1, BLOCK_MIN_IN) and w.shape[0] > 0 and w.device.type == "cpu"
+            and all(c % b == 0 for c in cuts) and gemv_kernel.available()):
         return Bf16Weight(gemv_kernel.block_bf16(w), w.dtype, w.shape[0])
     return Bf16Weight(w.detach().to(torch.bfloat16).contiguous(), w.dtype)
 

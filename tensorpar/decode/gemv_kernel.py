@@ -22,9 +22,9 @@ plain layout's rate, bench/results/gemv-blocked-epyc.md), which replaces the pla
 (:func:`tensorpar.decode.matmuls.use_blocked`); ``--quantize bf16`` holds its bf16 weights of rows of at least
 1024 inputs in the same layout's bf16 form (:func:`block_bf16`, ``tp_gemv_bf16w_blocked``: 1.37-1.91x the plain
 layout at one row on the 1.1B's shapes, bench/results/gemv-bf16w-blocked-epyc.md); the plain layout stays for
-bf16 activations and where a caller keeps the model's parameters. Sums in fp32 (bf16 x bf16: ``vdpbf16ps`` pairs with AVX512_BF16, else both widened to fp32 in registers, where
-each product is exact; or the weights widened to fp32 with the input in fp32: :func:`mode`), rounded to bf16 once
-at the end for bf16 weights.
+bf16 activations and where a caller keeps the model's parameters. Sums in fp32 (bf16 x bf16: ``vdpbf16ps`` pairs
+with AVX512_BF16, else both widened to fp32 in registers, where each product is exact; or the weights widened to
+fp32 with the input in fp32: :func:`mode`), rounded to bf16 once at the end for bf16 weights.
 
 Build: one C++ file (no torch headers), for one of :data:`TARGETS`: the first whose instruction sets /proc/cpuinfo
 lists (AVX-512 with BF16: ``-mavx512f -mavx512bw -mavx512vl -mavx512bf16``; else AVX2 with FMA: ``-mavx2
@@ -140,8 +140,8 @@ def _lib():
 
 
 def address(name: str) -> int:
-    """The address of the library's function ``name`` (``tp_gemv``, ``tp_gemv_bf16w``, ``tp_gemv_bf16w_blocked``), for a program that calls it
-    from C (:func:`tensorpar.decode.fused.program`); the library stays loaded."""
+    """The address of the library's function ``name`` (``tp_gemv``, ``tp_gemv_bf16w``, ``tp_gemv_bf16w_blocked``),
+    for a program that calls it from C (:func:`tensorpar.decode.fused.program`); the library stays loaded."""
     return ctypes.cast(getattr(_lib(), name), ctypes.c_void_p).value
 
 
@@ -371,7 +371,8 @@ def bf16w_blocked_linear(x: torch.Tensor, p: torch.Tensor, n: int, bias: torch.T
 def _bf16w_call(x, w, rows: int, bias, n):     # y [M, rows] of x [M, K]: the arguments checked by bf16w_into_args
     x = x.contiguous() if x.dim() == 2 else x
     b = None if bias is None else bias.float().contiguous()         # kept alive while the kernel reads it
-    y = torch.empty(x.shape[0] if x.dim() == 2 else 0, max(0, rows) if isinstance(rows, int) else 0)
+    y = torch.empty(x.shape[0] if x.dim() == 2 else 0, max(0, rows) if isinstance(rows, int) else 0,
+                    dtype=torch.float32)
     (bf16w_linear_into if n is None else bf16w_blocked_linear_into)(bf16w_into_args(x, w, y, bias=b, n=n))
     return y
 

@@ -68,8 +68,9 @@ def _release_freed_memory(device: torch.device) -> None:
 
 def _quantize_fused(owner, names: tuple[str, ...], convert) -> Int8Weight | Bf16Weight:
     """Convert the lean path's fused fp weight of ``owner``'s projections ``names`` (whole rows: no collective;
-    ``convert(w, cuts)``: :func:`~tensorpar.decode.int8.quantize_weight` or :func:`~tensorpar.decode.bf16_weights.to_bf16`,
-    ``cuts`` the rows where the projections' views start after the first),
+    ``convert(w, cuts)``: :func:`~tensorpar.decode.int8.quantize_weight` or
+    :func:`~tensorpar.decode.bf16_weights.to_bf16`, ``cuts`` the rows where the projections' views start after the
+    first),
     then free it: each projection module reads its row view of the new tensors, and ``owner``'s fused entry
     (:func:`tensorpar.layers.fused.fused_weight`) becomes ``(stored weight, fused fp bias or None)``."""
     fw, fb = fused_weight(owner, names)

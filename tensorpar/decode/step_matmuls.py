@@ -21,8 +21,8 @@ class _Matmuls:
     (:func:`~tensorpar.decode.gemv_kernel.into_args`), our Q8_0 x Q8_0 kernel on the :class:`Int8Weight` of
     ``--quantize int8`` (:func:`~tensorpar.decode.q8_kernel.into_args`, the activations quantized into one scratch
     the step's matmuls share: they run one after the other), or our GEMV widening the :class:`Bf16Weight` of
-    ``--quantize bf16``, plain or blocked (:func:`~tensorpar.decode.gemv_kernel.bf16w_into_args`). Each is the kernel the general loop
-    runs at these rows, so a matmul's output is bitwise the general loop's given the same input."""
+    ``--quantize bf16``, plain or blocked (:func:`~tensorpar.decode.gemv_kernel.bf16w_into_args`). Each is the
+    kernel the general loop runs at these rows, so a matmul's output is bitwise the general loop's given the same input."""
 
     def __init__(self, fmt: str | None, rows: int, k: int, threads: int):
         self.threads = threads

@@ -76,7 +76,8 @@ def job_bf16(ctx, folder, ids, mask, n, min_in=None):
 
 
 @pytest.mark.parametrize("tp,blocked", [(1, False), (1, True), pytest.param(2, False, marks=pytest.mark.slow),
-                                        (2, True)])
+                                        (2, True), pytest.param(3, True, marks=pytest.mark.slow),
+                                        pytest.param(4, True, marks=pytest.mark.slow)])
 def test_bf16_weights_equal_rounded_fp32_model(pools, tmp_path, tp, blocked):
     """Greedy tokens of the lean path (the row step decoding: batch 1, where our GEMV and the fused kernels run; else
     the general loop on ``chunked_linear``) and of the module path equal those of the fp32 reference with
@@ -85,7 +86,8 @@ def test_bf16_weights_equal_rounded_fp32_model(pools, tmp_path, tp, blocked):
     ``weight`` reads as fp32) and the Linears' bytes halve. ``blocked``: every weight whose row views allow it held
     in the bf16 blocked layout (``BLOCK_MIN_IN`` 0 on the ranks; here o_proj, down_proj and the tied LM head,
     which the embedding looks up; the fused QKV and gate-up, whose views start at rows 36 / 40 (tp=1) or 20 / 20
-    (tp=2), stay plain: both kinds in one step)."""
+    (tp=2), stay plain: both kinds in one step); tp=3 (3 query heads a rank) and tp=4 (uneven: 3 / 2 / 2 / 2 heads,
+    a vocabulary of 53 split 14 / 13 / 13 / 13) in the slow set."""
     folder = str(make_model_folder(tmp_path / "llama", "llama"))
     ids, mask = prompts(ARCHS["llama"]["vocab_size"])
     want, want_logits = rounded_reference(folder, ids, mask, N_NEW)
