@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Run the CUDA / NCCL checks (tests marked `cuda`, tests/core/test_cuda.py) under a time limit and write a
-# results file: the machine (GPUs, driver, torch, CUDA, NCCL), the exit status, and one line per test.
+# Run the CUDA / NCCL checks (tests marked `cuda`: tests/core/test_cuda.py, tests/core/test_cuda_jobs.py) under a
+# time limit and write a results file: the machine (GPUs, driver, torch, CUDA, NCCL), the exit status, and one line
+# per test.
 #
 # usage: scripts/gpu_check.sh [RESULTS_FILE]     (default: bench/results/gpu_check.md)
 # environment:
@@ -23,7 +24,8 @@ mkdir -p "$(dirname "$results")"
 started=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 t0=$(date +%s)
 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout --kill-after=20 "$limit" \
-  "$python" -m pytest -m cuda -p no:cacheprovider -v -rfEs tests/core/test_cuda.py >"$work/log" 2>&1
+  "$python" -m pytest -m cuda -p no:cacheprovider -v -rfEs tests/core/test_cuda.py \
+  tests/core/test_cuda_jobs.py >"$work/log" 2>&1
 rc=$?
 elapsed=$(( $(date +%s) - t0 ))
 
@@ -31,7 +33,7 @@ elapsed=$(( $(date +%s) - t0 ))
   echo "# GPU check ($started)"
   echo
   echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with uncommitted changes)')"
-  echo "- command: pytest -m cuda tests/core/test_cuda.py (limit ${limit} s, took ${elapsed} s)"
+  echo "- command: pytest -m cuda tests/core/test_cuda.py tests/core/test_cuda_jobs.py (limit ${limit} s, took ${elapsed} s)"
   if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
     echo "- result: TIMED OUT after ${limit} s (exit $rc); the lines below are the tests finished before that"
   else

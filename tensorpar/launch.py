@@ -147,6 +147,27 @@ def rank0_print(*args, **kwargs) -> None:
         print(*args, **kwargs)
 
 
+def check_gpu_count(local_ranks: int, backend: str | None = None) -> None:
+    """Refuse more ranks on this host than CUDA devices when the ranks would run on CUDA.
+
+    ``init_parallel`` runs the ranks over NCCL, one GPU each (``cuda:<LOCAL_RANK>``), whenever CUDA is available
+    (``backend`` None or ``"nccl"``); NCCL refuses two ranks on one GPU. The launcher applies this rule before any
+    rank starts, and each rank again in ``init_parallel``. Initialises no CUDA context.
+
+    Raises:
+        ValueError: ``local_ranks`` > ``torch.cuda.device_count()`` on a machine with CUDA, naming both numbers and
+            what would work.
+    """
+    import torch
+    if backend not in (None, "nccl") or not torch.cuda.is_available():
+        return
+    gpus = torch.cuda.device_count()
+    if local_ranks > gpus:
+        raise ValueError(f"{local_ranks} ranks on this host but CUDA sees {gpus} GPU{'s' * (gpus != 1)}: NCCL needs "
+                         f"one GPU per rank; use at most {gpus} rank{'s' * (gpus != 1)} per host (--tp / --pp / --dp), "
+                         f"or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run every rank on CPU over gloo")
+
+
 def usable_cores() -> int:
     """CPU cores this process may run on (its affinity mask where the OS has one)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -240,10 +261,13 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args, verbose: bool = False) 
     More ranks than usable cores is allowed (each rank then gets one thread) and prints a one-line warning.
 
     Raises:
-        ValueError: ``TENSORPAR_THREADS`` is set but not a positive integer, or ``GLOO_SOCKET_IFNAME`` names an
-            interface this host lacks (before anything starts).
+        ValueError: ``TENSORPAR_THREADS`` is set but not a positive integer, ``GLOO_SOCKET_IFNAME`` names an
+            interface this host lacks, or the ranks would run on CUDA and this host has fewer GPUs than ranks
+            (:func:`check_gpu_count`), before anything starts.
     """
-    check_socket_ifname()                       # the rule the ranks apply in init_parallel
+    check_socket_ifname()                       # the rules the ranks apply in init_parallel
+    if not under_torchrun():
+        check_gpu_count(nproc)
     threads = os.environ.get("TENSORPAR_THREADS", "")
     if threads and not (threads.isdigit() and int(threads) >= 1):
         raise ValueError(f"TENSORPAR_THREADS={threads!r}: must be a positive integer (torch threads per rank), "

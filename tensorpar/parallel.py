@@ -303,6 +303,10 @@ def init_parallel(
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        from tensorpar.launch import check_gpu_count
+        here = max(local_rank + 1, int(os.environ.get("LOCAL_WORLD_SIZE", 0)))   # ranks on this host, at least
+        check_gpu_count(here, backend)       # the launcher's rule: one GPU per rank on this host
     device = torch.device(f"cuda:{local_rank}") if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)

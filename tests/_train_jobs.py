@@ -39,10 +39,11 @@ BASE = TrainConfig(model="tiny-test", seq_len=16, batch_size=4, steps=20, warmup
                    eval_batches=2, keep_checkpoints=3)
 
 
-def make_trainer(ctx, cfg: TrainConfig, model_kw: dict | None = None) -> Trainer:
+def make_trainer(ctx, cfg: TrainConfig, model_kw: dict | None = None, device=None) -> Trainer:
+    """The tiny model's trainer, the model built on ``device`` (default ``ctx.device``)."""
     src = ModelSource(tiny_config(attention_dropout=cfg.attention_dropout, **(model_kw or {})), None, None)
     data = synthetic_data()
-    model, plan = build_model(cfg, src, ctx.tp, data.vocab_size, cp=ctx.cp)
+    model, plan = build_model(cfg, src, ctx.tp, data.vocab_size, cp=ctx.cp, device=device or ctx.device)
     return Trainer(cfg, ctx, model, plan, data)
 
 
@@ -93,6 +94,7 @@ def train_run(ctx, cfg: TrainConfig, *, grad_steps=(), save_at=None, save_root=N
         out["final_checkpoint"] = str(tr.save(save_root))
     out["tied_one_parameter"] = tr.model.lm_head.weight is tr.model.model.embed_tokens.weight
     out["optimizer_params"] = sum(len(g["params"]) for g in tr.optimizer.param_groups)
+    out["devices"] = sorted({str(p.device) for p in tr.model.parameters()})
     out["unique_params"] = len({id(p) for p in tr.model.parameters()})
     return out
 

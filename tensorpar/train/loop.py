@@ -72,6 +72,7 @@ from tensorpar.train.config import TrainConfig
 from tensorpar.train.data import TrainData
 from tensorpar.train.dp import fully_shard_dp, no_forward_buffer_sync
 from tensorpar.train.evaluate import IGNORE_INDEX, validation_loss
+from tensorpar.train.model import check_device
 from tensorpar.train.optim import lr_at, make_optimizer
 from tensorpar.layers.dropout import DropoutRNG, install_dropout
 from tensorpar.layers.ring_attention import cp_positions
@@ -120,7 +121,8 @@ class Trainer(TrainerCheckpoints):
 
     Raises:
         ValueError: ``batch_size`` not divisible by ``dp * micro_batches``; an unknown schedule; a family or
-            layer count that the pipeline cannot cut (:func:`tensorpar.pipeline.stages.cut_stages`).
+            layer count that the pipeline cannot cut (:func:`~tensorpar.pipeline.stages.cut_stages`); parameters
+            on another device than ``ctx.device``.
     """
 
     def __init__(self, cfg: TrainConfig, ctx, model: nn.Module, plan, data: TrainData):
@@ -138,6 +140,7 @@ class Trainer(TrainerCheckpoints):
         install_dropout(model, self.rng, attention_dropout=cfg.attention_dropout, hidden_dropout=cfg.hidden_dropout,
                         cp=ctx.cp)
         self.device = ctx.device
+        check_device(model, self.device)
         self.tied = plan.tie_word_embeddings and pp.size > 1
         self.fsdp = cfg.dp_mode == "fsdp" and dp.size > 1
         # expert parallelism: the experts were split whole over the dp ranks by build_model (cfg.ep == dp.size)

@@ -264,3 +264,14 @@ def recompute_blocks(model: nn.Module) -> None:
 def named_unique_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """``(name, parameter)`` pairs, a tied parameter once under its first name (``model.embed_tokens.weight``)."""
     return list(model.named_parameters(remove_duplicate=True))
+
+
+def check_device(model: nn.Module, device: torch.device) -> None:
+    """Raise ``ValueError`` (one line) when a parameter of ``model`` is on another device than ``device`` (the
+    rank's ``ctx.device``); parameters on the meta device (other pipeline stages' modules) are ignored."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:       # "cuda" is the current GPU
+        device = torch.device("cuda", torch.cuda.current_device())
+    if elsewhere := sorted({str(p.device) for p in model.parameters() if not p.is_meta} - {str(device)}):
+        raise ValueError(f"the model's parameters are on {', '.join(elsewhere)} but this rank computes on {device} "
+                         f"(ctx.device): build it with build_model(..., device=ctx.device)")

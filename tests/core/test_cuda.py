@@ -62,6 +62,7 @@ def _rank_entry(rank, world, port, backend, devices, fn, args, results):
                             set_threads=False)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+            ctx.device = device      # gloo ranks on a GPU: init_parallel picks the CPU for gloo, the jobs compute here
         try:
             out = fn(ctx, device, *args)
         finally:

@@ -49,3 +49,19 @@ def test_gpu_check_script_reports_its_time_limit(tmp_path):
     r, text = _gpu_check(tmp_path, 1)  # pytest cannot even start in 1 s
     assert r.returncode == 124, r.stdout + r.stderr
     assert "result: TIMED OUT after 1 s (exit 124)" in text
+
+
+def test_more_ranks_than_gpus_is_refused_before_launch(monkeypatch):
+    """The launcher's (and init_parallel's) rule on a CUDA machine: one GPU per rank under NCCL, checked here
+    with a pretend CUDA of one GPU."""
+    import pytest
+
+    from tensorpar.launch import check_gpu_count
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    check_gpu_count(1)
+    check_gpu_count(4, backend="gloo")          # gloo ranks may share a GPU (or run on the CPU)
+    with pytest.raises(ValueError, match=r"^2 ranks on this host but CUDA sees 1 GPU: NCCL needs one GPU per rank; "
+                                         r"use at most 1 rank per host .*CUDA_VISIBLE_DEVICES="):
+        check_gpu_count(2)

@@ -53,9 +53,11 @@ def prompts(vocab: int):
     return ids, mask
 
 
-def hf_reference(folder, ids, mask, n):
+def hf_reference(folder, ids, mask, n, device="cpu"):
+    """transformers' greedy tokens ``[B, n]`` and last prompt logits ``[B, V]`` (on ``device``) of ``folder``."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+    ids, mask = ids.to(device), mask.to(device)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, eos_token_id=None,
                              pad_token_id=0, min_new_tokens=n)

@@ -242,3 +242,14 @@ def test_the_plan_is_built_once_per_run(tmp_path, text_file, monkeypatch):
     rc = main(["train", "--tp", "1", "--model", "tiny", "--data", text_file, "--seq-len", "32", "--batch-size", "4",
                "--steps", "1", "--eval-batches", "1", "--out", str(tmp_path / "run"), "--no-progress"])
     assert rc == 0 and calls == [1], calls
+
+
+def test_trainer_refuses_a_model_on_another_device():
+    """A model left on the CPU for a rank that computes on a GPU fails at once, in one line, not at the first
+    embedding lookup of the first step (seen on CUDA: "Expected all tensors to be on the same device")."""
+    from tensorpar.parallel import ParallelContext
+    from tests._train_jobs import BASE, make_trainer
+
+    with pytest.raises(ValueError, match=r"^the model's parameters are on cpu but this rank computes on cuda:0 "
+                                         r"\(ctx.device\): build it with build_model\(\.\.\., device=ctx.device\)$"):
+        make_trainer(ParallelContext.single("cuda:0"), BASE, device="cpu")
