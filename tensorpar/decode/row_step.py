@@ -69,6 +69,8 @@ def why_not(dec) -> str | None:
     if dec.tile is not None:
         return "deterministic mode"
     ref = _reference_weight(dec)
+    if ref.device.type != "cpu":
+        return "its weights are not on the CPU (the step's kernels are CPU kernels)"
     fmt = _format(ref)
     if not (dec.gemv or (fmt is not None and _KERNELS[fmt][0]() and dec.max_batch <= gemv_kernel.MAX_ROWS)):
         return (f"it runs neither our GEMV (fp32 weights) nor our kernel of --quantize int8 / bf16 at "
