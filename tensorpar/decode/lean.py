@@ -22,12 +22,11 @@ math directly on the rank's tensors:
   layout (:func:`pack`), which *replaces* the plain weights (:func:`tensorpar.decode.packed.pack_weights`: no
   second copy; the modules convert back on access); ``F.linear`` calls the same oneDNN matmul but reorders the
   weight on every call, which made bf16 GEMV 1.5x slower than it needs to be (same bits);
-* fp32 and bf16 on a CPU with AVX-512 BF16 or AVX2 + FMA, a decoder of ``max_batch`` <= 32 (fp32) or 4 (bf16):
-  its steps run our GEMV (:mod:`tensorpar.decode.gemv_kernel`: MAX_ROWS says where it pays against oneDNN;
-  within 1e-5 relative of ``F.linear`` in fp32, one bf16 rounding in bf16), fp32 weights held in its blocked
-  layout where the model allows (prefill then on it too; else the plain ``torch.mm`` / ``F.linear``);
-* those decode steps (one token per row, up to 32 rows) of layers of the plain Llama shape in fp32 (fp32, int8
-  or bf16 weights) run as a :class:`~tensorpar.decode.row_step.RowStep`: a few fused C++ calls per layer;
+* fp32 and bf16 on a CPU with AVX-512 BF16 or AVX2 + FMA: our GEMV (:mod:`tensorpar.decode.gemv_kernel`) at steps of
+  up to 32 rows (fp32) or 4 (bf16), fp32 weights in its blocked layout where the model allows (then at any
+  ``max_batch``, prefill too; else ``torch.mm`` / ``F.linear``), within 1e-5 of ``F.linear`` (bf16: one rounding);
+* decode steps (one token per row; more than 32 rows in chunks of 32) of layers of the plain Llama shape in fp32
+  (fp32, int8 or bf16 weights) run as a :class:`~tensorpar.decode.row_step.RowStep`: a few fused C++ calls per layer;
 * a model quantized by :func:`tensorpar.decode.quantize.quantize_int8` (its fp weights freed) runs every matmul as
   :func:`tensorpar.decode.int8.int8_linear` (Q8_0 x Q8_0: the input quantized per block of 32, int8 x int8; the
   row step: the same kernel into its buffers) on the int8 ``[out, in]`` weights; one stored in bf16 by ``--quantize
@@ -162,8 +161,9 @@ class LeanDecoder:
             self.lin = self.linear = bf16_linear if isinstance(w0, Bf16Weight) else int8_linear
         else:
             self.lin, self.linear = mm, F.linear
-        #: our GEMV for steps of at most gemv_kernel.max_rows rows (:func:`use_gemv`); fp32: its blocked layout
-        self.gemv = not int8 and prepack is None and max_batch <= gemv_kernel.max_rows(w0.dtype) and use_gemv(self)
+        #: our GEMV (:func:`use_gemv`) up to gemv_kernel.max_rows rows; fp32 blocked at any max_batch (decode_chunks)
+        fits = max_batch <= gemv_kernel.max_rows(w0.dtype) or (block and w0.dtype == torch.float32)
+        self.gemv = not int8 and prepack is None and fits and use_gemv(self)
         self.blocked = block and self.gemv and w0.dtype == torch.float32 and use_blocked(self, model)
         self.packed = (not int8 and not self.gemv and (prepack if prepack is not None else can_pack(w0))
                        and w0.device.type == "cpu" and torch.backends.mkldnn.is_available())

@@ -72,9 +72,8 @@ def why_not(dec) -> str | None:
     if ref.device.type != "cpu":
         return "its weights are not on the CPU (the step's kernels are CPU kernels)"
     fmt = _format(ref)
-    if not (dec.gemv or (fmt is not None and _KERNELS[fmt][0]() and dec.max_batch <= gemv_kernel.MAX_ROWS)):
-        return (f"it runs neither our GEMV (fp32 weights) nor our kernel of --quantize int8 / bf16 at "
-                f"<= {gemv_kernel.MAX_ROWS} rows")
+    if not (dec.gemv or (fmt is not None and _KERNELS[fmt][0]())):     # more rows: in chunks (decode_chunks)
+        return "it runs neither our GEMV (fp32 weights) nor our kernel of --quantize int8 / bf16"
     if ref.dtype != torch.float32:
         return "it does not compute in fp32"
     if dec.final_cap is not None or dec.lm_b is not None:

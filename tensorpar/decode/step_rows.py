@@ -36,6 +36,12 @@ class Rows:
     def n(self) -> int:
         return self.cache_pos.shape[0]
 
+    def part(self, a: int, b: int) -> "Rows":
+        """Rows ``[a, b)`` as rows of their own (``last``: the segment rows whose last token lies there, re-based)."""
+        last = self.last[(self.last >= a) & (self.last < b)] - a
+        return Rows(self.ids[a:b], self.rope_pos[a:b], self.blocks[a:b], self.cache_pos[a:b],
+                    None if self.mask is None else self.mask[a:b], self.length, last, self.whole)
+
 
 def as_rows(ids: torch.Tensor, rope_pos: torch.Tensor, g: Segment, *, per_row_rope: bool) -> Rows | None:
     """Segment ``g``'s tokens (``ids``, ``rope_pos``: its ``b * s`` tokens row by row) as :class:`Rows`: the tokens it
@@ -125,6 +131,8 @@ def run_split(step, ids: torch.Tensor, rope_pos: torch.Tensor, segments, rest):
     a 16-row step against the row step's 80, bench/results/batch-rows-xeon.md). Collectives: the row step's (the
     embedding's all-reduce and two per layer, of ``[n, H]`` for its ``n`` rows), then ``rest``'s."""
     dec = step.dec
+    if len(segments) == 1 and segments[0].s == 1 and segments[0].b > step.R:
+        return decode_chunks(step, ids, rope_pos, segments[0])
     parts, n, o = {}, 0, offsets(segments)
     for i in reversed(range(len(segments))):
         g = segments[i]
@@ -156,3 +164,22 @@ def run_split(step, ids: torch.Tensor, rope_pos: torch.Tensor, segments, rest):
             out.append(others[c:c + g.b])
             c += g.b
     return torch.cat(out)
+
+
+def decode_chunks(step, ids: torch.Tensor, rope_pos: torch.Tensor, g: Segment):
+    """``forward_segments(ids, rope_pos, [g])`` for ``g`` a step of ``b`` decode rows (one token each), more than the
+    row step's ``R``: the rows in chunks of at most ``R``, one row-step program each, one after the other; logits (or a
+    stage's residual stream) in row order; ``None`` where the row step runs none of them. Each row's computation is
+    its own (its matmul rows, norms, K/V at its own position, attention over its own row), so it is the same in any
+    chunk: what a decoder of more rows than ``R`` (``max_batch`` above ``MAX_ROWS``) runs instead of the general
+    loop. The weights are read once per chunk. Collectives: the row step's per chunk (the embedding's all-reduce
+    and two per layer, of ``[rows, H]``)."""
+    dec = step.dec
+    p = as_rows(ids, rope_pos, g, per_row_rope=dec.rope_switch is not None)
+    if p is None or not (dec.last or p.whole):
+        return None
+    runs = [merge([p.part(a, min(p.n, a + step.R))]) for a in range(0, p.n, step.R)]
+    if not all(step.runs([seg]) for _, _, seg, _ in runs):
+        return None
+    return torch.cat([step(x_ids, x_pos, seg, pick=last if dec.last else None)
+                      for x_ids, x_pos, seg, last in runs])

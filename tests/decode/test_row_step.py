@@ -462,16 +462,16 @@ def test_quantized_row_step_tp3_tp4_uneven_heads(pools, tmp_path, monkeypatch, f
 
 
 def test_row_step_stays_out_of_what_it_does_not_run(tmp_path):
-    """Deterministic decoders, oneDNN-prepacked ones (max_batch above the row step's MAX_ROWS) and sliding-window
-    models keep the general loop."""
+    """Deterministic decoders, oneDNN-prepacked ones (max_batch above the row step's MAX_ROWS, the weights not
+    blocked) and sliding-window models keep the general loop."""
     from tensorpar.decode.lean import LeanDecoder
     from tensorpar.hf.load import build_parallel_model
     from tensorpar.parallel import ParallelContext
     ctx = ParallelContext.single()
     model, _ = build_parallel_model(make_model_folder(tmp_path / "llama", "llama"), ctx.tp)
     assert LeanDecoder(model, ctx.tp, max_batch=1, max_len=8, deterministic=True).row_step is None
-    big = LeanDecoder(model, ctx.tp, max_batch=gemv_kernel.MAX_ROWS + 1, max_len=8)
-    assert big.row_step is None and big.packed
+    big = LeanDecoder(model, ctx.tp, max_batch=gemv_kernel.MAX_ROWS + 1, max_len=8, block=False)
+    assert big.row_step is None and big.packed       # blocked (the default) it keeps the row step: decode_chunks
     assert LeanDecoder(model, ctx.tp, max_batch=gemv_kernel.MAX_ROWS, max_len=8).row_step is not None
     assert LeanDecoder(model, ctx.tp, max_batch=1, max_len=8, prepack=False).row_step is None
     # the fused norm replaces only the probed fp32 formula w * x_hat, never a module (Gemma's (1 + w) * x_hat has

@@ -85,6 +85,72 @@ def test_prompts_and_mixed_steps_as_rows_equal_the_general_loop(llama):
         assert torch.equal(a.argmax(-1), b.argmax(-1)), step
 
 
+@pytest.fixture(scope="module")
+def qllama(tmp_path_factory):
+    """The llama of test_quant.py (hidden 288: whole blocks of 32 for int8)."""
+    from tests.decode import test_generate as tg
+    from tests.decode.test_quant import QARCHS
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(tg.ARCHS, "llama", QARCHS["llama"])
+        return str(make_model_folder(tmp_path_factory.mktemp("step_rows_q") / "llama", "llama"))
+
+
+def _chunked(folder, row_step: bool, b: int, fmt: str, steps: int = 3):
+    """Greedy decode of ``b`` rows (5-token prompts) by a LeanDecoder of ``max_batch`` b, fp32 weights (blocked) or
+    ``--quantize fmt``'s: each step's logits and the row counts of the row step's programs."""
+    from tensorpar.decode.lean import LeanDecoder
+    from tensorpar.decode.quantize import apply_quantize
+    from tensorpar.decode.row_step import RowStep
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.parallel import ParallelContext
+    ctx = ParallelContext.single()
+    model, _ = build_parallel_model(folder, ctx.tp, dtype=torch.float32)
+    if fmt != "none":
+        apply_quantize(model, ctx.tp, fmt)
+    dec = LeanDecoder(model, ctx.tp, max_batch=b, max_len=16)
+    assert dec.blocked == (fmt == "none") and dec.row_step is not None
+    if not row_step:
+        dec.row_step = None
+    ids = torch.randint(3, ARCHS["llama"]["vocab_size"], (b, 5), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    pos = mask.cumsum(-1) - 1
+    calls, call = [], RowStep.__call__
+    RowStep.__call__ = lambda self, ids, p, g, **k: calls.append(g.b) or call(self, ids, p, g, **k)
+    try:
+        out = [dec.prefill(ids, mask, pos)]
+        for t in range(steps):
+            out.append(dec.decode(out[-1].argmax(-1).view(b, 1), pos[:, -1:] + 1 + t, 5 + t))
+    finally:
+        RowStep.__call__ = call
+    return out, calls
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["none", "bf16", "int8"])
+def test_decode_rows_beyond_the_row_step_run_in_chunks(llama, qllama, fmt):
+    """A decoder of 40 rows, more than the row step's MAX_ROWS (32), keeps the blocked fp32 weights (or the stored
+    weights of ``--quantize``) and runs each decode step as two row-step programs, 32 rows then 8 (before: fp32
+    weights prepacked for oneDNN, and every format in the general loop); fp32 and bf16 weights: every step's logits
+    within 1e-5 of the largest of the general loop's on the same weights, argmax equal (int8: the row step and the
+    general loop may round an activation to the other quantization step, test_row_step.py's INT8_TOL); and each
+    row's logits bitwise those of the same row in a decoder of 8 rows (the row step's sums do not depend on the
+    rows beside it)."""
+    b = gemv_kernel.MAX_ROWS + 8
+    folder = qllama if fmt == "int8" else llama
+    rows, calls = _chunked(folder, True, b, fmt)
+    ref, ref_calls = _chunked(folder, False, b, fmt)
+    assert calls == [gemv_kernel.MAX_ROWS, 8] * 3, calls
+    assert ref_calls == []
+    for step, (a, r) in enumerate(zip(rows, ref)):
+        assert a.shape == r.shape == (b, ARCHS["llama"]["vocab_size"]), (step, a.shape)
+        if fmt != "int8":
+            assert (a - r).abs().max().item() <= 1e-5 * r.abs().max().item(), step
+            assert torch.equal(a.argmax(-1), r.argmax(-1)), step
+    small, _ = _chunked(folder, True, 8, fmt)
+    for step in range(1, 4):                # the decode steps (the prefill is the general loop's, at its rows)
+        assert torch.equal(rows[step][:8], small[step]), step
+
+
 def _segment(b, s, length, mask=None, write=None):
     pos = torch.arange(length - s, length).expand(b, s).contiguous()
     return Segment(b, s, mask, length, blocks=torch.zeros(b, 2, dtype=torch.long), cache_pos=pos, write=write)
