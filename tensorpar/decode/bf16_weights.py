@@ -191,15 +191,17 @@ def bf16_linear(x: torch.Tensor, w: Bf16Weight, bias: torch.Tensor | None = None
     """``F.linear(x, W.float(), bias)`` for ``x`` ``[..., in]`` in the compute dtype -> ``[..., out]``: our GEMV
     (:func:`~tensorpar.decode.gemv_kernel.bf16w_linear`, or on the blocked layout
     :func:`~tensorpar.decode.gemv_kernel.bf16w_blocked_linear`; the weights widened in registers, fp32 sums in another
-    order: within 1e-5 relative) at up to :data:`GEMV_ROWS` rows on a CPU that runs it, else :func:`chunked_linear`
-    (the weight converted :data:`_CHUNK_ELEMS` at a time into one buffer, never the whole fp32 copy; ``F.linear``
-    up to the order of the fp32 sums). Neither allocates more than the output and one chunk. No collectives."""
+    order: within 1e-5 relative) on a CPU that runs it, at up to :data:`GEMV_ROWS` rows (the blocked layout: at any
+    row count), else :func:`chunked_linear` (the weight converted :data:`_CHUNK_ELEMS` at a time into one buffer,
+    never the whole fp32 copy; ``F.linear`` up to the order of the fp32 sums). Neither allocates more than the
+    output and one chunk (the blocked kernel: the input rows packed, at most 4 MiB). No collectives."""
     x2 = x.reshape(-1, x.shape[-1])
     b = None if bias is None else bias.float()
-    if (x2.shape[0] <= GEMV_ROWS and x2.dtype == torch.float32 and x2.device.type == "cpu"
-            and w.w.is_contiguous() and gemv_kernel.available()):
-        y = (gemv_kernel.bf16w_blocked_linear(x2, w.w, w.n, b) if w.blocked
-             else gemv_kernel.bf16w_linear(x2, w.w, b))
+    ours = x2.dtype == torch.float32 and x2.device.type == "cpu" and w.w.is_contiguous() and gemv_kernel.available()
+    if ours and w.blocked:      # at any row count: prefill's 512 rows 1.4x the chunks (bench/results/gemv-packed-epyc.md)
+        y = gemv_kernel.bf16w_blocked_linear(x2, w.w, w.n, b)
+    elif ours and x2.shape[0] <= GEMV_ROWS:
+        y = gemv_kernel.bf16w_linear(x2, w.w, b)
     else:
         y = chunked_linear(x2, w, bias)
     return y.view(*x.shape[:-1], y.shape[-1])

@@ -110,7 +110,8 @@ def test_bf16_weights_equal_rounded_fp32_model(pools, tmp_path, tp, blocked):
 
 
 @needs_gemv
-@pytest.mark.parametrize("m,k,n", [(1, 288, 300), (2, 36, 53), (3, 100, 17), (13, 70, 64), (32, 33, 97)])
+@pytest.mark.parametrize("m,k,n", [(1, 288, 300), (2, 36, 53), (3, 100, 17), (13, 70, 64), (32, 33, 97),
+                                   (100, 64, 70)])
 def test_bf16w_blocked_gemv(m, k, n):
     """The bf16 blocked layout (``block_bf16``): exact round trip; within 1e-5 relative of ``F.linear`` on the
     widened weight; bitwise the fp32 blocked layout's result on the same (widened) weights (the same fma order);
@@ -217,7 +218,8 @@ def test_bf16_refused_for_a_bf16_model(tmp_path):
 @pytest.mark.parametrize("blocked", [False, True])
 @pytest.mark.parametrize("m,k,n,bias", [(3, 300, 1100, False), (17, 576, 1000, True), (512, 96, 1100, True)])
 def test_bf16_linear_batch_equals_widened_linear(monkeypatch, m, k, n, bias, blocked):
-    """More rows than the row step's (3, 17: our GEMV where it runs; 512: the chunks; a 3-D input at 17), and the
+    """More rows than the row step's (3, 17: our GEMV where it runs; 512: the chunks, our GEMV on the blocked
+    layout; a 3-D input at 17), and the
     chunked path at every M (here 2**16 weights a chunk, so 1100, 1000 and 1100 outputs leave a partial last
     chunk): ``F.linear(x, W.float(), bias)`` up to the order of the fp32 sums. The GEMV sums in its own order; the
     BLAS picks its kernel by the GEMM's shape (a narrow last chunk, 3 rows); each output is still one K-long fp32
