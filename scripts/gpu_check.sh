@@ -7,7 +7,8 @@
 # environment:
 #   GPU_CHECK_TIMEOUT_S  wall-clock limit of the pytest run in seconds (default 900); on expiry pytest is
 #                        stopped (SIGTERM, then SIGKILL 20 s later) and the file says "timed out"
-#   PYTHON               interpreter with torch + transformers (default: python3)
+#   PYTHON               interpreter with torch + transformers (default: .venv/bin/python where scripts/setup.sh made
+#                        it, else python3)
 #   TENSORPAR_CACHE      a model cache holding SmolLM2 (tests/core/test_cuda.py's SmolLM2 checks skip when it is
 #                        neither cached nor downloadable; a GPU machine without network needs this)
 # exit status: pytest's (0 = every check passed or was skipped), 124 when the time limit was hit.
@@ -15,7 +16,9 @@
 set -u
 cd "$(dirname "$0")/.."
 results=${1:-bench/results/gpu_check.md}
-python=${PYTHON:-python3}
+default_python=python3
+[ -x .venv/bin/python ] && default_python=.venv/bin/python
+python=${PYTHON:-$default_python}
 limit=${GPU_CHECK_TIMEOUT_S:-900}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

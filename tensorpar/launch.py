@@ -164,7 +164,8 @@ def check_gpu_count(local_ranks: int, backend: str | None = None) -> None:
     gpus = torch.cuda.device_count()
     if local_ranks > gpus:
         raise ValueError(f"{local_ranks} ranks on this host but CUDA sees {gpus} GPU{'s' * (gpus != 1)}: NCCL needs "
-                         f"one GPU per rank; use at most {gpus} rank{'s' * (gpus != 1)} per host (--tp / --pp / --dp), "
+                         f"one GPU per rank; use at most {gpus} rank{'s' * (gpus != 1)} per host (the product of the "
+                         f"parallel degrees: --tp and the others the command takes), "
                          f"or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run every rank on CPU over gloo")
 
 

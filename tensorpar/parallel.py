@@ -305,7 +305,7 @@ def init_parallel(
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         from tensorpar.launch import check_gpu_count
-        here = max(local_rank + 1, int(os.environ.get("LOCAL_WORLD_SIZE", 0)))   # ranks on this host, at least
+        here = max(local_rank + 1, local_world)   # ranks on this host (every rank refused alike, none left waiting)
         check_gpu_count(here, backend)       # the launcher's rule: one GPU per rank on this host
     device = torch.device(f"cuda:{local_rank}") if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":

@@ -194,7 +194,7 @@ def bf16_linear(x: torch.Tensor, w: Bf16Weight, bias: torch.Tensor | None = None
     order: within 1e-5 relative) on a CPU that runs it, at up to :data:`GEMV_ROWS` rows (the blocked layout: at any
     row count), else :func:`chunked_linear` (the weight converted :data:`_CHUNK_ELEMS` at a time into one buffer,
     never the whole fp32 copy; ``F.linear`` up to the order of the fp32 sums). Neither allocates more than the
-    output and one chunk (the blocked kernel: the input rows packed, at most 4 MiB). No collectives."""
+    output and one chunk (the blocked kernel: the input rows packed, about 4 MiB per thread). No collectives."""
     x2 = x.reshape(-1, x.shape[-1])
     b = None if bias is None else bias.float()
     ours = x2.dtype == torch.float32 and x2.device.type == "cpu" and w.w.is_contiguous() and gemv_kernel.available()

@@ -255,9 +255,11 @@ def unblock(p: torch.Tensor, n: int) -> torch.Tensor:
 def blocked_linear(x: torch.Tensor, w: BlockedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, W, bias)`` for ``x`` ``[M, K]`` fp32 and ``W`` held as ``w`` (:class:`BlockedWeight`), any
     ``M``, on ``torch.get_num_threads()`` threads -> ``[M, N]`` fp32. Sums as :class:`BlockedWeight` says."""
-    if x.dtype != torch.float32 or x.shape[-1] != w.p.shape[1]:
-        raise ValueError(f"blocked_linear: x {tuple(x.shape)} {x.dtype} against a blocked fp32 weight "
-                         f"{tuple(w.shape)}: takes fp32 x [M, {w.p.shape[1]}]")
+    if (x.dtype != torch.float32 or x.dim() != 2 or x.shape[-1] != w.p.shape[1]
+            or bias is not None and tuple(bias.shape) != (w.n,)):
+        raise ValueError(f"blocked_linear: x {tuple(x.shape)} {x.dtype}, bias "
+                         f"{None if bias is None else tuple(bias.shape)} against a blocked fp32 weight "
+                         f"{tuple(w.shape)}: takes fp32 x [M, {w.p.shape[1]}] and a bias [{w.n}] or None")
     x = x.contiguous()
     b = None if bias is None else bias.float().contiguous()         # kept alive while the kernel reads it
     y = torch.empty(x.shape[0], w.n, dtype=torch.float32)

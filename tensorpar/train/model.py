@@ -269,9 +269,14 @@ def named_unique_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 def check_device(model: nn.Module, device: torch.device) -> None:
     """Raise ``ValueError`` (one line) when a parameter of ``model`` is on another device than ``device`` (the
     rank's ``ctx.device``); parameters on the meta device (other pipeline stages' modules) are ignored."""
+    def name(d: torch.device) -> str:       # "cpu:0" is "cpu"; "cuda" the current GPU
+        if d.type == "cpu":
+            return "cpu"
+        if d.type == "cuda" and d.index is None and torch.cuda.is_available():
+            return f"cuda:{torch.cuda.current_device()}"
+        return str(d)
+
     device = torch.device(device)
-    if device.type == "cuda" and device.index is None:       # "cuda" is the current GPU
-        device = torch.device("cuda", torch.cuda.current_device())
-    if elsewhere := sorted({str(p.device) for p in model.parameters() if not p.is_meta} - {str(device)}):
+    if elsewhere := sorted({name(p.device) for p in model.parameters() if not p.is_meta} - {name(device)}):
         raise ValueError(f"the model's parameters are on {', '.join(elsewhere)} but this rank computes on {device} "
                          f"(ctx.device): build it with build_model(..., device=ctx.device)")

@@ -96,6 +96,16 @@ def test_blocked_layout_equals_linear_at_every_row_count(n, k):
 
 
 @needs_kernel
+def test_blocked_linear_refuses_a_bias_or_input_of_another_shape():
+    """A bias of the wrong length was read past its end, a 3-D input taken as [M, K] (found by a review)."""
+    w = gemv_kernel.BlockedWeight(gemv_kernel.block(torch.randn(33, 64)), 33)
+    for x, bias in ((torch.randn(8, 64), torch.randn(5)), (torch.randn(2, 4, 64), None),
+                    (torch.randn(8, 64), torch.randn(33, 1))):
+        with pytest.raises(ValueError, match=r"blocked_linear: .* fp32 x \[M, 64\] and a bias \[33\] or"):
+            gemv_kernel.blocked_linear(x, w, bias)
+
+
+@needs_kernel
 def test_blocked_layout_is_the_same_bits_on_the_avx2_build():
     """The AVX2 build (8 lanes, 16 registers: other micro-kernels) sums each output in the same lane order as the
     AVX-512 one, so on a CPU with both its results are bitwise the AVX-512 build's (the CI machine runs one of them;

@@ -253,3 +253,15 @@ def test_trainer_refuses_a_model_on_another_device():
     with pytest.raises(ValueError, match=r"^the model's parameters are on cpu but this rank computes on cuda:0 "
                                          r"\(ctx.device\): build it with build_model\(\.\.\., device=ctx.device\)$"):
         make_trainer(ParallelContext.single("cuda:0"), BASE, device="cpu")
+
+
+def test_check_device_names_the_same_device_alike():
+    """``cpu:0`` is the CPU its parameters report as ``cpu`` (a review found a CPU rank of ctx.device "cpu:0"
+    refused); meta parameters (other pipeline stages) are not counted."""
+    from tensorpar.train.model import check_device
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta"))
+    for device in ("cpu", "cpu:0", torch.device("cpu")):
+        check_device(model, device)
+    with pytest.raises(ValueError, match="parameters are on cpu but this rank computes on meta"):
+        check_device(model, "meta")
