@@ -152,7 +152,8 @@ def check_gpu_count(local_ranks: int, backend: str | None = None) -> None:
 
     ``init_parallel`` runs the ranks over NCCL, one GPU each (``cuda:<LOCAL_RANK>``), whenever CUDA is available
     (``backend`` None or ``"nccl"``); NCCL refuses two ranks on one GPU. The launcher applies this rule before any
-    rank starts, and each rank again in ``init_parallel``. Initialises no CUDA context.
+    rank starts, and each rank again in ``init_parallel``. Calls only ``torch.cuda.is_available`` and
+    ``device_count`` (no tensor is made on a GPU).
 
     Raises:
         ValueError: ``local_ranks`` > ``torch.cuda.device_count()`` on a machine with CUDA, naming both numbers and

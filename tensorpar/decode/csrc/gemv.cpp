@@ -539,10 +539,10 @@ static void blk_rows_packed(int R, const float* xp, int64_t K, const WT* wb, flo
 
 // blocks [b0, b1) for all M input rows. At most MR_PAIR rows: two blocks per call, the rows as they are. Else the
 // rows in chunks of at most 4 MiB of K values, each chunk packed once into row groups of MR_MAX, k-major
-// (blk_micro_packed: 1.3x the unpacked micro-kernel at 32 rows and 1.6x at 12 on the 1.1B's matrices, AMD EPYC
-// Zen 4, bench/results/gemv-packed-epyc.md); each block is read from memory once per chunk by the chunk's first
-// row group, from L2 by the others (a decode step's <= 32 rows are one chunk up to K = 32768). The zero-padded last
-// block of an N that is not a multiple of NB takes the unpacked path through its scratch.
+// (blk_micro_packed: 1.1-1.4x the unpacked micro-kernel at 32 rows and 1.6x at 12 on the 1.1B's matrices, AMD
+// EPYC Zen 4, bench/results/gemv-packed-trials-epyc.md); each block is read from memory once per chunk by the
+// chunk's first row group, from L2 by the others (a decode step's <= 32 rows are one chunk up to K = 32768). The
+// zero-padded last block of an N that is not a multiple of NB takes the unpacked path through its scratch.
 template <typename WT>
 static void blk_range(const float* x, int64_t M, int64_t K, const WT* wb, int64_t b0, int64_t b1, float* y,
                       int64_t N) {
