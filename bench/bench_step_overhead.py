@@ -3,7 +3,8 @@ checkouts.
 
 SmolLM2-135M (``--model``; ``tinyllama-random``: the 1.1B random Llama) greedy decode through ``generate_tokens``
 (the decode engine, the lean path's row step) at tp=2, one thread per rank, shared-memory collectives; fp32 weights,
-or (``--quantize bf16|int8``) as ``generate --quantize`` stores them; fp32 activations. Per row, in fresh processes (the checkout's tensorpar imported
+or (``--quantize bf16|int8``) as ``generate --quantize`` stores them; fp32 activations (``--dtype bfloat16``: a bf16
+model, weights and activations). Per row, in fresh processes (the checkout's tensorpar imported
 through ``TENSORPAR_BENCH_CODE``, as ``bench_decode.py --fixed-cost`` does):
 
 1. tokens/s of ``--tokens`` new tokens after a 3-token warm-up (decode steps only), the median and the fastest step
@@ -159,7 +160,7 @@ def _unpatch(done: list) -> None:
 
 
 def job(ctx, folder: str, n: int, spy: str | None, spy_calls: int, spy_out: str | None, batch: int = 1,
-        quantize: str = "none"):
+        quantize: str = "none", dtype: str = "float32"):
     """Rank job: tokens/s, the CPU breakdown, and (rank 0, ``spy``) a py-spy profile of ``spy_calls`` generates."""
     from transformers import AutoTokenizer
 
@@ -169,7 +170,7 @@ def job(ctx, folder: str, n: int, spy: str | None, spy_calls: int, spy_out: str 
     if ctx.tp.size > 1:
         from tensorpar.shm import enable_fast_collectives
         enable_fast_collectives(ctx.tp, "on")
-    model, _ = build_parallel_model(folder, ctx.tp, dtype=torch.float32)
+    model, _ = build_parallel_model(folder, ctx.tp, dtype=getattr(torch, dtype))
     if quantize != "none":
         from tensorpar.decode.quantize import apply_quantize
         apply_quantize(model, ctx.tp, quantize)
@@ -277,10 +278,10 @@ def pyspy_summary(path: str, top: int = 30) -> dict:
 
 
 def worker(folder: str, n: int, spy: str | None, spy_calls: int, spy_out: str | None, tp: int = 2,
-           batch: int = 1, quantize: str = "none") -> dict:
+           batch: int = 1, quantize: str = "none", dtype: str = "float32") -> dict:
     from tensorpar.testing import WorkerPool
     with WorkerPool(tp, collective_timeout_s=120, job_timeout_s=1200) as pool:
-        res = pool.run(job, folder, n, spy, spy_calls, spy_out, batch, quantize)
+        res = pool.run(job, folder, n, spy, spy_calls, spy_out, batch, quantize, dtype)
     out = dict(res[0])
     if tp > 1:
         out["rank1_cpu_ms"] = res[1]["cpu_ms"]
@@ -298,6 +299,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1, help="rows per decode step (the same prompt in every row)")
     p.add_argument("--quantize", default="none", choices=("none", "bf16", "int8"),
                    help="the weights as generate --quantize stores them (activations fp32)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the model's dtype, as generate --dtype (bfloat16: weights and activations)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--before", default=None, help="the old checkout (A/B); left out: this checkout only")
     p.add_argument("--pyspy", default=None, help="py-spy executable: profile rank 0 in the first round")
@@ -306,13 +309,16 @@ def main() -> None:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--spy-out", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.dtype == "bfloat16" and a.quantize == "bf16":
+        p.error("--quantize bf16 with --dtype bfloat16: --quantize bf16 stores the weights of an fp32 model")
     if a.batch < 1 or a.tokens < 2 or a.rounds < 1:
         p.error(f"--batch {a.batch}, --tokens {a.tokens}, --rounds {a.rounds}: need --batch >= 1, --tokens >= 2 "
                 f"(a step is the time between two tokens) and --rounds >= 1")
     from bench_batch import model_folder          # smollm2, or tinyllama-random (the 1.1B, built once and cached)
     folder = str(model_folder(a.model))
     if a.worker:
-        print(json.dumps(worker(folder, a.tokens, a.pyspy, a.pyspy_calls, a.spy_out, a.tp, a.batch, a.quantize)))
+        print(json.dumps(worker(folder, a.tokens, a.pyspy, a.pyspy_calls, a.spy_out, a.tp, a.batch, a.quantize,
+                                a.dtype)))
         return
     import tempfile
 
@@ -328,7 +334,8 @@ def main() -> None:
                         if q and not (Path(q) / "tensorpar").is_dir()]
                 env = {**os.environ, "TENSORPAR_BENCH_CODE": code, "PYTHONPATH": os.pathsep.join([code] + keep)}
                 cmd = [sys.executable, __file__, "--worker", "--model", folder, "--tokens", str(a.tokens),
-                       "--tp", str(a.tp), "--batch", str(a.batch), "--quantize", a.quantize]
+                       "--tp", str(a.tp), "--batch", str(a.batch), "--quantize", a.quantize,
+                       "--dtype", a.dtype]
                 if a.pyspy and rnd == 0:
                     cmd += ["--pyspy", a.pyspy, "--pyspy-calls", str(a.pyspy_calls),
                             "--spy-out", str(Path(tmp) / f"{label}.txt")]
@@ -349,11 +356,12 @@ def main() -> None:
     work = other_work(acc0, cpu_account())
     med = statistics.median
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__, "tokens": a.tokens, "tp": a.tp,
-            "batch": a.batch, "quantize": a.quantize,
+            "batch": a.batch, "quantize": a.quantize, "dtype": a.dtype,
             "machine_start": start, "machine_end": end, "model": a.model, "other_work": work}
     ls, le = start["loadavg"], end["loadavg"]
-    weights = a.quantize if a.quantize != "none" else "fp32"
-    lines = [f"{a.model}, {weights} weights (fp32 activations), greedy decode, tp={a.tp} (1 thread per rank, "
+    weights = a.quantize if a.quantize != "none" else "fp32" if a.dtype == "float32" else "bf16"
+    acts = "fp32" if a.dtype == "float32" else "bf16"
+    lines = [f"{a.model}, {weights} weights ({acts} activations), greedy decode, tp={a.tp} (1 thread per rank, "
              f"shared-memory collectives), batch {a.batch}, {a.tokens} new tokens, prompt {PROMPT!r}; {start['cpu']}, "
              f"{start['cores']} cores, torch {meta['torch']}, {meta['date']}. Load average at start {ls[0]:.2f} / "
              f"{ls[1]:.2f} / {ls[2]:.2f}, at end {le[0]:.2f} / {le[1]:.2f} / {le[2]:.2f}; {describe(work)}.", "",

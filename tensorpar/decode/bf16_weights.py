@@ -49,6 +49,11 @@ class Bf16Weight(NamedTuple):
         """``W`` ``[out_local, in_local]`` in ``dtype`` (default the compute dtype; a new tensor)."""
         return self.plain().to(dtype or self.dtype)
 
+    def dense(self) -> torch.Tensor:
+        """``W`` ``[out_local, in_local]`` in the compute dtype: held as the packed layout of a bf16 model
+        (:func:`tensorpar.decode.matmuls.use_blocked`), bit for bit the weight that was blocked."""
+        return self.dequantize()
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """:func:`bf16_linear` of ``x`` ``[..., in]`` -> ``[..., out]``."""
         return bf16_linear(x, self, bias)
@@ -187,6 +192,15 @@ def chunked_linear(x2: torch.Tensor, w, bias: torch.Tensor | None = None) -> tor
     return y
 
 
+#: the most rows of a bf16 input (``--dtype bfloat16``) :func:`bf16_linear` sends to our GEMV on the blocked layout
+#: (more: :func:`chunked_linear`, oneDNN's bf16 GEMM). Measured (AMD EPYC Zen 4, one thread, the 1.1B's tp=2
+#: matrices from memory, GB/s of weights read; /tmp microbenchmark of 12-04 19:10, quoted in docs/decode.md): at 1
+#: row blocked 25.9-31.4 against the plain layout's vdpbf16ps GEMV 17.0-22.7 and oneDNN prepacked 15.2-21.1; at 4
+#: rows 13.5-23.8 against 10.8-13.5 and 11.8-21.2; at 16 rows 5.7-5.9 against oneDNN's 9.7-11.1 (fp32 fma: half
+#: vdpbf16ps's products per instruction)
+BF16_ACT_ROWS = 4
+
+
 def bf16_linear(x: torch.Tensor, w: Bf16Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, W.float(), bias)`` for ``x`` ``[..., in]`` in the compute dtype -> ``[..., out]``: our GEMV
     (:func:`~tensorpar.decode.gemv_kernel.bf16w_linear`, or on the blocked layout
@@ -194,11 +208,20 @@ def bf16_linear(x: torch.Tensor, w: Bf16Weight, bias: torch.Tensor | None = None
     order: within 1e-5 relative) on a CPU that runs it, at up to :data:`GEMV_ROWS` rows (the blocked layout: at any
     row count), else :func:`chunked_linear` (the weight converted :data:`_CHUNK_ELEMS` at a time into one buffer,
     never the whole fp32 copy; ``F.linear`` up to the order of the fp32 sums). Neither allocates more than the
-    output and one chunk (the blocked kernel: the input rows packed, about 4 MiB per thread). No collectives."""
+    output and one chunk (the blocked kernel: the input rows packed, about 4 MiB per thread).
+
+    A bf16 model's weights held blocked (compute dtype bf16, :func:`tensorpar.decode.matmuls.use_blocked`): ``x``
+    bf16, ``F.linear(x, W, bias)`` in bf16: at up to :data:`BF16_ACT_ROWS` rows our blocked GEMV on ``x`` widened
+    to fp32 (exact) and its fp32 sums rounded to bf16 once, as oneDNN's bf16 GEMM rounds its fp32 sums (another
+    order: within one bf16 rounding); more rows :func:`chunked_linear` (``F.linear`` in bf16 per chunk). No
+    collectives."""
     x2 = x.reshape(-1, x.shape[-1])
     b = None if bias is None else bias.float()
-    ours = x2.dtype == torch.float32 and x2.device.type == "cpu" and w.w.is_contiguous() and gemv_kernel.available()
-    if ours and w.blocked:      # at any row count: prefill's 512 rows 1.4x the chunks (bench/results/gemv-packed-epyc.md)
+    cpu = x2.device.type == "cpu" and w.w.is_contiguous() and gemv_kernel.available()
+    ours = x2.dtype == torch.float32 and cpu
+    if cpu and w.blocked and x2.dtype == w.dtype == torch.bfloat16 and x2.shape[0] <= BF16_ACT_ROWS:
+        y = gemv_kernel.bf16w_blocked_linear(x2.float(), w.w, w.n, b).to(torch.bfloat16)
+    elif ours and w.blocked:      # at any row count: prefill's 512 rows 1.4x the chunks (bench/results/gemv-packed-epyc.md)
         y = gemv_kernel.bf16w_blocked_linear(x2, w.w, w.n, b)
     elif ours and x2.shape[0] <= GEMV_ROWS:
         y = gemv_kernel.bf16w_linear(x2, w.w, b)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tensorpar.decode import gemv_kernel
+from tensorpar.decode.bf16_weights import Bf16Weight, bf16_linear
 
 
 def rms_norm_fn(mod):
@@ -57,9 +58,12 @@ def gemv_mm(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None) -> torch.
     """:func:`mm` (``x [n, in] @ wt [in, out] (+ b)``, ``wt`` the ``[in, out]`` view of a row-major ``[out, in]``
     weight) through our GEMV (:mod:`tensorpar.decode.gemv_kernel`, on ``wt.t()`` as it is) when ``n`` is at most
     :func:`~tensorpar.decode.gemv_kernel.max_rows` of its dtype, else :func:`mm`. ``wt`` may instead be a
-    :class:`~tensorpar.decode.gemv_kernel.BlockedWeight`: our GEMV on its layout at any ``n``."""
+    :class:`~tensorpar.decode.gemv_kernel.BlockedWeight`: our GEMV on its layout at any ``n``; or a bf16 model's
+    :class:`~tensorpar.decode.bf16_weights.Bf16Weight`: :func:`~tensorpar.decode.bf16_weights.bf16_linear`."""
     if isinstance(wt, gemv_kernel.BlockedWeight):
         return gemv_kernel.blocked_linear(x, wt, b)
+    if isinstance(wt, Bf16Weight):
+        return bf16_linear(x, wt, b)
     if x.shape[0] <= gemv_kernel.max_rows(x.dtype):
         return gemv_kernel.linear(x, wt.t(), b)
     return mm(x, wt, b)
@@ -68,8 +72,11 @@ def gemv_mm(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None) -> torch.
 def gemv_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, w, b)`` (``x [..., in]``, ``w [out, in]`` row-major) through our GEMV when ``x`` has at most
     :func:`~tensorpar.decode.gemv_kernel.max_rows` rows of its dtype, else ``F.linear``; ``w`` may instead be a
-    :class:`~tensorpar.decode.gemv_kernel.BlockedWeight` (any rows)."""
+    :class:`~tensorpar.decode.gemv_kernel.BlockedWeight` (any rows), or a bf16 model's blocked
+    :class:`~tensorpar.decode.bf16_weights.Bf16Weight` (:func:`~tensorpar.decode.bf16_weights.bf16_linear`)."""
     k = x.shape[-1]
+    if isinstance(w, Bf16Weight):
+        return bf16_linear(x, w, b)
     if isinstance(w, gemv_kernel.BlockedWeight):
         return gemv_kernel.blocked_linear(x.reshape(-1, k), w, b).view(*x.shape[:-1], w.shape[0])
     if x.numel() <= gemv_kernel.max_rows(x.dtype) * k:

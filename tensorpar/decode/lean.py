@@ -164,7 +164,7 @@ class LeanDecoder:
         #: our GEMV (:func:`use_gemv`) up to gemv_kernel.max_rows rows; fp32 blocked at any max_batch (decode_chunks)
         fits = max_batch <= gemv_kernel.max_rows(w0.dtype) or (block and w0.dtype == torch.float32)
         self.gemv = not int8 and prepack is None and fits and use_gemv(self)
-        self.blocked = block and self.gemv and w0.dtype == torch.float32 and use_blocked(self, model)
+        self.blocked = block and self.gemv and use_blocked(self, model)       # fp32, or bf16 (<= 4 rows)
         self.packed = (not int8 and not self.gemv and (prepack if prepack is not None else can_pack(w0))
                        and w0.device.type == "cpu" and torch.backends.mkldnn.is_available())
         if self.packed:

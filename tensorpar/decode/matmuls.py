@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from tensorpar.decode import gemv_kernel
+from tensorpar.decode import bf16_weights
+from tensorpar.decode.bf16_weights import BF16_ACT_ROWS, Bf16Weight, bf16_linear
 from tensorpar.decode.kernels import gemv_linear, gemv_mm, pack, packed_linear
 from tensorpar.decode.packed import pack_plan, pack_weights
 from tensorpar.decode.prepare import decoder_parts
@@ -65,35 +67,56 @@ def use_packed(dec, model) -> None:
 
 
 def use_blocked(dec, model) -> bool:
-    """After :func:`use_gemv`: hold the fp32 matmul weights in our GEMV's blocked layout (blocks of
-    :data:`~tensorpar.decode.gemv_kernel.BLOCK` output rows, the last one zero-padded)
-    (:class:`~tensorpar.decode.gemv_kernel.BlockedWeight`), which replaces the plain one on the modules as
-    oneDNN's does in :func:`use_packed` (one copy; ``weight`` converts back on access, exactly), and run them at
-    every row count through it (prefill too: no plain weight is left for ``torch.mm``). A tied LM head's table too:
-    the input embedding then looks its rows up in the blocked layout
+    """After :func:`use_gemv`: hold the matmul weights in our GEMV's blocked layout (blocks of
+    :data:`~tensorpar.decode.gemv_kernel.BLOCK` output rows, the last one zero-padded), which replaces the plain
+    one on the modules as oneDNN's does in :func:`use_packed` (one copy; ``weight`` converts back on access,
+    exactly). fp32: :class:`~tensorpar.decode.gemv_kernel.BlockedWeight`, run at every row count through it
+    (prefill too: no plain weight is left for ``torch.mm``). bf16 (``--dtype bfloat16``): the bf16 blocked layout
+    of ``--quantize bf16`` (:class:`~tensorpar.decode.bf16_weights.Bf16Weight`, compute dtype bf16), for weights
+    of at least :data:`~tensorpar.decode.bf16_weights.BLOCK_MIN_IN` inputs (shorter rows read faster plain), run
+    by :func:`~tensorpar.decode.bf16_weights.bf16_linear`: our GEMV up to
+    :data:`~tensorpar.decode.bf16_weights.BF16_ACT_ROWS` rows, oneDNN's bf16 GEMM on converted chunks above. A
+    tied LM head's table too: the input embedding then looks its rows up in the blocked layout
     (:class:`~tensorpar.decode.packed.PackedVocabParallelEmbedding`).
-    Taken only if a probe of every row count the kernel's micro-kernels split into (1-13 rows) is within 1e-5
-    relative of ``F.linear`` (the order of the fp32 sums) and each probe row's outputs are bitwise those it gets
-    alone. Why: the blocked layout streams each block of 32 output rows as one sequence and computes the step's
-    rows as output vectors (no horizontal sums): 1.02-1.62x our GEMV on the plain weight at one row, 1.36-1.85x at
-    4 and 1.35x at 32 (bench/results/gemv-blocked-epyc.md, SmolLM2's and the 1.1B's tp=2 shapes). Returns whether any weight was blocked."""
-    w = next((w for L in dec.layers for *_, w, _ in L.packs if gemv_kernel.blockable(w)), None)
-    if w is None or not gemv_kernel.blockable(w):
+    Taken only if a probe of every row count the kernel runs (fp32: the 1-13 rows its micro-kernels split into;
+    bf16: 1-4) is within the kernel's tolerance of ``F.linear`` (fp32: 1e-5 relative, the order of the fp32 sums;
+    bf16: one bf16 rounding, 2^-8 relative) and each probe row's outputs are bitwise those it gets alone. Why: the
+    blocked layout streams each block of 32 output rows as one sequence and computes the step's rows as output
+    vectors (no horizontal sums): fp32 1.02-1.62x our GEMV on the plain weight at one row, 1.36-1.85x at 4 and
+    1.35x at 32 (bench/results/gemv-blocked-epyc.md, SmolLM2's and the 1.1B's tp=2 shapes); bf16 see
+    :data:`~tensorpar.decode.bf16_weights.BF16_ACT_ROWS`. Returns whether any weight was blocked."""
+    w = next((w for L in dec.layers for *_, w, _ in L.packs if _blockable(w)), None)
+    if w is None:
         return False
-    probe = torch.randn(13, w.shape[1], generator=torch.Generator().manual_seed(0))
+    rows = 13 if w.dtype == torch.float32 else BF16_ACT_ROWS
+    tol = 1e-5 if w.dtype == torch.float32 else 2.0 ** -8
+    probe = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
     with torch.no_grad():
         bw = _blocked(w, 0)
-        got, want = gemv_kernel.blocked_linear(probe, bw, None), F.linear(probe, w)
-        alone = torch.cat([gemv_kernel.blocked_linear(probe[i:i + 1], bw, None) for i in range(13)])
+        run = gemv_kernel.blocked_linear if w.dtype == torch.float32 else bf16_linear
+        got, want = run(probe, bw, None), F.linear(probe, w)
+        alone = torch.cat([run(probe[i:i + 1], bw, None) for i in range(rows)])
     del bw
-    if not (torch.equal(got, alone) and torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))):
+    got, want = got.float(), want.float()
+    if not (torch.equal(got, alone.float()) and torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max()))):
         return False
     del w
-    # dec.lin / dec.linear stay gemv_mm / gemv_linear: they take a BlockedWeight too
-    return _replace(dec, model, gemv_kernel.blockable, _blocked, tied=True) is not None
+    # dec.lin / dec.linear stay gemv_mm / gemv_linear: they take a BlockedWeight and a Bf16Weight too
+    return _replace(dec, model, _blockable, _blocked, tied=True) is not None
 
 
-def _blocked(w: torch.Tensor, rows: int) -> gemv_kernel.BlockedWeight:
+def _blockable(w) -> bool:
+    """Whether :func:`use_blocked` blocks ``w``: fp32 as :func:`~tensorpar.decode.gemv_kernel.blockable` says; bf16
+    the same checks and at least :data:`~tensorpar.decode.bf16_weights.BLOCK_MIN_IN` inputs."""
+    if isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16:
+        return (w.dim() == 2 and w.device.type == "cpu" and w.is_contiguous() and w.shape[0] > 0
+                and w.shape[1] >= max(1, bf16_weights.BLOCK_MIN_IN) and gemv_kernel.available())
+    return gemv_kernel.blockable(w)
+
+
+def _blocked(w: torch.Tensor, rows: int):
+    if w.dtype == torch.bfloat16:
+        return Bf16Weight(gemv_kernel.block_bf16(w), torch.bfloat16, w.shape[0])
     return gemv_kernel.BlockedWeight(gemv_kernel.block(w), w.shape[0])
 
 

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
+from tensorpar.decode.bf16_weights import Bf16Weight
 from tensorpar.decode.gemv_kernel import BlockedWeight
 from tensorpar.decode.kernels import pack
 from tensorpar.layers.fused import FUSED_KEY
@@ -57,8 +58,9 @@ class PackedWeight(NamedTuple):
 
 def _dense(packed) -> torch.Tensor:
     """The plain ``[out, in]`` weight of a packed one: oneDNN's tensor (``to_dense``) or our GEMV's
-    :class:`~tensorpar.decode.gemv_kernel.BlockedWeight`; exact either way."""
-    return packed.dense() if isinstance(packed, BlockedWeight) else packed.to_dense()
+    :class:`~tensorpar.decode.gemv_kernel.BlockedWeight`, or a bf16 model's blocked
+    :class:`~tensorpar.decode.bf16_weights.Bf16Weight`; exact either way."""
+    return packed.dense() if isinstance(packed, (BlockedWeight, Bf16Weight)) else packed.to_dense()
 
 
 class _Packed:
@@ -259,5 +261,6 @@ def packed_weight_bytes(model) -> int:
         pw = mod.__dict__.get(PACKED_KEY)
         if pw is not None:
             t = pw.packed
-            seen[id(t)] = t.stored_bytes() if isinstance(t, BlockedWeight) else t.numel() * t.element_size()
+            seen[id(t)] = (t.stored_bytes() if isinstance(t, (BlockedWeight, Bf16Weight))
+                           else t.numel() * t.element_size())
     return sum(seen.values())

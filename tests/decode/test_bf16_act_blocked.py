@@ -1,0 +1,113 @@
+"""bf16 models (``--dtype bfloat16``) with their matmul weights in the bf16 blocked layout of our GEMV
+(tensorpar.decode.matmuls.use_blocked, bf16_weights.bf16_linear on a bf16 input): each matmul within one bf16
+rounding of ``F.linear`` in bf16 at the kernel's rows and ``F.linear``'s own bits above them; the layout replaces
+the plain weights (state_dict unchanged, one copy); greedy tokens of the lean path equal transformers' bf16 model at
+tp 1 and 2, logits within verify's bf16 rule of the plain decoder's."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tensorpar.decode import bf16_weights, gemv_kernel
+from tests._ranks import run_tp
+from tests.decode.test_generate import ARCHS, make_model_folder, prompts
+
+N_NEW = 12
+needs_gemv = pytest.mark.skipif(not gemv_kernel.available(),
+                                reason="TENSORPAR_GEMV_KERNEL=0, neither AVX-512 BF16 nor AVX2 + FMA, or no compiler")
+
+
+@needs_gemv
+@pytest.mark.parametrize("k,n,bias", [(64, 70, False), (300, 33, True), (1030, 97, False)])
+def test_bf16_input_on_blocked_weight(k, n, bias):
+    """bf16 ``x`` on a bf16 weight held blocked (compute dtype bf16): at up to ``BF16_ACT_ROWS`` rows our GEMV's fp32
+    sums rounded once to bf16, so within one bf16 unit of ``F.linear``'s (whose fp32 sums are in another order) and
+    each row bitwise alone; above them ``F.linear``'s bits (the weight converted back, oneDNN's GEMM); the layout
+    gives the weight back exactly."""
+    from tensorpar.decode.bf16_weights import BF16_ACT_ROWS, Bf16Weight, bf16_linear
+    g = torch.Generator().manual_seed(k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    bw = Bf16Weight(gemv_kernel.block_bf16(w), torch.bfloat16, n)
+    assert torch.equal(bw.dense(), w) and bw.dense().dtype == torch.bfloat16
+    for m in range(1, BF16_ACT_ROWS + 4):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        got, want = bf16_linear(x, bw, b), F.linear(x, w, b)
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        if m > BF16_ACT_ROWS:
+            assert torch.equal(got, want), f"m={m}: the chunks are F.linear"
+            continue
+        # one bf16 rounding of sums that differ in their last fp32 bits: at most one bf16 unit (2^-7 relative)
+        assert torch.allclose(got.float(), want.float(), rtol=2.0 ** -7, atol=2.0 ** -7 * float(want.abs().max()))
+        alone = torch.cat([bf16_linear(x[i:i + 1], bw, b) for i in range(m)])
+        assert torch.equal(got, alone), f"m={m}: a row's outputs depend on the others"
+
+
+def job_blocked(ctx, folder, ids, mask, n, min_in):
+    from tensorpar import comm
+    from tensorpar.decode.bf16_weights import Bf16Weight
+    from tensorpar.decode.lean import LeanDecoder
+    from tensorpar.decode.packed import packed_weight_bytes
+    from tensorpar.generate import SamplingConfig, generate_tokens
+    from tensorpar.hf.load import build_parallel_model
+    default = bf16_weights.BLOCK_MIN_IN
+    bf16_weights.BLOCK_MIN_IN = min_in              # this worker only, restored below
+    try:
+        model, plan = build_parallel_model(folder, ctx.tp, dtype=torch.bfloat16)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        tied = model.lm_head.weight is model.get_input_embeddings().weight
+        untied_table = 0 if tied else model.get_input_embeddings().weight.numel()
+        tokens = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=n),
+                                 path="lean").tokens
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = {}
+        for block in (True, False):
+            lean = LeanDecoder(model, ctx.tp, max_batch=ids.shape[0], max_len=ids.shape[1] + 1, block=block)
+            kinds = {type(w).__name__ for L in lean.layers for w in (L.wqkv, L.wo, L.wgu, L.wd)}
+            if block:
+                held = packed_weight_bytes(model)
+                plain_left = sum(p.numel() for p in model.parameters() if p.dim() == 2)     # freed: 0 elements
+                blocked = lean.blocked and kinds == {Bf16Weight.__name__}
+            first = comm.all_gather(lean.prefill(ids, mask, pos).float().contiguous(), ctx.tp, -1, plan.vocab)
+            step = lean.decode(first.argmax(-1)[:, None], pos[:, -1:] + 1, ids.shape[1])    # one decode step
+            logits[block] = [first, comm.all_gather(step.float().contiguous(), ctx.tp, -1, plan.vocab)]
+        same_state = all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+        return dict(tokens=tokens, logits=logits, blocked=blocked, held=held, plain_left=plain_left,
+                    untied_table=untied_table, same_state=same_state)
+    finally:
+        bf16_weights.BLOCK_MIN_IN = default
+
+
+def hf_bf16_greedy(folder, ids, mask, n):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, min_new_tokens=n)
+    return out[:, ids.shape[1]:]
+
+
+@needs_gemv
+@pytest.mark.parametrize("arch,tp", [("llama", 1), ("qwen2", 1), ("llama", 2), pytest.param("qwen2", 3,
+                                                                                              marks=pytest.mark.slow)])
+def test_bf16_model_blocked_equals_transformers(pools, tmp_path, arch, tp):
+    """``--dtype bfloat16`` with every matmul weight blocked (``BLOCK_MIN_IN`` 0 on the ranks; the tiny models' rows
+    are short): the decoder holds only :class:`Bf16Weight` matmul weights (the LM head's too; llama's is tied to the
+    embedding, which then looks its rows up in the layout), no plain matrix left but an untied embedding's (one
+    copy), the state_dict unchanged; greedy tokens equal transformers' bf16 model (qwen2: QKV biases, added in fp32 before the
+    rounding); prefill and decode logits within verify's bf16 rule (depth: the layers and the head) of the same
+    decoder on the plain weights."""
+    from tensorpar.verify import tolerance
+    folder = str(make_model_folder(tmp_path / arch, arch))
+    ids, mask = prompts(ARCHS[arch]["vocab_size"])
+    want = hf_bf16_greedy(folder, ids, mask, N_NEW)
+    cfg = ARCHS[arch]
+    for r, got in enumerate(run_tp(pools, tp, job_blocked, folder, ids, mask, N_NEW, 0)):
+        assert got["blocked"], f"rank {r}: the bf16 weights were not blocked"
+        assert got["same_state"], f"rank {r}: the state_dict changed"
+        assert got["held"] > 0 and got["plain_left"] == got["untied_table"], \
+            f"rank {r}: {got['plain_left']} plain matrix elements left beside the blocked ones"
+        assert torch.equal(got["tokens"], want), f"{arch} tp={tp} rank {r}: {got['tokens']} != {want}"
+        for blocked, plain in zip(got["logits"][True], got["logits"][False]):
+            tol = tolerance(torch.bfloat16, cfg["intermediate_size"], cfg["num_hidden_layers"] + 1, tp,
+                            float(plain.abs().max()))
+            assert (blocked - plain).abs().max() <= tol
