@@ -46,85 +46,11 @@ import torch.nn.functional as F
 from tensorpar.decode import fused, gemv_kernel, step_rows
 from tensorpar.decode.bf16_weights import Bf16Weight
 from tensorpar.decode.gemv_kernel import BlockedWeight
-from tensorpar.decode.int8 import Int8Weight
-from tensorpar.decode.packed import PackedVocabParallelEmbedding, table_of
+from tensorpar.decode.packed import table_of
+from tensorpar.decode.row_step_rules import (_embedding, _format, _norm, _reference_weight,  # noqa: F401 (tests)
+                                             why_not)
 from tensorpar.decode.step_exchange import StepExchange
-from tensorpar.decode.step_matmuls import _KERNELS, _Matmuls
-
-
-def _norm(fn):
-    """``(weight, eps)`` of a norm callable the fused kernel can replace: the fp32 RMSNorm
-    ``w * (x * rsqrt(mean(x^2) + eps))`` that :func:`~tensorpar.decode.kernels.rms_norm_fn` found bitwise equal to
-    the family's module (its ``rms_norm`` attribute); anything else (a module, Gemma's ``(1 + w)``, LayerNorm, bf16)
-    ``None``."""
-    w, eps = getattr(fn, "rms_norm", (None, None))
-    if w is None or not isinstance(eps, float) or w.dtype != torch.float32 or not w.is_contiguous():
-        return None
-    return w, eps
-
-
-def why_not(dec) -> str | None:
-    """Why decoder ``dec`` (a :class:`~tensorpar.decode.lean.LeanDecoder`) cannot run its decode steps as a
-    :class:`RowStep` (``None``: it can)."""
-    if dec.tile is not None:
-        return "deterministic mode"
-    ref = _reference_weight(dec)
-    if ref.device.type != "cpu":
-        return "its weights are not on the CPU (the step's kernels are CPU kernels)"
-    fmt = _format(ref)
-    if not (dec.gemv or (fmt is not None and _KERNELS[fmt][0]())):     # more rows: in chunks (decode_chunks)
-        return "it runs neither our GEMV (fp32 weights) nor our kernel of --quantize int8 / bf16"
-    if ref.dtype != torch.float32:
-        return "it does not compute in fp32"
-    if dec.final_cap is not None or dec.lm_b is not None:
-        return "logit soft-capping or an LM head bias"
-    if not fused.available() or (dec.last and _norm(dec.norm) is None):
-        return "no fused kernels here, or the final norm is not the plain fp32 RMSNorm"
-    for L in dec.layers:
-        plain = (L.moe is None and L.post_attn is None and L.post_ff is None and L.bo is None and L.bd is None
-                 and _bias(L.bqkv, fmt) and _bias(L.bgu, fmt) and L.gated and L.silu and L.qk_norm is None
-                 and not L.interleaved and not L.parallel and L.sdpa is F.scaled_dot_product_attention)
-        if not plain or _norm(L.ln1) is None or _norm(L.ln2) is None:
-            return ("a layer that is not of the plain Llama shape (pre-RMSNorms, gated SiLU MLP, biases only on the "
-                    "QKV and gate-up projections)")
-        if any(_format(w) != fmt for w in (L.wqkv, L.wo, L.wgu, L.wd)):
-            return "weights of several formats"
-    return None
-
-
-def _bias(b, fmt: str | None) -> bool:
-    """Whether a column-parallel projection's bias ``b`` can go to the step's matmul kernel as it is: none, or a
-    contiguous ``[N]`` CPU tensor in the kernel's dtype (fp32: the computing dtype of every format here)."""
-    return b is None or (b.dtype == torch.float32 and b.is_contiguous() and b.dim() == 1 and b.device.type == "cpu")
-
-
-def _reference_weight(dec):
-    """The weight whose format and dtype the step's matmuls share: the LM head's, or on a pipeline stage before the
-    last (no LM head) its first layer's attention output projection."""
-    return dec.lm_w if dec.last else dec.layers[0].wo
-
-
-def _format(w) -> str | None:
-    """``int8`` / ``bf16`` for the stored weights of ``--quantize`` (:class:`Int8Weight`, :class:`Bf16Weight`),
-    ``None`` for fp32 weights (a plain tensor or a :class:`BlockedWeight`: both run our fp32 GEMV)."""
-    return "int8" if isinstance(w, Int8Weight) else "bf16" if isinstance(w, Bf16Weight) else None
-
-
-def _embedding(emb):
-    """``emb`` (the decoder's input embedding) when a row step may look its rows up itself (:meth:`RowStep._embed`):
-    tensorpar's :class:`~tensorpar.layers.embedding.VocabParallelEmbedding` with a contiguous fp32 CPU table, no
-    ``embed_scale`` and no sequence parallelism; else ``None`` (the module runs). A module with hooks (e.g. the
-    collective fingerprints' call sites) runs itself too, checked at every step."""
-    from tensorpar.layers.embedding import VocabParallelEmbedding
-
-    if (type(emb) not in (VocabParallelEmbedding, PackedVocabParallelEmbedding) or emb.embed_scale is not None
-            or emb.sequence_parallel):
-        return None
-    w = table_of(emb)
-    if w.dtype != torch.float32 or not (isinstance(w, BlockedWeight) or w.is_contiguous()) or w.device.type != "cpu":
-        return None
-    return emb
-
+from tensorpar.decode.step_matmuls import _Matmuls
 
 
 class RowStep:
@@ -143,16 +69,21 @@ class RowStep:
         # garbage collection
         self.dec = weakref.proxy(dec)
         L0 = dec.layers[0]
-        self.norm0 = _norm(L0.ln1)
+        #: the model's compute dtype: fp32, or bf16 (``--dtype bfloat16``: the buffers stay fp32 and hold bf16 values,
+        #: each op's result rounded as torch's bf16 ops round it: fused.OP_*_BF16, OP_ROUND after each matmul)
+        self.dtype = dt = _reference_weight(dec).dtype
+        self.bf16 = dt == torch.bfloat16
+        self.f32: dict = {}             # id -> (a bf16 norm weight or bias, its fp32 copy), made once (exact)
+        self.norm0 = _norm(L0.ln1, dt)
         H = self.norm0[0].numel()
         nq, nkv, d = dec.n_q, dec.n_kv, dec.head_dim
-        self.R = R = gemv_kernel.MAX_ROWS       # decode rows, or a prompt's tokens as rows (run_split)
+        self.R = R = gemv_kernel.max_rows(dt)       # decode rows, or a prompt's tokens as rows (run_split)
         f = L0.f
         fmt = _format(_reference_weight(dec))
         e = dict(dtype=torch.float32, device=_reference_weight(dec).device)
         # a pipeline stage before the last ends with x += the last exchange and no norm of its own: a unit-weight
         # RMSNorm into h, which nothing reads, does the add (OP_NORM)
-        self.final_norm = _norm(dec.norm) if dec.last else (torch.ones(H, **e), 1e-6)
+        self.final_norm = _norm(dec.norm, dt) if dec.last else (torch.ones(H, **e), 1e-6)
         self.x, self.h, self.p = (torch.zeros(R, H, **e) for _ in range(3))      # residual, normed, partial sums
         self.qkv = torch.zeros(R, (nq + 2 * nkv) * d, **e)
         self.q = torch.zeros(R, nq, d, **e)
@@ -191,8 +122,8 @@ class RowStep:
             return got
         dec, H, hs, nblk = self.dec, self.H, self.head_stride, self.nblk
         nq, nkv, d, f = dec.n_q, dec.n_kv, dec.head_dim, dec.layers[0].f
-        # --quantize (and blocked fp32): the layers hold the stored weights; else [in, out] views of the [out, in] ones
-        out_in = (lambda w: w) if self.fmt is not None else (lambda w: w if isinstance(w, BlockedWeight) else w.t())
+        # --quantize, blocked fp32 / bf16: the layers hold the stored weights; else [in, out] views of the [out, in] ones
+        out_in = (lambda w: w if not isinstance(w, torch.Tensor) else w.t())
         mm, keys, cache = self.mm, self.keys, dec.cache
         qkv, q, att, gu, a = (t.data_ptr() for t in (self.qkv, self.q, self.att, self.gu, self.a))
         offs, blocks = ctypes.addressof(self.offs[b]), ctypes.addressof(self.blocks[b])
@@ -201,8 +132,15 @@ class RowStep:
         ex = StepExchange(self.p[:b], dec.tp)          # each all-reduce of p[:b], inside the program
 
         def norm(fn):       # x += the exchanged partial sums (step words); h = fn's RMSNorm of x
-            w, eps = _norm(fn) if fn is not None else self.final_norm
-            return (fused.OP_NORM, x_, b, H, w.data_ptr(), fused.float_bits(eps), h_)
+            w, eps = _norm(fn, self.dtype) if fn is not None else self.final_norm
+            kind = fused.OP_NORM_BF16 if bf else fused.OP_NORM
+            return (kind, x_, b, H, self._fp32(w).data_ptr(), fused.float_bits(eps), h_)
+
+        def mm_op(x, w, y, bias=None):      # the matmul, then (bf16) its output rounded
+            return [mm.op(x, out_in(w), y, self._fp32(bias))] + ([(fused.OP_ROUND, y.data_ptr(), y.numel())] if bf
+                                                                   else [])
+        bf = self.bf16
+        rope, attn = (fused.OP_ROPE_BF16, fused.OP_ATTN_BF16) if bf else (fused.OP_ROPE, fused.OP_ATTN)
         ops, keep = [], [ex]
         for i, L in enumerate(dec.layers):
             kv_of = (L.kv_idx.tolist() if L.kv_idx is not None
@@ -212,16 +150,16 @@ class RowStep:
             scale = fused.float_bits(float(L.scaling if L.scaling is not None else d ** -0.5))
             k, v = cache.k[i].data_ptr(), cache.v[i].data_ptr()
             ops += [norm(L.ln1),                                              # x += all_reduce; h = ln1(x)
-                    mm.op(self.h[:b], out_in(L.wqkv), self.qkv[:b], L.bqkv),                      # h -> qkv
-                    (fused.OP_ROPE, qkv, b, nq, nkv, d, self.rd, keys[L.rope], q, k, v, hs, offs),
-                    (fused.OP_ATTN, q, b, nq, d, k, v, hs, blocks, nblk, bs, ctypes.addressof(kv_of), scale,
+                    *mm_op(self.h[:b], L.wqkv, self.qkv[:b], L.bqkv),                             # h -> qkv
+                    (rope, qkv, b, nq, nkv, d, self.rd, keys[L.rope], q, k, v, hs, offs),
+                    (attn, q, b, nq, d, k, v, hs, blocks, nblk, bs, ctypes.addressof(kv_of), scale,
                      self.scratch.data_ptr(), att),
-                    mm.op(self.att[:b], out_in(L.wo), self.p[:b]),                                # -> p
+                    *mm_op(self.att[:b], L.wo, self.p[:b]),                                       # -> p
                     ex.op(),                                                  # all-reduce of o W_o
                     norm(L.ln2),                                              # x += all_reduce; h = ln2(x)
-                    mm.op(self.h[:b], out_in(L.wgu), self.gu[:b], L.bgu),
-                    (fused.OP_SILU, gu, b, f, a),                                                 # gu -> a
-                    mm.op(self.a[:b], out_in(L.wd), self.p[:b]),                                  # -> p
+                    *mm_op(self.h[:b], L.wgu, self.gu[:b], L.bgu),
+                    (fused.OP_SILU_BF16 if bf else fused.OP_SILU, gu, b, f, a),                   # gu -> a
+                    *mm_op(self.a[:b], L.wd, self.p[:b]),                                         # -> p
                     ex.op()]                                                  # all-reduce of a W_d
         ops.append(norm(dec.norm if dec.last else None))                    # x += all_reduce; h = norm(x)
         prog = fused.program(ops)
@@ -237,7 +175,7 @@ class RowStep:
         if dec.rope_switch is not None:
             return None
         n = dec.max_len
-        x = torch.zeros(1, 1, 1, dtype=torch.float32, device=_reference_weight(dec).device)
+        x = torch.zeros(1, 1, 1, dtype=self.dtype, device=_reference_weight(dec).device)    # bf16: bf16 tables
         pos = torch.arange(n, device=x.device)
         out = {}
         for key, rotary in dec.rotary.items():
@@ -247,8 +185,18 @@ class RowStep:
                 c1, s1 = dec._rotary(rotary, x, pos[p:p + 1], None)
                 if not (torch.equal(c1.reshape(-1), cos[p]) and torch.equal(s1.reshape(-1), sin[p])):
                     return None
-            out[key] = (cos, sin)
+            out[key] = (cos.float(), sin.float())                                       # (exact)
         return out
+
+    def _fp32(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """``t`` (a norm weight, a bias) as the fp32 the step's kernels read: itself, or (bf16) an fp32 copy made
+        once and kept (exact)."""
+        if t is None or t.dtype == torch.float32:
+            return t
+        got = self.f32.get(id(t))
+        if got is None:
+            got = self.f32[id(t)] = (t, t.float().contiguous())     # t kept: its id is not reused
+        return got[1]
 
     def runs(self, segments) -> bool:
         """Whether this step is one :class:`RowStep` runs: one segment of at most ``rows`` rows of one token each,
@@ -358,9 +306,10 @@ class RowStep:
                 return out, []
         last = rope_pos if dec.rope_switch is not None else None   # longrope: a decode row's length is its position
         out, keep = {}, []
+        e = e if not self.bf16 else e[..., :1].to(self.dtype)      # the tables' dtype: the model's (bf16: rounded)
         for key, rotary in dec.rotary.items():
             cos, sin = dec._rotary(rotary, e, rope_pos, last)                           # [b, 1, rd] each
-            cos, sin = cos.contiguous(), sin.contiguous()
+            cos, sin = cos.float().contiguous(), sin.float().contiguous()
             keep += [cos, sin]
             out[key] = (cos.data_ptr(), sin.data_ptr())
         return out, keep
@@ -392,8 +341,8 @@ class RowStep:
         ex.run(prog, step)
         del keep, keep_parts, mask                                # alive until the programs ran
         if not dec.last:            # a pipeline stage before the last: the residual stream goes on, [b, h]
-            return x.clone()
+            return x.to(self.dtype, copy=True)
         h = self.h[:b] if pick is None else self.h[:b].index_select(0, pick)    # the LM head on the rows asked
         logits = torch.empty(h.shape[0], dec.lm_w.shape[0], dtype=torch.float32, device=x.device)
         self.mm.run_into(h, dec.lm_w, logits)
-        return logits
+        return logits if not self.bf16 else logits.to(self.dtype)      # bf16: the fp32 sums rounded once

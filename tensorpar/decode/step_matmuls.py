@@ -21,8 +21,12 @@ class _Matmuls:
     (:func:`~tensorpar.decode.gemv_kernel.into_args`), our Q8_0 x Q8_0 kernel on the :class:`Int8Weight` of
     ``--quantize int8`` (:func:`~tensorpar.decode.q8_kernel.into_args`, the activations quantized into one scratch
     the step's matmuls share: they run one after the other), or our GEMV widening the :class:`Bf16Weight` of
-    ``--quantize bf16``, plain or blocked (:func:`~tensorpar.decode.gemv_kernel.bf16w_into_args`). Each is the
-    kernel the general loop runs at these rows, so a matmul's output is bitwise the general loop's given the same input."""
+    ``--quantize bf16``, plain or blocked, and a bf16 model's bf16 weights, plain tensors or blocked
+    (:func:`~tensorpar.decode.gemv_kernel.bf16w_into_args`: on the step's fp32 buffers; the step rounds the output
+    to bf16). Each is the
+    kernel the general loop runs at these rows, so a matmul's output is bitwise the general loop's given the same input
+    (but a bf16 model's plain weights: the general loop's bf16 x bf16 GEMV pairs its products, ``vdpbf16ps``; within
+    one bf16 rounding)."""
 
     def __init__(self, fmt: str | None, rows: int, k: int, threads: int):
         self.threads = threads
@@ -37,6 +41,8 @@ class _Matmuls:
             return q8_kernel.into_args(x, w.q, w.scale, y, self.scratch, self.threads, bias=bias)
         if isinstance(w, Bf16Weight):
             return gemv_kernel.bf16w_into_args(x, w.w, y, self.threads, bias=bias, n=w.n)
+        if w.dtype == torch.bfloat16:       # a bf16 model's plain weight [out, in], on the step's fp32 buffers
+            return gemv_kernel.bf16w_into_args(x, w, y, self.threads, bias=bias)
         return gemv_kernel.into_args(x, w, y, self.threads, bias=bias)
 
     def run_into(self, x: torch.Tensor, w, y: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -53,7 +59,7 @@ class _Matmuls:
         a = self.args(x, w, y, bias)
         if isinstance(w, Int8Weight):
             return (fused.OP_Q8, q8_kernel.address("tp_q8_linear_into"), *a)
-        if isinstance(w, Bf16Weight):       # the blocked layout's entry takes the same arguments
-            name = "tp_gemv_bf16w_blocked" if w.blocked else "tp_gemv_bf16w"
+        if isinstance(w, Bf16Weight) or w.dtype == torch.bfloat16:      # the blocked entry takes the same arguments
+            name = "tp_gemv_bf16w_blocked" if isinstance(w, Bf16Weight) and w.blocked else "tp_gemv_bf16w"
             return (fused.OP_GEMV_BF16W, gemv_kernel.address(name), *a)
         return (fused.OP_GEMV, gemv_kernel.address("tp_gemv"), *a)

@@ -50,7 +50,8 @@ def job_blocked(ctx, folder, ids, mask, n, min_in):
     from tensorpar.generate import SamplingConfig, generate_tokens
     from tensorpar.hf.load import build_parallel_model
     default = bf16_weights.BLOCK_MIN_IN
-    bf16_weights.BLOCK_MIN_IN = min_in              # this worker only, restored below
+    if min_in is not None:
+        bf16_weights.BLOCK_MIN_IN = min_in              # this worker only, restored below
     try:
         model, plan = build_parallel_model(folder, ctx.tp, dtype=torch.bfloat16)
         state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -59,9 +60,12 @@ def job_blocked(ctx, folder, ids, mask, n, min_in):
         tokens = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=n),
                                  path="lean").tokens
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = {}
-        for block in (True, False):
+        logits, row_step, held, plain_left = {}, {}, 0, 0
+        for block, rows in ((True, True), (True, False), (False, True), (False, False)):
             lean = LeanDecoder(model, ctx.tp, max_batch=ids.shape[0], max_len=ids.shape[1] + 1, block=block)
+            row_step[block] = lean.row_step is not None
+            if not rows:
+                lean.row_step = None                    # the general loop
             kinds = {type(w).__name__ for L in lean.layers for w in (L.wqkv, L.wo, L.wgu, L.wd)}
             if block:
                 held = packed_weight_bytes(model)
@@ -69,10 +73,11 @@ def job_blocked(ctx, folder, ids, mask, n, min_in):
                 blocked = lean.blocked and kinds == {Bf16Weight.__name__}
             first = comm.all_gather(lean.prefill(ids, mask, pos).float().contiguous(), ctx.tp, -1, plan.vocab)
             step = lean.decode(first.argmax(-1)[:, None], pos[:, -1:] + 1, ids.shape[1])    # one decode step
-            logits[block] = [first, comm.all_gather(step.float().contiguous(), ctx.tp, -1, plan.vocab)]
+            assert step.dtype == torch.bfloat16
+            logits[block, rows] = [first, comm.all_gather(step.float().contiguous(), ctx.tp, -1, plan.vocab)]
         same_state = all(torch.equal(state[k], v) for k, v in model.state_dict().items())
         return dict(tokens=tokens, logits=logits, blocked=blocked, held=held, plain_left=plain_left,
-                    untied_table=untied_table, same_state=same_state)
+                    untied_table=untied_table, same_state=same_state, row_step=row_step)
     finally:
         bf16_weights.BLOCK_MIN_IN = default
 
@@ -93,9 +98,11 @@ def test_bf16_model_blocked_equals_transformers(pools, tmp_path, arch, tp):
     """``--dtype bfloat16`` with every matmul weight blocked (``BLOCK_MIN_IN`` 0 on the ranks; the tiny models' rows
     are short): the decoder holds only :class:`Bf16Weight` matmul weights (the LM head's too; llama's is tied to the
     embedding, which then looks its rows up in the layout), no plain matrix left but an untied embedding's (one
-    copy), the state_dict unchanged; greedy tokens equal transformers' bf16 model (qwen2: QKV biases, added in fp32 before the
-    rounding); prefill and decode logits within verify's bf16 rule (depth: the layers and the head) of the same
-    decoder on the plain weights."""
+    copy), the state_dict unchanged; the row step runs its decode steps (bf16 rounding emulated on fp32 buffers, a
+    bf16 cache), on the blocked weights and on plain ones; greedy tokens equal transformers' bf16 model (qwen2: QKV
+    biases, added in fp32 before the rounding); prefill and decode logits of the blocked weights, the row step or the
+    general loop, within verify's bf16 rule (depth: the layers and the head) of the general loop on plain weights."""
+    from tensorpar.decode import fused
     from tensorpar.verify import tolerance
     folder = str(make_model_folder(tmp_path / arch, arch))
     ids, mask = prompts(ARCHS[arch]["vocab_size"])
@@ -103,11 +110,14 @@ def test_bf16_model_blocked_equals_transformers(pools, tmp_path, arch, tp):
     cfg = ARCHS[arch]
     for r, got in enumerate(run_tp(pools, tp, job_blocked, folder, ids, mask, N_NEW, 0)):
         assert got["blocked"], f"rank {r}: the bf16 weights were not blocked"
+        assert got["row_step"] == {True: fused.available(), False: fused.available()}, got["row_step"]
         assert got["same_state"], f"rank {r}: the state_dict changed"
         assert got["held"] > 0 and got["plain_left"] == got["untied_table"], \
             f"rank {r}: {got['plain_left']} plain matrix elements left beside the blocked ones"
         assert torch.equal(got["tokens"], want), f"{arch} tp={tp} rank {r}: {got['tokens']} != {want}"
-        for blocked, plain in zip(got["logits"][True], got["logits"][False]):
-            tol = tolerance(torch.bfloat16, cfg["intermediate_size"], cfg["num_hidden_layers"] + 1, tp,
-                            float(plain.abs().max()))
-            assert (blocked - plain).abs().max() <= tol
+        ref = got["logits"][False, False]
+        for key, pair in got["logits"].items():
+            for what, a, b in zip(("prefill", "decode"), pair, ref):
+                tol = tolerance(torch.bfloat16, cfg["intermediate_size"], cfg["num_hidden_layers"] + 1, tp,
+                                float(b.abs().max()))
+                assert (a - b).abs().max() <= tol, f"{arch} tp={tp} {key} {what}: {(a - b).abs().max()} > {tol}"
