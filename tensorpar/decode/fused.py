@@ -62,9 +62,10 @@ def _lib():
 
 #: the op kinds of a :func:`program` (csrc/step.cpp ``tp_run_at``), and the words of each op (its kind included)
 OP_END, OP_GEMV, OP_GEMV_BF16W, OP_Q8, OP_ROPE, OP_ATTN, OP_SILU, OP_NORM, OP_EXCHANGE = range(9)
-#: a bf16 model's (``--dtype bfloat16``): the fp32 ops' words on fp32 buffers holding bf16 values, each result rounded
-#: to bf16 where torch's bf16 ops round it, the rotary's cache writes and attention's reads on a bf16 cache; ``(OP_ROUND,
-#: x, n)`` rounds ``n`` floats at ``x`` to bf16 in place (after a matmul: torch's bf16 GEMM rounds its fp32 sums once)
+#: a bf16 model's (``--dtype bfloat16``): the fp32 ops' words on fp32 buffers holding bf16 values, each result
+#: rounded to bf16 where torch's bf16 ops round it, the rotary's cache writes and attention's reads on a bf16 cache;
+#: ``(OP_ROUND, x, n)`` rounds ``n`` floats at ``x`` to bf16 in place (after a matmul: torch's bf16 GEMM rounds its
+#: fp32 sums once)
 OP_NORM_BF16, OP_ROPE_BF16, OP_ATTN_BF16, OP_SILU_BF16, OP_ROUND = range(9, 14)
 _WORDS = {OP_GEMV: 13, OP_GEMV_BF16W: 11, OP_Q8: 12, OP_ROPE: 13, OP_ATTN: 15, OP_SILU: 5, OP_NORM: 7, OP_EXCHANGE: 2,
           OP_NORM_BF16: 7, OP_ROPE_BF16: 13, OP_ATTN_BF16: 15, OP_SILU_BF16: 5, OP_ROUND: 3}

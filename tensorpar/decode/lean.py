@@ -23,10 +23,10 @@ math directly on the rank's tensors:
   second copy; the modules convert back on access); ``F.linear`` calls the same oneDNN matmul but reorders the
   weight on every call, which made bf16 GEMV 1.5x slower than it needs to be (same bits);
 * fp32 and bf16 on a CPU with AVX-512 BF16 or AVX2 + FMA: our GEMV (:mod:`tensorpar.decode.gemv_kernel`) at steps of
-  up to 32 rows (fp32) or 4 (bf16), fp32 weights in its blocked layout where the model allows (then at any
-  ``max_batch``, prefill too; else ``torch.mm`` / ``F.linear``), within 1e-5 of ``F.linear`` (bf16: one rounding);
+  up to 32 rows (fp32) or 4 (bf16), weights in its blocked layout where the model allows (fp32 at any ``max_batch``;
+  bf16 of >= 1024 inputs; else ``torch.mm`` / ``F.linear``), within 1e-5 of ``F.linear`` (bf16: one rounding);
 * decode steps (one token per row; more than 32 rows in chunks of 32) of layers of the plain Llama shape in fp32
-  (fp32, int8 or bf16 weights) run as a :class:`~tensorpar.decode.row_step.RowStep`: a few fused C++ calls per layer;
+  (fp32, int8 or bf16 weights) or bf16 run as a :class:`~tensorpar.decode.row_step.RowStep`: a few C++ calls a layer;
 * a model quantized by :func:`tensorpar.decode.quantize.quantize_int8` (its fp weights freed) runs every matmul as
   :func:`tensorpar.decode.int8.int8_linear` (Q8_0 x Q8_0: the input quantized per block of 32, int8 x int8; the
   row step: the same kernel into its buffers) on the int8 ``[out, in]`` weights; one stored in bf16 by ``--quantize

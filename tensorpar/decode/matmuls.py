@@ -98,7 +98,8 @@ def use_blocked(dec, model) -> bool:
         alone = torch.cat([run(probe[i:i + 1], bw, None) for i in range(rows)])
     del bw
     got, want = got.float(), want.float()
-    if not (torch.equal(got, alone.float()) and torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max()))):
+    close = torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max()))
+    if not (torch.equal(got, alone.float()) and close):
         return False
     del w
     # dec.lin / dec.linear stay gemv_mm / gemv_linear: they take a BlockedWeight and a Bf16Weight too

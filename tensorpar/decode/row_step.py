@@ -34,6 +34,15 @@ loop. Results: residual stream, rotary, cache writes and matmul outputs bitwise 
 given the same inputs; norms, attention and SiLU within fp32 rounding (sums in another order, ``expf``), so
 logits agree to 1e-5 of the largest and greedy tokens equal transformers' (tests/decode/test_row_step.py); int8:
 an activation within that rounding of a half step of its block may round to the other step.
+
+bf16 models (``--dtype bfloat16``, ``max_batch`` <= 4, where the general loop runs our GEMV on the bf16 weights,
+plain or blocked): the same program on fp32 buffers that hold bf16 values, every result rounded to bf16 (nearest
+even) where torch's bf16 ops round it: each matmul's fp32 sums once (``OP_ROUND``, as the bf16 GEMM), the residual
+adds and the partial sums' adds, the normalised row and its product with the weight, each rotary product and their
+sum, attention's output, SiLU and the gate product (``fused.OP_*_BF16``); the cache is the decoder's bf16 one, the
+norm weights and biases fp32 copies (exact), the logits bf16. Against the general loop: the same rounding points,
+sums in another order (the matmuls on plain weights, the norm's squares, attention), so within verify's bf16
+tolerance; greedy tokens equal transformers' bf16 model (tests/decode/test_bf16_act_blocked.py).
 """
 from __future__ import annotations
 
@@ -57,7 +66,8 @@ class RowStep:
     """The decode step of decoder ``dec`` (:func:`why_not` must be ``None``); called by
     :meth:`~tensorpar.decode.lean.LeanDecoder.forward_segments` (:meth:`run_split`) for ``b <= rows`` rows of one
     token each whose tokens are all stored (``write`` None): decode rows, and a step's prompts as one row per token
-    (:mod:`~tensorpar.decode.step_rows`); ``rows`` = :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS`.
+    (:mod:`~tensorpar.decode.step_rows`); ``rows`` = :func:`~tensorpar.decode.gemv_kernel.max_rows` of the compute
+    dtype (32 fp32, 4 bf16).
 
     Memory: a few buffers of ``rows`` rows (hidden, QKV, gate-up widths), fp32; a program per row
     count run so far (:meth:`program`). Collectives: those of the

@@ -103,7 +103,7 @@ def test_greedy_tp2_pp2_equals_transformers(pp_dirs):
     assert [held for _, _, held in out] == [[0, 1], [0, 1], [2, 3], [2, 3]]
 
 
-def job_row_step(ctx, folder, ids, mask, n):
+def job_row_step(ctx, folder, ids, mask, n, dtype="float32"):
     """A stage's decoder takes the row step (a later stage reads the residual stream sent, an earlier one returns
     its own): its why_not, how many decode steps the row step ran in generate, and the tokens."""
     from transformers import AutoConfig
@@ -111,7 +111,8 @@ def job_row_step(ctx, folder, ids, mask, n):
     from tensorpar.decode import row_step
     from tensorpar.decode.lean import LeanDecoder
     from tensorpar.job import Job, load_model
-    job = Job(parallel=ctx.config, timeout_s=60.0, folder=folder, model_config=AutoConfig.from_pretrained(folder))
+    job = Job(parallel=ctx.config, timeout_s=60.0, folder=folder, model_config=AutoConfig.from_pretrained(folder),
+              dtype=dtype)
     model, _ = load_model(job, ctx)
     why = row_step.why_not(LeanDecoder(model, ctx.tp, max_batch=1, max_len=64))
     ran, call = [], row_step.RowStep.__call__
@@ -367,3 +368,23 @@ def test_torchrun_world_not_divisible_by_pp_is_one_line(model_dirs, capsys, monk
     assert capsys.readouterr().err == "tensorpar generate: error: --tp 4 x --pp 2 = 8 ranks, but torchrun started " \
                                       "WORLD_SIZE=4; drop --tp under torchrun (it is the world size / --pp) or start " \
                                       "8 ranks\n"
+
+
+@pytest.mark.skipif(not (gemv_kernel.available() and fused.available()),
+                    reason="no AVX-512 / AVX2 CPU or no C++ compiler for the row step's kernels")
+def test_pp2_bf16_stages_take_the_row_step(pool_pp2, pp_dirs):
+    """pp 2, batch 1, a bf16 model (``--dtype bfloat16``): both stages decode through the row step (its 4 rows: the
+    7-token prompt runs the general loop; the bf16 residual stream sent between the stages), greedy tokens equal
+    transformers' bf16 model."""
+    from transformers import AutoModelForCausalLM
+    folder = pp_dirs["llama"]
+    ids, mask = prompts(53)
+    ids, mask = ids[:1], mask[:1]
+    steps = 6
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        want = ref.generate(ids, attention_mask=mask, max_new_tokens=steps, do_sample=False, eos_token_id=None,
+                            pad_token_id=0, min_new_tokens=steps)[:, ids.shape[1]:]
+    for why, ran, tokens in pool_pp2.run(job_row_step, folder, ids, mask, steps, "bfloat16"):
+        assert why is None and ran == steps - 1, (why, ran)     # every decode step; the prompt in the general loop
+        torch.testing.assert_close(tokens, want, rtol=0, atol=0)

@@ -179,11 +179,13 @@ def test_exchange_delivers_every_plan(pools, fast):
 
 @pytest.mark.skipif(not (gemv_kernel.available() and fused.available()),
                     reason="no AVX-512 / AVX2 CPU or no C++ compiler for the row step's kernels")
-def test_paged_row_step_equals_one_block_per_row(folders, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_row_step_equals_one_block_per_row(folders, monkeypatch, dtype):
     """The row step over a paged cache (4-position blocks, the server's block tables; rows reach 28 positions) gives
     the tokens and log-probabilities of the engine with one block of max_len per row, bitwise: attention reads the
     same keys in the same order; requests join next to running decodes, their prompts as rows of one token in the
-    same program (RowStep.run_split, step_rows.run_split)."""
+    same program (RowStep.run_split, step_rows.run_split). bf16 (the row step's 4 rows, ``max_batch`` 4): the
+    same, on the bf16 cache."""
     from tensorpar.decode.row_step import RowStep
     from tensorpar.hf.load import build_parallel_model
     from tensorpar.parallel import ParallelContext
@@ -194,12 +196,14 @@ def test_paged_row_step_equals_one_block_per_row(folders, monkeypatch):
                         lambda self, ids, pos, g, **k: lengths.append(g.length) or call(self, ids, pos, g, **k))
     monkeypatch.setattr(sys.modules[__name__], "NEW", 12)                  # longer rows: more blocks each
     ctx = ParallelContext.single()
-    model, _ = build_parallel_model(folders["llama"], ctx.tp, dtype=torch.float32)
-    schedule = [(0 if i < 2 else 2, 6 - i, p) for i, p in enumerate(_prompts(ARCHS["llama"]["vocab_size"]))]
+    model, _ = build_parallel_model(folders["llama"], ctx.tp, dtype=dtype)
+    slots = 7 if dtype == torch.float32 else 4
+    schedule = [(0 if i < 2 else 2, slots - 1 - i, p)
+                for i, p in enumerate(_prompts(ARCHS["llama"]["vocab_size"])[:slots])]
     out, ran = {}, {}
-    for name, kw, n in (("static", {}, 0), ("paged", dict(block_size=4, num_blocks=7 * 16), 16)):
+    for name, kw, n in (("static", {}, 0), ("paged", dict(block_size=4, num_blocks=slots * 16), 16)):
         lengths.clear()
-        engine = Engine(model, ctx.tp, max_batch=7, max_len=64, **kw)
+        engine = Engine(model, ctx.tp, max_batch=slots, max_len=64, **kw)
         assert engine.lean.row_step is not None
         out[name], ran[name] = _drive(engine, schedule, True, blocks_per_slot=n), max(lengths, default=0)
         del engine
