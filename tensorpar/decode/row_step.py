@@ -35,9 +35,10 @@ given the same inputs; norms, attention and SiLU within fp32 rounding (sums in a
 logits agree to 1e-5 of the largest and greedy tokens equal transformers' (tests/decode/test_row_step.py); int8:
 an activation within that rounding of a half step of its block may round to the other step.
 
-bf16 models (``--dtype bfloat16``, ``max_batch`` <= 4, where the general loop runs our GEMV on the bf16 weights,
-plain or blocked): the same program on fp32 buffers that hold bf16 values, every result rounded to bf16 (nearest
-even) where torch's bf16 ops round it: each matmul's fp32 sums once (``OP_ROUND``, as the bf16 GEMM), the residual
+bf16 models (``--dtype bfloat16``: ``max_batch`` <= 4, where the general loop runs our GEMV on the bf16 weights,
+plain or blocked; or the int8 weights of ``--quantize int8``, whose kernel takes the input widened to fp32 and
+whose output the general loop rounds to bf16 once, as here: bitwise): the same program on fp32 buffers that hold
+bf16 values, every result rounded to bf16 (nearest even) where torch's bf16 ops round it: each matmul's fp32 sums once (``OP_ROUND``, as the bf16 GEMM), the residual
 adds and the partial sums' adds, the normalised row and its product with the weight, each rotary product and their
 sum, attention's output, SiLU and the gate product (``fused.OP_*_BF16``); the cache is the decoder's bf16 one, the
 norm weights and biases fp32 copies (exact), the logits bf16. Against the general loop: the same rounding points,
@@ -57,7 +58,7 @@ from tensorpar.decode.bf16_weights import Bf16Weight
 from tensorpar.decode.gemv_kernel import BlockedWeight
 from tensorpar.decode.packed import table_of
 from tensorpar.decode.row_step_rules import (_embedding, _format, _norm, _reference_weight,  # noqa: F401 (tests)
-                                             why_not)
+                                             rows, why_not)
 from tensorpar.decode.step_exchange import StepExchange
 from tensorpar.decode.step_matmuls import _Matmuls
 
@@ -66,8 +67,8 @@ class RowStep:
     """The decode step of decoder ``dec`` (:func:`why_not` must be ``None``); called by
     :meth:`~tensorpar.decode.lean.LeanDecoder.forward_segments` (:meth:`run_split`) for ``b <= rows`` rows of one
     token each whose tokens are all stored (``write`` None): decode rows, and a step's prompts as one row per token
-    (:mod:`~tensorpar.decode.step_rows`); ``rows`` = :func:`~tensorpar.decode.gemv_kernel.max_rows` of the compute
-    dtype (32 fp32, 4 bf16).
+    (:mod:`~tensorpar.decode.step_rows`); ``rows`` = :func:`~tensorpar.decode.row_step_rules.rows` (32; a bf16
+    model's bf16 weights 4).
 
     Memory: a few buffers of ``rows`` rows (hidden, QKV, gate-up widths), fp32; a program per row
     count run so far (:meth:`program`). Collectives: those of the
@@ -87,9 +88,9 @@ class RowStep:
         self.norm0 = _norm(L0.ln1, dt)
         H = self.norm0[0].numel()
         nq, nkv, d = dec.n_q, dec.n_kv, dec.head_dim
-        self.R = R = gemv_kernel.max_rows(dt)       # decode rows, or a prompt's tokens as rows (run_split)
-        f = L0.f
         fmt = _format(_reference_weight(dec))
+        self.R = R = rows(dt, fmt)                  # decode rows, or a prompt's tokens as rows (run_split)
+        f = L0.f
         e = dict(dtype=torch.float32, device=_reference_weight(dec).device)
         # a pipeline stage before the last ends with x += the last exchange and no norm of its own: a unit-weight
         # RMSNorm into h, which nothing reads, does the add (OP_NORM)

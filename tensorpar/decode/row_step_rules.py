@@ -13,8 +13,17 @@ from tensorpar.decode.packed import PackedVocabParallelEmbedding, table_of
 from tensorpar.decode.step_matmuls import _KERNELS
 
 #: the compute dtypes the row step runs: fp32 (fp32 weights, or the int8 / bf16 weights of ``--quantize``), and bf16
-#: models (``--dtype bfloat16``: bf16 weights, plain or blocked, their activations rounded to bf16 where torch rounds)
+#: models (``--dtype bfloat16``: bf16 weights, plain or blocked, or the int8 weights of ``--quantize int8``; their
+#: activations rounded to bf16 where torch rounds them)
 DTYPES = (torch.float32, torch.bfloat16)
+
+
+def rows(dtype: torch.dtype, fmt: str | None) -> int:
+    """The most rows a row step of a model computing in ``dtype`` on weights of format ``fmt`` runs: our GEMV's
+    :func:`~tensorpar.decode.gemv_kernel.max_rows` for a bf16 model's bf16 weights (4), else
+    :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS` (32; the int8 kernel of a bf16 model too: the general loop runs it
+    at every row count, on the input widened to fp32)."""
+    return gemv_kernel.max_rows(dtype) if fmt == "bf16" and dtype == torch.bfloat16 else gemv_kernel.MAX_ROWS
 
 
 def _norm(fn, dtype: torch.dtype = torch.float32):
@@ -40,9 +49,8 @@ def why_not(dec) -> str | None:
     fmt, dt = _format(ref), ref.dtype
     if dt not in DTYPES:
         return "it computes in neither fp32 nor bf16"
-    if dt == torch.bfloat16 and not (dec.gemv and fmt == "bf16"):     # not oneDNN's packed weights, not int8
-        return ("a bf16 model whose weights our GEMV does not run (max_batch above "
-                f"{gemv_kernel.max_rows(dt)}, or --quantize int8)")
+    if dt == torch.bfloat16 and not ((dec.gemv and fmt == "bf16") or fmt == "int8"):     # not oneDNN's packed ones
+        return f"a bf16 model whose weights our GEMV does not run (max_batch above {gemv_kernel.max_rows(dt)})"
     if not (dec.gemv or (fmt is not None and _KERNELS[fmt][0]())):     # more rows: in chunks (decode_chunks)
         return "it runs neither our GEMV (fp32 weights) nor our kernel of --quantize int8 / bf16"
     if dec.final_cap is not None or dec.lm_b is not None:

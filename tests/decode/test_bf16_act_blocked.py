@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from tensorpar.decode import bf16_weights, gemv_kernel
 from tests._ranks import run_tp
 from tests.decode.test_generate import ARCHS, make_model_folder, prompts
+from tests.decode.test_quant import folders  # noqa: F401 (the fixture: models whose Linears split into int8 blocks)
 
 N_NEW = 12
 needs_gemv = pytest.mark.skipif(not gemv_kernel.available(),
@@ -121,3 +122,43 @@ def test_bf16_model_blocked_equals_transformers(pools, tmp_path, arch, tp):
                 tol = tolerance(torch.bfloat16, cfg["intermediate_size"], cfg["num_hidden_layers"] + 1, tp,
                                 float(b.abs().max()))
                 assert (a - b).abs().max() <= tol, f"{arch} tp={tp} {key} {what}: {(a - b).abs().max()} > {tol}"
+
+
+def job_int8_bf16(ctx, folder, ids, mask):
+    from tensorpar import comm
+    from tensorpar.decode import row_step
+    from tensorpar.decode.lean import LeanDecoder
+    from tensorpar.decode.quantize import quantize_int8
+    from tensorpar.hf.load import build_parallel_model
+    model, plan = build_parallel_model(folder, ctx.tp, dtype=torch.bfloat16)
+    quantize_int8(model, ctx.tp)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out, why = {}, None
+    for rows in (True, False):
+        lean = LeanDecoder(model, ctx.tp, max_batch=ids.shape[0], max_len=ids.shape[1] + 1)
+        if rows:
+            why = row_step.why_not(lean)
+        else:
+            lean.row_step = None
+        first = comm.all_gather(lean.prefill(ids, mask, pos).float().contiguous(), ctx.tp, -1, plan.vocab)
+        step = lean.decode(first.argmax(-1)[:, None], pos[:, -1:] + 1, ids.shape[1])
+        out[rows] = [first, comm.all_gather(step.float().contiguous(), ctx.tp, -1, plan.vocab)]
+    return why, out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_int8_bf16_row_step_equals_general_loop(pools, folders, tp):
+    """``--quantize int8`` on a bf16 model: the row step runs it (its int8 kernel on the input widened to fp32, the
+    output rounded to bf16 once: the general loop's matmul bitwise), prompts as rows and decode steps; logits within
+    0.05 of the general loop's (test_quant's bound for int8 with bf16 activations: a bf16 rounding in another order
+    can move an activation to the other int8 step)."""
+    from tensorpar.decode import fused, q8_kernel
+    ids, mask = prompts(ARCHS["llama"]["vocab_size"])
+    for r, (why, out) in enumerate(run_tp(pools, tp, job_int8_bf16, folders["llama"], ids, mask)):
+        if not (fused.available() and q8_kernel.available()):
+            assert why is not None
+            continue
+        assert why is None, f"rank {r}: {why}"
+        for what, a, b in zip(("prefill", "decode"), out[True], out[False]):
+            assert (a - b).abs().max() < 0.05, f"tp={tp} {what}: {(a - b).abs().max()}"
+
