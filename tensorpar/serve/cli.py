@@ -160,6 +160,9 @@ def validate(args: argparse.Namespace):
                                                                 block_size=bs, memory=args.kv_cache_memory, pp=pp))
     from tensorpar.cli import check_model_degrees
     check_model_degrees(args, config)   # --ep, --pp: the rules the ranks apply
+    from tensorpar.launch import check_gpu_count
+    if not under_torchrun():            # run_ranks' rule, before the KV pool asks a GPU for its free memory
+        check_gpu_count(args.tp * getattr(args, "pp", 1) * getattr(args, "ep", 1))
     import torch
 
     from tensorpar.hf.load import follow_stored_ties, resolve_attn_implementation
