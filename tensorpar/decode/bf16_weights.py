@@ -11,6 +11,7 @@ weights in registers, :func:`tensorpar.decode.gemv_kernel.bf16w_linear`); elsewh
 """
 from __future__ import annotations
 
+import ctypes
 from typing import NamedTuple
 
 import torch
@@ -82,9 +83,15 @@ class Bf16Weight(NamedTuple):
     def copy_rows(self, dst: torch.Tensor, start: int, stop: int) -> None:
         """``dst`` ``[stop - start, in]`` (contiguous, any float dtype) = rows ``[start, stop)`` of ``W``, converted:
         from the blocked layout whole blocks at a time through a strided view (no copy but ``dst``; 32 rows at
-        most for a block cut by ``start`` or ``stop``)."""
+        most for a block cut by ``start`` or ``stop``); a bf16 ``dst`` through our kernel's library where it runs
+        (``tp_unblock_bf16``: about 5x the strided copy's rate, what a bf16 model's prefill chunks convert)."""
         if self.n is None:
             dst.copy_(self.w[start:stop])
+            return
+        ours = dst.dtype == torch.bfloat16 and dst.is_contiguous() and self.w.device.type == "cpu"
+        if ours and gemv_kernel.available():
+            _check_range(start, stop, self.shape[0])
+            _unblock()(self.w.data_ptr(), self.w.shape[1], start, stop, dst.data_ptr())
             return
         b, h, k = gemv_kernel.BLOCK, gemv_kernel.BLOCK // 2, self.w.shape[1]
         r = start
@@ -113,6 +120,14 @@ class Bf16Weight(NamedTuple):
 
     def stored_bytes(self) -> int:
         return self.w.numel() * self.w.element_size()
+
+
+def _unblock():
+    """csrc/gemv.cpp ``tp_unblock_bf16`` (p, K, start, stop, dst) from our kernel's library."""
+    f = gemv_kernel._lib().tp_unblock_bf16
+    if f.restype is not None:
+        f.restype, f.argtypes = None, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    return f
 
 
 def _check_range(start: int, stop: int, rows: int) -> None:
@@ -193,12 +208,14 @@ def chunked_linear(x2: torch.Tensor, w, bias: torch.Tensor | None = None) -> tor
 
 
 #: the most rows of a bf16 input (``--dtype bfloat16``) :func:`bf16_linear` sends to our GEMV on the blocked layout
-#: (more: :func:`chunked_linear`, oneDNN's bf16 GEMM). Measured (AMD EPYC Zen 4, one thread, the 1.1B's tp=2
-#: matrices from memory, GB/s of weights read; /tmp microbenchmark of 12-04 19:10, quoted in docs/decode.md): at 1
-#: row blocked 25.9-31.4 against the plain layout's vdpbf16ps GEMV 17.0-22.7 and oneDNN prepacked 15.2-21.1; at 4
-#: rows 13.5-23.8 against 10.8-13.5 and 11.8-21.2; at 16 rows 5.7-5.9 against oneDNN's 9.7-11.1 (fp32 fma: half
-#: vdpbf16ps's products per instruction)
-BF16_ACT_ROWS = 4
+#: (more: :func:`chunked_linear`, oneDNN's bf16 GEMM on chunks converted back by ``tp_unblock_bf16``). Measured (AMD
+#: EPYC Zen 4, one thread, /tmp microbenchmarks of 12-04 19:10 and 20:10, quoted in docs/decode.md): per matmul of
+#: the 1.1B's tp=2 shapes from memory, blocked 25.9-31.4 GB/s at 1 row against the plain layout's vdpbf16ps GEMV
+#: 17.0-22.7 and oneDNN prepacked 15.2-21.1, at 4 rows 13.5-23.8 against 10.8-13.5 and 11.8-21.2; per layer's four
+#: matmuls (ms) at 5 / 8 / 16 / 32 / 64 rows: ours 2.8 / 3.8 / 7.8 / 14.1 / 27.4, the chunks 8.2 / 8.8 / 11.3 / 14.5 /
+#: 20.9, ``F.linear`` on plain weights 4.1 / 4.7 / 6.6 / 9.6 / 15.9 (our fp32 FMAs do half of ``vdpbf16ps``'s
+#: products per instruction; the chunks pay the conversion)
+BF16_ACT_ROWS = 32
 
 
 def bf16_linear(x: torch.Tensor, w: Bf16Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

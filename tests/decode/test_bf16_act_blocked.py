@@ -43,6 +43,46 @@ def test_bf16_input_on_blocked_weight(k, n, bias):
         assert torch.equal(got, alone), f"m={m}: a row's outputs depend on the others"
 
 
+@needs_gemv
+def test_copy_rows_from_the_blocked_layout_is_exact():
+    """``Bf16Weight.copy_rows`` into a bf16 buffer (our kernel's ``tp_unblock_bf16``: whole blocks 16 inputs at a time
+    as a transpose, tails and cut blocks value by value) gives the plain rows bit for bit: whole and cut blocks, row
+    ranges starting and ending inside a block, inputs not a multiple of 16 or of its tile; into fp32 as before."""
+    from tensorpar.decode.bf16_weights import Bf16Weight
+    g = torch.Generator().manual_seed(3)
+    for n, k in [(70, 33), (64, 48), (100, 2048), (33, 17), (32, 16), (96, 4097), (40, 300)]:
+        w = torch.randn(n, k, generator=g).bfloat16()
+        bw = Bf16Weight(gemv_kernel.block_bf16(w), torch.bfloat16, n)
+        for a, b in [(0, n), (0, min(n, 32)), (min(n, 5), n), (min(n, 31), min(n, 65)), (n - 1, n)]:
+            for dtype in (torch.bfloat16, torch.float32):
+                dst = torch.empty(b - a, k, dtype=dtype)
+                bw.copy_rows(dst, a, b)
+                assert torch.equal(dst, w[a:b].to(dtype)), (n, k, a, b, dtype)
+
+
+def test_copy_rows_on_the_avx2_build():
+    """``tp_unblock_bf16`` of the AVX2 build (no transpose: the tile filled value by value) gives the same rows, where
+    this CPU runs both builds."""
+    import ctypes
+
+    from tensorpar.decode.q8_kernel import _cpu_has_features
+    from tensorpar.native import load_target
+    avx2 = next(t for t in gemv_kernel.TARGETS if t[0] == "avx2")
+    if gemv_kernel.target() != "avx512" or not _cpu_has_features(avx2[1]):
+        pytest.skip("needs a CPU that runs both builds")
+    lib = load_target(avx2, gemv_kernel._SRC, gemv_kernel._FLAGS, "gemv", "TENSORPAR_GEMV_KERNEL")
+    if lib is None:
+        pytest.skip("the AVX2 build did not build here")
+    f = lib.tp_unblock_bf16
+    f.restype, f.argtypes = None, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    w = torch.randn(100, 300, generator=torch.Generator().manual_seed(4)).bfloat16()
+    p = gemv_kernel.block_bf16(w)
+    for a, b in [(0, 100), (7, 70)]:
+        dst = torch.empty(b - a, 300, dtype=torch.bfloat16)
+        f(p.data_ptr(), 300, a, b, dst.data_ptr())
+        assert torch.equal(dst, w[a:b]), (a, b)
+
+
 def job_blocked(ctx, folder, ids, mask, n, min_in):
     from tensorpar import comm
     from tensorpar.decode.bf16_weights import Bf16Weight

@@ -761,3 +761,72 @@ extern "C" void tp_gemv_bf16w_blocked(const float* x, int64_t M, int64_t K, cons
     (void)pf;
     gemv_blocked<uint16_t>(x, M, K, w, N, bias, y, threads);
 }
+
+#ifdef __AVX512F__
+// One whole block's 32 rows for 16 k (src: the first k's 32 values): the 16 k's 32-bit pairs (row h low, row h + 16
+// high) transposed 16 x 16 (unpack 32, unpack 64, two 128-bit lane shuffles), then each pair split into its two rows
+// (vpmovdw), stored at rows[j] + off.
+static inline void unblock16(const uint16_t* src, uint16_t* const* rows, int64_t off) {
+    __m512i r[16], t[16], u[16], c[16];
+    for (int k = 0; k < 16; ++k) r[k] = _mm512_loadu_si512((const void*)(src + k * NB));
+    for (int g = 0; g < 4; ++g) {
+        const int a = 4 * g;
+        t[a] = _mm512_unpacklo_epi32(r[a], r[a + 1]);
+        t[a + 1] = _mm512_unpackhi_epi32(r[a], r[a + 1]);
+        t[a + 2] = _mm512_unpacklo_epi32(r[a + 2], r[a + 3]);
+        t[a + 3] = _mm512_unpackhi_epi32(r[a + 2], r[a + 3]);
+        u[a] = _mm512_unpacklo_epi64(t[a], t[a + 2]);
+        u[a + 1] = _mm512_unpackhi_epi64(t[a], t[a + 2]);
+        u[a + 2] = _mm512_unpacklo_epi64(t[a + 1], t[a + 3]);
+        u[a + 3] = _mm512_unpackhi_epi64(t[a + 1], t[a + 3]);
+    }
+    for (int o = 0; o < 4; ++o) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[o], u[4 + o], 0x88), v1 = _mm512_shuffle_i32x4(u[o], u[4 + o], 0xDD);
+        const __m512i w0 = _mm512_shuffle_i32x4(u[8 + o], u[12 + o], 0x88);
+        const __m512i w1 = _mm512_shuffle_i32x4(u[8 + o], u[12 + o], 0xDD);
+        c[o] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+        c[8 + o] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
+        c[4 + o] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+        c[12 + o] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
+    }
+    for (int h = 0; h < 16; ++h) {
+        _mm256_storeu_si256((__m256i*)(rows[h] + off), _mm512_cvtepi32_epi16(c[h]));
+        _mm256_storeu_si256((__m256i*)(rows[h + 16] + off), _mm512_cvtepi32_epi16(_mm512_srli_epi32(c[h], 16)));
+    }
+}
+#endif
+
+// Rows [start, stop) of a bf16 weight held in the bf16 blocked layout p [ceil(n / 32), K, 32] (block_bf16: in a
+// block, k's 32 values pair output rows j and j + 16 at positions 2j and 2j + 1) written plain into dst
+// [stop - start, K] (bf16 bits, exact), block by block in tiles of 64 k: the block's 32 x 64 values gathered into a
+// tile (rows 128 bytes apart; AVX-512: 16 k at a time as a 16 x 16 transpose of the 32-bit pairs, unblock16; else
+// value by value), then each row's 128 bytes copied out (writing the 32 rows, K apart, k by k put them all in one
+// cache set: 12x slower than the strided torch copy this replaces). What a chunk of a bf16 model's prefill converts
+// (bf16_weights.Bf16Weight.copy_rows).
+extern "C" void tp_unblock_bf16(const uint16_t* p, int64_t K, int64_t start, int64_t stop, uint16_t* dst) {
+    constexpr int64_t TK = 256;
+    alignas(64) uint16_t tile[NB][TK];
+    for (int64_t b = start / NB; b * NB < stop; ++b) {
+        const uint16_t* pb = p + b * K * NB;
+        const int64_t j0 = start > b * NB ? start - b * NB : 0;
+        const int64_t j1 = stop < (b + 1) * NB ? stop - b * NB : NB;
+        for (int64_t k0 = 0; k0 < K; k0 += TK) {
+            const int64_t kn = K - k0 < TK ? K - k0 : TK;
+            int64_t kk = 0;
+#ifdef __AVX512F__
+            uint16_t* rows[NB];
+            for (int j = 0; j < NB; ++j) rows[j] = tile[j];
+            for (; kk + 16 <= kn; kk += 16) unblock16(pb + (k0 + kk) * NB, rows, kk);
+#endif
+            for (; kk < kn; ++kk) {
+                const uint16_t* v = pb + (k0 + kk) * NB;
+                for (int h = 0; h < NB / 2; ++h) {
+                    tile[h][kk] = v[2 * h];
+                    tile[h + NB / 2][kk] = v[2 * h + 1];
+                }
+            }
+            for (int64_t j = j0; j < j1; ++j)
+                memcpy(dst + (b * NB + j - start) * K + k0, tile[j], (size_t)kn * sizeof(uint16_t));
+        }
+    }
+}
