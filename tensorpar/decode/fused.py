@@ -150,20 +150,30 @@ def add_rms_norm(x: torch.Tensor, parts: list[torch.Tensor], weight: torch.Tenso
                            None if out is None else weight.data_ptr(), eps, None if out is None else out.data_ptr())
 
 
-def all_reduce_exchange(partial: torch.Tensor, tp: Group, arrays: dict | None = None) -> tuple[int, int, object]:
+def all_reduce_exchange(partial: torch.Tensor, tp: Group, arrays: dict | None = None,
+                        dtype: torch.dtype = torch.float32) -> tuple[int, int, object]:
     """The exchange of :func:`all_reduce_add_rms_norm` without the add and norm: ``(address of a C array of the
     addresses of the ranks' partial sums in rank order, their count, what must stay alive until they are read)``,
     for a program's ``OP_NORM`` (the step words :data:`STEP_PARTS`, :data:`STEP_NPARTS`). Shared memory: the slots
     the exchange left them in (read before the next collective on the group); gloo: :func:`tensorpar.comm.all_reduce`'s
     result (one part); ``--tp-comm int8`` (``tp.compression``): :func:`tensorpar.comm.reduce_partial`'s result (one
 part, counted as its all-gather); one rank: ``partial`` itself. ``arrays``: a dict the caller keeps in which each set of
-    addresses' C array is built once (the exchange's slots alternate between two). Collectives: one all-reduce of
+    addresses' C array is built once (the exchange's slots alternate between two). ``dtype``: the dtype the general
+    loop all-reduces in; bf16 (a bf16 model's step, ``partial`` holding bf16 values): gloo and ``--tp-comm int8``
+    reduce a bf16 copy, so that the sum is rounded as the general loop's (gloo's order, each add in bf16; the
+    shared-memory slots are added in rank order, in bf16, by ``OP_NORM_BF16``). Collectives: one all-reduce of
     ``partial`` ``[rows, H]`` (counted and fingerprinted as :func:`tensorpar.comm.all_reduce`'s)."""
     keep = None
+
+    def in_dtype(t: torch.Tensor) -> torch.Tensor:
+        return t if dtype == torch.float32 else t.to(dtype)
+
+    def back(t: torch.Tensor) -> torch.Tensor:
+        return t if t.dtype == torch.float32 else t.float()
     if tp.size == 1:
         parts = (partial.data_ptr(),)
     elif tp.compression != "fp32":          # --tp-comm int8: the compressed sum, as the general loop adds it
-        keep = comm.reduce_partial(partial, tp)
+        keep = back(comm.reduce_partial(in_dtype(partial), tp))
         parts = (keep.data_ptr(),)
     else:
         fast = tp.fast
@@ -174,7 +184,7 @@ part, counted as its all-gather); one rank: ``partial`` itself. ``arrays``: a di
             parts = fast.all_reduce_parts(partial)
             counter.blocked("all_reduce", t0)
         else:
-            keep = comm.all_reduce(partial, tp)
+            keep = back(comm.all_reduce(in_dtype(partial), tp))
             parts = (keep.data_ptr(),)
     got = None if arrays is None or keep is not None else arrays.get(parts)
     if got is None:

@@ -38,12 +38,13 @@ an activation within that rounding of a half step of its block may round to the 
 bf16 models (``--dtype bfloat16``: ``max_batch`` <= 4, where the general loop runs our GEMV on the bf16 weights,
 plain or blocked; or the int8 weights of ``--quantize int8``, whose kernel takes the input widened to fp32 and
 whose output the general loop rounds to bf16 once, as here: bitwise): the same program on fp32 buffers that hold
-bf16 values, every result rounded to bf16 (nearest even) where torch's bf16 ops round it: each matmul's fp32 sums once (``OP_ROUND``, as the bf16 GEMM), the residual
-adds and the partial sums' adds, the normalised row and its product with the weight, each rotary product and their
-sum, attention's output, SiLU and the gate product (``fused.OP_*_BF16``); the cache is the decoder's bf16 one, the
-norm weights and biases fp32 copies (exact), the logits bf16. Against the general loop: the same rounding points,
-sums in another order (the matmuls on plain weights, the norm's squares, attention), so within verify's bf16
-tolerance; greedy tokens equal transformers' bf16 model (tests/decode/test_bf16_act_blocked.py).
+bf16 values, every result rounded to bf16 (nearest even) where torch's bf16 ops round it: each matmul's fp32 sums
+once (``OP_ROUND``, as the bf16 GEMM), the residual adds and the partial sums' adds, the normalised row and its
+product with the weight, each rotary product and their sum, attention's output, SiLU and the gate product
+(``fused.OP_*_BF16``); the cache is the decoder's bf16 one, the norm weights and biases fp32 copies (exact), the
+logits bf16. Against the general loop: the same rounding points, sums in another order (the matmuls on plain
+weights, the norm's squares, attention), so within verify's bf16 tolerance; greedy tokens equal transformers' bf16
+model (tests/decode/test_bf16_act_blocked.py).
 """
 from __future__ import annotations
 
@@ -133,14 +134,14 @@ class RowStep:
             return got
         dec, H, hs, nblk = self.dec, self.H, self.head_stride, self.nblk
         nq, nkv, d, f = dec.n_q, dec.n_kv, dec.head_dim, dec.layers[0].f
-        # --quantize, blocked fp32 / bf16: the layers hold the stored weights; else [in, out] views of the [out, in] ones
+        # --quantize, blocked fp32 / bf16: the layers hold the stored weights; else [in, out] views of [out, in] ones
         out_in = (lambda w: w if not isinstance(w, torch.Tensor) else w.t())
         mm, keys, cache = self.mm, self.keys, dec.cache
         qkv, q, att, gu, a = (t.data_ptr() for t in (self.qkv, self.q, self.att, self.gu, self.a))
         offs, blocks = ctypes.addressof(self.offs[b]), ctypes.addressof(self.blocks[b])
         bs = cache.block_size
         x_, h_ = self.x.data_ptr(), self.h.data_ptr()
-        ex = StepExchange(self.p[:b], dec.tp)          # each all-reduce of p[:b], inside the program
+        ex = StepExchange(self.p[:b], dec.tp, self.dtype)      # each all-reduce of p[:b], inside the program
 
         def norm(fn):       # x += the exchanged partial sums (step words); h = fn's RMSNorm of x
             w, eps = _norm(fn, self.dtype) if fn is not None else self.final_norm

@@ -33,8 +33,8 @@ class StepExchange:
     :meth:`run` runs the program. Collectives: per exchange one all-reduce of ``[rows, H]`` on ``tp``, counted (and
     fingerprinted) as :func:`tensorpar.comm.all_reduce`'s."""
 
-    def __init__(self, partial: torch.Tensor, tp: Group):
-        self.partial, self.tp = partial, tp
+    def __init__(self, partial: torch.Tensor, tp: Group, dtype: torch.dtype = torch.float32):
+        self.partial, self.tp, self.dtype = partial, tp, dtype      # dtype: the model's (fused.all_reduce_exchange)
         self.fast = None                    # the shared-memory communicator the words were built for
         self.done = 0                       # exchanges the last run ran to the end in C
         self.words = (ctypes.c_int64 * (X_PEERS + max(tp.size - 1, 0)))()
@@ -103,7 +103,7 @@ class StepExchange:
                 if r == fused.RUN_END:
                     break
                 if r == fused.RUN_EXCHANGE:
-                    step[P], step[N], keep = fused.all_reduce_exchange(self.partial, tp, self.parts)
+                    step[P], step[N], keep = fused.all_reduce_exchange(self.partial, tp, self.parts, self.dtype)
                 elif r in (fused.RUN_WAIT, fused.RUN_MISMATCH):
                     pending, w[X_PENDING] = w[X_PENDING], 0
                     self._count_done()      # the C exchanges before it: the communicator's call numbers in messages

@@ -202,3 +202,27 @@ def test_int8_bf16_row_step_equals_general_loop(pools, folders, tp):
         for what, a, b in zip(("prefill", "decode"), out[True], out[False]):
             assert (a - b).abs().max() < 0.05, f"tp={tp} {what}: {(a - b).abs().max()}"
 
+
+
+def job_exchange_bf16(ctx):
+    import ctypes
+
+    from tensorpar import comm
+    from tensorpar.decode import fused
+    g = torch.Generator().manual_seed(10 + ctx.tp.rank)
+    partial = torch.randn(3, 96, generator=g).bfloat16().float()         # bf16 values in the step's fp32 buffer
+    addr, n, keep = fused.all_reduce_exchange(partial, ctx.tp, None, torch.bfloat16)
+    got = torch.empty_like(partial)
+    ctypes.memmove(got.data_ptr(), ctypes.cast(addr, ctypes.POINTER(ctypes.c_void_p))[0], got.numel() * 4)
+    want = comm.all_reduce(partial.bfloat16(), ctx.tp).float()
+    in_fp32 = comm.all_reduce(partial.clone(), ctx.tp).to(torch.bfloat16).float()
+    return n, torch.equal(got, want), int((want != in_fp32).sum())
+
+
+def test_bf16_step_exchange_over_gloo_rounds_as_the_general_loop(pools):
+    """Over gloo (no shared memory) at tp=3 a bf16 model's row-step exchange all-reduces a bf16 copy of the partial
+    sums: the one part ``OP_NORM_BF16`` adds is bitwise the general loop's bf16 all-reduce, which the fp32 sum rounded
+    once is not (each of gloo's adds rounds in bf16)."""
+    res = run_tp(pools, 3, job_exchange_bf16)
+    assert all(n == 1 and same for n, same, _ in res), res
+    assert res[0][2] > 0, "the test's sums never round differently in fp32: it shows nothing"

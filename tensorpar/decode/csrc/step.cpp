@@ -147,8 +147,9 @@ extern "C" void tp_rope_store(const float* qkv, int64_t rows, int64_t nq, int64_
 // is 0 are left out (mask null: all); scores q.k * scale, softmax (the maximum subtracted, expf),
 // out[m, h * d : (h + 1) * d] = sum_t p_t v_t / sum_t p_t. fp32 sums in another order than torch's CPU flash
 // attention (its blocking, its exp): within fp32 rounding of scaled_dot_product_attention. s: L floats of scratch.
-// A bf16 cache (C uint16_t): the same sums in fp32 on the widened keys and values, the output rounded to bf16
-// (torch's bf16 attention sums in fp32 too, in its own order and blocking: within a bf16 rounding of it).
+// A bf16 cache (C uint16_t): the same sums in fp32 on the widened keys and values, each p rounded to bf16 before it
+// weights the values (the sum from the unrounded ones) and the output rounded to bf16, as torch's CPU flash
+// attention does for bf16 (its sums in fp32 too, in its own order and blocking: within a bf16 rounding of it).
 template <typename C>
 static void decode_attention_t(const float* q, int64_t rows, int64_t nq, int64_t d, const C* k_layer,
                                const C* v_layer, int64_t head_stride, const int64_t* blocks, int64_t blocks_stride,
@@ -196,7 +197,7 @@ static void decode_attention_t(const float* q, int64_t rows, int64_t nq, int64_t
                 const C* Vb = V + tb[j] * bs * d;
                 const int64_t n = L - t0 < bs ? L - t0 : bs;
                 for (int64_t u = 0; u < n; ++u) {
-                    const float p = s[t0 + u];
+                    const float p = rnd<BF>(s[t0 + u]);         // bf16: torch rounds P before its P.V GEMM
                     if (p == 0.0f) continue;
                     const C* vt = Vb + u * d;
                     for (int64_t i = 0; i < d; ++i) o[i] = o[i] + p * load(vt[i]);
