@@ -208,13 +208,12 @@ def chunked_linear(x2: torch.Tensor, w, bias: torch.Tensor | None = None) -> tor
 
 
 #: the most rows of a bf16 input (``--dtype bfloat16``) :func:`bf16_linear` sends to our GEMV on the blocked layout
-#: (more: :func:`chunked_linear`, oneDNN's bf16 GEMM on chunks converted back by ``tp_unblock_bf16``). Measured (AMD
-#: EPYC Zen 4, one thread, /tmp microbenchmarks of 12-04 19:10 and 20:10, quoted in docs/decode.md): per matmul of
-#: the 1.1B's tp=2 shapes from memory, blocked 25.9-31.4 GB/s at 1 row against the plain layout's vdpbf16ps GEMV
-#: 17.0-22.7 and oneDNN prepacked 15.2-21.1, at 4 rows 13.5-23.8 against 10.8-13.5 and 11.8-21.2; per layer's four
-#: matmuls (ms) at 5 / 8 / 16 / 32 / 64 rows: ours 2.8 / 3.8 / 7.8 / 14.1 / 27.4, the chunks 8.2 / 8.8 / 11.3 / 14.5 /
-#: 20.9, ``F.linear`` on plain weights 4.1 / 4.7 / 6.6 / 9.6 / 15.9 (our fp32 FMAs do half of ``vdpbf16ps``'s
-#: products per instruction; the chunks pay the conversion)
+#: (more: :func:`chunked_linear`, oneDNN's bf16 GEMM on chunks converted back by ``tp_unblock_bf16``).
+#: bench/results/gemv-bf16act-epyc.md (AMD EPYC Zen 4, one thread, the 1.1B's tp=2 matrices from memory): at one row
+#: ours on the blocked layout read 15.5-24.9 GB/s, on the plain one 10.0-20.1, oneDNN prepacked 13.3-14.7; per
+#: layer's four matmuls at 5 / 8 / 16 / 32 / 64 rows ours 2.9 / 3.9 / 7.6 / 14.2 / 26.8 ms, the converted chunks
+#: 8.6 / 9.0 / 11.0 / 14.0 / 19.9 (``F.linear`` on plain weights 4.3 / 4.9 / 6.4 / 9.6 / 15.6: our fp32 FMAs do half of
+#: ``vdpbf16ps``'s products per instruction, the chunks pay the conversion), so ours up to 32 rows
 BF16_ACT_ROWS = 32
 
 
