@@ -42,9 +42,10 @@ bf16 values, every result rounded to bf16 (nearest even) where torch's bf16 ops 
 once (``OP_ROUND``, as the bf16 GEMM), the residual adds and the partial sums' adds, the normalised row and its
 product with the weight, each rotary product and their sum, attention's weights (before they weight the values,
 as torch's CPU flash attention) and output, SiLU and the gate product (``fused.OP_*_BF16``; over gloo the exchange
-reduces a bf16 copy, :func:`~tensorpar.decode.fused.all_reduce_exchange`); the cache is the decoder's bf16 one, the norm weights and biases fp32 copies (exact), the
-logits bf16. Against the general loop: the same rounding points, sums in another order (the matmuls on plain
-weights, the norm's squares, attention), so within verify's bf16 tolerance; greedy tokens equal transformers' bf16
+reduces a bf16 copy, :func:`~tensorpar.decode.fused.all_reduce_exchange`); the cache is the decoder's bf16 one,
+the norm weights and biases fp32 copies (exact), the logits bf16. Against the general loop: the same rounding
+points, sums in another order (the matmuls on plain weights, the norm's squares, attention), so within verify's
+bf16 tolerance; greedy tokens equal transformers' bf16
 model (tests/decode/test_bf16_act_blocked.py).
 """
 from __future__ import annotations
