@@ -140,8 +140,8 @@ def test_bf16_model_blocked_equals_transformers(pools, tmp_path, arch, tp):
     are short): the decoder holds only :class:`Bf16Weight` matmul weights (the LM head's too; llama's is tied to the
     embedding, which then looks its rows up in the layout), no plain matrix left but an untied embedding's (one
     copy), the state_dict unchanged; the row step runs its decode steps (bf16 rounding emulated on fp32 buffers, a
-    bf16 cache), on the blocked weights and on plain ones; greedy tokens equal transformers' bf16 model (qwen2: QKV
-    biases, added in fp32 before the rounding); prefill and decode logits of the blocked weights, the row step or the
+    bf16 cache), on the blocked weights and on plain ones; greedy tokens equal transformers' bf16 model at tp 1 and 2
+    (qwen2: QKV biases, added in fp32 before the rounding); prefill and decode logits of the blocked weights, the row step or the
     general loop, within verify's bf16 rule (depth: the layers and the head) of the general loop on plain weights."""
     from tensorpar.decode import fused
     from tensorpar.verify import tolerance
@@ -155,7 +155,9 @@ def test_bf16_model_blocked_equals_transformers(pools, tmp_path, arch, tp):
         assert got["same_state"], f"rank {r}: the state_dict changed"
         assert got["held"] > 0 and got["plain_left"] == got["untied_table"], \
             f"rank {r}: {got['plain_left']} plain matrix elements left beside the blocked ones"
-        assert torch.equal(got["tokens"], want), f"{arch} tp={tp} rank {r}: {got['tokens']} != {want}"
+        if tp <= 2:     # tp=3: bf16 partial sums of three ranks round unlike tp=1's (the general loop on plain
+            #             weights gives qwen2's first token 10 there, transformers 40): the logits' rule only
+            assert torch.equal(got["tokens"], want), f"{arch} tp={tp} rank {r}: {got['tokens']} != {want}"
         ref = got["logits"][False, False]
         for key, pair in got["logits"].items():
             for what, a, b in zip(("prefill", "decode"), pair, ref):
