@@ -259,3 +259,30 @@ def test_a_dp_group_uses_the_nics_of_its_ranks_in_a_node():
         lay = Layout(tp=tp, pp=1, dp=dp, micro_batch=1)
         wire = sum(c.wire_bytes for c in dp_collectives(stage_params(model, lay)[0], lay, Assumptions()))
         assert dp_comm[per_node] == pytest.approx(wire / (nics * 25e9), rel=1e-9)
+
+
+def test_collective_fit_without_a_positive_slope_gives_a_finite_bandwidth(monkeypatch):
+    """A loaded host can time a small all-reduce slower than a large one: no positive slope, an infinite fitted
+    bandwidth, which a device file refuses. measure_collectives then reports the largest message's rate."""
+    from tensorpar.planner.calibrate import links
+
+    samples = [{"bytes": 4096, "seconds": 3e-3}, {"bytes": 1 << 16, "seconds": 1e-3},
+               {"bytes": 1 << 20, "seconds": 2e-4}]
+    assert links.fit_alpha_beta(samples, 2)[1] == float("inf")
+
+    class Pool:
+        def __init__(self, *a, **k):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def run(self, fn, sizes, backend):
+            return [samples, samples]
+    import tensorpar.testing
+    monkeypatch.setattr(tensorpar.testing, "WorkerPool", Pool)
+    got = links.measure_collectives(sizes=(4096, 1 << 16, 1 << 20))
+    assert got["bandwidth_gbps"] == pytest.approx((1 << 20) / 2e-4 / 1e9)

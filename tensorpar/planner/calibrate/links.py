@@ -5,6 +5,7 @@ schedule's send or receive (:func:`measure_pipeline`), and the least-squares lat
 """
 from __future__ import annotations
 
+import math
 import time
 
 COLLECTIVE_SIZES = tuple(2 ** k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB payloads
@@ -59,7 +60,9 @@ def measure_collectives(sizes: tuple[int, ...] = COLLECTIVE_SIZES, timeout_s: fl
     each of ``backends``: ``"gloo"`` (torch.distributed over loopback) and ``"shm"`` (tensorpar's shared-memory
     collectives, :mod:`tensorpar.shm`, installed on the same ranks). The first backend's fit is returned at the
     top level (``backend``, ``samples``, ``latency_us``, ``bandwidth_gbps``); with several, ``by_backend`` holds
-    each one's.
+    each one's. Where the times do not grow with the size (no positive slope: another process took the CPU during
+    a small message), the bandwidth is the largest message's rate with its latency in it (a lower bound), never
+    infinite: a device file refuses that.
 
     Raises:
         ValueError: an unknown backend.
@@ -77,6 +80,9 @@ def measure_collectives(sizes: tuple[int, ...] = COLLECTIVE_SIZES, timeout_s: fl
             for backend in backends:
                 samples = pool.run(_time_all_reduce, tuple(sizes), backend)[0]
                 latency, bandwidth = fit_alpha_beta(samples, world)
+                if not math.isfinite(bandwidth):    # the times did not grow with the size (a loaded host): the
+                    big = max(samples, key=lambda q: q["bytes"])     # largest sample's rate, latency included
+                    bandwidth = 2 * (world - 1) / world * big["bytes"] / big["seconds"]
                 fits[backend] = {"backend": backend, "world_size": world, "samples": samples,
                                  "latency_us": latency * 1e6, "bandwidth_gbps": bandwidth / 1e9}
     except RankFailure as err:
