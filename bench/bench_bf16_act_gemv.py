@@ -42,6 +42,8 @@ def main() -> None:
     p.add_argument("--copies", type=int, default=6, help="random copies of each matrix, cycled")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "gemv-bf16act"))
     a = p.parse_args()
+    if a.copies < 1:
+        p.error(f"--copies {a.copies}: need at least 1 copy of each matrix")
     from machine import cpu_account, describe, machine, other_work, write_results
 
     from tensorpar.decode import bf16_weights as bw

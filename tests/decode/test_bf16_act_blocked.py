@@ -65,15 +65,8 @@ def test_copy_rows_on_the_avx2_build():
     this CPU runs both builds."""
     import ctypes
 
-    from tensorpar.decode.q8_kernel import _cpu_has_features
-    from tensorpar.native import load_target
-    avx2 = next(t for t in gemv_kernel.TARGETS if t[0] == "avx2")
-    if gemv_kernel.target() != "avx512" or not _cpu_has_features(avx2[1]):
-        pytest.skip("needs a CPU that runs both builds")
-    lib = load_target(avx2, gemv_kernel._SRC, gemv_kernel._FLAGS, "gemv", "TENSORPAR_GEMV_KERNEL")
-    if lib is None:
-        pytest.skip("the AVX2 build did not build here")
-    f = lib.tp_unblock_bf16
+    from tests.decode.test_gemv import avx2_build
+    f = avx2_build().tp_unblock_bf16
     f.restype, f.argtypes = None, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     w = torch.randn(100, 300, generator=torch.Generator().manual_seed(4)).bfloat16()
     p = gemv_kernel.block_bf16(w)
@@ -133,8 +126,9 @@ def hf_bf16_greedy(folder, ids, mask, n):
 
 
 @needs_gemv
-@pytest.mark.parametrize("arch,tp", [("llama", 1), ("qwen2", 1), ("llama", 2), pytest.param("qwen2", 3,
-                                                                                              marks=pytest.mark.slow)])
+@pytest.mark.parametrize("arch,tp", [("llama", 1), ("qwen2", 1), ("llama", 2),
+                                     pytest.param("qwen2", 3, marks=pytest.mark.slow),
+                                     pytest.param("llama", 4, marks=pytest.mark.slow)])    # 9 q heads: 3 / 2 / 2 / 2
 def test_bf16_model_blocked_equals_transformers(pools, tmp_path, arch, tp):
     """``--dtype bfloat16`` with every matmul weight blocked (``BLOCK_MIN_IN`` 0 on the ranks; the tiny models' rows
     are short): the decoder holds only :class:`Bf16Weight` matmul weights (the LM head's too; llama's is tied to the

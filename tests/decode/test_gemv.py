@@ -106,12 +106,8 @@ def test_blocked_linear_refuses_a_bias_or_input_of_another_shape():
 
 
 @needs_kernel
-def test_blocked_layout_is_the_same_bits_on_the_avx2_build():
-    """The AVX2 build (8 lanes, 16 registers: other micro-kernels) sums each output in the same lane order as the
-    AVX-512 one, so on a CPU with both its results are bitwise the AVX-512 build's (the CI machine runs one of them;
-    this runs the other where it can)."""
-    import ctypes
-
+def avx2_build():
+    """The AVX2 build of our GEMV's library, on a CPU that runs the AVX-512 one too (else the test is skipped)."""
     from tensorpar.decode.q8_kernel import _cpu_has_features
     from tensorpar.native import load_target
     avx2 = next(t for t in gemv_kernel.TARGETS if t[0] == "avx2")
@@ -120,6 +116,14 @@ def test_blocked_layout_is_the_same_bits_on_the_avx2_build():
     lib = load_target(avx2, gemv_kernel._SRC, gemv_kernel._FLAGS, "gemv", "TENSORPAR_GEMV_KERNEL")
     if lib is None:
         pytest.skip("the AVX2 build did not build here")
+    return lib
+
+
+def test_blocked_layout_is_the_same_bits_on_the_avx2_build():
+    """The AVX2 build (8 lanes, 16 registers: other micro-kernels) sums each output in the same lane order as the
+    AVX-512 one, so on a CPU with both its results are bitwise the AVX-512 build's (the CI machine runs one of them;
+    this runs the other where it can)."""
+    lib = avx2_build()
     lib.tp_gemv.argtypes = gemv_kernel._lib().tp_gemv.argtypes
     g = torch.Generator().manual_seed(3)
     for n, k in ((480, 576), (60, 36)):
