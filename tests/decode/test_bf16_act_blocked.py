@@ -135,8 +135,8 @@ def test_bf16_model_blocked_equals_transformers(pools, tmp_path, arch, tp):
     embedding, which then looks its rows up in the layout), no plain matrix left but an untied embedding's (one
     copy), the state_dict unchanged; the row step runs its decode steps (bf16 rounding emulated on fp32 buffers, a
     bf16 cache), on the blocked weights and on plain ones; greedy tokens equal transformers' bf16 model at tp 1 and 2
-    (qwen2: QKV biases, added in fp32 before the rounding); prefill and decode logits of the blocked weights, the row step or the
-    general loop, within verify's bf16 rule (depth: the layers and the head) of the general loop on plain weights."""
+    (qwen2: QKV biases, added in fp32 before the rounding); prefill and decode logits of the blocked weights, the
+    row step or the general loop, within verify's bf16 rule (depth: the layers and the head) of the general loop on plain weights."""
     from tensorpar.decode import fused
     from tensorpar.verify import tolerance
     folder = str(make_model_folder(tmp_path / arch, arch))
