@@ -2,8 +2,8 @@
 plain weights: what the decode speed of the blocked layout costs a prompt.
 
 The 1.1B random Llama (``tinyllama-random``; or ``--model smollm2``) at tp=1, one thread, one process: a
-``LeanDecoder`` with ``block=True`` (weights of >= 1024 inputs blocked: our GEMV up to ``BF16_ACT_ROWS`` rows, oneDNN
-on chunks converted back above) and one with ``block=False`` (plain weights: ``F.linear``, oneDNN), alternating per
+``LeanDecoder`` with ``block=True`` (weights of >= 1024 inputs blocked: our GEMV at every row count, ``vdpbf16ps`` on
+pairs of inputs) and one with ``block=False`` (plain weights: ``F.linear``, oneDNN), alternating per
 round, each prefilling seeded random prompts of ``--lengths`` tokens (batch 1); wall time of ``prefill`` per prompt,
 best and median over rounds.
 
@@ -35,7 +35,6 @@ def main() -> None:
     from bench_batch import model_folder
     from machine import cpu_account, describe, machine, other_work, write_results
 
-    from tensorpar.decode.bf16_weights import BF16_ACT_ROWS
     from tensorpar.decode.lean import LeanDecoder
     from tensorpar.hf.load import build_parallel_model
     from tensorpar.parallel import ParallelContext
@@ -61,7 +60,7 @@ def main() -> None:
     end = machine()
     med = statistics.median
     lines = [f"{a.model}, bf16 (`--dtype bfloat16`), tp=1, one thread: prefill of one prompt, the blocked bf16 layout "
-             f"(weights of >= 1024 inputs; our GEMV up to {BF16_ACT_ROWS} rows, oneDNN on converted chunks above) "
+             f"(weights of >= 1024 inputs; our GEMV at every row count) "
              f"against the plain weights (`F.linear`); {start['cpu']}, {start['cores']} cores, torch "
              f"{torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}; load average at start "
              f"{start['loadavg'][0]:.2f}, at end {end['loadavg'][0]:.2f}; {describe(work)}. {a.rounds} round(s), the "
@@ -75,7 +74,7 @@ def main() -> None:
         lines.append(f"| {n} | {med(pl) * 1e3:.0f} / {min(pl) * 1e3:.0f} | {med(bl) * 1e3:.0f} / {min(bl) * 1e3:.0f} "
                      f"| {med(bl) / med(pl):.2f} |")
     write_results(Path(a.out), dict(model=a.model, rounds=a.rounds, machine_start=start, machine_end=end,
-                                    other_work=work, bf16_act_rows=BF16_ACT_ROWS), rows, lines)
+                                    other_work=work), rows, lines)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ Shapes: one rank's matrices of the 1.1B Llama (TinyLlama's shape: hidden 2048, 3
 through enough distinct copies of a matrix (>= ``--mb`` MB) that they are read from memory, as in a decode step.
 fp32 also runs ``blocked``: our GEMV on the blocked layout that replaces the plain weight in the lean path since
 2026-12-04 (``gemv_kernel.BlockedWeight``); bf16w too, on the bf16 blocked layout of ``--quantize bf16``
-(``gemv_kernel.block_bf16``). GB/s = weight bytes / time (median and best of ``--repeats``), from wall time and from the calling thread's CPU
+(``bf16_weights.block_bf16``). GB/s = weight bytes / time (median and best of ``--repeats``), from wall time and from the calling thread's CPU
 time (``time.thread_time``: one thread runs the matmul, so on a shared machine the CPU time counts less of the
 other processes' load than the wall time does); the limit is bench/stream_read.c (8 streams) with one thread
 (bench_llamacpp's), best of its start and end runs. A run whose 1-minute load average reached 1 (2 cores) is
@@ -154,7 +154,7 @@ def main():
     if args.e2e:
         return e2e(args)
     import torch
-    from tensorpar.decode import gemv_kernel
+    from tensorpar.decode import bf16_weights, gemv_kernel
     from tensorpar.decode.bf16_weights import chunked_linear
     from tensorpar.decode.kernels import can_pack, pack, packed_linear
 
@@ -196,7 +196,7 @@ def main():
             if "blocked" not in variants:
                 blocked = []
             elif dname == "bf16w":
-                blocked = [gemv_kernel.block_bf16(w) for w in ws]
+                blocked = [bf16_weights.block_bf16(w) for w in ws]
             else:
                 blocked = [gemv_kernel.BlockedWeight(gemv_kernel.block(w), n) for w in ws]
             x = torch.randn(m, k, generator=g).to(torch.float32 if dname == "bf16w" else dt)

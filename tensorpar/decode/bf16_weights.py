@@ -11,7 +11,6 @@ weights in registers, :func:`tensorpar.decode.gemv_kernel.bf16w_linear`); elsewh
 """
 from __future__ import annotations
 
-import ctypes
 from typing import NamedTuple
 
 import torch
@@ -24,11 +23,13 @@ class Bf16Weight(NamedTuple):
     """The bf16 weight ``W`` ``[out_local, in_local]`` (``W.float()`` is what the model computes with), ``dtype``
     the model's compute dtype (float32). ``n`` None: ``w`` is ``W`` itself, ``[out_local, in_local]`` bfloat16
     contiguous; ``n`` an int: ``W`` is ``n`` rows held only in the bf16 blocked layout of our GEMV, ``w``
-    ``[ceil(n / 32), in_local, 32]`` (:func:`~tensorpar.decode.gemv_kernel.block_bf16`; a row view of a fused
-    weight may hold more rows in its last block, past ``n``). ``device`` and ``shape`` are those of ``W``."""
+    ``[ceil(n / 32), in_local + in_local % 2, 32]`` (:func:`block_bf16`, :func:`blocked`; a row view of a fused
+    weight may hold more rows in its last block, past ``n``); ``k`` the inputs where the layout padded an odd
+    ``in_local`` (else None). ``device`` and ``shape`` are those of ``W``."""
     w: torch.Tensor
     dtype: torch.dtype
     n: int | None = None
+    k: int | None = None
 
     @property
     def blocked(self) -> bool:
@@ -40,11 +41,11 @@ class Bf16Weight(NamedTuple):
 
     @property
     def shape(self) -> torch.Size:
-        return self.w.shape if self.n is None else torch.Size((self.n, self.w.shape[1]))
+        return self.w.shape if self.n is None else torch.Size((self.n, self.w.shape[1] if self.k is None else self.k))
 
     def plain(self) -> torch.Tensor:
         """``W`` ``[out_local, in_local]`` bfloat16 (``w`` itself, or a new tensor from the blocked layout)."""
-        return self.w if self.n is None else gemv_kernel.unblock_bf16(self.w, self.n)
+        return self.w if self.n is None else unblock_bf16(self.w, self.n, self.k)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``W`` ``[out_local, in_local]`` in ``dtype`` (default the compute dtype; a new tensor)."""
@@ -67,8 +68,7 @@ class Bf16Weight(NamedTuple):
             raise IndexError(f"token id out of range: the embedding has {rows} rows on this rank")
         if self.n is None:
             return self.w[idx].to(self.dtype)
-        b = gemv_kernel.BLOCK
-        return self.w[idx // b, :, gemv_kernel.bf16_position(idx % b)].to(self.dtype)
+        return bf16_rows(self.w, idx, self.k).to(self.dtype)
 
     def row_chunk(self, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of ``W`` ``[stop - start, in]`` bfloat16 (blocked: a new tensor). Raises
@@ -76,7 +76,7 @@ class Bf16Weight(NamedTuple):
         _check_range(start, stop, self.shape[0])
         if self.n is None:
             return self.w[start:stop]
-        out = torch.empty(stop - start, self.w.shape[1], dtype=torch.bfloat16, device=self.w.device)
+        out = torch.empty(stop - start, self.shape[1], dtype=torch.bfloat16, device=self.w.device)
         self.copy_rows(out, start, stop)
         return out
 
@@ -91,20 +91,20 @@ class Bf16Weight(NamedTuple):
         ours = dst.dtype == torch.bfloat16 and dst.is_contiguous() and self.w.device.type == "cpu"
         if ours and gemv_kernel.available():
             _check_range(start, stop, self.shape[0])
-            _unblock()(self.w.data_ptr(), self.w.shape[1], start, stop, dst.data_ptr())
+            gemv_kernel._lib().tp_unblock_bf16(self.w.data_ptr(), self.shape[1], start, stop, dst.data_ptr())
             return
-        b, h, k = gemv_kernel.BLOCK, gemv_kernel.BLOCK // 2, self.w.shape[1]
+        b, k, kin = gemv_kernel.BLOCK, self.w.shape[1], self.shape[1]
         r = start
         while r < stop:
             blk, o = divmod(r, b)
             full = (stop - r) // b if o == 0 else 0
-            if full:                    # rows 32 blk + 16 i + j sit at p[blk, :, 2 j + i]
-                src = self.w[blk:blk + full].view(full, k, h, 2).permute(0, 3, 2, 1)
-                dst[r - start:r - start + full * b].view(full, 2, h, k).copy_(src)
+            if full:                    # row 32 blk + j, inputs 2 i and 2 i + 1 at p[blk].view(k / 2, 32, 2)[i, j]
+                src = self.w[blk:blk + full].view(full, k // 2, b, 2).transpose(1, 2).reshape(full, b, k)
+                dst[r - start:r - start + full * b].view(full, b, kin).copy_(src[..., :kin])
                 r += full * b
             else:
                 e = min(stop, (blk + 1) * b)
-                one = self.w[blk].view(k, h, 2).permute(2, 1, 0).reshape(b, k)
+                one = self.w[blk].view(k // 2, b, 2).transpose(0, 1).reshape(b, k)[:, :kin]
                 dst[r - start:e - start].copy_(one[o:o + e - r])
                 r = e
 
@@ -116,18 +116,50 @@ class Bf16Weight(NamedTuple):
         b = gemv_kernel.BLOCK
         if start % b:
             raise ValueError(f"a view of a blocked bf16 weight starts at a multiple of {b} rows, not {start}")
-        return Bf16Weight(self.w[start // b:-(-(start + n) // b)], self.dtype, n)
+        return Bf16Weight(self.w[start // b:-(-(start + n) // b)], self.dtype, n, self.k)
 
     def stored_bytes(self) -> int:
         return self.w.numel() * self.w.element_size()
 
 
-def _unblock():
-    """csrc/gemv.cpp ``tp_unblock_bf16`` (p, K, start, stop, dst) from our kernel's library."""
-    f = gemv_kernel._lib().tp_unblock_bf16
-    if f.restype is not None:
-        f.restype, f.argtypes = None, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    return f
+def block_bf16(w: torch.Tensor) -> torch.Tensor:
+    """``w`` ``[n, K]`` (any float dtype; rounded to bfloat16, nearest even) in the bf16 blocked layout
+    ``[ceil(n / 32), K + K % 2, 32]`` bfloat16 (a new tensor): :func:`~tensorpar.decode.gemv_kernel.block`'s blocks
+    of 32 output rows with the inputs in pairs (an odd ``K`` padded with a zero input): per pair ``i`` (inputs
+    ``2i``, ``2i + 1``) the block's rows ``j`` at positions ``64 i + 2 j`` and ``64 i + 2 j + 1`` of the block
+    (viewed ``[K / 2, 32, 2]``). A 32-bit lane holds one row's two inputs: widened to fp32 by a shift and an and for
+    an fp32 input (csrc/gemv.cpp ``tp_gemv_bf16w_blocked``), or multiplied as a pair by ``vdpbf16ps`` with a bf16
+    input (``tp_gemv_bf16_blocked``). Exact on bf16 input (:func:`unblock_bf16` gives it back)."""
+    n, k = w.shape
+    b, kp = gemv_kernel.BLOCK, k + k % 2
+    nb = -(-n // b)
+    w = w.detach().to(torch.bfloat16)
+    if nb * b != n or kp != k:
+        w = torch.nn.functional.pad(w, (0, kp - k, 0, nb * b - n))
+    return w.reshape(nb, b, kp // 2, 2).transpose(1, 2).contiguous().view(nb, kp, b)
+
+
+def blocked(w: torch.Tensor, dtype: torch.dtype) -> Bf16Weight:
+    """``w`` ``[n, K]`` held in :func:`block_bf16`'s layout as a :class:`Bf16Weight` of compute dtype ``dtype``."""
+    return Bf16Weight(block_bf16(w), dtype, w.shape[0], w.shape[1] if w.shape[1] % 2 else None)
+
+
+def unblock_bf16(p: torch.Tensor, n: int, k: int | None = None) -> torch.Tensor:
+    """The inverse of :func:`block_bf16`: ``[ceil(n / 32), Kp, 32]`` -> ``[n, k]`` bfloat16 (a new tensor; ``k``
+    default ``Kp``, an odd ``k`` drops the padding input); a ``p`` of more blocks than ``n`` rows need (a row view
+    of a fused weight) gives its first ``n`` rows."""
+    nb, kp, _ = p.shape
+    w = p.view(nb, kp // 2, gemv_kernel.BLOCK, 2).transpose(1, 2).reshape(nb * gemv_kernel.BLOCK, kp)
+    return (w[:n] if k in (None, kp) else w[:n, :k]).clone(memory_format=torch.contiguous_format)
+
+
+def bf16_rows(p: torch.Tensor, idx: torch.Tensor, k: int | None = None) -> torch.Tensor:
+    """Rows ``idx`` (any shape, values in ``[0, 32 * p.shape[0])``) of the weight of ``k`` inputs (default
+    ``p.shape[1]``) held as ``p`` in :func:`block_bf16`'s layout -> ``[*idx.shape, k]`` bfloat16 (a tied embedding's
+    lookup)."""
+    nb, kp, b = p.shape
+    rows = p.view(nb, kp // 2, b, 2)[idx // b, :, idx % b].reshape(*idx.shape, kp)
+    return rows if k in (None, kp) else rows[..., :k]
 
 
 def _check_range(start: int, stop: int, rows: int) -> None:
@@ -151,7 +183,7 @@ def to_bf16(w: torch.Tensor, cuts: tuple[int, ...] = ()) -> Bf16Weight:
     b = gemv_kernel.BLOCK
     if (w.dim() == 2 and w.shape[1] >= max(1, BLOCK_MIN_IN) and w.shape[0] > 0 and w.device.type == "cpu"
             and all(c % b == 0 for c in cuts) and gemv_kernel.available()):
-        return Bf16Weight(gemv_kernel.block_bf16(w), w.dtype, w.shape[0])
+        return blocked(w, w.dtype)
     return Bf16Weight(w.detach().to(torch.bfloat16).contiguous(), w.dtype)
 
 
@@ -207,16 +239,6 @@ def chunked_linear(x2: torch.Tensor, w, bias: torch.Tensor | None = None) -> tor
     return y
 
 
-#: the most rows of a bf16 input (``--dtype bfloat16``) :func:`bf16_linear` sends to our GEMV on the blocked layout
-#: (more: :func:`chunked_linear`, oneDNN's bf16 GEMM on chunks converted back by ``tp_unblock_bf16``).
-#: bench/results/gemv-bf16act-epyc.md (AMD EPYC Zen 4, one thread, the 1.1B's tp=2 matrices from memory): at one row
-#: ours on the blocked layout read 15.5-24.9 GB/s, on the plain one 10.0-20.1, oneDNN prepacked 13.3-14.7; per
-#: layer's four matmuls at 5 / 8 / 16 / 32 / 64 rows ours 2.9 / 3.9 / 7.6 / 14.2 / 26.8 ms, the converted chunks
-#: 8.6 / 9.0 / 11.0 / 14.0 / 19.9 (``F.linear`` on plain weights 4.3 / 4.9 / 6.4 / 9.6 / 15.6: our fp32 FMAs do half of
-#: ``vdpbf16ps``'s products per instruction, the chunks pay the conversion), so ours up to 32 rows
-BF16_ACT_ROWS = 32
-
-
 def bf16_linear(x: torch.Tensor, w: Bf16Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, W.float(), bias)`` for ``x`` ``[..., in]`` in the compute dtype -> ``[..., out]``: our GEMV
     (:func:`~tensorpar.decode.gemv_kernel.bf16w_linear`, or on the blocked layout
@@ -227,16 +249,19 @@ def bf16_linear(x: torch.Tensor, w: Bf16Weight, bias: torch.Tensor | None = None
     output and one chunk (the blocked kernel: the input rows packed, about 4 MiB per thread).
 
     A bf16 model's weights held blocked (compute dtype bf16, :func:`tensorpar.decode.matmuls.use_blocked`): ``x``
-    bf16, ``F.linear(x, W, bias)`` in bf16: at up to :data:`BF16_ACT_ROWS` rows our blocked GEMV on ``x`` widened
-    to fp32 (exact) and its fp32 sums rounded to bf16 once, as oneDNN's bf16 GEMM rounds its fp32 sums (another
-    order: within one bf16 rounding); more rows :func:`chunked_linear` (``F.linear`` in bf16 per chunk). No
-    collectives."""
+    bf16, ``F.linear(x, W, bias)`` in bf16 at any row count: our blocked GEMV
+    (:func:`~tensorpar.decode.gemv_kernel.bf16_blocked_linear`: ``vdpbf16ps`` on pairs of inputs with AVX512_BF16)
+    and its fp32 sums rounded to bf16 once, as oneDNN's bf16 GEMM rounds its fp32 sums (another order: within one
+    bf16 rounding). bench/results/gemv-bf16dp-epyc.md (AMD EPYC Zen 4, one thread, the 1.1B's tp=2 matrices from
+    memory): per layer's four matmuls at 4-32 rows 1.06-1.15x as fast as oneDNN's prepacked bf16 GEMM, at 64 and 128
+    rows level with ``F.linear`` on plain weights; the fp32 FMAs this replaced took 1.9-2.0x its time from 16 rows.
+    No collectives."""
     x2 = x.reshape(-1, x.shape[-1])
     b = None if bias is None else bias.float()
     cpu = x2.device.type == "cpu" and w.w.is_contiguous() and gemv_kernel.available()
     ours = x2.dtype == torch.float32 and cpu
-    if cpu and w.blocked and x2.dtype == w.dtype == torch.bfloat16 and x2.shape[0] <= BF16_ACT_ROWS:
-        y = gemv_kernel.bf16w_blocked_linear(x2.float(), w.w, w.n, b).to(torch.bfloat16)
+    if cpu and w.blocked and x2.dtype == w.dtype == torch.bfloat16:
+        y = gemv_kernel.bf16_blocked_linear(x2, w.w, w.n, b).to(torch.bfloat16)
     elif ours and w.blocked:      # at any row count: prefill's 512 rows 1.4x the chunks (bench/results/gemv-packed-epyc.md)
         y = gemv_kernel.bf16w_blocked_linear(x2, w.w, w.n, b)
     elif ours and x2.shape[0] <= GEMV_ROWS:

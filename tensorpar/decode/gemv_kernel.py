@@ -20,11 +20,13 @@ Since 2026-12-04 the lean path holds fp32 weights in a blocked layout instead (:
 :data:`MODE_BLOCKED`: 32 output rows per block, k-major, the inputs broadcast into output vectors; 1.02-1.85x the
 plain layout's rate, bench/results/gemv-blocked-epyc.md), which replaces the plain weight on the modules
 (:func:`tensorpar.decode.matmuls.use_blocked`); ``--quantize bf16`` holds its bf16 weights of rows of at least
-1024 inputs in the same layout's bf16 form (:func:`block_bf16`, ``tp_gemv_bf16w_blocked``: 1.37-1.91x the plain
-layout at one row on the 1.1B's shapes, bench/results/gemv-bf16w-blocked-epyc.md); the plain layout stays for
-bf16 activations and where a caller keeps the model's parameters. Sums in fp32 (bf16 x bf16: ``vdpbf16ps`` pairs
-with AVX512_BF16, else both widened to fp32 in registers, where each product is exact; or the weights widened to
-fp32 with the input in fp32: :func:`mode`), rounded to bf16 once at the end for bf16 weights.
+1024 inputs in the same layout's bf16 form (:func:`~tensorpar.decode.bf16_weights.block_bf16`, inputs in pairs,
+``tp_gemv_bf16w_blocked``: 1.37-1.91x the plain layout at one row on the 1.1B's shapes,
+bench/results/gemv-bf16w-blocked-epyc.md), and so does a bf16 model (``tp_gemv_bf16_blocked``: ``vdpbf16ps`` on
+the pairs, :func:`bf16_blocked_linear`); the plain layout stays where a caller keeps the model's parameters.
+Sums in fp32 (bf16 x bf16: ``vdpbf16ps`` pairs with AVX512_BF16, else both widened to fp32 in registers, where
+each product is exact; or the weights widened to fp32 with the input in fp32: :func:`mode`), rounded to bf16 once
+at the end for bf16 weights.
 
 Build: one C++ file (no torch headers), for one of :data:`TARGETS`: the first whose instruction sets /proc/cpuinfo
 lists (AVX-512 with BF16: ``-mavx512f -mavx512bw -mavx512vl -mavx512bf16``; else AVX2 with FMA: ``-mavx2
@@ -132,10 +134,12 @@ def _lib():
     lib.tp_gemv.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                             ctypes.c_int64]
-    for f in (lib.tp_gemv_bf16w, lib.tp_gemv_bf16w_blocked):
+    for f in (lib.tp_gemv_bf16w, lib.tp_gemv_bf16w_blocked, lib.tp_gemv_bf16_blocked):
         f.restype = None
         f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+    lib.tp_unblock_bf16.restype = None
+    lib.tp_unblock_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     return lib
 
 
@@ -312,19 +316,20 @@ def bf16w_into_args(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, threads: 
     ``[N, K]`` bfloat16, ``y`` ``[M, N]`` float32, contiguous CPU tensors; the weights widened to fp32 as
     :data:`MODE_WIDEN` does, ``y`` not rounded to bf16 (fp32 sums in another order than ``F.linear(x, w.float())``:
     within 1e-5 relative of it; ``bias`` ``[N]`` float32 or None, as :func:`bf16w_linear` adds it). ``n`` given:
-    ``w`` is ``N = n`` rows in the bf16 blocked layout of :func:`block_bf16` (``[ceil(n / BLOCK), K, BLOCK]``), for
+    ``w`` is ``N = n`` rows in the bf16 blocked layout of :func:`~tensorpar.decode.bf16_weights.block_bf16`
+    (``[ceil(n / BLOCK), K + K % 2, BLOCK]``), for
     :func:`bf16w_blocked_linear_into`; else for :func:`bf16w_linear_into`. Raises ValueError on other shapes or
     dtypes."""
     M, K = x.shape if x.dim() == 2 else (-1, -1)
     N = w.shape[0] if n is None else n
     shape_ok = (w.dim() == 2 and w.shape[1] == K if n is None else isinstance(n, int) and n > 0
-                and w.dim() == 3 and tuple(w.shape) == (-(-n // BLOCK), K, BLOCK))
+                and w.dim() == 3 and tuple(w.shape) == (-(-n // BLOCK), K + K % 2, BLOCK))
     if (not shape_ok or tuple(y.shape) != (M, N) or x.dtype != torch.float32 or y.dtype != torch.float32
             or w.dtype != torch.bfloat16 or not all(t.is_contiguous() and t.device.type == "cpu" for t in (x, w, y))
             or not _bias_ok(bias, N, torch.float32)):
         raise ValueError(f"gemv bf16w into: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype} (n {n}), y "
                          f"{tuple(y.shape)} {y.dtype}: takes contiguous CPU x [M, K] float32, w [N, K] bfloat16 "
-                         f"(or [ceil(n / {BLOCK}), K, {BLOCK}] blocked with n = N), y [M, N] float32")
+                         f"(or [ceil(n / {BLOCK}), K + K % 2, {BLOCK}] blocked with n = N), y [M, N] float32")
     return (x.data_ptr(), M, K, w.data_ptr(), N, None if bias is None else bias.data_ptr(), y.data_ptr(),
             torch.get_num_threads() if threads is None else threads, PREFETCH)
 
@@ -339,43 +344,37 @@ def bf16w_blocked_linear_into(args: tuple) -> None:
     _lib().tp_gemv_bf16w_blocked(*args)
 
 
-def block_bf16(w: torch.Tensor) -> torch.Tensor:
-    """``w`` ``[n, K]`` (any float dtype; rounded to bfloat16, nearest even) in the bf16 blocked layout
-    ``[ceil(n / BLOCK), K, BLOCK]`` bfloat16 (a new tensor): :func:`block`'s blocks, each input k's 32 weights paired
-    so that position ``2j`` holds output row ``j`` and ``2j + 1`` row ``j + 16`` (``j < 16``): a 32-bit lane holds
-    both, widened to fp32 by a shift and an and (csrc/gemv.cpp ``tp_gemv_bf16w_blocked``). Exact on bf16 input
-    (:func:`unblock_bf16` gives it back)."""
-    p = block(w.detach().to(torch.bfloat16))
-    nb, k, _ = p.shape
-    return p.view(nb, k, 2, BLOCK // 2).transpose(2, 3).contiguous().view(nb, k, BLOCK)
-
-
-def unblock_bf16(p: torch.Tensor, n: int) -> torch.Tensor:
-    """The inverse of :func:`block_bf16`: ``[ceil(n / BLOCK), K, BLOCK]`` -> ``[n, K]`` bfloat16 (a new tensor); a
-    ``p`` of more blocks than ``n`` rows need (a row view of a fused weight) gives its first ``n`` rows."""
-    nb, k, _ = p.shape
-    return unblock(p.view(nb, k, BLOCK // 2, 2).transpose(2, 3).reshape(nb, k, BLOCK), nb * BLOCK)[:n].clone()
-
-
-def bf16_position(j: torch.Tensor) -> torch.Tensor:
-    """Where output row ``j`` (``0 <= j < BLOCK``, any shape) of a block sits in :func:`block_bf16`'s pairs."""
-    return 2 * (j % (BLOCK // 2)) + j // (BLOCK // 2)
+def bf16_blocked_linear_into(args: tuple) -> None:
+    """A bf16 model's matmul on the bf16 blocked layout into a preallocated fp32 output (:func:`bf16w_into_args`
+    with ``n``; ``x``'s fp32 values must be bf16 values, read as their upper 16 bits): ``vdpbf16ps`` on pairs of
+    inputs where the CPU has AVX512_BF16 (the fp32 sums in pairs, denormals read as zero), else bitwise
+    :func:`bf16w_blocked_linear_into`; ``y`` the fp32 sums plus bias, not rounded."""
+    _lib().tp_gemv_bf16_blocked(*args)
 
 
 def bf16w_blocked_linear(x: torch.Tensor, p: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, W.float(), bias)`` for ``x`` ``[M, K]`` float32 and ``W`` ``[n, K]`` bf16 held as ``p`` in the
-    bf16 blocked layout (:func:`block_bf16`), any ``M``, on ``torch.get_num_threads()`` threads -> ``[M, n]``
-    float32; each output summed as :func:`blocked_linear` sums it (bitwise its result on ``W.float()``
-    blocked), within 1e-5 relative of ``F.linear``."""
+    bf16 blocked layout (:func:`~tensorpar.decode.bf16_weights.block_bf16`), any ``M``, on
+    ``torch.get_num_threads()`` threads -> ``[M, n]`` float32; each output summed as :func:`blocked_linear` sums it
+    (bitwise its result on ``W.float()`` blocked), within 1e-5 relative of ``F.linear``."""
     return _bf16w_call(x, p, n, bias, n)
 
 
-def _bf16w_call(x, w, rows: int, bias, n):     # y [M, rows] of x [M, K]: the arguments checked by bf16w_into_args
+def bf16_blocked_linear(x: torch.Tensor, p: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """A bf16 model's matmul: ``x`` ``[M, K]`` bfloat16, ``W`` ``[n, K]`` bf16 held as ``p`` in the bf16 blocked
+    layout, ``bias`` ``[n]`` or None -> ``[M, n]`` float32, the fp32 sums of :func:`bf16_blocked_linear_into` (the
+    caller rounds them to bf16 once, as oneDNN's bf16 GEMM rounds its fp32 sums). Any ``M``, on
+    ``torch.get_num_threads()`` threads."""
+    return _bf16w_call(x.float(), p, n, bias, n, bf16_blocked_linear_into)
+
+
+def _bf16w_call(x, w, rows: int, bias, n, run=None):   # y [M, rows] of x [M, K], arguments checked by bf16w_into_args
     x = x.contiguous() if x.dim() == 2 else x
     b = None if bias is None else bias.float().contiguous()         # kept alive while the kernel reads it
     y = torch.empty(x.shape[0] if x.dim() == 2 else 0, max(0, rows) if isinstance(rows, int) else 0,
                     dtype=torch.float32)
-    (bf16w_linear_into if n is None else bf16w_blocked_linear_into)(bf16w_into_args(x, w, y, bias=b, n=n))
+    run = run or (bf16w_linear_into if n is None else bf16w_blocked_linear_into)
+    run(bf16w_into_args(x, w, y, bias=b, n=n))
     return y
 
 

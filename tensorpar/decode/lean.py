@@ -67,7 +67,7 @@ from tensorpar.decode.deterministic import DETERMINISTIC_TILE, deterministic_uns
 from tensorpar.decode.int8 import int8_linear, int8_weights, lean_weight
 from tensorpar.decode.kernels import can_pack, mm
 from tensorpar.decode.kv_cache import LeanKVCache, Segment, offsets, token_positions
-from tensorpar.decode.matmuls import use_blocked, use_gemv, use_packed
+from tensorpar.decode.matmuls import blocks_every_matmul, use_blocked, use_gemv, use_packed
 from tensorpar.decode.packed import unpack_weights
 from tensorpar.decode.prepare import decoder_parts, fuse_projections, lean_unsupported
 from tensorpar.decode.rope import rope_switch_length, row_rotary
@@ -161,10 +161,10 @@ class LeanDecoder:
             self.lin = self.linear = bf16_linear if isinstance(w0, Bf16Weight) else int8_linear
         else:
             self.lin, self.linear = mm, F.linear
-        #: our GEMV (:func:`use_gemv`) up to gemv_kernel.max_rows rows; fp32 blocked at any max_batch (decode_chunks)
-        fits = max_batch <= gemv_kernel.max_rows(w0.dtype) or (block and w0.dtype == torch.float32)
+        #: our GEMV (:func:`use_gemv`) up to gemv_kernel.max_rows rows; blocked at any max_batch (decode_chunks)
+        fits = max_batch <= gemv_kernel.max_rows(w0.dtype) or (block and blocks_every_matmul(self, w0.dtype))
         self.gemv = not int8 and prepack is None and fits and use_gemv(self)
-        self.blocked = block and self.gemv and use_blocked(self, model)       # fp32, or bf16 (<= 4 rows)
+        self.blocked = block and self.gemv and use_blocked(self, model)
         self.packed = (not int8 and not self.gemv and (prepack if prepack is not None else can_pack(w0))
                        and w0.device.type == "cpu" and torch.backends.mkldnn.is_available())
         if self.packed:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from tensorpar.decode import gemv_kernel
 from tensorpar.decode import bf16_weights
-from tensorpar.decode.bf16_weights import BF16_ACT_ROWS, Bf16Weight, bf16_linear
+from tensorpar.decode.bf16_weights import Bf16Weight, bf16_linear
 from tensorpar.decode.kernels import gemv_linear, gemv_mm, pack, packed_linear
 from tensorpar.decode.packed import pack_plan, pack_weights
 from tensorpar.decode.prepare import decoder_parts
@@ -74,21 +74,20 @@ def use_blocked(dec, model) -> bool:
     (prefill too: no plain weight is left for ``torch.mm``). bf16 (``--dtype bfloat16``): the bf16 blocked layout
     of ``--quantize bf16`` (:class:`~tensorpar.decode.bf16_weights.Bf16Weight`, compute dtype bf16), for weights
     of at least :data:`~tensorpar.decode.bf16_weights.BLOCK_MIN_IN` inputs (shorter rows read faster plain), run
-    by :func:`~tensorpar.decode.bf16_weights.bf16_linear`: our GEMV up to
-    :data:`~tensorpar.decode.bf16_weights.BF16_ACT_ROWS` rows, oneDNN's bf16 GEMM on converted chunks above. A
+    by :func:`~tensorpar.decode.bf16_weights.bf16_linear` at any row count (``vdpbf16ps`` on pairs of inputs). A
     tied LM head's table too: the input embedding then looks its rows up in the blocked layout
     (:class:`~tensorpar.decode.packed.PackedVocabParallelEmbedding`).
-    Taken only if a probe of every row count the kernel runs (fp32: the 1-13 rows its micro-kernels split into;
-    bf16: 1-4) is within the kernel's tolerance of ``F.linear`` (fp32: 1e-5 relative, the order of the fp32 sums;
+    Taken only if a probe of every row count the kernel runs (the 1-13 rows its micro-kernels split into) is
+    within the kernel's tolerance of ``F.linear`` (fp32: 1e-5 relative, the order of the fp32 sums;
     bf16: one bf16 rounding, 2^-8 relative) and each probe row's outputs are bitwise those it gets alone. Why: the
     blocked layout streams each block of 32 output rows as one sequence and computes the step's rows as output
     vectors (no horizontal sums): fp32 1.02-1.62x our GEMV on the plain weight at one row, 1.36-1.85x at 4 and
     1.35x at 32 (bench/results/gemv-blocked-epyc.md, SmolLM2's and the 1.1B's tp=2 shapes); bf16 see
-    :data:`~tensorpar.decode.bf16_weights.BF16_ACT_ROWS`. Returns whether any weight was blocked."""
+    :func:`~tensorpar.decode.bf16_weights.bf16_linear`. Returns whether any weight was blocked."""
     w = next((w for L in dec.layers for *_, w, _ in L.packs if _blockable(w)), None)
     if w is None:
         return False
-    rows = 13 if w.dtype == torch.float32 else BF16_ACT_ROWS
+    rows = 13                   # the micro-kernels' 12 rows and one more (fp32 and bf16 alike)
     tol = 1e-5 if w.dtype == torch.float32 else 2.0 ** -8
     probe = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
     with torch.no_grad():
@@ -106,6 +105,17 @@ def use_blocked(dec, model) -> bool:
     return _replace(dec, model, _blockable, _blocked, tied=True) is not None
 
 
+def blocks_every_matmul(dec, dtype: torch.dtype) -> bool:
+    """Whether :func:`use_blocked` would hold every matmul weight of ``dec`` (its layers', and the LM head's on the
+    last stage) of a model computing in ``dtype`` in a blocked layout our GEMV runs at any row count: fp32 always
+    (what is not blockable runs ``torch.mm``), bf16 where each passes :func:`_blockable` (a weight left plain would
+    run ``F.linear`` on plain bf16 weights above 4 rows, slower than oneDNN's prepacked ones)."""
+    if dtype == torch.float32:
+        return True
+    ws = [w for L in dec.layers for *_, w, _ in L.packs] + ([dec.lm_w] if dec.last else [])
+    return dtype == torch.bfloat16 and all(_blockable(w) for w in ws)
+
+
 def _blockable(w) -> bool:
     """Whether :func:`use_blocked` blocks ``w``: fp32 as :func:`~tensorpar.decode.gemv_kernel.blockable` says; bf16
     the same checks and at least :data:`~tensorpar.decode.bf16_weights.BLOCK_MIN_IN` inputs."""
@@ -117,7 +127,7 @@ def _blockable(w) -> bool:
 
 def _blocked(w: torch.Tensor, rows: int):
     if w.dtype == torch.bfloat16:
-        return Bf16Weight(gemv_kernel.block_bf16(w), torch.bfloat16, w.shape[0])
+        return bf16_weights.blocked(w, torch.bfloat16)
     return gemv_kernel.BlockedWeight(gemv_kernel.block(w), w.shape[0])
 
 

@@ -71,7 +71,7 @@ class RowStep:
     :meth:`~tensorpar.decode.lean.LeanDecoder.forward_segments` (:meth:`run_split`) for ``b <= rows`` rows of one
     token each whose tokens are all stored (``write`` None): decode rows, and a step's prompts as one row per token
     (:mod:`~tensorpar.decode.step_rows`); ``rows`` = :func:`~tensorpar.decode.row_step_rules.rows` (32; a bf16
-    model's bf16 weights 4).
+    model's bf16 weights of which some are plain 4).
 
     Memory: a few buffers of ``rows`` rows (hidden, QKV, gate-up widths), fp32; a program per row
     count run so far (:meth:`program`). Collectives: those of the
@@ -92,7 +92,7 @@ class RowStep:
         H = self.norm0[0].numel()
         nq, nkv, d = dec.n_q, dec.n_kv, dec.head_dim
         fmt = _format(_reference_weight(dec))
-        self.R = R = rows(dt, fmt)                  # decode rows, or a prompt's tokens as rows (run_split)
+        self.R = R = rows(dec, dt, fmt)                # decode rows, or a prompt's tokens as rows (run_split)
         f = L0.f
         e = dict(dtype=torch.float32, device=_reference_weight(dec).device)
         # a pipeline stage before the last ends with x += the last exchange and no norm of its own: a unit-weight

@@ -18,12 +18,20 @@ from tensorpar.decode.step_matmuls import _KERNELS
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def rows(dtype: torch.dtype, fmt: str | None) -> int:
-    """The most rows a row step of a model computing in ``dtype`` on weights of format ``fmt`` runs: our GEMV's
-    :func:`~tensorpar.decode.gemv_kernel.max_rows` for a bf16 model's bf16 weights (4), else
-    :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS` (32; the int8 kernel of a bf16 model too: the general loop runs it
-    at every row count, on the input widened to fp32)."""
-    return gemv_kernel.max_rows(dtype) if fmt == "bf16" and dtype == torch.bfloat16 else gemv_kernel.MAX_ROWS
+def rows(dec, dtype: torch.dtype, fmt: str | None) -> int:
+    """The most rows a row step of decoder ``dec`` computing in ``dtype`` on weights of format ``fmt`` runs:
+    :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS` (32), but for a bf16 model's bf16 weights of which some are plain
+    (rows of fewer than 1024 inputs, :func:`tensorpar.decode.matmuls.use_blocked`) our plain GEMV's
+    :func:`~tensorpar.decode.gemv_kernel.max_rows` (4). All held blocked, 32: ``vdpbf16ps`` on the blocked layout ran
+    a layer's matmuls at 16 and 32 rows 1.08 and 1.06x as fast as oneDNN's prepacked bf16 GEMM
+    (bench/results/gemv-bf16dp-epyc.md). The int8 kernel of a bf16 model: 32 (the general loop runs it at every row
+    count, on the input widened to fp32)."""
+    if fmt != "bf16" or dtype != torch.bfloat16:
+        return gemv_kernel.MAX_ROWS
+    ws = [w for L in dec.layers for w in (L.wqkv, L.wo, L.wgu, L.wd)] + ([dec.lm_w] if dec.last else [])
+    if all(isinstance(w, Bf16Weight) and w.blocked for w in ws):
+        return gemv_kernel.MAX_ROWS
+    return gemv_kernel.max_rows(dtype)
 
 
 def _norm(fn, dtype: torch.dtype = torch.float32):

@@ -23,10 +23,11 @@ class _Matmuls:
     the step's matmuls share: they run one after the other), or our GEMV widening the :class:`Bf16Weight` of
     ``--quantize bf16``, plain or blocked, and a bf16 model's bf16 weights, plain tensors or blocked
     (:func:`~tensorpar.decode.gemv_kernel.bf16w_into_args`: on the step's fp32 buffers; the step rounds the output
-    to bf16). Each is the
-    kernel the general loop runs at these rows, so a matmul's output is bitwise the general loop's given the same input
-    (but a bf16 model's plain weights: the general loop's bf16 x bf16 GEMV pairs its products, ``vdpbf16ps``; within
-    one bf16 rounding)."""
+    to bf16; a bf16 model's blocked weights by ``vdpbf16ps`` on pairs of inputs,
+    :func:`~tensorpar.decode.gemv_kernel.bf16_blocked_linear_into`). Each is the kernel the general loop runs at these
+    rows, so a matmul's output is bitwise the general loop's given the same input (but a bf16 model's plain weights:
+    the general loop's bf16 x bf16 GEMV pairs its products, ``vdpbf16ps``, the step widens them; within one bf16
+    rounding)."""
 
     def __init__(self, fmt: str | None, rows: int, k: int, threads: int):
         self.threads = threads
@@ -49,7 +50,7 @@ class _Matmuls:
         """``y = x @ W.T + bias`` now (:meth:`args`' matmul; a blocked :class:`Bf16Weight` by its own entry)."""
         a = self.args(x, w, y, bias)
         if isinstance(w, Bf16Weight) and w.blocked:
-            gemv_kernel.bf16w_blocked_linear_into(a)
+            (gemv_kernel.bf16_blocked_linear_into if _bf16_act(w) else gemv_kernel.bf16w_blocked_linear_into)(a)
         else:
             self.run(a)
 
@@ -60,6 +61,14 @@ class _Matmuls:
         if isinstance(w, Int8Weight):
             return (fused.OP_Q8, q8_kernel.address("tp_q8_linear_into"), *a)
         if isinstance(w, Bf16Weight) or w.dtype == torch.bfloat16:      # the blocked entry takes the same arguments
-            name = "tp_gemv_bf16w_blocked" if isinstance(w, Bf16Weight) and w.blocked else "tp_gemv_bf16w"
+            name = "tp_gemv_bf16w"
+            if isinstance(w, Bf16Weight) and w.blocked:
+                name = "tp_gemv_bf16_blocked" if _bf16_act(w) else "tp_gemv_bf16w_blocked"
             return (fused.OP_GEMV_BF16W, gemv_kernel.address(name), *a)
         return (fused.OP_GEMV, gemv_kernel.address("tp_gemv"), *a)
+
+
+def _bf16_act(w: Bf16Weight) -> bool:
+    """Whether ``w`` is a bf16 model's weight (bf16 activations: ``vdpbf16ps`` on pairs, as the general loop's
+    :func:`~tensorpar.decode.bf16_weights.bf16_linear`), not ``--quantize bf16``'s (fp32 activations)."""
+    return w.dtype == torch.bfloat16

@@ -1,8 +1,10 @@
 """bf16 models (``--dtype bfloat16``) with their matmul weights in the bf16 blocked layout of our GEMV
 (tensorpar.decode.matmuls.use_blocked, bf16_weights.bf16_linear on a bf16 input): each matmul within one bf16
-rounding of ``F.linear`` in bf16 at the kernel's rows and ``F.linear``'s own bits above them; the layout replaces
+rounding of ``F.linear`` in bf16 at every row count; the layout replaces
 the plain weights (state_dict unchanged, one copy); greedy tokens of the lean path equal transformers' bf16 model at
 tp 1 and 2, logits within verify's bf16 rule of the plain decoder's."""
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,23 +22,20 @@ needs_gemv = pytest.mark.skipif(not gemv_kernel.available(),
 @needs_gemv
 @pytest.mark.parametrize("k,n,bias", [(64, 70, False), (300, 33, True), (1030, 97, False)])
 def test_bf16_input_on_blocked_weight(k, n, bias):
-    """bf16 ``x`` on a bf16 weight held blocked (compute dtype bf16): at up to ``BF16_ACT_ROWS`` rows our GEMV's fp32
-    sums rounded once to bf16, so within one bf16 unit of ``F.linear``'s (whose fp32 sums are in another order) and
-    each row bitwise alone; above them ``F.linear``'s bits (the weight converted back, oneDNN's GEMM); the layout
-    gives the weight back exactly."""
-    from tensorpar.decode.bf16_weights import BF16_ACT_ROWS, Bf16Weight, bf16_linear
+    """bf16 ``x`` on a bf16 weight held blocked (compute dtype bf16), at every row count (1-40, 100: the kernel's
+    row groups of 12, its two-block path up to 4 rows): our GEMV's fp32 sums (``vdpbf16ps`` on pairs of inputs)
+    rounded once to bf16, so within one bf16 unit of ``F.linear``'s (whose fp32 sums are in another order) and each
+    row bitwise alone; the layout gives the weight back exactly."""
+    from tensorpar.decode.bf16_weights import Bf16Weight, bf16_linear
     g = torch.Generator().manual_seed(k)
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
-    bw = Bf16Weight(gemv_kernel.block_bf16(w), torch.bfloat16, n)
+    bw = Bf16Weight(bf16_weights.block_bf16(w), torch.bfloat16, n)
     assert torch.equal(bw.dense(), w) and bw.dense().dtype == torch.bfloat16
-    for m in range(1, BF16_ACT_ROWS + 4):
+    for m in list(range(1, 41)) + [100]:
         x = torch.randn(m, k, generator=g).bfloat16()
         got, want = bf16_linear(x, bw, b), F.linear(x, w, b)
         assert got.dtype == torch.bfloat16 and got.shape == want.shape
-        if m > BF16_ACT_ROWS:
-            assert torch.equal(got, want), f"m={m}: the chunks are F.linear"
-            continue
         # one bf16 rounding of sums that differ in their last fp32 bits: at most one bf16 unit (2^-7 relative)
         assert torch.allclose(got.float(), want.float(), rtol=2.0 ** -7, atol=2.0 ** -7 * float(want.abs().max()))
         alone = torch.cat([bf16_linear(x[i:i + 1], bw, b) for i in range(m)])
@@ -44,15 +43,69 @@ def test_bf16_input_on_blocked_weight(k, n, bias):
 
 
 @needs_gemv
+def test_bf16_blocked_sums():
+    """The kernel's fp32 sums (before rounding) within 2e-6 of the exact sums of the bf16 products (fp64), at 1-13
+    rows, on 1 and 2 threads alike (bitwise); an odd number of inputs (padded with a zero input) the same, its rows,
+    views and round trip exact, its fp32 path bitwise the fp32 blocked layout's."""
+    g = torch.Generator().manual_seed(5)
+    n, k = 70, 1030
+    w = torch.randn(n, k, generator=g).bfloat16()
+    p = bf16_weights.block_bf16(w)
+    for m in (1, 3, 4, 5, 13):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        got = gemv_kernel.bf16_blocked_linear(x, p, n, None)
+        exact = x.double() @ w.double().T
+        assert float((got.double() - exact).abs().max()) <= 2e-6 * float(exact.abs().max())
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            assert torch.equal(gemv_kernel.bf16_blocked_linear(x, p, n, None), got)
+        finally:
+            torch.set_num_threads(threads)
+    w = torch.randn(40, 1025, generator=g).bfloat16()       # an odd number of inputs: padded with a zero input
+    bw = bf16_weights.to_bf16(w)
+    assert bw.blocked and bw.shape == (40, 1025) and bw.w.shape == (2, 1026, 32) and torch.equal(bw.plain(), w)
+    idx = torch.tensor([[0, 39], [17, 5]])
+    assert torch.equal(bw.rows(idx), w[idx].float()) and torch.equal(bw.narrow(32, 8).plain(), w[32:])
+    for m in (1, 5):
+        x = torch.randn(m, 1025, generator=g).bfloat16()
+        got = gemv_kernel.bf16_blocked_linear(x, bw.w, 40, None)
+        exact = x.double() @ w.double().T
+        assert float((got.double() - exact).abs().max()) <= 2e-6 * float(exact.abs().max())
+        fp32 = gemv_kernel.blocked_linear(x.float(), gemv_kernel.BlockedWeight(gemv_kernel.block(w.float()), 40), None)
+        assert torch.equal(gemv_kernel.bf16w_blocked_linear(x.float(), bw.w, 40, None), fp32)
+
+
+@needs_gemv
+def test_bf16_blocked_on_the_avx2_build():
+    """The AVX2 build (no ``vdpbf16ps``: two fma in input order) of a bf16 model's blocked matmul is bitwise the fp32
+    path on the same layout (``tp_gemv_bf16w_blocked``, the weights widened), where this CPU runs both builds."""
+    from tests.decode.test_gemv import avx2_build
+    g = torch.Generator().manual_seed(6)
+    lib = avx2_build()
+    for f in (lib.tp_gemv_bf16_blocked, lib.tp_gemv_bf16w_blocked):
+        f.restype, f.argtypes = gemv_kernel._lib().tp_gemv_bf16_blocked.restype, \
+            gemv_kernel._lib().tp_gemv_bf16_blocked.argtypes
+    for (n, k), m in itertools.product(((70, 1030), (40, 1025)), (1, 4, 5)):
+        p = bf16_weights.block_bf16(torch.randn(n, k, generator=g))
+        x = torch.randn(m, k, generator=g).bfloat16().float()
+        ys = [torch.empty(m, n) for _ in range(2)]
+        for f, y in zip((lib.tp_gemv_bf16_blocked, lib.tp_gemv_bf16w_blocked), ys):
+            f(*gemv_kernel.bf16w_into_args(x, p, y, 1, n=n))
+        assert torch.equal(ys[0], ys[1]), m
+
+
+@needs_gemv
 def test_copy_rows_from_the_blocked_layout_is_exact():
-    """``Bf16Weight.copy_rows`` into a bf16 buffer (our kernel's ``tp_unblock_bf16``: whole blocks 16 inputs at a time
-    as a transpose, tails and cut blocks value by value) gives the plain rows bit for bit: whole and cut blocks, row
+    """``Bf16Weight.copy_rows`` into a bf16 buffer (our kernel's ``tp_unblock_bf16``: whole blocks 16 pairs of inputs
+    at a time as a transpose, tails pair by pair) gives the plain rows bit for bit: whole and cut blocks, row
     ranges starting and ending inside a block, inputs not a multiple of 16 or of its tile; into fp32 as before."""
     from tensorpar.decode.bf16_weights import Bf16Weight
     g = torch.Generator().manual_seed(3)
-    for n, k in [(70, 33), (64, 48), (100, 2048), (33, 17), (32, 16), (96, 4097), (40, 300)]:
+    for n, k in [(70, 33), (64, 48), (100, 2048), (33, 17), (32, 16), (96, 4097), (40, 300), (45, 1031)]:
         w = torch.randn(n, k, generator=g).bfloat16()
-        bw = Bf16Weight(gemv_kernel.block_bf16(w), torch.bfloat16, n)
+        bw = bf16_weights.blocked(w, torch.bfloat16)
+        assert bw.shape == (n, k) and torch.equal(bw.plain(), w)
         for a, b in [(0, n), (0, min(n, 32)), (min(n, 5), n), (min(n, 31), min(n, 65)), (n - 1, n)]:
             for dtype in (torch.bfloat16, torch.float32):
                 dst = torch.empty(b - a, k, dtype=dtype)
@@ -69,7 +122,7 @@ def test_copy_rows_on_the_avx2_build():
     f = avx2_build().tp_unblock_bf16
     f.restype, f.argtypes = None, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     w = torch.randn(100, 300, generator=torch.Generator().manual_seed(4)).bfloat16()
-    p = gemv_kernel.block_bf16(w)
+    p = bf16_weights.block_bf16(w)
     for a, b in [(0, 100), (7, 70)]:
         dst = torch.empty(b - a, 300, dtype=torch.bfloat16)
         f(p.data_ptr(), 300, a, b, dst.data_ptr())
@@ -222,3 +275,62 @@ def test_bf16_step_exchange_over_gloo_rounds_as_the_general_loop(pools):
     res = run_tp(pools, 3, job_exchange_bf16)
     assert all(n == 1 and same for n, same, _ in res), res
     assert res[0][2] > 0, "the test's sums never round differently in fp32: it shows nothing"
+
+
+def job_wide_batch(ctx, folder, ids, mask, n):
+    from tensorpar import comm
+    from tensorpar.decode.lean import LeanDecoder
+    from tensorpar.generate import SamplingConfig, generate_tokens
+    from tensorpar.hf.load import build_parallel_model
+    default = bf16_weights.BLOCK_MIN_IN
+    try:
+        out = {}
+        for min_in in (default, 0):         # the tiny model's rows are short: default leaves them plain
+            bf16_weights.BLOCK_MIN_IN = min_in
+            model, plan = build_parallel_model(folder, ctx.tp, dtype=torch.bfloat16)
+            lean = LeanDecoder(model, ctx.tp, max_batch=ids.shape[0], max_len=ids.shape[1] + 1)
+            R = None if lean.row_step is None else lean.row_step.R
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            first = comm.all_gather(lean.prefill(ids, mask, pos).float().contiguous(), ctx.tp, -1, plan.vocab)
+            step = lean.decode(first.argmax(-1)[:, None], pos[:, -1:] + 1, ids.shape[1])
+            rows = comm.all_gather(step.float().contiguous(), ctx.tp, -1, plan.vocab)
+            lean.row_step = None                    # the general loop (writes the step's K/V again, in place)
+            general = comm.all_gather(lean.decode(first.argmax(-1)[:, None], pos[:, -1:] + 1, ids.shape[1])
+                                      .float().contiguous(), ctx.tp, -1, plan.vocab)
+            tokens = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=n),
+                                     path="lean").tokens
+            out[min_in] = dict(gemv=lean.gemv, blocked=lean.blocked, packed=lean.packed, R=R, tokens=tokens,
+                               diff=float((rows - general).abs().max()), scale=float(general.abs().max()))
+        return out
+    finally:
+        bf16_weights.BLOCK_MIN_IN = default
+
+
+@needs_gemv
+@pytest.mark.parametrize("tp", [1, 2])
+def test_bf16_batch_above_4_rows_runs_blocked(pools, tmp_path, tp):
+    """A bf16 model decoding 7 prompts (``max_batch`` 7, above the plain bf16 GEMV's 4 rows): with every matmul
+    weight blockable (``BLOCK_MIN_IN`` 0) the decoder holds them blocked (``vdpbf16ps`` at any row count) and its row
+    step takes 32 rows; with the tiny model's short rows left plain it keeps oneDNN's prepacked weights as before.
+    Both give transformers' bf16 greedy tokens; the row step's decode logits equal the general loop's on the same
+    weights (the same matmul kernel) up to the bf16 rounding rule of verify."""
+    from tensorpar.decode import fused
+    from tensorpar.verify import tolerance
+    arch = "llama"
+    folder = str(make_model_folder(tmp_path / arch, arch))
+    cfg = ARCHS[arch]
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, cfg["vocab_size"], (7, 6), generator=g)
+    mask = torch.ones_like(ids)
+    mask[3, :2] = 0
+    ids[mask == 0] = 0
+    want = hf_bf16_greedy(folder, ids, mask, N_NEW)
+    for r, got in enumerate(run_tp(pools, tp, job_wide_batch, folder, ids, mask, N_NEW)):
+        plain, blocked = got[bf16_weights.BLOCK_MIN_IN], got[0]
+        assert not plain["gemv"] and plain["packed"], plain
+        assert blocked["gemv"] and blocked["blocked"] and not blocked["packed"], blocked
+        assert blocked["R"] == (32 if fused.available() else None), blocked["R"]
+        tol = tolerance(torch.bfloat16, cfg["intermediate_size"], cfg["num_hidden_layers"] + 1, tp, blocked["scale"])
+        assert blocked["diff"] <= tol, (blocked["diff"], tol)
+        for what in (plain, blocked):
+            assert torch.equal(what["tokens"], want), f"tp={tp} rank {r}: {what['tokens']} != {want}"

@@ -7,7 +7,7 @@ import argparse
 import pytest
 import torch
 
-from tensorpar.decode import fused, gemv_kernel
+from tensorpar.decode import bf16_weights, fused, gemv_kernel
 from tensorpar.generate import SamplingConfig, generate_tokens
 from tests._ranks import run_tp
 from tests.decode.test_generate import ARCHS, make_model_folder, prompts
@@ -121,8 +121,8 @@ def test_bf16w_blocked_gemv(m, k, n):
     g = torch.Generator().manual_seed(m * k + n)
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g).bfloat16()
     bias = torch.randn(n, generator=g)
-    p = gemv_kernel.block_bf16(w)
-    assert p.shape == (-(-n // 32), k, 32) and torch.equal(gemv_kernel.unblock_bf16(p, n), w)
+    p = bf16_weights.block_bf16(w)
+    assert p.shape == (-(-n // 32), k + k % 2, 32) and torch.equal(bf16_weights.unblock_bf16(p, n, k), w)
     got = gemv_kernel.bf16w_blocked_linear(x, p, n, bias)
     want = torch.nn.functional.linear(x, w.float(), bias)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
@@ -133,7 +133,7 @@ def test_bf16w_blocked_gemv(m, k, n):
     y = torch.empty(m, n)
     gemv_kernel.bf16w_blocked_linear_into(gemv_kernel.bf16w_into_args(x, p, y, bias=bias, n=n))
     assert torch.equal(y, got)
-    bw = Bf16Weight(p, torch.float32, n)
+    bw = Bf16Weight(p, torch.float32, n, k if k % 2 else None)
     idx = torch.tensor([0, n - 1, n // 2])
     assert torch.equal(bw.rows(idx), w[idx].float()) and torch.equal(bw.dequantize(), w.float())
     for start in range(0, n, 32):

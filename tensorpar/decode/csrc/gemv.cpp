@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-extern "C" int tp_gemv_abi(void) { return 3; }
+extern "C" int tp_gemv_abi(void) { return 4; }
 
 // ----------------------------------------------------------------------------------------- vector primitives
 // vf: W fp32 lanes; vi: the same register as 2W bf16 (weight 2j in the low, 2j + 1 in the high half of lane j).
@@ -40,6 +40,7 @@ static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
 static inline vi vload_bf16(const uint16_t* p) { return _mm512_loadu_si512(p); }
+static inline vi vbroadcast32(const uint32_t* p) { return _mm512_set1_epi32((int)*p); }
 static inline vf veven(vi v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
 static inline vf vodd(vi v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u))); }
 #if defined(__AVX512BF16__)
@@ -69,6 +70,7 @@ static inline float vsum(vf a) {
     return _mm_cvtss_f32(s);
 }
 static inline vi vload_bf16(const uint16_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+static inline vi vbroadcast32(const uint32_t* p) { return _mm256_set1_epi32((int)*p); }
 static inline vf veven(vi v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
 static inline vf vodd(vi v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u))); }
 #else
@@ -441,20 +443,22 @@ constexpr int MR_MAX = NREGS >= 32 ? 12 : 3;
 // rows at most for which two blocks go at once (more streams in flight where the rows are few): 2 x MR x NV
 // accumulators
 constexpr int MR_PAIR = NREGS >= 32 ? 4 : 1;
+// a block's inputs as stored: K; the bf16 layout pairs them, an odd K padded with a zero input (never read from x)
+template <typename WT>
+static inline int64_t kpad(int64_t K) { return sizeof(WT) == 4 ? K : K + (K & 1); }
 
 // NBLK blocks' NB weights at input k as NV fp32 vectors each: fp32 (WT float) loaded as they are; bf16 (WT
-// uint16_t, the bf16 blocked layout: per k, lane j of the pairs holds row j in its low and row j + NB / 2 in its
-// high half) widened by a shift (rows 0..NB/2-1) and an and (the rest), exact
-template <int NBLK, typename WT>
+// uint16_t, the bf16 blocked layout: inputs in pairs, lane j of vector l holding row l W + j at inputs k and k + 1
+// for even k) widened by a shift (even k, P 0) or an and (odd k, P 1), exact; P = k % 2 (0 for fp32)
+template <int NBLK, typename WT, int P>
 static inline void blk_load(const WT* wb, int64_t K, int64_t k, vf (*wv)[NV]) {
     for (int b = 0; b < NBLK; ++b) {
         if constexpr (sizeof(WT) == 4) {
             for (int v = 0; v < NV; ++v) wv[b][v] = vload((const float*)wb + b * K * NB + k * NB + v * W);
         } else {
-            for (int l = 0; l < NV / 2; ++l) {
-                const vi t = vload_bf16((const uint16_t*)wb + b * K * NB + k * NB + l * 2 * W);
-                wv[b][l] = veven(t);
-                wv[b][l + NV / 2] = vodd(t);
+            for (int v = 0; v < NV; ++v) {
+                const vi t = vload_bf16((const uint16_t*)wb + b * kpad<WT>(K) * NB + (k - P) * NB + v * 2 * W);
+                wv[b][v] = P ? vodd(t) : veven(t);
             }
         }
     }
@@ -467,13 +471,23 @@ static inline void blk_micro(const float* x, int64_t K, const WT* wb, float* out
     for (int r = 0; r < MR; ++r)
         for (int b = 0; b < NBLK; ++b)
             for (int v = 0; v < NV; ++v) a[r][b][v] = vzero();
-    for (int64_t k = 0; k < K; ++k) {
+    constexpr int KS = sizeof(WT) == 4 ? 1 : 2;           // bf16: k and k + 1 from one load per vector
+    for (int64_t k = 0; k < K; k += KS) {
         vf wv[NBLK][NV];
-        blk_load<NBLK, WT>(wb, K, k, wv);
+        blk_load<NBLK, WT, 0>(wb, K, k, wv);
         for (int r = 0; r < MR; ++r) {
             const vf xb = vbroadcast(x + r * K + k);
             for (int b = 0; b < NBLK; ++b)
                 for (int v = 0; v < NV; ++v) a[r][b][v] = vfma(wv[b][v], xb, a[r][b][v]);
+        }
+        if constexpr (KS == 2) {
+            if (k + 1 == K) break;                          // an odd K's last input: its pair's low half only
+            blk_load<NBLK, WT, 1>(wb, K, k + 1, wv);
+            for (int r = 0; r < MR; ++r) {
+                const vf xb = vbroadcast(x + r * K + k + 1);
+                for (int b = 0; b < NBLK; ++b)
+                    for (int v = 0; v < NV; ++v) a[r][b][v] = vfma(wv[b][v], xb, a[r][b][v]);
+            }
         }
     }
     for (int r = 0; r < MR; ++r)
@@ -498,11 +512,11 @@ static void blk_rows(int R, const float* x, int64_t K, const WT* wb, float* out,
 template <int NBLK, typename WT>
 static void blk_call(int R, const float* x, int64_t K, const WT* wb, int64_t b, float* y, int64_t N) {
     if ((b + NBLK) * NB <= N) {
-        blk_rows<NBLK, WT>(R, x, K, wb + b * K * NB, y + b * NB, N);
+        blk_rows<NBLK, WT>(R, x, K, wb + b * kpad<WT>(K) * NB, y + b * NB, N);
         return;
     }
     alignas(64) float tmp[MR_MAX * NBLK * NB];
-    blk_rows<NBLK, WT>(R, x, K, wb + b * K * NB, tmp, NBLK * NB);
+    blk_rows<NBLK, WT>(R, x, K, wb + b * kpad<WT>(K) * NB, tmp, NBLK * NB);
     const int64_t n = N - b * NB;
     for (int r = 0; r < R; ++r) memcpy(y + r * N + b * NB, tmp + r * NBLK * NB, (size_t)n * sizeof(float));
 }
@@ -514,12 +528,21 @@ static inline void blk_micro_packed(const float* xp, int64_t K, const WT* wb, fl
     vf a[MR][NV];
     for (int r = 0; r < MR; ++r)
         for (int v = 0; v < NV; ++v) a[r][v] = vzero();
-    for (int64_t k = 0; k < K; ++k) {
+    constexpr int KS = sizeof(WT) == 4 ? 1 : 2;
+    for (int64_t k = 0; k < K; k += KS) {
         vf wv[1][NV];
-        blk_load<1, WT>(wb, K, k, wv);
+        blk_load<1, WT, 0>(wb, K, k, wv);
         for (int r = 0; r < MR; ++r) {
             const vf xb = vbroadcast(xp + k * MR + r);
             for (int v = 0; v < NV; ++v) a[r][v] = vfma(wv[0][v], xb, a[r][v]);
+        }
+        if constexpr (KS == 2) {
+            if (k + 1 == K) break;
+            blk_load<1, WT, 1>(wb, K, k + 1, wv);
+            for (int r = 0; r < MR; ++r) {
+                const vf xb = vbroadcast(xp + (k + 1) * MR + r);
+                for (int v = 0; v < NV; ++v) a[r][v] = vfma(wv[0][v], xb, a[r][v]);
+            }
         }
     }
     for (int r = 0; r < MR; ++r)
@@ -573,7 +596,7 @@ static void blk_range(const float* x, int64_t M, int64_t K, const WT* wb, int64_
             }
             for (int64_t m = m0; m < m1; m += MR_MAX) {
                 const int R = m1 - m < MR_MAX ? (int)(m1 - m) : MR_MAX;
-                blk_rows_packed<WT>(R, xp + (m - m0) * K, K, wb + b * K * NB, y + m * N + b * NB, N);
+                blk_rows_packed<WT>(R, xp + (m - m0) * K, K, wb + b * kpad<WT>(K) * NB, y + m * N + b * NB, N);
             }
         }
     }
@@ -752,23 +775,117 @@ extern "C" void tp_gemv_bf16w(const float* x, int64_t M, int64_t K, const uint16
             for (int64_t n = 0; n < N; ++n) y[m * N + n] += bias[n];
 }
 
-// bf16 weights computing in fp32 on the bf16 blocked layout (tensorpar.decode.gemv_kernel.block_bf16: as the fp32
-// blocked layout, each k's NB bf16 paired so that lane j holds rows j and j + NB / 2): y [M, N] fp32 = x [M, K] fp32
-// @ w^T + bias (fp32, may be null). The same arguments as tp_gemv_bf16w (pf unused), so a step program calls
-// either. Each output is summed as tp_gemv_blocked sums it: bitwise its result on the weights widened to fp32.
+// bf16 weights computing in fp32 on the bf16 blocked layout (tensorpar.decode.bf16_weights.block_bf16: as the fp32
+// blocked layout with the inputs in pairs, per pair of inputs k, k + 1 (k even) a block's rows j at positions 2j and
+// 2j + 1; an odd K padded to K + 1 with zeros): y [M, N] fp32 = x [M, K] fp32 @ w^T + bias (fp32, may be null).
+// The same arguments as tp_gemv_bf16w (pf unused), so a step program calls either. Each output is summed as tp_gemv_blocked sums it:
+// bitwise its result on the weights widened to fp32.
 extern "C" void tp_gemv_bf16w_blocked(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
                                       const float* bias, float* y, int threads, int64_t pf) {
     (void)pf;
     gemv_blocked<uint16_t>(x, M, K, w, N, bias, y, threads);
 }
 
+// ------------------------------------------------------------------ bf16 activations on the bf16 blocked layout
+// The inputs of R rows as bf16 pairs (uint32: input 2i in the low, 2i + 1 in the high half), packed pair-major
+// (xp[i * R + r]), each pair broadcast and multiplied into the pairs of a block's NB rows by vdot_bf16 (vdpbf16ps:
+// acc + w[2i] x[2i] + w[2i + 1] x[2i + 1] per lane, the products exact in fp32; denormal inputs and results read as
+// zero. Without AVX512_BF16 two fma in input order: then bitwise the fp32 chain of tp_gemv_bf16w_blocked). Each
+// output summed in one lane over the pairs from i = 0 to K / 2 - 1, whatever the rows beside it or the thread split.
+template <int MR, int NBLK>
+static inline void dp_micro(const uint32_t* xp, int64_t K, const uint16_t* wb, float* out, int64_t ldo) {
+    vf a[MR][NBLK][NV];
+    for (int r = 0; r < MR; ++r)
+        for (int b = 0; b < NBLK; ++b)
+            for (int v = 0; v < NV; ++v) a[r][b][v] = vzero();
+    const int64_t Kp = kpad<uint16_t>(K);
+    for (int64_t i = 0; i < Kp / 2; ++i) {
+        vi t[NBLK][NV];
+        for (int b = 0; b < NBLK; ++b)
+            for (int v = 0; v < NV; ++v) t[b][v] = vload_bf16(wb + b * Kp * NB + i * 2 * NB + v * 2 * W);
+        for (int r = 0; r < MR; ++r) {
+            const vi xb = vbroadcast32(xp + i * MR + r);
+            for (int b = 0; b < NBLK; ++b)
+                for (int v = 0; v < NV; ++v) a[r][b][v] = vdot_bf16(a[r][b][v], xb, t[b][v]);
+        }
+    }
+    for (int r = 0; r < MR; ++r)
+        for (int b = 0; b < NBLK; ++b)
+            for (int v = 0; v < NV; ++v) vstore(out + r * ldo + b * NB + v * W, a[r][b][v]);
+}
+
+// R (1..MR_MAX) packed input rows against NBLK blocks from block b into y (row stride N); the zero-padded last
+// block through a scratch (as blk_call)
+template <int NBLK>
+static void dp_call(int R, const uint32_t* xp, int64_t K, const uint16_t* wb, int64_t b, float* y, int64_t N) {
+    alignas(64) float tmp[MR_MAX * NBLK * NB];
+    const bool whole = (b + NBLK) * NB <= N;
+    float* out = whole ? y + b * NB : tmp;
+    const int64_t ldo = whole ? N : NBLK * NB;
+    wb += b * kpad<uint16_t>(K) * NB;
+    switch (R) {
+#define TP_DP(RR) case RR: if constexpr (RR <= MR_MAX) dp_micro<RR, NBLK>(xp, K, wb, out, ldo); break;
+        TP_DP(1) TP_DP(2) TP_DP(3) TP_DP(4) TP_DP(5) TP_DP(6)
+        TP_DP(7) TP_DP(8) TP_DP(9) TP_DP(10) TP_DP(11) TP_DP(12)
+#undef TP_DP
+        default: break;
+    }
+    if (!whole)
+        for (int r = 0; r < R; ++r)
+            memcpy(y + r * N + b * NB, tmp + r * NBLK * NB, (size_t)(N - b * NB) * sizeof(float));
+}
+
+// y [M, N] fp32 = x [M, K] @ w^T + bias (fp32, may be null) for x fp32 holding bf16 values (a bf16 model's
+// activations widened: read as their upper 16 bits, exact for such values) and w in the bf16 blocked layout;
+// y not rounded (the caller rounds to bf16). The rows packed once as bf16 pairs into groups of MR_MAX rows (at most
+// MR_PAIR rows: one group, two blocks per call); per chunk of groups of at most 4 MiB each block is read from memory
+// once, from L2 by the chunk's other groups (as blk_range). threads > 1: OpenMP over ranges of blocks.
+extern "C" void tp_gemv_bf16_blocked(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
+                                     const float* bias, float* y, int threads, int64_t pf) {
+    (void)pf;
+    const int64_t K2 = (K + 1) / 2, nb = (N + NB - 1) / NB;
+    const int G = M <= MR_PAIR ? (int)M : MR_MAX;               // rows per group
+    uint32_t* xp = (uint32_t*)malloc((size_t)(M * K2 > 0 ? M * K2 : 1) * sizeof(uint32_t));
+    if (!xp) return;
+    for (int64_t m = 0; m < M; m += G) {                        // group at xp + m * K2: pair i of row r at i * R + r
+        const int R = M - m < G ? (int)(M - m) : G;
+        const uint32_t* xr = (const uint32_t*)(x + m * K);
+        for (int r = 0; r < R; ++r) {
+            for (int64_t i = 0; i < K / 2; ++i)
+                xp[m * K2 + i * R + r] = (xr[r * K + 2 * i] >> 16) | (xr[r * K + 2 * i + 1] & 0xffff0000u);
+            if (K & 1) xp[m * K2 + (K2 - 1) * R + r] = xr[r * K + K - 1] >> 16;    // the padding input: zero
+        }
+    }
+    int64_t mc = K2 > 0 ? (4 * 1024 * 1024) / (K2 * 4) : G;     // rows per chunk, whole groups
+    mc = mc < G ? G : mc - mc % G;
+    const int T = threads > 1 && nb >= 2 ? threads : 1;
+    const int64_t per = (nb + T - 1) / T;
+#pragma omp parallel for num_threads(T) schedule(static) if (T > 1)
+    for (int t = 0; t < T; ++t) {
+        const int64_t b0 = t * per, b1 = b0 + per < nb ? b0 + per : nb;
+        for (int64_t m0 = 0; m0 < M; m0 += mc) {
+            const int64_t m1 = m0 + mc < M ? m0 + mc : M;
+            for (int64_t b = b0; b < b1;) {
+                const bool pair = M <= MR_PAIR && b + 2 <= b1;
+                for (int64_t m = m0; m < m1; m += G) {
+                    const int R = m1 - m < G ? (int)(m1 - m) : G;
+                    if (pair) dp_call<2>(R, xp + m * K2, K, w, b, y + m * N, N);
+                    else dp_call<1>(R, xp + m * K2, K, w, b, y + m * N, N);
+                }
+                b += pair ? 2 : 1;
+            }
+        }
+    }
+    free(xp);
+    if (bias)
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t n = 0; n < N; ++n) y[m * N + n] += bias[n];
+}
+
 #ifdef __AVX512F__
-// One whole block's 32 rows for 16 k (src: the first k's 32 values): the 16 k's 32-bit pairs (row h low, row h + 16
-// high) transposed 16 x 16 (unpack 32, unpack 64, two 128-bit lane shuffles), then each pair split into its two rows
-// (vpmovdw), stored at rows[j] + off.
-static inline void unblock16(const uint16_t* src, uint16_t* const* rows, int64_t off) {
-    __m512i r[16], t[16], u[16], c[16];
-    for (int k = 0; k < 16; ++k) r[k] = _mm512_loadu_si512((const void*)(src + k * NB));
+// 16 x 16 32-bit values transposed: c[h] lane q = r[q] lane h (unpack 32, unpack 64, two 128-bit lane shuffles)
+static inline void transpose16(const __m512i* r, __m512i* c) {
+    __m512i t[16], u[16];
     for (int g = 0; g < 4; ++g) {
         const int a = 4 * g;
         t[a] = _mm512_unpacklo_epi32(r[a], r[a + 1]);
@@ -789,42 +906,38 @@ static inline void unblock16(const uint16_t* src, uint16_t* const* rows, int64_t
         c[4 + o] = _mm512_shuffle_i32x4(v1, w1, 0x88);
         c[12 + o] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
     }
-    for (int h = 0; h < 16; ++h) {
-        _mm256_storeu_si256((__m256i*)(rows[h] + off), _mm512_cvtepi32_epi16(c[h]));
-        _mm256_storeu_si256((__m256i*)(rows[h + 16] + off), _mm512_cvtepi32_epi16(_mm512_srli_epi32(c[h], 16)));
-    }
 }
 #endif
 
-// Rows [start, stop) of a bf16 weight held in the bf16 blocked layout p [ceil(n / 32), K, 32] (block_bf16: in a
-// block, k's 32 values pair output rows j and j + 16 at positions 2j and 2j + 1) written plain into dst
-// [stop - start, K] (bf16 bits, exact), block by block in tiles of 64 k: the block's 32 x 64 values gathered into a
-// tile (rows 128 bytes apart; AVX-512: 16 k at a time as a 16 x 16 transpose of the 32-bit pairs, unblock16; else
-// value by value), then each row's 128 bytes copied out (writing the 32 rows, K apart, k by k put them all in one
-// cache set: 12x slower than the strided torch copy this replaces). What a chunk of a bf16 model's prefill converts
-// (bf16_weights.Bf16Weight.copy_rows).
+// Rows [start, stop) of a bf16 weight of K inputs held in the bf16 blocked layout p [ceil(n / 32), K + K % 2, 32]
+// (block_bf16: in a block, inputs in pairs: pair i's 32 rows j at 64 i + 2 j and 64 i + 2 j + 1) written plain into dst
+// [stop - start, K] (bf16 bits, exact), block by block in tiles of 256 inputs: the block's 32 x 256 values gathered
+// into a tile (rows 512 bytes apart; AVX-512: 16 pairs of 16 rows at a time as a 16 x 16 transpose of the 32-bit
+// pairs; else pair by pair), then each row's 512 bytes copied out (writing the 32 rows, K apart, pair by pair put
+// them all in one cache set: 12x slower than the strided torch copy this replaces). What a chunk of a bf16 model's
+// prefill converts (bf16_weights.Bf16Weight.copy_rows).
 extern "C" void tp_unblock_bf16(const uint16_t* p, int64_t K, int64_t start, int64_t stop, uint16_t* dst) {
     constexpr int64_t TK = 256;
-    alignas(64) uint16_t tile[NB][TK];
+    alignas(64) uint32_t tile[NB][TK / 2];
     for (int64_t b = start / NB; b * NB < stop; ++b) {
-        const uint16_t* pb = p + b * K * NB;
+        const uint32_t* pb = (const uint32_t*)(p + b * kpad<uint16_t>(K) * NB);    // pair i of row j: pb[i * NB + j]
         const int64_t j0 = start > b * NB ? start - b * NB : 0;
         const int64_t j1 = stop < (b + 1) * NB ? stop - b * NB : NB;
         for (int64_t k0 = 0; k0 < K; k0 += TK) {
-            const int64_t kn = K - k0 < TK ? K - k0 : TK;
-            int64_t kk = 0;
+            const int64_t kn = K - k0 < TK ? K - k0 : TK, i0 = k0 / 2, in = (kn + 1) / 2;
+            int64_t ii = 0;
 #ifdef __AVX512F__
-            uint16_t* rows[NB];
-            for (int j = 0; j < NB; ++j) rows[j] = tile[j];
-            for (; kk + 16 <= kn; kk += 16) unblock16(pb + (k0 + kk) * NB, rows, kk);
-#endif
-            for (; kk < kn; ++kk) {
-                const uint16_t* v = pb + (k0 + kk) * NB;
-                for (int h = 0; h < NB / 2; ++h) {
-                    tile[h][kk] = v[2 * h];
-                    tile[h + NB / 2][kk] = v[2 * h + 1];
+            for (; ii + 16 <= in; ii += 16)
+                for (int h = 0; h < 2; ++h) {
+                    __m512i r[16], c[16];
+                    for (int q = 0; q < 16; ++q)
+                        r[q] = _mm512_loadu_si512((const void*)(pb + (i0 + ii + q) * NB + 16 * h));
+                    transpose16(r, c);
+                    for (int j = 0; j < 16; ++j) _mm512_store_si512((void*)(tile[16 * h + j] + ii), c[j]);
                 }
-            }
+#endif
+            for (; ii < in; ++ii)
+                for (int j = 0; j < NB; ++j) tile[j][ii] = pb[(i0 + ii) * NB + j];
             for (int64_t j = j0; j < j1; ++j)
                 memcpy(dst + (b * NB + j - start) * K + k0, tile[j], (size_t)kn * sizeof(uint16_t));
         }
