@@ -151,8 +151,11 @@ def validate(args: argparse.Namespace):
         raise ValueError(f"--block-size must be in [1, --max-model-len {n}], got {bs}")
     bs = n if paged_why is not None else (bs or min(DEFAULT_BLOCK_SIZE, n))
     prediction = None
+    from tensorpar.launch import check_gpu_count
     if getattr(args, "plan", None) == "auto":   # --tp and --pp from the planner, for a full server
-        from tensorpar.inference_plan import choose_layout, serve_workload
+        from tensorpar.inference_plan import choose_layout, plan_ranks, serve_workload
+        if not under_torchrun():        # the GPU rule for the ranks it plans for, before each candidate's KV pool
+            check_gpu_count(plan_ranks(args)[1])
         shape, words = serve_workload(args.max_batch, n)
         prediction = choose_layout(args, config, str(args.model), *shape, workload=words,
                                    smaller="a lower --max-batch or --max-model-len",
@@ -160,7 +163,6 @@ def validate(args: argparse.Namespace):
                                                                 block_size=bs, memory=args.kv_cache_memory, pp=pp))
     from tensorpar.cli import check_model_degrees
     check_model_degrees(args, config)   # --ep, --pp: the rules the ranks apply
-    from tensorpar.launch import check_gpu_count
     if not under_torchrun():            # run_ranks' rule, before the KV pool asks a GPU for its free memory
         check_gpu_count(args.tp * getattr(args, "pp", 1) * getattr(args, "ep", 1))
     import torch

@@ -537,9 +537,9 @@ def test_bad_options_refused_before_launch(tmp_path_factory, args, msg):
 
 
 def test_more_ranks_than_gpus_refused_before_the_kv_pool(tmp_path_factory, monkeypatch):
-    """On a CUDA host with fewer GPUs than ranks (a pretend CUDA of one GPU), ``serve --tp 2`` is refused by the
-    launcher's GPU-count rule before the KV pool's size asks the GPU for its free memory (a CUDA context in the
-    launching process)."""
+    """On a CUDA host with fewer GPUs than ranks (a pretend CUDA of one GPU), ``serve --tp 2`` and ``serve --plan auto
+    --nproc 2`` are refused by the launcher's GPU-count rule before the KV pool's size (of each candidate layout)
+    asks the GPU for its free memory (a CUDA context in the launching process)."""
     import argparse
 
     import torch
@@ -551,8 +551,9 @@ def test_more_ranks_than_gpus_refused_before_the_kv_pool(tmp_path_factory, monke
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: pytest.fail("the KV pool asked the GPU first"))
-    with pytest.raises(ValueError, match=r"^2 ranks on this host but CUDA sees 1 GPU: NCCL needs one GPU per rank"):
-        cli.validate(p.parse_args(["--model", folder, "--tp", "2"]))
+    for args in (["--tp", "2"], ["--plan", "auto", "--nproc", "2"]):     # --plan auto: before each candidate's pool
+        with pytest.raises(ValueError, match=r"^2 ranks on this host but CUDA sees 1 GPU: NCCL needs one GPU per rank"):
+            cli.validate(p.parse_args(["--model", folder, *args]))
 
 
 def test_bad_option_exit_code_2(tmp_path_factory):
