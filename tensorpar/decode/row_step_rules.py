@@ -23,7 +23,7 @@ def rows(dec, dtype: torch.dtype, fmt: str | None) -> int:
     :data:`~tensorpar.decode.gemv_kernel.MAX_ROWS` (32), but for a bf16 model's bf16 weights of which some are plain
     (rows of fewer than 1024 inputs, :func:`tensorpar.decode.matmuls.use_blocked`) our plain GEMV's
     :func:`~tensorpar.decode.gemv_kernel.max_rows` (4). All held blocked, 32: ``vdpbf16ps`` on the blocked layout ran
-    a layer's matmuls at 16 and 32 rows 1.08 and 1.06x as fast as oneDNN's prepacked bf16 GEMM
+    a layer's matmuls at 16 and 32 rows 1.09 and 1.03x as fast as oneDNN's prepacked bf16 GEMM
     (bench/results/gemv-bf16dp-epyc.md). The int8 kernel of a bf16 model: 32 (the general loop runs it at every row
     count, on the input widened to fp32)."""
     if fmt != "bf16" or dtype != torch.bfloat16:
