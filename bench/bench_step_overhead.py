@@ -141,8 +141,10 @@ def _patches(timer: _Timer) -> list:
     patch(getattr(emb, "VocabParallelEmbedding", None), "forward", "embedding module")
     patch(getattr(row_step, "RowStep", None), "__call__", "row step Python (loop, arguments)")
     patch(getattr(lean, "LeanDecoder", None), "forward_segments", "engine: forward_segments")
-    # the LM head on a blocked bf16 weight (--quantize bf16 since 2026-12-04) calls its kernel by name
+    # the LM head on a blocked bf16 weight (--quantize bf16 since 2026-12-04; a bf16 model's since 12-04 late)
+    # calls its kernel by name
     patch(mod("tensorpar.decode.gemv_kernel"), "bf16w_blocked_linear_into", KERNELS)
+    patch(mod("tensorpar.decode.gemv_kernel"), "bf16_blocked_linear_into", KERNELS)
     kernels = getattr(row_step, "_KERNELS", None)
     for fmt in list(kernels or ()):     # the row step's matmul calls, every weight format (bound at import: patch the
         avail, run = kernels[fmt]       # table's entries)
