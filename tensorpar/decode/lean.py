@@ -164,7 +164,7 @@ class LeanDecoder:
         #: our GEMV (:func:`use_gemv`) up to gemv_kernel.max_rows rows; blocked at any max_batch (decode_chunks)
         fits = max_batch <= gemv_kernel.max_rows(w0.dtype) or (block and blocks_every_matmul(self, w0.dtype))
         self.gemv = not int8 and prepack is None and fits and use_gemv(self)
-        self.blocked = block and self.gemv and use_blocked(self, model)
+        self.blocked = block and self.gemv and use_blocked(self, model, max_batch > gemv_kernel.max_rows(w0.dtype))
         self.packed = (not int8 and not self.gemv and (prepack if prepack is not None else can_pack(w0))
                        and w0.device.type == "cpu" and torch.backends.mkldnn.is_available())
         if self.packed:

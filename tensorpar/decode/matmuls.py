@@ -66,7 +66,7 @@ def use_packed(dec, model) -> None:
         dec.linear = packed_linear
 
 
-def use_blocked(dec, model) -> bool:
+def use_blocked(dec, model, every: bool = False) -> bool:
     """After :func:`use_gemv`: hold the matmul weights in our GEMV's blocked layout (blocks of
     :data:`~tensorpar.decode.gemv_kernel.BLOCK` output rows, the last one zero-padded), which replaces the plain
     one on the modules as oneDNN's does in :func:`use_packed` (one copy; ``weight`` converts back on access,
@@ -77,14 +77,18 @@ def use_blocked(dec, model) -> bool:
     by :func:`~tensorpar.decode.bf16_weights.bf16_linear` at any row count (``vdpbf16ps`` on pairs of inputs). A
     tied LM head's table too: the input embedding then looks its rows up in the blocked layout
     (:class:`~tensorpar.decode.packed.PackedVocabParallelEmbedding`).
-    Taken only if a probe of every row count the kernel runs (the 1-13 rows its micro-kernels split into) is
-    within the kernel's tolerance of ``F.linear`` (fp32: 1e-5 relative, the order of the fp32 sums;
-    bf16: one bf16 rounding, 2^-8 relative) and each probe row's outputs are bitwise those it gets alone. Why: the
+    ``every`` (a bf16 decoder of more than 4 rows): bf16 weights of any row length too, so that every matmul runs
+    our GEMV and the row step its 32 rows (short rows read 0.82-0.89x as fast blocked at one row, but above 4 rows
+    the plain ones would run oneDNN). Taken only if a probe of every row count the kernel runs (the 1-13 rows its
+    micro-kernels split into) is within the kernel's tolerance of ``F.linear`` (fp32: 1e-5 relative, the order of
+    the fp32 sums; bf16: one bf16 rounding, 2^-8 relative) and each probe row's outputs are bitwise those it gets alone. Why: the
     blocked layout streams each block of 32 output rows as one sequence and computes the step's rows as output
     vectors (no horizontal sums): fp32 1.02-1.62x our GEMV on the plain weight at one row, 1.36-1.85x at 4 and
     1.35x at 32 (bench/results/gemv-blocked-epyc.md, SmolLM2's and the 1.1B's tp=2 shapes); bf16 see
     :func:`~tensorpar.decode.bf16_weights.bf16_linear`. Returns whether any weight was blocked."""
-    w = next((w for L in dec.layers for *_, w, _ in L.packs if _blockable(w)), None)
+    def which(w) -> bool:
+        return _blockable(w, 0 if every else None)
+    w = next((w for L in dec.layers for *_, w, _ in L.packs if which(w)), None)
     if w is None:
         return False
     rows = 13                   # the micro-kernels' 12 rows and one more (fp32 and bf16 alike)
@@ -102,26 +106,28 @@ def use_blocked(dec, model) -> bool:
         return False
     del w
     # dec.lin / dec.linear stay gemv_mm / gemv_linear: they take a BlockedWeight and a Bf16Weight too
-    return _replace(dec, model, _blockable, _blocked, tied=True) is not None
+    return _replace(dec, model, which, _blocked, tied=True) is not None
 
 
 def blocks_every_matmul(dec, dtype: torch.dtype) -> bool:
     """Whether :func:`use_blocked` would hold every matmul weight of ``dec`` (its layers', and the LM head's on the
-    last stage) of a model computing in ``dtype`` in a blocked layout our GEMV runs at any row count: fp32 always
-    (what is not blockable runs ``torch.mm``), bf16 where each passes :func:`_blockable` (a weight left plain would
-    run ``F.linear`` on plain bf16 weights above 4 rows, slower than oneDNN's prepacked ones)."""
+    last stage) of a model computing in ``dtype`` in a blocked layout our GEMV runs at any row count, given ``every``
+    (rows of any length): fp32 always (what is not blockable runs ``torch.mm``), bf16 where each is a plain CPU
+    matrix our kernel runs (a weight left plain would run ``F.linear`` on plain bf16 weights above 4 rows, slower
+    than oneDNN's prepacked ones)."""
     if dtype == torch.float32:
         return True
     ws = [w for L in dec.layers for *_, w, _ in L.packs] + ([dec.lm_w] if dec.last else [])
-    return dtype == torch.bfloat16 and all(_blockable(w) for w in ws)
+    return dtype == torch.bfloat16 and all(_blockable(w, 0) for w in ws)
 
 
-def _blockable(w) -> bool:
+def _blockable(w, min_in: int | None = None) -> bool:
     """Whether :func:`use_blocked` blocks ``w``: fp32 as :func:`~tensorpar.decode.gemv_kernel.blockable` says; bf16
-    the same checks and at least :data:`~tensorpar.decode.bf16_weights.BLOCK_MIN_IN` inputs."""
+    the same checks and at least ``min_in`` inputs (default :data:`~tensorpar.decode.bf16_weights.BLOCK_MIN_IN`)."""
     if isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16:
         return (w.dim() == 2 and w.device.type == "cpu" and w.is_contiguous() and w.shape[0] > 0
-                and w.shape[1] >= max(1, bf16_weights.BLOCK_MIN_IN) and gemv_kernel.available())
+                and w.shape[1] >= max(1, bf16_weights.BLOCK_MIN_IN if min_in is None else min_in)
+                and gemv_kernel.available())
     return gemv_kernel.blockable(w)
 
 

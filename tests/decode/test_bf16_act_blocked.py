@@ -282,38 +282,36 @@ def job_wide_batch(ctx, folder, ids, mask, n):
     from tensorpar.decode.lean import LeanDecoder
     from tensorpar.generate import SamplingConfig, generate_tokens
     from tensorpar.hf.load import build_parallel_model
-    default = bf16_weights.BLOCK_MIN_IN
-    try:
-        out = {}
-        for min_in in (default, 0):         # the tiny model's rows are short: default leaves them plain
-            bf16_weights.BLOCK_MIN_IN = min_in
-            model, plan = build_parallel_model(folder, ctx.tp, dtype=torch.bfloat16)
-            lean = LeanDecoder(model, ctx.tp, max_batch=ids.shape[0], max_len=ids.shape[1] + 1)
-            R = None if lean.row_step is None else lean.row_step.R
-            pos = (mask.cumsum(-1) - 1).clamp(min=0)
-            first = comm.all_gather(lean.prefill(ids, mask, pos).float().contiguous(), ctx.tp, -1, plan.vocab)
-            step = lean.decode(first.argmax(-1)[:, None], pos[:, -1:] + 1, ids.shape[1])
-            rows = comm.all_gather(step.float().contiguous(), ctx.tp, -1, plan.vocab)
-            lean.row_step = None                    # the general loop (writes the step's K/V again, in place)
-            general = comm.all_gather(lean.decode(first.argmax(-1)[:, None], pos[:, -1:] + 1, ids.shape[1])
-                                      .float().contiguous(), ctx.tp, -1, plan.vocab)
+    out = {}
+    for block in (False, True):
+        model, plan = build_parallel_model(folder, ctx.tp, dtype=torch.bfloat16)
+        lean = LeanDecoder(model, ctx.tp, max_batch=ids.shape[0], max_len=ids.shape[1] + 1, block=block)
+        R = None if lean.row_step is None else lean.row_step.R
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        first = comm.all_gather(lean.prefill(ids, mask, pos).float().contiguous(), ctx.tp, -1, plan.vocab)
+        step = lean.decode(first.argmax(-1)[:, None], pos[:, -1:] + 1, ids.shape[1])
+        rows = comm.all_gather(step.float().contiguous(), ctx.tp, -1, plan.vocab)
+        lean.row_step = None                    # the general loop (writes the step's K/V again, in place)
+        general = comm.all_gather(lean.decode(first.argmax(-1)[:, None], pos[:, -1:] + 1, ids.shape[1])
+                                  .float().contiguous(), ctx.tp, -1, plan.vocab)
+        kinds = {type(w).__name__ for L in lean.layers for w in (L.wqkv, L.wo, L.wgu, L.wd)} | {type(lean.lm_w).__name__}
+        tokens = None
+        if block:                               # generate's own decoder (block=True, the default)
             tokens = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=n),
                                      path="lean").tokens
-            out[min_in] = dict(gemv=lean.gemv, blocked=lean.blocked, packed=lean.packed, R=R, tokens=tokens,
-                               diff=float((rows - general).abs().max()), scale=float(general.abs().max()))
-        return out
-    finally:
-        bf16_weights.BLOCK_MIN_IN = default
+        out[block] = dict(gemv=lean.gemv, blocked=lean.blocked, packed=lean.packed, R=R, tokens=tokens,
+                          kinds=kinds, diff=float((rows - general).abs().max()), scale=float(general.abs().max()))
+    return out
 
 
 @needs_gemv
 @pytest.mark.parametrize("tp", [1, 2])
 def test_bf16_batch_above_4_rows_runs_blocked(pools, tmp_path, tp):
-    """A bf16 model decoding 7 prompts (``max_batch`` 7, above the plain bf16 GEMV's 4 rows): with every matmul
-    weight blockable (``BLOCK_MIN_IN`` 0) the decoder holds them blocked (``vdpbf16ps`` at any row count) and its row
-    step takes 32 rows; with the tiny model's short rows left plain it keeps oneDNN's prepacked weights as before.
-    Both give transformers' bf16 greedy tokens; the row step's decode logits equal the general loop's on the same
-    weights (the same matmul kernel) up to the bf16 rounding rule of verify."""
+    """A bf16 model decoding 7 prompts (``max_batch`` 7, above the plain bf16 GEMV's 4 rows): the decoder holds every
+    matmul weight blocked whatever its row length (the tiny model's rows are shorter than ``BLOCK_MIN_IN``; the LM
+    head tied to the embedding too), runs ``vdpbf16ps`` on them at every row count and its row step takes 32 rows;
+    its greedy tokens (generate) equal transformers' bf16 ones; the row step's decode logits equal the general loop's
+    on the same weights up to verify's bf16 rule. ``block=False`` keeps oneDNN's prepacked weights as before."""
     from tensorpar.decode import fused
     from tensorpar.verify import tolerance
     arch = "llama"
@@ -326,11 +324,11 @@ def test_bf16_batch_above_4_rows_runs_blocked(pools, tmp_path, tp):
     ids[mask == 0] = 0
     want = hf_bf16_greedy(folder, ids, mask, N_NEW)
     for r, got in enumerate(run_tp(pools, tp, job_wide_batch, folder, ids, mask, N_NEW)):
-        plain, blocked = got[bf16_weights.BLOCK_MIN_IN], got[0]
+        plain, blocked = got[False], got[True]
         assert not plain["gemv"] and plain["packed"], plain
         assert blocked["gemv"] and blocked["blocked"] and not blocked["packed"], blocked
+        assert blocked["kinds"] == {"Bf16Weight"}, blocked["kinds"]
         assert blocked["R"] == (32 if fused.available() else None), blocked["R"]
         tol = tolerance(torch.bfloat16, cfg["intermediate_size"], cfg["num_hidden_layers"] + 1, tp, blocked["scale"])
         assert blocked["diff"] <= tol, (blocked["diff"], tol)
-        for what in (plain, blocked):
-            assert torch.equal(what["tokens"], want), f"tp={tp} rank {r}: {what['tokens']} != {want}"
+        assert torch.equal(blocked["tokens"], want), f"tp={tp} rank {r}: {blocked['tokens']} != {want}"
