@@ -84,13 +84,17 @@ class Bf16Weight(NamedTuple):
         """``dst`` ``[stop - start, in]`` (contiguous, any float dtype) = rows ``[start, stop)`` of ``W``, converted:
         from the blocked layout whole blocks at a time through a strided view (no copy but ``dst``; 32 rows at
         most for a block cut by ``start`` or ``stop``); a bf16 ``dst`` through our kernel's library where it runs
-        (``tp_unblock_bf16``: about 5x the strided copy's rate, what a bf16 model's prefill chunks convert)."""
+        (``tp_unblock_bf16``: about 5x the strided copy's rate, what a bf16 model's prefill chunks convert). Raises
+        ValueError for a range outside ``[0, out_local]`` or a ``dst`` of another shape."""
+        _check_range(start, stop, self.shape[0])
+        if tuple(dst.shape) != (stop - start, self.shape[1]):
+            raise ValueError(f"copy_rows: dst {tuple(dst.shape)} for rows [{start}, {stop}) of a bf16 weight of "
+                             f"{self.shape[1]} inputs: takes [{stop - start}, {self.shape[1]}]")
         if self.n is None:
             dst.copy_(self.w[start:stop])
             return
         ours = dst.dtype == torch.bfloat16 and dst.is_contiguous() and self.w.device.type == "cpu"
         if ours and gemv_kernel.available():
-            _check_range(start, stop, self.shape[0])
             gemv_kernel._lib().tp_unblock_bf16(self.w.data_ptr(), self.shape[1], start, stop, dst.data_ptr())
             return
         b, k, kin = gemv_kernel.BLOCK, self.w.shape[1], self.shape[1]
@@ -262,9 +266,9 @@ def bf16_linear(x: torch.Tensor, w: Bf16Weight, bias: torch.Tensor | None = None
     cpu = x2.device.type == "cpu" and w.w.is_contiguous() and gemv_kernel.available()
     ours = x2.dtype == torch.float32 and cpu
     if cpu and w.blocked and x2.dtype == w.dtype == torch.bfloat16:
-        y = gemv_kernel.bf16_blocked_linear(x2, w.w, w.n, b).to(torch.bfloat16)
+        y = gemv_kernel.bf16_blocked_linear(x2, w.w, w.n, b, w.k).to(torch.bfloat16)
     elif ours and w.blocked:      # at any row count: prefill's 512 rows 1.4x the chunks (bench/results/gemv-packed-epyc.md)
-        y = gemv_kernel.bf16w_blocked_linear(x2, w.w, w.n, b)
+        y = gemv_kernel.bf16w_blocked_linear(x2, w.w, w.n, b, w.k)
     elif ours and x2.shape[0] <= GEMV_ROWS:
         y = gemv_kernel.bf16w_linear(x2, w.w, b)
     else:

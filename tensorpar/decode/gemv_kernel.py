@@ -311,24 +311,25 @@ def linear_into(args: tuple) -> None:
 
 
 def bf16w_into_args(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, threads: int | None = None,
-                    bias: torch.Tensor | None = None, n: int | None = None) -> tuple:
+                    bias: torch.Tensor | None = None, n: int | None = None, k: int | None = None) -> tuple:
     """:func:`into_args` for bf16 weights computing in fp32 (``--quantize bf16``): ``x`` ``[M, K]`` float32, ``w``
     ``[N, K]`` bfloat16, ``y`` ``[M, N]`` float32, contiguous CPU tensors; the weights widened to fp32 as
     :data:`MODE_WIDEN` does, ``y`` not rounded to bf16 (fp32 sums in another order than ``F.linear(x, w.float())``:
     within 1e-5 relative of it; ``bias`` ``[N]`` float32 or None, as :func:`bf16w_linear` adds it). ``n`` given:
     ``w`` is ``N = n`` rows in the bf16 blocked layout of :func:`~tensorpar.decode.bf16_weights.block_bf16`
-    (``[ceil(n / BLOCK), K + K % 2, BLOCK]``), for
-    :func:`bf16w_blocked_linear_into`; else for :func:`bf16w_linear_into`. Raises ValueError on other shapes or
-    dtypes."""
+    (``[ceil(n / BLOCK), K + K % 2, BLOCK]``; ``k``: the weight's inputs where the layout padded an odd count, else
+    ``w.shape[1]``; ``K`` must equal it), for :func:`bf16w_blocked_linear_into`; else for :func:`bf16w_linear_into`.
+    Raises ValueError on other shapes or dtypes."""
     M, K = x.shape if x.dim() == 2 else (-1, -1)
     N = w.shape[0] if n is None else n
-    shape_ok = (w.dim() == 2 and w.shape[1] == K if n is None else isinstance(n, int) and n > 0
+    kin = k if k is not None else (w.shape[1] if w.dim() == 3 else -1)      # the blocked weight's inputs
+    shape_ok = (w.dim() == 2 and w.shape[1] == K if n is None else isinstance(n, int) and n > 0 and K == kin
                 and w.dim() == 3 and tuple(w.shape) == (-(-n // BLOCK), K + K % 2, BLOCK))
     if (not shape_ok or tuple(y.shape) != (M, N) or x.dtype != torch.float32 or y.dtype != torch.float32
             or w.dtype != torch.bfloat16 or not all(t.is_contiguous() and t.device.type == "cpu" for t in (x, w, y))
             or not _bias_ok(bias, N, torch.float32)):
-        raise ValueError(f"gemv bf16w into: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype} (n {n}), y "
-                         f"{tuple(y.shape)} {y.dtype}: takes contiguous CPU x [M, K] float32, w [N, K] bfloat16 "
+        raise ValueError(f"gemv bf16w into: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype} (n {n}, k {k}), "
+                         f"y {tuple(y.shape)} {y.dtype}: takes contiguous CPU x [M, K] float32, w [N, K] bfloat16 "
                          f"(or [ceil(n / {BLOCK}), K + K % 2, {BLOCK}] blocked with n = N), y [M, N] float32")
     return (x.data_ptr(), M, K, w.data_ptr(), N, None if bias is None else bias.data_ptr(), y.data_ptr(),
             torch.get_num_threads() if threads is None else threads, PREFETCH)
@@ -352,29 +353,31 @@ def bf16_blocked_linear_into(args: tuple) -> None:
     _lib().tp_gemv_bf16_blocked(*args)
 
 
-def bf16w_blocked_linear(x: torch.Tensor, p: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+def bf16w_blocked_linear(x: torch.Tensor, p: torch.Tensor, n: int, bias: torch.Tensor | None,
+                         k: int | None = None) -> torch.Tensor:
     """``F.linear(x, W.float(), bias)`` for ``x`` ``[M, K]`` float32 and ``W`` ``[n, K]`` bf16 held as ``p`` in the
     bf16 blocked layout (:func:`~tensorpar.decode.bf16_weights.block_bf16`), any ``M``, on
     ``torch.get_num_threads()`` threads -> ``[M, n]`` float32; each output summed as :func:`blocked_linear` sums it
     (bitwise its result on ``W.float()`` blocked), within 1e-5 relative of ``F.linear``."""
-    return _bf16w_call(x, p, n, bias, n)
+    return _bf16w_call(x, p, n, bias, n, k=k)
 
 
-def bf16_blocked_linear(x: torch.Tensor, p: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+def bf16_blocked_linear(x: torch.Tensor, p: torch.Tensor, n: int, bias: torch.Tensor | None,
+                        k: int | None = None) -> torch.Tensor:
     """A bf16 model's matmul: ``x`` ``[M, K]`` bfloat16, ``W`` ``[n, K]`` bf16 held as ``p`` in the bf16 blocked
     layout, ``bias`` ``[n]`` or None -> ``[M, n]`` float32, the fp32 sums of :func:`bf16_blocked_linear_into` (the
     caller rounds them to bf16 once, as oneDNN's bf16 GEMM rounds its fp32 sums). Any ``M``, on
     ``torch.get_num_threads()`` threads."""
-    return _bf16w_call(x.float(), p, n, bias, n, bf16_blocked_linear_into)
+    return _bf16w_call(x.float(), p, n, bias, n, bf16_blocked_linear_into, k)
 
 
-def _bf16w_call(x, w, rows: int, bias, n, run=None):   # y [M, rows] of x [M, K], arguments checked by bf16w_into_args
+def _bf16w_call(x, w, rows: int, bias, n, run=None, k=None):     # y [M, rows] of x [M, K], checked by bf16w_into_args
     x = x.contiguous() if x.dim() == 2 else x
     b = None if bias is None else bias.float().contiguous()         # kept alive while the kernel reads it
     y = torch.empty(x.shape[0] if x.dim() == 2 else 0, max(0, rows) if isinstance(rows, int) else 0,
                     dtype=torch.float32)
     run = run or (bf16w_linear_into if n is None else bf16w_blocked_linear_into)
-    run(bf16w_into_args(x, w, y, bias=b, n=n))
+    run(bf16w_into_args(x, w, y, bias=b, n=n, k=k))
     return y
 
 

@@ -41,7 +41,7 @@ class _Matmuls:
         if isinstance(w, Int8Weight):
             return q8_kernel.into_args(x, w.q, w.scale, y, self.scratch, self.threads, bias=bias)
         if isinstance(w, Bf16Weight):
-            return gemv_kernel.bf16w_into_args(x, w.w, y, self.threads, bias=bias, n=w.n)
+            return gemv_kernel.bf16w_into_args(x, w.w, y, self.threads, bias=bias, n=w.n, k=w.k)
         if w.dtype == torch.bfloat16:       # a bf16 model's plain weight [out, in], on the step's fp32 buffers
             return gemv_kernel.bf16w_into_args(x, w, y, self.threads, bias=bias)
         return gemv_kernel.into_args(x, w, y, self.threads, bias=bias)

@@ -69,11 +69,31 @@ def test_bf16_blocked_sums():
     assert torch.equal(bw.rows(idx), w[idx].float()) and torch.equal(bw.narrow(32, 8).plain(), w[32:])
     for m in (1, 5):
         x = torch.randn(m, 1025, generator=g).bfloat16()
-        got = gemv_kernel.bf16_blocked_linear(x, bw.w, 40, None)
+        got = gemv_kernel.bf16_blocked_linear(x, bw.w, 40, None, k=1025)
         exact = x.double() @ w.double().T
         assert float((got.double() - exact).abs().max()) <= 2e-6 * float(exact.abs().max())
         fp32 = gemv_kernel.blocked_linear(x.float(), gemv_kernel.BlockedWeight(gemv_kernel.block(w.float()), 40), None)
-        assert torch.equal(gemv_kernel.bf16w_blocked_linear(x.float(), bw.w, 40, None), fp32)
+        assert torch.equal(gemv_kernel.bf16w_blocked_linear(x.float(), bw.w, 40, None, k=1025), fp32)
+
+
+@needs_gemv
+def test_bf16_blocked_refuses_bad_shapes():
+    """Zero input rows give an empty output (no division by a zero row count in the kernel); an input of another
+    width than the weight's inputs is refused, also where the padded layout would hold it (1023 against 1024 inputs,
+    1026 against 1025); ``copy_rows`` refuses a destination of another shape (the kernel would write past it)."""
+    from tensorpar.decode.bf16_weights import bf16_linear
+    g = torch.Generator().manual_seed(8)
+    for kin in (1024, 1025):
+        bw = bf16_weights.blocked(torch.randn(40, kin, generator=g), torch.bfloat16)
+        for dtype in (torch.bfloat16, torch.float32):
+            bw_ = bw if dtype == torch.bfloat16 else bw._replace(dtype=torch.float32)
+            assert bf16_linear(torch.randn(0, kin).to(dtype), bw_).shape == (0, 40)
+            for bad in (kin - 1, kin + 1):
+                with pytest.raises(ValueError, match="gemv bf16w into"):
+                    bf16_linear(torch.randn(3, bad).to(dtype), bw_)
+        for dst in (torch.empty(2, 1000, dtype=torch.bfloat16), torch.empty(1, kin, dtype=torch.bfloat16)):
+            with pytest.raises(ValueError, match="copy_rows: dst"):
+                bw.copy_rows(dst, 0, 2)
 
 
 @needs_gemv
@@ -91,7 +111,7 @@ def test_bf16_blocked_on_the_avx2_build():
         x = torch.randn(m, k, generator=g).bfloat16().float()
         ys = [torch.empty(m, n) for _ in range(2)]
         for f, y in zip((lib.tp_gemv_bf16_blocked, lib.tp_gemv_bf16w_blocked), ys):
-            f(*gemv_kernel.bf16w_into_args(x, p, y, 1, n=n))
+            f(*gemv_kernel.bf16w_into_args(x, p, y, 1, n=n, k=k))
         assert torch.equal(ys[0], ys[1]), m
 
 

@@ -843,6 +843,7 @@ static void dp_call(int R, const uint32_t* xp, int64_t K, const uint16_t* wb, in
 extern "C" void tp_gemv_bf16_blocked(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
                                      const float* bias, float* y, int threads, int64_t pf) {
     (void)pf;
+    if (M <= 0 || N <= 0) return;
     const int64_t K2 = (K + 1) / 2, nb = (N + NB - 1) / NB;
     const int G = M <= MR_PAIR ? (int)M : MR_MAX;               // rows per group
     uint32_t* xp = (uint32_t*)malloc((size_t)(M * K2 > 0 ? M * K2 : 1) * sizeof(uint32_t));
