@@ -355,19 +355,16 @@ def bf16_blocked_linear_into(args: tuple) -> None:
 
 def bf16w_blocked_linear(x: torch.Tensor, p: torch.Tensor, n: int, bias: torch.Tensor | None,
                          k: int | None = None) -> torch.Tensor:
-    """``F.linear(x, W.float(), bias)`` for ``x`` ``[M, K]`` float32 and ``W`` ``[n, K]`` bf16 held as ``p`` in the
-    bf16 blocked layout (:func:`~tensorpar.decode.bf16_weights.block_bf16`), any ``M``, on
-    ``torch.get_num_threads()`` threads -> ``[M, n]`` float32; each output summed as :func:`blocked_linear` sums it
-    (bitwise its result on ``W.float()`` blocked), within 1e-5 relative of ``F.linear``."""
+    """``F.linear(x, W.float(), bias)`` -> ``[M, n]`` float32 for ``x`` ``[M, K]`` float32, ``W`` ``[n, K = k]`` bf16
+    held as ``p`` in the bf16 blocked layout (:func:`~tensorpar.decode.bf16_weights.block_bf16`), any ``M``, on
+    ``torch.get_num_threads()`` threads; bitwise :func:`blocked_linear` on ``W.float()`` blocked."""
     return _bf16w_call(x, p, n, bias, n, k=k)
 
 
 def bf16_blocked_linear(x: torch.Tensor, p: torch.Tensor, n: int, bias: torch.Tensor | None,
                         k: int | None = None) -> torch.Tensor:
-    """A bf16 model's matmul: ``x`` ``[M, K]`` bfloat16, ``W`` ``[n, K]`` bf16 held as ``p`` in the bf16 blocked
-    layout, ``bias`` ``[n]`` or None -> ``[M, n]`` float32, the fp32 sums of :func:`bf16_blocked_linear_into` (the
-    caller rounds them to bf16 once, as oneDNN's bf16 GEMM rounds its fp32 sums). Any ``M``, on
-    ``torch.get_num_threads()`` threads."""
+    """A bf16 model's matmul, :func:`bf16w_blocked_linear`'s arguments with ``x`` bfloat16: the fp32 sums of
+    :func:`bf16_blocked_linear_into` (the caller rounds them to bf16 once, as oneDNN's bf16 GEMM rounds its sums)."""
     return _bf16w_call(x.float(), p, n, bias, n, bf16_blocked_linear_into, k)
 
 
