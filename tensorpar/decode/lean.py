@@ -156,15 +156,15 @@ class LeanDecoder:
         half = rd // 2
         self.perm = torch.cat([torch.arange(half, rd), torch.arange(0, half)]).to(dev)
         self.sign = torch.cat([-torch.ones(half), torch.ones(rd - half)]).to(dev, w0.dtype)
-        # the matmuls: self.lin for the layers (2-D input), self.linear for the LM head
-        if int8:        # the stored weights (lean_weight / fused_weight gave them): int8 x int8 per block, or bf16
-            self.lin = self.linear = bf16_linear if isinstance(w0, Bf16Weight) else int8_linear
-        else:
-            self.lin, self.linear = mm, F.linear
-        #: our GEMV (:func:`use_gemv`) up to gemv_kernel.max_rows rows; blocked at any max_batch (decode_chunks)
-        fits = max_batch <= gemv_kernel.max_rows(w0.dtype) or (block and blocks_every_matmul(self, w0.dtype))
+        # the matmuls: self.lin for the layers, self.linear for the LM head; int8: the stored weights, int8 or bf16
+        q = bf16_linear if isinstance(w0, Bf16Weight) else int8_linear
+        self.lin, self.linear = (q, q) if int8 else (mm, F.linear)
+        #: our GEMV (:func:`use_gemv`) up to gemv_kernel.max_rows rows; above them only on blocked weights (any rows)
+        few = max_batch <= gemv_kernel.max_rows(w0.dtype)
+        fits = few or (block and blocks_every_matmul(self, w0.dtype))
         self.gemv = not int8 and prepack is None and fits and use_gemv(self)
-        self.blocked = block and self.gemv and use_blocked(self, model, max_batch > gemv_kernel.max_rows(w0.dtype))
+        self.blocked = block and self.gemv and use_blocked(self, model, not few)
+        self.gemv = self.gemv and (few or self.blocked)      # else oneDNN's prepacked weights, as before
         self.packed = (not int8 and not self.gemv and (prepack if prepack is not None else can_pack(w0))
                        and w0.device.type == "cpu" and torch.backends.mkldnn.is_available())
         if self.packed:

@@ -302,7 +302,16 @@ def job_wide_batch(ctx, folder, ids, mask, n):
     from tensorpar.decode.lean import LeanDecoder
     from tensorpar.generate import SamplingConfig, generate_tokens
     from tensorpar.hf.load import build_parallel_model
+    from tensorpar.decode import matmuls
     out = {}
+    model, plan = build_parallel_model(folder, ctx.tp, dtype=torch.bfloat16)
+    real = matmuls.bf16_linear
+    matmuls.bf16_linear = lambda x, w, b=None: torch.zeros(x.shape[0], w.shape[0], dtype=x.dtype)   # probe fails
+    try:
+        lean = LeanDecoder(model, ctx.tp, max_batch=ids.shape[0], max_len=ids.shape[1] + 1)
+        out["probe_failed"] = dict(gemv=lean.gemv, blocked=lean.blocked, packed=lean.packed)
+    finally:
+        matmuls.bf16_linear = real
     for block in (False, True):
         model, plan = build_parallel_model(folder, ctx.tp, dtype=torch.bfloat16)
         lean = LeanDecoder(model, ctx.tp, max_batch=ids.shape[0], max_len=ids.shape[1] + 1, block=block)
@@ -331,7 +340,8 @@ def test_bf16_batch_above_4_rows_runs_blocked(pools, tmp_path, tp):
     matmul weight blocked whatever its row length (the tiny model's rows are shorter than ``BLOCK_MIN_IN``; the LM
     head tied to the embedding too), runs ``vdpbf16ps`` on them at every row count and its row step takes 32 rows;
     its greedy tokens (generate) equal transformers' bf16 ones; the row step's decode logits equal the general loop's
-    on the same weights up to verify's bf16 rule. ``block=False`` keeps oneDNN's prepacked weights as before."""
+    on the same weights up to verify's bf16 rule. ``block=False``, or a blocked layout whose probe fails (a pretend
+    kernel fault), keeps oneDNN's prepacked weights as before (not our GEMV on plain weights above its 4 rows)."""
     from tensorpar.decode import fused
     from tensorpar.verify import tolerance
     arch = "llama"
@@ -346,6 +356,7 @@ def test_bf16_batch_above_4_rows_runs_blocked(pools, tmp_path, tp):
     for r, got in enumerate(run_tp(pools, tp, job_wide_batch, folder, ids, mask, N_NEW)):
         plain, blocked = got[False], got[True]
         assert not plain["gemv"] and plain["packed"], plain
+        assert got["probe_failed"] == dict(gemv=False, blocked=False, packed=True), got["probe_failed"]
         assert blocked["gemv"] and blocked["blocked"] and not blocked["packed"], blocked
         assert blocked["kinds"] == {"Bf16Weight"}, blocked["kinds"]
         assert blocked["R"] == (32 if fused.available() else None), blocked["R"]
