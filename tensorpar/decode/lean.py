@@ -184,9 +184,9 @@ class LeanDecoder:
             if tp.compression == "int8" and h % COMPRESS_BLOCK:
                 raise ValueError(f"deterministic (batch-invariant) decoding with --tp-comm int8 needs a hidden "
                                  f"size that is a multiple of {COMPRESS_BLOCK}, got {h}; use --tp-comm fp32")
-        ok = row_step.why_not(self) is None      # the row step (row_step.py), where every rank runs it (run_split)
-        ok = ok if tp.size == 1 else all(comm.all_gather_json(ok, tp.pg))          # every rank asks: no short cut
-        self.row_step = row_step.RowStep(self) if ok else None
+        mine = ((ok := row_step.why_not(self) is None), row_step.row_count(self) if ok else 0)    # the row step,
+        got = [mine] if tp.size == 1 else comm.all_gather_json(mine, tp.pg)    # where every rank runs it: one R
+        self.row_step = row_step.RowStep(self, min(r for _, r in got)) if all(o for o, _ in got) else None
 
     def nbytes(self) -> int:
         """Bytes held by the KV cache."""

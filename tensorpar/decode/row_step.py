@@ -61,7 +61,7 @@ from tensorpar.decode.bf16_weights import Bf16Weight
 from tensorpar.decode.gemv_kernel import BlockedWeight
 from tensorpar.decode.packed import table_of
 from tensorpar.decode.row_step_rules import (_embedding, _format, _norm, _reference_weight,  # noqa: F401 (tests)
-                                             rows, why_not)
+                                             row_count, rows, why_not)
 from tensorpar.decode.step_exchange import StepExchange
 from tensorpar.decode.step_matmuls import _Matmuls
 
@@ -71,13 +71,15 @@ class RowStep:
     :meth:`~tensorpar.decode.lean.LeanDecoder.forward_segments` (:meth:`run_split`) for ``b <= rows`` rows of one
     token each whose tokens are all stored (``write`` None): decode rows, and a step's prompts as one row per token
     (:mod:`~tensorpar.decode.step_rows`); ``rows`` = :func:`~tensorpar.decode.row_step_rules.rows` (32; a bf16
-    model's bf16 weights of which some are plain 4).
+    model's bf16 weights of which some are plain 4); ``R`` given: that many instead, at most ``rows`` (the decoder
+    passes the smallest over its ranks, :func:`~tensorpar.decode.row_step_rules.row_count`, so that every rank runs
+    the same steps as rows and the same collectives).
 
     Memory: a few buffers of ``rows`` rows (hidden, QKV, gate-up widths), fp32; a program per row
     count run so far (:meth:`program`). Collectives: those of the
     general loop (the embedding's all-reduce, two per layer)."""
 
-    def __init__(self, dec):
+    def __init__(self, dec, R: int | None = None):
         # a weak reference: the decoder holds this step, and a cycle would keep a dropped decoder (its KV cache,
         # its references to the weights: a second copy once a new decoder packs them) alive until the next
         # garbage collection
@@ -92,7 +94,7 @@ class RowStep:
         H = self.norm0[0].numel()
         nq, nkv, d = dec.n_q, dec.n_kv, dec.head_dim
         fmt = _format(_reference_weight(dec))
-        self.R = R = rows(dec, dt, fmt)                # decode rows, or a prompt's tokens as rows (run_split)
+        self.R = R = rows(dec, dt, fmt) if R is None else R     # decode rows, or a prompt's tokens as rows
         f = L0.f
         e = dict(dtype=torch.float32, device=_reference_weight(dec).device)
         # a pipeline stage before the last ends with x += the last exchange and no norm of its own: a unit-weight

@@ -34,6 +34,15 @@ def rows(dec, dtype: torch.dtype, fmt: str | None) -> int:
     return gemv_kernel.max_rows(dtype)
 
 
+def row_count(dec) -> int:
+    """:func:`rows` of decoder ``dec`` on this rank (its compute dtype and weight format). Ranks whose bf16 weights
+    block differently (an uneven or weighted split: one rank's rows long enough, another's not) get different
+    counts; :class:`~tensorpar.decode.lean.LeanDecoder` takes the smallest over its ranks, else a step of 5-32 rows
+    would run the row step on some ranks and the general loop on others (different collectives: a hang)."""
+    ref = _reference_weight(dec)
+    return rows(dec, ref.dtype, _format(ref))
+
+
 def _norm(fn, dtype: torch.dtype = torch.float32):
     """``(weight, eps)`` of a norm callable the fused kernel can replace: the RMSNorm
     ``w * (x * rsqrt(mean(x^2) + eps))`` of a model computing in ``dtype`` (bf16: normalised in fp32, rounded to bf16,

@@ -363,3 +363,40 @@ def test_bf16_batch_above_4_rows_runs_blocked(pools, tmp_path, tp):
         tol = tolerance(torch.bfloat16, cfg["intermediate_size"], cfg["num_hidden_layers"] + 1, tp, blocked["scale"])
         assert blocked["diff"] <= tol, (blocked["diff"], tol)
         assert torch.equal(blocked["tokens"], want), f"tp={tp} rank {r}: {blocked['tokens']} != {want}"
+
+
+def job_ranks_block_differently(ctx, folder, ids, mask, n):
+    from tensorpar.generate import SamplingConfig, generate_tokens
+    from tensorpar.hf.load import build_parallel_model
+    from tensorpar.decode.lean import LeanDecoder
+    default = bf16_weights.BLOCK_MIN_IN
+    bf16_weights.BLOCK_MIN_IN = 20          # rank 0's o_proj (6 heads x 4 = 24 inputs) blocked, rank 1's (12) plain
+    try:
+        model, _ = build_parallel_model(folder, ctx.tp, dtype=torch.bfloat16)
+        lean = LeanDecoder(model, ctx.tp, max_batch=ids.shape[0], max_len=ids.shape[1] + n)
+        own = {L.wo.blocked if isinstance(L.wo, bf16_weights.Bf16Weight) else False for L in lean.layers}
+        R = None if lean.row_step is None else lean.row_step.R
+        del lean
+        tokens = generate_tokens(model, ctx.tp, ids, mask, sampling=SamplingConfig(max_new_tokens=n),
+                                 path="lean").tokens
+        return dict(own=own, R=R, tokens=tokens)
+    finally:
+        bf16_weights.BLOCK_MIN_IN = default
+
+
+@needs_gemv
+def test_ranks_whose_weights_block_differently_agree_on_the_row_count(pools, tmp_path):
+    """At tp=2 the tiny llama's 9 query heads split unevenly, so with ``BLOCK_MIN_IN`` 20 rank 0 holds every matmul
+    weight blocked (row step of 32 rows on its own) and rank 1 its o_proj plain (4 rows): the decoder takes the
+    smallest count on both, so a batch of 3 prompts of 7 tokens (21 prompt rows) runs the same path on both ranks
+    (else one rank runs the row step and the other the general loop: different collectives) and the greedy tokens
+    equal transformers' bf16 ones."""
+    from tensorpar.decode import fused
+    folder = str(make_model_folder(tmp_path / "llama", "llama"))
+    ids, mask = prompts(ARCHS["llama"]["vocab_size"])
+    want = hf_bf16_greedy(folder, ids, mask, N_NEW)
+    got = run_tp(pools, 2, job_ranks_block_differently, folder, ids, mask, N_NEW)
+    assert got[0]["own"] == {True} and got[1]["own"] == {False}, [g["own"] for g in got]
+    for r, g in enumerate(got):
+        assert g["R"] == (4 if fused.available() else None), (r, g["R"])
+        assert torch.equal(g["tokens"], want), f"rank {r}: {g['tokens']} != {want}"
