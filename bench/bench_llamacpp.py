@@ -252,12 +252,20 @@ def _stream_read(exe: Path | None, mb: int) -> dict | None:
     :data:`STREAM_READ_STREAMS` streams, best of 30)."""
     if exe is None:
         return None
-    out = {}
-    for t in (1, 2):
-        p = subprocess.run([str(exe), str(mb), str(t), "30", str(STREAM_READ_STREAMS)], capture_output=True,
-                           text=True, check=True)
-        out[t] = json.loads(p.stdout)["bytes_per_s"]
-    return out
+    return {t: _stream_read_at(exe, mb, t, 30) for t in (1, 2)}
+
+
+#: repetitions of the short stream_read run before and after every row (the read next to the row: the VM's memory
+#: rate moves from minute to minute, 1.09-1.97x one thread for two on the AMD EPYC of 2026-12-04)
+ADJACENT_REPS = 10
+
+
+def _stream_read_at(exe: Path, mb: int, threads: int, reps: int) -> float:
+    """Bytes/s of ``threads`` threads of ``stream_read`` (each its own ``mb`` MB as :data:`STREAM_READ_STREAMS`
+    streams), the best of ``reps`` repetitions."""
+    p = subprocess.run([str(exe), str(mb), str(threads), str(reps), str(STREAM_READ_STREAMS)], capture_output=True,
+                       text=True, check=True)
+    return json.loads(p.stdout)["bytes_per_s"]
 
 
 def write_f32_gguf(folder: Path, dst: Path, config: dict) -> dict:
@@ -452,6 +460,7 @@ def run(a: argparse.Namespace) -> dict:
         order = configs if rnd % 2 == 0 else configs[::-1]
         for name, kind, procs, s in order:
             loads.append(os.getloadavg())
+            adjacent = [_stream_read_at(exe, a.gemv_mb, procs, ADJACENT_REPS)] if exe else []
             if kind == "llama":
                 r = _call_llama(a.llama_python, ["--worker", "decode", "--gguf", str(ggufs[s]), "--threads",
                                                  str(procs), "--tokens", str(a.tokens), "--prompt-ids",
@@ -466,6 +475,9 @@ def run(a: argparse.Namespace) -> dict:
                 if rnd == 0:
                     r["memory_by_rank"] = [x["memory"] for x in res]
                 r.pop("memory", None)
+            if exe:
+                adjacent.append(_stream_read_at(exe, a.gemv_mb, procs, ADJACENT_REPS))
+                r["adjacent_read_bytes_per_s"] = statistics.mean(adjacent)
             rounds[name].append(r)
             print(f"round {rnd + 1}/{a.rounds}  {name:<46} {r['decode_tok_s']:7.2f} tok/s  best step "
                   f"{r['best_step_tok_s']:7.2f}", flush=True)
@@ -502,6 +514,11 @@ def run(a: argparse.Namespace) -> dict:
         r["limit_fraction"] = r["median_tok_s"] / r["limit_tok_s"]
         r["best_step_limit_fraction"] = r["best_step_tok_s"] / r["limit_tok_s"]
         r["gemv_roofline_fraction"] = r["median_tok_s"] * r["read_bytes"] / bw[procs]
+        if all(x.get("adjacent_read_bytes_per_s") for x in rs):
+            r["adjacent_read_rounds"] = [x["adjacent_read_bytes_per_s"] for x in rs]
+            r["adjacent_fraction_rounds"] = [x["decode_tok_s"] * r["read_bytes"] / x["adjacent_read_bytes_per_s"]
+                                             for x in rs]
+            r["adjacent_fraction"] = statistics.median(r["adjacent_fraction_rounds"])
         if kind == "llama":
             r["llama_prompt_ids"] = first["llama_prompt_ids"]
             r["llama_perf_decode_tok_s_rounds"] = [x["llama_perf"]["n_eval"] / (x["llama_perf"]["t_eval_ms"] / 1e3)
@@ -588,7 +605,8 @@ def issue_targets(precisions, by: dict, with_llama: bool, model: str) -> list[di
     small = model != TINYLLAMA_RANDOM
     for label, _, _, ft in precisions:
         t1, t2 = by[_tp_name(1, label)], by[_tp_name(2, label)]
-        targets.append(_target(f"tensorpar {label}: tp=2 >= {SCALING_TARGET}x tp=1", t2, t1, SCALING_TARGET))
+        targets.append(_machine_scaling(_target(f"tensorpar {label}: tp=2 >= {SCALING_TARGET}x tp=1", t2, t1,
+                                                SCALING_TARGET), t2, t1))
         if with_llama and not (small and label != "fp32"):
             f = SMALL_LLAMA_TARGET if small else LLAMA_TARGET
             targets.append(_target(f"tensorpar {label} tp=2 >= {f}x llama.cpp {ft}, 2 threads", t2,
@@ -617,12 +635,32 @@ def _target(name: str, row: dict, other: dict, factor: float) -> dict:
             "ratio_median": med, "ratio_best_step": best, "met": met, "verdict": verdict}
 
 
+def _machine_scaling(t: dict, two: dict, one: dict) -> dict:
+    """The scaling target ``t`` (tp=2 row ``two`` over tp=1 row ``one``) with the machine's own scaling beside it,
+    when both rows carry the read measured next to them in every round (``adjacent_read_rounds``): per round, two
+    threads' read next to the tp=2 row over one thread's next to the tp=1 row; ``machine_scaling`` is their median,
+    ``relative_to_machine`` = the median tokens/s ratio over it (1.0: tp=2 read as close to its limit as tp=1 did),
+    and ``machine_bound`` says the machine's scaling was under the target itself (a memory-bound decode that reads at
+    the same fraction of its limit at tp=1 and tp=2 cannot meet it)."""
+    r2, r1 = two.get("adjacent_read_rounds"), one.get("adjacent_read_rounds")
+    if not r2 or not r1 or len(r2) != len(r1):
+        return t
+    rounds = [b / a for a, b in zip(r1, r2)]
+    ms = statistics.median(rounds)
+    return {**t, "machine_scaling_rounds": rounds, "machine_scaling": ms,
+            "relative_to_machine": t["ratio_median"] / ms, "machine_bound": ms < t["factor"]}
+
+
 def _limit_target(name: str, row: dict, factor: float) -> dict:
-    """``row``'s fraction of the memory-read limit >= ``factor``, by the median and by the fastest step."""
+    """``row``'s fraction of the memory-read limit >= ``factor``, by the median and by the fastest step; beside it
+    (not part of the verdict) the median fraction of the read measured next to the row in each round."""
     med, best = row["limit_fraction"], row["best_step_limit_fraction"]
     met, verdict = _verdict(med, best, factor)
-    return {"target": name, "tensorpar": row["config"], "other": "memory-read limit", "factor": factor,
-            "ratio_median": med, "ratio_best_step": best, "met": met, "verdict": verdict}
+    t = {"target": name, "tensorpar": row["config"], "other": "memory-read limit", "factor": factor,
+         "ratio_median": med, "ratio_best_step": best, "met": met, "verdict": verdict}
+    if "adjacent_fraction" in row:
+        t.update(adjacent_fraction=row["adjacent_fraction"], adjacent_fraction_rounds=row["adjacent_fraction_rounds"])
+    return t
 
 
 def _gguf_layout(path: Path) -> dict:
@@ -730,22 +768,27 @@ def write(res: dict, out: Path, n: int, stem: str) -> None:
               "(every weight once; of an untied input embedding one row, so it is left out), with the 1-thread "
               "figure for 1 thread or 1 rank and the 2-thread figure for 2. tokens/s: the median over rounds of each "
               "round's mean over its decode steps (the first token, which needs the prefill, is not timed); best "
-              "step: the fastest single decode step over all rounds (the least disturbed by other processes).", "",
+              "step: the fastest single decode step over all rounds (the least disturbed by other processes). "
+              "The read next to the row: stream_read with the row's thread count (ranks for tensorpar), best of "
+              f"{ADJACENT_REPS}, run just before and just after the row in every round (their mean); the row's "
+              "fraction of it per round, median over rounds.", "",
               "| configuration | threads x ranks | weights / activations | MB read per token | tokens/s (median) | "
               "best step tokens/s | limit tokens/s | fraction of limit (median / best step) | fraction of GEMV "
-              "roofline (median) | tokens/s per round |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "roofline (median) | fraction of the read next to the row (median) | tokens/s per round |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tr = f"1 x {r['ranks']}" if r["engine"] == "tensorpar" else f"{r['threads']} x 1"
         lines.append(f"| {r['config']} | {tr} | {r['weights']} / {r['activations']} | {r['read_bytes'] / 1e6:.0f} | "
                      f"{r['median_tok_s']:.2f} | {r['best_step_tok_s']:.2f} | {r['limit_tok_s']:.2f} | "
                      f"{r['limit_fraction']:.2f} / {r['best_step_limit_fraction']:.2f} | "
-                     f"{r['gemv_roofline_fraction']:.2f} | {', '.join(f'{x:.2f}' for x in r['decode_tok_s_rounds'])} |")
+                     f"{r['gemv_roofline_fraction']:.2f} | "
+                     + (f"{r['adjacent_fraction']:.2f}" if "adjacent_fraction" in r else "-")
+                     + f" | {', '.join(f'{x:.2f}' for x in r['decode_tok_s_rounds'])} |")
     lines += ["", "Targets (issue 28, item 2), this run: met only when both the ratio of the medians and the ratio of "
               "the fastest steps meet it; when they disagree the run cannot tell (load).", ""]
     for t in res["targets"]:
         lines.append(f"* {t['target']}: {t['ratio_median']:.3f} (best step {t['ratio_best_step']:.3f}; target >= "
-                     f"{t['factor']:g}): **{t['verdict']}**.")
+                     f"{t['factor']:g}): **{t['verdict']}**" + _beside(t) + ".")
     if res["memory"]:
         lines += ["", f"Resident memory per tensorpar rank (issue 28, item 4; /proc/self/smaps_rollup; round 1): the "
                   "baseline is the rank's process before the model is built (interpreter, torch, transformers, the "
@@ -805,6 +848,19 @@ def write(res: dict, out: Path, n: int, stem: str) -> None:
     tmp.write_text("\n".join(lines) + "\n")
     os.replace(tmp, out / f"{stem}.md")
     print("\n".join(lines))
+
+
+def _beside(t: dict) -> str:
+    """The read measured next to a target's rows, as text after its verdict ('' for files without it)."""
+    if "machine_scaling" in t:
+        rounds = ", ".join(f"{x:.2f}" for x in t["machine_scaling_rounds"])
+        return (f"; two threads read {t['machine_scaling']:.2f}x one thread next to these rows (median of rounds "
+                f"{rounds}), so tensorpar's tp=2 / tp=1 is {t['relative_to_machine']:.2f} of the machine's own "
+                "scaling" + (f", which was itself under {t['factor']:g}" if t["machine_bound"] else ""))
+    if "adjacent_fraction" in t:
+        rounds = ", ".join(f"{x:.2f}" for x in t["adjacent_fraction_rounds"])
+        return f"; of the read measured next to the row: {t['adjacent_fraction']:.2f} (rounds {rounds})"
+    return ""
 
 
 #: the profile's categories in ms per token (its other entries are counts)

@@ -38,3 +38,23 @@ def test_the_1_1b_targets_and_a_ratio_just_under_one():
     assert 1.845 < scale["ratio_median"] < 1.85 and scale["ratio_best_step"] >= 1.85
     assert scale["verdict"].startswith("inconclusive")
     assert not any("transformers" in k for k in t)
+
+
+def test_the_machines_own_scaling_beside_the_scaling_target():
+    """Rows carrying the read measured next to them: the machine's scaling is the per-round ratio of two threads'
+    read (next to the tp=2 row) to one thread's (next to the tp=1 row), median over rounds; tensorpar's ratio is
+    set against it, and the limit target carries the row's fraction of its own adjacent read."""
+    from bench_llamacpp import _limit_target, _machine_scaling, _target
+
+    one = {"config": "tp1", "median_tok_s": 10.0, "best_step_tok_s": 11.0,
+           "adjacent_read_rounds": [20e9, 25e9, 30e9]}
+    two = {"config": "tp2", "median_tok_s": 15.0, "best_step_tok_s": 17.0,
+           "adjacent_read_rounds": [30e9, 40e9, 60e9], "limit_fraction": 0.7, "best_step_limit_fraction": 0.85,
+           "adjacent_fraction": 0.83, "adjacent_fraction_rounds": [0.8, 0.83, 0.9]}
+    t = _machine_scaling(_target("scale", two, one, 1.85), two, one)
+    assert t["machine_scaling_rounds"] == pytest.approx([1.5, 1.6, 2.0])
+    assert t["machine_scaling"] == pytest.approx(1.6) and t["machine_bound"]
+    assert t["relative_to_machine"] == pytest.approx(1.5 / 1.6) and not t["met"]
+    assert "machine_scaling" not in _machine_scaling(_target("scale", one, one, 1.0), {"config": "x"}, one)
+    lim = _limit_target("limit", two, 0.8)
+    assert lim["verdict"].startswith("inconclusive") and lim["adjacent_fraction"] == 0.83
