@@ -16,6 +16,7 @@
 // headers. Built with -fopenmp.
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -846,8 +847,15 @@ extern "C" void tp_gemv_bf16_blocked(const float* x, int64_t M, int64_t K, const
     if (M <= 0 || N <= 0) return;
     const int64_t K2 = (K + 1) / 2, nb = (N + NB - 1) / NB;
     const int G = M <= MR_PAIR ? (int)M : MR_MAX;               // rows per group
-    uint32_t* xp = (uint32_t*)malloc((size_t)(M * K2 > 0 ? M * K2 : 1) * sizeof(uint32_t));
-    if (!xp) return;
+    // the packed rows: on the stack up to 64 KiB (a decode step's few rows), else the heap; a failed allocation
+    // stops the process with one line (no output would be written: never a silently unwritten y)
+    alignas(64) uint32_t small[16384];
+    const size_t words = (size_t)(M * K2 > 0 ? M * K2 : 1);
+    uint32_t* xp = words <= 16384 ? small : (uint32_t*)malloc(words * sizeof(uint32_t));
+    if (!xp) {
+        fprintf(stderr, "tp_gemv_bf16_blocked: out of memory packing %lld x %lld inputs\n", (long long)M, (long long)K);
+        abort();
+    }
     for (int64_t m = 0; m < M; m += G) {                        // group at xp + m * K2: pair i of row r at i * R + r
         const int R = M - m < G ? (int)(M - m) : G;
         const uint32_t* xr = (const uint32_t*)(x + m * K);
@@ -877,7 +885,7 @@ extern "C" void tp_gemv_bf16_blocked(const float* x, int64_t M, int64_t K, const
             }
         }
     }
-    free(xp);
+    if (xp != small) free(xp);
     if (bias)
         for (int64_t m = 0; m < M; ++m)
             for (int64_t n = 0; n < N; ++n) y[m * N + n] += bias[n];
