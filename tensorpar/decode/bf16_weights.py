@@ -260,7 +260,11 @@ def bf16_linear(x: torch.Tensor, w: Bf16Weight, bias: torch.Tensor | None = None
     memory): per layer's four matmuls at 4 / 8 / 16 / 32 rows 1.13 / 1.18 / 1.09 / 1.03x as fast as oneDNN's bf16
     GEMM on weights prepacked for the rows, at 64 and 128 rows level with it (1.00x, 0.98x) and ahead of ``F.linear``
     on plain weights (1.15x, 1.05x); the fp32 FMAs this replaced took 1.9-2.0x its time from 16 rows.
-    No collectives."""
+    No collectives. Raises ValueError for an ``x`` that is not floating point or whose last dim is not the weight's
+    input count."""
+    if not x.is_floating_point() or x.dim() == 0 or x.shape[-1] != w.shape[1]:
+        raise ValueError(f"bf16_linear: x must be floating point [..., {w.shape[1]}] (the weight's inputs), got "
+                         f"{x.dtype} {tuple(x.shape)}")
     x2 = x.reshape(-1, x.shape[-1])
     b = None if bias is None else bias.float()
     cpu = x2.device.type == "cpu" and w.w.is_contiguous() and gemv_kernel.available()

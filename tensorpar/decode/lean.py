@@ -151,8 +151,7 @@ class LeanDecoder:
         # rotate_half(x) * sin == x[..., perm] * sin_sign (the halves swapped, the sign moved onto sin: exact), over
         # the rotary features of a head (rd: all d, or the first rd with partial rotary)
         rd = next(iter(self.rotary.values()))(torch.zeros(1, dtype=w0.dtype, device=dev),
-                                             torch.zeros(1, 1, dtype=torch.long, device=dev))[0]
-        rd = rd.shape[-1]
+                                             torch.zeros(1, 1, dtype=torch.long, device=dev))[0].shape[-1]
         half = rd // 2
         self.perm = torch.cat([torch.arange(half, rd), torch.arange(0, half)]).to(dev)
         self.sign = torch.cat([-torch.ones(half), torch.ones(rd - half)]).to(dev, w0.dtype)
@@ -164,7 +163,8 @@ class LeanDecoder:
         fits = few or (block and blocks_every_matmul(self, w0.dtype))
         self.gemv = not int8 and prepack is None and fits and use_gemv(self)
         self.blocked = block and self.gemv and use_blocked(self, model, not few)
-        self.gemv = self.gemv and (few or self.blocked)      # else oneDNN's prepacked weights, as before
+        if self.gemv and not (few or self.blocked):     # oneDNN's prepacked weights instead (a tied head: F.linear)
+            self.gemv, self.lin, self.linear = False, mm, F.linear
         self.packed = (not int8 and not self.gemv and (prepack if prepack is not None else can_pack(w0))
                        and w0.device.type == "cpu" and torch.backends.mkldnn.is_available())
         if self.packed:

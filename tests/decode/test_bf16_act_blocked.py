@@ -80,7 +80,8 @@ def test_bf16_blocked_sums():
 def test_bf16_blocked_refuses_bad_shapes():
     """Zero input rows give an empty output (no division by a zero row count in the kernel); an input of another
     width than the weight's inputs is refused, also where the padded layout would hold it (1023 against 1024 inputs,
-    1026 against 1025); ``copy_rows`` refuses a destination of another shape (the kernel would write past it)."""
+    1026 against 1025), by bf16_linear and by the kernel's entries, and so is an integer input (it would truncate
+    the weights); ``copy_rows`` refuses a destination of another shape (the kernel would write past it)."""
     from tensorpar.decode.bf16_weights import bf16_linear
     g = torch.Generator().manual_seed(8)
     for kin in (1024, 1025):
@@ -88,9 +89,15 @@ def test_bf16_blocked_refuses_bad_shapes():
         for dtype in (torch.bfloat16, torch.float32):
             bw_ = bw if dtype == torch.bfloat16 else bw._replace(dtype=torch.float32)
             assert bf16_linear(torch.randn(0, kin).to(dtype), bw_).shape == (0, 40)
-            for bad in (kin - 1, kin + 1):
-                with pytest.raises(ValueError, match="gemv bf16w into"):
+            run = gemv_kernel.bf16_blocked_linear if dtype == torch.bfloat16 else gemv_kernel.bf16w_blocked_linear
+            for bad in (kin - 1, kin + 1, 0):
+                with pytest.raises(ValueError, match="bf16_linear: x must be floating point"):
                     bf16_linear(torch.randn(3, bad).to(dtype), bw_)
+                if bad:                 # the kernel's own check (the row step calls it without bf16_linear)
+                    with pytest.raises(ValueError, match="gemv bf16w into"):
+                        run(torch.randn(3, bad).to(dtype), bw.w, bw.n, None, bw.k)
+        with pytest.raises(ValueError, match="bf16_linear: x must be floating point"):   # truncated weights else
+            bf16_linear(torch.ones(3, kin, dtype=torch.int32), bw)
         for dst in (torch.empty(2, 1000, dtype=torch.bfloat16), torch.empty(1, kin, dtype=torch.bfloat16)):
             with pytest.raises(ValueError, match="copy_rows: dst"):
                 bw.copy_rows(dst, 0, 2)
@@ -309,7 +316,8 @@ def job_wide_batch(ctx, folder, ids, mask, n):
     matmuls.bf16_linear = lambda x, w, b=None: torch.zeros(x.shape[0], w.shape[0], dtype=x.dtype)   # probe fails
     try:
         lean = LeanDecoder(model, ctx.tp, max_batch=ids.shape[0], max_len=ids.shape[1] + 1)
-        out["probe_failed"] = dict(gemv=lean.gemv, blocked=lean.blocked, packed=lean.packed)
+        out["probe_failed"] = dict(gemv=lean.gemv, blocked=lean.blocked, packed=lean.packed,
+                                   head=lean.linear.__name__)   # a tied head stays plain: F.linear, not our GEMV
     finally:
         matmuls.bf16_linear = real
     for block in (False, True):
@@ -341,7 +349,8 @@ def test_bf16_batch_above_4_rows_runs_blocked(pools, tmp_path, tp):
     head tied to the embedding too), runs ``vdpbf16ps`` on them at every row count and its row step takes 32 rows;
     its greedy tokens (generate) equal transformers' bf16 ones; the row step's decode logits equal the general loop's
     on the same weights up to verify's bf16 rule. ``block=False``, or a blocked layout whose probe fails (a pretend
-    kernel fault), keeps oneDNN's prepacked weights as before (not our GEMV on plain weights above its 4 rows)."""
+    kernel fault), keeps oneDNN's prepacked weights as before (not our GEMV on plain weights above its 4 rows; the tied
+    head F.linear)."""
     from tensorpar.decode import fused
     from tensorpar.verify import tolerance
     arch = "llama"
@@ -356,7 +365,7 @@ def test_bf16_batch_above_4_rows_runs_blocked(pools, tmp_path, tp):
     for r, got in enumerate(run_tp(pools, tp, job_wide_batch, folder, ids, mask, N_NEW)):
         plain, blocked = got[False], got[True]
         assert not plain["gemv"] and plain["packed"], plain
-        assert got["probe_failed"] == dict(gemv=False, blocked=False, packed=True), got["probe_failed"]
+        assert got["probe_failed"] == dict(gemv=False, blocked=False, packed=True, head="linear"), got["probe_failed"]
         assert blocked["gemv"] and blocked["blocked"] and not blocked["packed"], blocked
         assert blocked["kinds"] == {"Bf16Weight"}, blocked["kinds"]
         assert blocked["R"] == (32 if fused.available() else None), blocked["R"]
