@@ -9,7 +9,10 @@ apart, so its tp=2 / tp=1 ratio compares rows that ran while the machine scaled 
 shared-memory collectives) and alternates, ``--pairs`` times (the order reversed every other pair): the memory read
 with 1 thread (``bench/stream_read.c``, best of ``ADJACENT_REPS``), tp=1 greedy decode of ``--tokens`` tokens, the
 read again; then the same with 2 threads and tp=2. A pair takes a few seconds, so its two rows and their reads
-mostly see one state of the machine.
+mostly see one state of the machine. With ``--llama`` each pair also runs llama.cpp with 2 threads at the
+precision's file type (``bench_llamacpp``'s worker in its own venv, a fresh process per pair: the GGUF is mmap'ed
+from the page cache, only the decode steps timed) with the 2-thread read around it, so tensorpar's tp=2 meets
+llama.cpp in the same state of the machine (issue 28's ">= 1.1x llama.cpp with 2 threads").
 
 Per pair: tokens/s at tp=1 and tp=2 (decode steps only: from the first token to the last), the machine's scaling =
 two threads' read (mean of before and after the tp=2 row) over one thread's (around the tp=1 row), tensorpar's
@@ -23,6 +26,7 @@ where the machine itself scaled >= the target. Results: ``--out``.{md,json} with
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -33,8 +37,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_llamacpp import (ADJACENT_REPS, PRECISIONS, SCALING_TARGET, TINYLLAMA, TINYLLAMA_RANDOM,  # noqa: E402
-                            TINYLLAMA_SEED, _stream_binary, _stream_read_at)
+from bench_llamacpp import (ADJACENT_REPS, DEFAULT_LLAMA_PYTHON, LLAMA_TARGET, PRECISIONS,  # noqa: E402
+                            SCALING_TARGET, TINYLLAMA_RANDOM, _call_llama, _gguf_layout, _stream_binary,
+                            _stream_read_at, llama_available, prepare_model, requantized)
 from machine import cpu_account, cpu_model, describe, loaded, other_work, write_results  # noqa: E402
 
 #: a row's memory reads before and after it within this fraction of each other: the machine kept one state
@@ -88,6 +93,10 @@ def summary(pairs: list[dict], target: float) -> dict:
             out[f"{name}_{k}"] = med(ps, k)
     out["pairs_meeting_target"] = sum(p["tp_scaling"] >= target for p in pairs)
     out["able_pairs_meeting_target"] = sum(p["tp_scaling"] >= target for p in able)
+    if pairs and "vs_llama" in pairs[0]:
+        out["vs_llama"] = med(pairs, "vs_llama")
+        out["vs_llama_min"] = min(p["vs_llama"] for p in pairs)
+        out["llama_machine_scaling"] = med(pairs, "llama_machine_scaling")
     return out
 
 
@@ -103,27 +112,37 @@ def pair_record(one: dict, two: dict, reads1: list[float], reads2: list[float], 
             "tokens_equal": sum(x == y for x, y in zip(one["tokens"], two["tokens"]))}
 
 
+def with_llama(p: dict, llama: dict, reads: list[float], reads1: list[float], llama_bytes: float) -> dict:
+    """Pair ``p`` with llama.cpp's 2-thread row (``decode_tok_s``) and the 2-thread reads around it: tp=2 over it,
+    llama.cpp's fraction of its read, and the machine's scaling next to it (that read over the pair's 1-thread)."""
+    r = statistics.mean(reads)
+    return {**p, "llama_tok_s": llama["decode_tok_s"], "read_llama": reads, "vs_llama": p["tp2_tok_s"] /
+            llama["decode_tok_s"], "llama_fraction": llama["decode_tok_s"] * llama_bytes / r,
+            "llama_machine_scaling": r / statistics.mean(reads1)}
+
+
 def run(a: argparse.Namespace) -> tuple[dict, list[dict]]:
     import torch
     from tensorpar.testing import WorkerPool
-    if a.model == TINYLLAMA_RANDOM:
-        from bench_hf_tp import model_folder
-        folder = str(model_folder(None, TINYLLAMA, TINYLLAMA_SEED))
-        vocab = TINYLLAMA["vocab_size"]
-    else:
-        from tensorpar.hub import resolve_model
-        folder = str(resolve_model(a.model))
-        from transformers import AutoConfig
-        vocab = AutoConfig.from_pretrained(folder).vocab_size
-    prompt_ids = torch.randint(3, vocab, (16,), generator=torch.Generator().manual_seed(0)).tolist()
+    m = prepare_model(argparse.Namespace(model=a.model, gguf=None))      # bench_llamacpp's folder, prompt, GGUF
+    folder, prompt_ids = str(m["folder"]), m["prompt_ids"]
     exe = _stream_binary()
     if exe is None:
         raise SystemExit("bench_tp_scaling: needs bench/stream_read.c compiled (gcc); nothing measured")
+    llama = llama_available(a.llama_python) if a.llama else None
+    if a.llama and llama is None:
+        raise SystemExit(f"bench_tp_scaling: --llama needs llama_cpp under --llama-python {a.llama_python} "
+                         "(bench/README.md builds it)")
     precisions = [p for p in PRECISIONS if a.precisions is None or p[0] in a.precisions]
     cpu0, load0 = cpu_account(), os.getloadavg()
     rows = []
-    for label, dtype, quantize, _ in precisions:
+    for label, dtype, quantize, ft in precisions:
         key = f"{label}-{a.model}"
+        gguf, embed = None, 0
+        if llama is not None:
+            gguf = (m["source"] if ft == "F32" and m["source_is_f32"]
+                    else requantized(a.llama_python, m["source"], ft, llama["llama_cpp"])[0])
+            embed = _gguf_layout(gguf)["untied_embedding_bytes"]       # one row of it read per token
         with WorkerPool(1, collective_timeout_s=300, job_timeout_s=3600) as p1, \
                 WorkerPool(2, collective_timeout_s=300, job_timeout_s=3600) as p2:
             pools = {1: p1, 2: p2}
@@ -140,17 +159,27 @@ def run(a: argparse.Namespace) -> tuple[dict, list[dict]]:
                     got[w] = pools[w].run(job_decode, key, a.tokens)[0]
                     reads[w] = [before, _stream_read_at(exe, a.gemv_mb, w, ADJACENT_REPS)]
                 p = pair_record(got[1], got[2], reads[1], reads[2], read_bytes, read_bytes_tp2)
+                if gguf is not None:
+                    before = _stream_read_at(exe, a.gemv_mb, 2, ADJACENT_REPS)
+                    lr = _call_llama(a.llama_python, ["--worker", "decode", "--gguf", str(gguf), "--threads", "2",
+                                                      "--tokens", str(a.tokens), "--prompt-ids",
+                                                      json.dumps(prompt_ids)], timeout_s=1800)
+                    lb = lr["weight_bytes"] - embed
+                    p = with_llama(p, lr, [before, _stream_read_at(exe, a.gemv_mb, 2, ADJACENT_REPS)], reads[1], lb)
                 pairs.append(p)
                 print(f"{label:<34} pair {i + 1:>2}: tp=1 {p['tp1_tok_s']:6.2f}  tp=2 {p['tp2_tok_s']:6.2f} tok/s  "
                       f"tp2/tp1 {p['tp_scaling']:.2f}  machine {p['machine_scaling']:.2f}  "
-                      f"{'steady' if p['steady'] else 'moved'}", flush=True)
+                      f"{'steady' if p['steady'] else 'moved'}"
+                      + (f"  llama.cpp {p['llama_tok_s']:6.2f} (tp=2 / it {p['vs_llama']:.2f}, machine "
+                         f"{p['llama_machine_scaling']:.2f})" if "vs_llama" in p else ""), flush=True)
         rows.append({"precision": label, "dtype": dtype, "quantize": quantize, "read_bytes": read_bytes,
                      "read_bytes_tp2": read_bytes_tp2, "pairs": pairs,
                      "summary": summary(pairs, SCALING_TARGET)})
     work = other_work(cpu0, cpu_account())
     meta = {"cpu": cpu_model(), "model": a.model, "folder_name": Path(folder).name, "tokens": a.tokens,
             "pairs": a.pairs, "stream_mb": a.gemv_mb, "adjacent_reps": ADJACENT_REPS, "steady": STEADY,
-            "target": SCALING_TARGET, "load_start": list(load0), "load_end": list(os.getloadavg()),
+            "target": SCALING_TARGET, "llama": llama, "llama_target": LLAMA_TARGET, "load_start": list(load0),
+            "load_end": list(os.getloadavg()),
             "other_work": work, "loaded": loaded(work), "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     return meta, rows
@@ -187,14 +216,30 @@ def report(meta: dict, rows: list[dict]) -> list[str]:
                      f"({_f(s['steady_machine_scaling'])}) | {_f(s['all_relative'])} ({_f(s['steady_relative'])}) "
                      f"| {s['machine_able_pairs']}, {_f(s['machine_able_tp_scaling'])} | "
                      f"{s['pairs_meeting_target']} of {s['pairs']} | {f1:.2f} / {f2:.2f} |")
+    if meta.get("llama"):
+        lines += ["", f"Against llama.cpp {meta['llama']['llama_cpp']} with 2 threads in the same pairs (its file "
+                  f"type of the precision; target >= {meta['llama_target']:g}x), and the machine's 2 / 1-thread read "
+                  "next to llama.cpp's row:", "",
+                  "| precision | tp=2 / llama.cpp median (lowest pair) | machine 2/1 next to llama.cpp (median) | "
+                  "llama.cpp / tensorpar tp=2 fraction of the read (median) |", "|---|---|---|---|"]
+        for r in rows:
+            s, ps = r["summary"], r["pairs"]
+            lf = statistics.median(p["llama_fraction"] for p in ps)
+            f2 = statistics.median(p["tp2_fraction"] for p in ps)
+            lines.append(f"| {r['precision']} | {_f(s['vs_llama'])} ({_f(s['vs_llama_min'])}) | "
+                         f"{_f(s['llama_machine_scaling'])} | {lf:.2f} / {f2:.2f} |")
     for r in rows:
         lines += ["", f"{r['precision']}: {r['read_bytes'] / 1e6:.0f} MB read per token; pairs (tp=1, tp=2 tokens/s; "
-                  "reads before / after in GB/s; tp2/tp1; machine; relative):", ""]
+                  "reads before / after in GB/s; tp2/tp1; machine; relative; with --llama: llama.cpp's tokens/s "
+                  "and reads, tp=2 over it):", ""]
         for i, p in enumerate(r["pairs"]):
             r1, r2 = (" / ".join(f"{x / 1e9:.1f}" for x in p[k]) for k in ("read1", "read2"))
             lines.append(f"* {i + 1}: {p['tp1_tok_s']:.2f}, {p['tp2_tok_s']:.2f}; 1 thread {r1}, 2 threads {r2}; "
                          f"{p['tp_scaling']:.2f}; {p['machine_scaling']:.2f}; "
-                         f"{p['relative']:.2f}{'' if p['steady'] else ' (moved)'}")
+                         f"{p['relative']:.2f}{'' if p['steady'] else ' (moved)'}"
+                         + (f"; llama.cpp {p['llama_tok_s']:.2f} (2 threads " + " / ".join(
+                             f"{x / 1e9:.1f}" for x in p["read_llama"]) + f"), tp=2 / it {p['vs_llama']:.2f}"
+                            if "vs_llama" in p else ""))
     return lines
 
 
@@ -205,6 +250,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--gemv-mb", type=int, default=256, help="MB per thread of stream_read")
     p.add_argument("--precisions", nargs="+", choices=[label for label, *_ in PRECISIONS], default=None)
+    p.add_argument("--llama", action="store_true", help="also llama.cpp with 2 threads in every pair")
+    p.add_argument("--llama-python", default=str(DEFAULT_LLAMA_PYTHON), help="the interpreter of llama.cpp's venv")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "tp-scaling"))
     a = p.parse_args()
     if a.pairs < 1 or a.tokens < 3:

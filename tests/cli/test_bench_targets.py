@@ -58,3 +58,24 @@ def test_the_machines_own_scaling_beside_the_scaling_target():
     assert "machine_scaling" not in _machine_scaling(_target("scale", one, one, 1.0), {"config": "x"}, one)
     lim = _limit_target("limit", two, 0.8)
     assert lim["verdict"].startswith("inconclusive") and lim["adjacent_fraction"] == 0.83
+
+
+def test_tp_scaling_pairs_against_the_machine():
+    """bench_tp_scaling's pair arithmetic: tensorpar's scaling over the machine's (two threads' read around the
+    tp=2 row over one thread's around the tp=1 row), steadiness (each row's reads within 10 %), the fractions of the
+    read, llama.cpp beside tp=2, and the summaries over all, steady and machine-able pairs."""
+    from bench_tp_scaling import pair_record, summary, with_llama
+    one, two = {"tok_s": 10.0, "tokens": [1, 2, 3]}, {"tok_s": 19.0, "tokens": [1, 2, 4]}
+    p = pair_record(one, two, [30e9, 30e9], [58e9, 62e9], 2e9, 2.1e9)
+    assert p["tp_scaling"] == pytest.approx(1.9) and p["machine_scaling"] == pytest.approx(2.0)
+    assert p["relative"] == pytest.approx(0.95) and p["steady"] and p["tokens_equal"] == 2
+    assert p["tp1_fraction"] == pytest.approx(10 * 2e9 / 30e9) and p["tp2_fraction"] == pytest.approx(19 * 2.1e9 / 60e9)
+    q = pair_record(one, {"tok_s": 12.0, "tokens": [1]}, [30e9, 30e9], [36e9, 50e9], 2e9, 2e9)
+    assert not q["steady"] and q["machine_scaling"] == pytest.approx(43 / 30)
+    p = with_llama(p, {"decode_tok_s": 15.2}, [57e9, 59e9], [30e9, 30e9], 2e9)
+    assert p["vs_llama"] == pytest.approx(1.25) and p["llama_machine_scaling"] == pytest.approx(58 / 30)
+    q = with_llama(q, {"decode_tok_s": 10.0}, [36e9, 36e9], [30e9, 30e9], 2e9)
+    s = summary([p, q], 1.85)
+    assert (s["pairs"], s["steady_pairs"], s["machine_able_pairs"]) == (2, 1, 1)
+    assert s["machine_able_tp_scaling"] == pytest.approx(1.9) and s["pairs_meeting_target"] == 1
+    assert s["vs_llama"] == pytest.approx((1.25 + 1.2) / 2) and s["vs_llama_min"] == pytest.approx(1.2)
