@@ -97,6 +97,11 @@ def summary(pairs: list[dict], target: float) -> dict:
         out["vs_llama"] = med(pairs, "vs_llama")
         out["vs_llama_min"] = min(p["vs_llama"] for p in pairs)
         out["llama_machine_scaling"] = med(pairs, "llama_machine_scaling")
+        # the pairs whose tp=2 and llama.cpp rows saw the same state (their 2-thread reads within STEADY)
+        same = [p for p in pairs if abs(statistics.mean(p["read2"]) - statistics.mean(p["read_llama"]))
+                <= STEADY * max(statistics.mean(p["read2"]), statistics.mean(p["read_llama"]))]
+        out["same_state_pairs"] = len(same)
+        out["same_state_vs_llama"] = med(same, "vs_llama")
     return out
 
 
@@ -220,13 +225,16 @@ def report(meta: dict, rows: list[dict]) -> list[str]:
         lines += ["", f"Against llama.cpp {meta['llama']['llama_cpp']} with 2 threads in the same pairs (its file "
                   f"type of the precision; target >= {meta['llama_target']:g}x), and the machine's 2 / 1-thread read "
                   "next to llama.cpp's row:", "",
-                  "| precision | tp=2 / llama.cpp median (lowest pair) | machine 2/1 next to llama.cpp (median) | "
-                  "llama.cpp / tensorpar tp=2 fraction of the read (median) |", "|---|---|---|---|"]
+                  "| precision | tp=2 / llama.cpp median (lowest pair) | pairs whose tp=2 and llama.cpp rows read "
+                  f"within {100 * meta['steady']:.0f} % of each other: count, tp=2 / llama.cpp median | machine 2/1 next "
+                  "to llama.cpp (median) | llama.cpp / tensorpar tp=2 fraction of the read (median) |",
+                  "|---|---|---|---|---|"]
         for r in rows:
             s, ps = r["summary"], r["pairs"]
             lf = statistics.median(p["llama_fraction"] for p in ps)
             f2 = statistics.median(p["tp2_fraction"] for p in ps)
             lines.append(f"| {r['precision']} | {_f(s['vs_llama'])} ({_f(s['vs_llama_min'])}) | "
+                         f"{s['same_state_pairs']}, {_f(s['same_state_vs_llama'])} | "
                          f"{_f(s['llama_machine_scaling'])} | {lf:.2f} / {f2:.2f} |")
     for r in rows:
         lines += ["", f"{r['precision']}: {r['read_bytes'] / 1e6:.0f} MB read per token; pairs (tp=1, tp=2 tokens/s; "
@@ -253,7 +261,16 @@ def main() -> None:
     p.add_argument("--llama", action="store_true", help="also llama.cpp with 2 threads in every pair")
     p.add_argument("--llama-python", default=str(DEFAULT_LLAMA_PYTHON), help="the interpreter of llama.cpp's venv")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "tp-scaling"))
+    p.add_argument("--render", metavar="JSON", help="write --out's markdown again from a results JSON (summaries "
+                   "recomputed), measuring nothing")
     a = p.parse_args()
+    if a.render:
+        res = json.loads(Path(a.render).read_text())
+        meta, rows = res["meta"], res["rows"]
+        for r in rows:
+            r["summary"] = summary(r["pairs"], meta["target"])
+        write_results(Path(a.out), meta, rows, report(meta, rows))
+        return
     if a.pairs < 1 or a.tokens < 3:
         p.error(f"--pairs {a.pairs} / --tokens {a.tokens}: need at least 1 pair and 3 tokens (2 decode steps)")
     meta, rows = run(a)

@@ -79,3 +79,4 @@ def test_tp_scaling_pairs_against_the_machine():
     assert (s["pairs"], s["steady_pairs"], s["machine_able_pairs"]) == (2, 1, 1)
     assert s["machine_able_tp_scaling"] == pytest.approx(1.9) and s["pairs_meeting_target"] == 1
     assert s["vs_llama"] == pytest.approx((1.25 + 1.2) / 2) and s["vs_llama_min"] == pytest.approx(1.2)
+    assert s["same_state_pairs"] == 1 and s["same_state_vs_llama"] == pytest.approx(1.25)   # q: 43 vs 36 GB/s
