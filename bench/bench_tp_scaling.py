@@ -226,8 +226,8 @@ def report(meta: dict, rows: list[dict]) -> list[str]:
                   f"type of the precision; target >= {meta['llama_target']:g}x), and the machine's 2 / 1-thread read "
                   "next to llama.cpp's row:", "",
                   "| precision | tp=2 / llama.cpp median (lowest pair) | pairs whose tp=2 and llama.cpp rows read "
-                  f"within {100 * meta['steady']:.0f} % of each other: count, tp=2 / llama.cpp median | machine 2/1 next "
-                  "to llama.cpp (median) | llama.cpp / tensorpar tp=2 fraction of the read (median) |",
+                  f"within {100 * meta['steady']:.0f} % of each other: count, tp=2 / llama.cpp median | machine 2/1 "
+                  "next to llama.cpp (median) | llama.cpp / tensorpar tp=2 fraction of the read (median) |",
                   "|---|---|---|---|---|"]
         for r in rows:
             s, ps = r["summary"], r["pairs"]
