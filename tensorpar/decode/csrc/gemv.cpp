@@ -444,6 +444,10 @@ constexpr int MR_MAX = NREGS >= 32 ? 12 : 3;
 // rows at most for which two blocks go at once (more streams in flight where the rows are few): 2 x MR x NV
 // accumulators
 constexpr int MR_PAIR = NREGS >= 32 ? 4 : 1;
+// at most this many rows the blocked kernels run four blocks per call (four weight streams, 8 + 8 MR of the 32
+// registers; AVX-512 only): at 1 and 2 rows 0.84-0.96x the time of two blocks per call, the same sums
+// (bench/results/gemv-quad-epyc.md, the 1.1B's tp=2 matrices from memory, one thread)
+constexpr int MR_QUAD = NREGS >= 32 ? 2 : 0;
 // a block's inputs as stored: K; the bf16 layout pairs them, an odd K padded with a zero input (never read from x)
 template <typename WT>
 static inline int64_t kpad(int64_t K) { return sizeof(WT) == 4 ? K : K + (K & 1); }
@@ -561,7 +565,8 @@ static void blk_rows_packed(int R, const float* xp, int64_t K, const WT* wb, flo
     }
 }
 
-// blocks [b0, b1) for all M input rows. At most MR_PAIR rows: two blocks per call, the rows as they are. Else the
+// blocks [b0, b1) for all M input rows. At most MR_PAIR rows: four (at most MR_QUAD rows) or two blocks per call,
+// the rows as they are. Else the
 // rows in chunks of at most 4 MiB of K values, each chunk packed once into row groups of MR_MAX, k-major
 // (blk_micro_packed: 1.1-1.4x the unpacked micro-kernel at 32 rows and 1.6x at 12 on the 1.1B's matrices, AMD
 // EPYC Zen 4, bench/results/gemv-packed-trials-epyc.md); each block is read from memory once per chunk by the
@@ -572,6 +577,8 @@ static void blk_range(const float* x, int64_t M, int64_t K, const WT* wb, int64_
                       int64_t N) {
     if (M <= MR_PAIR) {
         int64_t b = b0;
+        if (M <= MR_QUAD)
+            for (; b + 4 <= b1; b += 4) blk_call<4, WT>((int)M, x, K, wb, b, y, N);
         for (; b + 2 <= b1; b += 2) blk_call<2, WT>((int)M, x, K, wb, b, y, N);
         if (b < b1) blk_call<1, WT>((int)M, x, K, wb, b, y, N);
         return;
@@ -875,13 +882,14 @@ extern "C" void tp_gemv_bf16_blocked(const float* x, int64_t M, int64_t K, const
         for (int64_t m0 = 0; m0 < M; m0 += mc) {
             const int64_t m1 = m0 + mc < M ? m0 + mc : M;
             for (int64_t b = b0; b < b1;) {
-                const bool pair = M <= MR_PAIR && b + 2 <= b1;
+                const int nblk = M <= MR_QUAD && b + 4 <= b1 ? 4 : M <= MR_PAIR && b + 2 <= b1 ? 2 : 1;
                 for (int64_t m = m0; m < m1; m += G) {
                     const int R = m1 - m < G ? (int)(m1 - m) : G;
-                    if (pair) dp_call<2>(R, xp + m * K2, K, w, b, y + m * N, N);
+                    if (nblk == 4) dp_call<4>(R, xp + m * K2, K, w, b, y + m * N, N);
+                    else if (nblk == 2) dp_call<2>(R, xp + m * K2, K, w, b, y + m * N, N);
                     else dp_call<1>(R, xp + m * K2, K, w, b, y + m * N, N);
                 }
-                b += pair ? 2 : 1;
+                b += nblk;
             }
         }
     }
