@@ -45,6 +45,9 @@ from machine import cpu_account, cpu_model, describe, loaded, other_work, write_
 #: a row's memory reads before and after it within this fraction of each other: the machine kept one state
 STEADY = 0.10
 
+#: a pair in the machine's fast state: two threads read at least this many times one thread; slow: under SLOW
+FAST, SLOW = 1.6, 1.4
+
 #: the loaded model of this worker process, by job key (the pools live for one precision)
 _LOADED: dict = {}
 
@@ -102,6 +105,13 @@ def summary(pairs: list[dict], target: float) -> dict:
                 <= STEADY * max(statistics.mean(p["read2"]), statistics.mean(p["read_llama"]))]
         out["same_state_pairs"] = len(same)
         out["same_state_vs_llama"] = med(same, "vs_llama")
+        # the VM's two states (2026-12-05: two threads read 1.13-1.25x or 1.8-2.0x one thread, little between)
+        for name, ps in (("fast", [p for p in same if p["machine_scaling"] >= FAST]),
+                         ("slow", [p for p in same if p["machine_scaling"] < SLOW])):
+            out[f"{name}_pairs"] = len(ps)
+            out[f"{name}_vs_llama"] = med(ps, "vs_llama")
+            out[f"{name}_llama_fraction"] = med(ps, "llama_fraction")
+            out[f"{name}_tp2_fraction"] = med(ps, "tp2_fraction")
     return out
 
 
@@ -226,15 +236,18 @@ def report(meta: dict, rows: list[dict]) -> list[str]:
                   f"type of the precision; target >= {meta['llama_target']:g}x), and the machine's 2 / 1-thread read "
                   "next to llama.cpp's row:", "",
                   "| precision | tp=2 / llama.cpp median (lowest pair) | pairs whose tp=2 and llama.cpp rows read "
-                  f"within {100 * meta['steady']:.0f} % of each other: count, tp=2 / llama.cpp median | machine 2/1 "
-                  "next to llama.cpp (median) | llama.cpp / tensorpar tp=2 fraction of the read (median) |",
-                  "|---|---|---|---|---|"]
+                  f"within {100 * meta['steady']:.0f} % of each other: count, tp=2 / llama.cpp median | of those, "
+                  f"the machine's two threads >= {FAST:g}x one: count, tp=2 / llama.cpp, llama.cpp / tp=2 fraction of "
+                  f"the read | of those, < {SLOW:g}x: the same | machine 2/1 next to llama.cpp (median) | llama.cpp / "
+                  "tensorpar tp=2 fraction of the read (median) |", "|---|---|---|---|---|---|---|"]
         for r in rows:
             s, ps = r["summary"], r["pairs"]
             lf = statistics.median(p["llama_fraction"] for p in ps)
             f2 = statistics.median(p["tp2_fraction"] for p in ps)
             lines.append(f"| {r['precision']} | {_f(s['vs_llama'])} ({_f(s['vs_llama_min'])}) | "
                          f"{s['same_state_pairs']}, {_f(s['same_state_vs_llama'])} | "
+                         + " | ".join(f"{s[f'{n}_pairs']}, {_f(s[f'{n}_vs_llama'])}, {_f(s[f'{n}_llama_fraction'])} "
+                                      f"/ {_f(s[f'{n}_tp2_fraction'])}" for n in ("fast", "slow")) + " | "
                          f"{_f(s['llama_machine_scaling'])} | {lf:.2f} / {f2:.2f} |")
     for r in rows:
         lines += ["", f"{r['precision']}: {r['read_bytes'] / 1e6:.0f} MB read per token; pairs (tp=1, tp=2 tokens/s; "
