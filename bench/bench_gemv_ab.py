@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import hashlib
+import os
 import statistics
 import sys
 import time
@@ -32,6 +34,7 @@ from tensorpar.decode import bf16_weights, gemv_kernel  # noqa: E402
 
 SHAPES = {"qkv": (1280, 2048), "o": (2048, 1024), "gate-up": (5632, 2048), "down": (2048, 2816)}
 KINDS = ("fp32", "bf16 weights, fp32 inputs", "bf16 x bf16")
+ENTRIES = ("tp_gemv", "tp_gemv_bf16w_blocked", "tp_gemv_bf16_blocked")
 
 
 def load(src: Path, tag: str):
@@ -44,6 +47,10 @@ def load(src: Path, tag: str):
     if path is None:
         raise SystemExit(f"bench_gemv_ab: {src} ({tag}) did not compile")
     lib = ctypes.CDLL(str(path))
+    missing = [f for f in ENTRIES if not hasattr(lib, f)]
+    if missing:
+        raise SystemExit(f"bench_gemv_ab: {src} ({tag}) has no {', '.join(missing)} (a checkout from before "
+                         "2026-12-04 late, f9dd250); give a newer one")
     v, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.tp_gemv.argtypes = [ctypes.c_int, ctypes.c_int, v, i64, i64, v, i64, v, v, ctypes.c_int, i64]
     for f in (lib.tp_gemv_bf16w_blocked, lib.tp_gemv_bf16_blocked):
@@ -77,6 +84,8 @@ def main() -> None:
     old_src = Path(a.before) / "tensorpar" / "decode" / "csrc" / "gemv.cpp"
     if not old_src.is_file():
         p.error(f"--before {a.before}: no tensorpar/decode/csrc/gemv.cpp there")
+    if min(a.rows) < 1 or a.copies < 1 or a.reps < 1:
+        p.error(f"--rows {a.rows} / --copies {a.copies} / --reps {a.reps}: each must be at least 1")
     torch.set_num_threads(1)
     libs = {"old": load(old_src, "old"), "new": load(gemv_kernel._SRC, "new")}
     g = torch.Generator().manual_seed(0)
@@ -85,7 +94,7 @@ def main() -> None:
     mats["bf16 weights, fp32 inputs"] = mats["bf16 x bf16"] = {
         k: [bf16_weights.block_bf16(torch.randn(n, kk, generator=g).bfloat16()) for _ in range(a.copies)]
         for k, (n, kk) in SHAPES.items()}
-    cpu0, rows = cpu_account(), []
+    cpu0, rows, load0 = cpu_account(), [], list(os.getloadavg())
     for m in a.rows:
         xs = {k: torch.randn(m, kk, generator=g).bfloat16().float() for k, (_, kk) in SHAPES.items()}
         ys = {k: torch.empty(m, n) for k, (n, _) in SHAPES.items()}
@@ -107,11 +116,15 @@ def main() -> None:
             print(f"{m} rows, {kind}: old {row['old_median_ms']:.3f} new {row['new_median_ms']:.3f} ms/layer "
                   f"({row['new_over_old']:.3f}), bitwise equal {same}", flush=True)
     work = other_work(cpu0, cpu_account())
-    meta = {"cpu": cpu_model(), "target": libs["new"][1], "before": a.before, "copies": a.copies, "reps": a.reps,
-            "torch": torch.__version__, "other_work": work, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    sha = {t: hashlib.sha256(f.read_bytes()).hexdigest()[:12] for t, f in (("old", old_src), ("new", gemv_kernel._SRC))}
+    meta = {"cpu": cpu_model(), "target": libs["new"][1], "before": a.before, "gemv_cpp_sha256": sha,
+            "copies": a.copies, "reps": a.reps, "torch": torch.__version__, "other_work": work,
+            "load_start": load0, "load_end": list(os.getloadavg()),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     lines = [f"# Blocked GEMV kernels, this checkout against {a.before} ({meta['cpu']}, {meta['target']} build)", "",
              f"{meta['date']}; one thread; the 1.1B's tp=2 matrices, {a.copies} copies each (from memory); "
-             f"{a.reps} interleaved repetitions; {describe(work)}.", "",
+             f"{a.reps} interleaved repetitions; gemv.cpp sha256 old {sha['old']}, new {sha['new']}; load average "
+             f"{load0[0]:.2f} at start, {meta['load_end'][0]:.2f} at end; {describe(work)}.", "",
              "| rows | kernel | old ms / layer (median / best) | new ms / layer (median / best) | new / old (median) "
              "| outputs bitwise equal |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['rows']} | {r['kernel']} | {r['old_median_ms']:.3f} / {r['old_best_ms']:.3f} | "

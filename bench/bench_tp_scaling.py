@@ -136,10 +136,31 @@ def with_llama(p: dict, llama: dict, reads: list[float], reads1: list[float], ll
             "llama_machine_scaling": r / statistics.mean(reads1)}
 
 
+def _model(a: argparse.Namespace) -> dict:
+    """``bench_llamacpp.prepare_model``'s folder and prompt ids (and, with ``--llama``, the GGUF llama.cpp's files
+    are made from: ``--gguf``, or the cached one of tinyllama-random / smollm2); without ``--llama`` no GGUF is
+    needed. A model that cannot be found: one line, exit."""
+    try:
+        if a.llama or a.model == TINYLLAMA_RANDOM:
+            if a.llama and a.model not in (TINYLLAMA_RANDOM, "smollm2") and not a.gguf:
+                raise ValueError(f"--llama with --model {a.model} needs --gguf (the GGUF this model was converted "
+                                 "from); without it llama.cpp would run another model")
+            return prepare_model(argparse.Namespace(model=a.model, gguf=a.gguf))
+        from bench_decode import PROMPT
+        from transformers import AutoTokenizer
+
+        from tensorpar.hub import resolve_model
+        folder = resolve_model(a.model)
+        return {"folder": folder, "prompt_ids": AutoTokenizer.from_pretrained(str(folder))(PROMPT)["input_ids"]}
+    except (ValueError, OSError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SystemExit(f"bench_tp_scaling: --model {a.model}: {msg}")
+
+
 def run(a: argparse.Namespace) -> tuple[dict, list[dict]]:
     import torch
     from tensorpar.testing import WorkerPool
-    m = prepare_model(argparse.Namespace(model=a.model, gguf=None))      # bench_llamacpp's folder, prompt, GGUF
+    m = _model(a)
     folder, prompt_ids = str(m["folder"]), m["prompt_ids"]
     exe = _stream_binary()
     if exe is None:
@@ -188,6 +209,7 @@ def run(a: argparse.Namespace) -> tuple[dict, list[dict]]:
                       + (f"  llama.cpp {p['llama_tok_s']:6.2f} (tp=2 / it {p['vs_llama']:.2f}, machine "
                          f"{p['llama_machine_scaling']:.2f})" if "vs_llama" in p else ""), flush=True)
         rows.append({"precision": label, "dtype": dtype, "quantize": quantize, "read_bytes": read_bytes,
+                     "llama_gguf": None if gguf is None else Path(gguf).name,
                      "read_bytes_tp2": read_bytes_tp2, "pairs": pairs,
                      "summary": summary(pairs, SCALING_TARGET)})
     work = other_work(cpu0, cpu_account())
@@ -250,7 +272,10 @@ def report(meta: dict, rows: list[dict]) -> list[str]:
                                       f"/ {_f(s[f'{n}_tp2_fraction'])}" for n in ("fast", "slow")) + " | "
                          f"{_f(s['llama_machine_scaling'])} | {lf:.2f} / {f2:.2f} |")
     for r in rows:
-        lines += ["", f"{r['precision']}: {r['read_bytes'] / 1e6:.0f} MB read per token; pairs (tp=1, tp=2 tokens/s; "
+        lines += ["", f"{r['precision']}: {r['read_bytes'] / 1e6:.0f} MB read per token at tp=1, "
+                  f"{r.get('read_bytes_tp2', r['read_bytes']) / 1e6:.0f} at tp=2 (both ranks); greedy tokens of tp=2 "
+                  f"equal to tp=1's per pair: {', '.join(str(p['tokens_equal']) for p in r['pairs'])} of "
+                  f"{meta['tokens']}; pairs (tp=1, tp=2 tokens/s; "
                   "reads before / after in GB/s; tp2/tp1; machine; relative; with --llama: llama.cpp's tokens/s "
                   "and reads, tp=2 over it):", ""]
         for i, p in enumerate(r["pairs"]):
@@ -273,19 +298,26 @@ def main() -> None:
     p.add_argument("--precisions", nargs="+", choices=[label for label, *_ in PRECISIONS], default=None)
     p.add_argument("--llama", action="store_true", help="also llama.cpp with 2 threads in every pair")
     p.add_argument("--llama-python", default=str(DEFAULT_LLAMA_PYTHON), help="the interpreter of llama.cpp's venv")
+    p.add_argument("--gguf", default=None, help="with --llama and a --model other than tinyllama-random / smollm2: the "
+                   "GGUF it was converted from (llama.cpp's files are made from it)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "tp-scaling"))
     p.add_argument("--render", metavar="JSON", help="write --out's markdown again from a results JSON (summaries "
                    "recomputed), measuring nothing")
     a = p.parse_args()
     if a.render:
-        res = json.loads(Path(a.render).read_text())
-        meta, rows = res["meta"], res["rows"]
-        for r in rows:
-            r["summary"] = summary(r["pairs"], meta["target"])
-        write_results(Path(a.out), meta, rows, report(meta, rows))
+        try:
+            res = json.loads(Path(a.render).read_text())
+            meta, rows = res["meta"], res["rows"]
+            for r in rows:
+                r["summary"] = summary(r["pairs"], meta["target"])
+            lines = report(meta, rows)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            p.error(f"--render {a.render}: not a bench_tp_scaling results JSON ({type(e).__name__}: {e})")
+        write_results(Path(a.out), meta, rows, lines)
         return
-    if a.pairs < 1 or a.tokens < 3:
-        p.error(f"--pairs {a.pairs} / --tokens {a.tokens}: need at least 1 pair and 3 tokens (2 decode steps)")
+    if a.pairs < 1 or a.tokens < 3 or a.gemv_mb < 1:
+        p.error(f"--pairs {a.pairs} / --tokens {a.tokens} / --gemv-mb {a.gemv_mb}: need at least 1 pair, 3 tokens "
+                "(2 decode steps) and 1 MB")
     meta, rows = run(a)
     write_results(Path(a.out), meta, rows, report(meta, rows))
 
