@@ -9,7 +9,8 @@ random copies each so that the weights come from memory, through the three block
 the sums says so). Per kernel and row count: ms per layer (the four matrices), best and median over ``--reps``
 interleaved repetitions (the order reversed every other one), and new / old.
 
-    PYTHONPATH=.:bench python bench/bench_gemv_ab.py --before /tmp/before [--rows 1 2 4] [--out ...]
+    BEFORE=$(mktemp -d) && git archive <rev> | tar -x -C "$BEFORE"
+    PYTHONPATH=.:bench python bench/bench_gemv_ab.py --before "$BEFORE" [--rows 1 2 4] [--out ...]
 """
 from __future__ import annotations
 
@@ -117,11 +118,11 @@ def main() -> None:
                   f"({row['new_over_old']:.3f}), bitwise equal {same}", flush=True)
     work = other_work(cpu0, cpu_account())
     sha = {t: hashlib.sha256(f.read_bytes()).hexdigest()[:12] for t, f in (("old", old_src), ("new", gemv_kernel._SRC))}
-    meta = {"cpu": cpu_model(), "target": libs["new"][1], "before": a.before, "gemv_cpp_sha256": sha,
+    meta = {"cpu": cpu_model(), "target": libs["new"][1], "before": Path(a.before).name, "gemv_cpp_sha256": sha,
             "copies": a.copies, "reps": a.reps, "torch": torch.__version__, "other_work": work,
             "load_start": load0, "load_end": list(os.getloadavg()),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    lines = [f"# Blocked GEMV kernels, this checkout against {a.before} ({meta['cpu']}, {meta['target']} build)", "",
+    lines = [f"# Blocked GEMV kernels, this checkout against an older one ({meta['cpu']}, {meta['target']} build)", "",
              f"{meta['date']}; one thread; the 1.1B's tp=2 matrices, {a.copies} copies each (from memory); "
              f"{a.reps} interleaved repetitions; gemv.cpp sha256 old {sha['old']}, new {sha['new']}; load average "
              f"{load0[0]:.2f} at start, {meta['load_end'][0]:.2f} at end; {describe(work)}.", "",

@@ -48,13 +48,11 @@ STEADY = 0.10
 #: a pair in the machine's fast state: two threads read at least this many times one thread; slow: under SLOW
 FAST, SLOW = 1.6, 1.4
 
-#: the loaded model of this worker process, by job key (the pools live for one precision)
-_LOADED: dict = {}
-
-
-def job_load(ctx, key: str, folder: str, dtype: str, quantize: str, prompt_ids: list[int]) -> list[int]:
-    """Build, quantize and warm up the model on this rank (1 thread) and keep it for :func:`job_decode`. Returns
-    ``[weight bytes, untied input embedding bytes]`` of this rank."""
+def job_load(ctx, key: str, folder: str, dtype: str, quantize: str, prompt_ids: list[int], *, store: dict
+             ) -> list[int]:
+    """Build, quantize and warm up the model on this rank (1 thread) and keep it in the rank's ``store``
+    (``WorkerPool.run``) for :func:`job_decode`. Returns ``[weight bytes, untied input embedding bytes]`` of this
+    rank."""
     import torch
     from bench_decode import _quantize, _untied_embedding_bytes, _weight_bytes
     from tensorpar.generate import SamplingConfig, generate_tokens
@@ -63,20 +61,20 @@ def job_load(ctx, key: str, folder: str, dtype: str, quantize: str, prompt_ids: 
     if ctx.tp.size > 1:
         from tensorpar.shm import enable_fast_collectives
         enable_fast_collectives(ctx.tp, "on")
-    _LOADED.clear()
+    store.clear()
     model, _ = build_parallel_model(folder, ctx.tp, dtype=getattr(torch, dtype))
     _quantize(model, ctx.tp, quantize)
     ids = torch.tensor([prompt_ids])
     generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=3), path="lean")     # warm-up
-    _LOADED[key] = (model, ids)
+    store[key] = (model, ids)
     return [_weight_bytes(model, quantize), _untied_embedding_bytes(model)]
 
 
-def job_decode(ctx, key: str, n: int) -> dict:
-    """Greedy decode of ``n`` new tokens on the model :func:`job_load` kept: decode tokens/s (steps after the first
-    token) and the tokens."""
+def job_decode(ctx, key: str, n: int, *, store: dict) -> dict:
+    """Greedy decode of ``n`` new tokens on the model :func:`job_load` kept in ``store``: decode tokens/s (steps
+    after the first token) and the tokens."""
     from tensorpar.generate import SamplingConfig, generate_tokens
-    model, ids = _LOADED[key]
+    model, ids = store[key]
     stamps = []
     res = generate_tokens(model, ctx.tp, ids, sampling=SamplingConfig(max_new_tokens=n), path="lean",
                           on_token=lambda step, tok: stamps.append(time.perf_counter()))

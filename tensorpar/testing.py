@@ -22,6 +22,7 @@ Tolerance policy (:func:`assert_parity`):
 """
 from __future__ import annotations
 
+import inspect
 import multiprocessing as mp
 import os
 import queue
@@ -44,6 +45,14 @@ class RankFailure(AssertionError):
 
 
 
+def _takes_store(fn) -> bool:
+    """Whether job ``fn`` has a ``store`` parameter (a callable without a signature: no)."""
+    try:
+        return "store" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _worker(rank: int, world: int, config: ParallelConfig, init_method: str, timeout_s: float, jobs, results):
     import signal
 
@@ -58,13 +67,14 @@ def _worker(rank: int, world: int, config: ParallelConfig, init_method: str, tim
         results.put((-1, rank, "err", traceback.format_exc()))
         return
     results.put((-1, rank, "ok", None))
+    store: dict = {}            # this rank's objects kept between jobs, for jobs that take ``store=`` (WorkerPool.run)
     while True:
         job = jobs.get()
         if job is None:
             break
         job_id, fn, args = job
         try:
-            results.put((job_id, rank, "ok", fn(ctx, *args)))
+            results.put((job_id, rank, "ok", fn(ctx, *args, **({"store": store} if _takes_store(fn) else {}))))
         except BaseException:
             results.put((job_id, rank, "err", traceback.format_exc()))
     ctx.destroy()
@@ -126,7 +136,9 @@ class WorkerPool:
         return [out[r] for r in range(self.world_size)]
 
     def run(self, fn: Callable, *args, timeout_s: float | None = None) -> list[Any]:
-        """Run ``fn(ctx, *args)`` on every rank; return the per-rank results in rank order.
+        """Run ``fn(ctx, *args)`` on every rank; return the per-rank results in rank order. A ``fn`` with a
+        ``store`` parameter also gets ``store=``: a dict of this rank's, the same for every job of this pool (a model
+        loaded by one job, decoded by the next: ``bench/bench_tp_scaling.py``).
 
         Raises:
             RankFailure: a rank raised (its traceback is in the message) or did not answer in time.

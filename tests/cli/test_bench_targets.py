@@ -80,3 +80,25 @@ def test_tp_scaling_pairs_against_the_machine():
     assert s["machine_able_tp_scaling"] == pytest.approx(1.9) and s["pairs_meeting_target"] == 1
     assert s["vs_llama"] == pytest.approx((1.25 + 1.2) / 2) and s["vs_llama_min"] == pytest.approx(1.2)
     assert s["same_state_pairs"] == 1 and s["same_state_vs_llama"] == pytest.approx(1.25)   # q: 43 vs 36 GB/s
+
+
+def job_keep(ctx, value, *, store):
+    store["value"] = (value, ctx.rank)
+    return sorted(store)
+
+
+def job_read(ctx, *, store):
+    return store.get("value")
+
+
+def job_plain(ctx):
+    return ctx.rank
+
+
+def test_worker_pool_store_is_kept_per_rank_between_jobs(pools):
+    """WorkerPool.run gives a job with a ``store`` parameter the rank's own dict, the same for every job of the pool
+    (bench_tp_scaling keeps its loaded model there, not in module state); jobs without it are called as before."""
+    pool = pools(2)
+    assert pool.run(job_keep, 7) == [["value"], ["value"]]
+    assert pool.run(job_plain) == [0, 1]
+    assert pool.run(job_read) == [(7, 0), (7, 1)]

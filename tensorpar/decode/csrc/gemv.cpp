@@ -445,8 +445,8 @@ constexpr int MR_MAX = NREGS >= 32 ? 12 : 3;
 // accumulators
 constexpr int MR_PAIR = NREGS >= 32 ? 4 : 1;
 // at most this many rows the blocked kernels run four blocks per call (four weight streams, 8 + 8 MR of the 32
-// registers; AVX-512 only): at 1 and 2 rows 0.87-0.94x the time of two blocks per call, the same sums
-// (bench/results/gemv-quad-epyc.md, the 1.1B's tp=2 matrices from memory, one thread)
+// registers; AVX-512 only): at 1 and 2 rows 0.87-0.95x the time of two blocks per call, the same sums
+// (bench/results/gemv-quad-epyc{,-b}.md, the 1.1B's tp=2 matrices from memory, one thread)
 constexpr int MR_QUAD = NREGS >= 32 ? 2 : 0;
 // a block's inputs as stored: K; the bf16 layout pairs them, an odd K padded with a zero input (never read from x)
 template <typename WT>
