@@ -81,11 +81,11 @@ def use_blocked(dec, model, every: bool = False) -> bool:
     our GEMV and the row step its 32 rows (short rows read 0.82-0.89x as fast blocked at one row, but above 4 rows
     the plain ones would run oneDNN). Taken only if a probe of every row count the kernel runs (the 1-13 rows its
     micro-kernels split into) is within the kernel's tolerance of ``F.linear`` (fp32: 1e-5 relative, the order of
-    the fp32 sums; bf16: one bf16 rounding, 2^-8 relative) and each probe row's outputs are bitwise those it gets alone. Why: the
-    blocked layout streams each block of 32 output rows as one sequence and computes the step's rows as output
-    vectors (no horizontal sums): fp32 1.02-1.62x our GEMV on the plain weight at one row, 1.36-1.85x at 4 and
-    1.35x at 32 (bench/results/gemv-blocked-epyc.md, SmolLM2's and the 1.1B's tp=2 shapes); bf16 see
-    :func:`~tensorpar.decode.bf16_weights.bf16_linear`. Returns whether any weight was blocked."""
+    the fp32 sums; bf16: one bf16 rounding, 2^-8 relative) and each probe row's outputs are bitwise those it gets
+    alone. Why: the blocked layout streams each block of 32 output rows as one sequence and computes the step's
+    rows as output vectors (no horizontal sums): fp32 1.02-1.62x our GEMV on the plain weight at one row,
+    1.36-1.85x at 4 and 1.35x at 32 (bench/results/gemv-blocked-epyc.md, SmolLM2's and the 1.1B's tp=2 shapes);
+    bf16 see :func:`~tensorpar.decode.bf16_weights.bf16_linear`. Returns whether any weight was blocked."""
     def which(w) -> bool:
         return _blockable(w, 0 if every else None)
     w = next((w for L in dec.layers for *_, w, _ in L.packs if which(w)), None)
