@@ -152,7 +152,8 @@ def _model(a: argparse.Namespace) -> dict:
         return {"folder": folder, "prompt_ids": AutoTokenizer.from_pretrained(str(folder))(PROMPT)["input_ids"]}
     except (ValueError, OSError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise SystemExit(f"bench_tp_scaling: --model {a.model}: {msg}")
+        raise SystemExit(f"bench_tp_scaling: {msg}" if msg.startswith("--") else
+                         f"bench_tp_scaling: --model {a.model}: {msg}")
 
 
 def run(a: argparse.Namespace) -> tuple[dict, list[dict]]:
@@ -231,7 +232,8 @@ def report(meta: dict, rows: list[dict]) -> list[str]:
         lines += [f"**LOADED MACHINE ({describe(meta['other_work'])}): rerun on an idle machine before quoting.**", ""]
     lines += [f"{meta['date']}; torch {meta['torch']}; load average at start {meta['load_start'][0]:.2f}, at end "
               f"{meta['load_end'][0]:.2f}; {describe(meta['other_work'])}. Per precision one 1-rank and one 2-rank "
-              f"pool with the model loaded, {meta['pairs']} pairs (order reversed every other pair): stream_read "
+              f"pool with the model loaded, {meta['pairs']} pair{'s' if meta['pairs'] != 1 else ''} (order reversed "
+              "every other pair): stream_read "
               f"({meta['stream_mb']} MB per thread, 8 streams, best of {meta['adjacent_reps']}) with the row's "
               f"thread count just before and after each row; {meta['tokens']} greedy tokens per row (decode steps "
               "timed). Machine scaling = two threads' read / one thread's (means of before and after); tensorpar's "
